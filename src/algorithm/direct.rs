@@ -1,0 +1,184 @@
+//! Direct algorithms: ranks read and reduce their peers' buffers in place, through
+//! [`PeerMemory`] (threads of one process; shared memory between processes).
+//!
+//! all_reduce: the buffer is cut into P slices and each slice into chunks. Rank r reduces chunk c
+//! of slice r from every rank's input into its own output (one pass: each input read once, the
+//! result written once, `Mean`'s division fused), publishes "chunk c done", then copies chunk c
+//! of every other slice from its owner's output as soon as that owner has published it. A chunk
+//! is copied while it is still in the last-level cache of the rank that reduced it, so the
+//! traffic to memory approaches the limit: each buffer read once and written once (2·P·S in all).
+//! Where ranks outnumber cores the chunk is the whole slice, so a rank sleeps at most once per
+//! peer. Finally every rank waits until its peers have finished reading its buffers.
+//!
+//! all_gather copies each peer's input straight into place; reduce_scatter reduces slice r of
+//! every input into rank r's output; reduce does the same into the root's output; broadcast copies
+//! from the root's buffer. None stages anything.
+
+use std::ops::Range;
+
+use super::{bytes, partition, Ctx};
+use crate::dtype::kernels::{self, Init};
+use crate::error::Result;
+use crate::sync::cores;
+use crate::transport::{CallBuffers, PeerMemory};
+
+/// Progress value meaning "done reading every peer's buffers" (within one call's range).
+const DONE: u64 = u32::MAX as u64;
+
+struct Call<'c> {
+    pm: &'c dyn PeerMemory,
+    bufs: Vec<CallBuffers>,
+    base: u64,
+}
+
+impl<'c> Call<'c> {
+    fn new(ctx: &'c Ctx<'_>) -> Result<Call<'c>> {
+        let pm = ctx.peer_memory("direct")?;
+        let bufs = (0..ctx.world()).map(|k| pm.buffers(k)).collect();
+        Ok(Call {
+            pm,
+            bufs,
+            base: ctx.site.call << 32,
+        })
+    }
+
+    /// `range` of rank `k`'s input.
+    ///
+    /// SAFETY (for callers): rank `k` keeps its input unchanged in `range` until this rank
+    /// publishes that it has read it (progress past the chunk, or DONE).
+    unsafe fn input(&self, k: usize, range: Range<usize>) -> &[u8] {
+        debug_assert!(range.end <= self.bufs[k].input_len);
+        std::slice::from_raw_parts(self.bufs[k].input.add(range.start), range.len())
+    }
+
+    /// `range` of rank `k`'s output, mutable: only the rank that owns the range writes it.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn output(&self, k: usize, range: Range<usize>) -> &mut [u8] {
+        debug_assert!(range.end <= self.bufs[k].output_len);
+        std::slice::from_raw_parts_mut(self.bufs[k].output.add(range.start), range.len())
+    }
+
+    /// Tell the peers this rank is done with their buffers and wait until they are done with ours.
+    fn finish(&self, ctx: &Ctx<'_>) -> Result<()> {
+        self.pm.set_progress(self.base + DONE);
+        for k in (0..ctx.world()).filter(|&k| k != ctx.rank()) {
+            self.pm.wait_progress(
+                ctx.site,
+                k,
+                self.base + DONE,
+                "finish reading this rank's buffers",
+            )?;
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn all_reduce(ctx: &Ctx<'_>, in_place: bool, len: usize) -> Result<()> {
+    let call = Call::new(ctx)?;
+    let (p, r, esize) = (ctx.world(), ctx.rank(), ctx.dtype.size());
+    let count = len / esize;
+    let ce = if p > cores() {
+        count.max(1)
+    } else {
+        ctx.chunk_elems()
+    };
+    let chunk = |k: usize, c: usize| -> Range<usize> {
+        let s = partition(count, p, k);
+        let lo = s.start + c * ce;
+        bytes(lo..(lo + ce).min(s.end), esize)
+    };
+    let chunks = |k: usize| partition(count, p, k).len().div_ceil(ce);
+    let init = if in_place {
+        Init::Accumulate
+    } else {
+        Init::Overwrite
+    };
+    let mut srcs: Vec<&[u8]> = Vec::with_capacity(p);
+    for c in 0..chunks(0) {
+        if c < chunks(r) {
+            let range = chunk(r, c);
+            srcs.clear();
+            for k in (0..p).filter(|&k| !(in_place && k == r)) {
+                // SAFETY: rank k does not write slice r of its buffer before we publish progress
+                // past chunk c, and we own slice r of our output.
+                srcs.push(unsafe { call.input(k, range.clone()) });
+            }
+            let dst = unsafe { call.output(r, range) };
+            kernels::reduce(ctx.dtype, ctx.op, dst, &srcs, init, ctx.mean_divisor());
+            call.pm.set_progress(call.base + c as u64 + 1);
+        }
+        for j in (1..p).map(|d| (r + d) % p).filter(|&j| c < chunks(j)) {
+            call.pm
+                .wait_progress(ctx.site, j, call.base + c as u64 + 1, "reduce its slice")?;
+            let range = chunk(j, c);
+            // SAFETY: rank j published chunk c of slice j final and never writes it again in
+            // this call; we own our output.
+            let (src, dst) = unsafe { (call.output(j, range.clone()), call.output(r, range)) };
+            dst.copy_from_slice(src);
+        }
+    }
+    call.finish(ctx)
+}
+
+pub(crate) fn all_gather(ctx: &Ctx<'_>, in_place: bool, output: &mut [u8]) -> Result<()> {
+    let call = Call::new(ctx)?;
+    let (p, r) = (ctx.world(), ctx.rank());
+    let s = output.len() / p;
+    for k in (0..p).filter(|&k| k != r || !in_place) {
+        // SAFETY: inputs are not written during an all_gather (in place, rank k's input is its
+        // own slice k, which only rank k writes, and it does not).
+        output[k * s..(k + 1) * s].copy_from_slice(unsafe { call.input(k, 0..s) });
+    }
+    call.finish(ctx)
+}
+
+pub(crate) fn reduce_scatter(ctx: &Ctx<'_>, output: &mut [u8]) -> Result<()> {
+    let call = Call::new(ctx)?;
+    let range = ctx.rank() * output.len()..(ctx.rank() + 1) * output.len();
+    // SAFETY: inputs are not written during a reduce_scatter.
+    let srcs: Vec<&[u8]> = (0..ctx.world())
+        .map(|k| unsafe { call.input(k, range.clone()) })
+        .collect();
+    kernels::reduce(
+        ctx.dtype,
+        ctx.op,
+        output,
+        &srcs,
+        Init::Overwrite,
+        ctx.mean_divisor(),
+    );
+    call.finish(ctx)
+}
+
+pub(crate) fn reduce(ctx: &Ctx<'_>, root: usize, _in_place: bool, len: usize) -> Result<()> {
+    let call = Call::new(ctx)?;
+    let (p, r, esize) = (ctx.world(), ctx.rank(), ctx.dtype.size());
+    let range = bytes(partition(len / esize, p, r), esize);
+    let root_in_place = std::ptr::eq(call.bufs[root].input, call.bufs[root].output);
+    if !range.is_empty() {
+        let srcs: Vec<&[u8]> = (0..p)
+            .filter(|&k| !(root_in_place && k == root))
+            // SAFETY: inputs are not written during a reduce, except the root's in place, whose
+            // slice r only this rank touches.
+            .map(|k| unsafe { call.input(k, range.clone()) })
+            .collect();
+        let init = if root_in_place {
+            Init::Accumulate
+        } else {
+            Init::Overwrite
+        };
+        // SAFETY: slice r of the root's output is written by this rank alone.
+        let dst = unsafe { call.output(root, range) };
+        kernels::reduce(ctx.dtype, ctx.op, dst, &srcs, init, ctx.mean_divisor());
+    }
+    call.finish(ctx)
+}
+
+pub(crate) fn broadcast(ctx: &Ctx<'_>, root: usize, buf: &mut [u8]) -> Result<()> {
+    let call = Call::new(ctx)?;
+    if ctx.rank() != root {
+        // SAFETY: the root's buffer is not written during a broadcast.
+        buf.copy_from_slice(unsafe { call.input(root, 0..buf.len()) });
+    }
+    call.finish(ctx)
+}

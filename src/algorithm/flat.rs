@@ -1,0 +1,133 @@
+//! One-to-all and all-to-one: TensorFlow's ReductionToOneDevice, and flat broadcast and reduce.
+//!
+//! * all_reduce (`reduce-to-one[:ROOT]`): every rank sends its buffer to the root, which reduces
+//!   them in rank order and sends the result back to every rank. Each rank sends S and receives S;
+//!   the root receives and sends (P-1)·S, so it is the bottleneck: O(P·S) at one rank.
+//! * broadcast: the root sends to every rank at once; (P-1)·S leave the root.
+//! * reduce: every rank sends to the root, which reduces in rank order.
+
+use super::Ctx;
+use crate::error::Result;
+use crate::transport::{RecvMode, RecvOp, SendOp};
+
+/// Reduce onto `root` in place in the root's `buf`; other ranks send `buf`.
+fn gather_reduce(
+    ctx: &Ctx<'_>,
+    root: usize,
+    ranks: impl Iterator<Item = usize>,
+    buf: &mut [u8],
+) -> Result<()> {
+    let mode = RecvMode::Reduce(ctx.dtype, ctx.op.combining());
+    for peer in ranks.filter(|&k| k != root) {
+        ctx.t.exchange(
+            ctx.site,
+            &[],
+            &mut [RecvOp {
+                peer,
+                dst: &mut *buf,
+                mode,
+            }],
+        )?;
+    }
+    Ok(())
+}
+
+/// Send `buf` from `root` to each of `ranks` at once.
+pub(super) fn scatter_copies(
+    ctx: &Ctx<'_>,
+    root: usize,
+    ranks: impl Iterator<Item = usize>,
+    buf: &[u8],
+) -> Result<()> {
+    let sends: Vec<SendOp<'_>> = ranks
+        .filter(|&k| k != root)
+        .map(|peer| SendOp { peer, data: buf })
+        .collect();
+    ctx.t.exchange(ctx.site, &sends, &mut [])
+}
+
+/// Receive `buf` from `from`.
+pub(super) fn recv_copy(ctx: &Ctx<'_>, from: usize, buf: &mut [u8]) -> Result<()> {
+    ctx.t.exchange(
+        ctx.site,
+        &[],
+        &mut [RecvOp {
+            peer: from,
+            dst: buf,
+            mode: RecvMode::Copy,
+        }],
+    )
+}
+
+/// Send `buf` to `to`.
+pub(super) fn send(ctx: &Ctx<'_>, to: usize, buf: &[u8]) -> Result<()> {
+    ctx.t.exchange(
+        ctx.site,
+        &[SendOp {
+            peer: to,
+            data: buf,
+        }],
+        &mut [],
+    )
+}
+
+/// Reduce `members` (the root among them) onto `root`, in place in each rank's `buf`.
+pub(super) fn reduce_onto(
+    ctx: &Ctx<'_>,
+    root: usize,
+    members: impl Iterator<Item = usize>,
+    buf: &mut [u8],
+) -> Result<()> {
+    if ctx.rank() == root {
+        gather_reduce(ctx, root, members, buf)
+    } else {
+        send(ctx, root, buf)
+    }
+}
+
+pub(crate) fn all_reduce(ctx: &Ctx<'_>, root: usize, buf: &mut [u8]) -> Result<()> {
+    let p = ctx.world();
+    reduce_onto(ctx, root, 0..p, buf)?;
+    if ctx.rank() == root {
+        ctx.finish_mean(buf);
+    }
+    broadcast(ctx, root, buf)
+}
+
+pub(crate) fn broadcast(ctx: &Ctx<'_>, root: usize, buf: &mut [u8]) -> Result<()> {
+    if ctx.world() == 1 || buf.is_empty() {
+        return Ok(());
+    }
+    if ctx.rank() == root {
+        scatter_copies(ctx, root, 0..ctx.world(), buf)
+    } else {
+        recv_copy(ctx, root, buf)
+    }
+}
+
+pub(crate) fn reduce(
+    ctx: &Ctx<'_>,
+    root: usize,
+    input: Option<&[u8]>,
+    output: Option<&mut [u8]>,
+) -> Result<()> {
+    match output.filter(|_| ctx.rank() == root) {
+        Some(out) => {
+            if let Some(i) = input {
+                out.copy_from_slice(i);
+            }
+            if !out.is_empty() {
+                gather_reduce(ctx, root, 0..ctx.world(), out)?;
+            }
+            ctx.finish_mean(out);
+            Ok(())
+        }
+        None => {
+            let input = input.expect("the communicator passes an input off the root");
+            if input.is_empty() {
+                return Ok(());
+            }
+            send(ctx, root, input)
+        }
+    }
+}

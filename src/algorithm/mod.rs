@@ -1,0 +1,350 @@
+//! Collective algorithms, written once against [`Transport`] and [`PeerMemory`].
+//!
+//! | algorithm | all_reduce steps | bytes sent per rank (S = buffer size, P = ranks) |
+//! |---|---|---|
+//! | `direct` | rank r reduces slice r of every buffer in place, peers copy it out, chunk by chunk | reads S + (P-1)S/P, writes S (peer memory, nothing on a wire) |
+//! | `ring` | P-1 reduce-scatter steps, P-1 all-gather steps around the ring | 2(P-1)S/P |
+//! | `hierarchical-copy` | reduce onto group leaders, reduce across leaders, broadcast back | members S; leaders up to (G-1)S received + (P/G-1)S + G·S |
+//! | `reduce-to-one` | every rank sends to the root, the root reduces and sends back | S (root: receives and sends (P-1)S) |
+//!
+//! `auto` picks `direct` where the transport exposes peer memory and `ring` elsewhere. Each
+//! module documents its steps; the README gives the full cost table.
+
+mod direct;
+mod flat;
+mod hierarchical;
+mod ring;
+
+use std::fmt;
+use std::ops::Range;
+use std::str::FromStr;
+
+use crate::dtype::kernels;
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Collective, Error, Result, Site};
+use crate::transport::{PeerMemory, Transport};
+
+/// An algorithm, chosen by name (`auto`, `direct`, `ring`, `hierarchical-copy[:G]`,
+/// `reduce-to-one[:ROOT]`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Algorithm {
+    /// The fastest for the transport: `direct` with peer memory, `ring` otherwise.
+    #[default]
+    Auto,
+    /// Ranks read and reduce peers' buffers in place, each owning one slice (peer memory only).
+    Direct,
+    /// Reduce-scatter then all-gather around a ring, chunked.
+    Ring,
+    /// TensorFlow's HierarchicalCopyAllReduce: groups of `group_size` ranks reduce onto their
+    /// leader, leaders reduce onto the first leader, and the result comes back the same way.
+    HierarchicalCopy {
+        /// Ranks per group (TensorFlow's default is 2).
+        group_size: usize,
+    },
+    /// TensorFlow's ReductionToOneDevice: reduce onto `root`, broadcast back.
+    ReduceToOne {
+        /// The rank that reduces.
+        root: usize,
+    },
+}
+
+impl Algorithm {
+    /// The all-reduce algorithms that `tutti perf` and the tests sweep.
+    pub const ALL_REDUCE: [Algorithm; 5] = [
+        Algorithm::Auto,
+        Algorithm::Direct,
+        Algorithm::Ring,
+        Algorithm::HierarchicalCopy { group_size: 2 },
+        Algorithm::ReduceToOne { root: 0 },
+    ];
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Algorithm::Auto => f.write_str("auto"),
+            Algorithm::Direct => f.write_str("direct"),
+            Algorithm::Ring => f.write_str("ring"),
+            Algorithm::HierarchicalCopy { group_size: 2 } => f.write_str("hierarchical-copy"),
+            Algorithm::HierarchicalCopy { group_size } => {
+                write!(f, "hierarchical-copy:{group_size}")
+            }
+            Algorithm::ReduceToOne { root: 0 } => f.write_str("reduce-to-one"),
+            Algorithm::ReduceToOne { root } => write!(f, "reduce-to-one:{root}"),
+        }
+    }
+}
+
+impl FromStr for Algorithm {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let l = s.to_ascii_lowercase().replace('_', "-");
+        let (name, arg) = match l.split_once(':') {
+            Some((n, a)) => (n, Some(a)),
+            None => (l.as_str(), None),
+        };
+        let num = |default: usize| -> Result<usize, String> {
+            arg.map_or(Ok(default), |a| {
+                a.parse()
+                    .map_err(|_| format!("algorithm '{s}': '{a}' is not a number"))
+            })
+        };
+        let algo = match name {
+            "auto" => Algorithm::Auto,
+            "direct" => Algorithm::Direct,
+            "ring" => Algorithm::Ring,
+            "hierarchical-copy" | "hierarchical" => {
+                let group_size = num(2)?;
+                if group_size == 0 {
+                    return Err(format!("algorithm '{s}': group size must be at least 1"));
+                }
+                Algorithm::HierarchicalCopy { group_size }
+            }
+            "reduce-to-one" | "reduction-to-one-device" => Algorithm::ReduceToOne { root: num(0)? },
+            _ => {
+                return Err(format!(
+                    "unknown algorithm '{s}' (expected auto, direct, ring, hierarchical-copy[:GROUP] or reduce-to-one[:ROOT])"
+                ))
+            }
+        };
+        if arg.is_some() && matches!(algo, Algorithm::Auto | Algorithm::Direct | Algorithm::Ring) {
+            return Err(format!("algorithm '{name}' takes no ':' argument"));
+        }
+        Ok(algo)
+    }
+}
+
+/// Everything an algorithm needs about the call.
+pub(crate) struct Ctx<'a> {
+    pub t: &'a dyn Transport,
+    pub site: Site,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    /// Largest piece, in bytes, that one step of a chunked algorithm handles.
+    pub chunk_bytes: usize,
+}
+
+impl Ctx<'_> {
+    pub fn rank(&self) -> usize {
+        self.t.rank()
+    }
+    pub fn world(&self) -> usize {
+        self.t.world_size()
+    }
+    /// Elements per chunk (at least one).
+    pub fn chunk_elems(&self) -> usize {
+        (self.chunk_bytes / self.dtype.size()).max(1)
+    }
+    /// Peer memory, or an error naming the algorithm that needs it.
+    pub fn peer_memory(&self, algo: &str) -> Result<&dyn PeerMemory> {
+        self.t.peer_memory().ok_or_else(|| {
+            Error::invalid(
+                self.site,
+                format!("algorithm {algo} needs peer memory, which this transport lacks"),
+            )
+        })
+    }
+    /// Divide `buf` by the world size when the op is `Mean`.
+    pub fn finish_mean(&self, buf: &mut [u8]) {
+        if self.op == ReduceOp::Mean && self.world() > 1 {
+            kernels::divide(self.dtype, buf, self.world());
+        }
+    }
+    /// `Some(world)` when the op is `Mean`: the divisor to fuse into a final reduction.
+    pub fn mean_divisor(&self) -> Option<usize> {
+        (self.op == ReduceOp::Mean).then_some(self.world())
+    }
+}
+
+/// Split `count` elements into `parts` contiguous ranges whose sizes differ by at most one.
+pub(crate) fn partition(count: usize, parts: usize, i: usize) -> Range<usize> {
+    let (base, rem) = (count / parts, count % parts);
+    let start = i * base + i.min(rem);
+    start..start + base + usize::from(i < rem)
+}
+
+/// Scale an element range to bytes.
+pub(crate) fn bytes(r: Range<usize>, esize: usize) -> Range<usize> {
+    r.start * esize..r.end * esize
+}
+
+/// Borrow `a` shared and `b` mutably from one buffer; the ranges must not overlap.
+pub(crate) fn split_pair(buf: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&[u8], &mut [u8]) {
+    if a.is_empty() {
+        return (&[], &mut buf[b]);
+    }
+    assert!(
+        a.end <= b.start || b.end <= a.start,
+        "split_pair: ranges overlap"
+    );
+    if a.start < b.start {
+        let (lo, hi) = buf.split_at_mut(b.start);
+        (&lo[a], &mut hi[..b.end - b.start])
+    } else {
+        let (lo, hi) = buf.split_at_mut(a.start);
+        (&hi[..a.end - a.start], &mut lo[b])
+    }
+}
+
+/// The algorithm that `auto` becomes for `collective` on this transport.
+fn resolve(ctx: &Ctx<'_>, algo: Algorithm) -> Algorithm {
+    match algo {
+        Algorithm::Auto if ctx.t.peer_memory().is_some() => Algorithm::Direct,
+        Algorithm::Auto => Algorithm::Ring,
+        a => a,
+    }
+}
+
+fn unsupported(ctx: &Ctx<'_>, algo: Algorithm, collective: Collective) -> Error {
+    Error::invalid(
+        ctx.site,
+        format!("algorithm {algo} does not implement {collective}; use auto, direct or ring"),
+    )
+}
+
+/// Check an algorithm's parameters against the world.
+pub(crate) fn check(algo: Algorithm, world: usize) -> Result<(), String> {
+    match algo {
+        Algorithm::ReduceToOne { root } if root >= world => Err(format!(
+            "reduce-to-one root {root} is out of range for a world of {world} ranks"
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// All-reduce: `output = ⊕ over ranks of input` (`input = None`: in place in `output`).
+pub(crate) fn all_reduce(
+    ctx: &Ctx<'_>,
+    algo: Algorithm,
+    input: Option<&[u8]>,
+    output: &mut [u8],
+) -> Result<()> {
+    let algo = resolve(ctx, algo);
+    if algo == Algorithm::Direct {
+        return direct::all_reduce(ctx, input.is_none(), output.len());
+    }
+    if let Some(i) = input {
+        output.copy_from_slice(i);
+    }
+    match algo {
+        Algorithm::Ring => ring::all_reduce(ctx, output),
+        Algorithm::HierarchicalCopy { group_size } => {
+            hierarchical::all_reduce(ctx, group_size, output)
+        }
+        Algorithm::ReduceToOne { root } => flat::all_reduce(ctx, root, output),
+        Algorithm::Auto | Algorithm::Direct => unreachable!("resolved above"),
+    }
+}
+
+/// Broadcast `buf` from `root` to every rank.
+pub(crate) fn broadcast(ctx: &Ctx<'_>, algo: Algorithm, root: usize, buf: &mut [u8]) -> Result<()> {
+    match resolve(ctx, algo) {
+        Algorithm::Direct => direct::broadcast(ctx, root, buf),
+        Algorithm::Ring => ring::broadcast(ctx, root, buf),
+        Algorithm::ReduceToOne { .. } => flat::broadcast(ctx, root, buf),
+        a => Err(unsupported(ctx, a, Collective::Broadcast)),
+    }
+}
+
+/// All-gather: `output[r]` = rank r's input (`input = None`: in place, own slice already there).
+pub(crate) fn all_gather(
+    ctx: &Ctx<'_>,
+    algo: Algorithm,
+    input: Option<&[u8]>,
+    output: &mut [u8],
+) -> Result<()> {
+    let algo = resolve(ctx, algo);
+    let own = bytes(partition(output.len(), ctx.world(), ctx.rank()), 1);
+    if let Some(i) = input {
+        if algo != Algorithm::Direct {
+            output[own].copy_from_slice(i);
+        }
+    }
+    match algo {
+        Algorithm::Direct => direct::all_gather(ctx, input.is_none(), output),
+        Algorithm::Ring => ring::all_gather(ctx, output),
+        a => Err(unsupported(ctx, a, Collective::AllGather)),
+    }
+}
+
+/// Reduce-scatter: `output` = slice `rank` of the reduction of every rank's `input`.
+pub(crate) fn reduce_scatter(
+    ctx: &Ctx<'_>,
+    algo: Algorithm,
+    input: &[u8],
+    output: &mut [u8],
+) -> Result<()> {
+    match resolve(ctx, algo) {
+        Algorithm::Direct => direct::reduce_scatter(ctx, output),
+        Algorithm::Ring => ring::reduce_scatter(ctx, input, output),
+        a => Err(unsupported(ctx, a, Collective::ReduceScatter)),
+    }
+}
+
+/// Reduce onto `root`: `output` (root only) = reduction of every rank's input (`input = None` at
+/// the root: in place).
+pub(crate) fn reduce(
+    ctx: &Ctx<'_>,
+    algo: Algorithm,
+    root: usize,
+    input: Option<&[u8]>,
+    output: Option<&mut [u8]>,
+    len: usize,
+) -> Result<()> {
+    match resolve(ctx, algo) {
+        Algorithm::Direct => direct::reduce(ctx, root, input.is_none(), len),
+        Algorithm::Ring => ring::reduce(ctx, root, input, output, len),
+        Algorithm::ReduceToOne { .. } => flat::reduce(ctx, root, input, output),
+        a => Err(unsupported(ctx, a, Collective::Reduce)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partition_covers_everything_evenly() {
+        for count in [0, 1, 7, 8, 1000, 1009] {
+            for parts in 1..=8 {
+                let mut next = 0;
+                for i in 0..parts {
+                    let r = partition(count, parts, i);
+                    assert_eq!(r.start, next);
+                    assert!(r.len() == count / parts || r.len() == count / parts + 1);
+                    next = r.end;
+                }
+                assert_eq!(next, count);
+            }
+        }
+    }
+
+    #[test]
+    fn algorithm_names_round_trip() {
+        for a in Algorithm::ALL_REDUCE {
+            assert_eq!(a.to_string().parse::<Algorithm>().unwrap(), a);
+        }
+        assert_eq!(
+            "hierarchical-copy:4".parse::<Algorithm>().unwrap(),
+            Algorithm::HierarchicalCopy { group_size: 4 }
+        );
+        assert_eq!(
+            "reduce-to-one:3".parse::<Algorithm>().unwrap(),
+            Algorithm::ReduceToOne { root: 3 }
+        );
+        assert!("ring:2".parse::<Algorithm>().is_err());
+        assert!("hierarchical-copy:0".parse::<Algorithm>().is_err());
+        assert!("tree".parse::<Algorithm>().unwrap_err().contains("tree"));
+    }
+
+    #[test]
+    fn split_pair_either_order() {
+        let mut v: Vec<u8> = (0..10).collect();
+        let (a, b) = split_pair(&mut v, 6..8, 1..3);
+        assert_eq!(a, &[6, 7]);
+        b[0] = 99;
+        let (a, b) = split_pair(&mut v, 0..2, 5..10);
+        assert_eq!(a, &[0, 99]);
+        assert_eq!(b.len(), 5);
+    }
+}

@@ -1,0 +1,247 @@
+//! Ring algorithms.
+//!
+//! The buffer is cut into P slices (sizes differing by at most one element); slice k is cut into
+//! pieces of at most `chunk_bytes`, and the ring runs once per round of pieces, so that one
+//! step's working set stays in cache and, over a network, the next piece's send overlaps this
+//! piece's reduction.
+//!
+//! * all_reduce: P-1 reduce-scatter steps (rank r sends piece r-s to r+1, receives piece r-s-1
+//!   from r-1 and reduces it in) leave rank r owning piece r+1; P-1 all-gather steps pass the
+//!   owned pieces round. Each rank sends and receives 2(P-1)/P·S bytes; the sum is rounded in
+//!   the element type after every hop.
+//! * all_gather: the all-gather half alone, (P-1)/P of the output sent per rank.
+//! * reduce_scatter: partial sums travel the ring in two scratch slices; (P-1)/P·S per rank.
+//! * reduce: reduce_scatter, then every rank sends its slice to the root.
+//! * broadcast: a chain from the root, piece by piece (each piece forwarded while the next
+//!   arrives); S per rank.
+
+use std::ops::Range;
+
+use super::{bytes, partition, split_pair, Ctx};
+use crate::error::Result;
+use crate::transport::{RecvMode, RecvOp, SendOp};
+
+/// Piece `g` of slice `k`, as a byte range of the whole buffer (empty when the slice is shorter).
+fn piece(ctx: &Ctx<'_>, count: usize, k: usize, g: usize) -> Range<usize> {
+    let s = partition(count, ctx.world(), k);
+    let ce = ctx.chunk_elems();
+    let lo = (s.start + g * ce).min(s.end);
+    let hi = (lo + ce).min(s.end);
+    bytes(lo..hi, ctx.dtype.size())
+}
+
+/// Rounds of pieces needed to cover the largest slice.
+fn rounds(ctx: &Ctx<'_>, count: usize) -> usize {
+    partition(count, ctx.world(), 0)
+        .len()
+        .div_ceil(ctx.chunk_elems())
+}
+
+/// One ring step: send `send` of `buf` to the right, receive into `recv` of `buf` from the left.
+fn step(
+    ctx: &Ctx<'_>,
+    buf: &mut [u8],
+    send: Range<usize>,
+    recv: Range<usize>,
+    mode: RecvMode,
+) -> Result<()> {
+    let (p, r) = (ctx.world(), ctx.rank());
+    let (right, left) = ((r + 1) % p, (r + p - 1) % p);
+    let (s, d) = split_pair(buf, send, recv);
+    exchange_nonempty(ctx, right, s, left, d, mode)
+}
+
+pub(crate) fn all_reduce(ctx: &Ctx<'_>, buf: &mut [u8]) -> Result<()> {
+    let p = ctx.world();
+    let r = ctx.rank();
+    let count = buf.len() / ctx.dtype.size();
+    if p == 1 {
+        ctx.finish_mean(buf);
+        return Ok(());
+    }
+    let reduce = RecvMode::Reduce(ctx.dtype, ctx.op.combining());
+    for g in 0..rounds(ctx, count) {
+        for s in 0..p - 1 {
+            let send = piece(ctx, count, (r + p - s) % p, g);
+            let recv = piece(ctx, count, (r + 2 * p - s - 1) % p, g);
+            step(ctx, buf, send, recv, reduce)?;
+        }
+        ctx.finish_mean(&mut buf[piece(ctx, count, (r + 1) % p, g)]);
+        for s in 0..p - 1 {
+            let send = piece(ctx, count, (r + 1 + p - s) % p, g);
+            let recv = piece(ctx, count, (r + p - s) % p, g);
+            step(ctx, buf, send, recv, RecvMode::Copy)?;
+        }
+    }
+    Ok(())
+}
+
+/// `buf` holds P slices; this rank's slice is filled; fill the others.
+pub(crate) fn all_gather(ctx: &Ctx<'_>, buf: &mut [u8]) -> Result<()> {
+    let (p, r) = (ctx.world(), ctx.rank());
+    let count = buf.len() / ctx.dtype.size();
+    for g in 0..rounds(ctx, count) {
+        for s in 0..p - 1 {
+            let send = piece(ctx, count, (r + p - s) % p, g);
+            let recv = piece(ctx, count, (r + 2 * p - s - 1) % p, g);
+            step(ctx, buf, send, recv, RecvMode::Copy)?;
+        }
+    }
+    Ok(())
+}
+
+/// `output` = slice `rank` of the reduction of every rank's `input` (P slices).
+pub(crate) fn reduce_scatter(ctx: &Ctx<'_>, input: &[u8], output: &mut [u8]) -> Result<()> {
+    let (p, r) = (ctx.world(), ctx.rank());
+    let esize = ctx.dtype.size();
+    let count = input.len() / esize;
+    let slice_start = partition(count, p, r).start * esize;
+    let reduce = RecvMode::Reduce(ctx.dtype, ctx.op.combining());
+    // Slices may differ by one element (reduce cuts uneven ones): size for the largest piece.
+    let scratch_len = (partition(count, p, 0).len() * esize).min(ctx.chunk_elems() * esize);
+    let mut scratch = [vec![0u8; scratch_len], vec![0u8; scratch_len]];
+    for g in 0..rounds(ctx, count) {
+        let own = piece(ctx, count, r, g);
+        let out = own.start - slice_start..own.end - slice_start;
+        if p == 1 {
+            output[out.clone()].copy_from_slice(&input[own]);
+        }
+        // At step s this rank sends the partial of slice r-s-1 and receives that of r-s-2; the
+        // partial it receives at step s is the one it sends at step s+1.
+        for s in 0..p - 1 {
+            let send_range = piece(ctx, count, (r + 2 * p - s - 1) % p, g);
+            let recv_range = piece(ctx, count, (r + 2 * p - s - 2) % p, g);
+            let [a, b] = &mut scratch;
+            let (prev, cur) = if s % 2 == 0 { (&*a, b) } else { (&*b, a) };
+            let send: &[u8] = if s == 0 {
+                &input[send_range.clone()]
+            } else {
+                &prev[..send_range.len()]
+            };
+            let dst: &mut [u8] = if s == p - 2 {
+                &mut output[out.clone()]
+            } else {
+                &mut cur[..recv_range.len()]
+            };
+            dst.copy_from_slice(&input[recv_range]);
+            exchange_nonempty(ctx, (r + 1) % p, send, (r + p - 1) % p, dst, reduce)?;
+        }
+        ctx.finish_mean(&mut output[out]);
+    }
+    Ok(())
+}
+
+/// Send `send` to `to` and receive into `dst` from `from`, leaving out an empty side (a piece is
+/// empty on both ends of a link or on neither).
+fn exchange_nonempty(
+    ctx: &Ctx<'_>,
+    to: usize,
+    send: &[u8],
+    from: usize,
+    dst: &mut [u8],
+    mode: RecvMode,
+) -> Result<()> {
+    let sends = [SendOp {
+        peer: to,
+        data: send,
+    }];
+    let sends = if send.is_empty() {
+        &sends[..0]
+    } else {
+        &sends[..]
+    };
+    let nonempty = !dst.is_empty();
+    let mut recvs = [RecvOp {
+        peer: from,
+        dst,
+        mode,
+    }];
+    let recvs = if nonempty {
+        &mut recvs[..]
+    } else {
+        &mut recvs[..0]
+    };
+    if sends.is_empty() && recvs.is_empty() {
+        return Ok(());
+    }
+    ctx.t.exchange(ctx.site, sends, recvs)
+}
+
+/// Reduce onto `root`: reduce-scatter, then every rank sends its slice to the root.
+pub(crate) fn reduce(
+    ctx: &Ctx<'_>,
+    root: usize,
+    input: Option<&[u8]>,
+    output: Option<&mut [u8]>,
+    len: usize,
+) -> Result<()> {
+    let (p, r) = (ctx.world(), ctx.rank());
+    let esize = ctx.dtype.size();
+    let count = len / esize;
+    let mut slice = vec![0u8; partition(count, p, r).len() * esize];
+    match (input, &output) {
+        (Some(i), _) => reduce_scatter(ctx, i, &mut slice)?,
+        (None, Some(o)) => reduce_scatter(ctx, &o.to_vec(), &mut slice)?,
+        (None, None) => unreachable!("the communicator passes an input off the root"),
+    }
+    let Some(output) = output.filter(|_| r == root) else {
+        return exchange_nonempty(ctx, root, &slice, root, &mut [], RecvMode::Copy);
+    };
+    let mut recvs = Vec::with_capacity(p - 1);
+    let mut rest: &mut [u8] = output;
+    for k in 0..p {
+        let (head, tail) =
+            std::mem::take(&mut rest).split_at_mut(partition(count, p, k).len() * esize);
+        rest = tail;
+        if k == r {
+            head.copy_from_slice(&slice);
+        } else if !head.is_empty() {
+            recvs.push(RecvOp {
+                peer: k,
+                dst: head,
+                mode: RecvMode::Copy,
+            });
+        }
+    }
+    ctx.t.exchange(ctx.site, &[], &mut recvs)
+}
+
+/// Broadcast along the chain root, root+1, ..., piece by piece.
+pub(crate) fn broadcast(ctx: &Ctx<'_>, root: usize, buf: &mut [u8]) -> Result<()> {
+    let (p, r) = (ctx.world(), ctx.rank());
+    if p == 1 {
+        return Ok(());
+    }
+    let pos = (r + p - root) % p;
+    let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
+    let chunk = ctx.chunk_elems() * ctx.dtype.size();
+    let len = buf.len();
+    let n = len.div_ceil(chunk);
+    let range = |g: usize| g * chunk..((g + 1) * chunk).min(len);
+    if pos == 0 {
+        for g in 0..n {
+            ctx.t.exchange(
+                ctx.site,
+                &[SendOp {
+                    peer: next,
+                    data: &buf[range(g)],
+                }],
+                &mut [],
+            )?;
+        }
+        return Ok(());
+    }
+    let has_next = pos + 1 < p;
+    for g in 0..=n {
+        // Forward piece g-1 while piece g arrives.
+        let send = if g > 0 && has_next {
+            range(g - 1)
+        } else {
+            0..0
+        };
+        let recv = if g < n { range(g) } else { 0..0 };
+        let (s, d) = split_pair(buf, send, recv);
+        exchange_nonempty(ctx, next, s, prev, d, RecvMode::Copy)?;
+    }
+    Ok(())
+}

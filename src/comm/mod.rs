@@ -1,0 +1,600 @@
+//! Communicators: one rank's handle on a group.
+//!
+//! Every collective goes through one checked path ([`Communicator::call`]): local argument
+//! checks, then the transport's `begin` (every rank states the call's header: collective, dtype,
+//! count, op, root, algorithm; a rank that rejected its arguments says so, and every peer fails the
+//! call at once), then the algorithm, then `end`. An error found in `begin` is seen by every rank
+//! alike and leaves the communicator usable; any later error (timeout, dead peer, abort) aborts
+//! it, and each later call fails at once with `Aborted`.
+
+mod group;
+mod replicas;
+
+pub use group::{local_group, run_local};
+pub use replicas::Replicas;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::algorithm::{self, Algorithm, Ctx};
+use crate::dtype::{DType, Element, ReduceOp};
+use crate::error::{Collective, Error, Result, Site};
+use crate::transport::{CallBuffers, CallHeader, Transport};
+
+/// Settings of a communicator.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// Bound on every wait for a peer (default 300 s, or `TUTTI_TIMEOUT` in seconds).
+    pub timeout: Duration,
+    /// All-reduce algorithm, and the choice for the other collectives (default `auto`).
+    pub algorithm: Algorithm,
+    /// Largest piece one step of a chunked algorithm handles (default 256 KiB).
+    pub chunk_bytes: usize,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        let timeout = std::env::var("TUTTI_TIMEOUT")
+            .ok()
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map_or(Duration::from_secs(300), Duration::from_secs_f64);
+        Config {
+            timeout,
+            algorithm: Algorithm::Auto,
+            chunk_bytes: 256 * 1024,
+        }
+    }
+}
+
+impl Config {
+    /// This config with another timeout.
+    pub fn with_timeout(mut self, timeout: Duration) -> Config {
+        self.timeout = timeout;
+        self
+    }
+    /// This config with another algorithm.
+    pub fn with_algorithm(mut self, algorithm: Algorithm) -> Config {
+        self.algorithm = algorithm;
+        self
+    }
+    /// This config with another chunk size.
+    pub fn with_chunk_bytes(mut self, chunk_bytes: usize) -> Config {
+        self.chunk_bytes = chunk_bytes;
+        self
+    }
+    pub(crate) fn check(&self, world: usize) -> Result<()> {
+        if world == 0 {
+            return Err(Error::config("a group needs at least one rank"));
+        }
+        if self.timeout.is_zero() {
+            return Err(Error::config("timeout must be positive"));
+        }
+        if self.chunk_bytes == 0 {
+            return Err(Error::config("chunk_bytes must be positive"));
+        }
+        algorithm::check(self.algorithm, world).map_err(Error::config)
+    }
+}
+
+/// Wakes a communicator's blocked calls from any thread; see [`Communicator::abort_handle`].
+#[derive(Clone)]
+pub struct AbortHandle(Arc<dyn Transport>);
+
+impl AbortHandle {
+    /// Abort the communicator: every blocked and later call of every rank fails with `Aborted`.
+    pub fn abort(&self, reason: &str) {
+        self.0.abort(reason)
+    }
+}
+
+/// One rank's handle on a group of ranks. `Send + Sync`, but one collective at a time: a call
+/// made while another is running on the same communicator is rejected.
+pub struct Communicator {
+    transport: Arc<dyn Transport>,
+    algorithm: Algorithm,
+    chunk_bytes: usize,
+    calls: AtomicU64,
+    busy: AtomicBool,
+}
+
+/// Leaves the call on every exit, a panic included, so that peers never read freed memory.
+struct CallGuard<'a> {
+    comm: &'a Communicator,
+    failed: Option<Error>,
+    finished: bool,
+}
+
+impl Drop for CallGuard<'_> {
+    fn drop(&mut self) {
+        if !self.finished {
+            let site = "a panic inside a collective".to_string();
+            self.failed = Some(Error::Aborted {
+                rank: self.comm.rank(),
+                reason: site,
+            });
+        }
+        self.comm.transport.end(self.failed.as_ref());
+        self.comm.busy.store(false, Ordering::Release);
+    }
+}
+
+/// The arguments of a call, checked locally before `begin`.
+struct Call<'a> {
+    collective: Collective,
+    dtype: DType,
+    count: usize,
+    op: Option<ReduceOp>,
+    root: Option<usize>,
+    check: std::result::Result<(), String>,
+    buffers: CallBuffers,
+    _borrow: std::marker::PhantomData<&'a mut [u8]>,
+}
+
+fn elems(dtype: DType, name: &str, len: usize) -> std::result::Result<usize, String> {
+    if len % dtype.size() != 0 {
+        return Err(format!(
+            "{name} holds {len} bytes, not a whole number of {dtype} elements"
+        ));
+    }
+    Ok(len / dtype.size())
+}
+
+fn check_root(root: usize, world: usize) -> std::result::Result<(), String> {
+    if root >= world {
+        return Err(format!(
+            "root {root} is out of range for a world of {world} ranks"
+        ));
+    }
+    Ok(())
+}
+
+impl Communicator {
+    pub(crate) fn new(transport: Arc<dyn Transport>, config: &Config) -> Communicator {
+        Communicator {
+            transport,
+            algorithm: config.algorithm,
+            chunk_bytes: config.chunk_bytes,
+            calls: AtomicU64::new(0),
+            busy: AtomicBool::new(false),
+        }
+    }
+
+    /// This rank, in `0..world_size()`.
+    pub fn rank(&self) -> usize {
+        self.transport.rank()
+    }
+
+    /// Number of ranks in the group.
+    pub fn world_size(&self) -> usize {
+        self.transport.world_size()
+    }
+
+    /// The bound on every wait.
+    pub fn timeout(&self) -> Duration {
+        self.transport.timeout()
+    }
+
+    /// The algorithm used by the collectives.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
+    /// Choose the algorithm for later calls. Every rank must make the same choice: a call whose
+    /// algorithm differs between ranks fails with `Mismatch`.
+    pub fn set_algorithm(&mut self, algorithm: Algorithm) -> Result<()> {
+        algorithm::check(algorithm, self.world_size()).map_err(Error::config)?;
+        self.algorithm = algorithm;
+        Ok(())
+    }
+
+    /// Abort the group: blocked and later calls on every rank fail with `Aborted`.
+    pub fn abort(&self, reason: &str) {
+        self.transport.abort(reason)
+    }
+
+    /// The abort reason, once the group is aborted.
+    pub fn aborted(&self) -> Option<String> {
+        self.transport.aborted()
+    }
+
+    /// A handle that aborts this communicator from any thread, e.g. to wake a blocked call.
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle(self.transport.clone())
+    }
+
+    /// The one checked path of every collective.
+    fn call(&self, c: Call<'_>, body: impl FnOnce(&Ctx<'_>) -> Result<()>) -> Result<()> {
+        let call = self.calls.load(Ordering::Relaxed);
+        let site = Site {
+            collective: c.collective,
+            rank: self.rank(),
+            call,
+        };
+        if self.busy.swap(true, Ordering::Acquire) {
+            return Err(Error::invalid(
+                site,
+                "another call is running on this communicator; make one call at a time",
+            ));
+        }
+        self.calls.store(call + 1, Ordering::Relaxed);
+        let mut guard = CallGuard {
+            comm: self,
+            failed: None,
+            finished: false,
+        };
+        let header = CallHeader {
+            call,
+            collective: c.collective,
+            dtype: c.dtype,
+            count: c.count,
+            op: c.op,
+            root: c.root,
+            algorithm: self.algorithm.to_string(),
+            rejected: c.check.clone().err(),
+        };
+        let buffers = if c.check.is_ok() {
+            c.buffers
+        } else {
+            CallBuffers::NONE
+        };
+        let begun = self.transport.begin(site, &header, buffers);
+        let result = match (c.check, begun) {
+            (Err(message), _) => Err(Error::invalid(site, message)),
+            (Ok(()), Err(e)) => Err(e),
+            (Ok(()), Ok(())) => {
+                let ctx = Ctx {
+                    t: &*self.transport,
+                    site,
+                    dtype: c.dtype,
+                    op: c.op.unwrap_or(ReduceOp::Sum),
+                    chunk_bytes: self.chunk_bytes,
+                };
+                body(&ctx)
+            }
+        };
+        guard.failed = result.as_ref().err().cloned();
+        guard.finished = true;
+        result
+    }
+
+    // ----- byte-level API (the C ABI and other carriers build on it) -----
+
+    /// All-reduce of raw bytes holding `dtype` elements: `output = ⊕ over ranks of input`, or in
+    /// place in `output` when `input` is `None`.
+    pub fn all_reduce_raw(
+        &self,
+        dtype: DType,
+        input: Option<&[u8]>,
+        output: &mut [u8],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let check = elems(dtype, "the buffer", output.len()).and_then(|n| match input {
+            Some(i) if i.len() != output.len() => Err(format!(
+                "the input holds {} elements but the output {n}; they must be equal",
+                i.len() / dtype.size()
+            )),
+            _ => Ok(n),
+        });
+        let count = *check.as_ref().unwrap_or(&0);
+        let buffers = CallBuffers {
+            input: input.map_or(output.as_ptr(), |i| i.as_ptr()),
+            input_len: output.len(),
+            output: output.as_mut_ptr(),
+            output_len: output.len(),
+        };
+        let c = self.args(
+            Collective::AllReduce,
+            dtype,
+            count,
+            Some(op),
+            None,
+            check.map(drop),
+            buffers,
+        );
+        let algo = self.algorithm;
+        self.call(c, |ctx| algorithm::all_reduce(ctx, algo, input, output))
+    }
+
+    /// Broadcast raw bytes from `root` into every rank's `buf`.
+    pub fn broadcast_raw(&self, dtype: DType, buf: &mut [u8], root: usize) -> Result<()> {
+        let check = elems(dtype, "the buffer", buf.len());
+        let count = *check.as_ref().unwrap_or(&0);
+        let check = check.and_then(|_| check_root(root, self.world_size()));
+        let ptr = buf.as_mut_ptr();
+        let buffers = CallBuffers {
+            input: ptr,
+            input_len: buf.len(),
+            output: ptr,
+            output_len: buf.len(),
+        };
+        let c = self.args(
+            Collective::Broadcast,
+            dtype,
+            count,
+            None,
+            Some(root),
+            check,
+            buffers,
+        );
+        let algo = self.algorithm;
+        self.call(c, |ctx| algorithm::broadcast(ctx, algo, root, buf))
+    }
+
+    /// All-gather of raw bytes: rank r's `input` lands in slice r of every rank's `output`
+    /// (`world_size` times as long). `input = None`: in place, slice `rank` of `output` is the input.
+    pub fn all_gather_raw(
+        &self,
+        dtype: DType,
+        input: Option<&[u8]>,
+        output: &mut [u8],
+    ) -> Result<()> {
+        let p = self.world_size();
+        let in_len = input.map_or(output.len() / p, |i| i.len());
+        let check = elems(dtype, "the input", in_len).and_then(|n| {
+            if output.len() != in_len * p || (input.is_none() && output.len() % p != 0) {
+                Err(format!(
+                    "the output holds {} elements; all_gather needs world size × input = {p} × {n} = {}",
+                    output.len() / dtype.size(),
+                    n * p
+                ))
+            } else {
+                Ok(n)
+            }
+        });
+        let count = *check.as_ref().unwrap_or(&0);
+        let own = self.rank() * in_len;
+        let buffers = CallBuffers {
+            input: input.map_or(output.as_ptr().wrapping_add(own), |i| i.as_ptr()),
+            input_len: in_len,
+            output: output.as_mut_ptr(),
+            output_len: output.len(),
+        };
+        let c = self.args(
+            Collective::AllGather,
+            dtype,
+            count,
+            None,
+            None,
+            check.map(drop),
+            buffers,
+        );
+        let algo = self.algorithm;
+        self.call(c, |ctx| algorithm::all_gather(ctx, algo, input, output))
+    }
+
+    /// Reduce-scatter of raw bytes: `output` (one slice) = slice `rank` of the reduction of every
+    /// rank's `input` (`world_size` slices).
+    pub fn reduce_scatter_raw(
+        &self,
+        dtype: DType,
+        input: &[u8],
+        output: &mut [u8],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let p = self.world_size();
+        let check = elems(dtype, "the output", output.len()).and_then(|n| {
+            if input.len() != output.len() * p {
+                Err(format!(
+                    "the input holds {} elements; reduce_scatter needs world size × output = {p} × {n} = {}",
+                    input.len() / dtype.size(),
+                    n * p
+                ))
+            } else {
+                Ok(n)
+            }
+        });
+        let count = *check.as_ref().unwrap_or(&0);
+        let buffers = CallBuffers {
+            input: input.as_ptr(),
+            input_len: input.len(),
+            output: output.as_mut_ptr(),
+            output_len: output.len(),
+        };
+        let c = self.args(
+            Collective::ReduceScatter,
+            dtype,
+            count,
+            Some(op),
+            None,
+            check.map(drop),
+            buffers,
+        );
+        let algo = self.algorithm;
+        self.call(c, |ctx| algorithm::reduce_scatter(ctx, algo, input, output))
+    }
+
+    /// Reduce of raw bytes onto `root`. Off the root `output` is ignored and may be `None`; at the
+    /// root it is required, and `input = None` means in place in `output`.
+    pub fn reduce_raw(
+        &self,
+        dtype: DType,
+        input: Option<&[u8]>,
+        output: Option<&mut [u8]>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        let is_root = self.rank() == root;
+        let output = output.filter(|_| is_root);
+        let len = input
+            .map(|i| i.len())
+            .or(output.as_ref().map(|o| o.len()))
+            .unwrap_or(0);
+        let check = elems(dtype, "the buffer", len).and_then(|n| {
+            check_root(root, self.world_size())?;
+            match (input, &output) {
+                (None, None) if is_root => Err("the root needs an output buffer".to_string()),
+                (None, None) => Err("ranks other than the root need an input buffer".to_string()),
+                (Some(i), Some(o)) if i.len() != o.len() => Err(format!(
+                    "the input holds {} elements but the output {}; they must be equal",
+                    i.len() / dtype.size(),
+                    o.len() / dtype.size()
+                )),
+                (Some(_), None) if is_root => Err("the root needs an output buffer".to_string()),
+                _ => Ok(n),
+            }
+        });
+        let count = *check.as_ref().unwrap_or(&0);
+        let (out_ptr, out_len) = match &output {
+            Some(o) => (o.as_ptr() as *mut u8, o.len()),
+            None => (std::ptr::null_mut(), 0),
+        };
+        let buffers = CallBuffers {
+            input: input.map_or(out_ptr as *const u8, |i| i.as_ptr()),
+            input_len: len,
+            output: out_ptr,
+            output_len: out_len,
+        };
+        let c = self.args(
+            Collective::Reduce,
+            dtype,
+            count,
+            Some(op),
+            Some(root),
+            check.map(drop),
+            buffers,
+        );
+        let algo = self.algorithm;
+        self.call(c, |ctx| {
+            algorithm::reduce(ctx, algo, root, input, output, len)
+        })
+    }
+
+    fn args<'a>(
+        &self,
+        collective: Collective,
+        dtype: DType,
+        count: usize,
+        op: Option<ReduceOp>,
+        root: Option<usize>,
+        check: std::result::Result<(), String>,
+        buffers: CallBuffers,
+    ) -> Call<'a> {
+        Call {
+            collective,
+            dtype,
+            count,
+            op,
+            root,
+            check,
+            buffers,
+            _borrow: std::marker::PhantomData,
+        }
+    }
+
+    // ----- typed API -----
+
+    /// All-reduce in place: every rank's `buf` becomes the element-wise `op` over all ranks.
+    ///
+    /// Errors: `Mismatch` when ranks disagree on dtype, count, op or algorithm; `Timeout` naming
+    /// the ranks that never arrived; `Aborted`.
+    ///
+    /// ```
+    /// use tutti::{run_local, Config, ReduceOp};
+    /// let sums = run_local(4, &Config::default(), |comm| {
+    ///     let mut grad = vec![comm.rank() as f32; 3];
+    ///     comm.all_reduce(&mut grad, ReduceOp::Sum).unwrap();
+    ///     grad
+    /// })
+    /// .unwrap();
+    /// assert!(sums.iter().all(|g| g == &[6.0, 6.0, 6.0]));
+    /// ```
+    pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.all_reduce_raw(T::DTYPE, None, bytemuck::cast_slice_mut(buf), op)
+    }
+
+    /// All-reduce out of place: `recv` becomes the element-wise `op` of every rank's `send`.
+    /// `recv` must be as long as `send`.
+    pub fn all_reduce_into<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.all_reduce_raw(
+            T::DTYPE,
+            Some(bytemuck::cast_slice(send)),
+            bytemuck::cast_slice_mut(recv),
+            op,
+        )
+    }
+
+    /// Broadcast: every rank's `buf` becomes the root's.
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.broadcast_raw(T::DTYPE, bytemuck::cast_slice_mut(buf), root)
+    }
+
+    /// All-gather: `recv` (world size × `send.len()`) becomes every rank's `send`, in rank order.
+    pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.all_gather_raw(
+            T::DTYPE,
+            Some(bytemuck::cast_slice(send)),
+            bytemuck::cast_slice_mut(recv),
+        )
+    }
+
+    /// All-gather in place: slice `rank` of `buf` is this rank's input; the other slices are filled.
+    pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        self.all_gather_raw(T::DTYPE, None, bytemuck::cast_slice_mut(buf))
+    }
+
+    /// Reduce-scatter: `recv` becomes slice `rank` of the element-wise `op` over every rank's
+    /// `send` (world size × `recv.len()` elements).
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.reduce_scatter_raw(
+            T::DTYPE,
+            bytemuck::cast_slice(send),
+            bytemuck::cast_slice_mut(recv),
+            op,
+        )
+    }
+
+    /// Reduce onto `root`: the root's `recv` becomes the element-wise `op` of every rank's `send`.
+    /// Other ranks pass `None` (a `Some` is ignored).
+    pub fn reduce<T: Element>(
+        &self,
+        send: &[T],
+        recv: Option<&mut [T]>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        let recv = recv.map(|r| bytemuck::cast_slice_mut::<T, u8>(r));
+        self.reduce_raw(T::DTYPE, Some(bytemuck::cast_slice(send)), recv, op, root)
+    }
+
+    /// Reduce in place onto `root`: the root's `buf` becomes the reduction; other ranks' `buf`
+    /// is their input and is left unchanged.
+    pub fn reduce_in_place<T: Element>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
+        if self.rank() == root {
+            self.reduce_raw(T::DTYPE, None, Some(bytes), op, root)
+        } else {
+            self.reduce_raw(T::DTYPE, Some(bytes), None, op, root)
+        }
+    }
+
+    /// Barrier: returns once every rank has called it.
+    pub fn barrier(&self) -> Result<()> {
+        let c = self.args(
+            Collective::Barrier,
+            DType::U8,
+            0,
+            None,
+            None,
+            Ok(()),
+            CallBuffers::NONE,
+        );
+        self.call(c, |_| Ok(()))
+    }
+}

@@ -1,0 +1,448 @@
+//! Reduce kernels over byte slices.
+//!
+//! One entry point, [`reduce`], combines any number of source slices into a destination:
+//! `dst = dst ⊕ s0 ⊕ s1 ⊕ …` ([`Init::Accumulate`]) or `dst = s0 ⊕ s1 ⊕ …` ([`Init::Overwrite`]),
+//! optionally followed by a division (the last step of `Mean`). The `DType` and the op are matched
+//! once per call; the inner loops are plain element-wise loops over typed slices that LLVM
+//! vectorizes (`vaddps`/`vminps`/`vpaddd`... on x86-64, checked with `cargo asm`-style disassembly).
+//!
+//! With more than one source the work is blocked so that the destination block stays in L1 while
+//! every source streams through it once: memory traffic is one read of each source and one write
+//! of the destination, whatever the number of sources.
+//!
+//! ## f16 and bf16
+//! Half-precision inputs are widened to f32 block by block (F16C when the CPU has it, detected at
+//! run time), combined in f32 across *all* sources of the call, divided (for `Mean`) in f32, and
+//! rounded back to half precision once, at the end. A reduction of P buffers in one call therefore
+//! rounds once, not P-1 times. Algorithms that combine partial results hop by hop (the ring) round
+//! once per hop, as every ring implementation that sends partial sums in the wire type does.
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+use super::{DType, ReduceOp};
+
+/// What the destination holds before a [`reduce`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Init {
+    /// The destination is an input: `dst = dst ⊕ srcs…`.
+    Accumulate,
+    /// The destination is overwritten: `dst = srcs…` (at least one source).
+    Overwrite,
+}
+
+/// Elements per block when the destination is revisited by several sources: 8 KiB of f64 or
+/// 4 KiB of f32 accumulators, well inside L1.
+const BLOCK: usize = 1024;
+
+/// Combine `srcs` into `dst` with `op` (see [`Init`]), then divide by `divide_by` if given.
+///
+/// `op` must be a combining op: pass `ReduceOp::Sum` with `divide_by = Some(n)` for a mean (a
+/// `Mean` passed here is treated as `Sum`). Every slice must have the same length, a multiple of
+/// `dtype.size()`; slices of other lengths are a bug in the caller and panic.
+pub fn reduce(
+    dtype: DType,
+    op: ReduceOp,
+    dst: &mut [u8],
+    srcs: &[&[u8]],
+    init: Init,
+    divide_by: Option<usize>,
+) {
+    let op = op.combining();
+    for s in srcs {
+        assert_eq!(
+            s.len(),
+            dst.len(),
+            "reduce: source and destination lengths differ"
+        );
+    }
+    assert!(
+        init == Init::Accumulate || !srcs.is_empty(),
+        "reduce: Overwrite needs a source"
+    );
+    macro_rules! native {
+        ($t:ty) => {{
+            let d: &mut [$t] = bytemuck::cast_slice_mut(dst);
+            let mut typed: [&[$t]; 16] = [&[]; 16];
+            if srcs.len() <= typed.len() {
+                for (t, s) in typed.iter_mut().zip(srcs) {
+                    *t = bytemuck::cast_slice(s);
+                }
+                reduce_native::<$t>(op, d, &typed[..srcs.len()], init, divide_by)
+            } else {
+                let typed: Vec<&[$t]> = srcs.iter().map(|s| bytemuck::cast_slice(s)).collect();
+                reduce_native::<$t>(op, d, &typed, init, divide_by)
+            }
+        }};
+    }
+    match dtype {
+        DType::F32 => native!(f32),
+        DType::F64 => native!(f64),
+        DType::I8 => native!(i8),
+        DType::U8 => native!(u8),
+        DType::I32 => native!(i32),
+        DType::U32 => native!(u32),
+        DType::I64 => native!(i64),
+        DType::U64 => native!(u64),
+        DType::F16 => reduce_half::<f16>(op, dst, srcs, init, divide_by),
+        DType::BF16 => reduce_half::<bf16>(op, dst, srcs, init, divide_by),
+    }
+}
+
+/// Divide every element of `buf` by `n` (the last step of `Mean` when it is not fused into a
+/// [`reduce`]). Integers truncate toward zero.
+pub fn divide(dtype: DType, buf: &mut [u8], n: usize) {
+    reduce(dtype, ReduceOp::Sum, buf, &[], Init::Accumulate, Some(n));
+}
+
+/// Element arithmetic used by the kernels. Integers wrap.
+trait Arith: Copy + bytemuck::Pod {
+    fn add(a: Self, b: Self) -> Self;
+    fn mul(a: Self, b: Self) -> Self;
+    fn min(a: Self, b: Self) -> Self;
+    fn max(a: Self, b: Self) -> Self;
+    fn div_n(a: Self, n: usize) -> Self;
+}
+
+macro_rules! arith_float {
+    ($t:ty) => {
+        impl Arith for $t {
+            #[inline(always)]
+            fn add(a: Self, b: Self) -> Self {
+                a + b
+            }
+            #[inline(always)]
+            fn mul(a: Self, b: Self) -> Self {
+                a * b
+            }
+            #[inline(always)]
+            fn min(a: Self, b: Self) -> Self {
+                a.min(b)
+            }
+            #[inline(always)]
+            fn max(a: Self, b: Self) -> Self {
+                a.max(b)
+            }
+            #[inline(always)]
+            fn div_n(a: Self, n: usize) -> Self {
+                a / n as $t
+            }
+        }
+    };
+}
+arith_float!(f32);
+arith_float!(f64);
+
+macro_rules! arith_int {
+    ($t:ty, $wide:ty) => {
+        impl Arith for $t {
+            #[inline(always)]
+            fn add(a: Self, b: Self) -> Self {
+                a.wrapping_add(b)
+            }
+            #[inline(always)]
+            fn mul(a: Self, b: Self) -> Self {
+                a.wrapping_mul(b)
+            }
+            #[inline(always)]
+            fn min(a: Self, b: Self) -> Self {
+                Ord::min(a, b)
+            }
+            #[inline(always)]
+            fn max(a: Self, b: Self) -> Self {
+                Ord::max(a, b)
+            }
+            #[inline(always)]
+            fn div_n(a: Self, n: usize) -> Self {
+                // Divide in the wide type so that a world size above the type's range is right.
+                (a as $wide / n as $wide) as $t
+            }
+        }
+    };
+}
+arith_int!(i8, i64);
+arith_int!(u8, u64);
+arith_int!(i32, i64);
+arith_int!(u32, u64);
+arith_int!(i64, i64);
+arith_int!(u64, u64);
+
+/// `d = d ⊕ s`, one monomorphic loop per op.
+#[inline]
+fn combine2<T: Arith>(op: ReduceOp, d: &mut [T], s: &[T]) {
+    let s = &s[..d.len()];
+    match op {
+        ReduceOp::Sum | ReduceOp::Mean => {
+            d.iter_mut().zip(s).for_each(|(x, y)| *x = T::add(*x, *y))
+        }
+        ReduceOp::Prod => d.iter_mut().zip(s).for_each(|(x, y)| *x = T::mul(*x, *y)),
+        ReduceOp::Min => d.iter_mut().zip(s).for_each(|(x, y)| *x = T::min(*x, *y)),
+        ReduceOp::Max => d.iter_mut().zip(s).for_each(|(x, y)| *x = T::max(*x, *y)),
+    }
+}
+
+/// `d = a ⊕ b`.
+#[inline]
+fn combine3<T: Arith>(op: ReduceOp, d: &mut [T], a: &[T], b: &[T]) {
+    let (a, b) = (&a[..d.len()], &b[..d.len()]);
+    let it = d.iter_mut().zip(a.iter().zip(b));
+    match op {
+        ReduceOp::Sum | ReduceOp::Mean => it.for_each(|(x, (p, q))| *x = T::add(*p, *q)),
+        ReduceOp::Prod => it.for_each(|(x, (p, q))| *x = T::mul(*p, *q)),
+        ReduceOp::Min => it.for_each(|(x, (p, q))| *x = T::min(*p, *q)),
+        ReduceOp::Max => it.for_each(|(x, (p, q))| *x = T::max(*p, *q)),
+    }
+}
+
+#[inline]
+fn divide_all<T: Arith>(d: &mut [T], n: usize) {
+    d.iter_mut().for_each(|x| *x = T::div_n(*x, n));
+}
+
+/// Reduce one contiguous range (no blocking): used per block, or for the whole slice when the
+/// destination is visited only once.
+#[inline]
+fn reduce_range<T: Arith>(
+    op: ReduceOp,
+    d: &mut [T],
+    srcs: &[&[T]],
+    init: Init,
+    div: Option<usize>,
+    lo: usize,
+) {
+    let hi = lo + d.len();
+    let rest = match (init, srcs) {
+        (Init::Accumulate, _) => srcs,
+        (Init::Overwrite, [a, b, rest @ ..]) => {
+            combine3(op, d, &a[lo..hi], &b[lo..hi]);
+            rest
+        }
+        (Init::Overwrite, [a, rest @ ..]) => {
+            d.copy_from_slice(&a[lo..hi]);
+            rest
+        }
+        (Init::Overwrite, []) => unreachable!("checked by reduce"),
+    };
+    for s in rest {
+        combine2(op, d, &s[lo..hi]);
+    }
+    if let Some(n) = div {
+        divide_all(d, n);
+    }
+}
+
+fn reduce_native<T: Arith>(
+    op: ReduceOp,
+    dst: &mut [T],
+    srcs: &[&[T]],
+    init: Init,
+    div: Option<usize>,
+) {
+    // Visits of the destination: one per source beyond the first pass, plus the division.
+    let visits = srcs.len() + usize::from(div.is_some()) - usize::from(init == Init::Overwrite);
+    if visits <= 1 {
+        return reduce_range(op, dst, srcs, init, div, 0);
+    }
+    for (i, d) in dst.chunks_mut(BLOCK).enumerate() {
+        reduce_range(op, d, srcs, init, div, i * BLOCK);
+    }
+}
+
+/// Widening to f32 and back for the 16-bit float types.
+trait Half: Copy + bytemuck::Pod {
+    fn widen(src: &[Self], dst: &mut [f32]);
+    fn narrow(src: &[f32], dst: &mut [Self]);
+}
+
+impl Half for f16 {
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst)
+    }
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        dst.convert_from_f32_slice(src)
+    }
+}
+
+impl Half for bf16 {
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        // bf16 is the top half of an f32: a shift, which vectorizes.
+        let bits: &[u16] = bytemuck::cast_slice(src);
+        dst.iter_mut()
+            .zip(bits)
+            .for_each(|(d, b)| *d = f32::from_bits((*b as u32) << 16));
+    }
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        // Round to nearest even; NaNs stay quiet NaNs. Branch-free so that it vectorizes.
+        let bits: &mut [u16] = bytemuck::cast_slice_mut(dst);
+        bits.iter_mut().zip(src).for_each(|(b, f)| {
+            let x = f.to_bits();
+            let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
+            let is_nan = (x & 0x7fff_ffff) > 0x7f80_0000;
+            *b = if is_nan {
+                ((x >> 16) | 0x40) as u16
+            } else {
+                rounded as u16
+            };
+        });
+    }
+}
+
+fn reduce_half<H: Half>(
+    op: ReduceOp,
+    dst: &mut [u8],
+    srcs: &[&[u8]],
+    init: Init,
+    div: Option<usize>,
+) {
+    let dst: &mut [H] = bytemuck::cast_slice_mut(dst);
+    let mut acc = [0f32; BLOCK];
+    let mut tmp = [0f32; BLOCK];
+    for (i, d) in dst.chunks_mut(BLOCK).enumerate() {
+        let (lo, n) = (i * BLOCK, d.len());
+        let src = |k: usize| -> &[H] { &bytemuck::cast_slice(srcs[k])[lo..lo + n] };
+        let acc = &mut acc[..n];
+        let tmp = &mut tmp[..n];
+        let first = match init {
+            Init::Accumulate => {
+                H::widen(d, acc);
+                0
+            }
+            Init::Overwrite => {
+                H::widen(src(0), acc);
+                1
+            }
+        };
+        for k in first..srcs.len() {
+            H::widen(src(k), tmp);
+            combine2(op, acc, tmp);
+        }
+        if let Some(n) = div {
+            divide_all(acc, n);
+        }
+        H::narrow(acc, d);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes<T: bytemuck::Pod>(v: &[T]) -> Vec<u8> {
+        bytemuck::cast_slice(v).to_vec()
+    }
+
+    #[test]
+    fn sum_many_sources_blocks_correctly() {
+        let n = 3 * BLOCK + 5;
+        let a: Vec<i32> = (0..n as i32).collect();
+        let b: Vec<i32> = (0..n as i32).map(|x| 2 * x).collect();
+        let c: Vec<i32> = vec![-1; n];
+        let mut d = vec![0u8; n * 4];
+        reduce(
+            DType::I32,
+            ReduceOp::Sum,
+            &mut d,
+            &[&bytes(&a), &bytes(&b), &bytes(&c)],
+            Init::Overwrite,
+            None,
+        );
+        let d: &[i32] = bytemuck::cast_slice(&d);
+        for (i, x) in d.iter().enumerate() {
+            assert_eq!(*x, 3 * i as i32 - 1);
+        }
+    }
+
+    #[test]
+    fn integer_mean_truncates_toward_zero_and_wraps() {
+        let mut d = bytes(&[-7i8, 7, 127]);
+        reduce(
+            DType::I8,
+            ReduceOp::Sum,
+            &mut d,
+            &[&bytes(&[0i8, 0, 1])],
+            Init::Accumulate,
+            Some(2),
+        );
+        // 127 + 1 wraps to -128, then -128 / 2 = -64.
+        assert_eq!(bytemuck::cast_slice::<u8, i8>(&d), &[-3, 3, -64]);
+        let mut d = bytes(&[10u8]);
+        divide(DType::U8, &mut d, 300);
+        assert_eq!(d, [0]);
+    }
+
+    #[test]
+    fn half_types_round_once() {
+        // 2048 + 1 + 1 is 2050 exactly; f16 spacing at 2048 is 2, so pairwise rounding
+        // (2048 + 1 -> 2048, + 1 -> 2048) would lose both ones.
+        let x = [f16::from_f32(2048.0)];
+        let one = [f16::from_f32(1.0)];
+        let mut d = vec![0u8; 2];
+        reduce(
+            DType::F16,
+            ReduceOp::Sum,
+            &mut d,
+            &[&bytes(&x), &bytes(&one), &bytes(&one)],
+            Init::Overwrite,
+            None,
+        );
+        assert_eq!(bytemuck::cast_slice::<u8, f16>(&d)[0].to_f32(), 2050.0);
+        let x = [bf16::from_f32(3.0), bf16::NAN, bf16::from_f32(-1.5)];
+        let mut d = bytes(&x);
+        reduce(
+            DType::BF16,
+            ReduceOp::Max,
+            &mut d,
+            &[&bytes(&[bf16::from_f32(4.0); 3])],
+            Init::Accumulate,
+            None,
+        );
+        let r: &[bf16] = bytemuck::cast_slice(&d);
+        assert_eq!(r[0].to_f32(), 4.0);
+        assert_eq!(r[1].to_f32(), 4.0, "maxNum: a NaN loses against a number");
+        assert_eq!(r[2].to_f32(), 4.0);
+    }
+
+    #[test]
+    fn bf16_narrow_rounds_to_nearest_even() {
+        for v in [
+            1.0f32,
+            1.00390625,
+            1.01171875,
+            -3.3,
+            65504.0,
+            1e-30,
+            f32::INFINITY,
+        ] {
+            let mut out = [bf16::ZERO];
+            bf16::narrow(&[v], &mut out);
+            assert_eq!(out[0], bf16::from_f32(v), "{v}");
+        }
+        let mut out = [bf16::ZERO];
+        bf16::narrow(&[f32::NAN], &mut out);
+        assert!(out[0].is_nan());
+    }
+
+    #[test]
+    fn float_min_max_prod() {
+        let mut d = bytes(&[1.0f64, -2.0, 3.0]);
+        reduce(
+            DType::F64,
+            ReduceOp::Prod,
+            &mut d,
+            &[&bytes(&[2.0f64, 2.0, 0.5])],
+            Init::Accumulate,
+            None,
+        );
+        assert_eq!(bytemuck::cast_slice::<u8, f64>(&d), &[2.0, -4.0, 1.5]);
+        let mut d = vec![0u8; 12];
+        reduce(
+            DType::F32,
+            ReduceOp::Min,
+            &mut d,
+            &[&bytes(&[1.0f32, 5.0, -1.0]), &bytes(&[2.0f32, 4.0, -2.0])],
+            Init::Overwrite,
+            None,
+        );
+        assert_eq!(bytemuck::cast_slice::<u8, f32>(&d), &[1.0, 4.0, -2.0]);
+    }
+}

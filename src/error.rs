@@ -1,0 +1,269 @@
+//! The one error type of tutti.
+//!
+//! Every message names what failed: the collective, the rank that saw it, the peer involved and
+//! the field that was wrong, and where it helps, what to do next.
+
+use std::fmt;
+use std::time::Duration;
+
+/// The collectives, as named in errors, logs and `tutti perf`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum Collective {
+    /// Every rank ends with the reduction of every rank's buffer.
+    AllReduce = 0,
+    /// The root's buffer is copied to every rank.
+    Broadcast = 1,
+    /// Every rank ends with every rank's buffer, concatenated in rank order.
+    AllGather = 2,
+    /// The root ends with the reduction of every rank's buffer.
+    Reduce = 3,
+    /// Rank r ends with slice r of the reduction.
+    ReduceScatter = 4,
+    /// No rank leaves before every rank has arrived.
+    Barrier = 5,
+}
+
+impl Collective {
+    /// Every collective, in tag order.
+    pub const ALL: [Collective; 6] = [
+        Collective::AllReduce,
+        Collective::Broadcast,
+        Collective::AllGather,
+        Collective::Reduce,
+        Collective::ReduceScatter,
+        Collective::Barrier,
+    ];
+
+    /// The API name (`all_reduce`, `broadcast`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all_reduce",
+            Collective::Broadcast => "broadcast",
+            Collective::AllGather => "all_gather",
+            Collective::Reduce => "reduce",
+            Collective::ReduceScatter => "reduce_scatter",
+            Collective::Barrier => "barrier",
+        }
+    }
+
+    /// The command-line name (`all-reduce`, `broadcast`, ...).
+    pub const fn cli_name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all-reduce",
+            Collective::Broadcast => "broadcast",
+            Collective::AllGather => "all-gather",
+            Collective::Reduce => "reduce",
+            Collective::ReduceScatter => "reduce-scatter",
+            Collective::Barrier => "barrier",
+        }
+    }
+
+    /// The collective with this numeric value (as used by the C ABI).
+    pub fn from_u32(v: u32) -> Option<Collective> {
+        Collective::ALL.get(v as usize).copied()
+    }
+}
+
+impl fmt::Display for Collective {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Collective {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.to_ascii_lowercase().replace('_', "-");
+        Collective::ALL
+            .iter()
+            .copied()
+            .find(|c| c.cli_name() == s || c.cli_name().replace('-', "") == s)
+            .ok_or_else(|| {
+                format!(
+                    "unknown collective '{s}' (expected all-reduce, broadcast, all-gather, reduce, reduce-scatter or barrier)"
+                )
+            })
+    }
+}
+
+/// Where an error happened: which collective, on which rank, at which call of the communicator.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Site {
+    /// The collective being run.
+    pub collective: Collective,
+    /// The rank that reports the error.
+    pub rank: usize,
+    /// The communicator's call number (0 for the first collective).
+    pub call: u64,
+}
+
+impl fmt::Display for Site {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} (call #{}) on rank {}",
+            self.collective, self.call, self.rank
+        )
+    }
+}
+
+fn list(ranks: &[usize]) -> String {
+    let v: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
+    match v.len() {
+        1 => format!("rank {}", v[0]),
+        _ => format!("ranks {}", v.join(", ")),
+    }
+}
+
+/// What went wrong. Marked non-exhaustive: new carriers add variants.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An argument was wrong on this rank alone (root out of range, buffer too small, unknown name).
+    #[error("{}: {message}", site.map(|s| s.to_string()).unwrap_or_else(|| "tutti".into()))]
+    InvalidArgument {
+        /// The call, when the error came from one.
+        site: Option<Site>,
+        /// What was wrong.
+        message: String,
+    },
+    /// The ranks called the same collective step with different arguments.
+    #[error(
+        "{site}: {field} is {mine} here but {theirs} on rank {peer}; every rank must make the same \
+         collective calls in the same order with the same {field}"
+    )]
+    Mismatch {
+        /// The call that disagreed, as seen by the reporting rank.
+        site: Site,
+        /// The rank whose call differs.
+        peer: usize,
+        /// The field that differs (`collective`, `dtype`, `count`, `op`, `root`, `algorithm`).
+        field: &'static str,
+        /// This rank's value.
+        mine: String,
+        /// The peer's value.
+        theirs: String,
+    },
+    /// A peer refused its own arguments for this call, so the call fails on every rank.
+    #[error("{site}: rank {peer} rejected its arguments for this call: {message}")]
+    PeerRejected {
+        /// The call, as seen by the reporting rank.
+        site: Site,
+        /// The rank that rejected its arguments.
+        peer: usize,
+        /// That rank's error.
+        message: String,
+    },
+    /// A blocking wait ran past the communicator's timeout.
+    #[error(
+        "{site}: timed out after {timeout:?} waiting for {} to {phase}; that rank is stuck, dead or \
+         making a different call (raise the timeout if it is only slow)",
+        list(waiting_for)
+    )]
+    Timeout {
+        /// The call that timed out.
+        site: Site,
+        /// The ranks that never did what was awaited.
+        waiting_for: Vec<usize>,
+        /// What was awaited (`arrive`, `send data`, `finish reading`...).
+        phase: &'static str,
+        /// The bound that was exceeded.
+        timeout: Duration,
+    },
+    /// The communicator was aborted (by `abort()`, or after an earlier failure); build a new one.
+    #[error("communicator aborted on rank {rank}: {reason}")]
+    Aborted {
+        /// The rank that reports it.
+        rank: usize,
+        /// Why it was aborted.
+        reason: String,
+    },
+    /// A device, library or feature is not available on this machine or build.
+    #[error("{what} not available: {why}")]
+    Unavailable {
+        /// What was asked for (`CUDA`, `NCCL`, `XLA`, ...).
+        what: String,
+        /// Why it is not there and what would make it so.
+        why: String,
+    },
+    /// An operating-system call failed.
+    #[error("{what}: {message}")]
+    System {
+        /// What tutti was doing.
+        what: String,
+        /// The system's message.
+        message: String,
+    },
+}
+
+impl Error {
+    /// An invalid-argument error tied to a call.
+    pub fn invalid(site: Site, message: impl Into<String>) -> Error {
+        Error::InvalidArgument {
+            site: Some(site),
+            message: message.into(),
+        }
+    }
+
+    /// An invalid-argument error not tied to a call (configuration, names).
+    pub fn config(message: impl Into<String>) -> Error {
+        Error::InvalidArgument {
+            site: None,
+            message: message.into(),
+        }
+    }
+
+    /// A system error from an `io::Error`.
+    pub fn io(what: impl Into<String>, e: std::io::Error) -> Error {
+        Error::System {
+            what: what.into(),
+            message: e.to_string(),
+        }
+    }
+}
+
+/// `Result` with tutti's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_name_rank_collective_and_field() {
+        let site = Site {
+            collective: Collective::AllReduce,
+            rank: 2,
+            call: 7,
+        };
+        let e = Error::Mismatch {
+            site,
+            peer: 0,
+            field: "count",
+            mine: "100".into(),
+            theirs: "200".into(),
+        };
+        let m = e.to_string();
+        assert!(
+            m.contains("all_reduce") && m.contains("rank 2") && m.contains("rank 0"),
+            "{m}"
+        );
+        assert!(m.contains("count is 100 here but 200"), "{m}");
+        let e = Error::Timeout {
+            site,
+            waiting_for: vec![1, 3],
+            phase: "arrive",
+            timeout: Duration::from_millis(50),
+        };
+        assert!(e.to_string().contains("ranks 1, 3 to arrive"), "{e}");
+        assert_eq!(
+            "all_gather".parse::<Collective>().unwrap(),
+            Collective::AllGather
+        );
+        assert_eq!(
+            "reduce-scatter".parse::<Collective>().unwrap(),
+            Collective::ReduceScatter
+        );
+    }
+}

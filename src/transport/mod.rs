@@ -1,0 +1,172 @@
+//! Transports: how the bytes of a collective move between ranks.
+//!
+//! A transport offers three things to the algorithms above it:
+//!
+//! 1. [`Transport::begin`]: every call starts with a small header (call number, collective, dtype,
+//!    count, op, root, algorithm) that the ranks compare before any byte moves, so a mismatched call
+//!    is an error naming both ranks, never a hang or a silently wrong sum;
+//! 2. [`Transport::exchange`]: a batch of point-to-point sends and receives that run concurrently
+//!    and all complete before it returns (a receive can reduce into its destination instead of
+//!    copying);
+//! 3. optionally [`PeerMemory`]: direct access to the peers' buffers of the current call, for the
+//!    algorithms that read them in place.
+//!
+//! Algorithms are written once against this interface; [`local`] implements it for the threads of
+//! one process.
+
+pub mod local;
+
+use std::time::Duration;
+
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Collective, Result, Site};
+
+/// What every rank states about a call before it runs; compared field by field across ranks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CallHeader {
+    /// The communicator's call number.
+    pub call: u64,
+    /// Which collective.
+    pub collective: Collective,
+    /// Element type.
+    pub dtype: DType,
+    /// Elements per rank (all_gather: of the input; reduce_scatter: of the output).
+    pub count: usize,
+    /// The reduce op, for reducing collectives.
+    pub op: Option<ReduceOp>,
+    /// The root, for rooted collectives.
+    pub root: Option<usize>,
+    /// The algorithm asked for.
+    pub algorithm: String,
+    /// Set when this rank rejected its own arguments: peers fail the call at once.
+    pub rejected: Option<String>,
+}
+
+impl CallHeader {
+    /// The first field in which `other` differs from `self`: (name, mine, theirs).
+    pub fn first_difference(&self, other: &CallHeader) -> Option<(&'static str, String, String)> {
+        fn opt<T: std::fmt::Display>(v: &Option<T>) -> String {
+            v.as_ref()
+                .map_or_else(|| "none".to_string(), |x| x.to_string())
+        }
+        let fields = [
+            ("call number", self.call.to_string(), other.call.to_string()),
+            (
+                "collective",
+                self.collective.to_string(),
+                other.collective.to_string(),
+            ),
+            ("dtype", self.dtype.to_string(), other.dtype.to_string()),
+            ("count", self.count.to_string(), other.count.to_string()),
+            ("op", opt(&self.op), opt(&other.op)),
+            ("root", opt(&self.root), opt(&other.root)),
+            ("algorithm", self.algorithm.clone(), other.algorithm.clone()),
+        ];
+        fields.into_iter().find(|(_, a, b)| a != b)
+    }
+}
+
+/// The buffers of one rank for the current call, published to peers by transports that expose
+/// peer memory. `input` may equal `output` (in place).
+#[derive(Copy, Clone, Debug)]
+pub struct CallBuffers {
+    /// Start of the input bytes.
+    pub input: *const u8,
+    /// Length of the input in bytes.
+    pub input_len: usize,
+    /// Start of the output bytes (may be null where this rank has no output, e.g. reduce off-root).
+    pub output: *mut u8,
+    /// Length of the output in bytes.
+    pub output_len: usize,
+}
+
+// SAFETY: the pointers are only dereferenced by peers while the owning rank is inside the call
+// that published them; the call does not return before every peer is done with them.
+unsafe impl Send for CallBuffers {}
+unsafe impl Sync for CallBuffers {}
+
+impl CallBuffers {
+    /// No buffers (barrier).
+    pub const NONE: CallBuffers = CallBuffers {
+        input: std::ptr::null(),
+        input_len: 0,
+        output: std::ptr::null_mut(),
+        output_len: 0,
+    };
+}
+
+/// A send in an [`Transport::exchange`].
+pub struct SendOp<'a> {
+    /// Destination rank.
+    pub peer: usize,
+    /// The bytes, which must stay unchanged until the exchange returns.
+    pub data: &'a [u8],
+}
+
+/// What a receive does with the bytes that arrive.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum RecvMode {
+    /// Copy them into the destination.
+    Copy,
+    /// Combine them into the destination with a reduce op: `dst = dst ⊕ incoming`.
+    Reduce(DType, ReduceOp),
+}
+
+/// A receive in an [`Transport::exchange`].
+pub struct RecvOp<'a> {
+    /// Source rank.
+    pub peer: usize,
+    /// Where the bytes go; its length must equal the sender's.
+    pub dst: &'a mut [u8],
+    /// Copy or reduce.
+    pub mode: RecvMode,
+}
+
+/// Moves the bytes of collectives between the ranks of one communicator.
+pub trait Transport: Send + Sync {
+    /// This rank.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+    /// The bound on every wait.
+    fn timeout(&self) -> Duration;
+
+    /// Publish this rank's header (and buffers, where peer memory is offered), wait for every
+    /// peer's, and check that they agree. Errors: `Mismatch` naming the first peer and field that
+    /// differ, `PeerRejected` when a peer refused its arguments, `Timeout` naming the ranks that
+    /// never arrived, `Aborted`.
+    fn begin(&self, site: Site, header: &CallHeader, buffers: CallBuffers) -> Result<()>;
+
+    /// Run `sends` and `recvs` concurrently; return when all have completed. A send completes when
+    /// its data may be changed again; receives from the same peer match that peer's sends to this
+    /// rank in order, and receives that reduce into overlapping destinations run in list order.
+    fn exchange(&self, site: Site, sends: &[SendOp<'_>], recvs: &mut [RecvOp<'_>]) -> Result<()>;
+
+    /// Leave the current call. `failed` is the call's error, if any: an error found by every
+    /// rank alike in `begin` leaves the communicator usable; any other aborts it, and the
+    /// transport waits (bounded) until no peer still touches this rank's buffers.
+    fn end(&self, failed: Option<&crate::error::Error>);
+
+    /// Direct access to peers' buffers, when the transport has it.
+    fn peer_memory(&self) -> Option<&dyn PeerMemory> {
+        None
+    }
+
+    /// Fail every current and later call of every rank at once with `Aborted` carrying `reason`.
+    fn abort(&self, reason: &str);
+
+    /// The abort reason, once aborted.
+    fn aborted(&self) -> Option<String>;
+}
+
+/// Direct reads and writes of peers' buffers during a call (threads of one process; shared memory).
+pub trait PeerMemory {
+    /// The buffers `peer` published in its current [`Transport::begin`].
+    fn buffers(&self, peer: usize) -> CallBuffers;
+    /// Publish this rank's progress counter (monotonic over the communicator's life).
+    fn set_progress(&self, value: u64);
+    /// Wait until `peer`'s progress counter reaches `value`; `phase` names what is awaited in a
+    /// `Timeout` error.
+    fn wait_progress(&self, site: Site, peer: usize, value: u64, phase: &'static str)
+        -> Result<()>;
+}
