@@ -38,3 +38,8 @@ pub use device::{Device, DeviceKind};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Collective, Error, Result, Site};
 pub use half::{bf16, f16};
+
+/// The README's examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -54,7 +54,7 @@ fn all_reduce_matrix() {
                     for op in ReduceOp::ALL {
                         for count in COUNTS {
                             let what = format!("{algo} P={world} {dtype} {op} n={count} rank {}", comm.rank());
-                            for_each_dtype!(dtype, T => { check_all_reduce::<T>(comm, world, op, count, &what) });
+                            tutti::for_each_dtype!(dtype, T => { check_all_reduce::<T>(comm, world, op, count, &what) });
                         }
                     }
                 }

@@ -150,7 +150,7 @@ pub(crate) fn reduce_scatter(ctx: &Ctx<'_>, output: &mut [u8]) -> Result<()> {
     call.finish(ctx)
 }
 
-pub(crate) fn reduce(ctx: &Ctx<'_>, root: usize, _in_place: bool, len: usize) -> Result<()> {
+pub(crate) fn reduce(ctx: &Ctx<'_>, root: usize, len: usize) -> Result<()> {
     let call = Call::new(ctx)?;
     let (p, r, esize) = (ctx.world(), ctx.rank(), ctx.dtype.size());
     let range = bytes(partition(len / esize, p, r), esize);

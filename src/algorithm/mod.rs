@@ -186,7 +186,7 @@ pub(crate) fn split_pair(buf: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&
     }
 }
 
-/// The algorithm that `auto` becomes for `collective` on this transport.
+/// The algorithm that `auto` becomes on this transport.
 fn resolve(ctx: &Ctx<'_>, algo: Algorithm) -> Algorithm {
     match algo {
         Algorithm::Auto if ctx.t.peer_memory().is_some() => Algorithm::Direct,
@@ -195,11 +195,18 @@ fn resolve(ctx: &Ctx<'_>, algo: Algorithm) -> Algorithm {
     }
 }
 
-fn unsupported(ctx: &Ctx<'_>, algo: Algorithm, collective: Collective) -> Error {
-    Error::invalid(
-        ctx.site,
-        format!("algorithm {algo} does not implement {collective}; use auto, direct or ring"),
-    )
+/// The algorithm for a collective other than all-reduce. `hierarchical-copy` is an all-reduce
+/// algorithm: a communicator configured with it runs its other collectives with `auto`;
+/// `reduce-to-one` runs broadcast and reduce flat (root to all, all to root) and the rest with
+/// `auto`.
+fn resolve_other(ctx: &Ctx<'_>, algo: Algorithm, collective: Collective) -> Algorithm {
+    match (algo, collective) {
+        (Algorithm::ReduceToOne { .. }, Collective::Broadcast | Collective::Reduce) => algo,
+        (Algorithm::HierarchicalCopy { .. } | Algorithm::ReduceToOne { .. }, _) => {
+            resolve(ctx, Algorithm::Auto)
+        }
+        _ => resolve(ctx, algo),
+    }
 }
 
 /// Check an algorithm's parameters against the world.
@@ -238,11 +245,10 @@ pub(crate) fn all_reduce(
 
 /// Broadcast `buf` from `root` to every rank.
 pub(crate) fn broadcast(ctx: &Ctx<'_>, algo: Algorithm, root: usize, buf: &mut [u8]) -> Result<()> {
-    match resolve(ctx, algo) {
+    match resolve_other(ctx, algo, Collective::Broadcast) {
         Algorithm::Direct => direct::broadcast(ctx, root, buf),
         Algorithm::Ring => ring::broadcast(ctx, root, buf),
-        Algorithm::ReduceToOne { .. } => flat::broadcast(ctx, root, buf),
-        a => Err(unsupported(ctx, a, Collective::Broadcast)),
+        _ => flat::broadcast(ctx, root, buf),
     }
 }
 
@@ -253,18 +259,14 @@ pub(crate) fn all_gather(
     input: Option<&[u8]>,
     output: &mut [u8],
 ) -> Result<()> {
-    let algo = resolve(ctx, algo);
-    let own = bytes(partition(output.len(), ctx.world(), ctx.rank()), 1);
+    if resolve_other(ctx, algo, Collective::AllGather) == Algorithm::Direct {
+        return direct::all_gather(ctx, input.is_none(), output);
+    }
     if let Some(i) = input {
-        if algo != Algorithm::Direct {
-            output[own].copy_from_slice(i);
-        }
+        let own = ctx.rank() * i.len();
+        output[own..own + i.len()].copy_from_slice(i);
     }
-    match algo {
-        Algorithm::Direct => direct::all_gather(ctx, input.is_none(), output),
-        Algorithm::Ring => ring::all_gather(ctx, output),
-        a => Err(unsupported(ctx, a, Collective::AllGather)),
-    }
+    ring::all_gather(ctx, output)
 }
 
 /// Reduce-scatter: `output` = slice `rank` of the reduction of every rank's `input`.
@@ -274,10 +276,9 @@ pub(crate) fn reduce_scatter(
     input: &[u8],
     output: &mut [u8],
 ) -> Result<()> {
-    match resolve(ctx, algo) {
+    match resolve_other(ctx, algo, Collective::ReduceScatter) {
         Algorithm::Direct => direct::reduce_scatter(ctx, output),
-        Algorithm::Ring => ring::reduce_scatter(ctx, input, output),
-        a => Err(unsupported(ctx, a, Collective::ReduceScatter)),
+        _ => ring::reduce_scatter(ctx, input, output),
     }
 }
 
@@ -291,11 +292,10 @@ pub(crate) fn reduce(
     output: Option<&mut [u8]>,
     len: usize,
 ) -> Result<()> {
-    match resolve(ctx, algo) {
-        Algorithm::Direct => direct::reduce(ctx, root, input.is_none(), len),
+    match resolve_other(ctx, algo, Collective::Reduce) {
+        Algorithm::Direct => direct::reduce(ctx, root, len),
         Algorithm::Ring => ring::reduce(ctx, root, input, output, len),
-        Algorithm::ReduceToOne { .. } => flat::reduce(ctx, root, input, output),
-        a => Err(unsupported(ctx, a, Collective::Reduce)),
+        _ => flat::reduce(ctx, root, input, output),
     }
 }
 

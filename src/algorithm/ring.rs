@@ -181,7 +181,7 @@ pub(crate) fn reduce(
     let mut slice = vec![0u8; partition(count, p, r).len() * esize];
     match (input, &output) {
         (Some(i), _) => reduce_scatter(ctx, i, &mut slice)?,
-        (None, Some(o)) => reduce_scatter(ctx, &o.to_vec(), &mut slice)?,
+        (None, Some(o)) => reduce_scatter(ctx, o, &mut slice)?,
         (None, None) => unreachable!("the communicator passes an input off the root"),
     }
     let Some(output) = output.filter(|_| r == root) else {

@@ -121,7 +121,7 @@ impl Drop for CallGuard<'_> {
 }
 
 /// The arguments of a call, checked locally before `begin`.
-struct Call<'a> {
+struct Call {
     collective: Collective,
     dtype: DType,
     count: usize,
@@ -129,7 +129,6 @@ struct Call<'a> {
     root: Option<usize>,
     check: std::result::Result<(), String>,
     buffers: CallBuffers,
-    _borrow: std::marker::PhantomData<&'a mut [u8]>,
 }
 
 fn elems(dtype: DType, name: &str, len: usize) -> std::result::Result<usize, String> {
@@ -205,7 +204,7 @@ impl Communicator {
     }
 
     /// The one checked path of every collective.
-    fn call(&self, c: Call<'_>, body: impl FnOnce(&Ctx<'_>) -> Result<()>) -> Result<()> {
+    fn call(&self, c: Call, body: impl FnOnce(&Ctx<'_>) -> Result<()>) -> Result<()> {
         let call = self.calls.load(Ordering::Relaxed);
         let site = Site {
             collective: c.collective,
@@ -284,15 +283,15 @@ impl Communicator {
             output: output.as_mut_ptr(),
             output_len: output.len(),
         };
-        let c = self.args(
-            Collective::AllReduce,
+        let c = Call {
+            collective: Collective::AllReduce,
             dtype,
             count,
-            Some(op),
-            None,
-            check.map(drop),
+            op: Some(op),
+            root: None,
+            check: check.map(drop),
             buffers,
-        );
+        };
         let algo = self.algorithm;
         self.call(c, |ctx| algorithm::all_reduce(ctx, algo, input, output))
     }
@@ -309,15 +308,15 @@ impl Communicator {
             output: ptr,
             output_len: buf.len(),
         };
-        let c = self.args(
-            Collective::Broadcast,
+        let c = Call {
+            collective: Collective::Broadcast,
             dtype,
             count,
-            None,
-            Some(root),
+            op: None,
+            root: Some(root),
             check,
             buffers,
-        );
+        };
         let algo = self.algorithm;
         self.call(c, |ctx| algorithm::broadcast(ctx, algo, root, buf))
     }
@@ -351,15 +350,15 @@ impl Communicator {
             output: output.as_mut_ptr(),
             output_len: output.len(),
         };
-        let c = self.args(
-            Collective::AllGather,
+        let c = Call {
+            collective: Collective::AllGather,
             dtype,
             count,
-            None,
-            None,
-            check.map(drop),
+            op: None,
+            root: None,
+            check: check.map(drop),
             buffers,
-        );
+        };
         let algo = self.algorithm;
         self.call(c, |ctx| algorithm::all_gather(ctx, algo, input, output))
     }
@@ -392,15 +391,15 @@ impl Communicator {
             output: output.as_mut_ptr(),
             output_len: output.len(),
         };
-        let c = self.args(
-            Collective::ReduceScatter,
+        let c = Call {
+            collective: Collective::ReduceScatter,
             dtype,
             count,
-            Some(op),
-            None,
-            check.map(drop),
+            op: Some(op),
+            root: None,
+            check: check.map(drop),
             buffers,
-        );
+        };
         let algo = self.algorithm;
         self.call(c, |ctx| algorithm::reduce_scatter(ctx, algo, input, output))
     }
@@ -446,41 +445,19 @@ impl Communicator {
             output: out_ptr,
             output_len: out_len,
         };
-        let c = self.args(
-            Collective::Reduce,
+        let c = Call {
+            collective: Collective::Reduce,
             dtype,
             count,
-            Some(op),
-            Some(root),
-            check.map(drop),
+            op: Some(op),
+            root: Some(root),
+            check: check.map(drop),
             buffers,
-        );
+        };
         let algo = self.algorithm;
         self.call(c, |ctx| {
             algorithm::reduce(ctx, algo, root, input, output, len)
         })
-    }
-
-    fn args<'a>(
-        &self,
-        collective: Collective,
-        dtype: DType,
-        count: usize,
-        op: Option<ReduceOp>,
-        root: Option<usize>,
-        check: std::result::Result<(), String>,
-        buffers: CallBuffers,
-    ) -> Call<'a> {
-        Call {
-            collective,
-            dtype,
-            count,
-            op,
-            root,
-            check,
-            buffers,
-            _borrow: std::marker::PhantomData,
-        }
     }
 
     // ----- typed API -----
@@ -586,15 +563,15 @@ impl Communicator {
 
     /// Barrier: returns once every rank has called it.
     pub fn barrier(&self) -> Result<()> {
-        let c = self.args(
-            Collective::Barrier,
-            DType::U8,
-            0,
-            None,
-            None,
-            Ok(()),
-            CallBuffers::NONE,
-        );
+        let c = Call {
+            collective: Collective::Barrier,
+            dtype: DType::U8,
+            count: 0,
+            op: None,
+            root: None,
+            check: Ok(()),
+            buffers: CallBuffers::NONE,
+        };
         self.call(c, |_| Ok(()))
     }
 }

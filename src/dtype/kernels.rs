@@ -406,8 +406,8 @@ mod tests {
     fn bf16_narrow_rounds_to_nearest_even() {
         for v in [
             1.0f32,
-            1.00390625,
-            1.01171875,
+            f32::from_bits(0x3f80_8000), // 1 + 2^-8: a tie, rounds down to even
+            f32::from_bits(0x3f81_8000), // 1 + 3·2^-8: a tie, rounds up to even
             -3.3,
             65504.0,
             1e-30,

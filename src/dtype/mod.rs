@@ -203,6 +203,56 @@ impl FromStr for ReduceOp {
     }
 }
 
+/// Run a block with a type alias bound to the Rust type of a runtime [`DType`]:
+/// `for_each_dtype!(dtype, T => { size_of::<T>() })`.
+#[macro_export]
+macro_rules! for_each_dtype {
+    ($dtype:expr, $T:ident => $body:block) => {
+        match $dtype {
+            $crate::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            $crate::DType::F16 => {
+                type $T = $crate::f16;
+                $body
+            }
+            $crate::DType::BF16 => {
+                type $T = $crate::bf16;
+                $body
+            }
+            $crate::DType::I8 => {
+                type $T = i8;
+                $body
+            }
+            $crate::DType::U8 => {
+                type $T = u8;
+                $body
+            }
+            $crate::DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            $crate::DType::U32 => {
+                type $T = u32;
+                $body
+            }
+            $crate::DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            $crate::DType::U64 => {
+                type $T = u64;
+                $body
+            }
+        }
+    };
+}
+
 mod sealed {
     pub trait Sealed {}
 }

@@ -1,1 +1,428 @@
-//! Benchmark harness.
+//! The harness behind `tutti perf`: sizes × one collective, timed and checked, like nccl-tests.
+//!
+//! For each size every rank runs the collective once on fresh data and counts the elements that
+//! differ from the reference, then the timed iterations follow (their number chosen by rank 0 from
+//! a warm-up so each size takes about a quarter of a second). The time of a size is the slowest
+//! rank's mean per iteration.
+//!
+//! Sizes follow nccl-tests: `bytes` is the buffer of all-reduce, broadcast and reduce, the whole
+//! output of all-gather and the whole input of reduce-scatter. `algbw = bytes / time`; `busbw`
+//! scales it by 2(n-1)/n (all-reduce), (n-1)/n (all-gather, reduce-scatter) or 1 (broadcast,
+//! reduce). `mem_ratio` divides the least memory traffic the collective needs (every input byte
+//! read once and every output byte written once: all-reduce 2·n·S) per second by the machine's
+//! copy bandwidth measured in the same run.
+
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::algorithm::Algorithm;
+use crate::comm::{run_local, Communicator, Config};
+use crate::device::{self, DeviceKind};
+use crate::dtype::{DType, Element, ReduceOp};
+use crate::error::{Collective, Error, Result};
+use crate::reference;
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// The collective.
+    pub collective: Collective,
+    /// The algorithm.
+    pub algorithm: Algorithm,
+    /// Number of ranks.
+    pub ranks: usize,
+    /// Smallest size in bytes.
+    pub min_bytes: usize,
+    /// Largest size in bytes.
+    pub max_bytes: usize,
+    /// Size multiplier between rows.
+    pub factor: usize,
+    /// Element type.
+    pub dtype: DType,
+    /// Reduce op (reducing collectives).
+    pub op: ReduceOp,
+    /// Device kind.
+    pub device: DeviceKind,
+    /// Run in place instead of out of place.
+    pub in_place: bool,
+    /// Fixed iteration count per size (default: about 0.25 s per size).
+    pub iters: Option<usize>,
+    /// Communicator settings.
+    pub config: Config,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            collective: Collective::AllReduce,
+            algorithm: Algorithm::Auto,
+            ranks: device::host().cores.max(2),
+            min_bytes: 1024,
+            max_bytes: 64 << 20,
+            factor: 4,
+            dtype: DType::F32,
+            op: ReduceOp::Sum,
+            device: DeviceKind::Cpu,
+            in_place: false,
+            iters: None,
+            config: Config::default(),
+        }
+    }
+}
+
+/// The machine line of `--json`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Machine {
+    /// Memory bandwidth: bytes read plus written per second by a large memcpy split across all
+    /// cores, in GB/s (10^9 bytes).
+    pub copy_gbps: f64,
+    /// Cores used.
+    pub cores: usize,
+    /// CPU model.
+    pub cpu: String,
+    /// Total memory in bytes.
+    pub memory_bytes: u64,
+}
+
+/// One row: one size.
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    /// Collective (`all-reduce`, ...).
+    pub collective: String,
+    /// Algorithm asked for.
+    pub algo: String,
+    /// Ranks.
+    pub ranks: usize,
+    /// Element type.
+    pub dtype: String,
+    /// Reduce op (`none` for broadcast and all-gather).
+    pub op: String,
+    /// Size in bytes (see the module docs).
+    pub bytes: usize,
+    /// Elements in `bytes`.
+    pub count: usize,
+    /// Mean time per collective, µs (slowest rank).
+    pub time_us: f64,
+    /// bytes / time, GB/s.
+    pub algbw_gbps: f64,
+    /// algbw × the collective's bus factor, GB/s.
+    pub busbw_gbps: f64,
+    /// Least memory traffic per second over the copy bandwidth (see the module docs).
+    pub mem_ratio: f64,
+    /// Elements that differ from the reference (must be 0).
+    pub errors: u64,
+}
+
+/// Measure the copy bandwidth: a 256 MiB memcpy split across every core, best of five, counted
+/// as bytes read plus bytes written per second (GB/s).
+pub fn copy_gbps() -> f64 {
+    const BYTES: usize = 256 << 20;
+    let cores = device::host().cores.max(1);
+    let src = vec![1u8; BYTES];
+    let mut dst = vec![0u8; BYTES];
+    let part = BYTES.div_ceil(cores);
+    let mut best = f64::MAX;
+    for _ in 0..6 {
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            for (d, s_) in dst.chunks_mut(part).zip(src.chunks(part)) {
+                s.spawn(move || d.copy_from_slice(s_));
+            }
+        });
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&dst);
+    2.0 * BYTES as f64 / best / 1e9
+}
+
+/// The machine line, with the copy bandwidth measured now.
+pub fn machine() -> Machine {
+    let h = device::host();
+    Machine {
+        copy_gbps: copy_gbps(),
+        cores: h.cores,
+        cpu: h.cpu_model,
+        memory_bytes: h.memory_total_bytes,
+    }
+}
+
+/// The sizes of a sweep: min, min·f, … up to max.
+pub fn sizes(min: usize, max: usize, factor: usize) -> Vec<usize> {
+    let mut v = Vec::new();
+    let mut s = min.max(1);
+    while s <= max {
+        v.push(s);
+        if factor <= 1 {
+            break;
+        }
+        s = s.saturating_mul(factor);
+    }
+    v
+}
+
+/// Parse a size: `1024`, `1K`, `64M`, `1G` (binary multiples).
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let (num, mult) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&t[..t.len() - 1], 1usize << 10),
+        Some('M') => (&t[..t.len() - 1], 1 << 20),
+        Some('G') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    num.trim()
+        .parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("'{s}' is not a size (e.g. 1024, 4K, 64M, 1G)"))
+}
+
+/// Bus bandwidth factor, as nccl-tests.
+pub fn bus_factor(c: Collective, n: usize) -> f64 {
+    let n = n as f64;
+    match c {
+        Collective::AllReduce => 2.0 * (n - 1.0) / n,
+        Collective::AllGather | Collective::ReduceScatter => (n - 1.0) / n,
+        _ => 1.0,
+    }
+}
+
+/// Least bytes read plus written by a collective of size `bytes` over `n` ranks.
+pub fn min_traffic(c: Collective, n: usize, bytes: usize) -> f64 {
+    let (n, s) = (n as f64, bytes as f64);
+    match c {
+        Collective::AllReduce => 2.0 * n * s,
+        Collective::Broadcast => n * s,
+        Collective::Reduce => (n + 1.0) * s,
+        Collective::AllGather | Collective::ReduceScatter => (n + 1.0) * s,
+        Collective::Barrier => 0.0,
+    }
+}
+
+/// The test pattern: element i of rank r. Period 5 in i, so the reference is five values.
+pub fn pattern<T: Element>(r: usize, i: usize) -> T {
+    T::from_f64(
+        ((i * 7 + r * 3 + 1) % 5) as f64
+            - if T::DTYPE.is_float() || signed(T::DTYPE) {
+                2.0
+            } else {
+                0.0
+            },
+    )
+}
+
+fn signed(d: DType) -> bool {
+    matches!(d, DType::I8 | DType::I32 | DType::I64)
+}
+
+/// Run the sweep, calling `emit` with each row as it is measured.
+pub fn run(opts: &Options, machine: &Machine, emit: &(dyn Fn(&Row) + Sync)) -> Result<Vec<Row>> {
+    match opts.device {
+        DeviceKind::Cpu => {}
+        DeviceKind::Gpu => {
+            return Err(Error::Unavailable {
+                what: "GPU".into(),
+                why: "this build of tutti has no CUDA support".into(),
+            })
+        }
+        DeviceKind::Xla => {
+            return Err(Error::Unavailable {
+                what: "XLA".into(),
+                why: "this build of tutti has no PJRT support".into(),
+            })
+        }
+    }
+    if opts.collective == Collective::Barrier {
+        return Err(Error::config(
+            "perf measures data collectives; barrier moves no bytes",
+        ));
+    }
+    if opts.ranks == 0 {
+        return Err(Error::config("perf needs at least one rank (-n)"));
+    }
+    let config = opts.config.clone().with_algorithm(opts.algorithm);
+    let rows = run_local(opts.ranks, &config, |comm| -> Result<Vec<Row>> {
+        let mut rows = Vec::new();
+        for bytes in sizes(opts.min_bytes, opts.max_bytes, opts.factor) {
+            let row = crate::for_each_dtype!(opts.dtype, T => { one_size::<T>(comm, opts, machine, bytes)? });
+            if let Some(row) = row {
+                if comm.rank() == 0 {
+                    emit(&row);
+                }
+                rows.push(row);
+            }
+        }
+        Ok(rows)
+    })?;
+    rows.into_iter().next().expect("at least one rank")
+}
+
+/// Buffers of one rank for one size.
+struct Bufs<T> {
+    input: Vec<T>,
+    output: Vec<T>,
+}
+
+fn one_size<T: Element>(
+    comm: &Communicator,
+    opts: &Options,
+    machine: &Machine,
+    bytes: usize,
+) -> Result<Option<Row>> {
+    let (p, r) = (comm.world_size(), comm.rank());
+    let c = opts.collective;
+    let esize = T::DTYPE.size();
+    // Elements in `bytes`, a multiple of the ranks where the collective splits it.
+    let mut count = bytes / esize;
+    if matches!(c, Collective::AllGather | Collective::ReduceScatter) {
+        count -= count % p;
+    }
+    if count == 0 {
+        return Ok(None);
+    }
+    let (in_len, out_len) = match c {
+        Collective::AllGather => (count / p, count),
+        Collective::ReduceScatter => (count, count / p),
+        _ => (count, count),
+    };
+    let fresh = |b: &mut Bufs<T>| {
+        b.input
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| *x = pattern(r, i));
+        let fill = |i| {
+            if c == Collective::Broadcast && r == 0 || opts.in_place {
+                pattern(r, i)
+            } else {
+                T::from_f64(0.0)
+            }
+        };
+        b.output
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| *x = fill(i));
+        if opts.in_place && c == Collective::AllGather {
+            b.output.iter_mut().for_each(|x| *x = T::from_f64(0.0));
+            let own = r * in_len;
+            for i in 0..in_len {
+                b.output[own + i] = pattern(r, i);
+            }
+        }
+    };
+    let mut b = Bufs {
+        input: vec![T::from_f64(0.0); in_len],
+        output: vec![T::from_f64(0.0); out_len],
+    };
+    fresh(&mut b);
+    run_once(comm, opts, &mut b)?;
+    let mut errors = [count_errors(comm, opts, &b) as u64];
+    comm.all_reduce(&mut errors, ReduceOp::Sum)?;
+
+    // Warm up, and let rank 0 choose the iteration count.
+    let t = Instant::now();
+    run_once(comm, opts, &mut b)?;
+    let mut iters = [opts.iters.unwrap_or_else(|| {
+        let per = t.elapsed().max(Duration::from_nanos(200));
+        (Duration::from_millis(250).as_secs_f64() / per.as_secs_f64()).clamp(3.0, 2000.0) as usize
+    }) as u64];
+    comm.broadcast(&mut iters, 0)?;
+    comm.barrier()?;
+    let t = Instant::now();
+    for _ in 0..iters[0] {
+        run_once(comm, opts, &mut b)?;
+    }
+    let mut elapsed = [t.elapsed().as_secs_f64()];
+    comm.all_reduce(&mut elapsed, ReduceOp::Max)?;
+    let time = elapsed[0] / iters[0] as f64;
+    let algbw = (count * esize) as f64 / time / 1e9;
+    Ok(Some(Row {
+        collective: c.cli_name().into(),
+        algo: opts.algorithm.to_string(),
+        ranks: p,
+        dtype: T::DTYPE.name().into(),
+        op: if matches!(c, Collective::Broadcast | Collective::AllGather) {
+            "none".into()
+        } else {
+            opts.op.name().into()
+        },
+        bytes: count * esize,
+        count,
+        time_us: time * 1e6,
+        algbw_gbps: algbw,
+        busbw_gbps: algbw * bus_factor(c, p),
+        mem_ratio: min_traffic(c, p, count * esize) / time / 1e9 / machine.copy_gbps,
+        errors: errors[0],
+    }))
+}
+
+fn run_once<T: Element>(comm: &Communicator, opts: &Options, b: &mut Bufs<T>) -> Result<()> {
+    let (op, root) = (opts.op, 0);
+    match (opts.collective, opts.in_place) {
+        (Collective::AllReduce, false) => comm.all_reduce_into(&b.input, &mut b.output, op),
+        (Collective::AllReduce, true) => comm.all_reduce(&mut b.output, op),
+        (Collective::Broadcast, _) => comm.broadcast(&mut b.output, root),
+        (Collective::AllGather, false) => comm.all_gather(&b.input, &mut b.output),
+        (Collective::AllGather, true) => comm.all_gather_in_place(&mut b.output),
+        (Collective::ReduceScatter, _) => comm.reduce_scatter(&b.input, &mut b.output, op),
+        (Collective::Reduce, false) => {
+            let out = (comm.rank() == root).then_some(&mut b.output[..]);
+            comm.reduce(&b.input, out, op, root)
+        }
+        (Collective::Reduce, true) => comm.reduce_in_place(&mut b.output, op, root),
+        (Collective::Barrier, _) => comm.barrier(),
+    }
+}
+
+/// Wrong elements in this rank's output after one run on fresh data.
+fn count_errors<T: Element>(comm: &Communicator, opts: &Options, b: &Bufs<T>) -> usize {
+    let (p, r) = (comm.world_size(), comm.rank());
+    let op = opts.op;
+    // The reduction of the pattern over every rank, for the five residues of i.
+    let reduced: Vec<T> = (0..5)
+        .map(|i| {
+            let col: Vec<T> = (0..p).map(|k| pattern(k, i)).collect();
+            let refs: Vec<&[T]> = col.iter().map(std::slice::from_ref).collect();
+            reference::reduce(&refs, op)[0]
+        })
+        .collect();
+    let tol = reference::tolerance(T::DTYPE, op, p, 2.0);
+    let bad = |got: T, want: T| reference::count_errors(&[got], &[want], tol);
+    match opts.collective {
+        Collective::AllReduce => b
+            .output
+            .iter()
+            .enumerate()
+            .map(|(i, x)| bad(*x, reduced[i % 5]))
+            .sum(),
+        Collective::Reduce if r != 0 => 0,
+        Collective::Reduce => b
+            .output
+            .iter()
+            .enumerate()
+            .map(|(i, x)| bad(*x, reduced[i % 5]))
+            .sum(),
+        Collective::Broadcast => b
+            .output
+            .iter()
+            .enumerate()
+            .map(|(i, x)| bad(*x, pattern(0, i)))
+            .sum(),
+        Collective::AllGather => {
+            let n = b.output.len() / p;
+            b.output
+                .iter()
+                .enumerate()
+                .map(|(i, x)| bad(*x, pattern(i / n, i % n)))
+                .sum()
+        }
+        Collective::ReduceScatter => {
+            let base = r * b.output.len();
+            b.output
+                .iter()
+                .enumerate()
+                .map(|(i, x)| bad(*x, reduced[(base + i) % 5]))
+                .sum()
+        }
+        Collective::Barrier => 0,
+    }
+}
