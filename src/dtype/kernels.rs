@@ -168,7 +168,7 @@ arith_int!(i64, i64);
 arith_int!(u64, u64);
 
 /// `d = d ⊕ s`, one monomorphic loop per op.
-#[inline]
+#[inline(always)]
 fn combine2<T: Arith>(op: ReduceOp, d: &mut [T], s: &[T]) {
     let s = &s[..d.len()];
     match op {
@@ -182,7 +182,7 @@ fn combine2<T: Arith>(op: ReduceOp, d: &mut [T], s: &[T]) {
 }
 
 /// `d = a ⊕ b`.
-#[inline]
+#[inline(always)]
 fn combine3<T: Arith>(op: ReduceOp, d: &mut [T], a: &[T], b: &[T]) {
     let (a, b) = (&a[..d.len()], &b[..d.len()]);
     let it = d.iter_mut().zip(a.iter().zip(b));
@@ -194,14 +194,14 @@ fn combine3<T: Arith>(op: ReduceOp, d: &mut [T], a: &[T], b: &[T]) {
     }
 }
 
-#[inline]
+#[inline(always)]
 fn divide_all<T: Arith>(d: &mut [T], n: usize) {
     d.iter_mut().for_each(|x| *x = T::div_n(*x, n));
 }
 
 /// Reduce one contiguous range (no blocking): used per block, or for the whole slice when the
 /// destination is visited only once.
-#[inline]
+#[inline(always)]
 fn reduce_range<T: Arith>(
     op: ReduceOp,
     d: &mut [T],
@@ -231,7 +231,35 @@ fn reduce_range<T: Arith>(
     }
 }
 
-fn reduce_native<T: Arith>(
+/// Run `$body` compiled for AVX2 when the CPU has it (detected once, at run time), else for the
+/// baseline target. The helpers it calls are `#[inline(always)]`, so they are compiled twice too.
+macro_rules! dispatch {
+    ($name:ident<$t:ident: $bound:ident>($($arg:ident: $ty:ty),*) $body:block) => {
+        fn $name<$t: $bound>($($arg: $ty),*) {
+            #[inline(always)]
+            fn body<$t: $bound>($($arg: $ty),*) $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma,f16c")]
+                unsafe fn avx2<$t: $bound>($($arg: $ty),*) {
+                    body::<$t>($($arg),*)
+                }
+                if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
+                    // SAFETY: the CPU has the features `avx2` was compiled for.
+                    return unsafe { avx2::<$t>($($arg),*) };
+                }
+            }
+            body::<$t>($($arg),*)
+        }
+    };
+}
+
+dispatch!(reduce_native<T: Arith>(op: ReduceOp, dst: &mut [T], srcs: &[&[T]], init: Init, div: Option<usize>) {
+    reduce_native_body(op, dst, srcs, init, div)
+});
+
+#[inline(always)]
+fn reduce_native_body<T: Arith>(
     op: ReduceOp,
     dst: &mut [T],
     srcs: &[&[T]],
@@ -255,15 +283,18 @@ trait Half: Copy + bytemuck::Pod {
 }
 
 impl Half for f16 {
+    #[inline(always)]
     fn widen(src: &[Self], dst: &mut [f32]) {
         src.convert_to_f32_slice(dst)
     }
+    #[inline(always)]
     fn narrow(src: &[f32], dst: &mut [Self]) {
         dst.convert_from_f32_slice(src)
     }
 }
 
 impl Half for bf16 {
+    #[inline(always)]
     fn widen(src: &[Self], dst: &mut [f32]) {
         // bf16 is the top half of an f32: a shift, which vectorizes.
         let bits: &[u16] = bytemuck::cast_slice(src);
@@ -271,6 +302,7 @@ impl Half for bf16 {
             .zip(bits)
             .for_each(|(d, b)| *d = f32::from_bits((*b as u32) << 16));
     }
+    #[inline(always)]
     fn narrow(src: &[f32], dst: &mut [Self]) {
         // Round to nearest even; NaNs stay quiet NaNs. Branch-free so that it vectorizes.
         let bits: &mut [u16] = bytemuck::cast_slice_mut(dst);
@@ -287,7 +319,12 @@ impl Half for bf16 {
     }
 }
 
-fn reduce_half<H: Half>(
+dispatch!(reduce_half<H: Half>(op: ReduceOp, dst: &mut [u8], srcs: &[&[u8]], init: Init, div: Option<usize>) {
+    reduce_half_body::<H>(op, dst, srcs, init, div)
+});
+
+#[inline(always)]
+fn reduce_half_body<H: Half>(
     op: ReduceOp,
     dst: &mut [u8],
     srcs: &[&[u8]],
