@@ -155,6 +155,16 @@ pub enum Error {
         /// That rank's error.
         message: String,
     },
+    /// The connection to a peer broke during a call: the peer exited, crashed or was killed.
+    #[error("{site}: lost rank {peer} ({detail}); that rank exited, crashed or was killed")]
+    PeerLost {
+        /// The call, as seen by the reporting rank.
+        site: Site,
+        /// The rank that was lost.
+        peer: usize,
+        /// What the connection reported.
+        detail: String,
+    },
     /// A blocking wait ran past the communicator's timeout.
     #[error(
         "{site}: timed out after {timeout:?} waiting for {} to {phase}; that rank is stuck, dead or \

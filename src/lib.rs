@@ -23,21 +23,25 @@
 #![warn(missing_docs)]
 
 pub mod algorithm;
+pub mod cluster;
 pub mod comm;
 pub mod device;
 pub mod dtype;
 pub mod error;
+pub mod launch;
 pub mod perf;
 pub mod reference;
 mod sync;
 pub mod transport;
 
 pub use algorithm::Algorithm;
+pub use cluster::ClusterSpec;
 pub use comm::{local_group, run_local, AbortHandle, Communicator, Config, Replicas};
 pub use device::{Device, DeviceKind};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Collective, Error, Result, Site};
 pub use half::{bf16, f16};
+pub use transport::TransportKind;
 
 /// The README's examples, compiled and run as doctests.
 #[cfg(doctest)]

@@ -3,8 +3,14 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use std::ffi::OsString;
+use std::time::Duration;
+
 use tutti::perf::{self, Options};
-use tutti::{device, Algorithm, Collective, Config, DType, DeviceKind, ReduceOp};
+use tutti::{
+    device, Algorithm, ClusterSpec, Collective, Communicator, Config, DType, DeviceKind, ReduceOp,
+    TransportKind,
+};
 
 #[derive(Parser)]
 #[command(
@@ -26,7 +32,61 @@ enum Command {
         json: bool,
     },
     /// Measure a collective over a sweep of sizes, like nccl-tests (each row checked for errors).
+    /// Under a launcher (TF_CONFIG, TUTTI_*, torchrun, mpirun, srun) it runs as one rank of that
+    /// world and rank 0 prints.
     Perf(PerfArgs),
+    /// Check every collective and algorithm against the reference, on threads or, under a
+    /// launcher, on this world.
+    Check(CheckArgs),
+    /// Start N processes of a program with the job's environment set, prefixing their output.
+    Launch(LaunchArgs),
+}
+
+#[derive(clap::Args)]
+struct LaunchArgs {
+    /// Number of processes.
+    #[arg(short = 'n', long = "nprocs", default_value_t = 2)]
+    nprocs: usize,
+    /// Worker tasks: write TF_CONFIG (with --ps) instead of TUTTI_* variables.
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Parameter-server tasks (with --workers).
+    #[arg(long, default_value_t = 0)]
+    ps: usize,
+    /// Transport for every process: auto, tcp, shm.
+    #[arg(long, value_parser = parse::<TransportKind>)]
+    transport: Option<TransportKind>,
+    /// Seconds a stopped process gets between SIGTERM and SIGKILL.
+    #[arg(long, default_value_t = 3.0)]
+    grace: f64,
+    /// The program and its arguments (`tutti` means this executable).
+    #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
+    program: Vec<OsString>,
+}
+
+#[derive(clap::Args)]
+struct CheckArgs {
+    /// Ranks (threads), when not under a launcher.
+    #[arg(short = 'n', long)]
+    ranks: Option<usize>,
+    /// Transport under a launcher: auto, tcp, shm.
+    #[arg(long, value_parser = parse::<TransportKind>)]
+    transport: Option<TransportKind>,
+    /// Element counts to check (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "0,1,7,1000,70001")]
+    counts: Vec<usize>,
+    /// Timeout of every wait, in seconds.
+    #[arg(long)]
+    timeout: Option<f64>,
+    /// After checking, keep running 4 MiB all-reduces for this many seconds (fault drills).
+    #[arg(long, hide = true)]
+    busy_secs: Option<f64>,
+    /// Before checking, make one call on rank --inject-rank differ (count, dtype, op or
+    /// collective) and require every rank to see the error.
+    #[arg(long, hide = true)]
+    inject: Option<String>,
+    #[arg(long, hide = true, default_value_t = 1)]
+    inject_rank: usize,
 }
 
 #[derive(clap::Args)]
@@ -67,9 +127,45 @@ struct PerfArgs {
     /// Timeout of every wait, in seconds.
     #[arg(long)]
     timeout: Option<f64>,
+    /// Transport under a launcher: auto, tcp, shm.
+    #[arg(long, value_parser = parse::<TransportKind>)]
+    transport: Option<TransportKind>,
     /// Print JSON Lines: a machine line, then a line per size.
     #[arg(long)]
     json: bool,
+}
+
+fn config_with_timeout(timeout: Option<f64>) -> Result<Config, tutti::Error> {
+    let mut config = Config::default();
+    if let Some(t) = timeout {
+        if !(t.is_finite() && t > 0.0) {
+            return Err(tutti::Error::config(format!(
+                "--timeout {t}: must be a positive number of seconds"
+            )));
+        }
+        config.timeout = Duration::from_secs_f64(t);
+    }
+    Ok(config)
+}
+
+/// The communicator of this process when it runs under a launcher, else `None`.
+fn launched_comm(
+    transport: Option<TransportKind>,
+    config: &Config,
+) -> Result<Option<Communicator>, tutti::Error> {
+    let Some(spec) = ClusterSpec::from_env()? else {
+        return Ok(None);
+    };
+    let kind = match transport {
+        Some(k) => k,
+        None => match std::env::var("TUTTI_TRANSPORT") {
+            Ok(v) => v
+                .parse()
+                .map_err(|e: String| tutti::Error::config(format!("TUTTI_TRANSPORT: {e}")))?,
+            Err(_) => TransportKind::Auto,
+        },
+    };
+    Communicator::from_cluster(&spec, kind, config).map(Some)
 }
 
 fn parse<T: std::str::FromStr<Err = String>>(s: &str) -> Result<T, String> {
@@ -110,26 +206,21 @@ fn devices(json: bool) -> Result<(), tutti::Error> {
 }
 
 fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
-    let mut config = Config::default();
-    if let Some(t) = a.timeout {
-        if !(t.is_finite() && t > 0.0) {
-            return Err(tutti::Error::config(format!(
-                "--timeout {t}: must be a positive number of seconds"
-            )));
-        }
-        config.timeout = std::time::Duration::from_secs_f64(t);
-    }
+    let config = config_with_timeout(a.timeout)?;
     if a.min_bytes > a.max_bytes {
         return Err(tutti::Error::config(format!(
             "-b {} is larger than -e {}: nothing to measure",
             a.min_bytes, a.max_bytes
         )));
     }
+    let comm = launched_comm(a.transport, &config.clone().with_algorithm(a.algo))?;
     let defaults = Options::default();
     let opts = Options {
         collective: a.collective,
         algorithm: a.algo,
-        ranks: a.ranks.unwrap_or(defaults.ranks),
+        ranks: comm
+            .as_ref()
+            .map_or(a.ranks.unwrap_or(defaults.ranks), |c| c.world_size()),
         min_bytes: a.min_bytes,
         max_bytes: a.max_bytes,
         factor: a.factor,
@@ -140,12 +231,39 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
         iters: a.iters,
         config,
     };
-    let machine = perf::machine();
-    if a.json {
-        println!("{}", serde_json::json!({ "machine": machine }));
+    let lead = comm.as_ref().is_none_or(|c| c.rank() == 0);
+    // Rank 0 measures the machine while the others wait; they learn the copy bandwidth from it.
+    let mut machine = if lead {
+        perf::machine(comm.is_some())?
     } else {
+        perf::Machine {
+            copy_gbps: 0.0,
+            cores: 0,
+            cpu: String::new(),
+            memory_bytes: 0,
+            tcp_gbps: None,
+        }
+    };
+    if let Some(c) = &comm {
+        let mut bw = [machine.copy_gbps];
+        c.broadcast(&mut bw, 0)?;
+        machine.copy_gbps = bw[0];
+    }
+    let carrier = match &comm {
+        Some(_) => format!(
+            "processes, transport {}",
+            a.transport.map_or_else(
+                || std::env::var("TUTTI_TRANSPORT").unwrap_or_else(|_| "auto".into()),
+                |t| t.to_string()
+            )
+        ),
+        None => "threads".to_string(),
+    };
+    if lead && a.json {
+        println!("{}", serde_json::json!({ "machine": machine }));
+    } else if lead {
         println!(
-            "# tutti perf: {} algo {} on {} ranks (threads), {} {}, {}, device {}",
+            "# tutti perf: {} algo {} on {} ranks ({carrier}), {} {}, {}, device {}",
             opts.collective.cli_name(),
             opts.algorithm,
             opts.ranks,
@@ -158,8 +276,11 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
             },
             opts.device
         );
+        let tcp = machine.tcp_gbps.map_or(String::new(), |t| {
+            format!(", loopback TCP {t:.2} GB/s per direction")
+        });
         println!(
-            "# machine: copy bandwidth {:.1} GB/s (read + write, {} cores), {}",
+            "# machine: copy bandwidth {:.1} GB/s (read + write, {} cores){tcp}, {}",
             machine.copy_gbps, machine.cores, machine.cpu
         );
         println!(
@@ -168,7 +289,7 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
         );
     }
     let json = a.json;
-    let rows = perf::run(&opts, &machine, &|row| {
+    let emit = |row: &perf::Row| {
         if json {
             println!("{}", serde_json::to_string(row).expect("a row serializes"));
         } else {
@@ -183,7 +304,11 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
                 row.errors
             );
         }
-    })?;
+    };
+    let rows = match &comm {
+        Some(c) => perf::run_on(c, &opts, &machine, &emit)?,
+        None => perf::run(&opts, &machine, &emit)?,
+    };
     let wrong: u64 = rows.iter().map(|r| r.errors).sum();
     if wrong > 0 {
         return Err(tutti::Error::System {
@@ -194,14 +319,119 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
     Ok(())
 }
 
+/// One mismatched call on `inject_rank`; every rank must get an error, and the communicator must
+/// stay usable.
+fn inject(comm: &Communicator, kind: &str, inject_rank: usize) -> Result<(), tutti::Error> {
+    let odd = comm.rank() == inject_rank;
+    let r = match kind {
+        "count" => comm.all_reduce(&mut vec![1.0f32; if odd { 5 } else { 4 }], ReduceOp::Sum),
+        "dtype" if odd => comm.all_reduce(&mut [1.0f64; 4], ReduceOp::Sum),
+        "dtype" => comm.all_reduce(&mut [1.0f32; 4], ReduceOp::Sum),
+        "op" => comm.all_reduce(
+            &mut [1.0f32; 4],
+            if odd { ReduceOp::Max } else { ReduceOp::Sum },
+        ),
+        "order" if odd => comm.broadcast(&mut [1.0f32; 4], 0),
+        "order" => comm.all_reduce(&mut [1.0f32; 4], ReduceOp::Sum),
+        _ => {
+            return Err(tutti::Error::config(format!(
+                "--inject {kind}: expected count, dtype, op or order"
+            )))
+        }
+    };
+    match r {
+        Err(e) => {
+            eprintln!("injected mismatch detected: {e}");
+            Ok(())
+        }
+        Ok(()) => Err(tutti::Error::System {
+            what: "check".into(),
+            message: format!("the injected {kind} mismatch went unnoticed"),
+        }),
+    }
+}
+
+fn check_one_rank(comm: &mut Communicator, a: &CheckArgs) -> Result<usize, tutti::Error> {
+    if let Some(kind) = &a.inject {
+        inject(comm, kind, a.inject_rank)?;
+    }
+    let calls = perf::check(comm, &a.counts)?;
+    if let Some(secs) = a.busy_secs {
+        comm.set_algorithm(Algorithm::Auto)?;
+        let t = std::time::Instant::now();
+        let mut buf = vec![1.0f32; 1 << 20];
+        while t.elapsed().as_secs_f64() < secs {
+            buf.fill(1.0);
+            comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+        }
+    }
+    Ok(calls)
+}
+
+fn check_cmd(a: CheckArgs) -> Result<(), tutti::Error> {
+    let config = config_with_timeout(a.timeout)?;
+    match launched_comm(a.transport, &config)? {
+        Some(mut comm) => {
+            let calls = check_one_rank(&mut comm, &a)?;
+            println!(
+                "rank {} of {}: {calls} calls checked, all correct",
+                comm.rank(),
+                comm.world_size()
+            );
+        }
+        None => {
+            let n = a.ranks.unwrap_or_else(|| device::host().cores.max(2));
+            let results = tutti::local_group(n, &config).and_then(|comms| {
+                std::thread::scope(|s| {
+                    let a = &a;
+                    let hs: Vec<_> = comms
+                        .into_iter()
+                        .map(|mut c| s.spawn(move || check_one_rank(&mut c, a)))
+                        .collect();
+                    hs.into_iter()
+                        .map(|h| {
+                            h.join()
+                                .unwrap_or_else(|_| Err(tutti::Error::config("a rank panicked")))
+                        })
+                        .collect::<Result<Vec<_>, _>>()
+                })
+            })?;
+            println!(
+                "{n} ranks (threads): {} calls checked, all correct",
+                results[0]
+            );
+        }
+    }
+    Ok(())
+}
+
+fn launch_cmd(a: LaunchArgs) -> Result<i32, tutti::Error> {
+    if !(a.grace.is_finite() && a.grace >= 0.0) {
+        return Err(tutti::Error::config(
+            "--grace must be a non-negative number of seconds",
+        ));
+    }
+    tutti::launch::run(&tutti::launch::Launch {
+        nprocs: a.nprocs,
+        workers: a.workers,
+        ps: a.ps,
+        transport: a.transport,
+        program: a.program,
+        grace: Duration::from_secs_f64(a.grace),
+    })
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.command {
-        Command::Devices { json } => devices(json),
-        Command::Perf(a) => perf_cmd(a),
+        Command::Devices { json } => devices(json).map(|_| 0),
+        Command::Perf(a) => perf_cmd(a).map(|_| 0),
+        Command::Check(a) => check_cmd(a).map(|_| 0),
+        Command::Launch(a) => launch_cmd(a),
     };
     match r {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(0) => ExitCode::SUCCESS,
+        Ok(code) => ExitCode::from(code.clamp(1, 255) as u8),
         Err(e) => {
             eprintln!("tutti: {e}");
             ExitCode::FAILURE

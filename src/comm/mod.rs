@@ -18,9 +18,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::algorithm::{self, Algorithm, Ctx};
+use crate::cluster::ClusterSpec;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Collective, Error, Result, Site};
-use crate::transport::{CallBuffers, CallHeader, Transport};
+use crate::transport::{CallBuffers, CallHeader, NetTransport, Transport, TransportKind};
 
 /// Settings of a communicator.
 #[derive(Clone, Debug, PartialEq)]
@@ -160,6 +161,43 @@ impl Communicator {
         }
     }
 
+    /// Join the job that this process's environment describes (`TUTTI_*`, `TF_CONFIG`, torchrun,
+    /// mpirun or srun variables; see [`crate::cluster`]), over the transport `TUTTI_TRANSPORT`
+    /// names (`auto` by default: shared memory for peers on this host, TCP for the others).
+    ///
+    /// ```no_run
+    /// // Under `tutti launch -n 2 -- ./trainer`, torchrun, mpirun or a TF_CONFIG job:
+    /// let comm = tutti::Communicator::from_env(&tutti::Config::default()).unwrap();
+    /// let mut grad = vec![1.0f32; 1024];
+    /// comm.all_reduce(&mut grad, tutti::ReduceOp::Mean).unwrap();
+    /// ```
+    pub fn from_env(config: &Config) -> Result<Communicator> {
+        let spec = ClusterSpec::from_env()?.ok_or_else(|| {
+            Error::config(
+                "no cluster in the environment: run under tutti launch, torchrun, mpirun or srun, or set TF_CONFIG or TUTTI_RANK, TUTTI_WORLD_SIZE and TUTTI_MASTER_ADDR",
+            )
+        })?;
+        let kind = match std::env::var("TUTTI_TRANSPORT") {
+            Ok(v) => v
+                .parse::<TransportKind>()
+                .map_err(|e| Error::config(format!("TUTTI_TRANSPORT: {e}")))?,
+            Err(_) => TransportKind::Auto,
+        };
+        Communicator::from_cluster(&spec, kind, config)
+    }
+
+    /// Join the job `spec` describes over `kind` of transport: rendezvous through the store that
+    /// rank 0 serves, then a connection to every peer, each proving the job token.
+    pub fn from_cluster(
+        spec: &ClusterSpec,
+        kind: TransportKind,
+        config: &Config,
+    ) -> Result<Communicator> {
+        config.check(spec.world_size)?;
+        let t = NetTransport::connect(spec, kind, config.timeout, config.chunk_bytes)?;
+        Ok(Communicator::new(Arc::new(t), config))
+    }
+
     /// This rank, in `0..world_size()`.
     pub fn rank(&self) -> usize {
         self.transport.rank()
@@ -173,6 +211,11 @@ impl Communicator {
     /// The bound on every wait.
     pub fn timeout(&self) -> Duration {
         self.transport.timeout()
+    }
+
+    /// True when the transport lets ranks read each other's buffers (the `direct` algorithm).
+    pub fn has_peer_memory(&self) -> bool {
+        self.transport.peer_memory().is_some()
     }
 
     /// The algorithm used by the collectives.

@@ -83,6 +83,10 @@ pub struct Machine {
     pub cpu: String,
     /// Total memory in bytes.
     pub memory_bytes: u64,
+    /// Loopback TCP rate, GB/s per direction: two endpoints each sending large messages to the
+    /// other while receiving from it (plain sockets, no reduction). Measured for process runs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tcp_gbps: Option<f64>,
 }
 
 /// One row: one size.
@@ -136,15 +140,87 @@ pub fn copy_gbps() -> f64 {
     2.0 * BYTES as f64 / best / 1e9
 }
 
-/// The machine line, with the copy bandwidth measured now.
-pub fn machine() -> Machine {
+/// The machine line, with the copy bandwidth (and for process runs, the TCP rate) measured now.
+pub fn machine(with_tcp: bool) -> Result<Machine> {
     let h = device::host();
-    Machine {
+    let tcp_gbps = if with_tcp { Some(tcp_gbps()?) } else { None };
+    Ok(Machine {
         copy_gbps: copy_gbps(),
         cores: h.cores,
         cpu: h.cpu_model,
         memory_bytes: h.memory_total_bytes,
+        tcp_gbps,
+    })
+}
+
+/// Full-duplex loopback TCP: two endpoints on two threads each send 64 MiB messages to the other
+/// while receiving the other's, through non-blocking sockets with the transport's buffer sizes;
+/// the best of three rounds, GB/s per direction.
+pub fn tcp_gbps() -> Result<f64> {
+    use std::io::{ErrorKind, Read, Write};
+    const BYTES: usize = 64 << 20;
+    let io = |e: std::io::Error| Error::io("measuring loopback TCP", e);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(io)?;
+    let a = std::net::TcpStream::connect(listener.local_addr().map_err(io)?).map_err(io)?;
+    let (b, _) = listener.accept().map_err(io)?;
+    for s in [&a, &b] {
+        s.set_nodelay(true).map_err(io)?;
+        let r = socket2::SockRef::from(s);
+        r.set_send_buffer_size(4 << 20).map_err(io)?;
+        r.set_recv_buffer_size(4 << 20).map_err(io)?;
+        s.set_nonblocking(true).map_err(io)?;
     }
+    let side = |mut s: &std::net::TcpStream| -> std::io::Result<f64> {
+        let out = vec![1u8; BYTES];
+        let mut inp = vec![0u8; BYTES];
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            let t = Instant::now();
+            let (mut sent, mut got) = (0, 0);
+            while sent < BYTES || got < BYTES {
+                let mut moved = false;
+                if sent < BYTES {
+                    match s.write(&out[sent..]) {
+                        Ok(n) => (sent, moved) = (sent + n, true),
+                        Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                if got < BYTES {
+                    match s.read(&mut inp[got..]) {
+                        Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
+                        Ok(n) => (got, moved) = (got + n, true),
+                        Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                if !moved {
+                    let ev = if sent < BYTES {
+                        libc::POLLIN | libc::POLLOUT
+                    } else {
+                        libc::POLLIN
+                    };
+                    let mut p = libc::pollfd {
+                        fd: std::os::fd::AsRawFd::as_raw_fd(s),
+                        events: ev,
+                        revents: 0,
+                    };
+                    // SAFETY: one valid pollfd.
+                    unsafe { libc::poll(&mut p, 1, 1000) };
+                }
+            }
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(BYTES as f64 / best / 1e9)
+    };
+    let (ra, rb) = std::thread::scope(|sc| {
+        let h = sc.spawn(|| side(&b));
+        (
+            side(&a),
+            h.join().unwrap_or_else(|_| Err(ErrorKind::Other.into())),
+        )
+    });
+    Ok(ra.map_err(io)?.min(rb.map_err(io)?))
 }
 
 /// The sizes of a sweep: min, min·f, … up to max.
@@ -215,7 +291,7 @@ fn signed(d: DType) -> bool {
     matches!(d, DType::I8 | DType::I32 | DType::I64)
 }
 
-/// Run the sweep, calling `emit` with each row as it is measured.
+/// Run the sweep on `opts.ranks` threads, calling `emit` with each row as it is measured.
 pub fn run(opts: &Options, machine: &Machine, emit: &(dyn Fn(&Row) + Sync)) -> Result<Vec<Row>> {
     match opts.device {
         DeviceKind::Cpu => {}
@@ -241,20 +317,119 @@ pub fn run(opts: &Options, machine: &Machine, emit: &(dyn Fn(&Row) + Sync)) -> R
         return Err(Error::config("perf needs at least one rank (-n)"));
     }
     let config = opts.config.clone().with_algorithm(opts.algorithm);
-    let rows = run_local(opts.ranks, &config, |comm| -> Result<Vec<Row>> {
-        let mut rows = Vec::new();
-        for bytes in sizes(opts.min_bytes, opts.max_bytes, opts.factor) {
-            let row = crate::for_each_dtype!(opts.dtype, T => { one_size::<T>(comm, opts, machine, bytes)? });
-            if let Some(row) = row {
-                if comm.rank() == 0 {
-                    emit(&row);
-                }
-                rows.push(row);
-            }
-        }
-        Ok(rows)
+    let rows = run_local(opts.ranks, &config, |comm| {
+        run_on(comm, opts, machine, emit)
     })?;
     rows.into_iter().next().expect("at least one rank")
+}
+
+/// Run the sweep as this communicator's rank (every rank of the world calls it); rank 0 emits.
+pub fn run_on(
+    comm: &Communicator,
+    opts: &Options,
+    machine: &Machine,
+    emit: &(dyn Fn(&Row) + Sync),
+) -> Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for bytes in sizes(opts.min_bytes, opts.max_bytes, opts.factor) {
+        let row =
+            crate::for_each_dtype!(opts.dtype, T => { one_size::<T>(comm, opts, machine, bytes)? });
+        if let Some(row) = row {
+            if comm.rank() == 0 {
+                emit(&row);
+            }
+            rows.push(row);
+        }
+    }
+    Ok(rows)
+}
+
+/// Check every collective with every algorithm on this communicator against the reference:
+/// all-reduce (every op, in place and out of place, f32 bf16 i32 u8 f64), broadcast and reduce
+/// from every root, all-gather, reduce-scatter, barrier. Every rank calls it; returns the number
+/// of calls checked, or an error naming the algorithm, collective, dtype and count that failed.
+pub fn check(comm: &mut Communicator, counts: &[usize]) -> Result<usize> {
+    let mut calls = 0;
+    for algo in Algorithm::ALL_REDUCE {
+        if algo == Algorithm::Direct && !comm.has_peer_memory() {
+            continue;
+        }
+        comm.set_algorithm(algo)?;
+        for &count in counts {
+            for dtype in [DType::F32, DType::BF16, DType::I32, DType::U8, DType::F64] {
+                calls += crate::for_each_dtype!(dtype, T => { check_one::<T>(comm, algo, count)? });
+            }
+        }
+    }
+    comm.barrier()?;
+    Ok(calls + 1)
+}
+
+fn check_one<T: Element>(comm: &Communicator, algo: Algorithm, count: usize) -> Result<usize> {
+    let (p, r) = (comm.world_size(), comm.rank());
+    let fail = |what: String| Error::System {
+        what: format!("check {algo} {} n={count}", T::DTYPE),
+        message: what,
+    };
+    let data = |k: usize, n: usize| -> Vec<T> { (0..n).map(|i| pattern(k, i)).collect() };
+    let inputs: Vec<Vec<T>> = (0..p).map(|k| data(k, count)).collect();
+    let refs: Vec<&[T]> = inputs.iter().map(|v| v.as_slice()).collect();
+    let mut calls = 0;
+    for op in ReduceOp::ALL {
+        let want = reference::reduce(&refs, op);
+        let tol = reference::tolerance(T::DTYPE, op, p, 2.0);
+        let mut buf = inputs[r].clone();
+        comm.all_reduce(&mut buf, op)?;
+        let mut out = vec![T::from_f64(0.0); count];
+        comm.all_reduce_into(&inputs[r], &mut out, op)?;
+        for (got, how) in [(&buf, "in place"), (&out, "out of place")] {
+            let bad = reference::count_errors(got, &want, tol);
+            if bad > 0 {
+                return Err(fail(format!(
+                    "all_reduce {op} {how}: {bad} of {count} elements wrong on rank {r}"
+                )));
+            }
+        }
+        calls += 2;
+    }
+    for root in 0..p {
+        let mut buf = if r == root {
+            inputs[root].clone()
+        } else {
+            vec![T::from_f64(0.0); count]
+        };
+        comm.broadcast(&mut buf, root)?;
+        if buf != inputs[root] {
+            return Err(fail(format!(
+                "broadcast from root {root}: wrong values on rank {r}"
+            )));
+        }
+        let mut out = vec![T::from_f64(0.0); count];
+        comm.reduce(
+            &inputs[r],
+            (r == root).then_some(&mut out[..]),
+            ReduceOp::Max,
+            root,
+        )?;
+        if r == root && out != reference::reduce(&refs, ReduceOp::Max) {
+            return Err(fail(format!("reduce max onto root {root}: wrong values")));
+        }
+        calls += 2;
+    }
+    let mut gathered = vec![T::from_f64(0.0); count * p];
+    comm.all_gather(&inputs[r], &mut gathered)?;
+    if gathered != inputs.concat() {
+        return Err(fail(format!("all_gather: wrong values on rank {r}")));
+    }
+    let big: Vec<Vec<T>> = (0..p).map(|k| data(k + 1, count * p)).collect();
+    let big_refs: Vec<&[T]> = big.iter().map(|v| v.as_slice()).collect();
+    let want = reference::reduce(&big_refs, ReduceOp::Min);
+    let mut slice = vec![T::from_f64(0.0); count];
+    comm.reduce_scatter(&big[r], &mut slice, ReduceOp::Min)?;
+    if slice[..] != want[r * count..(r + 1) * count] {
+        return Err(fail(format!("reduce_scatter min: wrong slice on rank {r}")));
+    }
+    Ok(calls + 2)
 }
 
 /// Buffers of one rank for one size.

@@ -15,6 +15,12 @@
 //! one process.
 
 pub mod local;
+pub mod net;
+mod shm;
+pub(crate) mod wire;
+pub use wire::random_token;
+
+pub use net::{NetTransport, TransportKind};
 
 use std::time::Duration;
 

@@ -1,0 +1,421 @@
+//! Rendezvous stores: a key-value store with `set`, `get` (waiting) and `add`, every wait bounded.
+//!
+//! [`TcpStoreServer`] is served by the chief; [`TcpStore`] is a client (every connection proves
+//! the job token first); [`FileStore`] keeps keys as files in a directory on a shared filesystem.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::{Error, Result};
+use crate::transport::wire::{handshake_client, handshake_server, log_rejected, Purpose};
+
+/// A rendezvous key-value store.
+pub trait Store: Send + Sync {
+    /// Set `key` to `value` (overwrites).
+    fn set(&self, key: &str, value: &[u8]) -> Result<()>;
+    /// The value of `key`, waiting up to `timeout` for it to be set.
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>>;
+    /// Add `delta` to the integer at `key` (0 when unset); the new value.
+    fn add(&self, key: &str, delta: i64) -> Result<i64>;
+    /// Wait until every key is set.
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        for k in keys {
+            self.get(k, deadline.saturating_duration_since(Instant::now()))?;
+        }
+        Ok(())
+    }
+}
+
+fn timeout_err(key: &str, timeout: Duration) -> Error {
+    Error::config(format!("rendezvous: key '{key}' was not set within {timeout:?} (a rank has not started, or cannot reach the store)"))
+}
+
+#[derive(Default)]
+struct Table {
+    map: Mutex<HashMap<String, Vec<u8>>>,
+    changed: Condvar,
+}
+
+impl Table {
+    fn get(&self, key: &str, timeout: Duration) -> Option<Vec<u8>> {
+        let deadline = Instant::now() + timeout;
+        let mut m = self.map.lock();
+        loop {
+            if let Some(v) = m.get(key) {
+                return Some(v.clone());
+            }
+            if self.changed.wait_until(&mut m, deadline).timed_out() {
+                return m.get(key).cloned();
+            }
+        }
+    }
+    fn set(&self, key: &str, value: &[u8]) {
+        self.map.lock().insert(key.to_string(), value.to_vec());
+        self.changed.notify_all();
+    }
+    fn add(&self, key: &str, delta: i64) -> i64 {
+        let mut m = self.map.lock();
+        let cur = m
+            .get(key)
+            .and_then(|v| std::str::from_utf8(v).ok()?.parse::<i64>().ok())
+            .unwrap_or(0);
+        let new = cur + delta;
+        m.insert(key.to_string(), new.to_string().into_bytes());
+        drop(m);
+        self.changed.notify_all();
+        new
+    }
+}
+
+const OP_SET: u8 = 1;
+const OP_GET: u8 = 2;
+const OP_ADD: u8 = 3;
+const MAX_FIELD: usize = 1 << 20;
+
+fn read_field(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let mut n = [0u8; 4];
+    s.read_exact(&mut n)?;
+    let n = u32::from_le_bytes(n) as usize;
+    if n > MAX_FIELD {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "field too large",
+        ));
+    }
+    let mut v = vec![0u8; n];
+    s.read_exact(&mut v)?;
+    Ok(v)
+}
+
+fn write_fields(s: &mut TcpStream, head: u8, fields: &[&[u8]]) -> std::io::Result<()> {
+    let mut out = vec![head];
+    for f in fields {
+        out.extend_from_slice(&(f.len() as u32).to_le_bytes());
+        out.extend_from_slice(f);
+    }
+    s.write_all(&out)
+}
+
+/// The store server, run by the chief. Stops when dropped.
+pub struct TcpStoreServer {
+    addr: std::net::SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl TcpStoreServer {
+    /// Listen on `addr` (`host:port`; port 0 picks one) for clients that prove `token`.
+    pub fn start(addr: &str, token: &str) -> Result<TcpStoreServer> {
+        let listener = TcpListener::bind(addr)
+            .map_err(|e| Error::io(format!("rendezvous store: listening on {addr}"), e))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| Error::io("rendezvous store", e))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let table = Arc::new(Table::default());
+        let token = token.to_string();
+        let stop2 = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("tutti-store".into())
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    if stop2.load(Ordering::Acquire) {
+                        break;
+                    }
+                    let Ok(mut s) = conn else { continue };
+                    let (table, token, stop) = (table.clone(), token.clone(), stop2.clone());
+                    let _ = std::thread::Builder::new()
+                        .name("tutti-store-conn".into())
+                        .spawn(move || {
+                            if let Err(e) = handshake_server(
+                                &mut s,
+                                &token,
+                                Purpose::Store,
+                                Duration::from_secs(10),
+                            ) {
+                                log_rejected("rendezvous store", &e);
+                                return;
+                            }
+                            let _ = s.set_read_timeout(None);
+                            let _ = s.set_nodelay(true);
+                            serve(&mut s, &table, &stop);
+                        });
+                }
+            })
+            .map_err(|e| Error::io("starting the rendezvous store", e))?;
+        Ok(TcpStoreServer {
+            addr: local,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// The address it listens on.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+}
+
+fn serve(s: &mut TcpStream, table: &Table, stop: &AtomicBool) {
+    loop {
+        let mut op = [0u8; 1];
+        if s.read_exact(&mut op).is_err() || stop.load(Ordering::Acquire) {
+            return;
+        }
+        let Ok(key) = read_field(s).map(|k| String::from_utf8_lossy(&k).into_owned()) else {
+            return;
+        };
+        let Ok(arg) = read_field(s) else { return };
+        let ok = match op[0] {
+            OP_SET => {
+                table.set(&key, &arg);
+                write_fields(s, 0, &[&[]])
+            }
+            OP_GET => {
+                let ms = arg
+                    .get(..8)
+                    .map_or(0, |b| u64::from_le_bytes(b.try_into().expect("8 bytes")));
+                match table.get(&key, Duration::from_millis(ms)) {
+                    Some(v) => write_fields(s, 0, &[&v]),
+                    None => write_fields(s, 1, &[]),
+                }
+            }
+            OP_ADD => {
+                let d = arg
+                    .get(..8)
+                    .map_or(0, |b| i64::from_le_bytes(b.try_into().expect("8 bytes")));
+                write_fields(s, 0, &[&table.add(&key, d).to_le_bytes()])
+            }
+            _ => return,
+        };
+        if ok.is_err() {
+            return;
+        }
+    }
+}
+
+impl Drop for TcpStoreServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // Wake the accept loop.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A client of a [`TcpStoreServer`].
+pub struct TcpStore {
+    conn: Mutex<TcpStream>,
+    addr: String,
+}
+
+impl TcpStore {
+    /// Connect to `addr`, retrying until `timeout` (the server may not be up yet).
+    pub fn connect(addr: &str, token: &str, timeout: Duration) -> Result<TcpStore> {
+        let deadline = Instant::now() + timeout;
+        let mut last = String::new();
+        let mut pause = Duration::from_millis(5);
+        while Instant::now() < deadline {
+            let attempt = (|| -> Result<TcpStream> {
+                let sa = addr
+                    .to_socket_addrs()
+                    .map_err(|e| Error::io(format!("rendezvous store: resolving {addr}"), e))?
+                    .next()
+                    .ok_or_else(|| {
+                        Error::config(format!("rendezvous store: {addr} resolves to nothing"))
+                    })?;
+                let mut s = TcpStream::connect_timeout(&sa, Duration::from_secs(2))
+                    .map_err(|e| Error::io(format!("rendezvous store: connecting to {addr}"), e))?;
+                handshake_client(
+                    &mut s,
+                    token,
+                    Purpose::Store,
+                    u32::MAX,
+                    Duration::from_secs(10),
+                )?;
+                s.set_read_timeout(None)
+                    .map_err(|e| Error::io("rendezvous store", e))?;
+                let _ = s.set_nodelay(true);
+                Ok(s)
+            })();
+            match attempt {
+                Ok(s) => {
+                    return Ok(TcpStore {
+                        conn: Mutex::new(s),
+                        addr: addr.to_string(),
+                    })
+                }
+                Err(e @ Error::InvalidArgument { .. }) => return Err(e),
+                Err(e) => last = e.to_string(),
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(200));
+        }
+        Err(Error::config(format!(
+            "rendezvous store at {addr} not reachable within {timeout:?}: {last}"
+        )))
+    }
+
+    fn request(&self, op: u8, key: &str, arg: &[u8], wait: Duration) -> Result<(u8, Vec<u8>)> {
+        let mut s = self.conn.lock();
+        let io = |e: std::io::Error| Error::io(format!("rendezvous store at {}", self.addr), e);
+        s.set_read_timeout(Some(wait + Duration::from_secs(10)))
+            .map_err(io)?;
+        write_fields(&mut s, op, &[key.as_bytes(), arg]).map_err(io)?;
+        let mut status = [0u8; 1];
+        s.read_exact(&mut status).map_err(io)?;
+        let v = if status[0] == 0 {
+            read_field(&mut s).map_err(io)?
+        } else {
+            Vec::new()
+        };
+        Ok((status[0], v))
+    }
+}
+
+impl Store for TcpStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.request(OP_SET, key, value, Duration::ZERO).map(drop)
+    }
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let ms = (timeout.as_millis() as u64).to_le_bytes();
+        match self.request(OP_GET, key, &ms, timeout)? {
+            (0, v) => Ok(v),
+            _ => Err(timeout_err(key, timeout)),
+        }
+    }
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        let (_, v) = self.request(OP_ADD, key, &delta.to_le_bytes(), Duration::ZERO)?;
+        Ok(i64::from_le_bytes(
+            v.get(..8).and_then(|b| b.try_into().ok()).unwrap_or([0; 8]),
+        ))
+    }
+}
+
+/// Keys as files in a directory (a filesystem every rank shares).
+pub struct FileStore {
+    dir: PathBuf,
+    lock: Mutex<()>,
+}
+
+impl FileStore {
+    /// A store in `dir` (created if missing).
+    pub fn new(dir: impl Into<PathBuf>) -> Result<FileStore> {
+        let dir = dir.into();
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| Error::io(format!("file store {}", dir.display()), e))?;
+        Ok(FileStore {
+            dir,
+            lock: Mutex::new(()),
+        })
+    }
+    fn path(&self, key: &str) -> PathBuf {
+        let name: String = key.bytes().map(|b| format!("{b:02x}")).collect();
+        self.dir.join(name)
+    }
+}
+
+impl Store for FileStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        let p = self.path(key);
+        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+        std::fs::write(&tmp, value)
+            .and_then(|_| std::fs::rename(&tmp, &p))
+            .map_err(|e| Error::io(format!("file store: writing {}", p.display()), e))
+    }
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let deadline = Instant::now() + timeout;
+        let mut pause = Duration::from_millis(1);
+        loop {
+            if let Ok(v) = std::fs::read(self.path(key)) {
+                return Ok(v);
+            }
+            if Instant::now() >= deadline {
+                return Err(timeout_err(key, timeout));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(50));
+        }
+    }
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        // Atomic across processes through an exclusive lock file.
+        let _g = self.lock.lock();
+        let lock = self.path(&format!("{key}.lock"));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&lock)
+            {
+                Ok(_) => break,
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(1)),
+                Err(e) => {
+                    return Err(Error::io(
+                        format!("file store: locking {}", lock.display()),
+                        e,
+                    ))
+                }
+            }
+        }
+        let cur = std::fs::read(self.path(key))
+            .ok()
+            .and_then(|v| String::from_utf8(v).ok()?.parse::<i64>().ok())
+            .unwrap_or(0);
+        let r = self.set(key, (cur + delta).to_string().as_bytes());
+        let _ = std::fs::remove_file(&lock);
+        r.map(|_| cur + delta)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tcp_store_set_get_add_and_wrong_token() {
+        let server = TcpStoreServer::start("127.0.0.1:0", "tok").unwrap();
+        let addr = server.addr().to_string();
+        let a = TcpStore::connect(&addr, "tok", Duration::from_secs(5)).unwrap();
+        let b = TcpStore::connect(&addr, "tok", Duration::from_secs(5)).unwrap();
+        let t = std::thread::spawn(move || b.get("k", Duration::from_secs(5)).unwrap());
+        std::thread::sleep(Duration::from_millis(20));
+        a.set("k", b"v").unwrap();
+        assert_eq!(t.join().unwrap(), b"v");
+        assert_eq!(a.add("n", 2).unwrap(), 2);
+        assert_eq!(a.add("n", 3).unwrap(), 5);
+        let e = a.get("missing", Duration::from_millis(50)).unwrap_err();
+        assert!(e.to_string().contains("'missing' was not set"), "{e}");
+        let e = TcpStore::connect(&addr, "wrong", Duration::from_secs(5))
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("job token"), "{e}");
+        // Garbage does not disturb the store.
+        let mut g = TcpStream::connect(server.addr()).unwrap();
+        let _ = g.write_all(b"GET / HTTP/1.1\r\n\r\n");
+        a.set("k2", b"still fine").unwrap();
+        assert_eq!(a.get("k2", Duration::from_secs(1)).unwrap(), b"still fine");
+    }
+
+    #[test]
+    fn file_store() {
+        let dir = std::env::temp_dir().join(format!("tutti-fs-{}", std::process::id()));
+        let s = FileStore::new(&dir).unwrap();
+        s.set("a/b", b"1").unwrap();
+        assert_eq!(s.get("a/b", Duration::from_millis(10)).unwrap(), b"1");
+        assert_eq!(s.add("c", 4).unwrap(), 4);
+        assert_eq!(s.add("c", -1).unwrap(), 3);
+        assert!(s.get("nope", Duration::from_millis(20)).is_err());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

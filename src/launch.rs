@@ -1,0 +1,239 @@
+//! `tutti launch`: start the processes of a job on this host.
+//!
+//! Each process gets the job's environment: `TUTTI_RANK`, `TUTTI_WORLD_SIZE`, `TUTTI_LOCAL_RANK`,
+//! `TUTTI_LOCAL_WORLD_SIZE`, `TUTTI_MASTER_ADDR` (a loopback port chosen by the OS) and a fresh
+//! random `TUTTI_JOB_TOKEN`; or, with workers and parameter servers, a `TF_CONFIG` naming every
+//! task. Every line a process prints is prefixed with its rank (or task). When a process fails,
+//! the others are stopped (SIGTERM, then SIGKILL after a grace period) and the launch fails with
+//! that process's status.
+
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::transport::wire::random_token;
+use crate::transport::TransportKind;
+
+/// What to start.
+#[derive(Clone, Debug, Default)]
+pub struct Launch {
+    /// Number of processes (ranks), when no task lists are given.
+    pub nprocs: usize,
+    /// Worker tasks (TF_CONFIG mode).
+    pub workers: Option<usize>,
+    /// Parameter-server tasks (TF_CONFIG mode).
+    pub ps: usize,
+    /// Transport for every process (`TUTTI_TRANSPORT`).
+    pub transport: Option<TransportKind>,
+    /// The program and its arguments. `tutti` means this very executable.
+    pub program: Vec<OsString>,
+    /// Time a stopped process gets between SIGTERM and SIGKILL.
+    pub grace: Duration,
+}
+
+fn free_port() -> Result<u16> {
+    let l =
+        std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| Error::io("choosing a port", e))?;
+    Ok(l.local_addr()
+        .map_err(|e| Error::io("choosing a port", e))?
+        .port())
+}
+
+fn describe(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exit status {c}"),
+        (None, Some(s)) => format!("killed by signal {s}"),
+        _ => "an unknown status".into(),
+    }
+}
+
+fn exit_code(status: ExitStatus) -> i32 {
+    use std::os::unix::process::ExitStatusExt;
+    status
+        .code()
+        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
+        .max(1)
+}
+
+/// The environment of each process, with its label.
+fn plan(l: &Launch) -> Result<Vec<(String, Vec<(String, String)>)>> {
+    let token = random_token()?;
+    let transport = l
+        .transport
+        .map(|t| ("TUTTI_TRANSPORT".to_string(), t.to_string()));
+    let mut out = Vec::new();
+    if let Some(workers) = l.workers {
+        if workers == 0 {
+            return Err(Error::config("tutti launch: --workers must be at least 1"));
+        }
+        let mut tasks = Vec::new();
+        for (ty, n) in [("worker", workers), ("ps", l.ps)] {
+            for i in 0..n {
+                tasks.push((ty, i, format!("127.0.0.1:{}", free_port()?)));
+            }
+        }
+        let list = |ty: &str| {
+            tasks
+                .iter()
+                .filter(|t| t.0 == ty)
+                .map(|t| t.2.clone())
+                .collect::<Vec<_>>()
+        };
+        let mut cluster = serde_json::json!({ "worker": list("worker") });
+        if l.ps > 0 {
+            cluster["ps"] = serde_json::json!(list("ps"));
+        }
+        for (ty, i, _) in &tasks {
+            let tf = serde_json::json!({ "cluster": cluster, "task": { "type": ty, "index": i } });
+            let mut env = vec![
+                ("TF_CONFIG".to_string(), tf.to_string()),
+                ("TUTTI_JOB_TOKEN".to_string(), token.clone()),
+            ];
+            env.extend(transport.clone());
+            out.push((format!("{ty}:{i}"), env));
+        }
+    } else {
+        if l.nprocs == 0 {
+            return Err(Error::config("tutti launch: -n must be at least 1"));
+        }
+        let master = format!("127.0.0.1:{}", free_port()?);
+        for r in 0..l.nprocs {
+            let mut env: Vec<(String, String)> = [
+                ("TUTTI_RANK", r.to_string()),
+                ("TUTTI_WORLD_SIZE", l.nprocs.to_string()),
+                ("TUTTI_LOCAL_RANK", r.to_string()),
+                ("TUTTI_LOCAL_WORLD_SIZE", l.nprocs.to_string()),
+                ("TUTTI_MASTER_ADDR", master.clone()),
+                ("TUTTI_JOB_TOKEN", token.clone()),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+            env.extend(transport.clone());
+            out.push((r.to_string(), env));
+        }
+    }
+    Ok(out)
+}
+
+fn relay(
+    label: String,
+    from: impl std::io::Read + Send + 'static,
+    to_stderr: bool,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        for line in BufReader::new(from).lines() {
+            let Ok(line) = line else { break };
+            if to_stderr {
+                let _ = writeln!(std::io::stderr().lock(), "[{label}] {line}");
+            } else {
+                let _ = writeln!(std::io::stdout().lock(), "[{label}] {line}");
+            }
+        }
+    })
+}
+
+fn terminate(children: &mut [(String, Child, Option<ExitStatus>)], grace: Duration) {
+    for (_, c, st) in children.iter_mut() {
+        if st.is_none() {
+            // SAFETY: signalling a child we started and have not reaped.
+            unsafe { libc::kill(c.id() as libc::pid_t, libc::SIGTERM) };
+        }
+    }
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline
+        && children
+            .iter_mut()
+            .any(|(_, c, st)| st.is_none() && c.try_wait().ok().flatten().is_none())
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for (_, c, _) in children.iter_mut() {
+        let _ = c.kill();
+    }
+}
+
+/// Run the job; the exit code for the launcher (0 when every process succeeded).
+pub fn run(l: &Launch) -> Result<i32> {
+    let Some(prog) = l.program.first() else {
+        return Err(Error::config(
+            "tutti launch: no program given (tutti launch -n 2 -- PROGRAM ARGS...)",
+        ));
+    };
+    let exe = if prog == "tutti" {
+        std::env::current_exe()
+            .map_err(|e| Error::io("locating the tutti executable", e))?
+            .into_os_string()
+    } else {
+        prog.clone()
+    };
+    let mut children: Vec<(String, Child, Option<ExitStatus>)> = Vec::new();
+    let mut relays = Vec::new();
+    for (label, env) in plan(l)? {
+        let spawned = Command::new(&exe)
+            .args(&l.program[1..])
+            .envs(env)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn();
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                terminate(&mut children, l.grace);
+                return Err(Error::io(
+                    format!("tutti launch: starting {}", exe.to_string_lossy()),
+                    e,
+                ));
+            }
+        };
+        relays.push(relay(
+            label.clone(),
+            child.stdout.take().expect("piped"),
+            false,
+        ));
+        relays.push(relay(
+            label.clone(),
+            child.stderr.take().expect("piped"),
+            true,
+        ));
+        children.push((label, child, None));
+    }
+    let mut failed: Option<(String, ExitStatus)> = None;
+    loop {
+        for (label, c, st) in children.iter_mut().filter(|x| x.2.is_none()) {
+            if let Ok(Some(s)) = c.try_wait() {
+                *st = Some(s);
+                if !s.success() && failed.is_none() {
+                    failed = Some((label.clone(), s));
+                }
+            }
+        }
+        if let Some((label, s)) = &failed {
+            if children.iter().any(|x| x.2.is_none()) {
+                eprintln!(
+                    "tutti launch: {label} failed ({}); stopping the others",
+                    describe(*s)
+                );
+                terminate(&mut children, l.grace);
+            }
+            break;
+        }
+        if children.iter().all(|x| x.2.is_some()) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for (_, c, st) in children.iter_mut() {
+        if st.is_none() {
+            *st = c.wait().ok();
+        }
+    }
+    for r in relays {
+        let _ = r.join();
+    }
+    Ok(failed.map_or(0, |(_, s)| exit_code(s)))
+}

@@ -1,0 +1,1037 @@
+//! The transport between processes and hosts: one TCP connection per peer, with the bytes of
+//! peers on the same host moved through shared memory when asked to (see [`super::shm`]).
+//!
+//! Setup goes through the rendezvous store: every rank listens on its configured host (a port
+//! chosen by the OS), publishes its address, connects to the lower ranks and accepts the higher
+//! ones. Every connection proves the job token (a mutual HMAC challenge) before it is used;
+//! anything else that connects is logged and dropped, and the job goes on.
+//!
+//! A call runs on a single thread per rank: an [`Transport::exchange`] drives every send and
+//! receive of the step at once over non-blocking sockets (poll(2)), so both directions of a ring
+//! stay busy, and a receive that reduces does so chunk by chunk as the bytes arrive.
+//!
+//! Frames are a 16-byte header (kind, aux, length) and a payload. `HEADER` frames carry each
+//! call's header (compared in `begin`), `DATA` frames the bytes of a step, `ABORT` frames the
+//! reason a rank gave up. A rank that fails a call sends `ABORT` to every peer and closes its
+//! connections, so a dead or failed rank turns into an error naming it on every survivor.
+
+use std::io::{ErrorKind, IoSlice, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::shm::ShmLink;
+use super::wire::{self, frame, parse_frame, Purpose, FRAME_ABORT, FRAME_DATA, FRAME_HEADER};
+use super::{CallBuffers, CallHeader, RecvMode, RecvOp, SendOp, Transport};
+use crate::cluster::store::{Store, TcpStore, TcpStoreServer};
+use crate::cluster::ClusterSpec;
+use crate::dtype::kernels::{self, Init};
+use crate::error::{Error, Result, Site};
+
+/// Which transport carries a multi-process communicator.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+pub enum TransportKind {
+    /// Shared memory for peers on the same host, TCP for the others.
+    #[default]
+    Auto,
+    /// TCP for every peer.
+    Tcp,
+    /// Shared memory for every peer (all on one host).
+    Shm,
+}
+
+impl FromStr for TransportKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(TransportKind::Auto),
+            "tcp" => Ok(TransportKind::Tcp),
+            "shm" => Ok(TransportKind::Shm),
+            _ => Err(format!(
+                "unknown transport '{s}' (expected auto, tcp or shm)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TransportKind::Auto => "auto",
+            TransportKind::Tcp => "tcp",
+            TransportKind::Shm => "shm",
+        })
+    }
+}
+
+/// Socket buffer size asked for on every data connection.
+const SOCKET_BUFFER: usize = 4 << 20;
+/// Largest call header accepted from a peer.
+const MAX_HEADER: u64 = 64 << 10;
+
+/// One peer connection.
+struct Link {
+    peer: usize,
+    sock: TcpStream,
+    shm: Option<ShmLink>,
+    /// A frame was left half written (an exchange failed mid-send): no ABORT frame can follow.
+    mid_frame: AtomicBool,
+    /// The peer closed its sending side; it is left out of poll's idle watch.
+    closed: AtomicBool,
+}
+
+/// One rank's end of a multi-process communicator.
+pub struct NetTransport {
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+    chunk_bytes: usize,
+    links: Vec<Option<Link>>,
+    aborted: AtomicBool,
+    reason: Mutex<Option<String>>,
+    wake: OwnedFd,
+    /// Serializes exchanges with the abort notification to peers.
+    engine: Mutex<()>,
+    headers: Mutex<Vec<Option<CallHeader>>>,
+    /// The current call has started moving data (an error now leaves peers mid-step).
+    data_started: AtomicBool,
+}
+
+fn eventfd() -> Result<OwnedFd> {
+    // SAFETY: plain syscall; the fd is owned below.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(Error::io(
+            "creating an eventfd",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: fd is a fresh descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `hostname` plus the kernel's boot id: equal for processes on one host.
+pub(crate) fn host_id() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    format!("{}/{}", hostname(), boot.trim())
+}
+
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: buf is writable for its length.
+    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if r != 0 {
+        return "localhost".into();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+/// Stores are kept per rendezvous address for the life of the process, so that several
+/// communicators of one job share them.
+fn store_for(
+    spec: &ClusterSpec,
+    rank: usize,
+    token: &str,
+    timeout: Duration,
+) -> Result<Arc<TcpStore>> {
+    type Servers = Mutex<Vec<(String, TcpStoreServer)>>;
+    type Clients = Mutex<Vec<(String, Arc<TcpStore>)>>;
+    static SERVERS: Servers = Mutex::new(Vec::new());
+    static CLIENTS: Clients = Mutex::new(Vec::new());
+    if rank == 0 {
+        let mut servers = SERVERS.lock();
+        if !servers.iter().any(|(a, _)| a == &spec.rendezvous) {
+            let s = TcpStoreServer::start(&spec.rendezvous, token)?;
+            servers.push((spec.rendezvous.clone(), s));
+        }
+    }
+    let mut clients = CLIENTS.lock();
+    if let Some((_, c)) = clients.iter().find(|(a, _)| a == &spec.rendezvous) {
+        return Ok(c.clone());
+    }
+    let c = Arc::new(TcpStore::connect(&spec.rendezvous, token, timeout)?);
+    clients.push((spec.rendezvous.clone(), c.clone()));
+    Ok(c)
+}
+
+fn set_socket_options(s: &TcpStream) -> std::io::Result<()> {
+    s.set_nodelay(true)?;
+    let sock = socket2::SockRef::from(s);
+    sock.set_send_buffer_size(SOCKET_BUFFER)?;
+    sock.set_recv_buffer_size(SOCKET_BUFFER)?;
+    Ok(())
+}
+
+impl NetTransport {
+    /// Join the world described by `spec`: rendezvous, connect to every peer, authenticate.
+    pub fn connect(
+        spec: &ClusterSpec,
+        kind: TransportKind,
+        timeout: Duration,
+        chunk_bytes: usize,
+    ) -> Result<NetTransport> {
+        let rank = spec.collective_rank()?;
+        let world = spec.world_size;
+        let token = spec.token.clone().unwrap_or_default();
+        let deadline = Instant::now() + timeout;
+        let store = store_for(spec, rank, &token, timeout)?;
+        // Communicators of one job are numbered in creation order (the same on every rank).
+        let generation = store.add(&format!("tutti/generation/{rank}"), 1)?;
+        let key = |what: &str, r: usize| format!("tutti/{generation}/{what}/{r}");
+
+        let listener = TcpListener::bind((spec.listen_host.as_str(), 0))
+            .map_err(|e| Error::io(format!("listening on {}", spec.listen_host), e))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| Error::io("listening", e))?
+            .port();
+        let unspecified = spec.listen_host == "0.0.0.0" || spec.listen_host == "::";
+        let host = if unspecified {
+            hostname()
+        } else {
+            spec.listen_host.clone()
+        };
+        let me = format!("{host}:{port} {}", host_id());
+        store.set(&key("addr", rank), me.as_bytes())?;
+
+        let mut infos = Vec::with_capacity(world);
+        for r in 0..world {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let v = store.get(&key("addr", r), left).map_err(|_| {
+                Error::config(format!(
+                    "rendezvous: rank {r} did not publish its address within {timeout:?}"
+                ))
+            })?;
+            let v = String::from_utf8_lossy(&v).into_owned();
+            let (addr, hid) = v.split_once(' ').unwrap_or((v.as_str(), ""));
+            infos.push((addr.to_string(), hid.to_string()));
+        }
+        let my_host = host_id();
+        let same_host: Vec<bool> = infos.iter().map(|(_, h)| *h == my_host).collect();
+        if kind == TransportKind::Shm {
+            if let Some(r) = same_host.iter().position(|s| !s) {
+                return Err(Error::config(format!(
+                    "transport shm: rank {r} runs on another host ({}); use tcp or auto",
+                    infos[r].0
+                )));
+            }
+        }
+
+        let mut socks: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+        // Connect to the lower ranks.
+        for (r, (addr, _)) in infos.iter().enumerate().take(rank) {
+            socks[r] = Some(connect_peer(addr, r, rank, &token, deadline)?);
+        }
+        // Accept the higher ones; strangers and wrong tokens are logged and dropped.
+        accept_peers(&listener, rank, world, &token, deadline, &mut socks)?;
+        drop(listener);
+
+        let mut links = Vec::with_capacity(world);
+        for (r, s) in socks.into_iter().enumerate() {
+            let Some(sock) = s else {
+                links.push(None);
+                continue;
+            };
+            set_socket_options(&sock)
+                .map_err(|e| Error::io(format!("configuring the connection to rank {r}"), e))?;
+            let use_shm = match kind {
+                TransportKind::Tcp => false,
+                TransportKind::Shm => true,
+                TransportKind::Auto => same_host[r],
+            };
+            let shm = if use_shm {
+                Some(ShmLink::open(
+                    &sock,
+                    rank,
+                    r,
+                    chunk_bytes,
+                    deadline.saturating_duration_since(Instant::now()),
+                )?)
+            } else {
+                None
+            };
+            sock.set_nonblocking(true)
+                .map_err(|e| Error::io("configuring a connection", e))?;
+            links.push(Some(Link {
+                peer: r,
+                sock,
+                shm,
+                mid_frame: AtomicBool::new(false),
+                closed: AtomicBool::new(false),
+            }));
+        }
+        Ok(NetTransport {
+            rank,
+            world,
+            timeout,
+            chunk_bytes,
+            links,
+            aborted: AtomicBool::new(false),
+            reason: Mutex::new(None),
+            wake: eventfd()?,
+            engine: Mutex::new(()),
+            headers: Mutex::new(vec![None; world]),
+            data_started: AtomicBool::new(false),
+        })
+    }
+
+    /// The peers reached through shared memory.
+    pub fn shm_peers(&self) -> Vec<usize> {
+        self.links
+            .iter()
+            .flatten()
+            .filter(|l| l.shm.is_some())
+            .map(|l| l.peer)
+            .collect()
+    }
+
+    fn link(&self, peer: usize) -> &Link {
+        self.links[peer].as_ref().expect("a link to every peer")
+    }
+
+    fn aborted_error(&self) -> Error {
+        Error::Aborted {
+            rank: self.rank,
+            reason: self
+                .reason
+                .lock()
+                .clone()
+                .unwrap_or_else(|| "aborted".into()),
+        }
+    }
+
+    fn set_aborted(&self, reason: &str) {
+        {
+            let mut r = self.reason.lock();
+            if r.is_none() {
+                *r = Some(reason.to_string());
+            }
+        }
+        self.aborted.store(true, Ordering::SeqCst);
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writing 8 bytes to our eventfd.
+        unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), 8) };
+    }
+
+    /// Tell every peer why we stop, then close our sending side (best effort, never blocks long).
+    fn notify_peers(&self, reason: &str) {
+        for l in self.links.iter().flatten() {
+            if !l.mid_frame.load(Ordering::Acquire) {
+                let msg = reason.as_bytes();
+                let msg = &msg[..msg.len().min(4000)];
+                let mut out = frame(FRAME_ABORT, 0, msg.len() as u64).to_vec();
+                out.extend_from_slice(msg);
+                let _ = (&l.sock).write(&out);
+            }
+            let _ = l.sock.shutdown(Shutdown::Write);
+            if let Some(s) = &l.shm {
+                s.abort();
+            }
+        }
+    }
+}
+
+fn connect_peer(
+    addr: &str,
+    peer: usize,
+    rank: usize,
+    token: &str,
+    deadline: Instant,
+) -> Result<TcpStream> {
+    let mut pause = Duration::from_millis(2);
+    loop {
+        let attempt = (|| -> Result<TcpStream> {
+            let sa = addr
+                .to_socket_addrs()
+                .map_err(|e| Error::io(format!("resolving rank {peer}'s address {addr}"), e))?
+                .next()
+                .ok_or_else(|| {
+                    Error::config(format!("rank {peer}'s address {addr} resolves to nothing"))
+                })?;
+            let mut s = TcpStream::connect_timeout(&sa, Duration::from_secs(5))
+                .map_err(|e| Error::io(format!("connecting to rank {peer} at {addr}"), e))?;
+            wire::handshake_client(
+                &mut s,
+                token,
+                Purpose::Data,
+                rank as u32,
+                Duration::from_secs(10),
+            )?;
+            Ok(s)
+        })();
+        match attempt {
+            Ok(s) => return Ok(s),
+            Err(e) if Instant::now() >= deadline => return Err(e),
+            Err(e @ Error::InvalidArgument { .. }) => return Err(e),
+            Err(_) => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+fn accept_peers(
+    listener: &TcpListener,
+    rank: usize,
+    world: usize,
+    token: &str,
+    deadline: Instant,
+    socks: &mut [Option<TcpStream>],
+) -> Result<()> {
+    let mut missing: Vec<usize> = (rank + 1..world).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| Error::io("listening", e))?;
+    let (tx, rx) = crossbeam_channel::unbounded::<(TcpStream, Result<u32>)>();
+    while !missing.is_empty() {
+        match listener.accept() {
+            Ok((s, _)) => {
+                // Each handshake on its own thread: a stranger that stalls delays nobody.
+                let (tx, token) = (tx.clone(), token.to_string());
+                std::thread::spawn(move || {
+                    let mut s = s;
+                    let _ = s.set_nonblocking(false);
+                    let r = wire::handshake_server(
+                        &mut s,
+                        &token,
+                        Purpose::Data,
+                        Duration::from_secs(10),
+                    );
+                    let _ = tx.send((s, r));
+                });
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+            Err(e) => return Err(Error::io("accepting peers", e)),
+        }
+        while let Ok((s, r)) = rx.try_recv() {
+            match r {
+                Ok(peer) if missing.contains(&(peer as usize)) => {
+                    missing.retain(|&m| m != peer as usize);
+                    socks[peer as usize] = Some(s);
+                }
+                Ok(peer) => wire::log_rejected(
+                    "peer",
+                    &Error::config(format!(
+                        "a connection claiming rank {peer}, which rank {rank} does not expect"
+                    )),
+                ),
+                Err(e) => wire::log_rejected("peer", &e),
+            }
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::config(format!(
+                "rank {rank}: ranks {missing:?} did not connect before the timeout (they did not start, or cannot reach this host)"
+            )));
+        }
+        std::thread::sleep(Duration::from_micros(500));
+    }
+    Ok(())
+}
+
+/// What a receive in the engine is for.
+enum Target<'a> {
+    Data { dst: &'a mut [u8], mode: RecvMode },
+    Header(Vec<u8>),
+}
+
+struct SendState<'a> {
+    peer: usize,
+    kind: u32,
+    hdr: [u8; 16],
+    hoff: usize,
+    data: &'a [u8],
+    off: usize,
+}
+
+struct RecvState<'a> {
+    peer: usize,
+    target: Target<'a>,
+    hdr: [u8; 16],
+    hoff: usize,
+    len: usize,
+    off: usize,
+    /// Holds a partial chunk of a reducing receive (u64s: aligned for every dtype).
+    scratch: Vec<u64>,
+    fill: usize,
+}
+
+impl SendState<'_> {
+    fn done(&self) -> bool {
+        self.hoff == 16 && self.off == self.data.len()
+    }
+}
+
+impl RecvState<'_> {
+    fn done(&self) -> bool {
+        self.hoff == 16 && self.off == self.len
+    }
+}
+
+fn lost(site: Site, peer: usize, e: &std::io::Error) -> Error {
+    Error::PeerLost {
+        site,
+        peer,
+        detail: e.to_string(),
+    }
+}
+
+impl NetTransport {
+    /// Move every send and receive forward until each would block. True if anything moved.
+    fn progress_send(&self, site: Site, s: &mut SendState<'_>) -> Result<bool> {
+        let link = self.link(s.peer);
+        // DATA payloads to a shared-memory peer go through the ring; the header still goes on
+        // the socket.
+        let shm = link.shm.as_ref().filter(|_| s.kind == FRAME_DATA);
+        let mut moved = false;
+        while s.hoff < 16 || (shm.is_none() && s.off < s.data.len()) {
+            let data = if shm.is_some() {
+                &[][..]
+            } else {
+                &s.data[s.off..]
+            };
+            let bufs = [IoSlice::new(&s.hdr[s.hoff..]), IoSlice::new(data)];
+            match (&link.sock).write_vectored(&bufs) {
+                Ok(0) => {
+                    return Err(lost(
+                        site,
+                        s.peer,
+                        &std::io::Error::from(ErrorKind::WriteZero),
+                    ))
+                }
+                Ok(mut n) => {
+                    moved = true;
+                    let h = n.min(16 - s.hoff);
+                    s.hoff += h;
+                    n -= h;
+                    s.off += n;
+                    let partial = s.hoff < 16 || (shm.is_none() && s.off < s.data.len());
+                    link.mid_frame.store(partial, Ordering::Release);
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(lost(site, s.peer, &e)),
+            }
+        }
+        if let Some(shm) = shm {
+            moved |= shm.push(site, s.peer, s.data, &mut s.off)?;
+        }
+        Ok(moved)
+    }
+
+    fn read_abort(&self, site: Site, peer: usize, len: u64) -> Error {
+        let link = self.link(peer);
+        let mut msg = vec![0u8; len.min(4000) as usize];
+        let _ = link.sock.set_nonblocking(false);
+        let _ = link.sock.set_read_timeout(Some(Duration::from_secs(1)));
+        let _ = (&link.sock).read_exact(&mut msg);
+        let _ = link.sock.set_nonblocking(true);
+        Error::Aborted {
+            rank: site.rank,
+            reason: format!("rank {peer} gave up: {}", String::from_utf8_lossy(&msg)),
+        }
+    }
+
+    fn progress_recv(&self, site: Site, r: &mut RecvState<'_>) -> Result<bool> {
+        let link = self.link(r.peer);
+        let mut moved = false;
+        loop {
+            if r.hoff < 16 {
+                match (&link.sock).read(&mut r.hdr[r.hoff..]) {
+                    Ok(0) => {
+                        return Err(lost(
+                            site,
+                            r.peer,
+                            &std::io::Error::new(ErrorKind::UnexpectedEof, "connection closed"),
+                        ))
+                    }
+                    Ok(n) => {
+                        moved = true;
+                        r.hoff += n;
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),
+                    Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(lost(site, r.peer, &e)),
+                }
+                if r.hoff < 16 {
+                    continue;
+                }
+                let (kind, _aux, len) = parse_frame(&r.hdr);
+                if kind == FRAME_ABORT {
+                    return Err(self.read_abort(site, r.peer, len));
+                }
+                let want = match &r.target {
+                    Target::Data { .. } => FRAME_DATA,
+                    Target::Header(_) => FRAME_HEADER,
+                };
+                if kind != want {
+                    return Err(Error::invalid(
+                        site,
+                        format!("rank {} is out of step with this rank (sent frame kind {kind} where {want} was due)", r.peer),
+                    ));
+                }
+                match &mut r.target {
+                    Target::Data { dst, mode } => {
+                        if len != dst.len() as u64 {
+                            return Err(Error::invalid(
+                                site,
+                                format!(
+                                    "rank {} sent {len} bytes where {} were expected",
+                                    r.peer,
+                                    dst.len()
+                                ),
+                            ));
+                        }
+                        r.len = dst.len();
+                        if let RecvMode::Reduce(..) = mode {
+                            r.scratch
+                                .resize(self.chunk_bytes.min(r.len).max(8).div_ceil(8), 0);
+                        }
+                    }
+                    Target::Header(buf) => {
+                        if len > MAX_HEADER {
+                            return Err(Error::invalid(
+                                site,
+                                format!("rank {} sent a call header of {len} bytes", r.peer),
+                            ));
+                        }
+                        buf.resize(len as usize, 0);
+                        r.len = len as usize;
+                    }
+                }
+            }
+            if r.done() {
+                return Ok(moved);
+            }
+            if let (Some(shm), Target::Data { dst, mode }) = (&link.shm, &mut r.target) {
+                // The payload comes through the shared-memory ring.
+                return Ok(shm.pull(site, r.peer, dst, *mode, &mut r.off)? || moved);
+            }
+            let n = {
+                let buf: &mut [u8] = match &mut r.target {
+                    Target::Header(b) => &mut b[r.off..],
+                    Target::Data {
+                        dst,
+                        mode: RecvMode::Copy,
+                    } => &mut dst[r.off..],
+                    Target::Data { .. } => {
+                        let scratch: &mut [u8] = bytemuck::cast_slice_mut(&mut r.scratch);
+                        let want = (scratch.len() - r.fill).min(r.len - r.off - r.fill);
+                        &mut scratch[r.fill..r.fill + want]
+                    }
+                };
+                match (&link.sock).read(buf) {
+                    Ok(0) => {
+                        return Err(lost(
+                            site,
+                            r.peer,
+                            &std::io::Error::new(ErrorKind::UnexpectedEof, "connection closed"),
+                        ))
+                    }
+                    Ok(n) => n,
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),
+                    Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(lost(site, r.peer, &e)),
+                }
+            };
+            moved = true;
+            match &mut r.target {
+                Target::Data {
+                    dst,
+                    mode: RecvMode::Reduce(dtype, op),
+                } => {
+                    r.fill += n;
+                    let esize = dtype.size();
+                    let whole = r.fill - r.fill % esize;
+                    let scratch: &mut [u8] = bytemuck::cast_slice_mut(&mut r.scratch);
+                    if r.fill == scratch.len() || r.off + r.fill == r.len {
+                        kernels::reduce(
+                            *dtype,
+                            *op,
+                            &mut dst[r.off..r.off + whole],
+                            &[&scratch[..whole]],
+                            Init::Accumulate,
+                            None,
+                        );
+                        scratch.copy_within(whole..r.fill, 0);
+                        r.off += whole;
+                        r.fill -= whole;
+                    }
+                }
+                _ => r.off += n,
+            }
+        }
+    }
+
+    /// The engine: drive `sends` and `recvs` to completion.
+    fn run(
+        &self,
+        site: Site,
+        phase: &'static str,
+        sends: &mut [SendState<'_>],
+        recvs: &mut [RecvState<'_>],
+    ) -> Result<()> {
+        let _engine = self.engine.lock();
+        let mut deadline = Instant::now() + self.timeout;
+        let mut shm_pause = Duration::from_micros(2);
+        loop {
+            if self.aborted.load(Ordering::Acquire) {
+                return Err(self.aborted_error());
+            }
+            let mut moved = false;
+            for s in sends.iter_mut().filter(|s| !s.done()) {
+                moved |= self.progress_send(site, s)?;
+            }
+            for r in recvs.iter_mut().filter(|r| !r.done()) {
+                moved |= self.progress_recv(site, r)?;
+            }
+            if sends.iter().all(|s| s.done()) && recvs.iter().all(|r| r.done()) {
+                return Ok(());
+            }
+            if moved {
+                deadline = Instant::now() + self.timeout;
+                shm_pause = Duration::from_micros(2);
+                continue;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let mut waiting: Vec<usize> = sends
+                    .iter()
+                    .filter(|s| !s.done())
+                    .map(|s| s.peer)
+                    .chain(recvs.iter().filter(|r| !r.done()).map(|r| r.peer))
+                    .collect();
+                waiting.sort_unstable();
+                waiting.dedup();
+                return Err(Error::Timeout {
+                    site,
+                    waiting_for: waiting,
+                    phase,
+                    timeout: self.timeout,
+                });
+            }
+            // Sleep until a socket is ready, the abort eventfd fires, or (for shared memory,
+            // whose slots are not pollable) a short pause passes.
+            let shm_busy = sends
+                .iter()
+                .any(|s| !s.done() && s.hoff == 16 && self.link(s.peer).shm.is_some())
+                || recvs
+                    .iter()
+                    .any(|r| !r.done() && r.hoff == 16 && self.link(r.peer).shm.is_some());
+            let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.world + 1);
+            let pfd = |fd: RawFd, events: i16| libc::pollfd {
+                fd,
+                events,
+                revents: 0,
+            };
+            fds.push(pfd(self.wake.as_raw_fd(), libc::POLLIN));
+            for l in self.links.iter().flatten() {
+                let active = |s: bool| s && l.shm.is_none();
+                let mut ev = 0;
+                // Socket readiness matters while a frame is on the socket; shared-memory payloads
+                // are watched by the pause below. Every link is watched for hang-ups.
+                if sends
+                    .iter()
+                    .any(|s| s.peer == l.peer && !s.done() && (s.hoff < 16 || active(true)))
+                {
+                    ev |= libc::POLLOUT;
+                }
+                if recvs
+                    .iter()
+                    .any(|r| r.peer == l.peer && !r.done() && (r.hoff < 16 || active(true)))
+                {
+                    ev |= libc::POLLIN;
+                }
+                if !l.closed.load(Ordering::Relaxed) {
+                    ev |= libc::POLLRDHUP;
+                }
+                fds.push(pfd(l.sock.as_raw_fd(), ev));
+            }
+            let wait = if shm_busy {
+                let p = shm_pause;
+                shm_pause = (shm_pause * 2).min(Duration::from_micros(500));
+                p
+            } else {
+                (deadline - now).min(Duration::from_secs(1))
+            };
+            let ts = libc::timespec {
+                tv_sec: wait.as_secs() as libc::time_t,
+                tv_nsec: wait.subsec_nanos() as libc::c_long,
+            };
+            // SAFETY: fds is a valid array of pollfd for its length; ts outlives the call.
+            let n = unsafe {
+                libc::ppoll(
+                    fds.as_mut_ptr(),
+                    fds.len() as libc::nfds_t,
+                    &ts,
+                    std::ptr::null(),
+                )
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != ErrorKind::Interrupted {
+                    return Err(Error::io("poll", e));
+                }
+                continue;
+            }
+            // Idle links: a peer that aborted leaves an ABORT frame at the head of its stream.
+            for (l, f) in self.links.iter().flatten().zip(&fds[1..]) {
+                if f.events == libc::POLLRDHUP
+                    && f.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+                {
+                    l.closed.store(true, Ordering::Relaxed);
+                    let mut h = [0u8; 16];
+                    // SAFETY: peeking into a local buffer.
+                    let got = unsafe {
+                        libc::recv(
+                            l.sock.as_raw_fd(),
+                            h.as_mut_ptr().cast(),
+                            16,
+                            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                        )
+                    };
+                    if got == 16 && parse_frame(&h).0 == FRAME_ABORT {
+                        let _ = (&l.sock).read_exact(&mut h);
+                        return Err(self.read_abort(site, l.peer, parse_frame(&h).2));
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn encode_header(h: &CallHeader) -> Vec<u8> {
+    let mut v = Vec::with_capacity(64);
+    v.extend_from_slice(&h.call.to_le_bytes());
+    v.extend_from_slice(&(h.collective as u32).to_le_bytes());
+    v.extend_from_slice(&(h.dtype as u32).to_le_bytes());
+    v.extend_from_slice(&(h.count as u64).to_le_bytes());
+    v.extend_from_slice(&h.op.map_or(u32::MAX, |o| o as u32).to_le_bytes());
+    v.extend_from_slice(&h.root.map_or(u64::MAX, |r| r as u64).to_le_bytes());
+    for s in [Some(&h.algorithm), h.rejected.as_ref()] {
+        match s {
+            Some(s) => {
+                v.push(1);
+                v.extend_from_slice(&(s.len() as u32).to_le_bytes());
+                v.extend_from_slice(s.as_bytes());
+            }
+            None => v.push(0),
+        }
+    }
+    v
+}
+
+fn decode_header(b: &[u8]) -> Option<CallHeader> {
+    let mut p = 0usize;
+    let mut take = |n: usize| -> Option<&[u8]> {
+        let s = b.get(p..p + n)?;
+        p += n;
+        Some(s)
+    };
+    let u64_ = |s: &[u8]| u64::from_le_bytes(s.try_into().expect("8 bytes"));
+    let u32_ = |s: &[u8]| u32::from_le_bytes(s.try_into().expect("4 bytes"));
+    let call = u64_(take(8)?);
+    let collective = crate::error::Collective::from_u32(u32_(take(4)?))?;
+    let dtype = crate::dtype::DType::from_u32(u32_(take(4)?))?;
+    let count = u64_(take(8)?) as usize;
+    let op = match u32_(take(4)?) {
+        u32::MAX => None,
+        o => Some(crate::dtype::ReduceOp::from_u32(o)?),
+    };
+    let root = match u64_(take(8)?) {
+        u64::MAX => None,
+        r => Some(r as usize),
+    };
+    let mut strings = [None, None];
+    for s in &mut strings {
+        if take(1)?[0] == 1 {
+            let n = u32_(take(4)?) as usize;
+            *s = Some(String::from_utf8_lossy(take(n)?).into_owned());
+        }
+    }
+    let [algorithm, rejected] = strings;
+    Some(CallHeader {
+        call,
+        collective,
+        dtype,
+        count,
+        op,
+        root,
+        algorithm: algorithm?,
+        rejected,
+    })
+}
+
+impl Transport for NetTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn begin(&self, site: Site, header: &CallHeader, _buffers: CallBuffers) -> Result<()> {
+        if self.aborted.load(Ordering::Acquire) {
+            return Err(self.aborted_error());
+        }
+        self.data_started.store(false, Ordering::Release);
+        if self.world == 1 {
+            return Ok(());
+        }
+        let bytes = encode_header(header);
+        let peers: Vec<usize> = (0..self.world).filter(|&r| r != self.rank).collect();
+        let mut sends: Vec<SendState<'_>> = peers
+            .iter()
+            .map(|&peer| SendState {
+                peer,
+                kind: FRAME_HEADER,
+                hdr: frame(FRAME_HEADER, 0, bytes.len() as u64),
+                hoff: 0,
+                data: &bytes,
+                off: 0,
+            })
+            .collect();
+        let mut recvs: Vec<RecvState<'_>> = peers
+            .iter()
+            .map(|&peer| RecvState {
+                peer,
+                target: Target::Header(Vec::new()),
+                hdr: [0; 16],
+                hoff: 0,
+                len: 0,
+                off: 0,
+                scratch: Vec::new(),
+                fill: 0,
+            })
+            .collect();
+        self.run(site, "arrive", &mut sends, &mut recvs)?;
+        let mut first_error = None;
+        let mut headers = self.headers.lock();
+        for r in recvs {
+            let Target::Header(b) = r.target else {
+                unreachable!("header receives")
+            };
+            let theirs = decode_header(&b).ok_or_else(|| {
+                Error::invalid(
+                    site,
+                    format!("rank {} sent a call header this rank cannot read", r.peer),
+                )
+            })?;
+            if first_error.is_none() {
+                if let Some(message) = &theirs.rejected {
+                    first_error = Some(Error::PeerRejected {
+                        site,
+                        peer: r.peer,
+                        message: message.clone(),
+                    });
+                } else if let Some((field, mine, t)) = header.first_difference(&theirs) {
+                    first_error = Some(Error::Mismatch {
+                        site,
+                        peer: r.peer,
+                        field,
+                        mine,
+                        theirs: t,
+                    });
+                }
+            }
+            headers[r.peer] = Some(theirs);
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    fn exchange(&self, site: Site, sends: &[SendOp<'_>], recvs: &mut [RecvOp<'_>]) -> Result<()> {
+        for p in sends
+            .iter()
+            .map(|x| x.peer)
+            .chain(recvs.iter().map(|x| x.peer))
+        {
+            if p >= self.world || p == self.rank {
+                return Err(Error::invalid(
+                    site,
+                    format!("exchange with rank {p}: not a peer"),
+                ));
+            }
+        }
+        let mut ss: Vec<SendState<'_>> = sends
+            .iter()
+            .map(|s| SendState {
+                peer: s.peer,
+                kind: FRAME_DATA,
+                hdr: frame(FRAME_DATA, 0, s.data.len() as u64),
+                hoff: 0,
+                data: s.data,
+                off: 0,
+            })
+            .collect();
+        let mut rs: Vec<RecvState<'_>> = recvs
+            .iter_mut()
+            .map(|r| RecvState {
+                peer: r.peer,
+                target: Target::Data {
+                    dst: &mut *r.dst,
+                    mode: r.mode,
+                },
+                hdr: [0; 16],
+                hoff: 0,
+                len: 0,
+                off: 0,
+                scratch: Vec::new(),
+                fill: 0,
+            })
+            .collect();
+        self.run(site, "exchange data", &mut ss, &mut rs)
+    }
+
+    fn end(&self, failed: Option<&Error>) {
+        let Some(e) = failed else { return };
+        if matches!(
+            e,
+            Error::Mismatch { .. }
+                | Error::PeerRejected { .. }
+                | Error::InvalidArgument { site: Some(_), .. }
+        ) && !self.aborted.load(Ordering::Acquire)
+            && self
+                .links
+                .iter()
+                .flatten()
+                .all(|l| !l.mid_frame.load(Ordering::Acquire))
+        {
+            // Found in `begin` by every rank alike, before any data moved: still usable.
+            return;
+        }
+        let reason = e.to_string();
+        self.set_aborted(&reason);
+        let _engine = self.engine.lock();
+        self.notify_peers(&reason);
+    }
+
+    fn abort(&self, reason: &str) {
+        self.set_aborted(reason);
+        // Tell the peers now if no call is running; a running call does it as it fails.
+        if let Some(_engine) = self.engine.try_lock() {
+            self.notify_peers(reason);
+        }
+    }
+
+    fn aborted(&self) -> Option<String> {
+        if self.aborted.load(Ordering::Acquire) {
+            self.reason.lock().clone()
+        } else {
+            None
+        }
+    }
+}
