@@ -1,0 +1,585 @@
+//! `tutti_comm`: one rank's handle on a group, and the collectives.
+
+use std::ffi::{c_char, c_void, CStr};
+use std::sync::{RwLock, RwLockReadGuard};
+
+use tutti::{AbortHandle, Communicator};
+
+use crate::buffers::{self, byte_len, check, overlap, AlignedCopy};
+use crate::config::{self, tutti_config};
+use crate::error::{boundary, boundary_void, tutti_result, Failure};
+use crate::types::{self, tutti_algorithm, tutti_dtype, tutti_op};
+
+/// One rank's handle on a group of ranks (opaque). Created by `tutti_comm_create_group`,
+/// released by `tutti_comm_destroy`.
+pub struct tutti_comm {
+    /// Collectives hold it shared; `tutti_comm_set_algorithm` takes it exclusively.
+    comm: RwLock<Communicator>,
+    /// Aborts the group without touching the lock, from any thread.
+    abort: AbortHandle,
+    rank: usize,
+    world: usize,
+}
+
+impl tutti_comm {
+    fn read(&self) -> RwLockReadGuard<'_, Communicator> {
+        self.comm.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Arguments this rank rejected before it could take part in a collective: the group is
+    /// aborted so that the other ranks' calls fail at once instead of waiting for this one.
+    fn reject(&self, function: &str, message: String) -> Failure {
+        self.abort.abort(&format!(
+            "rank {} rejected its arguments to {function}: {message}",
+            self.rank
+        ));
+        Failure::invalid(format!(
+            "rank {}: {message} (the group is aborted so that the other ranks do not wait for \
+             this call; create a new group)",
+            self.rank
+        ))
+    }
+}
+
+/// The communicator behind a C handle, or an error when it is NULL.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle from `tutti_comm_create_group`.
+unsafe fn comm_ref<'a>(comm: *const tutti_comm) -> Result<&'a tutti_comm, Failure> {
+    // SAFETY: as the caller promises.
+    unsafe { comm.as_ref() }.ok_or_else(|| Failure::invalid("comm is NULL"))
+}
+
+fn out_ptr<T>(p: *mut T, name: &str) -> Result<*mut T, Failure> {
+    if p.is_null() {
+        Err(Failure::invalid(format!("{name} is NULL")))
+    } else {
+        Ok(p)
+    }
+}
+
+/// Create an in-process group of `world_size` ranks and write its communicators, rank 0 first,
+/// to `comms[0]` … `comms[world_size - 1]`. Hand each to the thread that runs that rank. Each is
+/// released with `tutti_comm_destroy`. `config` may be NULL for every default.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `config` is NULL or points to a `tutti_config` of `config->struct_size` bytes; `comms` points
+/// to room for `world_size` handles.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_comm_create_group(
+    world_size: usize,
+    config: *const tutti_config,
+    comms: *mut *mut tutti_comm,
+) -> tutti_result {
+    boundary("tutti_comm_create_group", || {
+        // SAFETY: as the caller promises.
+        let config = unsafe { config::read(config) }?;
+        // Room for zero handles may be NULL: the core then says what is wrong with the size.
+        if world_size > 0 {
+            out_ptr(comms, "comms")?;
+        }
+        let group = tutti::local_group(world_size, &config)?;
+        let handles: Vec<*mut tutti_comm> = group
+            .into_iter()
+            .map(|comm| {
+                Box::into_raw(Box::new(tutti_comm {
+                    abort: comm.abort_handle(),
+                    rank: comm.rank(),
+                    world: comm.world_size(),
+                    comm: RwLock::new(comm),
+                }))
+            })
+            .collect();
+        if !handles.is_empty() {
+            // SAFETY: the caller gave room for world_size handles, and checked non-NULL.
+            unsafe { std::ptr::copy_nonoverlapping(handles.as_ptr(), comms, handles.len()) };
+        }
+        Ok(())
+    })
+}
+
+/// Release a communicator. NULL is accepted and ignored. Other ranks' calls that wait for this
+/// one fail when their timeout runs out; abort the group first (`tutti_comm_abort`) to make
+/// them fail at once.
+///
+/// Thread-safety: no other call may be using `comm`, on any thread, nor use it afterwards.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle from `tutti_comm_create_group`, not used again.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_comm_destroy(comm: *mut tutti_comm) {
+    boundary_void("tutti_comm_destroy", || {
+        if !comm.is_null() {
+            // SAFETY: a live handle from Box::into_raw, released once.
+            drop(unsafe { Box::from_raw(comm) });
+        }
+    })
+}
+
+/// Write this communicator's rank (in `0 .. world_size - 1`) to `*rank`.
+///
+/// Thread-safety: callable from any thread, during a collective too.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `rank` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_comm_rank(
+    comm: *const tutti_comm,
+    rank: *mut usize,
+) -> tutti_result {
+    boundary("tutti_comm_rank", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let rank = out_ptr(rank, "rank")?;
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { rank.write(c.rank) };
+        Ok(())
+    })
+}
+
+/// Write the number of ranks in the group to `*world_size`.
+///
+/// Thread-safety: callable from any thread, during a collective too.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `world_size` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_comm_world_size(
+    comm: *const tutti_comm,
+    world_size: *mut usize,
+) -> tutti_result {
+    boundary("tutti_comm_world_size", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let out = out_ptr(world_size, "world_size")?;
+        let n = c.world;
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { out.write(n) };
+        Ok(())
+    })
+}
+
+/// Write the bound on every wait, in milliseconds, to `*timeout_ms`.
+///
+/// Thread-safety: callable from any thread, during a collective too.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `timeout_ms` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_comm_timeout_ms(
+    comm: *const tutti_comm,
+    timeout_ms: *mut u64,
+) -> tutti_result {
+    boundary("tutti_comm_timeout_ms", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let out = out_ptr(timeout_ms, "timeout_ms")?;
+        let ms = u64::try_from(c.read().timeout().as_millis()).unwrap_or(u64::MAX);
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { out.write(ms) };
+        Ok(())
+    })
+}
+
+/// Write the communicator's algorithm and its argument (group size or root; 0 for the others)
+/// to `*algorithm` and `*arg`.
+///
+/// Thread-safety: callable from any thread, during a collective too.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `algorithm` and `arg` are NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_comm_algorithm(
+    comm: *const tutti_comm,
+    algorithm: *mut tutti_algorithm,
+    arg: *mut u32,
+) -> tutti_result {
+    boundary("tutti_comm_algorithm", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let algorithm = out_ptr(algorithm, "algorithm")?;
+        let arg = out_ptr(arg, "arg")?;
+        let (a, n) = types::algorithm_to_c(c.read().algorithm())?;
+        // SAFETY: checked non-NULL; the caller promises they are writable.
+        unsafe {
+            algorithm.write(a);
+            arg.write(n);
+        }
+        Ok(())
+    })
+}
+
+/// Choose the algorithm of this communicator's later collectives; `arg` is the group size of
+/// `TUTTI_ALGORITHM_HIERARCHICAL_COPY` (0: 2) or the root of `TUTTI_ALGORITHM_REDUCE_TO_ONE`,
+/// and 0 for the others. Every rank must make the same choice before its next collective: a
+/// collective whose algorithm differs between ranks fails with `TUTTI_ERROR_MISMATCH`.
+///
+/// Thread-safety: callable from any thread; fails with `TUTTI_ERROR_INVALID_ARGUMENT` while a
+/// collective runs on this communicator.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_comm_set_algorithm(
+    comm: *mut tutti_comm,
+    algorithm: tutti_algorithm,
+    arg: u32,
+) -> tutti_result {
+    boundary("tutti_comm_set_algorithm", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let a = types::algorithm(algorithm, arg)?;
+        let mut inner = match c.comm.try_write() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                return Err(Failure::invalid(format!(
+                    "rank {}: a collective is running on this communicator; change the \
+                     algorithm between collectives",
+                    c.rank
+                )))
+            }
+        };
+        inner.set_algorithm(a)?;
+        Ok(())
+    })
+}
+
+/// Abort the group: every blocked and later collective of every rank fails at once with
+/// `TUTTI_ERROR_ABORTED`, carrying `reason` (NULL: a default reason). Use it to wake ranks
+/// blocked in a collective when one rank gives up. The communicators stay valid for
+/// `tutti_comm_destroy`; create a new group to go on.
+///
+/// Thread-safety: callable from any thread at any time, including while another thread is
+/// blocked in a collective on this same communicator.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `reason` is NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_comm_abort(
+    comm: *const tutti_comm,
+    reason: *const c_char,
+) -> tutti_result {
+    boundary("tutti_comm_abort", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let reason = if reason.is_null() {
+            format!("tutti_comm_abort was called on rank {}", c.rank)
+        } else {
+            // SAFETY: the caller promises a NUL-terminated string.
+            let r = unsafe { CStr::from_ptr(reason) }.to_string_lossy();
+            format!("tutti_comm_abort was called on rank {}: {r}", c.rank)
+        };
+        c.abort.abort(&reason);
+        Ok(())
+    })
+}
+
+/// Write whether the group has been aborted (by `tutti_comm_abort`, a timeout or a failed
+/// peer) to `*aborted`.
+///
+/// Thread-safety: callable from any thread at any time.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `aborted` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_comm_is_aborted(
+    comm: *const tutti_comm,
+    aborted: *mut bool,
+) -> tutti_result {
+    boundary("tutti_comm_is_aborted", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let out = out_ptr(aborted, "aborted")?;
+        let a = c.read().aborted().is_some();
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { out.write(a) };
+        Ok(())
+    })
+}
+
+/// All-reduce: every rank's `output` (`count` elements) becomes the element-wise `op` of every
+/// rank's `input`. In place: pass the same pointer as `input` and `output`.
+///
+/// Every rank of the group must make the same call (same count, dtype, op) in the same order.
+/// Errors: `TUTTI_ERROR_MISMATCH` when ranks disagree, `TUTTI_ERROR_PEER_REJECTED` when another
+/// rank's arguments were wrong, `TUTTI_ERROR_TIMEOUT`, `TUTTI_ERROR_ABORTED`. Arguments this
+/// rank rejects before taking part (NULL or misaligned buffers, unknown dtype or op, buffers
+/// that overlap without being the same) fail with `TUTTI_ERROR_INVALID_ARGUMENT` and abort the
+/// group so that its other ranks fail at once instead of waiting.
+///
+/// Thread-safety: one collective at a time per communicator (a second one fails); the
+/// communicators of a group are meant to be used from different threads at once.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `input` and `output` are NULL or point to `count` elements,
+/// aligned to the element size, that nothing else touches during the call.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_all_reduce(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    op: tutti_op,
+    input: *const c_void,
+    output: *mut c_void,
+) -> tutti_result {
+    const F: &str = "tutti_all_reduce";
+    boundary(F, || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let checked = (|| {
+            let dtype = types::dtype(dtype)?;
+            let op = types::op(op)?;
+            let n = byte_len(count, 1, dtype)?;
+            check(input, n, dtype, "input")?;
+            check(output, n, dtype, "output")?;
+            let in_place = std::ptr::eq(input, output);
+            if !in_place && overlap(input, n, output, n) {
+                return Err(
+                    "input and output overlap without being the same buffer; pass the same \
+                     pointer as both for an in-place all-reduce"
+                        .to_string(),
+                );
+            }
+            Ok((dtype, op, n, in_place))
+        })();
+        let (dtype, op, n, in_place) = checked.map_err(|m| c.reject(F, m))?;
+        // SAFETY: checked above; the caller promises the memory.
+        let (input, output) = unsafe {
+            let i = (!in_place).then(|| buffers::slice(input, n));
+            (i, buffers::slice_mut(output, n))
+        };
+        c.read().all_reduce_raw(dtype, input, output, op)?;
+        Ok(())
+    })
+}
+
+/// Broadcast: every rank's `buffer` (`count` elements) becomes the `root` rank's.
+///
+/// Every rank must make the same call; see `tutti_all_reduce` for the errors.
+///
+/// Thread-safety: as `tutti_all_reduce`.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `buffer` is NULL or points to `count` elements, aligned to
+/// the element size, that nothing else touches during the call.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_broadcast(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    root: usize,
+    buffer: *mut c_void,
+) -> tutti_result {
+    const F: &str = "tutti_broadcast";
+    boundary(F, || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let checked = (|| {
+            let dtype = types::dtype(dtype)?;
+            let n = byte_len(count, 1, dtype)?;
+            check(buffer, n, dtype, "buffer")?;
+            Ok((dtype, n))
+        })();
+        let (dtype, n) = checked.map_err(|m| c.reject(F, m))?;
+        // SAFETY: checked above; the caller promises the memory.
+        let buf = unsafe { buffers::slice_mut(buffer, n) };
+        c.read().broadcast_raw(dtype, buf, root)?;
+        Ok(())
+    })
+}
+
+/// All-gather: rank r's `input` (`count` elements) lands at element `r × count` of every rank's
+/// `output` (`world_size × count` elements). In place: pass `output + rank × count` (in
+/// elements) as `input`.
+///
+/// Every rank must make the same call; see `tutti_all_reduce` for the errors.
+///
+/// Thread-safety: as `tutti_all_reduce`.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `input` is NULL or points to `count` elements and `output`
+/// is NULL or points to `world_size × count` elements, aligned to the element size, that nothing
+/// else touches during the call.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_all_gather(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    input: *const c_void,
+    output: *mut c_void,
+) -> tutti_result {
+    const F: &str = "tutti_all_gather";
+    boundary(F, || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let world = c.world;
+        let checked = (|| {
+            let dtype = types::dtype(dtype)?;
+            let n = byte_len(count, 1, dtype)?;
+            let total = byte_len(count, world, dtype)?;
+            check(input, n, dtype, "input")?;
+            check(output, total, dtype, "output")?;
+            let own = (output as usize).wrapping_add(c.rank * n);
+            let in_place = n == 0 || input as usize == own;
+            if !in_place && overlap(input, n, output, total) {
+                return Err(format!(
+                    "input overlaps output without being this rank's slice of it; for an \
+                     in-place all-gather pass output + rank × count (rank {}) as input",
+                    c.rank
+                ));
+            }
+            Ok((dtype, n, total, in_place))
+        })();
+        let (dtype, n, total, in_place) = checked.map_err(|m| c.reject(F, m))?;
+        // SAFETY: checked above; the caller promises the memory.
+        let (input, output) = unsafe {
+            let i = (!in_place).then(|| buffers::slice(input, n));
+            (i, buffers::slice_mut(output, total))
+        };
+        c.read().all_gather_raw(dtype, input, output)?;
+        Ok(())
+    })
+}
+
+/// Reduce-scatter: rank r's `output` (`count` elements) becomes elements `r × count ..` of the
+/// element-wise `op` of every rank's `input` (`world_size × count` elements). In place (output
+/// inside input, e.g. `input + rank × count`) is allowed and costs one copy of the input.
+///
+/// Every rank must make the same call; see `tutti_all_reduce` for the errors.
+///
+/// Thread-safety: as `tutti_all_reduce`.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `input` is NULL or points to `world_size × count` elements
+/// and `output` is NULL or points to `count` elements, aligned to the element size, that nothing
+/// else touches during the call.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_reduce_scatter(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    op: tutti_op,
+    input: *const c_void,
+    output: *mut c_void,
+) -> tutti_result {
+    const F: &str = "tutti_reduce_scatter";
+    boundary(F, || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let world = c.world;
+        let checked = (|| {
+            let dtype = types::dtype(dtype)?;
+            let op = types::op(op)?;
+            let n = byte_len(count, 1, dtype)?;
+            let total = byte_len(count, world, dtype)?;
+            check(input, total, dtype, "input")?;
+            check(output, n, dtype, "output")?;
+            Ok((dtype, op, n, total))
+        })();
+        let (dtype, op, n, total) = checked.map_err(|m| c.reject(F, m))?;
+        let copy = overlap(input, total, output, n).then(|| {
+            // SAFETY: checked above; read before the output is borrowed.
+            AlignedCopy::of(unsafe { buffers::slice(input, total) })
+        });
+        // SAFETY: checked above; when they overlap, the input is read from the copy.
+        let output = unsafe { buffers::slice_mut(output, n) };
+        let input = match &copy {
+            Some(copy) => copy.bytes(),
+            // SAFETY: checked above, and disjoint from the output.
+            None => unsafe { buffers::slice(input, total) },
+        };
+        c.read().reduce_scatter_raw(dtype, input, output, op)?;
+        Ok(())
+    })
+}
+
+/// Reduce onto `root`: the root's `output` (`count` elements) becomes the element-wise `op` of
+/// every rank's `input`. Off the root `output` is not used and may be NULL. In place at the
+/// root: pass the same pointer as `input` and `output`.
+///
+/// Every rank must make the same call; see `tutti_all_reduce` for the errors.
+///
+/// Thread-safety: as `tutti_all_reduce`.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `input` and (at the root) `output` are NULL or point to
+/// `count` elements, aligned to the element size, that nothing else touches during the call.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_reduce(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    op: tutti_op,
+    root: usize,
+    input: *const c_void,
+    output: *mut c_void,
+) -> tutti_result {
+    const F: &str = "tutti_reduce";
+    boundary(F, || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let is_root = c.rank == root;
+        let checked = (|| {
+            let dtype = types::dtype(dtype)?;
+            let op = types::op(op)?;
+            let n = byte_len(count, 1, dtype)?;
+            check(input, n, dtype, "input")?;
+            let in_place = is_root && std::ptr::eq(input, output);
+            if is_root {
+                check(output, n, dtype, "output (at the root)")?;
+                if !in_place && overlap(input, n, output, n) {
+                    return Err(
+                        "input and output overlap without being the same buffer; pass the \
+                         same pointer as both for an in-place reduce"
+                            .to_string(),
+                    );
+                }
+            }
+            Ok((dtype, op, n, in_place))
+        })();
+        let (dtype, op, n, in_place) = checked.map_err(|m| c.reject(F, m))?;
+        // SAFETY: checked above; the caller promises the memory.
+        let (input, output) = unsafe {
+            let i = (!in_place).then(|| buffers::slice(input, n));
+            let o = is_root.then(|| buffers::slice_mut(output, n));
+            (i, o)
+        };
+        c.read().reduce_raw(dtype, input, output, op, root)?;
+        Ok(())
+    })
+}
+
+/// Barrier: returns once every rank of the group has called it.
+///
+/// Thread-safety: as `tutti_all_reduce`.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_barrier(comm: *mut tutti_comm) -> tutti_result {
+    boundary("tutti_barrier", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        c.read().barrier()?;
+        Ok(())
+    })
+}

@@ -1,0 +1,147 @@
+//! `tutti_config`: the settings of a new group, in a struct that starts with its own size so
+//! that later versions can add fields without breaking programs built against this one.
+
+use std::mem::size_of;
+use std::time::Duration;
+
+use tutti::Config;
+
+use crate::error::Failure;
+use crate::types::{self, tutti_algorithm};
+
+/// Settings of a new group. Start from `TUTTI_CONFIG_INIT`, which sets `struct_size` and the
+/// defaults, then change the fields you need:
+///
+/// ```c
+/// tutti_config config = TUTTI_CONFIG_INIT;
+/// config.timeout_ms = 30000;
+/// config.algorithm = TUTTI_ALGORITHM_RING;
+/// ```
+///
+/// A zero field means the default. A program built against an older, shorter `tutti_config`
+/// gets the defaults for the fields it does not know; a newer, longer one is accepted as long
+/// as the fields this library does not know are zero.
+#[repr(C)]
+#[derive(Copy, Clone, Debug)]
+pub struct tutti_config {
+    /// `sizeof(tutti_config)` as the caller compiled it (`TUTTI_CONFIG_INIT` sets it).
+    pub struct_size: usize,
+    /// Bound on every wait for a peer, in milliseconds; 0: the `TUTTI_TIMEOUT` environment
+    /// variable (seconds) or 300 s.
+    pub timeout_ms: u64,
+    /// Largest piece, in bytes, that one step of a chunked algorithm moves; 0: 256 KiB.
+    pub chunk_bytes: usize,
+    /// The algorithm of every collective (`TUTTI_ALGORITHM_AUTO` by default).
+    pub algorithm: tutti_algorithm,
+    /// The algorithm's argument: the group size of `TUTTI_ALGORITHM_HIERARCHICAL_COPY` (0: 2),
+    /// the root of `TUTTI_ALGORITHM_REDUCE_TO_ONE`; 0 for the others.
+    pub algorithm_arg: u32,
+}
+
+/// The size of the first version of `tutti_config`; a smaller `struct_size` is an error.
+const FIRST_SIZE: usize = size_of::<tutti_config>();
+
+/// Read the caller's config (`NULL`: every default) into a core `Config`.
+///
+/// # Safety
+///
+/// `config` is NULL or points to at least `config->struct_size` readable bytes.
+pub(crate) unsafe fn read(config: *const tutti_config) -> Result<Config, Failure> {
+    let mut out = Config::default();
+    if config.is_null() {
+        return Ok(out);
+    }
+    // SAFETY: the first field is always there.
+    let size = unsafe { std::ptr::addr_of!((*config).struct_size).read_unaligned() };
+    if size < FIRST_SIZE {
+        return Err(Failure::invalid(format!(
+            "config->struct_size is {size}, smaller than any tutti_config ({FIRST_SIZE} bytes); \
+             initialize the config with TUTTI_CONFIG_INIT"
+        )));
+    }
+    if size > FIRST_SIZE {
+        // SAFETY: the caller promises `size` readable bytes.
+        let extra = unsafe {
+            std::slice::from_raw_parts(config.cast::<u8>().add(FIRST_SIZE), size - FIRST_SIZE)
+        };
+        if let Some(i) = extra.iter().position(|&b| b != 0) {
+            return Err(Failure::invalid(format!(
+                "config->struct_size is {size} and byte {} is set, but this libtutti ({}) knows \
+                 only the first {FIRST_SIZE} bytes of tutti_config; leave newer fields zero or \
+                 use a newer libtutti",
+                FIRST_SIZE + i,
+                env!("CARGO_PKG_VERSION"),
+            )));
+        }
+    }
+    // SAFETY: at least FIRST_SIZE bytes are readable; the struct may be under-aligned.
+    let c = unsafe { config.read_unaligned() };
+    if c.timeout_ms != 0 {
+        out.timeout = Duration::from_millis(c.timeout_ms);
+    }
+    if c.chunk_bytes != 0 {
+        out.chunk_bytes = c.chunk_bytes;
+    }
+    out.algorithm = types::algorithm(c.algorithm, c.algorithm_arg)
+        .map_err(|f| Failure::invalid(format!("config->algorithm: {}", f.message)))?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tutti::Algorithm;
+
+    fn init() -> tutti_config {
+        tutti_config {
+            struct_size: size_of::<tutti_config>(),
+            timeout_ms: 0,
+            chunk_bytes: 0,
+            algorithm: 0,
+            algorithm_arg: 0,
+        }
+    }
+
+    #[test]
+    fn zero_fields_are_defaults() {
+        let c = unsafe { read(&init()) }.unwrap();
+        assert_eq!(c, Config::default());
+        assert_eq!(
+            unsafe { read(std::ptr::null()) }.unwrap(),
+            Config::default()
+        );
+        let mut cfg = init();
+        cfg.timeout_ms = 1500;
+        cfg.algorithm = 4;
+        cfg.algorithm_arg = 2;
+        let c = unsafe { read(&cfg) }.unwrap();
+        assert_eq!(c.timeout, Duration::from_millis(1500));
+        assert_eq!(c.algorithm, Algorithm::ReduceToOne { root: 2 });
+    }
+
+    #[test]
+    fn sizes_are_checked() {
+        let mut cfg = init();
+        cfg.struct_size = 8;
+        let e = unsafe { read(&cfg) }.unwrap_err();
+        assert!(e.message.contains("TUTTI_CONFIG_INIT"), "{}", e.message);
+
+        // A newer caller's longer struct: accepted while its extra fields are zero.
+        #[repr(C)]
+        struct Newer {
+            base: tutti_config,
+            more: u64,
+        }
+        let mut n = Newer {
+            base: init(),
+            more: 0,
+        };
+        n.base.struct_size = size_of::<Newer>();
+        let p = std::ptr::addr_of!(n).cast::<tutti_config>();
+        assert!(unsafe { read(p) }.is_ok());
+        n.more = 1;
+        let p = std::ptr::addr_of!(n).cast::<tutti_config>();
+        let e = unsafe { read(p) }.unwrap_err();
+        assert!(e.message.contains("newer"), "{}", e.message);
+    }
+}

@@ -1,0 +1,196 @@
+//! The enums of the C ABI: element types, reduce ops, algorithms, device kinds.
+//!
+//! Each enum is declared twice for C: `enum tutti_dtype { TUTTI_DTYPE_F32, ... }` for the names,
+//! and `typedef uint32_t tutti_dtype` for what crosses the boundary, so that a value C passes is
+//! always a plain integer here and is range-checked before use (an out-of-range value never
+//! becomes a Rust enum).
+
+use tutti::{Algorithm, DType, ReduceOp};
+
+use crate::error::Failure;
+
+/// Element types. Every collective takes a count of elements of one of these.
+#[repr(u32)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[allow(dead_code)] // Named for C in the header; values arrive here as integers.
+pub enum TuttiDtype {
+    /// IEEE 754 binary32 (`float`).
+    TUTTI_DTYPE_F32 = 0,
+    /// IEEE 754 binary64 (`double`).
+    TUTTI_DTYPE_F64 = 1,
+    /// IEEE 754 binary16 (`_Float16`), stored as `uint16_t` bits.
+    TUTTI_DTYPE_F16 = 2,
+    /// bfloat16, stored as `uint16_t` bits (the upper half of a `float`).
+    TUTTI_DTYPE_BF16 = 3,
+    /// `int8_t`.
+    TUTTI_DTYPE_I8 = 4,
+    /// `uint8_t`.
+    TUTTI_DTYPE_U8 = 5,
+    /// `int32_t`.
+    TUTTI_DTYPE_I32 = 6,
+    /// `uint32_t`.
+    TUTTI_DTYPE_U32 = 7,
+    /// `int64_t`.
+    TUTTI_DTYPE_I64 = 8,
+    /// `uint64_t`.
+    TUTTI_DTYPE_U64 = 9,
+}
+
+/// A `tutti_dtype` as it crosses the C boundary: one of the `TUTTI_DTYPE_*` values.
+pub type tutti_dtype = u32;
+
+/// Reduce operations. Integers wrap on overflow; float `MIN`/`MAX` follow IEEE `minNum`/`maxNum`
+/// (a NaN loses against a number); `MEAN` is the sum divided by the number of ranks (integers
+/// truncate toward zero).
+#[repr(u32)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[allow(dead_code)] // Named for C in the header; values arrive here as integers.
+pub enum TuttiOp {
+    /// Element-wise sum.
+    TUTTI_OP_SUM = 0,
+    /// Element-wise product.
+    TUTTI_OP_PROD = 1,
+    /// Element-wise minimum.
+    TUTTI_OP_MIN = 2,
+    /// Element-wise maximum.
+    TUTTI_OP_MAX = 3,
+    /// Element-wise sum divided by the number of ranks.
+    TUTTI_OP_MEAN = 4,
+}
+
+/// A `tutti_op` as it crosses the C boundary: one of the `TUTTI_OP_*` values.
+pub type tutti_op = u32;
+
+/// Collective algorithms. Some take an argument (`algorithm_arg` in `tutti_config`, `arg` in
+/// `tutti_comm_set_algorithm`); the others require it to be 0.
+#[repr(u32)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum TuttiAlgorithm {
+    /// `direct` where ranks share memory (threads of one process), `ring` elsewhere.
+    TUTTI_ALGORITHM_AUTO = 0,
+    /// Each rank reduces one slice of every rank's buffer in place; peers copy it out.
+    TUTTI_ALGORITHM_DIRECT = 1,
+    /// Reduce-scatter then all-gather around a ring, chunked.
+    TUTTI_ALGORITHM_RING = 2,
+    /// TensorFlow's HierarchicalCopyAllReduce; the argument is the group size (0 means 2).
+    TUTTI_ALGORITHM_HIERARCHICAL_COPY = 3,
+    /// TensorFlow's ReductionToOneDevice; the argument is the root rank.
+    TUTTI_ALGORITHM_REDUCE_TO_ONE = 4,
+}
+
+/// A `tutti_algorithm` as it crosses the C boundary: one of the `TUTTI_ALGORITHM_*` values.
+pub type tutti_algorithm = u32;
+
+/// Device kinds.
+#[repr(u32)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum TuttiDeviceKind {
+    /// The host CPU.
+    TUTTI_DEVICE_CPU = 0,
+    /// A CUDA GPU.
+    TUTTI_DEVICE_GPU = 1,
+    /// An XLA device reached through a PJRT plugin.
+    TUTTI_DEVICE_XLA = 2,
+}
+
+/// A `tutti_device_kind` as it crosses the C boundary: one of the `TUTTI_DEVICE_*` values.
+pub type tutti_device_kind = u32;
+
+/// The element type for a C value, or an error naming the value and the valid range.
+pub(crate) fn dtype(v: tutti_dtype) -> Result<DType, String> {
+    DType::from_u32(v).ok_or_else(|| {
+        format!(
+            "dtype {v} is not a tutti_dtype (valid: 0..={}, TUTTI_DTYPE_F32 .. TUTTI_DTYPE_U64)",
+            DType::ALL.len() - 1
+        )
+    })
+}
+
+/// The reduce op for a C value, or an error naming the value and the valid range.
+pub(crate) fn op(v: tutti_op) -> Result<ReduceOp, String> {
+    ReduceOp::from_u32(v).ok_or_else(|| {
+        format!(
+            "op {v} is not a tutti_op (valid: 0..={}, TUTTI_OP_SUM .. TUTTI_OP_MEAN)",
+            ReduceOp::ALL.len() - 1
+        )
+    })
+}
+
+/// The algorithm for a C value and its argument.
+pub(crate) fn algorithm(v: tutti_algorithm, arg: u32) -> Result<Algorithm, Failure> {
+    let no_arg = |name: &str, a: Algorithm| {
+        if arg == 0 {
+            Ok(a)
+        } else {
+            Err(Failure::invalid(format!(
+                "algorithm {name} takes no argument, but the argument is {arg}; pass 0"
+            )))
+        }
+    };
+    match v {
+        0 => no_arg("auto", Algorithm::Auto),
+        1 => no_arg("direct", Algorithm::Direct),
+        2 => no_arg("ring", Algorithm::Ring),
+        3 => Ok(Algorithm::HierarchicalCopy {
+            group_size: if arg == 0 { 2 } else { arg as usize },
+        }),
+        4 => Ok(Algorithm::ReduceToOne { root: arg as usize }),
+        _ => Err(Failure::invalid(format!(
+            "algorithm {v} is not a tutti_algorithm (valid: 0..=4, TUTTI_ALGORITHM_AUTO .. TUTTI_ALGORITHM_REDUCE_TO_ONE)"
+        ))),
+    }
+}
+
+/// The C value and argument of an algorithm.
+pub(crate) fn algorithm_to_c(a: Algorithm) -> Result<(tutti_algorithm, u32), Failure> {
+    use TuttiAlgorithm::*;
+    let arg = |n: usize| {
+        u32::try_from(n).map_err(|_| {
+            Failure::invalid(format!(
+                "the algorithm's argument {n} does not fit a uint32_t"
+            ))
+        })
+    };
+    Ok(match a {
+        Algorithm::Auto => (TUTTI_ALGORITHM_AUTO as u32, 0),
+        Algorithm::Direct => (TUTTI_ALGORITHM_DIRECT as u32, 0),
+        Algorithm::Ring => (TUTTI_ALGORITHM_RING as u32, 0),
+        Algorithm::HierarchicalCopy { group_size } => {
+            (TUTTI_ALGORITHM_HIERARCHICAL_COPY as u32, arg(group_size)?)
+        }
+        Algorithm::ReduceToOne { root } => (TUTTI_ALGORITHM_REDUCE_TO_ONE as u32, arg(root)?),
+    })
+}
+
+/// The C value of a device kind.
+pub(crate) fn device_kind_to_c(k: tutti::DeviceKind) -> tutti_device_kind {
+    match k {
+        tutti::DeviceKind::Cpu => TuttiDeviceKind::TUTTI_DEVICE_CPU as u32,
+        tutti::DeviceKind::Gpu => TuttiDeviceKind::TUTTI_DEVICE_GPU as u32,
+        tutti::DeviceKind::Xla => TuttiDeviceKind::TUTTI_DEVICE_XLA as u32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn c_values_match_the_core() {
+        assert_eq!(dtype(TuttiDtype::TUTTI_DTYPE_BF16 as u32), Ok(DType::BF16));
+        assert_eq!(dtype(TuttiDtype::TUTTI_DTYPE_U64 as u32), Ok(DType::U64));
+        assert!(dtype(10).unwrap_err().contains("dtype 10"));
+        assert_eq!(op(TuttiOp::TUTTI_OP_MEAN as u32), Ok(ReduceOp::Mean));
+        assert!(op(5).unwrap_err().contains("op 5"));
+        for a in Algorithm::ALL_REDUCE {
+            let (v, arg) = algorithm_to_c(a).unwrap();
+            assert_eq!(algorithm(v, arg).unwrap(), a);
+        }
+        assert_eq!(
+            algorithm(3, 0).unwrap(),
+            Algorithm::HierarchicalCopy { group_size: 2 }
+        );
+        assert!(algorithm(2, 1).unwrap_err().message.contains("ring"));
+        assert!(algorithm(5, 0).unwrap_err().message.contains("algorithm 5"));
+    }
+}
