@@ -1,0 +1,89 @@
+//! The C and C++ programs of the C API, compiled with every warning an error against
+//! `libtutti.a` and run: collectives (every algorithm, several dtypes, checked values), every
+//! error path, the replicas form, the example trainer, the README's C example and the C++
+//! wrapper. `TUTTI_CFLAGS` adds compiler flags (the AddressSanitizer pass of `.ci/run`).
+
+mod common;
+
+use std::time::Duration;
+
+use common::{compile, run, Lang};
+
+const LIMIT: Duration = Duration::from_secs(300);
+
+#[test]
+fn c_collectives_every_algorithm_and_dtype() {
+    let exe = compile(
+        Lang::C,
+        "collectives",
+        &["ffi/tests/c/collectives.c"],
+        &["ffi/tests/c"],
+    );
+    let out = run(&exe, &[], LIMIT);
+    assert!(out.contains("collectives:") && out.contains("ok"), "{out}");
+}
+
+#[test]
+fn c_error_paths() {
+    let exe = compile(
+        Lang::C,
+        "errors",
+        &["ffi/tests/c/errors.c"],
+        &["ffi/tests/c"],
+    );
+    let out = run(&exe, &[], LIMIT);
+    assert!(out.contains("every error path: ok"), "{out}");
+}
+
+#[test]
+fn c_replicas() {
+    let exe = compile(
+        Lang::C,
+        "replicas",
+        &["ffi/tests/c/replicas.c"],
+        &["ffi/tests/c"],
+    );
+    let out = run(&exe, &[], LIMIT);
+    assert!(out.contains("replicas:") && out.contains("ok"), "{out}");
+}
+
+#[test]
+fn c_example_trainer() {
+    let exe = compile(Lang::C, "train_step", &["examples/c/train_step.c"], &[]);
+    let out = run(&exe, &[], LIMIT);
+    assert!(out.contains("replicas agree"), "{out}");
+}
+
+/// The README's C example (the first ```c block of its "C API" section) compiles and runs.
+#[test]
+fn readme_c_example() {
+    let readme = std::fs::read_to_string(common::repo().join("README.md")).expect("README.md");
+    let section = readme
+        .split("\n## C API")
+        .nth(1)
+        .expect("the README has a \"## C API\" section");
+    let code = section
+        .split("```c\n")
+        .nth(1)
+        .and_then(|s| s.split("\n```").next())
+        .expect("the C API section has a ```c block");
+    let dir = common::profile_dir().join("c-api-tests");
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("readme_example.c");
+    std::fs::write(&src, code).unwrap();
+    let rel = src.to_str().unwrap().to_string();
+    let exe = compile(Lang::C, "readme_example", &[&rel], &[]);
+    run(&exe, &[], LIMIT);
+}
+
+#[test]
+fn cpp_wrapper() {
+    let exe = compile(
+        Lang::Cxx,
+        "cpp_wrapper",
+        &["bindings/cpp/tests/wrapper_test.cpp"],
+        &["bindings/cpp"],
+    );
+    let out = run(&exe, &[], LIMIT);
+    assert!(out.contains("tutti.hpp: ok"), "{out}");
+}
