@@ -1,0 +1,157 @@
+// The C++ wrapper: RAII handles, typed collectives on a 4-rank group (a std::thread per rank),
+// the replicas form, devices, and errors thrown as tutti::error with code and message.
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tutti.hpp"
+
+#define EXPECT(cond)                                                                               \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            std::fprintf(stderr, "%s:%d: expected %s\n", __FILE__, __LINE__, #cond);               \
+            std::exit(1);                                                                          \
+        }                                                                                          \
+    } while (0)
+
+template <typename F> static void on_every_rank(std::vector<tutti::comm> &comms, F f) {
+    std::vector<std::thread> threads;
+    for (std::size_t r = 0; r < comms.size(); r++) {
+        threads.emplace_back([&comms, r, &f] {
+            try {
+                f(comms[r], r);
+            } catch (const tutti::error &e) {
+                std::fprintf(stderr, "rank %zu: unexpected tutti::error %u: %s\n", r,
+                             static_cast<unsigned>(e.code()), e.what());
+                std::exit(1);
+            }
+        });
+    }
+    for (auto &t : threads) {
+        t.join();
+    }
+}
+
+template <typename F> static tutti::error expect_throw(F f) {
+    try {
+        f();
+    } catch (const tutti::error &e) {
+        return e;
+    }
+    std::fprintf(stderr, "expected a tutti::error\n");
+    std::exit(1);
+}
+
+static void collectives() {
+    auto comms = tutti::comm::group(4, tutti::config().timeout(std::chrono::seconds(60)));
+    EXPECT(comms.size() == 4);
+    on_every_rank(comms, [](tutti::comm &c, std::size_t r) {
+        EXPECT(c.rank() == r && c.world_size() == 4);
+        EXPECT(c.timeout() == std::chrono::seconds(60));
+        for (auto a : {tutti::algorithm::direct(), tutti::algorithm::ring(),
+                       tutti::algorithm::hierarchical_copy(), tutti::algorithm::reduce_to_one(1)}) {
+            c.set_algorithm(a);
+            EXPECT(c.get_algorithm() == a);
+            std::vector<float> grad(1000, static_cast<float>(r + 1));
+            c.all_reduce(grad, tutti::op::mean);
+            EXPECT(grad[0] == 2.5f && grad[999] == 2.5f);
+            std::vector<std::int64_t> v(10, static_cast<std::int64_t>(r));
+            std::vector<std::int64_t> sum(10);
+            c.all_reduce(v.data(), sum.data(), v.size(), tutti::op::sum);
+            EXPECT(sum[9] == 6 && v[0] == static_cast<std::int64_t>(r));
+        }
+        std::vector<double> b(7, r == 2 ? 3.25 : 0.0);
+        c.broadcast(b, 2);
+        EXPECT(b[6] == 3.25);
+        std::vector<std::uint8_t> mine(3, static_cast<std::uint8_t>(r * 10));
+        auto all = c.all_gather(mine);
+        EXPECT(all.size() == 12 && all[0] == 0 && all[3] == 10 && all[11] == 30);
+        std::vector<std::int32_t> in(8, 1), out(2);
+        c.reduce_scatter(in.data(), out.data(), 2, tutti::op::sum);
+        EXPECT(out[0] == 4 && out[1] == 4);
+        std::vector<std::int32_t> red(8);
+        c.reduce(in.data(), r == 0 ? red.data() : nullptr, 8, tutti::op::sum, 0);
+        EXPECT(r != 0 || red[7] == 4);
+        c.barrier();
+    });
+
+    // Errors become exceptions with the code and tutti_last_error's text.
+    on_every_rank(comms, [](tutti::comm &c, std::size_t r) {
+        std::vector<float> x(r == 0 ? 5 : 6, 1.0f);
+        tutti::error e = expect_throw([&] { c.all_reduce(x, tutti::op::sum); });
+        EXPECT(e.code() == TUTTI_ERROR_MISMATCH);
+        EXPECT(std::string(e.what()).find("count is") != std::string::npos);
+        EXPECT(std::string(e.code_string()).find("different calls") != std::string::npos);
+    });
+}
+
+static void abort_wakes_a_blocked_rank() {
+    auto comms = tutti::comm::group(2, tutti::config().timeout(std::chrono::seconds(120)));
+    std::atomic<bool> woke(false);
+    std::thread blocked([&] {
+        std::vector<float> x(4, 1.0f);
+        tutti::error e = expect_throw([&] { comms[0].all_reduce(x, tutti::op::sum); });
+        EXPECT(e.code() == TUTTI_ERROR_ABORTED);
+        EXPECT(std::string(e.what()).find("shutting down") != std::string::npos);
+        woke = true;
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    comms[1].abort("shutting down");
+    blocked.join();
+    EXPECT(woke && comms[0].aborted());
+}
+
+static void moves_and_ownership() {
+    auto comms = tutti::comm::group(1);
+    tutti::comm moved = std::move(comms[0]);
+    EXPECT(comms[0].get() == nullptr && moved.get() != nullptr);
+    tutti::error e = expect_throw([&] { comms[0].barrier(); });
+    EXPECT(e.code() == TUTTI_ERROR_INVALID_ARGUMENT);
+    EXPECT(std::string(e.what()) == "tutti_barrier: comm is NULL");
+    moved.barrier();
+}
+
+static void replicas_form() {
+    tutti::replicas reps(3, tutti::config().with_algorithm(tutti::algorithm::ring()));
+    EXPECT(reps.size() == 3);
+    std::vector<std::vector<float>> bufs = {{1, 2}, {3, 4}, {5, 6}};
+    reps.all_reduce(bufs, tutti::op::sum);
+    EXPECT(bufs[0][0] == 9 && bufs[2][1] == 12);
+    bufs[1] = {7, 8};
+    reps.broadcast(bufs, 1);
+    EXPECT(bufs[0][1] == 8 && bufs[2][0] == 7);
+    std::vector<std::vector<std::int32_t>> ins = {{1}, {2}, {3}};
+    auto gathered = reps.all_gather(ins);
+    EXPECT(gathered.size() == 3 && gathered[2] == (std::vector<std::int32_t>{1, 2, 3}));
+    auto maxed = reps.reduce(ins, tutti::op::max);
+    EXPECT(maxed == std::vector<std::int32_t>{3});
+    std::vector<std::vector<float>> ragged = {{1, 2}, {3}, {5, 6}};
+    tutti::error e = expect_throw([&] { reps.all_reduce(ragged, tutti::op::sum); });
+    EXPECT(e.code() == TUTTI_ERROR_INVALID_ARGUMENT);
+    std::vector<std::vector<float>> two = {{1}, {2}};
+    e = expect_throw([&] { reps.all_reduce(two, tutti::op::sum); });
+    EXPECT(std::string(e.what()).find("num_buffers is 2 but there are 3 replicas") !=
+           std::string::npos);
+    std::vector<std::vector<tutti::bf16>> half = {{{0x3f80}}, {{0x4000}}, {{0x4040}}}; // 1, 2, 3
+    reps.all_reduce(half, tutti::op::sum);
+    EXPECT(half[1][0].bits == 0x40c0); // 6
+}
+
+int main() {
+    EXPECT(tutti::version() == TUTTI_VERSION_STRING);
+    auto devs = tutti::devices();
+    EXPECT(!devs.empty() && devs[0].spec == "cpu:0" && devs[0].kind == TUTTI_DEVICE_CPU);
+    tutti::error e = expect_throw([] { tutti::comm::group(0); });
+    EXPECT(e.code() == TUTTI_ERROR_INVALID_ARGUMENT);
+    EXPECT(std::string(e.what()).find("at least one rank") != std::string::npos);
+    collectives();
+    abort_wakes_a_blocked_rank();
+    moves_and_ownership();
+    replicas_form();
+    std::printf("tutti.hpp: ok\n");
+    return 0;
+}

@@ -1,0 +1,356 @@
+// tutti.hpp: a header-only C++17 wrapper over tutti's C API (include/tutti.h).
+//
+// Handles are move-only RAII objects; every failure throws tutti::error carrying the
+// tutti_result code and the message of tutti_last_error. Buffers are typed: the dtype comes
+// from the element type (float, double, int8_t ... uint64_t, tutti::f16, tutti::bf16).
+//
+//     auto comms = tutti::comm::group(4, tutti::config().timeout(std::chrono::seconds(30)));
+//     // on rank r's thread:
+//     comms[r].all_reduce(grad, tutti::op::mean);
+//
+// Thread-safety is the C API's: one collective at a time per communicator, abort() from any
+// thread.
+#ifndef TUTTI_HPP
+#define TUTTI_HPP
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tutti.h"
+
+namespace tutti {
+
+/// A failed call: the tutti_result code and what went wrong (tutti_last_error).
+class error : public std::runtime_error {
+public:
+    error(tutti_result code, const std::string &message)
+        : std::runtime_error(message), code_(code) {}
+    /// The TUTTI_ERROR_* code.
+    tutti_result code() const noexcept { return code_; }
+    /// What the code means and what to do next.
+    const char *code_string() const noexcept { return tutti_result_string(code_); }
+
+private:
+    tutti_result code_;
+};
+
+namespace detail {
+
+/// The calling thread's last error message.
+inline std::string last_error() {
+    std::size_t n = tutti_last_error(nullptr, 0);
+    std::string s(n + 1, '\0');
+    tutti_last_error(&s[0], s.size());
+    s.resize(n);
+    return s;
+}
+
+/// Throw tutti::error unless the call succeeded.
+inline void check(tutti_result r) {
+    if (r != TUTTI_SUCCESS) {
+        throw error(r, last_error());
+    }
+}
+
+struct comm_deleter {
+    void operator()(tutti_comm *c) const noexcept { tutti_comm_destroy(c); }
+};
+struct replicas_deleter {
+    void operator()(tutti_replicas *r) const noexcept { tutti_replicas_destroy(r); }
+};
+
+} // namespace detail
+
+/// IEEE binary16, as its bits.
+struct f16 {
+    std::uint16_t bits;
+};
+/// bfloat16, as its bits (the upper half of a float).
+struct bf16 {
+    std::uint16_t bits;
+};
+
+/// The tutti_dtype of an element type.
+template <typename T> struct dtype_of;
+template <> struct dtype_of<float> { static constexpr tutti_dtype value = TUTTI_DTYPE_F32; };
+template <> struct dtype_of<double> { static constexpr tutti_dtype value = TUTTI_DTYPE_F64; };
+template <> struct dtype_of<f16> { static constexpr tutti_dtype value = TUTTI_DTYPE_F16; };
+template <> struct dtype_of<bf16> { static constexpr tutti_dtype value = TUTTI_DTYPE_BF16; };
+template <> struct dtype_of<std::int8_t> { static constexpr tutti_dtype value = TUTTI_DTYPE_I8; };
+template <> struct dtype_of<std::uint8_t> { static constexpr tutti_dtype value = TUTTI_DTYPE_U8; };
+template <> struct dtype_of<std::int32_t> { static constexpr tutti_dtype value = TUTTI_DTYPE_I32; };
+template <> struct dtype_of<std::uint32_t> {
+    static constexpr tutti_dtype value = TUTTI_DTYPE_U32;
+};
+template <> struct dtype_of<std::int64_t> { static constexpr tutti_dtype value = TUTTI_DTYPE_I64; };
+template <> struct dtype_of<std::uint64_t> {
+    static constexpr tutti_dtype value = TUTTI_DTYPE_U64;
+};
+
+/// Reduce operations.
+enum class op : std::uint32_t {
+    sum = TUTTI_OP_SUM,
+    prod = TUTTI_OP_PROD,
+    min = TUTTI_OP_MIN,
+    max = TUTTI_OP_MAX,
+    mean = TUTTI_OP_MEAN,
+};
+
+/// An algorithm and its argument (group size of hierarchical copy, root of reduce-to-one).
+struct algorithm {
+    tutti_algorithm kind = TUTTI_ALGORITHM_AUTO;
+    std::uint32_t arg = 0;
+
+    static algorithm automatic() { return {TUTTI_ALGORITHM_AUTO, 0}; }
+    static algorithm direct() { return {TUTTI_ALGORITHM_DIRECT, 0}; }
+    static algorithm ring() { return {TUTTI_ALGORITHM_RING, 0}; }
+    static algorithm hierarchical_copy(std::uint32_t group_size = 2) {
+        return {TUTTI_ALGORITHM_HIERARCHICAL_COPY, group_size};
+    }
+    static algorithm reduce_to_one(std::uint32_t root = 0) {
+        return {TUTTI_ALGORITHM_REDUCE_TO_ONE, root};
+    }
+    bool operator==(const algorithm &o) const { return kind == o.kind && arg == o.arg; }
+    bool operator!=(const algorithm &o) const { return !(*this == o); }
+};
+
+/// Settings of a new group; every field defaults.
+class config {
+public:
+    config() : c_(TUTTI_CONFIG_INIT) {}
+    config &timeout(std::chrono::milliseconds t) {
+        c_.timeout_ms = static_cast<std::uint64_t>(t.count());
+        return *this;
+    }
+    config &with_algorithm(algorithm a) {
+        c_.algorithm = a.kind;
+        c_.algorithm_arg = a.arg;
+        return *this;
+    }
+    config &chunk_bytes(std::size_t n) {
+        c_.chunk_bytes = n;
+        return *this;
+    }
+    const tutti_config *get() const noexcept { return &c_; }
+
+private:
+    tutti_config c_;
+};
+
+/// One rank's handle on a group. Move-only; released when it goes out of scope.
+class comm {
+public:
+    /// An in-process group of `world_size` ranks: element r is rank r's communicator; hand
+    /// each to its own thread.
+    static std::vector<comm> group(std::size_t world_size, const config &cfg = config()) {
+        std::vector<tutti_comm *> raw(world_size, nullptr);
+        detail::check(tutti_comm_create_group(world_size, cfg.get(), raw.data()));
+        std::vector<comm> out;
+        out.reserve(world_size);
+        for (tutti_comm *c : raw) {
+            out.push_back(comm(c));
+        }
+        return out;
+    }
+
+    /// Takes ownership of a handle from the C API.
+    explicit comm(tutti_comm *handle) noexcept : h_(handle) {}
+
+    std::size_t rank() const {
+        std::size_t r = 0;
+        detail::check(tutti_comm_rank(h_.get(), &r));
+        return r;
+    }
+    std::size_t world_size() const {
+        std::size_t n = 0;
+        detail::check(tutti_comm_world_size(h_.get(), &n));
+        return n;
+    }
+    std::chrono::milliseconds timeout() const {
+        std::uint64_t ms = 0;
+        detail::check(tutti_comm_timeout_ms(h_.get(), &ms));
+        return std::chrono::milliseconds(static_cast<std::chrono::milliseconds::rep>(ms));
+    }
+    algorithm get_algorithm() const {
+        algorithm a;
+        detail::check(tutti_comm_algorithm(h_.get(), &a.kind, &a.arg));
+        return a;
+    }
+    /// Every rank must make the same choice before its next collective.
+    void set_algorithm(algorithm a) { detail::check(tutti_comm_set_algorithm(h_.get(), a.kind, a.arg)); }
+    /// Wake every blocked collective of the group and fail later ones; callable from any thread.
+    void abort(const std::string &reason = std::string()) const {
+        detail::check(tutti_comm_abort(h_.get(), reason.empty() ? nullptr : reason.c_str()));
+    }
+    bool aborted() const {
+        bool a = false;
+        detail::check(tutti_comm_is_aborted(h_.get(), &a));
+        return a;
+    }
+
+    /// output = op over ranks of input (`input == output`: in place).
+    template <typename T> void all_reduce(const T *input, T *output, std::size_t count, op o) {
+        detail::check(tutti_all_reduce(h_.get(), count, dtype_of<T>::value,
+                                       static_cast<tutti_op>(o), input, output));
+    }
+    /// In place over a vector.
+    template <typename T> void all_reduce(std::vector<T> &buf, op o) {
+        all_reduce(buf.data(), buf.data(), buf.size(), o);
+    }
+    template <typename T> void broadcast(T *buf, std::size_t count, std::size_t root) {
+        detail::check(tutti_broadcast(h_.get(), count, dtype_of<T>::value, root, buf));
+    }
+    template <typename T> void broadcast(std::vector<T> &buf, std::size_t root) {
+        broadcast(buf.data(), buf.size(), root);
+    }
+    /// output (world_size × count) = every rank's input in rank order.
+    template <typename T> void all_gather(const T *input, T *output, std::size_t count) {
+        detail::check(tutti_all_gather(h_.get(), count, dtype_of<T>::value, input, output));
+    }
+    template <typename T> std::vector<T> all_gather(const std::vector<T> &input) {
+        std::vector<T> out(input.size() * world_size());
+        all_gather(input.data(), out.data(), input.size());
+        return out;
+    }
+    /// output (count) = slice `rank` of op over every rank's input (world_size × count).
+    template <typename T>
+    void reduce_scatter(const T *input, T *output, std::size_t count, op o) {
+        detail::check(tutti_reduce_scatter(h_.get(), count, dtype_of<T>::value,
+                                           static_cast<tutti_op>(o), input, output));
+    }
+    /// At the root, output = op over every rank's input; elsewhere output may be null.
+    template <typename T>
+    void reduce(const T *input, T *output, std::size_t count, op o, std::size_t root) {
+        detail::check(tutti_reduce(h_.get(), count, dtype_of<T>::value,
+                                   static_cast<tutti_op>(o), root, input, output));
+    }
+    void barrier() { detail::check(tutti_barrier(h_.get())); }
+
+    /// The C handle, still owned by this object.
+    tutti_comm *get() const noexcept { return h_.get(); }
+
+private:
+    std::unique_ptr<tutti_comm, detail::comm_deleter> h_;
+};
+
+/// Replicas driven by one caller that holds every replica's buffer. Move-only.
+class replicas {
+public:
+    explicit replicas(std::size_t num_replicas, const config &cfg = config()) {
+        tutti_replicas *r = nullptr;
+        detail::check(tutti_replicas_create(num_replicas, cfg.get(), &r));
+        h_.reset(r);
+    }
+    std::size_t size() const {
+        std::size_t n = 0;
+        detail::check(tutti_replicas_count(h_.get(), &n));
+        return n;
+    }
+    /// Fail the running call and every later one; callable from any thread.
+    void abort(const std::string &reason = std::string()) const {
+        detail::check(tutti_replicas_abort(h_.get(), reason.empty() ? nullptr : reason.c_str()));
+    }
+
+    /// Every buffer becomes op over all of them. The buffers must be equally long.
+    template <typename T> void all_reduce(std::vector<std::vector<T>> &bufs, op o) {
+        std::vector<void *> p = pointers(bufs);
+        detail::check(tutti_replicas_all_reduce(h_.get(), count_of(bufs), dtype_of<T>::value,
+                                                static_cast<tutti_op>(o), p.size(), p.data()));
+    }
+    /// Every buffer becomes bufs[root].
+    template <typename T> void broadcast(std::vector<std::vector<T>> &bufs, std::size_t root) {
+        std::vector<void *> p = pointers(bufs);
+        detail::check(tutti_replicas_broadcast(h_.get(), count_of(bufs), dtype_of<T>::value,
+                                               root, p.size(), p.data()));
+    }
+    /// Each replica's output: every input, concatenated in replica order.
+    template <typename T>
+    std::vector<std::vector<T>> all_gather(const std::vector<std::vector<T>> &inputs) {
+        std::size_t n = count_of(inputs);
+        std::vector<std::vector<T>> outs(inputs.size(), std::vector<T>(n * inputs.size()));
+        std::vector<const void *> in;
+        for (const auto &b : inputs) {
+            in.push_back(b.data());
+        }
+        std::vector<void *> out = pointers(outs);
+        detail::check(tutti_replicas_all_gather(h_.get(), n, dtype_of<T>::value, in.size(),
+                                                in.data(), out.data()));
+        return outs;
+    }
+    /// op over every input, in one destination.
+    template <typename T> std::vector<T> reduce(const std::vector<std::vector<T>> &inputs, op o) {
+        std::size_t n = count_of(inputs);
+        std::vector<T> out(n);
+        std::vector<const void *> in;
+        for (const auto &b : inputs) {
+            in.push_back(b.data());
+        }
+        detail::check(tutti_replicas_reduce(h_.get(), n, dtype_of<T>::value,
+                                            static_cast<tutti_op>(o), in.size(), in.data(),
+                                            out.data()));
+        return out;
+    }
+
+    tutti_replicas *get() const noexcept { return h_.get(); }
+
+private:
+    template <typename T> static std::vector<void *> pointers(std::vector<std::vector<T>> &bufs) {
+        std::vector<void *> p;
+        for (auto &b : bufs) {
+            p.push_back(b.data());
+        }
+        return p;
+    }
+    template <typename T> static std::size_t count_of(const std::vector<std::vector<T>> &bufs) {
+        if (bufs.empty()) {
+            return 0;
+        }
+        for (const auto &b : bufs) {
+            if (b.size() != bufs[0].size()) {
+                throw error(TUTTI_ERROR_INVALID_ARGUMENT,
+                            "tutti::replicas: the buffers differ in length; every replica's "
+                            "buffer must hold the same number of elements");
+            }
+        }
+        return bufs[0].size();
+    }
+
+    std::unique_ptr<tutti_replicas, detail::replicas_deleter> h_;
+};
+
+/// One device this build can see.
+struct device {
+    tutti_device_kind kind;
+    std::size_t index;
+    std::size_t physical_index;
+    std::uint64_t memory_bytes; ///< 0 when unknown
+    std::string name;
+    std::string spec; ///< e.g. "cpu:0"
+};
+
+/// Every device this build can see.
+inline std::vector<device> devices() {
+    std::size_t n = 0;
+    detail::check(tutti_device_count(&n));
+    std::vector<device> out;
+    for (std::size_t i = 0; i < n; i++) {
+        tutti_device_info info = TUTTI_DEVICE_INFO_INIT;
+        detail::check(tutti_device_get(i, &info));
+        out.push_back(device{info.kind, info.index, info.physical_index, info.memory_bytes,
+                             info.name, info.spec});
+    }
+    return out;
+}
+
+/// The library's version ("MAJOR.MINOR.PATCH").
+inline std::string version() { return tutti_version_string(); }
+
+} // namespace tutti
+
+#endif // TUTTI_HPP
