@@ -1,0 +1,209 @@
+"""The Python bindings: collectives over numpy arrays through libtutti, values checked."""
+
+import pathlib
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import tutti
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+
+DTYPES = [np.float32, np.float64, np.float16, np.int8, np.uint8, np.int32, np.uint32, np.int64, np.uint64]
+ALGORITHMS = ["auto", "direct", "ring", "hierarchical-copy", "hierarchical-copy:4", "reduce-to-one", "reduce-to-one:2"]
+
+
+def test_version_matches_the_header():
+    header = (REPO / "include" / "tutti.h").read_text()
+    want = re.search(r'#define TUTTI_VERSION_STRING "([^"]+)"', header).group(1)
+    assert tutti.version() == want
+
+
+def test_devices_start_with_the_host_cpu():
+    devs = tutti.devices()
+    assert devs[0].kind == "cpu" and devs[0].spec == "cpu:0" and devs[0].name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["sum", "prod", "min", "max", "mean"])
+def test_all_reduce_every_dtype_and_op(dtype, op):
+    n = 4
+    arrays = [((np.arange(1001) % 5 + 1) * (r + 1)).astype(dtype) for r in range(n)]
+    if np.issubdtype(dtype, np.integer):
+        # Integers wrap in their own type; MEAN divides the wrapped sum, truncating.
+        ufunc = {"sum": np.add, "mean": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[op]
+        acc = arrays[0].copy()
+        for a in arrays[1:]:
+            acc = ufunc(acc, a)
+        want = acc.astype(np.float64)
+        if op == "mean":
+            want = np.trunc(want / n)
+    else:
+        wide = [a.astype(np.float64) for a in arrays]
+        want = {
+            "sum": sum(wide),
+            "prod": np.prod(wide, axis=0),
+            "min": np.min(wide, axis=0),
+            "max": np.max(wide, axis=0),
+            "mean": sum(wide) / n,
+        }[op]
+    out = tutti.all_reduce(arrays, op=op, timeout=60)
+    for a in out:
+        np.testing.assert_allclose(a.astype(np.float64), want, rtol=1e-3)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_all_reduce_every_algorithm(algorithm):
+    grads = [np.full((3, 257), r, dtype=np.float32) for r in range(4)]
+    with tutti.Replicas(4, timeout=60, algorithm=algorithm) as r:
+        r.all_reduce(grads, op="mean")
+        r.all_reduce(grads, op="sum")
+    for g in grads:
+        assert g.shape == (3, 257)
+        np.testing.assert_array_equal(g, np.full((3, 257), 6.0, dtype=np.float32))
+
+
+def test_broadcast():
+    arrays = [np.full(10, r, dtype=np.int64) for r in range(3)]
+    tutti.broadcast(arrays, root=2)
+    for a in arrays:
+        np.testing.assert_array_equal(a, np.full(10, 2))
+
+
+def test_all_gather_concatenates_along_the_first_axis():
+    arrays = [np.full((2, 3), r, dtype=np.float64) for r in range(4)]
+    outs = tutti.all_gather(arrays)
+    assert len(outs) == 4
+    want = np.concatenate(arrays)
+    for o in outs:
+        assert o.shape == (8, 3)
+        np.testing.assert_array_equal(o, want)
+
+
+def test_reduce_and_reduce_scatter():
+    arrays = [np.arange(8, dtype=np.int32) * (r + 1) for r in range(4)]
+    np.testing.assert_array_equal(tutti.reduce(arrays, op="max"), np.arange(8) * 4)
+    slices = tutti.reduce_scatter(arrays, op="sum")
+    total = np.arange(8) * 10
+    for i, s in enumerate(slices):
+        np.testing.assert_array_equal(s, total[2 * i : 2 * i + 2])
+
+
+def test_replicas_reuse_and_abort():
+    with tutti.Replicas(2, timeout=60) as r:
+        a = [np.ones(4, dtype=np.float32), np.ones(4, dtype=np.float32)]
+        for _ in range(10):
+            r.all_reduce(a)
+        assert a[0][0] == 2.0**10
+        r.abort("done early")
+        with pytest.raises(tutti.TuttiError) as e:
+            r.all_reduce(a)
+        assert e.value.code == "TUTTI_ERROR_ABORTED" and "done early" in e.value.message
+
+
+def test_errors_say_what_was_wrong():
+    with pytest.raises(ValueError, match="every replica's array must match"):
+        tutti.all_reduce([np.zeros(3, np.float32), np.zeros(4, np.float32)])
+    with pytest.raises(TypeError, match="complex64"):
+        tutti.all_reduce([np.zeros(3, np.complex64)] * 2)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        tutti.all_reduce([np.zeros((4, 4), np.float32)[:, 1], np.zeros(4, np.float32)])
+    with pytest.raises(ValueError, match="read-only"):
+        ro = np.zeros(3, np.float32)
+        ro.flags.writeable = False
+        tutti.all_reduce([ro, np.zeros(3, np.float32)])
+    with pytest.raises(ValueError, match="unknown op"):
+        tutti.all_reduce([np.zeros(3, np.float32)] * 2, op="median")
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        tutti.Replicas(2, algorithm="tree")
+    # The C library's own checks come back as TuttiError with its message.
+    with tutti.Replicas(3) as r:
+        with pytest.raises(tutti.TuttiError) as e:
+            r.all_reduce([np.zeros(3, np.float32), np.zeros(3, np.float32)])
+        assert e.value.code == "TUTTI_ERROR_INVALID_ARGUMENT"
+        assert "num_buffers is 2 but there are 3 replicas" in e.value.message
+        with pytest.raises(tutti.TuttiError, match="root 5 is out of range"):
+            r.broadcast([np.zeros(3, np.float32) for _ in range(3)], root=5)
+    with pytest.raises(tutti.TuttiError, match="at least one rank"):
+        tutti.Replicas(0)
+    with pytest.raises(tutti.TuttiError, match="root 7 is out of range"):
+        tutti.Replicas(2, algorithm="reduce-to-one:7")
+
+
+def run_ranks(comms, fn):
+    errors = []
+
+    def body(c):
+        try:
+            fn(c)
+        except BaseException as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(c,)) for c in comms]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+
+
+def test_a_communicator_per_thread():
+    comms = tutti.local_group(4, timeout=60, algorithm="ring")
+    assert [c.rank for c in comms] == [0, 1, 2, 3] and comms[0].world_size == 4
+    results = {}
+
+    def rank(c):
+        x = np.full(100, c.rank + 1, dtype=np.float32)
+        c.all_reduce(x, op="mean")
+        g = c.all_gather(np.array([c.rank], dtype=np.int64))
+        b = c.broadcast(np.full(3, c.rank, dtype=np.uint8), root=3)
+        s = c.reduce_scatter(np.ones(8, dtype=np.int32))
+        r = c.reduce(np.ones(2, dtype=np.float64), op="sum", root=1)
+        c.barrier()
+        results[c.rank] = (x[0], list(g), list(b), list(s), r)
+
+    run_ranks(comms, rank)
+    for r in range(4):
+        x, g, b, s, red = results[r]
+        assert x == 2.5 and g == [0, 1, 2, 3] and b == [3, 3, 3] and s == [4, 4]
+        assert (red is not None) == (r == 1)
+    np.testing.assert_array_equal(results[1][4], [4.0, 4.0])
+
+    # Ranks that disagree all get a mismatch naming the field.
+    def mismatch(c):
+        with pytest.raises(tutti.TuttiError) as e:
+            c.all_reduce(np.zeros(10 + c.rank, dtype=np.float32))
+        assert e.value.code == "TUTTI_ERROR_MISMATCH" and "count" in e.value.message
+
+    run_ranks(comms, mismatch)
+    for c in comms:
+        c.close()
+
+
+def test_abort_wakes_a_blocked_rank_and_timeouts_fire():
+    a, b = tutti.local_group(2, timeout=120)
+    caught = []
+
+    def blocked():
+        try:
+            a.all_reduce(np.zeros(4, dtype=np.float32))
+        except tutti.TuttiError as e:
+            caught.append(e)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    time.sleep(0.1)
+    b.abort("stop")
+    t.join(30)
+    assert not t.is_alive() and caught[0].code == "TUTTI_ERROR_ABORTED"
+
+    c, _d = tutti.local_group(2, timeout=0.2)
+    start = time.monotonic()
+    with pytest.raises(tutti.TuttiError) as e:
+        c.barrier()
+    assert e.value.code == "TUTTI_ERROR_TIMEOUT" and "rank 1" in e.value.message
+    assert time.monotonic() - start < 30

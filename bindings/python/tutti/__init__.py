@@ -1,0 +1,550 @@
+"""tutti from Python: collectives over numpy arrays through libtutti's C API (ctypes).
+
+Two forms, as in the C API:
+
+* ``Replicas`` (and the module-level ``all_reduce``, ``broadcast``, ``all_gather``, ``reduce``,
+  ``reduce_scatter``): one caller holds every replica's array and makes one call::
+
+      import numpy as np, tutti
+      grads = [np.full(1000, r, dtype=np.float32) for r in range(4)]
+      tutti.all_reduce(grads, op="mean")          # in place: every array is now 1.5
+
+* ``local_group(n)``: one ``Communicator`` per rank, each used from its own thread (ctypes
+  releases the GIL during the call, so the ranks run in parallel).
+
+libtutti is found through ``TUTTI_LIBRARY`` (a path to libtutti.so), else in this repository's
+``target/release`` or ``target/debug``, else on the system's library path.
+
+Errors from tutti raise ``TuttiError`` with ``code`` (a ``TUTTI_*`` name) and the message of
+``tutti_last_error``: what failed, on which rank, and why.
+"""
+
+import ctypes
+import ctypes.util
+import os
+import pathlib
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "TuttiError",
+    "Device",
+    "Replicas",
+    "Communicator",
+    "local_group",
+    "devices",
+    "version",
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "reduce",
+    "reduce_scatter",
+    "library_path",
+]
+
+# ----- the library -----
+
+RESULT_NAMES = {
+    0: "TUTTI_SUCCESS",
+    1: "TUTTI_ERROR_INVALID_ARGUMENT",
+    2: "TUTTI_ERROR_MISMATCH",
+    3: "TUTTI_ERROR_PEER_REJECTED",
+    4: "TUTTI_ERROR_TIMEOUT",
+    5: "TUTTI_ERROR_ABORTED",
+    6: "TUTTI_ERROR_UNAVAILABLE",
+    7: "TUTTI_ERROR_SYSTEM",
+    8: "TUTTI_ERROR_INTERNAL",
+}
+
+DTYPES = {
+    "float32": 0,
+    "float64": 1,
+    "float16": 2,
+    "bfloat16": 3,  # ml_dtypes.bfloat16, where installed
+    "int8": 4,
+    "uint8": 5,
+    "int32": 6,
+    "uint32": 7,
+    "int64": 8,
+    "uint64": 9,
+}
+
+OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3, "mean": 4}
+
+ALGORITHMS = {
+    "auto": 0,
+    "direct": 1,
+    "ring": 2,
+    "hierarchical-copy": 3,
+    "reduce-to-one": 4,
+}
+
+
+class _Config(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("timeout_ms", ctypes.c_uint64),
+        ("chunk_bytes", ctypes.c_size_t),
+        ("algorithm", ctypes.c_uint32),
+        ("algorithm_arg", ctypes.c_uint32),
+    ]
+
+
+class _DeviceInfo(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("index", ctypes.c_size_t),
+        ("physical_index", ctypes.c_size_t),
+        ("memory_bytes", ctypes.c_uint64),
+        ("kind", ctypes.c_uint32),
+        ("name", ctypes.c_char * 256),
+        ("spec", ctypes.c_char * 64),
+    ]
+
+
+def library_path():
+    """The libtutti.so this module loads (or would load)."""
+    env = os.environ.get("TUTTI_LIBRARY")
+    if env:
+        return env
+    repo = pathlib.Path(__file__).resolve().parents[3]
+    candidates = [repo / "target" / p / "libtutti.so" for p in ("release", "debug")]
+    found = [c for c in candidates if c.exists()]
+    if found:
+        return str(max(found, key=lambda c: c.stat().st_mtime))
+    system = ctypes.util.find_library("tutti")
+    if system:
+        return system
+    raise OSError(
+        "libtutti.so not found: build it with `cargo build -p tutti-ffi` "
+        "or set TUTTI_LIBRARY to its path"
+    )
+
+
+_lib = None
+
+_c = ctypes
+_size = ctypes.c_size_t
+_u32 = ctypes.c_uint32
+_ptr = ctypes.c_void_p
+_pp = ctypes.POINTER(ctypes.c_void_p)
+
+_PROTOTYPES = {
+    "tutti_version_string": (ctypes.c_char_p, []),
+    "tutti_result_string": (ctypes.c_char_p, [_u32]),
+    "tutti_last_error": (_size, [ctypes.c_char_p, _size]),
+    "tutti_device_count": (_u32, [ctypes.POINTER(_size)]),
+    "tutti_device_get": (_u32, [_size, ctypes.POINTER(_DeviceInfo)]),
+    "tutti_comm_create_group": (_u32, [_size, ctypes.POINTER(_Config), _pp]),
+    "tutti_comm_destroy": (None, [_ptr]),
+    "tutti_comm_rank": (_u32, [_ptr, ctypes.POINTER(_size)]),
+    "tutti_comm_world_size": (_u32, [_ptr, ctypes.POINTER(_size)]),
+    "tutti_comm_abort": (_u32, [_ptr, ctypes.c_char_p]),
+    "tutti_all_reduce": (_u32, [_ptr, _size, _u32, _u32, _ptr, _ptr]),
+    "tutti_broadcast": (_u32, [_ptr, _size, _u32, _size, _ptr]),
+    "tutti_all_gather": (_u32, [_ptr, _size, _u32, _ptr, _ptr]),
+    "tutti_reduce_scatter": (_u32, [_ptr, _size, _u32, _u32, _ptr, _ptr]),
+    "tutti_reduce": (_u32, [_ptr, _size, _u32, _u32, _size, _ptr, _ptr]),
+    "tutti_barrier": (_u32, [_ptr]),
+    "tutti_replicas_create": (_u32, [_size, ctypes.POINTER(_Config), _pp]),
+    "tutti_replicas_destroy": (None, [_ptr]),
+    "tutti_replicas_abort": (_u32, [_ptr, ctypes.c_char_p]),
+    "tutti_replicas_all_reduce": (_u32, [_ptr, _size, _u32, _u32, _size, _pp]),
+    "tutti_replicas_broadcast": (_u32, [_ptr, _size, _u32, _size, _size, _pp]),
+    "tutti_replicas_all_gather": (_u32, [_ptr, _size, _u32, _size, _pp, _pp]),
+    "tutti_replicas_reduce_scatter": (_u32, [_ptr, _size, _u32, _u32, _size, _pp, _pp]),
+    "tutti_replicas_reduce": (_u32, [_ptr, _size, _u32, _u32, _size, _pp, _ptr]),
+}
+
+
+def _library():
+    global _lib
+    if _lib is None:
+        lib = ctypes.CDLL(library_path())
+        for name, (restype, argtypes) in _PROTOTYPES.items():
+            f = getattr(lib, name)
+            f.restype = restype
+            f.argtypes = argtypes
+        _lib = lib
+    return _lib
+
+
+class TuttiError(RuntimeError):
+    """A failed tutti call: ``code`` is the ``TUTTI_*`` name, ``message`` says what and why."""
+
+    def __init__(self, result, message):
+        self.result = result
+        self.code = RESULT_NAMES.get(result, f"unknown result {result}")
+        self.message = message
+        super().__init__(f"{self.code}: {message}")
+
+
+def _check(result):
+    if result != 0:
+        lib = _library()
+        n = lib.tutti_last_error(None, 0)
+        buf = ctypes.create_string_buffer(n + 1)
+        lib.tutti_last_error(buf, n + 1)
+        raise TuttiError(result, buf.value.decode("utf-8", "replace"))
+
+
+def version():
+    """The library's version, "MAJOR.MINOR.PATCH"."""
+    return _library().tutti_version_string().decode()
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device this build of libtutti can see."""
+
+    kind: str
+    index: int
+    physical_index: int
+    memory_bytes: int
+    name: str
+    spec: str
+
+
+def devices():
+    """Every device this build of libtutti can see (the host CPU first)."""
+    lib = _library()
+    n = ctypes.c_size_t()
+    _check(lib.tutti_device_count(ctypes.byref(n)))
+    out = []
+    for i in range(n.value):
+        info = _DeviceInfo()
+        info.struct_size = ctypes.sizeof(_DeviceInfo)
+        _check(lib.tutti_device_get(i, ctypes.byref(info)))
+        out.append(
+            Device(
+                kind={0: "cpu", 1: "gpu", 2: "xla"}.get(info.kind, str(info.kind)),
+                index=info.index,
+                physical_index=info.physical_index,
+                memory_bytes=info.memory_bytes,
+                name=info.name.decode("utf-8", "replace"),
+                spec=info.spec.decode(),
+            )
+        )
+    return out
+
+
+# ----- arguments -----
+
+
+def _config(timeout=None, algorithm="auto", chunk_bytes=None):
+    c = _Config()
+    c.struct_size = ctypes.sizeof(_Config)
+    if timeout is not None:
+        if not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        c.timeout_ms = max(1, int(round(timeout * 1000)))
+    c.chunk_bytes = int(chunk_bytes or 0)
+    c.algorithm, c.algorithm_arg = _algorithm(algorithm)
+    return c
+
+
+def _algorithm(name):
+    base, _, arg = str(name).partition(":")
+    if base not in ALGORITHMS:
+        raise ValueError(
+            f"unknown algorithm {name!r} (expected auto, direct, ring, "
+            "hierarchical-copy[:GROUP] or reduce-to-one[:ROOT])"
+        )
+    if not arg:
+        return ALGORITHMS[base], 0
+    if base not in ("hierarchical-copy", "reduce-to-one") or not arg.isdigit():
+        raise ValueError(f"algorithm {name!r}: only hierarchical-copy and reduce-to-one take a number")
+    return ALGORITHMS[base], int(arg)
+
+
+def _op(op):
+    try:
+        return OPS[str(op).lower()]
+    except KeyError:
+        raise ValueError(f"unknown op {op!r} (expected sum, prod, min, max or mean)") from None
+
+
+def _dtype(a):
+    name = a.dtype.name
+    if name not in DTYPES:
+        raise TypeError(
+            f"dtype {a.dtype} is not one tutti reduces (expected one of {', '.join(DTYPES)})"
+        )
+    if not a.dtype.isnative:
+        raise TypeError(f"array of dtype {a.dtype} is not in native byte order")
+    return DTYPES[name]
+
+
+def _array(a, what, writable=False):
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{what} is a {type(a).__name__}, not a numpy array")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{what} is not C-contiguous; pass np.ascontiguousarray(...)")
+    if not a.flags.aligned:
+        raise ValueError(f"{what} is not aligned to its element size")
+    if writable and not a.flags.writeable:
+        raise ValueError(f"{what} is read-only but tutti writes to it")
+    return a
+
+
+def _same(arrays, what, writable):
+    arrays = list(arrays)
+    if not arrays:
+        raise ValueError(f"{what}: no arrays given")
+    first = _array(arrays[0], f"{what}[0]", writable)
+    for i, a in enumerate(arrays[1:], 1):
+        _array(a, f"{what}[{i}]", writable)
+        if a.dtype != first.dtype or a.shape != first.shape:
+            raise ValueError(
+                f"{what}[{i}] is {a.dtype}{list(a.shape)} but {what}[0] is "
+                f"{first.dtype}{list(first.shape)}; every replica's array must match"
+            )
+    return arrays, _dtype(first), first.size
+
+
+def _pointers(arrays):
+    return (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
+
+
+# ----- the one-call form -----
+
+
+class Replicas:
+    """A group of replicas driven by one caller holding every replica's array.
+
+    ``Replicas(n, timeout=None, algorithm="auto", chunk_bytes=None)``; use it as a context
+    manager or call ``close()``. One call at a time; ``abort()`` from any thread.
+    """
+
+    def __init__(self, n, timeout=None, algorithm="auto", chunk_bytes=None):
+        lib = _library()
+        config = _config(timeout, algorithm, chunk_bytes)
+        handle = ctypes.c_void_p()
+        _check(lib.tutti_replicas_create(n, ctypes.byref(config), ctypes.byref(handle)))
+        self._h = handle
+        self.n = n
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    def close(self):
+        h, self._h = getattr(self, "_h", None), None
+        if h:
+            _library().tutti_replicas_destroy(h)
+
+    def _handle(self):
+        if not self._h:
+            raise ValueError("these replicas are closed")
+        return self._h
+
+    def abort(self, reason=None):
+        """Fail the running call and every later one."""
+        _check(_library().tutti_replicas_abort(self._handle(), reason.encode() if reason else None))
+
+    def all_reduce(self, arrays, op="sum"):
+        """Every array becomes the element-wise op over all of them, in place; returns them."""
+        arrays, dtype, count = _same(arrays, "arrays", writable=True)
+        _check(
+            _library().tutti_replicas_all_reduce(
+                self._handle(), count, dtype, _op(op), len(arrays), _pointers(arrays)
+            )
+        )
+        return arrays
+
+    def broadcast(self, arrays, root=0):
+        """Every array becomes ``arrays[root]``, in place; returns them."""
+        arrays, dtype, count = _same(arrays, "arrays", writable=True)
+        _check(
+            _library().tutti_replicas_broadcast(
+                self._handle(), count, dtype, root, len(arrays), _pointers(arrays)
+            )
+        )
+        return arrays
+
+    def all_gather(self, arrays):
+        """For each replica, a new array: every input concatenated along the first axis."""
+        arrays, dtype, count = _same(arrays, "arrays", writable=False)
+        shape = (len(arrays) * arrays[0].shape[0],) + arrays[0].shape[1:] if arrays[0].ndim else (len(arrays),)
+        outs = [np.empty(shape, dtype=arrays[0].dtype) for _ in arrays]
+        _check(
+            _library().tutti_replicas_all_gather(
+                self._handle(), count, dtype, len(arrays), _pointers(arrays), _pointers(outs)
+            )
+        )
+        return outs
+
+    def reduce_scatter(self, arrays, op="sum"):
+        """For replica i, slice i (of ``len(arrays)`` equal slices of the flattened arrays) of
+        the element-wise op over all of them."""
+        arrays, dtype, total = _same(arrays, "arrays", writable=False)
+        if total % len(arrays):
+            raise ValueError(
+                f"reduce_scatter: {total} elements do not split into {len(arrays)} equal slices"
+            )
+        count = total // len(arrays)
+        outs = [np.empty(count, dtype=arrays[0].dtype) for _ in arrays]
+        _check(
+            _library().tutti_replicas_reduce_scatter(
+                self._handle(), count, dtype, _op(op), len(arrays), _pointers(arrays), _pointers(outs)
+            )
+        )
+        return outs
+
+    def reduce(self, arrays, op="sum"):
+        """A new array: the element-wise op over every array."""
+        arrays, dtype, count = _same(arrays, "arrays", writable=False)
+        out = np.empty_like(arrays[0])
+        _check(
+            _library().tutti_replicas_reduce(
+                self._handle(), count, dtype, _op(op), len(arrays), _pointers(arrays), out.ctypes.data
+            )
+        )
+        return out
+
+
+def all_reduce(arrays, op="sum", **config):
+    """All-reduce a list of per-replica arrays in place (one replica per array); returns them."""
+    arrays = list(arrays)
+    with Replicas(len(arrays), **config) as r:
+        return r.all_reduce(arrays, op)
+
+
+def broadcast(arrays, root=0, **config):
+    """Copy ``arrays[root]`` into every other array, in place; returns them."""
+    arrays = list(arrays)
+    with Replicas(len(arrays), **config) as r:
+        return r.broadcast(arrays, root)
+
+
+def all_gather(arrays, **config):
+    """For each array, a new array holding every array concatenated along the first axis."""
+    arrays = list(arrays)
+    with Replicas(len(arrays), **config) as r:
+        return r.all_gather(arrays)
+
+
+def reduce(arrays, op="sum", **config):
+    """A new array: the element-wise op over every array."""
+    arrays = list(arrays)
+    with Replicas(len(arrays), **config) as r:
+        return r.reduce(arrays, op)
+
+
+def reduce_scatter(arrays, op="sum", **config):
+    """For each replica i, slice i of the element-wise op over every array."""
+    arrays = list(arrays)
+    with Replicas(len(arrays), **config) as r:
+        return r.reduce_scatter(arrays, op)
+
+
+# ----- one communicator per rank -----
+
+
+class Communicator:
+    """One rank's handle on an in-process group, from ``local_group``; use it from one thread
+    at a time. ``abort()`` may be called from any thread."""
+
+    def __init__(self, handle):
+        self._h = handle
+        lib = _library()
+        v = ctypes.c_size_t()
+        _check(lib.tutti_comm_rank(handle, ctypes.byref(v)))
+        self.rank = v.value
+        _check(lib.tutti_comm_world_size(handle, ctypes.byref(v)))
+        self.world_size = v.value
+
+    def __del__(self):
+        self.close()
+
+    def close(self):
+        h, self._h = getattr(self, "_h", None), None
+        if h:
+            _library().tutti_comm_destroy(h)
+
+    def _handle(self):
+        if not self._h:
+            raise ValueError("this communicator is closed")
+        return self._h
+
+    def abort(self, reason=None):
+        _check(_library().tutti_comm_abort(self._handle(), reason.encode() if reason else None))
+
+    def all_reduce(self, array, op="sum", out=None):
+        """In place, or into ``out``; returns the result."""
+        _array(array, "array", writable=out is None)
+        target = array if out is None else _array(out, "out", writable=True)
+        if target.dtype != array.dtype or target.size != array.size:
+            raise ValueError("out must match the array's dtype and size")
+        _check(
+            _library().tutti_all_reduce(
+                self._handle(), array.size, _dtype(array), _op(op), array.ctypes.data, target.ctypes.data
+            )
+        )
+        return target
+
+    def broadcast(self, array, root=0):
+        _array(array, "array", writable=True)
+        _check(_library().tutti_broadcast(self._handle(), array.size, _dtype(array), root, array.ctypes.data))
+        return array
+
+    def all_gather(self, array):
+        """A new array: every rank's array concatenated along the first axis."""
+        _array(array, "array")
+        shape = (self.world_size * array.shape[0],) + array.shape[1:] if array.ndim else (self.world_size,)
+        out = np.empty(shape, dtype=array.dtype)
+        _check(
+            _library().tutti_all_gather(
+                self._handle(), array.size, _dtype(array), array.ctypes.data, out.ctypes.data
+            )
+        )
+        return out
+
+    def reduce_scatter(self, array, op="sum"):
+        """This rank's slice of the element-wise op over every rank's (flattened) array."""
+        _array(array, "array")
+        if array.size % self.world_size:
+            raise ValueError(f"{array.size} elements do not split into {self.world_size} equal slices")
+        out = np.empty(array.size // self.world_size, dtype=array.dtype)
+        _check(
+            _library().tutti_reduce_scatter(
+                self._handle(), out.size, _dtype(array), _op(op), array.ctypes.data, out.ctypes.data
+            )
+        )
+        return out
+
+    def reduce(self, array, op="sum", root=0):
+        """At the root, a new array with the reduction; None elsewhere."""
+        _array(array, "array")
+        out = np.empty_like(array) if self.rank == root else None
+        _check(
+            _library().tutti_reduce(
+                self._handle(),
+                array.size,
+                _dtype(array),
+                _op(op),
+                root,
+                array.ctypes.data,
+                None if out is None else out.ctypes.data,
+            )
+        )
+        return out
+
+    def barrier(self):
+        _check(_library().tutti_barrier(self._handle()))
+
+
+def local_group(n, timeout=None, algorithm="auto", chunk_bytes=None):
+    """An in-process group of ``n`` ranks: a list of ``Communicator``, rank 0 first; hand each
+    to its own thread."""
+    lib = _library()
+    config = _config(timeout, algorithm, chunk_bytes)
+    handles = (ctypes.c_void_p * max(n, 1))()
+    _check(lib.tutti_comm_create_group(n, ctypes.byref(config), handles))
+    return [Communicator(ctypes.c_void_p(h)) for h in handles[:n]]
