@@ -121,7 +121,7 @@ fn list(ranks: &[usize]) -> String {
 #[non_exhaustive]
 pub enum Error {
     /// An argument was wrong on this rank alone (root out of range, buffer too small, unknown name).
-    #[error("{}: {message}", site.map(|s| s.to_string()).unwrap_or_else(|| "tutti".into()))]
+    #[error("{}{message}", site.map(|s| format!("{s}: ")).unwrap_or_default())]
     InvalidArgument {
         /// The call, when the error came from one.
         site: Option<Site>,

@@ -9,7 +9,9 @@
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -58,8 +60,11 @@ fn exit_code(status: ExitStatus) -> i32 {
         .max(1)
 }
 
+/// A process to start: its label (rank or task) and its environment.
+type Plan = (String, Vec<(String, String)>);
+
 /// The environment of each process, with its label.
-fn plan(l: &Launch) -> Result<Vec<(String, Vec<(String, String)>)>> {
+fn plan(l: &Launch) -> Result<Vec<Plan>> {
     let token = random_token()?;
     let transport = l
         .transport
@@ -136,11 +141,23 @@ fn relay(
     })
 }
 
+/// Signal a child's whole process group (it leads one), so its own children stop too.
+fn signal(c: &Child, sig: libc::c_int) {
+    // SAFETY: signalling a process group we created and have not reaped.
+    unsafe { libc::kill(-(c.id() as libc::pid_t), sig) };
+}
+
+/// A signal the launcher received (SIGINT, SIGTERM), forwarded to every process.
+static RECEIVED: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    RECEIVED.store(sig, Ordering::SeqCst);
+}
+
 fn terminate(children: &mut [(String, Child, Option<ExitStatus>)], grace: Duration) {
     for (_, c, st) in children.iter_mut() {
         if st.is_none() {
-            // SAFETY: signalling a child we started and have not reaped.
-            unsafe { libc::kill(c.id() as libc::pid_t, libc::SIGTERM) };
+            signal(c, libc::SIGTERM);
         }
     }
     let deadline = Instant::now() + grace;
@@ -151,8 +168,10 @@ fn terminate(children: &mut [(String, Child, Option<ExitStatus>)], grace: Durati
     {
         std::thread::sleep(Duration::from_millis(20));
     }
-    for (_, c, _) in children.iter_mut() {
-        let _ = c.kill();
+    for (_, c, st) in children.iter_mut() {
+        if st.is_none() {
+            signal(c, libc::SIGKILL);
+        }
     }
 }
 
@@ -179,6 +198,7 @@ pub fn run(l: &Launch) -> Result<i32> {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
+            .process_group(0)
             .spawn();
         let mut child = match spawned {
             Ok(c) => c,
@@ -202,8 +222,21 @@ pub fn run(l: &Launch) -> Result<i32> {
         ));
         children.push((label, child, None));
     }
+    // The processes lead their own groups (so a stop reaches their children): pass on the
+    // launcher's own SIGINT and SIGTERM.
+    let handler = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    // SAFETY: the handler only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, handler);
+        libc::signal(libc::SIGTERM, handler);
+    }
     let mut failed: Option<(String, ExitStatus)> = None;
     loop {
+        let sig = RECEIVED.swap(0, Ordering::SeqCst);
+        if sig != 0 {
+            eprintln!("tutti launch: got signal {sig}; stopping every process");
+            terminate(&mut children, l.grace);
+        }
         for (label, c, st) in children.iter_mut().filter(|x| x.2.is_none()) {
             if let Ok(Some(s)) = c.try_wait() {
                 *st = Some(s);

@@ -131,3 +131,42 @@ pub(crate) fn reduce(
         }
     }
 }
+
+/// All-reduce in one step, for small buffers on transports without peer memory: every rank sends
+/// its buffer to every peer, then reduces all P buffers in rank order, so every rank computes
+/// the same bits. Each rank sends and receives (P-1)·S: one latency instead of 2(P-1).
+pub(crate) fn all_to_all_reduce(ctx: &Ctx<'_>, buf: &mut [u8]) -> Result<()> {
+    let (p, r) = (ctx.world(), ctx.rank());
+    if buf.is_empty() {
+        return Ok(());
+    }
+    let mut theirs = vec![0u8; buf.len() * p];
+    {
+        let sends: Vec<SendOp<'_>> = (0..p)
+            .filter(|&k| k != r)
+            .map(|peer| SendOp { peer, data: &*buf })
+            .collect();
+        let mut recvs: Vec<RecvOp<'_>> = theirs
+            .chunks_mut(buf.len())
+            .enumerate()
+            .filter(|(k, _)| *k != r)
+            .map(|(peer, dst)| RecvOp {
+                peer,
+                dst,
+                mode: RecvMode::Copy,
+            })
+            .collect();
+        ctx.t.exchange(ctx.site, &sends, &mut recvs)?;
+    }
+    theirs[r * buf.len()..(r + 1) * buf.len()].copy_from_slice(buf);
+    let srcs: Vec<&[u8]> = theirs.chunks(buf.len()).collect();
+    crate::dtype::kernels::reduce(
+        ctx.dtype,
+        ctx.op,
+        buf,
+        &srcs,
+        crate::dtype::kernels::Init::Overwrite,
+        ctx.mean_divisor(),
+    );
+    Ok(())
+}

@@ -7,7 +7,8 @@
 //! | `hierarchical-copy` | reduce onto group leaders, reduce across leaders, broadcast back | members S; leaders up to (G-1)S received + (P/G-1)S + G·S |
 //! | `reduce-to-one` | every rank sends to the root, the root reduces and sends back | S (root: receives and sends (P-1)S) |
 //!
-//! `auto` picks `direct` where the transport exposes peer memory and `ring` elsewhere. Each
+//! `auto` picks `direct` where the transport exposes peer memory; elsewhere a one-step all-to-all
+//! for small buffers (each rank sends at most 64 KiB) and `ring` above. Each
 //! module documents its steps; the README gives the full cost table.
 
 mod direct;
@@ -220,21 +221,29 @@ pub(crate) fn check(algo: Algorithm, world: usize) -> Result<(), String> {
 }
 
 /// All-reduce: `output = ⊕ over ranks of input` (`input = None`: in place in `output`).
+/// Below this many bytes sent per rank, `auto` without peer memory all-reduces in one all-to-all
+/// step instead of 2(P-1) ring steps.
+const SMALL_ALL_TO_ALL: usize = 64 << 10;
+
 pub(crate) fn all_reduce(
     ctx: &Ctx<'_>,
     algo: Algorithm,
     input: Option<&[u8]>,
     output: &mut [u8],
 ) -> Result<()> {
+    let auto = algo == Algorithm::Auto;
     let algo = resolve(ctx, algo);
     if algo == Algorithm::Direct {
         return direct::all_reduce(ctx, input.is_none(), output.len());
+    }
+    if algo == Algorithm::Ring && !(auto && output.len() * (ctx.world() - 1) <= SMALL_ALL_TO_ALL) {
+        return ring::all_reduce(ctx, input, output);
     }
     if let Some(i) = input {
         output.copy_from_slice(i);
     }
     match algo {
-        Algorithm::Ring => ring::all_reduce(ctx, output),
+        Algorithm::Ring => flat::all_to_all_reduce(ctx, output),
         Algorithm::HierarchicalCopy { group_size } => {
             hierarchical::all_reduce(ctx, group_size, output)
         }

@@ -51,11 +51,19 @@ fn step(
     exchange_nonempty(ctx, right, s, left, d, mode)
 }
 
-pub(crate) fn all_reduce(ctx: &Ctx<'_>, buf: &mut [u8]) -> Result<()> {
+/// All-reduce in `buf`. Out of place (`input` given), each piece of the input is copied into
+/// `buf` just before the step that first uses it, so the copy stays in cache.
+pub(crate) fn all_reduce(ctx: &Ctx<'_>, input: Option<&[u8]>, buf: &mut [u8]) -> Result<()> {
     let p = ctx.world();
     let r = ctx.rank();
     let count = buf.len() / ctx.dtype.size();
+    let stage = |buf: &mut [u8], range: Range<usize>| {
+        if let Some(i) = input {
+            buf[range.clone()].copy_from_slice(&i[range]);
+        }
+    };
     if p == 1 {
+        stage(buf, 0..buf.len());
         ctx.finish_mean(buf);
         return Ok(());
     }
@@ -64,6 +72,10 @@ pub(crate) fn all_reduce(ctx: &Ctx<'_>, buf: &mut [u8]) -> Result<()> {
         for s in 0..p - 1 {
             let send = piece(ctx, count, (r + p - s) % p, g);
             let recv = piece(ctx, count, (r + 2 * p - s - 1) % p, g);
+            if s == 0 {
+                stage(buf, send.clone());
+            }
+            stage(buf, recv.clone());
             step(ctx, buf, send, recv, reduce)?;
         }
         ctx.finish_mean(&mut buf[piece(ctx, count, (r + 1) % p, g)]);

@@ -20,7 +20,6 @@ use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -71,6 +70,9 @@ impl std::fmt::Display for TransportKind {
 
 /// Socket buffer size asked for on every data connection.
 const SOCKET_BUFFER: usize = 4 << 20;
+/// Payloads below this go inline on the socket even to a shared-memory peer (one wake-up
+/// instead of ring polling).
+const SHM_MIN: usize = 16 << 10;
 /// Largest call header accepted from a peer.
 const MAX_HEADER: u64 = 64 << 10;
 
@@ -100,6 +102,8 @@ pub struct NetTransport {
     headers: Mutex<Vec<Option<CallHeader>>>,
     /// The current call has started moving data (an error now leaves peers mid-step).
     data_started: AtomicBool,
+    /// How long a wait on shared-memory slots may spin before it sleeps.
+    spin: Duration,
 }
 
 fn eventfd() -> Result<OwnedFd> {
@@ -132,18 +136,11 @@ fn hostname() -> String {
     String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
-/// Stores are kept per rendezvous address for the life of the process, so that several
-/// communicators of one job share them.
-fn store_for(
-    spec: &ClusterSpec,
-    rank: usize,
-    token: &str,
-    timeout: Duration,
-) -> Result<Arc<TcpStore>> {
-    type Servers = Mutex<Vec<(String, TcpStoreServer)>>;
-    type Clients = Mutex<Vec<(String, Arc<TcpStore>)>>;
-    static SERVERS: Servers = Mutex::new(Vec::new());
-    static CLIENTS: Clients = Mutex::new(Vec::new());
+/// The rendezvous store of this communicator. Rank 0 serves it; the server is kept for the life
+/// of the process, so that the later communicators of a job find it. Every communicator has its
+/// own client connection (a waiting `get` holds it).
+fn store_for(spec: &ClusterSpec, rank: usize, token: &str, timeout: Duration) -> Result<TcpStore> {
+    static SERVERS: Mutex<Vec<(String, TcpStoreServer)>> = Mutex::new(Vec::new());
     if rank == 0 {
         let mut servers = SERVERS.lock();
         if !servers.iter().any(|(a, _)| a == &spec.rendezvous) {
@@ -151,13 +148,7 @@ fn store_for(
             servers.push((spec.rendezvous.clone(), s));
         }
     }
-    let mut clients = CLIENTS.lock();
-    if let Some((_, c)) = clients.iter().find(|(a, _)| a == &spec.rendezvous) {
-        return Ok(c.clone());
-    }
-    let c = Arc::new(TcpStore::connect(&spec.rendezvous, token, timeout)?);
-    clients.push((spec.rendezvous.clone(), c.clone()));
-    Ok(c)
+    TcpStore::connect(&spec.rendezvous, token, timeout)
 }
 
 fn set_socket_options(s: &TcpStream) -> std::io::Result<()> {
@@ -176,9 +167,12 @@ impl NetTransport {
         timeout: Duration,
         chunk_bytes: usize,
     ) -> Result<NetTransport> {
+        let call_timeout = timeout;
         let rank = spec.collective_rank()?;
         let world = spec.world_size;
         let token = spec.token.clone().unwrap_or_default();
+        // Ranks may start at different times: setup waits at least a minute for them.
+        let timeout = timeout.max(Duration::from_secs(60));
         let deadline = Instant::now() + timeout;
         let store = store_for(spec, rank, &token, timeout)?;
         // Communicators of one job are numbered in creation order (the same on every rank).
@@ -269,7 +263,7 @@ impl NetTransport {
         Ok(NetTransport {
             rank,
             world,
-            timeout,
+            timeout: call_timeout,
             chunk_bytes,
             links,
             aborted: AtomicBool::new(false),
@@ -278,6 +272,7 @@ impl NetTransport {
             engine: Mutex::new(()),
             headers: Mutex::new(vec![None; world]),
             data_started: AtomicBool::new(false),
+            spin: crate::sync::Spin::for_world(world).0,
         })
     }
 
@@ -491,7 +486,10 @@ impl NetTransport {
         let link = self.link(s.peer);
         // DATA payloads to a shared-memory peer go through the ring; the header still goes on
         // the socket.
-        let shm = link.shm.as_ref().filter(|_| s.kind == FRAME_DATA);
+        let shm = link
+            .shm
+            .as_ref()
+            .filter(|_| s.kind == FRAME_DATA && s.data.len() >= SHM_MIN);
         let mut moved = false;
         while s.hoff < 16 || (shm.is_none() && s.off < s.data.len()) {
             let data = if shm.is_some() {
@@ -612,7 +610,8 @@ impl NetTransport {
             if r.done() {
                 return Ok(moved);
             }
-            if let (Some(shm), Target::Data { dst, mode }) = (&link.shm, &mut r.target) {
+            let via_shm = link.shm.as_ref().filter(|_| r.len >= SHM_MIN);
+            if let (Some(shm), Target::Data { dst, mode }) = (via_shm, &mut r.target) {
                 // The payload comes through the shared-memory ring.
                 return Ok(shm.pull(site, r.peer, dst, *mode, &mut r.off)? || moved);
             }
@@ -682,7 +681,8 @@ impl NetTransport {
     ) -> Result<()> {
         let _engine = self.engine.lock();
         let mut deadline = Instant::now() + self.timeout;
-        let mut shm_pause = Duration::from_micros(2);
+        let mut shm_pause = Duration::from_micros(20);
+        let mut spun = Duration::ZERO;
         loop {
             if self.aborted.load(Ordering::Acquire) {
                 return Err(self.aborted_error());
@@ -699,7 +699,8 @@ impl NetTransport {
             }
             if moved {
                 deadline = Instant::now() + self.timeout;
-                shm_pause = Duration::from_micros(2);
+                shm_pause = Duration::from_micros(20);
+                spun = Duration::ZERO;
                 continue;
             }
             let now = Instant::now();
@@ -721,12 +722,24 @@ impl NetTransport {
             }
             // Sleep until a socket is ready, the abort eventfd fires, or (for shared memory,
             // whose slots are not pollable) a short pause passes.
-            let shm_busy = sends
-                .iter()
-                .any(|s| !s.done() && s.hoff == 16 && self.link(s.peer).shm.is_some())
-                || recvs
-                    .iter()
-                    .any(|r| !r.done() && r.hoff == 16 && self.link(r.peer).shm.is_some());
+            let ring = |peer: usize, len: usize| self.link(peer).shm.is_some() && len >= SHM_MIN;
+            let shm_busy = sends.iter().any(|s| {
+                !s.done() && s.hoff == 16 && s.kind == FRAME_DATA && ring(s.peer, s.data.len())
+            }) || recvs.iter().any(|r| {
+                !r.done()
+                    && r.hoff == 16
+                    && matches!(r.target, Target::Data { .. })
+                    && ring(r.peer, r.len)
+            });
+            if shm_busy && spun < self.spin {
+                // Shared-memory slots cannot be polled: spin briefly while every rank has a core.
+                let t = Instant::now();
+                while t.elapsed() < Duration::from_micros(5) {
+                    std::hint::spin_loop();
+                }
+                spun += t.elapsed();
+                continue;
+            }
             let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.world + 1);
             let pfd = |fd: RawFd, events: i16| libc::pollfd {
                 fd,
@@ -735,20 +748,23 @@ impl NetTransport {
             };
             fds.push(pfd(self.wake.as_raw_fd(), libc::POLLIN));
             for l in self.links.iter().flatten() {
-                let active = |s: bool| s && l.shm.is_none();
                 let mut ev = 0;
                 // Socket readiness matters while a frame is on the socket; shared-memory payloads
                 // are watched by the pause below. Every link is watched for hang-ups.
-                if sends
-                    .iter()
-                    .any(|s| s.peer == l.peer && !s.done() && (s.hoff < 16 || active(true)))
-                {
+                let on_socket =
+                    |hoff: usize, data: bool, len: usize| hoff < 16 || !data || !ring(l.peer, len);
+                if sends.iter().any(|s| {
+                    s.peer == l.peer
+                        && !s.done()
+                        && on_socket(s.hoff, s.kind == FRAME_DATA, s.data.len())
+                }) {
                     ev |= libc::POLLOUT;
                 }
-                if recvs
-                    .iter()
-                    .any(|r| r.peer == l.peer && !r.done() && (r.hoff < 16 || active(true)))
-                {
+                if recvs.iter().any(|r| {
+                    r.peer == l.peer
+                        && !r.done()
+                        && on_socket(r.hoff, matches!(r.target, Target::Data { .. }), r.len)
+                }) {
                     ev |= libc::POLLIN;
                 }
                 if !l.closed.load(Ordering::Relaxed) {
@@ -758,7 +774,7 @@ impl NetTransport {
             }
             let wait = if shm_busy {
                 let p = shm_pause;
-                shm_pause = (shm_pause * 2).min(Duration::from_micros(500));
+                shm_pause = (shm_pause * 2).min(Duration::from_millis(1));
                 p
             } else {
                 (deadline - now).min(Duration::from_secs(1))

@@ -1,0 +1,508 @@
+//! Real processes on loopback: every collective and algorithm over TCP and shared memory, TF_CONFIG
+//! jobs, `tutti launch` exit codes, mismatched calls, a rank killed with SIGKILL mid all-reduce,
+//! strangers and garbage on the rendezvous port. Every child is bounded in time.
+
+use std::io::{Read, Write};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use tutti::cluster::ClusterSpec;
+use tutti::{Communicator, Config, Error, ReduceOp, TransportKind};
+
+const TUTTI: &str = env!("CARGO_BIN_EXE_tutti");
+
+/// Run a command, killing it if it outlives `limit`.
+fn run(args: &[&str], env: &[(&str, &str)], limit: Duration) -> Output {
+    let mut child = Command::new(TUTTI)
+        .args(args)
+        .envs(env.iter().copied())
+        .env_remove("TF_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_bounded(&mut child, limit);
+    child.wait_with_output().unwrap()
+}
+
+fn wait_bounded(child: &mut Child, limit: Duration) {
+    let t = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t.elapsed() > limit {
+            let _ = child.kill();
+            panic!("a child ran past {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn tutti_segments() -> usize {
+    std::fs::read_dir("/dev/shm").map_or(0, |d| {
+        d.flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("tutti-"))
+            .count()
+    })
+}
+
+#[test]
+fn every_collective_and_algorithm_over_tcp_and_shm() {
+    for transport in ["tcp", "shm"] {
+        for n in [2, 3, 4] {
+            let o = run(
+                &[
+                    "launch",
+                    "-n",
+                    &n.to_string(),
+                    "--transport",
+                    transport,
+                    "--",
+                    "tutti",
+                    "check",
+                    "--counts",
+                    "0,1,7,1000,70001",
+                    "--timeout",
+                    "60",
+                ],
+                &[],
+                Duration::from_secs(180),
+            );
+            let (out, err) = text(&o);
+            assert!(o.status.success(), "{transport} n={n}: {out}\n{err}");
+            assert_eq!(
+                out.matches("all correct").count(),
+                n,
+                "{transport} n={n}: {out}"
+            );
+            for r in 0..n {
+                assert!(out.contains(&format!("[{r}] rank {r} of {n}:")), "{out}");
+            }
+        }
+    }
+    assert_eq!(
+        tutti_segments(),
+        0,
+        "shared-memory segments were left in /dev/shm"
+    );
+}
+
+#[test]
+fn tf_config_job_with_workers_and_ps() {
+    // Three workers check the collectives; the ps task is not part of the collective world and
+    // says so with a clear error, which makes the launch fail naming it.
+    let o = run(
+        &[
+            "launch",
+            "--workers",
+            "3",
+            "--",
+            "tutti",
+            "check",
+            "--counts",
+            "0,7,1000",
+        ],
+        &[],
+        Duration::from_secs(120),
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert_eq!(out.matches("all correct").count(), 3, "{out}");
+    assert!(out.contains("[worker:2] rank 2 of 3"), "{out}");
+    let o = run(
+        &[
+            "launch",
+            "--workers",
+            "1",
+            "--ps",
+            "1",
+            "--",
+            "tutti",
+            "check",
+        ],
+        &[],
+        Duration::from_secs(60),
+    );
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("[ps:0] tutti: TF_CONFIG: task type 'ps' takes no part in collectives"),
+        "{err}"
+    );
+}
+
+#[test]
+fn launch_prefixes_output_and_propagates_failure() {
+    let o = Command::new(TUTTI)
+        .args([
+            "launch",
+            "-n",
+            "3",
+            "--",
+            "sh",
+            "-c",
+            "echo hello from $TUTTI_RANK of $TUTTI_WORLD_SIZE",
+        ])
+        .output()
+        .unwrap();
+    let (out, _) = text(&o);
+    assert!(o.status.success());
+    for r in 0..3 {
+        assert!(out.contains(&format!("[{r}] hello from {r} of 3")), "{out}");
+    }
+    // Rank 1 fails at once; the others would sleep for a minute but are stopped.
+    let t = Instant::now();
+    let o = Command::new(TUTTI)
+        .args([
+            "launch",
+            "-n",
+            "3",
+            "--grace",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            "if [ $TUTTI_RANK = 1 ]; then exit 7; fi; sleep 60",
+        ])
+        .output()
+        .unwrap();
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(7), "{err}");
+    assert!(
+        err.contains("tutti launch: 1 failed (exit status 7); stopping the others"),
+        "{err}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "the others were not stopped: {:?}",
+        t.elapsed()
+    );
+    let o = Command::new(TUTTI)
+        .args(["launch", "-n", "2", "--", "/nonexistent/program"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        text(&o).1.contains("/nonexistent/program"),
+        "{}",
+        text(&o).1
+    );
+}
+
+#[test]
+fn mismatched_calls_name_both_ranks_on_every_rank() {
+    for kind in ["count", "dtype", "op", "order"] {
+        let o = run(
+            &[
+                "launch",
+                "-n",
+                "3",
+                "--",
+                "tutti",
+                "check",
+                "--counts",
+                "7",
+                "--inject",
+                kind,
+                "--inject-rank",
+                "1",
+                "--timeout",
+                "30",
+            ],
+            &[],
+            Duration::from_secs(90),
+        );
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{kind}: {out}\n{err}");
+        let field = if kind == "order" { "collective" } else { kind };
+        for r in [0, 2] {
+            let line = err
+                .lines()
+                .find(|l| l.starts_with(&format!("[{r}] injected")))
+                .unwrap_or_else(|| panic!("{err}"));
+            assert!(
+                line.contains(&format!("on rank {r}"))
+                    && line.contains("on rank 1")
+                    && line.contains(field),
+                "{line}"
+            );
+        }
+        let line = err.lines().find(|l| l.starts_with("[1] injected")).unwrap();
+        assert!(
+            line.contains("on rank 1") && line.contains("on rank 0") && line.contains(field),
+            "{line}"
+        );
+        // The communicator stayed usable: the full check ran afterwards.
+        assert_eq!(out.matches("all correct").count(), 3, "{out}");
+    }
+}
+
+#[test]
+fn a_killed_rank_is_named_by_every_survivor() {
+    for transport in ["tcp", "shm"] {
+        let n = 4;
+        let master = format!("127.0.0.1:{}", free_port());
+        let mut children: Vec<Child> = (0..n)
+            .map(|r| {
+                Command::new(TUTTI)
+                    .args([
+                        "check",
+                        "--counts",
+                        "0",
+                        "--busy-secs",
+                        "60",
+                        "--timeout",
+                        "20",
+                        "--transport",
+                        transport,
+                    ])
+                    .env_remove("TF_CONFIG")
+                    .env("TUTTI_RANK", r.to_string())
+                    .env("TUTTI_WORLD_SIZE", n.to_string())
+                    .env("TUTTI_MASTER_ADDR", &master)
+                    .env("TUTTI_JOB_TOKEN", "kill-test")
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        // Let them get into the busy all-reduce loop, then kill rank 1 outright.
+        std::thread::sleep(Duration::from_millis(2500));
+        assert!(
+            children[1].try_wait().unwrap().is_none(),
+            "rank 1 ended early"
+        );
+        children[1].kill().unwrap();
+        let t = Instant::now();
+        for (r, c) in children.iter_mut().enumerate() {
+            if r == 1 {
+                let _ = c.wait();
+                continue;
+            }
+            wait_bounded(c, Duration::from_secs(25));
+            let mut err = String::new();
+            c.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+            let st = c.wait().unwrap();
+            assert!(
+                !st.success(),
+                "{transport}: rank {r} succeeded after rank 1 died"
+            );
+            assert!(
+                err.contains("rank 1"),
+                "{transport}: rank {r} does not name rank 1: {err}"
+            );
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(22),
+            "survivors took {:?}",
+            t.elapsed()
+        );
+    }
+    assert_eq!(
+        tutti_segments(),
+        0,
+        "shared-memory segments were left in /dev/shm"
+    );
+}
+
+#[test]
+fn strangers_wrong_tokens_and_garbage_are_rejected_and_the_job_finishes() {
+    let port = free_port();
+    let master = format!("127.0.0.1:{port}");
+    let spawn = |r: usize| {
+        Command::new(TUTTI)
+            .args([
+                "check",
+                "--counts",
+                "7,1000",
+                "--timeout",
+                "30",
+                "--transport",
+                "tcp",
+            ])
+            .env_remove("TF_CONFIG")
+            .env("TUTTI_RANK", r.to_string())
+            .env("TUTTI_WORLD_SIZE", "2")
+            .env("TUTTI_MASTER_ADDR", &master)
+            .env("TUTTI_JOB_TOKEN", "the-real-token")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut r0 = spawn(0);
+    // Wait for the store, then bother it: garbage bytes, a stranger that never speaks, and a
+    // client answering the challenge with a wrong proof.
+    let t = Instant::now();
+    let mut garbage = loop {
+        if let Ok(s) = std::net::TcpStream::connect(&master) {
+            break s;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the store never came up"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let _ = garbage.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n\x00\xff\x13");
+    let _silent = std::net::TcpStream::connect(&master).unwrap();
+    let mut liar = std::net::TcpStream::connect(&master).unwrap();
+    let mut hello = [0u8; 23];
+    liar.read_exact(&mut hello).unwrap();
+    let mut reply = b"TUTTI\x01".to_vec();
+    reply.extend_from_slice(&[0u8; 52]);
+    liar.write_all(&reply).unwrap();
+    let mut r1 = spawn(1);
+    for c in [&mut r0, &mut r1] {
+        wait_bounded(c, Duration::from_secs(60));
+    }
+    let (o0, o1) = (
+        r0.wait_with_output().unwrap(),
+        r1.wait_with_output().unwrap(),
+    );
+    let (out0, err0) = text(&o0);
+    assert!(
+        o0.status.success() && o1.status.success(),
+        "{out0}\n{err0}\n{:?}",
+        text(&o1)
+    );
+    assert!(out0.contains("all correct"));
+    assert!(
+        err0.contains("rejected a rendezvous store connection"),
+        "{err0}"
+    );
+    assert!(err0.contains("failed the job-token check"), "{err0}");
+}
+
+fn spec(rank: usize, world: usize, master: &str) -> ClusterSpec {
+    let vars = [
+        ("TUTTI_RANK".to_string(), rank.to_string()),
+        ("TUTTI_WORLD_SIZE".to_string(), world.to_string()),
+        ("TUTTI_MASTER_ADDR".to_string(), master.to_string()),
+        ("TUTTI_JOB_TOKEN".to_string(), "in-process".to_string()),
+    ];
+    ClusterSpec::from_vars(&vars.into_iter().collect())
+        .unwrap()
+        .unwrap()
+}
+
+#[test]
+fn timeout_and_abort_over_tcp() {
+    let master = format!("127.0.0.1:{}", free_port());
+    let config = Config::default().with_timeout(Duration::from_millis(800));
+    let comms: Vec<Communicator> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let (m, c) = (&master, &config);
+                s.spawn(move || {
+                    Communicator::from_cluster(&spec(r, 2, m), TransportKind::Tcp, c).unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // Rank 1 never calls: rank 0 times out naming it, within the bound.
+    let t = Instant::now();
+    let e = comms[0]
+        .all_reduce(&mut [1.0f32; 8], ReduceOp::Sum)
+        .unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(5));
+    match &e {
+        Error::Timeout { waiting_for, .. } => assert_eq!(waiting_for, &[1]),
+        other => panic!("expected Timeout, got {other}"),
+    }
+    // The communicator is aborted; the peer learns it at its next call.
+    assert!(matches!(comms[0].barrier(), Err(Error::Aborted { .. })));
+    let e = comms[1].barrier().unwrap_err();
+    assert!(e.to_string().contains("rank 0"), "{e}");
+
+    // A fresh pair: abort() from another thread wakes a blocked call.
+    let config = Config::default().with_timeout(Duration::from_secs(30));
+    let comms: Vec<Communicator> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let (m, c) = (&master, &config);
+                s.spawn(move || {
+                    Communicator::from_cluster(&spec(r, 2, m), TransportKind::Tcp, c).unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let h = comms[0].abort_handle();
+    let t = Instant::now();
+    let e = std::thread::scope(|s| {
+        let j = s.spawn(|| comms[0].all_reduce(&mut [1u64; 4], ReduceOp::Sum));
+        std::thread::sleep(Duration::from_millis(100));
+        h.abort("operator stop");
+        j.join().unwrap().unwrap_err()
+    });
+    assert!(t.elapsed() < Duration::from_secs(5));
+    assert!(
+        matches!(&e, Error::Aborted { reason, .. } if reason == "operator stop"),
+        "{e}"
+    );
+    let e = comms[1]
+        .all_reduce(&mut [1u64; 4], ReduceOp::Sum)
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("operator stop"),
+        "the peer hears why: {e}"
+    );
+}
+
+#[test]
+fn perf_under_launch_prints_json_from_rank_0() {
+    let o = run(
+        &[
+            "launch", "-n", "2", "--", "tutti", "perf", "--json", "-b", "8", "-e", "64K", "-f",
+            "16",
+        ],
+        &[],
+        Duration::from_secs(120),
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(
+        lines.iter().all(|l| l.starts_with("[0] ")),
+        "only rank 0 prints: {out}"
+    );
+    let first: serde_json::Value = serde_json::from_str(&lines[0][4..]).unwrap();
+    assert!(first["machine"]["copy_gbps"].as_f64().unwrap() > 0.0);
+    assert!(first["machine"]["tcp_gbps"].as_f64().unwrap() > 0.0);
+    // Sizes 8, 128, 2K, 32K.
+    assert_eq!(lines.len(), 1 + 4, "{out}");
+    for l in &lines[1..] {
+        let row: serde_json::Value = serde_json::from_str(&l[4..]).unwrap();
+        assert_eq!(row["errors"], 0);
+        assert_eq!(row["ranks"], 2);
+        for k in [
+            "collective",
+            "algo",
+            "dtype",
+            "op",
+            "bytes",
+            "count",
+            "time_us",
+            "algbw_gbps",
+            "busbw_gbps",
+        ] {
+            assert!(!row[k].is_null(), "{k} missing in {l}");
+        }
+    }
+}
