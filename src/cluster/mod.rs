@@ -401,7 +401,7 @@ mod tests {
         for (text, want) in cases {
             let e = from_tf_config(text).unwrap_err().to_string();
             assert!(
-                e.contains(want) && e.starts_with("tutti: TF_CONFIG"),
+                e.contains(want) && e.starts_with("TF_CONFIG: "),
                 "{text}: {e}"
             );
         }
