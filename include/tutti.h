@@ -18,7 +18,8 @@
 #define TUTTI_VERSION_STRING "0.1.0"
 
 /** A `tutti_config` with every default: set `struct_size` and leave the rest 0. */
-#define TUTTI_CONFIG_INIT { sizeof(tutti_config), 0, 0, TUTTI_ALGORITHM_AUTO, 0 }
+#define TUTTI_CONFIG_INIT \
+    { sizeof(tutti_config), 0, 0, TUTTI_ALGORITHM_AUTO, 0, TUTTI_TRANSPORT_AUTO, 0 }
 
 /** A `tutti_device_info` ready for `tutti_device_get`. */
 #define TUTTI_DEVICE_INFO_INIT \
@@ -86,6 +87,11 @@ enum tutti_result
      * A bug inside tutti: the call panicked and the panic was stopped at the C boundary.
      */
     TUTTI_ERROR_INTERNAL = 8,
+    /**
+     * The connection to a peer process broke during a call: it exited, crashed or was killed.
+     * The group is aborted.
+     */
+    TUTTI_ERROR_PEER_LOST = 9,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -230,6 +236,36 @@ typedef uint32_t tutti_algorithm;
 #endif // __cplusplus
 
 /**
+ * How the ranks of a multi-process communicator reach each other.
+ */
+enum tutti_transport
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+    /**
+     * The `TUTTI_TRANSPORT` environment variable (`auto`, `tcp`, `shm`) when set; otherwise
+     * shared memory for peers on this host and TCP for the others.
+     */
+    TUTTI_TRANSPORT_AUTO = 0,
+    /**
+     * TCP to every peer.
+     */
+    TUTTI_TRANSPORT_TCP = 1,
+    /**
+     * Shared memory to every peer (every rank on this host).
+     */
+    TUTTI_TRANSPORT_SHM = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum tutti_transport tutti_transport;
+#else
+typedef uint32_t tutti_transport;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * Device kinds.
  */
 enum tutti_device_kind
@@ -310,6 +346,16 @@ typedef struct tutti_config {
      * the root of `TUTTI_ALGORITHM_REDUCE_TO_ONE`; 0 for the others.
      */
     uint32_t algorithm_arg;
+    /**
+     * How the ranks of a multi-process communicator reach each other
+     * (`TUTTI_TRANSPORT_AUTO` by default); in-process groups share memory and need
+     * `TUTTI_TRANSPORT_AUTO`.
+     */
+    tutti_transport transport;
+    /**
+     * Must be 0 (room for a later field without changing the struct's size).
+     */
+    uint32_t reserved;
 } tutti_config;
 
 /**
@@ -386,6 +432,44 @@ tutti_result tutti_version(uint32_t *major, uint32_t *minor, uint32_t *patch);
 tutti_result tutti_comm_create_group(size_t world_size,
                                      const struct tutti_config *config,
                                      struct tutti_comm **comms);
+
+/**
+ * Join the multi-process job that this process's environment describes, as this process's
+ * rank, and write the communicator to `*comm`: under `tutti launch`, torchrun, mpirun or srun,
+ * or with `TF_CONFIG`, or `TUTTI_RANK`, `TUTTI_WORLD_SIZE` and `TUTTI_MASTER_ADDR` (`host:port`
+ * of rank 0's rendezvous) set; `TUTTI_JOB_TOKEN` is the secret every connection proves.
+ * Blocks until every rank has joined or the timeout runs out. `config` may be NULL for every
+ * default. Released with `tutti_comm_destroy`.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `config` is NULL or points to a `tutti_config` of `config->struct_size` bytes; `comm` is
+ * NULL or writable.
+ */
+tutti_result tutti_comm_create_from_env(const struct tutti_config *config,
+                                        struct tutti_comm **comm);
+
+/**
+ * Join a multi-process job as rank `rank` of `world_size`, meeting the others at
+ * `master_addr` (`host:port`; rank 0 serves the rendezvous there), and write the communicator
+ * to `*comm`. `TUTTI_JOB_TOKEN`, when set, is the secret every connection proves. Blocks until
+ * every rank has joined or the timeout runs out. `config` may be NULL for every default.
+ * Released with `tutti_comm_destroy`.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `master_addr` is NULL or a NUL-terminated string; `config` is NULL or points to a
+ * `tutti_config` of `config->struct_size` bytes; `comm` is NULL or writable.
+ */
+tutti_result tutti_comm_create_rank(size_t rank,
+                                    size_t world_size,
+                                    const char *master_addr,
+                                    const struct tutti_config *config,
+                                    struct tutti_comm **comm);
 
 /**
  * Release a communicator. NULL is accepted and ignored. Other ranks' calls that wait for this

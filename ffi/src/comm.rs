@@ -3,10 +3,12 @@
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::{RwLock, RwLockReadGuard};
 
-use tutti::{AbortHandle, Communicator};
+use std::collections::HashMap;
+
+use tutti::{AbortHandle, ClusterSpec, Communicator, TransportKind};
 
 use crate::buffers::{self, byte_len, check, overlap, AlignedCopy};
-use crate::config::{self, tutti_config};
+use crate::config::{self, tutti_config, Settings};
 use crate::error::{boundary, boundary_void, tutti_result, Failure};
 use crate::types::{self, tutti_algorithm, tutti_dtype, tutti_op};
 
@@ -22,6 +24,15 @@ pub struct tutti_comm {
 }
 
 impl tutti_comm {
+    fn into_raw(comm: Communicator) -> *mut tutti_comm {
+        Box::into_raw(Box::new(tutti_comm {
+            abort: comm.abort_handle(),
+            rank: comm.rank(),
+            world: comm.world_size(),
+            comm: RwLock::new(comm),
+        }))
+    }
+
     fn read(&self) -> RwLockReadGuard<'_, Communicator> {
         self.comm.read().unwrap_or_else(|e| e.into_inner())
     }
@@ -77,27 +88,124 @@ pub unsafe extern "C" fn tutti_comm_create_group(
 ) -> tutti_result {
     boundary("tutti_comm_create_group", || {
         // SAFETY: as the caller promises.
-        let config = unsafe { config::read(config) }?;
+        let settings = unsafe { config::read(config) }?;
+        config::in_process(&settings)?;
         // Room for zero handles may be NULL: the core then says what is wrong with the size.
         if world_size > 0 {
             out_ptr(comms, "comms")?;
         }
-        let group = tutti::local_group(world_size, &config)?;
-        let handles: Vec<*mut tutti_comm> = group
-            .into_iter()
-            .map(|comm| {
-                Box::into_raw(Box::new(tutti_comm {
-                    abort: comm.abort_handle(),
-                    rank: comm.rank(),
-                    world: comm.world_size(),
-                    comm: RwLock::new(comm),
-                }))
-            })
-            .collect();
+        let group = tutti::local_group(world_size, &settings.core)?;
+        let handles: Vec<*mut tutti_comm> = group.into_iter().map(tutti_comm::into_raw).collect();
         if !handles.is_empty() {
             // SAFETY: the caller gave room for world_size handles, and checked non-NULL.
             unsafe { std::ptr::copy_nonoverlapping(handles.as_ptr(), comms, handles.len()) };
         }
+        Ok(())
+    })
+}
+
+/// The transport a multi-process communicator uses: the config's, else `TUTTI_TRANSPORT`, else
+/// `auto`.
+fn transport_for(settings: &Settings) -> Result<TransportKind, Failure> {
+    if let Some(t) = settings.transport {
+        return Ok(t);
+    }
+    match std::env::var("TUTTI_TRANSPORT") {
+        Ok(v) => v
+            .parse::<TransportKind>()
+            .map_err(|e| Failure::invalid(format!("TUTTI_TRANSPORT: {e}"))),
+        Err(_) => Ok(TransportKind::Auto),
+    }
+}
+
+/// Join the multi-process job that this process's environment describes, as this process's
+/// rank, and write the communicator to `*comm`: under `tutti launch`, torchrun, mpirun or srun,
+/// or with `TF_CONFIG`, or `TUTTI_RANK`, `TUTTI_WORLD_SIZE` and `TUTTI_MASTER_ADDR` (`host:port`
+/// of rank 0's rendezvous) set; `TUTTI_JOB_TOKEN` is the secret every connection proves.
+/// Blocks until every rank has joined or the timeout runs out. `config` may be NULL for every
+/// default. Released with `tutti_comm_destroy`.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `config` is NULL or points to a `tutti_config` of `config->struct_size` bytes; `comm` is
+/// NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_comm_create_from_env(
+    config: *const tutti_config,
+    comm: *mut *mut tutti_comm,
+) -> tutti_result {
+    boundary("tutti_comm_create_from_env", || {
+        // SAFETY: as the caller promises.
+        let settings = unsafe { config::read(config) }?;
+        let out = out_ptr(comm, "comm")?;
+        let kind = transport_for(&settings)?;
+        let spec = ClusterSpec::from_env()?.ok_or_else(|| {
+            Failure::invalid(
+                "no cluster in the environment: run under tutti launch, torchrun, mpirun or \
+                 srun, or set TF_CONFIG, or TUTTI_RANK, TUTTI_WORLD_SIZE and TUTTI_MASTER_ADDR \
+                 (or call tutti_comm_create_rank)",
+            )
+        })?;
+        let c = Communicator::from_cluster(&spec, kind, &settings.core)?;
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { out.write(tutti_comm::into_raw(c)) };
+        Ok(())
+    })
+}
+
+/// Join a multi-process job as rank `rank` of `world_size`, meeting the others at
+/// `master_addr` (`host:port`; rank 0 serves the rendezvous there), and write the communicator
+/// to `*comm`. `TUTTI_JOB_TOKEN`, when set, is the secret every connection proves. Blocks until
+/// every rank has joined or the timeout runs out. `config` may be NULL for every default.
+/// Released with `tutti_comm_destroy`.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `master_addr` is NULL or a NUL-terminated string; `config` is NULL or points to a
+/// `tutti_config` of `config->struct_size` bytes; `comm` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_comm_create_rank(
+    rank: usize,
+    world_size: usize,
+    master_addr: *const c_char,
+    config: *const tutti_config,
+    comm: *mut *mut tutti_comm,
+) -> tutti_result {
+    boundary("tutti_comm_create_rank", || {
+        // SAFETY: as the caller promises.
+        let settings = unsafe { config::read(config) }?;
+        if master_addr.is_null() {
+            return Err(Failure::invalid("master_addr is NULL"));
+        }
+        // SAFETY: the caller promises a NUL-terminated string.
+        let addr = unsafe { CStr::from_ptr(master_addr) }
+            .to_str()
+            .map_err(|_| Failure::invalid("master_addr is not UTF-8"))?;
+        let out = out_ptr(comm, "comm")?;
+        let (_, port) = tutti::cluster::split_addr(addr, "master_addr")?;
+        if port == 0 {
+            return Err(Failure::invalid(format!(
+                "master_addr '{addr}' has port 0; rank 0 serves the rendezvous at a fixed port \
+                 that every rank names"
+            )));
+        }
+        let kind = transport_for(&settings)?;
+        let mut vars: HashMap<String, String> = ["TUTTI_JOB_TOKEN", "TUTTI_LISTEN_HOST"]
+            .into_iter()
+            .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
+            .collect();
+        vars.insert("TUTTI_RANK".into(), rank.to_string());
+        vars.insert("TUTTI_WORLD_SIZE".into(), world_size.to_string());
+        vars.insert("TUTTI_MASTER_ADDR".into(), addr.to_string());
+        let spec = ClusterSpec::from_vars(&vars)?
+            .ok_or_else(|| Failure::invalid("the cluster spec could not be built"))?;
+        let c = Communicator::from_cluster(&spec, kind, &settings.core)?;
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { out.write(tutti_comm::into_raw(c)) };
         Ok(())
     })
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tutti::Config;
 
 use crate::error::Failure;
-use crate::types::{self, tutti_algorithm};
+use crate::types::{self, tutti_algorithm, tutti_transport};
 
 /// Settings of a new group. Start from `TUTTI_CONFIG_INIT`, which sets `struct_size` and the
 /// defaults, then change the fields you need:
@@ -36,6 +36,21 @@ pub struct tutti_config {
     /// The algorithm's argument: the group size of `TUTTI_ALGORITHM_HIERARCHICAL_COPY` (0: 2),
     /// the root of `TUTTI_ALGORITHM_REDUCE_TO_ONE`; 0 for the others.
     pub algorithm_arg: u32,
+    /// How the ranks of a multi-process communicator reach each other
+    /// (`TUTTI_TRANSPORT_AUTO` by default); in-process groups share memory and need
+    /// `TUTTI_TRANSPORT_AUTO`.
+    pub transport: tutti_transport,
+    /// Must be 0 (room for a later field without changing the struct's size).
+    pub reserved: u32,
+}
+
+/// A caller's config, read and checked.
+#[derive(Debug)]
+pub(crate) struct Settings {
+    /// The core's settings.
+    pub core: Config,
+    /// The transport the caller chose; `None` for `TUTTI_TRANSPORT_AUTO`.
+    pub transport: Option<tutti::TransportKind>,
 }
 
 /// The size of the first version of `tutti_config`; a smaller `struct_size` is an error.
@@ -46,10 +61,13 @@ const FIRST_SIZE: usize = size_of::<tutti_config>();
 /// # Safety
 ///
 /// `config` is NULL or points to at least `config->struct_size` readable bytes.
-pub(crate) unsafe fn read(config: *const tutti_config) -> Result<Config, Failure> {
+pub(crate) unsafe fn read(config: *const tutti_config) -> Result<Settings, Failure> {
     let mut out = Config::default();
     if config.is_null() {
-        return Ok(out);
+        return Ok(Settings {
+            core: out,
+            transport: None,
+        });
     }
     // SAFETY: the first field is always there.
     let size = unsafe { std::ptr::addr_of!((*config).struct_size).read_unaligned() };
@@ -84,7 +102,29 @@ pub(crate) unsafe fn read(config: *const tutti_config) -> Result<Config, Failure
     }
     out.algorithm = types::algorithm(c.algorithm, c.algorithm_arg)
         .map_err(|f| Failure::invalid(format!("config->algorithm: {}", f.message)))?;
-    Ok(out)
+    let transport = types::transport(c.transport)
+        .map_err(|m| Failure::invalid(format!("config->transport: {m}")))?;
+    if c.reserved != 0 {
+        return Err(Failure::invalid(format!(
+            "config->reserved is {}; it must be 0",
+            c.reserved
+        )));
+    }
+    Ok(Settings {
+        core: out,
+        transport,
+    })
+}
+
+/// Check that settings suit an in-process group, whose ranks share memory.
+pub(crate) fn in_process(s: &Settings) -> Result<(), Failure> {
+    match s.transport {
+        None => Ok(()),
+        Some(t) => Err(Failure::invalid(format!(
+            "config->transport asks for {t:?}, but the ranks of an in-process group share \
+             memory; leave it TUTTI_TRANSPORT_AUTO"
+        ))),
+    }
 }
 
 #[cfg(test)]
@@ -99,24 +139,32 @@ mod tests {
             chunk_bytes: 0,
             algorithm: 0,
             algorithm_arg: 0,
+            transport: 0,
+            reserved: 0,
         }
     }
 
     #[test]
     fn zero_fields_are_defaults() {
         let c = unsafe { read(&init()) }.unwrap();
-        assert_eq!(c, Config::default());
-        assert_eq!(
-            unsafe { read(std::ptr::null()) }.unwrap(),
-            Config::default()
-        );
+        assert_eq!(c.core, Config::default());
+        assert!(c.transport.is_none());
+        let c = unsafe { read(std::ptr::null()) }.unwrap();
+        assert_eq!(c.core, Config::default());
         let mut cfg = init();
         cfg.timeout_ms = 1500;
         cfg.algorithm = 4;
         cfg.algorithm_arg = 2;
+        cfg.transport = 1;
         let c = unsafe { read(&cfg) }.unwrap();
-        assert_eq!(c.timeout, Duration::from_millis(1500));
-        assert_eq!(c.algorithm, Algorithm::ReduceToOne { root: 2 });
+        assert_eq!(c.core.timeout, Duration::from_millis(1500));
+        assert_eq!(c.core.algorithm, Algorithm::ReduceToOne { root: 2 });
+        assert_eq!(c.transport, Some(tutti::TransportKind::Tcp));
+        cfg.reserved = 1;
+        assert!(unsafe { read(&cfg) }
+            .unwrap_err()
+            .message
+            .contains("reserved"));
     }
 
     #[test]

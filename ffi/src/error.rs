@@ -35,6 +35,9 @@ pub enum TuttiResult {
     TUTTI_ERROR_SYSTEM = 7,
     /// A bug inside tutti: the call panicked and the panic was stopped at the C boundary.
     TUTTI_ERROR_INTERNAL = 8,
+    /// The connection to a peer process broke during a call: it exited, crashed or was killed.
+    /// The group is aborted.
+    TUTTI_ERROR_PEER_LOST = 9,
 }
 
 /// A `tutti_result` as it crosses the C boundary: one of the `TUTTI_*` codes above.
@@ -43,7 +46,7 @@ pub type tutti_result = u32;
 use TuttiResult::*;
 
 /// Every code with its sentence, in code order.
-const RESULT_STRINGS: [(TuttiResult, &CStr); 9] = [
+const RESULT_STRINGS: [(TuttiResult, &CStr); 10] = [
     (TUTTI_SUCCESS, c"success"),
     (
         TUTTI_ERROR_INVALID_ARGUMENT,
@@ -77,6 +80,10 @@ const RESULT_STRINGS: [(TuttiResult, &CStr); 9] = [
         TUTTI_ERROR_INTERNAL,
         c"internal error in tutti: please report it with the text of tutti_last_error",
     ),
+    (
+        TUTTI_ERROR_PEER_LOST,
+        c"lost a peer process (it exited, crashed or was killed): the group is aborted; find out why that rank died (tutti_last_error names it) and start a new group",
+    ),
 ];
 
 /// A failure on its way to the C caller: the code and what went wrong.
@@ -107,6 +114,7 @@ impl From<tutti::Error> for Failure {
             E::Aborted { .. } => TUTTI_ERROR_ABORTED,
             E::Unavailable { .. } => TUTTI_ERROR_UNAVAILABLE,
             E::System { .. } => TUTTI_ERROR_SYSTEM,
+            E::PeerLost { .. } => TUTTI_ERROR_PEER_LOST,
             // A kind of error this C ABI has no code for yet: still a failure, with its message.
             _ => TUTTI_ERROR_INTERNAL,
         };
@@ -347,11 +355,16 @@ mod tests {
                 what: "x".into(),
                 message: "y".into(),
             },
+            tutti::Error::PeerLost {
+                site,
+                peer: 2,
+                detail: "x".into(),
+            },
         ];
         let codes: Vec<u32> = errors
             .into_iter()
             .map(|e| Failure::from(e).code as u32)
             .collect();
-        assert_eq!(codes, [1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(codes, [1, 2, 3, 4, 5, 6, 7, 9]);
     }
 }

@@ -151,7 +151,9 @@ pub unsafe extern "C" fn tutti_replicas_create(
 ) -> tutti_result {
     boundary("tutti_replicas_create", || {
         // SAFETY: as the caller promises.
-        let config = unsafe { config::read(config) }?;
+        let settings = unsafe { config::read(config) }?;
+        config::in_process(&settings)?;
+        let config = settings.core;
         if replicas.is_null() {
             return Err(Failure::invalid("replicas is NULL"));
         }

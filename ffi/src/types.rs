@@ -81,6 +81,23 @@ pub enum TuttiAlgorithm {
 /// A `tutti_algorithm` as it crosses the C boundary: one of the `TUTTI_ALGORITHM_*` values.
 pub type tutti_algorithm = u32;
 
+/// How the ranks of a multi-process communicator reach each other.
+#[repr(u32)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[allow(dead_code)] // Named for C in the header; values arrive here as integers.
+pub enum TuttiTransport {
+    /// The `TUTTI_TRANSPORT` environment variable (`auto`, `tcp`, `shm`) when set; otherwise
+    /// shared memory for peers on this host and TCP for the others.
+    TUTTI_TRANSPORT_AUTO = 0,
+    /// TCP to every peer.
+    TUTTI_TRANSPORT_TCP = 1,
+    /// Shared memory to every peer (every rank on this host).
+    TUTTI_TRANSPORT_SHM = 2,
+}
+
+/// A `tutti_transport` as it crosses the C boundary: one of the `TUTTI_TRANSPORT_*` values.
+pub type tutti_transport = u32;
+
 /// Device kinds.
 #[repr(u32)]
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -162,6 +179,18 @@ pub(crate) fn algorithm_to_c(a: Algorithm) -> Result<(tutti_algorithm, u32), Fai
     })
 }
 
+/// The transport for a C value: `None` for `TUTTI_TRANSPORT_AUTO`.
+pub(crate) fn transport(v: tutti_transport) -> Result<Option<tutti::TransportKind>, String> {
+    match v {
+        0 => Ok(None),
+        1 => Ok(Some(tutti::TransportKind::Tcp)),
+        2 => Ok(Some(tutti::TransportKind::Shm)),
+        _ => Err(format!(
+            "transport {v} is not a tutti_transport (valid: 0..=2, TUTTI_TRANSPORT_AUTO .. TUTTI_TRANSPORT_SHM)"
+        )),
+    }
+}
+
 /// The C value of a device kind.
 pub(crate) fn device_kind_to_c(k: tutti::DeviceKind) -> tutti_device_kind {
     match k {
@@ -192,5 +221,8 @@ mod tests {
         );
         assert!(algorithm(2, 1).unwrap_err().message.contains("ring"));
         assert!(algorithm(5, 0).unwrap_err().message.contains("algorithm 5"));
+        assert_eq!(transport(0), Ok(None));
+        assert_eq!(transport(2), Ok(Some(tutti::TransportKind::Shm)));
+        assert!(transport(3).unwrap_err().contains("transport 3"));
     }
 }

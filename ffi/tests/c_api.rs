@@ -1,7 +1,8 @@
 //! The C and C++ programs of the C API, compiled with every warning an error against
 //! `libtutti.a` and run: collectives (every algorithm, several dtypes, checked values), every
-//! error path, the replicas form, the example trainer, the README's C example and the C++
-//! wrapper. `TUTTI_CFLAGS` adds compiler flags (the AddressSanitizer pass of `.ci/run`).
+//! error path, the replicas form, ranks in separate processes, the example trainer, the
+//! README's C example and the C++ wrapper. `TUTTI_CFLAGS` adds compiler flags (the
+//! AddressSanitizer pass of `.ci/run`).
 
 mod common;
 
@@ -45,6 +46,18 @@ fn c_replicas() {
     );
     let out = run(&exe, &[], LIMIT);
     assert!(out.contains("replicas:") && out.contains("ok"), "{out}");
+}
+
+#[test]
+fn c_multiprocess() {
+    let exe = compile(
+        Lang::C,
+        "multiprocess",
+        &["ffi/tests/c/multiprocess.c"],
+        &["ffi/tests/c"],
+    );
+    let out = run(&exe, &[], LIMIT);
+    assert!(out.contains("multiprocess: ok"), "{out}");
 }
 
 #[test]
