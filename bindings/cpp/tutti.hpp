@@ -137,6 +137,11 @@ public:
         c_.chunk_bytes = n;
         return *this;
     }
+    /// How the ranks of a multi-process communicator reach each other.
+    config &transport(tutti_transport t) {
+        c_.transport = t;
+        return *this;
+    }
     const tutti_config *get() const noexcept { return &c_; }
 
 private:
@@ -157,6 +162,23 @@ public:
             out.push_back(comm(c));
         }
         return out;
+    }
+
+    /// Join the multi-process job this process's environment describes (tutti launch,
+    /// torchrun, mpirun, srun, TF_CONFIG or TUTTI_RANK/TUTTI_WORLD_SIZE/TUTTI_MASTER_ADDR).
+    static comm from_env(const config &cfg = config()) {
+        tutti_comm *c = nullptr;
+        detail::check(tutti_comm_create_from_env(cfg.get(), &c));
+        return comm(c);
+    }
+
+    /// Join a multi-process job as `rank` of `world_size`, meeting at `master_addr`
+    /// ("host:port", served by rank 0).
+    static comm join(std::size_t rank, std::size_t world_size, const std::string &master_addr,
+                     const config &cfg = config()) {
+        tutti_comm *c = nullptr;
+        detail::check(tutti_comm_create_rank(rank, world_size, master_addr.c_str(), cfg.get(), &c));
+        return comm(c);
     }
 
     /// Takes ownership of a handle from the C API.

@@ -8,6 +8,11 @@
 #include <thread>
 #include <vector>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include "tutti.hpp"
 
 #define EXPECT(cond)                                                                               \
@@ -141,6 +146,35 @@ static void replicas_form() {
     EXPECT(half[1][0].bits == 0x40c0); // 6
 }
 
+// A loopback TCP port nothing listens on right now.
+static int free_port() {
+    sockaddr_in a{};
+    socklen_t len = sizeof a;
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT(s >= 0 && bind(s, reinterpret_cast<sockaddr *>(&a), sizeof a) == 0);
+    EXPECT(getsockname(s, reinterpret_cast<sockaddr *>(&a), &len) == 0);
+    close(s);
+    return ntohs(a.sin_port);
+}
+
+static void multi_process_errors() {
+    // Joining needs a cluster; without one the error says what to set.
+    tutti::error e = expect_throw([] {
+        tutti::comm::join(3, 2, "127.0.0.1:1", tutti::config().transport(TUTTI_TRANSPORT_TCP));
+    });
+    EXPECT(e.code() == TUTTI_ERROR_INVALID_ARGUMENT);
+    EXPECT(std::string(e.what()).find("TUTTI_RANK=3 is out of range") != std::string::npos);
+    e = expect_throw([] { tutti::comm::join(0, 1, "127.0.0.1:0"); });
+    EXPECT(std::string(e.what()).find("port 0") != std::string::npos);
+    // A one-rank job needs no peers: rank 0 serves its own rendezvous.
+    tutti::comm solo = tutti::comm::join(0, 1, "127.0.0.1:" + std::to_string(free_port()));
+    std::vector<float> x(3, 2.0f);
+    solo.all_reduce(x, tutti::op::sum);
+    EXPECT(solo.world_size() == 1 && x[2] == 2.0f);
+}
+
 int main() {
     EXPECT(tutti::version() == TUTTI_VERSION_STRING);
     auto devs = tutti::devices();
@@ -152,6 +186,7 @@ int main() {
     abort_wakes_a_blocked_rank();
     moves_and_ownership();
     replicas_form();
+    multi_process_errors();
     std::printf("tutti.hpp: ok\n");
     return 0;
 }

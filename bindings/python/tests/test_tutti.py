@@ -1,7 +1,11 @@
 """The Python bindings: collectives over numpy arrays through libtutti, values checked."""
 
+import os
 import pathlib
 import re
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -207,3 +211,49 @@ def test_abort_wakes_a_blocked_rank_and_timeouts_fire():
         c.barrier()
     assert e.value.code == "TUTTI_ERROR_TIMEOUT" and "rank 1" in e.value.message
     assert time.monotonic() - start < 30
+
+
+RANK_SCRIPT = """
+import sys
+import numpy as np
+import tutti
+rank, world, addr, transport = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+comm = tutti.join(rank, world, addr, timeout=60, transport=transport)
+x = np.arange(6, dtype=np.float64) * (rank + 1)
+comm.all_reduce(x, op="sum")
+g = comm.all_gather(np.array([rank * 10], dtype=np.int32))
+print("result", x.tolist(), g.tolist())
+"""
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_separate_processes_join_one_job(transport):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(tutti.__file__).resolve().parents[1]))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT, str(r), "3", f"127.0.0.1:{port}", transport],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in range(3)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert "result [0.0, 6.0, 12.0, 18.0, 24.0, 30.0] [0, 10, 20]" in out, out
+
+
+def test_joining_without_a_cluster_says_what_to_set(monkeypatch):
+    for v in ["TUTTI_RANK", "TF_CONFIG", "RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"]:
+        monkeypatch.delenv(v, raising=False)
+    with pytest.raises(tutti.TuttiError, match="no cluster in the environment"):
+        tutti.from_env()
+    with pytest.raises(tutti.TuttiError, match="port 0"):
+        tutti.join(0, 2, "127.0.0.1:0")
+    with pytest.raises(ValueError, match="unknown transport"):
+        tutti.join(0, 2, "127.0.0.1:1", transport="udp")

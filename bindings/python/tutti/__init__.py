@@ -12,6 +12,9 @@ Two forms, as in the C API:
 * ``local_group(n)``: one ``Communicator`` per rank, each used from its own thread (ctypes
   releases the GIL during the call, so the ranks run in parallel).
 
+* ``join(rank, world_size, "host:port")`` or ``from_env()``: this process's ``Communicator`` in
+  a job of separate processes (tutti launch, torchrun, mpirun, srun, TF_CONFIG).
+
 libtutti is found through ``TUTTI_LIBRARY`` (a path to libtutti.so), else in this repository's
 ``target/release`` or ``target/debug``, else on the system's library path.
 
@@ -33,6 +36,8 @@ __all__ = [
     "Replicas",
     "Communicator",
     "local_group",
+    "join",
+    "from_env",
     "devices",
     "version",
     "all_reduce",
@@ -55,6 +60,7 @@ RESULT_NAMES = {
     6: "TUTTI_ERROR_UNAVAILABLE",
     7: "TUTTI_ERROR_SYSTEM",
     8: "TUTTI_ERROR_INTERNAL",
+    9: "TUTTI_ERROR_PEER_LOST",
 }
 
 DTYPES = {
@@ -72,6 +78,8 @@ DTYPES = {
 
 OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3, "mean": 4}
 
+TRANSPORTS = {"auto": 0, "tcp": 1, "shm": 2}
+
 ALGORITHMS = {
     "auto": 0,
     "direct": 1,
@@ -88,6 +96,8 @@ class _Config(ctypes.Structure):
         ("chunk_bytes", ctypes.c_size_t),
         ("algorithm", ctypes.c_uint32),
         ("algorithm_arg", ctypes.c_uint32),
+        ("transport", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
     ]
 
 
@@ -137,6 +147,8 @@ _PROTOTYPES = {
     "tutti_device_count": (_u32, [ctypes.POINTER(_size)]),
     "tutti_device_get": (_u32, [_size, ctypes.POINTER(_DeviceInfo)]),
     "tutti_comm_create_group": (_u32, [_size, ctypes.POINTER(_Config), _pp]),
+    "tutti_comm_create_from_env": (_u32, [ctypes.POINTER(_Config), _pp]),
+    "tutti_comm_create_rank": (_u32, [_size, _size, ctypes.c_char_p, ctypes.POINTER(_Config), _pp]),
     "tutti_comm_destroy": (None, [_ptr]),
     "tutti_comm_rank": (_u32, [_ptr, ctypes.POINTER(_size)]),
     "tutti_comm_world_size": (_u32, [_ptr, ctypes.POINTER(_size)]),
@@ -232,7 +244,7 @@ def devices():
 # ----- arguments -----
 
 
-def _config(timeout=None, algorithm="auto", chunk_bytes=None):
+def _config(timeout=None, algorithm="auto", chunk_bytes=None, transport="auto"):
     c = _Config()
     c.struct_size = ctypes.sizeof(_Config)
     if timeout is not None:
@@ -241,6 +253,9 @@ def _config(timeout=None, algorithm="auto", chunk_bytes=None):
         c.timeout_ms = max(1, int(round(timeout * 1000)))
     c.chunk_bytes = int(chunk_bytes or 0)
     c.algorithm, c.algorithm_arg = _algorithm(algorithm)
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r} (expected auto, tcp or shm)")
+    c.transport = TRANSPORTS[transport]
     return c
 
 
@@ -548,3 +563,24 @@ def local_group(n, timeout=None, algorithm="auto", chunk_bytes=None):
     handles = (ctypes.c_void_p * max(n, 1))()
     _check(lib.tutti_comm_create_group(n, ctypes.byref(config), handles))
     return [Communicator(ctypes.c_void_p(h)) for h in handles[:n]]
+
+
+def join(rank, world_size, master_addr, timeout=None, algorithm="auto", chunk_bytes=None, transport="auto"):
+    """Join a job of separate processes as ``rank`` of ``world_size``, meeting the others at
+    ``master_addr`` ("host:port", served by rank 0); ``TUTTI_JOB_TOKEN``, when set, is the
+    secret every connection proves. Blocks until every rank has joined."""
+    lib = _library()
+    config = _config(timeout, algorithm, chunk_bytes, transport)
+    handle = ctypes.c_void_p()
+    _check(lib.tutti_comm_create_rank(rank, world_size, master_addr.encode(), ctypes.byref(config), ctypes.byref(handle)))
+    return Communicator(handle)
+
+
+def from_env(timeout=None, algorithm="auto", chunk_bytes=None, transport="auto"):
+    """Join the job this process's environment describes (tutti launch, torchrun, mpirun, srun,
+    TF_CONFIG, or TUTTI_RANK, TUTTI_WORLD_SIZE and TUTTI_MASTER_ADDR)."""
+    lib = _library()
+    config = _config(timeout, algorithm, chunk_bytes, transport)
+    handle = ctypes.c_void_p()
+    _check(lib.tutti_comm_create_from_env(ctypes.byref(config), ctypes.byref(handle)))
+    return Communicator(handle)
