@@ -351,8 +351,8 @@ class Replicas:
 
     def close(self):
         h, self._h = getattr(self, "_h", None), None
-        if h:
-            _library().tutti_replicas_destroy(h)
+        if h and _lib is not None:  # at interpreter exit the library may already be gone
+            _lib.tutti_replicas_destroy(h)
 
     def _handle(self):
         if not self._h:
@@ -480,8 +480,8 @@ class Communicator:
 
     def close(self):
         h, self._h = getattr(self, "_h", None), None
-        if h:
-            _library().tutti_comm_destroy(h)
+        if h and _lib is not None:  # at interpreter exit the library may already be gone
+            _lib.tutti_comm_destroy(h)
 
     def _handle(self):
         if not self._h:
