@@ -56,6 +56,9 @@ pub(crate) struct Settings {
 /// The size of the first version of `tutti_config`; a smaller `struct_size` is an error.
 const FIRST_SIZE: usize = size_of::<tutti_config>();
 
+/// A `struct_size` beyond this is garbage (an uninitialized struct), not a newer version.
+pub(crate) const MAX_STRUCT_SIZE: usize = 4096;
+
 /// Read the caller's config (`NULL`: every default) into a core `Config`.
 ///
 /// # Safety
@@ -74,6 +77,12 @@ pub(crate) unsafe fn read(config: *const tutti_config) -> Result<Settings, Failu
     if size < FIRST_SIZE {
         return Err(Failure::invalid(format!(
             "config->struct_size is {size}, smaller than any tutti_config ({FIRST_SIZE} bytes); \
+             initialize the config with TUTTI_CONFIG_INIT"
+        )));
+    }
+    if size > MAX_STRUCT_SIZE {
+        return Err(Failure::invalid(format!(
+            "config->struct_size is {size}, more than any tutti_config will ever need; \
              initialize the config with TUTTI_CONFIG_INIT"
         )));
     }
@@ -173,6 +182,9 @@ mod tests {
         cfg.struct_size = 8;
         let e = unsafe { read(&cfg) }.unwrap_err();
         assert!(e.message.contains("TUTTI_CONFIG_INIT"), "{}", e.message);
+        cfg.struct_size = 1 << 40;
+        let e = unsafe { read(&cfg) }.unwrap_err();
+        assert!(e.message.contains("more than any"), "{}", e.message);
 
         // A newer caller's longer struct: accepted while its extra fields are zero.
         #[repr(C)]

@@ -3,6 +3,7 @@
 use std::ffi::c_char;
 use std::mem::size_of;
 
+use crate::config::MAX_STRUCT_SIZE;
 use crate::error::{boundary, floor_char_boundary, tutti_result, Failure};
 use crate::types::{device_kind_to_c, tutti_device_kind};
 
@@ -86,6 +87,12 @@ pub unsafe extern "C" fn tutti_device_get(
         if size < known {
             return Err(Failure::invalid(format!(
                 "info->struct_size is {size}, smaller than any tutti_device_info ({known} bytes); \
+                 initialize it with TUTTI_DEVICE_INFO_INIT"
+            )));
+        }
+        if size > MAX_STRUCT_SIZE {
+            return Err(Failure::invalid(format!(
+                "info->struct_size is {size}, more than any tutti_device_info will ever need; \
                  initialize it with TUTTI_DEVICE_INFO_INIT"
             )));
         }
