@@ -3,7 +3,7 @@
 //! Each process gets the job's environment: `TUTTI_RANK`, `TUTTI_WORLD_SIZE`, `TUTTI_LOCAL_RANK`,
 //! `TUTTI_LOCAL_WORLD_SIZE`, `TUTTI_MASTER_ADDR` (a loopback port chosen by the OS) and a fresh
 //! random `TUTTI_JOB_TOKEN`; or, with workers and parameter servers, a `TF_CONFIG` naming every
-//! task. Every line a process prints is prefixed with its rank (or task). When a process fails,
+//! task (with ps tasks comes a chief task, the coordinator parameter-server training needs). Every line a process prints is prefixed with its rank (or task). When a process fails,
 //! the others are stopped (SIGTERM, then SIGKILL after a grace period) and the launch fails with
 //! that process's status.
 
@@ -74,8 +74,10 @@ fn plan(l: &Launch) -> Result<Vec<Plan>> {
         if workers == 0 {
             return Err(Error::config("tutti launch: --workers must be at least 1"));
         }
+        // Parameter-server training needs a coordinator: with ps tasks comes a chief.
+        let chiefs = usize::from(l.ps > 0);
         let mut tasks = Vec::new();
-        for (ty, n) in [("worker", workers), ("ps", l.ps)] {
+        for (ty, n) in [("chief", chiefs), ("worker", workers), ("ps", l.ps)] {
             for i in 0..n {
                 tasks.push((ty, i, format!("127.0.0.1:{}", free_port()?)));
             }
@@ -88,6 +90,9 @@ fn plan(l: &Launch) -> Result<Vec<Plan>> {
                 .collect::<Vec<_>>()
         };
         let mut cluster = serde_json::json!({ "worker": list("worker") });
+        if chiefs > 0 {
+            cluster["chief"] = serde_json::json!(list("chief"));
+        }
         if l.ps > 0 {
             cluster["ps"] = serde_json::json!(list("ps"));
         }

@@ -31,8 +31,11 @@ pub mod error;
 pub mod launch;
 pub mod perf;
 pub mod reference;
+pub mod strategy;
 mod sync;
 pub mod transport;
+#[cfg(feature = "xla")]
+pub mod xla;
 
 pub use algorithm::Algorithm;
 pub use cluster::ClusterSpec;

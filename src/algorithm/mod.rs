@@ -157,8 +157,9 @@ impl Ctx<'_> {
     }
 }
 
-/// Split `count` elements into `parts` contiguous ranges whose sizes differ by at most one.
-pub(crate) fn partition(count: usize, parts: usize, i: usize) -> Range<usize> {
+/// Range `i` of `count` elements cut into `parts` contiguous ranges whose sizes differ by at
+/// most one (the first `count % parts` ranges are the longer ones).
+pub fn partition(count: usize, parts: usize, i: usize) -> Range<usize> {
     let (base, rem) = (count / parts, count % parts);
     let start = i * base + i.min(rem);
     start..start + base + usize::from(i < rem)

@@ -1,0 +1,257 @@
+//! Data-parallel training with tutti's strategies: linear regression on synthetic data.
+//!
+//! Every step each replica computes the gradient of the squared error on its shard of the global
+//! batch (the whole data set), the gradients are summed across replicas and divided by the global
+//! batch size, and the weights move. The reference is single-device training on the full batch
+//! with the same data and steps, so every synchronous strategy must land on the same weights (up
+//! to float summation order).
+//!
+//! ```text
+//! cargo run --example train -- --strategy mirrored --replicas 4 --steps 100 --json
+//! (parameter-server: the chief runs steps × workers steps, each on one worker's shard)
+//! tutti launch -n 2 -- target/debug/examples/train --strategy multi-worker --replicas 2 --json
+//! tutti launch --workers 2 --ps 2 -- target/debug/examples/train --strategy parameter-server --json
+//! ```
+//!
+//! With `--json` the last line is
+//! `{"strategy", "replicas", "steps", "loss", "weights": [...], "reference_weights": [...]}`.
+
+use clap::Parser;
+use tutti::device::logical_cpus;
+use tutti::strategy::ps::{ParameterServerStrategy, Partitioner, Role};
+use tutti::strategy::{
+    Aggregation, CommunicationImplementation, CrossDeviceOps, PerReplica, Strategy, Tensor,
+};
+use tutti::{ReduceOp, Result};
+
+#[derive(Parser)]
+struct Args {
+    /// default, one-device, mirrored, central-storage, multi-worker, parameter-server.
+    #[arg(long, default_value = "mirrored")]
+    strategy: String,
+    /// Local replicas (logical CPU devices).
+    #[arg(long, default_value_t = 2)]
+    replicas: usize,
+    /// Training steps.
+    #[arg(long, default_value_t = 100)]
+    steps: usize,
+    /// Cross-device ops for mirrored: reduction-to-one, hierarchical-copy, ring.
+    #[arg(long)]
+    cross_device_ops: Option<String>,
+    /// Print the result as JSON on the last line.
+    #[arg(long)]
+    json: bool,
+    /// Parameter-server workers sleep this long in each step (to watch rescheduling).
+    #[arg(long, default_value_t = 0)]
+    step_delay_ms: u64,
+}
+
+const SAMPLES: usize = 96;
+const FEATURES: usize = 6;
+/// Row length: features, then the target.
+const ROW: usize = FEATURES + 1;
+const LR: f32 = 0.1;
+
+/// The synthetic data set: rows of features and target, y = x·w + b + small noise.
+fn data() -> Vec<f32> {
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    };
+    let w_true: Vec<f32> = (0..FEATURES).map(|i| 0.5 + i as f32 * 0.25).collect();
+    let mut rows = Vec::with_capacity(SAMPLES * ROW);
+    for _ in 0..SAMPLES {
+        let x: Vec<f32> = (0..FEATURES).map(|_| next()).collect();
+        let y = x.iter().zip(&w_true).map(|(a, b)| a * b).sum::<f32>() - 0.75 + 0.01 * next();
+        rows.extend_from_slice(&x);
+        rows.push(y);
+    }
+    rows
+}
+
+/// Sum over `rows` of the squared-error gradient (weights then bias) and of the squared error.
+fn grad_sum(weights: &[f32], rows: &[f32]) -> (Vec<f32>, f32) {
+    let mut g = vec![0f32; FEATURES + 1];
+    let mut loss = 0f32;
+    for row in rows.chunks(ROW) {
+        let (x, y) = (&row[..FEATURES], row[FEATURES]);
+        let pred = x.iter().zip(weights).map(|(a, b)| a * b).sum::<f32>() + weights[FEATURES];
+        let err = pred - y;
+        loss += err * err;
+        for (gi, xi) in g.iter_mut().zip(x) {
+            *gi += 2.0 * err * xi;
+        }
+        g[FEATURES] += 2.0 * err;
+    }
+    (g, loss)
+}
+
+/// Single-device training on the full batch.
+fn reference(steps: usize) -> (Vec<f32>, f32) {
+    let rows = data();
+    let mut w = vec![0f32; FEATURES + 1];
+    let mut loss = 0.0;
+    for _ in 0..steps {
+        let (g, l) = grad_sum(&w, &rows);
+        loss = l / SAMPLES as f32;
+        w.iter_mut()
+            .zip(&g)
+            .for_each(|(wi, gi)| *wi -= LR * gi / SAMPLES as f32);
+    }
+    (w, loss)
+}
+
+fn scaled(g: &[f32]) -> Vec<f32> {
+    g.iter().map(|x| LR * x / SAMPLES as f32).collect()
+}
+
+/// Mirrored variables: every replica updates its copy with the SUM of the replicas' updates.
+fn train_mirrored(strategy: &Strategy, steps: usize) -> Result<(Vec<f32>, f32)> {
+    let shards = strategy.distribute_batch(&data(), ROW)?;
+    let w = strategy.mirrored_variable(&[0f32; FEATURES + 1]);
+    let mut loss = 0.0;
+    for _ in 0..steps {
+        let losses = strategy.run(|ctx| {
+            let (g, l) = grad_sum(&w.read_in(ctx), &shards.0[ctx.local_replica_id()]);
+            ctx.assign_sub(&w, &scaled(&g), Aggregation::Sum)?;
+            let mut l = [l / SAMPLES as f32];
+            ctx.all_reduce(ReduceOp::Sum, &mut l)?;
+            Ok(l[0])
+        })?;
+        loss = losses.0[0];
+    }
+    assert!(w.in_sync(), "mirrored copies diverged");
+    Ok((w.value(), loss))
+}
+
+/// Central storage: one copy of the weights; the replicas' updates are reduced onto it.
+fn train_central(strategy: &Strategy, steps: usize) -> Result<(Vec<f32>, f32)> {
+    let shards = strategy.distribute_batch(&data(), ROW)?;
+    let w = strategy.central_variable(&[0f32; FEATURES + 1]);
+    let mut loss = 0.0;
+    for _ in 0..steps {
+        let weights = w.value();
+        let out = strategy.run(|ctx| {
+            let (g, l) = grad_sum(&weights, &shards.0[ctx.local_replica_id()]);
+            Ok((scaled(&g), l / SAMPLES as f32))
+        })?;
+        let (updates, losses): (Vec<_>, Vec<_>) = out.0.into_iter().unzip();
+        w.assign_sub(strategy, &PerReplica(updates), Aggregation::Sum)?;
+        let losses = PerReplica(
+            losses
+                .into_iter()
+                .map(|l| Tensor::vector(vec![l]))
+                .collect(),
+        );
+        loss = strategy.reduce(ReduceOp::Sum, &losses, None)?.data[0];
+    }
+    Ok((w.value(), loss))
+}
+
+/// Final weights and loss, and the number of replicas (workers) that trained them.
+type Trained = ((Vec<f32>, f32), usize);
+
+/// Parameter servers: the chief schedules steps; workers pull the weights, push gradients.
+fn train_ps(steps: usize, step_delay: std::time::Duration) -> Result<Option<Trained>> {
+    let strategy = ParameterServerStrategy::from_env(Partitioner::MaxShards(2))?;
+    let rows = data();
+    let role = strategy.run_role(move |ctx| {
+        std::thread::sleep(step_delay);
+        // Each step uses the worker's shard of the batch for this step (round-robin).
+        let workers = ctx.num_workers();
+        let shard = tutti::algorithm::partition(SAMPLES, workers, (ctx.step() as usize) % workers);
+        let (g, l) = grad_sum(
+            &ctx.variables()[0],
+            &rows[shard.start * ROW..shard.end * ROW],
+        );
+        let n = shard.len().max(1) as f32;
+        Ok((vec![g.iter().map(|x| x / n).collect()], l / n))
+    })?;
+    match role {
+        Role::Chief(coord) => {
+            let w = coord.create_variable("weights", &[0f32; FEATURES + 1], LR)?;
+            let workers = coord.num_workers();
+            let losses = coord.run_steps(steps * workers)?;
+            let weights = coord.read_variable(w)?;
+            coord.shutdown()?;
+            Ok(Some(((weights, *losses.last().unwrap_or(&0.0)), workers)))
+        }
+        Role::Done => Ok(None),
+    }
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("train: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<()> {
+    let devices = logical_cpus(args.replicas.max(1))?;
+    let (result, replicas) = match args.strategy.as_str() {
+        "default" => {
+            let s = Strategy::default_strategy();
+            (train_mirrored(&s, args.steps)?, s.num_replicas_in_sync())
+        }
+        "one-device" => {
+            let s = Strategy::one_device(devices[0].clone())?;
+            (train_mirrored(&s, args.steps)?, s.num_replicas_in_sync())
+        }
+        "mirrored" => {
+            let ops = match args.cross_device_ops.as_deref() {
+                None => None,
+                Some("reduction-to-one") => Some(CrossDeviceOps::ReductionToOneDevice { reduce_to_device: None }),
+                Some("hierarchical-copy") => Some(CrossDeviceOps::HierarchicalCopyAllReduce { num_packs: 1 }),
+                Some("ring") => Some(CrossDeviceOps::Ring),
+                Some(o) => return Err(tutti::Error::config(format!("--cross-device-ops {o}: unknown"))),
+            };
+            let s = Strategy::mirrored(&devices, ops)?;
+            (train_mirrored(&s, args.steps)?, s.num_replicas_in_sync())
+        }
+        "central-storage" => {
+            let s = Strategy::central_storage(&devices)?;
+            (train_central(&s, args.steps)?, s.num_replicas_in_sync())
+        }
+        "multi-worker" => {
+            let s = Strategy::multi_worker_mirrored(CommunicationImplementation::Auto, None, &devices)?;
+            (train_mirrored(&s, args.steps)?, s.num_replicas_in_sync())
+        }
+        "parameter-server" => match train_ps(args.steps, std::time::Duration::from_millis(args.step_delay_ms))? {
+            Some(r) => r,
+            None => return Ok(()),
+        },
+        other => {
+            return Err(tutti::Error::config(format!(
+                "--strategy {other}: expected default, one-device, mirrored, central-storage, multi-worker or parameter-server"
+            )))
+        }
+    };
+    let ((weights, loss), (reference_weights, _)) = (result, reference(args.steps));
+    if args.json {
+        let line = serde_json::json!({
+            "strategy": args.strategy,
+            "replicas": replicas,
+            "steps": args.steps,
+            "loss": loss,
+            "weights": weights,
+            "reference_weights": reference_weights,
+        });
+        println!("{line}");
+    } else {
+        println!(
+            "{} with {replicas} replicas, {} steps: loss {loss:.6}",
+            args.strategy, args.steps
+        );
+        println!("weights   {weights:?}");
+        println!("reference {reference_weights:?}");
+    }
+    Ok(())
+}

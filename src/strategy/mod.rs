@@ -1,0 +1,868 @@
+//! Strategies, after TensorFlow's `tf.distribute`: pick a strategy, write the step once, switch
+//! hardware by switching the strategy.
+//!
+//! A [`Strategy`] owns the local replicas (one per local device, each a thread with its own rank
+//! of an in-process group whose algorithm is the strategy's cross-device op) and, for
+//! [`Strategy::multi_worker_mirrored`], a communicator across workers. Inside [`Strategy::run`]
+//! each replica gets a [`ReplicaContext`] whose collectives span every replica in sync: local
+//! reduce, cross-worker collective, local broadcast.
+//!
+//! | strategy | replicas | variables | gradient aggregation |
+//! |---|---|---|---|
+//! | [`Strategy::default_strategy`] | 1 (the caller) | one copy | none needed |
+//! | [`Strategy::one_device`] | 1 on the device | one copy | none needed |
+//! | [`Strategy::mirrored`] | one per local device | one per replica ([`MirroredVariable`]) | all-reduce with the cross-device op |
+//! | [`Strategy::central_storage`] | one per local device | one copy on the CPU ([`CentralVariable`]) | reduce to the variable's device, apply once |
+//! | [`Strategy::multi_worker_mirrored`] | local devices × workers | one per replica | local reduce, cross-worker all-reduce, local broadcast |
+//! | [`ParameterServerStrategy`](ps::ParameterServerStrategy) | workers run scheduled steps | sharded on `ps` tasks | pushed to the ps asynchronously |
+
+mod fusion;
+pub mod ps;
+mod tensor;
+mod variables;
+
+pub use fusion::pack_plan;
+pub use tensor::Tensor;
+pub use variables::{Aggregation, CentralVariable, MirroredVariable};
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::algorithm::Algorithm;
+use crate::cluster::ClusterSpec;
+use crate::comm::{Communicator, Config, Replicas};
+use crate::device::{self, Device, DeviceKind};
+use crate::dtype::{Element, ReduceOp};
+use crate::error::{Error, Result};
+use crate::transport::TransportKind;
+
+/// TensorFlow's cross-device ops: how the replicas of one worker combine their values.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CrossDeviceOps {
+    /// NCCL all-reduce across GPUs (TensorFlow's default when every device is a GPU and NCCL is
+    /// present).
+    NcclAllReduce,
+    /// TensorFlow's HierarchicalCopyAllReduce; values are fused into `num_packs` packs.
+    HierarchicalCopyAllReduce {
+        /// Packs the values of a batch reduce are fused into (0: no fusion).
+        num_packs: usize,
+    },
+    /// TensorFlow's ReductionToOneDevice: reduce onto one device, broadcast back.
+    ReductionToOneDevice {
+        /// The device to reduce to (default: the first device).
+        reduce_to_device: Option<Device>,
+    },
+    /// The ring: reduce-scatter then all-gather.
+    Ring,
+}
+
+impl CrossDeviceOps {
+    /// A short name for logs and JSON.
+    pub fn name(&self) -> &'static str {
+        match self {
+            CrossDeviceOps::NcclAllReduce => "NcclAllReduce",
+            CrossDeviceOps::HierarchicalCopyAllReduce { .. } => "HierarchicalCopyAllReduce",
+            CrossDeviceOps::ReductionToOneDevice { .. } => "ReductionToOneDevice",
+            CrossDeviceOps::Ring => "Ring",
+        }
+    }
+}
+
+/// TensorFlow's `CommunicationImplementation` for multi-worker collectives.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+pub enum CommunicationImplementation {
+    /// tutti chooses (shared memory on one host, TCP across hosts).
+    #[default]
+    Auto,
+    /// The ring over TCP.
+    Ring,
+    /// NCCL across GPUs.
+    Nccl,
+}
+
+impl std::str::FromStr for CommunicationImplementation {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_uppercase().as_str() {
+            "AUTO" => Ok(CommunicationImplementation::Auto),
+            "RING" => Ok(CommunicationImplementation::Ring),
+            "NCCL" => Ok(CommunicationImplementation::Nccl),
+            _ => Err(format!(
+                "unknown communication implementation '{s}' (expected RING, NCCL or AUTO)"
+            )),
+        }
+    }
+}
+
+/// Which strategy.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum StrategyKind {
+    /// The default strategy: no distribution.
+    Default,
+    /// One device.
+    OneDevice,
+    /// Mirrored across local devices.
+    Mirrored,
+    /// Variables on the CPU, computation on local devices.
+    CentralStorage,
+    /// Mirrored across the devices of every worker.
+    MultiWorkerMirrored,
+}
+
+impl StrategyKind {
+    /// TensorFlow's class name.
+    pub fn name(self) -> &'static str {
+        match self {
+            StrategyKind::Default => "DefaultStrategy",
+            StrategyKind::OneDevice => "OneDeviceStrategy",
+            StrategyKind::Mirrored => "MirroredStrategy",
+            StrategyKind::CentralStorage => "CentralStorageStrategy",
+            StrategyKind::MultiWorkerMirrored => "MultiWorkerMirroredStrategy",
+        }
+    }
+}
+
+/// TensorFlow's cluster resolver, as a strategy reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterResolver {
+    /// `chief`, `worker`, `ps`, ...
+    pub task_type: String,
+    /// Index among the tasks of that type.
+    pub task_id: usize,
+    /// True on the chief.
+    pub is_chief: bool,
+    /// Workers in the collective world (1 without a cluster).
+    pub num_workers: usize,
+}
+
+/// One value per local replica, in replica order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PerReplica<T>(pub Vec<T>);
+
+impl<T> PerReplica<T> {
+    /// The values of this worker's replicas (TensorFlow's `experimental_local_results`).
+    pub fn local_results(&self) -> &[T] {
+        &self.0
+    }
+}
+
+/// What [`Strategy::run`] hands each replica function.
+pub struct ReplicaContext<'a> {
+    strategy: &'a Strategy,
+    comm: &'a Communicator,
+    local_id: usize,
+}
+
+/// The replicas of a strategy on this worker, rebuilt after a failed `run`.
+struct Local {
+    replicas: Option<Replicas>,
+    comm: Option<Communicator>,
+}
+
+/// A distribution strategy. See the module docs.
+pub struct Strategy {
+    kind: StrategyKind,
+    devices: Vec<Device>,
+    cross_device_ops: Option<CrossDeviceOps>,
+    config: Config,
+    local: Mutex<Local>,
+    /// Across workers (multi-worker only): used by local replica 0 alone.
+    workers: Option<Arc<Communicator>>,
+    resolver: ClusterResolver,
+    /// Fusion threshold of batch reduces (TensorFlow's `bytes_per_pack`; 0: no fusion).
+    bytes_per_pack: usize,
+}
+
+fn log(msg: &str) {
+    eprintln!("tutti: {msg}");
+}
+
+fn local_resolver() -> ClusterResolver {
+    ClusterResolver {
+        task_type: "worker".into(),
+        task_id: 0,
+        is_chief: true,
+        num_workers: 1,
+    }
+}
+
+/// The algorithm that carries a cross-device op over an in-process group of these devices.
+fn algorithm_for(ops: &CrossDeviceOps, devices: &[Device]) -> Result<Algorithm> {
+    Ok(match ops {
+        CrossDeviceOps::Ring => Algorithm::Ring,
+        CrossDeviceOps::HierarchicalCopyAllReduce { .. } => {
+            Algorithm::HierarchicalCopy { group_size: 2 }
+        }
+        CrossDeviceOps::ReductionToOneDevice { reduce_to_device } => {
+            let root = match reduce_to_device {
+                None => 0,
+                Some(d) => devices
+                    .iter()
+                    .position(|x| x == d || x.spec() == d.spec())
+                    .ok_or_else(|| {
+                        Error::config(format!(
+                            "ReductionToOneDevice: {} is not one of the strategy's devices",
+                            d.spec()
+                        ))
+                    })?,
+            };
+            Algorithm::ReduceToOne { root }
+        }
+        CrossDeviceOps::NcclAllReduce => {
+            return Err(Error::Unavailable {
+                what: "NCCL".into(),
+                why: "NcclAllReduce needs GPUs and this build has no CUDA support".into(),
+            })
+        }
+    })
+}
+
+impl Strategy {
+    fn build(
+        kind: StrategyKind,
+        devices: Vec<Device>,
+        cross_device_ops: Option<CrossDeviceOps>,
+        config: Config,
+        workers: Option<Arc<Communicator>>,
+        resolver: ClusterResolver,
+    ) -> Result<Strategy> {
+        if devices.is_empty() {
+            return Err(Error::config(format!("{}: no devices", kind.name())));
+        }
+        let bytes_per_pack = 32 << 20;
+        let s = Strategy {
+            kind,
+            devices,
+            cross_device_ops,
+            config,
+            local: Mutex::new(Local {
+                replicas: None,
+                comm: None,
+            }),
+            workers,
+            resolver,
+            bytes_per_pack,
+        };
+        s.rebuild()?;
+        Ok(s)
+    }
+
+    fn rebuild(&self) -> Result<()> {
+        let mut local = self.local.lock();
+        let n = self.devices.len();
+        if n == 1 {
+            let mut c = crate::comm::local_group(1, &self.config)?;
+            *local = Local {
+                replicas: None,
+                comm: c.pop(),
+            };
+        } else {
+            *local = Local {
+                replicas: Some(Replicas::new(n, &self.config)?),
+                comm: None,
+            };
+        }
+        Ok(())
+    }
+
+    /// TensorFlow's default strategy: one replica, the caller; collectives are identities.
+    pub fn default_strategy() -> Strategy {
+        let cpu = device::discover().remove(0);
+        Strategy::build(
+            StrategyKind::Default,
+            vec![cpu],
+            None,
+            Config::default(),
+            None,
+            local_resolver(),
+        )
+        .expect("a one-replica strategy on the CPU always builds")
+    }
+
+    /// One replica on `device`.
+    pub fn one_device(device: Device) -> Result<Strategy> {
+        Strategy::build(
+            StrategyKind::OneDevice,
+            vec![device],
+            None,
+            Config::default(),
+            None,
+            local_resolver(),
+        )
+    }
+
+    /// A replica per device of this process. `devices` empty means every GPU, else the CPU.
+    /// `cross_device_ops` `None` chooses as TensorFlow does: NcclAllReduce when every device is
+    /// a GPU and NCCL is present, else ReductionToOneDevice (logged).
+    pub fn mirrored(
+        devices: &[Device],
+        cross_device_ops: Option<CrossDeviceOps>,
+    ) -> Result<Strategy> {
+        let devices = if devices.is_empty() {
+            default_devices()
+        } else {
+            devices.to_vec()
+        };
+        let ops = choose_cross_device_ops(&devices, cross_device_ops);
+        let config = Config::default().with_algorithm(algorithm_for(&ops, &devices)?);
+        Strategy::build(
+            StrategyKind::Mirrored,
+            devices,
+            Some(ops),
+            config,
+            None,
+            local_resolver(),
+        )
+    }
+
+    /// Variables kept once, on the CPU (on the GPU when there is exactly one); computation
+    /// replicated on `devices`; updates aggregated onto the variable before they are applied.
+    pub fn central_storage(devices: &[Device]) -> Result<Strategy> {
+        let devices = if devices.is_empty() {
+            default_devices()
+        } else {
+            devices.to_vec()
+        };
+        let ops = CrossDeviceOps::ReductionToOneDevice {
+            reduce_to_device: None,
+        };
+        let config = Config::default().with_algorithm(algorithm_for(&ops, &devices)?);
+        Strategy::build(
+            StrategyKind::CentralStorage,
+            devices,
+            Some(ops),
+            config,
+            None,
+            local_resolver(),
+        )
+    }
+
+    /// Replicas on every local device of every worker of the cluster `resolver` describes
+    /// (default: this process's environment, see [`crate::cluster`]); `communication` picks the
+    /// cross-worker transport.
+    pub fn multi_worker_mirrored(
+        communication: CommunicationImplementation,
+        resolver: Option<ClusterSpec>,
+        local_devices: &[Device],
+    ) -> Result<Strategy> {
+        let spec = match resolver {
+            Some(s) => s,
+            None => ClusterSpec::from_env()?.ok_or_else(|| {
+                Error::config("MultiWorkerMirroredStrategy: no cluster (set TF_CONFIG or run under tutti launch)")
+            })?,
+        };
+        let kind = match communication {
+            CommunicationImplementation::Auto => TransportKind::Auto,
+            CommunicationImplementation::Ring => TransportKind::Tcp,
+            CommunicationImplementation::Nccl => {
+                log("MultiWorkerMirroredStrategy: NCCL needs GPUs and this build has no CUDA support; using RING");
+                TransportKind::Tcp
+            }
+        };
+        let config = Config::default();
+        let workers = Communicator::from_cluster(&spec, kind, &config)?;
+        let devices = if local_devices.is_empty() {
+            default_devices()
+        } else {
+            local_devices.to_vec()
+        };
+        // Every worker must run the same number of replicas.
+        let mut n = [devices.len() as u64];
+        workers.all_reduce(&mut n, ReduceOp::Max)?;
+        if n[0] != devices.len() as u64 {
+            return Err(Error::config(format!(
+                "MultiWorkerMirroredStrategy: this worker has {} local devices but another has {}; every worker needs the same number",
+                devices.len(),
+                n[0]
+            )));
+        }
+        let resolver = ClusterResolver {
+            task_type: spec.task_type.clone(),
+            task_id: spec.task_index,
+            is_chief: spec.is_chief,
+            num_workers: spec.world_size,
+        };
+        let ops = CrossDeviceOps::Ring;
+        let local = Config::default().with_algorithm(algorithm_for(&ops, &devices)?);
+        Strategy::build(
+            StrategyKind::MultiWorkerMirrored,
+            devices,
+            Some(ops),
+            local,
+            Some(Arc::new(workers)),
+            resolver,
+        )
+    }
+
+    /// Which strategy this is.
+    pub fn kind(&self) -> StrategyKind {
+        self.kind
+    }
+
+    /// The local devices, one per local replica.
+    pub fn devices(&self) -> &[Device] {
+        &self.devices
+    }
+
+    /// The cross-device ops in use, if the strategy has several local replicas to combine.
+    pub fn cross_device_ops(&self) -> Option<&CrossDeviceOps> {
+        self.cross_device_ops.as_ref()
+    }
+
+    /// Replicas on this worker.
+    pub fn num_local_replicas(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// Replicas in sync across the whole job.
+    pub fn num_replicas_in_sync(&self) -> usize {
+        self.devices.len() * self.resolver.num_workers
+    }
+
+    /// This worker's index in the collective world.
+    fn worker_index(&self) -> usize {
+        self.workers.as_ref().map_or(0, |w| w.rank())
+    }
+
+    /// The cluster as this strategy sees it.
+    pub fn cluster_resolver(&self) -> &ClusterResolver {
+        &self.resolver
+    }
+
+    /// Set the fusion threshold of batch reduces (TensorFlow's `bytes_per_pack`, Horovod's
+    /// fusion threshold): small tensors are packed into buffers of about this size. 0 disables
+    /// fusion.
+    pub fn set_bytes_per_pack(&mut self, bytes: usize) {
+        self.bytes_per_pack = bytes;
+    }
+
+    /// Call `f` once per local replica, in parallel, each with its [`ReplicaContext`]. A replica
+    /// whose `f` fails makes `run` return that error (its siblings' collectives are woken, not
+    /// left waiting); the strategy stays usable.
+    pub fn run<R: Send>(
+        &self,
+        f: impl Fn(&ReplicaContext<'_>) -> Result<R> + Sync,
+    ) -> Result<PerReplica<R>> {
+        let n = self.devices.len();
+        let slots: Vec<Mutex<Option<R>>> = (0..n).map(|_| Mutex::new(None)).collect();
+        let result = {
+            let local = self.local.lock();
+            let task = |local_id: usize, comm: &Communicator| -> Result<()> {
+                let ctx = ReplicaContext {
+                    strategy: self,
+                    comm,
+                    local_id,
+                };
+                match f(&ctx) {
+                    Ok(v) => {
+                        *slots[local_id].lock() = Some(v);
+                        Ok(())
+                    }
+                    Err(e) => {
+                        // Wake the siblings that wait for this replica in a collective.
+                        comm.abort(&format!(
+                            "replica {} failed: {e}",
+                            ctx.replica_id_in_sync_group()
+                        ));
+                        Err(e)
+                    }
+                }
+            };
+            match (&local.replicas, &local.comm) {
+                (Some(reps), _) => reps.each(&task),
+                (None, Some(comm)) => task(0, comm),
+                (None, None) => unreachable!("built in rebuild"),
+            }
+        };
+        if let Err(e) = result {
+            self.rebuild()?;
+            return Err(e);
+        }
+        Ok(PerReplica(
+            slots
+                .into_iter()
+                .map(|s| s.into_inner().expect("every replica succeeded"))
+                .collect(),
+        ))
+    }
+
+    /// Reduce a per-replica value across every replica in sync (TensorFlow's `strategy.reduce`):
+    /// `axis` `None` reduces element-wise across replicas; `Some(a)` also reduces along axis `a`
+    /// of each value (a `Mean` then divides by the total length along `a`). Every worker gets the
+    /// result.
+    pub fn reduce<T: Element>(
+        &self,
+        op: ReduceOp,
+        value: &PerReplica<Tensor<T>>,
+        axis: Option<usize>,
+    ) -> Result<Tensor<T>> {
+        check_sum_or_mean(op, "reduce")?;
+        let mut along = 1usize;
+        let parts: Vec<Tensor<T>> = match axis {
+            None => value.0.clone(),
+            Some(a) => {
+                let mut counts = Vec::new();
+                let v = value
+                    .0
+                    .iter()
+                    .map(|t| {
+                        counts.push(*t.shape.get(a).unwrap_or(&0));
+                        t.reduce_axis(a, ReduceOp::Sum)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let mut total = [counts.iter().sum::<usize>() as u64];
+                if let Some(w) = &self.workers {
+                    w.all_reduce(&mut total, ReduceOp::Sum)?;
+                }
+                along = total[0] as usize;
+                v
+            }
+        };
+        let shape = parts.first().map(|t| t.shape.clone()).unwrap_or_default();
+        if let Some(t) = parts.iter().find(|t| t.shape != shape) {
+            return Err(Error::config(format!(
+                "reduce: replica values have different shapes ({:?} and {:?})",
+                shape, t.shape
+            )));
+        }
+        let inputs: Vec<&[T]> = parts.iter().map(|t| t.data.as_slice()).collect();
+        let mut out = vec![T::from_f64(0.0); shape.iter().product()];
+        self.local_reduce(&inputs, &mut out)?;
+        if let Some(w) = &self.workers {
+            w.all_reduce(&mut out, ReduceOp::Sum)?;
+        }
+        if op == ReduceOp::Mean {
+            let n = if axis.is_some() {
+                along
+            } else {
+                self.num_replicas_in_sync()
+            };
+            crate::dtype::kernels::divide(T::DTYPE, bytemuck::cast_slice_mut(&mut out), n.max(1));
+        }
+        Ok(Tensor { data: out, shape })
+    }
+
+    /// Sum the local replicas' values into `out`.
+    fn local_reduce<T: Element>(&self, inputs: &[&[T]], out: &mut [T]) -> Result<()> {
+        let local = self.local.try_lock().ok_or_else(|| {
+            Error::config(
+                "strategy.reduce called inside run: use the replica context's all_reduce there",
+            )
+        })?;
+        match &local.replicas {
+            Some(reps) => reps.reduce(inputs, out, ReduceOp::Sum),
+            None => {
+                out.copy_from_slice(inputs[0]);
+                Ok(())
+            }
+        }
+    }
+
+    /// Concatenate the replicas' values along `axis`, in replica order across the whole job
+    /// (TensorFlow's `strategy.gather`). The values may differ in length along `axis` only.
+    pub fn gather<T: Element>(
+        &self,
+        value: &PerReplica<Tensor<T>>,
+        axis: usize,
+    ) -> Result<Tensor<T>> {
+        let local = Tensor::concat(&value.0, axis)?;
+        let Some(w) = &self.workers else {
+            return Ok(local);
+        };
+        // Workers' parts may differ in length along the axis: share lengths, pad, trim.
+        let p = w.world_size();
+        let mut lens = vec![0u64; p];
+        w.all_gather(&[local.data.len() as u64], &mut lens)?;
+        let max = *lens.iter().max().unwrap_or(&0) as usize;
+        let mut padded = local.data.clone();
+        padded.resize(max, T::from_f64(0.0));
+        let mut all = vec![T::from_f64(0.0); max * p];
+        w.all_gather(&padded, &mut all)?;
+        let mut parts = Vec::with_capacity(p);
+        for (k, len) in lens.iter().enumerate() {
+            let data = all[k * max..k * max + *len as usize].to_vec();
+            let mut shape = local.shape.clone();
+            let inner: usize = shape
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != axis)
+                .map(|(_, d)| *d)
+                .product();
+            shape[axis] = data.len().checked_div(inner).unwrap_or(0);
+            parts.push(Tensor { data, shape });
+        }
+        Tensor::concat(&parts, axis)
+    }
+
+    /// Split a global batch of `rows` rows (each `row_len` elements) across every replica in
+    /// sync and return this worker's replicas' shards. Shards are contiguous; when the rows do not
+    /// divide evenly, the first `rows % replicas` replicas get one row more (a replica may get
+    /// none). Gradients should then be summed and divided by the global batch size.
+    pub fn distribute_batch<T: Element>(
+        &self,
+        batch: &[T],
+        row_len: usize,
+    ) -> Result<PerReplica<Vec<T>>> {
+        if row_len == 0 || batch.len() % row_len != 0 {
+            return Err(Error::config(format!(
+                "distribute_batch: {} elements are not whole rows of {row_len}",
+                batch.len()
+            )));
+        }
+        let rows = batch.len() / row_len;
+        let n = self.num_replicas_in_sync();
+        let first = self.worker_index() * self.devices.len();
+        Ok(PerReplica(
+            (first..first + self.devices.len())
+                .map(|g| {
+                    let r = crate::algorithm::partition(rows, n, g);
+                    batch[r.start * row_len..r.end * row_len].to_vec()
+                })
+                .collect(),
+        ))
+    }
+
+    /// Create a variable mirrored on every replica, initialised to `initial`.
+    pub fn mirrored_variable<T: Element>(&self, initial: &[T]) -> MirroredVariable<T> {
+        MirroredVariable::new(initial, self.devices.len())
+    }
+
+    /// Create a variable stored once (CentralStorageStrategy's way).
+    pub fn central_variable<T: Element>(&self, initial: &[T]) -> CentralVariable<T> {
+        CentralVariable::new(initial)
+    }
+
+    /// Reduce each of `values` (per-replica tensors) across every replica, packing small ones
+    /// into buffers of `bytes_per_pack` so that fewer, larger collectives run.
+    pub fn batch_reduce<T: Element>(
+        &self,
+        op: ReduceOp,
+        values: &[PerReplica<Vec<T>>],
+    ) -> Result<Vec<Vec<T>>> {
+        check_sum_or_mean(op, "batch_reduce")?;
+        let n = self.devices.len();
+        if let Some(v) = values.iter().find(|v| v.0.len() != n) {
+            return Err(Error::config(format!(
+                "batch_reduce: a value has {} replicas' parts, not {n}",
+                v.0.len()
+            )));
+        }
+        let out = self.run(|ctx| {
+            let mut mine: Vec<Vec<T>> = values.iter().map(|v| v.0[ctx.local_id].clone()).collect();
+            let mut views: Vec<&mut [T]> = mine.iter_mut().map(|v| v.as_mut_slice()).collect();
+            ctx.all_reduce_batch(op, &mut views)?;
+            Ok(mine)
+        })?;
+        Ok(out.0.into_iter().next().unwrap_or_default())
+    }
+
+    /// The fusion threshold for a batch of `total` bytes: HierarchicalCopyAllReduce's
+    /// `num_packs` splits the batch into that many packs, else `bytes_per_pack`.
+    fn pack_bytes(&self, total: usize) -> usize {
+        match &self.cross_device_ops {
+            Some(CrossDeviceOps::HierarchicalCopyAllReduce { num_packs }) if *num_packs > 0 => {
+                total.div_ceil(*num_packs).max(1)
+            }
+            _ => self.bytes_per_pack,
+        }
+    }
+}
+
+fn check_sum_or_mean(op: ReduceOp, what: &str) -> Result<()> {
+    if !matches!(op, ReduceOp::Sum | ReduceOp::Mean) {
+        return Err(Error::config(format!(
+            "{what}: TensorFlow's ReduceOp is SUM or MEAN, not {op}"
+        )));
+    }
+    Ok(())
+}
+
+/// All GPUs, else the CPU.
+fn default_devices() -> Vec<Device> {
+    let all = device::discover();
+    let gpus: Vec<Device> = all
+        .iter()
+        .filter(|d| d.kind == DeviceKind::Gpu)
+        .cloned()
+        .collect();
+    if gpus.is_empty() {
+        all.into_iter()
+            .filter(|d| d.kind == DeviceKind::Cpu)
+            .take(1)
+            .collect()
+    } else {
+        gpus
+    }
+}
+
+/// TensorFlow's choice of cross-device ops, with its fallbacks logged.
+fn choose_cross_device_ops(devices: &[Device], asked: Option<CrossDeviceOps>) -> CrossDeviceOps {
+    let all_gpu = devices.iter().all(|d| d.kind == DeviceKind::Gpu);
+    let virtual_gpus = devices.iter().filter(|d| d.kind == DeviceKind::Gpu).count()
+        > devices
+            .iter()
+            .filter(|d| d.kind == DeviceKind::Gpu)
+            .map(|d| d.physical_index)
+            .collect::<std::collections::BTreeSet<_>>()
+            .len();
+    let fallback = CrossDeviceOps::ReductionToOneDevice {
+        reduce_to_device: None,
+    };
+    match asked {
+        Some(CrossDeviceOps::NcclAllReduce) | None if devices.len() > 1 => {
+            let why = if !all_gpu {
+                Some("not every device is a GPU")
+            } else if virtual_gpus {
+                Some("NCCL refuses virtual GPUs")
+            } else {
+                Some("this build has no CUDA support, so no NCCL")
+            };
+            if let Some(why) = why {
+                log(&format!("MirroredStrategy: NcclAllReduce is not usable ({why}); using ReductionToOneDevice"));
+            }
+            fallback
+        }
+        Some(ops) => ops,
+        None => fallback,
+    }
+}
+
+impl ReplicaContext<'_> {
+    /// This replica's index among every replica in sync (TensorFlow's
+    /// `replica_id_in_sync_group`).
+    pub fn replica_id_in_sync_group(&self) -> usize {
+        self.strategy.worker_index() * self.strategy.devices.len() + self.local_id
+    }
+
+    /// This replica's index on this worker.
+    pub fn local_replica_id(&self) -> usize {
+        self.local_id
+    }
+
+    /// Replicas in sync across the job.
+    pub fn num_replicas_in_sync(&self) -> usize {
+        self.strategy.num_replicas_in_sync()
+    }
+
+    /// The device this replica runs on.
+    pub fn device(&self) -> &Device {
+        &self.strategy.devices[self.local_id]
+    }
+
+    /// The strategy.
+    pub fn strategy(&self) -> &Strategy {
+        self.strategy
+    }
+
+    /// All-reduce across every replica in sync: local reduce, cross-worker all-reduce (from local
+    /// replica 0), local broadcast. `Mean` divides by the number of replicas in sync.
+    pub fn all_reduce<T: Element>(&self, op: ReduceOp, buf: &mut [T]) -> Result<()> {
+        let Some(workers) = &self.strategy.workers else {
+            return self.comm.all_reduce(buf, op);
+        };
+        let combine = op.combining();
+        self.comm.all_reduce(buf, combine)?;
+        if self.local_id == 0 {
+            workers.all_reduce(buf, combine)?;
+        }
+        self.comm.broadcast(buf, 0)?;
+        if op == ReduceOp::Mean {
+            crate::dtype::kernels::divide(
+                T::DTYPE,
+                bytemuck::cast_slice_mut(buf),
+                self.num_replicas_in_sync(),
+            );
+        }
+        Ok(())
+    }
+
+    /// All-reduce many tensors at once, packed into buffers of the strategy's `bytes_per_pack`.
+    /// The values are the same as one all-reduce per tensor.
+    pub fn all_reduce_batch<T: Element>(&self, op: ReduceOp, bufs: &mut [&mut [T]]) -> Result<()> {
+        let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
+        let per_pack = self
+            .strategy
+            .pack_bytes(lens.iter().sum::<usize>() * T::DTYPE.size());
+        for pack in pack_plan(&lens, T::DTYPE.size(), per_pack) {
+            if let [i] = pack[..] {
+                self.all_reduce(op, bufs[i])?;
+                continue;
+            }
+            let mut packed: Vec<T> = pack.iter().flat_map(|&i| bufs[i].iter().copied()).collect();
+            self.all_reduce(op, &mut packed)?;
+            let mut at = 0;
+            for &i in &pack {
+                bufs[i].copy_from_slice(&packed[at..at + lens[i]]);
+                at += lens[i];
+            }
+        }
+        Ok(())
+    }
+
+    /// Broadcast `buf` from the replica `root` (an index in sync) to every replica.
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        let n = self.strategy.num_replicas_in_sync();
+        if root >= n {
+            return Err(Error::config(format!(
+                "broadcast: root replica {root} is out of range for {n} replicas"
+            )));
+        }
+        let local_n = self.strategy.devices.len();
+        let (root_worker, root_local) = (root / local_n, root % local_n);
+        self.comm.broadcast(buf, root_local)?;
+        if let Some(w) = &self.strategy.workers {
+            if self.local_id == 0 {
+                w.broadcast(buf, root_worker)?;
+            }
+            self.comm.broadcast(buf, 0)?;
+        }
+        Ok(())
+    }
+
+    /// Every replica's `input` (all the same length), concatenated in replica order.
+    pub fn all_gather<T: Element>(&self, input: &[T]) -> Result<Vec<T>> {
+        let local_n = self.strategy.devices.len();
+        let mut local = vec![T::from_f64(0.0); input.len() * local_n];
+        self.comm.all_gather(input, &mut local)?;
+        let Some(w) = &self.strategy.workers else {
+            return Ok(local);
+        };
+        let mut all = vec![T::from_f64(0.0); local.len() * w.world_size()];
+        if self.local_id == 0 {
+            w.all_gather(&local, &mut all)?;
+        }
+        self.comm.broadcast(&mut all, 0)?;
+        Ok(all)
+    }
+
+    /// `var.assign_add(update)` after the updates of every replica were aggregated.
+    pub fn assign_add<T: Element>(
+        &self,
+        var: &MirroredVariable<T>,
+        update: &[T],
+        agg: Aggregation,
+    ) -> Result<()> {
+        var.update_in_replica(self, update, agg, variables::Update::Add)
+    }
+
+    /// `var.assign_sub(update)` after aggregation.
+    pub fn assign_sub<T: Element>(
+        &self,
+        var: &MirroredVariable<T>,
+        update: &[T],
+        agg: Aggregation,
+    ) -> Result<()> {
+        var.update_in_replica(self, update, agg, variables::Update::Sub)
+    }
+
+    /// `var.assign(value)` after aggregation.
+    pub fn assign<T: Element>(
+        &self,
+        var: &MirroredVariable<T>,
+        value: &[T],
+        agg: Aggregation,
+    ) -> Result<()> {
+        var.update_in_replica(self, value, agg, variables::Update::Set)
+    }
+}

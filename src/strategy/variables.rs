@@ -1,0 +1,239 @@
+//! Variables under a strategy.
+//!
+//! [`MirroredVariable`]: one copy per local replica, kept identical by applying the same
+//! aggregated update to every copy. [`CentralVariable`]: one copy (CentralStorageStrategy), to
+//! which the reduced update is applied once.
+
+use parking_lot::RwLock;
+
+use super::{PerReplica, ReplicaContext, Strategy};
+use crate::dtype::kernels::{self, Init};
+use crate::dtype::{Element, ReduceOp};
+use crate::error::{Error, Result};
+
+/// How the replicas' updates of a variable are combined (TensorFlow's `VariableAggregation`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Aggregation {
+    /// Sum of every replica's update.
+    Sum,
+    /// Mean of every replica's update.
+    Mean,
+    /// The first replica's update (the others' are ignored).
+    OnlyFirstReplica,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Update {
+    Add,
+    Sub,
+    Set,
+}
+
+fn apply<T: Element>(v: &mut [T], u: &[T], how: Update) -> Result<()> {
+    if v.len() != u.len() {
+        return Err(Error::config(format!(
+            "variable update: the update holds {} elements, the variable {}",
+            u.len(),
+            v.len()
+        )));
+    }
+    match how {
+        Update::Set => v.copy_from_slice(u),
+        Update::Add => kernels::reduce(
+            T::DTYPE,
+            ReduceOp::Sum,
+            bytemuck::cast_slice_mut(v),
+            &[bytemuck::cast_slice(u)],
+            Init::Accumulate,
+            None,
+        ),
+        Update::Sub => v
+            .iter_mut()
+            .zip(u)
+            .for_each(|(x, y)| *x = T::from_f64(x.to_f64() - y.to_f64())),
+    }
+    Ok(())
+}
+
+/// A variable with one copy per local replica, kept identical.
+pub struct MirroredVariable<T> {
+    values: Vec<RwLock<Vec<T>>>,
+}
+
+impl<T: Element> MirroredVariable<T> {
+    pub(crate) fn new(initial: &[T], replicas: usize) -> MirroredVariable<T> {
+        MirroredVariable {
+            values: (0..replicas)
+                .map(|_| RwLock::new(initial.to_vec()))
+                .collect(),
+        }
+    }
+
+    /// The copy of local replica `replica`.
+    pub fn read(&self, replica: usize) -> Vec<T> {
+        self.values[replica].read().clone()
+    }
+
+    /// The variable's value (every copy holds it).
+    pub fn value(&self) -> Vec<T> {
+        self.read(0)
+    }
+
+    /// The copy of the replica running `ctx`.
+    pub fn read_in(&self, ctx: &ReplicaContext<'_>) -> Vec<T> {
+        self.read(ctx.local_replica_id())
+    }
+
+    /// True when every copy is identical.
+    pub fn in_sync(&self) -> bool {
+        let first = self.values[0].read();
+        self.values.iter().all(|v| *v.read() == *first)
+    }
+
+    pub(crate) fn update_in_replica(
+        &self,
+        ctx: &ReplicaContext<'_>,
+        update: &[T],
+        agg: Aggregation,
+        how: Update,
+    ) -> Result<()> {
+        let mut u = update.to_vec();
+        match agg {
+            Aggregation::Sum => ctx.all_reduce(ReduceOp::Sum, &mut u)?,
+            Aggregation::Mean => ctx.all_reduce(ReduceOp::Mean, &mut u)?,
+            Aggregation::OnlyFirstReplica => ctx.broadcast(&mut u, 0)?,
+        }
+        apply(&mut self.values[ctx.local_replica_id()].write(), &u, how)
+    }
+
+    /// From outside `run`: aggregate `updates` (one per local replica) and add the result to
+    /// every copy.
+    pub fn assign_add(
+        &self,
+        strategy: &Strategy,
+        updates: &PerReplica<Vec<T>>,
+        agg: Aggregation,
+    ) -> Result<()> {
+        self.cross_replica(strategy, updates, agg, Update::Add)
+    }
+
+    /// From outside `run`: aggregate and subtract.
+    pub fn assign_sub(
+        &self,
+        strategy: &Strategy,
+        updates: &PerReplica<Vec<T>>,
+        agg: Aggregation,
+    ) -> Result<()> {
+        self.cross_replica(strategy, updates, agg, Update::Sub)
+    }
+
+    /// From outside `run`: aggregate and assign.
+    pub fn assign(
+        &self,
+        strategy: &Strategy,
+        values: &PerReplica<Vec<T>>,
+        agg: Aggregation,
+    ) -> Result<()> {
+        self.cross_replica(strategy, values, agg, Update::Set)
+    }
+
+    fn cross_replica(
+        &self,
+        strategy: &Strategy,
+        updates: &PerReplica<Vec<T>>,
+        agg: Aggregation,
+        how: Update,
+    ) -> Result<()> {
+        if updates.0.len() != self.values.len() {
+            return Err(Error::config(format!(
+                "mirrored variable: {} updates for {} replicas",
+                updates.0.len(),
+                self.values.len()
+            )));
+        }
+        strategy
+            .run(|ctx| self.update_in_replica(ctx, &updates.0[ctx.local_replica_id()], agg, how))?;
+        Ok(())
+    }
+}
+
+/// A variable stored once (on the CPU) under CentralStorageStrategy: replicas read it, their
+/// updates are reduced onto it and applied once.
+pub struct CentralVariable<T> {
+    value: RwLock<Vec<T>>,
+}
+
+impl<T: Element> CentralVariable<T> {
+    pub(crate) fn new(initial: &[T]) -> CentralVariable<T> {
+        CentralVariable {
+            value: RwLock::new(initial.to_vec()),
+        }
+    }
+
+    /// The value.
+    pub fn value(&self) -> Vec<T> {
+        self.value.read().clone()
+    }
+
+    fn update(
+        &self,
+        strategy: &Strategy,
+        updates: &PerReplica<Vec<T>>,
+        agg: Aggregation,
+        how: Update,
+    ) -> Result<()> {
+        let u = match agg {
+            Aggregation::OnlyFirstReplica => updates.0.first().cloned().unwrap_or_default(),
+            Aggregation::Sum | Aggregation::Mean => {
+                let op = if agg == Aggregation::Sum {
+                    ReduceOp::Sum
+                } else {
+                    ReduceOp::Mean
+                };
+                let shape = vec![updates.0.first().map_or(0, |u| u.len())];
+                let per = PerReplica(
+                    updates
+                        .0
+                        .iter()
+                        .map(|u| super::Tensor {
+                            data: u.clone(),
+                            shape: shape.clone(),
+                        })
+                        .collect(),
+                );
+                strategy.reduce(op, &per, None)?.data
+            }
+        };
+        apply(&mut self.value.write(), &u, how)
+    }
+
+    /// Reduce the replicas' `updates` onto the variable and add the result, once.
+    pub fn assign_add(
+        &self,
+        strategy: &Strategy,
+        updates: &PerReplica<Vec<T>>,
+        agg: Aggregation,
+    ) -> Result<()> {
+        self.update(strategy, updates, agg, Update::Add)
+    }
+
+    /// Reduce and subtract, once.
+    pub fn assign_sub(
+        &self,
+        strategy: &Strategy,
+        updates: &PerReplica<Vec<T>>,
+        agg: Aggregation,
+    ) -> Result<()> {
+        self.update(strategy, updates, agg, Update::Sub)
+    }
+
+    /// Reduce and assign, once.
+    pub fn assign(
+        &self,
+        strategy: &Strategy,
+        values: &PerReplica<Vec<T>>,
+        agg: Aggregation,
+    ) -> Result<()> {
+        self.update(strategy, values, agg, Update::Set)
+    }
+}

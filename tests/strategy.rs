@@ -1,0 +1,441 @@
+//! Strategies: every one trains the example to the reference weights (synchronous strategies
+//! within 1e-5, parameter servers, which are asynchronous, within 0.05 of the reference and with
+//! a small loss); multi-worker and parameter-server jobs across processes; fusion; failures.
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tutti::device::logical_cpus;
+use tutti::strategy::{
+    pack_plan, Aggregation, CrossDeviceOps, PerReplica, Strategy, StrategyKind, Tensor,
+};
+use tutti::{Error, ReduceOp};
+
+const TUTTI: &str = env!("CARGO_BIN_EXE_tutti");
+
+/// The example binary, built by `cargo test` next to this test's directory.
+fn train() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap();
+    let p = dir.join("examples").join("train");
+    assert!(p.exists(), "{} was not built", p.display());
+    p
+}
+
+fn last_json(out: &str) -> serde_json::Value {
+    let line = out
+        .lines()
+        .rev()
+        .find(|l| l.contains("\"strategy\""))
+        .unwrap_or_else(|| panic!("no JSON line in {out}"));
+    let json = &line[line.find('{').unwrap()..];
+    serde_json::from_str(json).unwrap()
+}
+
+fn max_diff(j: &serde_json::Value) -> f64 {
+    let w = j["weights"].as_array().unwrap();
+    let r = j["reference_weights"].as_array().unwrap();
+    assert_eq!(w.len(), r.len());
+    w.iter()
+        .zip(r)
+        .map(|(a, b)| (a.as_f64().unwrap() - b.as_f64().unwrap()).abs())
+        .fold(0.0, f64::max)
+}
+
+fn bounded(cmd: &mut Command, limit: Duration) -> (bool, String, String) {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t.elapsed() > limit {
+            let _ = child.kill();
+            panic!("ran past {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let o = child.wait_with_output().unwrap();
+    (
+        o.status.success(),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn every_local_strategy_trains_to_the_reference() {
+    for strategy in ["default", "one-device", "mirrored", "central-storage"] {
+        for replicas in [1, 2, 4] {
+            let (ok, out, err) = bounded(
+                Command::new(train()).args([
+                    "--strategy",
+                    strategy,
+                    "--replicas",
+                    &replicas.to_string(),
+                    "--steps",
+                    "60",
+                    "--json",
+                ]),
+                Duration::from_secs(60),
+            );
+            assert!(ok, "{strategy} x{replicas}: {err}");
+            let j = last_json(&out);
+            let want = if matches!(strategy, "default" | "one-device") {
+                1
+            } else {
+                replicas
+            };
+            assert_eq!(j["replicas"], want, "{strategy}");
+            assert_eq!(j["steps"], 60);
+            assert!(max_diff(&j) < 1e-5, "{strategy} x{replicas}: {j}");
+        }
+    }
+    for ops in ["reduction-to-one", "hierarchical-copy", "ring"] {
+        let (ok, out, err) = bounded(
+            Command::new(train()).args([
+                "--strategy",
+                "mirrored",
+                "--replicas",
+                "4",
+                "--cross-device-ops",
+                ops,
+                "--json",
+            ]),
+            Duration::from_secs(60),
+        );
+        assert!(ok, "{ops}: {err}");
+        assert!(max_diff(&last_json(&out)) < 1e-5, "{ops}");
+    }
+}
+
+#[test]
+fn multi_worker_across_processes_trains_to_the_reference() {
+    let t = train();
+    let (ok, out, err) = bounded(
+        Command::new(TUTTI)
+            .args(["launch", "-n", "2", "--"])
+            .arg(&t)
+            .args([
+                "--strategy",
+                "multi-worker",
+                "--replicas",
+                "2",
+                "--steps",
+                "60",
+                "--json",
+            ]),
+        Duration::from_secs(120),
+    );
+    assert!(ok, "{out}\n{err}");
+    for w in 0..2 {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(&format!("[{w}] {{")))
+            .unwrap_or_else(|| panic!("{out}"));
+        let j = last_json(line);
+        assert_eq!(j["replicas"], 4);
+        assert!(max_diff(&j) < 1e-5, "worker {w}: {j}");
+    }
+}
+
+#[test]
+fn parameter_servers_converge_and_survive_a_lost_worker() {
+    let t = train();
+    let (ok, out, err) = bounded(
+        Command::new(TUTTI)
+            .args(["launch", "--workers", "2", "--ps", "2", "--"])
+            .arg(&t)
+            .args(["--strategy", "parameter-server", "--steps", "100", "--json"]),
+        Duration::from_secs(120),
+    );
+    assert!(ok, "{out}\n{err}");
+    let j = last_json(
+        out.lines()
+            .find(|l| l.starts_with("[chief:0] {"))
+            .unwrap_or_else(|| panic!("{out}")),
+    );
+    assert_eq!(j["replicas"], 2);
+    assert!(j["loss"].as_f64().unwrap() < 1e-3, "{j}");
+    assert!(max_diff(&j) < 0.05, "{j}");
+
+    // Start the tasks by hand so one worker can be killed mid-training.
+    let ports: Vec<u16> = (0..4)
+        .map(|_| {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port()
+        })
+        .collect();
+    let addr = |i: usize| format!("127.0.0.1:{}", ports[i]);
+    let cluster =
+        serde_json::json!({"chief": [addr(0)], "worker": [addr(1), addr(2)], "ps": [addr(3)]});
+    let spawn = |ty: &str, i: usize| {
+        let tf = serde_json::json!({"cluster": cluster, "task": {"type": ty, "index": i}});
+        Command::new(&t)
+            .args([
+                "--strategy",
+                "parameter-server",
+                "--steps",
+                "300",
+                "--step-delay-ms",
+                "10",
+                "--json",
+            ])
+            .env("TF_CONFIG", tf.to_string())
+            .env("TUTTI_JOB_TOKEN", "ps-test")
+            .env_remove("TUTTI_RANK")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut ps = spawn("ps", 0);
+    let mut w0 = spawn("worker", 0);
+    let mut w1 = spawn("worker", 1);
+    let mut chief = spawn("chief", 0);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        chief.try_wait().unwrap().is_none(),
+        "training ended before the worker could be lost"
+    );
+    w1.kill().unwrap();
+    let start = Instant::now();
+    while chief.try_wait().unwrap().is_none() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the chief did not finish"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (mut out, mut err) = (String::new(), String::new());
+    chief
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    chief
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(chief.wait().unwrap().success(), "{err}");
+    assert!(
+        err.contains("worker 1 lost during step") && err.contains("rescheduling"),
+        "{err}"
+    );
+    let j = last_json(&out);
+    assert_eq!(j["replicas"], 2);
+    assert!(j["loss"].as_f64().unwrap() < 1e-3, "{j}");
+    for c in [&mut ps, &mut w0, &mut w1] {
+        let t = Instant::now();
+        while c.try_wait().unwrap().is_none() {
+            if t.elapsed() > Duration::from_secs(20) {
+                let _ = c.kill();
+                panic!("a task did not stop after shutdown");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+#[test]
+fn fusion_gives_the_same_values_as_one_all_reduce_per_tensor() {
+    let devices = logical_cpus(4).unwrap();
+    for ops in [
+        None,
+        Some(CrossDeviceOps::Ring),
+        Some(CrossDeviceOps::HierarchicalCopyAllReduce { num_packs: 3 }),
+    ] {
+        let mut s = Strategy::mirrored(&devices, ops.clone()).unwrap();
+        let lens = [1usize, 7, 300, 2, 5000, 64, 3];
+        let values: Vec<PerReplica<Vec<f32>>> = lens
+            .iter()
+            .enumerate()
+            .map(|(t, &n)| {
+                PerReplica(
+                    (0..4)
+                        .map(|r| {
+                            (0..n)
+                                .map(|i| ((i * 3 + r * 5 + t) % 11) as f32 - 5.0)
+                                .collect()
+                        })
+                        .collect(),
+                )
+            })
+            .collect();
+        let one_by_one: Vec<Vec<f32>> = values
+            .iter()
+            .map(|v| {
+                s.run(|ctx| {
+                    let mut b = v.0[ctx.local_replica_id()].clone();
+                    ctx.all_reduce(ReduceOp::Mean, &mut b)?;
+                    Ok(b)
+                })
+                .unwrap()
+                .0
+                .remove(0)
+            })
+            .collect();
+        s.set_bytes_per_pack(1024);
+        assert!(
+            pack_plan(&lens, 4, 1024).len() < lens.len(),
+            "the test must fuse something"
+        );
+        let fused = s.batch_reduce(ReduceOp::Mean, &values).unwrap();
+        assert_eq!(fused, one_by_one, "{ops:?}");
+    }
+}
+
+#[test]
+fn a_failing_replica_surfaces_its_error_and_the_strategy_stays_usable() {
+    let s = Strategy::mirrored(&logical_cpus(4).unwrap(), None).unwrap();
+    let t = Instant::now();
+    let e = s
+        .run(|ctx| {
+            if ctx.replica_id_in_sync_group() == 2 {
+                return Err(Error::config("replica 2 ran out of data"));
+            }
+            let mut b = vec![1.0f32; 16];
+            ctx.all_reduce(ReduceOp::Sum, &mut b)?;
+            Ok(b)
+        })
+        .unwrap_err();
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "the siblings waited for the timeout"
+    );
+    assert!(e.to_string().contains("replica 2 ran out of data"), "{e}");
+    let ok = s
+        .run(|ctx| {
+            let mut b = vec![ctx.replica_id_in_sync_group() as f32; 4];
+            ctx.all_reduce(ReduceOp::Sum, &mut b)?;
+            Ok(b)
+        })
+        .unwrap();
+    assert!(ok.local_results().iter().all(|b| b == &[6.0; 4]));
+}
+
+#[test]
+fn strategy_api() {
+    let d = Strategy::default_strategy();
+    assert_eq!(d.kind(), StrategyKind::Default);
+    assert_eq!(d.num_replicas_in_sync(), 1);
+    let r = d.cluster_resolver();
+    assert_eq!(
+        (r.task_type.as_str(), r.task_id, r.is_chief),
+        ("worker", 0, true)
+    );
+    let v = PerReplica(vec![Tensor::vector(vec![3.0f32, 4.0])]);
+    assert_eq!(
+        d.reduce(ReduceOp::Mean, &v, None).unwrap().data,
+        vec![3.0, 4.0],
+        "reduce of one value returns it"
+    );
+    assert_eq!(
+        d.run(|ctx| Ok(ctx.num_replicas_in_sync())).unwrap().0,
+        vec![1]
+    );
+
+    // TensorFlow's fallback: no NCCL on CPUs, ReductionToOneDevice instead.
+    let devices = logical_cpus(3).unwrap();
+    let m = Strategy::mirrored(&devices, Some(CrossDeviceOps::NcclAllReduce)).unwrap();
+    assert_eq!(m.cross_device_ops().unwrap().name(), "ReductionToOneDevice");
+    assert_eq!(m.num_replicas_in_sync(), 3);
+    let bad = CrossDeviceOps::ReductionToOneDevice {
+        reduce_to_device: Some(logical_cpus(5).unwrap().remove(4)),
+    };
+    assert!(Strategy::mirrored(&devices, Some(bad))
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("cpu:4 is not one of"));
+
+    // reduce with and without an axis; gather along an axis.
+    let per = PerReplica(
+        (0..3)
+            .map(|r| {
+                Tensor::new((0..4).map(|i| (r * 10 + i) as f64).collect(), vec![2, 2]).unwrap()
+            })
+            .collect::<Vec<_>>(),
+    );
+    assert_eq!(
+        m.reduce(ReduceOp::Sum, &per, None).unwrap().data,
+        vec![30.0, 33.0, 36.0, 39.0]
+    );
+    let mean0 = m.reduce(ReduceOp::Mean, &per, Some(0)).unwrap();
+    assert_eq!(mean0.shape, vec![2]);
+    assert_eq!(
+        mean0.data,
+        vec![
+            (0.0 + 2.0 + 10.0 + 12.0 + 20.0 + 22.0) / 6.0,
+            (1.0 + 3.0 + 11.0 + 13.0 + 21.0 + 23.0) / 6.0
+        ]
+    );
+    assert!(
+        m.reduce(ReduceOp::Max, &per, None).is_err(),
+        "TensorFlow's ReduceOp is SUM or MEAN"
+    );
+    let g = m.gather(&per, 0).unwrap();
+    assert_eq!(g.shape, vec![6, 2]);
+    assert_eq!(&g.data[4..6], &[10.0, 11.0]);
+
+    // An uneven batch: the first replicas get one row more.
+    let batch: Vec<f32> = (0..7 * 2).map(|x| x as f32).collect();
+    let shards = m.distribute_batch(&batch, 2).unwrap();
+    assert_eq!(
+        shards.0.iter().map(|s| s.len() / 2).collect::<Vec<_>>(),
+        vec![3, 2, 2]
+    );
+    assert_eq!(shards.0.concat(), batch);
+    assert!(m.distribute_batch(&batch, 3).is_err());
+
+    // Mirrored variables from outside run.
+    let var = m.mirrored_variable(&[1.0f32, 1.0]);
+    var.assign_add(&m, &PerReplica(vec![vec![1.0, 2.0]; 3]), Aggregation::Sum)
+        .unwrap();
+    assert_eq!(var.value(), vec![4.0, 7.0]);
+    var.assign_sub(
+        &m,
+        &PerReplica(vec![vec![1.0, 1.0], vec![2.0, 2.0], vec![3.0, 3.0]]),
+        Aggregation::Mean,
+    )
+    .unwrap();
+    assert_eq!(var.value(), vec![2.0, 5.0]);
+    var.assign(
+        &m,
+        &PerReplica(vec![vec![9.0, 9.0], vec![0.0, 0.0], vec![0.0, 0.0]]),
+        Aggregation::OnlyFirstReplica,
+    )
+    .unwrap();
+    assert!(var.in_sync());
+    assert_eq!(var.read(2), vec![9.0, 9.0]);
+
+    // Central storage: one copy, updated once with the reduced update.
+    let c = Strategy::central_storage(&devices).unwrap();
+    let cv = c.central_variable(&[0i64, 0]);
+    cv.assign_add(&c, &PerReplica(vec![vec![1, 2]; 3]), Aggregation::Sum)
+        .unwrap();
+    assert_eq!(cv.value(), vec![3, 6]);
+
+    // Inside run: replica context collectives.
+    let out = m
+        .run(|ctx| {
+            let g = ctx.all_gather(&[ctx.replica_id_in_sync_group() as u32])?;
+            let mut b = [ctx.replica_id_in_sync_group() as i32 * 7];
+            ctx.broadcast(&mut b, 1)?;
+            Ok((g, b[0]))
+        })
+        .unwrap();
+    assert!(out
+        .local_results()
+        .iter()
+        .all(|(g, b)| g == &[0, 1, 2] && *b == 7));
+}
