@@ -287,3 +287,70 @@ fn config_and_replica_arguments() {
         "{e}"
     );
 }
+
+#[test]
+fn misaligned_raw_buffers_are_an_error_not_a_panic() {
+    let errs = run_local(2, &quick(), |comm| {
+        let mut backing = vec![0u64; 5];
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut backing);
+        // 16 bytes starting one byte in: four f32 slots, none aligned.
+        let e = comm
+            .all_reduce_raw(tutti::DType::F32, None, &mut bytes[1..17], ReduceOp::Sum)
+            .unwrap_err();
+        // Still usable.
+        let mut ok = [1.0f32; 2];
+        comm.all_reduce(&mut ok, ReduceOp::Sum).unwrap();
+        e
+    })
+    .unwrap();
+    for (rank, e) in errs.iter().enumerate() {
+        match e {
+            Error::InvalidArgument {
+                site: Some(s),
+                message,
+            } => {
+                assert_eq!(s.rank, rank);
+                assert!(
+                    message.contains("not aligned to 4 bytes for f32"),
+                    "{message}"
+                );
+            }
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn replicas_survive_concurrent_callers_and_a_panicking_first_replica() {
+    let reps = Replicas::new(3, &quick()).unwrap();
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            let reps = &reps;
+            s.spawn(move || {
+                for round in 0..50 {
+                    let v = (t * 100 + round) as i64;
+                    let mut bufs = [[v; 4], [v; 4], [v; 4]];
+                    let mut views: Vec<&mut [i64]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+                    reps.all_reduce(&mut views, ReduceOp::Sum).unwrap();
+                    assert!(
+                        bufs.iter().all(|b| b == &[3 * v; 4]),
+                        "thread {t} round {round}"
+                    );
+                }
+            });
+        }
+    });
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = reps.each(&|r, comm| {
+            if r == 0 {
+                panic!("replica 0 blew up");
+            }
+            comm.all_reduce(&mut [1u8; 4], ReduceOp::Sum)
+        });
+    }));
+    assert!(caught.is_err(), "the panic is passed on to the caller");
+    assert!(
+        reps.aborted().is_some(),
+        "the group is aborted so the other replicas were released"
+    );
+}

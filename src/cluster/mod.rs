@@ -145,6 +145,11 @@ pub fn split_addr(addr: &str, what: &str) -> Result<(String, u16)> {
     if host.is_empty() {
         return Err(bad());
     }
+    if port == 0 {
+        return Err(Error::config(format!(
+            "{what}: '{addr}' has port 0; peers need a fixed port to meet at"
+        )));
+    }
     Ok((host.to_string(), port))
 }
 
@@ -174,10 +179,9 @@ fn from_ranks(
     } else {
         match (vars.get("MASTER_ADDR"), vars.get("MASTER_PORT")) {
             (Some(h), Some(p)) => {
-                let port: u16 = p
-                    .trim()
-                    .parse()
-                    .map_err(|_| Error::config(format!("{source}: MASTER_PORT='{p}' is not a port number")))?;
+                let port: u16 = p.trim().parse().ok().filter(|&p| p != 0).ok_or_else(|| {
+                    Error::config(format!("{source}: MASTER_PORT='{p}' is not a port number"))
+                })?;
                 format!("{h}:{port}")
             }
             (Some(_), None) => return Err(Error::config(format!("{source}: MASTER_ADDR is set but MASTER_PORT is not"))),
@@ -461,7 +465,7 @@ mod tests {
 
     #[test]
     fn launcher_environments_invalid() {
-        let cases: [(&[(&str, &str)], &str); 6] = [
+        let cases: [(&[(&str, &str)], &str); 7] = [
             (
                 &[
                     ("RANK", "4"),
@@ -495,6 +499,14 @@ mod tests {
             (
                 &[("TUTTI_RANK", "0"), ("TUTTI_WORLD_SIZE", "0")],
                 "TUTTI_WORLD_SIZE must be at least 1",
+            ),
+            (
+                &[
+                    ("TUTTI_RANK", "0"),
+                    ("TUTTI_WORLD_SIZE", "2"),
+                    ("TUTTI_MASTER_ADDR", "127.0.0.1:0"),
+                ],
+                "has port 0",
             ),
         ];
         for (v, want) in cases {

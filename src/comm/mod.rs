@@ -141,6 +141,17 @@ fn elems(dtype: DType, name: &str, len: usize) -> std::result::Result<usize, Str
     Ok(len / dtype.size())
 }
 
+/// Every buffer must be aligned for its element type (the kernels read typed slices).
+fn aligned(dtype: DType, bufs: &[(&str, *const u8)]) -> std::result::Result<(), String> {
+    match bufs.iter().find(|(_, p)| (*p as usize) % dtype.size() != 0) {
+        Some((name, p)) => Err(format!(
+            "{name} at {p:?} is not aligned to {} bytes for {dtype} elements",
+            dtype.size()
+        )),
+        None => Ok(()),
+    }
+}
+
 fn check_root(root: usize, world: usize) -> std::result::Result<(), String> {
     if root >= world {
         return Err(format!(
@@ -317,7 +328,10 @@ impl Communicator {
                 "the input holds {} elements but the output {n}; they must be equal",
                 i.len() / dtype.size()
             )),
-            _ => Ok(n),
+            _ => {
+                let i = input.map_or(output.as_ptr(), |i| i.as_ptr());
+                aligned(dtype, &[("the input", i), ("the output", output.as_ptr())]).map(|_| n)
+            }
         });
         let count = *check.as_ref().unwrap_or(&0);
         let buffers = CallBuffers {
@@ -343,7 +357,9 @@ impl Communicator {
     pub fn broadcast_raw(&self, dtype: DType, buf: &mut [u8], root: usize) -> Result<()> {
         let check = elems(dtype, "the buffer", buf.len());
         let count = *check.as_ref().unwrap_or(&0);
-        let check = check.and_then(|_| check_root(root, self.world_size()));
+        let check = check
+            .and_then(|_| check_root(root, self.world_size()))
+            .and_then(|_| aligned(dtype, &[("the buffer", buf.as_ptr())]));
         let ptr = buf.as_mut_ptr();
         let buffers = CallBuffers {
             input: ptr,
@@ -382,7 +398,8 @@ impl Communicator {
                     n * p
                 ))
             } else {
-                Ok(n)
+                let i = input.map_or(output.as_ptr(), |i| i.as_ptr());
+                aligned(dtype, &[("the input", i), ("the output", output.as_ptr())]).map(|_| n)
             }
         });
         let count = *check.as_ref().unwrap_or(&0);
@@ -424,7 +441,7 @@ impl Communicator {
                     n * p
                 ))
             } else {
-                Ok(n)
+                aligned(dtype, &[("the input", input.as_ptr()), ("the output", output.as_ptr())]).map(|_| n)
             }
         });
         let count = *check.as_ref().unwrap_or(&0);
@@ -474,7 +491,14 @@ impl Communicator {
                     o.len() / dtype.size()
                 )),
                 (Some(_), None) if is_root => Err("the root needs an output buffer".to_string()),
-                _ => Ok(n),
+                _ => {
+                    let i = input.map(|i| i.as_ptr()).unwrap_or(std::ptr::null());
+                    let o = output
+                        .as_ref()
+                        .map(|o| o.as_ptr())
+                        .unwrap_or(std::ptr::null());
+                    aligned(dtype, &[("the input", i), ("the output", o)]).map(|_| n)
+                }
             }
         });
         let count = *check.as_ref().unwrap_or(&0);

@@ -29,6 +29,8 @@ pub struct Replicas {
     first: Communicator,
     workers: Vec<Worker>,
     timeout: Duration,
+    /// One `each` at a time: the workers' job and answer channels are shared.
+    running: parking_lot::Mutex<()>,
 }
 
 /// A buffer pointer handed to the replica that owns it.
@@ -84,6 +86,7 @@ impl Replicas {
             first,
             workers,
             timeout: config.timeout,
+            running: parking_lot::Mutex::new(()),
         })
     }
 
@@ -95,6 +98,7 @@ impl Replicas {
     /// Run `task(replica, communicator)` on every replica at once; the first error in replica
     /// order wins, preferring a root cause over the `Aborted` it caused elsewhere.
     pub fn each(&self, task: &Task<'_>) -> Result<()> {
+        let _one_at_a_time = self.running.lock();
         // SAFETY: every worker reports back before this function returns (below), so the task
         // outlives every use of it.
         let job: &'static Task<'static> =
@@ -106,8 +110,21 @@ impl Replicas {
                 _ => break,
             }
         }
+        // Replica 0 runs here. A panic in it must not unwind past the workers still using
+        // `task`: it is caught, the group aborted, the workers awaited, then the panic resumed.
+        let mut panic = None;
         let mut results = vec![if sent == self.workers.len() {
-            task(0, &self.first)
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| task(0, &self.first))) {
+                Ok(r) => r,
+                Err(p) => {
+                    self.first.abort("replica 0 panicked");
+                    panic = Some(p);
+                    Err(Error::Aborted {
+                        rank: 0,
+                        reason: "replica 0 panicked".into(),
+                    })
+                }
+            }
         } else {
             let e = "a replica thread has stopped; build a new Replicas".to_string();
             self.first.abort(&e);
@@ -134,6 +151,9 @@ impl Replicas {
             };
             results.push(r);
         }
+        if let Some(p) = panic {
+            std::panic::resume_unwind(p);
+        }
         let mut errors = results.into_iter().filter_map(|r| r.err());
         let first = errors.next();
         match first {
@@ -143,6 +163,22 @@ impl Replicas {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+
+    /// Abort the group: every blocked and later collective of every replica fails at once.
+    /// Build a new `Replicas` afterwards.
+    pub fn abort(&self, reason: &str) {
+        self.first.abort(reason)
+    }
+
+    /// The abort reason, once aborted.
+    pub fn aborted(&self) -> Option<String> {
+        self.first.aborted()
+    }
+
+    /// A handle that aborts the group from any thread.
+    pub fn abort_handle(&self) -> super::AbortHandle {
+        self.first.abort_handle()
     }
 
     fn check_len(&self, what: &str, n: usize) -> Result<()> {

@@ -731,8 +731,9 @@ impl NetTransport {
                     && matches!(r.target, Target::Data { .. })
                     && ring(r.peer, r.len)
             });
-            if shm_busy && spun < self.spin {
-                // Shared-memory slots cannot be polled: spin briefly while every rank has a core.
+            if spun < self.spin {
+                // Spin briefly while every rank has a core: a reply on loopback or in a
+                // shared-memory slot is then caught without a sleep and a wake-up.
                 let t = Instant::now();
                 while t.elapsed() < Duration::from_micros(5) {
                     std::hint::spin_loop();
