@@ -1,0 +1,1338 @@
+//! A PJRT client: its devices, device buffers, compiled programs and bounded waits.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::ffi;
+use super::plugin::{self, str_of, Candidate, Plugin, PluginKind, PLUGIN_ENV};
+use super::program::{self, Kind};
+use crate::dtype::{DType, Element};
+use crate::error::{Error, Result};
+
+/// The environment variable holding client options: `key=value` pairs separated by commas.
+pub const OPTIONS_ENV: &str = "TUTTI_PJRT_OPTIONS";
+
+/// The value of a client option.
+#[derive(Clone, Debug, PartialEq)]
+pub enum OptionValue {
+    /// A 64-bit integer (`PJRT_NamedValue_kInt64`).
+    Int(i64),
+    /// A boolean (`kBool`).
+    Bool(bool),
+    /// A float (`kFloat`).
+    Float(f32),
+    /// A string (`kString`).
+    Str(String),
+}
+
+impl OptionValue {
+    /// Parse text: an integer, `true`/`false`, a number with a `.` or exponent as a float,
+    /// anything else as a string.
+    pub fn parse(text: &str) -> OptionValue {
+        let t = text.trim();
+        if let Ok(i) = t.parse::<i64>() {
+            return OptionValue::Int(i);
+        }
+        match t {
+            "true" => return OptionValue::Bool(true),
+            "false" => return OptionValue::Bool(false),
+            _ => {}
+        }
+        if t.contains(['.', 'e', 'E'])
+            && !t
+                .chars()
+                .any(|c| c.is_ascii_alphabetic() && c != 'e' && c != 'E')
+        {
+            if let Ok(f) = t.parse::<f32>() {
+                return OptionValue::Float(f);
+            }
+        }
+        OptionValue::Str(t.to_string())
+    }
+}
+
+impl std::fmt::Display for OptionValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            OptionValue::Int(v) => write!(f, "{v}"),
+            OptionValue::Bool(v) => write!(f, "{v}"),
+            OptionValue::Float(v) => write!(f, "{v}"),
+            OptionValue::Str(v) => f.write_str(v),
+        }
+    }
+}
+
+/// What a client is created with: the plugin's create options and tutti's own settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClientOptions {
+    /// Options passed to `PJRT_Client_Create` (e.g. `cpu_device_count` for the CPU plugin).
+    pub options: Vec<(String, OptionValue)>,
+    /// Bound on every wait for the devices (default: `TUTTI_TIMEOUT` seconds, else 300 s).
+    pub timeout: Duration,
+}
+
+impl Default for ClientOptions {
+    fn default() -> ClientOptions {
+        ClientOptions {
+            options: Vec::new(),
+            timeout: crate::comm::Config::default().timeout,
+        }
+    }
+}
+
+impl ClientOptions {
+    /// Parse `key=value,key=value` (the `TUTTI_PJRT_OPTIONS` syntax).
+    pub fn parse(text: &str) -> Result<ClientOptions> {
+        let mut o = ClientOptions::default();
+        for pair in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let Some((k, v)) = pair.split_once('=') else {
+                return Err(Error::config(format!(
+                    "{OPTIONS_ENV}: '{pair}' is not key=value (e.g. cpu_device_count=4)"
+                )));
+            };
+            let k = k.trim();
+            if k.is_empty() || k.contains('\0') || v.contains('\0') {
+                return Err(Error::config(format!(
+                    "{OPTIONS_ENV}: '{pair}' has an empty key or a NUL byte"
+                )));
+            }
+            o = o.with(k, OptionValue::parse(v));
+        }
+        Ok(o)
+    }
+
+    /// The options of `TUTTI_PJRT_OPTIONS` (none when it is unset).
+    pub fn from_env() -> Result<ClientOptions> {
+        match std::env::var(OPTIONS_ENV) {
+            Ok(v) => ClientOptions::parse(&v),
+            Err(std::env::VarError::NotPresent) => Ok(ClientOptions::default()),
+            Err(e) => Err(Error::config(format!("{OPTIONS_ENV}: {e}"))),
+        }
+    }
+
+    /// These options with `key` set to `value` (replacing an earlier value).
+    pub fn with(mut self, key: &str, value: OptionValue) -> ClientOptions {
+        self.options.retain(|(k, _)| k != key);
+        self.options.push((key.to_string(), value));
+        self
+    }
+
+    /// These options with another timeout.
+    pub fn with_timeout(mut self, timeout: Duration) -> ClientOptions {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The value of `key`, if set.
+    pub fn get(&self, key: &str) -> Option<&OptionValue> {
+        self.options.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+    }
+}
+
+/// One addressable device of a client.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct XlaDevice {
+    /// Position among the client's addressable devices: replica `i` of a collective runs on
+    /// device `i`.
+    pub index: usize,
+    /// The PJRT device id (unique across the processes of a job).
+    pub id: i64,
+    /// The index of the process the device belongs to.
+    pub process_index: i64,
+    /// The PJRT device kind (`cpu`, `TPU v4`, `NVIDIA H100 80GB HBM3`, ...).
+    pub kind: String,
+    /// The plugin's short description (`CpuDevice(id=0)`, `TPU_0(process=0,(0,0,0,0))`, ...).
+    pub description: String,
+    /// The local hardware id (`-1` where the plugin has none).
+    pub local_hardware_id: i64,
+    /// The memory the device may use, when the plugin says.
+    pub memory_bytes: Option<u64>,
+}
+
+/// How the collectives are carried out.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Path {
+    /// Compiled XLA programs, falling back to the host-staged path for a program the plugin
+    /// cannot compile (remembered per program).
+    Auto,
+    /// Compiled XLA programs only: a program that does not compile is an error.
+    Program,
+    /// Copy to the host, reduce there with tutti's kernels, copy back.
+    HostStaged,
+}
+
+/// Counters of the program cache.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Programs compiled (cache misses that compiled).
+    pub compiled: u64,
+    /// Calls that found their program compiled already.
+    pub hits: u64,
+    /// Programs the plugin refused, run host-staged instead.
+    pub refused: u64,
+    /// Calls that ran host-staged.
+    pub staged_calls: u64,
+}
+
+pub(crate) struct Executable {
+    ptr: *mut ffi::LoadedExecutable,
+    /// `order[i]`: the replica whose buffers go in the i-th argument list.
+    pub(crate) order: Vec<usize>,
+}
+
+// SAFETY: PJRT loaded executables may be executed from any thread.
+unsafe impl Send for Executable {}
+unsafe impl Sync for Executable {}
+
+#[derive(Clone)]
+pub(crate) enum Compiled {
+    Ready(Arc<Executable>),
+    /// The plugin refused this program: its message.
+    Refused(String),
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct ProgramKey {
+    pub kind: Kind,
+    pub dtype: DType,
+    pub count: usize,
+    pub replicas: usize,
+}
+
+pub(crate) struct Inner {
+    pub(crate) plugin: &'static Plugin,
+    ptr: *mut ffi::Client,
+    devices: Vec<XlaDevice>,
+    device_ptrs: Vec<*mut ffi::Device>,
+    platform_name: String,
+    platform_version: String,
+    process_index: i64,
+    pub(crate) timeout: Duration,
+    cache: Mutex<HashMap<ProgramKey, Compiled>>,
+    stats: Mutex<CacheStats>,
+    path: Mutex<Path>,
+    pub(crate) calls: AtomicU64,
+    /// Set when a wait timed out: the plugin may still be working on memory tutti no longer
+    /// tracks, so the client refuses further work and is never destroyed.
+    poisoned: Mutex<Option<String>>,
+}
+
+// SAFETY: PJRT clients, devices, buffers and executables may be used from any thread (the PJRT
+// C API requires plugins to be thread-safe); the Rust-side state is behind mutexes and atomics.
+unsafe impl Send for Inner {}
+unsafe impl Sync for Inner {}
+
+/// A PJRT client: the devices of one plugin, and the collectives across them.
+///
+/// Cheap to clone (shared). Device buffers keep their client alive.
+#[derive(Clone)]
+pub struct Client {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("plugin", &self.inner.plugin.path())
+            .field("platform", &self.inner.platform_name)
+            .field("devices", &self.inner.devices.len())
+            .finish()
+    }
+}
+
+/// A buffer on one device of a client.
+pub struct XlaBuffer {
+    inner: Arc<Inner>,
+    pub(crate) ptr: *mut ffi::Buffer,
+    device: usize,
+    dtype: DType,
+    len: usize,
+}
+
+// SAFETY: PJRT buffers may be used from any thread; this handle only reads its own fields.
+unsafe impl Send for XlaBuffer {}
+unsafe impl Sync for XlaBuffer {}
+
+impl std::fmt::Debug for XlaBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "XlaBuffer({} x {} on xla:{})",
+            self.dtype, self.len, self.device
+        )
+    }
+}
+
+fn buffer_type(d: DType) -> std::ffi::c_int {
+    match d {
+        DType::F32 => ffi::BUFFER_TYPE_F32,
+        DType::F64 => ffi::BUFFER_TYPE_F64,
+        DType::F16 => ffi::BUFFER_TYPE_F16,
+        DType::BF16 => ffi::BUFFER_TYPE_BF16,
+        DType::I8 => ffi::BUFFER_TYPE_S8,
+        DType::U8 => ffi::BUFFER_TYPE_U8,
+        DType::I32 => ffi::BUFFER_TYPE_S32,
+        DType::U32 => ffi::BUFFER_TYPE_U32,
+        DType::I64 => ffi::BUFFER_TYPE_S64,
+        DType::U64 => ffi::BUFFER_TYPE_U64,
+    }
+}
+
+/// What an event callback hands back: which event, and its error if any.
+type Ready = (usize, Option<(i32, String)>);
+
+struct Waiter {
+    api: &'static ffi::Api,
+    index: usize,
+    tx: crossbeam_channel::Sender<Ready>,
+}
+
+/// `PJRT_Event_OnReady` callback: report the event's status to the waiting thread. Owns
+/// `user_arg` (a boxed [`Waiter`]) and the error. Never unwinds into the plugin.
+unsafe extern "C" fn on_ready(err: *mut ffi::Error, user_arg: *mut c_void) {
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        if user_arg.is_null() {
+            return;
+        }
+        // SAFETY: user_arg is the Box<Waiter> leaked when the callback was registered, and
+        // the plugin calls the callback once.
+        let w = unsafe { Box::from_raw(user_arg.cast::<Waiter>()) };
+        let status = plugin::take_error(w.api, err);
+        let _ = w.tx.send((w.index, status));
+    }));
+}
+
+impl Client {
+    /// A client of the plugin `TUTTI_PJRT_PLUGIN` names, or the first one discovery finds that
+    /// starts (see [`plugin::candidates`]), with the options of `TUTTI_PJRT_OPTIONS`.
+    pub fn from_env() -> Result<Client> {
+        Client::discover(&ClientOptions::from_env()?)
+    }
+
+    /// Like [`Client::from_env`] with these options. Where discovery finds several plugins, one
+    /// whose client fails to start (a CUDA plugin on a machine without a GPU) gives way to the
+    /// next, and the error lists every reason.
+    pub fn discover(options: &ClientOptions) -> Result<Client> {
+        Client::discover_with(&|_| options.clone())
+    }
+
+    /// Like [`Client::discover`], with the options chosen per plugin (e.g. a device count for
+    /// the CPU plugin only).
+    pub fn discover_with(options: &dyn Fn(&Plugin) -> ClientOptions) -> Result<Client> {
+        let found = plugin::candidates();
+        let mut why = Vec::new();
+        for c in &found {
+            if let Some(skip) = plugin::skip_reason(c) {
+                why.push(skip);
+                continue;
+            }
+            match Plugin::load(&c.path).and_then(|p| Client::new(p, &options(p))) {
+                Ok(client) => return Ok(client),
+                Err(e) if c.source == PLUGIN_ENV => return Err(e),
+                Err(e) => why.push(e.to_string()),
+            }
+        }
+        Err(plugin::not_found(&why))
+    }
+
+    /// A client of `plugin` with `options`.
+    pub fn new(plugin: &'static Plugin, options: &ClientOptions) -> Result<Client> {
+        let api = plugin.api;
+        let create = api
+            .client_create
+            .ok_or_else(|| missing(plugin, "PJRT_Client_Create"))?;
+        let names: Vec<Vec<u8>> = options
+            .options
+            .iter()
+            .map(|(k, _)| k.as_bytes().to_vec())
+            .collect();
+        let strings: Vec<Vec<u8>> = options
+            .options
+            .iter()
+            .map(|(_, v)| match v {
+                OptionValue::Str(s) => s.as_bytes().to_vec(),
+                _ => Vec::new(),
+            })
+            .collect();
+        let values: Vec<ffi::NamedValue> = options
+            .options
+            .iter()
+            .enumerate()
+            .map(|(i, (_, v))| {
+                let (type_, value, value_size) = match v {
+                    OptionValue::Int(x) => (
+                        ffi::NAMED_VALUE_INT64,
+                        ffi::NamedValueValue { int64_value: *x },
+                        1,
+                    ),
+                    OptionValue::Bool(x) => (
+                        ffi::NAMED_VALUE_BOOL,
+                        ffi::NamedValueValue { bool_value: *x },
+                        1,
+                    ),
+                    OptionValue::Float(x) => (
+                        ffi::NAMED_VALUE_FLOAT,
+                        ffi::NamedValueValue { float_value: *x },
+                        1,
+                    ),
+                    OptionValue::Str(_) => (
+                        ffi::NAMED_VALUE_STRING,
+                        ffi::NamedValueValue {
+                            string_value: strings[i].as_ptr().cast(),
+                        },
+                        strings[i].len(),
+                    ),
+                };
+                ffi::NamedValue {
+                    struct_size: ffi::NAMED_VALUE_SIZE,
+                    extension_start: std::ptr::null_mut(),
+                    name: names[i].as_ptr().cast(),
+                    name_size: names[i].len(),
+                    type_,
+                    value,
+                    value_size,
+                }
+            })
+            .collect();
+        let mut args = ffi::Client_Create_Args {
+            struct_size: ffi::CLIENT_CREATE_ARGS_SIZE,
+            extension_start: std::ptr::null_mut(),
+            create_options: values.as_ptr(),
+            num_options: values.len(),
+            kv_get_callback: None,
+            kv_get_user_arg: std::ptr::null_mut(),
+            kv_put_callback: None,
+            kv_put_user_arg: std::ptr::null_mut(),
+            client: std::ptr::null_mut(),
+            kv_try_get_callback: None,
+            kv_try_get_user_arg: std::ptr::null_mut(),
+        };
+        // SAFETY: valid args; the option names and values outlive the call.
+        let err = unsafe { create(&mut args) };
+        if let Some((code, message)) = plugin.take_error(err) {
+            let shown = plugin.path().display();
+            let opts: Vec<String> = options
+                .options
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            let with = if opts.is_empty() {
+                String::new()
+            } else {
+                format!(" with options {}", opts.join(","))
+            };
+            let code = ffi::error_code_name(code);
+            return Err(if plugin.kind() == PluginKind::Tpu {
+                Error::Unavailable {
+                    what: "XLA".into(),
+                    why: format!(
+                        "no TPU: the TPU plugin {shown} could not start a client{with} ({code}: {message})"
+                    ),
+                }
+            } else {
+                Error::Unavailable {
+                    what: "XLA".into(),
+                    why: format!(
+                        "the PJRT plugin {shown} could not start a client{with} ({code}: {message})"
+                    ),
+                }
+            });
+        }
+        if args.client.is_null() {
+            return Err(Error::System {
+                what: "PJRT_Client_Create".into(),
+                message: format!("{} returned no client", plugin.path().display()),
+            });
+        }
+        let mut inner = Inner {
+            plugin,
+            ptr: args.client,
+            devices: Vec::new(),
+            device_ptrs: Vec::new(),
+            platform_name: String::new(),
+            platform_version: String::new(),
+            process_index: 0,
+            timeout: options.timeout,
+            cache: Mutex::new(HashMap::new()),
+            stats: Mutex::new(CacheStats::default()),
+            path: Mutex::new(Path::Auto),
+            calls: AtomicU64::new(0),
+            poisoned: Mutex::new(None),
+        };
+        // From here on, dropping `inner` destroys the client.
+        inner.platform_name =
+            inner.client_string(api.client_platform_name, "PJRT_Client_PlatformName")?;
+        inner.platform_version = inner
+            .client_string(api.client_platform_version, "PJRT_Client_PlatformVersion")
+            .unwrap_or_default();
+        if let Some(f) = api.client_process_index {
+            let mut a = ffi::Client_ProcessIndex_Args {
+                struct_size: ffi::CLIENT_PROCESS_INDEX_ARGS_SIZE,
+                extension_start: std::ptr::null_mut(),
+                client: inner.ptr,
+                process_index: 0,
+            };
+            // SAFETY: valid args.
+            let err = unsafe { f(&mut a) };
+            plugin.check(err, || "PJRT_Client_ProcessIndex".into())?;
+            inner.process_index = i64::from(a.process_index);
+        }
+        inner.load_devices()?;
+        Ok(Client {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// The plugin this client runs on.
+    pub fn plugin(&self) -> &'static Plugin {
+        self.inner.plugin
+    }
+
+    /// The platform's name (`cpu`, `tpu`, `cuda`, ...).
+    pub fn platform_name(&self) -> &str {
+        &self.inner.platform_name
+    }
+
+    /// The platform's version text.
+    pub fn platform_version(&self) -> &str {
+        &self.inner.platform_version
+    }
+
+    /// This process's index in the job (0 for a single process).
+    pub fn process_index(&self) -> i64 {
+        self.inner.process_index
+    }
+
+    /// The addressable devices, in the order collectives place replicas on them.
+    pub fn devices(&self) -> &[XlaDevice] {
+        &self.inner.devices
+    }
+
+    /// The bound on every wait.
+    pub fn timeout(&self) -> Duration {
+        self.inner.timeout
+    }
+
+    /// How collectives run from now on (default [`Path::Auto`]).
+    pub fn set_path(&self, path: Path) {
+        *self.inner.path.lock().unwrap_or_else(|e| e.into_inner()) = path;
+    }
+
+    /// How collectives run.
+    pub fn path(&self) -> Path {
+        *self.inner.path.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The program cache's counters.
+    pub fn cache_stats(&self) -> CacheStats {
+        *self.inner.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Copy `data` to device `device` (for every element type).
+    pub fn buffer_from_host<T: Element>(&self, data: &[T], device: usize) -> Result<XlaBuffer> {
+        self.inner
+            .upload(bytemuck::cast_slice(data), T::DTYPE, data.len(), device)
+            .map(|ptr| XlaBuffer {
+                inner: self.inner.clone(),
+                ptr,
+                device,
+                dtype: T::DTYPE,
+                len: data.len(),
+            })
+    }
+
+    pub(crate) fn wrap(
+        &self,
+        ptr: *mut ffi::Buffer,
+        device: usize,
+        dtype: DType,
+        len: usize,
+    ) -> XlaBuffer {
+        XlaBuffer {
+            inner: self.inner.clone(),
+            ptr,
+            device,
+            dtype,
+            len,
+        }
+    }
+
+    pub(crate) fn upload_bytes(
+        &self,
+        bytes: &[u8],
+        dtype: DType,
+        device: usize,
+    ) -> Result<XlaBuffer> {
+        let len = bytes.len() / dtype.size();
+        self.inner
+            .upload(bytes, dtype, len, device)
+            .map(|ptr| self.wrap(ptr, device, dtype, len))
+    }
+}
+
+fn missing(plugin: &Plugin, name: &str) -> Error {
+    Error::Unavailable {
+        what: "XLA".into(),
+        why: format!(
+            "PJRT plugin {} does not implement {name}",
+            plugin.path().display()
+        ),
+    }
+}
+
+impl Inner {
+    pub(crate) fn api(&self) -> &'static ffi::Api {
+        self.plugin.api
+    }
+
+    pub(crate) fn check_usable(&self) -> Result<()> {
+        match &*self.poisoned.lock().unwrap_or_else(|e| e.into_inner()) {
+            None => Ok(()),
+            Some(why) => Err(Error::System {
+                what: "XLA client".into(),
+                message: format!("unusable after an earlier failure ({why}); create a new client"),
+            }),
+        }
+    }
+
+    pub(crate) fn poison(&self, why: &str) {
+        let mut p = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());
+        if p.is_none() {
+            *p = Some(why.to_string());
+        }
+    }
+
+    pub(crate) fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    fn client_string(
+        &self,
+        f: Option<unsafe extern "C" fn(*mut ffi::Client_String_Args) -> *mut ffi::Error>,
+        name: &str,
+    ) -> Result<String> {
+        let f = f.ok_or_else(|| missing(self.plugin, name))?;
+        let mut a = ffi::Client_String_Args {
+            struct_size: ffi::CLIENT_STRING_ARGS_SIZE,
+            extension_start: std::ptr::null_mut(),
+            client: self.ptr,
+            value: std::ptr::null(),
+            value_size: 0,
+        };
+        // SAFETY: valid args; the string lives as long as the client.
+        let err = unsafe { f(&mut a) };
+        self.plugin.check(err, || name.into())?;
+        // SAFETY: (pointer, size) from the plugin.
+        Ok(unsafe { str_of(a.value, a.value_size) })
+    }
+
+    fn load_devices(&mut self) -> Result<()> {
+        let api = self.api();
+        let f = api
+            .client_addressable_devices
+            .ok_or_else(|| missing(self.plugin, "PJRT_Client_AddressableDevices"))?;
+        let mut a = ffi::Client_AddressableDevices_Args {
+            struct_size: ffi::CLIENT_ADDRESSABLE_DEVICES_ARGS_SIZE,
+            extension_start: std::ptr::null_mut(),
+            client: self.ptr,
+            addressable_devices: std::ptr::null(),
+            num_addressable_devices: 0,
+        };
+        // SAFETY: valid args; the list lives as long as the client.
+        let err = unsafe { f(&mut a) };
+        self.plugin
+            .check(err, || "PJRT_Client_AddressableDevices".into())?;
+        let ptrs: Vec<*mut ffi::Device> = if a.addressable_devices.is_null() {
+            Vec::new()
+        } else {
+            // SAFETY: num_addressable_devices pointers, owned by the client.
+            unsafe { std::slice::from_raw_parts(a.addressable_devices, a.num_addressable_devices) }
+                .to_vec()
+        };
+        for (index, &dev) in ptrs.iter().enumerate() {
+            let d = self.describe(index, dev)?;
+            self.devices.push(d);
+        }
+        self.device_ptrs = ptrs;
+        Ok(())
+    }
+
+    fn describe(&self, index: usize, dev: *mut ffi::Device) -> Result<XlaDevice> {
+        let api = self.api();
+        let p = self.plugin;
+        let get = api
+            .device_get_description
+            .ok_or_else(|| missing(p, "PJRT_Device_GetDescription"))?;
+        let mut a = ffi::Device_GetDescription_Args {
+            struct_size: ffi::DEVICE_GET_DESCRIPTION_ARGS_SIZE,
+            extension_start: std::ptr::null_mut(),
+            device: dev,
+            device_description: std::ptr::null_mut(),
+        };
+        // SAFETY: valid args.
+        let err = unsafe { get(&mut a) };
+        p.check(err, || "PJRT_Device_GetDescription".into())?;
+        let desc = a.device_description;
+        let int = |f: Option<
+            unsafe extern "C" fn(*mut ffi::DeviceDescription_Int_Args) -> *mut ffi::Error,
+        >,
+                   name: &str|
+         -> Result<i64> {
+            let Some(f) = f else { return Ok(-1) };
+            let mut a = ffi::DeviceDescription_Int_Args {
+                struct_size: ffi::DEVICE_DESCRIPTION_INT_ARGS_SIZE,
+                extension_start: std::ptr::null_mut(),
+                device_description: desc,
+                value: 0,
+            };
+            // SAFETY: valid args.
+            let err = unsafe { f(&mut a) };
+            p.check(err, || name.into())?;
+            Ok(i64::from(a.value))
+        };
+        let text = |f: Option<
+            unsafe extern "C" fn(*mut ffi::DeviceDescription_String_Args) -> *mut ffi::Error,
+        >,
+                    name: &str|
+         -> Result<String> {
+            let Some(f) = f else { return Ok(String::new()) };
+            let mut a = ffi::DeviceDescription_String_Args {
+                struct_size: ffi::DEVICE_DESCRIPTION_STRING_ARGS_SIZE,
+                extension_start: std::ptr::null_mut(),
+                device_description: desc,
+                value: std::ptr::null(),
+                value_size: 0,
+            };
+            // SAFETY: valid args; the string lives as long as the device.
+            let err = unsafe { f(&mut a) };
+            p.check(err, || name.into())?;
+            // SAFETY: (pointer, size) from the plugin.
+            Ok(unsafe { str_of(a.value, a.value_size) })
+        };
+        let local_hardware_id = match api.device_local_hardware_id {
+            Some(f) => {
+                let mut a = ffi::Device_LocalHardwareId_Args {
+                    struct_size: ffi::DEVICE_LOCAL_HARDWARE_ID_ARGS_SIZE,
+                    extension_start: std::ptr::null_mut(),
+                    device: dev,
+                    local_hardware_id: -1,
+                };
+                // SAFETY: valid args.
+                let err = unsafe { f(&mut a) };
+                p.check(err, || "PJRT_Device_LocalHardwareId".into())?;
+                i64::from(a.local_hardware_id)
+            }
+            None => -1,
+        };
+        Ok(XlaDevice {
+            index,
+            id: int(api.device_description_id, "PJRT_DeviceDescription_Id")?,
+            process_index: int(
+                api.device_description_process_index,
+                "PJRT_DeviceDescription_ProcessIndex",
+            )?,
+            kind: text(api.device_description_kind, "PJRT_DeviceDescription_Kind")?,
+            description: text(
+                api.device_description_to_string,
+                "PJRT_DeviceDescription_ToString",
+            )?,
+            local_hardware_id,
+            memory_bytes: self.memory_limit(dev),
+        })
+    }
+
+    /// The device's memory limit, where the plugin reports one (many do not: not an error).
+    fn memory_limit(&self, dev: *mut ffi::Device) -> Option<u64> {
+        let f = self.api().device_memory_stats?;
+        // SAFETY: an all-zero Device_MemoryStats_Args is valid (integers, bools, nulls).
+        let mut a: ffi::Device_MemoryStats_Args = unsafe { std::mem::zeroed() };
+        a.struct_size = ffi::DEVICE_MEMORY_STATS_ARGS_SIZE;
+        a.device = dev;
+        // SAFETY: valid args.
+        let err = unsafe { f(&mut a) };
+        if self.plugin.take_error(err).is_some() || !a.bytes_limit_is_set || a.bytes_limit <= 0 {
+            return None;
+        }
+        Some(a.bytes_limit as u64)
+    }
+
+    /// Copy host bytes to a new buffer on `device`. The plugin copies them before returning
+    /// (`kImmutableOnlyDuringCall`), so the caller's memory is free when this returns.
+    pub(crate) fn upload(
+        &self,
+        bytes: &[u8],
+        dtype: DType,
+        len: usize,
+        device: usize,
+    ) -> Result<*mut ffi::Buffer> {
+        self.check_usable()?;
+        let p = self.plugin;
+        let Some(&dev) = self.device_ptrs.get(device) else {
+            return Err(Error::config(format!(
+                "XLA device {device} does not exist (this client has {} devices)",
+                self.devices.len()
+            )));
+        };
+        let f = self
+            .api()
+            .client_buffer_from_host_buffer
+            .ok_or_else(|| missing(p, "PJRT_Client_BufferFromHostBuffer"))?;
+        let dims = [len as i64];
+        let mut a = ffi::Client_BufferFromHostBuffer_Args {
+            struct_size: ffi::CLIENT_BUFFER_FROM_HOST_BUFFER_ARGS_SIZE,
+            extension_start: std::ptr::null_mut(),
+            client: self.ptr,
+            data: bytes.as_ptr().cast(),
+            type_: buffer_type(dtype),
+            dims: dims.as_ptr(),
+            num_dims: 1,
+            byte_strides: std::ptr::null(),
+            num_byte_strides: 0,
+            host_buffer_semantics: ffi::HOST_BUFFER_IMMUTABLE_ONLY_DURING_CALL,
+            device: dev,
+            memory: std::ptr::null_mut(),
+            device_layout: std::ptr::null_mut(),
+            done_with_host_buffer: std::ptr::null_mut(),
+            buffer: std::ptr::null_mut(),
+        };
+        // SAFETY: valid args; `bytes` holds len elements of dtype and is only read during the
+        // call.
+        let err = unsafe { f(&mut a) };
+        self.destroy_event(a.done_with_host_buffer);
+        p.check(err, || {
+            format!("copying {len} {dtype} elements to XLA device {device} (PJRT_Client_BufferFromHostBuffer)")
+        })?;
+        if a.buffer.is_null() {
+            return Err(Error::System {
+                what: "PJRT_Client_BufferFromHostBuffer".into(),
+                message: "the plugin returned no buffer".into(),
+            });
+        }
+        Ok(a.buffer)
+    }
+
+    /// Copy device buffers to host memory, all at once, waiting (bounded) for every copy.
+    /// `dsts[i]` receives `srcs[i]`; each must be exactly the buffer's size.
+    ///
+    /// The copies land in memory this function allocates, then move to `dsts`: when a wait
+    /// times out, that landing memory is left to the plugin (leaked) instead of the caller's.
+    pub(crate) fn download(&self, srcs: &[&XlaBuffer], dsts: &mut [&mut [u8]]) -> Result<()> {
+        self.check_usable()?;
+        let p = self.plugin;
+        let f = self
+            .api()
+            .buffer_to_host_buffer
+            .ok_or_else(|| missing(p, "PJRT_Buffer_ToHostBuffer"))?;
+        let mut landing: Vec<Vec<u64>> = srcs
+            .iter()
+            .map(|b| vec![0u64; (b.len * b.dtype.size()).div_ceil(8)])
+            .collect();
+        let mut events = Vec::with_capacity(srcs.len());
+        let mut first_err = None;
+        for (i, (b, land)) in srcs.iter().zip(landing.iter_mut()).enumerate() {
+            let bytes = b.len * b.dtype.size();
+            let mut a = ffi::Buffer_ToHostBuffer_Args {
+                struct_size: ffi::BUFFER_TO_HOST_BUFFER_ARGS_SIZE,
+                extension_start: std::ptr::null_mut(),
+                src: b.ptr,
+                host_layout: std::ptr::null_mut(),
+                dst: land.as_mut_ptr().cast(),
+                dst_size: bytes,
+                event: std::ptr::null_mut(),
+            };
+            // SAFETY: valid args; `land` holds at least `bytes` bytes and stays alive until the
+            // event fires (or is leaked below).
+            let err = unsafe { f(&mut a) };
+            if let Err(e) = p.check(err, || {
+                format!(
+                    "copying buffer {i} from XLA device {} to the host (PJRT_Buffer_ToHostBuffer)",
+                    b.device
+                )
+            }) {
+                first_err.get_or_insert(e);
+                self.destroy_event(a.event);
+                continue;
+            }
+            events.push((i, a.event));
+        }
+        let waited = self.wait(&events, "copy device buffers to the host");
+        if let Err(e) = waited {
+            // The plugin may still write into the landing memory: never free it.
+            std::mem::forget(landing);
+            return Err(e);
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        for ((b, land), dst) in srcs.iter().zip(&landing).zip(dsts.iter_mut()) {
+            let bytes = b.len * b.dtype.size();
+            if dst.len() != bytes {
+                return Err(Error::config(format!(
+                    "copying a {} x {} buffer to the host: the destination holds {} bytes, not {bytes}",
+                    b.dtype,
+                    b.len,
+                    dst.len()
+                )));
+            }
+            dst.copy_from_slice(&bytemuck::cast_slice::<u64, u8>(land)[..bytes]);
+        }
+        Ok(())
+    }
+
+    /// Wait for `events` (tagged with the index reported in errors), each at most until the
+    /// client's timeout from now; destroys them. On a timeout the client is poisoned.
+    pub(crate) fn wait(&self, events: &[(usize, *mut ffi::Event)], what: &str) -> Result<()> {
+        let p = self.plugin;
+        let api = self.api();
+        let (tx, rx) = crossbeam_channel::unbounded::<Ready>();
+        let mut pending: Vec<usize> = Vec::new();
+        let mut failures: Vec<String> = Vec::new();
+        for &(index, ev) in events {
+            if ev.is_null() {
+                continue;
+            }
+            let Some(on) = api.event_on_ready else {
+                failures.push("the plugin does not implement PJRT_Event_OnReady".into());
+                break;
+            };
+            let w = Box::into_raw(Box::new(Waiter {
+                api,
+                index,
+                tx: tx.clone(),
+            }));
+            let mut a = ffi::Event_OnReady_Args {
+                struct_size: ffi::EVENT_ONREADY_ARGS_SIZE,
+                extension_start: std::ptr::null_mut(),
+                event: ev,
+                callback: Some(on_ready),
+                user_arg: w.cast(),
+            };
+            // SAFETY: valid args; the callback owns `w` once registered.
+            let err = unsafe { on(&mut a) };
+            if let Some((code, m)) = p.take_error(err) {
+                // Not registered: the callback will never run, so `w` is still ours.
+                // SAFETY: `w` came from Box::into_raw above and was not handed over.
+                drop(unsafe { Box::from_raw(w) });
+                failures.push(format!("{index}: {}: {m}", ffi::error_code_name(code)));
+                continue;
+            }
+            pending.push(index);
+        }
+        drop(tx);
+        let deadline = Instant::now() + self.timeout;
+        let mut timed_out = false;
+        while !pending.is_empty() {
+            match rx.recv_deadline(deadline) {
+                Ok((index, status)) => {
+                    pending.retain(|&i| i != index);
+                    if let Some((code, m)) = status {
+                        failures.push(format!("{index}: {}: {m}", ffi::error_code_name(code)));
+                    }
+                }
+                Err(_) => {
+                    timed_out = true;
+                    break;
+                }
+            }
+        }
+        for &(_, ev) in events {
+            self.destroy_event(ev);
+        }
+        if timed_out {
+            let list: Vec<String> = pending.iter().map(|i| i.to_string()).collect();
+            let why = format!(
+                "timed out after {:?} waiting for XLA device(s) {} to {what}",
+                self.timeout,
+                list.join(", ")
+            );
+            self.poison(&why);
+            return Err(Error::System {
+                what: "XLA".into(),
+                message: format!(
+                    "{why}; the device is stuck or slow (raise the timeout with TUTTI_TIMEOUT); \
+                     this client is now unusable"
+                ),
+            });
+        }
+        if !failures.is_empty() {
+            return Err(Error::System {
+                what: format!("XLA: {what}"),
+                message: format!("failed on device(s) {}", failures.join("; ")),
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn destroy_event(&self, ev: *mut ffi::Event) {
+        if ev.is_null() {
+            return;
+        }
+        if let Some(f) = self.api().event_destroy {
+            let mut a = ffi::Event_Destroy_Args {
+                struct_size: ffi::EVENT_DESTROY_ARGS_SIZE,
+                extension_start: std::ptr::null_mut(),
+                event: ev,
+            };
+            // SAFETY: a live event, destroyed once.
+            let err = unsafe { f(&mut a) };
+            if let Some((_, m)) = self.plugin.take_error(err) {
+                eprintln!("tutti: XLA: destroying an event failed: {m}");
+            }
+        }
+    }
+
+    pub(crate) fn destroy_buffer(&self, b: *mut ffi::Buffer) {
+        if b.is_null() {
+            return;
+        }
+        if let Some(f) = self.api().buffer_destroy {
+            let mut a = ffi::Buffer_Destroy_Args {
+                struct_size: ffi::BUFFER_DESTROY_ARGS_SIZE,
+                extension_start: std::ptr::null_mut(),
+                buffer: b,
+            };
+            // SAFETY: a live buffer, destroyed once.
+            let err = unsafe { f(&mut a) };
+            if let Some((_, m)) = self.plugin.take_error(err) {
+                eprintln!("tutti: XLA: destroying a buffer failed: {m}");
+            }
+        }
+    }
+
+    /// The compiled program for `key` (compiling it on a miss), or why the plugin refused it.
+    pub(crate) fn program(&self, key: ProgramKey) -> Result<Compiled> {
+        {
+            let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(c) = cache.get(&key) {
+                let c = c.clone();
+                drop(cache);
+                let mut s = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+                if matches!(c, Compiled::Ready(_)) {
+                    s.hits += 1;
+                }
+                return Ok(c);
+            }
+        }
+        let compiled = self.compile(key)?;
+        if let Compiled::Refused(why) = &compiled {
+            if *self.path.lock().unwrap_or_else(|e| e.into_inner()) == Path::Auto {
+                eprintln!(
+                    "tutti: XLA: {} refused the {} program for {} x {} on {} devices; that call runs host-staged: {why}",
+                    self.plugin.path().display(),
+                    key.kind,
+                    key.dtype,
+                    key.count,
+                    key.replicas
+                );
+            }
+        }
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(existing) = cache.get(&key).cloned() {
+            // Another thread compiled it meanwhile: keep theirs.
+            drop(cache);
+            if let Compiled::Ready(exe) = compiled {
+                self.destroy_executable(&exe);
+            }
+            return Ok(existing);
+        }
+        cache.insert(key, compiled.clone());
+        drop(cache);
+        let entry = compiled;
+        let mut s = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        match &entry {
+            Compiled::Ready(_) => s.compiled += 1,
+            Compiled::Refused(_) => s.refused += 1,
+        }
+        Ok(entry)
+    }
+
+    pub(crate) fn count_staged(&self) {
+        self.stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .staged_calls += 1;
+    }
+
+    fn compile(&self, key: ProgramKey) -> Result<Compiled> {
+        self.check_usable()?;
+        let p = self.plugin;
+        let api = self.api();
+        let f = api
+            .client_compile
+            .ok_or_else(|| missing(p, "PJRT_Client_Compile"))?;
+        let code = program::mlir(key.kind, key.dtype, key.count, key.replicas);
+        let ids: Vec<i64> = self.devices[..key.replicas].iter().map(|d| d.id).collect();
+        let options = program::compile_options(&ids);
+        let format = b"mlir";
+        let prog = ffi::Program {
+            struct_size: ffi::PROGRAM_SIZE,
+            extension_start: std::ptr::null_mut(),
+            code: code.as_ptr() as *mut _,
+            code_size: code.len(),
+            format: format.as_ptr().cast(),
+            format_size: format.len(),
+        };
+        let mut a = ffi::Client_Compile_Args {
+            struct_size: ffi::CLIENT_COMPILE_ARGS_SIZE,
+            extension_start: std::ptr::null_mut(),
+            client: self.ptr,
+            program: &prog,
+            compile_options: options.as_ptr().cast(),
+            compile_options_size: options.len(),
+            executable: std::ptr::null_mut(),
+        };
+        // SAFETY: valid args; the code and options outlive the call (the plugin reads the code
+        // and does not write it).
+        let err = unsafe { f(&mut a) };
+        if let Some((code_, message)) = p.take_error(err) {
+            return Ok(Compiled::Refused(format!(
+                "{}: {message}",
+                ffi::error_code_name(code_)
+            )));
+        }
+        if a.executable.is_null() {
+            return Ok(Compiled::Refused(
+                "the plugin returned no executable".into(),
+            ));
+        }
+        let exe = Executable {
+            ptr: a.executable,
+            order: Vec::new(),
+        };
+        let order = self.replica_order(&exe, key.replicas);
+        match order {
+            Ok(order) => Ok(Compiled::Ready(Arc::new(Executable { order, ..exe }))),
+            Err(e) => {
+                self.destroy_executable(&exe);
+                Err(e)
+            }
+        }
+    }
+
+    /// Which replica each argument list of `exe` belongs to: the executable's addressable
+    /// devices, matched against the client's.
+    fn replica_order(&self, exe: &Executable, replicas: usize) -> Result<Vec<usize>> {
+        let f = self
+            .api()
+            .loaded_executable_addressable_devices
+            .ok_or_else(|| missing(self.plugin, "PJRT_LoadedExecutable_AddressableDevices"))?;
+        let mut a = ffi::LoadedExecutable_AddressableDevices_Args {
+            struct_size: ffi::LOADED_EXECUTABLE_ADDRESSABLE_DEVICES_ARGS_SIZE,
+            extension_start: std::ptr::null_mut(),
+            executable: exe.ptr,
+            addressable_devices: std::ptr::null(),
+            num_addressable_devices: 0,
+        };
+        // SAFETY: valid args; the list lives as long as the executable.
+        let err = unsafe { f(&mut a) };
+        self.plugin
+            .check(err, || "PJRT_LoadedExecutable_AddressableDevices".into())?;
+        let devs = if a.addressable_devices.is_null() {
+            &[][..]
+        } else {
+            // SAFETY: num_addressable_devices pointers owned by the executable.
+            unsafe { std::slice::from_raw_parts(a.addressable_devices, a.num_addressable_devices) }
+        };
+        let order: Vec<usize> = devs
+            .iter()
+            .filter_map(|d| self.device_ptrs[..replicas].iter().position(|x| x == d))
+            .collect();
+        let mut sorted = order.clone();
+        sorted.sort_unstable();
+        if devs.len() != replicas || sorted != (0..replicas).collect::<Vec<_>>() {
+            return Err(Error::System {
+                what: "XLA: compiling a collective".into(),
+                message: format!(
+                    "the executable runs on {} devices, not on the {replicas} devices it was compiled for",
+                    devs.len()
+                ),
+            });
+        }
+        Ok(order)
+    }
+
+    fn destroy_executable(&self, exe: &Executable) {
+        if let Some(f) = self.api().loaded_executable_destroy {
+            let mut a = ffi::LoadedExecutable_Destroy_Args {
+                struct_size: ffi::LOADED_EXECUTABLE_DESTROY_ARGS_SIZE,
+                extension_start: std::ptr::null_mut(),
+                executable: exe.ptr,
+            };
+            // SAFETY: a live executable, destroyed once.
+            let err = unsafe { f(&mut a) };
+            if let Some((_, m)) = self.plugin.take_error(err) {
+                eprintln!("tutti: XLA: destroying an executable failed: {m}");
+            }
+        }
+    }
+
+    /// Run `exe` with one input buffer per replica; returns one output buffer per replica, in
+    /// replica order, once every device has finished (bounded by the timeout).
+    pub(crate) fn execute(
+        &self,
+        exe: &Executable,
+        inputs: &[&XlaBuffer],
+        what: &str,
+    ) -> Result<Vec<*mut ffi::Buffer>> {
+        self.check_usable()?;
+        let f = self
+            .api()
+            .loaded_executable_execute
+            .ok_or_else(|| missing(self.plugin, "PJRT_LoadedExecutable_Execute"))?;
+        let n = exe.order.len();
+        let args: Vec<[*mut ffi::Buffer; 1]> = exe.order.iter().map(|&r| [inputs[r].ptr]).collect();
+        let arg_lists: Vec<*const *mut ffi::Buffer> = args.iter().map(|a| a.as_ptr()).collect();
+        let mut outs: Vec<[*mut ffi::Buffer; 1]> = vec![[std::ptr::null_mut()]; n];
+        let out_lists: Vec<*mut *mut ffi::Buffer> =
+            outs.iter_mut().map(|o| o.as_mut_ptr()).collect();
+        let mut events: Vec<*mut ffi::Event> = vec![std::ptr::null_mut(); n];
+        // SAFETY: an all-zero ExecuteOptions is valid (no callbacks, no context).
+        let mut options: ffi::ExecuteOptions = unsafe { std::mem::zeroed() };
+        options.struct_size = ffi::EXECUTE_OPTIONS_SIZE;
+        let mut a = ffi::LoadedExecutable_Execute_Args {
+            struct_size: ffi::LOADED_EXECUTABLE_EXECUTE_ARGS_SIZE,
+            extension_start: std::ptr::null_mut(),
+            executable: exe.ptr,
+            options: &mut options,
+            argument_lists: arg_lists.as_ptr(),
+            num_devices: n,
+            num_args: 1,
+            output_lists: out_lists.as_ptr(),
+            device_complete_events: events.as_mut_ptr(),
+            execute_device: std::ptr::null_mut(),
+        };
+        // SAFETY: valid args: n argument lists of one live buffer each, n output lists of one
+        // slot each, n event slots; all outlive the call.
+        let err = unsafe { f(&mut a) };
+        self.plugin.check(err, || {
+            format!("XLA: running {what} (PJRT_LoadedExecutable_Execute)")
+        })?;
+        let tagged: Vec<(usize, *mut ffi::Event)> = exe
+            .order
+            .iter()
+            .zip(&events)
+            .map(|(&r, &e)| (r, e))
+            .collect();
+        let mut by_replica = vec![std::ptr::null_mut(); n];
+        for (k, &r) in exe.order.iter().enumerate() {
+            by_replica[r] = outs[k][0];
+        }
+        if let Err(e) = self.wait(&tagged, &format!("finish {what}")) {
+            for b in by_replica {
+                self.destroy_buffer(b);
+            }
+            return Err(e);
+        }
+        if by_replica.iter().any(|b| b.is_null()) {
+            for b in by_replica {
+                self.destroy_buffer(b);
+            }
+            return Err(Error::System {
+                what: format!("XLA: running {what}"),
+                message: "the plugin returned no output buffer for a device".into(),
+            });
+        }
+        Ok(by_replica)
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(why) = &*self.poisoned.lock().unwrap_or_else(|e| e.into_inner()) {
+            eprintln!(
+                "tutti: XLA: leaving the PJRT client of {} in place after: {why}",
+                self.plugin.path().display()
+            );
+            return;
+        }
+        let cache = std::mem::take(&mut *self.cache.lock().unwrap_or_else(|e| e.into_inner()));
+        for (_, c) in cache {
+            if let Compiled::Ready(exe) = c {
+                self.destroy_executable(&exe);
+            }
+        }
+        if let Some(f) = self.api().client_destroy {
+            let mut a = ffi::Client_Destroy_Args {
+                struct_size: ffi::CLIENT_DESTROY_ARGS_SIZE,
+                extension_start: std::ptr::null_mut(),
+                client: self.ptr,
+            };
+            // SAFETY: the client is live and destroyed once; every buffer and executable of it
+            // is gone (buffers hold this Inner alive).
+            let err = unsafe { f(&mut a) };
+            if let Some((_, m)) = self.plugin.take_error(err) {
+                eprintln!("tutti: XLA: destroying the client failed: {m}");
+            }
+        }
+    }
+}
+
+impl XlaBuffer {
+    /// The device (index into [`Client::devices`]) holding this buffer.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    /// Its element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Its number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Copy the buffer into `dst`, which must have its type and length.
+    pub fn copy_to_host<T: Element>(&self, dst: &mut [T]) -> Result<()> {
+        self.check_type::<T>(dst.len())?;
+        self.inner
+            .download(&[self], &mut [bytemuck::cast_slice_mut(dst)])
+    }
+
+    /// The buffer's elements, copied to the host.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        let mut v = vec![T::from_f64(0.0); self.len];
+        self.copy_to_host(&mut v)?;
+        Ok(v)
+    }
+
+    fn check_type<T: Element>(&self, len: usize) -> Result<()> {
+        if T::DTYPE != self.dtype || len != self.len {
+            return Err(Error::config(format!(
+                "copying {self:?} to the host: the destination is {} x {len}",
+                T::DTYPE
+            )));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn same_client(&self, c: &Client) -> bool {
+        Arc::ptr_eq(&self.inner, &c.inner)
+    }
+}
+
+impl Drop for XlaBuffer {
+    fn drop(&mut self) {
+        self.inner.destroy_buffer(self.ptr);
+    }
+}
+
+/// The candidates discovery would try, with the reason each would be skipped (if it would).
+pub fn discovery_report() -> Vec<(Candidate, Option<String>)> {
+    plugin::candidates()
+        .into_iter()
+        .map(|c| {
+            let skip = plugin::skip_reason(&c);
+            (c, skip)
+        })
+        .collect()
+}

@@ -1,0 +1,536 @@
+//! The collectives across a client's devices: checked arguments, the compiled-program path and
+//! the host-staged path.
+//!
+//! Replica `r` of a call runs on device `r` of [`Client::devices`]; a call with N buffers uses
+//! the first N devices. Each program is compiled once per (collective, dtype, element count,
+//! op or root, number of replicas) and cached in the client.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::client::{Client, Compiled, Executable, Path, ProgramKey, XlaBuffer};
+use super::program::Kind;
+use crate::dtype::kernels::{self, Init};
+use crate::dtype::{DType, Element, ReduceOp};
+use crate::error::{Error, Result, Site};
+
+/// How one call runs.
+enum Plan {
+    Program(Arc<Executable>),
+    Staged,
+}
+
+/// Host bytes aligned for every element type (the kernels read them as typed slices).
+struct Aligned {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl Aligned {
+    fn zeroed(len: usize) -> Aligned {
+        Aligned {
+            words: vec![0; len.div_ceil(8)],
+            len,
+        }
+    }
+    fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+}
+
+/// The result of the host-staged path: what every replica gets, or the buffer whose slice r
+/// replica r gets.
+enum Staged {
+    Same(Aligned),
+    Sliced(Aligned),
+}
+
+impl Staged {
+    fn part(&self, r: usize, n: usize) -> &[u8] {
+        match self {
+            Staged::Same(v) => v.bytes(),
+            Staged::Sliced(v) => {
+                let each = v.len / n;
+                &v.bytes()[r * each..(r + 1) * each]
+            }
+        }
+    }
+}
+
+/// Carry out `kind` on the host over `inputs` (one per replica, equal lengths) with tutti's
+/// kernels: the reference semantics of every collective (f16/bf16 reduced in f32 and rounded
+/// once, `Mean` divided once at the end).
+fn host_collective(kind: Kind, dtype: DType, inputs: &[&[u8]]) -> Staged {
+    let n = inputs.len();
+    match kind {
+        Kind::AllReduce(op) | Kind::ReduceScatter(op) => {
+            let mut out = Aligned::zeroed(inputs[0].len());
+            let divide = (op == ReduceOp::Mean).then_some(n);
+            kernels::reduce(
+                dtype,
+                op.combining(),
+                out.bytes_mut(),
+                inputs,
+                Init::Overwrite,
+                divide,
+            );
+            if matches!(kind, Kind::AllReduce(_)) {
+                Staged::Same(out)
+            } else {
+                Staged::Sliced(out)
+            }
+        }
+        Kind::Broadcast(root) => {
+            let mut out = Aligned::zeroed(inputs[root].len());
+            out.bytes_mut().copy_from_slice(inputs[root]);
+            Staged::Same(out)
+        }
+        Kind::AllGather => {
+            let each = inputs[0].len();
+            let mut out = Aligned::zeroed(each * n);
+            for (r, i) in inputs.iter().enumerate() {
+                out.bytes_mut()[r * each..(r + 1) * each].copy_from_slice(i);
+            }
+            Staged::Same(out)
+        }
+    }
+}
+
+impl Client {
+    fn site(&self, kind: Kind, rank: usize) -> Site {
+        Site {
+            collective: kind.collective(),
+            rank,
+            call: self.inner.calls.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Check a call's shape: N replicas on N devices, equal input lengths, a root in range,
+    /// a count that splits N ways for reduce-scatter. Returns the input count per replica.
+    fn check_call(&self, kind: Kind, lens: &[usize]) -> Result<usize> {
+        let n = lens.len();
+        let devices = self.inner.device_count();
+        if n == 0 {
+            return Err(Error::config(format!(
+                "XLA {}: needs one buffer per replica, got none",
+                kind.name()
+            )));
+        }
+        if n > devices {
+            return Err(Error::config(format!(
+                "XLA {}: {n} buffers (one per replica) but this client has {devices} device(s){}",
+                kind.name(),
+                if self.platform_name() == "cpu" {
+                    format!(
+                        " (the CPU plugin makes more with {}=cpu_device_count={n})",
+                        super::client::OPTIONS_ENV
+                    )
+                } else {
+                    String::new()
+                }
+            )));
+        }
+        let count = lens[0];
+        if let Some(r) = lens.iter().position(|&l| l != count) {
+            return Err(Error::invalid(
+                self.site(kind, r),
+                format!(
+                    "buffer of replica {r} has {} elements but replica 0's has {count}; every replica must pass the same count",
+                    lens[r]
+                ),
+            ));
+        }
+        if let Kind::Broadcast(root) = kind {
+            if root >= n {
+                return Err(Error::invalid(
+                    self.site(kind, 0),
+                    format!("root {root} is out of range for {n} replicas"),
+                ));
+            }
+        }
+        if matches!(kind, Kind::ReduceScatter(_)) && count % n != 0 {
+            return Err(Error::invalid(
+                self.site(kind, 0),
+                format!("the input count {count} does not split into {n} equal slices"),
+            ));
+        }
+        Ok(count)
+    }
+
+    fn check_outputs(&self, kind: Kind, want: usize, lens: &[usize], n: usize) -> Result<()> {
+        if lens.len() != n {
+            return Err(Error::config(format!(
+                "XLA {}: {n} inputs but {} outputs; pass one output per replica",
+                kind.name(),
+                lens.len()
+            )));
+        }
+        if let Some(r) = lens.iter().position(|&l| l != want) {
+            return Err(Error::invalid(
+                self.site(kind, r),
+                format!(
+                    "output of replica {r} has {} elements; it must have {want}",
+                    lens[r]
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn plan(&self, key: ProgramKey) -> Result<Plan> {
+        if key.count == 0 {
+            return Ok(Plan::Staged);
+        }
+        let mode = self.path();
+        if mode == Path::HostStaged {
+            return Ok(Plan::Staged);
+        }
+        match self.inner.program(key)? {
+            Compiled::Ready(exe) => Ok(Plan::Program(exe)),
+            Compiled::Refused(why) if mode == Path::Auto => {
+                let _ = why;
+                Ok(Plan::Staged)
+            }
+            Compiled::Refused(why) => Err(Error::System {
+                what: format!(
+                    "XLA: compiling the {} program for {} x {} on {} devices",
+                    key.kind, key.dtype, key.count, key.replicas
+                ),
+                message: why,
+            }),
+        }
+    }
+
+    /// The host-buffer form of every collective: inputs in, results written to `outputs`.
+    fn host_call(
+        &self,
+        kind: Kind,
+        dtype: DType,
+        inputs: &[&[u8]],
+        outputs: &mut [&mut [u8]],
+    ) -> Result<()> {
+        self.inner.check_usable()?;
+        let n = inputs.len();
+        let count = inputs[0].len() / dtype.size();
+        let key = ProgramKey {
+            kind,
+            dtype,
+            count,
+            replicas: n,
+        };
+        match self.plan(key)? {
+            Plan::Staged => {
+                self.inner.count_staged();
+                let result = host_collective(kind, dtype, inputs);
+                for (r, out) in outputs.iter_mut().enumerate() {
+                    out.copy_from_slice(result.part(r, n));
+                }
+                Ok(())
+            }
+            Plan::Program(exe) => {
+                let bufs = inputs
+                    .iter()
+                    .enumerate()
+                    .map(|(r, b)| self.upload_bytes(b, dtype, r))
+                    .collect::<Result<Vec<_>>>()?;
+                let refs: Vec<&XlaBuffer> = bufs.iter().collect();
+                let outs = self.run_program(&exe, kind, dtype, count, &refs)?;
+                drop(bufs);
+                let out_refs: Vec<&XlaBuffer> = outs.iter().collect();
+                self.inner.download(&out_refs, outputs)
+            }
+        }
+    }
+
+    fn run_program(
+        &self,
+        exe: &Executable,
+        kind: Kind,
+        dtype: DType,
+        count: usize,
+        inputs: &[&XlaBuffer],
+    ) -> Result<Vec<XlaBuffer>> {
+        let n = inputs.len();
+        let what = format!("the {kind} program ({dtype} x {count}) on {n} devices");
+        let ptrs = self.inner.execute(exe, inputs, &what)?;
+        let out_count = kind.out_count(count, n);
+        Ok(ptrs
+            .into_iter()
+            .enumerate()
+            .map(|(r, p)| self.wrap(p, r, dtype, out_count))
+            .collect())
+    }
+
+    /// The device-buffer form: checks, then the program or the host-staged path.
+    fn device_call(&self, kind: Kind, inputs: &[&XlaBuffer]) -> Result<Vec<XlaBuffer>> {
+        self.inner.check_usable()?;
+        let lens: Vec<usize> = inputs.iter().map(|b| b.len()).collect();
+        let result = self.check_call(kind, &lens).and_then(|count| {
+            let dtype = inputs[0].dtype();
+            for (r, b) in inputs.iter().enumerate() {
+                if !b.same_client(self) {
+                    return Err(Error::invalid(
+                        self.site(kind, r),
+                        format!("the buffer of replica {r} belongs to another client"),
+                    ));
+                }
+                if b.device() != r {
+                    return Err(Error::invalid(
+                        self.site(kind, r),
+                        format!(
+                            "the buffer of replica {r} is on device {}; replica r's buffer must be on device r",
+                            b.device()
+                        ),
+                    ));
+                }
+                if b.dtype() != dtype {
+                    return Err(Error::invalid(
+                        self.site(kind, r),
+                        format!(
+                            "the buffer of replica {r} holds {} but replica 0's holds {dtype}",
+                            b.dtype()
+                        ),
+                    ));
+                }
+            }
+            let n = inputs.len();
+            let key = ProgramKey {
+                kind,
+                dtype,
+                count,
+                replicas: n,
+            };
+            match self.plan(key)? {
+                Plan::Program(exe) => self.run_program(&exe, kind, dtype, count, inputs),
+                Plan::Staged => {
+                    self.inner.count_staged();
+                    let bytes = count * dtype.size();
+                    let mut host: Vec<Aligned> = (0..n).map(|_| Aligned::zeroed(bytes)).collect();
+                    {
+                        let mut dsts: Vec<&mut [u8]> =
+                            host.iter_mut().map(|v| v.bytes_mut()).collect();
+                        self.inner.download(inputs, &mut dsts)?;
+                    }
+                    let srcs: Vec<&[u8]> = host.iter().map(|v| v.bytes()).collect();
+                    let result = host_collective(kind, dtype, &srcs);
+                    (0..n)
+                        .map(|r| self.upload_bytes(result.part(r, n), dtype, r))
+                        .collect()
+                }
+            }
+        });
+        self.inner.calls.fetch_add(1, Ordering::Relaxed);
+        result
+    }
+
+    fn host_checked(
+        &self,
+        kind: Kind,
+        dtype: DType,
+        inputs: &[&[u8]],
+        outputs: &mut [&mut [u8]],
+    ) -> Result<()> {
+        let esize = dtype.size();
+        let result = (|| {
+            if let Some(r) = inputs
+                .iter()
+                .map(|b| b.len())
+                .chain(outputs.iter().map(|b| b.len()))
+                .position(|l| l % esize != 0)
+            {
+                return Err(Error::config(format!(
+                    "XLA {}: buffer {r} is not a whole number of {dtype} elements",
+                    kind.name()
+                )));
+            }
+            let lens: Vec<usize> = inputs.iter().map(|b| b.len() / esize).collect();
+            let count = self.check_call(kind, &lens)?;
+            let n = inputs.len();
+            let out_lens: Vec<usize> = outputs.iter().map(|b| b.len() / esize).collect();
+            self.check_outputs(kind, kind.out_count(count, n), &out_lens, n)?;
+            self.host_call(kind, dtype, inputs, outputs)
+        })();
+        self.inner.calls.fetch_add(1, Ordering::Relaxed);
+        result
+    }
+
+    /// In-place form: `bufs[r]` is replica r's input and output (all-reduce, broadcast).
+    fn host_in_place(&self, kind: Kind, dtype: DType, bufs: &mut [&mut [u8]]) -> Result<()> {
+        // The inputs are uploaded (or reduced on the host) before any output is written, so
+        // reading and writing the same buffers is safe; the copies below only satisfy the
+        // borrow rules when a program runs.
+        let esize = dtype.size();
+        let result = (|| {
+            if bufs.iter().any(|b| b.len() % esize != 0) {
+                return Err(Error::config(format!(
+                    "XLA {}: a buffer is not a whole number of {dtype} elements",
+                    kind.name()
+                )));
+            }
+            let lens: Vec<usize> = bufs.iter().map(|b| b.len() / esize).collect();
+            let count = self.check_call(kind, &lens)?;
+            let n = bufs.len();
+            let key = ProgramKey {
+                kind,
+                dtype,
+                count,
+                replicas: n,
+            };
+            match self.plan(key)? {
+                Plan::Staged => {
+                    self.inner.count_staged();
+                    let result = {
+                        let srcs: Vec<&[u8]> = bufs.iter().map(|b| &**b).collect();
+                        host_collective(kind, dtype, &srcs)
+                    };
+                    for (r, out) in bufs.iter_mut().enumerate() {
+                        out.copy_from_slice(result.part(r, n));
+                    }
+                    Ok(())
+                }
+                Plan::Program(exe) => {
+                    let dev = bufs
+                        .iter()
+                        .enumerate()
+                        .map(|(r, b)| self.upload_bytes(b, dtype, r))
+                        .collect::<Result<Vec<_>>>()?;
+                    let refs: Vec<&XlaBuffer> = dev.iter().collect();
+                    let outs = self.run_program(&exe, kind, dtype, count, &refs)?;
+                    drop(dev);
+                    let out_refs: Vec<&XlaBuffer> = outs.iter().collect();
+                    self.inner.download(&out_refs, bufs)
+                }
+            }
+        })();
+        self.inner.calls.fetch_add(1, Ordering::Relaxed);
+        result
+    }
+
+    // ------------------------------ host buffers ------------------------------
+
+    /// All-reduce in place: `bufs[r]` is replica r's buffer (on device r), and every buffer
+    /// ends as the element-wise `op` over all of them.
+    pub fn all_reduce<T: Element>(&self, bufs: &mut [&mut [T]], op: ReduceOp) -> Result<()> {
+        let mut raw: Vec<&mut [u8]> = bufs
+            .iter_mut()
+            .map(|b| bytemuck::cast_slice_mut(b))
+            .collect();
+        self.host_in_place(Kind::AllReduce(op), T::DTYPE, &mut raw)
+    }
+
+    /// Broadcast in place: every buffer ends as `bufs[root]`.
+    pub fn broadcast<T: Element>(&self, bufs: &mut [&mut [T]], root: usize) -> Result<()> {
+        let mut raw: Vec<&mut [u8]> = bufs
+            .iter_mut()
+            .map(|b| bytemuck::cast_slice_mut(b))
+            .collect();
+        self.host_in_place(Kind::Broadcast(root), T::DTYPE, &mut raw)
+    }
+
+    /// All-gather: every `outputs[r]` (N × the input count) ends as the inputs in replica order.
+    pub fn all_gather<T: Element>(&self, inputs: &[&[T]], outputs: &mut [&mut [T]]) -> Result<()> {
+        let ins: Vec<&[u8]> = inputs.iter().map(|b| bytemuck::cast_slice(b)).collect();
+        let mut outs: Vec<&mut [u8]> = outputs
+            .iter_mut()
+            .map(|b| bytemuck::cast_slice_mut(b))
+            .collect();
+        self.host_checked(Kind::AllGather, T::DTYPE, &ins, &mut outs)
+    }
+
+    /// Reduce-scatter: `outputs[r]` (input count / N) ends as slice r of the element-wise `op`
+    /// over the inputs.
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        inputs: &[&[T]],
+        outputs: &mut [&mut [T]],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let ins: Vec<&[u8]> = inputs.iter().map(|b| bytemuck::cast_slice(b)).collect();
+        let mut outs: Vec<&mut [u8]> = outputs
+            .iter_mut()
+            .map(|b| bytemuck::cast_slice_mut(b))
+            .collect();
+        self.host_checked(Kind::ReduceScatter(op), T::DTYPE, &ins, &mut outs)
+    }
+
+    /// [`Client::all_reduce`] over bytes holding `dtype` elements (for carriers such as the C
+    /// ABI).
+    pub fn all_reduce_raw(&self, dtype: DType, bufs: &mut [&mut [u8]], op: ReduceOp) -> Result<()> {
+        self.check_aligned(dtype, bufs.iter().map(|b| b.as_ptr()))?;
+        self.host_in_place(Kind::AllReduce(op), dtype, bufs)
+    }
+
+    /// [`Client::broadcast`] over bytes.
+    pub fn broadcast_raw(&self, dtype: DType, bufs: &mut [&mut [u8]], root: usize) -> Result<()> {
+        self.check_aligned(dtype, bufs.iter().map(|b| b.as_ptr()))?;
+        self.host_in_place(Kind::Broadcast(root), dtype, bufs)
+    }
+
+    /// [`Client::all_gather`] over bytes.
+    pub fn all_gather_raw(
+        &self,
+        dtype: DType,
+        inputs: &[&[u8]],
+        outputs: &mut [&mut [u8]],
+    ) -> Result<()> {
+        self.host_checked(Kind::AllGather, dtype, inputs, outputs)
+    }
+
+    /// [`Client::reduce_scatter`] over bytes.
+    pub fn reduce_scatter_raw(
+        &self,
+        dtype: DType,
+        inputs: &[&[u8]],
+        outputs: &mut [&mut [u8]],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.check_aligned(dtype, inputs.iter().map(|b| b.as_ptr()))?;
+        self.host_checked(Kind::ReduceScatter(op), dtype, inputs, outputs)
+    }
+
+    /// The host-staged path reduces in place with typed kernels, which need aligned elements.
+    fn check_aligned(&self, dtype: DType, ptrs: impl Iterator<Item = *const u8>) -> Result<()> {
+        for (r, p) in ptrs.enumerate() {
+            if (p as usize) % dtype.size() != 0 {
+                return Err(Error::config(format!(
+                    "XLA: buffer {r} is not aligned to its {dtype} elements"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    // ----------------------------- device buffers -----------------------------
+
+    /// All-reduce of device buffers (`inputs[r]` on device r); returns the results, one per
+    /// device. The inputs are left as they were.
+    pub fn all_reduce_buffers(
+        &self,
+        inputs: &[&XlaBuffer],
+        op: ReduceOp,
+    ) -> Result<Vec<XlaBuffer>> {
+        self.device_call(Kind::AllReduce(op), inputs)
+    }
+
+    /// Broadcast of device buffers: every result holds `inputs[root]`.
+    pub fn broadcast_buffers(&self, inputs: &[&XlaBuffer], root: usize) -> Result<Vec<XlaBuffer>> {
+        self.device_call(Kind::Broadcast(root), inputs)
+    }
+
+    /// All-gather of device buffers: every result holds the inputs in replica order.
+    pub fn all_gather_buffers(&self, inputs: &[&XlaBuffer]) -> Result<Vec<XlaBuffer>> {
+        self.device_call(Kind::AllGather, inputs)
+    }
+
+    /// Reduce-scatter of device buffers: result r holds slice r of the reduction.
+    pub fn reduce_scatter_buffers(
+        &self,
+        inputs: &[&XlaBuffer],
+        op: ReduceOp,
+    ) -> Result<Vec<XlaBuffer>> {
+        self.device_call(Kind::ReduceScatter(op), inputs)
+    }
+}
