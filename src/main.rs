@@ -184,7 +184,13 @@ fn devices(json: bool) -> Result<(), tutti::Error> {
     let host = device::host();
     let devs = device::discover();
     if json {
-        println!("{}", serde_json::json!({ "host": host, "devices": devs }));
+        #[allow(unused_mut)]
+        let mut v = serde_json::json!({ "host": host, "devices": devs });
+        #[cfg(feature = "xla")]
+        {
+            v["xla"] = xla_json();
+        }
+        println!("{v}");
         return Ok(());
     }
     println!(
@@ -201,8 +207,59 @@ fn devices(json: bool) -> Result<(), tutti::Error> {
             .map_or("-".into(), |m| format!("{:.1} GiB", gib(m)));
         println!("{:<8} {:<6} {:>12}  {}", d.spec(), d.kind, mem, d.name);
     }
+    #[cfg(not(feature = "xla"))]
     println!("(GPU: not built with CUDA support; XLA: not built with PJRT support)");
+    #[cfg(feature = "xla")]
+    xla_text();
     Ok(())
+}
+
+/// The `xla` section of `tutti devices --json`: the plugin and its devices, or why there are
+/// none.
+#[cfg(feature = "xla")]
+fn xla_json() -> serde_json::Value {
+    match tutti::xla::discovery() {
+        Ok(d) => serde_json::json!({
+            "plugin": d.plugin,
+            "api_version": [d.api_version.0, d.api_version.1],
+            "platform": d.platform,
+            "platform_version": d.platform_version,
+            "devices": d.devices,
+        }),
+        Err(e) => serde_json::json!({ "error": e.to_string(), "api_version": null }),
+    }
+}
+
+#[cfg(feature = "xla")]
+fn xla_text() {
+    match tutti::xla::discovery() {
+        Ok(d) => {
+            println!(
+                "XLA: PJRT plugin {} (C API {}.{}), platform {} {}",
+                d.plugin.display(),
+                d.api_version.0,
+                d.api_version.1,
+                d.platform,
+                d.platform_version
+            );
+            println!(
+                "{:<8} {:>6} {:>8} {:<16} description",
+                "device", "id", "process", "kind"
+            );
+            for x in &d.devices {
+                println!(
+                    "{:<8} {:>6} {:>8} {:<16} {}",
+                    format!("xla:{}", x.index),
+                    x.id,
+                    x.process_index,
+                    x.kind,
+                    x.description
+                );
+            }
+            println!("(GPU: not built with CUDA support)");
+        }
+        Err(e) => println!("(GPU: not built with CUDA support; {e})"),
+    }
 }
 
 fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
@@ -257,6 +314,7 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
                 |t| t.to_string()
             )
         ),
+        None if a.device == DeviceKind::Xla => "XLA devices through PJRT".to_string(),
         None => "threads".to_string(),
     };
     if lead && a.json {

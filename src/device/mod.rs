@@ -149,17 +149,25 @@ pub fn host() -> HostInfo {
     }
 }
 
-/// The physical devices this build can see: the host CPU (GPUs and XLA devices join with their
-/// features).
+/// The physical devices this build can see: the host CPU, then (with the `xla` feature, when a
+/// PJRT plugin is found) the XLA devices `xla:0`, `xla:1`, ... (GPUs join with their feature).
 pub fn discover() -> Vec<Device> {
+    #[allow(unused_mut)]
+    let mut devices = vec![host_cpu()];
+    #[cfg(feature = "xla")]
+    devices.extend(crate::xla::discover_devices());
+    devices
+}
+
+fn host_cpu() -> Device {
     let h = host();
-    vec![Device {
+    Device {
         kind: DeviceKind::Cpu,
         index: 0,
         name: h.cpu_model,
         memory_bytes: Some(h.memory_total_bytes).filter(|&m| m > 0),
         physical_index: 0,
-    }]
+    }
 }
 
 /// `n` logical CPU devices `cpu:0` … `cpu:n-1` on the host CPU, sharing its memory.
@@ -169,7 +177,7 @@ pub fn logical_cpus(n: usize) -> Result<Vec<Device>> {
             "logical CPU devices: the count must be at least 1",
         ));
     }
-    let cpu = discover().remove(0);
+    let cpu = host_cpu();
     Ok((0..n)
         .map(|index| Device {
             index,

@@ -301,6 +301,9 @@ pub fn run(opts: &Options, machine: &Machine, emit: &(dyn Fn(&Row) + Sync)) -> R
                 why: "this build of tutti has no CUDA support".into(),
             })
         }
+        #[cfg(feature = "xla")]
+        DeviceKind::Xla => return crate::xla::perf::run(opts, machine, emit),
+        #[cfg(not(feature = "xla"))]
         DeviceKind::Xla => {
             return Err(Error::Unavailable {
                 what: "XLA".into(),
@@ -330,6 +333,12 @@ pub fn run_on(
     machine: &Machine,
     emit: &(dyn Fn(&Row) + Sync),
 ) -> Result<Vec<Row>> {
+    if opts.device != DeviceKind::Cpu {
+        return Err(Error::config(format!(
+            "--device {}: a launched world measures CPU ranks; run perf for {} devices without a launcher",
+            opts.device, opts.device
+        )));
+    }
     let mut rows = Vec::new();
     for bytes in sizes(opts.min_bytes, opts.max_bytes, opts.factor) {
         let row =
