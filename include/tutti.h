@@ -295,10 +295,89 @@ typedef uint32_t tutti_device_kind;
 #endif // __cplusplus
 
 /**
+ * Strategy kinds.
+ */
+enum tutti_strategy_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+    /**
+     * The default strategy: one replica, the caller.
+     */
+    TUTTI_STRATEGY_DEFAULT = 0,
+    /**
+     * One replica on one device.
+     */
+    TUTTI_STRATEGY_ONE_DEVICE = 1,
+    /**
+     * A replica per local device, variables mirrored on each.
+     */
+    TUTTI_STRATEGY_MIRRORED = 2,
+    /**
+     * A replica per local device, variables kept once on the CPU.
+     */
+    TUTTI_STRATEGY_CENTRAL_STORAGE = 3,
+    /**
+     * Replicas on the local devices of every worker of the job in the environment.
+     */
+    TUTTI_STRATEGY_MULTI_WORKER_MIRRORED = 4,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum tutti_strategy_kind tutti_strategy_kind;
+#else
+typedef uint32_t tutti_strategy_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * TensorFlow's cross-device ops.
+ */
+enum tutti_cross_device_ops
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+    /**
+     * TensorFlow's choice: NcclAllReduce on GPUs with NCCL, else ReductionToOneDevice.
+     */
+    TUTTI_CROSS_DEVICE_OPS_DEFAULT = 0,
+    /**
+     * NCCL all-reduce (GPUs).
+     */
+    TUTTI_CROSS_DEVICE_OPS_NCCL_ALL_REDUCE = 1,
+    /**
+     * HierarchicalCopyAllReduce, one pack per batch.
+     */
+    TUTTI_CROSS_DEVICE_OPS_HIERARCHICAL_COPY = 2,
+    /**
+     * ReductionToOneDevice, onto the first device.
+     */
+    TUTTI_CROSS_DEVICE_OPS_REDUCTION_TO_ONE_DEVICE = 3,
+    /**
+     * The ring.
+     */
+    TUTTI_CROSS_DEVICE_OPS_RING = 4,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum tutti_cross_device_ops tutti_cross_device_ops;
+#else
+typedef uint32_t tutti_cross_device_ops;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * One rank's handle on a group of ranks (opaque). Created by `tutti_comm_create_group`,
  * released by `tutti_comm_destroy`.
  */
 typedef struct tutti_comm tutti_comm;
+
+/**
+ * What a replica function gets (opaque): valid only during that call, on that thread.
+ */
+typedef struct tutti_replica_context tutti_replica_context;
 
 /**
  * A group of replicas driven by one caller that holds every replica's buffer (opaque), as
@@ -308,6 +387,12 @@ typedef struct tutti_comm tutti_comm;
  * `tutti_replicas_destroy`.
  */
 typedef struct tutti_replicas tutti_replicas;
+
+/**
+ * A strategy (opaque). Created by `tutti_strategy_create`, released by
+ * `tutti_strategy_destroy`.
+ */
+typedef struct tutti_strategy tutti_strategy;
 
 /**
  * Settings of a new group. Start from `TUTTI_CONFIG_INIT`, which sets `struct_size` and the
@@ -393,6 +478,14 @@ typedef struct tutti_device_info {
      */
     char spec[TUTTI_DEVICE_SPEC_LEN];
 } tutti_device_info;
+
+/**
+ * A step run once per local replica by `tutti_strategy_run`, on the replica's own thread, at
+ * the same time as the other replicas' calls: it must be safe to call concurrently. Return
+ * `TUTTI_SUCCESS`, or a failure code (the code of a failed tutti call made inside is a good
+ * choice): `tutti_strategy_run` then fails with the first failing replica's error.
+ */
+typedef tutti_result (*tutti_replica_fn)(const struct tutti_replica_context *ctx, void *user_data);
 
 #ifdef __cplusplus
 extern "C" {
@@ -890,6 +983,133 @@ tutti_result tutti_replicas_reduce(struct tutti_replicas *replicas,
                                    tutti_op op,
                                    size_t num_inputs,
                                    const void *const *inputs,
+                                   void *output);
+
+/**
+ * Create a strategy of `kind` with `num_local_replicas` replicas on this host (logical CPU
+ * devices; 0 means the default devices: every GPU, else the CPU) and write it to `*strategy`.
+ * `cross_device_ops` applies to MIRRORED; `TUTTI_CROSS_DEVICE_OPS_DEFAULT` chooses as
+ * TensorFlow does (and says on stderr why NCCL is not used where it is not).
+ * MULTI_WORKER_MIRRORED joins the job its environment describes (TF_CONFIG, tutti launch...).
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `strategy` is NULL or writable.
+ */
+tutti_result tutti_strategy_create(tutti_strategy_kind kind,
+                                   size_t num_local_replicas,
+                                   tutti_cross_device_ops cross_device_ops,
+                                   struct tutti_strategy **strategy);
+
+/**
+ * Release a strategy and stop its replicas. NULL is accepted and ignored.
+ *
+ * Thread-safety: no other call may be using `strategy`, on any thread, nor use it afterwards.
+ *
+ * # Safety
+ *
+ * `strategy` is NULL or a live handle from `tutti_strategy_create`, not used again.
+ */
+void tutti_strategy_destroy(struct tutti_strategy *strategy);
+
+/**
+ * Write the number of replicas in sync across the job to `*num_replicas` (TensorFlow's
+ * `num_replicas_in_sync`), and the number on this process to `*num_local_replicas`.
+ * Either output may be NULL.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `strategy` is NULL or a live handle; the outputs are NULL or writable.
+ */
+tutti_result tutti_strategy_num_replicas(const struct tutti_strategy *strategy,
+                                         size_t *num_replicas,
+                                         size_t *num_local_replicas);
+
+/**
+ * Call `step(ctx, user_data)` once per local replica, in parallel, and return when every call
+ * has returned. A replica whose call fails makes this fail with its code and message (its
+ * siblings' collectives are woken rather than left to time out); the strategy stays usable.
+ *
+ * Thread-safety: one `tutti_strategy_run` at a time per strategy.
+ *
+ * # Safety
+ *
+ * `strategy` is NULL or a live handle; `step` is NULL or a function safe to call on several
+ * threads at once with `user_data`.
+ */
+tutti_result tutti_strategy_run(struct tutti_strategy *strategy,
+                                tutti_replica_fn step,
+                                void *user_data);
+
+/**
+ * Write this replica's index among every replica in sync to `*replica_id` (TensorFlow's
+ * `replica_id_in_sync_group`) and its index on this process to `*local_replica_id`. Either
+ * output may be NULL.
+ *
+ * Thread-safety: only inside the replica function that was handed `ctx`.
+ *
+ * # Safety
+ *
+ * `ctx` is NULL or the context of the running replica function; outputs NULL or writable.
+ */
+tutti_result tutti_replica_id(const struct tutti_replica_context *ctx,
+                              size_t *replica_id,
+                              size_t *local_replica_id);
+
+/**
+ * All-reduce `count` elements of `buf` in place across every replica in sync. `op` may be any
+ * `tutti_op`; MEAN divides by the number of replicas in sync.
+ *
+ * Thread-safety: only inside the replica function that was handed `ctx`.
+ *
+ * # Safety
+ *
+ * `ctx` is NULL or the running replica's context; `buf` is NULL or holds `count` elements of
+ * `dtype`, readable and writable.
+ */
+tutti_result tutti_replica_all_reduce(const struct tutti_replica_context *ctx,
+                                      size_t count,
+                                      tutti_dtype dtype,
+                                      tutti_op op,
+                                      void *buf);
+
+/**
+ * Broadcast `count` elements of `buf` from the replica `root` (an index in sync) to every
+ * replica.
+ *
+ * Thread-safety: only inside the replica function that was handed `ctx`.
+ *
+ * # Safety
+ *
+ * As `tutti_replica_all_reduce`.
+ */
+tutti_result tutti_replica_broadcast(const struct tutti_replica_context *ctx,
+                                     size_t count,
+                                     tutti_dtype dtype,
+                                     size_t root,
+                                     void *buf);
+
+/**
+ * Reduce one value per local replica (`per_replica[i]`: `count` elements of `dtype`) across
+ * every replica in sync into `output` (TensorFlow's `strategy.reduce` with no axis). `op` is
+ * SUM or MEAN.
+ *
+ * Thread-safety: not inside a replica function; one call at a time per strategy.
+ *
+ * # Safety
+ *
+ * `strategy` is NULL or a live handle; `per_replica` is NULL or holds one pointer per local
+ * replica, each to `count` readable elements; `output` is NULL or holds `count` writable ones.
+ */
+tutti_result tutti_strategy_reduce(struct tutti_strategy *strategy,
+                                   size_t count,
+                                   tutti_dtype dtype,
+                                   tutti_op op,
+                                   const void *const *per_replica,
                                    void *output);
 
 #ifdef __cplusplus

@@ -247,6 +247,24 @@ pub unsafe extern "C" fn tutti_last_error(buf: *mut c_char, len: usize) -> usize
     catch_unwind(copy).unwrap_or(0)
 }
 
+/// This thread's last error message ("" when the last call succeeded).
+pub(crate) fn last_error_text() -> String {
+    LAST_ERROR
+        .try_with(|m| m.try_borrow().map(|m| m.clone()).unwrap_or_default())
+        .unwrap_or_default()
+}
+
+/// The sentence for a result code, as Rust text.
+pub(crate) fn result_text(code: tutti_result) -> String {
+    RESULT_STRINGS
+        .iter()
+        .find(|(c, _)| *c as u32 == code)
+        .map_or_else(
+            || "unknown tutti_result code".to_string(),
+            |(_, s)| s.to_string_lossy().into_owned(),
+        )
+}
+
 /// The longest prefix of `s` of at most `max` bytes that ends on a character boundary.
 pub(crate) fn floor_char_boundary(s: &str, max: usize) -> usize {
     if max >= s.len() {

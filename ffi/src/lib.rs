@@ -15,6 +15,7 @@ mod config;
 mod device;
 mod error;
 mod replicas;
+mod strategy;
 mod types;
 
 use std::ffi::c_char;

@@ -67,6 +67,33 @@ fn c_example_trainer() {
     assert!(out.contains("replicas agree"), "{out}");
 }
 
+#[test]
+fn c_strategies() {
+    let exe = compile(
+        Lang::C,
+        "strategy",
+        &["ffi/tests/c/strategy.c"],
+        &["ffi/tests/c"],
+    );
+    let out = run(&exe, &[], LIMIT);
+    assert!(out.contains("strategy: ok"), "{out}");
+}
+
+#[test]
+fn c_trainer_with_mirrored_strategy() {
+    let exe = compile(
+        Lang::C,
+        "train_mirrored",
+        &["examples/c/train_mirrored.c"],
+        &[],
+    );
+    let out = run(&exe, &[], LIMIT);
+    assert!(
+        out.contains("mirrored replicas agree and converged"),
+        "{out}"
+    );
+}
+
 /// The README's C example (the first ```c block of its "C API" section) compiles and runs.
 #[test]
 fn readme_c_example() {

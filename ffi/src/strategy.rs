@@ -1,0 +1,434 @@
+//! `tutti_strategy`: TensorFlow's `tf.distribute` strategies for C trainers.
+//!
+//! A strategy owns its replicas (threads of this process, one per local device); the trainer
+//! writes one step as a `tutti_replica_fn` and `tutti_strategy_run` calls it once per local
+//! replica, in parallel, each with a `tutti_replica_context` whose collectives span every
+//! replica in sync.
+
+use std::ffi::c_void;
+
+use tutti::device::logical_cpus;
+use tutti::strategy::{
+    CommunicationImplementation, CrossDeviceOps, PerReplica, ReplicaContext, Strategy, Tensor,
+};
+use tutti::{DType, Element, ReduceOp};
+
+use crate::buffers::{self, byte_len, check};
+use crate::error::{boundary, boundary_void, tutti_result, Failure, TuttiResult};
+use crate::types::{self, tutti_dtype, tutti_op};
+
+/// Strategy kinds.
+#[repr(u32)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum TuttiStrategyKind {
+    /// The default strategy: one replica, the caller.
+    TUTTI_STRATEGY_DEFAULT = 0,
+    /// One replica on one device.
+    TUTTI_STRATEGY_ONE_DEVICE = 1,
+    /// A replica per local device, variables mirrored on each.
+    TUTTI_STRATEGY_MIRRORED = 2,
+    /// A replica per local device, variables kept once on the CPU.
+    TUTTI_STRATEGY_CENTRAL_STORAGE = 3,
+    /// Replicas on the local devices of every worker of the job in the environment.
+    TUTTI_STRATEGY_MULTI_WORKER_MIRRORED = 4,
+}
+
+/// A `tutti_strategy_kind` as it crosses the C boundary: one of the `TUTTI_STRATEGY_*` values.
+pub type tutti_strategy_kind = u32;
+
+/// TensorFlow's cross-device ops.
+#[repr(u32)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum TuttiCrossDeviceOps {
+    /// TensorFlow's choice: NcclAllReduce on GPUs with NCCL, else ReductionToOneDevice.
+    TUTTI_CROSS_DEVICE_OPS_DEFAULT = 0,
+    /// NCCL all-reduce (GPUs).
+    TUTTI_CROSS_DEVICE_OPS_NCCL_ALL_REDUCE = 1,
+    /// HierarchicalCopyAllReduce, one pack per batch.
+    TUTTI_CROSS_DEVICE_OPS_HIERARCHICAL_COPY = 2,
+    /// ReductionToOneDevice, onto the first device.
+    TUTTI_CROSS_DEVICE_OPS_REDUCTION_TO_ONE_DEVICE = 3,
+    /// The ring.
+    TUTTI_CROSS_DEVICE_OPS_RING = 4,
+}
+
+/// A `tutti_cross_device_ops` as it crosses the C boundary.
+pub type tutti_cross_device_ops = u32;
+
+/// A strategy (opaque). Created by `tutti_strategy_create`, released by
+/// `tutti_strategy_destroy`.
+pub struct tutti_strategy {
+    inner: Strategy,
+}
+
+/// What a replica function gets (opaque): valid only during that call, on that thread.
+pub struct tutti_replica_context {
+    ctx: *const c_void,
+}
+
+/// A step run once per local replica by `tutti_strategy_run`, on the replica's own thread, at
+/// the same time as the other replicas' calls: it must be safe to call concurrently. Return
+/// `TUTTI_SUCCESS`, or a failure code (the code of a failed tutti call made inside is a good
+/// choice): `tutti_strategy_run` then fails with the first failing replica's error.
+pub type tutti_replica_fn = Option<
+    unsafe extern "C" fn(ctx: *const tutti_replica_context, user_data: *mut c_void) -> tutti_result,
+>;
+
+fn cross_ops(v: tutti_cross_device_ops) -> Result<Option<CrossDeviceOps>, Failure> {
+    use TuttiCrossDeviceOps as K;
+    Ok(Some(match v {
+        x if x == K::TUTTI_CROSS_DEVICE_OPS_DEFAULT as u32 => return Ok(None),
+        x if x == K::TUTTI_CROSS_DEVICE_OPS_NCCL_ALL_REDUCE as u32 => CrossDeviceOps::NcclAllReduce,
+        x if x == K::TUTTI_CROSS_DEVICE_OPS_HIERARCHICAL_COPY as u32 => {
+            CrossDeviceOps::HierarchicalCopyAllReduce { num_packs: 1 }
+        }
+        x if x == K::TUTTI_CROSS_DEVICE_OPS_REDUCTION_TO_ONE_DEVICE as u32 => {
+            CrossDeviceOps::ReductionToOneDevice {
+                reduce_to_device: None,
+            }
+        }
+        x if x == K::TUTTI_CROSS_DEVICE_OPS_RING as u32 => CrossDeviceOps::Ring,
+        other => {
+            return Err(Failure::invalid(format!(
+                "cross_device_ops {other} is not a tutti_cross_device_ops (valid: 0..=4)"
+            )))
+        }
+    }))
+}
+
+/// Create a strategy of `kind` with `num_local_replicas` replicas on this host (logical CPU
+/// devices; 0 means the default devices: every GPU, else the CPU) and write it to `*strategy`.
+/// `cross_device_ops` applies to MIRRORED; `TUTTI_CROSS_DEVICE_OPS_DEFAULT` chooses as
+/// TensorFlow does (and says on stderr why NCCL is not used where it is not).
+/// MULTI_WORKER_MIRRORED joins the job its environment describes (TF_CONFIG, tutti launch...).
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `strategy` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_strategy_create(
+    kind: tutti_strategy_kind,
+    num_local_replicas: usize,
+    cross_device_ops: tutti_cross_device_ops,
+    strategy: *mut *mut tutti_strategy,
+) -> tutti_result {
+    boundary("tutti_strategy_create", || {
+        use TuttiStrategyKind as K;
+        if strategy.is_null() {
+            return Err(Failure::invalid("strategy is NULL"));
+        }
+        let ops = cross_ops(cross_device_ops)?;
+        let devices = if num_local_replicas == 0 {
+            Vec::new()
+        } else {
+            logical_cpus(num_local_replicas)?
+        };
+        let inner = match kind {
+            k if k == K::TUTTI_STRATEGY_DEFAULT as u32 => Strategy::default_strategy(),
+            k if k == K::TUTTI_STRATEGY_ONE_DEVICE as u32 => {
+                Strategy::one_device(logical_cpus(1)?.remove(0))?
+            }
+            k if k == K::TUTTI_STRATEGY_MIRRORED as u32 => Strategy::mirrored(&devices, ops)?,
+            k if k == K::TUTTI_STRATEGY_CENTRAL_STORAGE as u32 => {
+                Strategy::central_storage(&devices)?
+            }
+            k if k == K::TUTTI_STRATEGY_MULTI_WORKER_MIRRORED as u32 => {
+                Strategy::multi_worker_mirrored(CommunicationImplementation::Auto, None, &devices)?
+            }
+            other => {
+                return Err(Failure::invalid(format!(
+                    "kind {other} is not a tutti_strategy_kind (valid: 0..=4)"
+                )))
+            }
+        };
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { strategy.write(Box::into_raw(Box::new(tutti_strategy { inner }))) };
+        Ok(())
+    })
+}
+
+/// Release a strategy and stop its replicas. NULL is accepted and ignored.
+///
+/// Thread-safety: no other call may be using `strategy`, on any thread, nor use it afterwards.
+///
+/// # Safety
+///
+/// `strategy` is NULL or a live handle from `tutti_strategy_create`, not used again.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_strategy_destroy(strategy: *mut tutti_strategy) {
+    boundary_void("tutti_strategy_destroy", || {
+        if !strategy.is_null() {
+            // SAFETY: a live handle from Box::into_raw, released once.
+            drop(unsafe { Box::from_raw(strategy) });
+        }
+    })
+}
+
+/// # Safety
+///
+/// `strategy` is NULL or a live handle.
+unsafe fn strategy_ref<'a>(strategy: *const tutti_strategy) -> Result<&'a Strategy, Failure> {
+    // SAFETY: as the caller promises.
+    unsafe { strategy.as_ref() }
+        .map(|s| &s.inner)
+        .ok_or_else(|| Failure::invalid("strategy is NULL"))
+}
+
+/// Write the number of replicas in sync across the job to `*num_replicas` (TensorFlow's
+/// `num_replicas_in_sync`), and the number on this process to `*num_local_replicas`.
+/// Either output may be NULL.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `strategy` is NULL or a live handle; the outputs are NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_strategy_num_replicas(
+    strategy: *const tutti_strategy,
+    num_replicas: *mut usize,
+    num_local_replicas: *mut usize,
+) -> tutti_result {
+    boundary("tutti_strategy_num_replicas", || {
+        // SAFETY: as the caller promises.
+        let s = unsafe { strategy_ref(strategy) }?;
+        // SAFETY: NULL-checked; the caller promises they are writable.
+        unsafe {
+            if !num_replicas.is_null() {
+                num_replicas.write(s.num_replicas_in_sync());
+            }
+            if !num_local_replicas.is_null() {
+                num_local_replicas.write(s.num_local_replicas());
+            }
+        }
+        Ok(())
+    })
+}
+
+/// The replica function and its data, shared by the replica threads.
+struct Step {
+    f: unsafe extern "C" fn(*const tutti_replica_context, *mut c_void) -> tutti_result,
+    user: *mut c_void,
+}
+
+// SAFETY: the trainer promises (see `tutti_replica_fn`) that the function may run on several
+// threads at once with this data.
+unsafe impl Sync for Step {}
+
+/// Call `step(ctx, user_data)` once per local replica, in parallel, and return when every call
+/// has returned. A replica whose call fails makes this fail with its code and message (its
+/// siblings' collectives are woken rather than left to time out); the strategy stays usable.
+///
+/// Thread-safety: one `tutti_strategy_run` at a time per strategy.
+///
+/// # Safety
+///
+/// `strategy` is NULL or a live handle; `step` is NULL or a function safe to call on several
+/// threads at once with `user_data`.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_strategy_run(
+    strategy: *mut tutti_strategy,
+    step: tutti_replica_fn,
+    user_data: *mut c_void,
+) -> tutti_result {
+    boundary("tutti_strategy_run", || {
+        // SAFETY: as the caller promises.
+        let s = unsafe { strategy_ref(strategy) }?;
+        let f = step.ok_or_else(|| Failure::invalid("step is NULL"))?;
+        let step = Step { f, user: user_data };
+        let step = &step;
+        s.run(|ctx: &ReplicaContext<'_>| {
+            let c = tutti_replica_context {
+                ctx: (ctx as *const ReplicaContext<'_>).cast(),
+            };
+            // SAFETY: the trainer's function, called as it promised it can be.
+            let code = unsafe { (step.f)(&c, step.user) };
+            if code == TuttiResult::TUTTI_SUCCESS as u32 {
+                return Ok(());
+            }
+            let last = crate::error::last_error_text();
+            Err(tutti::Error::System {
+                what: format!("the step of replica {}", ctx.replica_id_in_sync_group()),
+                message: format!(
+                    "returned {code} ({}){}",
+                    crate::error::result_text(code),
+                    if last.is_empty() {
+                        String::new()
+                    } else {
+                        format!(": {last}")
+                    }
+                ),
+            })
+        })?;
+        Ok(())
+    })
+}
+
+/// # Safety
+///
+/// `ctx` is NULL or the context a replica function was handed, during that call.
+unsafe fn ctx_ref<'a>(
+    ctx: *const tutti_replica_context,
+) -> Result<&'a ReplicaContext<'a>, Failure> {
+    // SAFETY: as the caller promises: it points at a live ReplicaContext.
+    let c = unsafe { ctx.as_ref() }.ok_or_else(|| Failure::invalid("ctx is NULL"))?;
+    Ok(unsafe { &*(c.ctx as *const ReplicaContext<'a>) })
+}
+
+/// Write this replica's index among every replica in sync to `*replica_id` (TensorFlow's
+/// `replica_id_in_sync_group`) and its index on this process to `*local_replica_id`. Either
+/// output may be NULL.
+///
+/// Thread-safety: only inside the replica function that was handed `ctx`.
+///
+/// # Safety
+///
+/// `ctx` is NULL or the context of the running replica function; outputs NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_replica_id(
+    ctx: *const tutti_replica_context,
+    replica_id: *mut usize,
+    local_replica_id: *mut usize,
+) -> tutti_result {
+    boundary("tutti_replica_id", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { ctx_ref(ctx) }?;
+        // SAFETY: NULL-checked; the caller promises they are writable.
+        unsafe {
+            if !replica_id.is_null() {
+                replica_id.write(c.replica_id_in_sync_group());
+            }
+            if !local_replica_id.is_null() {
+                local_replica_id.write(c.local_replica_id());
+            }
+        }
+        Ok(())
+    })
+}
+
+fn typed<T: Element>(b: &mut [u8]) -> &mut [T] {
+    bytemuck::cast_slice_mut(b)
+}
+
+/// All-reduce `count` elements of `buf` in place across every replica in sync. `op` may be any
+/// `tutti_op`; MEAN divides by the number of replicas in sync.
+///
+/// Thread-safety: only inside the replica function that was handed `ctx`.
+///
+/// # Safety
+///
+/// `ctx` is NULL or the running replica's context; `buf` is NULL or holds `count` elements of
+/// `dtype`, readable and writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_replica_all_reduce(
+    ctx: *const tutti_replica_context,
+    count: usize,
+    dtype: tutti_dtype,
+    op: tutti_op,
+    buf: *mut c_void,
+) -> tutti_result {
+    boundary("tutti_replica_all_reduce", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { ctx_ref(ctx) }?;
+        let dtype = types::dtype(dtype).map_err(Failure::invalid)?;
+        let op = types::op(op).map_err(Failure::invalid)?;
+        let len = byte_len(count, 1, dtype).map_err(Failure::invalid)?;
+        check(buf, len, dtype, "buf").map_err(Failure::invalid)?;
+        // SAFETY: checked; the caller promises `count` elements.
+        let bytes = unsafe { buffers::slice_mut(buf, len) };
+        tutti::for_each_dtype!(dtype, T => { c.all_reduce(op, typed::<T>(bytes))? });
+        Ok(())
+    })
+}
+
+/// Broadcast `count` elements of `buf` from the replica `root` (an index in sync) to every
+/// replica.
+///
+/// Thread-safety: only inside the replica function that was handed `ctx`.
+///
+/// # Safety
+///
+/// As `tutti_replica_all_reduce`.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_replica_broadcast(
+    ctx: *const tutti_replica_context,
+    count: usize,
+    dtype: tutti_dtype,
+    root: usize,
+    buf: *mut c_void,
+) -> tutti_result {
+    boundary("tutti_replica_broadcast", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { ctx_ref(ctx) }?;
+        let dtype = types::dtype(dtype).map_err(Failure::invalid)?;
+        let len = byte_len(count, 1, dtype).map_err(Failure::invalid)?;
+        check(buf, len, dtype, "buf").map_err(Failure::invalid)?;
+        // SAFETY: checked; the caller promises `count` elements.
+        let bytes = unsafe { buffers::slice_mut(buf, len) };
+        tutti::for_each_dtype!(dtype, T => { c.broadcast(typed::<T>(bytes), root)? });
+        Ok(())
+    })
+}
+
+/// Reduce one value per local replica (`per_replica[i]`: `count` elements of `dtype`) across
+/// every replica in sync into `output` (TensorFlow's `strategy.reduce` with no axis). `op` is
+/// SUM or MEAN.
+///
+/// Thread-safety: not inside a replica function; one call at a time per strategy.
+///
+/// # Safety
+///
+/// `strategy` is NULL or a live handle; `per_replica` is NULL or holds one pointer per local
+/// replica, each to `count` readable elements; `output` is NULL or holds `count` writable ones.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_strategy_reduce(
+    strategy: *mut tutti_strategy,
+    count: usize,
+    dtype: tutti_dtype,
+    op: tutti_op,
+    per_replica: *const *const c_void,
+    output: *mut c_void,
+) -> tutti_result {
+    boundary("tutti_strategy_reduce", || {
+        // SAFETY: as the caller promises.
+        let s = unsafe { strategy_ref(strategy) }?;
+        let dtype = types::dtype(dtype).map_err(Failure::invalid)?;
+        let op = types::op(op).map_err(Failure::invalid)?;
+        let len = byte_len(count, 1, dtype).map_err(Failure::invalid)?;
+        if per_replica.is_null() {
+            return Err(Failure::invalid("per_replica is NULL"));
+        }
+        // SAFETY: the caller promises one pointer per local replica.
+        let ptrs = unsafe { std::slice::from_raw_parts(per_replica, s.num_local_replicas()) };
+        for (i, p) in ptrs.iter().enumerate() {
+            check(*p, len, dtype, &format!("per_replica[{i}]")).map_err(Failure::invalid)?;
+        }
+        check(output, len, dtype, "output").map_err(Failure::invalid)?;
+        fn run<T: Element>(
+            s: &Strategy,
+            op: ReduceOp,
+            ptrs: &[*const c_void],
+            len: usize,
+            out: *mut c_void,
+        ) -> tutti::Result<()> {
+            // SAFETY: checked above; the caller promises the lengths.
+            let parts: Vec<Tensor<T>> = ptrs
+                .iter()
+                .map(|p| {
+                    Tensor::vector(
+                        bytemuck::cast_slice::<u8, T>(unsafe { buffers::slice(*p, len) }).to_vec(),
+                    )
+                })
+                .collect();
+            let r = s.reduce(op, &PerReplica(parts), None)?;
+            let out: &mut [T] = bytemuck::cast_slice_mut(unsafe { buffers::slice_mut(out, len) });
+            out.copy_from_slice(&r.data);
+            Ok(())
+        }
+        let _: DType = dtype;
+        tutti::for_each_dtype!(dtype, T => { run::<T>(s, op, ptrs, len, output)? });
+        Ok(())
+    })
+}

@@ -1,0 +1,111 @@
+/* The strategy API from C: replica ids, collectives inside a step, cross-replica reduce, every
+ * kind, and the error paths (NULL handles, bad enums, a failing replica, reuse after it). */
+#include "check.h"
+
+typedef struct shared {
+    size_t ids[8];
+    float gathered[8];
+} shared;
+
+static tutti_result step(const tutti_replica_context *ctx, void *user) {
+    shared *s = user;
+    size_t id = 0, local = 0;
+    float v[3];
+    int32_t root_value;
+    tutti_result r = tutti_replica_id(ctx, &id, &local);
+    if (r != TUTTI_SUCCESS) {
+        return r;
+    }
+    s->ids[local] = id;
+    v[0] = (float)id;
+    v[1] = 1.0f;
+    v[2] = (float)(id * id);
+    r = tutti_replica_all_reduce(ctx, 3, TUTTI_DTYPE_F32, TUTTI_OP_SUM, v);
+    if (r != TUTTI_SUCCESS) {
+        return r;
+    }
+    s->gathered[local] = v[0] + 10.0f * v[1] + 100.0f * v[2];
+    root_value = (int32_t)(id * 7);
+    return tutti_replica_broadcast(ctx, 1, TUTTI_DTYPE_I32, 1, &root_value) == TUTTI_SUCCESS &&
+                   root_value == 7
+               ? TUTTI_SUCCESS
+               : TUTTI_ERROR_INTERNAL;
+}
+
+static tutti_result failing_step(const tutti_replica_context *ctx, void *user) {
+    size_t id = 0;
+    float v[2] = {1, 2};
+    (void)user;
+    tutti_replica_id(ctx, &id, NULL);
+    if (id == 2) {
+        /* A tutti call with a bad argument: its code and message travel out of run. */
+        return tutti_replica_all_reduce(ctx, 2, 99, TUTTI_OP_SUM, v);
+    }
+    return tutti_replica_all_reduce(ctx, 2, TUTTI_DTYPE_F32, TUTTI_OP_SUM, v);
+}
+
+int main(void) {
+    tutti_strategy *s = NULL;
+    shared sh;
+    size_t n = 0, local = 0, i;
+    float parts[4][2], *ptrs[4], out[2];
+    unsigned kind;
+
+    CHECK(tutti_strategy_create(TUTTI_STRATEGY_MIRRORED, 4, TUTTI_CROSS_DEVICE_OPS_RING, &s));
+    CHECK(tutti_strategy_num_replicas(s, &n, &local));
+    EXPECT(n == 4 && local == 4);
+    memset(&sh, 0, sizeof sh);
+    CHECK(tutti_strategy_run(s, step, &sh));
+    for (i = 0; i < 4; i++) {
+        EXPECT(sh.ids[i] == i);
+        /* sum of ids 6, four ones, sum of squares 14 */
+        EXPECT(sh.gathered[i] == 6.0f + 40.0f + 1400.0f);
+    }
+    for (i = 0; i < 4; i++) {
+        parts[i][0] = (float)i;
+        parts[i][1] = 2.0f;
+        ptrs[i] = parts[i];
+    }
+    CHECK(tutti_strategy_reduce(s, 2, TUTTI_DTYPE_F32, TUTTI_OP_MEAN, (const void *const *)ptrs, out));
+    EXPECT(out[0] == 1.5f && out[1] == 2.0f);
+
+    /* A failing replica: run fails with its code and says which replica and why. */
+    EXPECT_ERROR(tutti_strategy_run(s, failing_step, NULL), TUTTI_ERROR_SYSTEM, "replica 2",
+                 "returned 1", "dtype 99 is not a tutti_dtype");
+    /* ... and the strategy still works. */
+    memset(&sh, 0, sizeof sh);
+    CHECK(tutti_strategy_run(s, step, &sh));
+    EXPECT(sh.gathered[3] == 1446.0f);
+
+    EXPECT_ERROR(tutti_strategy_run(s, NULL, NULL), TUTTI_ERROR_INVALID_ARGUMENT, "step is NULL");
+    EXPECT_ERROR(tutti_strategy_run(NULL, step, &sh), TUTTI_ERROR_INVALID_ARGUMENT, "strategy is NULL");
+    EXPECT_ERROR(tutti_strategy_reduce(s, 2, TUTTI_DTYPE_F32, TUTTI_OP_MEAN, NULL, out),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "per_replica is NULL");
+    EXPECT_ERROR(tutti_strategy_reduce(s, 2, TUTTI_DTYPE_F32, TUTTI_OP_MAX, (const void *const *)ptrs, out),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "SUM or MEAN");
+    EXPECT_ERROR(tutti_replica_id(NULL, &n, NULL), TUTTI_ERROR_INVALID_ARGUMENT, "ctx is NULL");
+    tutti_strategy_destroy(s);
+    tutti_strategy_destroy(NULL);
+
+    s = NULL;
+    EXPECT_ERROR(tutti_strategy_create(17, 2, TUTTI_CROSS_DEVICE_OPS_DEFAULT, &s),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "kind 17 is not a tutti_strategy_kind");
+    EXPECT(s == NULL);
+    EXPECT_ERROR(tutti_strategy_create(TUTTI_STRATEGY_MIRRORED, 2, 9, &s),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "cross_device_ops 9");
+    EXPECT_ERROR(tutti_strategy_create(TUTTI_STRATEGY_MIRRORED, 2, TUTTI_CROSS_DEVICE_OPS_DEFAULT, NULL),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "strategy is NULL");
+
+    /* Every local kind runs the step. */
+    for (kind = TUTTI_STRATEGY_DEFAULT; kind <= TUTTI_STRATEGY_CENTRAL_STORAGE; kind++) {
+        CHECK(tutti_strategy_create(kind, 2, TUTTI_CROSS_DEVICE_OPS_DEFAULT, &s));
+        CHECK(tutti_strategy_num_replicas(s, &n, NULL));
+        memset(&sh, 0, sizeof sh);
+        if (n > 1) {
+            CHECK(tutti_strategy_run(s, step, &sh));
+        }
+        tutti_strategy_destroy(s);
+    }
+    printf("strategy: ok\n");
+    return 0;
+}
