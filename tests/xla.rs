@@ -797,7 +797,9 @@ fn libtpu_loads_and_reports_no_tpu() {
         );
     } else {
         let err = v["xla"]["error"].as_str().unwrap_or_default();
+        // Loaded, version accepted, initialized: only the client found no TPU.
         assert!(err.contains("no TPU"), "{v}");
+        assert!(err.contains("could not start a client"), "{v}");
         assert!(v["xla"]["api_version"].is_null(), "{v}");
     }
 }
