@@ -121,7 +121,7 @@ fn all_reduce_programs_every_op_f32_bf16_i32() {
     let Some(client) = new_client("all_reduce_programs") else {
         return;
     };
-    client.set_path(xla::Path::Program);
+    client.set_route(xla::Route::Program);
     for count in [1, 7, 1000] {
         for op in ReduceOp::ALL {
             check_all_reduce::<f32>(&client, count, op);
@@ -159,7 +159,7 @@ fn second_call_hits_the_program_cache() {
     let Some(client) = new_client("program_cache") else {
         return;
     };
-    client.set_path(xla::Path::Program);
+    client.set_route(xla::Route::Program);
     check_all_reduce::<f32>(&client, 64, ReduceOp::Sum);
     let first = client.cache_stats();
     assert_eq!((first.compiled, first.hits), (1, 0), "{first:?}");
@@ -318,7 +318,7 @@ fn host_staged_path() {
     let Some(client) = new_client("host_staged_path") else {
         return;
     };
-    client.set_path(xla::Path::HostStaged);
+    client.set_route(xla::Route::HostStaged);
     for op in ReduceOp::ALL {
         check_all_reduce::<f32>(&client, 300, op);
         check_all_reduce::<bf16>(&client, 300, op);
@@ -738,7 +738,7 @@ fn a_refused_program_runs_host_staged() {
     }
     let g = client.all_gather_buffers(&[&a, &b]).unwrap();
     assert_eq!(g[1].to_vec::<i64>().unwrap(), [1, -2, 3, 10, 20, -30]);
-    client.set_path(xla::Path::Program);
+    client.set_route(xla::Route::Program);
     let e = client
         .all_reduce_buffers(&[&a, &b], ReduceOp::Max)
         .unwrap_err();

@@ -154,7 +154,7 @@ pub struct XlaDevice {
 
 /// How the collectives are carried out.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Path {
+pub enum Route {
     /// Compiled XLA programs, falling back to the host-staged path for a program the plugin
     /// cannot compile (remembered per program).
     Auto,
@@ -213,7 +213,7 @@ pub(crate) struct Inner {
     pub(crate) timeout: Duration,
     cache: Mutex<HashMap<ProgramKey, Compiled>>,
     stats: Mutex<CacheStats>,
-    path: Mutex<Path>,
+    route: Mutex<Route>,
     pub(crate) calls: AtomicU64,
     /// Set when a wait timed out: the plugin may still be working on memory tutti no longer
     /// tracks, so the client refuses further work and is never destroyed.
@@ -458,7 +458,7 @@ impl Client {
             timeout: options.timeout,
             cache: Mutex::new(HashMap::new()),
             stats: Mutex::new(CacheStats::default()),
-            path: Mutex::new(Path::Auto),
+            route: Mutex::new(Route::Auto),
             calls: AtomicU64::new(0),
             poisoned: Mutex::new(None),
         };
@@ -516,14 +516,14 @@ impl Client {
         self.inner.timeout
     }
 
-    /// How collectives run from now on (default [`Path::Auto`]).
-    pub fn set_path(&self, path: Path) {
-        *self.inner.path.lock().unwrap_or_else(|e| e.into_inner()) = path;
+    /// How collectives run from now on (default [`Route::Auto`]).
+    pub fn set_route(&self, route: Route) {
+        *self.inner.route.lock().unwrap_or_else(|e| e.into_inner()) = route;
     }
 
     /// How collectives run.
-    pub fn path(&self) -> Path {
-        *self.inner.path.lock().unwrap_or_else(|e| e.into_inner())
+    pub fn route(&self) -> Route {
+        *self.inner.route.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The program cache's counters.
@@ -1018,7 +1018,7 @@ impl Inner {
         }
         let compiled = self.compile(key)?;
         if let Compiled::Refused(why) = &compiled {
-            if *self.path.lock().unwrap_or_else(|e| e.into_inner()) == Path::Auto {
+            if *self.route.lock().unwrap_or_else(|e| e.into_inner()) == Route::Auto {
                 eprintln!(
                     "tutti: XLA: {} refused the {} program for {} x {} on {} devices; that call runs host-staged: {why}",
                     self.plugin.path().display(),

@@ -8,7 +8,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::client::{Client, Compiled, Executable, Path, ProgramKey, XlaBuffer};
+use super::client::{Client, Compiled, Executable, ProgramKey, Route, XlaBuffer};
 use super::program::Kind;
 use crate::dtype::kernels::{self, Init};
 use crate::dtype::{DType, Element, ReduceOp};
@@ -184,13 +184,13 @@ impl Client {
         if key.count == 0 {
             return Ok(Plan::Staged);
         }
-        let mode = self.path();
-        if mode == Path::HostStaged {
+        let mode = self.route();
+        if mode == Route::HostStaged {
             return Ok(Plan::Staged);
         }
         match self.inner.program(key)? {
             Compiled::Ready(exe) => Ok(Plan::Program(exe)),
-            Compiled::Refused(why) if mode == Path::Auto => {
+            Compiled::Refused(why) if mode == Route::Auto => {
                 let _ = why;
                 Ok(Plan::Staged)
             }

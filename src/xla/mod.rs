@@ -18,7 +18,7 @@
 //!   [`Client::broadcast`], [`Client::all_gather`], [`Client::reduce_scatter`] on host buffers,
 //!   one per replica, and the `*_buffers` forms on device buffers. A program the plugin refuses
 //!   runs host-staged instead (copied to the host, reduced with tutti's kernels, copied back);
-//!   [`Client::set_path`] forces either path.
+//!   [`Client::set_route`] forces either path.
 //!
 //! Every wait on the devices is bounded by the client's timeout (`TUTTI_TIMEOUT`, default
 //! 300 s): tutti registers a callback on each PJRT event and waits on a channel with a deadline.
@@ -47,7 +47,7 @@ pub mod plugin;
 pub mod program;
 
 pub use client::{
-    CacheStats, Client, ClientOptions, OptionValue, Path, XlaBuffer, XlaDevice, OPTIONS_ENV,
+    CacheStats, Client, ClientOptions, OptionValue, Route, XlaBuffer, XlaDevice, OPTIONS_ENV,
 };
 pub use plugin::{Candidate, Plugin, PluginKind, PLUGIN_ENV};
 
