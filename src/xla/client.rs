@@ -424,19 +424,24 @@ impl Client {
             } else {
                 format!(" with options {}", opts.join(","))
             };
-            let code = ffi::error_code_name(code);
-            return Err(if plugin.kind() == PluginKind::Tpu {
+            // A TPU plugin that starts no client found no usable TPU, unless tutti's own
+            // options were at fault.
+            let no_tpu =
+                plugin.kind() == PluginKind::Tpu && code != ffi::ERROR_CODE_INVALID_ARGUMENT;
+            return Err(if no_tpu {
                 Error::Unavailable {
                     what: "XLA".into(),
                     why: format!(
-                        "no TPU: the TPU plugin {shown} could not start a client{with} ({code}: {message})"
+                        "no TPU: the TPU plugin {shown} could not start a client{with} ({}: {message})",
+                        ffi::error_code_name(code)
                     ),
                 }
             } else {
                 Error::Unavailable {
                     what: "XLA".into(),
                     why: format!(
-                        "the PJRT plugin {shown} could not start a client{with} ({code}: {message})"
+                        "the PJRT plugin {shown} could not start a client{with} ({}: {message})",
+                        ffi::error_code_name(code)
                     ),
                 }
             });
@@ -856,7 +861,7 @@ impl Inner {
                 self.destroy_event(a.event);
                 continue;
             }
-            events.push((i, a.event));
+            events.push((b.device, a.event));
         }
         let waited = self.wait(&events, "copy device buffers to the host");
         if let Err(e) = waited {
@@ -882,15 +887,16 @@ impl Inner {
         Ok(())
     }
 
-    /// Wait for `events` (tagged with the index reported in errors), each at most until the
+    /// Wait for `events`, each labelled with the device that errors name, at most until the
     /// client's timeout from now; destroys them. On a timeout the client is poisoned.
     pub(crate) fn wait(&self, events: &[(usize, *mut ffi::Event)], what: &str) -> Result<()> {
         let p = self.plugin;
         let api = self.api();
         let (tx, rx) = crossbeam_channel::unbounded::<Ready>();
+        // Callbacks report their position in `events` (unique); errors name the label.
         let mut pending: Vec<usize> = Vec::new();
         let mut failures: Vec<String> = Vec::new();
-        for &(index, ev) in events {
+        for (k, &(label, ev)) in events.iter().enumerate() {
             if ev.is_null() {
                 continue;
             }
@@ -900,7 +906,7 @@ impl Inner {
             };
             let w = Box::into_raw(Box::new(Waiter {
                 api,
-                index,
+                index: k,
                 tx: tx.clone(),
             }));
             let mut a = ffi::Event_OnReady_Args {
@@ -916,20 +922,21 @@ impl Inner {
                 // Not registered: the callback will never run, so `w` is still ours.
                 // SAFETY: `w` came from Box::into_raw above and was not handed over.
                 drop(unsafe { Box::from_raw(w) });
-                failures.push(format!("{index}: {}: {m}", ffi::error_code_name(code)));
+                failures.push(format!("{label}: {}: {m}", ffi::error_code_name(code)));
                 continue;
             }
-            pending.push(index);
+            pending.push(k);
         }
         drop(tx);
         let deadline = Instant::now() + self.timeout;
         let mut timed_out = false;
         while !pending.is_empty() {
             match rx.recv_deadline(deadline) {
-                Ok((index, status)) => {
-                    pending.retain(|&i| i != index);
+                Ok((k, status)) => {
+                    pending.retain(|&i| i != k);
                     if let Some((code, m)) = status {
-                        failures.push(format!("{index}: {}: {m}", ffi::error_code_name(code)));
+                        let label = events[k].0;
+                        failures.push(format!("{label}: {}: {m}", ffi::error_code_name(code)));
                     }
                 }
                 Err(_) => {
@@ -942,7 +949,7 @@ impl Inner {
             self.destroy_event(ev);
         }
         if timed_out {
-            let list: Vec<String> = pending.iter().map(|i| i.to_string()).collect();
+            let list: Vec<String> = pending.iter().map(|&k| events[k].0.to_string()).collect();
             let why = format!(
                 "timed out after {:?} waiting for XLA device(s) {} to {what}",
                 self.timeout,

@@ -92,7 +92,6 @@ pub fn error_code_name(code: i32) -> &'static str {
     }
 }
 
-pub const ERROR_CODE_UNIMPLEMENTED: i32 = 12;
 pub const ERROR_CODE_INVALID_ARGUMENT: i32 = 3;
 
 #[repr(C)]
