@@ -405,6 +405,22 @@ fn zero_length_calls() {
     let mut views: Vec<&mut [f32]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
     client.all_reduce(&mut views, ReduceOp::Sum).unwrap();
     client.broadcast(&mut views, 1).unwrap();
+    let ins: Vec<&[f32]> = vec![&[]; N];
+    let mut outs: Vec<Vec<f32>> = vec![Vec::new(); N];
+    let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|b| b.as_mut_slice()).collect();
+    client.all_gather(&ins, &mut views).unwrap();
+    client
+        .reduce_scatter(&ins, &mut views, ReduceOp::Sum)
+        .unwrap();
+    let dev: Vec<XlaBuffer> = (0..N)
+        .map(|r| client.buffer_from_host::<f32>(&[], r).unwrap())
+        .collect();
+    let refs: Vec<&XlaBuffer> = dev.iter().collect();
+    let out = client.all_reduce_buffers(&refs, ReduceOp::Sum).unwrap();
+    assert!(out
+        .iter()
+        .all(|b| b.is_empty() && b.to_vec::<f32>().unwrap().is_empty()));
+    assert_eq!(client.all_gather_buffers(&refs).unwrap()[3].len(), 0);
 }
 
 #[test]
