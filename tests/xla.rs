@@ -424,6 +424,14 @@ fn zero_length_calls() {
 }
 
 #[test]
+fn handles_cross_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Client>();
+    send_sync::<XlaBuffer>();
+    send_sync::<xla::Plugin>();
+}
+
+#[test]
 fn options_parse() {
     let o = ClientOptions::parse("cpu_device_count=4, flag=true,frac=0.5,name=abc").unwrap();
     assert_eq!(o.get("cpu_device_count"), Some(&OptionValue::Int(4)));
