@@ -26,7 +26,7 @@ use tutti::{ReduceOp, Result};
 
 #[derive(Parser)]
 struct Args {
-    /// default, one-device, mirrored, central-storage, multi-worker, parameter-server.
+    /// default, one-device, mirrored, central-storage, multi-worker, parameter-server, tpu.
     #[arg(long, default_value = "mirrored")]
     strategy: String,
     /// Local replicas (logical CPU devices).
@@ -183,6 +183,21 @@ fn train_ps(steps: usize, step_delay: std::time::Duration) -> Result<Option<Trai
     }
 }
 
+/// TPUStrategy over the XLA devices of the PJRT plugin found (TUTTI_PJRT_PLUGIN,
+/// TUTTI_PJRT_OPTIONS; e.g. the CPU plugin with `cpu_device_count=4`).
+#[cfg(feature = "xla")]
+fn tpu_strategy() -> Result<Strategy> {
+    Strategy::tpu(tutti::xla::Client::from_env()?)
+}
+
+#[cfg(not(feature = "xla"))]
+fn tpu_strategy() -> Result<Strategy> {
+    Err(tutti::Error::Unavailable {
+        what: "TPUStrategy".into(),
+        why: "this example was built without the xla feature (cargo build --features xla --example train)".into(),
+    })
+}
+
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
     match run(&args) {
@@ -222,6 +237,10 @@ fn run(args: &Args) -> Result<()> {
         }
         "multi-worker" => {
             let s = Strategy::multi_worker_mirrored(CommunicationImplementation::Auto, None, &devices)?;
+            (train_mirrored(&s, args.steps)?, s.num_replicas_in_sync())
+        }
+        "tpu" => {
+            let s = tpu_strategy()?;
             (train_mirrored(&s, args.steps)?, s.num_replicas_in_sync())
         }
         "parameter-server" => match train_ps(args.steps, std::time::Duration::from_millis(args.step_delay_ms))? {

@@ -15,13 +15,12 @@ use tutti::{Error, ReduceOp};
 
 const TUTTI: &str = env!("CARGO_BIN_EXE_tutti");
 
-/// The example binary, built by `cargo test` next to this test's directory.
+mod common;
+
+/// The example binary, freshly built.
 fn train() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap();
-    let p = dir.join("examples").join("train");
-    assert!(p.exists(), "{} was not built", p.display());
-    p
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT.get_or_init(|| common::example("train", &[])).clone()
 }
 
 fn last_json(out: &str) -> serde_json::Value {

@@ -108,6 +108,9 @@ pub enum StrategyKind {
     CentralStorage,
     /// Mirrored across the devices of every worker.
     MultiWorkerMirrored,
+    /// A replica per XLA device (TPU cores, or any PJRT plugin's devices); collectives run as
+    /// compiled XLA programs.
+    Tpu,
 }
 
 impl StrategyKind {
@@ -119,6 +122,7 @@ impl StrategyKind {
             StrategyKind::Mirrored => "MirroredStrategy",
             StrategyKind::CentralStorage => "CentralStorageStrategy",
             StrategyKind::MultiWorkerMirrored => "MultiWorkerMirroredStrategy",
+            StrategyKind::Tpu => "TPUStrategy",
         }
     }
 }
@@ -172,6 +176,19 @@ pub struct Strategy {
     resolver: ClusterResolver,
     /// Fusion threshold of batch reduces (TensorFlow's `bytes_per_pack`; 0: no fusion).
     bytes_per_pack: usize,
+    /// TPUStrategy: the XLA client whose compiled collectives the replicas meet in.
+    #[cfg(feature = "xla")]
+    xla: Option<XlaMeeting>,
+}
+
+/// Where the replica threads of a TPUStrategy meet for one compiled collective: each leaves its
+/// buffer, replica 0 runs the XLA program over all of them, every replica learns the outcome.
+#[cfg(feature = "xla")]
+struct XlaMeeting {
+    client: crate::xla::Client,
+    /// (address, length in bytes) of each replica's buffer for the current collective.
+    slots: Mutex<Vec<(usize, usize)>>,
+    outcome: Mutex<Option<String>>,
 }
 
 fn log(msg: &str) {
@@ -243,6 +260,8 @@ impl Strategy {
             workers,
             resolver,
             bytes_per_pack,
+            #[cfg(feature = "xla")]
+            xla: None,
         };
         s.rebuild()?;
         Ok(s)
@@ -395,6 +414,45 @@ impl Strategy {
         )
     }
 
+    /// TensorFlow's TPUStrategy: a replica per device of `client` (TPU cores through libtpu, or
+    /// any PJRT plugin's devices); the replica context's collectives run as compiled XLA
+    /// programs on every device at once.
+    #[cfg(feature = "xla")]
+    pub fn tpu(client: crate::xla::Client) -> Result<Strategy> {
+        let devices: Vec<Device> = client
+            .devices()
+            .iter()
+            .map(|d| Device {
+                kind: DeviceKind::Xla,
+                index: d.index,
+                name: d.kind.clone(),
+                memory_bytes: d.memory_bytes,
+                physical_index: d.index,
+            })
+            .collect();
+        if devices.is_empty() {
+            return Err(Error::Unavailable {
+                what: "XLA".into(),
+                why: "the PJRT client has no addressable devices".into(),
+            });
+        }
+        let n = devices.len();
+        let mut s = Strategy::build(
+            StrategyKind::Tpu,
+            devices,
+            None,
+            Config::default(),
+            None,
+            local_resolver(),
+        )?;
+        s.xla = Some(XlaMeeting {
+            client,
+            slots: Mutex::new(vec![(0, 0); n]),
+            outcome: Mutex::new(None),
+        });
+        Ok(s)
+    }
+
     /// Which strategy this is.
     pub fn kind(&self) -> StrategyKind {
         self.kind
@@ -545,6 +603,15 @@ impl Strategy {
 
     /// Sum the local replicas' values into `out`.
     fn local_reduce<T: Element>(&self, inputs: &[&[T]], out: &mut [T]) -> Result<()> {
+        #[cfg(feature = "xla")]
+        if let Some(x) = &self.xla {
+            // On the XLA devices themselves: an all-reduce of the values, replica 0's result.
+            let mut bufs: Vec<Vec<T>> = inputs.iter().map(|i| i.to_vec()).collect();
+            let mut views: Vec<&mut [T]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+            x.client.all_reduce(&mut views, ReduceOp::Sum)?;
+            out.copy_from_slice(&bufs[0]);
+            return Ok(());
+        }
         let local = self.local.try_lock().ok_or_else(|| {
             Error::config(
                 "strategy.reduce called inside run: use the replica context's all_reduce there",
@@ -758,6 +825,13 @@ impl ReplicaContext<'_> {
     /// All-reduce across every replica in sync: local reduce, cross-worker all-reduce (from local
     /// replica 0), local broadcast. `Mean` divides by the number of replicas in sync.
     pub fn all_reduce<T: Element>(&self, op: ReduceOp, buf: &mut [T]) -> Result<()> {
+        #[cfg(feature = "xla")]
+        if let Some(x) = &self.strategy.xla {
+            let dtype = T::DTYPE;
+            return self.meet(x, bytemuck::cast_slice_mut(buf), |c, bufs| {
+                c.all_reduce_raw(dtype, bufs, op)
+            });
+        }
         let Some(workers) = &self.strategy.workers else {
             return self.comm.all_reduce(buf, op);
         };
@@ -808,6 +882,13 @@ impl ReplicaContext<'_> {
                 "broadcast: root replica {root} is out of range for {n} replicas"
             )));
         }
+        #[cfg(feature = "xla")]
+        if let Some(x) = &self.strategy.xla {
+            let dtype = T::DTYPE;
+            return self.meet(x, bytemuck::cast_slice_mut(buf), |c, bufs| {
+                c.broadcast_raw(dtype, bufs, root)
+            });
+        }
         let local_n = self.strategy.devices.len();
         let (root_worker, root_local) = (root / local_n, root % local_n);
         self.comm.broadcast(buf, root_local)?;
@@ -834,6 +915,38 @@ impl ReplicaContext<'_> {
         }
         self.comm.broadcast(&mut all, 0)?;
         Ok(all)
+    }
+
+    /// Meet the other replicas of a TPUStrategy for one compiled collective over every
+    /// replica's `buf`: leave it in the slot table, wait for all, replica 0 runs `op` over all
+    /// the buffers, wait again, and share replica 0's outcome.
+    #[cfg(feature = "xla")]
+    fn meet(
+        &self,
+        x: &XlaMeeting,
+        buf: &mut [u8],
+        op: impl FnOnce(&crate::xla::Client, &mut [&mut [u8]]) -> Result<()>,
+    ) -> Result<()> {
+        x.slots.lock()[self.local_id] = (buf.as_mut_ptr() as usize, buf.len());
+        self.comm.barrier()?;
+        if self.local_id == 0 {
+            let slots = x.slots.lock().clone();
+            // SAFETY: each slot is a live buffer of a replica that waits in the barrier below
+            // until this call is done, and no two replicas share a buffer.
+            let mut bufs: Vec<&mut [u8]> = slots
+                .iter()
+                .map(|&(p, n)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, n) })
+                .collect();
+            *x.outcome.lock() = op(&x.client, &mut bufs).err().map(|e| e.to_string());
+        }
+        self.comm.barrier()?;
+        match x.outcome.lock().clone() {
+            None => Ok(()),
+            Some(m) => Err(Error::System {
+                what: "TPUStrategy collective".into(),
+                message: m,
+            }),
+        }
     }
 
     /// `var.assign_add(update)` after the updates of every replica were aggregated.

@@ -15,3 +15,50 @@ pub fn value<T: Element>(r: usize, i: usize) -> T {
 pub fn data<T: Element>(r: usize, count: usize) -> Vec<T> {
     (0..count).map(|i| value::<T>(r, i)).collect()
 }
+
+/// Build an example of this package with the test's profile, target directory and `features`,
+/// and return its path (`cargo test --test X` alone builds no examples, and a stale one would
+/// test old code).
+pub fn example(name: &str, features: &[&str]) -> std::path::PathBuf {
+    use std::path::Path;
+    let exe = std::env::current_exe().expect("the test's own path");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("tests run from target/<profile>/deps");
+    let profile = profile_dir
+        .file_name()
+        .and_then(|p| p.to_str())
+        .unwrap_or("debug")
+        .to_string();
+    let target_dir = profile_dir.parent().expect("target/<profile> has a parent");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = std::process::Command::new(&cargo);
+    cmd.args(["build", "--quiet", "-p", "tutti", "--example", name])
+        .arg("--target-dir")
+        .arg(target_dir)
+        .current_dir(env!("CARGO_MANIFEST_DIR"));
+    if !features.is_empty() {
+        cmd.args(["--features", &features.join(",")]);
+    }
+    match profile.as_str() {
+        "debug" => {}
+        "release" => {
+            cmd.arg("--release");
+        }
+        other => {
+            cmd.args(["--profile", other]);
+        }
+    }
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("running {cargo}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let p = profile_dir.join("examples").join(name);
+    assert!(p.exists(), "{} was not built", p.display());
+    p
+}

@@ -1,0 +1,85 @@
+//! TPUStrategy on XLA devices: with the CPU PJRT plugin and 4 devices (set TUTTI_PJRT_PLUGIN;
+//! `.ci/run` does), the training example reaches the reference weights, and the replica
+//! context's collectives run as compiled programs. Skips, saying why, without a plugin, unless
+//! TUTTI_REQUIRE_XLA=1.
+#![cfg(feature = "xla")]
+
+mod common;
+
+use std::process::Command;
+
+use tutti::strategy::{Strategy, StrategyKind};
+use tutti::xla::{Client, ClientOptions};
+use tutti::ReduceOp;
+
+fn client() -> Option<Client> {
+    let opts = ClientOptions::parse("cpu_device_count=4").unwrap();
+    match Client::discover(&opts) {
+        Ok(c) => Some(c),
+        Err(e) if std::env::var("TUTTI_REQUIRE_XLA").as_deref() == Ok("1") => {
+            panic!("no XLA plugin: {e}")
+        }
+        Err(e) => {
+            println!("SKIPPED: no XLA plugin ({e})");
+            None
+        }
+    }
+}
+
+#[test]
+fn tpu_strategy_collectives_and_training() {
+    let Some(c) = client() else { return };
+    let n = c.devices().len();
+    let before = c.cache_stats();
+    let s = Strategy::tpu(c.clone()).unwrap();
+    assert_eq!(s.kind(), StrategyKind::Tpu);
+    assert_eq!(s.num_replicas_in_sync(), n);
+    for round in 0..3 {
+        let out = s
+            .run(|ctx| {
+                let id = ctx.replica_id_in_sync_group() as f32;
+                let mut v = vec![id, 1.0, id * id + round as f32];
+                ctx.all_reduce(ReduceOp::Sum, &mut v)?;
+                let mut b = [id * 3.0];
+                ctx.broadcast(&mut b, n - 1)?;
+                Ok((v, b[0]))
+            })
+            .unwrap();
+        let ids: f32 = (0..n).map(|i| i as f32).sum();
+        let sq: f32 = (0..n).map(|i| (i * i) as f32).sum::<f32>() + (round * n) as f32;
+        for (v, b) in out.local_results() {
+            assert_eq!(v, &vec![ids, n as f32, sq]);
+            assert_eq!(*b, (n - 1) as f32 * 3.0);
+        }
+    }
+    let after = c.cache_stats();
+    assert!(
+        after.compiled + after.hits > before.compiled + before.hits
+            && after.staged_calls == before.staged_calls,
+        "the collectives compiled XLA programs: {after:?}"
+    );
+
+    // The training example on TPUStrategy lands on the reference weights.
+    let train = common::example("train", &["xla"]);
+    let out = Command::new(&train)
+        .args(["--strategy", "tpu", "--steps", "40", "--json"])
+        .env("TUTTI_PJRT_OPTIONS", "cpu_device_count=4")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(j["replicas"], 4);
+    let w = j["weights"].as_array().unwrap();
+    let r = j["reference_weights"].as_array().unwrap();
+    for (a, b) in w.iter().zip(r) {
+        assert!(
+            (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-4,
+            "{j}"
+        );
+    }
+}
