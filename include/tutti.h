@@ -395,6 +395,12 @@ typedef struct tutti_replicas tutti_replicas;
 typedef struct tutti_strategy tutti_strategy;
 
 /**
+ * A PJRT client and its devices (opaque). Created by `tutti_xla_client_create`, released by
+ * `tutti_xla_client_destroy`.
+ */
+typedef struct tutti_xla_client tutti_xla_client;
+
+/**
  * Settings of a new group. Start from `TUTTI_CONFIG_INIT`, which sets `struct_size` and the
  * defaults, then change the fields you need:
  *
@@ -1111,6 +1117,78 @@ tutti_result tutti_strategy_reduce(struct tutti_strategy *strategy,
                                    tutti_op op,
                                    const void *const *per_replica,
                                    void *output);
+
+/**
+ * Create a client for the PJRT plugin at `plugin_path` (NULL: discover one, as
+ * `TUTTI_PJRT_PLUGIN`, libtpu's usual places and Python site-packages) with client options
+ * `options`: comma-separated `key=value` pairs such as `"cpu_device_count=4"` (NULL: the
+ * `TUTTI_PJRT_OPTIONS` variable). Writes the handle to `*client`.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `plugin_path` and `options` are NULL or NUL-terminated strings; `client` is NULL or writable.
+ */
+tutti_result tutti_xla_client_create(const char *plugin_path,
+                                     const char *options,
+                                     struct tutti_xla_client **client);
+
+/**
+ * Release a client. NULL is accepted and ignored.
+ *
+ * Thread-safety: no other call may be using `client`, nor use it afterwards.
+ *
+ * # Safety
+ *
+ * `client` is NULL or a live handle from `tutti_xla_client_create`, not used again.
+ */
+void tutti_xla_client_destroy(struct tutti_xla_client *client);
+
+/**
+ * Write the number of the client's addressable devices (the replicas of its collectives) to
+ * `*count`.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `client` is NULL or a live handle; `count` is NULL or writable.
+ */
+tutti_result tutti_xla_device_count(const struct tutti_xla_client *client, size_t *count);
+
+/**
+ * All-reduce across the client's devices, in place: `buffers[i]` (host memory, `count`
+ * elements of `dtype`) is replica i's input and output. Runs as one compiled XLA program on
+ * every device.
+ *
+ * Thread-safety: callable from several threads on one client (calls run one after another).
+ *
+ * # Safety
+ *
+ * `client` is NULL or a live handle; `buffers` is NULL or holds one pointer per device, each
+ * to `count` readable and writable elements.
+ */
+tutti_result tutti_xla_all_reduce(const struct tutti_xla_client *client,
+                                  size_t count,
+                                  tutti_dtype dtype,
+                                  tutti_op op,
+                                  void *const *buffers);
+
+/**
+ * Broadcast device `root`'s buffer into every device's (`buffers[i]`: `count` elements).
+ *
+ * Thread-safety: as `tutti_xla_all_reduce`.
+ *
+ * # Safety
+ *
+ * As `tutti_xla_all_reduce`.
+ */
+tutti_result tutti_xla_broadcast(const struct tutti_xla_client *client,
+                                 size_t count,
+                                 tutti_dtype dtype,
+                                 size_t root,
+                                 void *const *buffers);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -67,6 +67,22 @@ fn c_example_trainer() {
     assert!(out.contains("replicas agree"), "{out}");
 }
 
+/// XLA devices from C: run for real with a plugin (TUTTI_PJRT_PLUGIN) in a build with the
+/// `xla` feature; otherwise the clean "not available" path.
+#[test]
+fn c_xla() {
+    let exe = compile(Lang::C, "xla", &["ffi/tests/c/xla.c"], &["ffi/tests/c"]);
+    let out = run(&exe, &[], LIMIT);
+    if cfg!(feature = "xla") && std::env::var_os("TUTTI_PJRT_PLUGIN").is_some() {
+        assert!(out.contains("xla: ok"), "{out}");
+    } else {
+        assert!(
+            out.contains("xla: ok") || out.contains("xla: unavailable"),
+            "{out}"
+        );
+    }
+}
+
 #[test]
 fn c_strategies() {
     let exe = compile(

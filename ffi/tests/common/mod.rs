@@ -36,10 +36,12 @@ fn ensure_built() {
         let target_dir = dir.parent().expect("target/<profile> has a parent");
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut cmd = Command::new(&cargo);
-        cmd.args(["build", "--quiet", "-p", "tutti-ffi", "--lib"])
-            .arg("--target-dir")
-            .arg(target_dir)
-            .current_dir(repo());
+        cmd.args(["build", "--quiet", "-p", "tutti-ffi", "--lib"]);
+        // The library gets the features these tests were built with.
+        if cfg!(feature = "xla") {
+            cmd.args(["--features", "xla"]);
+        }
+        cmd.arg("--target-dir").arg(target_dir).current_dir(repo());
         match profile {
             "debug" => {}
             "release" => {

@@ -1,0 +1,66 @@
+/* XLA devices from C: a client on the CPU PJRT plugin with 4 devices (TUTTI_PJRT_PLUGIN), its
+ * collectives on per-device host buffers, and the error paths. Without a plugin, or in a build
+ * without the xla feature, the client must fail cleanly with TUTTI_ERROR_UNAVAILABLE (and this
+ * program then says so, or fails when TUTTI_REQUIRE_XLA=1). */
+#include "check.h"
+
+int main(void) {
+    tutti_xla_client *c = NULL;
+    size_t n = 0, i, j;
+    float f[4][3], *fp[4];
+    int32_t v[4][2], *vp[4];
+    char msg[2048];
+    const char *require = getenv("TUTTI_REQUIRE_XLA");
+    tutti_result r = tutti_xla_client_create(NULL, "cpu_device_count=4", &c);
+
+    if (r == TUTTI_ERROR_UNAVAILABLE) {
+        last_error(msg, sizeof msg);
+        EXPECT(c == NULL);
+        EXPECT(strstr(msg, "not available") != NULL);
+        if (require != NULL && strcmp(require, "1") == 0) {
+            FAIL("TUTTI_REQUIRE_XLA=1 but: %s", msg);
+        }
+        EXPECT_ERROR(tutti_xla_device_count(NULL, &n), TUTTI_ERROR_INVALID_ARGUMENT, "");
+        printf("xla: unavailable: %s\n", msg);
+        return 0;
+    }
+    CHECK(r);
+    CHECK(tutti_xla_device_count(c, &n));
+    EXPECT(n == 4);
+    for (i = 0; i < 4; i++) {
+        for (j = 0; j < 3; j++) {
+            f[i][j] = (float)(i * 10 + j);
+        }
+        fp[i] = f[i];
+        v[i][0] = (int32_t)i;
+        v[i][1] = -(int32_t)i;
+        vp[i] = v[i];
+    }
+    CHECK(tutti_xla_all_reduce(c, 3, TUTTI_DTYPE_F32, TUTTI_OP_SUM, (void *const *)fp));
+    for (i = 0; i < 4; i++) {
+        EXPECT(f[i][0] == 60.0f && f[i][1] == 64.0f && f[i][2] == 68.0f);
+    }
+    CHECK(tutti_xla_all_reduce(c, 3, TUTTI_DTYPE_F32, TUTTI_OP_MEAN, (void *const *)fp));
+    EXPECT(f[3][0] == 60.0f);
+    CHECK(tutti_xla_broadcast(c, 2, TUTTI_DTYPE_I32, 2, (void *const *)vp));
+    for (i = 0; i < 4; i++) {
+        EXPECT(v[i][0] == 2 && v[i][1] == -2);
+    }
+
+    EXPECT_ERROR(tutti_xla_all_reduce(c, 3, TUTTI_DTYPE_F32, TUTTI_OP_SUM, NULL),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "buffers is NULL");
+    fp[2] = f[1];
+    EXPECT_ERROR(tutti_xla_all_reduce(c, 3, TUTTI_DTYPE_F32, TUTTI_OP_SUM, (void *const *)fp),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "buffers[1] and buffers[2] overlap");
+    fp[2] = f[2];
+    EXPECT_ERROR(tutti_xla_all_reduce(c, 3, 42, TUTTI_OP_SUM, (void *const *)fp),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "dtype 42");
+    EXPECT_ERROR(tutti_xla_broadcast(c, 2, TUTTI_DTYPE_I32, 9, (void *const *)vp),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "9");
+    EXPECT_ERROR(tutti_xla_client_create("/nonexistent/plugin.so", NULL, &c),
+                 TUTTI_ERROR_UNAVAILABLE, "/nonexistent/plugin.so");
+    tutti_xla_client_destroy(c);
+    tutti_xla_client_destroy(NULL);
+    printf("xla: ok\n");
+    return 0;
+}
