@@ -28,6 +28,8 @@ pub mod comm;
 pub mod device;
 pub mod dtype;
 pub mod error;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod launch;
 pub mod perf;
 pub mod reference;

@@ -139,7 +139,12 @@ fn hostname() -> String {
 /// The rendezvous store of this communicator. Rank 0 serves it; the server is kept for the life
 /// of the process, so that the later communicators of a job find it. Every communicator has its
 /// own client connection (a waiting `get` holds it).
-fn store_for(spec: &ClusterSpec, rank: usize, token: &str, timeout: Duration) -> Result<TcpStore> {
+pub(crate) fn store_for(
+    spec: &ClusterSpec,
+    rank: usize,
+    token: &str,
+    timeout: Duration,
+) -> Result<TcpStore> {
     static SERVERS: Mutex<Vec<(String, TcpStoreServer)>> = Mutex::new(Vec::new());
     if rank == 0 {
         let mut servers = SERVERS.lock();

@@ -1,0 +1,732 @@
+//! GPU discovery, visible devices, and logical (virtual) GPUs.
+//!
+//! [`devices`] lists the GPUs the driver shows this process, with name, memory (total and
+//! free), compute capability, multiprocessors, PCI bus id and UUID. The driver applies
+//! `CUDA_VISIBLE_DEVICES` itself; tutti reads the variable too ([`parse_cuda_visible_devices`])
+//! to say which entry each GPU came from. An explicit list ([`select`], [`parse_device_list`])
+//! narrows the GPUs further, like TensorFlow's `set_visible_devices`.
+//!
+//! As with TensorFlow's logical device configuration, one physical GPU can be split into
+//! several logical GPUs, each with a memory limit ([`VirtualGpuConfig`]): each logical GPU gets
+//! its own stream and its own allocation budget on the shared physical GPU, so one machine with
+//! one GPU can run several replicas. NCCL refuses two ranks on one physical GPU: virtual GPUs
+//! are reduced with the copy-based algorithms.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys;
+use serde::Serialize;
+
+use super::driver::{self, Context, Event, Stream};
+use super::libs;
+use crate::device::{Device, DeviceKind};
+use crate::error::{Error, Result};
+
+/// A physical GPU as the driver reports it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct GpuInfo {
+    /// The CUDA device ordinal in this process (after `CUDA_VISIBLE_DEVICES`): `gpu:N`.
+    pub ordinal: usize,
+    /// The device name (`NVIDIA H200`).
+    pub name: String,
+    /// Total device memory in bytes.
+    pub total_memory: u64,
+    /// Free device memory in bytes when discovered.
+    pub free_memory: u64,
+    /// Compute capability (major, minor), e.g. (9, 0).
+    pub compute_capability: (u32, u32),
+    /// Streaming multiprocessors.
+    pub multiprocessors: u32,
+    /// PCI bus id (`0000:19:00.0`).
+    pub pci_bus_id: String,
+    /// The device UUID (`GPU-…`), as `CUDA_VISIBLE_DEVICES` and `nvidia-smi` name it.
+    pub uuid: String,
+    /// The `CUDA_VISIBLE_DEVICES` entry this GPU came from, when the variable is set.
+    pub visible_as: Option<String>,
+}
+
+impl GpuInfo {
+    /// The generic device record (`gpu:N`) for [`crate::device::discover`].
+    pub fn to_device(&self) -> Device {
+        Device {
+            kind: DeviceKind::Gpu,
+            index: self.ordinal,
+            name: self.name.clone(),
+            memory_bytes: Some(self.total_memory),
+            physical_index: self.ordinal,
+        }
+    }
+}
+
+/// What `CUDA_VISIBLE_DEVICES` makes visible, as CUDA reads it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VisibleDevices {
+    /// `None`: the variable is unset and every GPU is visible; otherwise the entries CUDA
+    /// uses, in order (indices of the physical GPUs or `GPU-`/`MIG-` UUIDs). Empty: none.
+    pub entries: Option<Vec<String>>,
+    /// The entries CUDA ignores: from the first invalid or repeated one to the end.
+    pub ignored: Vec<String>,
+}
+
+/// Read a `CUDA_VISIBLE_DEVICES` value as CUDA does: comma-separated physical indices or UUIDs
+/// (`GPU-…`, `MIG-…`, prefixes allowed); the list stops at the first entry that is neither, or
+/// that repeats an earlier one (so `-1` or an empty value hides every GPU).
+pub fn parse_cuda_visible_devices(value: Option<&str>) -> VisibleDevices {
+    let Some(value) = value else {
+        return VisibleDevices {
+            entries: None,
+            ignored: Vec::new(),
+        };
+    };
+    let parts: Vec<String> = value
+        .split(',')
+        .map(|p| p.trim().to_string())
+        .filter(|p| !p.is_empty())
+        .collect();
+    let valid = |p: &str| {
+        p.chars().all(|c| c.is_ascii_digit()) || p.starts_with("GPU-") || p.starts_with("MIG-")
+    };
+    let mut entries: Vec<String> = Vec::new();
+    let mut stop = parts.len();
+    for (i, p) in parts.iter().enumerate() {
+        let canon = if p.chars().all(|c| c.is_ascii_digit()) {
+            p.trim_start_matches('0')
+                .parse::<u64>()
+                .unwrap_or(0)
+                .to_string()
+        } else {
+            p.clone()
+        };
+        if !valid(p) || entries.contains(&canon) {
+            stop = i;
+            break;
+        }
+        entries.push(canon);
+    }
+    VisibleDevices {
+        entries: Some(entries),
+        ignored: parts[stop..].to_vec(),
+    }
+}
+
+/// Parse an explicit list of GPUs: `0,2`, `gpu:0,gpu:2` or `/device:GPU:1` specs.
+pub fn parse_device_list(s: &str) -> Result<Vec<usize>> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            if let Ok(i) = p.parse::<usize>() {
+                return Ok(i);
+            }
+            match crate::device::parse_spec(p)? {
+                (DeviceKind::Gpu, i) => Ok(i),
+                (k, _) => Err(Error::config(format!(
+                    "GPU list '{s}': '{p}' is a {k} device, not a GPU"
+                ))),
+            }
+        })
+        .collect()
+}
+
+/// The GPUs of `list` (ordinals among `all`), in the list's order; an error names an ordinal out
+/// of range or repeated.
+pub fn select(all: &[GpuInfo], list: &[usize]) -> Result<Vec<GpuInfo>> {
+    let mut out: Vec<GpuInfo> = Vec::with_capacity(list.len());
+    for &i in list {
+        let g = all.iter().find(|g| g.ordinal == i).ok_or_else(|| {
+            Error::config(format!(
+                "GPU {i} is not visible: this process sees {} GPU(s){}",
+                all.len(),
+                cvd_note()
+            ))
+        })?;
+        if out.iter().any(|o| o.ordinal == i) {
+            return Err(Error::config(format!("GPU {i} is listed twice")));
+        }
+        out.push(g.clone());
+    }
+    Ok(out)
+}
+
+fn cvd_note() -> String {
+    std::env::var("CUDA_VISIBLE_DEVICES")
+        .map(|v| format!(" (CUDA_VISIBLE_DEVICES='{v}')"))
+        .unwrap_or_default()
+}
+
+fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+/// Every GPU the driver shows this process, or `Unavailable` ("CUDA not available: ...") when
+/// there is no driver or no GPU.
+pub fn devices() -> Result<Vec<GpuInfo>> {
+    libs::cuda()?;
+    let n = driver::device_count()?;
+    if n == 0 {
+        return Err(libs::unavailable(
+            "CUDA",
+            format!("the driver shows this process no GPU{}", cvd_note()),
+        ));
+    }
+    let visible = parse_cuda_visible_devices(std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref());
+    (0..n)
+        .map(|ordinal| {
+            let mut info = info(ordinal)?;
+            info.visible_as = visible
+                .entries
+                .as_ref()
+                .and_then(|e| e.get(ordinal).cloned());
+            Ok(info)
+        })
+        .collect()
+}
+
+/// The GPUs of an explicit list (every visible GPU when `None`).
+pub fn visible_devices(list: Option<&[usize]>) -> Result<Vec<GpuInfo>> {
+    let all = devices()?;
+    match list {
+        None => Ok(all),
+        Some(l) => select(&all, l),
+    }
+}
+
+fn info(ordinal: usize) -> Result<GpuInfo> {
+    use sys::CUdevice_attribute as A;
+    let dev = driver::device(ordinal)?;
+    let mut name = [0 as std::ffi::c_char; 256];
+    // SAFETY: a buffer of the stated length.
+    driver::check(
+        unsafe { sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, dev) },
+        || format!("CUDA cuDeviceGetName for GPU {ordinal}"),
+    )?;
+    // SAFETY: the driver NUL-terminates within the buffer.
+    let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+    let mut bus = [0 as std::ffi::c_char; 64];
+    // SAFETY: a buffer of the stated length.
+    driver::check(
+        unsafe { sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, dev) },
+        || format!("CUDA cuDeviceGetPCIBusId for GPU {ordinal}"),
+    )?;
+    // SAFETY: as above.
+    let pci_bus_id = unsafe { std::ffi::CStr::from_ptr(bus.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+    let mut uuid = sys::CUuuid { bytes: [0; 16] };
+    // SAFETY: valid out-pointer.
+    driver::check(unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, dev) }, || {
+        format!("CUDA cuDeviceGetUuid for GPU {ordinal}")
+    })?;
+    let ctx = driver::context(ordinal)?;
+    let (free, total) = driver::mem_info(&ctx)?;
+    Ok(GpuInfo {
+        ordinal,
+        name,
+        total_memory: total,
+        free_memory: free,
+        compute_capability: (
+            driver::attribute(
+                dev,
+                A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                ordinal,
+            )? as u32,
+            driver::attribute(
+                dev,
+                A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+                ordinal,
+            )? as u32,
+        ),
+        multiprocessors: driver::attribute(
+            dev,
+            A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            ordinal,
+        )? as u32,
+        pci_bus_id,
+        uuid: format_uuid(&uuid.bytes.map(|b| b as u8)),
+        visible_as: None,
+    })
+}
+
+/// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as nvidia-smi prints it.
+pub fn format_uuid(b: &[u8; 16]) -> String {
+    let h: Vec<String> = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        h[0..4].concat(),
+        h[4..6].concat(),
+        h[6..8].concat(),
+        h[8..10].concat(),
+        h[10..16].concat()
+    )
+}
+
+/// The physical GPUs as generic devices (`gpu:0`, `gpu:1`, ...), or none when CUDA is not
+/// available.
+pub fn discover_devices() -> Vec<Device> {
+    devices()
+        .map(|v| v.iter().map(GpuInfo::to_device).collect())
+        .unwrap_or_default()
+}
+
+/// One logical GPU of a plan: a whole physical GPU, or one of several on it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct LogicalGpu {
+    /// Index among the logical GPUs (`gpu:N` of the replicas).
+    pub index: usize,
+    /// The physical GPU's ordinal.
+    pub physical: usize,
+    /// Bytes this logical GPU may allocate (`None`: no limit but the GPU's).
+    pub memory_limit: Option<u64>,
+    /// True when its physical GPU carries more than one logical GPU.
+    pub is_virtual: bool,
+}
+
+/// TensorFlow's logical device configuration: physical GPUs split into logical GPUs, each
+/// with a memory limit. Physical GPUs not configured stay one logical GPU each.
+///
+/// ```
+/// use tutti::gpu::VirtualGpuConfig;
+/// // Two logical GPUs of 16 GiB each on GPU 0.
+/// let config = VirtualGpuConfig::new().split(0, &[16 << 30, 16 << 30]);
+/// assert_eq!(config.logical_count(0), 2);
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct VirtualGpuConfig {
+    splits: Vec<(usize, Vec<u64>)>,
+}
+
+/// Leave this share of a GPU's free memory out of even splits: room for kernels' and
+/// libraries' own allocations.
+pub const RESERVED_SHARE: f64 = 0.10;
+
+/// Split `free` bytes evenly into `n` memory limits, keeping [`RESERVED_SHARE`] back and
+/// rounding each limit down to whole MiB.
+pub fn even_memory_limits(free: u64, n: usize) -> Result<Vec<u64>> {
+    if n == 0 {
+        return Err(Error::config(
+            "virtual GPUs: the number per physical GPU must be at least 1",
+        ));
+    }
+    let usable = (free as f64 * (1.0 - RESERVED_SHARE)) as u64;
+    let each = (usable / n as u64) & !((1u64 << 20) - 1);
+    if each == 0 {
+        return Err(Error::config(format!(
+            "virtual GPUs: {} free cannot be split into {n} GPUs of at least 1 MiB",
+            gib(free)
+        )));
+    }
+    Ok(vec![each; n])
+}
+
+impl VirtualGpuConfig {
+    /// No splits: every physical GPU is one logical GPU.
+    pub fn new() -> VirtualGpuConfig {
+        VirtualGpuConfig::default()
+    }
+
+    /// Split physical GPU `gpu` into one logical GPU per entry of `memory_limits` (bytes).
+    pub fn split(mut self, gpu: usize, memory_limits: &[u64]) -> VirtualGpuConfig {
+        self.splits.push((gpu, memory_limits.to_vec()));
+        self
+    }
+
+    /// Split physical GPU `gpu` into `n` logical GPUs sharing its free memory evenly
+    /// ([`even_memory_limits`]).
+    pub fn split_evenly(self, gpu: &GpuInfo, n: usize) -> Result<VirtualGpuConfig> {
+        let limits = even_memory_limits(gpu.free_memory, n)?;
+        Ok(self.split(gpu.ordinal, &limits))
+    }
+
+    /// The number of logical GPUs physical GPU `gpu` becomes (1 when not configured).
+    pub fn logical_count(&self, gpu: usize) -> usize {
+        self.splits
+            .iter()
+            .find(|(g, _)| *g == gpu)
+            .map_or(1, |(_, l)| l.len())
+    }
+
+    /// The logical GPUs over `gpus`, numbered physical GPU by physical GPU in `gpus`' order, or
+    /// an error naming a GPU configured twice or not in `gpus`, an empty split, a zero limit,
+    /// or limits that add up to more than the GPU's free memory.
+    pub fn plan(&self, gpus: &[GpuInfo]) -> Result<Vec<LogicalGpu>> {
+        for (i, (g, limits)) in self.splits.iter().enumerate() {
+            let info = gpus.iter().find(|x| x.ordinal == *g).ok_or_else(|| {
+                Error::config(format!(
+                    "virtual GPUs: GPU {g} is configured but not among the {} GPU(s) in use{}",
+                    gpus.len(),
+                    cvd_note()
+                ))
+            })?;
+            if self.splits[..i].iter().any(|(h, _)| h == g) {
+                return Err(Error::config(format!(
+                    "virtual GPUs: GPU {g} is configured twice"
+                )));
+            }
+            if limits.is_empty() {
+                return Err(Error::config(format!(
+                    "virtual GPUs: GPU {g} is split into no logical GPU (give at least one memory limit)"
+                )));
+            }
+            if let Some(k) = limits.iter().position(|&l| l == 0) {
+                return Err(Error::config(format!(
+                    "virtual GPUs: logical GPU {k} on GPU {g} has a memory limit of 0 bytes"
+                )));
+            }
+            let sum = limits.iter().fold(0u64, |a, &b| a.saturating_add(b));
+            if sum > info.free_memory {
+                return Err(Error::config(format!(
+                    "virtual GPUs: the {} logical GPUs on GPU {g} ({}) ask for {} in all, but it has {} free",
+                    limits.len(),
+                    info.name,
+                    gib(sum),
+                    gib(info.free_memory)
+                )));
+            }
+        }
+        let mut out = Vec::new();
+        for g in gpus {
+            match self.splits.iter().find(|(o, _)| *o == g.ordinal) {
+                Some((_, limits)) => {
+                    for &l in limits {
+                        out.push(LogicalGpu {
+                            index: out.len(),
+                            physical: g.ordinal,
+                            memory_limit: Some(l),
+                            is_virtual: limits.len() > 1,
+                        });
+                    }
+                }
+                None => out.push(LogicalGpu {
+                    index: out.len(),
+                    physical: g.ordinal,
+                    memory_limit: None,
+                    is_virtual: false,
+                }),
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// `n` replicas over `gpus`: the first `n` GPUs when there are enough, else every GPU split into
+/// logical GPUs (as evenly as possible, the first GPUs taking one more) with even memory limits.
+pub fn plan_replicas(n: usize, gpus: &[GpuInfo]) -> Result<Vec<LogicalGpu>> {
+    if n == 0 {
+        return Err(Error::config("GPU replicas: -n must be at least 1"));
+    }
+    if gpus.is_empty() {
+        return Err(Error::config("GPU replicas: no GPU to place them on"));
+    }
+    if n <= gpus.len() {
+        return VirtualGpuConfig::new().plan(&gpus[..n]);
+    }
+    let p = gpus.len();
+    let mut config = VirtualGpuConfig::new();
+    for (i, g) in gpus.iter().enumerate() {
+        let k = n / p + usize::from(i < n % p);
+        config = config.split_evenly(g, k)?;
+    }
+    config.plan(gpus)
+}
+
+/// An opened logical GPU: its physical GPU's context, its own stream, and its allocation
+/// budget. Cloning shares it.
+#[derive(Clone)]
+pub struct GpuDevice {
+    pub(crate) inner: Arc<DeviceInner>,
+}
+
+pub(crate) struct DeviceInner {
+    pub logical: LogicalGpu,
+    pub name: String,
+    pub compute_capability: (u32, u32),
+    pub multiprocessors: u32,
+    pub total_memory: u64,
+    pub used: AtomicU64,
+    pub ctx: Arc<Context>,
+    pub stream: Stream,
+    pub event: Event,
+    pub timeout: Duration,
+}
+
+impl std::fmt::Debug for GpuDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.describe())
+    }
+}
+
+impl GpuDevice {
+    /// Open a logical GPU of a plan ([`VirtualGpuConfig::plan`], [`plan_replicas`]).
+    pub fn open(logical: &LogicalGpu) -> Result<GpuDevice> {
+        libs::cuda()?;
+        let ctx = driver::context(logical.physical)?;
+        let info = info(logical.physical)?;
+        let stream = Stream::new(&ctx)?;
+        let event = Event::new(&ctx)?;
+        Ok(GpuDevice {
+            inner: Arc::new(DeviceInner {
+                logical: logical.clone(),
+                name: info.name,
+                compute_capability: info.compute_capability,
+                multiprocessors: info.multiprocessors,
+                total_memory: info.total_memory,
+                used: AtomicU64::new(0),
+                ctx,
+                stream,
+                event,
+                timeout: crate::comm::Config::default().timeout,
+            }),
+        })
+    }
+
+    /// Index among the logical GPUs it was planned with.
+    pub fn index(&self) -> usize {
+        self.inner.logical.index
+    }
+
+    /// The physical GPU's ordinal.
+    pub fn physical(&self) -> usize {
+        self.inner.logical.physical
+    }
+
+    /// True when its physical GPU carries other logical GPUs too.
+    pub fn is_virtual(&self) -> bool {
+        self.inner.logical.is_virtual
+    }
+
+    /// The physical GPU's name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Compute capability of the physical GPU.
+    pub fn compute_capability(&self) -> (u32, u32) {
+        self.inner.compute_capability
+    }
+
+    /// Bytes this logical GPU may allocate, when limited.
+    pub fn memory_limit(&self) -> Option<u64> {
+        self.inner.logical.memory_limit
+    }
+
+    /// Bytes its live buffers hold.
+    pub fn memory_used(&self) -> u64 {
+        self.inner.used.load(Ordering::Relaxed)
+    }
+
+    /// `gpu:3 (virtual, on GPU 0)`, or `gpu:1` for a whole GPU.
+    pub fn describe(&self) -> String {
+        let l = &self.inner.logical;
+        if l.is_virtual {
+            format!("gpu:{} (virtual, on GPU {})", l.index, l.physical)
+        } else {
+            format!("gpu:{} (GPU {})", l.index, l.physical)
+        }
+    }
+
+    /// The generic device record of this logical GPU.
+    pub fn to_device(&self) -> Device {
+        Device {
+            kind: DeviceKind::Gpu,
+            index: self.index(),
+            name: self.inner.name.clone(),
+            memory_bytes: Some(self.memory_limit().unwrap_or(self.inner.total_memory)),
+            physical_index: self.physical(),
+        }
+    }
+
+    /// True when both handles are the same logical GPU.
+    pub fn same(&self, other: &GpuDevice) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// Wait for the work queued on this logical GPU's stream, up to its timeout
+    /// (`TUTTI_TIMEOUT`, default 300 s).
+    pub fn synchronize(&self) -> Result<()> {
+        self.inner.sync(self.inner.timeout, "finish its work")
+    }
+}
+
+impl DeviceInner {
+    /// Count `bytes` against the memory limit, or fail naming the limit and the use.
+    pub fn reserve(&self, bytes: u64) -> Result<()> {
+        let limit = self.logical.memory_limit.unwrap_or(u64::MAX);
+        let mut cur = self.used.load(Ordering::Relaxed);
+        loop {
+            let new = cur.saturating_add(bytes);
+            if new > limit {
+                return Err(Error::InvalidArgument {
+                    site: None,
+                    message: format!(
+                        "gpu:{} (on GPU {}): allocating {bytes} bytes would pass its memory limit of {limit} bytes ({cur} in use)",
+                        self.logical.index, self.logical.physical
+                    ),
+                });
+            }
+            match self
+                .used
+                .compare_exchange(cur, new, Ordering::AcqRel, Ordering::Relaxed)
+            {
+                Ok(_) => return Ok(()),
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    pub fn release(&self, bytes: u64) {
+        self.used.fetch_sub(bytes, Ordering::AcqRel);
+    }
+
+    /// Wait for this stream, up to `timeout`; a timeout names the device and `phase`.
+    pub fn sync(&self, timeout: Duration, phase: &str) -> Result<()> {
+        match driver::wait_all(&[&self.stream], Instant::now() + timeout)? {
+            Ok(()) => Ok(()),
+            Err(_) => Err(Error::System {
+                what: format!("gpu:{} (GPU {})", self.logical.index, self.logical.physical),
+                message: format!(
+                    "timed out after {timeout:?} waiting for the device to {phase}; it is stuck \
+                     or slow (raise the timeout with TUTTI_TIMEOUT)"
+                ),
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu(ordinal: usize, free_gib: u64) -> GpuInfo {
+        GpuInfo {
+            ordinal,
+            name: "Test GPU".into(),
+            total_memory: (free_gib + 1) << 30,
+            free_memory: free_gib << 30,
+            compute_capability: (9, 0),
+            multiprocessors: 132,
+            pci_bus_id: String::new(),
+            uuid: String::new(),
+            visible_as: None,
+        }
+    }
+
+    #[test]
+    fn cuda_visible_devices_as_cuda_reads_it() {
+        let p = |s: &str| parse_cuda_visible_devices(Some(s));
+        assert_eq!(parse_cuda_visible_devices(None).entries, None);
+        assert_eq!(p("2,0").entries, Some(vec!["2".into(), "0".into()]));
+        assert_eq!(p(" 1 , 3 ").entries, Some(vec!["1".into(), "3".into()]));
+        // An invalid entry hides it and everything after it.
+        let v = p("0,x,1");
+        assert_eq!(v.entries, Some(vec!["0".into()]));
+        assert_eq!(v.ignored, vec!["x".to_string(), "1".to_string()]);
+        assert_eq!(p("-1").entries, Some(vec![]));
+        assert_eq!(p("").entries, Some(vec![]));
+        // A repeated entry stops the list too.
+        assert_eq!(p("1,01,2").entries, Some(vec!["1".into()]));
+        assert_eq!(
+            p("GPU-8932f937,MIG-1").entries,
+            Some(vec!["GPU-8932f937".into(), "MIG-1".into()])
+        );
+    }
+
+    #[test]
+    fn explicit_lists_parse_and_select() {
+        assert_eq!(parse_device_list("0, 2").unwrap(), vec![0, 2]);
+        assert_eq!(
+            parse_device_list("gpu:1,/device:GPU:3").unwrap(),
+            vec![1, 3]
+        );
+        assert!(parse_device_list("cpu:0")
+            .unwrap_err()
+            .to_string()
+            .contains("not a GPU"));
+        let all = vec![gpu(0, 10), gpu(1, 10)];
+        let s = select(&all, &[1, 0]).unwrap();
+        assert_eq!(s.iter().map(|g| g.ordinal).collect::<Vec<_>>(), vec![1, 0]);
+        assert!(select(&all, &[2])
+            .unwrap_err()
+            .to_string()
+            .contains("GPU 2 is not visible"));
+        assert!(select(&all, &[1, 1])
+            .unwrap_err()
+            .to_string()
+            .contains("twice"));
+    }
+
+    #[test]
+    fn memory_limit_math() {
+        let l = even_memory_limits(100 << 30, 4).unwrap();
+        assert_eq!(l.len(), 4);
+        assert!(l.iter().all(|&x| x == l[0] && x % (1 << 20) == 0));
+        let sum: u64 = l.iter().sum();
+        assert!(sum <= (90 << 30) && sum > (89 << 30), "{sum}");
+        assert!(even_memory_limits(100 << 30, 0).is_err());
+        assert!(even_memory_limits(1 << 20, 4).is_err());
+    }
+
+    #[test]
+    fn virtual_gpu_plans() {
+        let gpus = vec![gpu(0, 80), gpu(1, 80)];
+        let plan = VirtualGpuConfig::new()
+            .split(1, &[10 << 30, 20 << 30])
+            .plan(&gpus)
+            .unwrap();
+        assert_eq!(plan.len(), 3);
+        assert_eq!(
+            (plan[0].physical, plan[0].memory_limit, plan[0].is_virtual),
+            (0, None, false)
+        );
+        assert_eq!(
+            (plan[1].physical, plan[1].memory_limit),
+            (1, Some(10 << 30))
+        );
+        assert_eq!(
+            (plan[2].index, plan[2].memory_limit, plan[2].is_virtual),
+            (2, Some(20 << 30), true)
+        );
+        // One logical GPU with a limit is not virtual (NCCL may use it).
+        let one = VirtualGpuConfig::new()
+            .split(0, &[1 << 30])
+            .plan(&gpus)
+            .unwrap();
+        assert!(!one[0].is_virtual);
+        let err = |c: VirtualGpuConfig| c.plan(&gpus).unwrap_err().to_string();
+        assert!(err(VirtualGpuConfig::new().split(5, &[1])).contains("GPU 5"));
+        assert!(err(VirtualGpuConfig::new().split(0, &[1]).split(0, &[1])).contains("twice"));
+        assert!(err(VirtualGpuConfig::new().split(0, &[])).contains("no logical GPU"));
+        assert!(err(VirtualGpuConfig::new().split(0, &[0])).contains("0 bytes"));
+        assert!(err(VirtualGpuConfig::new().split(0, &[60 << 30, 60 << 30])).contains("free"));
+    }
+
+    #[test]
+    fn replicas_spread_over_gpus() {
+        let one = vec![gpu(0, 100)];
+        let p = plan_replicas(4, &one).unwrap();
+        assert_eq!(p.len(), 4);
+        assert!(p.iter().all(|l| l.physical == 0 && l.is_virtual));
+        let two = vec![gpu(0, 100), gpu(1, 100)];
+        let p = plan_replicas(3, &two).unwrap();
+        assert_eq!(
+            p.iter().map(|l| l.physical).collect::<Vec<_>>(),
+            vec![0, 0, 1]
+        );
+        assert_eq!(
+            p.iter().map(|l| l.is_virtual).collect::<Vec<_>>(),
+            vec![true, true, false]
+        );
+        let p = plan_replicas(2, &two).unwrap();
+        assert!(p.iter().all(|l| !l.is_virtual && l.memory_limit.is_none()));
+        assert!(plan_replicas(0, &two).is_err());
+    }
+
+    #[test]
+    fn uuid_format() {
+        let b: [u8; 16] = core::array::from_fn(|i| i as u8);
+        assert_eq!(format_uuid(&b), "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f");
+    }
+}

@@ -1,0 +1,1202 @@
+//! [`GpuGroup`]: the collectives over buffers on several GPUs (or logical GPUs) of this process,
+//! or over one rank per process with NCCL, with one of three algorithms.
+//!
+//! | algorithm | all-reduce | the other collectives |
+//! |---|---|---|
+//! | `nccl` | `ncclAllReduce` on every device in one NCCL group | NCCL's broadcast, all-gather, reduce, reduce-scatter |
+//! | `hierarchical-copy[:G]` | TensorFlow's HierarchicalCopyAllReduce: groups of G consecutive devices (default 2) reduce onto their first device, the leaders onto device 0, and the result is copied back the same way | flat, as `reduce-to-one` |
+//! | `reduce-to-one[:ROOT]` | TensorFlow's ReductionToOneDevice: ROOT (default 0) reduces every buffer in device order, then every device copies the result | broadcast: every device copies the root's buffer; reduce: the root reduces every input; all-gather: every device copies every input; reduce-scatter: device r reduces slice r of every input |
+//! | `auto` | `nccl` when NCCL is present and every device is a whole GPU of its own; otherwise `reduce-to-one`, as TensorFlow's MirroredStrategy falls back (the reason goes to stderr) | |
+//!
+//! The copy-based algorithms read a peer GPU's memory directly where `cuDeviceCanAccessPeer`
+//! allows (peer access is enabled when the group is built) and logical GPUs of one physical GPU
+//! always can; other sources are first copied to a scratch buffer on the reducing GPU
+//! (`cuMemcpyPeerAsync`, which the driver stages through the host). Reductions run the kernels
+//! of [`super::kernels`]. Every device works on its own stream; events order the steps between
+//! streams, and a call returns once every stream is idle (or fails at the timeout).
+//!
+//! A call is synchronous: the buffers must not be in use by other work when it starts, and they
+//! hold the result when it returns. Each group runs one call at a time.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::buffer::{DeviceMut, DevicePtr, DeviceRef, Region};
+use super::discovery::{DeviceInner, GpuDevice};
+use super::driver;
+use super::kernels::{self, Kernels};
+use super::nccl::{self, Call, Comms};
+use crate::cluster::store::Store;
+use crate::cluster::ClusterSpec;
+use crate::comm::Config;
+use crate::dtype::{DType, Element, ReduceOp};
+use crate::error::{Collective, Error, Result, Site};
+
+/// How a [`GpuGroup`] runs its collectives.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default)]
+pub enum GpuAlgorithm {
+    /// NCCL when it can run (NCCL present, every device a whole GPU), else `ReductionToOneDevice`.
+    #[default]
+    Auto,
+    /// NCCL (TensorFlow's NcclAllReduce).
+    Nccl,
+    /// TensorFlow's HierarchicalCopyAllReduce over groups of `group_size` devices.
+    HierarchicalCopy {
+        /// Devices per group (default 2).
+        group_size: usize,
+    },
+    /// TensorFlow's ReductionToOneDevice onto device `root`.
+    ReductionToOneDevice {
+        /// The device that reduces (default 0).
+        root: usize,
+    },
+}
+
+impl GpuAlgorithm {
+    /// The algorithms `tutti perf --device gpu` and the tests sweep.
+    pub const ALL: [GpuAlgorithm; 3] = [
+        GpuAlgorithm::Nccl,
+        GpuAlgorithm::HierarchicalCopy { group_size: 2 },
+        GpuAlgorithm::ReductionToOneDevice { root: 0 },
+    ];
+
+    /// The GPU form of a core algorithm: `auto`, `hierarchical-copy[:G]` and `reduce-to-one[:R]`
+    /// carry over; `direct` and `ring` are CPU algorithms (on GPUs NCCL runs its own rings).
+    pub fn from_core(a: crate::Algorithm) -> Result<GpuAlgorithm> {
+        match a {
+            crate::Algorithm::Auto => Ok(GpuAlgorithm::Auto),
+            crate::Algorithm::HierarchicalCopy { group_size } => {
+                Ok(GpuAlgorithm::HierarchicalCopy { group_size })
+            }
+            crate::Algorithm::ReduceToOne { root } => Ok(GpuAlgorithm::ReductionToOneDevice { root }),
+            a => Err(Error::config(format!(
+                "algorithm {a} runs on CPUs; on GPUs use nccl, hierarchical-copy[:G], reduce-to-one[:ROOT] or auto"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for GpuAlgorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GpuAlgorithm::Auto => f.write_str("auto"),
+            GpuAlgorithm::Nccl => f.write_str("nccl"),
+            GpuAlgorithm::HierarchicalCopy { group_size: 2 } => f.write_str("hierarchical-copy"),
+            GpuAlgorithm::HierarchicalCopy { group_size } => {
+                write!(f, "hierarchical-copy:{group_size}")
+            }
+            GpuAlgorithm::ReductionToOneDevice { root: 0 } => f.write_str("reduce-to-one"),
+            GpuAlgorithm::ReductionToOneDevice { root } => write!(f, "reduce-to-one:{root}"),
+        }
+    }
+}
+
+impl FromStr for GpuAlgorithm {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<GpuAlgorithm, String> {
+        let l = s.to_ascii_lowercase().replace('_', "-");
+        match l.as_str() {
+            "nccl" | "nccl-all-reduce" | "ncclallreduce" => Ok(GpuAlgorithm::Nccl),
+            _ => match l.parse::<crate::Algorithm>() {
+                Ok(a) => GpuAlgorithm::from_core(a).map_err(|e| e.to_string()),
+                Err(_) => Err(format!(
+                    "unknown GPU algorithm '{s}' (expected auto, nccl, hierarchical-copy[:GROUP] or reduce-to-one[:ROOT])"
+                )),
+            },
+        }
+    }
+}
+
+/// A group of GPUs (or logical GPUs) running collectives together: one per replica.
+pub struct GpuGroup {
+    devices: Vec<GpuDevice>,
+    algorithm: GpuAlgorithm,
+    fallback: Option<String>,
+    timeout: Duration,
+    first_rank: usize,
+    world: usize,
+    nccl: Option<Comms>,
+    /// `readable[a][b]`: device a's kernels may read device b's memory.
+    readable: Vec<Vec<bool>>,
+    scratch: Vec<Mutex<Scratch>>,
+    calls: AtomicU64,
+    aborted: Mutex<Option<String>>,
+    busy: Mutex<()>,
+}
+
+impl fmt::Debug for GpuGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GpuGroup")
+            .field("devices", &self.devices)
+            .field("algorithm", &self.algorithm)
+            .field(
+                "ranks",
+                &(self.first_rank..self.first_rank + self.devices.len()),
+            )
+            .field("world", &self.world)
+            .finish()
+    }
+}
+
+/// A scratch allocation on one device, grown on demand, for sources it cannot read directly.
+struct Scratch {
+    ptr: u64,
+    bytes: usize,
+}
+
+/// Why NCCL cannot run on these devices, if it cannot.
+fn nccl_refusal(devices: &[GpuDevice]) -> Option<String> {
+    for (i, a) in devices.iter().enumerate() {
+        if let Some(b) = devices[..i].iter().find(|b| b.physical() == a.physical()) {
+            return Some(format!(
+                "NCCL refuses two ranks on one physical GPU: {} and {} are both on GPU {} (virtual GPUs need hierarchical-copy or reduce-to-one)",
+                b.describe(),
+                a.describe(),
+                a.physical()
+            ));
+        }
+    }
+    None
+}
+
+fn check_devices(devices: &[GpuDevice]) -> Result<()> {
+    if devices.is_empty() {
+        return Err(Error::config("a GPU group needs at least one device"));
+    }
+    for (i, a) in devices.iter().enumerate() {
+        if devices[..i].iter().any(|b| b.same(a)) {
+            return Err(Error::config(format!(
+                "{} is given twice; a GPU group needs a distinct device per replica",
+                a.describe()
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl GpuGroup {
+    /// A group over `devices` (one replica each) in this process, running `algorithm`, with
+    /// `config`'s timeout on every wait. `Nccl` on logical GPUs that share a physical GPU is an
+    /// error saying why; `Auto` then falls back to `ReductionToOneDevice`.
+    pub fn new(
+        devices: &[GpuDevice],
+        algorithm: GpuAlgorithm,
+        config: &Config,
+    ) -> Result<GpuGroup> {
+        check_devices(devices)?;
+        let n = devices.len();
+        let (algorithm, fallback) = match algorithm {
+            GpuAlgorithm::Auto => match nccl_refusal(devices)
+                .map_or_else(|| nccl::api().map(|_| ()).map_err(|e| e.to_string()), Err)
+            {
+                Ok(()) => (GpuAlgorithm::Nccl, None),
+                Err(why) => {
+                    driver::log(&format!(
+                        "GPU group: NcclAllReduce is not usable ({why}); using ReductionToOneDevice"
+                    ));
+                    (GpuAlgorithm::ReductionToOneDevice { root: 0 }, Some(why))
+                }
+            },
+            GpuAlgorithm::Nccl => {
+                if let Some(why) = nccl_refusal(devices) {
+                    return Err(Error::config(why));
+                }
+                nccl::api()?;
+                (GpuAlgorithm::Nccl, None)
+            }
+            GpuAlgorithm::HierarchicalCopy { group_size: 0 } => {
+                return Err(Error::config(
+                    "hierarchical-copy: the group size must be at least 1",
+                ))
+            }
+            GpuAlgorithm::ReductionToOneDevice { root } if root >= n => {
+                return Err(Error::config(format!(
+                    "reduce-to-one: root {root} is out of range for a group of {n} devices"
+                )))
+            }
+            a => (a, None),
+        };
+        let nccl = if algorithm == GpuAlgorithm::Nccl {
+            let id = nccl::unique_id()?;
+            let inner: Vec<&DeviceInner> = devices.iter().map(|d| &*d.inner).collect();
+            Some(Comms::init(
+                &inner,
+                &id,
+                0,
+                n,
+                config.timeout.max(Duration::from_secs(60)),
+            )?)
+        } else {
+            None
+        };
+        let mut readable = vec![vec![true; n]; n];
+        if nccl.is_none() {
+            for a in 0..n {
+                for b in 0..n {
+                    let (x, y) = (&devices[a].inner.ctx, &devices[b].inner.ctx);
+                    if x.ordinal != y.ordinal {
+                        readable[a][b] = driver::enable_peer_access(x, y)?;
+                    }
+                }
+            }
+        }
+        Ok(GpuGroup {
+            devices: devices.to_vec(),
+            algorithm,
+            fallback,
+            timeout: config.timeout,
+            first_rank: 0,
+            world: n,
+            nccl,
+            readable,
+            scratch: (0..n)
+                .map(|_| Mutex::new(Scratch { ptr: 0, bytes: 0 }))
+                .collect(),
+            calls: AtomicU64::new(0),
+            aborted: Mutex::new(None),
+            busy: Mutex::new(()),
+        })
+    }
+
+    /// This process's part of a group of processes (NCCL, one rank per device): `rank` of
+    /// `world` processes, meeting through `store`. Each process gives its own devices (any
+    /// number, each a whole GPU); the NCCL ranks follow the process ranks, then each process's
+    /// device order. Rank 0 makes NCCL's unique id and publishes it in the store; every wait
+    /// is bounded by `config`'s timeout (give processes that start late enough time).
+    pub fn from_store(
+        store: &dyn Store,
+        rank: usize,
+        world: usize,
+        devices: &[GpuDevice],
+        config: &Config,
+    ) -> Result<GpuGroup> {
+        GpuGroup::join(store, rank, world, devices, config, config.timeout)
+    }
+
+    fn join(
+        store: &dyn Store,
+        rank: usize,
+        world: usize,
+        devices: &[GpuDevice],
+        config: &Config,
+        setup: Duration,
+    ) -> Result<GpuGroup> {
+        check_devices(devices)?;
+        if rank >= world {
+            return Err(Error::config(format!(
+                "rank {rank} is out of range for a world of {world}"
+            )));
+        }
+        if let Some(why) = nccl_refusal(devices) {
+            return Err(Error::config(why));
+        }
+        nccl::api()?;
+        let generation = store.add(&format!("tutti/gpu/generation/{rank}"), 1)?;
+        let key = |what: &str| format!("tutti/gpu/{generation}/{what}");
+        store.set(
+            &key(&format!("devices/{rank}")),
+            devices.len().to_string().as_bytes(),
+        )?;
+        let deadline = Instant::now() + setup;
+        let mut counts = Vec::with_capacity(world);
+        for r in 0..world {
+            let v = store.get(
+                &key(&format!("devices/{r}")),
+                deadline.saturating_duration_since(Instant::now()),
+            )?;
+            let n: usize = std::str::from_utf8(&v)
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .ok_or_else(|| {
+                    Error::config(format!(
+                        "rendezvous: rank {r} published a malformed device count"
+                    ))
+                })?;
+            counts.push(n);
+        }
+        let first_rank: usize = counts[..rank].iter().sum();
+        let total: usize = counts.iter().sum();
+        let id: [u8; 128] = if rank == 0 {
+            let id = nccl::unique_id()?;
+            store.set(&key("nccl-id"), &id)?;
+            id
+        } else {
+            let v = store.get(
+                &key("nccl-id"),
+                deadline.saturating_duration_since(Instant::now()),
+            )?;
+            v.as_slice().try_into().map_err(|_| {
+                Error::config(format!(
+                    "rendezvous: the NCCL id from rank 0 has {} bytes, not 128",
+                    v.len()
+                ))
+            })?
+        };
+        let inner: Vec<&DeviceInner> = devices.iter().map(|d| &*d.inner).collect();
+        let comms = Comms::init(&inner, &id, first_rank, total, setup)?;
+        let n = devices.len();
+        Ok(GpuGroup {
+            devices: devices.to_vec(),
+            algorithm: GpuAlgorithm::Nccl,
+            fallback: None,
+            timeout: config.timeout,
+            first_rank,
+            world: total,
+            nccl: Some(comms),
+            readable: vec![vec![true; n]; n],
+            scratch: (0..n)
+                .map(|_| Mutex::new(Scratch { ptr: 0, bytes: 0 }))
+                .collect(),
+            calls: AtomicU64::new(0),
+            aborted: Mutex::new(None),
+            busy: Mutex::new(()),
+        })
+    }
+
+    /// This process's part of the job `spec` describes (see [`crate::cluster`]), over NCCL:
+    /// the NCCL id travels through the job's rendezvous store (served by rank 0). `devices`
+    /// `None` means one GPU per process: GPU `local_rank % GPUs` (or `rank % GPUs`).
+    pub fn from_cluster(
+        spec: &ClusterSpec,
+        devices: Option<&[GpuDevice]>,
+        config: &Config,
+    ) -> Result<GpuGroup> {
+        let rank = spec.collective_rank()?;
+        let owned;
+        let devices = match devices {
+            Some(d) => d,
+            None => {
+                let gpus = super::discovery::devices()?;
+                let pick = spec.local_rank.unwrap_or(rank) % gpus.len();
+                let plan = super::discovery::VirtualGpuConfig::new().plan(&gpus[pick..pick + 1])?;
+                owned = vec![GpuDevice::open(&plan[0])?];
+                &owned[..]
+            }
+        };
+        let token = spec.token.clone().unwrap_or_default();
+        let setup = config.timeout.max(Duration::from_secs(60));
+        let store = crate::transport::net::store_for(spec, rank, &token, setup)?;
+        // Processes may start at different times: joining waits at least a minute for them.
+        GpuGroup::join(&store, rank, spec.world_size, devices, config, setup)
+    }
+
+    /// The group of the job this process's environment describes (`tutti launch`, torchrun,
+    /// mpirun, srun, `TF_CONFIG`), one GPU per process.
+    pub fn from_env(config: &Config) -> Result<GpuGroup> {
+        let spec = ClusterSpec::from_env()?.ok_or_else(|| {
+            Error::config("GpuGroup::from_env: no cluster in the environment (run under tutti launch, torchrun, mpirun or srun, or set TF_CONFIG)")
+        })?;
+        GpuGroup::from_cluster(&spec, None, config)
+    }
+
+    /// This process's devices, in rank order.
+    pub fn devices(&self) -> &[GpuDevice] {
+        &self.devices
+    }
+
+    /// The algorithm the group runs (`auto` resolved).
+    pub fn algorithm(&self) -> GpuAlgorithm {
+        self.algorithm
+    }
+
+    /// Why `auto` did not choose NCCL, when it did not.
+    pub fn fallback_reason(&self) -> Option<&str> {
+        self.fallback.as_deref()
+    }
+
+    /// Ranks in the whole group (every process's devices).
+    pub fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// The rank of this process's first device.
+    pub fn first_rank(&self) -> usize {
+        self.first_rank
+    }
+
+    /// The bound on every wait.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Abort the group: NCCL communicators are aborted, and this and later calls fail.
+    pub fn abort(&self, reason: &str) {
+        let mut a = self.aborted.lock().unwrap_or_else(|p| p.into_inner());
+        if a.is_none() {
+            *a = Some(reason.to_string());
+        }
+        drop(a);
+        if let Some(c) = &self.nccl {
+            c.abort();
+        }
+    }
+
+    /// The abort reason, once aborted.
+    pub fn aborted(&self) -> Option<String> {
+        self.aborted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    // ----- the typed collectives -----
+
+    /// In place: every buffer becomes the element-wise `op` over every rank's buffer.
+    pub fn all_reduce<T: Element, B: DeviceMut<T>>(
+        &self,
+        bufs: &mut [B],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let regions = self.regions(Collective::AllReduce, bufs.iter().map(|b| b.region()))?;
+        let count = self.same_len(Collective::AllReduce, &regions, "buffer")?;
+        let ptrs: Vec<u64> = regions.iter().map(|r| r.ptr).collect();
+        self.execute(Collective::AllReduce, T::DTYPE, op, 0, count, &ptrs, &ptrs)
+    }
+
+    /// `recv[i]` = the element-wise `op` over every rank's `send`.
+    pub fn all_reduce_into<T: Element, S: DeviceRef<T>, D: DeviceMut<T>>(
+        &self,
+        send: &[S],
+        recv: &mut [D],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let c = Collective::AllReduce;
+        let s = self.regions(c, send.iter().map(|b| b.region()))?;
+        let r = self.regions(c, recv.iter().map(|b| b.region()))?;
+        let count = self.same_len(c, &s, "send buffer")?;
+        self.expect_len(c, &r, count, "receive buffer")?;
+        self.no_partial_overlap(c, &s, &r, T::DTYPE.size())?;
+        self.execute(c, T::DTYPE, op, 0, count, &ptrs(&s), &ptrs(&r))
+    }
+
+    /// In place: every buffer becomes rank `root`'s.
+    pub fn broadcast<T: Element, B: DeviceMut<T>>(
+        &self,
+        bufs: &mut [B],
+        root: usize,
+    ) -> Result<()> {
+        let c = Collective::Broadcast;
+        let regions = self.regions(c, bufs.iter().map(|b| b.region()))?;
+        let count = self.same_len(c, &regions, "buffer")?;
+        let p = ptrs(&regions);
+        self.execute(c, T::DTYPE, ReduceOp::Sum, root, count, &p, &p)
+    }
+
+    /// `recv[i]` = every rank's `send`, in rank order (`recv` holds world × `send`).
+    pub fn all_gather<T: Element, S: DeviceRef<T>, D: DeviceMut<T>>(
+        &self,
+        send: &[S],
+        recv: &mut [D],
+    ) -> Result<()> {
+        let c = Collective::AllGather;
+        let s = self.regions(c, send.iter().map(|b| b.region()))?;
+        let r = self.regions(c, recv.iter().map(|b| b.region()))?;
+        let count = self.same_len(c, &s, "send buffer")?;
+        self.expect_len(c, &r, count * self.world, "receive buffer")?;
+        for (i, (a, b)) in s.iter().zip(&r).enumerate() {
+            let own = b.ptr + ((self.first_rank + i) * count * T::DTYPE.size()) as u64;
+            if a.ptr != own && overlaps(a, b, T::DTYPE.size()) {
+                return Err(self.invalid(c, format!(
+                    "device {i}: the send buffer overlaps the receive buffer but is not its slice for rank {} (the in-place form)",
+                    self.first_rank + i
+                )));
+            }
+        }
+        self.execute(c, T::DTYPE, ReduceOp::Sum, 0, count, &ptrs(&s), &ptrs(&r))
+    }
+
+    /// The root receives the element-wise `op` over every rank's `send` in `recv` (which this
+    /// process gives exactly when it holds rank `root`; it must be on that rank's device).
+    pub fn reduce<T: Element, S: DeviceRef<T>, D: DeviceMut<T>>(
+        &self,
+        send: &[S],
+        recv: Option<&mut D>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        let c = Collective::Reduce;
+        let s = self.regions(c, send.iter().map(|b| b.region()))?;
+        let count = self.same_len(c, &s, "send buffer")?;
+        let local_root = root
+            .checked_sub(self.first_rank)
+            .filter(|&i| i < self.devices.len());
+        let mut r = vec![0u64; self.devices.len()];
+        match (local_root, recv) {
+            (Some(i), Some(d)) => {
+                let reg = d.region();
+                if !reg.dev.same(&self.devices[i]) {
+                    return Err(self.invalid(
+                        c,
+                        format!(
+                            "the receive buffer is on {}, but rank {root} is {}",
+                            reg.dev.describe(),
+                            self.devices[i].describe()
+                        ),
+                    ));
+                }
+                if reg.len != count {
+                    return Err(self.invalid(
+                        c,
+                        format!(
+                            "the receive buffer has {} elements, the send buffers {count}",
+                            reg.len
+                        ),
+                    ));
+                }
+                self.no_partial_overlap(
+                    c,
+                    &s[i..i + 1],
+                    std::slice::from_ref(&reg),
+                    T::DTYPE.size(),
+                )?;
+                r[i] = reg.ptr;
+            }
+            (Some(_), None) => {
+                return Err(self.invalid(
+                    c,
+                    format!("rank {root} (the root) is this process's: give a receive buffer"),
+                ))
+            }
+            (None, Some(_)) if root < self.world => {
+                return Err(self.invalid(
+                    c,
+                    format!("rank {root} (the root) is another process's: give no receive buffer"),
+                ))
+            }
+            _ => {}
+        }
+        self.execute(c, T::DTYPE, op, root, count, &ptrs(&s), &r)
+    }
+
+    /// `recv[i]` = slice `rank` of the element-wise `op` over every rank's `send` (`send`
+    /// holds world × `recv`).
+    pub fn reduce_scatter<T: Element, S: DeviceRef<T>, D: DeviceMut<T>>(
+        &self,
+        send: &[S],
+        recv: &mut [D],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let c = Collective::ReduceScatter;
+        let s = self.regions(c, send.iter().map(|b| b.region()))?;
+        let r = self.regions(c, recv.iter().map(|b| b.region()))?;
+        let count = self.same_len(c, &r, "receive buffer")?;
+        self.expect_len(c, &s, count * self.world, "send buffer")?;
+        for (i, (a, b)) in s.iter().zip(&r).enumerate() {
+            if overlaps(a, b, T::DTYPE.size()) {
+                return Err(self.invalid(
+                    c,
+                    format!("device {i}: the send and receive buffers overlap"),
+                ));
+            }
+        }
+        self.execute(c, T::DTYPE, op, 0, count, &ptrs(&s), &ptrs(&r))
+    }
+
+    /// Any collective over device addresses, for carriers such as the C ABI. `send[i]` and
+    /// `recv[i]` belong to this process's device `i` (their `device` field must say so) and
+    /// must lie in device memory of its physical GPU, in allocations big enough for the call:
+    /// `count` elements per rank (all-gather: `send` count, `recv` world × count;
+    /// reduce-scatter: `send` world × count, `recv` count; broadcast: `send` read on the root
+    /// only; reduce: `recv` used on the root only, may be 0 elsewhere). Equal `send` and `recv`
+    /// run in place.
+    #[allow(clippy::too_many_arguments)]
+    pub fn collective_raw(
+        &self,
+        collective: Collective,
+        dtype: DType,
+        count: usize,
+        op: ReduceOp,
+        root: usize,
+        send: &[DevicePtr],
+        recv: &[DevicePtr],
+    ) -> Result<()> {
+        let c = collective;
+        if c == Collective::Barrier {
+            return Err(self.invalid(
+                c,
+                "a GPU group has no barrier; use a collective of zero elements".to_string(),
+            ));
+        }
+        let es = dtype.size();
+        let (send_len, recv_len) = match c {
+            Collective::AllGather => (count, count * self.world),
+            Collective::ReduceScatter => (count * self.world, count),
+            _ => (count, count),
+        };
+        let check = |what: &str,
+                     ptrs: &[DevicePtr],
+                     len: usize,
+                     optional: bool|
+         -> Result<Vec<u64>> {
+            if ptrs.len() != self.devices.len() {
+                return Err(self.invalid(
+                    c,
+                    format!(
+                        "{} {what} addresses for {} devices",
+                        ptrs.len(),
+                        self.devices.len()
+                    ),
+                ));
+            }
+            let mut out = Vec::with_capacity(ptrs.len());
+            for (i, p) in ptrs.iter().enumerate() {
+                if p.device != i {
+                    return Err(self.invalid(c, format!("{what} address {i} is tagged with device {} (addresses go in device order)", p.device)));
+                }
+                if p.ptr == 0 && (optional || len == 0) {
+                    out.push(0);
+                    continue;
+                }
+                if p.ptr % es as u64 != 0 {
+                    return Err(self.invalid(
+                        c,
+                        format!(
+                            "{what} address {:#x} on device {i} is not aligned to {es} bytes",
+                            p.ptr
+                        ),
+                    ));
+                }
+                let (ordinal, base, size) = driver::pointer_info(p.ptr).map_err(|e| {
+                    self.invalid(
+                        c,
+                        format!(
+                            "{what} address {:#x} on device {i} is not device memory: {e}",
+                            p.ptr
+                        ),
+                    )
+                })?;
+                let d = &self.devices[i];
+                if ordinal != d.physical() {
+                    return Err(self.invalid(
+                        c,
+                        format!(
+                            "{what} address {:#x} is memory of GPU {ordinal}, but device {i} is {}",
+                            p.ptr,
+                            d.describe()
+                        ),
+                    ));
+                }
+                if p.ptr + (len * es) as u64 > base + size as u64 {
+                    return Err(self.invalid(c, format!(
+                        "{what} address {:#x} on device {i}: {} bytes do not fit in its allocation ({} bytes from {:#x})",
+                        p.ptr,
+                        len * es,
+                        size,
+                        base
+                    )));
+                }
+                out.push(p.ptr);
+            }
+            Ok(out)
+        };
+        let s = check("send", send, send_len, c == Collective::Broadcast)?;
+        let r = check("receive", recv, recv_len, c == Collective::Reduce)?;
+        self.execute(c, dtype, op, root, count, &s, &r)
+    }
+
+    // ----- argument checks -----
+
+    fn site(&self, c: Collective) -> Site {
+        Site {
+            collective: c,
+            rank: self.first_rank,
+            call: self.calls.load(Ordering::Relaxed),
+        }
+    }
+
+    fn invalid(&self, c: Collective, message: String) -> Error {
+        Error::invalid(self.site(c), message)
+    }
+
+    fn regions(&self, c: Collective, it: impl Iterator<Item = Region>) -> Result<Vec<Region>> {
+        let v: Vec<Region> = it.collect();
+        if v.len() != self.devices.len() {
+            return Err(self.invalid(
+                c,
+                format!(
+                    "{} buffers for a group of {} devices in this process",
+                    v.len(),
+                    self.devices.len()
+                ),
+            ));
+        }
+        for (i, (r, d)) in v.iter().zip(&self.devices).enumerate() {
+            if !r.dev.same(d) {
+                return Err(self.invalid(
+                    c,
+                    format!(
+                        "buffer {i} is on {}, but the group's device {i} is {}",
+                        r.dev.describe(),
+                        d.describe()
+                    ),
+                ));
+            }
+        }
+        Ok(v)
+    }
+
+    fn same_len(&self, c: Collective, v: &[Region], what: &str) -> Result<usize> {
+        let n = v[0].len;
+        if let Some((i, r)) = v.iter().enumerate().find(|(_, r)| r.len != n) {
+            return Err(self.invalid(
+                c,
+                format!("{what} {i} has {} elements but {what} 0 has {n}", r.len),
+            ));
+        }
+        Ok(n)
+    }
+
+    fn expect_len(&self, c: Collective, v: &[Region], n: usize, what: &str) -> Result<()> {
+        if let Some((i, r)) = v.iter().enumerate().find(|(_, r)| r.len != n) {
+            return Err(self.invalid(
+                c,
+                format!("{what} {i} has {} elements; it needs {n}", r.len),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Inputs and outputs on one device are the same (in place) or disjoint.
+    fn no_partial_overlap(
+        &self,
+        c: Collective,
+        a: &[Region],
+        b: &[Region],
+        es: usize,
+    ) -> Result<()> {
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            if x.ptr != y.ptr && overlaps(x, y, es) {
+                return Err(self.invalid(c, format!(
+                    "device {i}: the send and receive buffers overlap without being the same buffer (the in-place form)"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    // ----- running a call -----
+
+    /// Run a collective over addresses already checked (see [`GpuGroup::collective_raw`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn execute(
+        &self,
+        c: Collective,
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+        count: usize,
+        send: &[u64],
+        recv: &[u64],
+    ) -> Result<()> {
+        if let Some(reason) = self.aborted() {
+            return Err(Error::Aborted {
+                rank: self.first_rank,
+                reason,
+            });
+        }
+        let Ok(_busy) = self.busy.try_lock() else {
+            return Err(self.invalid(
+                c,
+                "another call is running on this GPU group; a group runs one call at a time".into(),
+            ));
+        };
+        if matches!(c, Collective::Broadcast | Collective::Reduce) && root >= self.world {
+            return Err(self.invalid(
+                c,
+                format!(
+                    "root {root} is out of range for a group of {} ranks",
+                    self.world
+                ),
+            ));
+        }
+        let site = self.site(c);
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let deadline = Instant::now() + self.timeout;
+        let r = match &self.nccl {
+            Some(comms) => self.run_nccl(comms, site, dtype, op, root, count, send, recv, deadline),
+            None => self.run_copies(site, dtype, op, root, count, send, recv, deadline),
+        };
+        if let Err(e) = &r {
+            // A timeout, or NCCL failing, leaves the devices in an unknown state.
+            let fatal = matches!(e, Error::Timeout { .. })
+                || (self.nccl.is_some() && matches!(e, Error::System { .. }));
+            if fatal {
+                self.abort(&format!("an earlier call failed: {e}"));
+            }
+        }
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_nccl(
+        &self,
+        comms: &Comms,
+        site: Site,
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+        count: usize,
+        send: &[u64],
+        recv: &[u64],
+        deadline: Instant,
+    ) -> Result<()> {
+        let call = match site.collective {
+            Collective::AllReduce => Call::AllReduce { op },
+            Collective::Broadcast => Call::Broadcast { root },
+            Collective::Reduce => Call::Reduce { op, root },
+            Collective::AllGather => Call::AllGather,
+            Collective::ReduceScatter => Call::ReduceScatter { op },
+            Collective::Barrier => {
+                return Err(self.invalid(site.collective, "a GPU group has no barrier".into()))
+            }
+        };
+        if count == 0 {
+            return Ok(());
+        }
+        // NCCL's broadcast reads `send` on the root only; elsewhere pass the receive buffer.
+        let send: Vec<u64> = send
+            .iter()
+            .zip(recv)
+            .map(|(&s, &r)| if s == 0 { r } else { s })
+            .collect();
+        let inner: Vec<&DeviceInner> = self.devices.iter().map(|d| &*d.inner).collect();
+        let what = format!("NCCL {site}");
+        match comms.run(&call, dtype, count, &send, recv, &inner, deadline, &what)? {
+            Ok(()) => Ok(()),
+            Err(ranks) => Err(Error::Timeout {
+                site,
+                waiting_for: ranks,
+                phase: "finish the NCCL call (the NCCL communicators were aborted)",
+                timeout: self.timeout,
+            }),
+        }
+    }
+
+    /// Device `a`'s stream waits for everything queued so far on device `b`'s.
+    fn order(&self, a: usize, b: usize) -> Result<()> {
+        if a == b {
+            return Ok(());
+        }
+        let (x, y) = (&self.devices[a].inner, &self.devices[b].inner);
+        x.stream.wait_for(&y.stream, &y.event)
+    }
+
+    /// Queue on device `on`'s stream a copy of `bytes` from device `from`'s `src` to device
+    /// `to`'s `dst`, after the work queued on `from` so far.
+    fn copy(
+        &self,
+        on: usize,
+        to: usize,
+        dst: u64,
+        from: usize,
+        src: u64,
+        bytes: usize,
+    ) -> Result<()> {
+        self.order(on, from)?;
+        self.order(on, to)?;
+        let (d, s) = (&self.devices[to].inner, &self.devices[from].inner);
+        self.devices[on].inner.ctx.bind()?;
+        driver::copy_async(
+            dst,
+            &d.ctx,
+            src,
+            &s.ctx,
+            bytes,
+            &self.devices[on].inner.stream,
+        )
+    }
+
+    /// Queue on device `at`: `dst = (accumulate ? dst : first) ⊕ …` over `srcs` = (device,
+    /// address) in order, staging sources `at` cannot read into its scratch buffer first.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_at(
+        &self,
+        k: &Kernels,
+        at: usize,
+        dtype: DType,
+        op: ReduceOp,
+        dst: u64,
+        srcs: &[(usize, u64)],
+        count: usize,
+        accumulate: bool,
+        divisor: Option<usize>,
+    ) -> Result<()> {
+        let bytes = count * dtype.size();
+        let staged = srcs.iter().filter(|(d, _)| !self.readable[at][*d]).count();
+        let scratch = if staged > 0 {
+            self.scratch(at, staged * bytes)?
+        } else {
+            0
+        };
+        let mut addrs = Vec::with_capacity(srcs.len());
+        let mut slot = 0u64;
+        for &(d, a) in srcs {
+            if self.readable[at][d] {
+                self.order(at, d)?;
+                addrs.push(a);
+            } else {
+                let s = scratch + slot * bytes as u64;
+                slot += 1;
+                self.copy(at, at, s, d, a, bytes)?;
+                addrs.push(s);
+            }
+        }
+        let dev = &self.devices[at].inner;
+        k.reduce(dev, dtype, op, dst, &addrs, count, accumulate, divisor)
+    }
+
+    /// Device `at`'s scratch buffer, at least `bytes` long.
+    fn scratch(&self, at: usize, bytes: usize) -> Result<u64> {
+        let mut s = self.scratch[at].lock().unwrap_or_else(|p| p.into_inner());
+        if s.bytes >= bytes {
+            return Ok(s.ptr);
+        }
+        let dev = &self.devices[at].inner;
+        if s.ptr != 0 {
+            // Work queued earlier in this call may still read the old buffer.
+            dev.sync(self.timeout, "finish before its scratch buffer grows")?;
+            driver::free(&dev.ctx, s.ptr);
+            dev.release(s.bytes as u64);
+            *s = Scratch { ptr: 0, bytes: 0 };
+        }
+        dev.reserve(bytes as u64)?;
+        match driver::alloc(&dev.ctx, bytes) {
+            Ok(p) => {
+                *s = Scratch { ptr: p, bytes };
+                Ok(p)
+            }
+            Err(e) => {
+                dev.release(bytes as u64);
+                Err(e)
+            }
+        }
+    }
+
+    fn kernels(&self, at: usize) -> Result<std::sync::Arc<Kernels>> {
+        kernels::kernels_for(&self.devices[at].inner)
+    }
+
+    /// Wait for every device's stream until the deadline.
+    fn finish(&self, site: Site, deadline: Instant) -> Result<()> {
+        let streams: Vec<&driver::Stream> = self.devices.iter().map(|d| &d.inner.stream).collect();
+        match driver::wait_all(&streams, deadline)? {
+            Ok(()) => Ok(()),
+            Err(pending) => Err(Error::Timeout {
+                site,
+                waiting_for: pending.into_iter().map(|i| self.first_rank + i).collect(),
+                phase: "finish its copies and reductions on the GPU",
+                timeout: self.timeout,
+            }),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_copies(
+        &self,
+        site: Site,
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+        count: usize,
+        send: &[u64],
+        recv: &[u64],
+        deadline: Instant,
+    ) -> Result<()> {
+        let p = self.devices.len();
+        let es = dtype.size();
+        let bytes = count * es;
+        if count == 0 {
+            return Ok(());
+        }
+        let mean = (op == ReduceOp::Mean && p > 1).then_some(p);
+        let queued = (|| -> Result<()> {
+            match site.collective {
+                Collective::AllReduce => match self.algorithm {
+                    GpuAlgorithm::HierarchicalCopy { group_size } => {
+                        self.hierarchical(dtype, op, group_size, count, send, recv, mean)
+                    }
+                    GpuAlgorithm::ReductionToOneDevice { root } => {
+                        self.reduce_to_one(dtype, op, root, count, send, recv, mean)
+                    }
+                    a => Err(Error::System {
+                        what: format!("GPU group {site}"),
+                        message: format!("algorithm {a} reached the copy path"),
+                    }),
+                },
+                Collective::Broadcast => {
+                    let src = if send[root] != 0 {
+                        send[root]
+                    } else {
+                        recv[root]
+                    };
+                    for (k, &r) in recv.iter().enumerate() {
+                        self.copy(k, k, r, root, src, bytes)?;
+                    }
+                    Ok(())
+                }
+                Collective::Reduce => {
+                    let k = self.kernels(root)?;
+                    let srcs: Vec<(usize, u64)> = (0..p).map(|j| (j, send[j])).collect();
+                    self.reduce_at(&k, root, dtype, op, recv[root], &srcs, count, false, mean)
+                }
+                Collective::AllGather => {
+                    for (k, &r) in recv.iter().enumerate() {
+                        for (j, &s) in send.iter().enumerate() {
+                            self.copy(k, k, r + (j * bytes) as u64, j, s, bytes)?;
+                        }
+                    }
+                    Ok(())
+                }
+                Collective::ReduceScatter => {
+                    for (k, &r) in recv.iter().enumerate() {
+                        let kern = self.kernels(k)?;
+                        let off = (k * bytes) as u64;
+                        let srcs: Vec<(usize, u64)> = send
+                            .iter()
+                            .enumerate()
+                            .map(|(j, &s)| (j, s + off))
+                            .collect();
+                        self.reduce_at(&kern, k, dtype, op, r, &srcs, count, false, mean)?;
+                    }
+                    Ok(())
+                }
+                Collective::Barrier => Ok(()),
+            }
+        })();
+        // Wait for what was queued even when queueing failed part-way, so that no device
+        // still works on the buffers when the call returns.
+        let waited = self.finish(site, deadline);
+        queued.and(waited)
+    }
+
+    /// ReductionToOneDevice: `root` reduces every input in device order, every device copies
+    /// the result.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_to_one(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+        count: usize,
+        send: &[u64],
+        recv: &[u64],
+        mean: Option<usize>,
+    ) -> Result<()> {
+        let p = self.devices.len();
+        let bytes = count * dtype.size();
+        if p == 1 {
+            return self.copy(0, 0, recv[0], 0, send[0], bytes);
+        }
+        let k = self.kernels(root)?;
+        let srcs: Vec<(usize, u64)> = (0..p).map(|j| (j, send[j])).collect();
+        self.reduce_at(&k, root, dtype, op, recv[root], &srcs, count, false, mean)?;
+        for j in (0..p).filter(|&j| j != root) {
+            self.copy(j, j, recv[j], root, recv[root], bytes)?;
+        }
+        Ok(())
+    }
+
+    /// HierarchicalCopyAllReduce: groups of `g` consecutive devices reduce onto their first
+    /// device, the leaders onto device 0, and the result goes back the same way.
+    #[allow(clippy::too_many_arguments)]
+    fn hierarchical(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        g: usize,
+        count: usize,
+        send: &[u64],
+        recv: &[u64],
+        mean: Option<usize>,
+    ) -> Result<()> {
+        let p = self.devices.len();
+        let bytes = count * dtype.size();
+        if p == 1 {
+            return self.copy(0, 0, recv[0], 0, send[0], bytes);
+        }
+        let g = g.clamp(1, p);
+        let leaders: Vec<usize> = (0..p).step_by(g).collect();
+        let one_group = leaders.len() == 1;
+        // 1. Each group onto its leader.
+        for &l in &leaders {
+            let members: Vec<(usize, u64)> = (l..(l + g).min(p)).map(|m| (m, send[m])).collect();
+            let divisor = if one_group { mean } else { None };
+            if members.len() == 1 && divisor.is_none() {
+                self.copy(l, l, recv[l], l, send[l], bytes)?;
+            } else {
+                let k = self.kernels(l)?;
+                self.reduce_at(&k, l, dtype, op, recv[l], &members, count, false, divisor)?;
+            }
+        }
+        // 2. The leaders onto device 0.
+        if !one_group {
+            let k = self.kernels(0)?;
+            let others: Vec<(usize, u64)> = leaders[1..].iter().map(|&l| (l, recv[l])).collect();
+            self.reduce_at(&k, 0, dtype, op, recv[0], &others, count, true, mean)?;
+        }
+        // 3. Device 0 to the other leaders, 4. each leader to its members.
+        for &l in &leaders[1..] {
+            self.copy(l, l, recv[l], 0, recv[0], bytes)?;
+        }
+        for &l in &leaders {
+            for m in (l + 1)..(l + g).min(p) {
+                self.copy(m, m, recv[m], l, recv[l], bytes)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for GpuGroup {
+    fn drop(&mut self) {
+        for (i, s) in self.scratch.iter().enumerate() {
+            let s = s.lock().unwrap_or_else(|p| p.into_inner());
+            if s.ptr != 0 {
+                let dev = &self.devices[i].inner;
+                if let Err(e) = dev.sync(self.timeout, "finish before its scratch buffer is freed")
+                {
+                    driver::log(&format!("dropping a GPU group: {e}"));
+                }
+                driver::free(&dev.ctx, s.ptr);
+                dev.release(s.bytes as u64);
+            }
+        }
+    }
+}
+
+fn ptrs(v: &[Region]) -> Vec<u64> {
+    v.iter().map(|r| r.ptr).collect()
+}
+
+/// Byte ranges of two regions of the same element type (lengths in elements).
+fn overlaps(a: &Region, b: &Region, es: usize) -> bool {
+    let (a0, a1) = (a.ptr, a.ptr + (a.len * es) as u64);
+    let (b0, b1) = (b.ptr, b.ptr + (b.len * es) as u64);
+    a.len > 0 && b.len > 0 && a0 < b1 && b0 < a1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn algorithm_names_round_trip() {
+        for a in GpuAlgorithm::ALL.into_iter().chain([GpuAlgorithm::Auto]) {
+            assert_eq!(a.to_string().parse::<GpuAlgorithm>().unwrap(), a);
+        }
+        assert_eq!("NCCL".parse::<GpuAlgorithm>().unwrap(), GpuAlgorithm::Nccl);
+        assert_eq!(
+            "hierarchical-copy:4".parse::<GpuAlgorithm>().unwrap(),
+            GpuAlgorithm::HierarchicalCopy { group_size: 4 }
+        );
+        assert_eq!(
+            "reduce-to-one:1".parse::<GpuAlgorithm>().unwrap(),
+            GpuAlgorithm::ReductionToOneDevice { root: 1 }
+        );
+        assert!("ring".parse::<GpuAlgorithm>().unwrap_err().contains("CPUs"));
+        assert!("tree".parse::<GpuAlgorithm>().unwrap_err().contains("tree"));
+    }
+}

@@ -1,0 +1,140 @@
+//! GPUs (cargo feature `cuda`): discovery, device buffers, NCCL, and TensorFlow's copy-based
+//! all-reduce algorithms on GPUs.
+//!
+//! Nothing CUDA is linked: the driver (`libcuda.so.1`), NVRTC and NCCL (`libnccl.so.2`) are
+//! loaded at run time, and a machine without them gets [`Error::Unavailable`]
+//! (`CUDA not available: libcuda.so.1 not found ...`), never a panic. See [`libs`] for where each
+//! library is looked for (`TUTTI_NCCL_LIBRARY`, `TUTTI_NVRTC_LIBRARY`, pip packages, the CUDA
+//! toolkit).
+//!
+//! * [`devices`]: the GPUs the driver shows this process (name, total and free memory, compute
+//!   capability, ...), after `CUDA_VISIBLE_DEVICES`; [`visible_devices`] with an explicit list.
+//! * [`VirtualGpuConfig`]: physical GPUs split into logical GPUs with memory limits, as
+//!   TensorFlow's logical device configuration; [`plan_replicas`] spreads N replicas.
+//! * [`GpuDevice`]: an opened logical GPU (its own stream and allocation budget);
+//!   [`GpuBuffer`]: typed device memory on one, with host copies and views.
+//! * [`GpuGroup`]: all-reduce, broadcast, all-gather, reduce and reduce-scatter over one buffer
+//!   per device, with [`GpuAlgorithm`] `nccl`, `hierarchical-copy[:G]`, `reduce-to-one[:ROOT]`
+//!   or `auto` (NCCL when it can run, else reduce-to-one, as TensorFlow's MirroredStrategy);
+//!   [`GpuGroup::from_cluster`]: one rank per process over NCCL, the NCCL id exchanged through
+//!   tutti's rendezvous store; [`GpuGroup::collective_raw`]: device addresses tagged with their
+//!   device, for the C ABI.
+//! * [`perf`]: `tutti perf --device gpu`.
+//!
+//! ```no_run
+//! use tutti::gpu::{plan_replicas, devices, GpuAlgorithm, GpuBuffer, GpuDevice, GpuGroup};
+//! use tutti::{Config, ReduceOp};
+//!
+//! // Four replicas: four GPUs, or four logical GPUs on the GPUs there are.
+//! let plan = plan_replicas(4, &devices()?)?;
+//! let gpus: Vec<GpuDevice> = plan.iter().map(GpuDevice::open).collect::<Result<_, _>>()?;
+//! let group = GpuGroup::new(&gpus, GpuAlgorithm::Auto, &Config::default())?;
+//! let mut grads: Vec<GpuBuffer<f32>> = gpus
+//!     .iter()
+//!     .enumerate()
+//!     .map(|(r, d)| GpuBuffer::from_host(d, &vec![r as f32; 1 << 20]))
+//!     .collect::<Result<_, _>>()?;
+//! group.all_reduce(&mut grads, ReduceOp::Mean)?;
+//! assert_eq!(grads[3].to_host()?[0], 1.5);
+//! # Ok::<(), tutti::Error>(())
+//! ```
+
+mod buffer;
+mod discovery;
+mod driver;
+mod group;
+pub mod kernels;
+pub mod libs;
+mod nccl;
+pub mod perf;
+
+pub use buffer::{DeviceMut, DevicePtr, DeviceRef, GpuBuffer, GpuSlice, GpuSliceMut};
+pub use discovery::{
+    devices, discover_devices, even_memory_limits, format_uuid, parse_cuda_visible_devices,
+    parse_device_list, plan_replicas, select, visible_devices, GpuDevice, GpuInfo, LogicalGpu,
+    VirtualGpuConfig, VisibleDevices, RESERVED_SHARE,
+};
+pub use group::{GpuAlgorithm, GpuGroup};
+pub use nccl::{
+    decode_version, nccl_dtype, nccl_library, nccl_op, open_nccl_library, NcclLibrary, MIN_VERSION,
+};
+
+use crate::error::{Error, Result};
+
+/// The CUDA driver's version (major, minor), e.g. (12, 4): the newest CUDA it runs.
+pub fn driver_version() -> Result<(u32, u32)> {
+    libs::cuda()?;
+    let mut v: std::ffi::c_int = 0;
+    // SAFETY: valid out-pointer; the driver is present.
+    driver::check(
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) },
+        || "CUDA cuDriverGetVersion".into(),
+    )?;
+    Ok(((v / 1000) as u32, ((v % 1000) / 10) as u32))
+}
+
+/// NVRTC's version, when it is there (the copy-based algorithms need it).
+pub fn nvrtc_version() -> Result<(u32, u32)> {
+    libs::nvrtc().map(|(a, b)| (a as u32, b as u32))
+}
+
+/// What this build and machine offer for GPUs: every part, or why it is missing.
+#[derive(Clone, Debug)]
+pub struct Status {
+    /// The driver version, or why CUDA is not available.
+    pub driver: Result<(u32, u32)>,
+    /// The GPUs, or why there are none.
+    pub gpus: Result<Vec<GpuInfo>>,
+    /// The NCCL library, or why it is not available.
+    pub nccl: Result<NcclLibrary>,
+    /// NVRTC's version, or why it is not available.
+    pub nvrtc: Result<(u32, u32)>,
+}
+
+/// Probe the driver, the GPUs, NCCL and NVRTC (for `tutti devices`).
+pub fn status() -> Status {
+    Status {
+        driver: driver_version(),
+        gpus: devices(),
+        nccl: nccl_library(),
+        nvrtc: nvrtc_version(),
+    }
+}
+
+impl Status {
+    /// One line per part: `CUDA driver 12.4`, `NCCL 2.21.5 (libnccl.so.2)`, or why not.
+    pub fn lines(&self) -> Vec<String> {
+        let why = |e: &Error| e.to_string();
+        vec![
+            match &self.driver {
+                Ok((a, b)) => format!("CUDA driver {a}.{b}"),
+                Err(e) => why(e),
+            },
+            match &self.nccl {
+                Ok(l) => format!(
+                    "NCCL {}.{}.{} ({})",
+                    l.version.0, l.version.1, l.version.2, l.path
+                ),
+                Err(e) => why(e),
+            },
+            match &self.nvrtc {
+                Ok((a, b)) => format!("NVRTC {a}.{b}"),
+                Err(e) => why(e),
+            },
+        ]
+    }
+
+    /// The same as JSON.
+    pub fn to_json(&self) -> serde_json::Value {
+        let err = |e: &Error| serde_json::json!({ "error": e.to_string() });
+        serde_json::json!({
+            "driver": self.driver.as_ref().map_or_else(err, |(a, b)| serde_json::json!(format!("{a}.{b}"))),
+            "gpus": self.gpus.as_ref().map_or_else(err, |g| serde_json::json!(g)),
+            "nccl": self.nccl.as_ref().map_or_else(err, |l| serde_json::json!({
+                "path": l.path,
+                "version": format!("{}.{}.{}", l.version.0, l.version.1, l.version.2),
+            })),
+            "nvrtc": self.nvrtc.as_ref().map_or_else(err, |(a, b)| serde_json::json!(format!("{a}.{b}"))),
+        })
+    }
+}

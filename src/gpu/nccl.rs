@@ -1,0 +1,683 @@
+//! NCCL, loaded at run time from `libnccl.so.2` (see [`super::libs::nccl_candidates`]) and bound
+//! function by function, so that a missing library or symbol is an `Unavailable` error, never a
+//! panic. The types and enum values are cudarc's NCCL bindings.
+//!
+//! Communicators are created non-blocking (`ncclConfig_t.blocking = 0`): every NCCL call returns
+//! at once, and tutti polls `ncclCommGetAsyncError` and the streams until the work is done, an
+//! error is reported (returned with NCCL's message and its last-error text), or the timeout
+//! passes, when every communicator of the group is aborted with `ncclCommAbort` (NCCL's kernels
+//! stop) and the group refuses later calls.
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
+
+use super::discovery::DeviceInner;
+use super::driver::{self, Stream};
+use super::libs;
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Error, Result};
+
+const NCCL_SUCCESS: c_int = 0;
+const NCCL_IN_PROGRESS: c_int = 7;
+
+/// The name of an `ncclResult_t` value.
+pub fn result_name(code: i32) -> &'static str {
+    match code {
+        0 => "ncclSuccess",
+        1 => "ncclUnhandledCudaError",
+        2 => "ncclSystemError",
+        3 => "ncclInternalError",
+        4 => "ncclInvalidArgument",
+        5 => "ncclInvalidUsage",
+        6 => "ncclRemoteError",
+        7 => "ncclInProgress",
+        8 => "ncclTimeout",
+        _ => "unknown ncclResult_t",
+    }
+}
+
+/// Decode `ncclGetVersion`'s code: `major*10000 + minor*100 + patch` since NCCL 2.9,
+/// `major*1000 + minor*100 + patch` before.
+pub fn decode_version(code: i32) -> (u32, u32, u32) {
+    let c = code.max(0) as u32;
+    if c >= 10000 {
+        (c / 10000, (c % 10000) / 100, c % 100)
+    } else {
+        (c / 1000, (c % 1000) / 100, c % 100)
+    }
+}
+
+/// The oldest NCCL tutti uses: non-blocking communicators (`ncclConfig_t`,
+/// `ncclCommFinalize`) arrived in 2.14.
+pub const MIN_VERSION: (u32, u32, u32) = (2, 14, 0);
+
+/// `ncclConfig_t` as of NCCL 2.17. Later NCCLs read this prefix (by `size` and `version`) and
+/// give the fields it lacks their defaults.
+#[repr(C)]
+struct Config {
+    size: usize,
+    magic: u32,
+    version: u32,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
+    split_share: c_int,
+}
+
+const CONFIG_UNDEF_INT: c_int = c_int::MIN;
+
+impl Config {
+    fn non_blocking() -> Config {
+        Config {
+            size: std::mem::size_of::<Config>(),
+            magic: 0xcafe_beef,
+            version: 2 * 10000 + 17 * 100,
+            blocking: 0,
+            cga_cluster_size: CONFIG_UNDEF_INT,
+            min_ctas: CONFIG_UNDEF_INT,
+            max_ctas: CONFIG_UNDEF_INT,
+            net_name: std::ptr::null(),
+            split_share: CONFIG_UNDEF_INT,
+        }
+    }
+}
+
+type Stream_ = *mut c_void;
+
+/// The NCCL functions tutti calls.
+pub(crate) struct Api {
+    _lib: libloading::Library,
+    path: String,
+    version: (u32, u32, u32),
+    get_unique_id: unsafe extern "C" fn(*mut ncclUniqueId) -> c_int,
+    comm_init_rank_config:
+        unsafe extern "C" fn(*mut ncclComm_t, c_int, ncclUniqueId, c_int, *mut Config) -> c_int,
+    comm_get_async_error: unsafe extern "C" fn(ncclComm_t, *mut c_int) -> c_int,
+    comm_finalize: unsafe extern "C" fn(ncclComm_t) -> c_int,
+    comm_destroy: unsafe extern "C" fn(ncclComm_t) -> c_int,
+    comm_abort: unsafe extern "C" fn(ncclComm_t) -> c_int,
+    get_error_string: unsafe extern "C" fn(c_int) -> *const c_char,
+    get_last_error: unsafe extern "C" fn(ncclComm_t) -> *const c_char,
+    group_start: unsafe extern "C" fn() -> c_int,
+    group_end: unsafe extern "C" fn() -> c_int,
+    all_reduce: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        ncclComm_t,
+        Stream_,
+    ) -> c_int,
+    broadcast: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        ncclComm_t,
+        Stream_,
+    ) -> c_int,
+    reduce: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        c_int,
+        ncclComm_t,
+        Stream_,
+    ) -> c_int,
+    all_gather: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        ncclComm_t,
+        Stream_,
+    ) -> c_int,
+    reduce_scatter: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        ncclComm_t,
+        Stream_,
+    ) -> c_int,
+}
+
+// SAFETY: plain function pointers into a library that stays loaded.
+unsafe impl Send for Api {}
+// SAFETY: as above; NCCL's functions are callable from any thread.
+unsafe impl Sync for Api {}
+
+/// The NCCL library found: where, and its version.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NcclLibrary {
+    /// The path or name it was loaded from.
+    pub path: String,
+    /// (major, minor, patch).
+    pub version: (u32, u32, u32),
+}
+
+impl Api {
+    fn load(candidates: &[String]) -> Result<Api> {
+        let (lib, path) = libs::open_nccl(candidates)?;
+        // SAFETY: each symbol is bound to NCCL's documented C signature.
+        unsafe {
+            macro_rules! sym {
+                ($name:literal) => {
+                    *lib.get($name.as_bytes()).map_err(|e| {
+                        libs::unavailable(
+                            "NCCL",
+                            format!(
+                                "{path} has no {} ({e}); tutti needs NCCL {}.{} or later",
+                                $name, MIN_VERSION.0, MIN_VERSION.1
+                            ),
+                        )
+                    })?
+                };
+            }
+            let get_version: unsafe extern "C" fn(*mut c_int) -> c_int = sym!("ncclGetVersion");
+            let mut code: c_int = 0;
+            let r = get_version(&mut code);
+            if r != NCCL_SUCCESS {
+                return Err(libs::unavailable(
+                    "NCCL",
+                    format!("{path}: ncclGetVersion failed ({})", result_name(r)),
+                ));
+            }
+            let version = decode_version(code);
+            if version < MIN_VERSION {
+                return Err(libs::unavailable(
+                    "NCCL",
+                    format!(
+                        "{path} is NCCL {}.{}.{}; tutti needs {}.{} or later (non-blocking communicators)",
+                        version.0, version.1, version.2, MIN_VERSION.0, MIN_VERSION.1
+                    ),
+                ));
+            }
+            Ok(Api {
+                get_unique_id: sym!("ncclGetUniqueId"),
+                comm_init_rank_config: sym!("ncclCommInitRankConfig"),
+                comm_get_async_error: sym!("ncclCommGetAsyncError"),
+                comm_finalize: sym!("ncclCommFinalize"),
+                comm_destroy: sym!("ncclCommDestroy"),
+                comm_abort: sym!("ncclCommAbort"),
+                get_error_string: sym!("ncclGetErrorString"),
+                get_last_error: sym!("ncclGetLastError"),
+                group_start: sym!("ncclGroupStart"),
+                group_end: sym!("ncclGroupEnd"),
+                all_reduce: sym!("ncclAllReduce"),
+                broadcast: sym!("ncclBroadcast"),
+                reduce: sym!("ncclReduce"),
+                all_gather: sym!("ncclAllGather"),
+                reduce_scatter: sym!("ncclReduceScatter"),
+                _lib: lib,
+                path,
+                version,
+            })
+        }
+    }
+
+    /// NCCL's text for `code`, plus the communicator's last error when it has one.
+    fn message(&self, code: c_int, comm: Option<ncclComm_t>) -> String {
+        let text = |p: *const c_char| {
+            if p.is_null() {
+                String::new()
+            } else {
+                // SAFETY: NCCL returns NUL-terminated strings it owns.
+                unsafe { CStr::from_ptr(p) }
+                    .to_string_lossy()
+                    .trim()
+                    .to_string()
+            }
+        };
+        // SAFETY: any code is accepted.
+        let mut m = format!(
+            "{}: {}",
+            result_name(code),
+            text(unsafe { (self.get_error_string)(code) })
+        );
+        if let Some(c) = comm {
+            // SAFETY: a live communicator (or null, which NCCL accepts).
+            let last = text(unsafe { (self.get_last_error)(c) });
+            if !last.is_empty() {
+                m.push_str(&format!("; NCCL says: {last}"));
+            }
+        }
+        m
+    }
+
+    fn check(
+        &self,
+        code: c_int,
+        comm: Option<ncclComm_t>,
+        what: impl FnOnce() -> String,
+    ) -> Result<()> {
+        if code == NCCL_SUCCESS || code == NCCL_IN_PROGRESS {
+            Ok(())
+        } else {
+            Err(Error::System {
+                what: what(),
+                message: self.message(code, comm),
+            })
+        }
+    }
+}
+
+static API: OnceLock<Api> = OnceLock::new();
+
+/// NCCL as found by the default search (cached once found; a failed search is repeated).
+pub(crate) fn api() -> Result<&'static Api> {
+    if let Some(a) = API.get() {
+        return Ok(a);
+    }
+    let explicit = std::env::var("TUTTI_NCCL_LIBRARY").ok();
+    let api = Api::load(&libs::nccl_candidates(explicit.as_deref()))?;
+    let _ = API.set(api);
+    API.get()
+        .ok_or_else(|| libs::unavailable("NCCL", "the library could not be kept loaded"))
+}
+
+/// The NCCL library tutti uses: `TUTTI_NCCL_LIBRARY`, else the search of
+/// [`super::libs::nccl_candidates`]; `Unavailable` when none loads or it is older than 2.14.
+pub fn nccl_library() -> Result<NcclLibrary> {
+    let a = api()?;
+    Ok(NcclLibrary {
+        path: a.path.clone(),
+        version: a.version,
+    })
+}
+
+/// Load NCCL from `path` alone (not cached): what `TUTTI_NCCL_LIBRARY=path` would find.
+pub fn open_nccl_library(path: &str) -> Result<NcclLibrary> {
+    let a = Api::load(&[path.to_string()])?;
+    Ok(NcclLibrary {
+        path: a.path.clone(),
+        version: a.version,
+    })
+}
+
+/// NCCL's code for a tutti element type.
+pub fn nccl_dtype(d: DType) -> i32 {
+    (match d {
+        DType::F32 => ncclDataType_t::ncclFloat32,
+        DType::F64 => ncclDataType_t::ncclFloat64,
+        DType::F16 => ncclDataType_t::ncclFloat16,
+        DType::BF16 => ncclDataType_t::ncclBfloat16,
+        DType::I8 => ncclDataType_t::ncclInt8,
+        DType::U8 => ncclDataType_t::ncclUint8,
+        DType::I32 => ncclDataType_t::ncclInt32,
+        DType::U32 => ncclDataType_t::ncclUint32,
+        DType::I64 => ncclDataType_t::ncclInt64,
+        DType::U64 => ncclDataType_t::ncclUint64,
+    }) as i32
+}
+
+/// NCCL's code for a tutti reduce op (`Mean` is `ncclAvg`: integers sum, wrapping, then divide
+/// truncating toward zero, as tutti does).
+pub fn nccl_op(op: ReduceOp) -> i32 {
+    (match op {
+        ReduceOp::Sum => ncclRedOp_t::ncclSum,
+        ReduceOp::Prod => ncclRedOp_t::ncclProd,
+        ReduceOp::Min => ncclRedOp_t::ncclMin,
+        ReduceOp::Max => ncclRedOp_t::ncclMax,
+        ReduceOp::Mean => ncclRedOp_t::ncclAvg,
+    }) as i32
+}
+
+/// A fresh NCCL unique id (rank 0 makes it; the others receive it).
+pub(crate) fn unique_id() -> Result<[u8; 128]> {
+    let a = api()?;
+    let mut id = ncclUniqueId { internal: [0; 128] };
+    // SAFETY: valid out-pointer.
+    a.check(unsafe { (a.get_unique_id)(&mut id) }, None, || {
+        "NCCL ncclGetUniqueId".into()
+    })?;
+    Ok(id.internal.map(|c| c as u8))
+}
+
+/// One collective for [`Comms::run`]: what to call with which addresses on each device.
+#[derive(Clone, Debug)]
+pub(crate) enum Call {
+    AllReduce { op: ReduceOp },
+    Broadcast { root: usize },
+    Reduce { op: ReduceOp, root: usize },
+    AllGather,
+    ReduceScatter { op: ReduceOp },
+}
+
+/// The NCCL communicators of this process's devices in one group.
+pub(crate) struct Comms {
+    api: &'static Api,
+    comms: Vec<ncclComm_t>,
+    /// The global rank of each local device.
+    pub ranks: Vec<usize>,
+    aborted: AtomicBool,
+}
+
+// SAFETY: communicator handles may be used from any thread (one call at a time, which the
+// group guarantees).
+unsafe impl Send for Comms {}
+// SAFETY: as above.
+unsafe impl Sync for Comms {}
+
+impl Comms {
+    /// Create the communicators of `devices` (global ranks `first_rank..`, of `world`) from
+    /// `id`, in one NCCL group, waiting up to `timeout` for every rank of the world to join.
+    pub fn init(
+        devices: &[&DeviceInner],
+        id: &[u8; 128],
+        first_rank: usize,
+        world: usize,
+        timeout: Duration,
+    ) -> Result<Comms> {
+        let api = api()?;
+        let uid = ncclUniqueId {
+            internal: id.map(|b| b as c_char),
+        };
+        let mut comms: Vec<ncclComm_t> = vec![std::ptr::null_mut(); devices.len()];
+        let what = |i: usize| {
+            format!(
+                "NCCL ncclCommInitRankConfig (rank {} of {world}, gpu:{} on GPU {})",
+                first_rank + i,
+                devices[i].logical.index,
+                devices[i].logical.physical
+            )
+        };
+        // SAFETY: NCCL group calls with valid out-pointers and config; each device's context
+        // is current while its communicator is created.
+        let started = unsafe { (api.group_start)() };
+        api.check(started, None, || "NCCL ncclGroupStart".into())?;
+        let mut first_err = None;
+        for (i, d) in devices.iter().enumerate() {
+            if let Err(e) = d.ctx.bind() {
+                first_err.get_or_insert(e);
+                continue;
+            }
+            let mut config = Config::non_blocking();
+            // SAFETY: as above.
+            let r = unsafe {
+                (api.comm_init_rank_config)(
+                    &mut comms[i],
+                    world as c_int,
+                    uid,
+                    (first_rank + i) as c_int,
+                    &mut config,
+                )
+            };
+            if let Err(e) = api.check(r, None, || what(i)) {
+                first_err.get_or_insert(e);
+            }
+        }
+        // SAFETY: closes the group opened above.
+        let ended = unsafe { (api.group_end)() };
+        let made = Comms {
+            api,
+            comms,
+            ranks: (first_rank..first_rank + devices.len()).collect(),
+            aborted: AtomicBool::new(false),
+        };
+        let result = first_err
+            .map_or(Ok(()), Err)
+            .and_then(|_| {
+                api.check(ended, None, || {
+                    "NCCL ncclGroupEnd (communicator setup)".into()
+                })
+            })
+            .and_then(|_| made.settle(Instant::now() + timeout, "join the NCCL communicator"));
+        match result {
+            Ok(()) => Ok(made),
+            Err(e) => {
+                made.abort();
+                Err(e)
+            }
+        }
+    }
+
+    /// Poll every communicator until none is in progress; an error names the device; at the
+    /// deadline the communicators are aborted.
+    fn settle(&self, deadline: Instant, phase: &str) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            let mut busy = Vec::new();
+            for (i, &c) in self.comms.iter().enumerate() {
+                if c.is_null() {
+                    continue;
+                }
+                let mut state: c_int = NCCL_SUCCESS;
+                // SAFETY: a live communicator and a valid out-pointer.
+                let r = unsafe { (self.api.comm_get_async_error)(c, &mut state) };
+                self.api
+                    .check(r, Some(c), || "NCCL ncclCommGetAsyncError".into())?;
+                if state == NCCL_IN_PROGRESS {
+                    busy.push(self.ranks[i]);
+                } else {
+                    self.api.check(state, Some(c), || {
+                        format!("NCCL (rank {}) while waiting to {phase}", self.ranks[i])
+                    })?;
+                }
+            }
+            if busy.is_empty() {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                self.abort();
+                return Err(Error::System {
+                    what: "NCCL".into(),
+                    message: format!(
+                        "timed out after {:?} waiting for NCCL rank(s) {busy:?} to {phase}; a rank \
+                         is missing, stuck or on an unreachable host (the communicators were \
+                         aborted)",
+                        now - start
+                    ),
+                });
+            }
+            driver::pause(now - start);
+        }
+    }
+
+    /// Run one collective over every local device, on each device's stream, and wait for it.
+    /// `sends[i]`, `recvs[i]` are device `i`'s addresses; `count` is NCCL's count (per rank
+    /// for all-gather's input and reduce-scatter's output). `Ok(Err(ranks))`: timed out waiting
+    /// for those global ranks (the communicators are then aborted).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        &self,
+        call: &Call,
+        dtype: DType,
+        count: usize,
+        sends: &[u64],
+        recvs: &[u64],
+        devices: &[&DeviceInner],
+        deadline: Instant,
+        what: &str,
+    ) -> Result<std::result::Result<(), Vec<usize>>> {
+        if self.aborted.load(Ordering::Acquire) {
+            return Err(Error::System {
+                what: what.into(),
+                message: "the group's NCCL communicators were aborted by an earlier failure; build a new group".into(),
+            });
+        }
+        let api = self.api;
+        let dt = nccl_dtype(dtype) as c_int;
+        // SAFETY: group calls over live communicators; every address lies in device memory of
+        // the matching device, of the sizes the group checked; streams are the devices' own.
+        let started = unsafe { (api.group_start)() };
+        api.check(started, None, || format!("{what}: ncclGroupStart"))?;
+        let mut first_err = None;
+        for (i, d) in devices.iter().enumerate() {
+            let (c, s) = (self.comms[i], d.stream.raw as Stream_);
+            let (send, recv) = (sends[i] as *const c_void, recvs[i] as *mut c_void);
+            // SAFETY: as above.
+            let r = unsafe {
+                match *call {
+                    Call::AllReduce { op } => {
+                        (api.all_reduce)(send, recv, count, dt, nccl_op(op), c, s)
+                    }
+                    Call::Broadcast { root } => {
+                        (api.broadcast)(send, recv, count, dt, root as c_int, c, s)
+                    }
+                    Call::Reduce { op, root } => {
+                        let recv = if self.ranks[i] == root {
+                            recv
+                        } else {
+                            std::ptr::null_mut()
+                        };
+                        (api.reduce)(send, recv, count, dt, nccl_op(op), root as c_int, c, s)
+                    }
+                    Call::AllGather => (api.all_gather)(send, recv, count, dt, c, s),
+                    Call::ReduceScatter { op } => {
+                        (api.reduce_scatter)(send, recv, count, dt, nccl_op(op), c, s)
+                    }
+                }
+            };
+            if let Err(e) = api.check(r, Some(c), || format!("{what} on rank {}", self.ranks[i])) {
+                first_err.get_or_insert(e);
+            }
+        }
+        // SAFETY: closes the group opened above.
+        let ended = unsafe { (api.group_end)() };
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        api.check(ended, None, || format!("{what}: ncclGroupEnd"))?;
+        // The work is queued once no communicator is in progress; then wait for the streams,
+        // watching for asynchronous errors.
+        let start = Instant::now();
+        let streams: Vec<&Stream> = devices.iter().map(|d| &d.stream).collect();
+        loop {
+            let mut busy_comm = false;
+            for (i, &c) in self.comms.iter().enumerate() {
+                let mut state: c_int = NCCL_SUCCESS;
+                // SAFETY: a live communicator and a valid out-pointer.
+                let r = unsafe { (api.comm_get_async_error)(c, &mut state) };
+                api.check(r, Some(c), || format!("{what}: ncclCommGetAsyncError"))?;
+                if state == NCCL_IN_PROGRESS {
+                    busy_comm = true;
+                } else if let Err(e) = api.check(state, Some(c), || {
+                    format!("{what} on rank {}", self.ranks[i])
+                }) {
+                    self.abort();
+                    return Err(e);
+                }
+            }
+            let mut pending = Vec::new();
+            if !busy_comm {
+                for (i, s) in streams.iter().enumerate() {
+                    if !s.done()? {
+                        pending.push(self.ranks[i]);
+                    }
+                }
+                if pending.is_empty() {
+                    return Ok(Ok(()));
+                }
+            } else {
+                pending = self.ranks.clone();
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                self.abort();
+                return Ok(Err(pending));
+            }
+            driver::pause(now - start);
+        }
+    }
+
+    /// Abort every communicator (once): NCCL's kernels stop and the communicators are freed.
+    pub fn abort(&self) {
+        if self.aborted.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        for (i, &c) in self.comms.iter().enumerate() {
+            if c.is_null() {
+                continue;
+            }
+            // SAFETY: a communicator created by ncclCommInitRankConfig, aborted once.
+            let r = unsafe { (self.api.comm_abort)(c) };
+            if r != NCCL_SUCCESS && r != NCCL_IN_PROGRESS {
+                driver::log(&format!(
+                    "ncclCommAbort (rank {}) failed: {}",
+                    self.ranks[i],
+                    self.api.message(r, None)
+                ));
+            }
+        }
+    }
+
+    /// True once [`Comms::abort`] ran.
+    pub fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for Comms {
+    fn drop(&mut self) {
+        if self.is_aborted() {
+            return;
+        }
+        // Finalize (flush) every communicator, bounded, then destroy; abort when that fails.
+        let api = self.api;
+        let mut ok = true;
+        for &c in self.comms.iter().filter(|c| !c.is_null()) {
+            // SAFETY: a live communicator.
+            let r = unsafe { (api.comm_finalize)(c) };
+            if r != NCCL_SUCCESS && r != NCCL_IN_PROGRESS {
+                driver::log(&format!(
+                    "ncclCommFinalize failed: {}",
+                    api.message(r, Some(c))
+                ));
+                ok = false;
+            }
+        }
+        if ok {
+            if let Err(e) = self.settle(Instant::now() + Duration::from_secs(30), "finalize") {
+                driver::log(&format!("closing NCCL communicators: {e}"));
+                self.abort();
+                return;
+            }
+            for &c in self.comms.iter().filter(|c| !c.is_null()) {
+                // SAFETY: a finalized communicator, destroyed once.
+                let r = unsafe { (api.comm_destroy)(c) };
+                if r != NCCL_SUCCESS && r != NCCL_IN_PROGRESS {
+                    driver::log(&format!("ncclCommDestroy failed: {}", api.message(r, None)));
+                }
+            }
+        } else {
+            self.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_decode() {
+        assert_eq!(decode_version(22105), (2, 21, 5));
+        assert_eq!(decode_version(2804), (2, 8, 4));
+        assert!(decode_version(21403) >= MIN_VERSION);
+        assert!(decode_version(21305) < MIN_VERSION);
+    }
+
+    #[test]
+    fn codes_match_nccl() {
+        assert_eq!(nccl_dtype(DType::F32), 7);
+        assert_eq!(nccl_dtype(DType::BF16), 9);
+        assert_eq!(nccl_dtype(DType::U64), 5);
+        assert_eq!(nccl_op(ReduceOp::Max), 2);
+        assert_eq!(nccl_op(ReduceOp::Min), 3);
+        assert_eq!(nccl_op(ReduceOp::Mean), 4);
+        assert_eq!(std::mem::size_of::<Config>(), 48);
+    }
+}
