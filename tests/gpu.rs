@@ -1,0 +1,1100 @@
+//! GPU tests (`cargo test --features cuda --test gpu`).
+//!
+//! Every test that needs a GPU looks for one first and, when there is none, prints
+//! `SKIPPED: <reason>` and returns. The tests of the pure logic (visible devices, virtual-GPU
+//! memory limits, the generated kernels, NCCL codes) and of the absent-library paths run
+//! everywhere. With GPUs, every collective runs with every algorithm on several device sets
+//! (virtual GPUs on one GPU, whole GPUs, NCCL with one rank), for every dtype and op, in place
+//! and out of place, and is checked against `tutti::reference`.
+#![cfg(feature = "cuda")]
+
+use std::process::Command;
+use std::time::Duration;
+
+use tutti::cluster::store::{FileStore, TcpStore, TcpStoreServer};
+use tutti::gpu::{
+    self, kernels, DevicePtr, GpuAlgorithm, GpuBuffer, GpuDevice, GpuGroup, GpuInfo, LogicalGpu,
+    VirtualGpuConfig,
+};
+use tutti::{reference, Collective, Config, DType, Element, Error, ReduceOp};
+
+fn gpus_or_skip(test: &str) -> Option<Vec<GpuInfo>> {
+    match gpu::devices() {
+        Ok(g) => Some(g),
+        Err(e) => {
+            println!("SKIPPED: {test}: {e}");
+            None
+        }
+    }
+}
+
+fn nccl_or_skip(test: &str) -> bool {
+    match gpu::nccl_library() {
+        Ok(_) => true,
+        Err(e) => {
+            println!("SKIPPED: {test}: {e}");
+            false
+        }
+    }
+}
+
+fn config() -> Config {
+    Config::default().with_timeout(Duration::from_secs(60))
+}
+
+fn open(plan: &[LogicalGpu]) -> Vec<GpuDevice> {
+    plan.iter().map(|l| GpuDevice::open(l).unwrap()).collect()
+}
+
+/// `n` logical GPUs on physical GPU 0.
+fn virtual_gpus(gpus: &[GpuInfo], n: usize) -> Vec<GpuDevice> {
+    let plan = VirtualGpuConfig::new()
+        .split_evenly(&gpus[0], n)
+        .unwrap()
+        .plan(&gpus[..1])
+        .unwrap();
+    open(&plan)
+}
+
+/// Every physical GPU, one logical GPU each.
+fn whole_gpus(gpus: &[GpuInfo]) -> Vec<GpuDevice> {
+    open(&VirtualGpuConfig::new().plan(gpus).unwrap())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Without a GPU: absent libraries, pure logic.
+
+#[test]
+fn absent_libraries_are_clean_errors() {
+    // A bogus explicit NCCL path: Unavailable naming it, never a panic.
+    let e = gpu::open_nccl_library("/nonexistent/tutti-test/libnccl.so.2").unwrap_err();
+    assert!(
+        matches!(e, Error::Unavailable { ref what, .. } if what == "NCCL"),
+        "{e:?}"
+    );
+    let m = e.to_string();
+    assert!(m.starts_with("NCCL not available: "), "{m}");
+    assert!(m.contains("/nonexistent/tutti-test/libnccl.so.2"), "{m}");
+    // A file that is not a library.
+    let e = gpu::open_nccl_library("/etc/hostname").unwrap_err();
+    assert!(e.to_string().starts_with("NCCL not available: "), "{e}");
+    assert_eq!(
+        gpu::libs::nccl_candidates(Some("/x/libnccl.so.2")),
+        vec!["/x/libnccl.so.2".to_string()]
+    );
+
+    // Whatever this machine has, every probe answers, and a missing part is Unavailable.
+    let status = gpu::status();
+    let lines = status.lines();
+    assert_eq!(lines.len(), 3);
+    let _ = status.to_json();
+    match gpu::devices() {
+        Ok(g) => assert!(!g.is_empty()),
+        Err(e) => {
+            println!("this machine has no usable GPU: {e}");
+            assert!(
+                matches!(e, Error::Unavailable { ref what, .. } if what == "CUDA"),
+                "{e:?}"
+            );
+            assert!(e.to_string().starts_with("CUDA not available: "), "{e}");
+            assert!(lines[0].starts_with("CUDA not available: "), "{lines:?}");
+            // Everything that needs the driver says so too.
+            let l = LogicalGpu {
+                index: 0,
+                physical: 0,
+                memory_limit: None,
+                is_virtual: false,
+            };
+            let e = GpuDevice::open(&l).unwrap_err();
+            assert!(e.to_string().starts_with("CUDA not available: "), "{e}");
+            assert!(gpu::driver_version().is_err());
+            assert!(gpu::discover_devices().is_empty());
+            assert!(gpu::perf::replica_devices(2)
+                .unwrap_err()
+                .to_string()
+                .starts_with("CUDA not available: "));
+            assert!(gpu::perf::device_copy_gbps(0).is_err());
+            assert!(!tutti::device::discover()
+                .iter()
+                .any(|d| d.kind == tutti::DeviceKind::Gpu));
+        }
+    }
+    if let Err(e) = gpu::nccl_library() {
+        assert!(e.to_string().starts_with("NCCL not available: "), "{e}");
+    }
+    if let Err(e) = gpu::nvrtc_version() {
+        assert!(e.to_string().starts_with("NVRTC not available: "), "{e}");
+    }
+}
+
+/// The command line: `tutti devices` reports the GPU state (with a bogus NCCL path, that NCCL
+/// is missing and where tutti looked), and `tutti perf --device gpu` fails cleanly without a GPU.
+#[test]
+fn the_command_reports_missing_libraries() {
+    let exe = env!("CARGO_BIN_EXE_tutti");
+    let out = Command::new(exe)
+        .arg("devices")
+        .env("TUTTI_NCCL_LIBRARY", "/nonexistent/tutti-test/libnccl.so.2")
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(!text.contains("panicked"), "{text}");
+    assert!(text.contains("NCCL not available"), "{text}");
+    assert!(
+        text.contains("/nonexistent/tutti-test/libnccl.so.2"),
+        "{text}"
+    );
+    let out = Command::new(exe)
+        .args(["devices", "--json"])
+        .env("TUTTI_NCCL_LIBRARY", "/nonexistent/tutti-test/libnccl.so.2")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        v["gpu"]["nccl"]["error"]
+            .as_str()
+            .unwrap()
+            .contains("NCCL not available"),
+        "{v}"
+    );
+
+    if gpu::devices().is_err() {
+        let out = Command::new(exe)
+            .args(["perf", "--device", "gpu", "-n", "2", "-b", "1K", "-e", "1K"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(err.contains("CUDA not available"), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
+#[test]
+fn cuda_visible_devices_and_lists() {
+    let v = gpu::parse_cuda_visible_devices(Some("3,1,bogus,2"));
+    assert_eq!(v.entries, Some(vec!["3".to_string(), "1".to_string()]));
+    assert_eq!(v.ignored, vec!["bogus".to_string(), "2".to_string()]);
+    assert_eq!(
+        gpu::parse_cuda_visible_devices(Some("-1")).entries,
+        Some(vec![])
+    );
+    assert_eq!(gpu::parse_cuda_visible_devices(None).entries, None);
+    assert_eq!(gpu::parse_device_list("1,gpu:0").unwrap(), vec![1, 0]);
+    assert!(gpu::parse_device_list("xla:0").is_err());
+}
+
+fn fake(ordinal: usize, free_gib: u64) -> GpuInfo {
+    GpuInfo {
+        ordinal,
+        name: "test".into(),
+        total_memory: (free_gib + 2) << 30,
+        free_memory: free_gib << 30,
+        compute_capability: (9, 0),
+        multiprocessors: 132,
+        pci_bus_id: String::new(),
+        uuid: String::new(),
+        visible_as: None,
+    }
+}
+
+#[test]
+fn virtual_gpu_memory_limits() {
+    let gpus = [fake(0, 100), fake(1, 40)];
+    let limits = gpu::even_memory_limits(100 << 30, 4).unwrap();
+    assert_eq!(limits.len(), 4);
+    let total: u64 = limits.iter().sum();
+    assert!(total <= ((100u64 << 30) as f64 * (1.0 - gpu::RESERVED_SHARE)) as u64);
+    assert!(limits.iter().all(|l| l % (1 << 20) == 0));
+    let plan = VirtualGpuConfig::new()
+        .split(0, &[10 << 30, 10 << 30, 10 << 30])
+        .plan(&gpus)
+        .unwrap();
+    assert_eq!(plan.len(), 4);
+    assert_eq!(
+        plan.iter().map(|l| l.physical).collect::<Vec<_>>(),
+        [0, 0, 0, 1]
+    );
+    assert!(plan[..3]
+        .iter()
+        .all(|l| l.is_virtual && l.memory_limit == Some(10 << 30)));
+    assert!(!plan[3].is_virtual && plan[3].memory_limit.is_none());
+    let e = VirtualGpuConfig::new()
+        .split(1, &[30 << 30, 30 << 30])
+        .plan(&gpus)
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("GPU 1") && e.to_string().contains("free"),
+        "{e}"
+    );
+    let spread = gpu::plan_replicas(5, &gpus).unwrap();
+    assert_eq!(
+        spread.iter().map(|l| l.physical).collect::<Vec<_>>(),
+        [0, 0, 0, 1, 1]
+    );
+    assert_eq!(
+        spread.iter().map(|l| l.index).collect::<Vec<_>>(),
+        [0, 1, 2, 3, 4]
+    );
+}
+
+#[test]
+fn kernel_source_covers_every_dtype_and_op() {
+    let src = kernels::reduce_kernel_source();
+    let ctype = |d: DType| match d {
+        DType::F32 => "float",
+        DType::F64 => "double",
+        DType::F16 | DType::BF16 => "unsigned short",
+        DType::I8 => "signed char",
+        DType::U8 => "unsigned char",
+        DType::I32 => "int",
+        DType::U32 => "unsigned int",
+        DType::I64 => "long long",
+        DType::U64 => "unsigned long long",
+    };
+    for d in DType::ALL {
+        for op in ReduceOp::ALL {
+            let name = kernels::reduce_kernel_name(d, op);
+            let start = src
+                .find(&format!("void {name}("))
+                .unwrap_or_else(|| panic!("{name} missing"));
+            let body = &src[start..];
+            let body = &body[..body.find("\n}\n").unwrap()];
+            assert!(
+                body.contains(&format!("{}* dst", ctype(d))),
+                "{name}: {body}"
+            );
+            match d {
+                DType::F16 => {
+                    assert!(body.contains("tutti_f16_load") && body.contains("tutti_f16_store"))
+                }
+                DType::BF16 => {
+                    assert!(body.contains("tutti_bf16_load") && body.contains("tutti_bf16_store"))
+                }
+                _ => assert!(!body.contains("_load(")),
+            }
+            let combine = match (op, d.is_float()) {
+                (ReduceOp::Min, _) => "tutti_min",
+                (ReduceOp::Max, _) => "tutti_max",
+                (ReduceOp::Sum | ReduceOp::Mean, true) => "a + b",
+                (ReduceOp::Prod, true) => "a * b",
+                (ReduceOp::Sum | ReduceOp::Mean, false) => ")a + (",
+                (ReduceOp::Prod, false) => ")a * (",
+            };
+            assert!(body.contains(combine), "{name} lacks {combine}: {body}");
+            if !d.is_float() {
+                // Integer division in 64 bits, truncating toward zero.
+                assert!(body.contains("long long)a / ("), "{name}: {body}");
+            }
+        }
+    }
+}
+
+/// True when `var=1`: a missing library fails the test instead of skipping it (CI).
+fn required(var: &str) -> bool {
+    std::env::var(var).is_ok_and(|v| v == "1")
+}
+
+#[test]
+fn kernels_compile_with_nvrtc() {
+    if let Err(e) = gpu::nvrtc_version() {
+        assert!(
+            !required("TUTTI_REQUIRE_NVRTC"),
+            "TUTTI_REQUIRE_NVRTC=1: {e}"
+        );
+        println!("SKIPPED: kernels_compile_with_nvrtc: {e}");
+        return;
+    }
+    let archs = kernels::nvrtc_architectures().unwrap();
+    assert!(!archs.is_empty());
+    for cc in [(8, 0), (9, 0)] {
+        match kernels::compile_reduce_kernels(cc).unwrap() {
+            kernels::Image::Cubin(b) | kernels::Image::Ptx(b) => assert!(b.len() > 1000),
+        }
+    }
+}
+
+/// The generated kernels built for the host with the C++ compiler (`CXX`, else `g++`): CUDA's
+/// qualifiers become empty, the grid is emulated (3 blocks of 4 threads, so the grid-stride
+/// loop runs), and the two f16 conversions, which are PTX instructions, become `_Float16`
+/// casts (also round to nearest even). `None` (and a printed reason) without a compiler.
+fn host_kernels() -> Option<libloading::Library> {
+    let mut src = kernels::reduce_kernel_source();
+    // Replace the two PTX conversions with host ones.
+    let a = src
+        .find("__device__ __forceinline__ float tutti_f16_load")
+        .unwrap();
+    let b = src
+        .find("__device__ __forceinline__ float tutti_bf16_load")
+        .unwrap();
+    src.replace_range(a..b, r#"
+__device__ __forceinline__ float tutti_f16_load(unsigned short h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
+__device__ __forceinline__ unsigned short tutti_f16_store(float f) { _Float16 x = (_Float16)f; unsigned short h; memcpy(&h, &x, 2); return h; }
+"#);
+    let prelude = r#"
+#include <string.h>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+struct tutti_dim3 { unsigned x, y, z; };
+static tutti_dim3 gridDim, blockDim, blockIdx, threadIdx;
+"#;
+    let runner = r#"
+typedef void (*tutti_kernel)(void*, const tutti_sources, int, tutti_u64, int, tutti_u64);
+extern "C" void tutti_run(tutti_kernel k, void* dst, const void** srcs, int nsrc, tutti_u64 n, int acc, tutti_u64 div) {
+  tutti_sources s; for (int i = 0; i < nsrc; ++i) s.p[i] = srcs[i];
+  gridDim.x = 3; blockDim.x = 4;
+  for (unsigned b = 0; b < 3; ++b) for (unsigned t = 0; t < 4; ++t) { blockIdx.x = b; threadIdx.x = t; k(dst, s, nsrc, n, acc, div); }
+}
+"#;
+    let dir = std::env::temp_dir().join(format!("tutti-kernel-host-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cpp = dir.join("kernels.cpp");
+    std::fs::write(&cpp, format!("{prelude}{src}{runner}")).unwrap();
+    let so = dir.join("kernels.so");
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
+    let out = match Command::new(&cxx)
+        .args(["-O1", "-shared", "-fPIC", "-o"])
+        .arg(&so)
+        .arg(&cpp)
+        .output()
+    {
+        Ok(o) => o,
+        Err(e) => {
+            println!(
+                "SKIPPED: kernels_compute_the_reference_on_the_host: no C++ compiler ({cxx}: {e})"
+            );
+            return None;
+        }
+    };
+    if !out.status.success() {
+        println!(
+            "SKIPPED: kernels_compute_the_reference_on_the_host: {cxx} cannot build the host harness (it needs _Float16): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return None;
+    }
+    // SAFETY: a library just built from the kernels and the runner above.
+    let lib = unsafe { libloading::Library::new(&so) }.unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    Some(lib)
+}
+
+type HostRun =
+    unsafe extern "C" fn(*const std::ffi::c_void, *mut u8, *const *const u8, i32, u64, i32, u64);
+
+fn host_check<T: Element>(lib: &libloading::Library) {
+    // SAFETY: the runner's C signature.
+    let run: libloading::Symbol<HostRun> = unsafe { lib.get(b"tutti_run").unwrap() };
+    let n = 257;
+    for p in [1usize, 2, 3, 5] {
+        for op in ReduceOp::ALL {
+            let inputs: Vec<Vec<T>> = (0..p)
+                .map(|r| {
+                    (0..n)
+                        .map(|i| {
+                            let v = if op == ReduceOp::Prod {
+                                ((i * 7 + r * 3 + 1) % 5) as f64 - 2.0
+                            } else {
+                                ((i * 37 + r * 101 + 3) % 301) as f64 - 150.0 + 0.3 * (i % 3) as f64
+                            };
+                            let v = if i % 50 == 7
+                                && T::DTYPE.is_float()
+                                && matches!(op, ReduceOp::Min | ReduceOp::Max)
+                                && r == 0
+                            {
+                                f64::NAN
+                            } else {
+                                v
+                            };
+                            T::from_f64(v)
+                        })
+                        .collect()
+                })
+                .collect();
+            let refs: Vec<&[T]> = inputs.iter().map(|v| v.as_slice()).collect();
+            let want = reference::reduce(&refs, op);
+            let name = std::ffi::CString::new(kernels::reduce_kernel_name(T::DTYPE, op)).unwrap();
+            // SAFETY: the kernel's address, passed to the runner as a function pointer.
+            let k: libloading::Symbol<*const std::ffi::c_void> =
+                unsafe { lib.get(name.as_bytes_with_nul()).unwrap() };
+            // Overwrite form.
+            let mut out = vec![T::from_f64(0.0); n];
+            let ptrs: Vec<*const u8> = inputs.iter().map(|v| v.as_ptr() as *const u8).collect();
+            let div = if op == ReduceOp::Mean { p as u64 } else { 0 };
+            // SAFETY: buffers of n elements each, as the kernel reads and writes.
+            unsafe {
+                run(
+                    *k,
+                    out.as_mut_ptr() as *mut u8,
+                    ptrs.as_ptr(),
+                    p as i32,
+                    n as u64,
+                    0,
+                    div,
+                )
+            };
+            // Accumulate form: dst = input 0.
+            let mut acc = inputs[0].clone();
+            // SAFETY: as above.
+            unsafe {
+                run(
+                    *k,
+                    acc.as_mut_ptr() as *mut u8,
+                    ptrs[1..].as_ptr(),
+                    (p - 1) as i32,
+                    n as u64,
+                    1,
+                    div,
+                )
+            };
+            let tol = reference::tolerance(T::DTYPE, op, p, 160.0);
+            for (form, got) in [("overwrite", &out), ("accumulate", &acc)] {
+                let bad = reference::count_errors(got, &want, tol);
+                if bad > 0 {
+                    let i = (0..n)
+                        .find(|&i| {
+                            reference::count_errors(&got[i..i + 1], &want[i..i + 1], tol) > 0
+                        })
+                        .unwrap();
+                    panic!("{} {op} p={p} {form}: {bad} wrong; at {i}: got {:?} want {:?} (inputs {:?})", T::DTYPE, got[i], want[i], inputs.iter().map(|v| v[i]).collect::<Vec<_>>());
+                }
+            }
+            // Halves: exact match with the CPU kernels (one rounding, f32 accumulation).
+            if matches!(T::DTYPE, DType::F16 | DType::BF16) {
+                let mut cpu = vec![0u8; n * 2];
+                let srcs: Vec<&[u8]> = inputs.iter().map(|v| bytemuck::cast_slice(v)).collect();
+                tutti::dtype::kernels::reduce(
+                    T::DTYPE,
+                    op,
+                    &mut cpu,
+                    &srcs,
+                    tutti::dtype::kernels::Init::Overwrite,
+                    (op == ReduceOp::Mean).then_some(p),
+                );
+                let gpu: &[u8] = bytemuck::cast_slice(&out);
+                assert_eq!(
+                    gpu,
+                    &cpu[..],
+                    "{} {op} p={p}: differs from the CPU kernel",
+                    T::DTYPE
+                );
+            }
+        }
+    }
+}
+
+/// The arithmetic of the generated kernels, run on the host: every dtype and op, 1 to 5
+/// sources, both the overwrite and the accumulate form, against `tutti::reference` (wrapping
+/// integers, truncating integer means, NaN losing in min/max), and for f16/bf16 bit for bit
+/// against the CPU kernels (f32 accumulation, one rounding).
+#[test]
+fn kernels_compute_the_reference_on_the_host() {
+    let Some(lib) = host_kernels() else {
+        return;
+    };
+    for d in DType::ALL {
+        tutti::for_each_dtype!(d, T => { host_check::<T>(&lib) });
+    }
+}
+
+/// NCCL, when found, binds every function tutti calls and is new enough.
+#[test]
+fn the_nccl_library_binds() {
+    match gpu::nccl_library() {
+        Ok(l) => {
+            println!("NCCL {:?} from {}", l.version, l.path);
+            assert!(l.version >= gpu::MIN_VERSION, "{l:?}");
+            assert_eq!(gpu::open_nccl_library(&l.path).unwrap(), l);
+        }
+        Err(e) => {
+            assert!(!required("TUTTI_REQUIRE_NCCL"), "TUTTI_REQUIRE_NCCL=1: {e}");
+            println!("SKIPPED: the_nccl_library_binds: {e}");
+        }
+    }
+}
+
+#[test]
+fn groups_and_buffers_cross_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<GpuGroup>();
+    send_sync::<GpuDevice>();
+    send_sync::<GpuBuffer<f32>>();
+}
+
+#[test]
+fn algorithm_names_and_nccl_codes() {
+    for a in GpuAlgorithm::ALL {
+        assert_eq!(a.to_string().parse::<GpuAlgorithm>().unwrap(), a);
+    }
+    assert_eq!("auto".parse::<GpuAlgorithm>().unwrap(), GpuAlgorithm::Auto);
+    assert!("direct".parse::<GpuAlgorithm>().is_err());
+    assert_eq!(gpu::nccl_dtype(DType::F16), 6);
+    assert_eq!(gpu::nccl_dtype(DType::I8), 0);
+    assert_eq!(gpu::nccl_op(ReduceOp::Sum), 0);
+    assert_eq!(gpu::nccl_op(ReduceOp::Mean), 4);
+    assert_eq!(gpu::decode_version(22703), (2, 27, 3));
+}
+
+// ---------------------------------------------------------------------------------------------
+// With GPUs.
+
+#[test]
+fn discovery_reports_gpus() {
+    let Some(gpus) = gpus_or_skip("discovery_reports_gpus") else {
+        return;
+    };
+    for g in &gpus {
+        println!("{g:?}");
+        assert!(!g.name.is_empty());
+        assert!(g.total_memory >= g.free_memory && g.free_memory > 0);
+        assert!(g.compute_capability >= (3, 5));
+        assert!(g.multiprocessors > 0);
+        assert!(g.uuid.starts_with("GPU-"), "{}", g.uuid);
+    }
+    let devs = tutti::device::discover();
+    assert_eq!(
+        devs.iter()
+            .filter(|d| d.kind == tutti::DeviceKind::Gpu)
+            .count(),
+        gpus.len()
+    );
+    assert_eq!(gpu::visible_devices(Some(&[0])).unwrap()[0].ordinal, 0);
+    assert!(gpu::visible_devices(Some(&[gpus.len()])).is_err());
+    let (major, _) = gpu::driver_version().unwrap();
+    assert!(major >= 11);
+    let bw = gpu::perf::device_copy_gbps(0).unwrap();
+    println!("device copy bandwidth of GPU 0: {bw:.0} GB/s");
+    assert!(bw > 10.0);
+}
+
+fn round_trip<T: Element>(dev: &GpuDevice) {
+    let data: Vec<T> = (0..1000)
+        .map(|i| T::from_f64((i % 100) as f64 - 50.0))
+        .collect();
+    let mut b = GpuBuffer::from_host(dev, &data).unwrap();
+    assert_eq!(b.to_host().unwrap(), data);
+    let mid: Vec<T> = vec![T::from_f64(7.0); 10];
+    b.slice_mut(100..110).unwrap().copy_from_host(&mid).unwrap();
+    let mut back = vec![T::from_f64(0.0); 12];
+    b.slice(99..111).unwrap().copy_to_host(&mut back).unwrap();
+    assert_eq!(back[0], data[99]);
+    assert_eq!(&back[1..11], &mid[..]);
+    assert_eq!(back[11], data[110]);
+    assert!(b.slice(990..1001).is_err());
+    assert!(b.copy_from_host(&data[..10]).is_err());
+}
+
+#[test]
+fn buffers_round_trip_and_respect_memory_limits() {
+    let Some(gpus) = gpus_or_skip("buffers_round_trip_and_respect_memory_limits") else {
+        return;
+    };
+    let dev = &whole_gpus(&gpus[..1])[0];
+    for d in DType::ALL {
+        tutti::for_each_dtype!(d, T => { round_trip::<T>(dev) });
+    }
+    let empty = GpuBuffer::<f32>::zeros(dev, 0).unwrap();
+    assert!(empty.is_empty() && empty.to_host().unwrap().is_empty());
+    // Two logical GPUs of 4 MiB each on GPU 0.
+    let plan = VirtualGpuConfig::new()
+        .split(gpus[0].ordinal, &[4 << 20, 4 << 20])
+        .plan(&gpus[..1])
+        .unwrap();
+    let v = open(&plan);
+    assert!(v[0].is_virtual() && v[0].memory_limit() == Some(4 << 20));
+    let a = GpuBuffer::<f32>::zeros(&v[0], 512 << 10).unwrap();
+    assert_eq!(v[0].memory_used(), 2 << 20);
+    let e = GpuBuffer::<f32>::zeros(&v[0], 768 << 10).unwrap_err();
+    assert!(
+        e.to_string().contains("memory limit of 4194304 bytes"),
+        "{e}"
+    );
+    // The other logical GPU has its own budget.
+    let _b = GpuBuffer::<f32>::zeros(&v[1], 768 << 10).unwrap();
+    drop(a);
+    assert_eq!(v[0].memory_used(), 0);
+    let _c = GpuBuffer::<f32>::zeros(&v[0], 768 << 10).unwrap();
+}
+
+/// Values whose reductions over a few ranks are exact in every type (small magnitudes).
+fn value<T: Element>(r: usize, i: usize, op: ReduceOp) -> T {
+    let v = if op == ReduceOp::Prod {
+        ((i * 7 + r * 3 + 1) % 5) as f64 - 2.0
+    } else {
+        ((i * 13 + r * 7 + 3) % 11) as f64 - 5.0
+    };
+    T::from_f64(
+        if T::DTYPE.is_float() || matches!(T::DTYPE, DType::I8 | DType::I32 | DType::I64) {
+            v
+        } else {
+            v.abs()
+        },
+    )
+}
+
+fn host<T: Element>(bufs: &[GpuBuffer<T>]) -> Vec<Vec<T>> {
+    bufs.iter().map(|b| b.to_host().unwrap()).collect()
+}
+
+fn check<T: Element>(what: &str, got: &[T], want: &[T], op: ReduceOp, ranks: usize) {
+    let tol = reference::tolerance(T::DTYPE, op, ranks, 5.0);
+    let bad = reference::count_errors(got, want, tol);
+    if bad > 0 {
+        let i = got
+            .iter()
+            .zip(want)
+            .position(|(g, w)| reference::count_errors(&[*g], &[*w], tol) > 0)
+            .unwrap_or(0);
+        panic!(
+            "{what}: {bad} of {} elements wrong; first at {i}: got {:?}, want {:?}",
+            want.len(),
+            got.get(i),
+            want.get(i)
+        );
+    }
+}
+
+/// Every collective on `group` for `T`, every op, in place and out of place, against the
+/// reference.
+fn every_collective<T: Element>(group: &GpuGroup, label: &str, counts: &[usize]) {
+    let devs = group.devices().to_vec();
+    let p = devs.len();
+    let up = |v: &[Vec<T>]| -> Vec<GpuBuffer<T>> {
+        v.iter()
+            .zip(&devs)
+            .map(|(x, d)| GpuBuffer::from_host(d, x).unwrap())
+            .collect()
+    };
+    for &n in counts {
+        let what = |c: &str, extra: String| format!("{label} {} n={n} {c} {extra}", T::DTYPE);
+        for op in ReduceOp::ALL {
+            let inputs: Vec<Vec<T>> = (0..p)
+                .map(|r| (0..n).map(|i| value(r, i, op)).collect())
+                .collect();
+            let refs: Vec<&[T]> = inputs.iter().map(|v| v.as_slice()).collect();
+            let want = reference::reduce(&refs, op);
+            // all_reduce in place.
+            let mut bufs = up(&inputs);
+            group.all_reduce(&mut bufs, op).unwrap();
+            for (r, got) in host(&bufs).iter().enumerate() {
+                check(
+                    &what("all_reduce in place", format!("{op} device {r}")),
+                    got,
+                    &want,
+                    op,
+                    p,
+                );
+            }
+            // all_reduce_into.
+            let send = up(&inputs);
+            let mut recv = up(&vec![vec![T::from_f64(0.0); n]; p]);
+            group.all_reduce_into(&send, &mut recv, op).unwrap();
+            for (r, got) in host(&recv).iter().enumerate() {
+                check(
+                    &what("all_reduce_into", format!("{op} device {r}")),
+                    got,
+                    &want,
+                    op,
+                    p,
+                );
+            }
+            assert_eq!(host(&send), inputs, "all_reduce_into changed its input");
+            // reduce onto every root.
+            for (root, dev) in devs.iter().enumerate() {
+                let send = up(&inputs);
+                let mut out = GpuBuffer::<T>::zeros(dev, n).unwrap();
+                group.reduce(&send, Some(&mut out), op, root).unwrap();
+                check(
+                    &what("reduce", format!("{op} root {root}")),
+                    &out.to_host().unwrap(),
+                    &want,
+                    op,
+                    p,
+                );
+            }
+            // reduce_scatter.
+            let big: Vec<Vec<T>> = (0..p)
+                .map(|r| (0..n * p).map(|i| value(r, i, op)).collect())
+                .collect();
+            let big_refs: Vec<&[T]> = big.iter().map(|v| v.as_slice()).collect();
+            let big_want = reference::reduce(&big_refs, op);
+            let send = up(&big);
+            let mut recv = up(&vec![vec![T::from_f64(0.0); n]; p]);
+            group.reduce_scatter(&send, &mut recv, op).unwrap();
+            for (r, got) in host(&recv).iter().enumerate() {
+                check(
+                    &what("reduce_scatter", format!("{op} device {r}")),
+                    got,
+                    &big_want[r * n..(r + 1) * n],
+                    op,
+                    p,
+                );
+            }
+        }
+        let inputs: Vec<Vec<T>> = (0..p)
+            .map(|r| (0..n).map(|i| value(r, i, ReduceOp::Sum)).collect())
+            .collect();
+        // broadcast from every root.
+        for root in 0..p {
+            let mut bufs = up(&inputs);
+            group.broadcast(&mut bufs, root).unwrap();
+            for (r, got) in host(&bufs).iter().enumerate() {
+                assert_eq!(
+                    got,
+                    &inputs[root],
+                    "{}",
+                    what("broadcast", format!("root {root} device {r}"))
+                );
+            }
+        }
+        // all_gather, out of place and in place (the raw form with the own slice as input).
+        let send = up(&inputs);
+        let mut recv = up(&vec![vec![T::from_f64(0.0); n * p]; p]);
+        group.all_gather(&send, &mut recv).unwrap();
+        let cat = inputs.concat();
+        for (r, got) in host(&recv).iter().enumerate() {
+            assert_eq!(got, &cat, "{}", what("all_gather", format!("device {r}")));
+        }
+        let mut slots = vec![vec![T::from_f64(0.0); n * p]; p];
+        for (r, s) in slots.iter_mut().enumerate() {
+            s[r * n..(r + 1) * n].copy_from_slice(&inputs[r]);
+        }
+        let recv = up(&slots);
+        let es = T::DTYPE.size() as u64;
+        let out: Vec<DevicePtr> = recv.iter().enumerate().map(|(r, b)| b.tagged(r)).collect();
+        let own: Vec<DevicePtr> = out
+            .iter()
+            .enumerate()
+            .map(|(r, d)| DevicePtr {
+                device: r,
+                ptr: d.ptr + r as u64 * n as u64 * es,
+            })
+            .collect();
+        group
+            .collective_raw(
+                Collective::AllGather,
+                T::DTYPE,
+                n,
+                ReduceOp::Sum,
+                0,
+                &own,
+                &out,
+            )
+            .unwrap();
+        for (r, got) in host(&recv).iter().enumerate() {
+            assert_eq!(
+                got,
+                &cat,
+                "{}",
+                what("all_gather in place", format!("device {r}"))
+            );
+        }
+    }
+}
+
+fn sweep(group: &GpuGroup, label: &str, counts: &[usize]) {
+    println!("{label}: {} on {:?}", group.algorithm(), group.devices());
+    for d in DType::ALL {
+        tutti::for_each_dtype!(d, T => { every_collective::<T>(group, label, counts) });
+    }
+}
+
+#[test]
+fn copy_algorithms_on_virtual_gpus() {
+    let Some(gpus) = gpus_or_skip("copy_algorithms_on_virtual_gpus") else {
+        return;
+    };
+    if let Err(e) = gpu::nvrtc_version() {
+        println!("SKIPPED: copy_algorithms_on_virtual_gpus: {e}");
+        return;
+    }
+    for n in [2, 3, 4] {
+        let devs = virtual_gpus(&gpus, n);
+        for algo in [
+            GpuAlgorithm::HierarchicalCopy { group_size: 2 },
+            GpuAlgorithm::HierarchicalCopy { group_size: 3 },
+            GpuAlgorithm::ReductionToOneDevice { root: 0 },
+            GpuAlgorithm::ReductionToOneDevice { root: n - 1 },
+        ] {
+            let group = GpuGroup::new(&devs, algo, &config()).unwrap();
+            assert_eq!(group.algorithm(), algo);
+            sweep(
+                &group,
+                &format!("{n} virtual GPUs, {algo}"),
+                &[1, 1000, 70001],
+            );
+        }
+    }
+}
+
+#[test]
+fn every_algorithm_on_whole_gpus() {
+    let Some(gpus) = gpus_or_skip("every_algorithm_on_whole_gpus") else {
+        return;
+    };
+    let devs = whole_gpus(&gpus);
+    let mut algos = vec![];
+    if gpu::nccl_library().is_ok() {
+        algos.push(GpuAlgorithm::Nccl);
+    } else {
+        println!("SKIPPED (NCCL part): every_algorithm_on_whole_gpus: no NCCL");
+    }
+    if gpu::nvrtc_version().is_ok() {
+        algos.push(GpuAlgorithm::HierarchicalCopy { group_size: 2 });
+        algos.push(GpuAlgorithm::ReductionToOneDevice { root: 0 });
+    } else {
+        println!("SKIPPED (copy algorithms): every_algorithm_on_whole_gpus: no NVRTC");
+    }
+    for algo in algos {
+        let group = GpuGroup::new(&devs, algo, &config()).unwrap();
+        sweep(
+            &group,
+            &format!("{} whole GPU(s), {algo}", devs.len()),
+            &[0, 1, 1000, 70001],
+        );
+    }
+}
+
+#[test]
+fn nccl_with_one_rank_per_process_through_the_store() {
+    let Some(gpus) = gpus_or_skip("nccl_with_one_rank_per_process_through_the_store") else {
+        return;
+    };
+    if !nccl_or_skip("nccl_with_one_rank_per_process_through_the_store") {
+        return;
+    }
+    // One rank: the id goes through a file store.
+    let dir = std::env::temp_dir().join(format!("tutti-gpu-test-{}", std::process::id()));
+    let store = FileStore::new(&dir).unwrap();
+    let devs = whole_gpus(&gpus[..1]);
+    let group = GpuGroup::from_store(&store, 0, 1, &devs, &config()).unwrap();
+    assert_eq!((group.world_size(), group.first_rank()), (1, 0));
+    sweep(&group, "NCCL, one rank", &[1, 1000]);
+    drop(group);
+    let _ = std::fs::remove_dir_all(&dir);
+
+    // One rank per GPU, each joining through the TCP rendezvous store on its own thread.
+    if gpus.len() < 2 {
+        println!(
+            "SKIPPED (two ranks): needs 2 GPUs, this machine has {}",
+            gpus.len()
+        );
+        return;
+    }
+    let server = TcpStoreServer::start("127.0.0.1:0", "token").unwrap();
+    let addr = server.addr().to_string();
+    let world = gpus.len();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..world)
+            .map(|r| {
+                let (addr, gpus) = (addr.clone(), &gpus);
+                s.spawn(move || {
+                    let store = TcpStore::connect(&addr, "token", Duration::from_secs(30)).unwrap();
+                    let devs = whole_gpus(&gpus[r..r + 1]);
+                    let group = GpuGroup::from_store(&store, r, world, &devs, &config()).unwrap();
+                    assert_eq!(group.first_rank(), r);
+                    let n = 4099;
+                    for op in ReduceOp::ALL {
+                        let mine: Vec<f32> = (0..n).map(|i| value(r, i, op)).collect();
+                        let mut b = vec![GpuBuffer::from_host(&devs[0], &mine).unwrap()];
+                        group.all_reduce(&mut b, op).unwrap();
+                        let all: Vec<Vec<f32>> = (0..world)
+                            .map(|k| (0..n).map(|i| value(k, i, op)).collect())
+                            .collect();
+                        let refs: Vec<&[f32]> = all.iter().map(|v| v.as_slice()).collect();
+                        check(
+                            "NCCL across ranks",
+                            &b[0].to_host().unwrap(),
+                            &reference::reduce(&refs, op),
+                            op,
+                            world,
+                        );
+                    }
+                    let mut b = vec![GpuBuffer::from_host(&devs[0], &[r as f64; 10]).unwrap()];
+                    group.broadcast(&mut b, world - 1).unwrap();
+                    assert_eq!(b[0].to_host().unwrap(), vec![(world - 1) as f64; 10]);
+                    // Only the root's process gives a receive buffer.
+                    let send = vec![GpuBuffer::from_host(&devs[0], &[1i32; 8]).unwrap()];
+                    let mut out = GpuBuffer::<i32>::zeros(&devs[0], 8).unwrap();
+                    let recv = (r == 0).then_some(&mut out);
+                    group.reduce(&send, recv, ReduceOp::Sum, 0).unwrap();
+                    if r == 0 {
+                        assert_eq!(out.to_host().unwrap(), vec![world as i32; 8]);
+                    }
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().unwrap();
+        }
+    });
+}
+
+#[test]
+fn a_missing_rank_times_out_and_aborts() {
+    let Some(gpus) = gpus_or_skip("a_missing_rank_times_out_and_aborts") else {
+        return;
+    };
+    if !nccl_or_skip("a_missing_rank_times_out_and_aborts") {
+        return;
+    }
+    // Rank 1 of 2 publishes its device count but never joins NCCL: rank 0's setup must end at
+    // the timeout, with an error naming the wait, and abort its communicator.
+    let dir = std::env::temp_dir().join(format!("tutti-gpu-timeout-{}", std::process::id()));
+    let store = FileStore::new(&dir).unwrap();
+    use tutti::cluster::store::Store;
+    store.add("tutti/gpu/generation/1", 1).unwrap();
+    store.set("tutti/gpu/1/devices/1", b"1").unwrap();
+    let devs = whole_gpus(&gpus[..1]);
+    let t = std::time::Instant::now();
+    let short = Config::default().with_timeout(Duration::from_secs(5));
+    let e = GpuGroup::from_store(&store, 0, 2, &devs, &short).unwrap_err();
+    let m = e.to_string();
+    println!("{m}");
+    assert!(m.contains("timed out"), "{m}");
+    assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn nccl_refuses_virtual_gpus_and_auto_falls_back() {
+    let Some(gpus) = gpus_or_skip("nccl_refuses_virtual_gpus_and_auto_falls_back") else {
+        return;
+    };
+    let devs = virtual_gpus(&gpus, 2);
+    let e = GpuGroup::new(&devs, GpuAlgorithm::Nccl, &config()).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("NCCL refuses two ranks on one physical GPU"),
+        "{e}"
+    );
+    let g = GpuGroup::new(&devs, GpuAlgorithm::Auto, &config()).unwrap();
+    assert_eq!(
+        g.algorithm(),
+        GpuAlgorithm::ReductionToOneDevice { root: 0 }
+    );
+    assert!(g.fallback_reason().unwrap().contains("NCCL refuses"));
+    let whole = whole_gpus(&gpus);
+    let g = GpuGroup::new(&whole, GpuAlgorithm::Auto, &config()).unwrap();
+    let want = if gpu::nccl_library().is_ok() {
+        GpuAlgorithm::Nccl
+    } else {
+        GpuAlgorithm::ReductionToOneDevice { root: 0 }
+    };
+    assert_eq!(g.algorithm(), want);
+}
+
+#[test]
+fn wrong_arguments_are_errors_and_the_group_stays_usable() {
+    let Some(gpus) = gpus_or_skip("wrong_arguments_are_errors_and_the_group_stays_usable") else {
+        return;
+    };
+    if let Err(e) = gpu::nvrtc_version() {
+        println!("SKIPPED: wrong_arguments_are_errors_and_the_group_stays_usable: {e}");
+        return;
+    }
+    let devs = virtual_gpus(&gpus, 2);
+    let other = virtual_gpus(&gpus, 2);
+    let group = GpuGroup::new(
+        &devs,
+        GpuAlgorithm::ReductionToOneDevice { root: 0 },
+        &config(),
+    )
+    .unwrap();
+    let msg = |r: tutti::Result<()>| r.unwrap_err().to_string();
+    let mut one = vec![GpuBuffer::<f32>::zeros(&devs[0], 4).unwrap()];
+    assert!(msg(group.all_reduce(&mut one, ReduceOp::Sum)).contains("1 buffers for a group of 2"));
+    let mut wrong = vec![
+        GpuBuffer::<f32>::zeros(&devs[0], 4).unwrap(),
+        GpuBuffer::<f32>::zeros(&other[1], 4).unwrap(),
+    ];
+    assert!(msg(group.all_reduce(&mut wrong, ReduceOp::Sum)).contains("buffer 1 is on"));
+    let mut uneven = vec![
+        GpuBuffer::<f32>::zeros(&devs[0], 4).unwrap(),
+        GpuBuffer::<f32>::zeros(&devs[1], 5).unwrap(),
+    ];
+    assert!(msg(group.all_reduce(&mut uneven, ReduceOp::Sum)).contains("buffer 1 has 5 elements"));
+    let mut ok = vec![
+        GpuBuffer::<f32>::from_host(&devs[0], &[1.0; 4]).unwrap(),
+        GpuBuffer::<f32>::from_host(&devs[1], &[2.0; 4]).unwrap(),
+    ];
+    assert!(msg(group.broadcast(&mut ok, 2)).contains("root 2 is out of range"));
+    let small = vec![
+        GpuBuffer::<f32>::zeros(&devs[0], 4).unwrap(),
+        GpuBuffer::<f32>::zeros(&devs[1], 4).unwrap(),
+    ];
+    assert!(
+        msg(group.all_gather(&ok, &mut small.into_iter().collect::<Vec<_>>())).contains("needs 8")
+    );
+    // Raw addresses: wrong tag, not device memory, too small.
+    let p: Vec<DevicePtr> = ok.iter().enumerate().map(|(i, b)| b.tagged(i)).collect();
+    let mut swapped = p.clone();
+    swapped.swap(0, 1);
+    let raw = |s: &[DevicePtr], n: usize| {
+        group.collective_raw(Collective::AllReduce, DType::F32, n, ReduceOp::Sum, 0, s, s)
+    };
+    assert!(msg(raw(&swapped, 4)).contains("tagged with device"));
+    let host = [0f32; 4];
+    let bogus = vec![
+        DevicePtr {
+            device: 0,
+            ptr: host.as_ptr() as u64,
+        },
+        p[1],
+    ];
+    assert!(msg(raw(&bogus, 4)).contains("not device memory"));
+    assert!(msg(raw(&p, 1 << 20)).contains("do not fit"));
+    // Still usable.
+    raw(&p, 4).unwrap();
+    group.all_reduce(&mut ok, ReduceOp::Sum).unwrap();
+    assert_eq!(ok[1].to_host().unwrap(), vec![6.0; 4]);
+}
+
+#[test]
+fn perf_rows_are_correct_on_gpus() {
+    let Some(gpus) = gpus_or_skip("perf_rows_are_correct_on_gpus") else {
+        return;
+    };
+    let bw = gpu::perf::device_copy_gbps(gpus[0].ordinal).unwrap();
+    let mut runs: Vec<(usize, GpuAlgorithm)> = vec![];
+    if gpu::nvrtc_version().is_ok() {
+        runs.push((2, GpuAlgorithm::HierarchicalCopy { group_size: 2 }));
+        runs.push((4, GpuAlgorithm::ReductionToOneDevice { root: 0 }));
+    }
+    if gpu::nccl_library().is_ok() {
+        runs.push((1, GpuAlgorithm::Nccl));
+    }
+    for (n, algo) in runs {
+        for c in [
+            Collective::AllReduce,
+            Collective::Broadcast,
+            Collective::AllGather,
+            Collective::Reduce,
+            Collective::ReduceScatter,
+        ] {
+            for in_place in [false, true] {
+                let opts = tutti::perf::Options {
+                    collective: c,
+                    ranks: n,
+                    min_bytes: 1024,
+                    max_bytes: 1 << 20,
+                    factor: 32,
+                    in_place,
+                    iters: Some(3),
+                    config: config(),
+                    ..Default::default()
+                };
+                let rows = gpu::perf::run(&opts, algo, bw, &|_| {}).unwrap();
+                assert_eq!(rows.len(), 3);
+                for r in rows {
+                    assert_eq!(r.errors, 0, "{r:?}");
+                    assert!(r.time_us > 0.0 && r.mem_ratio > 0.0);
+                }
+            }
+        }
+    }
+}
