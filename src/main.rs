@@ -94,9 +94,10 @@ struct PerfArgs {
     /// Collective: all-reduce, broadcast, all-gather, reduce, reduce-scatter.
     #[arg(short = 'c', long, default_value = "all-reduce", value_parser = parse::<Collective>)]
     collective: Collective,
-    /// Algorithm: auto, direct, ring, hierarchical-copy[:GROUP], reduce-to-one[:ROOT].
-    #[arg(short = 'a', long, default_value = "auto", value_parser = parse::<Algorithm>)]
-    algo: Algorithm,
+    /// Algorithm: auto, direct, ring, hierarchical-copy[:GROUP], reduce-to-one[:ROOT]; with
+    /// --device gpu: auto, nccl, hierarchical-copy[:GROUP], reduce-to-one[:ROOT].
+    #[arg(short = 'a', long, default_value = "auto")]
+    algo: String,
     /// Number of ranks (default: the number of cores, at least 2).
     #[arg(short = 'n', long)]
     ranks: Option<usize>,
@@ -190,6 +191,10 @@ fn devices(json: bool) -> Result<(), tutti::Error> {
         {
             v["xla"] = xla_json();
         }
+        #[cfg(feature = "cuda")]
+        {
+            v["gpu"] = tutti::gpu::status().to_json();
+        }
         println!("{v}");
         return Ok(());
     }
@@ -207,11 +212,39 @@ fn devices(json: bool) -> Result<(), tutti::Error> {
             .map_or("-".into(), |m| format!("{:.1} GiB", gib(m)));
         println!("{:<8} {:<6} {:>12}  {}", d.spec(), d.kind, mem, d.name);
     }
-    #[cfg(not(feature = "xla"))]
+    #[cfg(feature = "cuda")]
+    gpu_text();
+    #[cfg(all(not(feature = "xla"), not(feature = "cuda")))]
     println!("(GPU: not built with CUDA support; XLA: not built with PJRT support)");
+    #[cfg(all(not(feature = "xla"), feature = "cuda"))]
+    println!("(XLA: not built with PJRT support)");
     #[cfg(feature = "xla")]
     xla_text();
     Ok(())
+}
+
+/// The GPU part of `tutti devices`: the driver, NCCL and NVRTC (or why each is missing), then
+/// each GPU's details.
+#[cfg(feature = "cuda")]
+fn gpu_text() {
+    let s = tutti::gpu::status();
+    println!("GPU: {}", s.lines().join("; "));
+    for g in s.gpus.as_deref().unwrap_or_default() {
+        let visible = g.visible_as.as_ref().map_or(String::new(), |v| {
+            format!(", CUDA_VISIBLE_DEVICES entry {v}")
+        });
+        println!(
+            "gpu:{:<4} compute capability {}.{}, {} SMs, {:.1} GiB ({:.1} GiB free), PCI {}, {}{visible}",
+            g.ordinal,
+            g.compute_capability.0,
+            g.compute_capability.1,
+            g.multiprocessors,
+            gib(g.total_memory),
+            gib(g.free_memory),
+            g.pci_bus_id,
+            g.uuid
+        );
+    }
 }
 
 /// The `xla` section of `tutti devices --json`: the plugin and its devices, or why there are
@@ -256,8 +289,10 @@ fn xla_text() {
                     x.description
                 );
             }
+            #[cfg(not(feature = "cuda"))]
             println!("(GPU: not built with CUDA support)");
         }
+        Err(e) if cfg!(feature = "cuda") => println!("({e})"),
         Err(e) => println!("(GPU: not built with CUDA support; {e})"),
     }
 }
@@ -270,11 +305,30 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
             a.min_bytes, a.max_bytes
         )));
     }
-    let comm = launched_comm(a.transport, &config.clone().with_algorithm(a.algo))?;
+    // `nccl` names a GPU algorithm only; the other names are the core algorithms.
+    let gpu = a.device == DeviceKind::Gpu;
+    let algo: Algorithm = match a.algo.parse() {
+        Ok(x) => x,
+        // GPU names (nccl among them) are checked with the GPU algorithms.
+        Err(_) if gpu => Algorithm::Auto,
+        Err(_) if a.algo.eq_ignore_ascii_case("nccl") => {
+            return Err(tutti::Error::config(
+                "-a nccl: NCCL runs on GPUs (--device gpu)",
+            ))
+        }
+        Err(e) => return Err(tutti::Error::config(format!("-a: {e}"))),
+    };
+    #[cfg(feature = "cuda")]
+    let gpu_algo: tutti::gpu::GpuAlgorithm = a
+        .algo
+        .parse()
+        .map_err(|e| tutti::Error::config(format!("-a: {e}")))
+        .or_else(|e| if gpu { Err(e) } else { Ok(Default::default()) })?;
+    let comm = launched_comm(a.transport, &config.clone().with_algorithm(algo))?;
     let defaults = Options::default();
     let opts = Options {
         collective: a.collective,
-        algorithm: a.algo,
+        algorithm: algo,
         ranks: comm
             .as_ref()
             .map_or(a.ranks.unwrap_or(defaults.ranks), |c| c.world_size()),
@@ -299,8 +353,13 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
             cpu: String::new(),
             memory_bytes: 0,
             tcp_gbps: None,
+            gpu_copy_gbps: None,
         }
     };
+    #[cfg(feature = "cuda")]
+    if gpu && comm.is_none() {
+        machine.gpu_copy_gbps = Some(tutti::gpu::perf::device_copy_gbps(0)?);
+    }
     if let Some(c) = &comm {
         let mut bw = [machine.copy_gbps];
         c.broadcast(&mut bw, 0)?;
@@ -315,6 +374,7 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
             )
         ),
         None if a.device == DeviceKind::Xla => "XLA devices through PJRT".to_string(),
+        None if gpu => "GPUs of this process".to_string(),
         None => "threads".to_string(),
     };
     if lead && a.json {
@@ -323,7 +383,11 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
         println!(
             "# tutti perf: {} algo {} on {} ranks ({carrier}), {} {}, {}, device {}",
             opts.collective.cli_name(),
-            opts.algorithm,
+            if gpu {
+                a.algo.to_ascii_lowercase()
+            } else {
+                opts.algorithm.to_string()
+            },
             opts.ranks,
             opts.dtype,
             opts.op,
@@ -337,8 +401,11 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
         let tcp = machine.tcp_gbps.map_or(String::new(), |t| {
             format!(", loopback TCP {t:.2} GB/s per direction")
         });
+        let gpu_copy = machine.gpu_copy_gbps.map_or(String::new(), |g| {
+            format!(", GPU 0 device copy {g:.1} GB/s (read + write)")
+        });
         println!(
-            "# machine: copy bandwidth {:.1} GB/s (read + write, {} cores){tcp}, {}",
+            "# machine: copy bandwidth {:.1} GB/s (read + write, {} cores){tcp}{gpu_copy}, {}",
             machine.copy_gbps, machine.cores, machine.cpu
         );
         println!(
@@ -365,6 +432,11 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
     };
     let rows = match &comm {
         Some(c) => perf::run_on(c, &opts, &machine, &emit)?,
+        #[cfg(feature = "cuda")]
+        None if gpu => {
+            let gbps = machine.gpu_copy_gbps.unwrap_or_default();
+            tutti::gpu::perf::run(&opts, gpu_algo, gbps, &emit)?
+        }
         None => perf::run(&opts, &machine, &emit)?,
     };
     let wrong: u64 = rows.iter().map(|r| r.errors).sum();

@@ -149,11 +149,14 @@ pub fn host() -> HostInfo {
     }
 }
 
-/// The physical devices this build can see: the host CPU, then (with the `xla` feature, when a
-/// PJRT plugin is found) the XLA devices `xla:0`, `xla:1`, ... (GPUs join with their feature).
+/// The physical devices this build can see: the host CPU, then (with the `cuda` feature, when
+/// the CUDA driver is present) the GPUs `gpu:0`, `gpu:1`, ..., then (with the `xla` feature,
+/// when a PJRT plugin is found) the XLA devices `xla:0`, `xla:1`, ...
 pub fn discover() -> Vec<Device> {
     #[allow(unused_mut)]
     let mut devices = vec![host_cpu()];
+    #[cfg(feature = "cuda")]
+    devices.extend(crate::gpu::discover_devices());
     #[cfg(feature = "xla")]
     devices.extend(crate::xla::discover_devices());
     devices

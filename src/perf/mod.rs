@@ -87,6 +87,10 @@ pub struct Machine {
     /// other while receiving from it (plain sockets, no reduction). Measured for process runs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tcp_gbps: Option<f64>,
+    /// Device-to-device copy bandwidth of GPU 0: bytes read plus written per second by 256 MiB
+    /// copies within its memory, GB/s. Measured for `--device gpu` runs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_copy_gbps: Option<f64>,
 }
 
 /// One row: one size.
@@ -150,6 +154,7 @@ pub fn machine(with_tcp: bool) -> Result<Machine> {
         cpu: h.cpu_model,
         memory_bytes: h.memory_total_bytes,
         tcp_gbps,
+        gpu_copy_gbps: None,
     })
 }
 
@@ -295,6 +300,16 @@ fn signed(d: DType) -> bool {
 pub fn run(opts: &Options, machine: &Machine, emit: &(dyn Fn(&Row) + Sync)) -> Result<Vec<Row>> {
     match opts.device {
         DeviceKind::Cpu => {}
+        #[cfg(feature = "cuda")]
+        DeviceKind::Gpu => {
+            let algorithm = crate::gpu::GpuAlgorithm::from_core(opts.algorithm)?;
+            let gbps = match machine.gpu_copy_gbps {
+                Some(g) => g,
+                None => crate::gpu::perf::device_copy_gbps(0)?,
+            };
+            return crate::gpu::perf::run(opts, algorithm, gbps, emit);
+        }
+        #[cfg(not(feature = "cuda"))]
         DeviceKind::Gpu => {
             return Err(Error::Unavailable {
                 what: "GPU".into(),
