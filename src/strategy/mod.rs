@@ -229,10 +229,23 @@ fn algorithm_for(ops: &CrossDeviceOps, devices: &[Device]) -> Result<Algorithm> 
         CrossDeviceOps::NcclAllReduce => {
             return Err(Error::Unavailable {
                 what: "NCCL".into(),
-                why: "NcclAllReduce needs GPUs and this build has no CUDA support".into(),
+                why: format!("NcclAllReduce cannot run here: {}", no_nccl()),
             })
         }
     })
+}
+
+/// Why the strategies cannot run NcclAllReduce in this build.
+fn no_nccl() -> String {
+    #[cfg(feature = "cuda")]
+    return match crate::gpu::nccl_library() {
+        Err(e) => e.to_string(),
+        Ok(_) => "the strategies keep replica values in host memory and NCCL reduces device \
+                  buffers (tutti::gpu::GpuGroup runs NCCL on GPU buffers)"
+            .into(),
+    };
+    #[cfg(not(feature = "cuda"))]
+    "this build has no CUDA support, so no NCCL".into()
 }
 
 impl Strategy {
@@ -375,7 +388,10 @@ impl Strategy {
             CommunicationImplementation::Auto => TransportKind::Auto,
             CommunicationImplementation::Ring => TransportKind::Tcp,
             CommunicationImplementation::Nccl => {
-                log("MultiWorkerMirroredStrategy: NCCL needs GPUs and this build has no CUDA support; using RING");
+                log(&format!(
+                    "MultiWorkerMirroredStrategy: NCCL is not usable ({}); using RING",
+                    no_nccl()
+                ));
                 TransportKind::Tcp
             }
         };
@@ -779,11 +795,11 @@ fn choose_cross_device_ops(devices: &[Device], asked: Option<CrossDeviceOps>) ->
     match asked {
         Some(CrossDeviceOps::NcclAllReduce) | None if devices.len() > 1 => {
             let why = if !all_gpu {
-                Some("not every device is a GPU")
+                Some("not every device is a GPU".to_string())
             } else if virtual_gpus {
-                Some("NCCL refuses virtual GPUs")
+                Some("NCCL refuses virtual GPUs".to_string())
             } else {
-                Some("this build has no CUDA support, so no NCCL")
+                Some(no_nccl())
             };
             if let Some(why) = why {
                 log(&format!("MirroredStrategy: NcclAllReduce is not usable ({why}); using ReductionToOneDevice"));
