@@ -112,13 +112,14 @@ impl FromStr for GpuAlgorithm {
 
 /// A group of GPUs (or logical GPUs) running collectives together: one per replica.
 pub struct GpuGroup {
+    // Fields drop in order: the NCCL communicators before the devices' streams and contexts.
+    nccl: Option<Comms>,
     devices: Vec<GpuDevice>,
     algorithm: GpuAlgorithm,
     fallback: Option<String>,
     timeout: Duration,
     first_rank: usize,
     world: usize,
-    nccl: Option<Comms>,
     /// `readable[a][b]`: device a's kernels may read device b's memory.
     readable: Vec<Vec<bool>>,
     scratch: Vec<Mutex<Scratch>>,
@@ -884,33 +885,30 @@ impl GpuGroup {
         x.stream.wait_for(&y.stream, &y.event)
     }
 
-    /// Queue on device `on`'s stream a copy of `bytes` from device `from`'s `src` to device
-    /// `to`'s `dst`, after the work queued on `from` so far.
+    /// Queue on device `to`'s stream a copy of `bytes` from device `from`'s `src` to `dst`.
+    /// `produced`: the source was written earlier in this call, so the copy waits for the work
+    /// queued on `from` so far. (A call starts with every stream idle, so inputs need no wait;
+    /// not waiting lets the devices' copies run side by side.)
     fn copy(
         &self,
-        on: usize,
         to: usize,
         dst: u64,
         from: usize,
         src: u64,
         bytes: usize,
+        produced: bool,
     ) -> Result<()> {
-        self.order(on, from)?;
-        self.order(on, to)?;
+        if produced {
+            self.order(to, from)?;
+        }
         let (d, s) = (&self.devices[to].inner, &self.devices[from].inner);
-        self.devices[on].inner.ctx.bind()?;
-        driver::copy_async(
-            dst,
-            &d.ctx,
-            src,
-            &s.ctx,
-            bytes,
-            &self.devices[on].inner.stream,
-        )
+        d.ctx.bind()?;
+        driver::copy_async(dst, &d.ctx, src, &s.ctx, bytes, &d.stream)
     }
 
     /// Queue on device `at`: `dst = (accumulate ? dst : first) ⊕ …` over `srcs` = (device,
     /// address) in order, staging sources `at` cannot read into its scratch buffer first.
+    /// `produced` as for [`GpuGroup::copy`].
     #[allow(clippy::too_many_arguments)]
     fn reduce_at(
         &self,
@@ -923,6 +921,7 @@ impl GpuGroup {
         count: usize,
         accumulate: bool,
         divisor: Option<usize>,
+        produced: bool,
     ) -> Result<()> {
         let bytes = count * dtype.size();
         let staged = srcs.iter().filter(|(d, _)| !self.readable[at][*d]).count();
@@ -935,12 +934,14 @@ impl GpuGroup {
         let mut slot = 0u64;
         for &(d, a) in srcs {
             if self.readable[at][d] {
-                self.order(at, d)?;
+                if produced {
+                    self.order(at, d)?;
+                }
                 addrs.push(a);
             } else {
                 let s = scratch + slot * bytes as u64;
                 slot += 1;
-                self.copy(at, at, s, d, a, bytes)?;
+                self.copy(at, s, d, a, bytes, produced)?;
                 addrs.push(s);
             }
         }
@@ -1033,19 +1034,21 @@ impl GpuGroup {
                         recv[root]
                     };
                     for (k, &r) in recv.iter().enumerate() {
-                        self.copy(k, k, r, root, src, bytes)?;
+                        self.copy(k, r, root, src, bytes, false)?;
                     }
                     Ok(())
                 }
                 Collective::Reduce => {
                     let k = self.kernels(root)?;
                     let srcs: Vec<(usize, u64)> = (0..p).map(|j| (j, send[j])).collect();
-                    self.reduce_at(&k, root, dtype, op, recv[root], &srcs, count, false, mean)
+                    self.reduce_at(
+                        &k, root, dtype, op, recv[root], &srcs, count, false, mean, false,
+                    )
                 }
                 Collective::AllGather => {
                     for (k, &r) in recv.iter().enumerate() {
                         for (j, &s) in send.iter().enumerate() {
-                            self.copy(k, k, r + (j * bytes) as u64, j, s, bytes)?;
+                            self.copy(k, r + (j * bytes) as u64, j, s, bytes, false)?;
                         }
                     }
                     Ok(())
@@ -1059,7 +1062,7 @@ impl GpuGroup {
                             .enumerate()
                             .map(|(j, &s)| (j, s + off))
                             .collect();
-                        self.reduce_at(&kern, k, dtype, op, r, &srcs, count, false, mean)?;
+                        self.reduce_at(&kern, k, dtype, op, r, &srcs, count, false, mean, false)?;
                     }
                     Ok(())
                 }
@@ -1088,13 +1091,15 @@ impl GpuGroup {
         let p = self.devices.len();
         let bytes = count * dtype.size();
         if p == 1 {
-            return self.copy(0, 0, recv[0], 0, send[0], bytes);
+            return self.copy(0, recv[0], 0, send[0], bytes, false);
         }
         let k = self.kernels(root)?;
         let srcs: Vec<(usize, u64)> = (0..p).map(|j| (j, send[j])).collect();
-        self.reduce_at(&k, root, dtype, op, recv[root], &srcs, count, false, mean)?;
+        self.reduce_at(
+            &k, root, dtype, op, recv[root], &srcs, count, false, mean, false,
+        )?;
         for j in (0..p).filter(|&j| j != root) {
-            self.copy(j, j, recv[j], root, recv[root], bytes)?;
+            self.copy(j, recv[j], root, recv[root], bytes, true)?;
         }
         Ok(())
     }
@@ -1115,7 +1120,7 @@ impl GpuGroup {
         let p = self.devices.len();
         let bytes = count * dtype.size();
         if p == 1 {
-            return self.copy(0, 0, recv[0], 0, send[0], bytes);
+            return self.copy(0, recv[0], 0, send[0], bytes, false);
         }
         let g = g.clamp(1, p);
         let leaders: Vec<usize> = (0..p).step_by(g).collect();
@@ -1125,25 +1130,27 @@ impl GpuGroup {
             let members: Vec<(usize, u64)> = (l..(l + g).min(p)).map(|m| (m, send[m])).collect();
             let divisor = if one_group { mean } else { None };
             if members.len() == 1 && divisor.is_none() {
-                self.copy(l, l, recv[l], l, send[l], bytes)?;
+                self.copy(l, recv[l], l, send[l], bytes, false)?;
             } else {
                 let k = self.kernels(l)?;
-                self.reduce_at(&k, l, dtype, op, recv[l], &members, count, false, divisor)?;
+                self.reduce_at(
+                    &k, l, dtype, op, recv[l], &members, count, false, divisor, false,
+                )?;
             }
         }
         // 2. The leaders onto device 0.
         if !one_group {
             let k = self.kernels(0)?;
             let others: Vec<(usize, u64)> = leaders[1..].iter().map(|&l| (l, recv[l])).collect();
-            self.reduce_at(&k, 0, dtype, op, recv[0], &others, count, true, mean)?;
+            self.reduce_at(&k, 0, dtype, op, recv[0], &others, count, true, mean, true)?;
         }
         // 3. Device 0 to the other leaders, 4. each leader to its members.
         for &l in &leaders[1..] {
-            self.copy(l, l, recv[l], 0, recv[0], bytes)?;
+            self.copy(l, recv[l], 0, recv[0], bytes, true)?;
         }
         for &l in &leaders {
             for m in (l + 1)..(l + g).min(p) {
-                self.copy(m, m, recv[m], l, recv[l], bytes)?;
+                self.copy(m, recv[m], l, recv[l], bytes, true)?;
             }
         }
         Ok(())
