@@ -1048,6 +1048,20 @@ fn wrong_arguments_are_errors_and_the_group_stays_usable() {
     ];
     assert!(msg(raw(&bogus, 4)).contains("not device memory"));
     assert!(msg(raw(&p, 1 << 20)).contains("do not fit"));
+    let none = vec![
+        DevicePtr { device: 0, ptr: 0 },
+        DevicePtr { device: 1, ptr: 0 },
+    ];
+    let e = group.collective_raw(
+        Collective::Reduce,
+        DType::F32,
+        4,
+        ReduceOp::Sum,
+        1,
+        &p,
+        &none,
+    );
+    assert!(msg(e).contains("receive address is null"));
     // Still usable.
     raw(&p, 4).unwrap();
     group.all_reduce(&mut ok, ReduceOp::Sum).unwrap();

@@ -695,6 +695,14 @@ impl GpuGroup {
         };
         let s = check("send", send, send_len, c == Collective::Broadcast)?;
         let r = check("receive", recv, recv_len, c == Collective::Reduce)?;
+        if let Some(i) = root.checked_sub(self.first_rank) {
+            if c == Collective::Reduce && i < r.len() && r[i] == 0 && count > 0 {
+                return Err(self.invalid(
+                    c,
+                    format!("device {i} holds the root (rank {root}): its receive address is null"),
+                ));
+            }
+        }
         self.execute(c, dtype, op, root, count, &s, &r)
     }
 
