@@ -51,10 +51,20 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// Segments left behind in /dev/shm: those whose creating process (the pid in the name,
+/// `tutti-PID-...`) is gone. Live segments of other tests running now do not count.
 fn tutti_segments() -> usize {
     std::fs::read_dir("/dev/shm").map_or(0, |d| {
         d.flatten()
-            .filter(|e| e.file_name().to_string_lossy().starts_with("tutti-"))
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                name.strip_prefix("tutti-")?
+                    .split('-')
+                    .next()?
+                    .parse::<u32>()
+                    .ok()
+            })
+            .filter(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists())
             .count()
     })
 }
