@@ -273,5 +273,7 @@ pub fn run(l: &Launch) -> Result<i32> {
     for r in relays {
         let _ = r.join();
     }
+    // A process killed while it set up shared memory may have left a segment behind.
+    crate::transport::shm::sweep_dead();
     Ok(failed.map_or(0, |(_, s)| exit_code(s)))
 }

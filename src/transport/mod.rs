@@ -16,7 +16,7 @@
 
 pub mod local;
 pub mod net;
-mod shm;
+pub(crate) mod shm;
 pub(crate) mod wire;
 pub use wire::random_token;
 

@@ -522,11 +522,18 @@ impl NetTransport {
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return Err(lost(site, s.peer, &e)),
+                // A peer that gave up may have said why before it closed.
+                Err(e) => {
+                    return Err(self
+                        .drain_abort(site, s.peer)
+                        .unwrap_or_else(|| lost(site, s.peer, &e)))
+                }
             }
         }
         if let Some(shm) = shm {
-            moved |= shm.push(site, s.peer, s.data, &mut s.off)?;
+            moved |= shm
+                .push(site, s.peer, s.data, &mut s.off)
+                .map_err(|e| self.ring_error(site, s.peer, e))?;
         }
         Ok(moved)
     }
@@ -541,6 +548,67 @@ impl NetTransport {
         Error::Aborted {
             rank: site.rank,
             reason: format!("rank {peer} gave up: {}", String::from_utf8_lossy(&msg)),
+        }
+    }
+
+    /// The peer's ABORT frame, when one is at the head of its stream (taken off the stream).
+    fn peek_abort(&self, site: Site, peer: usize) -> Option<Error> {
+        let l = self.link(peer);
+        let mut h = [0u8; 16];
+        // SAFETY: peeking into a local buffer.
+        let got = unsafe {
+            libc::recv(
+                l.sock.as_raw_fd(),
+                h.as_mut_ptr().cast(),
+                16,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        if got != 16 || parse_frame(&h).0 != FRAME_ABORT {
+            return None;
+        }
+        let _ = (&l.sock).read_exact(&mut h);
+        Some(self.read_abort(site, peer, parse_frame(&h).2))
+    }
+
+    /// The peer's ABORT frame, reading past the frames it sent before it (a peer can be a step
+    /// ahead). Only for a call that is failing anyway: what it reads is lost.
+    fn drain_abort(&self, site: Site, peer: usize) -> Option<Error> {
+        let l = self.link(peer);
+        let _ = l.sock.set_nonblocking(false);
+        let _ = l.sock.set_read_timeout(Some(Duration::from_millis(200)));
+        let mut found = None;
+        let mut h = [0u8; 16];
+        let mut scratch = vec![0u8; 64 << 10];
+        while (&l.sock).read_exact(&mut h).is_ok() {
+            let (kind, _, len) = parse_frame(&h);
+            if kind == FRAME_ABORT {
+                found = Some(self.read_abort(site, peer, len));
+                break;
+            }
+            // A DATA payload big enough for the ring never travels on the socket.
+            let mut skip = if kind == FRAME_DATA && l.shm.is_some() && len >= SHM_MIN as u64 {
+                0
+            } else {
+                len
+            };
+            while skip > 0 {
+                let n = skip.min(scratch.len() as u64) as usize;
+                if (&l.sock).read_exact(&mut scratch[..n]).is_err() {
+                    break;
+                }
+                skip -= n as u64;
+            }
+        }
+        let _ = l.sock.set_nonblocking(true);
+        found
+    }
+
+    /// A shared-memory ring reported the peer aborted: its ABORT frame says why.
+    fn ring_error(&self, site: Site, peer: usize, e: Error) -> Error {
+        match e {
+            Error::Aborted { .. } => self.drain_abort(site, peer).unwrap_or(e),
+            e => e,
         }
     }
 
@@ -618,7 +686,21 @@ impl NetTransport {
             let via_shm = link.shm.as_ref().filter(|_| r.len >= SHM_MIN);
             if let (Some(shm), Target::Data { dst, mode }) = (via_shm, &mut r.target) {
                 // The payload comes through the shared-memory ring.
-                return Ok(shm.pull(site, r.peer, dst, *mode, &mut r.off)? || moved);
+                let pulled = shm
+                    .pull(site, r.peer, dst, *mode, &mut r.off)
+                    .map_err(|e| self.ring_error(site, r.peer, e))?;
+                if !pulled && r.off < r.len && link.closed.load(Ordering::Relaxed) {
+                    // The peer hung up and its ring is dry: the rest will never come.
+                    if let Some(e) = self.drain_abort(site, r.peer) {
+                        return Err(e);
+                    }
+                    let e = std::io::Error::new(
+                        ErrorKind::UnexpectedEof,
+                        "connection closed mid-message",
+                    );
+                    return Err(lost(site, r.peer, &e));
+                }
+                return Ok(pulled || moved);
             }
             let n = {
                 let buf: &mut [u8] = match &mut r.target {
@@ -776,7 +858,9 @@ impl NetTransport {
                 if !l.closed.load(Ordering::Relaxed) {
                     ev |= libc::POLLRDHUP;
                 }
-                fds.push(pfd(l.sock.as_raw_fd(), ev));
+                // A closed link with nothing to do stays out (poll ignores a negative fd): its
+                // hang-up would otherwise wake every wait.
+                fds.push(pfd(if ev == 0 { -1 } else { l.sock.as_raw_fd() }, ev));
             }
             let wait = if shm_busy {
                 let p = shm_pause;
@@ -805,26 +889,32 @@ impl NetTransport {
                 }
                 continue;
             }
-            // Idle links: a peer that aborted leaves an ABORT frame at the head of its stream.
+            // Hang-ups. A peer that gave up leaves an ABORT frame at the head of its stream (its
+            // reason names the root cause). A peer that hangs up while we push into its ring
+            // is lost: it cannot have finished without taking our data. A peer we pull from
+            // may have pushed everything and left; `progress_recv` calls it lost only when its
+            // ring runs dry. An idle peer that left is no concern until we need it.
             for (l, f) in self.links.iter().flatten().zip(&fds[1..]) {
-                if f.events == libc::POLLRDHUP
-                    && f.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
-                {
-                    l.closed.store(true, Ordering::Relaxed);
-                    let mut h = [0u8; 16];
-                    // SAFETY: peeking into a local buffer.
-                    let got = unsafe {
-                        libc::recv(
-                            l.sock.as_raw_fd(),
-                            h.as_mut_ptr().cast(),
-                            16,
-                            libc::MSG_PEEK | libc::MSG_DONTWAIT,
-                        )
-                    };
-                    if got == 16 && parse_frame(&h).0 == FRAME_ABORT {
-                        let _ = (&l.sock).read_exact(&mut h);
-                        return Err(self.read_abort(site, l.peer, parse_frame(&h).2));
+                if f.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) == 0 {
+                    continue;
+                }
+                l.closed.store(true, Ordering::Relaxed);
+                if let Some(e) = self.peek_abort(site, l.peer) {
+                    return Err(e);
+                }
+                let pushing = sends.iter().any(|s| {
+                    s.peer == l.peer
+                        && !s.done()
+                        && s.hoff == 16
+                        && s.kind == FRAME_DATA
+                        && ring(s.peer, s.data.len())
+                });
+                if pushing {
+                    if let Some(e) = self.drain_abort(site, l.peer) {
+                        return Err(e);
                     }
+                    let e = std::io::Error::new(ErrorKind::UnexpectedEof, "connection closed");
+                    return Err(lost(site, l.peer, &e));
                 }
             }
         }

@@ -128,6 +128,36 @@ impl Ring {
 pub(crate) struct ShmLink {
     tx: Ring,
     rx: Ring,
+    /// The peer's segment name: unlinked again when the link goes, in case the peer died
+    /// before it could (unlinking a name twice is harmless; names are unique).
+    peer_name: String,
+}
+
+impl Drop for ShmLink {
+    fn drop(&mut self) {
+        unlink(&self.peer_name);
+    }
+}
+
+/// Unlink the segments of processes that are gone (`/dev/shm/tutti-PID-...` whose PID no
+/// longer exists): what a process killed in the moment between creating its segment and its
+/// peer mapping it leaves behind. Segments of live processes are never touched.
+pub(crate) fn sweep_dead() {
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        return;
+    };
+    for e in dir.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let pid = name
+            .strip_prefix("tutti-")
+            .and_then(|r| r.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok());
+        if let Some(pid) = pid {
+            if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                unlink(&format!("/{name}"));
+            }
+        }
+    }
 }
 
 fn unlink(name: &str) {
@@ -155,7 +185,9 @@ impl ShmLink {
             .map(|b| format!("{b:02x}"))
             .collect::<String>();
         let name = format!("/tutti-{}-{rank}-{peer}-{tag}", std::process::id());
+        sweep_dead();
         let tx = Segment::map(&name, len, true)?;
+        let mut peer_name = String::new();
         let result = (|| {
             let mut s = sock;
             s.set_read_timeout(Some(timeout)).map_err(io)?;
@@ -174,7 +206,13 @@ impl ShmLink {
             }
             let mut theirs = vec![0u8; n];
             s.read_exact(&mut theirs).map_err(io)?;
-            let rx = Segment::map(&String::from_utf8_lossy(&theirs), len, false)?;
+            peer_name = String::from_utf8_lossy(&theirs).into_owned();
+            if !peer_name.starts_with("/tutti-") || peer_name[1..].contains('/') {
+                return Err(Error::config(format!(
+                    "rank {peer} named a shared-memory segment '{peer_name}' that is not tutti's"
+                )));
+            }
+            let rx = Segment::map(&peer_name, len, false)?;
             // Both mapped: the names can go.
             s.write_all(&[1]).map_err(io)?;
             let mut ack = [0u8; 1];
@@ -183,9 +221,15 @@ impl ShmLink {
             Ok(rx)
         })();
         unlink(&name);
+        let rx = result.inspect_err(|_| {
+            if !peer_name.is_empty() {
+                unlink(&peer_name);
+            }
+        })?;
         Ok(ShmLink {
             tx: Ring { seg: tx, slot },
-            rx: Ring { seg: result?, slot },
+            rx: Ring { seg: rx, slot },
+            peer_name,
         })
     }
 
