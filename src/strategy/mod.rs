@@ -179,6 +179,19 @@ pub struct Strategy {
     /// TPUStrategy: the XLA client whose compiled collectives the replicas meet in.
     #[cfg(feature = "xla")]
     xla: Option<XlaMeeting>,
+    /// MirroredStrategy with NcclAllReduce: the NCCL group the replicas meet in.
+    #[cfg(feature = "cuda")]
+    nccl: Option<NcclMeeting>,
+}
+
+/// MirroredStrategy over whole GPUs with NCCL: the replica threads meet for each collective,
+/// replica 0 stages every replica's values onto its GPU, runs the NCCL collective across the
+/// GPUs, and copies the results back.
+#[cfg(feature = "cuda")]
+struct NcclMeeting {
+    group: crate::gpu::GpuGroup,
+    slots: Mutex<Vec<(usize, usize)>>,
+    outcome: Mutex<Option<String>>,
 }
 
 /// Where the replica threads of a TPUStrategy meet for one compiled collective: each leaves its
@@ -275,6 +288,8 @@ impl Strategy {
             bytes_per_pack,
             #[cfg(feature = "xla")]
             xla: None,
+            #[cfg(feature = "cuda")]
+            nccl: None,
         };
         s.rebuild()?;
         Ok(s)
@@ -337,6 +352,10 @@ impl Strategy {
             devices.to_vec()
         };
         let ops = choose_cross_device_ops(&devices, cross_device_ops);
+        #[cfg(feature = "cuda")]
+        if ops == CrossDeviceOps::NcclAllReduce {
+            return Strategy::mirrored_nccl(devices);
+        }
         let config = Config::default().with_algorithm(algorithm_for(&ops, &devices)?);
         Strategy::build(
             StrategyKind::Mirrored,
@@ -346,6 +365,41 @@ impl Strategy {
             None,
             local_resolver(),
         )
+    }
+
+    /// MirroredStrategy with NcclAllReduce across whole GPUs.
+    #[cfg(feature = "cuda")]
+    fn mirrored_nccl(devices: Vec<Device>) -> Result<Strategy> {
+        let gpus = devices
+            .iter()
+            .map(|d| {
+                let logical = crate::gpu::LogicalGpu {
+                    index: d.index,
+                    physical: d.physical_index,
+                    memory_limit: None,
+                    is_virtual: false,
+                };
+                crate::gpu::GpuDevice::open(&logical)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let config = Config::default();
+        let group = crate::gpu::GpuGroup::new(&gpus, crate::gpu::GpuAlgorithm::Nccl, &config)?;
+        let n = devices.len();
+        let ops = Some(CrossDeviceOps::NcclAllReduce);
+        let mut s = Strategy::build(
+            StrategyKind::Mirrored,
+            devices,
+            ops,
+            config,
+            None,
+            local_resolver(),
+        )?;
+        s.nccl = Some(NcclMeeting {
+            group,
+            slots: Mutex::new(vec![(0, 0); n]),
+            outcome: Mutex::new(None),
+        });
+        Ok(s)
     }
 
     /// Variables kept once, on the CPU (on the GPU when there is exactly one); computation
@@ -794,6 +848,10 @@ fn choose_cross_device_ops(devices: &[Device], asked: Option<CrossDeviceOps>) ->
     };
     match asked {
         Some(CrossDeviceOps::NcclAllReduce) | None if devices.len() > 1 => {
+            #[cfg(feature = "cuda")]
+            if all_gpu && !virtual_gpus && crate::gpu::nccl_library().is_ok() {
+                return CrossDeviceOps::NcclAllReduce;
+            }
             let why = if !all_gpu {
                 Some("not every device is a GPU".to_string())
             } else if virtual_gpus {
@@ -847,6 +905,10 @@ impl ReplicaContext<'_> {
             return self.meet(x, bytemuck::cast_slice_mut(buf), |c, bufs| {
                 c.all_reduce_raw(dtype, bufs, op)
             });
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(m) = &self.strategy.nccl {
+            return self.meet_nccl(m, buf, |g, bufs| g.all_reduce(bufs, op));
         }
         let Some(workers) = &self.strategy.workers else {
             return self.comm.all_reduce(buf, op);
@@ -905,6 +967,10 @@ impl ReplicaContext<'_> {
                 c.broadcast_raw(dtype, bufs, root)
             });
         }
+        #[cfg(feature = "cuda")]
+        if let Some(m) = &self.strategy.nccl {
+            return self.meet_nccl(m, buf, |g, bufs| g.broadcast(bufs, root));
+        }
         let local_n = self.strategy.devices.len();
         let (root_worker, root_local) = (root / local_n, root % local_n);
         self.comm.broadcast(buf, root_local)?;
@@ -961,6 +1027,51 @@ impl ReplicaContext<'_> {
             Some(m) => Err(Error::System {
                 what: "TPUStrategy collective".into(),
                 message: m,
+            }),
+        }
+    }
+
+    /// Meet the other replicas of a MirroredStrategy on GPUs for one NCCL collective: leave
+    /// `buf` in the slot table, wait for all; replica 0 copies every replica's values onto its
+    /// GPU, runs `op` across the GPUs, and copies the results back; wait again and share the
+    /// outcome.
+    #[cfg(feature = "cuda")]
+    fn meet_nccl<T: Element>(
+        &self,
+        m: &NcclMeeting,
+        buf: &mut [T],
+        op: impl FnOnce(&crate::gpu::GpuGroup, &mut [crate::gpu::GpuBuffer<T>]) -> Result<()>,
+    ) -> Result<()> {
+        m.slots.lock()[self.local_id] = (buf.as_mut_ptr() as usize, buf.len());
+        self.comm.barrier()?;
+        if self.local_id == 0 {
+            let slots = m.slots.lock().clone();
+            let run = || -> Result<()> {
+                // SAFETY: each slot is a live buffer of a replica that waits in the barrier
+                // below until this call is done, and no two replicas share a buffer.
+                let host: Vec<&mut [T]> = slots
+                    .iter()
+                    .map(|&(p, n)| unsafe { std::slice::from_raw_parts_mut(p as *mut T, n) })
+                    .collect();
+                let mut dev = host
+                    .iter()
+                    .zip(m.group.devices())
+                    .map(|(h, d)| crate::gpu::GpuBuffer::from_host(d, h))
+                    .collect::<Result<Vec<_>>>()?;
+                op(&m.group, &mut dev)?;
+                for (h, d) in host.into_iter().zip(&dev) {
+                    d.copy_to_host(h)?;
+                }
+                Ok(())
+            };
+            *m.outcome.lock() = run().err().map(|e| e.to_string());
+        }
+        self.comm.barrier()?;
+        match m.outcome.lock().clone() {
+            None => Ok(()),
+            Some(msg) => Err(Error::System {
+                what: "MirroredStrategy NcclAllReduce".into(),
+                message: msg,
             }),
         }
     }
