@@ -77,8 +77,12 @@ pub(crate) fn all_reduce(ctx: &Ctx<'_>, in_place: bool, len: usize) -> Result<()
     let call = Call::new(ctx)?;
     let (p, r, esize) = (ctx.world(), ctx.rank(), ctx.dtype.size());
     let count = len / esize;
+    // Where ranks outnumber cores a rank may sleep at every chunk it waits for: take about
+    // eight chunks per slice (still cache-sized for buffers up to the last-level cache's size
+    // times eight), so the copies mostly read chunks while they are still in cache.
+    let slice_elems = count.div_ceil(p).max(1);
     let ce = if p > cores() {
-        count.max(1)
+        ctx.chunk_elems().max(slice_elems.div_ceil(8))
     } else {
         ctx.chunk_elems()
     };
