@@ -504,9 +504,10 @@ fn check_cmd(a: CheckArgs) -> Result<(), tutti::Error> {
         Some(mut comm) => {
             let calls = check_one_rank(&mut comm, &a)?;
             println!(
-                "rank {} of {}: {calls} calls checked, all correct",
+                "rank {} of {}, hosts {}: {calls} calls checked, all correct",
                 comm.rank(),
-                comm.world_size()
+                comm.world_size(),
+                comm.num_hosts()
             );
         }
         None => {

@@ -99,7 +99,7 @@ fn every_collective_and_algorithm_over_tcp_and_shm() {
                 "{transport} n={n}: {out}"
             );
             for r in 0..n {
-                assert!(out.contains(&format!("[{r}] rank {r} of {n}:")), "{out}");
+                assert!(out.contains(&format!("[{r}] rank {r} of {n}, hosts 1:")), "{out}");
             }
         }
     }
@@ -108,6 +108,36 @@ fn every_collective_and_algorithm_over_tcp_and_shm() {
         0,
         "shared-memory segments were left in /dev/shm"
     );
+}
+
+#[test]
+fn hierarchical_all_reduce_across_hosts() {
+    // Two "hosts" of two ranks each (TUTTI_HOST_ID): auto reduces within each host through
+    // shared memory, runs the ring between the hosts' leaders over TCP, and broadcasts back.
+    let master = format!("127.0.0.1:{}", free_port());
+    let children: Vec<Child> = (0..4)
+        .map(|r| {
+            Command::new(TUTTI)
+                .args(["check", "--counts", "1000,70001", "--timeout", "60"])
+                .env_remove("TF_CONFIG")
+                .env("TUTTI_RANK", r.to_string())
+                .env("TUTTI_WORLD_SIZE", "4")
+                .env("TUTTI_MASTER_ADDR", &master)
+                .env("TUTTI_JOB_TOKEN", "hosts-test")
+                .env("TUTTI_HOST_ID", if r < 2 { "host-a" } else { "host-b" })
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (r, mut c) in children.into_iter().enumerate() {
+        wait_bounded(&mut c, Duration::from_secs(120));
+        let o = c.wait_with_output().unwrap();
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "rank {r}: {out}\n{err}");
+        assert!(out.contains(&format!("rank {r} of 4, hosts 2:")) && out.contains("all correct"), "{out}");
+    }
 }
 
 #[test]

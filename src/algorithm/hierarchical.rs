@@ -10,8 +10,9 @@
 //! (P/G - 1)·S across leaders. With G = 1 this is reduce-to-one onto rank 0; with G = P, too.
 
 use super::flat::{recv_copy, reduce_onto, scatter_copies};
-use super::Ctx;
+use super::{ring, Ctx};
 use crate::error::Result;
+use crate::transport::sub::SubTransport;
 
 pub(crate) fn all_reduce(ctx: &Ctx<'_>, group_size: usize, buf: &mut [u8]) -> Result<()> {
     let (p, r) = (ctx.world(), ctx.rank());
@@ -34,6 +35,44 @@ pub(crate) fn all_reduce(ctx: &Ctx<'_>, group_size: usize, buf: &mut [u8]) -> Re
             recv_copy(ctx, 0, buf)?;
         }
         scatter_copies(ctx, leader, members, buf)
+    } else {
+        recv_copy(ctx, leader, buf)
+    }
+}
+
+/// All-reduce across hosts: each host's ranks reduce onto the host's first rank (through shared
+/// memory where the transport has it), those leaders run the ring among themselves (over the
+/// network), and each leader sends the result back to its host's ranks. Only the leaders' ring
+/// crosses hosts: 2(H-1)/H·S per leader for H hosts, instead of 2(P-1)/P·S for every rank.
+pub(crate) fn all_reduce_hosts(
+    ctx: &Ctx<'_>,
+    hosts: &[usize],
+    input: Option<&[u8]>,
+    buf: &mut [u8],
+) -> Result<()> {
+    if let Some(i) = input {
+        buf.copy_from_slice(i);
+    }
+    let r = ctx.rank();
+    let members: Vec<usize> = (0..ctx.world()).filter(|&k| hosts[k] == hosts[r]).collect();
+    let leader = members[0];
+    let leaders: Vec<usize> = (0..ctx.world())
+        .filter(|&k| hosts[..k].iter().all(|&h| h != hosts[k]))
+        .collect();
+    reduce_onto(ctx, leader, members.iter().copied(), buf)?;
+    if r == leader {
+        let sub = SubTransport::new(ctx.t, leaders).expect("a leader is among the leaders");
+        // The ring sums; the mean divides by every rank, not by the leaders.
+        let across = Ctx {
+            t: &sub,
+            site: ctx.site,
+            dtype: ctx.dtype,
+            op: ctx.op.combining(),
+            chunk_bytes: ctx.chunk_bytes,
+        };
+        ring::all_reduce(&across, None, buf)?;
+        ctx.finish_mean(buf);
+        scatter_copies(ctx, leader, members.into_iter(), buf)
     } else {
         recv_copy(ctx, leader, buf)
     }

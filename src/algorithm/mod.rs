@@ -8,7 +8,9 @@
 //! | `reduce-to-one` | every rank sends to the root, the root reduces and sends back | S (root: receives and sends (P-1)S) |
 //!
 //! `auto` picks `direct` where the transport exposes peer memory; elsewhere a one-step all-to-all
-//! for small buffers (each rank sends at most 64 KiB) and `ring` above. Each
+//! for small buffers (each rank sends at most 64 KiB) and `ring` above, except when the ranks
+//! span several hosts with more than one rank on some: then a reduce within each host, the ring
+//! among the hosts' leaders, and a broadcast within each host. Each
 //! module documents its steps; the README gives the full cost table.
 
 mod direct;
@@ -222,6 +224,16 @@ pub(crate) fn check(algo: Algorithm, world: usize) -> Result<(), String> {
 }
 
 /// All-reduce: `output = ⊕ over ranks of input` (`input = None`: in place in `output`).
+/// True when the ranks are on several hosts and some host holds more than one: then `auto`
+/// reduces within each host before going across.
+fn spans_hosts_with_neighbours(hosts: &[usize]) -> bool {
+    let distinct = hosts
+        .iter()
+        .collect::<std::collections::BTreeSet<_>>()
+        .len();
+    distinct > 1 && distinct < hosts.len()
+}
+
 /// Below this many bytes sent per rank, `auto` without peer memory all-reduces in one all-to-all
 /// step instead of 2(P-1) ring steps.
 const SMALL_ALL_TO_ALL: usize = 64 << 10;
@@ -237,7 +249,13 @@ pub(crate) fn all_reduce(
     if algo == Algorithm::Direct {
         return direct::all_reduce(ctx, input.is_none(), output.len());
     }
-    if algo == Algorithm::Ring && !(auto && output.len() * (ctx.world() - 1) <= SMALL_ALL_TO_ALL) {
+    let small = output.len() * (ctx.world() - 1) <= SMALL_ALL_TO_ALL;
+    if auto && !small {
+        if let Some(hosts) = ctx.t.hosts().filter(|h| spans_hosts_with_neighbours(h)) {
+            return hierarchical::all_reduce_hosts(ctx, hosts, input, output);
+        }
+    }
+    if algo == Algorithm::Ring && !(auto && small) {
         return ring::all_reduce(ctx, input, output);
     }
     if let Some(i) = input {

@@ -224,6 +224,13 @@ impl Communicator {
         self.transport.timeout()
     }
 
+    /// How many hosts the ranks are on (1 for threads of one process).
+    pub fn num_hosts(&self) -> usize {
+        self.transport
+            .hosts()
+            .map_or(1, |h| h.iter().collect::<std::collections::BTreeSet<_>>().len())
+    }
+
     /// True when the transport lets ranks read each other's buffers (the `direct` algorithm).
     pub fn has_peer_memory(&self) -> bool {
         self.transport.peer_memory().is_some()

@@ -17,6 +17,7 @@
 pub mod local;
 pub mod net;
 pub(crate) mod shm;
+pub(crate) mod sub;
 pub(crate) mod wire;
 pub use wire::random_token;
 
@@ -155,6 +156,11 @@ pub trait Transport: Send + Sync {
 
     /// Direct access to peers' buffers, when the transport has it.
     fn peer_memory(&self) -> Option<&dyn PeerMemory> {
+        None
+    }
+
+    /// The host of every rank (equal numbers: the same host), when ranks can be on several.
+    fn hosts(&self) -> Option<&[usize]> {
         None
     }
 

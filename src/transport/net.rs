@@ -104,6 +104,8 @@ pub struct NetTransport {
     data_started: AtomicBool,
     /// How long a wait on shared-memory slots may spin before it sleeps.
     spin: Duration,
+    /// The host of every rank.
+    hosts: Vec<usize>,
 }
 
 fn eventfd() -> Result<OwnedFd> {
@@ -120,7 +122,12 @@ fn eventfd() -> Result<OwnedFd> {
 }
 
 /// `hostname` plus the kernel's boot id: equal for processes on one host.
+/// `TUTTI_HOST_ID` overrides it: processes that share a host but not /dev/shm (containers)
+/// can tell tutti they are apart, and tests can act out several hosts on one.
 pub(crate) fn host_id() -> String {
+    if let Ok(id) = std::env::var("TUTTI_HOST_ID") {
+        return id;
+    }
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
     format!("{}/{}", hostname(), boot.trim())
 }
@@ -213,6 +220,17 @@ impl NetTransport {
         }
         let my_host = host_id();
         let same_host: Vec<bool> = infos.iter().map(|(_, h)| *h == my_host).collect();
+        // Number the hosts in order of their first rank.
+        let mut host_names: Vec<&str> = Vec::new();
+        let hosts: Vec<usize> = infos
+            .iter()
+            .map(|(_, h)| {
+                host_names.iter().position(|x| x == h).unwrap_or_else(|| {
+                    host_names.push(h);
+                    host_names.len() - 1
+                })
+            })
+            .collect();
         if kind == TransportKind::Shm {
             if let Some(r) = same_host.iter().position(|s| !s) {
                 return Err(Error::config(format!(
@@ -278,6 +296,7 @@ impl NetTransport {
             headers: Mutex::new(vec![None; world]),
             data_started: AtomicBool::new(false),
             spin: crate::sync::Spin::for_world(world).0,
+            hosts,
         })
     }
 
@@ -1106,6 +1125,10 @@ impl Transport for NetTransport {
             })
             .collect();
         self.run(site, "exchange data", &mut ss, &mut rs)
+    }
+
+    fn hosts(&self) -> Option<&[usize]> {
+        Some(&self.hosts)
     }
 
     fn end(&self, failed: Option<&Error>) {
