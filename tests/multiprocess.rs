@@ -99,7 +99,10 @@ fn every_collective_and_algorithm_over_tcp_and_shm() {
                 "{transport} n={n}: {out}"
             );
             for r in 0..n {
-                assert!(out.contains(&format!("[{r}] rank {r} of {n}, hosts 1:")), "{out}");
+                assert!(
+                    out.contains(&format!("[{r}] rank {r} of {n}, hosts 1:")),
+                    "{out}"
+                );
             }
         }
     }
@@ -136,7 +139,10 @@ fn hierarchical_all_reduce_across_hosts() {
         let o = c.wait_with_output().unwrap();
         let (out, err) = text(&o);
         assert!(o.status.success(), "rank {r}: {out}\n{err}");
-        assert!(out.contains(&format!("rank {r} of 4, hosts 2:")) && out.contains("all correct"), "{out}");
+        assert!(
+            out.contains(&format!("rank {r} of 4, hosts 2:")) && out.contains("all correct"),
+            "{out}"
+        );
     }
 }
 

@@ -226,9 +226,9 @@ impl Communicator {
 
     /// How many hosts the ranks are on (1 for threads of one process).
     pub fn num_hosts(&self) -> usize {
-        self.transport
-            .hosts()
-            .map_or(1, |h| h.iter().collect::<std::collections::BTreeSet<_>>().len())
+        self.transport.hosts().map_or(1, |h| {
+            h.iter().collect::<std::collections::BTreeSet<_>>().len()
+        })
     }
 
     /// True when the transport lets ranks read each other's buffers (the `direct` algorithm).
