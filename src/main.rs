@@ -144,7 +144,12 @@ fn config_with_timeout(timeout: Option<f64>) -> Result<Config, tutti::Error> {
                 "--timeout {t}: must be a positive number of seconds"
             )));
         }
-        config.timeout = Duration::from_secs_f64(t);
+        config.timeout = Duration::try_from_secs_f64(t)
+            .ok()
+            .filter(|d| *d <= tutti::comm::MAX_TIMEOUT)
+            .ok_or_else(|| {
+                tutti::Error::config(format!("--timeout {t}: longer than tutti allows (30 days)"))
+            })?;
     }
     Ok(config)
 }

@@ -552,3 +552,66 @@ fn perf_under_launch_prints_json_from_rank_0() {
         }
     }
 }
+
+#[test]
+fn ranks_cutting_chunks_differently_get_a_mismatch_not_a_desync() {
+    let master = format!("127.0.0.1:{}", free_port());
+    let comms: Vec<Communicator> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let m = &master;
+                s.spawn(move || {
+                    let config = Config::default()
+                        .with_algorithm(tutti::Algorithm::Ring)
+                        .with_chunk_bytes(if r == 0 { 1024 } else { 4096 })
+                        .with_timeout(Duration::from_secs(20));
+                    Communicator::from_cluster(&spec(r, 2, m), TransportKind::Tcp, &config).unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let errs: Vec<Error> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                s.spawn(move || {
+                    c.all_reduce(&mut vec![1.0f32; 10_000], ReduceOp::Sum)
+                        .unwrap_err()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in &errs {
+        assert!(
+            matches!(
+                e,
+                Error::Mismatch {
+                    field: "chunk size",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+    // Nothing moved, so the streams are in step: every later call says the same, clearly.
+    std::thread::scope(|s| {
+        for c in &comms {
+            s.spawn(move || {
+                let e = c.barrier().unwrap_err();
+                assert!(
+                    matches!(
+                        e,
+                        Error::Mismatch {
+                            field: "chunk size",
+                            ..
+                        }
+                    ),
+                    "{e}"
+                );
+                assert!(c.aborted().is_none());
+            });
+        }
+    });
+}

@@ -323,6 +323,23 @@ fn a_failing_replica_surfaces_its_error_and_the_strategy_stays_usable() {
 }
 
 #[test]
+fn a_nested_run_is_an_error_not_a_hang() {
+    let s = Strategy::mirrored(&logical_cpus(2).unwrap(), None).unwrap();
+    let t = Instant::now();
+    let e = s.run(|_| s.run(|_| Ok(())).map(|_| ())).unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(10));
+    assert!(
+        e.to_string()
+            .contains("inside a replica function use the replica context"),
+        "{e}"
+    );
+    assert!(
+        s.run(|ctx| Ok(ctx.local_replica_id())).is_ok(),
+        "still usable"
+    );
+}
+
+#[test]
 fn strategy_api() {
     let d = Strategy::default_strategy();
     assert_eq!(d.kind(), StrategyKind::Default);

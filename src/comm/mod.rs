@@ -23,6 +23,10 @@ use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Collective, Error, Result, Site};
 use crate::transport::{CallBuffers, CallHeader, NetTransport, Transport, TransportKind};
 
+/// The longest timeout a communicator accepts: 30 days (deadlines are computed as now +
+/// timeout, and a wait that long means something else is wrong).
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(30 * 24 * 3600);
+
 /// Settings of a communicator.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
@@ -39,8 +43,9 @@ impl Default for Config {
         let timeout = std::env::var("TUTTI_TIMEOUT")
             .ok()
             .and_then(|v| v.trim().parse::<f64>().ok())
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map_or(Duration::from_secs(300), Duration::from_secs_f64);
+            .and_then(|s| Duration::try_from_secs_f64(s).ok())
+            .filter(|d| !d.is_zero() && *d <= MAX_TIMEOUT)
+            .unwrap_or(Duration::from_secs(300));
         Config {
             timeout,
             algorithm: Algorithm::Auto,
@@ -71,6 +76,12 @@ impl Config {
         }
         if self.timeout.is_zero() {
             return Err(Error::config("timeout must be positive"));
+        }
+        if self.timeout > MAX_TIMEOUT {
+            return Err(Error::config(format!(
+                "timeout {:?} is longer than the longest tutti allows ({MAX_TIMEOUT:?})",
+                self.timeout
+            )));
         }
         if self.chunk_bytes == 0 {
             return Err(Error::config("chunk_bytes must be positive"));
@@ -266,18 +277,25 @@ impl Communicator {
 
     /// The one checked path of every collective.
     fn call(&self, c: Call, body: impl FnOnce(&Ctx<'_>) -> Result<()>) -> Result<()> {
+        // Claim the communicator before reading the call number, so that two threads can never
+        // run calls with the same number.
+        if self.busy.swap(true, Ordering::Acquire) {
+            let site = Site {
+                collective: c.collective,
+                rank: self.rank(),
+                call: self.calls.load(Ordering::Relaxed),
+            };
+            return Err(Error::invalid(
+                site,
+                "another call is running on this communicator; make one call at a time",
+            ));
+        }
         let call = self.calls.load(Ordering::Relaxed);
         let site = Site {
             collective: c.collective,
             rank: self.rank(),
             call,
         };
-        if self.busy.swap(true, Ordering::Acquire) {
-            return Err(Error::invalid(
-                site,
-                "another call is running on this communicator; make one call at a time",
-            ));
-        }
         self.calls.store(call + 1, Ordering::Relaxed);
         let mut guard = CallGuard {
             comm: self,
@@ -292,6 +310,7 @@ impl Communicator {
             op: c.op,
             root: c.root,
             algorithm: self.algorithm.to_string(),
+            chunk_bytes: self.chunk_bytes as u64,
             rejected: c.check.clone().err(),
         };
         let buffers = if c.check.is_ok() {

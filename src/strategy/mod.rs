@@ -190,8 +190,34 @@ pub struct Strategy {
 #[cfg(feature = "cuda")]
 struct NcclMeeting {
     group: crate::gpu::GpuGroup,
+    meeting: Meeting,
+}
+
+/// The replicas' buffers for one collective run by replica 0 on behalf of all of them.
+///
+/// Each replica leaves (address, length) in `slots` and, on every way out of the call, takes
+/// its slot back under the lock. Replica 0 holds the lock for as long as it works on the
+/// buffers, so a replica that fails a barrier (timeout, abort) cannot get its buffer back, and
+/// free it, while replica 0 still writes into it; replica 0 refuses to start if a slot was
+/// already taken back.
+#[cfg(any(feature = "xla", feature = "cuda"))]
+struct Meeting {
     slots: Mutex<Vec<(usize, usize)>>,
     outcome: Mutex<Option<String>>,
+}
+
+/// The length of a slot whose replica took its buffer back.
+#[cfg(any(feature = "xla", feature = "cuda"))]
+const WITHDRAWN: usize = usize::MAX;
+
+#[cfg(any(feature = "xla", feature = "cuda"))]
+impl Meeting {
+    fn new(n: usize) -> Meeting {
+        Meeting {
+            slots: Mutex::new(vec![(0, WITHDRAWN); n]),
+            outcome: Mutex::new(None),
+        }
+    }
 }
 
 /// Where the replica threads of a TPUStrategy meet for one compiled collective: each leaves its
@@ -199,9 +225,7 @@ struct NcclMeeting {
 #[cfg(feature = "xla")]
 struct XlaMeeting {
     client: crate::xla::Client,
-    /// (address, length in bytes) of each replica's buffer for the current collective.
-    slots: Mutex<Vec<(usize, usize)>>,
-    outcome: Mutex<Option<String>>,
+    meeting: Meeting,
 }
 
 fn log(msg: &str) {
@@ -396,8 +420,7 @@ impl Strategy {
         )?;
         s.nccl = Some(NcclMeeting {
             group,
-            slots: Mutex::new(vec![(0, 0); n]),
-            outcome: Mutex::new(None),
+            meeting: Meeting::new(n),
         });
         Ok(s)
     }
@@ -517,8 +540,7 @@ impl Strategy {
         )?;
         s.xla = Some(XlaMeeting {
             client,
-            slots: Mutex::new(vec![(0, 0); n]),
-            outcome: Mutex::new(None),
+            meeting: Meeting::new(n),
         });
         Ok(s)
     }
@@ -575,7 +597,12 @@ impl Strategy {
         let n = self.devices.len();
         let slots: Vec<Mutex<Option<R>>> = (0..n).map(|_| Mutex::new(None)).collect();
         let result = {
-            let local = self.local.lock();
+            // A run inside a replica function would wait for itself: refuse it.
+            let local = self.local.try_lock().ok_or_else(|| {
+                Error::config(
+                    "strategy.run (or batch_reduce, or a variable's cross-replica update) called while a run is going on: inside a replica function use the replica context",
+                )
+            })?;
             let task = |local_id: usize, comm: &Communicator| -> Result<()> {
                 let ctx = ReplicaContext {
                     strategy: self,
@@ -999,9 +1026,46 @@ impl ReplicaContext<'_> {
         Ok(all)
     }
 
+    /// Meet the other replicas at `m` with this replica's buffer (`ptr`, `len` elements):
+    /// replica 0 runs `work` over every replica's buffer, and every replica returns its outcome.
+    /// See [`Meeting`] for why no buffer can be freed while replica 0 works on it.
+    #[cfg(any(feature = "xla", feature = "cuda"))]
+    fn meet_at(
+        &self,
+        m: &Meeting,
+        what: &str,
+        ptr: usize,
+        len: usize,
+        work: impl FnOnce(&[(usize, usize)]) -> Result<()>,
+    ) -> Result<()> {
+        m.slots.lock()[self.local_id] = (ptr, len);
+        let result = (|| {
+            self.comm.barrier()?;
+            if self.local_id == 0 {
+                let held = m.slots.lock();
+                let r = if held.iter().any(|&(_, n)| n == WITHDRAWN) {
+                    Err(Error::config("a replica left the collective before it ran"))
+                } else {
+                    work(&held)
+                };
+                *m.outcome.lock() = r.err().map(|e| e.to_string());
+            }
+            self.comm.barrier()?;
+            match m.outcome.lock().clone() {
+                None => Ok(()),
+                Some(message) => Err(Error::System {
+                    what: what.to_string(),
+                    message,
+                }),
+            }
+        })();
+        // Taking the slot back waits for replica 0 to be done with it.
+        m.slots.lock()[self.local_id] = (0, WITHDRAWN);
+        result
+    }
+
     /// Meet the other replicas of a TPUStrategy for one compiled collective over every
-    /// replica's `buf`: leave it in the slot table, wait for all, replica 0 runs `op` over all
-    /// the buffers, wait again, and share replica 0's outcome.
+    /// replica's `buf`: replica 0 runs `op` over all the buffers.
     #[cfg(feature = "xla")]
     fn meet(
         &self,
@@ -1009,32 +1073,26 @@ impl ReplicaContext<'_> {
         buf: &mut [u8],
         op: impl FnOnce(&crate::xla::Client, &mut [&mut [u8]]) -> Result<()>,
     ) -> Result<()> {
-        x.slots.lock()[self.local_id] = (buf.as_mut_ptr() as usize, buf.len());
-        self.comm.barrier()?;
-        if self.local_id == 0 {
-            let slots = x.slots.lock().clone();
-            // SAFETY: each slot is a live buffer of a replica that waits in the barrier below
-            // until this call is done, and no two replicas share a buffer.
-            let mut bufs: Vec<&mut [u8]> = slots
-                .iter()
-                .map(|&(p, n)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, n) })
-                .collect();
-            *x.outcome.lock() = op(&x.client, &mut bufs).err().map(|e| e.to_string());
-        }
-        self.comm.barrier()?;
-        match x.outcome.lock().clone() {
-            None => Ok(()),
-            Some(m) => Err(Error::System {
-                what: "TPUStrategy collective".into(),
-                message: m,
-            }),
-        }
+        self.meet_at(
+            &x.meeting,
+            "TPUStrategy collective",
+            buf.as_mut_ptr() as usize,
+            buf.len(),
+            |slots| {
+                // SAFETY: each slot is a live buffer of a replica that cannot take it back before
+                // this returns (see `Meeting`), and no two replicas share a buffer.
+                let mut bufs: Vec<&mut [u8]> = slots
+                    .iter()
+                    .map(|&(p, n)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, n) })
+                    .collect();
+                op(&x.client, &mut bufs)
+            },
+        )
     }
 
-    /// Meet the other replicas of a MirroredStrategy on GPUs for one NCCL collective: leave
-    /// `buf` in the slot table, wait for all; replica 0 copies every replica's values onto its
-    /// GPU, runs `op` across the GPUs, and copies the results back; wait again and share the
-    /// outcome.
+    /// Meet the other replicas of a MirroredStrategy on GPUs for one NCCL collective: replica
+    /// 0 copies every replica's values onto its GPU, runs `op` across the GPUs, and copies the
+    /// results back.
     #[cfg(feature = "cuda")]
     fn meet_nccl<T: Element>(
         &self,
@@ -1042,13 +1100,14 @@ impl ReplicaContext<'_> {
         buf: &mut [T],
         op: impl FnOnce(&crate::gpu::GpuGroup, &mut [crate::gpu::GpuBuffer<T>]) -> Result<()>,
     ) -> Result<()> {
-        m.slots.lock()[self.local_id] = (buf.as_mut_ptr() as usize, buf.len());
-        self.comm.barrier()?;
-        if self.local_id == 0 {
-            let slots = m.slots.lock().clone();
-            let run = || -> Result<()> {
-                // SAFETY: each slot is a live buffer of a replica that waits in the barrier
-                // below until this call is done, and no two replicas share a buffer.
+        let what = "MirroredStrategy NcclAllReduce";
+        self.meet_at(
+            &m.meeting,
+            what,
+            buf.as_mut_ptr() as usize,
+            buf.len(),
+            |slots| {
+                // SAFETY: as in `meet`.
                 let host: Vec<&mut [T]> = slots
                     .iter()
                     .map(|&(p, n)| unsafe { std::slice::from_raw_parts_mut(p as *mut T, n) })
@@ -1063,17 +1122,8 @@ impl ReplicaContext<'_> {
                     d.copy_to_host(h)?;
                 }
                 Ok(())
-            };
-            *m.outcome.lock() = run().err().map(|e| e.to_string());
-        }
-        self.comm.barrier()?;
-        match m.outcome.lock().clone() {
-            None => Ok(()),
-            Some(msg) => Err(Error::System {
-                what: "MirroredStrategy NcclAllReduce".into(),
-                message: msg,
-            }),
-        }
+            },
+        )
     }
 
     /// `var.assign_add(update)` after the updates of every replica were aggregated.

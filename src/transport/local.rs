@@ -232,18 +232,7 @@ impl Transport for LocalTransport {
     fn exchange(&self, site: Site, sends: &[SendOp<'_>], recvs: &mut [RecvOp<'_>]) -> Result<()> {
         let s = &self.shared;
         let world = s.world;
-        for p in sends
-            .iter()
-            .map(|x| x.peer)
-            .chain(recvs.iter().map(|x| x.peer))
-        {
-            if p >= world || p == self.rank {
-                return Err(Error::invalid(
-                    site,
-                    format!("exchange with rank {p}: not a peer"),
-                ));
-            }
-        }
+        super::check_peers(site, self.rank, world, sends, recvs)?;
         // Post every send first so that no pair of ranks waits on each other.
         let mut posted = [0u64; 8];
         let mut posted_vec = Vec::new();
@@ -348,10 +337,19 @@ impl Transport for LocalTransport {
             return;
         }
         s.abort(&e.to_string());
-        let deadline = Instant::now() + s.timeout;
-        s.bells[self.rank].wait(deadline, Spin(Duration::ZERO), || {
-            s.slots.iter().all(|p| !p.inside.load(Ordering::SeqCst))
-        });
+        // A peer still inside may be reading this rank's buffers; it leaves at its next wait,
+        // which sees the abort. Returning before would hand the caller buffers still in use,
+        // so wait as long as it takes, saying so at every timeout.
+        let all_out = || s.slots.iter().all(|p| !p.inside.load(Ordering::SeqCst));
+        while !s.bells[self.rank].wait(Instant::now() + s.timeout, Spin(Duration::ZERO), all_out) {
+            let inside: Vec<usize> = (0..s.world)
+                .filter(|&r| s.slots[r].inside.load(Ordering::SeqCst))
+                .collect();
+            eprintln!(
+                "tutti: rank {} waits for ranks {inside:?} to leave the aborted call before returning its buffers",
+                self.rank
+            );
+        }
     }
 
     fn peer_memory(&self) -> Option<&dyn PeerMemory> {

@@ -45,6 +45,8 @@ pub struct CallHeader {
     pub root: Option<usize>,
     /// The algorithm asked for.
     pub algorithm: String,
+    /// The chunk size of chunked algorithms (ranks must cut buffers alike).
+    pub chunk_bytes: u64,
     /// Set when this rank rejected its own arguments: peers fail the call at once.
     pub rejected: Option<String>,
 }
@@ -68,6 +70,11 @@ impl CallHeader {
             ("op", opt(&self.op), opt(&other.op)),
             ("root", opt(&self.root), opt(&other.root)),
             ("algorithm", self.algorithm.clone(), other.algorithm.clone()),
+            (
+                "chunk size",
+                self.chunk_bytes.to_string(),
+                other.chunk_bytes.to_string(),
+            ),
         ];
         fields.into_iter().find(|(_, a, b)| a != b)
     }
@@ -169,6 +176,45 @@ pub trait Transport: Send + Sync {
 
     /// The abort reason, once aborted.
     fn aborted(&self) -> Option<String>;
+}
+
+/// Check the peers of an exchange: each a peer of this rank, and at most one send and one
+/// receive per peer (a peer's messages match in order, one exchange at a time).
+pub(crate) fn check_peers(
+    site: Site,
+    rank: usize,
+    world: usize,
+    sends: &[SendOp<'_>],
+    recvs: &[RecvOp<'_>],
+) -> Result<()> {
+    let mut seen = vec![(false, false); world];
+    for (p, is_send) in sends
+        .iter()
+        .map(|x| (x.peer, true))
+        .chain(recvs.iter().map(|x| (x.peer, false)))
+    {
+        if p >= world || p == rank {
+            return Err(crate::error::Error::invalid(
+                site,
+                format!("exchange with rank {p}: not a peer"),
+            ));
+        }
+        let slot = if is_send {
+            &mut seen[p].0
+        } else {
+            &mut seen[p].1
+        };
+        if std::mem::replace(slot, true) {
+            return Err(crate::error::Error::invalid(
+                site,
+                format!(
+                    "exchange: two {} rank {p} in one step",
+                    if is_send { "sends to" } else { "receives from" }
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Direct reads and writes of peers' buffers during a call (threads of one process; shared memory).

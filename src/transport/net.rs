@@ -457,6 +457,28 @@ fn accept_peers(
     Ok(())
 }
 
+/// `writev` without SIGPIPE: a peer that died makes the call fail with EPIPE instead of
+/// killing a program that does not ignore the signal (C trainers do not).
+fn send_vectored(sock: &TcpStream, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
+    // SAFETY: a zeroed msghdr is valid; IoSlice has the layout of iovec on Unix, and the
+    // slices outlive the call.
+    let n = unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
+        msg.msg_iovlen = bufs.len() as _;
+        libc::sendmsg(
+            sock.as_raw_fd(),
+            &msg,
+            libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
 /// What a receive in the engine is for.
 enum Target<'a> {
     Data { dst: &'a mut [u8], mode: RecvMode },
@@ -522,7 +544,7 @@ impl NetTransport {
                 &s.data[s.off..]
             };
             let bufs = [IoSlice::new(&s.hdr[s.hoff..]), IoSlice::new(data)];
-            match (&link.sock).write_vectored(&bufs) {
+            match send_vectored(&link.sock, &bufs) {
                 Ok(0) => {
                     return Err(lost(
                         site,
@@ -948,6 +970,7 @@ fn encode_header(h: &CallHeader) -> Vec<u8> {
     v.extend_from_slice(&(h.count as u64).to_le_bytes());
     v.extend_from_slice(&h.op.map_or(u32::MAX, |o| o as u32).to_le_bytes());
     v.extend_from_slice(&h.root.map_or(u64::MAX, |r| r as u64).to_le_bytes());
+    v.extend_from_slice(&h.chunk_bytes.to_le_bytes());
     for s in [Some(&h.algorithm), h.rejected.as_ref()] {
         match s {
             Some(s) => {
@@ -982,6 +1005,7 @@ fn decode_header(b: &[u8]) -> Option<CallHeader> {
         u64::MAX => None,
         r => Some(r as usize),
     };
+    let chunk_bytes = u64_(take(8)?);
     let mut strings = [None, None];
     for s in &mut strings {
         if take(1)?[0] == 1 {
@@ -998,6 +1022,7 @@ fn decode_header(b: &[u8]) -> Option<CallHeader> {
         op,
         root,
         algorithm: algorithm?,
+        chunk_bytes,
         rejected,
     })
 }
@@ -1085,18 +1110,9 @@ impl Transport for NetTransport {
     }
 
     fn exchange(&self, site: Site, sends: &[SendOp<'_>], recvs: &mut [RecvOp<'_>]) -> Result<()> {
-        for p in sends
-            .iter()
-            .map(|x| x.peer)
-            .chain(recvs.iter().map(|x| x.peer))
-        {
-            if p >= self.world || p == self.rank {
-                return Err(Error::invalid(
-                    site,
-                    format!("exchange with rank {p}: not a peer"),
-                ));
-            }
-        }
+        super::check_peers(site, self.rank, self.world, sends, recvs)?;
+        // From here a failure leaves peers mid-step: `end` must abort the communicator.
+        self.data_started.store(true, Ordering::Release);
         let mut ss: Vec<SendState<'_>> = sends
             .iter()
             .map(|s| SendState {
