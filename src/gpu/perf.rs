@@ -20,7 +20,6 @@ use super::GpuBuffer;
 use crate::dtype::Element;
 use crate::error::{Collective, Error, Result};
 use crate::perf::{bus_factor, min_traffic, pattern, sizes, Options, Row};
-use crate::reference;
 
 /// The devices `-n ranks` means: that many GPUs, or logical GPUs spread over the GPUs there
 /// are.
@@ -221,52 +220,9 @@ fn run_once<T: Element>(
 /// Wrong elements over every device after one call on fresh data.
 fn count_errors<T: Element>(group: &GpuGroup, opts: &Options, b: &Bufs<T>) -> Result<usize> {
     let p = group.devices().len();
-    let op = opts.op;
-    let reduced: Vec<T> = (0..5)
-        .map(|i| {
-            let col: Vec<T> = (0..p).map(|k| pattern(k, i)).collect();
-            let refs: Vec<&[T]> = col.iter().map(std::slice::from_ref).collect();
-            reference::reduce(&refs, op)[0]
-        })
-        .collect();
-    let tol = reference::tolerance(T::DTYPE, op, p, 2.0);
-    let bad = |got: T, want: T| reference::count_errors(&[got], &[want], tol);
     let mut errors = 0;
     for (r, o) in b.output.iter().enumerate() {
-        let got = o.to_host()?;
-        errors += match opts.collective {
-            Collective::AllReduce => got
-                .iter()
-                .enumerate()
-                .map(|(i, x)| bad(*x, reduced[i % 5]))
-                .sum(),
-            Collective::Reduce if r != 0 => 0,
-            Collective::Reduce => got
-                .iter()
-                .enumerate()
-                .map(|(i, x)| bad(*x, reduced[i % 5]))
-                .sum(),
-            Collective::Broadcast => got
-                .iter()
-                .enumerate()
-                .map(|(i, x)| bad(*x, pattern(0, i)))
-                .sum(),
-            Collective::AllGather => {
-                let n = got.len() / p;
-                got.iter()
-                    .enumerate()
-                    .map(|(i, x)| bad(*x, pattern(i / n, i % n)))
-                    .sum()
-            }
-            Collective::ReduceScatter => {
-                let base = r * got.len();
-                got.iter()
-                    .enumerate()
-                    .map(|(i, x)| bad(*x, reduced[(base + i) % 5]))
-                    .sum::<usize>()
-            }
-            Collective::Barrier => 0,
-        };
+        errors += crate::perf::wrong_elements(opts.collective, opts.op, p, r, &o.to_host()?);
     }
     Ok(errors)
 }

@@ -574,8 +574,26 @@ fn run_once<T: Element>(comm: &Communicator, opts: &Options, b: &mut Bufs<T>) ->
 
 /// Wrong elements in this rank's output after one run on fresh data.
 fn count_errors<T: Element>(comm: &Communicator, opts: &Options, b: &Bufs<T>) -> usize {
-    let (p, r) = (comm.world_size(), comm.rank());
-    let op = opts.op;
+    wrong_elements(
+        opts.collective,
+        opts.op,
+        comm.world_size(),
+        comm.rank(),
+        &b.output,
+    )
+}
+
+/// The elements of rank `rank`'s `output` that differ from the reference after one run of
+/// `collective` with `op` over `ranks` ranks whose inputs are the test [`pattern`] (the output
+/// off the root of a reduce is not checked). Shared by every device's harness.
+pub fn wrong_elements<T: Element>(
+    collective: Collective,
+    op: ReduceOp,
+    ranks: usize,
+    rank: usize,
+    output: &[T],
+) -> usize {
+    let p = ranks;
     // The reduction of the pattern over every rank, for the five residues of i.
     let reduced: Vec<T> = (0..5)
         .map(|i| {
@@ -586,42 +604,31 @@ fn count_errors<T: Element>(comm: &Communicator, opts: &Options, b: &Bufs<T>) ->
         .collect();
     let tol = reference::tolerance(T::DTYPE, op, p, 2.0);
     let bad = |got: T, want: T| reference::count_errors(&[got], &[want], tol);
-    match opts.collective {
-        Collective::AllReduce => b
-            .output
+    let at = |base: usize| {
+        output
             .iter()
             .enumerate()
-            .map(|(i, x)| bad(*x, reduced[i % 5]))
-            .sum(),
-        Collective::Reduce if r != 0 => 0,
-        Collective::Reduce => b
-            .output
-            .iter()
-            .enumerate()
-            .map(|(i, x)| bad(*x, reduced[i % 5]))
-            .sum(),
-        Collective::Broadcast => b
-            .output
+            .map(|(i, x)| bad(*x, reduced[(base + i) % 5]))
+            .sum()
+    };
+    match collective {
+        Collective::AllReduce => at(0),
+        Collective::Reduce if rank != 0 => 0,
+        Collective::Reduce => at(0),
+        Collective::Broadcast => output
             .iter()
             .enumerate()
             .map(|(i, x)| bad(*x, pattern(0, i)))
             .sum(),
         Collective::AllGather => {
-            let n = b.output.len() / p;
-            b.output
+            let n = output.len() / p;
+            output
                 .iter()
                 .enumerate()
                 .map(|(i, x)| bad(*x, pattern(i / n, i % n)))
                 .sum()
         }
-        Collective::ReduceScatter => {
-            let base = r * b.output.len();
-            b.output
-                .iter()
-                .enumerate()
-                .map(|(i, x)| bad(*x, reduced[(base + i) % 5]))
-                .sum()
-        }
+        Collective::ReduceScatter => at(rank * output.len()),
         Collective::Barrier => 0,
     }
 }

@@ -14,7 +14,6 @@ use super::plugin::{Plugin, PluginKind};
 use crate::dtype::Element;
 use crate::error::{Collective, Error, Result};
 use crate::perf::{bus_factor, min_traffic, pattern, sizes, Machine, Options, Row};
-use crate::reference;
 
 /// The client perf measures with: the plugin of [`Client::discover`], with the options of
 /// `TUTTI_PJRT_OPTIONS` and the perf timeout; for the CPU plugin `cpu_device_count` defaults
@@ -155,40 +154,5 @@ fn one_size<T: Element>(
 
 /// Wrong elements in replica r's result (see `tutti::perf` for the pattern).
 fn count_errors<T: Element>(opts: &Options, r: usize, p: usize, got: &[T]) -> usize {
-    let op = opts.op;
-    let reduced: Vec<T> = (0..5)
-        .map(|i| {
-            let col: Vec<T> = (0..p).map(|k| pattern(k, i)).collect();
-            let refs: Vec<&[T]> = col.iter().map(std::slice::from_ref).collect();
-            reference::reduce(&refs, op)[0]
-        })
-        .collect();
-    let tol = reference::tolerance(T::DTYPE, op, p, 2.0);
-    let bad = |g: T, w: T| reference::count_errors(&[g], &[w], tol);
-    match opts.collective {
-        Collective::AllReduce => got
-            .iter()
-            .enumerate()
-            .map(|(i, x)| bad(*x, reduced[i % 5]))
-            .sum(),
-        Collective::Broadcast => got
-            .iter()
-            .enumerate()
-            .map(|(i, x)| bad(*x, pattern(0, i)))
-            .sum(),
-        Collective::AllGather => {
-            let n = got.len() / p;
-            got.iter()
-                .enumerate()
-                .map(|(i, x)| bad(*x, pattern(i / n, i % n)))
-                .sum()
-        }
-        _ => {
-            let base = r * got.len();
-            got.iter()
-                .enumerate()
-                .map(|(i, x)| bad(*x, reduced[(base + i) % 5]))
-                .sum()
-        }
-    }
+    crate::perf::wrong_elements(opts.collective, opts.op, p, r, got)
 }
