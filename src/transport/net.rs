@@ -106,6 +106,8 @@ pub struct NetTransport {
     spin: Duration,
     /// The host of every rank.
     hosts: Vec<usize>,
+    /// Scratch buffers of reducing receives, reused across exchanges.
+    scratch: Mutex<Vec<Vec<u64>>>,
 }
 
 fn eventfd() -> Result<OwnedFd> {
@@ -297,6 +299,7 @@ impl NetTransport {
             data_started: AtomicBool::new(false),
             spin: crate::sync::Spin::for_world(world).0,
             hosts,
+            scratch: Mutex::new(Vec::new()),
         })
     }
 
@@ -1124,6 +1127,9 @@ impl Transport for NetTransport {
                 off: 0,
             })
             .collect();
+        // Reducing receives stage chunks in scratch buffers kept between exchanges: a buffer
+        // resized to the length it had is not allocated or zeroed again.
+        let mut pool = std::mem::take(&mut *self.scratch.lock());
         let mut rs: Vec<RecvState<'_>> = recvs
             .iter_mut()
             .map(|r| RecvState {
@@ -1136,11 +1142,18 @@ impl Transport for NetTransport {
                 hoff: 0,
                 len: 0,
                 off: 0,
-                scratch: Vec::new(),
+                scratch: pool.pop().unwrap_or_default(),
                 fill: 0,
             })
             .collect();
-        self.run(site, "exchange data", &mut ss, &mut rs)
+        let result = self.run(site, "exchange data", &mut ss, &mut rs);
+        pool.extend(
+            rs.into_iter()
+                .map(|r| r.scratch)
+                .filter(|v| v.capacity() > 0),
+        );
+        *self.scratch.lock() = pool;
+        result
     }
 
     fn hosts(&self) -> Option<&[usize]> {
