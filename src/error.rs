@@ -116,6 +116,20 @@ fn list(ranks: &[usize]) -> String {
     }
 }
 
+fn awaited(ranks: &[usize], phase: &str) -> String {
+    if ranks.is_empty() {
+        format!(
+            "the call to {phase}; it goes on: wait for it again, or abort the communicator to end it"
+        )
+    } else {
+        format!(
+            "{} to {phase}; that rank is stuck, dead or making a different call (raise the \
+             timeout if it is only slow)",
+            list(ranks)
+        )
+    }
+}
+
 /// What went wrong. Marked non-exhaustive: new carriers add variants.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 #[non_exhaustive]
@@ -166,10 +180,11 @@ pub enum Error {
         detail: String,
     },
     /// A blocking wait ran past the communicator's timeout.
+    /// With no ranks in `waiting_for`, a wait on a [`crate::Work`] ran past its own bound while
+    /// the call goes on.
     #[error(
-        "{site}: timed out after {timeout:?} waiting for {} to {phase}; that rank is stuck, dead or \
-         making a different call (raise the timeout if it is only slow)",
-        list(waiting_for)
+        "{site}: timed out after {timeout:?} waiting for {}",
+        awaited(waiting_for, phase)
     )]
     Timeout {
         /// The call that timed out.

@@ -41,7 +41,7 @@ pub mod xla;
 
 pub use algorithm::Algorithm;
 pub use cluster::ClusterSpec;
-pub use comm::{local_group, run_local, AbortHandle, Communicator, Config, Replicas};
+pub use comm::{local_group, run_local, AbortHandle, Communicator, Config, Replicas, Work};
 pub use device::{Device, DeviceKind};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Collective, Error, Result, Site};

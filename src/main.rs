@@ -134,6 +134,10 @@ struct PerfArgs {
     /// Print JSON Lines: a machine line, then a line per size.
     #[arg(long)]
     json: bool,
+    /// Measure overlap instead: a non-blocking f32 all-reduce with computation on the caller's
+    /// thread meanwhile, against the two one after the other (ratio 1.0: no overlap).
+    #[arg(long)]
+    overlap: bool,
 }
 
 fn config_with_timeout(timeout: Option<f64>) -> Result<Config, tutti::Error> {
@@ -330,6 +334,9 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
         .map_err(|e| tutti::Error::config(format!("-a: {e}")))
         .or_else(|e| if gpu { Err(e) } else { Ok(Default::default()) })?;
     let comm = launched_comm(a.transport, &config.clone().with_algorithm(algo))?;
+    if a.overlap {
+        return overlap_cmd(&a, comm, config.with_algorithm(algo));
+    }
     let defaults = Options::default();
     let opts = Options {
         collective: a.collective,
@@ -452,6 +459,54 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
         });
     }
     Ok(())
+}
+
+/// `tutti perf --overlap`: each size's all-reduce, computation and both overlapped.
+fn overlap_cmd(
+    a: &PerfArgs,
+    comm: Option<Communicator>,
+    config: Config,
+) -> Result<(), tutti::Error> {
+    if a.collective != Collective::AllReduce || a.device != DeviceKind::Cpu {
+        return Err(tutti::Error::config(
+            "--overlap measures the f32 all-reduce on CPU ranks (-c all-reduce, --device cpu)",
+        ));
+    }
+    let sizes = perf::sizes(a.min_bytes, a.max_bytes, a.factor);
+    let iters = a.iters.unwrap_or(20);
+    let json = a.json;
+    let run = |c: &Communicator| -> Result<(), tutti::Error> {
+        let lead = c.rank() == 0;
+        if lead && !json {
+            println!(
+                "# tutti perf --overlap: all-reduce f32 sum, algo {}, {} ranks, {iters} iterations; ratio = overlapped / (compute + all-reduce), 1.0 = no overlap",
+                c.algorithm(),
+                c.world_size()
+            );
+            println!(
+                "# {:>12} {:>14} {:>12} {:>15} {:>7}",
+                "bytes", "all_reduce(us)", "compute(us)", "overlapped(us)", "ratio"
+            );
+        }
+        for &bytes in &sizes {
+            let row = perf::overlap_one(c, bytes, iters)?;
+            if lead && json {
+                println!("{}", serde_json::to_string(&row).expect("a row serializes"));
+            } else if lead {
+                println!(
+                    "  {:>12} {:>14.1} {:>12.1} {:>15.1} {:>7.2}",
+                    row.bytes, row.all_reduce_us, row.compute_us, row.overlapped_us, row.ratio
+                );
+            }
+        }
+        Ok(())
+    };
+    match comm {
+        Some(c) => run(&c),
+        None => tutti::run_local(a.ranks.unwrap_or(2), &config, run)?
+            .into_iter()
+            .collect(),
+    }
 }
 
 /// One mismatched call on `inject_rank`; every rank must get an error, and the communicator must

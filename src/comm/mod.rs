@@ -1,19 +1,26 @@
 //! Communicators: one rank's handle on a group.
 //!
-//! Every collective goes through one checked path ([`Communicator::call`]): local argument
-//! checks, then the transport's `begin` (every rank states the call's header: collective, dtype,
-//! count, op, root, algorithm; a rank that rejected its arguments says so, and every peer fails the
-//! call at once), then the algorithm, then `end`. An error found in `begin` is seen by every rank
-//! alike and leaves the communicator usable; any later error (timeout, dead peer, abort) aborts
-//! it, and each later call fails at once with `Aborted`.
+//! Every collective goes through one checked path: local argument checks when it is issued
+//! (building a `Call`), then, in issue order ([`work`]), the transport's `begin` (every rank
+//! states the call's header: collective, dtype, count, op, root, algorithm; a rank that rejected
+//! its arguments says so, and every peer fails the call at once), then the algorithm, then `end`.
+//! An error found in `begin` is seen by every rank alike and leaves the communicator usable; any
+//! later error (timeout, dead peer, abort) aborts it, and each later call fails at once with
+//! `Aborted`.
+//!
+//! Every collective has a blocking form and a non-blocking one (`*_async`) that returns a
+//! [`Work`]; a blocking call is the non-blocking call followed by its wait.
 
 mod group;
 mod replicas;
+mod work;
 
 pub use group::{local_group, run_local};
 pub use replicas::Replicas;
+pub use work::Work;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use work::{Progress, Runnable, Shared};
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -101,19 +108,18 @@ impl AbortHandle {
     }
 }
 
-/// One rank's handle on a group of ranks. `Send + Sync`, but one collective at a time: a call
-/// made while another is running on the same communicator is rejected.
+/// One rank's handle on a group of ranks. `Send + Sync`. Calls made from several threads run
+/// one at a time in the order they were issued; every rank must issue the same calls in the same
+/// order (a call that differs fails with `Mismatch` on every rank).
 pub struct Communicator {
-    transport: Arc<dyn Transport>,
+    progress: Progress,
     algorithm: Algorithm,
-    chunk_bytes: usize,
-    calls: AtomicU64,
-    busy: AtomicBool,
 }
 
 /// Leaves the call on every exit, a panic included, so that peers never read freed memory.
 struct CallGuard<'a> {
-    comm: &'a Communicator,
+    transport: &'a dyn Transport,
+    rank: usize,
     failed: Option<Error>,
     finished: bool,
 }
@@ -121,26 +127,150 @@ struct CallGuard<'a> {
 impl Drop for CallGuard<'_> {
     fn drop(&mut self) {
         if !self.finished {
-            let site = "a panic inside a collective".to_string();
             self.failed = Some(Error::Aborted {
-                rank: self.comm.rank(),
-                reason: site,
+                rank: self.rank,
+                reason: "a panic inside a collective".to_string(),
             });
         }
-        self.comm.transport.end(self.failed.as_ref());
-        self.comm.busy.store(false, Ordering::Release);
+        self.transport.end(self.failed.as_ref());
     }
 }
 
-/// The arguments of a call, checked locally before `begin`.
+/// One call, checked on this rank when it is issued; its buffers as raw parts, which the
+/// issuer keeps valid until the call completes (a blocking call by waiting, a safe
+/// non-blocking one by owning them, an unsafe one by its caller's promise).
 struct Call {
     collective: Collective,
+    rank: usize,
     dtype: DType,
     count: usize,
     op: Option<ReduceOp>,
     root: Option<usize>,
+    algorithm: Algorithm,
     check: std::result::Result<(), String>,
     buffers: CallBuffers,
+    /// The input is the output (`input` of the collective's body is `None`).
+    in_place: bool,
+}
+
+/// A slice from raw parts that may be empty (a zero-length slice still needs a non-null,
+/// aligned pointer; slices handed to a call are never null).
+///
+/// # Safety
+///
+/// `ptr` is valid for `len` bytes for the life the caller picks.
+unsafe fn raw<'a>(ptr: *const u8, len: usize) -> &'a [u8] {
+    // SAFETY: as the caller promises.
+    unsafe { std::slice::from_raw_parts(ptr, len) }
+}
+
+/// # Safety
+///
+/// As [`raw`], and nothing else reads or writes the bytes meanwhile.
+unsafe fn raw_mut<'a>(ptr: *mut u8, len: usize) -> &'a mut [u8] {
+    // SAFETY: as the caller promises.
+    unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+}
+
+impl Call {
+    /// The algorithm's part of the call, over the buffers the issuer published.
+    fn body(&self, ctx: &Ctx<'_>) -> Result<()> {
+        let b = self.buffers;
+        let algo = self.algorithm;
+        // SAFETY: the buffers are valid and untouched by the caller until the call completes
+        // (see `Call`); input and output are distinct unless the call is in place, when the
+        // input is not formed.
+        unsafe {
+            let input = (!self.in_place).then(|| raw(b.input, b.input_len));
+            match self.collective {
+                Collective::AllReduce => {
+                    algorithm::all_reduce(ctx, algo, input, raw_mut(b.output, b.output_len))
+                }
+                Collective::Broadcast => algorithm::broadcast(
+                    ctx,
+                    algo,
+                    self.root.unwrap_or(0),
+                    raw_mut(b.output, b.output_len),
+                ),
+                Collective::AllGather => {
+                    algorithm::all_gather(ctx, algo, input, raw_mut(b.output, b.output_len))
+                }
+                Collective::ReduceScatter => algorithm::reduce_scatter(
+                    ctx,
+                    algo,
+                    raw(b.input, b.input_len),
+                    raw_mut(b.output, b.output_len),
+                ),
+                Collective::Reduce => {
+                    let output = (!b.output.is_null()).then(|| raw_mut(b.output, b.output_len));
+                    algorithm::reduce(
+                        ctx,
+                        algo,
+                        self.root.unwrap_or(0),
+                        input,
+                        output,
+                        b.input_len,
+                    )
+                }
+                Collective::Barrier => Ok(()),
+            }
+        }
+    }
+}
+
+impl Runnable for Call {
+    fn site(&self, number: u64) -> Site {
+        Site {
+            collective: self.collective,
+            rank: self.rank,
+            call: number,
+        }
+    }
+
+    fn run(&self, shared: &Shared, number: u64) -> Result<()> {
+        let site = self.site(number);
+        let transport = &*shared.transport;
+        let mut guard = CallGuard {
+            transport,
+            rank: self.rank,
+            failed: None,
+            finished: false,
+        };
+        let header = CallHeader {
+            call: number,
+            collective: self.collective,
+            dtype: self.dtype,
+            count: self.count,
+            op: self.op,
+            root: self.root,
+            algorithm: self.algorithm.to_string(),
+            chunk_bytes: shared.chunk_bytes as u64,
+            rejected: self.check.clone().err(),
+        };
+        let buffers = if self.check.is_ok() {
+            self.buffers
+        } else {
+            CallBuffers::NONE
+        };
+        let begun = transport.begin(site, &header, buffers);
+        let result = match (&self.check, begun) {
+            (Err(message), _) => Err(Error::invalid(site, message.clone())),
+            (Ok(()), Err(e)) => Err(e),
+            (Ok(()), Ok(())) => {
+                let ctx = Ctx {
+                    t: transport,
+                    site,
+                    dtype: self.dtype,
+                    op: self.op.unwrap_or(ReduceOp::Sum),
+                    chunk_bytes: shared.chunk_bytes,
+                };
+                self.body(&ctx)
+            }
+        };
+        guard.failed = result.as_ref().err().cloned();
+        guard.finished = true;
+        result
+    }
 }
 
 fn elems(dtype: DType, name: &str, len: usize) -> std::result::Result<usize, String> {
@@ -174,13 +304,15 @@ fn check_root(root: usize, world: usize) -> std::result::Result<(), String> {
 
 impl Communicator {
     pub(crate) fn new(transport: Arc<dyn Transport>, config: &Config) -> Communicator {
+        let shared = Arc::new(Shared::new(transport, config.chunk_bytes));
         Communicator {
-            transport,
+            progress: Progress::new(shared),
             algorithm: config.algorithm,
-            chunk_bytes: config.chunk_bytes,
-            calls: AtomicU64::new(0),
-            busy: AtomicBool::new(false),
         }
+    }
+
+    fn transport(&self) -> &Arc<dyn Transport> {
+        &self.progress.shared().transport
     }
 
     /// Join the job that this process's environment describes (`TUTTI_*`, `TF_CONFIG`, torchrun,
@@ -222,29 +354,29 @@ impl Communicator {
 
     /// This rank, in `0..world_size()`.
     pub fn rank(&self) -> usize {
-        self.transport.rank()
+        self.transport().rank()
     }
 
     /// Number of ranks in the group.
     pub fn world_size(&self) -> usize {
-        self.transport.world_size()
+        self.transport().world_size()
     }
 
     /// The bound on every wait.
     pub fn timeout(&self) -> Duration {
-        self.transport.timeout()
+        self.transport().timeout()
     }
 
     /// How many hosts the ranks are on (1 for threads of one process).
     pub fn num_hosts(&self) -> usize {
-        self.transport.hosts().map_or(1, |h| {
+        self.transport().hosts().map_or(1, |h| {
             h.iter().collect::<std::collections::BTreeSet<_>>().len()
         })
     }
 
     /// True when the transport lets ranks read each other's buffers (the `direct` algorithm).
     pub fn has_peer_memory(&self) -> bool {
-        self.transport.peer_memory().is_some()
+        self.transport().peer_memory().is_some()
     }
 
     /// The algorithm used by the collectives.
@@ -262,93 +394,30 @@ impl Communicator {
 
     /// Abort the group: blocked and later calls on every rank fail with `Aborted`.
     pub fn abort(&self, reason: &str) {
-        self.transport.abort(reason)
+        self.transport().abort(reason)
     }
 
     /// The abort reason, once the group is aborted.
     pub fn aborted(&self) -> Option<String> {
-        self.transport.aborted()
+        self.transport().aborted()
     }
 
     /// A handle that aborts this communicator from any thread, e.g. to wake a blocked call.
     pub fn abort_handle(&self) -> AbortHandle {
-        AbortHandle(self.transport.clone())
-    }
-
-    /// The one checked path of every collective.
-    fn call(&self, c: Call, body: impl FnOnce(&Ctx<'_>) -> Result<()>) -> Result<()> {
-        // Claim the communicator before reading the call number, so that two threads can never
-        // run calls with the same number.
-        if self.busy.swap(true, Ordering::Acquire) {
-            let site = Site {
-                collective: c.collective,
-                rank: self.rank(),
-                call: self.calls.load(Ordering::Relaxed),
-            };
-            return Err(Error::invalid(
-                site,
-                "another call is running on this communicator; make one call at a time",
-            ));
-        }
-        let call = self.calls.load(Ordering::Relaxed);
-        let site = Site {
-            collective: c.collective,
-            rank: self.rank(),
-            call,
-        };
-        self.calls.store(call + 1, Ordering::Relaxed);
-        let mut guard = CallGuard {
-            comm: self,
-            failed: None,
-            finished: false,
-        };
-        let header = CallHeader {
-            call,
-            collective: c.collective,
-            dtype: c.dtype,
-            count: c.count,
-            op: c.op,
-            root: c.root,
-            algorithm: self.algorithm.to_string(),
-            chunk_bytes: self.chunk_bytes as u64,
-            rejected: c.check.clone().err(),
-        };
-        let buffers = if c.check.is_ok() {
-            c.buffers
-        } else {
-            CallBuffers::NONE
-        };
-        let begun = self.transport.begin(site, &header, buffers);
-        let result = match (c.check, begun) {
-            (Err(message), _) => Err(Error::invalid(site, message)),
-            (Ok(()), Err(e)) => Err(e),
-            (Ok(()), Ok(())) => {
-                let ctx = Ctx {
-                    t: &*self.transport,
-                    site,
-                    dtype: c.dtype,
-                    op: c.op.unwrap_or(ReduceOp::Sum),
-                    chunk_bytes: self.chunk_bytes,
-                };
-                body(&ctx)
-            }
-        };
-        guard.failed = result.as_ref().err().cloned();
-        guard.finished = true;
-        result
+        AbortHandle(self.transport().clone())
     }
 
     // ----- byte-level API (the C ABI and other carriers build on it) -----
 
     /// All-reduce of raw bytes holding `dtype` elements: `output = ⊕ over ranks of input`, or in
     /// place in `output` when `input` is `None`.
-    pub fn all_reduce_raw(
+    fn all_reduce_call(
         &self,
         dtype: DType,
         input: Option<&[u8]>,
         output: &mut [u8],
         op: ReduceOp,
-    ) -> Result<()> {
+    ) -> Call {
         let check = elems(dtype, "the buffer", output.len()).and_then(|n| match input {
             Some(i) if i.len() != output.len() => Err(format!(
                 "the input holds {} elements but the output {n}; they must be equal",
@@ -366,7 +435,7 @@ impl Communicator {
             output: output.as_mut_ptr(),
             output_len: output.len(),
         };
-        let c = Call {
+        Call {
             collective: Collective::AllReduce,
             dtype,
             count,
@@ -374,13 +443,14 @@ impl Communicator {
             root: None,
             check: check.map(drop),
             buffers,
-        };
-        let algo = self.algorithm;
-        self.call(c, |ctx| algorithm::all_reduce(ctx, algo, input, output))
+            rank: self.rank(),
+            algorithm: self.algorithm,
+            in_place: input.is_none(),
+        }
     }
 
     /// Broadcast raw bytes from `root` into every rank's `buf`.
-    pub fn broadcast_raw(&self, dtype: DType, buf: &mut [u8], root: usize) -> Result<()> {
+    fn broadcast_call(&self, dtype: DType, buf: &mut [u8], root: usize) -> Call {
         let check = elems(dtype, "the buffer", buf.len());
         let count = *check.as_ref().unwrap_or(&0);
         let check = check
@@ -393,7 +463,7 @@ impl Communicator {
             output: ptr,
             output_len: buf.len(),
         };
-        let c = Call {
+        Call {
             collective: Collective::Broadcast,
             dtype,
             count,
@@ -401,19 +471,15 @@ impl Communicator {
             root: Some(root),
             check,
             buffers,
-        };
-        let algo = self.algorithm;
-        self.call(c, |ctx| algorithm::broadcast(ctx, algo, root, buf))
+            rank: self.rank(),
+            algorithm: self.algorithm,
+            in_place: true,
+        }
     }
 
     /// All-gather of raw bytes: rank r's `input` lands in slice r of every rank's `output`
     /// (`world_size` times as long). `input = None`: in place, slice `rank` of `output` is the input.
-    pub fn all_gather_raw(
-        &self,
-        dtype: DType,
-        input: Option<&[u8]>,
-        output: &mut [u8],
-    ) -> Result<()> {
+    fn all_gather_call(&self, dtype: DType, input: Option<&[u8]>, output: &mut [u8]) -> Call {
         let p = self.world_size();
         let in_len = input.map_or(output.len() / p, |i| i.len());
         let check = elems(dtype, "the input", in_len).and_then(|n| {
@@ -436,7 +502,7 @@ impl Communicator {
             output: output.as_mut_ptr(),
             output_len: output.len(),
         };
-        let c = Call {
+        Call {
             collective: Collective::AllGather,
             dtype,
             count,
@@ -444,20 +510,21 @@ impl Communicator {
             root: None,
             check: check.map(drop),
             buffers,
-        };
-        let algo = self.algorithm;
-        self.call(c, |ctx| algorithm::all_gather(ctx, algo, input, output))
+            rank: self.rank(),
+            algorithm: self.algorithm,
+            in_place: input.is_none(),
+        }
     }
 
     /// Reduce-scatter of raw bytes: `output` (one slice) = slice `rank` of the reduction of every
     /// rank's `input` (`world_size` slices).
-    pub fn reduce_scatter_raw(
+    fn reduce_scatter_call(
         &self,
         dtype: DType,
         input: &[u8],
         output: &mut [u8],
         op: ReduceOp,
-    ) -> Result<()> {
+    ) -> Call {
         let p = self.world_size();
         let check = elems(dtype, "the output", output.len()).and_then(|n| {
             if input.len() != output.len() * p {
@@ -477,7 +544,7 @@ impl Communicator {
             output: output.as_mut_ptr(),
             output_len: output.len(),
         };
-        let c = Call {
+        Call {
             collective: Collective::ReduceScatter,
             dtype,
             count,
@@ -485,21 +552,22 @@ impl Communicator {
             root: None,
             check: check.map(drop),
             buffers,
-        };
-        let algo = self.algorithm;
-        self.call(c, |ctx| algorithm::reduce_scatter(ctx, algo, input, output))
+            rank: self.rank(),
+            algorithm: self.algorithm,
+            in_place: false,
+        }
     }
 
     /// Reduce of raw bytes onto `root`. Off the root `output` is ignored and may be `None`; at the
     /// root it is required, and `input = None` means in place in `output`.
-    pub fn reduce_raw(
+    fn reduce_call(
         &self,
         dtype: DType,
         input: Option<&[u8]>,
         output: Option<&mut [u8]>,
         op: ReduceOp,
         root: usize,
-    ) -> Result<()> {
+    ) -> Call {
         let is_root = self.rank() == root;
         let output = output.filter(|_| is_root);
         let len = input
@@ -538,7 +606,7 @@ impl Communicator {
             output: out_ptr,
             output_len: out_len,
         };
-        let c = Call {
+        Call {
             collective: Collective::Reduce,
             dtype,
             count,
@@ -546,11 +614,168 @@ impl Communicator {
             root: Some(root),
             check: check.map(drop),
             buffers,
-        };
-        let algo = self.algorithm;
-        self.call(c, |ctx| {
-            algorithm::reduce(ctx, algo, root, input, output, len)
-        })
+            rank: self.rank(),
+            algorithm: self.algorithm,
+            in_place: input.is_none(),
+        }
+    }
+
+    fn barrier_call(&self) -> Call {
+        Call {
+            collective: Collective::Barrier,
+            rank: self.rank(),
+            dtype: DType::U8,
+            count: 0,
+            op: None,
+            root: None,
+            algorithm: self.algorithm,
+            check: Ok(()),
+            buffers: CallBuffers::NONE,
+            in_place: true,
+        }
+    }
+
+    /// Issue `call` and wait for it.
+    fn blocking(&self, call: Call) -> Result<()> {
+        self.progress.run_blocking(&call)
+    }
+
+    /// Issue `call` without waiting; `keep` is held until the call completes.
+    fn issue<B: Send + 'static>(&self, call: Call, keep: Box<B>) -> Work<B> {
+        self.progress.issue(Box::new(call), keep)
+    }
+
+    /// All-reduce of raw bytes holding `dtype` elements: `output = ⊕ over ranks of input`, or in
+    /// place in `output` when `input` is `None`.
+    pub fn all_reduce_raw(
+        &self,
+        dtype: DType,
+        input: Option<&[u8]>,
+        output: &mut [u8],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.blocking(self.all_reduce_call(dtype, input, output, op))
+    }
+
+    /// Broadcast raw bytes from `root` into every rank's `buf`.
+    pub fn broadcast_raw(&self, dtype: DType, buf: &mut [u8], root: usize) -> Result<()> {
+        self.blocking(self.broadcast_call(dtype, buf, root))
+    }
+
+    /// All-gather of raw bytes: rank r's `input` lands in slice r of every rank's `output`
+    /// (`world_size` times as long). `input = None`: in place, slice `rank` of `output` is the input.
+    pub fn all_gather_raw(
+        &self,
+        dtype: DType,
+        input: Option<&[u8]>,
+        output: &mut [u8],
+    ) -> Result<()> {
+        self.blocking(self.all_gather_call(dtype, input, output))
+    }
+
+    /// Reduce-scatter of raw bytes: `output` (one slice) = slice `rank` of the reduction of every
+    /// rank's `input` (`world_size` slices).
+    pub fn reduce_scatter_raw(
+        &self,
+        dtype: DType,
+        input: &[u8],
+        output: &mut [u8],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.blocking(self.reduce_scatter_call(dtype, input, output, op))
+    }
+
+    /// Reduce of raw bytes onto `root`. Off the root `output` is ignored and may be `None`; at the
+    /// root it is required, and `input = None` means in place in `output`.
+    pub fn reduce_raw(
+        &self,
+        dtype: DType,
+        input: Option<&[u8]>,
+        output: Option<&mut [u8]>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.blocking(self.reduce_call(dtype, input, output, op, root))
+    }
+
+    // ----- non-blocking byte-level API (the C ABI builds on it) -----
+
+    /// [`Communicator::all_reduce_raw`] without waiting: the call is issued and runs in issue
+    /// order on the communicator's progress thread; its result comes from the [`Work`].
+    ///
+    /// # Safety
+    ///
+    /// The memory of `input` and `output` must stay valid, and nothing else may read `output`
+    /// or write either, until the call has completed (`Work::wait` returned, or
+    /// `Work::is_completed` said so), even if the `Work` is dropped first.
+    pub unsafe fn all_reduce_raw_async(
+        &self,
+        dtype: DType,
+        input: Option<&[u8]>,
+        output: &mut [u8],
+        op: ReduceOp,
+    ) -> Work {
+        self.issue(self.all_reduce_call(dtype, input, output, op), Box::new(()))
+    }
+
+    /// [`Communicator::broadcast_raw`] without waiting.
+    ///
+    /// # Safety
+    ///
+    /// As [`Communicator::all_reduce_raw_async`], for `buf`.
+    pub unsafe fn broadcast_raw_async(&self, dtype: DType, buf: &mut [u8], root: usize) -> Work {
+        self.issue(self.broadcast_call(dtype, buf, root), Box::new(()))
+    }
+
+    /// [`Communicator::all_gather_raw`] without waiting.
+    ///
+    /// # Safety
+    ///
+    /// As [`Communicator::all_reduce_raw_async`].
+    pub unsafe fn all_gather_raw_async(
+        &self,
+        dtype: DType,
+        input: Option<&[u8]>,
+        output: &mut [u8],
+    ) -> Work {
+        self.issue(self.all_gather_call(dtype, input, output), Box::new(()))
+    }
+
+    /// [`Communicator::reduce_scatter_raw`] without waiting.
+    ///
+    /// # Safety
+    ///
+    /// As [`Communicator::all_reduce_raw_async`].
+    pub unsafe fn reduce_scatter_raw_async(
+        &self,
+        dtype: DType,
+        input: &[u8],
+        output: &mut [u8],
+        op: ReduceOp,
+    ) -> Work {
+        self.issue(
+            self.reduce_scatter_call(dtype, input, output, op),
+            Box::new(()),
+        )
+    }
+
+    /// [`Communicator::reduce_raw`] without waiting.
+    ///
+    /// # Safety
+    ///
+    /// As [`Communicator::all_reduce_raw_async`].
+    pub unsafe fn reduce_raw_async(
+        &self,
+        dtype: DType,
+        input: Option<&[u8]>,
+        output: Option<&mut [u8]>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Work {
+        self.issue(
+            self.reduce_call(dtype, input, output, op, root),
+            Box::new(()),
+        )
     }
 
     // ----- typed API -----
@@ -656,15 +881,103 @@ impl Communicator {
 
     /// Barrier: returns once every rank has called it.
     pub fn barrier(&self) -> Result<()> {
-        let c = Call {
-            collective: Collective::Barrier,
-            dtype: DType::U8,
-            count: 0,
-            op: None,
-            root: None,
-            check: Ok(()),
-            buffers: CallBuffers::NONE,
+        self.blocking(self.barrier_call())
+    }
+
+    // ----- non-blocking typed API: each call owns its buffers until it completes -----
+
+    /// [`Communicator::all_reduce`] without waiting: the call owns `buf` (a `Vec<T>`, a boxed
+    /// slice, an array...) and [`Work::wait`] hands it back reduced. Calls complete in the
+    /// order they were issued; many may be in flight.
+    ///
+    /// ```
+    /// use tutti::{run_local, Config, ReduceOp};
+    /// let out = run_local(2, &Config::default(), |comm| {
+    ///     let a = comm.all_reduce_async(vec![1.0f32; 8], ReduceOp::Sum);
+    ///     let b = comm.all_reduce_async([comm.rank() as i32; 3], ReduceOp::Max);
+    ///     (a.wait().unwrap(), b.wait().unwrap())
+    /// })
+    /// .unwrap();
+    /// assert_eq!(out[0], (vec![2.0; 8], [1; 3]));
+    /// ```
+    pub fn all_reduce_async<T, B>(&self, buf: B, op: ReduceOp) -> Work<B>
+    where
+        T: Element,
+        B: AsMut<[T]> + Send + 'static,
+    {
+        let mut buf = Box::new(buf);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut((*buf).as_mut());
+        let call = self.all_reduce_call(T::DTYPE, None, bytes, op);
+        self.issue(call, buf)
+    }
+
+    /// [`Communicator::broadcast`] without waiting; [`Work::wait`] hands `buf` back.
+    pub fn broadcast_async<T, B>(&self, buf: B, root: usize) -> Work<B>
+    where
+        T: Element,
+        B: AsMut<[T]> + Send + 'static,
+    {
+        let mut buf = Box::new(buf);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut((*buf).as_mut());
+        let call = self.broadcast_call(T::DTYPE, bytes, root);
+        self.issue(call, buf)
+    }
+
+    /// [`Communicator::all_gather`] without waiting; [`Work::wait`] hands back `(send, recv)`.
+    pub fn all_gather_async<T, S, R>(&self, send: S, recv: R) -> Work<(S, R)>
+    where
+        T: Element,
+        S: AsRef<[T]> + Send + 'static,
+        R: AsMut<[T]> + Send + 'static,
+    {
+        let mut bufs = Box::new((send, recv));
+        let (send, recv) = &mut *bufs;
+        let call = self.all_gather_call(
+            T::DTYPE,
+            Some(bytemuck::cast_slice(send.as_ref())),
+            bytemuck::cast_slice_mut(recv.as_mut()),
+        );
+        self.issue(call, bufs)
+    }
+
+    /// [`Communicator::reduce_scatter`] without waiting; [`Work::wait`] hands back
+    /// `(send, recv)`.
+    pub fn reduce_scatter_async<T, S, R>(&self, send: S, recv: R, op: ReduceOp) -> Work<(S, R)>
+    where
+        T: Element,
+        S: AsRef<[T]> + Send + 'static,
+        R: AsMut<[T]> + Send + 'static,
+    {
+        let mut bufs = Box::new((send, recv));
+        let (send, recv) = &mut *bufs;
+        let call = self.reduce_scatter_call(
+            T::DTYPE,
+            bytemuck::cast_slice(send.as_ref()),
+            bytemuck::cast_slice_mut(recv.as_mut()),
+            op,
+        );
+        self.issue(call, bufs)
+    }
+
+    /// [`Communicator::reduce_in_place`] without waiting: the root's `buf` comes back holding
+    /// the reduction, the others' unchanged.
+    pub fn reduce_async<T, B>(&self, buf: B, op: ReduceOp, root: usize) -> Work<B>
+    where
+        T: Element,
+        B: AsMut<[T]> + Send + 'static,
+    {
+        let mut buf = Box::new(buf);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut((*buf).as_mut());
+        let call = if self.rank() == root {
+            self.reduce_call(T::DTYPE, None, Some(bytes), op, root)
+        } else {
+            self.reduce_call(T::DTYPE, Some(bytes), None, op, root)
         };
-        self.call(c, |_| Ok(()))
+        self.issue(call, buf)
+    }
+
+    /// [`Communicator::barrier`] without waiting.
+    pub fn barrier_async(&self) -> Work {
+        self.issue(self.barrier_call(), Box::new(()))
     }
 }

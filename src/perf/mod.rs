@@ -12,6 +12,9 @@
 //! read once and every output byte written once: all-reduce 2·n·S) per second by the machine's
 //! copy bandwidth measured in the same run.
 
+mod overlap;
+pub use overlap::{overlap_one, OverlapRow};
+
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -382,6 +385,7 @@ pub fn check(comm: &mut Communicator, counts: &[usize]) -> Result<usize> {
         for &count in counts {
             for dtype in [DType::F32, DType::BF16, DType::I32, DType::U8, DType::F64] {
                 calls += crate::for_each_dtype!(dtype, T => { check_one::<T>(comm, algo, count)? });
+                calls += crate::for_each_dtype!(dtype, T => { check_in_flight::<T>(comm, algo, count)? });
             }
         }
     }
@@ -454,6 +458,91 @@ fn check_one<T: Element>(comm: &Communicator, algo: Algorithm, count: usize) -> 
         return Err(fail(format!("reduce_scatter min: wrong slice on rank {r}")));
     }
     Ok(calls + 2)
+}
+
+/// Every collective of `check_one` issued non-blocking before any is waited for, then waited
+/// in reverse issue order: the calls complete in issue order all the same, each correct.
+fn check_in_flight<T: Element>(
+    comm: &Communicator,
+    algo: Algorithm,
+    count: usize,
+) -> Result<usize> {
+    let (p, r) = (comm.world_size(), comm.rank());
+    let fail = |what: String| Error::System {
+        what: format!("check in flight {algo} {} n={count}", T::DTYPE),
+        message: what,
+    };
+    let data = |k: usize, n: usize| -> Vec<T> { (0..n).map(|i| pattern(k, i)).collect() };
+    let inputs: Vec<Vec<T>> = (0..p).map(|k| data(k, count)).collect();
+    let refs: Vec<&[T]> = inputs.iter().map(|v| v.as_slice()).collect();
+    let big: Vec<Vec<T>> = (0..p).map(|k| data(k + 1, count * p)).collect();
+    let big_refs: Vec<&[T]> = big.iter().map(|v| v.as_slice()).collect();
+    type Check = Box<dyn FnOnce() -> std::result::Result<(), String>>;
+    let mut pending: Vec<Check> = Vec::new();
+    for op in ReduceOp::ALL {
+        let work = comm.all_reduce_async(inputs[r].clone(), op);
+        let want = reference::reduce(&refs, op);
+        let tol = reference::tolerance(T::DTYPE, op, p, 2.0);
+        pending.push(Box::new(move || {
+            let got = work.wait().map_err(|e| e.to_string())?;
+            match reference::count_errors(&got, &want, tol) {
+                0 => Ok(()),
+                bad => Err(format!(
+                    "all_reduce {op}: {bad} of {count} elements wrong on rank {r}"
+                )),
+            }
+        }));
+    }
+    for root in 0..p {
+        let buf = if r == root {
+            inputs[root].clone()
+        } else {
+            vec![T::from_f64(0.0); count]
+        };
+        let work = comm.broadcast_async(buf, root);
+        let want = inputs[root].clone();
+        pending.push(Box::new(move || {
+            match work.wait().map_err(|e| e.to_string())? == want {
+                true => Ok(()),
+                false => Err(format!(
+                    "broadcast from root {root}: wrong values on rank {r}"
+                )),
+            }
+        }));
+        let work = comm.reduce_async(inputs[r].clone(), ReduceOp::Max, root);
+        let want = reference::reduce(&refs, ReduceOp::Max);
+        pending.push(Box::new(move || {
+            let got = work.wait().map_err(|e| e.to_string())?;
+            match r != root || got == want {
+                true => Ok(()),
+                false => Err(format!("reduce max onto root {root}: wrong values")),
+            }
+        }));
+    }
+    let work = comm.all_gather_async(inputs[r].clone(), vec![T::from_f64(0.0); count * p]);
+    let want = inputs.concat();
+    pending.push(Box::new(move || {
+        match work.wait().map_err(|e| e.to_string())?.1 == want {
+            true => Ok(()),
+            false => Err(format!("all_gather: wrong values on rank {r}")),
+        }
+    }));
+    let work =
+        comm.reduce_scatter_async(big[r].clone(), vec![T::from_f64(0.0); count], ReduceOp::Min);
+    let want = reference::reduce(&big_refs, ReduceOp::Min)[r * count..(r + 1) * count].to_vec();
+    pending.push(Box::new(move || {
+        match work.wait().map_err(|e| e.to_string())?.1 == want {
+            true => Ok(()),
+            false => Err(format!("reduce_scatter min: wrong slice on rank {r}")),
+        }
+    }));
+    let calls = pending.len();
+    // Wait newest first; the first failure (in issue order) is the one reported.
+    let results: Vec<_> = pending.into_iter().rev().map(|check| check()).collect();
+    match results.into_iter().rev().find_map(|r| r.err()) {
+        Some(e) => Err(fail(e)),
+        None => Ok(calls),
+    }
 }
 
 /// Buffers of one rank for one size.

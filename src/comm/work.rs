@@ -1,0 +1,350 @@
+//! Issue order, the progress thread and work handles.
+//!
+//! Every collective is issued: it gets the communicator's next call number and joins a queue that
+//! runs calls one at a time in that order, so calls complete in issue order on every rank. A
+//! blocking call is an issued call followed by a wait; when nothing is queued or running it runs
+//! at once on the caller's thread (the same order, without a thread switch). Non-blocking calls
+//! run on a progress thread, started by the first one and kept for the communicator's life.
+//!
+//! A [`Work`] is the handle of one issued call: [`Work::wait`], [`Work::wait_timeout`],
+//! [`Work::is_completed`]; the call's error is delivered there. Dropping a pending `Work` leaves
+//! the call running: it still completes in order, and the buffers it owns are freed after it.
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::{Error, Result, Site};
+use crate::transport::Transport;
+
+/// What a queued call owns until it completes (the buffers of a safe non-blocking call).
+pub(crate) type Keep = Box<dyn Any + Send>;
+
+/// A call ready to run: everything it needs, its buffers as raw parts (see `Call`).
+pub(crate) trait Runnable: Send {
+    /// Run the call as call number `number`.
+    fn run(&self, shared: &Shared, number: u64) -> Result<()>;
+    /// Where an error of this call is reported (collective and rank; the number is added).
+    fn site(&self, number: u64) -> Site;
+}
+
+struct Job {
+    number: u64,
+    call: Box<dyn Runnable>,
+    state: Arc<WorkState>,
+    keep: Keep,
+}
+
+#[derive(Default)]
+struct Queue {
+    /// The next call number to hand out.
+    next_call: u64,
+    /// Issued calls not yet started, in issue order.
+    jobs: VecDeque<Job>,
+    /// A call is running (on the progress thread or inline on a caller's thread).
+    running: bool,
+    /// The communicator is being dropped: the progress thread drains the queue and stops.
+    closed: bool,
+    /// The progress thread has been started.
+    thread: bool,
+}
+
+/// The state a communicator shares with its progress thread.
+pub(crate) struct Shared {
+    pub(crate) transport: Arc<dyn Transport>,
+    pub(crate) chunk_bytes: usize,
+    queue: Mutex<Queue>,
+    /// Rung when a job is queued, a call ends or the communicator closes.
+    cv: Condvar,
+}
+
+impl Shared {
+    pub(crate) fn new(transport: Arc<dyn Transport>, chunk_bytes: usize) -> Shared {
+        Shared {
+            transport,
+            chunk_bytes,
+            queue: Mutex::new(Queue::default()),
+            cv: Condvar::new(),
+        }
+    }
+}
+
+/// Clears `running` when an inline call ends, a panic included, and hands the queue on.
+struct Inline<'a>(&'a Shared);
+
+impl Drop for Inline<'_> {
+    fn drop(&mut self) {
+        let mut q = self.0.queue.lock();
+        q.running = false;
+        if !q.jobs.is_empty() {
+            self.0.cv.notify_all();
+        }
+    }
+}
+
+/// The progress thread of a communicator, joined when the communicator is dropped.
+pub(crate) struct Progress {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Progress {
+    pub(crate) fn new(shared: Arc<Shared>) -> Progress {
+        Progress {
+            shared,
+            thread: Mutex::new(None),
+        }
+    }
+
+    pub(crate) fn shared(&self) -> &Shared {
+        &self.shared
+    }
+
+    /// Run `call` now when nothing is queued or running, else queue it and wait for it.
+    pub(crate) fn run_blocking(&self, call: &(dyn Runnable + '_)) -> Result<()> {
+        let mut q = self.shared.queue.lock();
+        if q.jobs.is_empty() && !q.running {
+            let number = q.next_call;
+            q.next_call += 1;
+            q.running = true;
+            drop(q);
+            let _inline = Inline(&self.shared);
+            return call.run(&self.shared, number);
+        }
+        drop(q);
+        // SAFETY: the call's borrows outlive this function, and it waits until the call has
+        // completed (a wait without a deadline returns only then).
+        let call: Box<dyn Runnable + '_> = Box::new(Borrowed(call));
+        let call: Box<dyn Runnable> = unsafe { std::mem::transmute(call) };
+        let work: Work<()> = self.issue(call, Box::new(()));
+        work.wait().map(drop)
+    }
+
+    /// Queue `call` and return its handle; `keep` is held until the call completes.
+    pub(crate) fn issue<B: Send + 'static>(&self, call: Box<dyn Runnable>, keep: Keep) -> Work<B> {
+        let mut q = self.shared.queue.lock();
+        if !q.thread {
+            let shared = self.shared.clone();
+            let name = format!("tutti-progress-{}", self.shared.transport.rank());
+            match std::thread::Builder::new()
+                .name(name)
+                .spawn(move || progress(shared))
+            {
+                Ok(h) => {
+                    q.thread = true;
+                    *self.thread.lock() = Some(h);
+                }
+                Err(e) => {
+                    let site = call.site(q.next_call);
+                    drop(q);
+                    drop(call);
+                    let state = Arc::new(WorkState::new(site));
+                    state.complete(
+                        Err(Error::io("starting the communicator's progress thread", e)),
+                        Some(keep),
+                    );
+                    return Work::from_state(state);
+                }
+            }
+        }
+        let number = q.next_call;
+        q.next_call += 1;
+        let state = Arc::new(WorkState::new(call.site(number)));
+        q.jobs.push_back(Job {
+            number,
+            call,
+            state: state.clone(),
+            keep,
+        });
+        self.shared.cv.notify_all();
+        Work::from_state(state)
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.shared.queue.lock().closed = true;
+        self.shared.cv.notify_all();
+        // The thread drains the queue (every call is bounded by the timeout) and stops. A panic
+        // on it was already caught per call; a join error is nothing to report from a drop.
+        if let Some(h) = self.thread.get_mut().take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// A borrowed call, boxed for the queue by a caller that waits for it.
+struct Borrowed<'a>(&'a (dyn Runnable + 'a));
+
+impl Runnable for Borrowed<'_> {
+    fn run(&self, shared: &Shared, number: u64) -> Result<()> {
+        self.0.run(shared, number)
+    }
+    fn site(&self, number: u64) -> Site {
+        self.0.site(number)
+    }
+}
+
+// SAFETY: `Borrowed` only forwards to a `Runnable`, which is `Send`.
+unsafe impl Send for Borrowed<'_> {}
+
+fn progress(shared: Arc<Shared>) {
+    let mut q = shared.queue.lock();
+    loop {
+        if !q.running {
+            if let Some(job) = q.jobs.pop_front() {
+                q.running = true;
+                drop(q);
+                let Job {
+                    number,
+                    call,
+                    state,
+                    keep,
+                } = job;
+                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    call.run(&shared, number)
+                }))
+                .unwrap_or_else(|_| {
+                    Err(Error::Aborted {
+                        rank: shared.transport.rank(),
+                        reason: format!("a panic inside {}", call.site(number)),
+                    })
+                });
+                drop(call);
+                state.complete(result, Some(keep));
+                q = shared.queue.lock();
+                q.running = false;
+                shared.cv.notify_all();
+                continue;
+            }
+            if q.closed {
+                return;
+            }
+        }
+        shared.cv.wait(&mut q);
+    }
+}
+
+/// The shared state of one issued call.
+pub(crate) struct WorkState {
+    site: Site,
+    done: Mutex<Option<(Result<()>, Option<Keep>)>>,
+    cv: Condvar,
+}
+
+impl WorkState {
+    fn new(site: Site) -> WorkState {
+        WorkState {
+            site,
+            done: Mutex::new(None),
+            cv: Condvar::new(),
+        }
+    }
+
+    fn complete(&self, result: Result<()>, keep: Option<Keep>) {
+        *self.done.lock() = Some((result, keep));
+        self.cv.notify_all();
+    }
+}
+
+/// The handle of a non-blocking collective: wait for it, test it, and get its result (and the
+/// buffer it owned, for the safe typed calls) from it.
+///
+/// Calls complete in the order they were issued on their communicator. Errors of the call
+/// (`Mismatch`, `PeerRejected`, `Timeout`, `Aborted`, `PeerLost`, an `InvalidArgument` of this
+/// rank's own) are delivered by [`Work::wait`] and [`Work::wait_timeout`]. Dropping a pending
+/// handle does not cancel the call; abort the communicator for that.
+///
+/// ```
+/// use tutti::{run_local, Config, ReduceOp};
+/// let sums = run_local(2, &Config::default(), |comm| {
+///     let work = comm.all_reduce_async(vec![comm.rank() as f32 + 1.0; 4], ReduceOp::Sum);
+///     // ... compute something else meanwhile ...
+///     work.wait().unwrap()
+/// })
+/// .unwrap();
+/// assert_eq!(sums, vec![vec![3.0; 4], vec![3.0; 4]]);
+/// ```
+#[must_use = "a collective's error is only seen by waiting for it"]
+pub struct Work<B = ()> {
+    state: Arc<WorkState>,
+    _buffer: PhantomData<fn() -> B>,
+}
+
+impl<B> std::fmt::Debug for Work<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Work")
+            .field("site", &self.state.site)
+            .field("completed", &self.state.done.lock().is_some())
+            .finish()
+    }
+}
+
+impl<B: Send + 'static> Work<B> {
+    fn from_state(state: Arc<WorkState>) -> Work<B> {
+        Work {
+            state,
+            _buffer: PhantomData,
+        }
+    }
+
+    /// The call: its collective, this rank and its call number.
+    pub fn site(&self) -> Site {
+        self.state.site
+    }
+
+    /// True once the call has completed, successfully or not (never blocks).
+    pub fn is_completed(&self) -> bool {
+        self.state.done.lock().is_some()
+    }
+
+    /// Wait up to `timeout` for the call. `Ok` once it completed successfully; the call's
+    /// error once it failed; `Timeout` (waiting for no rank, phase `complete`) when it is still
+    /// running: the handle stays valid, and the call goes on and completes or fails later.
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now().checked_add(timeout);
+        let mut done = self.state.done.lock();
+        while done.is_none() {
+            match deadline {
+                Some(d) => {
+                    if self.state.cv.wait_until(&mut done, d).timed_out() && done.is_none() {
+                        return Err(Error::Timeout {
+                            site: self.state.site,
+                            waiting_for: Vec::new(),
+                            phase: "complete",
+                            timeout,
+                        });
+                    }
+                }
+                None => self.state.cv.wait(&mut done),
+            }
+        }
+        done.as_ref().map_or(Ok(()), |(r, _)| r.clone())
+    }
+
+    /// Wait until the call completes and return its result: the buffer the call owned (for
+    /// the safe typed calls), or its error. Every call is bounded by the communicator's timeout
+    /// once it starts, so this returns once the calls issued before it have.
+    pub fn wait(self) -> Result<B> {
+        let mut done = self.state.done.lock();
+        while done.is_none() {
+            self.state.cv.wait(&mut done);
+        }
+        let (result, keep) = done.take().expect("checked above");
+        drop(done);
+        result?;
+        let keep: Keep = keep.unwrap_or_else(|| Box::new(()));
+        match keep.downcast::<B>() {
+            Ok(b) => Ok(*b),
+            // A handle's type is fixed when it is issued; this is unreachable by construction.
+            Err(_) => Err(Error::System {
+                what: format!("{}", self.state.site),
+                message: "the work handle's buffer has another type".into(),
+            }),
+        }
+    }
+}
