@@ -395,6 +395,13 @@ typedef struct tutti_replicas tutti_replicas;
 typedef struct tutti_strategy tutti_strategy;
 
 /**
+ * The handle of one non-blocking collective (opaque). Written by the `tutti_*_async`
+ * functions; waited with `tutti_work_wait`, polled with `tutti_work_test`, released with
+ * `tutti_work_destroy`.
+ */
+typedef struct tutti_work tutti_work;
+
+/**
  * A PJRT client and its devices (opaque). Created by `tutti_xla_client_create`, released by
  * `tutti_xla_client_destroy`.
  */
@@ -685,8 +692,10 @@ tutti_result tutti_comm_is_aborted(const struct tutti_comm *comm, bool *aborted)
  * that overlap without being the same) fail with `TUTTI_ERROR_INVALID_ARGUMENT` and abort the
  * group so that its other ranks fail at once instead of waiting.
  *
- * Thread-safety: one collective at a time per communicator (a second one fails); the
- * communicators of a group are meant to be used from different threads at once.
+ * Thread-safety: calls on one communicator from several threads run one at a time in the
+ * order they were issued (every rank must issue the same calls in the same order); the
+ * communicators of a group are meant to be used from different threads at once. The
+ * non-blocking form is `tutti_all_reduce_async`.
  *
  * # Safety
  *
@@ -1117,6 +1126,136 @@ tutti_result tutti_strategy_reduce(struct tutti_strategy *strategy,
                                    tutti_op op,
                                    const void *const *per_replica,
                                    void *output);
+
+/**
+ * Wait for the call of `work` and return its result: `TUTTI_OK`, or the call's error
+ * (`TUTTI_ERROR_MISMATCH`, `TUTTI_ERROR_PEER_REJECTED`, `TUTTI_ERROR_TIMEOUT` naming the ranks
+ * awaited, `TUTTI_ERROR_ABORTED`, ...). `timeout_ms` bounds this wait: when the call is still
+ * running after it, `TUTTI_ERROR_TIMEOUT` is returned, the handle stays valid and the call goes
+ * on; 0 waits until the call completes (every call is bounded by the communicator's timeout
+ * once it starts). Waiting again after completion returns the same result.
+ *
+ * Thread-safety: callable from any thread; several threads may wait on one handle.
+ *
+ * # Safety
+ *
+ * `work` is NULL or a live handle.
+ */
+tutti_result tutti_work_wait(struct tutti_work *work, uint64_t timeout_ms);
+
+/**
+ * Write whether the call of `work` has completed (successfully or not) to `*done`, without
+ * blocking; `tutti_work_wait` then returns its result at once.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `work` is NULL or a live handle; `done` is NULL or writable.
+ */
+tutti_result tutti_work_test(const struct tutti_work *work, bool *done);
+
+/**
+ * Release a work handle; NULL is accepted and ignored. A call still running is waited for
+ * first, up to the communicator's timeout; if it has not completed by then, the communicator
+ * is aborted (every rank's calls fail with `TUTTI_ERROR_ABORTED`) and the call ends at once,
+ * so that the buffers are never touched after this returns.
+ *
+ * Thread-safety: no other thread may use `work` during or after this call.
+ *
+ * # Safety
+ *
+ * `work` is NULL or a live handle, not used again.
+ */
+void tutti_work_destroy(struct tutti_work *work);
+
+/**
+ * All-reduce without waiting: `tutti_all_reduce`'s arguments, then where to write the handle.
+ * The buffers must stay valid and untouched until the call completes (`tutti_work_wait`
+ * returned, or `tutti_work_test` said done). Calls complete in the order they were issued on
+ * every rank; many may be in flight. Errors of the call come from `tutti_work_wait`; this
+ * returns an error (and writes no handle) only for arguments this rank rejects, which abort
+ * the group as in `tutti_all_reduce`.
+ *
+ * # Safety
+ *
+ * As `tutti_all_reduce`, for as long as the call runs; `work` is NULL or writable.
+ */
+tutti_result tutti_all_reduce_async(struct tutti_comm *comm,
+                                    size_t count,
+                                    tutti_dtype dtype,
+                                    tutti_op op,
+                                    const void *input,
+                                    void *output,
+                                    struct tutti_work **work);
+
+/**
+ * Broadcast without waiting; see `tutti_broadcast` and `tutti_all_reduce_async`.
+ *
+ * # Safety
+ *
+ * As `tutti_broadcast`, for as long as the call runs; `work` is NULL or writable.
+ */
+tutti_result tutti_broadcast_async(struct tutti_comm *comm,
+                                   size_t count,
+                                   tutti_dtype dtype,
+                                   size_t root,
+                                   void *buffer,
+                                   struct tutti_work **work);
+
+/**
+ * All-gather without waiting; see `tutti_all_gather` and `tutti_all_reduce_async`.
+ *
+ * # Safety
+ *
+ * As `tutti_all_gather`, for as long as the call runs; `work` is NULL or writable.
+ */
+tutti_result tutti_all_gather_async(struct tutti_comm *comm,
+                                    size_t count,
+                                    tutti_dtype dtype,
+                                    const void *input,
+                                    void *output,
+                                    struct tutti_work **work);
+
+/**
+ * Reduce-scatter without waiting; see `tutti_reduce_scatter` and `tutti_all_reduce_async`.
+ *
+ * # Safety
+ *
+ * As `tutti_reduce_scatter`, for as long as the call runs; `work` is NULL or writable.
+ */
+tutti_result tutti_reduce_scatter_async(struct tutti_comm *comm,
+                                        size_t count,
+                                        tutti_dtype dtype,
+                                        tutti_op op,
+                                        const void *input,
+                                        void *output,
+                                        struct tutti_work **work);
+
+/**
+ * Reduce without waiting; see `tutti_reduce` and `tutti_all_reduce_async`.
+ *
+ * # Safety
+ *
+ * As `tutti_reduce`, for as long as the call runs; `work` is NULL or writable.
+ */
+tutti_result tutti_reduce_async(struct tutti_comm *comm,
+                                size_t count,
+                                tutti_dtype dtype,
+                                tutti_op op,
+                                size_t root,
+                                const void *input,
+                                void *output,
+                                struct tutti_work **work);
+
+/**
+ * Barrier without waiting: the handle completes once every rank has called it.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle; `work` is NULL or writable.
+ */
+tutti_result tutti_barrier_async(struct tutti_comm *comm, struct tutti_work **work);
 
 /**
  * Create a client for the PJRT plugin at `plugin_path` (NULL: discover one, as

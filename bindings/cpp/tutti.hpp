@@ -61,6 +61,9 @@ inline void check(tutti_result r) {
 struct comm_deleter {
     void operator()(tutti_comm *c) const noexcept { tutti_comm_destroy(c); }
 };
+struct work_deleter {
+    void operator()(tutti_work *w) const noexcept { tutti_work_destroy(w); }
+};
 struct replicas_deleter {
     void operator()(tutti_replicas *r) const noexcept { tutti_replicas_destroy(r); }
 };
@@ -146,6 +149,30 @@ public:
 
 private:
     tutti_config c_;
+};
+
+/// The handle of a non-blocking collective (`comm::all_reduce_async` and friends). Move-only;
+/// destroying a pending one waits for its call (bounded by the communicator's timeout). The
+/// buffers must outlive the call.
+class work {
+public:
+    explicit work(tutti_work *handle) noexcept : h_(handle) {}
+    /// Wait until the call completes; throws its error.
+    void wait() { detail::check(tutti_work_wait(h_.get(), 0)); }
+    /// Wait up to `bound`; throws `error` with `TUTTI_ERROR_TIMEOUT` when the call still runs.
+    void wait(std::chrono::milliseconds bound) {
+        std::uint64_t ms = bound.count() > 0 ? static_cast<std::uint64_t>(bound.count()) : 1;
+        detail::check(tutti_work_wait(h_.get(), ms));
+    }
+    /// True once the call has completed; never blocks.
+    bool test() const {
+        bool done = false;
+        detail::check(tutti_work_test(h_.get(), &done));
+        return done;
+    }
+
+private:
+    std::unique_ptr<tutti_work, detail::work_deleter> h_;
 };
 
 /// One rank's handle on a group. Move-only; released when it goes out of scope.
@@ -253,6 +280,44 @@ public:
                                    static_cast<tutti_op>(o), root, input, output));
     }
     void barrier() { detail::check(tutti_barrier(h_.get())); }
+
+    /// Non-blocking forms: the call is issued and runs in issue order; `work::wait` ends it.
+    template <typename T>
+    work all_reduce_async(const T *input, T *output, std::size_t count, op o) {
+        tutti_work *w = nullptr;
+        detail::check(tutti_all_reduce_async(h_.get(), count, dtype_of<T>::value,
+                                             static_cast<tutti_op>(o), input, output, &w));
+        return work(w);
+    }
+    template <typename T> work broadcast_async(T *buf, std::size_t count, std::size_t root) {
+        tutti_work *w = nullptr;
+        detail::check(tutti_broadcast_async(h_.get(), count, dtype_of<T>::value, root, buf, &w));
+        return work(w);
+    }
+    template <typename T> work all_gather_async(const T *input, T *output, std::size_t count) {
+        tutti_work *w = nullptr;
+        detail::check(tutti_all_gather_async(h_.get(), count, dtype_of<T>::value, input, output, &w));
+        return work(w);
+    }
+    template <typename T>
+    work reduce_scatter_async(const T *input, T *output, std::size_t count, op o) {
+        tutti_work *w = nullptr;
+        detail::check(tutti_reduce_scatter_async(h_.get(), count, dtype_of<T>::value,
+                                                 static_cast<tutti_op>(o), input, output, &w));
+        return work(w);
+    }
+    template <typename T>
+    work reduce_async(const T *input, T *output, std::size_t count, op o, std::size_t root) {
+        tutti_work *w = nullptr;
+        detail::check(tutti_reduce_async(h_.get(), count, dtype_of<T>::value,
+                                         static_cast<tutti_op>(o), root, input, output, &w));
+        return work(w);
+    }
+    work barrier_async() {
+        tutti_work *w = nullptr;
+        detail::check(tutti_barrier_async(h_.get(), &w));
+        return work(w);
+    }
 
     /// The C handle, still owned by this object.
     tutti_comm *get() const noexcept { return h_.get(); }

@@ -11,6 +11,7 @@ use crate::buffers::{self, byte_len, check, overlap, AlignedCopy};
 use crate::config::{self, tutti_config, Settings};
 use crate::error::{boundary, boundary_void, tutti_result, Failure};
 use crate::types::{self, tutti_algorithm, tutti_dtype, tutti_op};
+use crate::work::{Made, Mode};
 
 /// One rank's handle on a group of ranks (opaque). Created by `tutti_comm_create_group`,
 /// released by `tutti_comm_destroy`.
@@ -33,7 +34,7 @@ impl tutti_comm {
         }))
     }
 
-    fn read(&self) -> RwLockReadGuard<'_, Communicator> {
+    pub(crate) fn read(&self) -> RwLockReadGuard<'_, Communicator> {
         self.comm.read().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -428,8 +429,10 @@ pub unsafe extern "C" fn tutti_comm_is_aborted(
 /// that overlap without being the same) fail with `TUTTI_ERROR_INVALID_ARGUMENT` and abort the
 /// group so that its other ranks fail at once instead of waiting.
 ///
-/// Thread-safety: one collective at a time per communicator (a second one fails); the
-/// communicators of a group are meant to be used from different threads at once.
+/// Thread-safety: calls on one communicator from several threads run one at a time in the
+/// order they were issued (every rank must issue the same calls in the same order); the
+/// communicators of a group are meant to be used from different threads at once. The
+/// non-blocking form is `tutti_all_reduce_async`.
 ///
 /// # Safety
 ///
@@ -444,11 +447,42 @@ pub unsafe extern "C" fn tutti_all_reduce(
     input: *const c_void,
     output: *mut c_void,
 ) -> tutti_result {
-    const F: &str = "tutti_all_reduce";
-    boundary(F, || {
+    // SAFETY: as the caller promises.
+    unsafe {
+        all_reduce(
+            "tutti_all_reduce",
+            comm,
+            count,
+            dtype,
+            op,
+            input,
+            output,
+            Mode::Blocking,
+        )
+    }
+}
+
+/// The body of `tutti_all_reduce` and `tutti_all_reduce_async`.
+///
+/// # Safety
+///
+/// As `tutti_all_reduce`; with `Mode::Async`, the buffers stay valid until the work completes.
+#[allow(clippy::too_many_arguments)] // the C signature, plus the name and the mode
+pub(crate) unsafe fn all_reduce(
+    f: &'static str,
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    op: tutti_op,
+    input: *const c_void,
+    output: *mut c_void,
+    mode: Mode,
+) -> tutti_result {
+    boundary(f, || {
         // SAFETY: as the caller promises.
         let c = unsafe { comm_ref(comm) }?;
         let checked = (|| {
+            mode.check()?;
             let dtype = types::dtype(dtype)?;
             let op = types::op(op)?;
             let n = byte_len(count, 1, dtype)?;
@@ -464,13 +498,20 @@ pub unsafe extern "C" fn tutti_all_reduce(
             }
             Ok((dtype, op, n, in_place))
         })();
-        let (dtype, op, n, in_place) = checked.map_err(|m| c.reject(F, m))?;
+        let (dtype, op, n, in_place) = checked.map_err(|m| c.reject(f, m))?;
         // SAFETY: checked above; the caller promises the memory.
         let (input, output) = unsafe {
             let i = (!in_place).then(|| buffers::slice(input, n));
             (i, buffers::slice_mut(output, n))
         };
-        c.read().all_reduce_raw(dtype, input, output, op)?;
+        mode.run(c, None, |comm, issue| {
+            if issue {
+                // SAFETY: the caller keeps the buffers until the work completes.
+                Made::Issued(unsafe { comm.all_reduce_raw_async(dtype, input, output, op) })
+            } else {
+                Made::Done(comm.all_reduce_raw(dtype, input, output, op))
+            }
+        })?;
         Ok(())
     })
 }
@@ -493,20 +534,55 @@ pub unsafe extern "C" fn tutti_broadcast(
     root: usize,
     buffer: *mut c_void,
 ) -> tutti_result {
-    const F: &str = "tutti_broadcast";
-    boundary(F, || {
+    // SAFETY: as the caller promises.
+    unsafe {
+        broadcast(
+            "tutti_broadcast",
+            comm,
+            count,
+            dtype,
+            root,
+            buffer,
+            Mode::Blocking,
+        )
+    }
+}
+
+/// The body of `tutti_broadcast` and `tutti_broadcast_async`.
+///
+/// # Safety
+///
+/// As `tutti_broadcast`; with `Mode::Async`, the buffers stay valid until the work completes.
+pub(crate) unsafe fn broadcast(
+    f: &'static str,
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    root: usize,
+    buffer: *mut c_void,
+    mode: Mode,
+) -> tutti_result {
+    boundary(f, || {
         // SAFETY: as the caller promises.
         let c = unsafe { comm_ref(comm) }?;
         let checked = (|| {
+            mode.check()?;
             let dtype = types::dtype(dtype)?;
             let n = byte_len(count, 1, dtype)?;
             check(buffer, n, dtype, "buffer")?;
             Ok((dtype, n))
         })();
-        let (dtype, n) = checked.map_err(|m| c.reject(F, m))?;
+        let (dtype, n) = checked.map_err(|m| c.reject(f, m))?;
         // SAFETY: checked above; the caller promises the memory.
         let buf = unsafe { buffers::slice_mut(buffer, n) };
-        c.read().broadcast_raw(dtype, buf, root)?;
+        mode.run(c, None, |comm, issue| {
+            if issue {
+                // SAFETY: the caller keeps the buffer until the work completes.
+                Made::Issued(unsafe { comm.broadcast_raw_async(dtype, buf, root) })
+            } else {
+                Made::Done(comm.broadcast_raw(dtype, buf, root))
+            }
+        })?;
         Ok(())
     })
 }
@@ -532,12 +608,40 @@ pub unsafe extern "C" fn tutti_all_gather(
     input: *const c_void,
     output: *mut c_void,
 ) -> tutti_result {
-    const F: &str = "tutti_all_gather";
-    boundary(F, || {
+    // SAFETY: as the caller promises.
+    unsafe {
+        all_gather(
+            "tutti_all_gather",
+            comm,
+            count,
+            dtype,
+            input,
+            output,
+            Mode::Blocking,
+        )
+    }
+}
+
+/// The body of `tutti_all_gather` and `tutti_all_gather_async`.
+///
+/// # Safety
+///
+/// As `tutti_all_gather`; with `Mode::Async`, the buffers stay valid until the work completes.
+pub(crate) unsafe fn all_gather(
+    f: &'static str,
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    input: *const c_void,
+    output: *mut c_void,
+    mode: Mode,
+) -> tutti_result {
+    boundary(f, || {
         // SAFETY: as the caller promises.
         let c = unsafe { comm_ref(comm) }?;
         let world = c.world;
         let checked = (|| {
+            mode.check()?;
             let dtype = types::dtype(dtype)?;
             let n = byte_len(count, 1, dtype)?;
             let total = byte_len(count, world, dtype)?;
@@ -554,13 +658,20 @@ pub unsafe extern "C" fn tutti_all_gather(
             }
             Ok((dtype, n, total, in_place))
         })();
-        let (dtype, n, total, in_place) = checked.map_err(|m| c.reject(F, m))?;
+        let (dtype, n, total, in_place) = checked.map_err(|m| c.reject(f, m))?;
         // SAFETY: checked above; the caller promises the memory.
         let (input, output) = unsafe {
             let i = (!in_place).then(|| buffers::slice(input, n));
             (i, buffers::slice_mut(output, total))
         };
-        c.read().all_gather_raw(dtype, input, output)?;
+        mode.run(c, None, |comm, issue| {
+            if issue {
+                // SAFETY: the caller keeps the buffers until the work completes.
+                Made::Issued(unsafe { comm.all_gather_raw_async(dtype, input, output) })
+            } else {
+                Made::Done(comm.all_gather_raw(dtype, input, output))
+            }
+        })?;
         Ok(())
     })
 }
@@ -587,12 +698,43 @@ pub unsafe extern "C" fn tutti_reduce_scatter(
     input: *const c_void,
     output: *mut c_void,
 ) -> tutti_result {
-    const F: &str = "tutti_reduce_scatter";
-    boundary(F, || {
+    // SAFETY: as the caller promises.
+    unsafe {
+        reduce_scatter(
+            "tutti_reduce_scatter",
+            comm,
+            count,
+            dtype,
+            op,
+            input,
+            output,
+            Mode::Blocking,
+        )
+    }
+}
+
+/// The body of `tutti_reduce_scatter` and `tutti_reduce_scatter_async`.
+///
+/// # Safety
+///
+/// As `tutti_reduce_scatter`; with `Mode::Async`, the buffers stay valid until the work completes.
+#[allow(clippy::too_many_arguments)] // the C signature, plus the name and the mode
+pub(crate) unsafe fn reduce_scatter(
+    f: &'static str,
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    op: tutti_op,
+    input: *const c_void,
+    output: *mut c_void,
+    mode: Mode,
+) -> tutti_result {
+    boundary(f, || {
         // SAFETY: as the caller promises.
         let c = unsafe { comm_ref(comm) }?;
         let world = c.world;
         let checked = (|| {
+            mode.check()?;
             let dtype = types::dtype(dtype)?;
             let op = types::op(op)?;
             let n = byte_len(count, 1, dtype)?;
@@ -601,19 +743,28 @@ pub unsafe extern "C" fn tutti_reduce_scatter(
             check(output, n, dtype, "output")?;
             Ok((dtype, op, n, total))
         })();
-        let (dtype, op, n, total) = checked.map_err(|m| c.reject(F, m))?;
+        let (dtype, op, n, total) = checked.map_err(|m| c.reject(f, m))?;
         let copy = overlap(input, total, output, n).then(|| {
             // SAFETY: checked above; read before the output is borrowed.
             AlignedCopy::of(unsafe { buffers::slice(input, total) })
         });
-        // SAFETY: checked above; when they overlap, the input is read from the copy.
+        // SAFETY: checked above; when they overlap, the input is read from the copy, which
+        // lives as long as the call (in the work handle, for a non-blocking one).
         let output = unsafe { buffers::slice_mut(output, n) };
-        let input = match &copy {
-            Some(copy) => copy.bytes(),
+        let input: &[u8] = match &copy {
+            // SAFETY: the copy's heap bytes do not move when the copy is moved.
+            Some(copy) => unsafe { buffers::slice(copy.bytes().as_ptr().cast(), total) },
             // SAFETY: checked above, and disjoint from the output.
             None => unsafe { buffers::slice(input, total) },
         };
-        c.read().reduce_scatter_raw(dtype, input, output, op)?;
+        mode.run(c, copy, |comm, issue| {
+            if issue {
+                // SAFETY: the caller keeps the buffers until the work completes.
+                Made::Issued(unsafe { comm.reduce_scatter_raw_async(dtype, input, output, op) })
+            } else {
+                Made::Done(comm.reduce_scatter_raw(dtype, input, output, op))
+            }
+        })?;
         Ok(())
     })
 }
@@ -640,12 +791,45 @@ pub unsafe extern "C" fn tutti_reduce(
     input: *const c_void,
     output: *mut c_void,
 ) -> tutti_result {
-    const F: &str = "tutti_reduce";
-    boundary(F, || {
+    // SAFETY: as the caller promises.
+    unsafe {
+        reduce(
+            "tutti_reduce",
+            comm,
+            count,
+            dtype,
+            op,
+            root,
+            input,
+            output,
+            Mode::Blocking,
+        )
+    }
+}
+
+/// The body of `tutti_reduce` and `tutti_reduce_async`.
+///
+/// # Safety
+///
+/// As `tutti_reduce`; with `Mode::Async`, the buffers stay valid until the work completes.
+#[allow(clippy::too_many_arguments)] // the C signature, plus the name and the mode
+pub(crate) unsafe fn reduce(
+    f: &'static str,
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    op: tutti_op,
+    root: usize,
+    input: *const c_void,
+    output: *mut c_void,
+    mode: Mode,
+) -> tutti_result {
+    boundary(f, || {
         // SAFETY: as the caller promises.
         let c = unsafe { comm_ref(comm) }?;
         let is_root = c.rank == root;
         let checked = (|| {
+            mode.check()?;
             let dtype = types::dtype(dtype)?;
             let op = types::op(op)?;
             let n = byte_len(count, 1, dtype)?;
@@ -663,14 +847,21 @@ pub unsafe extern "C" fn tutti_reduce(
             }
             Ok((dtype, op, n, in_place))
         })();
-        let (dtype, op, n, in_place) = checked.map_err(|m| c.reject(F, m))?;
+        let (dtype, op, n, in_place) = checked.map_err(|m| c.reject(f, m))?;
         // SAFETY: checked above; the caller promises the memory.
         let (input, output) = unsafe {
             let i = (!in_place).then(|| buffers::slice(input, n));
             let o = is_root.then(|| buffers::slice_mut(output, n));
             (i, o)
         };
-        c.read().reduce_raw(dtype, input, output, op, root)?;
+        mode.run(c, None, |comm, issue| {
+            if issue {
+                // SAFETY: the caller keeps the buffers until the work completes.
+                Made::Issued(unsafe { comm.reduce_raw_async(dtype, input, output, op, root) })
+            } else {
+                Made::Done(comm.reduce_raw(dtype, input, output, op, root))
+            }
+        })?;
         Ok(())
     })
 }
@@ -684,10 +875,24 @@ pub unsafe extern "C" fn tutti_reduce(
 /// `comm` is NULL or a live handle.
 #[no_mangle]
 pub unsafe extern "C" fn tutti_barrier(comm: *mut tutti_comm) -> tutti_result {
-    boundary("tutti_barrier", || {
+    // SAFETY: as the caller promises.
+    unsafe { barrier("tutti_barrier", comm, Mode::Blocking) }
+}
+
+/// The body of `tutti_barrier` and `tutti_barrier_async`.
+///
+/// # Safety
+///
+/// As `tutti_barrier`; with `Mode::Async`, the buffers stay valid until the work completes.
+pub(crate) unsafe fn barrier(f: &'static str, comm: *mut tutti_comm, mode: Mode) -> tutti_result {
+    boundary(f, || {
         // SAFETY: as the caller promises.
         let c = unsafe { comm_ref(comm) }?;
-        c.read().barrier()?;
+        mode.check().map_err(|m| c.reject(f, m))?;
+        mode.run(c, None, |comm, issue| match issue {
+            true => Made::Issued(comm.barrier_async()),
+            false => Made::Done(comm.barrier()),
+        })?;
         Ok(())
     })
 }

@@ -17,6 +17,7 @@ mod error;
 mod replicas;
 mod strategy;
 mod types;
+mod work;
 mod xla;
 
 use std::ffi::c_char;

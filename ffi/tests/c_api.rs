@@ -37,6 +37,13 @@ fn c_error_paths() {
 }
 
 #[test]
+fn c_non_blocking_calls() {
+    let exe = compile(Lang::C, "async", &["ffi/tests/c/async.c"], &["ffi/tests/c"]);
+    let out = run(&exe, &[], LIMIT);
+    assert!(out.contains("async: ok"), "{out}");
+}
+
+#[test]
 fn c_replicas() {
     let exe = compile(
         Lang::C,

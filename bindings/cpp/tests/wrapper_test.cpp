@@ -82,6 +82,19 @@ static void collectives() {
         c.reduce(in.data(), r == 0 ? red.data() : nullptr, 8, tutti::op::sum, 0);
         EXPECT(r != 0 || red[7] == 4);
         c.barrier();
+
+        // Non-blocking: several calls in flight, waited in reverse order.
+        std::vector<std::vector<float>> bufs(4, std::vector<float>(100, static_cast<float>(r)));
+        std::vector<tutti::work> works;
+        for (auto &buf : bufs) {
+            works.push_back(c.all_reduce_async(buf.data(), buf.data(), buf.size(), tutti::op::sum));
+        }
+        works.push_back(c.barrier_async());
+        for (std::size_t k = works.size(); k-- > 0;) {
+            works[k].wait();
+            EXPECT(works[k].test());
+        }
+        EXPECT(bufs[3][99] == 6.0f);
     });
 
     // Errors become exceptions with the code and tutti_last_error's text.

@@ -188,6 +188,45 @@ def test_a_communicator_per_thread():
         c.close()
 
 
+def test_non_blocking_calls_return_work_handles():
+    comms = tutti.local_group(2, timeout=60)
+    results = {}
+
+    def rank(c):
+        # Every collective in flight at once, waited newest first.
+        works = [c.all_reduce(np.full(1000, k + c.rank, dtype=np.float32), async_op=True) for k in range(8)]
+        works.append(c.broadcast(np.full(3, c.rank, dtype=np.int32), root=1, async_op=True))
+        works.append(c.all_gather(np.array([c.rank, c.rank], dtype=np.int64), async_op=True))
+        works.append(c.reduce_scatter(np.arange(4, dtype=np.float64), async_op=True))
+        works.append(c.reduce(np.ones(2, dtype=np.int32), root=0, async_op=True))
+        works.append(c.barrier(async_op=True))
+        results[c.rank] = [w.wait() for w in reversed(works)][::-1]
+        assert all(w.is_completed() for w in works)
+
+    run_ranks(comms, rank)
+    for r in range(2):
+        got = results[r]
+        for k in range(8):
+            np.testing.assert_array_equal(got[k], np.full(1000, 2 * k + 1, dtype=np.float32))
+        assert list(got[8]) == [1, 1, 1] and list(got[9]) == [0, 0, 1, 1]
+        assert list(got[10]) == ([0.0, 2.0] if r == 0 else [4.0, 6.0])
+        assert (got[11] is not None) == (r == 0) and got[12] is None
+    np.testing.assert_array_equal(results[0][11], [2, 2])
+
+    # A bounded wait times out while the peer is away; the call completes afterwards.
+    a, b = comms
+    w = a.all_reduce(np.ones(4), async_op=True)
+    with pytest.raises(tutti.TuttiError) as e:
+        w.wait(timeout=0.02)
+    assert e.value.code == "TUTTI_ERROR_TIMEOUT" and not w.is_completed()
+    b.all_reduce(np.ones(4))
+    np.testing.assert_array_equal(w.wait(), [2.0] * 4)
+    with pytest.raises(ValueError):
+        w.wait(timeout=0)
+    for c in comms:
+        c.close()
+
+
 def test_abort_wakes_a_blocked_rank_and_timeouts_fire():
     a, b = tutti.local_group(2, timeout=120)
     caught = []

@@ -159,6 +159,15 @@ _PROTOTYPES = {
     "tutti_reduce_scatter": (_u32, [_ptr, _size, _u32, _u32, _ptr, _ptr]),
     "tutti_reduce": (_u32, [_ptr, _size, _u32, _u32, _size, _ptr, _ptr]),
     "tutti_barrier": (_u32, [_ptr]),
+    "tutti_all_reduce_async": (_u32, [_ptr, _size, _u32, _u32, _ptr, _ptr, _pp]),
+    "tutti_broadcast_async": (_u32, [_ptr, _size, _u32, _size, _ptr, _pp]),
+    "tutti_all_gather_async": (_u32, [_ptr, _size, _u32, _ptr, _ptr, _pp]),
+    "tutti_reduce_scatter_async": (_u32, [_ptr, _size, _u32, _u32, _ptr, _ptr, _pp]),
+    "tutti_reduce_async": (_u32, [_ptr, _size, _u32, _u32, _size, _ptr, _ptr, _pp]),
+    "tutti_barrier_async": (_u32, [_ptr, _pp]),
+    "tutti_work_wait": (_u32, [_ptr, ctypes.c_uint64]),
+    "tutti_work_test": (_u32, [_ptr, ctypes.POINTER(ctypes.c_bool)]),
+    "tutti_work_destroy": (None, [_ptr]),
     "tutti_replicas_create": (_u32, [_size, ctypes.POINTER(_Config), _pp]),
     "tutti_replicas_destroy": (None, [_ptr]),
     "tutti_replicas_abort": (_u32, [_ptr, ctypes.c_char_p]),
@@ -462,9 +471,53 @@ def reduce_scatter(arrays, op="sum", **config):
 # ----- one communicator per rank -----
 
 
+class Work:
+    """The handle of a collective made with ``async_op=True``: ``wait()`` returns what the
+    blocking call would have returned, or raises its error. Calls complete in the order they
+    were issued on their communicator; the arrays stay referenced until the call completes."""
+
+    def __init__(self, handle, result, keep):
+        self._h = handle
+        self._result = result
+        self._keep = keep
+
+    def wait(self, timeout=None):
+        """Wait for the call and return its result. ``timeout`` (seconds) bounds this wait: past
+        it a ``TuttiError`` with code ``TUTTI_ERROR_TIMEOUT`` is raised and the call goes on; None
+        waits until the call completes (every call is bounded by the communicator's timeout)."""
+        if timeout is None:
+            ms = 0
+        else:
+            if not timeout > 0:
+                raise ValueError(f"timeout {timeout!r}: must be a positive number of seconds")
+            ms = max(1, min(int(timeout * 1000), 2**64 - 1))
+        _check(_library().tutti_work_wait(self._handle(), ms))
+        return self._result
+
+    def is_completed(self):
+        """True once the call has completed (successfully or not); never blocks."""
+        done = ctypes.c_bool()
+        _check(_library().tutti_work_test(self._handle(), ctypes.byref(done)))
+        return done.value
+
+    def _handle(self):
+        if not self._h:
+            raise ValueError("this work handle is released")
+        return self._h
+
+    def __del__(self):
+        h, self._h = getattr(self, "_h", None), None
+        if h and _lib is not None:
+            # Waits for a call still running (bounded by the timeout) before the arrays go.
+            _lib.tutti_work_destroy(h)
+        self._keep = None
+
+
 class Communicator:
-    """One rank's handle on an in-process group, from ``local_group``; use it from one thread
-    at a time. ``abort()`` may be called from any thread."""
+    """One rank's handle on a group. Every collective takes ``async_op``: True returns a
+    ``Work`` at once (``work.wait()`` gives the result), as torch.distributed does. Calls from
+    several threads run in the order they were issued. ``abort()`` may be called from any
+    thread."""
 
     def __init__(self, handle):
         self._h = handle
@@ -491,68 +544,66 @@ class Communicator:
     def abort(self, reason=None):
         _check(_library().tutti_comm_abort(self._handle(), reason.encode() if reason else None))
 
-    def all_reduce(self, array, op="sum", out=None):
-        """In place, or into ``out``; returns the result."""
+    def _call(self, name, args, result, keep, async_op):
+        lib = _library()
+        if not async_op:
+            _check(getattr(lib, name)(self._handle(), *args))
+            return result
+        work = ctypes.c_void_p()
+        _check(getattr(lib, name + "_async")(self._handle(), *args, ctypes.byref(work)))
+        return Work(work, result, keep)
+
+    def all_reduce(self, array, op="sum", out=None, async_op=False):
+        """In place, or into ``out``; returns the result (a ``Work`` with ``async_op``)."""
         _array(array, "array", writable=out is None)
         target = array if out is None else _array(out, "out", writable=True)
         if target.dtype != array.dtype or target.size != array.size:
             raise ValueError("out must match the array's dtype and size")
-        _check(
-            _library().tutti_all_reduce(
-                self._handle(), array.size, _dtype(array), _op(op), array.ctypes.data, target.ctypes.data
-            )
-        )
-        return target
+        args = (array.size, _dtype(array), _op(op), array.ctypes.data, target.ctypes.data)
+        return self._call("tutti_all_reduce", args, target, (array, target), async_op)
 
-    def broadcast(self, array, root=0):
+    def broadcast(self, array, root=0, async_op=False):
         _array(array, "array", writable=True)
-        _check(_library().tutti_broadcast(self._handle(), array.size, _dtype(array), root, array.ctypes.data))
-        return array
+        root = _index(root, "root")
+        args = (array.size, _dtype(array), root, array.ctypes.data)
+        return self._call("tutti_broadcast", args, array, (array,), async_op)
 
-    def all_gather(self, array):
+    def all_gather(self, array, async_op=False):
         """A new array: every rank's array concatenated along the first axis."""
         _array(array, "array")
         shape = (self.world_size * array.shape[0],) + array.shape[1:] if array.ndim else (self.world_size,)
         out = np.empty(shape, dtype=array.dtype)
-        _check(
-            _library().tutti_all_gather(
-                self._handle(), array.size, _dtype(array), array.ctypes.data, out.ctypes.data
-            )
-        )
-        return out
+        args = (array.size, _dtype(array), array.ctypes.data, out.ctypes.data)
+        return self._call("tutti_all_gather", args, out, (array, out), async_op)
 
-    def reduce_scatter(self, array, op="sum"):
+    def reduce_scatter(self, array, op="sum", async_op=False):
         """This rank's slice of the element-wise op over every rank's (flattened) array."""
         _array(array, "array")
         if array.size % self.world_size:
             raise ValueError(f"{array.size} elements do not split into {self.world_size} equal slices")
         out = np.empty(array.size // self.world_size, dtype=array.dtype)
-        _check(
-            _library().tutti_reduce_scatter(
-                self._handle(), out.size, _dtype(array), _op(op), array.ctypes.data, out.ctypes.data
-            )
-        )
-        return out
+        args = (out.size, _dtype(array), _op(op), array.ctypes.data, out.ctypes.data)
+        return self._call("tutti_reduce_scatter", args, out, (array, out), async_op)
 
-    def reduce(self, array, op="sum", root=0):
+    def reduce(self, array, op="sum", root=0, async_op=False):
         """At the root, a new array with the reduction; None elsewhere."""
         _array(array, "array")
+        root = _index(root, "root")
         out = np.empty_like(array) if self.rank == root else None
-        _check(
-            _library().tutti_reduce(
-                self._handle(),
-                array.size,
-                _dtype(array),
-                _op(op),
-                root,
-                array.ctypes.data,
-                None if out is None else out.ctypes.data,
-            )
-        )
-        return out
+        args = (array.size, _dtype(array), _op(op), root, array.ctypes.data, None if out is None else out.ctypes.data)
+        return self._call("tutti_reduce", args, out, (array, out), async_op)
 
-    def barrier(self):
-        _check(_library().tutti_barrier(self._handle()))
+    def barrier(self, async_op=False):
+        return self._call("tutti_barrier", (), None, (), async_op)
+
+
+def _index(value, name):
+    """A non-negative integer that fits a size_t, or a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, not {type(value).__name__}")
+    if not 0 <= int(value) < 2**64:
+        raise ValueError(f"{name} {value} is out of range")
+    return int(value)
 
 
 def local_group(n, timeout=None, algorithm="auto", chunk_bytes=None):

@@ -1,0 +1,282 @@
+//! `tutti_work`: the handle of a non-blocking collective, and the `_async` form of every
+//! collective (the blocking call's arguments, then `tutti_work **work`).
+
+use std::ffi::c_void;
+use std::time::Duration;
+
+use tutti::{AbortHandle, Communicator, Work};
+
+use crate::buffers::AlignedCopy;
+use crate::comm::{self, tutti_comm};
+use crate::error::{boundary, boundary_void, tutti_result, Failure};
+use crate::types::{tutti_dtype, tutti_op};
+
+/// The handle of one non-blocking collective (opaque). Written by the `tutti_*_async`
+/// functions; waited with `tutti_work_wait`, polled with `tutti_work_test`, released with
+/// `tutti_work_destroy`.
+pub struct tutti_work {
+    work: Work,
+    /// Aborts the communicator when a destroyed handle's call does not end in time.
+    abort: AbortHandle,
+    rank: usize,
+    timeout: Duration,
+    /// The input of an in-place reduce-scatter, copied; read by the call until it completes.
+    _keep: Option<AlignedCopy>,
+}
+
+/// What a collective's body did: waited for the call, or issued it.
+pub(crate) enum Made {
+    Done(tutti::Result<()>),
+    Issued(Work),
+}
+
+/// How a collective is made: waited for, or issued with its handle written to `*work`.
+#[derive(Copy, Clone)]
+pub(crate) enum Mode {
+    Blocking,
+    Async(*mut *mut tutti_work),
+}
+
+impl Mode {
+    /// The handle's destination must exist before anything is issued.
+    pub(crate) fn check(self) -> Result<(), String> {
+        match self {
+            Mode::Async(p) if p.is_null() => {
+                Err("work is NULL; pass where to write the call's handle".into())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Make the call: `call(comm, issue)` waits for it (`issue` false) or starts it (`issue`
+    /// true), and the handle is written out holding `keep` until the call completes.
+    pub(crate) fn run(
+        self,
+        c: &tutti_comm,
+        keep: Option<AlignedCopy>,
+        call: impl FnOnce(&Communicator, bool) -> Made,
+    ) -> Result<(), Failure> {
+        let comm = c.read();
+        match (self, call(&comm, matches!(self, Mode::Async(_)))) {
+            (_, Made::Done(result)) => Ok(result?),
+            (Mode::Blocking, Made::Issued(work)) => Ok(work.wait_timeout(Duration::MAX)?),
+            (Mode::Async(out), Made::Issued(work)) => {
+                let handle = tutti_work {
+                    work,
+                    abort: comm.abort_handle(),
+                    rank: comm.rank(),
+                    timeout: comm.timeout(),
+                    _keep: keep,
+                };
+                // SAFETY: checked non-NULL by `check`; the caller promises it is writable.
+                unsafe { out.write(Box::into_raw(Box::new(handle))) };
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Wait for the call of `work` and return its result: `TUTTI_OK`, or the call's error
+/// (`TUTTI_ERROR_MISMATCH`, `TUTTI_ERROR_PEER_REJECTED`, `TUTTI_ERROR_TIMEOUT` naming the ranks
+/// awaited, `TUTTI_ERROR_ABORTED`, ...). `timeout_ms` bounds this wait: when the call is still
+/// running after it, `TUTTI_ERROR_TIMEOUT` is returned, the handle stays valid and the call goes
+/// on; 0 waits until the call completes (every call is bounded by the communicator's timeout
+/// once it starts). Waiting again after completion returns the same result.
+///
+/// Thread-safety: callable from any thread; several threads may wait on one handle.
+///
+/// # Safety
+///
+/// `work` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_work_wait(work: *mut tutti_work, timeout_ms: u64) -> tutti_result {
+    boundary("tutti_work_wait", || {
+        // SAFETY: as the caller promises.
+        let w = unsafe { work.as_ref() }.ok_or_else(|| Failure::invalid("work is NULL"))?;
+        let bound = match timeout_ms {
+            0 => Duration::MAX,
+            ms => Duration::from_millis(ms),
+        };
+        Ok(w.work.wait_timeout(bound)?)
+    })
+}
+
+/// Write whether the call of `work` has completed (successfully or not) to `*done`, without
+/// blocking; `tutti_work_wait` then returns its result at once.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `work` is NULL or a live handle; `done` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_work_test(work: *const tutti_work, done: *mut bool) -> tutti_result {
+    boundary("tutti_work_test", || {
+        // SAFETY: as the caller promises.
+        let w = unsafe { work.as_ref() }.ok_or_else(|| Failure::invalid("work is NULL"))?;
+        if done.is_null() {
+            return Err(Failure::invalid("done is NULL"));
+        }
+        let d = w.work.is_completed();
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { done.write(d) };
+        Ok(())
+    })
+}
+
+/// Release a work handle; NULL is accepted and ignored. A call still running is waited for
+/// first, up to the communicator's timeout; if it has not completed by then, the communicator
+/// is aborted (every rank's calls fail with `TUTTI_ERROR_ABORTED`) and the call ends at once,
+/// so that the buffers are never touched after this returns.
+///
+/// Thread-safety: no other thread may use `work` during or after this call.
+///
+/// # Safety
+///
+/// `work` is NULL or a live handle, not used again.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_work_destroy(work: *mut tutti_work) {
+    boundary_void("tutti_work_destroy", || {
+        if work.is_null() {
+            return;
+        }
+        // SAFETY: a live handle from Box::into_raw, released once.
+        let w = unsafe { Box::from_raw(work) };
+        if !w.work.is_completed()
+            && matches!(
+                w.work.wait_timeout(w.timeout),
+                Err(tutti::Error::Timeout { ref waiting_for, .. }) if waiting_for.is_empty()
+            )
+        {
+            w.abort.abort(&format!(
+                "tutti_work_destroy on rank {}: {} had not completed within the timeout ({:?})",
+                w.rank,
+                w.work.site(),
+                w.timeout
+            ));
+            let _ = w.work.wait_timeout(Duration::MAX);
+        }
+        drop(w);
+    })
+}
+
+/// All-reduce without waiting: `tutti_all_reduce`'s arguments, then where to write the handle.
+/// The buffers must stay valid and untouched until the call completes (`tutti_work_wait`
+/// returned, or `tutti_work_test` said done). Calls complete in the order they were issued on
+/// every rank; many may be in flight. Errors of the call come from `tutti_work_wait`; this
+/// returns an error (and writes no handle) only for arguments this rank rejects, which abort
+/// the group as in `tutti_all_reduce`.
+///
+/// # Safety
+///
+/// As `tutti_all_reduce`, for as long as the call runs; `work` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_all_reduce_async(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    op: tutti_op,
+    input: *const c_void,
+    output: *mut c_void,
+    work: *mut *mut tutti_work,
+) -> tutti_result {
+    let f = "tutti_all_reduce_async";
+    // SAFETY: as the caller promises.
+    unsafe { comm::all_reduce(f, comm, count, dtype, op, input, output, Mode::Async(work)) }
+}
+
+/// Broadcast without waiting; see `tutti_broadcast` and `tutti_all_reduce_async`.
+///
+/// # Safety
+///
+/// As `tutti_broadcast`, for as long as the call runs; `work` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_broadcast_async(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    root: usize,
+    buffer: *mut c_void,
+    work: *mut *mut tutti_work,
+) -> tutti_result {
+    let f = "tutti_broadcast_async";
+    // SAFETY: as the caller promises.
+    unsafe { comm::broadcast(f, comm, count, dtype, root, buffer, Mode::Async(work)) }
+}
+
+/// All-gather without waiting; see `tutti_all_gather` and `tutti_all_reduce_async`.
+///
+/// # Safety
+///
+/// As `tutti_all_gather`, for as long as the call runs; `work` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_all_gather_async(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    input: *const c_void,
+    output: *mut c_void,
+    work: *mut *mut tutti_work,
+) -> tutti_result {
+    let f = "tutti_all_gather_async";
+    // SAFETY: as the caller promises.
+    unsafe { comm::all_gather(f, comm, count, dtype, input, output, Mode::Async(work)) }
+}
+
+/// Reduce-scatter without waiting; see `tutti_reduce_scatter` and `tutti_all_reduce_async`.
+///
+/// # Safety
+///
+/// As `tutti_reduce_scatter`, for as long as the call runs; `work` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_reduce_scatter_async(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    op: tutti_op,
+    input: *const c_void,
+    output: *mut c_void,
+    work: *mut *mut tutti_work,
+) -> tutti_result {
+    let f = "tutti_reduce_scatter_async";
+    let mode = Mode::Async(work);
+    // SAFETY: as the caller promises.
+    unsafe { comm::reduce_scatter(f, comm, count, dtype, op, input, output, mode) }
+}
+
+/// Reduce without waiting; see `tutti_reduce` and `tutti_all_reduce_async`.
+///
+/// # Safety
+///
+/// As `tutti_reduce`, for as long as the call runs; `work` is NULL or writable.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn tutti_reduce_async(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    op: tutti_op,
+    root: usize,
+    input: *const c_void,
+    output: *mut c_void,
+    work: *mut *mut tutti_work,
+) -> tutti_result {
+    let f = "tutti_reduce_async";
+    let mode = Mode::Async(work);
+    // SAFETY: as the caller promises.
+    unsafe { comm::reduce(f, comm, count, dtype, op, root, input, output, mode) }
+}
+
+/// Barrier without waiting: the handle completes once every rank has called it.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `work` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_barrier_async(
+    comm: *mut tutti_comm,
+    work: *mut *mut tutti_work,
+) -> tutti_result {
+    // SAFETY: as the caller promises.
+    unsafe { comm::barrier("tutti_barrier_async", comm, Mode::Async(work)) }
+}
