@@ -540,6 +540,32 @@ tutti_result tutti_comm_create_group(size_t world_size,
                                      struct tutti_comm **comms);
 
 /**
+ * Create a group whose ranks are devices of this process, rank r on `devices[r]`, and write
+ * its communicators, rank 0 first, to `comms[0]` … `comms[n - 1]`, as
+ * `tutti_comm_create_group` does. Device specs: `"cpu:N"` (host memory, the host algorithms),
+ * `"xla:N"` (a build with XLA: PJRT programs over the devices of the plugin
+ * `TUTTI_PJRT_PLUGIN` names, with `TUTTI_PJRT_OPTIONS`; ranks `"xla:0"` … `"xla:n-1"` in order;
+ * buffers are host memory, staged to the devices), `"cuda:N"` (a build with CUDA: NCCL or the
+ * CUDA copy algorithms; buffers are CUDA device pointers on that GPU). Every collective and
+ * its `_async` form takes the rank's device memory; calls are checked and ordered alike on
+ * every device. All ranks must be on one kind of device. `config` may be NULL for every
+ * default. Errors: `TUTTI_ERROR_INVALID_ARGUMENT` naming the spec that is wrong,
+ * `TUTTI_ERROR_UNAVAILABLE` when this build or machine lacks the device kind.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `devices` points to `n` NUL-terminated strings (or is NULL with `n` 0); `config` is NULL or
+ * points to a `tutti_config` of `config->struct_size` bytes; `comms` points to room for `n`
+ * handles.
+ */
+tutti_result tutti_comm_create_devices(size_t n,
+                                       const char *const *devices,
+                                       const struct tutti_config *config,
+                                       struct tutti_comm **comms);
+
+/**
  * Join the multi-process job that this process's environment describes, as this process's
  * rank, and write the communicator to `*comm`: under `tutti launch`, torchrun, mpirun or srun,
  * or with `TF_CONFIG`, or `TUTTI_RANK`, `TUTTI_WORLD_SIZE` and `TUTTI_MASTER_ADDR` (`host:port`

@@ -27,6 +27,7 @@ pub mod cluster;
 pub mod comm;
 pub mod device;
 pub mod dtype;
+mod engine;
 pub mod error;
 #[cfg(feature = "cuda")]
 pub mod gpu;
@@ -41,7 +42,10 @@ pub mod xla;
 
 pub use algorithm::Algorithm;
 pub use cluster::ClusterSpec;
-pub use comm::{local_group, run_local, AbortHandle, Communicator, Config, Replicas, Work};
+pub use comm::{
+    device_group, local_group, run_local, AbortHandle, Communicator, Config, RawCall, Replicas,
+    Work, MAX_LOCAL_RANKS,
+};
 pub use device::{Device, DeviceKind};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Collective, Error, Result, Site};

@@ -5,13 +5,16 @@ use std::sync::{RwLock, RwLockReadGuard};
 
 use std::collections::HashMap;
 
-use tutti::{AbortHandle, ClusterSpec, Communicator, TransportKind};
+use tutti::{
+    AbortHandle, ClusterSpec, Collective, Communicator, DType, DeviceKind, RawCall, ReduceOp,
+    TransportKind,
+};
 
 use crate::buffers::{self, byte_len, check, overlap, AlignedCopy};
 use crate::config::{self, tutti_config, Settings};
 use crate::error::{boundary, boundary_void, tutti_result, Failure};
 use crate::types::{self, tutti_algorithm, tutti_dtype, tutti_op};
-use crate::work::{Made, Mode};
+use crate::work::Mode;
 
 /// One rank's handle on a group of ranks (opaque). Created by `tutti_comm_create_group`,
 /// released by `tutti_comm_destroy`.
@@ -22,6 +25,8 @@ pub struct tutti_comm {
     abort: AbortHandle,
     rank: usize,
     world: usize,
+    /// The kind of device the buffers live on.
+    device: DeviceKind,
 }
 
 impl tutti_comm {
@@ -30,6 +35,7 @@ impl tutti_comm {
             abort: comm.abort_handle(),
             rank: comm.rank(),
             world: comm.world_size(),
+            device: comm.device_kind(),
             comm: RwLock::new(comm),
         }))
     }
@@ -99,6 +105,72 @@ pub unsafe extern "C" fn tutti_comm_create_group(
         let handles: Vec<*mut tutti_comm> = group.into_iter().map(tutti_comm::into_raw).collect();
         if !handles.is_empty() {
             // SAFETY: the caller gave room for world_size handles, and checked non-NULL.
+            unsafe { std::ptr::copy_nonoverlapping(handles.as_ptr(), comms, handles.len()) };
+        }
+        Ok(())
+    })
+}
+
+/// Create a group whose ranks are devices of this process, rank r on `devices[r]`, and write
+/// its communicators, rank 0 first, to `comms[0]` … `comms[n - 1]`, as
+/// `tutti_comm_create_group` does. Device specs: `"cpu:N"` (host memory, the host algorithms),
+/// `"xla:N"` (a build with XLA: PJRT programs over the devices of the plugin
+/// `TUTTI_PJRT_PLUGIN` names, with `TUTTI_PJRT_OPTIONS`; ranks `"xla:0"` … `"xla:n-1"` in order;
+/// buffers are host memory, staged to the devices), `"cuda:N"` (a build with CUDA: NCCL or the
+/// CUDA copy algorithms; buffers are CUDA device pointers on that GPU). Every collective and
+/// its `_async` form takes the rank's device memory; calls are checked and ordered alike on
+/// every device. All ranks must be on one kind of device. `config` may be NULL for every
+/// default. Errors: `TUTTI_ERROR_INVALID_ARGUMENT` naming the spec that is wrong,
+/// `TUTTI_ERROR_UNAVAILABLE` when this build or machine lacks the device kind.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `devices` points to `n` NUL-terminated strings (or is NULL with `n` 0); `config` is NULL or
+/// points to a `tutti_config` of `config->struct_size` bytes; `comms` points to room for `n`
+/// handles.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_comm_create_devices(
+    n: usize,
+    devices: *const *const c_char,
+    config: *const tutti_config,
+    comms: *mut *mut tutti_comm,
+) -> tutti_result {
+    boundary("tutti_comm_create_devices", || {
+        // SAFETY: as the caller promises.
+        let settings = unsafe { config::read(config) }?;
+        config::in_process(&settings)?;
+        let mut specs = Vec::new();
+        if n > 0 {
+            out_ptr(comms, "comms")?;
+            if devices.is_null() {
+                return Err(Failure::invalid(format!("devices is NULL but n is {n}")));
+            }
+            // An upper bound on what a caller can mean, before anything is sized by n.
+            if n > tutti::MAX_LOCAL_RANKS {
+                return Err(Failure::invalid(format!(
+                    "n = {n} devices is more than one process can hold ({})",
+                    tutti::MAX_LOCAL_RANKS
+                )));
+            }
+            for r in 0..n {
+                // SAFETY: the caller promises n entries.
+                let p = unsafe { *devices.add(r) };
+                if p.is_null() {
+                    return Err(Failure::invalid(format!("devices[{r}] is NULL")));
+                }
+                // SAFETY: the caller promises a NUL-terminated string.
+                let spec = unsafe { CStr::from_ptr(p) }
+                    .to_str()
+                    .map_err(|_| Failure::invalid(format!("devices[{r}] is not UTF-8")))?;
+                specs.push(spec.to_string());
+            }
+        }
+        let group = tutti::device_group(&specs, &settings.core)?;
+        let handles: Vec<*mut tutti_comm> = group.into_iter().map(tutti_comm::into_raw).collect();
+        if !handles.is_empty() {
+            // SAFETY: the caller gave room for n handles, and checked non-NULL.
             unsafe { std::ptr::copy_nonoverlapping(handles.as_ptr(), comms, handles.len()) };
         }
         Ok(())
@@ -498,21 +570,18 @@ pub(crate) unsafe fn all_reduce(
             }
             Ok((dtype, op, n, in_place))
         })();
-        let (dtype, op, n, in_place) = checked.map_err(|m| c.reject(f, m))?;
-        // SAFETY: checked above; the caller promises the memory.
-        let (input, output) = unsafe {
-            let i = (!in_place).then(|| buffers::slice(input, n));
-            (i, buffers::slice_mut(output, n))
+        let (dtype, op, _, _) = checked.map_err(|m| c.reject(f, m))?;
+        let call = RawCall {
+            collective: Collective::AllReduce,
+            dtype,
+            count,
+            op,
+            root: 0,
+            input: input.cast(),
+            output: output.cast(),
         };
-        mode.run(c, None, |comm, issue| {
-            if issue {
-                // SAFETY: the caller keeps the buffers until the work completes.
-                Made::Issued(unsafe { comm.all_reduce_raw_async(dtype, input, output, op) })
-            } else {
-                Made::Done(comm.all_reduce_raw(dtype, input, output, op))
-            }
-        })?;
-        Ok(())
+        // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
+        unsafe { mode.run(c, call, None) }
     })
 }
 
@@ -572,18 +641,18 @@ pub(crate) unsafe fn broadcast(
             check(buffer, n, dtype, "buffer")?;
             Ok((dtype, n))
         })();
-        let (dtype, n) = checked.map_err(|m| c.reject(f, m))?;
-        // SAFETY: checked above; the caller promises the memory.
-        let buf = unsafe { buffers::slice_mut(buffer, n) };
-        mode.run(c, None, |comm, issue| {
-            if issue {
-                // SAFETY: the caller keeps the buffer until the work completes.
-                Made::Issued(unsafe { comm.broadcast_raw_async(dtype, buf, root) })
-            } else {
-                Made::Done(comm.broadcast_raw(dtype, buf, root))
-            }
-        })?;
-        Ok(())
+        let (dtype, _) = checked.map_err(|m| c.reject(f, m))?;
+        let call = RawCall {
+            collective: Collective::Broadcast,
+            dtype,
+            count,
+            op: ReduceOp::Sum,
+            root,
+            input: buffer.cast_const().cast(),
+            output: buffer.cast(),
+        };
+        // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
+        unsafe { mode.run(c, call, None) }
     })
 }
 
@@ -658,21 +727,18 @@ pub(crate) unsafe fn all_gather(
             }
             Ok((dtype, n, total, in_place))
         })();
-        let (dtype, n, total, in_place) = checked.map_err(|m| c.reject(f, m))?;
-        // SAFETY: checked above; the caller promises the memory.
-        let (input, output) = unsafe {
-            let i = (!in_place).then(|| buffers::slice(input, n));
-            (i, buffers::slice_mut(output, total))
+        let (dtype, _, _, _) = checked.map_err(|m| c.reject(f, m))?;
+        let call = RawCall {
+            collective: Collective::AllGather,
+            dtype,
+            count,
+            op: ReduceOp::Sum,
+            root: 0,
+            input: input.cast(),
+            output: output.cast(),
         };
-        mode.run(c, None, |comm, issue| {
-            if issue {
-                // SAFETY: the caller keeps the buffers until the work completes.
-                Made::Issued(unsafe { comm.all_gather_raw_async(dtype, input, output) })
-            } else {
-                Made::Done(comm.all_gather_raw(dtype, input, output))
-            }
-        })?;
-        Ok(())
+        // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
+        unsafe { mode.run(c, call, None) }
     })
 }
 
@@ -744,28 +810,33 @@ pub(crate) unsafe fn reduce_scatter(
             Ok((dtype, op, n, total))
         })();
         let (dtype, op, n, total) = checked.map_err(|m| c.reject(f, m))?;
-        let copy = overlap(input, total, output, n).then(|| {
-            // SAFETY: checked above; read before the output is borrowed.
-            AlignedCopy::of(unsafe { buffers::slice(input, total) })
-        });
-        // SAFETY: checked above; when they overlap, the input is read from the copy, which
-        // lives as long as the call (in the work handle, for a non-blocking one).
-        let output = unsafe { buffers::slice_mut(output, n) };
-        let input: &[u8] = match &copy {
-            // SAFETY: the copy's heap bytes do not move when the copy is moved.
-            Some(copy) => unsafe { buffers::slice(copy.bytes().as_ptr().cast(), total) },
-            // SAFETY: checked above, and disjoint from the output.
-            None => unsafe { buffers::slice(input, total) },
-        };
-        mode.run(c, copy, |comm, issue| {
-            if issue {
-                // SAFETY: the caller keeps the buffers until the work completes.
-                Made::Issued(unsafe { comm.reduce_scatter_raw_async(dtype, input, output, op) })
-            } else {
-                Made::Done(comm.reduce_scatter_raw(dtype, input, output, op))
+        // Output inside the input: the call reads a copy of the input, kept as long as the
+        // call runs (in the work handle, for a non-blocking one). Host memory only.
+        let copy = if overlap(input, total, output, n) {
+            if c.device != DeviceKind::Cpu && c.device != DeviceKind::Xla {
+                return Err(c.reject(
+                    f,
+                    "the output overlaps the input; on device memory pass separate buffers"
+                        .to_string(),
+                ));
             }
-        })?;
-        Ok(())
+            // SAFETY: checked above: host memory of `total` bytes.
+            Some(AlignedCopy::of(unsafe { buffers::slice(input, total) }))
+        } else {
+            None
+        };
+        let call = RawCall {
+            collective: Collective::ReduceScatter,
+            dtype,
+            count,
+            op,
+            root: 0,
+            input: copy.as_ref().map_or(input.cast(), |c| c.bytes().as_ptr()),
+            output: output.cast(),
+        };
+        // SAFETY: checked above; the caller promises the memory, for as long as the call
+        // runs; the copy's heap bytes do not move when it moves into the work handle.
+        unsafe { mode.run(c, call, copy) }
     })
 }
 
@@ -847,22 +918,18 @@ pub(crate) unsafe fn reduce(
             }
             Ok((dtype, op, n, in_place))
         })();
-        let (dtype, op, n, in_place) = checked.map_err(|m| c.reject(f, m))?;
-        // SAFETY: checked above; the caller promises the memory.
-        let (input, output) = unsafe {
-            let i = (!in_place).then(|| buffers::slice(input, n));
-            let o = is_root.then(|| buffers::slice_mut(output, n));
-            (i, o)
+        let (dtype, op, _, _) = checked.map_err(|m| c.reject(f, m))?;
+        let call = RawCall {
+            collective: Collective::Reduce,
+            dtype,
+            count,
+            op,
+            root,
+            input: input.cast(),
+            output: output.cast(),
         };
-        mode.run(c, None, |comm, issue| {
-            if issue {
-                // SAFETY: the caller keeps the buffers until the work completes.
-                Made::Issued(unsafe { comm.reduce_raw_async(dtype, input, output, op, root) })
-            } else {
-                Made::Done(comm.reduce_raw(dtype, input, output, op, root))
-            }
-        })?;
-        Ok(())
+        // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
+        unsafe { mode.run(c, call, None) }
     })
 }
 
@@ -889,10 +956,17 @@ pub(crate) unsafe fn barrier(f: &'static str, comm: *mut tutti_comm, mode: Mode)
         // SAFETY: as the caller promises.
         let c = unsafe { comm_ref(comm) }?;
         mode.check().map_err(|m| c.reject(f, m))?;
-        mode.run(c, None, |comm, issue| match issue {
-            true => Made::Issued(comm.barrier_async()),
-            false => Made::Done(comm.barrier()),
-        })?;
+        let call = RawCall {
+            collective: Collective::Barrier,
+            dtype: DType::U8,
+            count: 0,
+            op: ReduceOp::Sum,
+            root: 0,
+            input: std::ptr::null(),
+            output: std::ptr::null_mut(),
+        };
+        // SAFETY: no memory.
+        unsafe { mode.run(c, call, None) }?;
         Ok(())
     })
 }

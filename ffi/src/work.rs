@@ -4,7 +4,7 @@
 use std::ffi::c_void;
 use std::time::Duration;
 
-use tutti::{AbortHandle, Communicator, Work};
+use tutti::{AbortHandle, RawCall, Work};
 
 use crate::buffers::AlignedCopy;
 use crate::comm::{self, tutti_comm};
@@ -22,12 +22,6 @@ pub struct tutti_work {
     timeout: Duration,
     /// The input of an in-place reduce-scatter, copied; read by the call until it completes.
     _keep: Option<AlignedCopy>,
-}
-
-/// What a collective's body did: waited for the call, or issued it.
-pub(crate) enum Made {
-    Done(tutti::Result<()>),
-    Issued(Work),
 }
 
 /// How a collective is made: waited for, or issued with its handle written to `*work`.
@@ -48,21 +42,26 @@ impl Mode {
         }
     }
 
-    /// Make the call: `call(comm, issue)` waits for it (`issue` false) or starts it (`issue`
-    /// true), and the handle is written out holding `keep` until the call completes.
-    pub(crate) fn run(
+    /// Make the call: wait for it, or issue it and write its handle out, holding `keep` until
+    /// the call completes.
+    ///
+    /// # Safety
+    ///
+    /// The memory `call` names is valid until the call completes.
+    pub(crate) unsafe fn run(
         self,
         c: &tutti_comm,
+        call: RawCall,
         keep: Option<AlignedCopy>,
-        call: impl FnOnce(&Communicator, bool) -> Made,
     ) -> Result<(), Failure> {
         let comm = c.read();
-        match (self, call(&comm, matches!(self, Mode::Async(_)))) {
-            (_, Made::Done(result)) => Ok(result?),
-            (Mode::Blocking, Made::Issued(work)) => Ok(work.wait_timeout(Duration::MAX)?),
-            (Mode::Async(out), Made::Issued(work)) => {
+        match self {
+            // SAFETY: as the caller promises.
+            Mode::Blocking => Ok(unsafe { comm.run_raw(&call) }?),
+            Mode::Async(out) => {
                 let handle = tutti_work {
-                    work,
+                    // SAFETY: as the caller promises.
+                    work: unsafe { comm.issue_raw(&call) },
                     abort: comm.abort_handle(),
                     rank: comm.rank(),
                     timeout: comm.timeout(),

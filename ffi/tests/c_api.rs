@@ -43,6 +43,37 @@ fn c_non_blocking_calls() {
     assert!(out.contains("async: ok"), "{out}");
 }
 
+/// `tutti_comm_create_devices` over CPU devices, and over 4 XLA devices of the CPU plugin in a
+/// build with `xla` and `TUTTI_PJRT_PLUGIN` set (else the clean "unavailable" path).
+#[test]
+fn c_device_groups() {
+    let exe = compile(
+        Lang::C,
+        "devices",
+        &["ffi/tests/c/devices.c"],
+        &["ffi/tests/c"],
+    );
+    let out = run(
+        &exe,
+        &[("DEVICE_KIND", "cpu"), ("DEVICE_COUNT", "3")],
+        LIMIT,
+    );
+    assert!(out.contains("devices cpu x3: ok"), "{out}");
+    let out = run(
+        &exe,
+        &[("DEVICE_KIND", "xla"), ("DEVICE_COUNT", "4")],
+        LIMIT,
+    );
+    if cfg!(feature = "xla") && std::env::var_os("TUTTI_PJRT_PLUGIN").is_some() {
+        assert!(out.contains("devices xla x4: ok"), "{out}");
+    } else {
+        assert!(
+            out.contains("devices xla x4: ok") || out.contains("devices: unavailable"),
+            "{out}"
+        );
+    }
+}
+
 #[test]
 fn c_replicas() {
     let exe = compile(

@@ -1,19 +1,158 @@
-//! Groups of ranks that are threads of one process.
+//! Groups of ranks that are threads of one process: on logical CPUs (`local_group`), or on
+//! devices of this process (`device_group`: `cpu:N`, `xla:N`, `cuda:N`).
 
 use std::sync::Arc;
 
 use super::{Communicator, Config};
+use crate::device::{parse_spec, DeviceKind};
+use crate::engine::GroupEngine;
 use crate::error::{Error, Result};
 use crate::transport::local::LocalTransport;
+
+/// The most ranks an in-process group may have: each is a thread, and the group's mailboxes
+/// grow with the square of its size (1024 ranks take 128 MiB).
+pub const MAX_LOCAL_RANKS: usize = 1024;
+
+fn check_local(world: usize) -> Result<()> {
+    if world > MAX_LOCAL_RANKS {
+        return Err(Error::config(format!(
+            "{world} ranks in one process is more than an in-process group may have \
+             ({MAX_LOCAL_RANKS}); use one process per rank (tutti launch) for larger jobs"
+        )));
+    }
+    Ok(())
+}
 
 /// The communicators of a new in-process group of `world` ranks, one per thread that will use
 /// it (rank r is element r).
 pub fn local_group(world: usize, config: &Config) -> Result<Vec<Communicator>> {
     config.check(world)?;
+    check_local(world)?;
     Ok(LocalTransport::group(world, config.timeout)
         .into_iter()
         .map(|t| Communicator::new(Arc::new(t), config))
         .collect())
+}
+
+/// The communicators of a group whose ranks are devices of this process, rank r on
+/// `devices[r]` (`"cpu:0"`, `"xla:2"`, `"cuda:1"`; `"gpu:N"` and TensorFlow's
+/// `/device:GPU:N` too), one per thread that will use it, as `ncclCommInitAll` makes them.
+/// Every rank is checked and ordered by one communicator whatever the device; what runs a
+/// call differs:
+///
+/// - `cpu:N`: the host algorithms, as [`local_group`];
+/// - `xla:N` (feature `xla`): one PJRT program over the devices of the client that
+///   `TUTTI_PJRT_PLUGIN` / `TUTTI_PJRT_OPTIONS` give (the CPU plugin gets as many devices as
+///   asked for); buffers are host memory, staged to the devices. The ranks must be `xla:0` …
+///   `xla:N-1` in order;
+/// - `cuda:N` (feature `cuda`): NCCL or the CUDA copy algorithms (`Config::algorithm`: `auto`,
+///   `hierarchical-copy[:G]`, `reduce-to-one[:ROOT]`) over device memory, passed by address
+///   ([`Communicator::run_raw`]).
+///
+/// All ranks must be of one kind; a device listed twice, an unknown kind, or a kind this build
+/// or machine lacks is an error that says which.
+///
+/// ```
+/// let comms = tutti::device_group(&["cpu:0", "cpu:1"], &tutti::Config::default()).unwrap();
+/// assert_eq!(comms[1].device_spec(), "cpu:1");
+/// ```
+pub fn device_group<S: AsRef<str>>(devices: &[S], config: &Config) -> Result<Vec<Communicator>> {
+    config.check(devices.len())?;
+    check_local(devices.len())?;
+    let specs: Vec<(DeviceKind, usize)> = devices
+        .iter()
+        .map(|d| parse_spec(d.as_ref()))
+        .collect::<Result<_>>()?;
+    let kind = specs[0].0;
+    for (r, (k, i)) in specs.iter().enumerate() {
+        if *k != kind {
+            return Err(Error::config(format!(
+                "device {r} ('{}') is {k} but device 0 ('{}') is {kind}; the ranks of a group \
+                 are all on one kind of device",
+                devices[r].as_ref(),
+                devices[0].as_ref()
+            )));
+        }
+        if let Some(q) = specs[..r].iter().position(|s| s == &(*k, *i)) {
+            return Err(Error::config(format!(
+                "device {r} ('{}') is listed twice (also device {q}); give each rank its own \
+                 device",
+                devices[r].as_ref()
+            )));
+        }
+    }
+    let indices: Vec<usize> = specs.iter().map(|s| s.1).collect();
+    let engine: Option<Arc<dyn GroupEngine>> = match kind {
+        DeviceKind::Cpu => None,
+        DeviceKind::Xla => Some(xla_engine(&indices, config)?),
+        DeviceKind::Gpu => Some(cuda_engine(&indices, config)?),
+    };
+    Ok(LocalTransport::group(specs.len(), config.timeout)
+        .into_iter()
+        .zip(specs)
+        .map(|(t, device)| Communicator::with_engine(Arc::new(t), config, engine.clone(), device))
+        .collect())
+}
+
+#[cfg(feature = "xla")]
+fn xla_engine(indices: &[usize], config: &Config) -> Result<Arc<dyn GroupEngine>> {
+    use crate::xla::{Client, ClientOptions, OptionValue, PluginKind};
+    if let Some(r) = (0..indices.len()).find(|&r| indices[r] != r) {
+        return Err(Error::config(format!(
+            "rank {r} is on xla:{}; the ranks of an XLA group are the client's first devices in \
+             order: xla:0 … xla:{}",
+            indices[r],
+            indices.len() - 1
+        )));
+    }
+    let n = indices.len();
+    let base = ClientOptions::from_env()?.with_timeout(config.timeout);
+    let client = Client::discover_with(&|plugin| {
+        if plugin.kind() == PluginKind::Cpu && base.get("cpu_device_count").is_none() {
+            base.clone()
+                .with("cpu_device_count", OptionValue::Int(n as i64))
+        } else {
+            base.clone()
+        }
+    })?;
+    let have = client.devices().len();
+    if have < n {
+        return Err(Error::config(format!(
+            "{n} XLA ranks asked for, but the {} client has {have} device(s)",
+            client.platform_name()
+        )));
+    }
+    Ok(Arc::new(crate::engine::pjrt::Pjrt { client }))
+}
+
+#[cfg(not(feature = "xla"))]
+fn xla_engine(_: &[usize], _: &Config) -> Result<Arc<dyn GroupEngine>> {
+    Err(Error::Unavailable {
+        what: "XLA".into(),
+        why: "this build of tutti has no PJRT support (build with --features xla)".into(),
+    })
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_engine(indices: &[usize], config: &Config) -> Result<Arc<dyn GroupEngine>> {
+    use crate::gpu::{GpuAlgorithm, GpuDevice, GpuGroup, VirtualGpuConfig};
+    let gpus = crate::gpu::visible_devices(Some(indices))?;
+    let devices: Vec<GpuDevice> = VirtualGpuConfig::new()
+        .plan(&gpus)?
+        .iter()
+        .map(GpuDevice::open)
+        .collect::<Result<_>>()?;
+    let algorithm = GpuAlgorithm::from_core(config.algorithm)?;
+    let group = GpuGroup::new(&devices, algorithm, config)?;
+    Ok(Arc::new(crate::engine::cuda::Cuda { group }))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_engine(_: &[usize], _: &Config) -> Result<Arc<dyn GroupEngine>> {
+    Err(Error::Unavailable {
+        what: "CUDA".into(),
+        why: "this build of tutti has no CUDA support (build with --features cuda)".into(),
+    })
 }
 
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {

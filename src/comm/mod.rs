@@ -15,7 +15,7 @@ mod group;
 mod replicas;
 mod work;
 
-pub use group::{local_group, run_local};
+pub use group::{device_group, local_group, run_local, MAX_LOCAL_RANKS};
 pub use replicas::Replicas;
 pub use work::Work;
 
@@ -26,7 +26,9 @@ use std::time::Duration;
 
 use crate::algorithm::{self, Algorithm, Ctx};
 use crate::cluster::ClusterSpec;
+use crate::device::DeviceKind;
 use crate::dtype::{DType, Element, ReduceOp};
+use crate::engine::{GroupCall, GroupEngine};
 use crate::error::{Collective, Error, Result, Site};
 use crate::transport::{CallBuffers, CallHeader, NetTransport, Transport, TransportKind};
 
@@ -114,6 +116,8 @@ impl AbortHandle {
 pub struct Communicator {
     progress: Progress,
     algorithm: Algorithm,
+    /// The device this rank's buffers live on.
+    device: (DeviceKind, usize),
 }
 
 /// Leaves the call on every exit, a panic included, so that peers never read freed memory.
@@ -172,6 +176,76 @@ unsafe fn raw_mut<'a>(ptr: *mut u8, len: usize) -> &'a mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(ptr, len) }
 }
 
+/// A collective described by addresses, for memory that Rust cannot borrow: a device's
+/// (`cuda:N` ranks), or a C caller's. Counts are per rank, as in the C API.
+#[derive(Copy, Clone, Debug)]
+pub struct RawCall {
+    /// Which collective.
+    pub collective: Collective,
+    /// Element type.
+    pub dtype: DType,
+    /// Elements per rank: all-gather of the input (the output holds world × count),
+    /// reduce-scatter of the output (the input holds world × count), the others of each buffer.
+    pub count: usize,
+    /// The reduce op (reducing collectives; ignored by the others).
+    pub op: ReduceOp,
+    /// The root (broadcast and reduce; ignored by the others).
+    pub root: usize,
+    /// The input. In place: equal to `output` (all-gather: `output` + rank × count elements);
+    /// ignored by broadcast and barrier.
+    pub input: *const u8,
+    /// The output (broadcast: the buffer; reduce: used at the root only).
+    pub output: *mut u8,
+}
+
+/// A buffer by address and length in bytes: a borrowed slice's parts, or memory Rust cannot
+/// borrow (a device's, a C caller's). Its methods mirror a slice's.
+#[derive(Copy, Clone)]
+struct Bytes {
+    ptr: *const u8,
+    len: usize,
+}
+
+impl Bytes {
+    fn of(s: &[u8]) -> Bytes {
+        Bytes {
+            ptr: s.as_ptr(),
+            len: s.len(),
+        }
+    }
+    fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// A writable [`Bytes`].
+#[derive(Copy, Clone)]
+struct BytesMut {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl BytesMut {
+    fn of(s: &mut [u8]) -> BytesMut {
+        BytesMut {
+            ptr: s.as_mut_ptr(),
+            len: s.len(),
+        }
+    }
+    fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+    fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
 impl Call {
     /// The algorithm's part of the call, over the buffers the issuer published.
     fn body(&self, ctx: &Ctx<'_>) -> Result<()> {
@@ -215,6 +289,32 @@ impl Call {
                 Collective::Barrier => Ok(()),
             }
         }
+    }
+}
+
+impl Call {
+    /// A group engine's part: rank 0 runs the call once over every rank's published buffers;
+    /// the others wait until it has (the transport bounds the wait and carries aborts).
+    fn group_body(&self, ctx: &Ctx<'_>, engine: &dyn GroupEngine) -> Result<()> {
+        let pm = ctx.peer_memory("a device group")?;
+        // Above every progress value of earlier calls (the `direct` algorithm's included).
+        let done = (ctx.site.call << 32) | 1;
+        if ctx.rank() != 0 {
+            return pm.wait_progress(ctx.site, 0, done, "run the call on the group's devices");
+        }
+        let bufs: Vec<CallBuffers> = (0..ctx.world())
+            .map(|k| if k == 0 { self.buffers } else { pm.buffers(k) })
+            .collect();
+        let call = GroupCall {
+            collective: self.collective,
+            dtype: self.dtype,
+            count: self.count,
+            op: self.op.unwrap_or(ReduceOp::Sum),
+            root: self.root.unwrap_or(0),
+        };
+        engine.run(ctx.site, &call, &bufs)?;
+        pm.set_progress(done);
+        Ok(())
     }
 }
 
@@ -264,7 +364,10 @@ impl Runnable for Call {
                     op: self.op.unwrap_or(ReduceOp::Sum),
                     chunk_bytes: shared.chunk_bytes,
                 };
-                self.body(&ctx)
+                match &shared.engine {
+                    None => self.body(&ctx),
+                    Some(engine) => self.group_body(&ctx, &**engine),
+                }
             }
         };
         guard.failed = result.as_ref().err().cloned();
@@ -282,8 +385,16 @@ fn elems(dtype: DType, name: &str, len: usize) -> std::result::Result<usize, Str
     Ok(len / dtype.size())
 }
 
-/// Every buffer must be aligned for its element type (the kernels read typed slices).
-fn aligned(dtype: DType, bufs: &[(&str, *const u8)]) -> std::result::Result<(), String> {
+/// Every buffer of a call of `count` elements (per rank) must be aligned for its element type
+/// (the kernels read typed slices); with no elements, any address will do.
+fn aligned(
+    dtype: DType,
+    count: usize,
+    bufs: &[(&str, *const u8)],
+) -> std::result::Result<(), String> {
+    if count == 0 {
+        return Ok(());
+    }
     match bufs.iter().find(|(_, p)| (*p as usize) % dtype.size() != 0) {
         Some((name, p)) => Err(format!(
             "{name} at {p:?} is not aligned to {} bytes for {dtype} elements",
@@ -304,11 +415,33 @@ fn check_root(root: usize, world: usize) -> std::result::Result<(), String> {
 
 impl Communicator {
     pub(crate) fn new(transport: Arc<dyn Transport>, config: &Config) -> Communicator {
-        let shared = Arc::new(Shared::new(transport, config.chunk_bytes));
+        let rank = transport.rank();
+        Communicator::with_engine(transport, config, None, (DeviceKind::Cpu, rank))
+    }
+
+    fn with_engine(
+        transport: Arc<dyn Transport>,
+        config: &Config,
+        engine: Option<Arc<dyn GroupEngine>>,
+        device: (DeviceKind, usize),
+    ) -> Communicator {
+        let shared = Arc::new(Shared::new(transport, config.chunk_bytes, engine));
         Communicator {
             progress: Progress::new(shared),
             algorithm: config.algorithm,
+            device,
         }
+    }
+
+    /// The kind of device this rank's buffers live on: `cpu` for host groups (threads,
+    /// processes), `xla` and `gpu` for groups made by [`device_group`].
+    pub fn device_kind(&self) -> DeviceKind {
+        self.device.0
+    }
+
+    /// This rank's device, as a spec (`cpu:1`, `xla:2`, `gpu:0`).
+    pub fn device_spec(&self) -> String {
+        format!("{}:{}", self.device.0, self.device.1)
     }
 
     fn transport(&self) -> &Arc<dyn Transport> {
@@ -414,8 +547,8 @@ impl Communicator {
     fn all_reduce_call(
         &self,
         dtype: DType,
-        input: Option<&[u8]>,
-        output: &mut [u8],
+        input: Option<Bytes>,
+        output: BytesMut,
         op: ReduceOp,
     ) -> Call {
         let check = elems(dtype, "the buffer", output.len()).and_then(|n| match input {
@@ -425,7 +558,12 @@ impl Communicator {
             )),
             _ => {
                 let i = input.map_or(output.as_ptr(), |i| i.as_ptr());
-                aligned(dtype, &[("the input", i), ("the output", output.as_ptr())]).map(|_| n)
+                aligned(
+                    dtype,
+                    n,
+                    &[("the input", i), ("the output", output.as_ptr())],
+                )
+                .map(|_| n)
             }
         });
         let count = *check.as_ref().unwrap_or(&0);
@@ -450,12 +588,12 @@ impl Communicator {
     }
 
     /// Broadcast raw bytes from `root` into every rank's `buf`.
-    fn broadcast_call(&self, dtype: DType, buf: &mut [u8], root: usize) -> Call {
+    fn broadcast_call(&self, dtype: DType, buf: BytesMut, root: usize) -> Call {
         let check = elems(dtype, "the buffer", buf.len());
         let count = *check.as_ref().unwrap_or(&0);
         let check = check
             .and_then(|_| check_root(root, self.world_size()))
-            .and_then(|_| aligned(dtype, &[("the buffer", buf.as_ptr())]));
+            .and_then(|_| aligned(dtype, count, &[("the buffer", buf.as_ptr())]));
         let ptr = buf.as_mut_ptr();
         let buffers = CallBuffers {
             input: ptr,
@@ -479,7 +617,7 @@ impl Communicator {
 
     /// All-gather of raw bytes: rank r's `input` lands in slice r of every rank's `output`
     /// (`world_size` times as long). `input = None`: in place, slice `rank` of `output` is the input.
-    fn all_gather_call(&self, dtype: DType, input: Option<&[u8]>, output: &mut [u8]) -> Call {
+    fn all_gather_call(&self, dtype: DType, input: Option<Bytes>, output: BytesMut) -> Call {
         let p = self.world_size();
         let in_len = input.map_or(output.len() / p, |i| i.len());
         let check = elems(dtype, "the input", in_len).and_then(|n| {
@@ -491,7 +629,7 @@ impl Communicator {
                 ))
             } else {
                 let i = input.map_or(output.as_ptr(), |i| i.as_ptr());
-                aligned(dtype, &[("the input", i), ("the output", output.as_ptr())]).map(|_| n)
+                aligned(dtype, n, &[("the input", i), ("the output", output.as_ptr())]).map(|_| n)
             }
         });
         let count = *check.as_ref().unwrap_or(&0);
@@ -521,8 +659,8 @@ impl Communicator {
     fn reduce_scatter_call(
         &self,
         dtype: DType,
-        input: &[u8],
-        output: &mut [u8],
+        input: Bytes,
+        output: BytesMut,
         op: ReduceOp,
     ) -> Call {
         let p = self.world_size();
@@ -534,7 +672,7 @@ impl Communicator {
                     n * p
                 ))
             } else {
-                aligned(dtype, &[("the input", input.as_ptr()), ("the output", output.as_ptr())]).map(|_| n)
+                aligned(dtype, n, &[("the input", input.as_ptr()), ("the output", output.as_ptr())]).map(|_| n)
             }
         });
         let count = *check.as_ref().unwrap_or(&0);
@@ -563,8 +701,8 @@ impl Communicator {
     fn reduce_call(
         &self,
         dtype: DType,
-        input: Option<&[u8]>,
-        output: Option<&mut [u8]>,
+        input: Option<Bytes>,
+        output: Option<BytesMut>,
         op: ReduceOp,
         root: usize,
     ) -> Call {
@@ -591,7 +729,7 @@ impl Communicator {
                         .as_ref()
                         .map(|o| o.as_ptr())
                         .unwrap_or(std::ptr::null());
-                    aligned(dtype, &[("the input", i), ("the output", o)]).map(|_| n)
+                    aligned(dtype, n, &[("the input", i), ("the output", o)]).map(|_| n)
                 }
             }
         });
@@ -654,12 +792,12 @@ impl Communicator {
         output: &mut [u8],
         op: ReduceOp,
     ) -> Result<()> {
-        self.blocking(self.all_reduce_call(dtype, input, output, op))
+        self.blocking(self.all_reduce_call(dtype, input.map(Bytes::of), BytesMut::of(output), op))
     }
 
     /// Broadcast raw bytes from `root` into every rank's `buf`.
     pub fn broadcast_raw(&self, dtype: DType, buf: &mut [u8], root: usize) -> Result<()> {
-        self.blocking(self.broadcast_call(dtype, buf, root))
+        self.blocking(self.broadcast_call(dtype, BytesMut::of(buf), root))
     }
 
     /// All-gather of raw bytes: rank r's `input` lands in slice r of every rank's `output`
@@ -670,7 +808,7 @@ impl Communicator {
         input: Option<&[u8]>,
         output: &mut [u8],
     ) -> Result<()> {
-        self.blocking(self.all_gather_call(dtype, input, output))
+        self.blocking(self.all_gather_call(dtype, input.map(Bytes::of), BytesMut::of(output)))
     }
 
     /// Reduce-scatter of raw bytes: `output` (one slice) = slice `rank` of the reduction of every
@@ -682,7 +820,7 @@ impl Communicator {
         output: &mut [u8],
         op: ReduceOp,
     ) -> Result<()> {
-        self.blocking(self.reduce_scatter_call(dtype, input, output, op))
+        self.blocking(self.reduce_scatter_call(dtype, Bytes::of(input), BytesMut::of(output), op))
     }
 
     /// Reduce of raw bytes onto `root`. Off the root `output` is ignored and may be `None`; at the
@@ -695,7 +833,13 @@ impl Communicator {
         op: ReduceOp,
         root: usize,
     ) -> Result<()> {
-        self.blocking(self.reduce_call(dtype, input, output, op, root))
+        self.blocking(self.reduce_call(
+            dtype,
+            input.map(Bytes::of),
+            output.map(BytesMut::of),
+            op,
+            root,
+        ))
     }
 
     // ----- non-blocking byte-level API (the C ABI builds on it) -----
@@ -715,7 +859,10 @@ impl Communicator {
         output: &mut [u8],
         op: ReduceOp,
     ) -> Work {
-        self.issue(self.all_reduce_call(dtype, input, output, op), Box::new(()))
+        self.issue(
+            self.all_reduce_call(dtype, input.map(Bytes::of), BytesMut::of(output), op),
+            Box::new(()),
+        )
     }
 
     /// [`Communicator::broadcast_raw`] without waiting.
@@ -724,7 +871,10 @@ impl Communicator {
     ///
     /// As [`Communicator::all_reduce_raw_async`], for `buf`.
     pub unsafe fn broadcast_raw_async(&self, dtype: DType, buf: &mut [u8], root: usize) -> Work {
-        self.issue(self.broadcast_call(dtype, buf, root), Box::new(()))
+        self.issue(
+            self.broadcast_call(dtype, BytesMut::of(buf), root),
+            Box::new(()),
+        )
     }
 
     /// [`Communicator::all_gather_raw`] without waiting.
@@ -738,7 +888,10 @@ impl Communicator {
         input: Option<&[u8]>,
         output: &mut [u8],
     ) -> Work {
-        self.issue(self.all_gather_call(dtype, input, output), Box::new(()))
+        self.issue(
+            self.all_gather_call(dtype, input.map(Bytes::of), BytesMut::of(output)),
+            Box::new(()),
+        )
     }
 
     /// [`Communicator::reduce_scatter_raw`] without waiting.
@@ -754,7 +907,7 @@ impl Communicator {
         op: ReduceOp,
     ) -> Work {
         self.issue(
-            self.reduce_scatter_call(dtype, input, output, op),
+            self.reduce_scatter_call(dtype, Bytes::of(input), BytesMut::of(output), op),
             Box::new(()),
         )
     }
@@ -773,9 +926,104 @@ impl Communicator {
         root: usize,
     ) -> Work {
         self.issue(
-            self.reduce_call(dtype, input, output, op, root),
+            self.reduce_call(
+                dtype,
+                input.map(Bytes::of),
+                output.map(BytesMut::of),
+                op,
+                root,
+            ),
             Box::new(()),
         )
+    }
+
+    // ----- by address: memory Rust cannot borrow (devices, C callers) -----
+
+    /// Build the call `c` describes; lengths that overflow are this rank's argument error.
+    fn raw_call(&self, c: &RawCall) -> Call {
+        let p = self.world_size();
+        let (in_times, out_times) = match c.collective {
+            Collective::AllGather => (1, p),
+            Collective::ReduceScatter => (p, 1),
+            _ => (1, 1),
+        };
+        let bytes = |times: usize| {
+            c.count
+                .checked_mul(times)
+                .and_then(|n| n.checked_mul(c.dtype.size()))
+                .filter(|&n| n <= isize::MAX as usize)
+        };
+        let (Some(in_len), Some(out_len)) = (bytes(in_times), bytes(out_times)) else {
+            let mut call = self.barrier_call();
+            call.collective = c.collective;
+            call.dtype = c.dtype;
+            call.check = Err(format!(
+                "{} × count {} of {} is more bytes than a buffer can hold",
+                in_times.max(out_times),
+                c.count,
+                c.dtype
+            ));
+            return call;
+        };
+        // An empty buffer may have any address, NULL included; slices need one that is not.
+        let fix = |p: *const u8, len: usize| {
+            if len == 0 {
+                std::ptr::NonNull::<u128>::dangling().as_ptr() as *const u8
+            } else {
+                p
+            }
+        };
+        let input = Bytes {
+            ptr: fix(c.input, in_len),
+            len: in_len,
+        };
+        let output = BytesMut {
+            ptr: fix(c.output, out_len) as *mut u8,
+            len: out_len,
+        };
+        let same = |a: *const u8, b: *const u8| std::ptr::eq(a, b) || in_len == 0;
+        match c.collective {
+            Collective::AllReduce => {
+                let input = (!same(c.input, c.output)).then_some(input);
+                self.all_reduce_call(c.dtype, input, output, c.op)
+            }
+            Collective::Broadcast => self.broadcast_call(c.dtype, output, c.root),
+            Collective::AllGather => {
+                let own = c.output.wrapping_add(self.rank() * in_len);
+                let input = (!same(c.input, own)).then_some(input);
+                self.all_gather_call(c.dtype, input, output)
+            }
+            Collective::ReduceScatter => self.reduce_scatter_call(c.dtype, input, output, c.op),
+            Collective::Reduce => {
+                let at_root = self.rank() == c.root;
+                let input = (!(at_root && same(c.input, c.output))).then_some(input);
+                let output = at_root.then_some(output);
+                self.reduce_call(c.dtype, input, output, c.op, c.root)
+            }
+            Collective::Barrier => self.barrier_call(),
+        }
+    }
+
+    /// Run the collective `c` describes by address and wait for it: the same checks, errors and
+    /// order as the slice forms. The memory is the rank's device's: host memory on `cpu:N` and
+    /// `xla:N` ranks, device memory (a `CUdeviceptr`) on `cuda:N` ranks.
+    ///
+    /// # Safety
+    ///
+    /// The addresses hold the bytes `c` describes on this rank's device, and nothing else
+    /// touches them during the call.
+    pub unsafe fn run_raw(&self, c: &RawCall) -> Result<()> {
+        self.blocking(self.raw_call(c))
+    }
+
+    /// Issue the collective `c` describes by address without waiting.
+    ///
+    /// # Safety
+    ///
+    /// As [`Communicator::run_raw`], until the call has completed (even if the `Work` is
+    /// dropped first).
+    pub unsafe fn issue_raw(&self, c: &RawCall) -> Work {
+        self.issue(self.raw_call(c), Box::new(()))
     }
 
     // ----- typed API -----
@@ -907,7 +1155,7 @@ impl Communicator {
     {
         let mut buf = Box::new(buf);
         let bytes: &mut [u8] = bytemuck::cast_slice_mut((*buf).as_mut());
-        let call = self.all_reduce_call(T::DTYPE, None, bytes, op);
+        let call = self.all_reduce_call(T::DTYPE, None, BytesMut::of(bytes), op);
         self.issue(call, buf)
     }
 
@@ -919,7 +1167,7 @@ impl Communicator {
     {
         let mut buf = Box::new(buf);
         let bytes: &mut [u8] = bytemuck::cast_slice_mut((*buf).as_mut());
-        let call = self.broadcast_call(T::DTYPE, bytes, root);
+        let call = self.broadcast_call(T::DTYPE, BytesMut::of(bytes), root);
         self.issue(call, buf)
     }
 
@@ -934,8 +1182,8 @@ impl Communicator {
         let (send, recv) = &mut *bufs;
         let call = self.all_gather_call(
             T::DTYPE,
-            Some(bytemuck::cast_slice(send.as_ref())),
-            bytemuck::cast_slice_mut(recv.as_mut()),
+            Some(Bytes::of(bytemuck::cast_slice(send.as_ref()))),
+            BytesMut::of(bytemuck::cast_slice_mut(recv.as_mut())),
         );
         self.issue(call, bufs)
     }
@@ -952,8 +1200,8 @@ impl Communicator {
         let (send, recv) = &mut *bufs;
         let call = self.reduce_scatter_call(
             T::DTYPE,
-            bytemuck::cast_slice(send.as_ref()),
-            bytemuck::cast_slice_mut(recv.as_mut()),
+            Bytes::of(bytemuck::cast_slice(send.as_ref())),
+            BytesMut::of(bytemuck::cast_slice_mut(recv.as_mut())),
             op,
         );
         self.issue(call, bufs)
@@ -969,9 +1217,9 @@ impl Communicator {
         let mut buf = Box::new(buf);
         let bytes: &mut [u8] = bytemuck::cast_slice_mut((*buf).as_mut());
         let call = if self.rank() == root {
-            self.reduce_call(T::DTYPE, None, Some(bytes), op, root)
+            self.reduce_call(T::DTYPE, None, Some(BytesMut::of(bytes)), op, root)
         } else {
-            self.reduce_call(T::DTYPE, Some(bytes), None, op, root)
+            self.reduce_call(T::DTYPE, Some(Bytes::of(bytes)), None, op, root)
         };
         self.issue(call, buf)
     }

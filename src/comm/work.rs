@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::engine::GroupEngine;
 use crate::error::{Error, Result, Site};
 use crate::transport::Transport;
 
@@ -57,16 +58,23 @@ struct Queue {
 pub(crate) struct Shared {
     pub(crate) transport: Arc<dyn Transport>,
     pub(crate) chunk_bytes: usize,
+    /// Runs calls for a group of this process's devices; `None`: the host algorithms.
+    pub(crate) engine: Option<Arc<dyn GroupEngine>>,
     queue: Mutex<Queue>,
     /// Rung when a job is queued, a call ends or the communicator closes.
     cv: Condvar,
 }
 
 impl Shared {
-    pub(crate) fn new(transport: Arc<dyn Transport>, chunk_bytes: usize) -> Shared {
+    pub(crate) fn new(
+        transport: Arc<dyn Transport>,
+        chunk_bytes: usize,
+        engine: Option<Arc<dyn GroupEngine>>,
+    ) -> Shared {
         Shared {
             transport,
             chunk_bytes,
+            engine,
             queue: Mutex::new(Queue::default()),
             cv: Condvar::new(),
         }

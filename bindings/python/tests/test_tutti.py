@@ -227,6 +227,28 @@ def test_non_blocking_calls_return_work_handles():
         c.close()
 
 
+def test_device_groups():
+    comms = tutti.device_group(["cpu:0", "cpu:1"], timeout=60)
+    out = {}
+
+    def rank(c):
+        out[c.rank] = c.all_reduce(np.full(5, c.rank + 1.0), async_op=True).wait()
+
+    run_ranks(comms, rank)
+    np.testing.assert_array_equal(out[0], [3.0] * 5)
+    with pytest.raises(tutti.TuttiError) as e:
+        tutti.device_group(["cpu:0", "cpu:0"])
+    assert e.value.code == "TUTTI_ERROR_INVALID_ARGUMENT" and "listed twice" in e.value.message
+    try:
+        xla = tutti.local_group(2, device="xla")
+    except tutti.TuttiError as e:
+        # A build without XLA, or no PJRT plugin: a clean "not available".
+        assert e.code == "TUTTI_ERROR_UNAVAILABLE" and "XLA" in e.message
+    else:
+        run_ranks(xla, rank)
+        np.testing.assert_array_equal(out[1], [3.0] * 5)
+
+
 def test_abort_wakes_a_blocked_rank_and_timeouts_fire():
     a, b = tutti.local_group(2, timeout=120)
     caught = []

@@ -147,6 +147,7 @@ _PROTOTYPES = {
     "tutti_device_count": (_u32, [ctypes.POINTER(_size)]),
     "tutti_device_get": (_u32, [_size, ctypes.POINTER(_DeviceInfo)]),
     "tutti_comm_create_group": (_u32, [_size, ctypes.POINTER(_Config), _pp]),
+    "tutti_comm_create_devices": (_u32, [_size, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_Config), _pp]),
     "tutti_comm_create_from_env": (_u32, [ctypes.POINTER(_Config), _pp]),
     "tutti_comm_create_rank": (_u32, [_size, _size, ctypes.c_char_p, ctypes.POINTER(_Config), _pp]),
     "tutti_comm_destroy": (None, [_ptr]),
@@ -606,14 +607,31 @@ def _index(value, name):
     return int(value)
 
 
-def local_group(n, timeout=None, algorithm="auto", chunk_bytes=None):
+def local_group(n, timeout=None, algorithm="auto", chunk_bytes=None, device="cpu"):
     """An in-process group of ``n`` ranks: a list of ``Communicator``, rank 0 first; hand each
-    to its own thread."""
+    to its own thread. ``device`` is the kind of device the ranks are on: "cpu" (host memory),
+    or "xla" for ranks "xla:0" … "xla:n-1" (see ``device_group``)."""
+    if device != "cpu":
+        return device_group([f"{device}:{i}" for i in range(n)], timeout, algorithm, chunk_bytes)
     lib = _library()
     config = _config(timeout, algorithm, chunk_bytes)
     handles = (ctypes.c_void_p * max(n, 1))()
     _check(lib.tutti_comm_create_group(n, ctypes.byref(config), handles))
     return [Communicator(ctypes.c_void_p(h)) for h in handles[:n]]
+
+
+def device_group(devices, timeout=None, algorithm="auto", chunk_bytes=None):
+    """A group whose rank r is on ``devices[r]`` ("cpu:0", "xla:2", ...): a list of
+    ``Communicator``, one per thread. Arrays are numpy arrays in host memory on every device
+    (XLA ranks stage them to their devices). A device kind this build lacks raises a
+    ``TuttiError`` with code ``TUTTI_ERROR_UNAVAILABLE``."""
+    devices = list(devices)
+    lib = _library()
+    config = _config(timeout, algorithm, chunk_bytes)
+    specs = (ctypes.c_char_p * max(len(devices), 1))(*[str(d).encode() for d in devices])
+    handles = (ctypes.c_void_p * max(len(devices), 1))()
+    _check(lib.tutti_comm_create_devices(len(devices), specs, ctypes.byref(config), handles))
+    return [Communicator(ctypes.c_void_p(h)) for h in handles[: len(devices)]]
 
 
 def join(rank, world_size, master_addr, timeout=None, algorithm="auto", chunk_bytes=None, transport="auto"):

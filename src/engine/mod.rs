@@ -1,0 +1,43 @@
+//! Engines: what runs a call once the communicator has checked it and the ranks have met.
+//!
+//! - **Host**: the algorithms of [`crate::algorithm`] over the communicator's transport, run by
+//!   every rank (threads, shared memory, TCP). That engine lives in `comm`, which hands the
+//!   algorithm its context.
+//! - **Group engines** ([`GroupEngine`]): several devices of one process are several ranks of
+//!   one group (as `ncclCommInitAll`); a call runs once for the whole group, on rank 0's thread,
+//!   over the buffers every rank published when it met the others:
+//!   - [`pjrt`]: PJRT programs on `xla:N` ranks (compiled once per call shape, cached), over
+//!     host memory staged to the devices;
+//!   - [`cuda`] (feature `cuda`): NCCL or the CUDA copy algorithms on `cuda:N` ranks, over
+//!     device memory.
+//!
+//! An engine never checks arguments, times calls or aborts on its own account: the
+//! communicator did the checks, and its transport bounds every wait and carries aborts, so
+//! every device gives the same errors for the same mistakes.
+
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+#[cfg(feature = "xla")]
+pub(crate) mod pjrt;
+
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Collective, Result, Site};
+use crate::transport::CallBuffers;
+
+/// A checked call, as a group engine sees it. Counts as in [`crate::RawCall`].
+#[derive(Copy, Clone, Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct GroupCall {
+    pub collective: Collective,
+    pub dtype: DType,
+    pub count: usize,
+    pub op: ReduceOp,
+    pub root: usize,
+}
+
+/// Runs a call once for every rank of a group of this process's devices.
+pub(crate) trait GroupEngine: Send + Sync {
+    /// Run `call` over every rank's buffers (`bufs[r]` is rank r's, published when the ranks
+    /// met: `input` equals `output` in place; `output` is null off the root of a reduce).
+    fn run(&self, site: Site, call: &GroupCall, bufs: &[CallBuffers]) -> Result<()>;
+}

@@ -1,0 +1,135 @@
+//! Groups of devices of this process through the one communicator (`device_group`): every
+//! collective, in place and out of place, blocking and in flight, checked against the
+//! reference (`perf::check`) on `cpu:N` ranks and, with the `xla` feature and a PJRT plugin
+//! (`TUTTI_PJRT_PLUGIN`), on 4 XLA devices; the errors every device shares; specs that are
+//! wrong.
+
+use std::time::Duration;
+
+use tutti::{device_group, Collective, Config, DeviceKind, Error, RawCall, ReduceOp};
+
+fn check_group(specs: &[&str], counts: &[usize]) -> usize {
+    let config = Config::default().with_timeout(Duration::from_secs(120));
+    let comms = device_group(specs, &config).unwrap_or_else(|e| panic!("{specs:?}: {e}"));
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|mut c| s.spawn(move || tutti::perf::check(&mut c, counts)))
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap()
+                    .unwrap_or_else(|e| panic!("{specs:?}: {e}"))
+            })
+            .max()
+            .unwrap()
+    })
+}
+
+#[test]
+fn cpu_devices_every_collective() {
+    let calls = check_group(&["cpu:0", "cpu:1", "cpu:2"], &[0, 1, 7, 1000]);
+    assert!(calls > 1000, "{calls}");
+}
+
+#[test]
+fn device_specs_that_are_wrong_say_which() {
+    let c = Config::default();
+    let msg = |r: Result<Vec<tutti::Communicator>, Error>| r.err().unwrap().to_string();
+    let m = msg(device_group(&["cpu:0", "cpu:0"], &c));
+    assert!(m.contains("listed twice") && m.contains("device 1"), "{m}");
+    let m = msg(device_group(&["cpu:0", "npu:1"], &c));
+    assert!(m.contains("npu"), "{m}");
+    let m = msg(device_group::<&str>(&[], &c));
+    assert!(m.contains("at least one rank"), "{m}");
+    if !cfg!(feature = "xla") {
+        let m = msg(device_group(&["xla:0"], &c));
+        assert!(m.starts_with("XLA not available"), "{m}");
+    }
+    if !cfg!(feature = "cuda") {
+        let m = msg(device_group(&["cuda:0", "cuda:1"], &c));
+        assert!(m.starts_with("CUDA not available"), "{m}");
+    }
+    let m = msg(device_group(&["cpu:0", "xla:1"], &c));
+    assert!(m.contains("one kind of device"), "{m}");
+    let comms = device_group(&["cpu:3", "cpu:5"], &c).unwrap();
+    assert_eq!(comms[0].device_kind(), DeviceKind::Cpu);
+    assert_eq!(comms[1].device_spec(), "cpu:5");
+}
+
+/// By address, with NULL for empty buffers: the same results and the same errors.
+#[test]
+fn calls_by_address_on_a_device_group() {
+    let comms = device_group(&["cpu:0", "cpu:1"], &Config::default()).unwrap();
+    std::thread::scope(|s| {
+        for c in &comms {
+            s.spawn(move || {
+                let r = c.rank();
+                let mut x = vec![r as f32 + 1.0; 5];
+                let call = RawCall {
+                    collective: Collective::AllReduce,
+                    dtype: tutti::DType::F32,
+                    count: 5,
+                    op: ReduceOp::Sum,
+                    root: 0,
+                    input: x.as_ptr().cast(),
+                    output: x.as_mut_ptr().cast(),
+                };
+                // SAFETY: x holds 5 f32 and lives through the call.
+                unsafe { c.run_raw(&call) }.unwrap();
+                assert_eq!(x, vec![3.0; 5]);
+                let empty = RawCall {
+                    count: 0,
+                    input: std::ptr::null(),
+                    output: std::ptr::null_mut(),
+                    ..call
+                };
+                // SAFETY: no bytes.
+                unsafe { c.run_raw(&empty) }.unwrap();
+                let mut g = vec![0i64; 4];
+                let own = [r as i64 * 10, r as i64 * 10 + 1];
+                let gather = RawCall {
+                    collective: Collective::AllGather,
+                    dtype: tutti::DType::I64,
+                    count: 2,
+                    input: own.as_ptr().cast(),
+                    output: g.as_mut_ptr().cast(),
+                    ..call
+                };
+                // SAFETY: own holds 2 and g 4 i64, both live through the call.
+                unsafe { c.issue_raw(&gather) }.wait().unwrap();
+                assert_eq!(g, vec![0, 1, 10, 11]);
+                let wrong = RawCall {
+                    count: 5 + r,
+                    ..call
+                };
+                // SAFETY: x holds 5 f32; rank 1 claims 6 and is caught before any byte moves.
+                match unsafe { c.run_raw(&wrong) } {
+                    Err(Error::Mismatch { field, .. }) => assert_eq!(field, "count"),
+                    other => panic!("want a count mismatch, got {other:?}"),
+                }
+            });
+        }
+    });
+}
+
+#[cfg(feature = "xla")]
+#[test]
+fn xla_devices_every_collective() {
+    if std::env::var_os("TUTTI_PJRT_PLUGIN").is_none() {
+        assert!(
+            std::env::var("TUTTI_REQUIRE_XLA").as_deref() != Ok("1"),
+            "TUTTI_REQUIRE_XLA=1 but TUTTI_PJRT_PLUGIN is not set"
+        );
+        eprintln!("xla_devices_every_collective: skipped: set TUTTI_PJRT_PLUGIN");
+        return;
+    }
+    let calls = check_group(&["xla:0", "xla:1", "xla:2", "xla:3"], &[0, 1, 7, 1000]);
+    assert!(calls > 1000, "{calls}");
+    let m = device_group(&["xla:1", "xla:0"], &Config::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(m.contains("xla:0 … xla:1"), "{m}");
+}
