@@ -87,11 +87,21 @@ pub fn device_group<S: AsRef<str>>(devices: &[S], config: &Config) -> Result<Vec
         DeviceKind::Xla => Some(xla_engine(&indices, config)?),
         DeviceKind::Gpu => Some(cuda_engine(&indices, config)?),
     };
-    Ok(LocalTransport::group(specs.len(), config.timeout)
+    Ok(engine_group(&specs, config, engine))
+}
+
+/// The communicators of an in-process group whose rank r is on `devices[r]`, its calls run by
+/// `engine` (the host algorithms when `None`). Sizes and the config are checked by the caller.
+pub(crate) fn engine_group(
+    devices: &[(DeviceKind, usize)],
+    config: &Config,
+    engine: Option<Arc<dyn GroupEngine>>,
+) -> Vec<Communicator> {
+    LocalTransport::group(devices.len(), config.timeout)
         .into_iter()
-        .zip(specs)
-        .map(|(t, device)| Communicator::with_engine(Arc::new(t), config, engine.clone(), device))
-        .collect())
+        .zip(devices)
+        .map(|(t, &device)| Communicator::with_engine(Arc::new(t), config, engine.clone(), device))
+        .collect()
 }
 
 #[cfg(feature = "xla")]

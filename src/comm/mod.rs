@@ -15,6 +15,7 @@ mod group;
 mod replicas;
 mod work;
 
+pub(crate) use group::engine_group;
 pub use group::{device_group, local_group, run_local, MAX_LOCAL_RANKS};
 pub use replicas::Replicas;
 pub use work::Work;

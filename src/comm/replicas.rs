@@ -51,9 +51,18 @@ impl<T> Ptr<T> {
 impl Replicas {
     /// `n` replicas with `config`.
     pub fn new(n: usize, config: &Config) -> Result<Replicas> {
-        let mut comms = local_group(n, config)?.into_iter();
+        Replicas::from_group(local_group(n, config)?, config)
+    }
+
+    /// Replicas over any in-process group (e.g. [`super::device_group`]'s): replica r is rank
+    /// r. `config`'s timeout bounds each call's wait for the replica threads.
+    pub fn from_group(comms: Vec<Communicator>, config: &Config) -> Result<Replicas> {
+        if comms.is_empty() {
+            return Err(Error::config("replicas: the group has no rank"));
+        }
+        let mut comms = comms.into_iter();
         let first = comms.next().expect("a group has a rank 0");
-        let mut workers = Vec::with_capacity(n - 1);
+        let mut workers = Vec::with_capacity(comms.len());
         for comm in comms {
             let (jobs, rx) = bounded::<Job>(1);
             let (tx, done) = bounded::<Result<()>>(1);

@@ -2,7 +2,7 @@
 //! device memory (the group's algorithm: NCCL, hierarchical copy or reduction to one device).
 
 use crate::error::{Collective, Result, Site};
-use crate::gpu::{DevicePtr, GpuGroup};
+use crate::gpu::{DevicePtr, GpuBuffer, GpuGroup};
 use crate::transport::CallBuffers;
 
 use super::{GroupCall, GroupEngine};
@@ -37,5 +37,54 @@ impl GroupEngine for Cuda {
             .collect();
         self.group
             .collective_raw(c.collective, c.dtype, c.count, c.op, c.root, &send, &recv)
+    }
+}
+
+/// The CUDA engine of a group whose buffers are host memory (a strategy's replica values): each
+/// call copies every rank's input to its GPU, runs the group's call there, and copies the
+/// outputs back.
+pub(crate) struct Staged {
+    pub(crate) group: GpuGroup,
+}
+
+impl GroupEngine for Staged {
+    fn run(&self, _site: Site, c: &GroupCall, bufs: &[CallBuffers]) -> Result<()> {
+        if c.collective == Collective::Barrier {
+            return Ok(());
+        }
+        let devices = self.group.devices();
+        let mut staged_in = Vec::with_capacity(bufs.len());
+        let mut staged_out = Vec::with_capacity(bufs.len());
+        for (b, dev) in bufs.iter().zip(devices) {
+            // SAFETY: the ranks published these host buffers for this call and wait until
+            // rank 0 has finished with them.
+            let input = unsafe { std::slice::from_raw_parts(b.input, b.input_len) };
+            staged_in.push(GpuBuffer::<u8>::from_host(dev, input)?);
+            staged_out.push(if b.output.is_null() {
+                None
+            } else {
+                Some(GpuBuffer::<u8>::zeros(dev, b.output_len)?)
+            });
+        }
+        let ptr = |device: usize, b: Option<&GpuBuffer<u8>>| DevicePtr {
+            device,
+            ptr: b.map_or(0, |b| b.device_ptr()),
+        };
+        let send: Vec<DevicePtr> = (staged_in.iter().enumerate())
+            .map(|(r, b)| ptr(r, Some(b)))
+            .collect();
+        let recv: Vec<DevicePtr> = (staged_out.iter().enumerate())
+            .map(|(r, b)| ptr(r, b.as_ref()))
+            .collect();
+        self.group
+            .collective_raw(c.collective, c.dtype, c.count, c.op, c.root, &send, &recv)?;
+        for (b, out) in bufs.iter().zip(&staged_out) {
+            if let Some(out) = out {
+                // SAFETY: as above; this rank's output, written by nobody else meanwhile.
+                let host = unsafe { std::slice::from_raw_parts_mut(b.output, b.output_len) };
+                out.copy_to_host(host)?;
+            }
+        }
+        Ok(())
     }
 }

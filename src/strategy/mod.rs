@@ -34,6 +34,7 @@ use crate::cluster::ClusterSpec;
 use crate::comm::{Communicator, Config, Replicas};
 use crate::device::{self, Device, DeviceKind};
 use crate::dtype::{Element, ReduceOp};
+use crate::engine::GroupEngine;
 use crate::error::{Error, Result};
 use crate::transport::TransportKind;
 
@@ -176,56 +177,10 @@ pub struct Strategy {
     resolver: ClusterResolver,
     /// Fusion threshold of batch reduces (TensorFlow's `bytes_per_pack`; 0: no fusion).
     bytes_per_pack: usize,
-    /// TPUStrategy: the XLA client whose compiled collectives the replicas meet in.
-    #[cfg(feature = "xla")]
-    xla: Option<XlaMeeting>,
-    /// MirroredStrategy with NcclAllReduce: the NCCL group the replicas meet in.
-    #[cfg(feature = "cuda")]
-    nccl: Option<NcclMeeting>,
-}
-
-/// MirroredStrategy over whole GPUs with NCCL: the replica threads meet for each collective,
-/// replica 0 stages every replica's values onto its GPU, runs the NCCL collective across the
-/// GPUs, and copies the results back.
-#[cfg(feature = "cuda")]
-struct NcclMeeting {
-    group: crate::gpu::GpuGroup,
-    meeting: Meeting,
-}
-
-/// The replicas' buffers for one collective run by replica 0 on behalf of all of them.
-///
-/// Each replica leaves (address, length) in `slots` and, on every way out of the call, takes
-/// its slot back under the lock. Replica 0 holds the lock for as long as it works on the
-/// buffers, so a replica that fails a barrier (timeout, abort) cannot get its buffer back, and
-/// free it, while replica 0 still writes into it; replica 0 refuses to start if a slot was
-/// already taken back.
-#[cfg(any(feature = "xla", feature = "cuda"))]
-struct Meeting {
-    slots: Mutex<Vec<(usize, usize)>>,
-    outcome: Mutex<Option<String>>,
-}
-
-/// The length of a slot whose replica took its buffer back.
-#[cfg(any(feature = "xla", feature = "cuda"))]
-const WITHDRAWN: usize = usize::MAX;
-
-#[cfg(any(feature = "xla", feature = "cuda"))]
-impl Meeting {
-    fn new(n: usize) -> Meeting {
-        Meeting {
-            slots: Mutex::new(vec![(0, WITHDRAWN); n]),
-            outcome: Mutex::new(None),
-        }
-    }
-}
-
-/// Where the replica threads of a TPUStrategy meet for one compiled collective: each leaves its
-/// buffer, replica 0 runs the XLA program over all of them, every replica learns the outcome.
-#[cfg(feature = "xla")]
-struct XlaMeeting {
-    client: crate::xla::Client,
-    meeting: Meeting,
+    /// What runs the replicas' collectives when it is not the host algorithms: PJRT programs
+    /// (TPUStrategy), NCCL over staged copies (MirroredStrategy with NcclAllReduce). The
+    /// replicas' communicators carry it; nothing else here knows the device.
+    engine: Option<(DeviceKind, Arc<dyn GroupEngine>)>,
 }
 
 fn log(msg: &str) {
@@ -294,6 +249,27 @@ impl Strategy {
         workers: Option<Arc<Communicator>>,
         resolver: ClusterResolver,
     ) -> Result<Strategy> {
+        Strategy::build_on(
+            kind,
+            devices,
+            cross_device_ops,
+            config,
+            workers,
+            resolver,
+            None,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn build_on(
+        kind: StrategyKind,
+        devices: Vec<Device>,
+        cross_device_ops: Option<CrossDeviceOps>,
+        config: Config,
+        workers: Option<Arc<Communicator>>,
+        resolver: ClusterResolver,
+        engine: Option<(DeviceKind, Arc<dyn GroupEngine>)>,
+    ) -> Result<Strategy> {
         if devices.is_empty() {
             return Err(Error::config(format!("{}: no devices", kind.name())));
         }
@@ -310,10 +286,7 @@ impl Strategy {
             workers,
             resolver,
             bytes_per_pack,
-            #[cfg(feature = "xla")]
-            xla: None,
-            #[cfg(feature = "cuda")]
-            nccl: None,
+            engine,
         };
         s.rebuild()?;
         Ok(s)
@@ -322,18 +295,25 @@ impl Strategy {
     fn rebuild(&self) -> Result<()> {
         let mut local = self.local.lock();
         let n = self.devices.len();
-        if n == 1 {
-            let mut c = crate::comm::local_group(1, &self.config)?;
-            *local = Local {
+        let mut comms = match &self.engine {
+            None => crate::comm::local_group(n, &self.config)?,
+            Some((kind, engine)) => {
+                let specs: Vec<(DeviceKind, usize)> =
+                    self.devices.iter().map(|d| (*kind, d.index)).collect();
+                crate::comm::engine_group(&specs, &self.config, Some(engine.clone()))
+            }
+        };
+        *local = if n == 1 {
+            Local {
                 replicas: None,
-                comm: c.pop(),
-            };
+                comm: comms.pop(),
+            }
         } else {
-            *local = Local {
-                replicas: Some(Replicas::new(n, &self.config)?),
+            Local {
+                replicas: Some(Replicas::from_group(comms, &self.config)?),
                 comm: None,
-            };
-        }
+            }
+        };
         Ok(())
     }
 
@@ -408,21 +388,17 @@ impl Strategy {
             .collect::<Result<Vec<_>>>()?;
         let config = Config::default();
         let group = crate::gpu::GpuGroup::new(&gpus, crate::gpu::GpuAlgorithm::Nccl, &config)?;
-        let n = devices.len();
-        let ops = Some(CrossDeviceOps::NcclAllReduce);
-        let mut s = Strategy::build(
+        // The replicas' values live in host memory: the engine stages them to the GPUs.
+        let engine: Arc<dyn GroupEngine> = Arc::new(crate::engine::cuda::Staged { group });
+        Strategy::build_on(
             StrategyKind::Mirrored,
             devices,
-            ops,
+            Some(CrossDeviceOps::NcclAllReduce),
             config,
             None,
             local_resolver(),
-        )?;
-        s.nccl = Some(NcclMeeting {
-            group,
-            meeting: Meeting::new(n),
-        });
-        Ok(s)
+            Some((DeviceKind::Gpu, engine)),
+        )
     }
 
     /// Variables kept once, on the CPU (on the GPU when there is exactly one); computation
@@ -529,20 +505,16 @@ impl Strategy {
                 why: "the PJRT client has no addressable devices".into(),
             });
         }
-        let n = devices.len();
-        let mut s = Strategy::build(
+        let engine: Arc<dyn GroupEngine> = Arc::new(crate::engine::pjrt::Pjrt { client });
+        Strategy::build_on(
             StrategyKind::Tpu,
             devices,
             None,
             Config::default(),
             None,
             local_resolver(),
-        )?;
-        s.xla = Some(XlaMeeting {
-            client,
-            meeting: Meeting::new(n),
-        });
-        Ok(s)
+            Some((DeviceKind::Xla, engine)),
+        )
     }
 
     /// Which strategy this is.
@@ -700,15 +672,6 @@ impl Strategy {
 
     /// Sum the local replicas' values into `out`.
     fn local_reduce<T: Element>(&self, inputs: &[&[T]], out: &mut [T]) -> Result<()> {
-        #[cfg(feature = "xla")]
-        if let Some(x) = &self.xla {
-            // On the XLA devices themselves: an all-reduce of the values, replica 0's result.
-            let mut bufs: Vec<Vec<T>> = inputs.iter().map(|i| i.to_vec()).collect();
-            let mut views: Vec<&mut [T]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
-            x.client.all_reduce(&mut views, ReduceOp::Sum)?;
-            out.copy_from_slice(&bufs[0]);
-            return Ok(());
-        }
         let local = self.local.try_lock().ok_or_else(|| {
             Error::config(
                 "strategy.reduce called inside run: use the replica context's all_reduce there",
@@ -926,17 +889,6 @@ impl ReplicaContext<'_> {
     /// All-reduce across every replica in sync: local reduce, cross-worker all-reduce (from local
     /// replica 0), local broadcast. `Mean` divides by the number of replicas in sync.
     pub fn all_reduce<T: Element>(&self, op: ReduceOp, buf: &mut [T]) -> Result<()> {
-        #[cfg(feature = "xla")]
-        if let Some(x) = &self.strategy.xla {
-            let dtype = T::DTYPE;
-            return self.meet(x, bytemuck::cast_slice_mut(buf), |c, bufs| {
-                c.all_reduce_raw(dtype, bufs, op)
-            });
-        }
-        #[cfg(feature = "cuda")]
-        if let Some(m) = &self.strategy.nccl {
-            return self.meet_nccl(m, buf, |g, bufs| g.all_reduce(bufs, op));
-        }
         let Some(workers) = &self.strategy.workers else {
             return self.comm.all_reduce(buf, op);
         };
@@ -987,17 +939,6 @@ impl ReplicaContext<'_> {
                 "broadcast: root replica {root} is out of range for {n} replicas"
             )));
         }
-        #[cfg(feature = "xla")]
-        if let Some(x) = &self.strategy.xla {
-            let dtype = T::DTYPE;
-            return self.meet(x, bytemuck::cast_slice_mut(buf), |c, bufs| {
-                c.broadcast_raw(dtype, bufs, root)
-            });
-        }
-        #[cfg(feature = "cuda")]
-        if let Some(m) = &self.strategy.nccl {
-            return self.meet_nccl(m, buf, |g, bufs| g.broadcast(bufs, root));
-        }
         let local_n = self.strategy.devices.len();
         let (root_worker, root_local) = (root / local_n, root % local_n);
         self.comm.broadcast(buf, root_local)?;
@@ -1024,106 +965,6 @@ impl ReplicaContext<'_> {
         }
         self.comm.broadcast(&mut all, 0)?;
         Ok(all)
-    }
-
-    /// Meet the other replicas at `m` with this replica's buffer (`ptr`, `len` elements):
-    /// replica 0 runs `work` over every replica's buffer, and every replica returns its outcome.
-    /// See [`Meeting`] for why no buffer can be freed while replica 0 works on it.
-    #[cfg(any(feature = "xla", feature = "cuda"))]
-    fn meet_at(
-        &self,
-        m: &Meeting,
-        what: &str,
-        ptr: usize,
-        len: usize,
-        work: impl FnOnce(&[(usize, usize)]) -> Result<()>,
-    ) -> Result<()> {
-        m.slots.lock()[self.local_id] = (ptr, len);
-        let result = (|| {
-            self.comm.barrier()?;
-            if self.local_id == 0 {
-                let held = m.slots.lock();
-                let r = if held.iter().any(|&(_, n)| n == WITHDRAWN) {
-                    Err(Error::config("a replica left the collective before it ran"))
-                } else {
-                    work(&held)
-                };
-                *m.outcome.lock() = r.err().map(|e| e.to_string());
-            }
-            self.comm.barrier()?;
-            match m.outcome.lock().clone() {
-                None => Ok(()),
-                Some(message) => Err(Error::System {
-                    what: what.to_string(),
-                    message,
-                }),
-            }
-        })();
-        // Taking the slot back waits for replica 0 to be done with it.
-        m.slots.lock()[self.local_id] = (0, WITHDRAWN);
-        result
-    }
-
-    /// Meet the other replicas of a TPUStrategy for one compiled collective over every
-    /// replica's `buf`: replica 0 runs `op` over all the buffers.
-    #[cfg(feature = "xla")]
-    fn meet(
-        &self,
-        x: &XlaMeeting,
-        buf: &mut [u8],
-        op: impl FnOnce(&crate::xla::Client, &mut [&mut [u8]]) -> Result<()>,
-    ) -> Result<()> {
-        self.meet_at(
-            &x.meeting,
-            "TPUStrategy collective",
-            buf.as_mut_ptr() as usize,
-            buf.len(),
-            |slots| {
-                // SAFETY: each slot is a live buffer of a replica that cannot take it back before
-                // this returns (see `Meeting`), and no two replicas share a buffer.
-                let mut bufs: Vec<&mut [u8]> = slots
-                    .iter()
-                    .map(|&(p, n)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, n) })
-                    .collect();
-                op(&x.client, &mut bufs)
-            },
-        )
-    }
-
-    /// Meet the other replicas of a MirroredStrategy on GPUs for one NCCL collective: replica
-    /// 0 copies every replica's values onto its GPU, runs `op` across the GPUs, and copies the
-    /// results back.
-    #[cfg(feature = "cuda")]
-    fn meet_nccl<T: Element>(
-        &self,
-        m: &NcclMeeting,
-        buf: &mut [T],
-        op: impl FnOnce(&crate::gpu::GpuGroup, &mut [crate::gpu::GpuBuffer<T>]) -> Result<()>,
-    ) -> Result<()> {
-        let what = "MirroredStrategy NcclAllReduce";
-        self.meet_at(
-            &m.meeting,
-            what,
-            buf.as_mut_ptr() as usize,
-            buf.len(),
-            |slots| {
-                // SAFETY: as in `meet`.
-                let host: Vec<&mut [T]> = slots
-                    .iter()
-                    .map(|&(p, n)| unsafe { std::slice::from_raw_parts_mut(p as *mut T, n) })
-                    .collect();
-                let mut dev = host
-                    .iter()
-                    .zip(m.group.devices())
-                    .map(|(h, d)| crate::gpu::GpuBuffer::from_host(d, h))
-                    .collect::<Result<Vec<_>>>()?;
-                op(&m.group, &mut dev)?;
-                for (h, d) in host.into_iter().zip(&dev) {
-                    d.copy_to_host(h)?;
-                }
-                Ok(())
-            },
-        )
     }
 
     /// `var.assign_add(update)` after the updates of every replica were aggregated.
