@@ -31,7 +31,6 @@ mod engine;
 pub mod error;
 #[cfg(feature = "cuda")]
 pub mod gpu;
-pub mod launch;
 pub mod perf;
 pub mod reference;
 pub mod strategy;

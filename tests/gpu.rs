@@ -8,6 +8,8 @@
 //! and out of place, and is checked against `tutti::reference`.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::process::Command;
 use std::time::Duration;
 
@@ -131,7 +133,7 @@ fn absent_libraries_are_clean_errors() {
 /// is missing and where tutti looked), and `tutti perf --device gpu` fails cleanly without a GPU.
 #[test]
 fn the_command_reports_missing_libraries() {
-    let exe = env!("CARGO_BIN_EXE_tutti");
+    let exe = &common::tutti_bin();
     let out = Command::new(exe)
         .arg("devices")
         .env("TUTTI_NCCL_LIBRARY", "/nonexistent/tutti-test/libnccl.so.2")

@@ -2,6 +2,8 @@
 //! jobs, `tutti launch` exit codes, mismatched calls, a rank killed with SIGKILL mid all-reduce,
 //! strangers and garbage on the rendezvous port. Every child is bounded in time.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -9,11 +11,9 @@ use std::time::{Duration, Instant};
 use tutti::cluster::ClusterSpec;
 use tutti::{Communicator, Config, Error, ReduceOp, TransportKind};
 
-const TUTTI: &str = env!("CARGO_BIN_EXE_tutti");
-
 /// Run a command, killing it if it outlives `limit`.
 fn run(args: &[&str], env: &[(&str, &str)], limit: Duration) -> Output {
-    let mut child = Command::new(TUTTI)
+    let mut child = Command::new(common::tutti_bin())
         .args(args)
         .envs(env.iter().copied())
         .env_remove("TF_CONFIG")
@@ -120,7 +120,7 @@ fn hierarchical_all_reduce_across_hosts() {
     let master = format!("127.0.0.1:{}", free_port());
     let children: Vec<Child> = (0..4)
         .map(|r| {
-            Command::new(TUTTI)
+            Command::new(common::tutti_bin())
                 .args(["check", "--counts", "1000,70001", "--timeout", "60"])
                 .env_remove("TF_CONFIG")
                 .env("TUTTI_RANK", r.to_string())
@@ -192,7 +192,7 @@ fn tf_config_job_with_workers_and_ps() {
 
 #[test]
 fn launch_prefixes_output_and_propagates_failure() {
-    let o = Command::new(TUTTI)
+    let o = Command::new(common::tutti_bin())
         .args([
             "launch",
             "-n",
@@ -211,7 +211,7 @@ fn launch_prefixes_output_and_propagates_failure() {
     }
     // Rank 1 fails at once; the others would sleep for a minute but are stopped.
     let t = Instant::now();
-    let o = Command::new(TUTTI)
+    let o = Command::new(common::tutti_bin())
         .args([
             "launch",
             "-n",
@@ -236,7 +236,7 @@ fn launch_prefixes_output_and_propagates_failure() {
         "the others were not stopped: {:?}",
         t.elapsed()
     );
-    let o = Command::new(TUTTI)
+    let o = Command::new(common::tutti_bin())
         .args(["launch", "-n", "2", "--", "/nonexistent/program"])
         .output()
         .unwrap();
@@ -303,7 +303,7 @@ fn a_killed_rank_is_named_by_every_survivor() {
         let master = format!("127.0.0.1:{}", free_port());
         let mut children: Vec<Child> = (0..n)
             .map(|r| {
-                Command::new(TUTTI)
+                Command::new(common::tutti_bin())
                     .args([
                         "check",
                         "--counts",
@@ -370,7 +370,7 @@ fn strangers_wrong_tokens_and_garbage_are_rejected_and_the_job_finishes() {
     let port = free_port();
     let master = format!("127.0.0.1:{port}");
     let spawn = |r: usize| {
-        Command::new(TUTTI)
+        Command::new(common::tutti_bin())
             .args([
                 "check",
                 "--counts",

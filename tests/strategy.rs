@@ -13,8 +13,6 @@ use tutti::strategy::{
 };
 use tutti::{Error, ReduceOp};
 
-const TUTTI: &str = env!("CARGO_BIN_EXE_tutti");
-
 mod common;
 
 /// The example binary, freshly built.
@@ -115,7 +113,7 @@ fn every_local_strategy_trains_to_the_reference() {
 fn multi_worker_across_processes_trains_to_the_reference() {
     let t = train();
     let (ok, out, err) = bounded(
-        Command::new(TUTTI)
+        Command::new(common::tutti_bin())
             .args(["launch", "-n", "2", "--"])
             .arg(&t)
             .args([
@@ -145,7 +143,7 @@ fn multi_worker_across_processes_trains_to_the_reference() {
 fn parameter_servers_converge_and_survive_a_lost_worker() {
     let t = train();
     let (ok, out, err) = bounded(
-        Command::new(TUTTI)
+        Command::new(common::tutti_bin())
             .args(["launch", "--workers", "2", "--ps", "2", "--"])
             .arg(&t)
             .args(["--strategy", "parameter-server", "--steps", "100", "--json"]),

@@ -8,6 +8,8 @@
 //! with `cc`. `TUTTI_TEST_LIBTPU=/path/to/libtpu.so` adds the libtpu check (see the README).
 #![cfg(feature = "xla")]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
@@ -446,7 +448,7 @@ fn options_parse() {
 // ------------------------------ the command ---------------------------------
 
 fn tutti() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_tutti"));
+    let mut c = Command::new(common::tutti_bin());
     c.env_remove("TUTTI_PJRT_OPTIONS");
     c
 }
@@ -550,7 +552,7 @@ fn bogus_plugin_path_is_a_clean_error() {
 #[test]
 fn no_plugin_found_says_how_to_set_one() {
     // An empty environment: no TUTTI_PJRT_PLUGIN, no site-packages, no python3 on PATH.
-    let out = Command::new(env!("CARGO_BIN_EXE_tutti"))
+    let out = Command::new(common::tutti_bin())
         .env_clear()
         .env("PATH", "/nonexistent")
         .env("HOME", "/nonexistent")

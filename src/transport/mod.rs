@@ -21,6 +21,12 @@ pub(crate) mod sub;
 pub(crate) mod wire;
 pub use wire::random_token;
 
+/// Unlink the shared-memory segments that processes of this host left behind when they died
+/// (segments of live processes are never touched); launchers call it after a job.
+pub fn sweep_dead_segments() {
+    shm::sweep_dead()
+}
+
 pub use net::{NetTransport, TransportKind};
 
 use std::time::Duration;

@@ -20,6 +20,33 @@ pub fn data<T: Element>(r: usize, count: usize) -> Vec<T> {
 /// and return its path (`cargo test --test X` alone builds no examples, and a stale one would
 /// test old code).
 pub fn example(name: &str, features: &[&str]) -> std::path::PathBuf {
+    build(
+        &["-p", "tutti", "--example", name],
+        features,
+        &format!("examples/{name}"),
+    )
+}
+
+/// The `tutti` command (the `tutti-cli` package), built once per test process with this
+/// test's profile, target directory and the library features the test was built with.
+pub fn tutti_bin() -> std::path::PathBuf {
+    static BIN: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        let mut features = Vec::new();
+        if cfg!(feature = "xla") {
+            features.push("xla");
+        }
+        if cfg!(feature = "cuda") {
+            features.push("cuda");
+        }
+        build(&["-p", "tutti-cli", "--bin", "tutti"], &features, "tutti")
+    })
+    .clone()
+}
+
+/// `cargo build` of `what` into this test's target directory and profile; the path of
+/// `target/<profile>/<output>`.
+fn build(what: &[&str], features: &[&str], output: &str) -> std::path::PathBuf {
     use std::path::Path;
     let exe = std::env::current_exe().expect("the test's own path");
     let profile_dir = exe
@@ -34,7 +61,9 @@ pub fn example(name: &str, features: &[&str]) -> std::path::PathBuf {
     let target_dir = profile_dir.parent().expect("target/<profile> has a parent");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = std::process::Command::new(&cargo);
-    cmd.args(["build", "--quiet", "-p", "tutti", "--example", name])
+    cmd.arg("build")
+        .arg("--quiet")
+        .args(what)
         .arg("--target-dir")
         .arg(target_dir)
         .current_dir(env!("CARGO_MANIFEST_DIR"));
@@ -58,7 +87,7 @@ pub fn example(name: &str, features: &[&str]) -> std::path::PathBuf {
         "{cmd:?} failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let p = profile_dir.join("examples").join(name);
+    let p = profile_dir.join(output);
     assert!(p.exists(), "{} was not built", p.display());
     p
 }

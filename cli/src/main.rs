@@ -1,5 +1,7 @@
 //! The `tutti` command: `tutti devices`, `tutti perf`.
 
+mod launch;
+
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -602,7 +604,7 @@ fn launch_cmd(a: LaunchArgs) -> Result<i32, tutti::Error> {
             "--grace must be a non-negative number of seconds",
         ));
     }
-    tutti::launch::run(&tutti::launch::Launch {
+    launch::run(&launch::Launch {
         nprocs: a.nprocs,
         workers: a.workers,
         ps: a.ps,

@@ -14,9 +14,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
-use crate::transport::wire::random_token;
-use crate::transport::TransportKind;
+use tutti::transport::random_token;
+use tutti::TransportKind;
+use tutti::{Error, Result};
 
 /// What to start.
 #[derive(Clone, Debug, Default)]
@@ -274,6 +274,6 @@ pub fn run(l: &Launch) -> Result<i32> {
         let _ = r.join();
     }
     // A process killed while it set up shared memory may have left a segment behind.
-    crate::transport::shm::sweep_dead();
+    tutti::transport::sweep_dead_segments();
     Ok(failed.map_or(0, |(_, s)| exit_code(s)))
 }
