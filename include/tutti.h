@@ -524,6 +524,128 @@ const char *tutti_version_string(void);
 tutti_result tutti_version(uint32_t *major, uint32_t *minor, uint32_t *patch);
 
 /**
+ * All-reduce: every rank's `output` (`count` elements) becomes the element-wise `op` of every
+ * rank's `input`. In place: pass the same pointer as `input` and `output`.
+ *
+ * Every rank of the group must make the same call (same count, dtype, op) in the same order.
+ * Errors: `TUTTI_ERROR_MISMATCH` when ranks disagree, `TUTTI_ERROR_PEER_REJECTED` when another
+ * rank's arguments were wrong, `TUTTI_ERROR_TIMEOUT`, `TUTTI_ERROR_ABORTED`. Arguments this
+ * rank rejects before taking part (NULL or misaligned buffers, unknown dtype or op, buffers
+ * that overlap without being the same) fail with `TUTTI_ERROR_INVALID_ARGUMENT` and abort the
+ * group so that its other ranks fail at once instead of waiting.
+ *
+ * Thread-safety: calls on one communicator from several threads run one at a time in the
+ * order they were issued (every rank must issue the same calls in the same order); the
+ * communicators of a group are meant to be used from different threads at once. The
+ * non-blocking form is `tutti_all_reduce_async`.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle; `input` and `output` are NULL or point to `count` elements,
+ * aligned to the element size, that nothing else touches during the call.
+ */
+tutti_result tutti_all_reduce(struct tutti_comm *comm,
+                              size_t count,
+                              tutti_dtype dtype,
+                              tutti_op op,
+                              const void *input,
+                              void *output);
+
+/**
+ * Broadcast: every rank's `buffer` (`count` elements) becomes the `root` rank's.
+ *
+ * Every rank must make the same call; see `tutti_all_reduce` for the errors.
+ *
+ * Thread-safety: as `tutti_all_reduce`.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle; `buffer` is NULL or points to `count` elements, aligned to
+ * the element size, that nothing else touches during the call.
+ */
+tutti_result tutti_broadcast(struct tutti_comm *comm,
+                             size_t count,
+                             tutti_dtype dtype,
+                             size_t root,
+                             void *buffer);
+
+/**
+ * All-gather: rank r's `input` (`count` elements) lands at element `r × count` of every rank's
+ * `output` (`world_size × count` elements). In place: pass `output + rank × count` (in
+ * elements) as `input`.
+ *
+ * Every rank must make the same call; see `tutti_all_reduce` for the errors.
+ *
+ * Thread-safety: as `tutti_all_reduce`.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle; `input` is NULL or points to `count` elements and `output`
+ * is NULL or points to `world_size × count` elements, aligned to the element size, that nothing
+ * else touches during the call.
+ */
+tutti_result tutti_all_gather(struct tutti_comm *comm,
+                              size_t count,
+                              tutti_dtype dtype,
+                              const void *input,
+                              void *output);
+
+/**
+ * Reduce-scatter: rank r's `output` (`count` elements) becomes elements `r × count ..` of the
+ * element-wise `op` of every rank's `input` (`world_size × count` elements). In place (output
+ * inside input, e.g. `input + rank × count`) is allowed and costs one copy of the input.
+ *
+ * Every rank must make the same call; see `tutti_all_reduce` for the errors.
+ *
+ * Thread-safety: as `tutti_all_reduce`.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle; `input` is NULL or points to `world_size × count` elements
+ * and `output` is NULL or points to `count` elements, aligned to the element size, that nothing
+ * else touches during the call.
+ */
+tutti_result tutti_reduce_scatter(struct tutti_comm *comm,
+                                  size_t count,
+                                  tutti_dtype dtype,
+                                  tutti_op op,
+                                  const void *input,
+                                  void *output);
+
+/**
+ * Reduce onto `root`: the root's `output` (`count` elements) becomes the element-wise `op` of
+ * every rank's `input`. Off the root `output` is not used and may be NULL. In place at the
+ * root: pass the same pointer as `input` and `output`.
+ *
+ * Every rank must make the same call; see `tutti_all_reduce` for the errors.
+ *
+ * Thread-safety: as `tutti_all_reduce`.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle; `input` and (at the root) `output` are NULL or point to
+ * `count` elements, aligned to the element size, that nothing else touches during the call.
+ */
+tutti_result tutti_reduce(struct tutti_comm *comm,
+                          size_t count,
+                          tutti_dtype dtype,
+                          tutti_op op,
+                          size_t root,
+                          const void *input,
+                          void *output);
+
+/**
+ * Barrier: returns once every rank of the group has called it.
+ *
+ * Thread-safety: as `tutti_all_reduce`.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle.
+ */
+tutti_result tutti_barrier(struct tutti_comm *comm);
+
+/**
  * Create an in-process group of `world_size` ranks and write its communicators, rank 0 first,
  * to `comms[0]` … `comms[world_size - 1]`. Hand each to the thread that runs that rank. Each is
  * released with `tutti_comm_destroy`. `config` may be NULL for every default.
@@ -706,128 +828,6 @@ tutti_result tutti_comm_abort(const struct tutti_comm *comm, const char *reason)
  * `comm` is NULL or a live handle; `aborted` is NULL or writable.
  */
 tutti_result tutti_comm_is_aborted(const struct tutti_comm *comm, bool *aborted);
-
-/**
- * All-reduce: every rank's `output` (`count` elements) becomes the element-wise `op` of every
- * rank's `input`. In place: pass the same pointer as `input` and `output`.
- *
- * Every rank of the group must make the same call (same count, dtype, op) in the same order.
- * Errors: `TUTTI_ERROR_MISMATCH` when ranks disagree, `TUTTI_ERROR_PEER_REJECTED` when another
- * rank's arguments were wrong, `TUTTI_ERROR_TIMEOUT`, `TUTTI_ERROR_ABORTED`. Arguments this
- * rank rejects before taking part (NULL or misaligned buffers, unknown dtype or op, buffers
- * that overlap without being the same) fail with `TUTTI_ERROR_INVALID_ARGUMENT` and abort the
- * group so that its other ranks fail at once instead of waiting.
- *
- * Thread-safety: calls on one communicator from several threads run one at a time in the
- * order they were issued (every rank must issue the same calls in the same order); the
- * communicators of a group are meant to be used from different threads at once. The
- * non-blocking form is `tutti_all_reduce_async`.
- *
- * # Safety
- *
- * `comm` is NULL or a live handle; `input` and `output` are NULL or point to `count` elements,
- * aligned to the element size, that nothing else touches during the call.
- */
-tutti_result tutti_all_reduce(struct tutti_comm *comm,
-                              size_t count,
-                              tutti_dtype dtype,
-                              tutti_op op,
-                              const void *input,
-                              void *output);
-
-/**
- * Broadcast: every rank's `buffer` (`count` elements) becomes the `root` rank's.
- *
- * Every rank must make the same call; see `tutti_all_reduce` for the errors.
- *
- * Thread-safety: as `tutti_all_reduce`.
- *
- * # Safety
- *
- * `comm` is NULL or a live handle; `buffer` is NULL or points to `count` elements, aligned to
- * the element size, that nothing else touches during the call.
- */
-tutti_result tutti_broadcast(struct tutti_comm *comm,
-                             size_t count,
-                             tutti_dtype dtype,
-                             size_t root,
-                             void *buffer);
-
-/**
- * All-gather: rank r's `input` (`count` elements) lands at element `r × count` of every rank's
- * `output` (`world_size × count` elements). In place: pass `output + rank × count` (in
- * elements) as `input`.
- *
- * Every rank must make the same call; see `tutti_all_reduce` for the errors.
- *
- * Thread-safety: as `tutti_all_reduce`.
- *
- * # Safety
- *
- * `comm` is NULL or a live handle; `input` is NULL or points to `count` elements and `output`
- * is NULL or points to `world_size × count` elements, aligned to the element size, that nothing
- * else touches during the call.
- */
-tutti_result tutti_all_gather(struct tutti_comm *comm,
-                              size_t count,
-                              tutti_dtype dtype,
-                              const void *input,
-                              void *output);
-
-/**
- * Reduce-scatter: rank r's `output` (`count` elements) becomes elements `r × count ..` of the
- * element-wise `op` of every rank's `input` (`world_size × count` elements). In place (output
- * inside input, e.g. `input + rank × count`) is allowed and costs one copy of the input.
- *
- * Every rank must make the same call; see `tutti_all_reduce` for the errors.
- *
- * Thread-safety: as `tutti_all_reduce`.
- *
- * # Safety
- *
- * `comm` is NULL or a live handle; `input` is NULL or points to `world_size × count` elements
- * and `output` is NULL or points to `count` elements, aligned to the element size, that nothing
- * else touches during the call.
- */
-tutti_result tutti_reduce_scatter(struct tutti_comm *comm,
-                                  size_t count,
-                                  tutti_dtype dtype,
-                                  tutti_op op,
-                                  const void *input,
-                                  void *output);
-
-/**
- * Reduce onto `root`: the root's `output` (`count` elements) becomes the element-wise `op` of
- * every rank's `input`. Off the root `output` is not used and may be NULL. In place at the
- * root: pass the same pointer as `input` and `output`.
- *
- * Every rank must make the same call; see `tutti_all_reduce` for the errors.
- *
- * Thread-safety: as `tutti_all_reduce`.
- *
- * # Safety
- *
- * `comm` is NULL or a live handle; `input` and (at the root) `output` are NULL or point to
- * `count` elements, aligned to the element size, that nothing else touches during the call.
- */
-tutti_result tutti_reduce(struct tutti_comm *comm,
-                          size_t count,
-                          tutti_dtype dtype,
-                          tutti_op op,
-                          size_t root,
-                          const void *input,
-                          void *output);
-
-/**
- * Barrier: returns once every rank of the group has called it.
- *
- * Thread-safety: as `tutti_all_reduce`.
- *
- * # Safety
- *
- * `comm` is NULL or a live handle.
- */
-tutti_result tutti_barrier(struct tutti_comm *comm);
 
 /**
  * Write the number of devices this build can see (the host CPU, plus GPUs and XLA devices in

@@ -7,7 +7,8 @@ use std::time::Duration;
 use tutti::{AbortHandle, RawCall, Work};
 
 use crate::buffers::AlignedCopy;
-use crate::comm::{self, tutti_comm};
+use crate::collectives as comm;
+use crate::comm::tutti_comm;
 use crate::error::{boundary, boundary_void, tutti_result, Failure};
 use crate::types::{tutti_dtype, tutti_op};
 

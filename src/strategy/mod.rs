@@ -15,6 +15,9 @@
 //! | [`Strategy::central_storage`] | one per local device | one copy on the CPU ([`CentralVariable`]) | reduce to the variable's device, apply once |
 //! | [`Strategy::multi_worker_mirrored`] | local devices × workers | one per replica | local reduce, cross-worker all-reduce, local broadcast |
 //! | [`ParameterServerStrategy`](ps::ParameterServerStrategy) | workers run scheduled steps | sharded on `ps` tasks | pushed to the ps asynchronously |
+//!
+//! (Why one long file: every strategy is the one `Strategy` type and its replica context;
+//! variables, fusion, tensors and parameter servers have files of their own.)
 
 mod fusion;
 pub mod ps;

@@ -14,6 +14,9 @@
 //! call's header (compared in `begin`), `DATA` frames the bytes of a step, `ABORT` frames the
 //! reason a rank gave up. A rank that fails a call sends `ABORT` to every peer and closes its
 //! connections, so a dead or failed rank turns into an error naming it on every survivor.
+//!
+//! (Why one long file: connection setup, the step engine and failure propagation share the
+//! per-peer link state and its invariants; split, that state would be visible across files.)
 
 use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};

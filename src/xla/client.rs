@@ -1,4 +1,7 @@
 //! A PJRT client: its devices, device buffers, compiled programs and bounded waits.
+//!
+//! (Why one long file: the client, its buffers, program cache and event waits all own raw
+//! PJRT handles whose drop order and thread rules are kept in one place.)
 
 use std::collections::HashMap;
 use std::ffi::c_void;

@@ -1,0 +1,493 @@
+//! The collectives of `tutti_comm`, blocking and (through `crate::work`) non-blocking: each
+//! checks this rank's arguments in C terms, then hands the call by address to the
+//! communicator, whatever the device its memory is on.
+
+use std::ffi::c_void;
+
+use tutti::{Collective, DType, DeviceKind, RawCall, ReduceOp};
+
+use crate::buffers::{self, byte_len, check, overlap, AlignedCopy};
+use crate::comm::{comm_ref, tutti_comm};
+use crate::error::{boundary, tutti_result};
+use crate::types::{self, tutti_dtype, tutti_op};
+use crate::work::Mode;
+
+/// All-reduce: every rank's `output` (`count` elements) becomes the element-wise `op` of every
+/// rank's `input`. In place: pass the same pointer as `input` and `output`.
+///
+/// Every rank of the group must make the same call (same count, dtype, op) in the same order.
+/// Errors: `TUTTI_ERROR_MISMATCH` when ranks disagree, `TUTTI_ERROR_PEER_REJECTED` when another
+/// rank's arguments were wrong, `TUTTI_ERROR_TIMEOUT`, `TUTTI_ERROR_ABORTED`. Arguments this
+/// rank rejects before taking part (NULL or misaligned buffers, unknown dtype or op, buffers
+/// that overlap without being the same) fail with `TUTTI_ERROR_INVALID_ARGUMENT` and abort the
+/// group so that its other ranks fail at once instead of waiting.
+///
+/// Thread-safety: calls on one communicator from several threads run one at a time in the
+/// order they were issued (every rank must issue the same calls in the same order); the
+/// communicators of a group are meant to be used from different threads at once. The
+/// non-blocking form is `tutti_all_reduce_async`.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `input` and `output` are NULL or point to `count` elements,
+/// aligned to the element size, that nothing else touches during the call.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_all_reduce(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    op: tutti_op,
+    input: *const c_void,
+    output: *mut c_void,
+) -> tutti_result {
+    // SAFETY: as the caller promises.
+    unsafe {
+        all_reduce(
+            "tutti_all_reduce",
+            comm,
+            count,
+            dtype,
+            op,
+            input,
+            output,
+            Mode::Blocking,
+        )
+    }
+}
+
+/// The body of `tutti_all_reduce` and `tutti_all_reduce_async`.
+///
+/// # Safety
+///
+/// As `tutti_all_reduce`; with `Mode::Async`, the buffers stay valid until the work completes.
+#[allow(clippy::too_many_arguments)] // the C signature, plus the name and the mode
+pub(crate) unsafe fn all_reduce(
+    f: &'static str,
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    op: tutti_op,
+    input: *const c_void,
+    output: *mut c_void,
+    mode: Mode,
+) -> tutti_result {
+    boundary(f, || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let checked = (|| {
+            mode.check()?;
+            let dtype = types::dtype(dtype)?;
+            let op = types::op(op)?;
+            let n = byte_len(count, 1, dtype)?;
+            check(input, n, dtype, "input")?;
+            check(output, n, dtype, "output")?;
+            let in_place = std::ptr::eq(input, output);
+            if !in_place && overlap(input, n, output, n) {
+                return Err(
+                    "input and output overlap without being the same buffer; pass the same \
+                     pointer as both for an in-place all-reduce"
+                        .to_string(),
+                );
+            }
+            Ok((dtype, op, n, in_place))
+        })();
+        let (dtype, op, _, _) = checked.map_err(|m| c.reject(f, m))?;
+        let call = RawCall {
+            collective: Collective::AllReduce,
+            dtype,
+            count,
+            op,
+            root: 0,
+            input: input.cast(),
+            output: output.cast(),
+        };
+        // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
+        unsafe { mode.run(c, call, None) }
+    })
+}
+
+/// Broadcast: every rank's `buffer` (`count` elements) becomes the `root` rank's.
+///
+/// Every rank must make the same call; see `tutti_all_reduce` for the errors.
+///
+/// Thread-safety: as `tutti_all_reduce`.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `buffer` is NULL or points to `count` elements, aligned to
+/// the element size, that nothing else touches during the call.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_broadcast(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    root: usize,
+    buffer: *mut c_void,
+) -> tutti_result {
+    // SAFETY: as the caller promises.
+    unsafe {
+        broadcast(
+            "tutti_broadcast",
+            comm,
+            count,
+            dtype,
+            root,
+            buffer,
+            Mode::Blocking,
+        )
+    }
+}
+
+/// The body of `tutti_broadcast` and `tutti_broadcast_async`.
+///
+/// # Safety
+///
+/// As `tutti_broadcast`; with `Mode::Async`, the buffers stay valid until the work completes.
+pub(crate) unsafe fn broadcast(
+    f: &'static str,
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    root: usize,
+    buffer: *mut c_void,
+    mode: Mode,
+) -> tutti_result {
+    boundary(f, || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let checked = (|| {
+            mode.check()?;
+            let dtype = types::dtype(dtype)?;
+            let n = byte_len(count, 1, dtype)?;
+            check(buffer, n, dtype, "buffer")?;
+            Ok((dtype, n))
+        })();
+        let (dtype, _) = checked.map_err(|m| c.reject(f, m))?;
+        let call = RawCall {
+            collective: Collective::Broadcast,
+            dtype,
+            count,
+            op: ReduceOp::Sum,
+            root,
+            input: buffer.cast_const().cast(),
+            output: buffer.cast(),
+        };
+        // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
+        unsafe { mode.run(c, call, None) }
+    })
+}
+
+/// All-gather: rank r's `input` (`count` elements) lands at element `r × count` of every rank's
+/// `output` (`world_size × count` elements). In place: pass `output + rank × count` (in
+/// elements) as `input`.
+///
+/// Every rank must make the same call; see `tutti_all_reduce` for the errors.
+///
+/// Thread-safety: as `tutti_all_reduce`.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `input` is NULL or points to `count` elements and `output`
+/// is NULL or points to `world_size × count` elements, aligned to the element size, that nothing
+/// else touches during the call.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_all_gather(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    input: *const c_void,
+    output: *mut c_void,
+) -> tutti_result {
+    // SAFETY: as the caller promises.
+    unsafe {
+        all_gather(
+            "tutti_all_gather",
+            comm,
+            count,
+            dtype,
+            input,
+            output,
+            Mode::Blocking,
+        )
+    }
+}
+
+/// The body of `tutti_all_gather` and `tutti_all_gather_async`.
+///
+/// # Safety
+///
+/// As `tutti_all_gather`; with `Mode::Async`, the buffers stay valid until the work completes.
+pub(crate) unsafe fn all_gather(
+    f: &'static str,
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    input: *const c_void,
+    output: *mut c_void,
+    mode: Mode,
+) -> tutti_result {
+    boundary(f, || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let world = c.world;
+        let checked = (|| {
+            mode.check()?;
+            let dtype = types::dtype(dtype)?;
+            let n = byte_len(count, 1, dtype)?;
+            let total = byte_len(count, world, dtype)?;
+            check(input, n, dtype, "input")?;
+            check(output, total, dtype, "output")?;
+            let own = (output as usize).wrapping_add(c.rank * n);
+            let in_place = n == 0 || input as usize == own;
+            if !in_place && overlap(input, n, output, total) {
+                return Err(format!(
+                    "input overlaps output without being this rank's slice of it; for an \
+                     in-place all-gather pass output + rank × count (rank {}) as input",
+                    c.rank
+                ));
+            }
+            Ok((dtype, n, total, in_place))
+        })();
+        let (dtype, _, _, _) = checked.map_err(|m| c.reject(f, m))?;
+        let call = RawCall {
+            collective: Collective::AllGather,
+            dtype,
+            count,
+            op: ReduceOp::Sum,
+            root: 0,
+            input: input.cast(),
+            output: output.cast(),
+        };
+        // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
+        unsafe { mode.run(c, call, None) }
+    })
+}
+
+/// Reduce-scatter: rank r's `output` (`count` elements) becomes elements `r × count ..` of the
+/// element-wise `op` of every rank's `input` (`world_size × count` elements). In place (output
+/// inside input, e.g. `input + rank × count`) is allowed and costs one copy of the input.
+///
+/// Every rank must make the same call; see `tutti_all_reduce` for the errors.
+///
+/// Thread-safety: as `tutti_all_reduce`.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `input` is NULL or points to `world_size × count` elements
+/// and `output` is NULL or points to `count` elements, aligned to the element size, that nothing
+/// else touches during the call.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_reduce_scatter(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    op: tutti_op,
+    input: *const c_void,
+    output: *mut c_void,
+) -> tutti_result {
+    // SAFETY: as the caller promises.
+    unsafe {
+        reduce_scatter(
+            "tutti_reduce_scatter",
+            comm,
+            count,
+            dtype,
+            op,
+            input,
+            output,
+            Mode::Blocking,
+        )
+    }
+}
+
+/// The body of `tutti_reduce_scatter` and `tutti_reduce_scatter_async`.
+///
+/// # Safety
+///
+/// As `tutti_reduce_scatter`; with `Mode::Async`, the buffers stay valid until the work completes.
+#[allow(clippy::too_many_arguments)] // the C signature, plus the name and the mode
+pub(crate) unsafe fn reduce_scatter(
+    f: &'static str,
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    op: tutti_op,
+    input: *const c_void,
+    output: *mut c_void,
+    mode: Mode,
+) -> tutti_result {
+    boundary(f, || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let world = c.world;
+        let checked = (|| {
+            mode.check()?;
+            let dtype = types::dtype(dtype)?;
+            let op = types::op(op)?;
+            let n = byte_len(count, 1, dtype)?;
+            let total = byte_len(count, world, dtype)?;
+            check(input, total, dtype, "input")?;
+            check(output, n, dtype, "output")?;
+            Ok((dtype, op, n, total))
+        })();
+        let (dtype, op, n, total) = checked.map_err(|m| c.reject(f, m))?;
+        // Output inside the input: the call reads a copy of the input, kept as long as the
+        // call runs (in the work handle, for a non-blocking one). Host memory only.
+        let copy = if overlap(input, total, output, n) {
+            if c.device != DeviceKind::Cpu && c.device != DeviceKind::Xla {
+                return Err(c.reject(
+                    f,
+                    "the output overlaps the input; on device memory pass separate buffers"
+                        .to_string(),
+                ));
+            }
+            // SAFETY: checked above: host memory of `total` bytes.
+            Some(AlignedCopy::of(unsafe { buffers::slice(input, total) }))
+        } else {
+            None
+        };
+        let call = RawCall {
+            collective: Collective::ReduceScatter,
+            dtype,
+            count,
+            op,
+            root: 0,
+            input: copy.as_ref().map_or(input.cast(), |c| c.bytes().as_ptr()),
+            output: output.cast(),
+        };
+        // SAFETY: checked above; the caller promises the memory, for as long as the call
+        // runs; the copy's heap bytes do not move when it moves into the work handle.
+        unsafe { mode.run(c, call, copy) }
+    })
+}
+
+/// Reduce onto `root`: the root's `output` (`count` elements) becomes the element-wise `op` of
+/// every rank's `input`. Off the root `output` is not used and may be NULL. In place at the
+/// root: pass the same pointer as `input` and `output`.
+///
+/// Every rank must make the same call; see `tutti_all_reduce` for the errors.
+///
+/// Thread-safety: as `tutti_all_reduce`.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `input` and (at the root) `output` are NULL or point to
+/// `count` elements, aligned to the element size, that nothing else touches during the call.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_reduce(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    op: tutti_op,
+    root: usize,
+    input: *const c_void,
+    output: *mut c_void,
+) -> tutti_result {
+    // SAFETY: as the caller promises.
+    unsafe {
+        reduce(
+            "tutti_reduce",
+            comm,
+            count,
+            dtype,
+            op,
+            root,
+            input,
+            output,
+            Mode::Blocking,
+        )
+    }
+}
+
+/// The body of `tutti_reduce` and `tutti_reduce_async`.
+///
+/// # Safety
+///
+/// As `tutti_reduce`; with `Mode::Async`, the buffers stay valid until the work completes.
+#[allow(clippy::too_many_arguments)] // the C signature, plus the name and the mode
+pub(crate) unsafe fn reduce(
+    f: &'static str,
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    op: tutti_op,
+    root: usize,
+    input: *const c_void,
+    output: *mut c_void,
+    mode: Mode,
+) -> tutti_result {
+    boundary(f, || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let is_root = c.rank == root;
+        let checked = (|| {
+            mode.check()?;
+            let dtype = types::dtype(dtype)?;
+            let op = types::op(op)?;
+            let n = byte_len(count, 1, dtype)?;
+            check(input, n, dtype, "input")?;
+            let in_place = is_root && std::ptr::eq(input, output);
+            if is_root {
+                check(output, n, dtype, "output (at the root)")?;
+                if !in_place && overlap(input, n, output, n) {
+                    return Err(
+                        "input and output overlap without being the same buffer; pass the \
+                         same pointer as both for an in-place reduce"
+                            .to_string(),
+                    );
+                }
+            }
+            Ok((dtype, op, n, in_place))
+        })();
+        let (dtype, op, _, _) = checked.map_err(|m| c.reject(f, m))?;
+        let call = RawCall {
+            collective: Collective::Reduce,
+            dtype,
+            count,
+            op,
+            root,
+            input: input.cast(),
+            output: output.cast(),
+        };
+        // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
+        unsafe { mode.run(c, call, None) }
+    })
+}
+
+/// Barrier: returns once every rank of the group has called it.
+///
+/// Thread-safety: as `tutti_all_reduce`.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_barrier(comm: *mut tutti_comm) -> tutti_result {
+    // SAFETY: as the caller promises.
+    unsafe { barrier("tutti_barrier", comm, Mode::Blocking) }
+}
+
+/// The body of `tutti_barrier` and `tutti_barrier_async`.
+///
+/// # Safety
+///
+/// As `tutti_barrier`; with `Mode::Async`, the buffers stay valid until the work completes.
+pub(crate) unsafe fn barrier(f: &'static str, comm: *mut tutti_comm, mode: Mode) -> tutti_result {
+    boundary(f, || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        mode.check().map_err(|m| c.reject(f, m))?;
+        let call = RawCall {
+            collective: Collective::Barrier,
+            dtype: DType::U8,
+            count: 0,
+            op: ReduceOp::Sum,
+            root: 0,
+            input: std::ptr::null(),
+            output: std::ptr::null_mut(),
+        };
+        // SAFETY: no memory.
+        unsafe { mode.run(c, call, None) }?;
+        Ok(())
+    })
+}

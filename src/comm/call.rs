@@ -1,0 +1,585 @@
+//! One call as this rank issues it: the local checks of every collective's arguments, the
+//! buffers as raw parts, and what runs once the ranks have met (the host algorithms, or a
+//! group engine).
+
+use super::work::{Runnable, Shared};
+use super::{Communicator, RawCall};
+use crate::algorithm::{self, Algorithm, Ctx};
+use crate::dtype::{DType, ReduceOp};
+use crate::engine::{GroupCall, GroupEngine};
+use crate::error::{Collective, Error, Result, Site};
+use crate::transport::{CallBuffers, CallHeader, Transport};
+
+/// Leaves the call on every exit, a panic included, so that peers never read freed memory.
+struct CallGuard<'a> {
+    transport: &'a dyn Transport,
+    rank: usize,
+    failed: Option<Error>,
+    finished: bool,
+}
+
+impl Drop for CallGuard<'_> {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.failed = Some(Error::Aborted {
+                rank: self.rank,
+                reason: "a panic inside a collective".to_string(),
+            });
+        }
+        self.transport.end(self.failed.as_ref());
+    }
+}
+
+/// One call, checked on this rank when it is issued; its buffers as raw parts, which the
+/// issuer keeps valid until the call completes (a blocking call by waiting, a safe
+/// non-blocking one by owning them, an unsafe one by its caller's promise).
+pub(super) struct Call {
+    collective: Collective,
+    rank: usize,
+    dtype: DType,
+    count: usize,
+    op: Option<ReduceOp>,
+    root: Option<usize>,
+    algorithm: Algorithm,
+    check: std::result::Result<(), String>,
+    buffers: CallBuffers,
+    /// The input is the output (`input` of the collective's body is `None`).
+    in_place: bool,
+}
+
+/// A slice from raw parts that may be empty (a zero-length slice still needs a non-null,
+/// aligned pointer; slices handed to a call are never null).
+///
+/// # Safety
+///
+/// `ptr` is valid for `len` bytes for the life the caller picks.
+unsafe fn raw<'a>(ptr: *const u8, len: usize) -> &'a [u8] {
+    // SAFETY: as the caller promises.
+    unsafe { std::slice::from_raw_parts(ptr, len) }
+}
+
+/// # Safety
+///
+/// As [`raw`], and nothing else reads or writes the bytes meanwhile.
+unsafe fn raw_mut<'a>(ptr: *mut u8, len: usize) -> &'a mut [u8] {
+    // SAFETY: as the caller promises.
+    unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+}
+
+/// A buffer by address and length in bytes: a borrowed slice's parts, or memory Rust cannot
+/// borrow (a device's, a C caller's). Its methods mirror a slice's.
+#[derive(Copy, Clone)]
+pub(super) struct Bytes {
+    ptr: *const u8,
+    len: usize,
+}
+
+impl Bytes {
+    pub(super) fn of(s: &[u8]) -> Bytes {
+        Bytes {
+            ptr: s.as_ptr(),
+            len: s.len(),
+        }
+    }
+    fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// A writable [`Bytes`].
+#[derive(Copy, Clone)]
+pub(super) struct BytesMut {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl BytesMut {
+    pub(super) fn of(s: &mut [u8]) -> BytesMut {
+        BytesMut {
+            ptr: s.as_mut_ptr(),
+            len: s.len(),
+        }
+    }
+    fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+    fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Call {
+    /// The algorithm's part of the call, over the buffers the issuer published.
+    fn body(&self, ctx: &Ctx<'_>) -> Result<()> {
+        let b = self.buffers;
+        let algo = self.algorithm;
+        // SAFETY: the buffers are valid and untouched by the caller until the call completes
+        // (see `Call`); input and output are distinct unless the call is in place, when the
+        // input is not formed.
+        unsafe {
+            let input = (!self.in_place).then(|| raw(b.input, b.input_len));
+            match self.collective {
+                Collective::AllReduce => {
+                    algorithm::all_reduce(ctx, algo, input, raw_mut(b.output, b.output_len))
+                }
+                Collective::Broadcast => algorithm::broadcast(
+                    ctx,
+                    algo,
+                    self.root.unwrap_or(0),
+                    raw_mut(b.output, b.output_len),
+                ),
+                Collective::AllGather => {
+                    algorithm::all_gather(ctx, algo, input, raw_mut(b.output, b.output_len))
+                }
+                Collective::ReduceScatter => algorithm::reduce_scatter(
+                    ctx,
+                    algo,
+                    raw(b.input, b.input_len),
+                    raw_mut(b.output, b.output_len),
+                ),
+                Collective::Reduce => {
+                    let output = (!b.output.is_null()).then(|| raw_mut(b.output, b.output_len));
+                    algorithm::reduce(
+                        ctx,
+                        algo,
+                        self.root.unwrap_or(0),
+                        input,
+                        output,
+                        b.input_len,
+                    )
+                }
+                Collective::Barrier => Ok(()),
+            }
+        }
+    }
+}
+
+impl Call {
+    /// A group engine's part: rank 0 runs the call once over every rank's published buffers;
+    /// the others wait until it has (the transport bounds the wait and carries aborts).
+    fn group_body(&self, ctx: &Ctx<'_>, engine: &dyn GroupEngine) -> Result<()> {
+        let pm = ctx.peer_memory("a device group")?;
+        // Above every progress value of earlier calls (the `direct` algorithm's included).
+        let done = (ctx.site.call << 32) | 1;
+        if ctx.rank() != 0 {
+            return pm.wait_progress(ctx.site, 0, done, "run the call on the group's devices");
+        }
+        let bufs: Vec<CallBuffers> = (0..ctx.world())
+            .map(|k| if k == 0 { self.buffers } else { pm.buffers(k) })
+            .collect();
+        let call = GroupCall {
+            collective: self.collective,
+            dtype: self.dtype,
+            count: self.count,
+            op: self.op.unwrap_or(ReduceOp::Sum),
+            root: self.root.unwrap_or(0),
+        };
+        engine.run(ctx.site, &call, &bufs)?;
+        pm.set_progress(done);
+        Ok(())
+    }
+}
+
+impl Runnable for Call {
+    fn site(&self, number: u64) -> Site {
+        Site {
+            collective: self.collective,
+            rank: self.rank,
+            call: number,
+        }
+    }
+
+    fn run(&self, shared: &Shared, number: u64) -> Result<()> {
+        let site = self.site(number);
+        let transport = &*shared.transport;
+        let mut guard = CallGuard {
+            transport,
+            rank: self.rank,
+            failed: None,
+            finished: false,
+        };
+        let header = CallHeader {
+            call: number,
+            collective: self.collective,
+            dtype: self.dtype,
+            count: self.count,
+            op: self.op,
+            root: self.root,
+            algorithm: self.algorithm.to_string(),
+            chunk_bytes: shared.chunk_bytes as u64,
+            rejected: self.check.clone().err(),
+        };
+        let buffers = if self.check.is_ok() {
+            self.buffers
+        } else {
+            CallBuffers::NONE
+        };
+        let begun = transport.begin(site, &header, buffers);
+        let result = match (&self.check, begun) {
+            (Err(message), _) => Err(Error::invalid(site, message.clone())),
+            (Ok(()), Err(e)) => Err(e),
+            (Ok(()), Ok(())) => {
+                let ctx = Ctx {
+                    t: transport,
+                    site,
+                    dtype: self.dtype,
+                    op: self.op.unwrap_or(ReduceOp::Sum),
+                    chunk_bytes: shared.chunk_bytes,
+                };
+                match &shared.engine {
+                    None => self.body(&ctx),
+                    Some(engine) => self.group_body(&ctx, &**engine),
+                }
+            }
+        };
+        guard.failed = result.as_ref().err().cloned();
+        guard.finished = true;
+        result
+    }
+}
+
+fn elems(dtype: DType, name: &str, len: usize) -> std::result::Result<usize, String> {
+    if len % dtype.size() != 0 {
+        return Err(format!(
+            "{name} holds {len} bytes, not a whole number of {dtype} elements"
+        ));
+    }
+    Ok(len / dtype.size())
+}
+
+/// Every buffer of a call of `count` elements (per rank) must be aligned for its element type
+/// (the kernels read typed slices); with no elements, any address will do.
+fn aligned(
+    dtype: DType,
+    count: usize,
+    bufs: &[(&str, *const u8)],
+) -> std::result::Result<(), String> {
+    if count == 0 {
+        return Ok(());
+    }
+    match bufs.iter().find(|(_, p)| (*p as usize) % dtype.size() != 0) {
+        Some((name, p)) => Err(format!(
+            "{name} at {p:?} is not aligned to {} bytes for {dtype} elements",
+            dtype.size()
+        )),
+        None => Ok(()),
+    }
+}
+
+fn check_root(root: usize, world: usize) -> std::result::Result<(), String> {
+    if root >= world {
+        return Err(format!(
+            "root {root} is out of range for a world of {world} ranks"
+        ));
+    }
+    Ok(())
+}
+
+impl Communicator {
+    /// All-reduce of raw bytes holding `dtype` elements: `output = ⊕ over ranks of input`, or in
+    /// place in `output` when `input` is `None`.
+    pub(super) fn all_reduce_call(
+        &self,
+        dtype: DType,
+        input: Option<Bytes>,
+        output: BytesMut,
+        op: ReduceOp,
+    ) -> Call {
+        let check = elems(dtype, "the buffer", output.len()).and_then(|n| match input {
+            Some(i) if i.len() != output.len() => Err(format!(
+                "the input holds {} elements but the output {n}; they must be equal",
+                i.len() / dtype.size()
+            )),
+            _ => {
+                let i = input.map_or(output.as_ptr(), |i| i.as_ptr());
+                aligned(
+                    dtype,
+                    n,
+                    &[("the input", i), ("the output", output.as_ptr())],
+                )
+                .map(|_| n)
+            }
+        });
+        let count = *check.as_ref().unwrap_or(&0);
+        let buffers = CallBuffers {
+            input: input.map_or(output.as_ptr(), |i| i.as_ptr()),
+            input_len: output.len(),
+            output: output.as_mut_ptr(),
+            output_len: output.len(),
+        };
+        Call {
+            collective: Collective::AllReduce,
+            dtype,
+            count,
+            op: Some(op),
+            root: None,
+            check: check.map(drop),
+            buffers,
+            rank: self.rank(),
+            algorithm: self.algorithm,
+            in_place: input.is_none(),
+        }
+    }
+
+    /// Broadcast raw bytes from `root` into every rank's `buf`.
+    pub(super) fn broadcast_call(&self, dtype: DType, buf: BytesMut, root: usize) -> Call {
+        let check = elems(dtype, "the buffer", buf.len());
+        let count = *check.as_ref().unwrap_or(&0);
+        let check = check
+            .and_then(|_| check_root(root, self.world_size()))
+            .and_then(|_| aligned(dtype, count, &[("the buffer", buf.as_ptr())]));
+        let ptr = buf.as_mut_ptr();
+        let buffers = CallBuffers {
+            input: ptr,
+            input_len: buf.len(),
+            output: ptr,
+            output_len: buf.len(),
+        };
+        Call {
+            collective: Collective::Broadcast,
+            dtype,
+            count,
+            op: None,
+            root: Some(root),
+            check,
+            buffers,
+            rank: self.rank(),
+            algorithm: self.algorithm,
+            in_place: true,
+        }
+    }
+
+    /// All-gather of raw bytes: rank r's `input` lands in slice r of every rank's `output`
+    /// (`world_size` times as long). `input = None`: in place, slice `rank` of `output` is the input.
+    pub(super) fn all_gather_call(
+        &self,
+        dtype: DType,
+        input: Option<Bytes>,
+        output: BytesMut,
+    ) -> Call {
+        let p = self.world_size();
+        let in_len = input.map_or(output.len() / p, |i| i.len());
+        let check = elems(dtype, "the input", in_len).and_then(|n| {
+            if output.len() != in_len * p || (input.is_none() && output.len() % p != 0) {
+                Err(format!(
+                    "the output holds {} elements; all_gather needs world size × input = {p} × {n} = {}",
+                    output.len() / dtype.size(),
+                    n * p
+                ))
+            } else {
+                let i = input.map_or(output.as_ptr(), |i| i.as_ptr());
+                aligned(dtype, n, &[("the input", i), ("the output", output.as_ptr())]).map(|_| n)
+            }
+        });
+        let count = *check.as_ref().unwrap_or(&0);
+        let own = self.rank() * in_len;
+        let buffers = CallBuffers {
+            input: input.map_or(output.as_ptr().wrapping_add(own), |i| i.as_ptr()),
+            input_len: in_len,
+            output: output.as_mut_ptr(),
+            output_len: output.len(),
+        };
+        Call {
+            collective: Collective::AllGather,
+            dtype,
+            count,
+            op: None,
+            root: None,
+            check: check.map(drop),
+            buffers,
+            rank: self.rank(),
+            algorithm: self.algorithm,
+            in_place: input.is_none(),
+        }
+    }
+
+    /// Reduce-scatter of raw bytes: `output` (one slice) = slice `rank` of the reduction of every
+    /// rank's `input` (`world_size` slices).
+    pub(super) fn reduce_scatter_call(
+        &self,
+        dtype: DType,
+        input: Bytes,
+        output: BytesMut,
+        op: ReduceOp,
+    ) -> Call {
+        let p = self.world_size();
+        let check = elems(dtype, "the output", output.len()).and_then(|n| {
+            if input.len() != output.len() * p {
+                Err(format!(
+                    "the input holds {} elements; reduce_scatter needs world size × output = {p} × {n} = {}",
+                    input.len() / dtype.size(),
+                    n * p
+                ))
+            } else {
+                aligned(dtype, n, &[("the input", input.as_ptr()), ("the output", output.as_ptr())]).map(|_| n)
+            }
+        });
+        let count = *check.as_ref().unwrap_or(&0);
+        let buffers = CallBuffers {
+            input: input.as_ptr(),
+            input_len: input.len(),
+            output: output.as_mut_ptr(),
+            output_len: output.len(),
+        };
+        Call {
+            collective: Collective::ReduceScatter,
+            dtype,
+            count,
+            op: Some(op),
+            root: None,
+            check: check.map(drop),
+            buffers,
+            rank: self.rank(),
+            algorithm: self.algorithm,
+            in_place: false,
+        }
+    }
+
+    /// Reduce of raw bytes onto `root`. Off the root `output` is ignored and may be `None`; at the
+    /// root it is required, and `input = None` means in place in `output`.
+    pub(super) fn reduce_call(
+        &self,
+        dtype: DType,
+        input: Option<Bytes>,
+        output: Option<BytesMut>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Call {
+        let is_root = self.rank() == root;
+        let output = output.filter(|_| is_root);
+        let len = input
+            .map(|i| i.len())
+            .or(output.as_ref().map(|o| o.len()))
+            .unwrap_or(0);
+        let check = elems(dtype, "the buffer", len).and_then(|n| {
+            check_root(root, self.world_size())?;
+            match (input, &output) {
+                (None, None) if is_root => Err("the root needs an output buffer".to_string()),
+                (None, None) => Err("ranks other than the root need an input buffer".to_string()),
+                (Some(i), Some(o)) if i.len() != o.len() => Err(format!(
+                    "the input holds {} elements but the output {}; they must be equal",
+                    i.len() / dtype.size(),
+                    o.len() / dtype.size()
+                )),
+                (Some(_), None) if is_root => Err("the root needs an output buffer".to_string()),
+                _ => {
+                    let i = input.map(|i| i.as_ptr()).unwrap_or(std::ptr::null());
+                    let o = output
+                        .as_ref()
+                        .map(|o| o.as_ptr())
+                        .unwrap_or(std::ptr::null());
+                    aligned(dtype, n, &[("the input", i), ("the output", o)]).map(|_| n)
+                }
+            }
+        });
+        let count = *check.as_ref().unwrap_or(&0);
+        let (out_ptr, out_len) = match &output {
+            Some(o) => (o.as_ptr() as *mut u8, o.len()),
+            None => (std::ptr::null_mut(), 0),
+        };
+        let buffers = CallBuffers {
+            input: input.map_or(out_ptr as *const u8, |i| i.as_ptr()),
+            input_len: len,
+            output: out_ptr,
+            output_len: out_len,
+        };
+        Call {
+            collective: Collective::Reduce,
+            dtype,
+            count,
+            op: Some(op),
+            root: Some(root),
+            check: check.map(drop),
+            buffers,
+            rank: self.rank(),
+            algorithm: self.algorithm,
+            in_place: input.is_none(),
+        }
+    }
+
+    pub(super) fn barrier_call(&self) -> Call {
+        Call {
+            collective: Collective::Barrier,
+            rank: self.rank(),
+            dtype: DType::U8,
+            count: 0,
+            op: None,
+            root: None,
+            algorithm: self.algorithm,
+            check: Ok(()),
+            buffers: CallBuffers::NONE,
+            in_place: true,
+        }
+    }
+
+    /// Build the call `c` describes; lengths that overflow are this rank's argument error.
+    pub(super) fn raw_call(&self, c: &RawCall) -> Call {
+        let p = self.world_size();
+        let (in_times, out_times) = match c.collective {
+            Collective::AllGather => (1, p),
+            Collective::ReduceScatter => (p, 1),
+            _ => (1, 1),
+        };
+        let bytes = |times: usize| {
+            c.count
+                .checked_mul(times)
+                .and_then(|n| n.checked_mul(c.dtype.size()))
+                .filter(|&n| n <= isize::MAX as usize)
+        };
+        let (Some(in_len), Some(out_len)) = (bytes(in_times), bytes(out_times)) else {
+            let mut call = self.barrier_call();
+            call.collective = c.collective;
+            call.dtype = c.dtype;
+            call.check = Err(format!(
+                "{} × count {} of {} is more bytes than a buffer can hold",
+                in_times.max(out_times),
+                c.count,
+                c.dtype
+            ));
+            return call;
+        };
+        // An empty buffer may have any address, NULL included; slices need one that is not.
+        let fix = |p: *const u8, len: usize| {
+            if len == 0 {
+                std::ptr::NonNull::<u128>::dangling().as_ptr() as *const u8
+            } else {
+                p
+            }
+        };
+        let input = Bytes {
+            ptr: fix(c.input, in_len),
+            len: in_len,
+        };
+        let output = BytesMut {
+            ptr: fix(c.output, out_len) as *mut u8,
+            len: out_len,
+        };
+        let same = |a: *const u8, b: *const u8| std::ptr::eq(a, b) || in_len == 0;
+        match c.collective {
+            Collective::AllReduce => {
+                let input = (!same(c.input, c.output)).then_some(input);
+                self.all_reduce_call(c.dtype, input, output, c.op)
+            }
+            Collective::Broadcast => self.broadcast_call(c.dtype, output, c.root),
+            Collective::AllGather => {
+                let own = c.output.wrapping_add(self.rank() * in_len);
+                let input = (!same(c.input, own)).then_some(input);
+                self.all_gather_call(c.dtype, input, output)
+            }
+            Collective::ReduceScatter => self.reduce_scatter_call(c.dtype, input, output, c.op),
+            Collective::Reduce => {
+                let at_root = self.rank() == c.root;
+                let input = (!(at_root && same(c.input, c.output))).then_some(input);
+                let output = at_root.then_some(output);
+                self.reduce_call(c.dtype, input, output, c.op, c.root)
+            }
+            Collective::Barrier => self.barrier_call(),
+        }
+    }
+}
