@@ -133,3 +133,44 @@ fn xla_devices_every_collective() {
         .to_string();
     assert!(m.contains("xla:0 … xla:1"), "{m}");
 }
+
+/// One rank per process on a device (`TUTTI_DEVICE`): what cannot be is said before any
+/// connection is made; `cpu` joins as before.
+#[test]
+fn a_process_rank_on_a_device() {
+    use tutti::cluster::ClusterSpec;
+    use tutti::{Communicator, TransportKind};
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let vars = [
+        ("TUTTI_RANK".to_string(), "0".to_string()),
+        ("TUTTI_WORLD_SIZE".to_string(), "1".to_string()),
+        ("TUTTI_MASTER_ADDR".to_string(), format!("127.0.0.1:{port}")),
+        ("TUTTI_JOB_TOKEN".to_string(), "devices-test".to_string()),
+    ];
+    let spec = ClusterSpec::from_vars(&vars.into_iter().collect())
+        .unwrap()
+        .unwrap();
+    let config = Config::default().with_timeout(Duration::from_secs(20));
+    let on = |device: &str| {
+        Communicator::from_cluster_on(&spec, TransportKind::Tcp, device, &config)
+            .err()
+            .map(|e| e.to_string())
+    };
+    let m = on("xla:0").unwrap();
+    assert!(m.contains("within one process"), "{m}");
+    let m = on("npu:0").unwrap();
+    assert!(m.contains("npu"), "{m}");
+    if !cfg!(feature = "cuda") {
+        let m = on("cuda").unwrap();
+        assert!(m.starts_with("CUDA not available"), "{m}");
+    }
+    let comm = Communicator::from_cluster_on(&spec, TransportKind::Tcp, "cpu", &config).unwrap();
+    assert_eq!(comm.device_spec(), "cpu:0");
+    let mut x = [2.0f64; 3];
+    comm.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+    assert_eq!(x, [2.0; 3]);
+}

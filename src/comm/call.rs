@@ -164,6 +164,10 @@ impl Call {
     /// A group engine's part: rank 0 runs the call once over every rank's published buffers;
     /// the others wait until it has (the transport bounds the wait and carries aborts).
     fn group_body(&self, ctx: &Ctx<'_>, engine: &dyn GroupEngine) -> Result<()> {
+        if engine.per_rank() {
+            // Every rank runs its own part; the engine's own group meets the ranks.
+            return engine.run(ctx.site, &self.group_call(), &[self.buffers]);
+        }
         let pm = ctx.peer_memory("a device group")?;
         // Above every progress value of earlier calls (the `direct` algorithm's included).
         let done = (ctx.site.call << 32) | 1;
@@ -173,16 +177,21 @@ impl Call {
         let bufs: Vec<CallBuffers> = (0..ctx.world())
             .map(|k| if k == 0 { self.buffers } else { pm.buffers(k) })
             .collect();
-        let call = GroupCall {
+        engine.run(ctx.site, &self.group_call(), &bufs)?;
+        pm.set_progress(done);
+        Ok(())
+    }
+}
+
+impl Call {
+    fn group_call(&self) -> GroupCall {
+        GroupCall {
             collective: self.collective,
             dtype: self.dtype,
             count: self.count,
             op: self.op.unwrap_or(ReduceOp::Sum),
             root: self.root.unwrap_or(0),
-        };
-        engine.run(ctx.site, &call, &bufs)?;
-        pm.set_progress(done);
-        Ok(())
+        }
     }
 }
 

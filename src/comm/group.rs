@@ -154,7 +154,38 @@ fn cuda_engine(indices: &[usize], config: &Config) -> Result<Arc<dyn GroupEngine
         .collect::<Result<_>>()?;
     let algorithm = GpuAlgorithm::from_core(config.algorithm)?;
     let group = GpuGroup::new(&devices, algorithm, config)?;
-    Ok(Arc::new(crate::engine::cuda::Cuda { group }))
+    Ok(Arc::new(crate::engine::cuda::Cuda {
+        group,
+        per_rank: false,
+    }))
+}
+
+/// The engine of one process's rank on GPU `index` of a job: an NCCL rank of the job's group,
+/// met through the job's rendezvous store.
+#[cfg(feature = "cuda")]
+pub(super) fn cuda_rank_engine(
+    index: usize,
+    spec: &crate::cluster::ClusterSpec,
+    config: &Config,
+) -> Result<Arc<dyn GroupEngine>> {
+    use crate::gpu::{GpuDevice, GpuGroup, VirtualGpuConfig};
+    let gpus = crate::gpu::visible_devices(Some(&[index]))?;
+    let plan = VirtualGpuConfig::new().plan(&gpus)?;
+    let device = GpuDevice::open(&plan[0])?;
+    let group = GpuGroup::from_cluster(spec, Some(&[device]), config)?;
+    Ok(Arc::new(crate::engine::cuda::Cuda {
+        group,
+        per_rank: true,
+    }))
+}
+
+#[cfg(not(feature = "cuda"))]
+pub(super) fn cuda_rank_engine(
+    _: usize,
+    _: &crate::cluster::ClusterSpec,
+    _: &Config,
+) -> Result<Arc<dyn GroupEngine>> {
+    cuda_engine(&[], &Config::default())
 }
 
 #[cfg(not(feature = "cuda"))]

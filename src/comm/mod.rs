@@ -202,7 +202,10 @@ impl Communicator {
                 .map_err(|e| Error::config(format!("TUTTI_TRANSPORT: {e}")))?,
             Err(_) => TransportKind::Auto,
         };
-        Communicator::from_cluster(&spec, kind, config)
+        match std::env::var("TUTTI_DEVICE") {
+            Ok(device) => Communicator::from_cluster_on(&spec, kind, &device, config),
+            Err(_) => Communicator::from_cluster(&spec, kind, config),
+        }
     }
 
     /// Join the job `spec` describes over `kind` of transport: rendezvous through the store that
@@ -214,7 +217,49 @@ impl Communicator {
     ) -> Result<Communicator> {
         config.check(spec.world_size)?;
         let t = NetTransport::connect(spec, kind, config.timeout, config.chunk_bytes)?;
-        Ok(Communicator::new(Arc::new(t), config))
+        Ok(Communicator::with_engine(
+            Arc::new(t),
+            config,
+            None,
+            (DeviceKind::Cpu, 0),
+        ))
+    }
+
+    /// Join the job `spec` describes as this process's rank on `device` (`from_env` reads it
+    /// from `TUTTI_DEVICE`): `cpu` (host memory, as [`Communicator::from_cluster`]), or
+    /// `cuda:N` / `cuda` (this process's GPU N, or its local rank's GPU; feature `cuda`): one
+    /// NCCL rank per process, its buffers device memory passed by address
+    /// ([`Communicator::run_raw`]). Calls are checked across ranks over the job's transport
+    /// before NCCL runs them, so a mismatched call is an error naming both ranks, not a hang.
+    /// XLA devices form in-process groups only ([`device_group`]).
+    pub fn from_cluster_on(
+        spec: &ClusterSpec,
+        kind: TransportKind,
+        device: &str,
+        config: &Config,
+    ) -> Result<Communicator> {
+        let (dkind, index) = match device.split_once(':') {
+            None => (device.parse::<DeviceKind>()?, spec.local_rank.unwrap_or(0)),
+            Some(_) => crate::device::parse_spec(device)?,
+        };
+        match dkind {
+            DeviceKind::Cpu => Communicator::from_cluster(spec, kind, config),
+            DeviceKind::Xla => Err(Error::config(format!(
+                "device '{device}': XLA devices form groups within one process (device_group, \
+                 tutti_comm_create_devices), not one rank per process"
+            ))),
+            DeviceKind::Gpu => {
+                config.check(spec.world_size)?;
+                let engine = group::cuda_rank_engine(index, spec, config)?;
+                let t = NetTransport::connect(spec, kind, config.timeout, config.chunk_bytes)?;
+                Ok(Communicator::with_engine(
+                    Arc::new(t),
+                    config,
+                    Some(engine),
+                    (DeviceKind::Gpu, index),
+                ))
+            }
+        }
     }
 
     /// This rank, in `0..world_size()`.

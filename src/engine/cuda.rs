@@ -7,12 +7,18 @@ use crate::transport::CallBuffers;
 
 use super::{GroupCall, GroupEngine};
 
-/// The CUDA engine of a group whose rank r is the group's device r.
+/// The CUDA engine of a group whose rank r is the group's device r, or (`per_rank`) of one
+/// process's GPU in a job of one NCCL rank per process.
 pub(crate) struct Cuda {
     pub(crate) group: GpuGroup,
+    pub(crate) per_rank: bool,
 }
 
 impl GroupEngine for Cuda {
+    fn per_rank(&self) -> bool {
+        self.per_rank
+    }
+
     fn run(&self, _site: Site, c: &GroupCall, bufs: &[CallBuffers]) -> Result<()> {
         if c.collective == Collective::Barrier {
             // The ranks met before the call; there is nothing to move.

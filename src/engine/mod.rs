@@ -35,8 +35,14 @@ pub(crate) struct GroupCall {
     pub root: usize,
 }
 
-/// Runs a call once for every rank of a group of this process's devices.
+/// Runs a call once for every rank of a group of this process's devices, or (`per_rank`) each
+/// rank's own part of a call that spans processes (one NCCL rank per process).
 pub(crate) trait GroupEngine: Send + Sync {
+    /// True when every rank runs its own part of each call with its own buffers (the engine's
+    /// group spans processes); false when rank 0 runs the whole call for every rank.
+    fn per_rank(&self) -> bool {
+        false
+    }
     /// Run `call` over every rank's buffers (`bufs[r]` is rank r's, published when the ranks
     /// met: `input` equals `output` in place; `output` is null off the root of a reduce).
     fn run(&self, site: Site, call: &GroupCall, bufs: &[CallBuffers]) -> Result<()>;
