@@ -191,6 +191,26 @@ public:
         return out;
     }
 
+    /// A group whose rank r is on `devices[r]` ("cpu:0", "xla:1", "cuda:2"): element r is
+    /// rank r's communicator; hand each to its own thread. Buffers are the rank's device
+    /// memory (host memory for cpu and xla ranks, CUDA device pointers for cuda ranks).
+    static std::vector<comm> devices(const std::vector<std::string> &specs,
+                                     const config &cfg = config()) {
+        std::vector<const char *> names;
+        names.reserve(specs.size());
+        for (const std::string &s : specs) {
+            names.push_back(s.c_str());
+        }
+        std::vector<tutti_comm *> raw(specs.size(), nullptr);
+        detail::check(tutti_comm_create_devices(specs.size(), names.data(), cfg.get(), raw.data()));
+        std::vector<comm> out;
+        out.reserve(specs.size());
+        for (tutti_comm *c : raw) {
+            out.push_back(comm(c));
+        }
+        return out;
+    }
+
     /// Join the multi-process job this process's environment describes (tutti launch,
     /// torchrun, mpirun, srun, TF_CONFIG or TUTTI_RANK/TUTTI_WORLD_SIZE/TUTTI_MASTER_ADDR).
     static comm from_env(const config &cfg = config()) {

@@ -97,6 +97,14 @@ static void collectives() {
         EXPECT(bufs[3][99] == 6.0f);
     });
 
+    // A group of devices: the same calls.
+    auto devs = tutti::comm::devices({"cpu:0", "cpu:1"});
+    on_every_rank(devs, [](tutti::comm &c, std::size_t r) {
+        std::vector<int> x(5, static_cast<int>(r) + 1);
+        c.all_reduce(x, tutti::op::sum);
+        EXPECT(x[4] == 3);
+    });
+
     // Errors become exceptions with the code and tutti_last_error's text.
     on_every_rank(comms, [](tutti::comm &c, std::size_t r) {
         std::vector<float> x(r == 0 ? 5 : 6, 1.0f);
