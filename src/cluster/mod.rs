@@ -19,7 +19,9 @@
 //! tasks are part of the cluster but not of the collective world. The chief's address is the
 //! rendezvous; every task listens for its peers on its own listed host.
 
+pub(crate) mod auth;
 pub mod store;
+pub use auth::random_token;
 
 use std::collections::{BTreeMap, HashMap};
 

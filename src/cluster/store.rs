@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use super::auth::{handshake_client, handshake_server, log_rejected, Purpose};
 use crate::error::{Error, Result};
-use crate::transport::wire::{handshake_client, handshake_server, log_rejected, Purpose};
 
 /// A rendezvous key-value store.
 pub trait Store: Send + Sync {
@@ -376,6 +376,26 @@ impl Store for FileStore {
         let _ = std::fs::remove_file(&lock);
         r.map(|_| cur + delta)
     }
+}
+
+/// The rendezvous store of this communicator. Rank 0 serves it; the server is kept for the life
+/// of the process, so that the later communicators of a job find it. Every communicator has its
+/// own client connection (a waiting `get` holds it).
+pub(crate) fn store_for(
+    spec: &super::ClusterSpec,
+    rank: usize,
+    token: &str,
+    timeout: Duration,
+) -> Result<TcpStore> {
+    static SERVERS: Mutex<Vec<(String, TcpStoreServer)>> = Mutex::new(Vec::new());
+    if rank == 0 {
+        let mut servers = SERVERS.lock();
+        if !servers.iter().any(|(a, _)| a == &spec.rendezvous) {
+            let s = TcpStoreServer::start(&spec.rendezvous, token)?;
+            servers.push((spec.rendezvous.clone(), s));
+        }
+    }
+    TcpStore::connect(&spec.rendezvous, token, timeout)
 }
 
 #[cfg(test)]

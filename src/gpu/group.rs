@@ -379,7 +379,7 @@ impl GpuGroup {
         };
         let token = spec.token.clone().unwrap_or_default();
         let setup = config.timeout.max(Duration::from_secs(60));
-        let store = crate::transport::net::store_for(spec, rank, &token, setup)?;
+        let store = crate::cluster::store::store_for(spec, rank, &token, setup)?;
         // Processes may start at different times: joining waits at least a minute for them.
         GpuGroup::join(&store, rank, spec.world_size, devices, config, setup)
     }

@@ -22,9 +22,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use crate::cluster::auth::{handshake_client, handshake_server, log_rejected, Purpose};
 use crate::cluster::{split_addr, ClusterSpec};
 use crate::error::{Error, Result};
-use crate::transport::wire::{handshake_client, handshake_server, log_rejected, Purpose};
 
 /// How a variable is cut into shards across the ps tasks.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

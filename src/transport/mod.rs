@@ -19,7 +19,7 @@ pub mod net;
 pub(crate) mod shm;
 pub(crate) mod sub;
 pub(crate) mod wire;
-pub use wire::random_token;
+pub use crate::cluster::random_token;
 
 /// Unlink the shared-memory segments that processes of this host left behind when they died
 /// (segments of live processes are never touched); launchers call it after a job.

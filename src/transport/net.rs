@@ -28,9 +28,10 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::shm::ShmLink;
-use super::wire::{self, frame, parse_frame, Purpose, FRAME_ABORT, FRAME_DATA, FRAME_HEADER};
+use super::wire::{frame, parse_frame, FRAME_ABORT, FRAME_DATA, FRAME_HEADER};
 use super::{CallBuffers, CallHeader, RecvMode, RecvOp, SendOp, Transport};
-use crate::cluster::store::{Store, TcpStore, TcpStoreServer};
+use crate::cluster::auth::{self as wire, Purpose};
+use crate::cluster::store::Store;
 use crate::cluster::ClusterSpec;
 use crate::dtype::kernels::{self, Init};
 use crate::error::{Error, Result, Site};
@@ -148,26 +149,6 @@ fn hostname() -> String {
     String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
-/// The rendezvous store of this communicator. Rank 0 serves it; the server is kept for the life
-/// of the process, so that the later communicators of a job find it. Every communicator has its
-/// own client connection (a waiting `get` holds it).
-pub(crate) fn store_for(
-    spec: &ClusterSpec,
-    rank: usize,
-    token: &str,
-    timeout: Duration,
-) -> Result<TcpStore> {
-    static SERVERS: Mutex<Vec<(String, TcpStoreServer)>> = Mutex::new(Vec::new());
-    if rank == 0 {
-        let mut servers = SERVERS.lock();
-        if !servers.iter().any(|(a, _)| a == &spec.rendezvous) {
-            let s = TcpStoreServer::start(&spec.rendezvous, token)?;
-            servers.push((spec.rendezvous.clone(), s));
-        }
-    }
-    TcpStore::connect(&spec.rendezvous, token, timeout)
-}
-
 fn set_socket_options(s: &TcpStream) -> std::io::Result<()> {
     s.set_nodelay(true)?;
     let sock = socket2::SockRef::from(s);
@@ -191,7 +172,7 @@ impl NetTransport {
         // Ranks may start at different times: setup waits at least a minute for them.
         let timeout = timeout.max(Duration::from_secs(60));
         let deadline = Instant::now() + timeout;
-        let store = store_for(spec, rank, &token, timeout)?;
+        let store = crate::cluster::store::store_for(spec, rank, &token, timeout)?;
         // Communicators of one job are numbered in creation order (the same on every rank).
         let generation = store.add(&format!("tutti/generation/{rank}"), 1)?;
         let key = |what: &str, r: usize| format!("tutti/{generation}/{what}/{r}");

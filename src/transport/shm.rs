@@ -179,7 +179,7 @@ impl ShmLink {
             |e: std::io::Error| Error::io(format!("setting up shared memory with rank {peer}"), e);
         let slot = (chunk_bytes.clamp(4096, 16 << 20) / 64) * 64;
         let len = HEAD + SLOTS * (SLOT_HEAD + slot);
-        let tag = super::wire::nonce()?
+        let tag = crate::cluster::auth::nonce()?
             .iter()
             .take(6)
             .map(|b| format!("{b:02x}"))
