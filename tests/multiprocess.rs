@@ -615,3 +615,26 @@ fn ranks_cutting_chunks_differently_get_a_mismatch_not_a_desync() {
         }
     });
 }
+
+/// `tutti perf | head -1`: the reader goes away and the command ends quietly, not with a panic.
+#[test]
+fn perf_into_a_closed_pipe_ends_quietly() {
+    use std::io::BufRead;
+    let mut child = Command::new(common::tutti_bin())
+        .args(["perf", "-n", "2", "-b", "1K", "-e", "64M", "--iters", "2"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.starts_with("# tutti perf"), "{first}");
+    // The reader is dropped here: the next line the command prints meets a closed pipe.
+    wait_bounded(&mut child, Duration::from_secs(120));
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {err}", out.status);
+    assert!(!err.contains("panicked"), "{err}");
+}

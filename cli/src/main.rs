@@ -2,6 +2,23 @@
 
 mod launch;
 
+/// Print a line to stdout; a reader that went away (`tutti perf | head -1`) ends the command
+/// quietly, as it ends other Unix tools, instead of a panic.
+macro_rules! say {
+    ($($arg:tt)*) => {
+        $crate::say(format_args!($($arg)*))
+    };
+}
+
+fn say(line: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    if let Err(e) = writeln!(std::io::stdout().lock(), "{line}") {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+    }
+}
+
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -206,29 +223,29 @@ fn devices(json: bool) -> Result<(), tutti::Error> {
         {
             v["gpu"] = tutti::gpu::status().to_json();
         }
-        println!("{v}");
+        say!("{v}");
         return Ok(());
     }
-    println!(
+    say!(
         "host: {} cores, {:.1} GiB memory ({:.1} GiB available), {}",
         host.cores,
         gib(host.memory_total_bytes),
         gib(host.memory_available_bytes),
         host.cpu_model
     );
-    println!("{:<8} {:<6} {:>12}  name", "device", "kind", "memory");
+    say!("{:<8} {:<6} {:>12}  name", "device", "kind", "memory");
     for d in devs {
         let mem = d
             .memory_bytes
             .map_or("-".into(), |m| format!("{:.1} GiB", gib(m)));
-        println!("{:<8} {:<6} {:>12}  {}", d.spec(), d.kind, mem, d.name);
+        say!("{:<8} {:<6} {:>12}  {}", d.spec(), d.kind, mem, d.name);
     }
     #[cfg(feature = "cuda")]
     gpu_text();
     #[cfg(all(not(feature = "xla"), not(feature = "cuda")))]
-    println!("(GPU: not built with CUDA support; XLA: not built with PJRT support)");
+    say!("(GPU: not built with CUDA support; XLA: not built with PJRT support)");
     #[cfg(all(not(feature = "xla"), feature = "cuda"))]
-    println!("(XLA: not built with PJRT support)");
+    say!("(XLA: not built with PJRT support)");
     #[cfg(feature = "xla")]
     xla_text();
     Ok(())
@@ -239,12 +256,12 @@ fn devices(json: bool) -> Result<(), tutti::Error> {
 #[cfg(feature = "cuda")]
 fn gpu_text() {
     let s = tutti::gpu::status();
-    println!("GPU: {}", s.lines().join("; "));
+    say!("GPU: {}", s.lines().join("; "));
     for g in s.gpus.as_deref().unwrap_or_default() {
         let visible = g.visible_as.as_ref().map_or(String::new(), |v| {
             format!(", CUDA_VISIBLE_DEVICES entry {v}")
         });
-        println!(
+        say!(
             "gpu:{:<4} compute capability {}.{}, {} SMs, {:.1} GiB ({:.1} GiB free), PCI {}, {}{visible}",
             g.ordinal,
             g.compute_capability.0,
@@ -278,7 +295,7 @@ fn xla_json() -> serde_json::Value {
 fn xla_text() {
     match tutti::xla::discovery() {
         Ok(d) => {
-            println!(
+            say!(
                 "XLA: PJRT plugin {} (C API {}.{}), platform {} {}",
                 d.plugin.display(),
                 d.api_version.0,
@@ -286,12 +303,15 @@ fn xla_text() {
                 d.platform,
                 d.platform_version
             );
-            println!(
+            say!(
                 "{:<8} {:>6} {:>8} {:<16} description",
-                "device", "id", "process", "kind"
+                "device",
+                "id",
+                "process",
+                "kind"
             );
             for x in &d.devices {
-                println!(
+                say!(
                     "{:<8} {:>6} {:>8} {:<16} {}",
                     format!("xla:{}", x.index),
                     x.id,
@@ -301,10 +321,10 @@ fn xla_text() {
                 );
             }
             #[cfg(not(feature = "cuda"))]
-            println!("(GPU: not built with CUDA support)");
+            say!("(GPU: not built with CUDA support)");
         }
-        Err(e) if cfg!(feature = "cuda") => println!("({e})"),
-        Err(e) => println!("(GPU: not built with CUDA support; {e})"),
+        Err(e) if cfg!(feature = "cuda") => say!("({e})"),
+        Err(e) => say!("(GPU: not built with CUDA support; {e})"),
     }
 }
 
@@ -392,9 +412,9 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
         None => "threads".to_string(),
     };
     if lead && a.json {
-        println!("{}", serde_json::json!({ "machine": machine }));
+        say!("{}", serde_json::json!({ "machine": machine }));
     } else if lead {
-        println!(
+        say!(
             "# tutti perf: {} algo {} on {} ranks ({carrier}), {} {}, {}, device {}",
             opts.collective.cli_name(),
             if gpu {
@@ -418,21 +438,29 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
         let gpu_copy = machine.gpu_copy_gbps.map_or(String::new(), |g| {
             format!(", GPU 0 device copy {g:.1} GB/s (read + write)")
         });
-        println!(
+        say!(
             "# machine: copy bandwidth {:.1} GB/s (read + write, {} cores){tcp}{gpu_copy}, {}",
-            machine.copy_gbps, machine.cores, machine.cpu
+            machine.copy_gbps,
+            machine.cores,
+            machine.cpu
         );
-        println!(
+        say!(
             "# {:>12} {:>12} {:>11} {:>11} {:>11} {:>9} {:>7}",
-            "bytes", "count", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "mem_ratio", "errors"
+            "bytes",
+            "count",
+            "time(us)",
+            "algbw(GB/s)",
+            "busbw(GB/s)",
+            "mem_ratio",
+            "errors"
         );
     }
     let json = a.json;
     let emit = |row: &perf::Row| {
         if json {
-            println!("{}", serde_json::to_string(row).expect("a row serializes"));
+            say!("{}", serde_json::to_string(row).expect("a row serializes"));
         } else {
-            println!(
+            say!(
                 "  {:>12} {:>12} {:>11.1} {:>11.2} {:>11.2} {:>9.2} {:>7}",
                 row.bytes,
                 row.count,
@@ -480,24 +508,32 @@ fn overlap_cmd(
     let run = |c: &Communicator| -> Result<(), tutti::Error> {
         let lead = c.rank() == 0;
         if lead && !json {
-            println!(
+            say!(
                 "# tutti perf --overlap: all-reduce f32 sum, algo {}, {} ranks, {iters} iterations; ratio = overlapped / (compute + all-reduce), 1.0 = no overlap",
                 c.algorithm(),
                 c.world_size()
             );
-            println!(
+            say!(
                 "# {:>12} {:>14} {:>12} {:>15} {:>7}",
-                "bytes", "all_reduce(us)", "compute(us)", "overlapped(us)", "ratio"
+                "bytes",
+                "all_reduce(us)",
+                "compute(us)",
+                "overlapped(us)",
+                "ratio"
             );
         }
         for &bytes in &sizes {
             let row = perf::overlap_one(c, bytes, iters)?;
             if lead && json {
-                println!("{}", serde_json::to_string(&row).expect("a row serializes"));
+                say!("{}", serde_json::to_string(&row).expect("a row serializes"));
             } else if lead {
-                println!(
+                say!(
                     "  {:>12} {:>14.1} {:>12.1} {:>15.1} {:>7.2}",
-                    row.bytes, row.all_reduce_us, row.compute_us, row.overlapped_us, row.ratio
+                    row.bytes,
+                    row.all_reduce_us,
+                    row.compute_us,
+                    row.overlapped_us,
+                    row.ratio
                 );
             }
         }
@@ -565,7 +601,7 @@ fn check_cmd(a: CheckArgs) -> Result<(), tutti::Error> {
     match launched_comm(a.transport, &config)? {
         Some(mut comm) => {
             let calls = check_one_rank(&mut comm, &a)?;
-            println!(
+            say!(
                 "rank {} of {}, hosts {}: {calls} calls checked, all correct",
                 comm.rank(),
                 comm.world_size(),
@@ -589,7 +625,7 @@ fn check_cmd(a: CheckArgs) -> Result<(), tutti::Error> {
                         .collect::<Result<Vec<_>, _>>()
                 })
             })?;
-            println!(
+            say!(
                 "{n} ranks (threads): {} calls checked, all correct",
                 results[0]
             );
