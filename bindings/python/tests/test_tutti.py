@@ -227,6 +227,30 @@ def test_non_blocking_calls_return_work_handles():
         c.close()
 
 
+def test_zero_length_arrays_of_every_width():
+    # count 0 with whatever address numpy gives an empty array (issue 12, item 5).
+    comms = tutti.local_group(2, timeout=60)
+    out = {}
+
+    def rank(c):
+        got = []
+        for dtype in (np.float32, np.float64, np.int64, np.uint8):
+            e = np.empty(0, dtype=dtype)
+            got.append(c.all_reduce(e).size)
+            got.append(c.broadcast(np.empty(0, dtype=dtype), root=1).size)
+            got.append(c.all_gather(e).size)
+            got.append(c.reduce_scatter(e).size)
+            r = c.reduce(e, root=0)
+            got.append(None if r is None else r.size)
+        out[c.rank] = got
+
+    run_ranks(comms, rank)
+    assert out[0] == [0, 0, 0, 0, 0] * 4
+    assert out[1] == [0, 0, 0, 0, None] * 4
+    for c in comms:
+        c.close()
+
+
 def test_device_groups():
     comms = tutti.device_group(["cpu:0", "cpu:1"], timeout=60)
     out = {}
