@@ -354,3 +354,30 @@ fn replicas_survive_concurrent_callers_and_a_panicking_first_replica() {
         "the group is aborted so the other replicas were released"
     );
 }
+
+/// World sizes past what tutti supports are errors that say so, never an allocation that
+/// aborts the process or a capacity-overflow panic (issue 12, item 2).
+#[test]
+fn huge_world_sizes_are_errors() {
+    let m = tutti::local_group(30_000, &quick())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(m.contains("30000 ranks in one process"), "{m}");
+    for world in ["1000000000", "18446744073709551615"] {
+        let vars = [
+            ("RANK".to_string(), "0".to_string()),
+            ("WORLD_SIZE".to_string(), world.to_string()),
+            ("MASTER_ADDR".to_string(), "127.0.0.1".to_string()),
+            ("MASTER_PORT".to_string(), "29500".to_string()),
+        ];
+        let m = tutti::ClusterSpec::from_vars(&vars.into_iter().collect())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            m.contains(&format!("WORLD_SIZE={world}")) && m.contains("more ranks"),
+            "{m}"
+        );
+    }
+}

@@ -20,6 +20,11 @@
 //! rendezvous; every task listens for its peers on its own listed host.
 
 pub(crate) mod auth;
+
+/// The most ranks a job may have. Every rank keeps a connection to every other, so even this
+/// many is more than one host's descriptors allow; larger sizes are mistakes (a unit in the
+/// wrong place, an unset variable read as a huge number).
+pub const MAX_WORLD_SIZE: usize = 1 << 16;
 pub mod store;
 pub use auth::random_token;
 
@@ -167,6 +172,12 @@ fn from_ranks(
     if world_size == 0 {
         return Err(Error::config(format!(
             "{source}: {size_v} must be at least 1"
+        )));
+    }
+    if world_size > MAX_WORLD_SIZE {
+        return Err(Error::config(format!(
+            "{source}: {size_v}={world_size} is more ranks than tutti supports \
+             ({MAX_WORLD_SIZE}); every rank keeps a connection to every other"
         )));
     }
     if rank >= world_size {

@@ -86,6 +86,12 @@ impl Config {
         if world == 0 {
             return Err(Error::config("a group needs at least one rank"));
         }
+        if world > crate::cluster::MAX_WORLD_SIZE {
+            return Err(Error::config(format!(
+                "a group of {world} ranks is more than tutti supports ({})",
+                crate::cluster::MAX_WORLD_SIZE
+            )));
+        }
         if self.timeout.is_zero() {
             return Err(Error::config("timeout must be positive"));
         }

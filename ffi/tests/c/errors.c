@@ -150,6 +150,12 @@ static void bad_group_configs(void) {
     EXPECT_ERROR(tutti_comm_create_group(0, NULL, comms), TUTTI_ERROR_INVALID_ARGUMENT,
                  "tutti_comm_create_group", "at least one rank");
     EXPECT(comms[0] == NULL); /* nothing written on failure */
+    /* A huge group is an error, not an allocation that aborts the program (the room given is
+     * never touched: the size is refused first). */
+    EXPECT_ERROR(tutti_comm_create_group(30000, NULL, comms), TUTTI_ERROR_INVALID_ARGUMENT,
+                 "30000 ranks in one process");
+    EXPECT_ERROR(tutti_comm_create_rank(0, (size_t)-1, "127.0.0.1:1", NULL, comms),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "more ranks than tutti supports");
     EXPECT_ERROR(tutti_comm_create_group(2, NULL, NULL), TUTTI_ERROR_INVALID_ARGUMENT,
                  "comms is NULL");
     c.struct_size = 0;
