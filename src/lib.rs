@@ -42,8 +42,8 @@ pub mod xla;
 pub use algorithm::Algorithm;
 pub use cluster::ClusterSpec;
 pub use comm::{
-    device_group, local_group, run_local, AbortHandle, Communicator, Config, RawCall, Replicas,
-    Work, MAX_LOCAL_RANKS,
+    device_group, local_group, run_local, timeout_from_env, AbortHandle, Communicator, Config,
+    RawCall, Replicas, Work, MAX_LOCAL_RANKS,
 };
 pub use device::{Device, DeviceKind};
 pub use dtype::{DType, Element, ReduceOp};

@@ -638,3 +638,28 @@ fn perf_into_a_closed_pipe_ends_quietly() {
     assert!(out.status.success(), "{:?}: {err}", out.status);
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// A `TUTTI_TIMEOUT` that is not a number of seconds is an error naming it, not a silent
+/// 300 s (issue 12, item 7).
+#[test]
+fn a_bad_tutti_timeout_is_an_error() {
+    for bad in ["5s", "0", "-1", "abc", "nan", "inf"] {
+        let o = run(
+            &["perf", "-n", "2", "-b", "1K", "-e", "1K", "--iters", "1"],
+            &[("TUTTI_TIMEOUT", bad)],
+            Duration::from_secs(60),
+        );
+        let (_, err) = text(&o);
+        assert!(!o.status.success(), "TUTTI_TIMEOUT={bad} was accepted");
+        assert!(
+            err.contains(&format!("TUTTI_TIMEOUT='{bad}' is not a timeout")),
+            "{bad}: {err}"
+        );
+    }
+    let o = run(
+        &["perf", "-n", "2", "-b", "1K", "-e", "1K", "--iters", "1"],
+        &[("TUTTI_TIMEOUT", "2.5")],
+        Duration::from_secs(60),
+    );
+    assert!(o.status.success(), "{:?}", text(&o));
+}

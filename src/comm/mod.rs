@@ -50,13 +50,34 @@ pub struct Config {
     pub chunk_bytes: usize,
 }
 
+/// `TUTTI_TIMEOUT` in seconds (a positive number, at most 30 days), `None` when unset, or an
+/// error that says what is wrong with its value.
+pub fn timeout_from_env() -> Result<Option<Duration>> {
+    let Ok(v) = std::env::var("TUTTI_TIMEOUT") else {
+        return Ok(None);
+    };
+    v.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+        .filter(|d| !d.is_zero() && *d <= MAX_TIMEOUT)
+        .map(Some)
+        .ok_or_else(|| {
+            Error::config(format!(
+                "TUTTI_TIMEOUT='{v}' is not a timeout: give a positive number of seconds \
+                 (e.g. 30 or 0.5), at most 30 days"
+            ))
+        })
+}
+
 impl Default for Config {
+    /// The defaults, with `TUTTI_TIMEOUT`'s timeout when it is valid (an invalid one is
+    /// reported by every communicator built with this config, see [`timeout_from_env`]).
     fn default() -> Config {
-        let timeout = std::env::var("TUTTI_TIMEOUT")
+        let timeout = timeout_from_env()
             .ok()
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .and_then(|s| Duration::try_from_secs_f64(s).ok())
-            .filter(|d| !d.is_zero() && *d <= MAX_TIMEOUT)
+            .flatten()
             .unwrap_or(Duration::from_secs(300));
         Config {
             timeout,
@@ -83,6 +104,7 @@ impl Config {
         self
     }
     pub(crate) fn check(&self, world: usize) -> Result<()> {
+        timeout_from_env()?;
         if world == 0 {
             return Err(Error::config("a group needs at least one rank"));
         }
