@@ -798,6 +798,8 @@ fn a_wait_that_never_ends_times_out() {
     );
     let e = client.buffer_from_host(&[1.0f32; 16], 0).unwrap_err();
     assert!(e.to_string().contains("unusable"), "{e}");
+    // A dead group is Aborted on every device kind.
+    assert!(matches!(e, tutti::Error::Aborted { .. }), "{e:?}");
 }
 
 /// libtpu, when `TUTTI_TEST_LIBTPU` names it: it loads, and on a machine without TPUs the

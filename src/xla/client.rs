@@ -599,9 +599,13 @@ impl Inner {
     pub(crate) fn check_usable(&self) -> Result<()> {
         match &*self.poisoned.lock().unwrap_or_else(|e| e.into_inner()) {
             None => Ok(()),
-            Some(why) => Err(Error::System {
-                what: "XLA client".into(),
-                message: format!("unusable after an earlier failure ({why}); create a new client"),
+            // A dead group is `Aborted` on every device kind, as on a communicator.
+            Some(why) => Err(Error::Aborted {
+                rank: 0,
+                reason: format!(
+                    "the XLA client is unusable after an earlier failure ({why}); create a new \
+                     client"
+                ),
             }),
         }
     }
