@@ -76,6 +76,7 @@ fn every_collective_and_algorithm_over_tcp_and_shm() {
             let o = run(
                 &[
                     "launch",
+                    "--tag-output",
                     "-n",
                     &n.to_string(),
                     "--transport",
@@ -153,6 +154,7 @@ fn tf_config_job_with_workers_and_ps() {
     let o = run(
         &[
             "launch",
+            "--tag-output",
             "--workers",
             "3",
             "--",
@@ -171,6 +173,7 @@ fn tf_config_job_with_workers_and_ps() {
     let o = run(
         &[
             "launch",
+            "--tag-output",
             "--workers",
             "1",
             "--ps",
@@ -185,7 +188,7 @@ fn tf_config_job_with_workers_and_ps() {
     let (_, err) = text(&o);
     assert!(!o.status.success());
     assert!(
-        err.contains("[ps:0] tutti: TF_CONFIG: task type 'ps' takes no part in collectives"),
+        err.contains("[ps:0] tutti check: TF_CONFIG: task type 'ps' takes no part in collectives"),
         "{err}"
     );
 }
@@ -195,6 +198,7 @@ fn launch_prefixes_output_and_propagates_failure() {
     let o = Command::new(common::tutti_bin())
         .args([
             "launch",
+            "--tag-output",
             "-n",
             "3",
             "--",
@@ -214,6 +218,7 @@ fn launch_prefixes_output_and_propagates_failure() {
     let o = Command::new(common::tutti_bin())
         .args([
             "launch",
+            "--tag-output",
             "-n",
             "3",
             "--grace",
@@ -228,7 +233,7 @@ fn launch_prefixes_output_and_propagates_failure() {
     let (_, err) = text(&o);
     assert_eq!(o.status.code(), Some(7), "{err}");
     assert!(
-        err.contains("tutti launch: 1 failed (exit status 7); stopping the others"),
+        err.contains("tutti launch: rank 1 exited with status 7; stopping the others"),
         "{err}"
     );
     assert!(
@@ -254,6 +259,7 @@ fn mismatched_calls_name_both_ranks_on_every_rank() {
         let o = run(
             &[
                 "launch",
+                "--tag-output",
                 "-n",
                 "3",
                 "--",
@@ -523,18 +529,15 @@ fn perf_under_launch_prints_json_from_rank_0() {
     );
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}\n{err}");
+    // Untagged by default: the output is JSON Lines as rank 0 printed it.
     let lines: Vec<&str> = out.lines().collect();
-    assert!(
-        lines.iter().all(|l| l.starts_with("[0] ")),
-        "only rank 0 prints: {out}"
-    );
-    let first: serde_json::Value = serde_json::from_str(&lines[0][4..]).unwrap();
+    let first: serde_json::Value = serde_json::from_str(lines[0]).unwrap();
     assert!(first["machine"]["copy_gbps"].as_f64().unwrap() > 0.0);
     assert!(first["machine"]["tcp_gbps"].as_f64().unwrap() > 0.0);
     // Sizes 8, 128, 2K, 32K.
     assert_eq!(lines.len(), 1 + 4, "{out}");
     for l in &lines[1..] {
-        let row: serde_json::Value = serde_json::from_str(&l[4..]).unwrap();
+        let row: serde_json::Value = serde_json::from_str(l).unwrap();
         assert_eq!(row["errors"], 0);
         assert_eq!(row["ranks"], 2);
         for k in [
@@ -662,4 +665,70 @@ fn a_bad_tutti_timeout_is_an_error() {
         Duration::from_secs(60),
     );
     assert!(o.status.success(), "{:?}", text(&o));
+}
+
+/// The launcher names every process that failed, blames the one killed by a signal before the
+/// ranks that exited after seeing it go, says something at P=2 too, and takes mpirun's `-np`
+/// and refuses conflicting options (issue 12, items 8 and 12).
+#[test]
+fn launch_names_each_failed_process() {
+    let launch = |args: &[&str]| {
+        let o = Command::new(common::tutti_bin())
+            .args(args)
+            .output()
+            .unwrap();
+        (o.status.code(), text(&o).1)
+    };
+    // Rank 3 dies by SIGKILL; the others are stopped and the launch says who and how.
+    let (code, err) = launch(&[
+        "launch",
+        "-n",
+        "4",
+        "--grace",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "if [ $TUTTI_RANK = 3 ]; then kill -9 $$; fi; sleep 30",
+    ]);
+    assert_eq!(code, Some(128 + 9), "{err}");
+    assert!(
+        err.contains("tutti launch: rank 3 was killed by signal 9 (SIGKILL); stopping the others"),
+        "{err}"
+    );
+    // Two processes, one fails: it is named.
+    let (code, err) = launch(&[
+        "launch",
+        "-np",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "if [ $TUTTI_RANK = 1 ]; then exit 3; fi",
+    ]);
+    assert_eq!(code, Some(3), "{err}");
+    assert!(
+        err.contains("tutti launch: rank 1 exited with status 3"),
+        "{err}"
+    );
+    assert!(!err.contains("tutti: tutti"), "{err}");
+    // Conflicting options are errors.
+    let (code, err) = launch(&["launch", "-n", "3", "--workers", "2", "--", "true"]);
+    assert_ne!(code, Some(0), "{err}");
+    assert!(err.contains("cannot be used with"), "{err}");
+    let (code, err) = launch(&["launch", "--ps", "2", "--", "true"]);
+    assert_ne!(code, Some(0), "{err}");
+    assert!(err.contains("--workers"), "{err}");
+    // `-np` after the program is the program's.
+    let (code, err) = launch(&[
+        "launch",
+        "-n",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "test \"$0\" = -np",
+        "-np",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
 }

@@ -114,7 +114,7 @@ fn multi_worker_across_processes_trains_to_the_reference() {
     let t = train();
     let (ok, out, err) = bounded(
         Command::new(common::tutti_bin())
-            .args(["launch", "-n", "2", "--"])
+            .args(["launch", "--tag-output", "-n", "2", "--"])
             .arg(&t)
             .args([
                 "--strategy",
@@ -144,7 +144,15 @@ fn parameter_servers_converge_and_survive_a_lost_worker() {
     let t = train();
     let (ok, out, err) = bounded(
         Command::new(common::tutti_bin())
-            .args(["launch", "--workers", "2", "--ps", "2", "--"])
+            .args([
+                "launch",
+                "--tag-output",
+                "--workers",
+                "2",
+                "--ps",
+                "2",
+                "--",
+            ])
             .arg(&t)
             .args(["--strategy", "parameter-server", "--steps", "100", "--json"]),
         Duration::from_secs(120),

@@ -3,9 +3,12 @@
 //! Each process gets the job's environment: `TUTTI_RANK`, `TUTTI_WORLD_SIZE`, `TUTTI_LOCAL_RANK`,
 //! `TUTTI_LOCAL_WORLD_SIZE`, `TUTTI_MASTER_ADDR` (a loopback port chosen by the OS) and a fresh
 //! random `TUTTI_JOB_TOKEN`; or, with workers and parameter servers, a `TF_CONFIG` naming every
-//! task (with ps tasks comes a chief task, the coordinator parameter-server training needs). Every line a process prints is prefixed with its rank (or task). When a process fails,
-//! the others are stopped (SIGTERM, then SIGKILL after a grace period) and the launch fails with
-//! that process's status.
+//! task (with ps tasks comes a chief task, the coordinator parameter-server training needs).
+//! Output passes through untagged, as mpirun and torchrun pass it; `--tag-output` prefixes every
+//! line with its rank (or task). When a process fails, the others are stopped (SIGTERM, then
+//! SIGKILL after a grace period), every process that failed is named with its exit status or
+//! signal, and the launch fails with the status of the one that failed first (a process killed
+//! by a signal before the peers that saw it go).
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Write};
@@ -33,6 +36,8 @@ pub struct Launch {
     pub program: Vec<OsString>,
     /// Time a stopped process gets between SIGTERM and SIGKILL.
     pub grace: Duration,
+    /// Prefix every line of output with the process's rank or task.
+    pub tag: bool,
 }
 
 fn free_port() -> Result<u16> {
@@ -46,10 +51,46 @@ fn free_port() -> Result<u16> {
 fn describe(status: ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
-        (Some(c), _) => format!("exit status {c}"),
-        (None, Some(s)) => format!("killed by signal {s}"),
-        _ => "an unknown status".into(),
+        (Some(c), _) => format!("exited with status {c}"),
+        (None, Some(s)) => format!("was killed by signal {s}{}", signal_name(s)),
+        _ => "ended with an unknown status".into(),
     }
+}
+
+/// " (SIGKILL)" for the signals users meet, else nothing.
+fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        libc::SIGHUP => " (SIGHUP)",
+        libc::SIGINT => " (SIGINT)",
+        libc::SIGQUIT => " (SIGQUIT)",
+        libc::SIGILL => " (SIGILL)",
+        libc::SIGABRT => " (SIGABRT)",
+        libc::SIGBUS => " (SIGBUS)",
+        libc::SIGFPE => " (SIGFPE)",
+        libc::SIGKILL => " (SIGKILL)",
+        libc::SIGSEGV => " (SIGSEGV)",
+        libc::SIGPIPE => " (SIGPIPE)",
+        libc::SIGTERM => " (SIGTERM)",
+        _ => "",
+    }
+}
+
+/// How a process is named in messages: `rank 3`, `worker 1`, `chief 0`.
+fn who(label: &str) -> String {
+    match label.split_once(':') {
+        Some((task, i)) => format!("{task} {i}"),
+        None => format!("rank {label}"),
+    }
+}
+
+/// Of the processes found failed in one look, the one to blame first: one killed by a signal
+/// (a crash, an OOM kill, a kill -9) before one that exited with an error after seeing it.
+fn root_cause(failed: &[(String, ExitStatus)]) -> Option<&(String, ExitStatus)> {
+    use std::os::unix::process::ExitStatusExt;
+    failed
+        .iter()
+        .find(|(_, s)| s.signal().is_some())
+        .or(failed.first())
 }
 
 fn exit_code(status: ExitStatus) -> i32 {
@@ -72,7 +113,7 @@ fn plan(l: &Launch) -> Result<Vec<Plan>> {
     let mut out = Vec::new();
     if let Some(workers) = l.workers {
         if workers == 0 {
-            return Err(Error::config("tutti launch: --workers must be at least 1"));
+            return Err(Error::config("--workers must be at least 1"));
         }
         // Parameter-server training needs a coordinator: with ps tasks comes a chief.
         let chiefs = usize::from(l.ps > 0);
@@ -107,7 +148,7 @@ fn plan(l: &Launch) -> Result<Vec<Plan>> {
         }
     } else {
         if l.nprocs == 0 {
-            return Err(Error::config("tutti launch: -n must be at least 1"));
+            return Err(Error::config("-n must be at least 1"));
         }
         let master = format!("127.0.0.1:{}", free_port()?);
         for r in 0..l.nprocs {
@@ -130,17 +171,23 @@ fn plan(l: &Launch) -> Result<Vec<Plan>> {
 }
 
 fn relay(
-    label: String,
+    label: Option<String>,
     from: impl std::io::Read + Send + 'static,
     to_stderr: bool,
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
-        for line in BufReader::new(from).lines() {
+        let tag = label.map_or(String::new(), |l| format!("[{l}] "));
+        for line in BufReader::new(from).split(b'\n') {
             let Ok(line) = line else { break };
-            if to_stderr {
-                let _ = writeln!(std::io::stderr().lock(), "[{label}] {line}");
+            let line = String::from_utf8_lossy(&line);
+            let r = if to_stderr {
+                writeln!(std::io::stderr().lock(), "{tag}{line}")
             } else {
-                let _ = writeln!(std::io::stdout().lock(), "[{label}] {line}");
+                writeln!(std::io::stdout().lock(), "{tag}{line}")
+            };
+            if r.is_err() {
+                // The reader went away (`| head`): drain quietly so the process is not blocked.
+                continue;
             }
         }
     })
@@ -184,7 +231,7 @@ fn terminate(children: &mut [(String, Child, Option<ExitStatus>)], grace: Durati
 pub fn run(l: &Launch) -> Result<i32> {
     let Some(prog) = l.program.first() else {
         return Err(Error::config(
-            "tutti launch: no program given (tutti launch -n 2 -- PROGRAM ARGS...)",
+            "no program given (tutti launch -n 2 -- PROGRAM ARGS...)",
         ));
     };
     let exe = if prog == "tutti" {
@@ -209,22 +256,16 @@ pub fn run(l: &Launch) -> Result<i32> {
             Ok(c) => c,
             Err(e) => {
                 terminate(&mut children, l.grace);
-                return Err(Error::io(
-                    format!("tutti launch: starting {}", exe.to_string_lossy()),
-                    e,
-                ));
+                return Err(Error::io(format!("starting {}", exe.to_string_lossy()), e));
             }
         };
+        let tag = l.tag.then(|| label.clone());
         relays.push(relay(
-            label.clone(),
+            tag.clone(),
             child.stdout.take().expect("piped"),
             false,
         ));
-        relays.push(relay(
-            label.clone(),
-            child.stderr.take().expect("piped"),
-            true,
-        ));
+        relays.push(relay(tag, child.stderr.take().expect("piped"), true));
         children.push((label, child, None));
     }
     // The processes lead their own groups (so a stop reaches their children): pass on the
@@ -235,45 +276,84 @@ pub fn run(l: &Launch) -> Result<i32> {
         libc::signal(libc::SIGINT, handler);
         libc::signal(libc::SIGTERM, handler);
     }
-    let mut failed: Option<(String, ExitStatus)> = None;
+    // Every process that failed on its own (not stopped by the launcher), in the order seen.
+    let mut failed: Vec<(String, ExitStatus)> = Vec::new();
+    let mut stopping = false;
+    // The failure named when the others were stopped.
+    let mut announced: Option<String> = None;
     loop {
         let sig = RECEIVED.swap(0, Ordering::SeqCst);
-        if sig != 0 {
+        if sig != 0 && !stopping {
             eprintln!("tutti launch: got signal {sig}; stopping every process");
             terminate(&mut children, l.grace);
+            stopping = true;
         }
+        let before = failed.len();
         for (label, c, st) in children.iter_mut().filter(|x| x.2.is_none()) {
             if let Ok(Some(s)) = c.try_wait() {
                 *st = Some(s);
-                if !s.success() && failed.is_none() {
-                    failed = Some((label.clone(), s));
+                if !s.success() && !stopping {
+                    failed.push((label.clone(), s));
                 }
             }
         }
-        if let Some((label, s)) = &failed {
+        if before == 0 && !failed.is_empty() {
+            let (label, s) = root_cause(&failed).expect("one failed");
             if children.iter().any(|x| x.2.is_none()) {
                 eprintln!(
-                    "tutti launch: {label} failed ({}); stopping the others",
+                    "tutti launch: {} {}; stopping the others",
+                    who(label),
                     describe(*s)
                 );
+                announced = Some(label.clone());
                 terminate(&mut children, l.grace);
+                stopping = true;
             }
-            break;
         }
         if children.iter().all(|x| x.2.is_some()) {
             break;
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    for (_, c, st) in children.iter_mut() {
-        if st.is_none() {
-            *st = c.wait().ok();
-        }
-    }
     for r in relays {
         let _ = r.join();
     }
+    let first = root_cause(&failed).cloned();
+    // Name every process that failed (the first one first), but the one already named.
+    if let Some((first_label, _)) = &first {
+        let rest = failed.iter().filter(|(l, _)| l != first_label);
+        for (label, s) in first.iter().chain(rest) {
+            if announced.as_ref() != Some(label) {
+                eprintln!("tutti launch: {} {}", who(label), describe(*s));
+            }
+        }
+    }
     // A process killed while it set up shared memory may have left a segment behind.
     tutti::transport::sweep_dead_segments();
-    Ok(failed.map_or(0, |(_, s)| exit_code(s)))
+    Ok(first.map_or(0, |(_, s)| exit_code(s)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::ExitStatusExt;
+
+    #[test]
+    fn a_process_killed_by_a_signal_is_blamed_before_those_that_exited() {
+        let exited = ExitStatus::from_raw(1 << 8);
+        let killed = ExitStatus::from_raw(libc::SIGKILL);
+        let seen = vec![
+            ("0".to_string(), exited),
+            ("3".to_string(), killed),
+            ("1".to_string(), exited),
+        ];
+        let (label, status) = root_cause(&seen).unwrap();
+        assert_eq!(label, "3");
+        assert_eq!(describe(*status), "was killed by signal 9 (SIGKILL)");
+        assert_eq!(exit_code(*status), 137);
+        assert_eq!(describe(exited), "exited with status 1");
+        assert_eq!(root_cause(&seen[..1]).unwrap().0, "0");
+        assert_eq!(who("3"), "rank 3");
+        assert_eq!(who("worker:1"), "worker 1");
+    }
 }

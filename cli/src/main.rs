@@ -63,15 +63,19 @@ enum Command {
 
 #[derive(clap::Args)]
 struct LaunchArgs {
-    /// Number of processes.
-    #[arg(short = 'n', long = "nprocs", default_value_t = 2)]
-    nprocs: usize,
+    /// Number of processes (default 2; `-np` is accepted too, as mpirun spells it).
+    #[arg(short = 'n', long = "nprocs", conflicts_with = "workers")]
+    nprocs: Option<usize>,
     /// Worker tasks: write TF_CONFIG (with --ps) instead of TUTTI_* variables.
     #[arg(long)]
     workers: Option<usize>,
-    /// Parameter-server tasks (with --workers).
-    #[arg(long, default_value_t = 0)]
-    ps: usize,
+    /// Parameter-server tasks (needs --workers).
+    #[arg(long, requires = "workers")]
+    ps: Option<usize>,
+    /// Prefix every line a process prints with its rank or task (`[1] ...`); off by default,
+    /// so that output such as `tutti perf --json` passes through as it is.
+    #[arg(long)]
+    tag_output: bool,
     /// Transport for every process: auto, tcp, shm.
     #[arg(long, value_parser = parse::<TransportKind>)]
     transport: Option<TransportKind>,
@@ -641,28 +645,46 @@ fn launch_cmd(a: LaunchArgs) -> Result<i32, tutti::Error> {
         ));
     }
     launch::run(&launch::Launch {
-        nprocs: a.nprocs,
+        nprocs: a.nprocs.unwrap_or(2),
         workers: a.workers,
-        ps: a.ps,
+        ps: a.ps.unwrap_or(0),
+        tag: a.tag_output,
         transport: a.transport,
         program: a.program,
         grace: Duration::from_secs_f64(a.grace),
     })
 }
 
+/// The command line, with mpirun's `-np` read as `-n` in `tutti launch`'s own options (before
+/// the program and its arguments).
+fn args() -> Vec<OsString> {
+    let mut args: Vec<OsString> = std::env::args_os().collect();
+    if args.get(1).is_some_and(|a| a == "launch") {
+        for a in args.iter_mut().skip(2) {
+            if a == "--" {
+                break;
+            }
+            if a == "-np" {
+                *a = "-n".into();
+            }
+        }
+    }
+    args
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let r = match cli.command {
-        Command::Devices { json } => devices(json).map(|_| 0),
-        Command::Perf(a) => perf_cmd(a).map(|_| 0),
-        Command::Check(a) => check_cmd(a).map(|_| 0),
-        Command::Launch(a) => launch_cmd(a),
+    let cli = Cli::parse_from(args());
+    let (name, r) = match cli.command {
+        Command::Devices { json } => ("devices", devices(json).map(|_| 0)),
+        Command::Perf(a) => ("perf", perf_cmd(a).map(|_| 0)),
+        Command::Check(a) => ("check", check_cmd(a).map(|_| 0)),
+        Command::Launch(a) => ("launch", launch_cmd(a)),
     };
     match r {
         Ok(0) => ExitCode::SUCCESS,
         Ok(code) => ExitCode::from(code.clamp(1, 255) as u8),
         Err(e) => {
-            eprintln!("tutti: {e}");
+            eprintln!("tutti {name}: {e}");
             ExitCode::FAILURE
         }
     }
