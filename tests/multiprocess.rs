@@ -732,3 +732,63 @@ fn launch_names_each_failed_process() {
     ]);
     assert_eq!(code, Some(0), "{err}");
 }
+
+/// Two "hosts" (two launchers on loopback, as torchrun's --nnodes/--node-rank/--master-addr/
+/// --master-port spell it) make one job of 4 ranks; without the shared secret or the
+/// rendezvous address a multi-host launch refuses to start, saying what to set.
+#[test]
+fn launch_across_two_hosts() {
+    let port = free_port().to_string();
+    let node = |rank: &str, token: Option<&str>| {
+        let mut c = Command::new(common::tutti_bin());
+        c.args([
+            "launch",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "-n",
+            "2",
+            "--tag-output",
+            "--",
+            "tutti",
+            "check",
+            "--counts",
+            "0,7",
+            "--timeout",
+            "60",
+        ])
+        .env_remove("TF_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        match token {
+            Some(t) => c.env("TUTTI_JOB_TOKEN", t),
+            None => c.env_remove("TUTTI_JOB_TOKEN"),
+        };
+        c.spawn().unwrap()
+    };
+    let mut a = node("0", Some("two-hosts"));
+    let mut b = node("1", Some("two-hosts"));
+    wait_bounded(&mut a, Duration::from_secs(120));
+    wait_bounded(&mut b, Duration::from_secs(120));
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    let out = format!("{}{}", text(&a).0, text(&b).0);
+    assert!(
+        a.status.success() && b.status.success(),
+        "{out}\n{}{}",
+        text(&a).1,
+        text(&b).1
+    );
+    for r in 0..4 {
+        assert!(out.contains(&format!("[{r}] rank {r} of 4")), "{out}");
+    }
+    let mut c = node("0", None);
+    wait_bounded(&mut c, Duration::from_secs(30));
+    let c = c.wait_with_output().unwrap();
+    assert!(!c.status.success());
+    assert!(text(&c).1.contains("TUTTI_JOB_TOKEN"), "{}", text(&c).1);
+}

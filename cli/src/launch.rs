@@ -1,4 +1,5 @@
-//! `tutti launch`: start the processes of a job on this host.
+//! `tutti launch`: start the processes of a job on this host (and, with `--nnodes`, this host's
+//! share of a job over several hosts, each running its own launcher, as torchrun does).
 //!
 //! Each process gets the job's environment: `TUTTI_RANK`, `TUTTI_WORLD_SIZE`, `TUTTI_LOCAL_RANK`,
 //! `TUTTI_LOCAL_WORLD_SIZE`, `TUTTI_MASTER_ADDR` (a loopback port chosen by the OS) and a fresh
@@ -38,6 +39,13 @@ pub struct Launch {
     pub grace: Duration,
     /// Prefix every line of output with the process's rank or task.
     pub tag: bool,
+    /// Hosts (nodes) of the job, each running its own `tutti launch` (torchrun's `--nnodes`).
+    pub nnodes: usize,
+    /// This host's index among them (`--node-rank`).
+    pub node_rank: usize,
+    /// Where rank 0 serves the rendezvous (`--master-addr`, `--master-port`): required with
+    /// several hosts; on one host a free loopback port by default.
+    pub master: Option<(String, u16)>,
 }
 
 fn free_port() -> Result<u16> {
@@ -150,12 +158,49 @@ fn plan(l: &Launch) -> Result<Vec<Plan>> {
         if l.nprocs == 0 {
             return Err(Error::config("-n must be at least 1"));
         }
-        let master = format!("127.0.0.1:{}", free_port()?);
-        for r in 0..l.nprocs {
+        if l.nnodes == 0 || l.node_rank >= l.nnodes {
+            return Err(Error::config(format!(
+                "--node-rank {} is out of range for --nnodes {}",
+                l.node_rank, l.nnodes
+            )));
+        }
+        let world = l
+            .nprocs
+            .checked_mul(l.nnodes)
+            .ok_or_else(|| Error::config("-n × --nnodes is more processes than can be counted"))?;
+        let master = match &l.master {
+            Some((host, port)) if host.contains(':') => format!("[{host}]:{port}"),
+            Some((host, port)) => format!("{host}:{port}"),
+            None if l.nnodes > 1 => {
+                return Err(Error::config(
+                    "--nnodes above 1 needs --master-addr and --master-port: where rank 0 (on \
+                     --node-rank 0) serves the rendezvous, the same on every host",
+                ))
+            }
+            None => format!("127.0.0.1:{}", free_port()?),
+        };
+        // Every host's launcher must hand its ranks the same secret: one made here would
+        // differ from the others'.
+        let token = if l.nnodes > 1 {
+            std::env::var("TUTTI_JOB_TOKEN")
+                .ok()
+                .filter(|t| !t.is_empty())
+                .ok_or_else(|| {
+                    Error::config(
+                        "--nnodes above 1 needs the job's secret in TUTTI_JOB_TOKEN, the same \
+                         on every host (e.g. export TUTTI_JOB_TOKEN=$(openssl rand -hex 16) \
+                         and pass it to each host's launcher)",
+                    )
+                })?
+        } else {
+            token
+        };
+        for local in 0..l.nprocs {
+            let r = l.node_rank * l.nprocs + local;
             let mut env: Vec<(String, String)> = [
                 ("TUTTI_RANK", r.to_string()),
-                ("TUTTI_WORLD_SIZE", l.nprocs.to_string()),
-                ("TUTTI_LOCAL_RANK", r.to_string()),
+                ("TUTTI_WORLD_SIZE", world.to_string()),
+                ("TUTTI_LOCAL_RANK", local.to_string()),
                 ("TUTTI_LOCAL_WORLD_SIZE", l.nprocs.to_string()),
                 ("TUTTI_MASTER_ADDR", master.clone()),
                 ("TUTTI_JOB_TOKEN", token.clone()),

@@ -76,6 +76,20 @@ struct LaunchArgs {
     /// so that output such as `tutti perf --json` passes through as it is.
     #[arg(long)]
     tag_output: bool,
+    /// Hosts in the job, each running `tutti launch` with the same options but its own
+    /// --node-rank (as torchrun spells them); ranks are node-rank × -n + local rank.
+    #[arg(long, default_value_t = 1, conflicts_with = "workers")]
+    nnodes: usize,
+    /// This host's index in 0..--nnodes.
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// The host where rank 0 (on --node-rank 0) serves the rendezvous (required with --nnodes
+    /// above 1; default: a loopback port of this host).
+    #[arg(long, requires = "master_port")]
+    master_addr: Option<String>,
+    /// The rendezvous port on --master-addr.
+    #[arg(long, requires = "master_addr", value_parser = clap::value_parser!(u16).range(1..))]
+    master_port: Option<u16>,
     /// Transport for every process: auto, tcp, shm.
     #[arg(long, value_parser = parse::<TransportKind>)]
     transport: Option<TransportKind>,
@@ -649,6 +663,9 @@ fn launch_cmd(a: LaunchArgs) -> Result<i32, tutti::Error> {
         workers: a.workers,
         ps: a.ps.unwrap_or(0),
         tag: a.tag_output,
+        nnodes: a.nnodes,
+        node_rank: a.node_rank,
+        master: a.master_addr.zip(a.master_port),
         transport: a.transport,
         program: a.program,
         grace: Duration::from_secs_f64(a.grace),
