@@ -792,3 +792,60 @@ fn launch_across_two_hosts() {
     assert!(!c.status.success());
     assert!(text(&c).1.contains("TUTTI_JOB_TOKEN"), "{}", text(&c).1);
 }
+
+/// `tutti perf` checks its arguments before it prints or measures anything, and its header
+/// and closing line say what nccl-tests users expect (issue 12, item 11 in part).
+#[test]
+fn perf_checks_its_arguments_first() {
+    for (args, want) in [
+        (&["-n", "0"][..], "-n 0: perf needs at least one rank"),
+        (&["--iters", "0"][..], "--iters 0"),
+        (&["-b", "3", "-e", "3"][..], "no size holds one f32 element"),
+        (&["-f", "1"][..], "-f 1"),
+        (&["--transport", "tcp"][..], "--transport applies"),
+        (&["-c", "barrier"][..], "-c barrier"),
+    ] {
+        let mut all = vec!["perf"];
+        all.extend_from_slice(args);
+        let o = run(&all, &[], Duration::from_secs(60));
+        let (out, err) = text(&o);
+        assert!(!o.status.success(), "{args:?} was accepted: {out}");
+        assert!(out.is_empty(), "{args:?} printed before failing: {out}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+    if !cfg!(feature = "cuda") {
+        let o = run(&["perf", "--device", "gpu"], &[], Duration::from_secs(60));
+        assert!(text(&o).0.is_empty() && text(&o).1.contains("GPU not available"));
+    }
+    let o = run(
+        &[
+            "perf",
+            "-c",
+            "broadcast",
+            "-n",
+            "2",
+            "-b",
+            "1K",
+            "-e",
+            "4K",
+            "--iters",
+            "2",
+        ],
+        &[],
+        Duration::from_secs(60),
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let header = out.lines().next().unwrap();
+    assert!(
+        header.contains("f32, out of place") && !header.contains("sum"),
+        "{header}"
+    );
+    assert!(
+        out.lines()
+            .last()
+            .unwrap()
+            .starts_with("# Avg bus bandwidth    : "),
+        "{out}"
+    );
+}

@@ -346,6 +346,69 @@ fn xla_text() {
     }
 }
 
+/// Everything about `tutti perf`'s arguments that can be wrong, checked before anything is
+/// printed or measured.
+fn check_perf_args(a: &PerfArgs) -> Result<(), tutti::Error> {
+    let bad = |m: String| Err(tutti::Error::config(m));
+    if a.factor < 2 {
+        return bad(format!(
+            "-f {}: the step factor between sizes must be at least 2",
+            a.factor
+        ));
+    }
+    if a.iters == Some(0) {
+        return bad("--iters 0: measure at least one iteration".into());
+    }
+    if a.ranks == Some(0) {
+        return bad("-n 0: perf needs at least one rank".into());
+    }
+    if a.collective == Collective::Barrier {
+        return bad("-c barrier: perf measures collectives that move data".into());
+    }
+    let esize = a.dtype.size();
+    let split = matches!(
+        a.collective,
+        Collective::AllGather | Collective::ReduceScatter
+    );
+    let least = if split {
+        esize * a.ranks.unwrap_or(1)
+    } else {
+        esize
+    };
+    if !perf::sizes(a.min_bytes, a.max_bytes, a.factor)
+        .iter()
+        .any(|&b| b >= least)
+    {
+        return bad(format!(
+            "-b {} -e {}: no size holds {}; nothing to measure",
+            a.min_bytes,
+            a.max_bytes,
+            if split {
+                format!("one {} element per rank", a.dtype)
+            } else {
+                format!("one {} element", a.dtype)
+            }
+        ));
+    }
+    match a.device {
+        DeviceKind::Cpu => Ok(()),
+        #[cfg(feature = "cuda")]
+        DeviceKind::Gpu => tutti::gpu::devices().map(drop),
+        #[cfg(not(feature = "cuda"))]
+        DeviceKind::Gpu => Err(tutti::Error::Unavailable {
+            what: "GPU".into(),
+            why: "this build of tutti has no CUDA support (build with --features cuda)".into(),
+        }),
+        #[cfg(feature = "xla")]
+        DeviceKind::Xla => Ok(()),
+        #[cfg(not(feature = "xla"))]
+        DeviceKind::Xla => Err(tutti::Error::Unavailable {
+            what: "XLA".into(),
+            why: "this build of tutti has no PJRT support (build with --features xla)".into(),
+        }),
+    }
+}
+
 fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
     let config = config_with_timeout(a.timeout)?;
     if a.min_bytes > a.max_bytes {
@@ -373,7 +436,14 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
         .parse()
         .map_err(|e| tutti::Error::config(format!("-a: {e}")))
         .or_else(|e| if gpu { Err(e) } else { Ok(Default::default()) })?;
+    check_perf_args(&a)?;
     let comm = launched_comm(a.transport, &config.clone().with_algorithm(algo))?;
+    if comm.is_none() && a.transport.is_some() {
+        return Err(tutti::Error::config(
+            "--transport applies to the processes of a launched job (tutti launch -n 2 -- \
+             tutti perf --transport tcp); without a launcher the ranks are threads",
+        ));
+    }
     if a.overlap {
         return overlap_cmd(&a, comm, config.with_algorithm(algo));
     }
@@ -433,7 +503,7 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
         say!("{}", serde_json::json!({ "machine": machine }));
     } else if lead {
         say!(
-            "# tutti perf: {} algo {} on {} ranks ({carrier}), {} {}, {}, device {}",
+            "# tutti perf: {} algo {} on {} ranks ({carrier}), {}{}, {}, device {}",
             opts.collective.cli_name(),
             if gpu {
                 a.algo.to_ascii_lowercase()
@@ -442,7 +512,15 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
             },
             opts.ranks,
             opts.dtype,
-            opts.op,
+            // The op only where the collective reduces (a broadcast has none).
+            if matches!(
+                opts.collective,
+                Collective::AllReduce | Collective::Reduce | Collective::ReduceScatter
+            ) {
+                format!(" {}", opts.op)
+            } else {
+                String::new()
+            },
             if opts.in_place {
                 "in place"
             } else {
@@ -499,6 +577,11 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
         }
         None => perf::run(&opts, &machine, &emit)?,
     };
+    if lead && !json && !rows.is_empty() {
+        // nccl-tests' closing line: the mean bus bandwidth over the sizes measured.
+        let avg = rows.iter().map(|r| r.busbw_gbps).sum::<f64>() / rows.len() as f64;
+        say!("# Avg bus bandwidth    : {avg:.3}");
+    }
     let wrong: u64 = rows.iter().map(|r| r.errors).sum();
     if wrong > 0 {
         return Err(tutti::Error::System {
