@@ -849,3 +849,21 @@ fn perf_checks_its_arguments_first() {
         "{out}"
     );
 }
+
+/// Rendezvous honours a short timeout: a missing peer is reported after the configured 2 s,
+/// naming it, not after a minute (issue 12, item 6).
+#[test]
+fn rendezvous_honours_a_short_timeout() {
+    let master = format!("127.0.0.1:{}", free_port());
+    let t = Instant::now();
+    let e = Communicator::from_cluster(
+        &spec(0, 2, &master),
+        TransportKind::Tcp,
+        &Config::default().with_timeout(Duration::from_secs(2)),
+    )
+    .err()
+    .unwrap();
+    let took = t.elapsed();
+    assert!(took < Duration::from_secs(15), "took {took:?}: {e}");
+    assert!(e.to_string().contains("rank 1"), "{e}");
+}

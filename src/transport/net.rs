@@ -169,8 +169,8 @@ impl NetTransport {
         let rank = spec.collective_rank()?;
         let world = spec.world_size;
         let token = spec.token.clone().unwrap_or_default();
-        // Ranks may start at different times: setup waits at least a minute for them.
-        let timeout = timeout.max(Duration::from_secs(60));
+        // Ranks may start at different times: setup waits for them as long as the configured
+        // timeout, and no longer (a short timeout asked for is honoured here too).
         let deadline = Instant::now() + timeout;
         let store = crate::cluster::store::store_for(spec, rank, &token, timeout)?;
         // Communicators of one job are numbered in creation order (the same on every rank).
