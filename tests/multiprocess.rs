@@ -867,3 +867,55 @@ fn rendezvous_honours_a_short_timeout() {
     assert!(took < Duration::from_secs(15), "took {took:?}: {e}");
     assert!(e.to_string().contains("rank 1"), "{e}");
 }
+
+/// A job started without TUTTI_JOB_TOKEN (a hand-started torchrun-style job) is not open to
+/// strangers: its ranks share this user's secret, and a client without it is refused by the
+/// store, while the real rank 1 joins (issue 12, item 1).
+#[test]
+fn a_job_without_a_token_refuses_strangers() {
+    use std::collections::HashMap;
+    let home = std::env::temp_dir().join(format!("tutti-stranger-{}", std::process::id()));
+    std::fs::create_dir_all(&home).unwrap();
+    let port = free_port().to_string();
+    let spec = |rank: &str| {
+        let vars: HashMap<String, String> = [
+            ("RANK", rank),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", port.as_str()),
+            ("HOME", home.to_str().unwrap()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        ClusterSpec::from_vars(&vars).unwrap().unwrap()
+    };
+    let config = Config::default().with_timeout(Duration::from_secs(30));
+    let (s0, s1) = (spec("0"), spec("1"));
+    assert!(
+        s0.token.is_some(),
+        "a one-host job without a token gets the user's secret"
+    );
+    std::thread::scope(|sc| {
+        let r0 = sc.spawn(|| Communicator::from_cluster(&s0, TransportKind::Tcp, &config));
+        // The stranger knows the address but not the secret.
+        std::thread::sleep(Duration::from_millis(300));
+        let addr = format!("127.0.0.1:{port}");
+        let stranger = tutti::cluster::store::TcpStore::connect(&addr, "", Duration::from_secs(2));
+        assert!(
+            stranger.is_err(),
+            "a client without the secret reached the store"
+        );
+        let c1 = Communicator::from_cluster(&s1, TransportKind::Tcp, &config).unwrap();
+        let c0 = r0.join().unwrap().unwrap();
+        sc.spawn(move || {
+            let mut x = [1u32; 4];
+            c0.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+            assert_eq!(x, [2; 4]);
+        });
+        let mut y = [1u32; 4];
+        c1.all_reduce(&mut y, ReduceOp::Sum).unwrap();
+        assert_eq!(y, [2; 4]);
+    });
+    std::fs::remove_dir_all(&home).unwrap();
+}

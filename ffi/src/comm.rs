@@ -262,7 +262,16 @@ pub unsafe extern "C" fn tutti_comm_create_rank(
             )));
         }
         let kind = transport_for(&settings)?;
-        let mut vars: HashMap<String, String> = ["TUTTI_JOB_TOKEN", "TUTTI_LISTEN_HOST"]
+        // The job's secret (or where this user's lives, or the opt-out) comes from the
+        // environment as for every other way of joining.
+        let from_env = [
+            "TUTTI_JOB_TOKEN",
+            "TUTTI_LISTEN_HOST",
+            "TUTTI_INSECURE",
+            "HOME",
+            "XDG_RUNTIME_DIR",
+        ];
+        let mut vars: HashMap<String, String> = from_env
             .into_iter()
             .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
             .collect();

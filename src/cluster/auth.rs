@@ -135,3 +135,92 @@ pub(crate) fn handshake_client(
 pub(crate) fn log_rejected(what: &str, e: &Error) {
     eprintln!("tutti: rejected a {what} connection: {e}");
 }
+
+/// Where this user's job secret lives: `$XDG_RUNTIME_DIR/tutti/secret` (a directory only the
+/// user can enter), else `$HOME/.cache/tutti/secret`, else `/tmp/tutti-UID/secret`.
+fn secret_path(vars: &std::collections::HashMap<String, String>) -> std::path::PathBuf {
+    use std::path::PathBuf;
+    let var = |k: &str| vars.get(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    if let Some(d) = var("XDG_RUNTIME_DIR").filter(|d| d.is_dir()) {
+        return d.join("tutti").join("secret");
+    }
+    if let Some(h) = var("HOME").filter(|h| h.is_dir()) {
+        return h.join(".cache").join("tutti").join("secret");
+    }
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    PathBuf::from(format!("/tmp/tutti-{uid}")).join("secret")
+}
+
+/// The secret of jobs that set none, on one host: a random token in a file only this user can
+/// read (created once, atomically, mode 0600, in a directory of mode 0700 that this user owns).
+/// Another user cannot read it, so cannot join; this user's own processes share it.
+pub(crate) fn user_secret(vars: &std::collections::HashMap<String, String>) -> Result<String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+    let path = secret_path(vars);
+    let dir = path.parent().expect("a file in a directory");
+    let fail = |what: &str, e: std::io::Error| {
+        Error::io(
+            format!(
+                "the per-user job secret {} ({what}; set TUTTI_JOB_TOKEN to give the job a \
+                 secret yourself)",
+                path.display()
+            ),
+            e,
+        )
+    };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| fail("creating its directory", e))?;
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    let safe = |p: &std::path::Path| -> Result<()> {
+        let m = std::fs::symlink_metadata(p).map_err(|e| fail("reading its permissions", e))?;
+        if m.uid() != uid || m.permissions().mode() & 0o077 != 0 || m.file_type().is_symlink() {
+            return Err(Error::config(format!(
+                "the per-user job secret: {} is not private to this user (owner {}, mode {:o}); \
+                 remove it, or set TUTTI_JOB_TOKEN",
+                p.display(),
+                m.uid(),
+                m.permissions().mode() & 0o777
+            )));
+        }
+        Ok(())
+    };
+    safe(dir)?;
+    if !path.exists() {
+        // Write a fresh secret under a temporary name, then link it into place: of two
+        // processes racing here, one link wins and both read the winner's secret.
+        let tmp = dir.join(format!("secret.{}.tmp", std::process::id()));
+        let token = random_token()?;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(|e| fail("creating it", e))?;
+        f.write_all(token.as_bytes())
+            .map_err(|e| fail("writing it", e))?;
+        drop(f);
+        let linked = std::fs::hard_link(&tmp, &path);
+        let _ = std::fs::remove_file(&tmp);
+        match linked {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(fail("creating it", e)),
+        }
+    }
+    safe(&path)?;
+    let token = std::fs::read_to_string(&path).map_err(|e| fail("reading it", e))?;
+    let token = token.trim().to_string();
+    if token.len() < 16 {
+        return Err(Error::config(format!(
+            "the per-user job secret {} holds fewer than 16 characters; remove it, or set \
+             TUTTI_JOB_TOKEN",
+            path.display()
+        )));
+    }
+    Ok(token)
+}

@@ -118,7 +118,14 @@ impl ClusterSpec {
         } else {
             None
         };
-        Ok(spec.map(|s| ClusterSpec { token, ..s }))
+        let Some(spec) = spec else {
+            return Ok(None);
+        };
+        let token = match token {
+            Some(t) => Some(t),
+            None => job_secret(vars, &spec)?,
+        };
+        Ok(Some(ClusterSpec { token, ..spec }))
     }
 
     /// The rank, or an error for tasks outside the collective world.
@@ -226,6 +233,34 @@ fn from_ranks(
         cluster: BTreeMap::from([("worker".to_string(), vec![rendezvous])]),
         token: None,
     })
+}
+
+/// The secret of a job that set no `TUTTI_JOB_TOKEN`: on one host (every address loopback),
+/// this user's secret, which other users cannot read; across hosts, an error that says how to
+/// set one, unless `TUTTI_INSECURE=1` opts out (said on every rank).
+fn job_secret(vars: &HashMap<String, String>, spec: &ClusterSpec) -> Result<Option<String>> {
+    let one_host = std::iter::once(&spec.rendezvous)
+        .chain(spec.cluster.values().flatten())
+        .all(|a| split_addr(a, "address").is_ok_and(|(h, _)| is_loopback(&h)));
+    if one_host {
+        return auth::user_secret(vars).map(Some);
+    }
+    if vars.get("TUTTI_INSECURE").is_some_and(|v| v == "1") {
+        eprintln!(
+            "tutti: rank {}: TUTTI_INSECURE=1: this job has no secret; any process that reaches \
+             {} can join it or read its store",
+            spec.rank
+                .map_or_else(|| spec.task_type.clone(), |r| r.to_string()),
+            spec.rendezvous
+        );
+        return Ok(None);
+    }
+    Err(Error::config(format!(
+        "{}: this job spans hosts (rendezvous at {}) and has no secret: set TUTTI_JOB_TOKEN to \
+         the same random string on every rank (e.g. TUTTI_JOB_TOKEN=$(openssl rand -hex 16) in \
+         the job's environment), or TUTTI_INSECURE=1 to run without one on a network you trust",
+        spec.source, spec.rendezvous
+    )))
 }
 
 fn is_loopback(host: &str) -> bool {
@@ -459,6 +494,7 @@ mod tests {
             ("SLURM_LOCALID", "1"),
             ("MASTER_ADDR", "n0"),
             ("MASTER_PORT", "7000"),
+            ("TUTTI_JOB_TOKEN", "s3cret"),
         ]))
         .unwrap()
         .unwrap();
@@ -474,6 +510,56 @@ mod tests {
         .unwrap();
         assert_eq!(s.source, "tutti");
         assert_eq!(ClusterSpec::from_vars(&vars(&[])).unwrap(), None);
+    }
+
+    /// Nobody joins a job without its secret (issue 12, item 1): a one-host job that set none
+    /// gets this user's private secret; a job across hosts refuses to start without one, unless
+    /// the user opts out.
+    #[test]
+    fn jobs_without_a_token_get_a_secret_or_refuse() {
+        use std::os::unix::fs::PermissionsExt;
+        let home = std::env::temp_dir().join(format!("tutti-secret-test-{}", std::process::id()));
+        std::fs::create_dir_all(&home).unwrap();
+        let h = home.to_str().unwrap();
+        let torchrun = |addr: &str, extra: &[(&str, &str)]| {
+            let mut v = vec![
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", addr),
+                ("MASTER_PORT", "29500"),
+                ("HOME", h),
+            ];
+            v.extend_from_slice(extra);
+            ClusterSpec::from_vars(&vars(&v))
+        };
+        let a = torchrun("127.0.0.1", &[]).unwrap().unwrap();
+        let b = torchrun("localhost", &[]).unwrap().unwrap();
+        let secret = a.token.clone().unwrap();
+        assert!(secret.len() >= 32, "{secret}");
+        assert_eq!(b.token, a.token, "the user's processes share the secret");
+        let file = home.join(".cache/tutti/secret");
+        assert_eq!(std::fs::read_to_string(&file).unwrap().trim(), secret);
+        let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "other users must not read it");
+        // A secret file others can read is refused, not used.
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = torchrun("127.0.0.1", &[]).unwrap_err().to_string();
+        assert!(e.contains("not private"), "{e}");
+        // Across hosts: an error that says how to set one, unless TUTTI_INSECURE=1.
+        let e = torchrun("10.0.0.7", &[]).unwrap_err().to_string();
+        assert!(
+            e.contains("TUTTI_JOB_TOKEN") && e.contains("TUTTI_INSECURE=1"),
+            "{e}"
+        );
+        let s = torchrun("10.0.0.7", &[("TUTTI_INSECURE", "1")])
+            .unwrap()
+            .unwrap();
+        assert_eq!(s.token, None);
+        let s = torchrun("10.0.0.7", &[("TUTTI_JOB_TOKEN", "given")])
+            .unwrap()
+            .unwrap();
+        assert_eq!(s.token.as_deref(), Some("given"));
+        std::fs::remove_dir_all(&home).unwrap();
     }
 
     #[test]
