@@ -198,7 +198,25 @@ fn tpu_strategy() -> Result<Strategy> {
     })
 }
 
+/// tutti reports through the `log` facade; this program shows its warnings on stderr.
+struct StderrLog;
+
+impl log::Log for StderrLog {
+    fn enabled(&self, meta: &log::Metadata<'_>) -> bool {
+        meta.level() <= log::Level::Warn
+    }
+    fn log(&self, record: &log::Record<'_>) {
+        if self.enabled(record.metadata()) {
+            eprintln!("tutti: {}", record.args());
+        }
+    }
+    fn flush(&self) {}
+}
+
 fn main() -> std::process::ExitCode {
+    static LOG: StderrLog = StderrLog;
+    let _ = log::set_logger(&LOG);
+    log::set_max_level(log::LevelFilter::Warn);
     let args = Args::parse();
     match run(&args) {
         Ok(()) => std::process::ExitCode::SUCCESS,

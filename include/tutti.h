@@ -369,6 +369,43 @@ typedef uint32_t tutti_cross_device_ops;
 #endif // __cplusplus
 
 /**
+ * How much a log record matters.
+ */
+enum tutti_log_level
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+    /**
+     * Something failed.
+     */
+    TUTTI_LOG_ERROR = 1,
+    /**
+     * Something is wrong but tutti goes on (a stranger's connection refused, a slow peer).
+     */
+    TUTTI_LOG_WARN = 2,
+    /**
+     * What tutti chose (an algorithm's fallback and why).
+     */
+    TUTTI_LOG_INFO = 3,
+    /**
+     * Details for debugging.
+     */
+    TUTTI_LOG_DEBUG = 4,
+    /**
+     * Everything.
+     */
+    TUTTI_LOG_TRACE = 5,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum tutti_log_level tutti_log_level;
+#else
+typedef uint32_t tutti_log_level;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * One rank's handle on a group of ranks (opaque). Created by `tutti_comm_create_group`,
  * released by `tutti_comm_destroy`.
  */
@@ -491,6 +528,13 @@ typedef struct tutti_device_info {
      */
     char spec[TUTTI_DEVICE_SPEC_LEN];
 } tutti_device_info;
+
+/**
+ * A function that receives tutti's log records: the level, the message (NUL-terminated, valid
+ * only during the call) and the `user` pointer given to `tutti_set_log_callback`. It may be
+ * called from any thread, several at once.
+ */
+typedef void (*tutti_log_fn)(tutti_log_level level, const char *message, void *user);
 
 /**
  * A step run once per local replica by `tutti_strategy_run`, on the replica's own thread, at
@@ -877,6 +921,27 @@ const char *tutti_result_string(tutti_result code);
  * `buf` is NULL or points to `len` writable bytes.
  */
 size_t tutti_last_error(char *buf, size_t len);
+
+/**
+ * Send tutti's log records to `callback` (with `user`) instead of stderr; NULL restores
+ * stderr. The level is `TUTTI_LOG`'s until `tutti_set_log_level` changes it.
+ *
+ * Thread-safety: callable from any thread; records being written when it is called go to
+ * the old or the new destination.
+ *
+ * # Safety
+ *
+ * `callback` is NULL or a function of this signature that may be called from any thread for
+ * as long as it stays registered, with `user`.
+ */
+tutti_result tutti_set_log_callback(tutti_log_fn callback, void *user);
+
+/**
+ * Let through log records up to `level` (a `TUTTI_LOG_*` value; 0 turns logging off).
+ *
+ * Thread-safety: callable from any thread.
+ */
+tutti_result tutti_set_log_level(tutti_log_level level);
 
 /**
  * Create `num_replicas` replicas (threads of this process) and write the handle to

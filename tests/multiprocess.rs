@@ -898,9 +898,17 @@ fn a_job_without_a_token_refuses_strangers() {
     );
     std::thread::scope(|sc| {
         let r0 = sc.spawn(|| Communicator::from_cluster(&s0, TransportKind::Tcp, &config));
-        // The stranger knows the address but not the secret.
-        std::thread::sleep(Duration::from_millis(300));
+        // The stranger knows the address but not the secret; it tries once rank 0 serves.
         let addr = format!("127.0.0.1:{port}");
+        let t = Instant::now();
+        while std::net::TcpStream::connect(&addr).is_err() {
+            assert!(!r0.is_finished(), "rank 0 stopped before serving its store");
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "rank 0 never served its store"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
         let stranger = tutti::cluster::store::TcpStore::connect(&addr, "", Duration::from_secs(2));
         assert!(
             stranger.is_err(),

@@ -772,7 +772,42 @@ fn args() -> Vec<OsString> {
     args
 }
 
+/// The library's log records, on stderr as `tutti: ...`, up to the level `TUTTI_LOG` names
+/// (`error`, `warn`, `info`, `debug`, `trace`, `off`; default `warn`).
+struct StderrLog;
+
+impl log::Log for StderrLog {
+    fn enabled(&self, meta: &log::Metadata<'_>) -> bool {
+        meta.level() <= log::max_level()
+    }
+    fn log(&self, record: &log::Record<'_>) {
+        if self.enabled(record.metadata()) {
+            eprintln!("tutti: {}", record.args());
+        }
+    }
+    fn flush(&self) {}
+}
+
+fn init_log() -> Result<(), tutti::Error> {
+    static LOG: StderrLog = StderrLog;
+    let level = match std::env::var("TUTTI_LOG") {
+        Err(_) => log::LevelFilter::Warn,
+        Ok(v) => v.trim().parse::<log::LevelFilter>().map_err(|_| {
+            tutti::Error::config(format!(
+                "TUTTI_LOG='{v}': expected error, warn, info, debug, trace or off"
+            ))
+        })?,
+    };
+    let _ = log::set_logger(&LOG);
+    log::set_max_level(level);
+    Ok(())
+}
+
 fn main() -> ExitCode {
+    if let Err(e) = init_log() {
+        eprintln!("tutti: {e}");
+        return ExitCode::FAILURE;
+    }
     let cli = Cli::parse_from(args());
     let (name, r) = match cli.command {
         Command::Devices { json } => ("devices", devices(json).map(|_| 0)),

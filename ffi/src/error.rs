@@ -162,6 +162,7 @@ pub(crate) fn boundary(
     function: &'static str,
     body: impl FnOnce() -> Result<(), Failure>,
 ) -> tutti_result {
+    crate::log::init();
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => {
             clear_last_error();
@@ -186,6 +187,7 @@ pub(crate) fn boundary(
 /// The panic boundary of an exported function that returns nothing (the destructors): a panic
 /// is stopped here and recorded as the thread's last error.
 pub(crate) fn boundary_void(function: &'static str, body: impl FnOnce()) {
+    crate::log::init();
     if let Err(payload) = catch_unwind(AssertUnwindSafe(body)) {
         let message = panic_message(&*payload);
         let _ = catch_unwind(AssertUnwindSafe(move || drop(payload)));

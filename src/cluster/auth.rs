@@ -131,9 +131,9 @@ pub(crate) fn handshake_client(
     Ok(())
 }
 
-/// Log a rejected connection (stderr): the job goes on.
+/// Log a rejected connection (a warning): the job goes on.
 pub(crate) fn log_rejected(what: &str, e: &Error) {
-    eprintln!("tutti: rejected a {what} connection: {e}");
+    log::warn!("rejected a {what} connection: {e}");
 }
 
 /// Where this user's job secret lives: `$XDG_RUNTIME_DIR/tutti/secret` (a directory only the

@@ -246,8 +246,8 @@ fn job_secret(vars: &HashMap<String, String>, spec: &ClusterSpec) -> Result<Opti
         return auth::user_secret(vars).map(Some);
     }
     if vars.get("TUTTI_INSECURE").is_some_and(|v| v == "1") {
-        eprintln!(
-            "tutti: rank {}: TUTTI_INSECURE=1: this job has no secret; any process that reaches \
+        log::warn!(
+            "rank {}: TUTTI_INSECURE=1: this job has no secret; any process that reaches \
              {} can join it or read its store",
             spec.rank
                 .map_or_else(|| spec.task_type.clone(), |r| r.to_string()),

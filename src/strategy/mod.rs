@@ -187,7 +187,7 @@ pub struct Strategy {
 }
 
 fn log(msg: &str) {
-    eprintln!("tutti: {msg}");
+    log::info!("{msg}");
 }
 
 fn local_resolver() -> ClusterResolver {

@@ -654,7 +654,7 @@ impl Coordinator {
                                 remaining.fetch_sub(1, Ordering::AcqRel);
                             }
                             Err(e) => {
-                                eprintln!("tutti: worker {i} lost during step {step} ({e}); rescheduling the step");
+                                log::warn!("worker {i} lost during step {step} ({e}); rescheduling the step");
                                 queue.lock().push_front(step);
                                 lost.lock().push(i);
                                 *conn = None;

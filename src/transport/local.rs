@@ -345,8 +345,8 @@ impl Transport for LocalTransport {
             let inside: Vec<usize> = (0..s.world)
                 .filter(|&r| s.slots[r].inside.load(Ordering::SeqCst))
                 .collect();
-            eprintln!(
-                "tutti: rank {} waits for ranks {inside:?} to leave the aborted call before returning its buffers",
+            log::warn!(
+                "rank {} waits for ranks {inside:?} to leave the aborted call before returning its buffers",
                 self.rank
             );
         }

@@ -993,7 +993,7 @@ impl Inner {
             // SAFETY: a live event, destroyed once.
             let err = unsafe { f(&mut a) };
             if let Some((_, m)) = self.plugin.take_error(err) {
-                eprintln!("tutti: XLA: destroying an event failed: {m}");
+                log::warn!("XLA: destroying an event failed: {m}");
             }
         }
     }
@@ -1011,7 +1011,7 @@ impl Inner {
             // SAFETY: a live buffer, destroyed once.
             let err = unsafe { f(&mut a) };
             if let Some((_, m)) = self.plugin.take_error(err) {
-                eprintln!("tutti: XLA: destroying a buffer failed: {m}");
+                log::warn!("XLA: destroying a buffer failed: {m}");
             }
         }
     }
@@ -1033,8 +1033,8 @@ impl Inner {
         let compiled = self.compile(key)?;
         if let Compiled::Refused(why) = &compiled {
             if *self.route.lock().unwrap_or_else(|e| e.into_inner()) == Route::Auto {
-                eprintln!(
-                    "tutti: XLA: {} refused the {} program for {} x {} on {} devices; that call runs host-staged: {why}",
+                log::warn!(
+                    "XLA: {} refused the {} program for {} x {} on {} devices; that call runs host-staged: {why}",
                     self.plugin.path().display(),
                     key.kind,
                     key.dtype,
@@ -1178,7 +1178,7 @@ impl Inner {
             // SAFETY: a live executable, destroyed once.
             let err = unsafe { f(&mut a) };
             if let Some((_, m)) = self.plugin.take_error(err) {
-                eprintln!("tutti: XLA: destroying an executable failed: {m}");
+                log::warn!("XLA: destroying an executable failed: {m}");
             }
         }
     }
@@ -1256,8 +1256,8 @@ impl Inner {
 impl Drop for Inner {
     fn drop(&mut self) {
         if let Some(why) = &*self.poisoned.lock().unwrap_or_else(|e| e.into_inner()) {
-            eprintln!(
-                "tutti: XLA: leaving the PJRT client of {} in place after: {why}",
+            log::warn!(
+                "XLA: leaving the PJRT client of {} in place after: {why}",
                 self.plugin.path().display()
             );
             return;
@@ -1278,7 +1278,7 @@ impl Drop for Inner {
             // is gone (buffers hold this Inner alive).
             let err = unsafe { f(&mut a) };
             if let Some((_, m)) = self.plugin.take_error(err) {
-                eprintln!("tutti: XLA: destroying the client failed: {m}");
+                log::warn!("XLA: destroying the client failed: {m}");
             }
         }
     }
