@@ -1,16 +1,25 @@
 //! GPU tests (`cargo test --features cuda --test gpu`).
 //!
 //! Every test that needs a GPU looks for one first and, when there is none, prints
-//! `SKIPPED: <reason>` and returns. The tests of the pure logic (visible devices, virtual-GPU
-//! memory limits, the generated kernels, NCCL codes) and of the absent-library paths run
-//! everywhere. With GPUs, every collective runs with every algorithm on several device sets
-//! (virtual GPUs on one GPU, whole GPUs, NCCL with one rank), for every dtype and op, in place
-//! and out of place, and is checked against `tutti::reference`.
+//! `SKIPPED: <reason>` and returns; so does one that needs NVRTC or NCCL without it. On a GPU
+//! machine set `TUTTI_REQUIRE_GPU=1` (or `=N`: N GPUs): every such skip then fails the test, so
+//! that a run cannot pass without having tested the GPUs (the parts that need more GPUs than
+//! `TUTTI_REQUIRE_GPU` says still skip when the machine has fewer). The tests of the pure logic
+//! (visible devices, virtual-GPU memory limits, the generated kernels, NCCL codes, where the
+//! libraries are looked for) and of the absent-library paths run everywhere. With GPUs, every
+//! collective runs with every algorithm on several device sets (virtual GPUs on one GPU, whole
+//! GPUs, NCCL with one rank), for every dtype and op, in place and out of place, and is checked
+//! against `tutti::reference`.
+//!
+//! The tests that use GPUs run one at a time ([`gpu_lock`]): NCCL communicators made over the
+//! same GPUs from parallel test threads can wait for each other forever.
 #![cfg(feature = "cuda")]
 
 mod common;
 
+use std::fmt::Display;
 use std::process::Command;
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use tutti::cluster::store::{FileStore, TcpStore, TcpStoreServer};
@@ -20,11 +29,48 @@ use tutti::gpu::{
 };
 use tutti::{reference, Collective, Config, DType, Element, Error, ReduceOp};
 
-fn gpus_or_skip(test: &str) -> Option<Vec<GpuInfo>> {
+/// One test that uses GPUs at a time, in this process. Poison-tolerant: a test that fails
+/// while holding it does not fail the others.
+fn gpu_lock() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The number of GPUs `TUTTI_REQUIRE_GPU` asks for: 0 when unset, empty or `0`; a value that
+/// is not a number asks for 1.
+fn required_gpus() -> usize {
+    match std::env::var("TUTTI_REQUIRE_GPU") {
+        Ok(v) if !v.trim().is_empty() => v.trim().parse().unwrap_or(1),
+        _ => 0,
+    }
+}
+
+/// Skip (the rest of) a GPU test: print why, or fail when `TUTTI_REQUIRE_GPU` is set.
+fn skip(test: &str, why: impl Display) {
+    let n = required_gpus();
+    assert!(
+        n == 0,
+        "TUTTI_REQUIRE_GPU={n}: {test} must run, but it would be skipped: {why}"
+    );
+    println!("SKIPPED: {test}: {why}");
+}
+
+/// The GPU lock and the GPUs, or `None` (skipped) without a GPU. With `TUTTI_REQUIRE_GPU=N`,
+/// fewer than N GPUs fail the test.
+fn gpus_or_skip(test: &str) -> Option<(MutexGuard<'static, ()>, Vec<GpuInfo>)> {
+    let lock = gpu_lock();
     match gpu::devices() {
-        Ok(g) => Some(g),
+        Ok(g) => {
+            let n = required_gpus();
+            assert!(
+                g.len() >= n,
+                "TUTTI_REQUIRE_GPU={n}: {test}: this machine shows {} GPU(s)",
+                g.len()
+            );
+            Some((lock, g))
+        }
         Err(e) => {
-            println!("SKIPPED: {test}: {e}");
+            skip(test, e);
             None
         }
     }
@@ -34,7 +80,17 @@ fn nccl_or_skip(test: &str) -> bool {
     match gpu::nccl_library() {
         Ok(_) => true,
         Err(e) => {
-            println!("SKIPPED: {test}: {e}");
+            skip(test, e);
+            false
+        }
+    }
+}
+
+fn nvrtc_or_skip(test: &str) -> bool {
+    match gpu::nvrtc_library() {
+        Ok(_) => true,
+        Err(e) => {
+            skip(test, e);
             false
         }
     }
@@ -68,6 +124,7 @@ fn whole_gpus(gpus: &[GpuInfo]) -> Vec<GpuDevice> {
 
 #[test]
 fn absent_libraries_are_clean_errors() {
+    let _gpu = gpu_lock();
     // A bogus explicit NCCL path: Unavailable naming it, never a panic.
     let e = gpu::open_nccl_library("/nonexistent/tutti-test/libnccl.so.2").unwrap_err();
     assert!(
@@ -133,6 +190,7 @@ fn absent_libraries_are_clean_errors() {
 /// is missing and where tutti looked), and `tutti perf --device gpu` fails cleanly without a GPU.
 #[test]
 fn the_command_reports_missing_libraries() {
+    let _gpu = gpu_lock();
     let exe = &common::tutti_bin();
     let out = Command::new(exe)
         .arg("devices")
@@ -302,13 +360,16 @@ fn required(var: &str) -> bool {
 
 #[test]
 fn kernels_compile_with_nvrtc() {
-    if let Err(e) = gpu::nvrtc_version() {
-        assert!(
-            !required("TUTTI_REQUIRE_NVRTC"),
-            "TUTTI_REQUIRE_NVRTC=1: {e}"
-        );
-        println!("SKIPPED: kernels_compile_with_nvrtc: {e}");
-        return;
+    match gpu::nvrtc_library() {
+        Ok(l) => println!("NVRTC {}.{} from {}", l.version.0, l.version.1, l.path),
+        Err(e) => {
+            assert!(
+                !required("TUTTI_REQUIRE_NVRTC"),
+                "TUTTI_REQUIRE_NVRTC=1: {e}"
+            );
+            skip("kernels_compile_with_nvrtc", e);
+            return;
+        }
     }
     let archs = kernels::nvrtc_architectures().unwrap();
     assert!(!archs.is_empty());
@@ -514,7 +575,7 @@ fn the_nccl_library_binds() {
         }
         Err(e) => {
             assert!(!required("TUTTI_REQUIRE_NCCL"), "TUTTI_REQUIRE_NCCL=1: {e}");
-            println!("SKIPPED: the_nccl_library_binds: {e}");
+            skip("the_nccl_library_binds", e);
         }
     }
 }
@@ -546,13 +607,16 @@ fn algorithm_names_and_nccl_codes() {
 
 #[test]
 fn discovery_reports_gpus() {
-    let Some(gpus) = gpus_or_skip("discovery_reports_gpus") else {
+    let Some((_gpu, gpus)) = gpus_or_skip("discovery_reports_gpus") else {
         return;
     };
     for g in &gpus {
         println!("{g:?}");
         assert!(!g.name.is_empty());
-        assert!(g.total_memory >= g.free_memory && g.free_memory > 0);
+        // Free memory is read only where this process has a context already (0 elsewhere).
+        assert!(g.total_memory > 0 && g.total_memory >= g.free_memory);
+        let free = g.current_free_memory().unwrap();
+        assert!(free > 0 && free <= g.total_memory, "{free}");
         assert!(g.compute_capability >= (3, 5));
         assert!(g.multiprocessors > 0);
         assert!(g.uuid.starts_with("GPU-"), "{}", g.uuid);
@@ -592,7 +656,7 @@ fn round_trip<T: Element>(dev: &GpuDevice) {
 
 #[test]
 fn buffers_round_trip_and_respect_memory_limits() {
-    let Some(gpus) = gpus_or_skip("buffers_round_trip_and_respect_memory_limits") else {
+    let Some((_gpu, gpus)) = gpus_or_skip("buffers_round_trip_and_respect_memory_limits") else {
         return;
     };
     let dev = &whole_gpus(&gpus[..1])[0];
@@ -807,11 +871,10 @@ fn sweep(group: &GpuGroup, label: &str, counts: &[usize]) {
 
 #[test]
 fn copy_algorithms_on_virtual_gpus() {
-    let Some(gpus) = gpus_or_skip("copy_algorithms_on_virtual_gpus") else {
+    let Some((_gpu, gpus)) = gpus_or_skip("copy_algorithms_on_virtual_gpus") else {
         return;
     };
-    if let Err(e) = gpu::nvrtc_version() {
-        println!("SKIPPED: copy_algorithms_on_virtual_gpus: {e}");
+    if !nvrtc_or_skip("copy_algorithms_on_virtual_gpus") {
         return;
     }
     for n in [2, 3, 4] {
@@ -835,21 +898,17 @@ fn copy_algorithms_on_virtual_gpus() {
 
 #[test]
 fn every_algorithm_on_whole_gpus() {
-    let Some(gpus) = gpus_or_skip("every_algorithm_on_whole_gpus") else {
+    let Some((_gpu, gpus)) = gpus_or_skip("every_algorithm_on_whole_gpus") else {
         return;
     };
     let devs = whole_gpus(&gpus);
     let mut algos = vec![];
-    if gpu::nccl_library().is_ok() {
+    if nccl_or_skip("every_algorithm_on_whole_gpus (NCCL part)") {
         algos.push(GpuAlgorithm::Nccl);
-    } else {
-        println!("SKIPPED (NCCL part): every_algorithm_on_whole_gpus: no NCCL");
     }
-    if gpu::nvrtc_version().is_ok() {
+    if nvrtc_or_skip("every_algorithm_on_whole_gpus (copy algorithms)") {
         algos.push(GpuAlgorithm::HierarchicalCopy { group_size: 2 });
         algos.push(GpuAlgorithm::ReductionToOneDevice { root: 0 });
-    } else {
-        println!("SKIPPED (copy algorithms): every_algorithm_on_whole_gpus: no NVRTC");
     }
     for algo in algos {
         let group = GpuGroup::new(&devs, algo, &config()).unwrap();
@@ -863,7 +922,8 @@ fn every_algorithm_on_whole_gpus() {
 
 #[test]
 fn nccl_with_one_rank_per_process_through_the_store() {
-    let Some(gpus) = gpus_or_skip("nccl_with_one_rank_per_process_through_the_store") else {
+    let Some((_gpu, gpus)) = gpus_or_skip("nccl_with_one_rank_per_process_through_the_store")
+    else {
         return;
     };
     if !nccl_or_skip("nccl_with_one_rank_per_process_through_the_store") {
@@ -881,6 +941,7 @@ fn nccl_with_one_rank_per_process_through_the_store() {
 
     // One rank per GPU, each joining through the TCP rendezvous store on its own thread.
     if gpus.len() < 2 {
+        // TUTTI_REQUIRE_GPU=2 or more makes this a failure (in gpus_or_skip).
         println!(
             "SKIPPED (two ranks): needs 2 GPUs, this machine has {}",
             gpus.len()
@@ -938,7 +999,7 @@ fn nccl_with_one_rank_per_process_through_the_store() {
 
 #[test]
 fn a_missing_rank_times_out_and_aborts() {
-    let Some(gpus) = gpus_or_skip("a_missing_rank_times_out_and_aborts") else {
+    let Some((_gpu, gpus)) = gpus_or_skip("a_missing_rank_times_out_and_aborts") else {
         return;
     };
     if !nccl_or_skip("a_missing_rank_times_out_and_aborts") {
@@ -964,7 +1025,7 @@ fn a_missing_rank_times_out_and_aborts() {
 
 #[test]
 fn nccl_refuses_virtual_gpus_and_auto_falls_back() {
-    let Some(gpus) = gpus_or_skip("nccl_refuses_virtual_gpus_and_auto_falls_back") else {
+    let Some((_gpu, gpus)) = gpus_or_skip("nccl_refuses_virtual_gpus_and_auto_falls_back") else {
         return;
     };
     let devs = virtual_gpus(&gpus, 2);
@@ -982,21 +1043,26 @@ fn nccl_refuses_virtual_gpus_and_auto_falls_back() {
     assert!(g.fallback_reason().unwrap().contains("NCCL refuses"));
     let whole = whole_gpus(&gpus);
     let g = GpuGroup::new(&whole, GpuAlgorithm::Auto, &config()).unwrap();
-    let want = if gpu::nccl_library().is_ok() {
-        GpuAlgorithm::Nccl
-    } else {
-        GpuAlgorithm::ReductionToOneDevice { root: 0 }
-    };
-    assert_eq!(g.algorithm(), want);
+    match (gpu::nccl_library(), g.algorithm()) {
+        (Ok(_), GpuAlgorithm::Nccl) | (Err(_), GpuAlgorithm::ReductionToOneDevice { root: 0 }) => {}
+        // NCCL loads, but its communicators did not start here (a sandbox, say): Auto falls
+        // back, saying why.
+        (Ok(_), GpuAlgorithm::ReductionToOneDevice { root: 0 }) => {
+            let why = g.fallback_reason().unwrap();
+            println!("auto fell back: {why}");
+            assert!(why.contains("communicators did not start"), "{why}");
+        }
+        (n, a) => panic!("auto chose {a} (NCCL: {:?})", n.map(|l| l.path)),
+    }
 }
 
 #[test]
 fn wrong_arguments_are_errors_and_the_group_stays_usable() {
-    let Some(gpus) = gpus_or_skip("wrong_arguments_are_errors_and_the_group_stays_usable") else {
+    let Some((_gpu, gpus)) = gpus_or_skip("wrong_arguments_are_errors_and_the_group_stays_usable")
+    else {
         return;
     };
-    if let Err(e) = gpu::nvrtc_version() {
-        println!("SKIPPED: wrong_arguments_are_errors_and_the_group_stays_usable: {e}");
+    if !nvrtc_or_skip("wrong_arguments_are_errors_and_the_group_stays_usable") {
         return;
     }
     let devs = virtual_gpus(&gpus, 2);
@@ -1072,16 +1138,16 @@ fn wrong_arguments_are_errors_and_the_group_stays_usable() {
 
 #[test]
 fn perf_rows_are_correct_on_gpus() {
-    let Some(gpus) = gpus_or_skip("perf_rows_are_correct_on_gpus") else {
+    let Some((_gpu, gpus)) = gpus_or_skip("perf_rows_are_correct_on_gpus") else {
         return;
     };
     let bw = gpu::perf::device_copy_gbps(gpus[0].ordinal).unwrap();
     let mut runs: Vec<(usize, GpuAlgorithm)> = vec![];
-    if gpu::nvrtc_version().is_ok() {
+    if nvrtc_or_skip("perf_rows_are_correct_on_gpus (copy algorithms)") {
         runs.push((2, GpuAlgorithm::HierarchicalCopy { group_size: 2 }));
         runs.push((4, GpuAlgorithm::ReductionToOneDevice { root: 0 }));
     }
-    if gpu::nccl_library().is_ok() {
+    if nccl_or_skip("perf_rows_are_correct_on_gpus (NCCL part)") {
         runs.push((1, GpuAlgorithm::Nccl));
     }
     for (n, algo) in runs {
@@ -1113,4 +1179,311 @@ fn perf_rows_are_correct_on_gpus() {
             }
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Where the libraries are found, and what tutti leaves behind on the caller's thread and GPUs.
+
+/// A scratch directory, removed when dropped.
+struct Scratch(std::path::PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let d = std::env::temp_dir().join(format!("tutti-gpu-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        Scratch(std::fs::canonicalize(&d).unwrap())
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A virtual environment found through `PATH` alone (no `VIRTUAL_ENV`): its `bin/python3`
+/// leads to its site-packages, where NVRTC is looked for in the CUDA 13 wheel's place, then the
+/// CUDA 12 wheel's. An empty file there is passed over with its reason; with a real NVRTC on
+/// this machine (`TUTTI_NVRTC_LIBRARY` in CI), a copy of its directory in the wheel's place is
+/// found and binds.
+#[test]
+fn nvrtc_is_found_in_the_virtual_environment_on_path() {
+    use gpu::libs::{nvrtc_candidates_in, python_package_dirs, SearchDirs};
+    let t = Scratch::new("venv");
+    let venv = t.0.join("venv");
+    let sp = venv.join("lib/python3.12/site-packages");
+    std::fs::create_dir_all(venv.join("bin")).unwrap();
+    std::fs::write(venv.join("bin/python3"), b"").unwrap();
+    let cu13 = sp.join("nvidia/cu13/lib");
+    std::fs::create_dir_all(&cu13).unwrap();
+    std::fs::write(cu13.join("libnvrtc.so.13"), b"").unwrap();
+    let path = std::env::join_paths([venv.join("bin")]).unwrap();
+    let dirs = python_package_dirs(Some(&path));
+    assert!(dirs.contains(&sp), "{dirs:?}");
+    let under = |dirs: &[std::path::PathBuf]| -> Vec<String> {
+        nvrtc_candidates_in(&SearchDirs {
+            site_packages: dirs.to_vec(),
+            ..SearchDirs::default()
+        })
+        .into_iter()
+        .filter(|c| c.starts_with(t.0.to_str().unwrap()))
+        .collect()
+    };
+    let empty = cu13.join("libnvrtc.so.13").to_string_lossy().into_owned();
+    assert_eq!(under(&dirs), vec![empty.clone()]);
+    let e = gpu::first_nvrtc_library(&under(&dirs)).unwrap_err();
+    assert!(e.to_string().starts_with("NVRTC not available: "), "{e}");
+    assert!(e.to_string().contains(&format!("{empty}: ")), "{e}");
+
+    // A real NVRTC, placed where its wheel puts it.
+    let Ok(real) = gpu::nvrtc_library() else {
+        println!("no NVRTC on this machine: the loading part is not run");
+        return;
+    };
+    let file = std::path::Path::new(&real.path);
+    let (Some(dir), Some(name)) = (file.parent(), file.file_name().and_then(|n| n.to_str())) else {
+        println!(
+            "NVRTC came from the dynamic linker ({}): the loading part is not run",
+            real.path
+        );
+        return;
+    };
+    if dir.as_os_str().is_empty() {
+        println!(
+            "NVRTC came from the dynamic linker ({}): the loading part is not run",
+            real.path
+        );
+        return;
+    }
+    let wheel_dir = match name {
+        "libnvrtc.so.13" => "nvidia/cu13/lib",
+        "libnvrtc.so.12" => "nvidia/cuda_nvrtc/lib",
+        _ => {
+            println!(
+                "NVRTC is {}: not a wheel's name; the loading part is not run",
+                real.path
+            );
+            return;
+        }
+    };
+    std::fs::remove_dir_all(sp.join("nvidia")).unwrap();
+    let place = sp.join(wheel_dir);
+    std::fs::create_dir_all(place.parent().unwrap()).unwrap();
+    std::os::unix::fs::symlink(std::fs::canonicalize(dir).unwrap(), &place).unwrap();
+    let found = under(&python_package_dirs(Some(&path)));
+    assert_eq!(found, vec![place.join(name).to_string_lossy().into_owned()]);
+    let l = gpu::first_nvrtc_library(&found).unwrap();
+    assert_eq!(
+        (l.path.as_str(), l.version),
+        (found[0].as_str(), real.version)
+    );
+    println!("NVRTC {:?} found through PATH at {}", l.version, l.path);
+}
+
+/// The CUDA driver's own view, for the checks below: whether GPU `ordinal`'s primary context is
+/// active in this process, and the calling thread's current context.
+fn primary_context_active(ordinal: usize) -> bool {
+    use cudarc::driver::sys;
+    let (mut dev, mut flags, mut active) = (0, 0u32, 0i32);
+    // SAFETY: valid out-pointers; tutti found the driver (the callers listed the GPUs).
+    unsafe {
+        assert_eq!(
+            sys::cuDeviceGet(&mut dev, ordinal as i32),
+            sys::CUresult::CUDA_SUCCESS
+        );
+        assert_eq!(
+            sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active),
+            sys::CUresult::CUDA_SUCCESS
+        );
+    }
+    active != 0
+}
+
+fn current_context() -> cudarc::driver::sys::CUcontext {
+    use cudarc::driver::sys;
+    let mut c: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; the driver is loaded.
+    assert_eq!(
+        unsafe { sys::cuCtxGetCurrent(&mut c) },
+        sys::CUresult::CUDA_SUCCESS
+    );
+    c
+}
+
+/// Listing GPUs makes no context on any of them (in a fresh process: this one may have opened
+/// GPUs in other tests): the child runs `devices()`, `status()` and a plan of whole GPUs, and
+/// checks with the driver that no primary context is active.
+#[test]
+fn listing_gpus_creates_no_context() {
+    const CHILD: &str = "TUTTI_GPU_TEST_LISTING_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        let gpus = gpu::devices().unwrap();
+        let _ = gpu::status();
+        let _ = tutti::device::discover();
+        let _ = gpu::plan_replicas(gpus.len(), &gpus).unwrap();
+        for g in &gpus {
+            assert!(
+                !primary_context_active(g.ordinal),
+                "listing made a context on GPU {}",
+                g.ordinal
+            );
+        }
+        println!("child: no context on {} GPU(s)", gpus.len());
+        return;
+    }
+    let Some((_gpu, _gpus)) = gpus_or_skip("listing_gpus_creates_no_context") else {
+        return;
+    };
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "listing_gpus_creates_no_context",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    println!("{text}");
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("child: no context on"), "{text}");
+}
+
+/// tutti's calls leave the caller's current context current: none, or one of the caller's own
+/// (another library's), through opening GPUs, buffers and their host copies, groups and their
+/// collectives (each algorithm there is), and drops.
+#[test]
+fn the_callers_context_stays_current() {
+    use cudarc::driver::sys;
+    let Some((_gpu, gpus)) = gpus_or_skip("the_callers_context_stays_current") else {
+        return;
+    };
+    let mut algos = vec![];
+    if nvrtc_or_skip("the_callers_context_stays_current (copy algorithms)") {
+        algos.push(GpuAlgorithm::ReductionToOneDevice { root: 0 });
+    }
+    if nccl_or_skip("the_callers_context_stays_current (NCCL part)") {
+        algos.push(GpuAlgorithm::Nccl);
+    }
+    let exercise = |want: sys::CUcontext, label: &str| {
+        let same = |step: &str| {
+            assert_eq!(current_context(), want, "{label}: after {step}");
+        };
+        let devs = whole_gpus(&gpus);
+        same("opening the GPUs");
+        for &algo in &algos {
+            let group = GpuGroup::new(&devs, algo, &config()).unwrap();
+            same(&format!("making a {algo} group"));
+            let mut bufs: Vec<GpuBuffer<f32>> = devs
+                .iter()
+                .map(|d| GpuBuffer::from_host(d, &[1.0; 1000]).unwrap())
+                .collect();
+            same("copying to the GPUs");
+            group.all_reduce(&mut bufs, ReduceOp::Sum).unwrap();
+            same(&format!("a {algo} all-reduce"));
+            assert_eq!(bufs[0].to_host().unwrap(), vec![devs.len() as f32; 1000]);
+            same("copying to the host");
+            devs[0].synchronize().unwrap();
+            drop(bufs);
+            drop(group);
+            same(&format!("dropping the {algo} group and its buffers"));
+        }
+        let _ = gpus[0].current_free_memory().unwrap();
+        same("reading the free memory");
+        drop(devs);
+        same("dropping the devices");
+    };
+    // No context current.
+    // SAFETY: unbinds whatever is current on this test thread.
+    assert_eq!(
+        unsafe { sys::cuCtxSetCurrent(std::ptr::null_mut()) },
+        sys::CUresult::CUDA_SUCCESS
+    );
+    exercise(std::ptr::null_mut(), "no current context");
+    // A context of the caller's own on GPU 0 (not tutti's primary context).
+    let mut dev = 0;
+    let mut mine: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out-pointers; the context is destroyed below.
+    unsafe {
+        assert_eq!(
+            sys::cuDeviceGet(&mut dev, gpus[0].ordinal as i32),
+            sys::CUresult::CUDA_SUCCESS
+        );
+        assert_eq!(
+            sys::cuCtxCreate_v2(&mut mine, 0, dev),
+            sys::CUresult::CUDA_SUCCESS
+        );
+    }
+    assert_eq!(current_context(), mine);
+    exercise(mine, "the caller's own context");
+    // SAFETY: the context made above, current on this thread and no longer used.
+    unsafe {
+        assert_eq!(sys::cuCtxDestroy_v2(mine), sys::CUresult::CUDA_SUCCESS);
+    }
+}
+
+/// A collective that times out marks its devices failed: the buffers dropped after it do not
+/// wait the device's timeout again (they are freed once the stream is idle, or left allocated
+/// while it is busy), nothing panics, and the devices work again once their streams drain.
+#[test]
+fn drops_after_a_timeout_do_not_wait_again() {
+    let Some((_gpu, gpus)) = gpus_or_skip("drops_after_a_timeout_do_not_wait_again") else {
+        return;
+    };
+    if !nvrtc_or_skip("drops_after_a_timeout_do_not_wait_again") {
+        return;
+    }
+    let devs = virtual_gpus(&gpus, 2);
+    let n = 32 << 20;
+    let tiny = Config::default().with_timeout(Duration::from_nanos(1));
+    let group =
+        GpuGroup::new(&devs, GpuAlgorithm::ReductionToOneDevice { root: 0 }, &tiny).unwrap();
+    // Compile and load the kernels first, so that the timed call is all GPU work.
+    let ok = GpuGroup::new(
+        &devs,
+        GpuAlgorithm::ReductionToOneDevice { root: 0 },
+        &config(),
+    )
+    .unwrap();
+    let mut small: Vec<GpuBuffer<f32>> = devs
+        .iter()
+        .map(|d| GpuBuffer::from_host(d, &[1.0; 4]).unwrap())
+        .collect();
+    ok.all_reduce(&mut small, ReduceOp::Sum).unwrap();
+    let mut bufs: Vec<GpuBuffer<f32>> = devs
+        .iter()
+        .map(|d| GpuBuffer::zeros(d, n).unwrap())
+        .collect();
+    let mut timed_out = false;
+    for _ in 0..20 {
+        match group.all_reduce(&mut bufs, ReduceOp::Sum) {
+            Err(Error::Timeout { .. }) => {
+                timed_out = true;
+                break;
+            }
+            Err(e) => panic!("{e}"),
+            Ok(()) => {}
+        }
+    }
+    assert!(timed_out, "a 1 ns timeout never passed");
+    let t = std::time::Instant::now();
+    drop(bufs);
+    drop(small);
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "dropping after a timeout took {:?}",
+        t.elapsed()
+    );
+    // The streams drain: the devices work again.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    for d in &devs {
+        while d.synchronize().is_err() {
+            assert!(std::time::Instant::now() < deadline, "{d:?} stays busy");
+        }
+    }
+    let b = GpuBuffer::from_host(&devs[0], &[3.0f32; 8]).unwrap();
+    assert_eq!(b.to_host().unwrap(), vec![3.0; 8]);
 }

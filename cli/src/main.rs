@@ -279,14 +279,19 @@ fn gpu_text() {
         let visible = g.visible_as.as_ref().map_or(String::new(), |v| {
             format!(", CUDA_VISIBLE_DEVICES entry {v}")
         });
+        // Listing reads no free memory (that would open a context on every GPU).
+        let free = if g.free_memory > 0 {
+            format!(" ({:.1} GiB free)", gib(g.free_memory))
+        } else {
+            String::new()
+        };
         say!(
-            "gpu:{:<4} compute capability {}.{}, {} SMs, {:.1} GiB ({:.1} GiB free), PCI {}, {}{visible}",
+            "gpu:{:<4} compute capability {}.{}, {} SMs, {:.1} GiB{free}, PCI {}, {}{visible}",
             g.ordinal,
             g.compute_capability.0,
             g.compute_capability.1,
             g.multiprocessors,
             gib(g.total_memory),
-            gib(g.free_memory),
             g.pci_bus_id,
             g.uuid
         );

@@ -159,12 +159,25 @@ impl<T: Element> GpuBuffer<T> {
 impl<T: Element> Drop for GpuBuffer<T> {
     fn drop(&mut self) {
         let inner = &self.dev.inner;
-        // Work queued on the buffer must finish before its memory goes back.
-        if let Err(e) = inner.sync(inner.timeout, "finish with a buffer being freed") {
-            driver::log(&format!("freeing a GPU buffer: {e}"));
+        let bytes = (self.len * T::DTYPE.size()) as u64;
+        if self.ptr == 0 {
+            inner.release(bytes);
+            return;
         }
-        driver::free(&inner.ctx, self.ptr);
-        inner.release((self.len * T::DTYPE.size()) as u64);
+        // Work queued on the buffer must finish before its memory goes back. After a timeout
+        // on the device this does not wait again: memory a stuck stream may still use is
+        // leaked (and stays counted against the device's limit) rather than freed under it.
+        if inner.idle_before_free("freeing a GPU buffer") {
+            driver::free(&inner.ctx, self.ptr);
+            inner.release(bytes);
+        } else {
+            driver::log(&format!(
+                "freeing a GPU buffer: {} is still busy after a timeout; its {bytes} bytes at \
+                 {:#x} are left allocated",
+                self.dev.describe(),
+                self.ptr
+            ));
+        }
     }
 }
 
@@ -218,7 +231,6 @@ fn upload<T: Element>(r: &Region, data: &[T]) -> Result<()> {
         )));
     }
     let inner = &r.dev.inner;
-    inner.ctx.bind()?;
     // SAFETY: the region lies in a live allocation; `data` outlives the wait below.
     let queued = unsafe { driver::upload_async(r.ptr, bytemuck::cast_slice(data), &inner.stream) };
     // Wait even when queueing failed part-way, so `data` is not read after we return.
@@ -236,7 +248,6 @@ fn download<T: Element>(r: &Region, out: &mut [T]) -> Result<()> {
         )));
     }
     let inner = &r.dev.inner;
-    inner.ctx.bind()?;
     // SAFETY: the region lies in a live allocation; `out` outlives the wait below.
     let queued =
         unsafe { driver::download_async(bytemuck::cast_slice_mut(out), r.ptr, &inner.stream) };

@@ -1,7 +1,10 @@
 //! GPU discovery, visible devices, and logical (virtual) GPUs.
 //!
-//! [`devices`] lists the GPUs the driver shows this process, with name, memory (total and
-//! free), compute capability, multiprocessors, PCI bus id and UUID. The driver applies
+//! [`devices`] lists the GPUs the driver shows this process, with name, memory, compute
+//! capability, multiprocessors, PCI bus id and UUID. Listing creates no CUDA context (a context
+//! holds about half a GiB of the GPU's memory, and a GPU in `EXCLUSIVE_PROCESS` mode takes one
+//! process only): free memory, which needs one, is read where this process has a context
+//! already, and otherwise only for the GPUs a virtual-GPU plan splits. The driver applies
 //! `CUDA_VISIBLE_DEVICES` itself; tutti reads the variable too ([`parse_cuda_visible_devices`])
 //! to say which entry each GPU came from. An explicit list ([`select`], [`parse_device_list`])
 //! narrows the GPUs further, like TensorFlow's `set_visible_devices`.
@@ -12,7 +15,7 @@
 //! one GPU can run several replicas. NCCL refuses two ranks on one physical GPU: virtual GPUs
 //! are reduced with the copy-based algorithms.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,7 +36,10 @@ pub struct GpuInfo {
     pub name: String,
     /// Total device memory in bytes.
     pub total_memory: u64,
-    /// Free device memory in bytes when discovered.
+    /// Free device memory in bytes when it was read, else 0. Reading it needs a CUDA context
+    /// on the GPU, so [`devices`] reads it only where this process has one already;
+    /// [`GpuInfo::current_free_memory`] reads it, and virtual-GPU plans read it for the GPUs
+    /// they split.
     pub free_memory: u64,
     /// Compute capability (major, minor), e.g. (9, 0).
     pub compute_capability: (u32, u32),
@@ -48,6 +54,39 @@ pub struct GpuInfo {
 }
 
 impl GpuInfo {
+    /// The GPU's free memory now. This makes the GPU's primary context (kept for the life of
+    /// the process) when nothing in the process uses the GPU yet: call it for GPUs this process
+    /// uses.
+    pub fn current_free_memory(&self) -> Result<u64> {
+        libs::cuda()?;
+        let ctx = driver::context(self.ordinal)?;
+        Ok(driver::mem_info(&ctx)?.0)
+    }
+
+    /// `free_memory` when it was read, else read now ([`GpuInfo::current_free_memory`]).
+    fn known_free_memory(&self) -> Result<u64> {
+        if self.free_memory > 0 {
+            return Ok(self.free_memory);
+        }
+        self.current_free_memory().map_err(|e| match e {
+            Error::Unavailable { .. } => e,
+            e => Error::System {
+                what: format!(
+                    "reading the free memory of GPU {} ({})",
+                    self.ordinal, self.name
+                ),
+                message: e.to_string(),
+            },
+        })
+    }
+
+    /// A copy with `free_memory` read, when it was not.
+    pub fn with_free_memory(&self) -> Result<GpuInfo> {
+        let mut g = self.clone();
+        g.free_memory = self.known_free_memory()?;
+        Ok(g)
+    }
+
     /// The generic device record (`gpu:N`) for [`crate::device::discover`].
     pub fn to_device(&self) -> Device {
         Device {
@@ -161,7 +200,8 @@ fn gib(b: u64) -> String {
 }
 
 /// Every GPU the driver shows this process, or `Unavailable` ("CUDA not available: ...") when
-/// there is no driver or no GPU.
+/// there is no driver or no GPU. Creates no CUDA context: `free_memory` is read only for GPUs
+/// this process has a context on already (0 elsewhere).
 pub fn devices() -> Result<Vec<GpuInfo>> {
     libs::cuda()?;
     let n = driver::device_count()?;
@@ -174,7 +214,7 @@ pub fn devices() -> Result<Vec<GpuInfo>> {
     let visible = parse_cuda_visible_devices(std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref());
     (0..n)
         .map(|ordinal| {
-            let mut info = info(ordinal)?;
+            let mut info = info(ordinal, true)?;
             info.visible_as = visible
                 .entries
                 .as_ref()
@@ -193,7 +233,9 @@ pub fn visible_devices(list: Option<&[usize]>) -> Result<Vec<GpuInfo>> {
     }
 }
 
-fn info(ordinal: usize) -> Result<GpuInfo> {
+/// What the driver says of GPU `ordinal`, without making a context; `read_free`: read the free
+/// memory when the process has a context on the GPU already.
+fn info(ordinal: usize, read_free: bool) -> Result<GpuInfo> {
     use sys::CUdevice_attribute as A;
     let dev = driver::device(ordinal)?;
     let mut name = [0 as std::ffi::c_char; 256];
@@ -221,8 +263,12 @@ fn info(ordinal: usize) -> Result<GpuInfo> {
     driver::check(unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, dev) }, || {
         format!("CUDA cuDeviceGetUuid for GPU {ordinal}")
     })?;
-    let ctx = driver::context(ordinal)?;
-    let (free, total) = driver::mem_info(&ctx)?;
+    let total = driver::total_memory(dev, ordinal)?;
+    let free = if read_free {
+        driver::free_memory_if_active(dev, ordinal).unwrap_or(0)
+    } else {
+        0
+    };
     Ok(GpuInfo {
         ordinal,
         name,
@@ -335,9 +381,9 @@ impl VirtualGpuConfig {
     }
 
     /// Split physical GPU `gpu` into `n` logical GPUs sharing its free memory evenly
-    /// ([`even_memory_limits`]).
+    /// ([`even_memory_limits`]; the free memory is read now when `gpu` does not have it).
     pub fn split_evenly(self, gpu: &GpuInfo, n: usize) -> Result<VirtualGpuConfig> {
-        let limits = even_memory_limits(gpu.free_memory, n)?;
+        let limits = even_memory_limits(gpu.known_free_memory()?, n)?;
         Ok(self.split(gpu.ordinal, &limits))
     }
 
@@ -351,7 +397,8 @@ impl VirtualGpuConfig {
 
     /// The logical GPUs over `gpus`, numbered physical GPU by physical GPU in `gpus`' order, or
     /// an error naming a GPU configured twice or not in `gpus`, an empty split, a zero limit,
-    /// or limits that add up to more than the GPU's free memory.
+    /// or limits that add up to more than the GPU's free memory (read now for a split GPU whose
+    /// `free_memory` was not read; GPUs not split are not touched).
     pub fn plan(&self, gpus: &[GpuInfo]) -> Result<Vec<LogicalGpu>> {
         for (i, (g, limits)) in self.splits.iter().enumerate() {
             let info = gpus.iter().find(|x| x.ordinal == *g).ok_or_else(|| {
@@ -377,13 +424,14 @@ impl VirtualGpuConfig {
                 )));
             }
             let sum = limits.iter().fold(0u64, |a, &b| a.saturating_add(b));
-            if sum > info.free_memory {
+            let free = info.known_free_memory()?;
+            if sum > free {
                 return Err(Error::config(format!(
                     "virtual GPUs: the {} logical GPUs on GPU {g} ({}) ask for {} in all, but it has {} free",
                     limits.len(),
                     info.name,
                     gib(sum),
-                    gib(info.free_memory)
+                    gib(free)
                 )));
             }
         }
@@ -424,13 +472,18 @@ pub fn plan_replicas(n: usize, gpus: &[GpuInfo]) -> Result<Vec<LogicalGpu>> {
     if n <= gpus.len() {
         return VirtualGpuConfig::new().plan(&gpus[..n]);
     }
+    // Every GPU is split: read each one's free memory once, for the limits and the check.
+    let gpus: Vec<GpuInfo> = gpus
+        .iter()
+        .map(GpuInfo::with_free_memory)
+        .collect::<Result<_>>()?;
     let p = gpus.len();
     let mut config = VirtualGpuConfig::new();
     for (i, g) in gpus.iter().enumerate() {
         let k = n / p + usize::from(i < n % p);
         config = config.split_evenly(g, k)?;
     }
-    config.plan(gpus)
+    config.plan(&gpus)
 }
 
 /// An opened logical GPU: its physical GPU's context, its own stream, and its allocation
@@ -451,7 +504,15 @@ pub(crate) struct DeviceInner {
     pub stream: Stream,
     pub event: Event,
     pub timeout: Duration,
+    /// Set when a wait on the stream timed out, cleared when the stream is found idle: later
+    /// waits are bounded by [`FAILED_DEVICE_WAIT`], and drops do not wait at all.
+    pub failed: AtomicBool,
 }
+
+/// The longest a wait on a device whose stream timed out before may take: the device is stuck
+/// or far behind, and waiting the whole timeout again (for every buffer dropped after a
+/// timeout, say) would only stall the caller.
+pub(crate) const FAILED_DEVICE_WAIT: Duration = Duration::from_secs(1);
 
 impl std::fmt::Debug for GpuDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -464,7 +525,7 @@ impl GpuDevice {
     pub fn open(logical: &LogicalGpu) -> Result<GpuDevice> {
         libs::cuda()?;
         let ctx = driver::context(logical.physical)?;
-        let info = info(logical.physical)?;
+        let info = info(logical.physical, false)?;
         let stream = Stream::new(&ctx)?;
         let event = Event::new(&ctx)?;
         Ok(GpuDevice {
@@ -479,6 +540,7 @@ impl GpuDevice {
                 stream,
                 event,
                 timeout: crate::comm::Config::default().timeout,
+                failed: AtomicBool::new(false),
             }),
         })
     }
@@ -581,17 +643,88 @@ impl DeviceInner {
         self.used.fetch_sub(bytes, Ordering::AcqRel);
     }
 
-    /// Wait for this stream, up to `timeout`; a timeout names the device and `phase`.
+    /// True when a wait on this device timed out and its stream was not idle since.
+    pub fn has_failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    /// Record that a wait on this device timed out.
+    pub fn mark_failed(&self) {
+        self.failed.store(true, Ordering::Release);
+    }
+
+    /// Record that the stream was found idle.
+    pub fn mark_idle(&self) {
+        self.failed.store(false, Ordering::Release);
+    }
+
+    /// How long a wait of `timeout` may take on this device: all of it, or at most
+    /// [`FAILED_DEVICE_WAIT`] once a wait on it timed out.
+    pub fn wait_bound(&self, timeout: Duration) -> Duration {
+        if self.has_failed() {
+            timeout.min(FAILED_DEVICE_WAIT)
+        } else {
+            timeout
+        }
+    }
+
+    /// Wait for this stream, up to `timeout` ([`DeviceInner::wait_bound`]); a timeout names
+    /// the device and `phase`, and marks the device failed.
     pub fn sync(&self, timeout: Duration, phase: &str) -> Result<()> {
-        match driver::wait_all(&[&self.stream], Instant::now() + timeout)? {
-            Ok(()) => Ok(()),
-            Err(_) => Err(Error::System {
-                what: format!("gpu:{} (GPU {})", self.logical.index, self.logical.physical),
-                message: format!(
-                    "timed out after {timeout:?} waiting for the device to {phase}; it is stuck \
-                     or slow (raise the timeout with TUTTI_TIMEOUT)"
-                ),
-            }),
+        let failed = self.has_failed();
+        let bound = self.wait_bound(timeout);
+        match driver::wait_all(&[&self.stream], Instant::now() + bound)? {
+            Ok(()) => {
+                self.mark_idle();
+                Ok(())
+            }
+            Err(_) => {
+                self.mark_failed();
+                let message = if failed {
+                    format!(
+                        "the device is still busy {bound:?} after an earlier wait on it timed \
+                         out, waiting for it to {phase}; it is stuck or slow (raise the timeout \
+                         with TUTTI_TIMEOUT)"
+                    )
+                } else {
+                    format!(
+                        "timed out after {timeout:?} waiting for the device to {phase}; it is \
+                         stuck or slow (raise the timeout with TUTTI_TIMEOUT)"
+                    )
+                };
+                Err(Error::System {
+                    what: format!("gpu:{} (GPU {})", self.logical.index, self.logical.physical),
+                    message,
+                })
+            }
+        }
+    }
+
+    /// Whether memory the stream may still use can go back to the driver: the stream is idle.
+    /// Waits up to the device's timeout, but on a device that timed out before only looks
+    /// once, so that what is dropped after a timeout does not wait again. `false` (the
+    /// caller leaks the memory rather than free it under a running kernel) when the stream is
+    /// still busy; a driver error is logged and counts as idle (the stream runs nothing more).
+    pub fn idle_before_free(&self, phase: &str) -> bool {
+        if self.has_failed() {
+            return match self.stream.done() {
+                Ok(true) => {
+                    self.mark_idle();
+                    true
+                }
+                Ok(false) => false,
+                Err(e) => {
+                    driver::log(&format!("{phase}: {e}"));
+                    true
+                }
+            };
+        }
+        match self.sync(self.timeout, phase) {
+            Ok(()) => true,
+            Err(e) => {
+                driver::log(&format!("{phase}: {e}"));
+                !self.has_failed()
+            }
         }
     }
 }
@@ -722,6 +855,33 @@ mod tests {
         let p = plan_replicas(2, &two).unwrap();
         assert!(p.iter().all(|l| !l.is_virtual && l.memory_limit.is_none()));
         assert!(plan_replicas(0, &two).is_err());
+    }
+
+    #[test]
+    fn free_memory_is_read_only_for_split_gpus() {
+        // Free memory not read (as `devices()` leaves it): whole GPUs plan without it.
+        let unread = vec![gpu(0, 0), gpu(1, 0)];
+        assert_eq!(plan_replicas(2, &unread).unwrap().len(), 2);
+        assert_eq!(VirtualGpuConfig::new().plan(&unread).unwrap().len(), 2);
+        // Read when given: no driver needed.
+        let read = gpu(0, 8);
+        assert_eq!(read.with_free_memory().unwrap(), read);
+        // A split of a GPU whose free memory was not read reads it from the driver: without one
+        // that is the driver's error, naming it.
+        if libs::cuda().is_err() {
+            for e in [
+                VirtualGpuConfig::new()
+                    .split(0, &[1 << 20])
+                    .plan(&unread)
+                    .unwrap_err(),
+                plan_replicas(3, &unread).unwrap_err(),
+                VirtualGpuConfig::new()
+                    .split_evenly(&unread[1], 2)
+                    .unwrap_err(),
+            ] {
+                assert!(e.to_string().starts_with("CUDA not available: "), "{e}");
+            }
+        }
     }
 
     #[test]

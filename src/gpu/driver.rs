@@ -4,8 +4,14 @@
 //! driver refuses.
 //!
 //! Every function here assumes [`super::libs::cuda`] succeeded (the callers check it first).
+//!
+//! tutti never leaves a context of its own current on a caller's thread: where a call needs one,
+//! [`Context::enter`] pushes it and its guard pops it again, so the caller's context (PyTorch's,
+//! JAX's, CuPy's, or none) is current again afterwards; [`Preserve`] restores the caller's
+//! context around calls into libraries that switch devices themselves (NCCL).
 
 use std::ffi::{c_int, c_uint, c_void, CStr};
+use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -51,7 +57,7 @@ pub(crate) fn check(r: CUresult, what: impl FnOnce() -> String) -> Result<()> {
 
 /// Log a failure that cannot be returned (in `Drop`).
 pub(crate) fn log(msg: &str) {
-    eprintln!("tutti: {msg}");
+    log::warn!("{msg}");
 }
 
 /// The primary context of one physical GPU, retained for the life of the process (as the CUDA
@@ -68,12 +74,110 @@ unsafe impl Send for Context {}
 unsafe impl Sync for Context {}
 
 impl Context {
-    /// Make this context current on the calling thread.
-    pub fn bind(&self) -> Result<()> {
+    /// Make this context current on the calling thread until the guard drops, when the
+    /// thread's previous context is current again. Nothing is pushed when it is current
+    /// already.
+    pub fn enter(&self) -> Result<Current> {
+        let mut cur: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        check(unsafe { sys::cuCtxGetCurrent(&mut cur) }, || {
+            format!("CUDA cuCtxGetCurrent (entering GPU {})", self.ordinal)
+        })?;
+        if cur == self.raw {
+            return Ok(Current {
+                pushed: None,
+                _thread: PhantomData,
+            });
+        }
         // SAFETY: a retained primary context.
-        check(unsafe { sys::cuCtxSetCurrent(self.raw) }, || {
-            format!("CUDA cuCtxSetCurrent for GPU {}", self.ordinal)
+        check(unsafe { sys::cuCtxPushCurrent_v2(self.raw) }, || {
+            format!("CUDA cuCtxPushCurrent for GPU {}", self.ordinal)
+        })?;
+        Ok(Current {
+            pushed: Some(self.ordinal),
+            _thread: PhantomData,
         })
+    }
+}
+
+/// A context made current by [`Context::enter`]; dropping it makes the thread's previous
+/// context current again. Bound to the thread that made it (not `Send`).
+#[must_use = "the context is current only while the guard lives"]
+pub(crate) struct Current {
+    /// The GPU whose context was pushed, when one was.
+    pushed: Option<usize>,
+    _thread: PhantomData<*const ()>,
+}
+
+impl Drop for Current {
+    fn drop(&mut self) {
+        let Some(ordinal) = self.pushed else {
+            return;
+        };
+        let mut popped: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; pops the context `enter` pushed on this thread.
+        let r = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+        if r != CUresult::CUDA_SUCCESS {
+            log(&format!(
+                "cuCtxPopCurrent (leaving GPU {ordinal}) failed: {}",
+                describe(r)
+            ));
+        }
+    }
+}
+
+/// The calling thread's current context, made current again when the guard drops (whatever
+/// the calls in between made current). For calls into libraries that switch devices
+/// themselves.
+#[must_use = "the context is restored when the guard drops"]
+pub(crate) struct Preserve {
+    saved: Option<sys::CUcontext>,
+    _thread: PhantomData<*const ()>,
+}
+
+/// Save the calling thread's current context until the guard drops (nothing to save without
+/// a driver).
+pub(crate) fn preserve_current() -> Preserve {
+    if super::libs::cuda().is_err() {
+        return Preserve {
+            saved: None,
+            _thread: PhantomData,
+        };
+    }
+    let mut cur: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out-pointer.
+    let r = unsafe { sys::cuCtxGetCurrent(&mut cur) };
+    if r != CUresult::CUDA_SUCCESS {
+        log(&format!(
+            "cuCtxGetCurrent failed ({}); the current CUDA context will not be restored",
+            describe(r)
+        ));
+    }
+    Preserve {
+        saved: (r == CUresult::CUDA_SUCCESS).then_some(cur),
+        _thread: PhantomData,
+    }
+}
+
+impl Drop for Preserve {
+    fn drop(&mut self) {
+        let Some(saved) = self.saved else {
+            return;
+        };
+        let mut cur: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        let r = unsafe { sys::cuCtxGetCurrent(&mut cur) };
+        if r == CUresult::CUDA_SUCCESS && cur == saved {
+            return;
+        }
+        // SAFETY: the context that was current on this thread before (or null).
+        let r = unsafe { sys::cuCtxSetCurrent(saved) };
+        if r != CUresult::CUDA_SUCCESS {
+            log(&format!(
+                "cuCtxSetCurrent (restoring the caller's CUDA context) failed: {}",
+                describe(r)
+            ));
+        }
     }
 }
 
@@ -113,9 +217,22 @@ pub(crate) fn attribute(
     Ok(v)
 }
 
-/// The primary context of GPU `ordinal`, retained once per process.
+/// Total memory of a device in bytes (no context needed).
+pub(crate) fn total_memory(dev: sys::CUdevice, ordinal: usize) -> Result<u64> {
+    let mut bytes: usize = 0;
+    // SAFETY: valid out-pointer and device.
+    check(unsafe { sys::cuDeviceTotalMem_v2(&mut bytes, dev) }, || {
+        format!("CUDA cuDeviceTotalMem for GPU {ordinal}")
+    })?;
+    Ok(bytes as u64)
+}
+
+/// The primary contexts tutti retained, by ordinal.
+static CONTEXTS: Mutex<Vec<Option<Arc<Context>>>> = Mutex::new(Vec::new());
+
+/// The primary context of GPU `ordinal`, retained once per process. This creates the context
+/// when nothing in the process uses the GPU yet: only for GPUs a process opens.
 pub(crate) fn context(ordinal: usize) -> Result<Arc<Context>> {
-    static CONTEXTS: Mutex<Vec<Option<Arc<Context>>>> = Mutex::new(Vec::new());
     let mut all = CONTEXTS.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(Some(c)) = all.get(ordinal) {
         return Ok(c.clone());
@@ -148,7 +265,7 @@ unsafe impl Sync for Stream {}
 
 impl Stream {
     pub fn new(ctx: &Arc<Context>) -> Result<Stream> {
-        ctx.bind()?;
+        let _cur = ctx.enter()?;
         let mut raw: sys::CUstream = std::ptr::null_mut();
         // SAFETY: valid out-pointer; the context is current.
         check(
@@ -168,6 +285,7 @@ impl Stream {
 
     /// True once every operation queued on the stream has finished.
     pub fn done(&self) -> Result<bool> {
+        let _cur = self.ctx.enter()?;
         // SAFETY: a live stream.
         match unsafe { sys::cuStreamQuery(self.raw) } {
             CUresult::CUDA_SUCCESS => Ok(true),
@@ -183,6 +301,7 @@ impl Stream {
             return Ok(());
         }
         event.record(other)?;
+        let _cur = self.ctx.enter()?;
         // SAFETY: live stream and event.
         check(
             unsafe { sys::cuStreamWaitEvent(self.raw, event.raw, 0) },
@@ -198,9 +317,12 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        if self.ctx.bind().is_err() {
-            return log("could not make a context current to destroy a CUDA stream");
-        }
+        let Ok(_cur) = self.ctx.enter() else {
+            return log(&format!(
+                "could not make GPU {}'s context current to destroy a CUDA stream",
+                self.ctx.ordinal
+            ));
+        };
         // SAFETY: the stream is ours and no longer used.
         let r = unsafe { sys::cuStreamDestroy_v2(self.raw) };
         if r != CUresult::CUDA_SUCCESS {
@@ -226,7 +348,7 @@ unsafe impl Sync for Event {}
 
 impl Event {
     pub fn new(ctx: &Arc<Context>) -> Result<Event> {
-        ctx.bind()?;
+        let _cur = ctx.enter()?;
         let mut raw: sys::CUevent = std::ptr::null_mut();
         // SAFETY: valid out-pointer; the context is current.
         check(
@@ -245,6 +367,7 @@ impl Event {
     }
 
     pub fn record(&self, stream: &Stream) -> Result<()> {
+        let _cur = stream.ctx.enter()?;
         // SAFETY: live event and stream.
         check(unsafe { sys::cuEventRecord(self.raw, stream.raw) }, || {
             format!("CUDA cuEventRecord on GPU {}", stream.ctx.ordinal)
@@ -254,9 +377,12 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        if self.ctx.bind().is_err() {
-            return log("could not make a context current to destroy a CUDA event");
-        }
+        let Ok(_cur) = self.ctx.enter() else {
+            return log(&format!(
+                "could not make GPU {}'s context current to destroy a CUDA event",
+                self.ctx.ordinal
+            ));
+        };
         // SAFETY: the event is ours and no longer used.
         let r = unsafe { sys::cuEventDestroy_v2(self.raw) };
         if r != CUresult::CUDA_SUCCESS {
@@ -312,7 +438,7 @@ pub(crate) fn alloc(ctx: &Context, bytes: usize) -> Result<sys::CUdeviceptr> {
     if bytes == 0 {
         return Ok(0);
     }
-    ctx.bind()?;
+    let _cur = ctx.enter()?;
     let mut p: sys::CUdeviceptr = 0;
     // SAFETY: valid out-pointer; the context is current.
     check(unsafe { sys::cuMemAlloc_v2(&mut p, bytes) }, || {
@@ -326,12 +452,13 @@ pub(crate) fn free(ctx: &Context, p: sys::CUdeviceptr) {
     if p == 0 {
         return;
     }
-    if ctx.bind().is_err() {
+    let Ok(_cur) = ctx.enter() else {
         return log(&format!(
-            "could not make GPU {}'s context current to free device memory",
+            "could not make GPU {}'s context current to free device memory; the allocation at \
+             {p:#x} is left allocated",
             ctx.ordinal
         ));
-    }
+    };
     // SAFETY: `p` came from cuMemAlloc on this context and is freed once.
     let r = unsafe { sys::cuMemFree_v2(p) };
     if r != CUresult::CUDA_SUCCESS {
@@ -357,6 +484,7 @@ pub(crate) fn copy_async(
     if bytes == 0 || dst == src {
         return Ok(());
     }
+    let _cur = stream.ctx.enter()?;
     let r = if dst_ctx.ordinal == src_ctx.ordinal {
         // SAFETY: both ranges lie in live allocations of this context (checked by callers).
         unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream.raw) }
@@ -385,6 +513,7 @@ pub(crate) unsafe fn upload_async(
     if src.is_empty() {
         return Ok(());
     }
+    let _cur = stream.ctx.enter()?;
     check(
         sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr() as *const c_void, src.len(), stream.raw),
         || {
@@ -410,6 +539,7 @@ pub(crate) unsafe fn download_async(
     if dst.is_empty() {
         return Ok(());
     }
+    let _cur = stream.ctx.enter()?;
     check(
         sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr() as *mut c_void, src, dst.len(), stream.raw),
         || {
@@ -432,6 +562,7 @@ pub(crate) fn memset_async(
     if bytes == 0 {
         return Ok(());
     }
+    let _cur = stream.ctx.enter()?;
     // SAFETY: the range lies in a live allocation of the stream's context (checked by callers).
     check(
         unsafe { sys::cuMemsetD8Async(dst, value, bytes, stream.raw) },
@@ -439,39 +570,52 @@ pub(crate) fn memset_async(
     )
 }
 
+/// What `cuCtxEnablePeerAccess` returned means for a pair of GPUs: peer access is on after
+/// success or when it was on already; any other result leaves the pair without it.
+pub(crate) fn peer_access_enabled(r: CUresult) -> bool {
+    matches!(
+        r,
+        CUresult::CUDA_SUCCESS | CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+    )
+}
+
 /// Whether GPU `a` can read GPU `b`'s memory directly, and if so, enable it (once per pair of
-/// contexts; already enabled counts as success).
-pub(crate) fn enable_peer_access(a: &Context, b: &Context) -> Result<bool> {
+/// contexts; already enabled counts as success). `Err(why)` when the driver refuses either
+/// step: the pair then has no peer access, and its copies are staged through the host.
+pub(crate) fn enable_peer_access(a: &Context, b: &Context) -> std::result::Result<bool, String> {
     let mut can: c_int = 0;
     // SAFETY: valid out-pointer and devices.
-    check(
-        unsafe { sys::cuDeviceCanAccessPeer(&mut can, a.dev, b.dev) },
-        || {
-            format!(
-                "CUDA cuDeviceCanAccessPeer(GPU {}, GPU {})",
-                a.ordinal, b.ordinal
-            )
-        },
-    )?;
+    let r = unsafe { sys::cuDeviceCanAccessPeer(&mut can, a.dev, b.dev) };
+    if r != CUresult::CUDA_SUCCESS {
+        return Err(format!(
+            "cuDeviceCanAccessPeer(GPU {}, GPU {}) failed: {}",
+            a.ordinal,
+            b.ordinal,
+            describe(r)
+        ));
+    }
     if can == 0 {
         return Ok(false);
     }
-    a.bind()?;
+    let _cur = a.enter().map_err(|e| e.to_string())?;
     // SAFETY: a current context and a live peer context.
-    match unsafe { sys::cuCtxEnablePeerAccess(b.raw, 0) } {
-        CUresult::CUDA_SUCCESS | CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(true),
-        r => check(r, || {
-            format!(
-                "CUDA cuCtxEnablePeerAccess(GPU {} reading GPU {})",
-                a.ordinal, b.ordinal
-            )
-        })
-        .map(|_| false),
+    let r = unsafe { sys::cuCtxEnablePeerAccess(b.raw, 0) };
+    if peer_access_enabled(r) {
+        Ok(true)
+    } else {
+        Err(format!(
+            "cuCtxEnablePeerAccess(GPU {} reading GPU {}) failed: {}",
+            a.ordinal,
+            b.ordinal,
+            describe(r)
+        ))
     }
 }
 
-/// The physical GPU that holds device address `p`, and the base and size of its allocation.
-pub(crate) fn pointer_info(p: sys::CUdeviceptr) -> Result<(usize, sys::CUdeviceptr, usize)> {
+/// The physical GPU that holds device address `p` (asked with `ctx` current: the driver's
+/// pointer queries need a context).
+pub(crate) fn pointer_ordinal(ctx: &Context, p: sys::CUdeviceptr) -> Result<usize> {
+    let _cur = ctx.enter()?;
     let mut ordinal: c_int = -1;
     // SAFETY: valid out-pointer of the attribute's type (int).
     check(
@@ -484,18 +628,27 @@ pub(crate) fn pointer_info(p: sys::CUdeviceptr) -> Result<(usize, sys::CUdevicep
         },
         || format!("CUDA cuPointerGetAttribute(DEVICE_ORDINAL) of address {p:#x}"),
     )?;
+    Ok(ordinal.max(0) as usize)
+}
+
+/// The base and size of the allocation that holds device address `p`, on `ctx`'s GPU.
+pub(crate) fn address_range(
+    ctx: &Context,
+    p: sys::CUdeviceptr,
+) -> Result<(sys::CUdeviceptr, usize)> {
+    let _cur = ctx.enter()?;
     let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
     // SAFETY: valid out-pointers.
     check(
         unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, p) },
         || format!("CUDA cuMemGetAddressRange of address {p:#x}"),
     )?;
-    Ok((ordinal.max(0) as usize, base, size))
+    Ok((base, size))
 }
 
 /// Free and total memory of the GPU whose context is `ctx`.
 pub(crate) fn mem_info(ctx: &Context) -> Result<(u64, u64)> {
-    ctx.bind()?;
+    let _cur = ctx.enter()?;
     let (mut free, mut total) = (0usize, 0usize);
     // SAFETY: valid out-pointers; the context is current.
     check(
@@ -503,4 +656,35 @@ pub(crate) fn mem_info(ctx: &Context) -> Result<(u64, u64)> {
         || format!("CUDA cuMemGetInfo on GPU {}", ctx.ordinal),
     )?;
     Ok((free as u64, total as u64))
+}
+
+/// Free memory of GPU `ordinal` when this process has a context on it already (tutti's, or
+/// another library's primary context): reading it then creates nothing. `None` otherwise.
+pub(crate) fn free_memory_if_active(dev: sys::CUdevice, ordinal: usize) -> Option<u64> {
+    let ours = CONTEXTS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(ordinal)
+        .cloned()
+        .flatten();
+    if let Some(c) = ours {
+        return mem_info(&c).ok().map(|(free, _)| free);
+    }
+    let (mut flags, mut active): (c_uint, c_int) = (0, 0);
+    // SAFETY: valid out-pointers and device.
+    let r = unsafe { sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active) };
+    if r != CUresult::CUDA_SUCCESS || active == 0 {
+        return None;
+    }
+    let mut raw: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out-pointer and device; the primary context is active, so retaining it
+    // creates nothing (the retain is released below).
+    if unsafe { sys::cuDevicePrimaryCtxRetain(&mut raw, dev) } != CUresult::CUDA_SUCCESS {
+        return None;
+    }
+    let borrowed = Context { ordinal, dev, raw };
+    let free = mem_info(&borrowed).ok().map(|(free, _)| free);
+    // SAFETY: releases the retain above.
+    let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev) };
+    free
 }

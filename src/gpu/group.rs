@@ -163,6 +163,19 @@ fn nccl_refusal(devices: &[GpuDevice]) -> Option<String> {
     None
 }
 
+/// `Auto`'s NCCL communicators: what `start` makes, or why they did not start (a sandbox
+/// without the network NCCL needs, say), logged; `Auto` then falls back to
+/// ReductionToOneDevice.
+fn start_or_fall_back<C>(start: impl FnOnce() -> Result<C>) -> std::result::Result<C, String> {
+    start().map_err(|e| {
+        let why = format!("NCCL's communicators did not start: {e}");
+        driver::log(&format!(
+            "GPU group: NcclAllReduce is not usable ({why}); using ReductionToOneDevice"
+        ));
+        why
+    })
+}
+
 fn check_devices(devices: &[GpuDevice]) -> Result<()> {
     if devices.is_empty() {
         return Err(Error::config("a GPU group needs at least one device"));
@@ -181,7 +194,10 @@ fn check_devices(devices: &[GpuDevice]) -> Result<()> {
 impl GpuGroup {
     /// A group over `devices` (one replica each) in this process, running `algorithm`, with
     /// `config`'s timeout on every wait. `Nccl` on logical GPUs that share a physical GPU is an
-    /// error saying why; `Auto` then falls back to `ReductionToOneDevice`.
+    /// error saying why; `Auto` then falls back to `ReductionToOneDevice`, as it does when NCCL
+    /// does not load or its communicators do not start (the reason is logged and kept:
+    /// [`GpuGroup::fallback_reason`]). A pair of GPUs whose peer access the driver refuses has
+    /// its copies staged through the host (logged).
     pub fn new(
         devices: &[GpuDevice],
         algorithm: GpuAlgorithm,
@@ -189,7 +205,8 @@ impl GpuGroup {
     ) -> Result<GpuGroup> {
         check_devices(devices)?;
         let n = devices.len();
-        let (algorithm, fallback) = match algorithm {
+        let auto = algorithm == GpuAlgorithm::Auto;
+        let (mut algorithm, mut fallback) = match algorithm {
             GpuAlgorithm::Auto => match nccl_refusal(devices)
                 .map_or_else(|| nccl::api().map(|_| ()).map_err(|e| e.to_string()), Err)
             {
@@ -221,15 +238,29 @@ impl GpuGroup {
             a => (a, None),
         };
         let nccl = if algorithm == GpuAlgorithm::Nccl {
-            let id = nccl::unique_id()?;
-            let inner: Vec<&DeviceInner> = devices.iter().map(|d| &*d.inner).collect();
-            Some(Comms::init(
-                &inner,
-                &id,
-                0,
-                n,
-                config.timeout.max(Duration::from_secs(60)),
-            )?)
+            let start = || -> Result<Comms> {
+                let id = nccl::unique_id()?;
+                let inner: Vec<&DeviceInner> = devices.iter().map(|d| &*d.inner).collect();
+                Comms::init(
+                    &inner,
+                    &id,
+                    0,
+                    n,
+                    config.timeout.max(Duration::from_secs(60)),
+                )
+            };
+            if auto {
+                match start_or_fall_back(start) {
+                    Ok(comms) => Some(comms),
+                    Err(why) => {
+                        algorithm = GpuAlgorithm::ReductionToOneDevice { root: 0 };
+                        fallback = Some(why);
+                        None
+                    }
+                }
+            } else {
+                Some(start()?)
+            }
         } else {
             None
         };
@@ -239,7 +270,18 @@ impl GpuGroup {
                 for b in 0..n {
                     let (x, y) = (&devices[a].inner.ctx, &devices[b].inner.ctx);
                     if x.ordinal != y.ordinal {
-                        readable[a][b] = driver::enable_peer_access(x, y)?;
+                        readable[a][b] = match driver::enable_peer_access(x, y) {
+                            Ok(on) => on,
+                            Err(why) => {
+                                driver::log(&format!(
+                                    "GPU group: {} reads {}'s memory through host-staged copies: \
+                                     peer access failed ({why})",
+                                    devices[a].describe(),
+                                    devices[b].describe()
+                                ));
+                                false
+                            }
+                        };
                     }
                 }
             }
@@ -660,7 +702,8 @@ impl GpuGroup {
                         ),
                     ));
                 }
-                let (ordinal, base, size) = driver::pointer_info(p.ptr).map_err(|e| {
+                let d = &self.devices[i];
+                let not_device = |e: Error| {
                     self.invalid(
                         c,
                         format!(
@@ -668,8 +711,8 @@ impl GpuGroup {
                             p.ptr
                         ),
                     )
-                })?;
-                let d = &self.devices[i];
+                };
+                let ordinal = driver::pointer_ordinal(&d.inner.ctx, p.ptr).map_err(&not_device)?;
                 if ordinal != d.physical() {
                     return Err(self.invalid(
                         c,
@@ -680,6 +723,8 @@ impl GpuGroup {
                         ),
                     ));
                 }
+                let (base, size) =
+                    driver::address_range(&d.inner.ctx, p.ptr).map_err(&not_device)?;
                 if p.ptr + (len * es) as u64 > base + size as u64 {
                     return Err(self.invalid(c, format!(
                         "{what} address {:#x} on device {i}: {} bytes do not fit in its allocation ({} bytes from {:#x})",
@@ -875,12 +920,22 @@ impl GpuGroup {
         let what = format!("NCCL {site}");
         match comms.run(&call, dtype, count, &send, recv, &inner, deadline, &what)? {
             Ok(()) => Ok(()),
-            Err(ranks) => Err(Error::Timeout {
-                site,
-                waiting_for: ranks,
-                phase: "finish the NCCL call (the NCCL communicators were aborted)",
-                timeout: self.timeout,
-            }),
+            Err(ranks) => {
+                for r in &ranks {
+                    if let Some(d) = r
+                        .checked_sub(self.first_rank)
+                        .and_then(|i| self.devices.get(i))
+                    {
+                        d.inner.mark_failed();
+                    }
+                }
+                Err(Error::Timeout {
+                    site,
+                    waiting_for: ranks,
+                    phase: "finish the NCCL call (the NCCL communicators were aborted)",
+                    timeout: self.timeout,
+                })
+            }
         }
     }
 
@@ -910,7 +965,6 @@ impl GpuGroup {
             self.order(to, from)?;
         }
         let (d, s) = (&self.devices[to].inner, &self.devices[from].inner);
-        d.ctx.bind()?;
         driver::copy_async(dst, &d.ctx, src, &s.ctx, bytes, &d.stream)
     }
 
@@ -988,17 +1042,34 @@ impl GpuGroup {
         kernels::kernels_for(&self.devices[at].inner)
     }
 
-    /// Wait for every device's stream until the deadline.
+    /// Wait for every device's stream until the deadline (bounded by
+    /// [`super::discovery::FAILED_DEVICE_WAIT`] when a device timed out before); the devices
+    /// still busy then are marked failed.
     fn finish(&self, site: Site, deadline: Instant) -> Result<()> {
         let streams: Vec<&driver::Stream> = self.devices.iter().map(|d| &d.inner.stream).collect();
+        let deadline = if self.devices.iter().any(|d| d.inner.has_failed()) {
+            deadline.min(Instant::now() + super::discovery::FAILED_DEVICE_WAIT)
+        } else {
+            deadline
+        };
         match driver::wait_all(&streams, deadline)? {
-            Ok(()) => Ok(()),
-            Err(pending) => Err(Error::Timeout {
-                site,
-                waiting_for: pending.into_iter().map(|i| self.first_rank + i).collect(),
-                phase: "finish its copies and reductions on the GPU",
-                timeout: self.timeout,
-            }),
+            Ok(()) => {
+                for d in &self.devices {
+                    d.inner.mark_idle();
+                }
+                Ok(())
+            }
+            Err(pending) => {
+                for &i in &pending {
+                    self.devices[i].inner.mark_failed();
+                }
+                Err(Error::Timeout {
+                    site,
+                    waiting_for: pending.into_iter().map(|i| self.first_rank + i).collect(),
+                    phase: "finish its copies and reductions on the GPU",
+                    timeout: self.timeout,
+                })
+            }
         }
     }
 
@@ -1171,12 +1242,19 @@ impl Drop for GpuGroup {
             let s = s.lock().unwrap_or_else(|p| p.into_inner());
             if s.ptr != 0 {
                 let dev = &self.devices[i].inner;
-                if let Err(e) = dev.sync(self.timeout, "finish before its scratch buffer is freed")
-                {
-                    driver::log(&format!("dropping a GPU group: {e}"));
+                // As for buffers: no second wait after a timeout, and a busy stream's scratch
+                // memory is left allocated rather than freed under it.
+                if dev.idle_before_free("dropping a GPU group") {
+                    driver::free(&dev.ctx, s.ptr);
+                    dev.release(s.bytes as u64);
+                } else {
+                    driver::log(&format!(
+                        "dropping a GPU group: {} is still busy after a timeout; its scratch \
+                         buffer ({} bytes) is left allocated",
+                        self.devices[i].describe(),
+                        s.bytes
+                    ));
                 }
-                driver::free(&dev.ctx, s.ptr);
-                dev.release(s.bytes as u64);
             }
         }
     }
@@ -1213,5 +1291,41 @@ mod tests {
         );
         assert!("ring".parse::<GpuAlgorithm>().unwrap_err().contains("CPUs"));
         assert!("tree".parse::<GpuAlgorithm>().unwrap_err().contains("tree"));
+    }
+
+    #[test]
+    fn auto_falls_back_when_the_communicators_do_not_start() {
+        let why = start_or_fall_back(|| -> Result<()> {
+            Err(Error::System {
+                what: "NCCL ncclCommInitRankConfig (rank 0 of 2, gpu:0 on GPU 0)".into(),
+                message: "ncclSystemError: System call (e.g. socket, malloc) or external library \
+                          call failed or device error"
+                    .into(),
+            })
+        })
+        .unwrap_err();
+        assert!(
+            why.starts_with("NCCL's communicators did not start: "),
+            "{why}"
+        );
+        assert!(why.contains("ncclCommInitRankConfig") && why.contains("ncclSystemError"));
+        assert_eq!(start_or_fall_back(|| Ok(7)), Ok(7));
+    }
+
+    #[test]
+    fn only_success_or_already_enabled_means_peer_access() {
+        use cudarc::driver::sys::CUresult as R;
+        assert!(driver::peer_access_enabled(R::CUDA_SUCCESS));
+        assert!(driver::peer_access_enabled(
+            R::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+        ));
+        for r in [
+            R::CUDA_ERROR_TOO_MANY_PEERS,
+            R::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED,
+            R::CUDA_ERROR_INVALID_DEVICE,
+            R::CUDA_ERROR_INVALID_CONTEXT,
+        ] {
+            assert!(!driver::peer_access_enabled(r), "{r:?}");
+        }
     }
 }

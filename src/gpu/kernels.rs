@@ -18,11 +18,11 @@ use std::ffi::{c_char, c_int, c_uint, c_void, CString};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
-use cudarc::nvrtc::sys as nvrtc;
 
 use super::discovery::DeviceInner;
 use super::driver::{self, Context};
 use super::libs;
+use super::nvrtc;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -208,40 +208,23 @@ pub fn reduce_kernel_source() -> String {
     s
 }
 
-fn nvrtc_check(r: nvrtc::nvrtcResult, what: &str) -> Result<()> {
-    if r == nvrtc::nvrtcResult::NVRTC_SUCCESS {
-        return Ok(());
-    }
-    // SAFETY: returns a static string for any result.
-    let text = unsafe {
-        let p = nvrtc::nvrtcGetErrorString(r);
-        if p.is_null() {
-            format!("{r:?}")
-        } else {
-            std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
-        }
-    };
-    Err(Error::System {
-        what: format!("NVRTC {what}"),
-        message: text,
-    })
-}
-
 /// The architectures this NVRTC compiles for (`52`, `60`, … `90`).
 pub fn nvrtc_architectures() -> Result<Vec<u32>> {
-    libs::nvrtc()?;
+    let api = nvrtc::api()?;
     let mut n: c_int = 0;
     // SAFETY: valid out-pointer.
-    nvrtc_check(
-        unsafe { nvrtc::nvrtcGetNumSupportedArchs(&mut n) },
+    api.check(
+        unsafe { (api.get_num_supported_archs)(&mut n) },
         "nvrtcGetNumSupportedArchs",
     )?;
     let mut v = vec![0 as c_int; n.max(0) as usize];
-    // SAFETY: a buffer of the size NVRTC reported.
-    nvrtc_check(
-        unsafe { nvrtc::nvrtcGetSupportedArchs(v.as_mut_ptr()) },
-        "nvrtcGetSupportedArchs",
-    )?;
+    if !v.is_empty() {
+        // SAFETY: a buffer of the size NVRTC reported.
+        api.check(
+            unsafe { (api.get_supported_archs)(v.as_mut_ptr()) },
+            "nvrtcGetSupportedArchs",
+        )?;
+    }
     Ok(v.into_iter().map(|a| a as u32).collect())
 }
 
@@ -257,6 +240,7 @@ pub enum Image {
 /// Compile every reduction kernel for a GPU of compute capability `cc` with NVRTC. Needs NVRTC,
 /// not a GPU.
 pub fn compile_reduce_kernels(cc: (u32, u32)) -> Result<Image> {
+    let api = nvrtc::api()?;
     let archs = nvrtc_architectures()?;
     let want = cc.0 * 10 + cc.1;
     let (option, cubin) = if archs.contains(&want) {
@@ -266,8 +250,8 @@ pub fn compile_reduce_kernels(cc: (u32, u32)) -> Result<Image> {
             libs::unavailable(
                 "NVRTC",
                 format!(
-                    "it compiles for architectures {archs:?}, none of which runs on compute capability {}.{}",
-                    cc.0, cc.1
+                    "{} compiles for architectures {archs:?}, none of which runs on compute capability {}.{}",
+                    api.path, cc.0, cc.1
                 ),
             )
         })?;
@@ -278,11 +262,11 @@ pub fn compile_reduce_kernels(cc: (u32, u32)) -> Result<Image> {
         message: "the generated source contains a NUL byte".into(),
     })?;
     let name = CString::new("tutti_reduce.cu").unwrap_or_default();
-    let mut prog: nvrtc::nvrtcProgram = std::ptr::null_mut();
+    let mut prog: nvrtc::Program = std::ptr::null_mut();
     // SAFETY: valid out-pointer and NUL-terminated strings that outlive the program.
-    nvrtc_check(
+    api.check(
         unsafe {
-            nvrtc::nvrtcCreateProgram(
+            (api.create_program)(
                 &mut prog,
                 src.as_ptr(),
                 name.as_ptr(),
@@ -293,28 +277,33 @@ pub fn compile_reduce_kernels(cc: (u32, u32)) -> Result<Image> {
         },
         "nvrtcCreateProgram",
     )?;
-    let result = compile_program(prog, &option, cubin);
+    let result = compile_program(api, prog, &option, cubin);
     // SAFETY: the program is ours and destroyed once.
-    let _ = unsafe { nvrtc::nvrtcDestroyProgram(&mut prog) };
+    let _ = unsafe { (api.destroy_program)(&mut prog) };
     result
 }
 
-fn compile_program(prog: nvrtc::nvrtcProgram, arch: &str, cubin: bool) -> Result<Image> {
+fn compile_program(
+    api: &nvrtc::Api,
+    prog: nvrtc::Program,
+    arch: &str,
+    cubin: bool,
+) -> Result<Image> {
     let opts: Vec<CString> = [arch, "--std=c++11"]
         .iter()
         .filter_map(|o| CString::new(*o).ok())
         .collect();
     let ptrs: Vec<*const c_char> = opts.iter().map(|o| o.as_ptr()).collect();
     // SAFETY: a live program and an array of NUL-terminated options.
-    let r = unsafe { nvrtc::nvrtcCompileProgram(prog, ptrs.len() as c_int, ptrs.as_ptr()) };
-    if r != nvrtc::nvrtcResult::NVRTC_SUCCESS {
+    let r = unsafe { (api.compile_program)(prog, ptrs.len() as c_int, ptrs.as_ptr()) };
+    if r != nvrtc::SUCCESS {
         let mut size = 0usize;
         let mut log = Vec::new();
         // SAFETY: a live program; a buffer of the size NVRTC reported.
         unsafe {
-            if nvrtc::nvrtcGetProgramLogSize(prog, &mut size) == nvrtc::nvrtcResult::NVRTC_SUCCESS {
+            if (api.get_program_log_size)(prog, &mut size) == nvrtc::SUCCESS && size > 0 {
                 log = vec![0u8; size];
-                let _ = nvrtc::nvrtcGetProgramLog(prog, log.as_mut_ptr() as *mut c_char);
+                let _ = (api.get_program_log)(prog, log.as_mut_ptr() as *mut c_char);
             }
         }
         let log = String::from_utf8_lossy(&log)
@@ -322,21 +311,21 @@ fn compile_program(prog: nvrtc::nvrtcProgram, arch: &str, cubin: bool) -> Result
             .trim()
             .to_string();
         return Err(Error::System {
-            what: format!("NVRTC compiling tutti's reduction kernels ({arch})"),
-            message: format!("{r:?}: {log}"),
+            what: format!(
+                "NVRTC ({}) compiling tutti's reduction kernels ({arch})",
+                api.path
+            ),
+            message: format!("{}: {log}", nvrtc::result_name(r)),
         });
     }
     let mut size = 0usize;
     if cubin {
         // SAFETY: a compiled program; a buffer of the size NVRTC reported.
         unsafe {
-            nvrtc_check(
-                nvrtc::nvrtcGetCUBINSize(prog, &mut size),
-                "nvrtcGetCUBINSize",
-            )?;
+            api.check((api.get_cubin_size)(prog, &mut size), "nvrtcGetCUBINSize")?;
             let mut v = vec![0u8; size];
-            nvrtc_check(
-                nvrtc::nvrtcGetCUBIN(prog, v.as_mut_ptr() as *mut c_char),
+            api.check(
+                (api.get_cubin)(prog, v.as_mut_ptr() as *mut c_char),
                 "nvrtcGetCUBIN",
             )?;
             Ok(Image::Cubin(v))
@@ -344,10 +333,10 @@ fn compile_program(prog: nvrtc::nvrtcProgram, arch: &str, cubin: bool) -> Result
     } else {
         // SAFETY: as above.
         unsafe {
-            nvrtc_check(nvrtc::nvrtcGetPTXSize(prog, &mut size), "nvrtcGetPTXSize")?;
+            api.check((api.get_ptx_size)(prog, &mut size), "nvrtcGetPTXSize")?;
             let mut v = vec![0u8; size];
-            nvrtc_check(
-                nvrtc::nvrtcGetPTX(prog, v.as_mut_ptr() as *mut c_char),
+            api.check(
+                (api.get_ptx)(prog, v.as_mut_ptr() as *mut c_char),
                 "nvrtcGetPTX",
             )?;
             if v.last() != Some(&0) {
@@ -387,7 +376,7 @@ pub(crate) fn kernels_for(dev: &DeviceInner) -> Result<Arc<Kernels>> {
         },
         e => e,
     })?;
-    dev.ctx.bind()?;
+    let _cur = dev.ctx.enter()?;
     let bytes = match &image {
         Image::Cubin(b) | Image::Ptx(b) => b,
     };
@@ -466,7 +455,7 @@ impl Kernels {
                 what: "tutti reduction kernels".into(),
                 message: format!("no kernel for {dtype} {op}"),
             })?;
-        self.ctx.bind()?;
+        let _cur = self.ctx.enter()?;
         let threads: u32 = 256;
         let blocks = (n.div_ceil(threads as usize))
             .min(self.multiprocessors as usize * 32)

@@ -5,10 +5,16 @@
 //! loaded at run time, and a machine without them gets [`Error::Unavailable`]
 //! (`CUDA not available: libcuda.so.1 not found ...`), never a panic. See [`libs`] for where each
 //! library is looked for (`TUTTI_NCCL_LIBRARY`, `TUTTI_NVRTC_LIBRARY`, pip packages, the CUDA
-//! toolkit).
+//! toolkit; NVRTC of CUDA 12 or 13).
 //!
-//! * [`devices`]: the GPUs the driver shows this process (name, total and free memory, compute
-//!   capability, ...), after `CUDA_VISIBLE_DEVICES`; [`visible_devices`] with an explicit list.
+//! tutti saves the calling thread's current CUDA context and restores it after every call that
+//! needs one of its own, so code that shares the process (PyTorch, JAX, CuPy) keeps its device.
+//! Listing GPUs ([`devices`]) creates no context: only the GPUs a process opens
+//! ([`GpuDevice::open`]) or splits into virtual GPUs get one.
+//!
+//! * [`devices`]: the GPUs the driver shows this process (name, total memory, compute
+//!   capability, ...), after `CUDA_VISIBLE_DEVICES`; [`visible_devices`] with an explicit list;
+//!   [`GpuInfo::current_free_memory`] for the GPUs this process uses.
 //! * [`VirtualGpuConfig`]: physical GPUs split into logical GPUs with memory limits, as
 //!   TensorFlow's logical device configuration; [`plan_replicas`] spreads N replicas.
 //! * [`GpuDevice`]: an opened logical GPU (its own stream and allocation budget);
@@ -46,6 +52,7 @@ mod group;
 pub mod kernels;
 pub mod libs;
 mod nccl;
+mod nvrtc;
 pub mod perf;
 
 pub use buffer::{DeviceMut, DevicePtr, DeviceRef, GpuBuffer, GpuSlice, GpuSliceMut};
@@ -57,6 +64,10 @@ pub use discovery::{
 pub use group::{GpuAlgorithm, GpuGroup};
 pub use nccl::{
     decode_version, nccl_dtype, nccl_library, nccl_op, open_nccl_library, NcclLibrary, MIN_VERSION,
+};
+pub use nvrtc::{
+    first_nvrtc_library, nvrtc_library, open_nvrtc_library, NvrtcLibrary,
+    MIN_VERSION as NVRTC_MIN_VERSION,
 };
 
 use crate::error::{Error, Result};
@@ -75,7 +86,7 @@ pub fn driver_version() -> Result<(u32, u32)> {
 
 /// NVRTC's version, when it is there (the copy-based algorithms need it).
 pub fn nvrtc_version() -> Result<(u32, u32)> {
-    libs::nvrtc().map(|(a, b)| (a as u32, b as u32))
+    nvrtc_library().map(|l| l.version)
 }
 
 /// What this build and machine offer for GPUs: every part, or why it is missing.
@@ -87,8 +98,8 @@ pub struct Status {
     pub gpus: Result<Vec<GpuInfo>>,
     /// The NCCL library, or why it is not available.
     pub nccl: Result<NcclLibrary>,
-    /// NVRTC's version, or why it is not available.
-    pub nvrtc: Result<(u32, u32)>,
+    /// The NVRTC library, or why it is not available.
+    pub nvrtc: Result<NvrtcLibrary>,
 }
 
 /// Probe the driver, the GPUs, NCCL and NVRTC (for `tutti devices`).
@@ -97,12 +108,13 @@ pub fn status() -> Status {
         driver: driver_version(),
         gpus: devices(),
         nccl: nccl_library(),
-        nvrtc: nvrtc_version(),
+        nvrtc: nvrtc_library(),
     }
 }
 
 impl Status {
-    /// One line per part: `CUDA driver 12.4`, `NCCL 2.21.5 (libnccl.so.2)`, or why not.
+    /// One line per part: `CUDA driver 12.4`, `NCCL 2.21.5 (libnccl.so.2)`,
+    /// `NVRTC 13.0 (libnvrtc.so.13)`, or why not.
     pub fn lines(&self) -> Vec<String> {
         let why = |e: &Error| e.to_string();
         vec![
@@ -118,7 +130,7 @@ impl Status {
                 Err(e) => why(e),
             },
             match &self.nvrtc {
-                Ok((a, b)) => format!("NVRTC {a}.{b}"),
+                Ok(l) => format!("NVRTC {}.{} ({})", l.version.0, l.version.1, l.path),
                 Err(e) => why(e),
             },
         ]
@@ -134,7 +146,10 @@ impl Status {
                 "path": l.path,
                 "version": format!("{}.{}.{}", l.version.0, l.version.1, l.version.2),
             })),
-            "nvrtc": self.nvrtc.as_ref().map_or_else(err, |(a, b)| serde_json::json!(format!("{a}.{b}"))),
+            "nvrtc": self.nvrtc.as_ref().map_or_else(err, |l| serde_json::json!({
+                "path": l.path,
+                "version": format!("{}.{}", l.version.0, l.version.1),
+            })),
         })
     }
 }

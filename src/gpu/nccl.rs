@@ -7,6 +7,9 @@
 //! error is reported (returned with NCCL's message and its last-error text), or the timeout
 //! passes, when every communicator of the group is aborted with `ncclCommAbort` (NCCL's kernels
 //! stop) and the group refuses later calls.
+//!
+//! NCCL switches devices itself; every call into it is wrapped so that the caller's current CUDA
+//! context is current again afterwards.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -337,6 +340,7 @@ pub fn nccl_op(op: ReduceOp) -> i32 {
 /// A fresh NCCL unique id (rank 0 makes it; the others receive it).
 pub(crate) fn unique_id() -> Result<[u8; 128]> {
     let a = api()?;
+    let _keep = driver::preserve_current();
     let mut id = ncclUniqueId { internal: [0; 128] };
     // SAFETY: valid out-pointer.
     a.check(unsafe { (a.get_unique_id)(&mut id) }, None, || {
@@ -393,16 +397,20 @@ impl Comms {
                 devices[i].logical.physical
             )
         };
+        let _keep = driver::preserve_current();
         // SAFETY: NCCL group calls with valid out-pointers and config; each device's context
         // is current while its communicator is created.
         let started = unsafe { (api.group_start)() };
         api.check(started, None, || "NCCL ncclGroupStart".into())?;
         let mut first_err = None;
         for (i, d) in devices.iter().enumerate() {
-            if let Err(e) = d.ctx.bind() {
-                first_err.get_or_insert(e);
-                continue;
-            }
+            let _cur = match d.ctx.enter() {
+                Ok(c) => c,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                    continue;
+                }
+            };
             let mut config = Config::non_blocking();
             // SAFETY: as above.
             let r = unsafe {
@@ -446,6 +454,7 @@ impl Comms {
     /// Poll every communicator until none is in progress; an error names the device; at the
     /// deadline the communicators are aborted.
     fn settle(&self, deadline: Instant, phase: &str) -> Result<()> {
+        let _keep = driver::preserve_current();
         let start = Instant::now();
         loop {
             let mut busy = Vec::new();
@@ -509,6 +518,7 @@ impl Comms {
             });
         }
         let api = self.api;
+        let _keep = driver::preserve_current();
         let dt = nccl_dtype(dtype) as c_int;
         // SAFETY: group calls over live communicators; every address lies in device memory of
         // the matching device, of the sizes the group checked; streams are the devices' own.
@@ -598,6 +608,7 @@ impl Comms {
         if self.aborted.swap(true, Ordering::AcqRel) {
             return;
         }
+        let _keep = driver::preserve_current();
         for (i, &c) in self.comms.iter().enumerate() {
             if c.is_null() {
                 continue;
@@ -627,6 +638,7 @@ impl Drop for Comms {
         }
         // Finalize (flush) every communicator, bounded, then destroy; abort when that fails.
         let api = self.api;
+        let _keep = driver::preserve_current();
         let mut ok = true;
         for &c in self.comms.iter().filter(|c| !c.is_null()) {
             // SAFETY: a live communicator.
