@@ -1,7 +1,7 @@
 //! Communicators: one rank's handle on a group.
 //!
 //! Every collective goes through one checked path: local argument checks when it is issued
-//! (building a `Call`), then, in issue order ([`work`]), the transport's `begin` (every rank
+//! (building a `Call`), then, in issue order (see `work.rs`), the transport's `begin` (every rank
 //! states the call's header: collective, dtype, count, op, root, algorithm; a rank that rejected
 //! its arguments says so, and every peer fails the call at once), then the algorithm, then `end`.
 //! An error found in `begin` is seen by every rank alike and leaves the communicator usable; any
