@@ -142,19 +142,21 @@ pub unsafe extern "C" fn tutti_work_destroy(work: *mut tutti_work) {
         }
         // SAFETY: a live handle from Box::into_raw, released once.
         let w = unsafe { Box::from_raw(work) };
-        if !w.work.is_completed()
-            && matches!(
-                w.work.wait_timeout(w.timeout),
-                Err(tutti::Error::Timeout { ref waiting_for, .. }) if waiting_for.is_empty()
-            )
-        {
-            w.abort.abort(&format!(
-                "tutti_work_destroy on rank {}: {} had not completed within the timeout ({:?})",
-                w.rank,
-                w.work.site(),
-                w.timeout
-            ));
-            let _ = w.work.wait_timeout(Duration::MAX);
+        // Calls queued before this one are each bounded; this one gets the timeout from when
+        // it starts, and is ended by an abort past that, so its buffers are free on return.
+        while !w.work.is_completed() {
+            if w.work.started().is_some_and(|t| t.elapsed() > w.timeout) {
+                w.abort.abort(&format!(
+                    "tutti_work_destroy on rank {}: {} had not completed within the timeout \
+                     ({:?})",
+                    w.rank,
+                    w.work.site(),
+                    w.timeout
+                ));
+                let _ = w.work.wait_timeout(Duration::MAX);
+                break;
+            }
+            let _ = w.work.wait_timeout(Duration::from_millis(50));
         }
         drop(w);
     })

@@ -37,11 +37,11 @@ pub(super) struct Call {
     collective: Collective,
     rank: usize,
     dtype: DType,
-    count: usize,
+    pub(super) count: usize,
     op: Option<ReduceOp>,
     root: Option<usize>,
     algorithm: Algorithm,
-    check: std::result::Result<(), String>,
+    pub(super) check: std::result::Result<(), String>,
     buffers: CallBuffers,
     /// The input is the output (`input` of the collective's body is `None`).
     in_place: bool,
@@ -164,20 +164,35 @@ impl Call {
     /// A group engine's part: rank 0 runs the call once over every rank's published buffers;
     /// the others wait until it has (the transport bounds the wait and carries aborts).
     fn group_body(&self, ctx: &Ctx<'_>, engine: &dyn GroupEngine) -> Result<()> {
+        // An engine's error comes after the ranks met: whatever its kind, the others must not
+        // wait for this rank, and they should hear why (the transport carries the reason).
+        let failed = |e: Error| {
+            ctx.t.abort(&format!(
+                "rank {} could not run {}: {e}",
+                ctx.rank(),
+                ctx.site
+            ));
+            e
+        };
         if engine.per_rank() {
             // Every rank runs its own part; the engine's own group meets the ranks.
-            return engine.run(ctx.site, &self.group_call(), &[self.buffers]);
+            return engine
+                .run(ctx.site, &self.group_call(), &[self.buffers])
+                .map_err(failed);
         }
         let pm = ctx.peer_memory("a device group")?;
-        // Above every progress value of earlier calls (the `direct` algorithm's included).
-        let done = (ctx.site.call << 32) | 1;
+        // Group engines make the only progress values of their transport: one per call,
+        // increasing with the call number.
+        let done = ctx.site.call + 1;
         if ctx.rank() != 0 {
             return pm.wait_progress(ctx.site, 0, done, "run the call on the group's devices");
         }
         let bufs: Vec<CallBuffers> = (0..ctx.world())
             .map(|k| if k == 0 { self.buffers } else { pm.buffers(k) })
             .collect();
-        engine.run(ctx.site, &self.group_call(), &bufs)?;
+        engine
+            .run(ctx.site, &self.group_call(), &bufs)
+            .map_err(failed)?;
         pm.set_progress(done);
         Ok(())
     }

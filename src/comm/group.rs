@@ -252,3 +252,85 @@ where
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::GroupCall;
+    use crate::error::Site;
+    use crate::transport::CallBuffers;
+    use crate::ReduceOp;
+    use std::time::{Duration, Instant};
+
+    /// An engine that refuses every call, as a GPU group refuses memory that is not its own.
+    struct Refuses;
+    impl GroupEngine for Refuses {
+        fn run(&self, site: Site, _: &GroupCall, _: &[CallBuffers]) -> Result<()> {
+            Err(Error::invalid(site, "not device memory"))
+        }
+    }
+
+    /// An engine's error comes after the ranks met: the other ranks hear it at once, with the
+    /// reason, instead of waiting for the timeout and blaming rank 0.
+    #[test]
+    fn an_engine_error_reaches_every_rank_at_once() {
+        let config = Config::default().with_timeout(Duration::from_secs(60));
+        let devices = [
+            (DeviceKind::Xla, 0),
+            (DeviceKind::Xla, 1),
+            (DeviceKind::Xla, 2),
+        ];
+        let comms = engine_group(&devices, &config, Some(Arc::new(Refuses)));
+        let t = Instant::now();
+        let errs: Vec<Error> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .map(|c| s.spawn(move || c.all_reduce(&mut [1.0f32; 4], ReduceOp::Sum)))
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap().unwrap_err())
+                .collect()
+        });
+        assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+        assert!(
+            matches!(errs[0], Error::InvalidArgument { .. }),
+            "{:?}",
+            errs[0]
+        );
+        for e in &errs[1..] {
+            let m = e.to_string();
+            assert!(
+                matches!(e, Error::Aborted { .. }) && m.contains("not device memory"),
+                "{m}"
+            );
+        }
+    }
+
+    /// A buffer whose Drop panics, dropped with its call on the progress thread, does not end
+    /// that thread: later calls still run.
+    #[test]
+    fn a_panicking_buffer_drop_does_not_stop_the_progress_thread() {
+        struct Bomb(Vec<f32>);
+        impl AsMut<[f32]> for Bomb {
+            fn as_mut(&mut self) -> &mut [f32] {
+                &mut self.0
+            }
+        }
+        impl Drop for Bomb {
+            fn drop(&mut self) {
+                panic!("a caller's buffer panicked in Drop");
+            }
+        }
+        let config = Config::default().with_timeout(Duration::from_secs(60));
+        let comms = local_group(2, &config).unwrap();
+        std::thread::scope(|s| {
+            for c in &comms {
+                s.spawn(move || {
+                    drop(c.all_reduce_async(Bomb(vec![1.0; 8]), ReduceOp::Sum));
+                    let w = c.all_reduce_async(vec![2.0f32; 8], ReduceOp::Sum);
+                    assert_eq!(w.wait().unwrap(), vec![4.0; 8]);
+                });
+            }
+        });
+    }
+}

@@ -349,12 +349,26 @@ impl Communicator {
 
     /// Issue `call` and wait for it.
     fn blocking(&self, call: Call) -> Result<()> {
-        self.progress.run_blocking(&call)
+        self.progress.run_blocking(&self.host_memory(call))
     }
 
     /// Issue `call` without waiting; `keep` is held until the call completes.
     fn issue<B: Send + 'static>(&self, call: Call, keep: Box<B>) -> Work<B> {
-        self.progress.issue(Box::new(call), keep)
+        self.progress.issue(Box::new(self.host_memory(call)), keep)
+    }
+
+    /// A call over Rust slices (host memory): on a rank whose buffers are device memory it is
+    /// this rank's argument error, seen by every rank before anything moves.
+    fn host_memory(&self, mut call: Call) -> Call {
+        if self.device.0 == DeviceKind::Gpu && call.check.is_ok() && call.count > 0 {
+            call.check = Err(format!(
+                "rank {} is on {}, whose buffers are device memory: pass them by address \
+                 (Communicator::run_raw / issue_raw, or the C API)",
+                self.rank(),
+                self.device_spec()
+            ));
+        }
+        call
     }
 
     /// All-reduce of raw bytes holding `dtype` elements: `output = ⊕ over ranks of input`, or in
@@ -522,7 +536,7 @@ impl Communicator {
     /// The addresses hold the bytes `c` describes on this rank's device, and nothing else
     /// touches them during the call.
     pub unsafe fn run_raw(&self, c: &RawCall) -> Result<()> {
-        self.blocking(self.raw_call(c))
+        self.progress.run_blocking(&self.raw_call(c))
     }
 
     /// Issue the collective `c` describes by address without waiting.
@@ -532,7 +546,8 @@ impl Communicator {
     /// As [`Communicator::run_raw`], until the call has completed (even if the `Work` is
     /// dropped first).
     pub unsafe fn issue_raw(&self, c: &RawCall) -> Work {
-        self.issue(self.raw_call(c), Box::new(()))
+        self.progress
+            .issue(Box::new(self.raw_call(c)), Box::new(()))
     }
 
     // ----- typed API -----

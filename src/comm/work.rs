@@ -113,7 +113,7 @@ impl Progress {
     }
 
     /// Run `call` now when nothing is queued or running, else queue it and wait for it.
-    pub(crate) fn run_blocking(&self, call: &(dyn Runnable + '_)) -> Result<()> {
+    pub(crate) fn run_blocking(&self, call: &(dyn Runnable + Sync + '_)) -> Result<()> {
         let mut q = self.shared.queue.lock();
         if q.jobs.is_empty() && !q.running {
             let number = q.next_call;
@@ -180,13 +180,17 @@ impl Drop for Progress {
         // The thread drains the queue (every call is bounded by the timeout) and stops. A panic
         // on it was already caught per call; a join error is nothing to report from a drop.
         if let Some(h) = self.thread.get_mut().take() {
-            let _ = h.join();
+            // Dropped on the progress thread itself (the last communicator handle was in a
+            // buffer a call kept): it stops by itself once the queue is drained.
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
         }
     }
 }
 
 /// A borrowed call, boxed for the queue by a caller that waits for it.
-struct Borrowed<'a>(&'a (dyn Runnable + 'a));
+struct Borrowed<'a>(&'a (dyn Runnable + Sync + 'a));
 
 impl Runnable for Borrowed<'_> {
     fn run(&self, shared: &Shared, number: u64) -> Result<()> {
@@ -196,9 +200,6 @@ impl Runnable for Borrowed<'_> {
         self.0.site(number)
     }
 }
-
-// SAFETY: `Borrowed` only forwards to a `Runnable`, which is `Send`.
-unsafe impl Send for Borrowed<'_> {}
 
 fn progress(shared: Arc<Shared>) {
     let mut q = shared.queue.lock();
@@ -213,6 +214,7 @@ fn progress(shared: Arc<Shared>) {
                     state,
                     keep,
                 } = job;
+                state.start();
                 let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     call.run(&shared, number)
                 }))
@@ -224,6 +226,10 @@ fn progress(shared: Arc<Shared>) {
                 });
                 drop(call);
                 state.complete(result, Some(keep));
+                // The last reference may hold the caller's buffer (a dropped `Work`): drop it
+                // here, outside the queue's lock (its Drop may use this communicator) and
+                // caught (a panic in it must not end this thread).
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(state)));
                 q = shared.queue.lock();
                 q.running = false;
                 shared.cv.notify_all();
@@ -242,6 +248,8 @@ pub(crate) struct WorkState {
     site: Site,
     done: Mutex<Option<(Result<()>, Option<Keep>)>>,
     cv: Condvar,
+    /// When the call started running (it waits in the queue before).
+    started: Mutex<Option<Instant>>,
 }
 
 impl WorkState {
@@ -250,7 +258,12 @@ impl WorkState {
             site,
             done: Mutex::new(None),
             cv: Condvar::new(),
+            started: Mutex::new(None),
         }
+    }
+
+    fn start(&self) {
+        *self.started.lock() = Some(Instant::now());
     }
 
     fn complete(&self, result: Result<()>, keep: Option<Keep>) {
@@ -303,6 +316,11 @@ impl<B: Send + 'static> Work<B> {
     /// The call: its collective, this rank and its call number.
     pub fn site(&self) -> Site {
         self.state.site
+    }
+
+    /// When the call started running, if it has (calls wait in issue order before they run).
+    pub fn started(&self) -> Option<Instant> {
+        *self.state.started.lock()
     }
 
     /// True once the call has completed, successfully or not (never blocks).

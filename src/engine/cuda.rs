@@ -24,22 +24,24 @@ impl GroupEngine for Cuda {
             // The ranks met before the call; there is nothing to move.
             return Ok(());
         }
-        let ptr = |device: usize, p: *const u8| DevicePtr {
+        // An empty buffer is address 0 to the group (the communicator gives empty buffers a
+        // placeholder address that is no device memory).
+        let ptr = |device: usize, p: *const u8, len: usize| DevicePtr {
             device,
-            ptr: p as u64,
+            ptr: if len == 0 { 0 } else { p as u64 },
         };
         let send: Vec<DevicePtr> = bufs
             .iter()
             .enumerate()
             .map(|(r, b)| match c.collective {
-                Collective::Broadcast => ptr(r, b.output),
-                _ => ptr(r, b.input),
+                Collective::Broadcast => ptr(r, b.output, b.output_len),
+                _ => ptr(r, b.input, b.input_len),
             })
             .collect();
         let recv: Vec<DevicePtr> = bufs
             .iter()
             .enumerate()
-            .map(|(r, b)| ptr(r, b.output))
+            .map(|(r, b)| ptr(r, b.output, b.output_len))
             .collect();
         self.group
             .collective_raw(c.collective, c.dtype, c.count, c.op, c.root, &send, &recv)
