@@ -17,6 +17,9 @@
 //!
 //! A call is synchronous: the buffers must not be in use by other work when it starts, and they
 //! hold the result when it returns. Each group runs one call at a time.
+//!
+//! (Why one long file: the group's three algorithms share its devices, streams, events, scratch
+//! buffers and the one checked call path; split, their invariants would span files.)
 
 use std::fmt;
 use std::str::FromStr;
