@@ -193,8 +193,9 @@ pub(crate) fn user_secret(vars: &std::collections::HashMap<String, String>) -> R
     if !path.exists() {
         // Write a fresh secret under a temporary name, then link it into place: of two
         // processes racing here, one link wins and both read the winner's secret.
-        let tmp = dir.join(format!("secret.{}.tmp", std::process::id()));
+        // Unique per attempt: threads of one process may race here too (ranks joining at once).
         let token = random_token()?;
+        let tmp = dir.join(format!("secret.{}.{}.tmp", std::process::id(), &token[..8]));
         let mut f = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)

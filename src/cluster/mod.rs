@@ -562,6 +562,22 @@ mod tests {
         std::fs::remove_dir_all(&home).unwrap();
     }
 
+    /// Ranks of one process joining at once race to create the secret: every one gets it.
+    #[test]
+    fn threads_racing_for_a_fresh_secret_share_it() {
+        let home = std::env::temp_dir().join(format!("tutti-secret-race-{}", std::process::id()));
+        std::fs::create_dir_all(&home).unwrap();
+        let v = vars(&[("HOME", home.to_str().unwrap())]);
+        let got: Vec<String> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..8)
+                .map(|_| s.spawn(|| auth::user_secret(&v).unwrap()))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(got.iter().all(|t| t == &got[0]), "{got:?}");
+        std::fs::remove_dir_all(&home).unwrap();
+    }
+
     #[test]
     fn launcher_environments_invalid() {
         let cases: [(&[(&str, &str)], &str); 7] = [
