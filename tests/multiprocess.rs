@@ -927,3 +927,22 @@ fn a_job_without_a_token_refuses_strangers() {
     });
     std::fs::remove_dir_all(&home).unwrap();
 }
+
+/// A launcher stopped with SIGINT stops its processes and says the job did not finish
+/// (exit status 128 + 2), as a shell would.
+#[test]
+fn an_interrupted_launch_fails() {
+    let mut child = Command::new(common::tutti_bin())
+        .args(["launch", "-n", "2", "--grace", "1", "--", "sleep", "30"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Long enough for the launcher to have started its processes and its signal handler.
+    std::thread::sleep(Duration::from_secs(1));
+    // SAFETY: signalling our own child, not yet reaped.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    wait_bounded(&mut child, Duration::from_secs(30));
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(130), "{}", text(&o).1);
+}

@@ -324,12 +324,15 @@ pub fn run(l: &Launch) -> Result<i32> {
     // Every process that failed on its own (not stopped by the launcher), in the order seen.
     let mut failed: Vec<(String, ExitStatus)> = Vec::new();
     let mut stopping = false;
+    // A SIGINT or SIGTERM the launcher passed on: the job did not finish.
+    let mut interrupted: Option<i32> = None;
     // The failure named when the others were stopped.
     let mut announced: Option<String> = None;
     loop {
         let sig = RECEIVED.swap(0, Ordering::SeqCst);
         if sig != 0 && !stopping {
             eprintln!("tutti launch: got signal {sig}; stopping every process");
+            interrupted = Some(sig);
             terminate(&mut children, l.grace);
             stopping = true;
         }
@@ -375,7 +378,11 @@ pub fn run(l: &Launch) -> Result<i32> {
     }
     // A process killed while it set up shared memory may have left a segment behind.
     tutti::transport::sweep_dead_segments();
-    Ok(first.map_or(0, |(_, s)| exit_code(s)))
+    Ok(match (first, interrupted) {
+        (Some((_, s)), _) => exit_code(s),
+        (None, Some(sig)) => 128 + sig,
+        (None, None) => 0,
+    })
 }
 
 #[cfg(test)]
