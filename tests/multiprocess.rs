@@ -255,6 +255,7 @@ fn launch_prefixes_output_and_propagates_failure() {
 
 #[test]
 fn mismatched_calls_name_both_ranks_on_every_rank() {
+    // The check round (`TUTTI_CHECK=full`) leaves the communicator usable after a mismatch.
     for kind in ["count", "dtype", "op", "order"] {
         let o = run(
             &[
@@ -274,7 +275,7 @@ fn mismatched_calls_name_both_ranks_on_every_rank() {
                 "--timeout",
                 "30",
             ],
-            &[],
+            &[("TUTTI_CHECK", "full")],
             Duration::from_secs(90),
         );
         let (out, err) = text(&o);
@@ -508,9 +509,16 @@ fn timeout_and_abort_over_tcp() {
         matches!(&e, Error::Aborted { reason, .. } if reason == "operator stop"),
         "{e}"
     );
-    let e = comms[1]
-        .all_reduce(&mut [1u64; 4], ReduceOp::Sum)
-        .unwrap_err();
+    // Rank 0 had sent its data before it was stopped, so the peer's call may still complete
+    // (its sum is whole); its next call fails and says why.
+    let mut buf = [1u64; 4];
+    let e = match comms[1].all_reduce(&mut buf, ReduceOp::Sum) {
+        Ok(()) => {
+            assert_eq!(buf, [2; 4]);
+            comms[1].all_reduce(&mut buf, ReduceOp::Sum).unwrap_err()
+        }
+        Err(e) => e,
+    };
     assert!(
         e.to_string().contains("operator stop"),
         "the peer hears why: {e}"
@@ -558,65 +566,77 @@ fn perf_under_launch_prints_json_from_rank_0() {
 
 #[test]
 fn ranks_cutting_chunks_differently_get_a_mismatch_not_a_desync() {
-    let master = format!("127.0.0.1:{}", free_port());
-    let comms: Vec<Communicator> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2)
-            .map(|r| {
-                let m = &master;
-                s.spawn(move || {
-                    let config = Config::default()
-                        .with_algorithm(tutti::Algorithm::Ring)
-                        .with_chunk_bytes(if r == 0 { 1024 } else { 4096 })
-                        .with_timeout(Duration::from_secs(20));
-                    Communicator::from_cluster(&spec(r, 2, m), TransportKind::Tcp, &config).unwrap()
+    for full_check in [true, false] {
+        let master = format!("127.0.0.1:{}", free_port());
+        let comms: Vec<Communicator> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|r| {
+                    let m = &master;
+                    s.spawn(move || {
+                        let config = Config::default()
+                            .with_algorithm(tutti::Algorithm::Ring)
+                            .with_chunk_bytes(if r == 0 { 1024 } else { 4096 })
+                            .with_full_check(full_check)
+                            .with_timeout(Duration::from_secs(20));
+                        Communicator::from_cluster(&spec(r, 2, m), TransportKind::Tcp, &config)
+                            .unwrap()
+                    })
                 })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    let errs: Vec<Error> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .iter()
-            .map(|c| {
-                s.spawn(move || {
-                    c.all_reduce(&mut vec![1.0f32; 10_000], ReduceOp::Sum)
-                        .unwrap_err()
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let errs: Vec<Error> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        c.all_reduce(&mut vec![1.0f32; 10_000], ReduceOp::Sum)
+                            .unwrap_err()
+                    })
                 })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for e in &errs {
-        assert!(
-            matches!(
-                e,
-                Error::Mismatch {
-                    field: "chunk size",
-                    ..
-                }
-            ),
-            "{e}"
-        );
-    }
-    // Nothing moved, so the streams are in step: every later call says the same, clearly.
-    std::thread::scope(|s| {
-        for c in &comms {
-            s.spawn(move || {
-                let e = c.barrier().unwrap_err();
-                assert!(
-                    matches!(
-                        e,
-                        Error::Mismatch {
-                            field: "chunk size",
-                            ..
-                        }
-                    ),
-                    "{e}"
-                );
-                assert!(c.aborted().is_none());
-            });
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        // Both ranks receive in the first step, so both see the difference themselves.
+        for e in &errs {
+            assert!(
+                matches!(
+                    e,
+                    Error::Mismatch {
+                        field: "chunk size",
+                        ..
+                    }
+                ),
+                "full check {full_check}: {e}"
+            );
         }
-    });
+        std::thread::scope(|s| {
+            for c in &comms {
+                s.spawn(move || {
+                    let e = c.barrier().unwrap_err();
+                    if full_check {
+                        // Nothing moved, so the streams are in step: every later call says
+                        // the same, clearly.
+                        assert!(
+                            matches!(
+                                e,
+                                Error::Mismatch {
+                                    field: "chunk size",
+                                    ..
+                                }
+                            ),
+                            "{e}"
+                        );
+                        assert!(c.aborted().is_none());
+                    } else {
+                        // Found in the data: the streams are out of step, the communicator
+                        // is aborted, and later calls say why.
+                        assert!(matches!(&e, Error::Aborted { reason, .. } if reason.contains("chunk size")), "{e}");
+                    }
+                });
+            }
+        });
+    }
 }
 
 /// `tutti perf | head -1`: the reader goes away and the command ends quietly, not with a panic.

@@ -62,6 +62,32 @@ impl Algorithm {
     ];
 }
 
+impl Algorithm {
+    /// A number and a parameter for the wire (see [`Algorithm::from_code`]).
+    pub(crate) fn code(self) -> (u8, u64) {
+        match self {
+            Algorithm::Auto => (0, 0),
+            Algorithm::Direct => (1, 0),
+            Algorithm::Ring => (2, 0),
+            Algorithm::HierarchicalCopy { group_size } => (3, group_size as u64),
+            Algorithm::ReduceToOne { root } => (4, root as u64),
+        }
+    }
+
+    /// The algorithm of a [`Algorithm::code`], or `None` when it is not one.
+    pub(crate) fn from_code(code: u8, param: u64) -> Option<Algorithm> {
+        let param = usize::try_from(param).ok();
+        Some(match code {
+            0 => Algorithm::Auto,
+            1 => Algorithm::Direct,
+            2 => Algorithm::Ring,
+            3 => Algorithm::HierarchicalCopy { group_size: param? },
+            4 => Algorithm::ReduceToOne { root: param? },
+            _ => return None,
+        })
+    }
+}
+
 impl fmt::Display for Algorithm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

@@ -235,8 +235,9 @@ impl Runnable for Call {
             count: self.count,
             op: self.op,
             root: self.root,
-            algorithm: self.algorithm.to_string(),
+            algorithm: self.algorithm,
             chunk_bytes: shared.chunk_bytes as u64,
+            full_check: shared.full_check,
             rejected: self.check.clone().err(),
         };
         let buffers = if self.check.is_ok() {

@@ -48,6 +48,27 @@ pub struct Config {
     pub algorithm: Algorithm,
     /// Largest piece one step of a chunked algorithm handles (default 256 KiB).
     pub chunk_bytes: usize,
+    /// Check every call between processes in a round of its own before any data moves
+    /// (`TUTTI_CHECK=full`; default `fast`). Either way a mismatched call is an error naming both
+    /// ranks and the field that differs. `fast` checks each call's identity as its data arrives,
+    /// so a small call costs one round trip instead of two; a mismatch found that way aborts the
+    /// communicator (peers may be mid-step), where `full` leaves it usable. `full` costs one
+    /// all-to-all of small frames per call (a few microseconds over shared memory).
+    pub full_check: bool,
+}
+
+/// `TUTTI_CHECK`: `full` or `fast` (the default when unset).
+pub fn full_check_from_env() -> Result<bool> {
+    match std::env::var("TUTTI_CHECK") {
+        Err(_) => Ok(false),
+        Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+            "" | "fast" => Ok(false),
+            "full" => Ok(true),
+            _ => Err(Error::config(format!(
+                "TUTTI_CHECK='{v}': expected full (a check round before every call) or fast"
+            ))),
+        },
+    }
 }
 
 /// `TUTTI_TIMEOUT` in seconds (a positive number, at most 30 days), `None` when unset, or an
@@ -83,6 +104,7 @@ impl Default for Config {
             timeout,
             algorithm: Algorithm::Auto,
             chunk_bytes: 256 * 1024,
+            full_check: full_check_from_env().unwrap_or(false),
         }
     }
 }
@@ -98,6 +120,11 @@ impl Config {
         self.algorithm = algorithm;
         self
     }
+    /// This config with the full call check on or off (see [`Config::full_check`]).
+    pub fn with_full_check(mut self, full_check: bool) -> Config {
+        self.full_check = full_check;
+        self
+    }
     /// This config with another chunk size.
     pub fn with_chunk_bytes(mut self, chunk_bytes: usize) -> Config {
         self.chunk_bytes = chunk_bytes;
@@ -105,6 +132,7 @@ impl Config {
     }
     pub(crate) fn check(&self, world: usize) -> Result<()> {
         timeout_from_env()?;
+        full_check_from_env()?;
         if world == 0 {
             return Err(Error::config("a group needs at least one rank"));
         }
@@ -185,7 +213,14 @@ impl Communicator {
         engine: Option<Arc<dyn GroupEngine>>,
         device: (DeviceKind, usize),
     ) -> Communicator {
-        let shared = Arc::new(Shared::new(transport, config.chunk_bytes, engine));
+        // Engines move data outside the transport: their calls are always checked first.
+        let full_check = config.full_check || engine.is_some();
+        let shared = Arc::new(Shared::new(
+            transport,
+            config.chunk_bytes,
+            full_check,
+            engine,
+        ));
         Communicator {
             progress: Progress::new(shared),
             algorithm: config.algorithm,

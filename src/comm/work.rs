@@ -58,6 +58,8 @@ struct Queue {
 pub(crate) struct Shared {
     pub(crate) transport: Arc<dyn Transport>,
     pub(crate) chunk_bytes: usize,
+    /// Every call is checked in a round of its own (see `Config::full_check`).
+    pub(crate) full_check: bool,
     /// Runs calls for a group of this process's devices; `None`: the host algorithms.
     pub(crate) engine: Option<Arc<dyn GroupEngine>>,
     queue: Mutex<Queue>,
@@ -69,11 +71,13 @@ impl Shared {
     pub(crate) fn new(
         transport: Arc<dyn Transport>,
         chunk_bytes: usize,
+        full_check: bool,
         engine: Option<Arc<dyn GroupEngine>>,
     ) -> Shared {
         Shared {
             transport,
             chunk_bytes,
+            full_check,
             engine,
             queue: Mutex::new(Queue::default()),
             cv: Condvar::new(),

@@ -50,9 +50,11 @@ pub struct CallHeader {
     /// The root, for rooted collectives.
     pub root: Option<usize>,
     /// The algorithm asked for.
-    pub algorithm: String,
+    pub algorithm: crate::algorithm::Algorithm,
     /// The chunk size of chunked algorithms (ranks must cut buffers alike).
     pub chunk_bytes: u64,
+    /// Whether every call is checked in a round of its own before data moves (`TUTTI_CHECK=full`).
+    pub full_check: bool,
     /// Set when this rank rejected its own arguments: peers fail the call at once.
     pub rejected: Option<String>,
 }
@@ -75,14 +77,31 @@ impl CallHeader {
             ("count", self.count.to_string(), other.count.to_string()),
             ("op", opt(&self.op), opt(&other.op)),
             ("root", opt(&self.root), opt(&other.root)),
-            ("algorithm", self.algorithm.clone(), other.algorithm.clone()),
+            (
+                "algorithm",
+                self.algorithm.to_string(),
+                other.algorithm.to_string(),
+            ),
             (
                 "chunk size",
                 self.chunk_bytes.to_string(),
                 other.chunk_bytes.to_string(),
             ),
+            (
+                "call check (TUTTI_CHECK)",
+                check_name(self.full_check).to_string(),
+                check_name(other.full_check).to_string(),
+            ),
         ];
         fields.into_iter().find(|(_, a, b)| a != b)
+    }
+}
+
+fn check_name(full: bool) -> &'static str {
+    if full {
+        "full"
+    } else {
+        "fast"
     }
 }
 

@@ -10,10 +10,17 @@
 //! receive of the step at once over non-blocking sockets (poll(2)), so both directions of a ring
 //! stay busy, and a receive that reduces does so chunk by chunk as the bytes arrive.
 //!
-//! Frames are a 16-byte header (kind, aux, length) and a payload. `HEADER` frames carry each
-//! call's header (compared in `begin`), `DATA` frames the bytes of a step, `ABORT` frames the
-//! reason a rank gave up. A rank that fails a call sends `ABORT` to every peer and closes its
-//! connections, so a dead or failed rank turns into an error naming it on every survivor.
+//! Frames are a 64-byte header (kind, aux, length, and the identity of the call they belong to;
+//! see [`super::wire`]) and a payload. `DATA` frames carry the bytes of a step, `HEADER` frames
+//! the check round of a call that has one (`TUTTI_CHECK=full`, barriers, calls without data, and
+//! arguments a rank rejected, whose reason is the payload), `ABORT` frames the reason a rank gave
+//! up. Every frame's identity is compared with the receiver's call before its payload is taken:
+//! by default that is the whole check, so a small call is one round trip. A rank that fails a
+//! call sends `ABORT` to every peer and closes its connections, so a dead or failed rank turns
+//! into an error naming it on every survivor.
+//!
+//! To a peer on the same host every frame goes through a shared-memory ring ([`super::shm`])
+//! instead of the socket, which then carries only `ABORT` frames and the peer's hang-up.
 //!
 //! (Why one long file: connection setup, the step engine and failure propagation share the
 //! per-peer link state and its invariants; split, that state would be visible across files.)
@@ -22,13 +29,15 @@ use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
 use super::shm::ShmLink;
-use super::wire::{frame, parse_frame, FRAME_ABORT, FRAME_DATA, FRAME_HEADER};
+use super::wire::{
+    frame, frame_ident, parse_frame, Ident, FRAME_ABORT, FRAME_DATA, FRAME_HEADER, HDR, IDENT,
+};
 use super::{CallBuffers, CallHeader, RecvMode, RecvOp, SendOp, Transport};
 use crate::cluster::auth::{self as wire, Purpose};
 use crate::cluster::store::Store;
@@ -74,10 +83,10 @@ impl std::fmt::Display for TransportKind {
 
 /// Socket buffer size asked for on every data connection.
 const SOCKET_BUFFER: usize = 4 << 20;
-/// Payloads below this go inline on the socket even to a shared-memory peer (one wake-up
-/// instead of ring polling).
-const SHM_MIN: usize = 16 << 10;
-/// Largest call header accepted from a peer.
+/// How long a waiting rank yields its core between looks before it sleeps, where ranks outnumber
+/// cores.
+const YIELD_FOR: Duration = Duration::from_micros(50);
+/// Longest rejection message accepted from a peer.
 const MAX_HEADER: u64 = 64 << 10;
 
 /// One peer connection.
@@ -103,7 +112,8 @@ pub struct NetTransport {
     wake: OwnedFd,
     /// Serializes exchanges with the abort notification to peers.
     engine: Mutex<()>,
-    headers: Mutex<Vec<Option<CallHeader>>>,
+    /// The identity of the current call, which its frames carry ([`CallHeader::ident`]).
+    ident: [AtomicU64; IDENT / 8],
     /// The current call has started moving data (an error now leaves peers mid-step).
     data_started: AtomicBool,
     /// How long a wait on shared-memory slots may spin before it sleeps.
@@ -279,9 +289,11 @@ impl NetTransport {
             reason: Mutex::new(None),
             wake: eventfd()?,
             engine: Mutex::new(()),
-            headers: Mutex::new(vec![None; world]),
+            ident: Default::default(),
             data_started: AtomicBool::new(false),
-            spin: crate::sync::Spin::for_world(world).0,
+            // Spinning pays while every rank of this host has a core of its own.
+            spin: crate::sync::Spin::for_world(hosts.iter().filter(|&&h| h == hosts[rank]).count())
+                .0,
             hosts,
             scratch: Mutex::new(Vec::new()),
         })
@@ -323,6 +335,28 @@ impl NetTransport {
         let one = 1u64.to_ne_bytes();
         // SAFETY: writing 8 bytes to our eventfd.
         unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), 8) };
+        // A call asleep on a shared-memory link wakes to see it.
+        for s in self.links.iter().flatten().filter_map(|l| l.shm.as_ref()) {
+            s.wake_all();
+        }
+    }
+
+    /// The identity of the current call.
+    fn ident(&self) -> Ident {
+        let mut v = [0u8; IDENT];
+        for (c, w) in v.chunks_exact_mut(8).zip(&self.ident) {
+            c.copy_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
+        }
+        v
+    }
+
+    fn set_ident(&self, v: &Ident) {
+        for (c, w) in v.chunks_exact(8).zip(&self.ident) {
+            w.store(
+                u64::from_le_bytes(c.try_into().expect("8 bytes")),
+                Ordering::Relaxed,
+            );
+        }
     }
 
     /// Tell every peer why we stop, then close our sending side (best effort, never blocks long).
@@ -331,7 +365,7 @@ impl NetTransport {
             if !l.mid_frame.load(Ordering::Acquire) {
                 let msg = reason.as_bytes();
                 let msg = &msg[..msg.len().min(4000)];
-                let mut out = frame(FRAME_ABORT, 0, msg.len() as u64).to_vec();
+                let mut out = frame(FRAME_ABORT, 0, msg.len() as u64, &self.ident()).to_vec();
                 out.extend_from_slice(msg);
                 let _ = (&l.sock).write(&out);
             }
@@ -468,14 +502,17 @@ fn send_vectored(sock: &TcpStream, bufs: &[IoSlice<'_>]) -> std::io::Result<usiz
 
 /// What a receive in the engine is for.
 enum Target<'a> {
-    Data { dst: &'a mut [u8], mode: RecvMode },
+    Data {
+        dst: &'a mut [u8],
+        mode: RecvMode,
+    },
+    /// A check round's frame: its payload (a rejection message, or nothing).
     Header(Vec<u8>),
 }
 
 struct SendState<'a> {
     peer: usize,
-    kind: u32,
-    hdr: [u8; 16],
+    hdr: [u8; HDR],
     hoff: usize,
     data: &'a [u8],
     off: usize,
@@ -484,7 +521,7 @@ struct SendState<'a> {
 struct RecvState<'a> {
     peer: usize,
     target: Target<'a>,
-    hdr: [u8; 16],
+    hdr: [u8; HDR],
     hoff: usize,
     len: usize,
     off: usize,
@@ -495,13 +532,13 @@ struct RecvState<'a> {
 
 impl SendState<'_> {
     fn done(&self) -> bool {
-        self.hoff == 16 && self.off == self.data.len()
+        self.hoff == HDR && self.off == self.data.len()
     }
 }
 
 impl RecvState<'_> {
     fn done(&self) -> bool {
-        self.hoff == 16 && self.off == self.len
+        self.hoff == HDR && self.off == self.len
     }
 }
 
@@ -513,24 +550,25 @@ fn lost(site: Site, peer: usize, e: &std::io::Error) -> Error {
     }
 }
 
+fn closed(what: &str) -> std::io::Error {
+    std::io::Error::new(ErrorKind::UnexpectedEof, what.to_string())
+}
+
 impl NetTransport {
-    /// Move every send and receive forward until each would block. True if anything moved.
+    /// Move a send forward until it would block. True if anything moved.
     fn progress_send(&self, site: Site, s: &mut SendState<'_>) -> Result<bool> {
         let link = self.link(s.peer);
-        // DATA payloads to a shared-memory peer go through the ring; the header still goes on
-        // the socket.
-        let shm = link
-            .shm
-            .as_ref()
-            .filter(|_| s.kind == FRAME_DATA && s.data.len() >= SHM_MIN);
+        if let Some(shm) = &link.shm {
+            return shm
+                .push(site, s.peer, &s.hdr, &mut s.hoff, s.data, &mut s.off)
+                .map_err(|e| self.ring_error(site, s.peer, e));
+        }
         let mut moved = false;
-        while s.hoff < 16 || (shm.is_none() && s.off < s.data.len()) {
-            let data = if shm.is_some() {
-                &[][..]
-            } else {
-                &s.data[s.off..]
-            };
-            let bufs = [IoSlice::new(&s.hdr[s.hoff..]), IoSlice::new(data)];
+        while !s.done() {
+            let bufs = [
+                IoSlice::new(&s.hdr[s.hoff..]),
+                IoSlice::new(&s.data[s.off..]),
+            ];
             match send_vectored(&link.sock, &bufs) {
                 Ok(0) => {
                     return Err(lost(
@@ -541,12 +579,11 @@ impl NetTransport {
                 }
                 Ok(mut n) => {
                     moved = true;
-                    let h = n.min(16 - s.hoff);
+                    let h = n.min(HDR - s.hoff);
                     s.hoff += h;
                     n -= h;
                     s.off += n;
-                    let partial = s.hoff < 16 || (shm.is_none() && s.off < s.data.len());
-                    link.mid_frame.store(partial, Ordering::Release);
+                    link.mid_frame.store(!s.done(), Ordering::Release);
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
@@ -557,11 +594,6 @@ impl NetTransport {
                         .unwrap_or_else(|| lost(site, s.peer, &e)))
                 }
             }
-        }
-        if let Some(shm) = shm {
-            moved |= shm
-                .push(site, s.peer, s.data, &mut s.off)
-                .map_err(|e| self.ring_error(site, s.peer, e))?;
         }
         Ok(moved)
     }
@@ -582,17 +614,17 @@ impl NetTransport {
     /// The peer's ABORT frame, when one is at the head of its stream (taken off the stream).
     fn peek_abort(&self, site: Site, peer: usize) -> Option<Error> {
         let l = self.link(peer);
-        let mut h = [0u8; 16];
+        let mut h = [0u8; HDR];
         // SAFETY: peeking into a local buffer.
         let got = unsafe {
             libc::recv(
                 l.sock.as_raw_fd(),
                 h.as_mut_ptr().cast(),
-                16,
+                HDR,
                 libc::MSG_PEEK | libc::MSG_DONTWAIT,
             )
         };
-        if got != 16 || parse_frame(&h).0 != FRAME_ABORT {
+        if got != HDR as isize || parse_frame(&h).0 != FRAME_ABORT {
             return None;
         }
         let _ = (&l.sock).read_exact(&mut h);
@@ -606,7 +638,7 @@ impl NetTransport {
         let _ = l.sock.set_nonblocking(false);
         let _ = l.sock.set_read_timeout(Some(Duration::from_millis(200)));
         let mut found = None;
-        let mut h = [0u8; 16];
+        let mut h = [0u8; HDR];
         let mut scratch = vec![0u8; 64 << 10];
         while (&l.sock).read_exact(&mut h).is_ok() {
             let (kind, _, len) = parse_frame(&h);
@@ -614,12 +646,8 @@ impl NetTransport {
                 found = Some(self.read_abort(site, peer, len));
                 break;
             }
-            // A DATA payload big enough for the ring never travels on the socket.
-            let mut skip = if kind == FRAME_DATA && l.shm.is_some() && len >= SHM_MIN as u64 {
-                0
-            } else {
-                len
-            };
+            // To a shared-memory peer only ABORT frames travel on the socket.
+            let mut skip = if l.shm.is_some() { 0 } else { len };
             while skip > 0 {
                 let n = skip.min(scratch.len() as u64) as usize;
                 if (&l.sock).read_exact(&mut scratch[..n]).is_err() {
@@ -640,19 +668,172 @@ impl NetTransport {
         }
     }
 
-    fn progress_recv(&self, site: Site, r: &mut RecvState<'_>) -> Result<bool> {
+    /// A frame whose call identity differs from this rank's call: a `Mismatch` naming the
+    /// first field that differs.
+    fn mismatch(&self, site: Site, peer: usize, theirs: &Ident, mine: &Ident) -> Error {
+        let (Some(t), Some(m)) = (CallHeader::from_ident(theirs), CallHeader::from_ident(mine))
+        else {
+            return Error::invalid(
+                site,
+                format!("rank {peer} sent a frame whose call this rank cannot read"),
+            );
+        };
+        match m.first_difference(&t) {
+            Some((field, mine, theirs)) => Error::Mismatch {
+                site,
+                peer,
+                field,
+                mine,
+                theirs,
+            },
+            None => Error::invalid(site, format!("rank {peer} is out of step with this rank")),
+        }
+    }
+
+    /// Check the header of an arriving frame against this rank's call and the receive it
+    /// arrives for; set the length to receive.
+    fn accept_frame(&self, site: Site, r: &mut RecvState<'_>, mine: &Ident) -> Result<()> {
+        let (kind, _aux, len) = parse_frame(&r.hdr);
+        if kind == FRAME_ABORT {
+            return Err(self.read_abort(site, r.peer, len));
+        }
+        let theirs = frame_ident(&r.hdr);
+        match (&mut r.target, kind) {
+            // A check round: identities are compared once every peer's frame is in, so that
+            // every rank reports the same first difference and the communicator stays usable.
+            (Target::Header(buf), FRAME_HEADER) => {
+                if len > MAX_HEADER {
+                    return Err(Error::invalid(
+                        site,
+                        format!("rank {} sent a call header of {len} bytes", r.peer),
+                    ));
+                }
+                buf.resize(len as usize, 0);
+                r.len = len as usize;
+                Ok(())
+            }
+            // A rank that rejected its arguments says so instead of sending data.
+            (Target::Data { .. }, FRAME_HEADER) if len > 0 && len <= MAX_HEADER => {
+                self.data_started.store(true, Ordering::Release);
+                let message = self.read_payload(site, r.peer, len as usize);
+                Err(Error::PeerRejected {
+                    site,
+                    peer: r.peer,
+                    message,
+                })
+            }
+            (Target::Data { dst, mode }, FRAME_DATA) if theirs == mine => {
+                if len != dst.len() as u64 {
+                    return Err(Error::invalid(
+                        site,
+                        format!(
+                            "rank {} sent {len} bytes where {} were expected",
+                            r.peer,
+                            dst.len()
+                        ),
+                    ));
+                }
+                r.len = dst.len();
+                if let RecvMode::Reduce(..) = mode {
+                    if self.link(r.peer).shm.is_none() {
+                        r.scratch
+                            .resize(self.chunk_bytes.min(r.len).max(8).div_ceil(8), 0);
+                    }
+                }
+                Ok(())
+            }
+            _ if theirs != mine => {
+                self.data_started.store(true, Ordering::Release);
+                let e = self.mismatch(site, r.peer, theirs, mine);
+                // A frame of an earlier call is left over from a call that failed: the peer's
+                // ABORT frame behind it says why, which is the news.
+                let call = |i: &Ident| u64::from_le_bytes(i[..8].try_into().expect("8 bytes"));
+                if call(theirs) < call(mine) {
+                    return Err(self.drain_abort(site, r.peer).unwrap_or(e));
+                }
+                Err(e)
+            }
+            (target, _) => {
+                self.data_started.store(true, Ordering::Release);
+                let want = match target {
+                    Target::Data { .. } => FRAME_DATA,
+                    Target::Header(_) => FRAME_HEADER,
+                };
+                Err(Error::invalid(
+                    site,
+                    format!("rank {} is out of step with this rank (sent frame kind {kind} where {want} was due)", r.peer),
+                ))
+            }
+        }
+    }
+
+    /// Read a short payload (a rejection message) of a frame whose header was just taken,
+    /// waiting at most a second for it.
+    fn read_payload(&self, site: Site, peer: usize, len: usize) -> String {
+        let link = self.link(peer);
+        let mut msg = vec![0u8; len];
+        match &link.shm {
+            Some(shm) => {
+                let (mut off, until) = (0, Instant::now() + Duration::from_secs(1));
+                while off < len && Instant::now() < until {
+                    if !matches!(
+                        shm.pull(site, peer, &mut msg, RecvMode::Copy, &mut off),
+                        Ok(true)
+                    ) {
+                        shm.sleep(
+                            true,
+                            false,
+                            (Instant::now() + Duration::from_millis(10)).min(until),
+                        );
+                    }
+                }
+            }
+            None => {
+                let _ = link.sock.set_nonblocking(false);
+                let _ = link.sock.set_read_timeout(Some(Duration::from_secs(1)));
+                let _ = (&link.sock).read_exact(&mut msg);
+                let _ = link.sock.set_nonblocking(true);
+            }
+        }
+        String::from_utf8_lossy(&msg).into_owned()
+    }
+
+    /// Move a receive forward until it would block. True if anything moved.
+    fn progress_recv(&self, site: Site, r: &mut RecvState<'_>, mine: &Ident) -> Result<bool> {
         let link = self.link(r.peer);
+        if let Some(shm) = &link.shm {
+            let mut moved = false;
+            if r.hoff < HDR {
+                if !shm
+                    .peek_header(site, r.peer, &mut r.hdr)
+                    .map_err(|e| self.ring_error(site, r.peer, e))?
+                {
+                    return self.dry_ring(site, r.peer).map(|_| false);
+                }
+                r.hoff = HDR;
+                moved = true;
+                self.accept_frame(site, r, mine)?;
+            }
+            if r.done() {
+                return Ok(moved);
+            }
+            let (dst, mode) = match &mut r.target {
+                Target::Data { dst, mode } => (&mut **dst, *mode),
+                Target::Header(b) => (&mut b[..], RecvMode::Copy),
+            };
+            let pulled = shm
+                .pull(site, r.peer, dst, mode, &mut r.off)
+                .map_err(|e| self.ring_error(site, r.peer, e))?;
+            if !pulled && !r.done() {
+                self.dry_ring(site, r.peer)?;
+            }
+            return Ok(pulled || moved);
+        }
         let mut moved = false;
         loop {
-            if r.hoff < 16 {
+            if r.hoff < HDR {
                 match (&link.sock).read(&mut r.hdr[r.hoff..]) {
-                    Ok(0) => {
-                        return Err(lost(
-                            site,
-                            r.peer,
-                            &std::io::Error::new(ErrorKind::UnexpectedEof, "connection closed"),
-                        ))
-                    }
+                    Ok(0) => return Err(lost(site, r.peer, &closed("connection closed"))),
                     Ok(n) => {
                         moved = true;
                         r.hoff += n;
@@ -661,74 +842,13 @@ impl NetTransport {
                     Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                     Err(e) => return Err(lost(site, r.peer, &e)),
                 }
-                if r.hoff < 16 {
+                if r.hoff < HDR {
                     continue;
                 }
-                let (kind, _aux, len) = parse_frame(&r.hdr);
-                if kind == FRAME_ABORT {
-                    return Err(self.read_abort(site, r.peer, len));
-                }
-                let want = match &r.target {
-                    Target::Data { .. } => FRAME_DATA,
-                    Target::Header(_) => FRAME_HEADER,
-                };
-                if kind != want {
-                    return Err(Error::invalid(
-                        site,
-                        format!("rank {} is out of step with this rank (sent frame kind {kind} where {want} was due)", r.peer),
-                    ));
-                }
-                match &mut r.target {
-                    Target::Data { dst, mode } => {
-                        if len != dst.len() as u64 {
-                            return Err(Error::invalid(
-                                site,
-                                format!(
-                                    "rank {} sent {len} bytes where {} were expected",
-                                    r.peer,
-                                    dst.len()
-                                ),
-                            ));
-                        }
-                        r.len = dst.len();
-                        if let RecvMode::Reduce(..) = mode {
-                            r.scratch
-                                .resize(self.chunk_bytes.min(r.len).max(8).div_ceil(8), 0);
-                        }
-                    }
-                    Target::Header(buf) => {
-                        if len > MAX_HEADER {
-                            return Err(Error::invalid(
-                                site,
-                                format!("rank {} sent a call header of {len} bytes", r.peer),
-                            ));
-                        }
-                        buf.resize(len as usize, 0);
-                        r.len = len as usize;
-                    }
-                }
+                self.accept_frame(site, r, mine)?;
             }
             if r.done() {
                 return Ok(moved);
-            }
-            let via_shm = link.shm.as_ref().filter(|_| r.len >= SHM_MIN);
-            if let (Some(shm), Target::Data { dst, mode }) = (via_shm, &mut r.target) {
-                // The payload comes through the shared-memory ring.
-                let pulled = shm
-                    .pull(site, r.peer, dst, *mode, &mut r.off)
-                    .map_err(|e| self.ring_error(site, r.peer, e))?;
-                if !pulled && r.off < r.len && link.closed.load(Ordering::Relaxed) {
-                    // The peer hung up and its ring is dry: the rest will never come.
-                    if let Some(e) = self.drain_abort(site, r.peer) {
-                        return Err(e);
-                    }
-                    let e = std::io::Error::new(
-                        ErrorKind::UnexpectedEof,
-                        "connection closed mid-message",
-                    );
-                    return Err(lost(site, r.peer, &e));
-                }
-                return Ok(pulled || moved);
             }
             let n = {
                 let buf: &mut [u8] = match &mut r.target {
@@ -744,13 +864,7 @@ impl NetTransport {
                     }
                 };
                 match (&link.sock).read(buf) {
-                    Ok(0) => {
-                        return Err(lost(
-                            site,
-                            r.peer,
-                            &std::io::Error::new(ErrorKind::UnexpectedEof, "connection closed"),
-                        ))
-                    }
+                    Ok(0) => return Err(lost(site, r.peer, &closed("connection closed"))),
                     Ok(n) => n,
                     Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),
                     Err(e) if e.kind() == ErrorKind::Interrupted => continue,
@@ -786,6 +900,19 @@ impl NetTransport {
         }
     }
 
+    /// A shared-memory peer's ring is empty where this rank waits for more: fine while the peer
+    /// lives; once it has hung up, the rest will never come.
+    fn dry_ring(&self, site: Site, peer: usize) -> Result<()> {
+        let link = self.link(peer);
+        if !link.closed.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        if let Some(e) = self.drain_abort(site, peer) {
+            return Err(e);
+        }
+        Err(lost(site, peer, &closed("connection closed mid-message")))
+    }
+
     /// The engine: drive `sends` and `recvs` to completion.
     fn run(
         &self,
@@ -795,9 +922,10 @@ impl NetTransport {
         recvs: &mut [RecvState<'_>],
     ) -> Result<()> {
         let _engine = self.engine.lock();
+        let mine = self.ident();
         let mut deadline = Instant::now() + self.timeout;
-        let mut shm_pause = Duration::from_micros(20);
-        let mut spun = Duration::ZERO;
+        let mut pause = Duration::from_micros(20);
+        let mut spin_until: Option<Instant> = None;
         loop {
             if self.aborted.load(Ordering::Acquire) {
                 return Err(self.aborted_error());
@@ -807,15 +935,15 @@ impl NetTransport {
                 moved |= self.progress_send(site, s)?;
             }
             for r in recvs.iter_mut().filter(|r| !r.done()) {
-                moved |= self.progress_recv(site, r)?;
+                moved |= self.progress_recv(site, r, &mine)?;
             }
             if sends.iter().all(|s| s.done()) && recvs.iter().all(|r| r.done()) {
                 return Ok(());
             }
             if moved {
                 deadline = Instant::now() + self.timeout;
-                shm_pause = Duration::from_micros(20);
-                spun = Duration::ZERO;
+                pause = Duration::from_micros(20);
+                spin_until = None;
                 continue;
             }
             let now = Instant::now();
@@ -835,183 +963,156 @@ impl NetTransport {
                     timeout: self.timeout,
                 });
             }
-            // Sleep until a socket is ready, the abort eventfd fires, or (for shared memory,
-            // whose slots are not pollable) a short pause passes.
-            let ring = |peer: usize, len: usize| self.link(peer).shm.is_some() && len >= SHM_MIN;
-            let shm_busy = sends.iter().any(|s| {
-                !s.done() && s.hoff == 16 && s.kind == FRAME_DATA && ring(s.peer, s.data.len())
-            }) || recvs.iter().any(|r| {
-                !r.done()
-                    && r.hoff == 16
-                    && matches!(r.target, Target::Data { .. })
-                    && ring(r.peer, r.len)
-            });
-            if spun < self.spin {
-                // Spin briefly while every rank has a core: a reply on loopback or in a
-                // shared-memory slot is then caught without a sleep and a wake-up.
-                let t = Instant::now();
-                while t.elapsed() < Duration::from_micros(5) {
-                    std::hint::spin_loop();
+            // Spin briefly while every rank has a core: a reply in a shared-memory slot or on
+            // loopback is then caught without a sleep and a wake-up. Past the first few
+            // microseconds the spin yields the core between looks: the peer may have been woken
+            // onto this core (the scheduler likes to put a woken process next to its waker), and
+            // would otherwise wait for this rank's spin to end before it could answer. Where
+            // ranks outnumber cores a rank only yields, for as long: the ranks it waits for get
+            // the core at once, and none of them pays a sleep and a wake-up per message.
+            let spin_until = *spin_until.get_or_insert(now + self.spin.max(YIELD_FOR));
+            if now < spin_until {
+                if !self.spin.is_zero() {
+                    for _ in 0..64 {
+                        std::hint::spin_loop();
+                    }
                 }
-                spun += t.elapsed();
+                if self.spin.is_zero()
+                    || spin_until - now < self.spin.saturating_sub(Duration::from_micros(3))
+                {
+                    std::thread::yield_now();
+                }
                 continue;
             }
-            let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.world + 1);
-            let pfd = |fd: RawFd, events: i16| libc::pollfd {
-                fd,
-                events,
-                revents: 0,
+            let on_ring = |peer: usize| self.link(peer).shm.is_some();
+            let ring_only = sends.iter().all(|s| s.done() || on_ring(s.peer))
+                && recvs.iter().all(|r| r.done() || on_ring(r.peer));
+            self.wait(sends, recvs, ring_only, &mut pause, deadline)?;
+            if let Some(e) = self.hang_ups(site, sends)? {
+                return Err(e);
+            }
+        }
+    }
+
+    /// Sleep until something may have moved: on a shared-memory link's futex when every wait is
+    /// on a ring, else in poll(2) on the sockets and the abort eventfd (shared-memory rings, not
+    /// pollable, are then looked at again after `pause`, which doubles up to 1 ms).
+    fn wait(
+        &self,
+        sends: &[SendState<'_>],
+        recvs: &[RecvState<'_>],
+        ring_only: bool,
+        pause: &mut Duration,
+        deadline: Instant,
+    ) -> Result<()> {
+        let pending: Vec<(usize, bool)> = sends
+            .iter()
+            .filter(|s| !s.done())
+            .map(|s| (s.peer, false))
+            .chain(recvs.iter().filter(|r| !r.done()).map(|r| (r.peer, true)))
+            .collect();
+        if ring_only {
+            let (peer, _) = pending[0];
+            let filled = pending.iter().any(|&(p, recv)| p == peer && recv);
+            let free = pending.iter().any(|&(p, recv)| p == peer && !recv);
+            let links = pending.iter().map(|&(p, _)| p).collect::<Vec<_>>();
+            let one_link = links.iter().all(|&p| p == peer);
+            // Sleep up to 20 ms on the only link waited for (a hang-up does not ring the
+            // futex: it is looked for after every sleep), 1 ms when others are waited for too.
+            let nap = if one_link {
+                Duration::from_millis(20)
+            } else {
+                Duration::from_millis(1)
             };
-            fds.push(pfd(self.wake.as_raw_fd(), libc::POLLIN));
-            for l in self.links.iter().flatten() {
-                let mut ev = 0;
-                // Socket readiness matters while a frame is on the socket; shared-memory payloads
-                // are watched by the pause below. Every link is watched for hang-ups.
-                let on_socket =
-                    |hoff: usize, data: bool, len: usize| hoff < 16 || !data || !ring(l.peer, len);
-                if sends.iter().any(|s| {
-                    s.peer == l.peer
-                        && !s.done()
-                        && on_socket(s.hoff, s.kind == FRAME_DATA, s.data.len())
-                }) {
+            let shm = self.link(peer).shm.as_ref().expect("a ring");
+            shm.sleep(filled, free, (Instant::now() + nap).min(deadline));
+        }
+        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.world + 1);
+        let pfd = |fd: RawFd, events: i16| libc::pollfd {
+            fd,
+            events,
+            revents: 0,
+        };
+        fds.push(pfd(self.wake.as_raw_fd(), libc::POLLIN));
+        for l in self.links.iter().flatten() {
+            let mut ev = 0;
+            if l.shm.is_none() {
+                if pending.iter().any(|&(p, recv)| p == l.peer && !recv) {
                     ev |= libc::POLLOUT;
                 }
-                if recvs.iter().any(|r| {
-                    r.peer == l.peer
-                        && !r.done()
-                        && on_socket(r.hoff, matches!(r.target, Target::Data { .. }), r.len)
-                }) {
+                if pending.iter().any(|&(p, recv)| p == l.peer && recv) {
                     ev |= libc::POLLIN;
                 }
-                if !l.closed.load(Ordering::Relaxed) {
-                    ev |= libc::POLLRDHUP;
-                }
-                // A closed link with nothing to do stays out (poll ignores a negative fd): its
-                // hang-up would otherwise wake every wait.
-                fds.push(pfd(if ev == 0 { -1 } else { l.sock.as_raw_fd() }, ev));
             }
-            let wait = if shm_busy {
-                let p = shm_pause;
-                shm_pause = (shm_pause * 2).min(Duration::from_millis(1));
-                p
-            } else {
-                (deadline - now).min(Duration::from_secs(1))
-            };
-            let ts = libc::timespec {
-                tv_sec: wait.as_secs() as libc::time_t,
-                tv_nsec: wait.subsec_nanos() as libc::c_long,
-            };
-            // SAFETY: fds is a valid array of pollfd for its length; ts outlives the call.
-            let n = unsafe {
-                libc::ppoll(
-                    fds.as_mut_ptr(),
-                    fds.len() as libc::nfds_t,
-                    &ts,
-                    std::ptr::null(),
-                )
-            };
-            if n < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() != ErrorKind::Interrupted {
-                    return Err(Error::io("poll", e));
-                }
+            // Every link is watched for hang-ups, except a closed one with nothing to do
+            // (poll ignores a negative fd): its hang-up would otherwise wake every wait.
+            if !l.closed.load(Ordering::Relaxed) {
+                ev |= libc::POLLRDHUP;
+            }
+            fds.push(pfd(if ev == 0 { -1 } else { l.sock.as_raw_fd() }, ev));
+        }
+        let wait = if ring_only {
+            Duration::ZERO
+        } else if pending.iter().any(|&(p, _)| self.link(p).shm.is_some()) {
+            let p = *pause;
+            *pause = (*pause * 2).min(Duration::from_millis(1));
+            p
+        } else {
+            deadline
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_secs(1))
+        };
+        let ts = libc::timespec {
+            tv_sec: wait.as_secs() as libc::time_t,
+            tv_nsec: wait.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: fds is a valid array of pollfd for its length; ts outlives the call.
+        let n = unsafe {
+            libc::ppoll(
+                fds.as_mut_ptr(),
+                fds.len() as libc::nfds_t,
+                &ts,
+                std::ptr::null(),
+            )
+        };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != ErrorKind::Interrupted {
+                return Err(Error::io("poll", e));
+            }
+            return Ok(());
+        }
+        for (l, f) in self.links.iter().flatten().zip(&fds[1..]) {
+            if f.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+                l.closed.store(true, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    }
+
+    /// Hang-ups seen by `wait`. A peer that gave up leaves an ABORT frame at the head of its
+    /// stream (its reason names the root cause). A peer that hangs up while we push into its
+    /// ring is lost: it cannot have finished without taking our data. A peer we receive from may
+    /// have sent everything and left; `progress_recv` calls it lost only when its ring runs dry.
+    /// An idle peer that left is no concern until we need it.
+    fn hang_ups(&self, site: Site, sends: &[SendState<'_>]) -> Result<Option<Error>> {
+        for l in self.links.iter().flatten() {
+            if !l.closed.load(Ordering::Relaxed) {
                 continue;
             }
-            // Hang-ups. A peer that gave up leaves an ABORT frame at the head of its stream (its
-            // reason names the root cause). A peer that hangs up while we push into its ring
-            // is lost: it cannot have finished without taking our data. A peer we pull from
-            // may have pushed everything and left; `progress_recv` calls it lost only when its
-            // ring runs dry. An idle peer that left is no concern until we need it.
-            for (l, f) in self.links.iter().flatten().zip(&fds[1..]) {
-                if f.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) == 0 {
-                    continue;
+            if let Some(e) = self.peek_abort(site, l.peer) {
+                return Ok(Some(e));
+            }
+            let pushing = l.shm.is_some() && sends.iter().any(|s| s.peer == l.peer && !s.done());
+            if pushing {
+                if let Some(e) = self.drain_abort(site, l.peer) {
+                    return Ok(Some(e));
                 }
-                l.closed.store(true, Ordering::Relaxed);
-                if let Some(e) = self.peek_abort(site, l.peer) {
-                    return Err(e);
-                }
-                let pushing = sends.iter().any(|s| {
-                    s.peer == l.peer
-                        && !s.done()
-                        && s.hoff == 16
-                        && s.kind == FRAME_DATA
-                        && ring(s.peer, s.data.len())
-                });
-                if pushing {
-                    if let Some(e) = self.drain_abort(site, l.peer) {
-                        return Err(e);
-                    }
-                    let e = std::io::Error::new(ErrorKind::UnexpectedEof, "connection closed");
-                    return Err(lost(site, l.peer, &e));
-                }
+                return Ok(Some(lost(site, l.peer, &closed("connection closed"))));
             }
         }
+        Ok(None)
     }
-}
-
-fn encode_header(h: &CallHeader) -> Vec<u8> {
-    let mut v = Vec::with_capacity(64);
-    v.extend_from_slice(&h.call.to_le_bytes());
-    v.extend_from_slice(&(h.collective as u32).to_le_bytes());
-    v.extend_from_slice(&(h.dtype as u32).to_le_bytes());
-    v.extend_from_slice(&(h.count as u64).to_le_bytes());
-    v.extend_from_slice(&h.op.map_or(u32::MAX, |o| o as u32).to_le_bytes());
-    v.extend_from_slice(&h.root.map_or(u64::MAX, |r| r as u64).to_le_bytes());
-    v.extend_from_slice(&h.chunk_bytes.to_le_bytes());
-    for s in [Some(&h.algorithm), h.rejected.as_ref()] {
-        match s {
-            Some(s) => {
-                v.push(1);
-                v.extend_from_slice(&(s.len() as u32).to_le_bytes());
-                v.extend_from_slice(s.as_bytes());
-            }
-            None => v.push(0),
-        }
-    }
-    v
-}
-
-fn decode_header(b: &[u8]) -> Option<CallHeader> {
-    let mut p = 0usize;
-    let mut take = |n: usize| -> Option<&[u8]> {
-        let s = b.get(p..p + n)?;
-        p += n;
-        Some(s)
-    };
-    let u64_ = |s: &[u8]| u64::from_le_bytes(s.try_into().expect("8 bytes"));
-    let u32_ = |s: &[u8]| u32::from_le_bytes(s.try_into().expect("4 bytes"));
-    let call = u64_(take(8)?);
-    let collective = crate::error::Collective::from_u32(u32_(take(4)?))?;
-    let dtype = crate::dtype::DType::from_u32(u32_(take(4)?))?;
-    let count = u64_(take(8)?) as usize;
-    let op = match u32_(take(4)?) {
-        u32::MAX => None,
-        o => Some(crate::dtype::ReduceOp::from_u32(o)?),
-    };
-    let root = match u64_(take(8)?) {
-        u64::MAX => None,
-        r => Some(r as usize),
-    };
-    let chunk_bytes = u64_(take(8)?);
-    let mut strings = [None, None];
-    for s in &mut strings {
-        if take(1)?[0] == 1 {
-            let n = u32_(take(4)?) as usize;
-            *s = Some(String::from_utf8_lossy(take(n)?).into_owned());
-        }
-    }
-    let [algorithm, rejected] = strings;
-    Some(CallHeader {
-        call,
-        collective,
-        dtype,
-        count,
-        op,
-        root,
-        algorithm: algorithm?,
-        chunk_bytes,
-        rejected,
-    })
 }
 
 impl Transport for NetTransport {
@@ -1035,25 +1136,48 @@ impl Transport for NetTransport {
         if self.world == 1 {
             return Ok(());
         }
-        let bytes = encode_header(header);
-        let peers: Vec<usize> = (0..self.world).filter(|&r| r != self.rank).collect();
+        let ident = header.ident();
+        self.set_ident(&ident);
+        // By default a call's check travels with its data. A call that moves none (a barrier,
+        // no elements), one whose arguments this rank rejected, rooted calls, and every call under
+        // `TUTTI_CHECK=full` have a check round first: every rank sends its identity (and any
+        // rejection) to every other and compares what it gets, so a difference found there
+        // leaves the communicator usable.
+        // Broadcast and reduce have one too: a rank that only sends in a call (the root of a
+        // broadcast, the others in a reduce) would otherwise check nothing, and two ranks that
+        // both take themselves for the root would neither receive.
+        use crate::error::Collective::{Barrier, Broadcast, Reduce};
+        let round = header.full_check
+            || header.count == 0
+            || matches!(header.collective, Barrier | Broadcast | Reduce)
+            || header.rejected.is_some();
+        if !round {
+            return Ok(());
+        }
+        let message = header
+            .rejected
+            .as_deref()
+            .map(|m| if m.is_empty() { "rejected" } else { m })
+            .unwrap_or("")
+            .as_bytes();
+        let message = &message[..message.len().min(MAX_HEADER as usize)];
+        let hdr = frame(FRAME_HEADER, 0, message.len() as u64, &ident);
+        let peers = (0..self.world).filter(|&r| r != self.rank);
         let mut sends: Vec<SendState<'_>> = peers
-            .iter()
-            .map(|&peer| SendState {
+            .clone()
+            .map(|peer| SendState {
                 peer,
-                kind: FRAME_HEADER,
-                hdr: frame(FRAME_HEADER, 0, bytes.len() as u64),
+                hdr,
                 hoff: 0,
-                data: &bytes,
+                data: message,
                 off: 0,
             })
             .collect();
         let mut recvs: Vec<RecvState<'_>> = peers
-            .iter()
-            .map(|&peer| RecvState {
+            .map(|peer| RecvState {
                 peer,
                 target: Target::Header(Vec::new()),
-                hdr: [0; 16],
+                hdr: [0; HDR],
                 hoff: 0,
                 len: 0,
                 off: 0,
@@ -1062,50 +1186,35 @@ impl Transport for NetTransport {
             })
             .collect();
         self.run(site, "arrive", &mut sends, &mut recvs)?;
-        let mut first_error = None;
-        let mut headers = self.headers.lock();
-        for r in recvs {
-            let Target::Header(b) = r.target else {
+        for r in &recvs {
+            let Target::Header(message) = &r.target else {
                 unreachable!("header receives")
             };
-            let theirs = decode_header(&b).ok_or_else(|| {
-                Error::invalid(
+            if !message.is_empty() {
+                return Err(Error::PeerRejected {
                     site,
-                    format!("rank {} sent a call header this rank cannot read", r.peer),
-                )
-            })?;
-            if first_error.is_none() {
-                if let Some(message) = &theirs.rejected {
-                    first_error = Some(Error::PeerRejected {
-                        site,
-                        peer: r.peer,
-                        message: message.clone(),
-                    });
-                } else if let Some((field, mine, t)) = header.first_difference(&theirs) {
-                    first_error = Some(Error::Mismatch {
-                        site,
-                        peer: r.peer,
-                        field,
-                        mine,
-                        theirs: t,
-                    });
-                }
+                    peer: r.peer,
+                    message: String::from_utf8_lossy(message).into_owned(),
+                });
             }
-            headers[r.peer] = Some(theirs);
+            let theirs = frame_ident(&r.hdr);
+            if *theirs != ident {
+                return Err(self.mismatch(site, r.peer, theirs, &ident));
+            }
         }
-        first_error.map_or(Ok(()), Err)
+        Ok(())
     }
 
     fn exchange(&self, site: Site, sends: &[SendOp<'_>], recvs: &mut [RecvOp<'_>]) -> Result<()> {
         super::check_peers(site, self.rank, self.world, sends, recvs)?;
         // From here a failure leaves peers mid-step: `end` must abort the communicator.
         self.data_started.store(true, Ordering::Release);
+        let ident = self.ident();
         let mut ss: Vec<SendState<'_>> = sends
             .iter()
             .map(|s| SendState {
                 peer: s.peer,
-                kind: FRAME_DATA,
-                hdr: frame(FRAME_DATA, 0, s.data.len() as u64),
+                hdr: frame(FRAME_DATA, 0, s.data.len() as u64, &ident),
                 hoff: 0,
                 data: s.data,
                 off: 0,
@@ -1122,7 +1231,7 @@ impl Transport for NetTransport {
                     dst: &mut *r.dst,
                     mode: r.mode,
                 },
-                hdr: [0; 16],
+                hdr: [0; HDR],
                 hoff: 0,
                 len: 0,
                 off: 0,
@@ -1152,13 +1261,14 @@ impl Transport for NetTransport {
                 | Error::PeerRejected { .. }
                 | Error::InvalidArgument { site: Some(_), .. }
         ) && !self.aborted.load(Ordering::Acquire)
+            && !self.data_started.load(Ordering::Acquire)
             && self
                 .links
                 .iter()
                 .flatten()
                 .all(|l| !l.mid_frame.load(Ordering::Acquire))
         {
-            // Found in `begin` by every rank alike, before any data moved: still usable.
+            // Found in a check round by every rank alike, before any data moved: still usable.
             return;
         }
         let reason = e.to_string();

@@ -1,11 +1,17 @@
-//! Shared-memory payload rings between two processes on one host.
+//! Shared-memory rings between two processes on one host.
 //!
 //! Each direction of a link has a ring of slots in a segment created by the sender under
-//! /dev/shm. The frame headers still travel on the link's TCP connection (ordering, liveness and
-//! `ABORT` frames); the payload of a `DATA` frame goes through the ring: the sender copies a
-//! chunk into a free slot and publishes it, the receiver copies or reduces straight out of the
-//! slot and frees it. Slots are a chunk each (the communicator's `chunk_bytes`), so a chunk just
-//! written by one core is read from the shared cache by the other.
+//! /dev/shm. Every frame to a shared-memory peer goes through its ring, header and payload alike:
+//! the sender copies the frame header and the first piece of the payload into a free slot and
+//! publishes it, then the rest piece by piece; the receiver checks the header, then copies or
+//! reduces straight out of each slot and frees it. No system call is on this path. A receiver
+//! that finds its ring empty spins briefly when every rank has a core, then sleeps on a futex in
+//! the segment, which the sender wakes only when someone sleeps there. The link's TCP connection
+//! stays for what shared memory cannot say: a peer that died (its hang-up) and why a peer gave
+//! up (`ABORT` frames).
+//!
+//! Slots are a chunk each (the communicator's `chunk_bytes`), so a chunk just written by one core
+//! is read from the shared cache by the other.
 //!
 //! Each segment is unlinked as soon as both sides have mapped it: it vanishes when the last of
 //! them unmaps it, even when a process is killed, so nothing is left behind in /dev/shm.
@@ -14,18 +20,26 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
+use std::time::Instant;
 
 use crate::dtype::kernels::{self, Init};
 use crate::error::{Error, Result, Site};
+use crate::transport::wire::HDR;
 use crate::transport::RecvMode;
 
 /// Slots per ring.
 const SLOTS: usize = 8;
-/// Bytes before the first slot: the ring's counters, each on its own cache line.
+/// Bytes before the first slot: the ring's counters, each side's on its own cache line.
 const HEAD: usize = 192;
-/// Bytes before a slot's payload (its length), keeping payloads 64-byte aligned.
-const SLOT_HEAD: usize = 64;
+/// Bytes before a slot's payload: the piece's length, then (first piece of a frame) the frame
+/// header; payloads stay 64-byte aligned.
+const SLOT_HEAD: usize = 64 + HDR;
 
+/// A ring's counters. The sender writes `head` (slots published), the receiver `tail` (slots
+/// freed). `bell` and `sleeping` belong to the process that created the segment: it sleeps on
+/// `bell` (a futex) when it waits for its peer, and the peer bumps `bell` after everything the
+/// creator may wait for (a slot filled in the creator's receiving ring, a slot freed in its
+/// sending ring), making the wake-up system call only when `sleeping` says someone sleeps.
 #[repr(C)]
 struct Counters {
     head: AtomicU64,
@@ -33,6 +47,43 @@ struct Counters {
     tail: AtomicU64,
     _p1: [u8; 56],
     aborted: AtomicU32,
+    bell: AtomicU32,
+    sleeping: AtomicU32,
+}
+
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: a futex wait on a word of a shared mapping (not FUTEX_PRIVATE: the waker is
+    // another process); a spurious or early return is handled by the caller's loop.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0,
+        )
+    };
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: waking the waiters of a word of a shared mapping.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0,
+        )
+    };
 }
 
 /// A mapped segment.
@@ -112,12 +163,14 @@ struct Ring {
 }
 
 impl Ring {
-    fn slot_ptr(&self, i: u64) -> (*mut u64, *mut u8) {
+    /// Slot `i`: its piece length, its frame header and its payload.
+    fn slot_ptr(&self, i: u64) -> (*mut u64, *mut u8, *mut u8) {
         let base = HEAD + (i as usize % SLOTS) * (SLOT_HEAD + self.slot);
         // SAFETY: inside the mapping (its length is HEAD + SLOTS * (SLOT_HEAD + slot)).
         unsafe {
             (
                 self.seg.ptr.add(base).cast(),
+                self.seg.ptr.add(base + 64),
                 self.seg.ptr.add(base + SLOT_HEAD),
             )
         }
@@ -233,45 +286,78 @@ impl ShmLink {
         })
     }
 
-    fn check(&self, site: Site, peer: usize) -> Result<()> {
+    fn aborted_error(&self, site: Site, peer: usize) -> Result<bool> {
         if self.rx.seg.counters().aborted.load(Ordering::Acquire) != 0 {
             return Err(Error::Aborted {
                 rank: site.rank,
                 reason: format!("rank {peer} aborted the shared-memory link"),
             });
         }
-        Ok(())
+        Ok(false)
     }
 
-    /// Copy as much of `data[*off..]` into free slots as there is room for. True if any moved.
+    /// Put as much of a frame into free slots as there is room for: its header `hdr` with the
+    /// first piece (while `*hoff < HDR`), then `data[*off..]`. True if any moved.
     pub(crate) fn push(
         &self,
         site: Site,
         peer: usize,
+        hdr: &[u8; HDR],
+        hoff: &mut usize,
         data: &[u8],
         off: &mut usize,
     ) -> Result<bool> {
-        self.check(site, peer)?;
+        self.aborted_error(site, peer)?;
         let c = self.tx.seg.counters();
         let mut head = c.head.load(Ordering::Relaxed);
         let mut moved = false;
-        while *off < data.len() && head - c.tail.load(Ordering::Acquire) < SLOTS as u64 {
+        while (*hoff < HDR || *off < data.len())
+            && head - c.tail.load(Ordering::Acquire) < SLOTS as u64
+        {
             let n = (data.len() - *off).min(self.tx.slot);
-            let (len, payload) = self.tx.slot_ptr(head);
+            let (len, frame, payload) = self.tx.slot_ptr(head);
             // SAFETY: the slot is free (the receiver has moved past it) and ours to fill.
             unsafe {
+                if *hoff < HDR {
+                    std::ptr::copy_nonoverlapping(hdr.as_ptr(), frame, HDR);
+                }
                 std::ptr::copy_nonoverlapping(data[*off..].as_ptr(), payload, n);
                 len.write_volatile(n as u64);
             }
             head += 1;
-            c.head.store(head, Ordering::Release);
+            c.head.store(head, Ordering::SeqCst);
+            *hoff = HDR;
             *off += n;
             moved = true;
+        }
+        if moved {
+            self.ring_peer();
         }
         Ok(moved)
     }
 
-    /// Consume the filled slots into `dst[*off..]`, copying or reducing. True if any moved.
+    /// Copy the header of the frame at the front of the ring into `hdr`; a frame without a
+    /// payload is taken off the ring with it. True when a frame was there.
+    pub(crate) fn peek_header(&self, site: Site, peer: usize, hdr: &mut [u8; HDR]) -> Result<bool> {
+        let c = self.rx.seg.counters();
+        let tail = c.tail.load(Ordering::Relaxed);
+        if tail == c.head.load(Ordering::Acquire) {
+            return self.aborted_error(site, peer);
+        }
+        let (len, frame, _) = self.rx.slot_ptr(tail);
+        // SAFETY: the sender published this slot (Acquire above) and does not touch it until we
+        // advance the tail.
+        unsafe {
+            std::ptr::copy_nonoverlapping(frame as *const u8, hdr.as_mut_ptr(), HDR);
+            if len.read_volatile() == 0 {
+                c.tail.store(tail + 1, Ordering::SeqCst);
+                self.ring_peer();
+            }
+        }
+        Ok(true)
+    }
+
+    /// Consume filled slots into `dst[*off..]`, copying or reducing. True if any moved.
     pub(crate) fn pull(
         &self,
         site: Site,
@@ -280,16 +366,15 @@ impl ShmLink {
         mode: RecvMode,
         off: &mut usize,
     ) -> Result<bool> {
-        self.check(site, peer)?;
         let c = self.rx.seg.counters();
         let mut tail = c.tail.load(Ordering::Relaxed);
         let mut moved = false;
         while *off < dst.len() && tail < c.head.load(Ordering::Acquire) {
-            let (len, payload) = self.rx.slot_ptr(tail);
+            let (len, _, payload) = self.rx.slot_ptr(tail);
             // SAFETY: the sender published this slot (Acquire above) and does not touch it until
             // we advance the tail.
             let n = unsafe { len.read_volatile() } as usize;
-            if n > self.rx.slot || *off + n > dst.len() {
+            if n == 0 || n > self.rx.slot || *off + n > dst.len() {
                 return Err(Error::invalid(
                     site,
                     format!("rank {peer} wrote a malformed shared-memory slot ({n} bytes)"),
@@ -304,16 +389,65 @@ impl ShmLink {
                 }
             }
             tail += 1;
-            c.tail.store(tail, Ordering::Release);
+            c.tail.store(tail, Ordering::SeqCst);
             *off += n;
             moved = true;
+        }
+        if moved {
+            self.ring_peer();
+        } else if *off < dst.len() {
+            self.aborted_error(site, peer)?;
         }
         Ok(moved)
     }
 
+    /// Wake the peer if it sleeps on this link (its bell is in the segment it created: the one
+    /// this side receives from).
+    #[inline]
+    fn ring_peer(&self) {
+        let c = self.rx.seg.counters();
+        c.bell.fetch_add(1, Ordering::SeqCst);
+        if c.sleeping.load(Ordering::SeqCst) != 0 {
+            futex_wake(&c.bell);
+        }
+    }
+
+    /// Whether a frame or piece waits to be received (`filled`), a slot is free to send into
+    /// (`free`), or the link was aborted.
+    pub(crate) fn ready(&self, filled: bool, free: bool) -> bool {
+        let rx = self.rx.seg.counters();
+        let tx = self.tx.seg.counters();
+        rx.aborted.load(Ordering::SeqCst) != 0
+            || (filled && rx.head.load(Ordering::SeqCst) > rx.tail.load(Ordering::SeqCst))
+            || (free
+                && tx.head.load(Ordering::SeqCst) - tx.tail.load(Ordering::SeqCst) < SLOTS as u64)
+    }
+
+    /// Sleep until [`ShmLink::ready`] would say so, the peer or [`ShmLink::wake_all`] rings, or
+    /// `until` passes.
+    pub(crate) fn sleep(&self, filled: bool, free: bool, until: Instant) {
+        let c = self.tx.seg.counters();
+        c.sleeping.store(1, Ordering::SeqCst);
+        let seen = c.bell.load(Ordering::SeqCst);
+        let left = until.saturating_duration_since(Instant::now());
+        if !self.ready(filled, free) && !left.is_zero() {
+            futex_wait(&c.bell, seen, left);
+        }
+        c.sleeping.store(0, Ordering::SeqCst);
+    }
+
+    /// Wake whoever sleeps on this link, on either side.
+    pub(crate) fn wake_all(&self) {
+        for c in [self.tx.seg.counters(), self.rx.seg.counters()] {
+            c.bell.fetch_add(1, Ordering::SeqCst);
+            futex_wake(&c.bell);
+        }
+    }
+
     /// Mark both rings aborted so the peer stops at once.
     pub(crate) fn abort(&self) {
-        self.tx.seg.counters().aborted.store(1, Ordering::Release);
-        self.rx.seg.counters().aborted.store(1, Ordering::Release);
+        self.tx.seg.counters().aborted.store(1, Ordering::SeqCst);
+        self.rx.seg.counters().aborted.store(1, Ordering::SeqCst);
+        self.wake_all();
     }
 }
