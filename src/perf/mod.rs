@@ -606,14 +606,25 @@ fn one_size<T: Element>(
     let mut errors = [count_errors(comm, opts, &b) as u64];
     comm.all_reduce(&mut errors, ReduceOp::Sum)?;
 
-    // Warm up, and let rank 0 choose the iteration count.
+    // Warm up (caches, pages, the peers' pace), then time a few calls to let rank 0 choose
+    // the iteration count, and warm up again for a quarter of it: ranks that slept while rank 0
+    // measured the machine take a while to be back at full speed.
+    const WARM_UP: u32 = 5;
+    for _ in 0..WARM_UP {
+        run_once(comm, opts, &mut b)?;
+    }
     let t = Instant::now();
-    run_once(comm, opts, &mut b)?;
+    for _ in 0..WARM_UP {
+        run_once(comm, opts, &mut b)?;
+    }
     let mut iters = [opts.iters.unwrap_or_else(|| {
-        let per = t.elapsed().max(Duration::from_nanos(200));
-        (Duration::from_millis(250).as_secs_f64() / per.as_secs_f64()).clamp(3.0, 2000.0) as usize
+        let per = (t.elapsed() / WARM_UP).max(Duration::from_nanos(200));
+        (Duration::from_millis(250).as_secs_f64() / per.as_secs_f64()).clamp(3.0, 20000.0) as usize
     }) as u64];
     comm.broadcast(&mut iters, 0)?;
+    for _ in 0..iters[0] / 4 {
+        run_once(comm, opts, &mut b)?;
+    }
     comm.barrier()?;
     let t = Instant::now();
     for _ in 0..iters[0] {
