@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# tutti against Open MPI, side by side in one run: f32 sum all-reduce, time per call.
+#
+#   bash scripts/compare_mpi.sh [shm|tcp] [ranks] [sizes...]
+#
+# Needs Open MPI and mpi4py (apt-get install openmpi-bin libopenmpi-dev; pip install mpi4py
+# numpy) and a release build of tutti (cargo build --release). Prints bytes, Open MPI's time,
+# tutti's time and their ratio (Open MPI / tutti: above 1.0, tutti is faster). shm compares
+# tutti's shared-memory transport with Open MPI's vader; tcp both over loopback TCP. More ranks
+# than cores run Open MPI with --oversubscribe.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+transport=${1:-shm}
+ranks=${2:-2}
+shift 2 || true
+sizes=("$@")
+[ ${#sizes[@]} -gt 0 ] || sizes=(8 1024 4096 16384 65536 1048576 67108864)
+tutti=target/release/tutti
+[ -x "$tutti" ] || cargo build --release -q -p tutti-cli
+
+case $transport in
+shm) btl=self,vader ;;
+tcp) btl=self,tcp ;;
+*) echo "transport: shm or tcp" >&2; exit 2 ;;
+esac
+mpi_flags=(--allow-run-as-root --bind-to none --mca btl "$btl" -np "$ranks")
+[ "$ranks" -le "$(nproc)" ] || mpi_flags+=(--oversubscribe)
+
+declare -A mpi tut
+while read -r b us; do mpi[$b]=$us; done < <(
+    OMPI_MCA_btl_tcp_if_include=lo mpirun "${mpi_flags[@]}" python3 scripts/mpi_allreduce.py "${sizes[@]}")
+# One tutti run over every power of two from the smallest size to the largest; the rows asked
+# for are taken from it.
+lo=${sizes[0]} hi=${sizes[0]}
+for b in "${sizes[@]}"; do ((b < lo)) && lo=$b; ((b > hi)) && hi=$b; done
+while read -r b us; do tut[$b]=$us; done < <(
+    "$tutti" launch -n "$ranks" -- "$tutti" perf -b "$lo" -e "$hi" -f 2 --transport "$transport" --json |
+        python3 -c 'import sys, json
+for l in sys.stdin:
+    r = json.loads(l) if l.startswith("{") else {}
+    if "bytes" in r:
+        print(r["bytes"], r["time_us"])')
+echo "# f32 all-reduce, $ranks ranks over $transport: Open MPI ($btl) against tutti; ratio = Open MPI time / tutti time (>1: tutti faster)"
+printf "%12s %14s %12s %8s\n" bytes "openmpi(us)" "tutti(us)" ratio
+for b in "${sizes[@]}"; do
+    python3 -c "import sys; b, m, t = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]); print('%12s %14.2f %12.2f %8.2f' % (b, m, t, m / t))" "$b" "${mpi[$b]}" "${tut[$b]}"
+done
