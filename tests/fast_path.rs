@@ -5,30 +5,13 @@
 //! The ranks are threads of this test, each with its own network communicator (the same code
 //! path as separate processes).
 
+mod common;
+
 use std::time::Duration;
 
-use tutti::cluster::ClusterSpec;
+use common::{free_port, spec};
+
 use tutti::{Algorithm, Communicator, Config, Error, ReduceOp, TransportKind};
-
-fn spec(rank: usize, world: usize, master: &str) -> ClusterSpec {
-    let vars = [
-        ("TUTTI_RANK".to_string(), rank.to_string()),
-        ("TUTTI_WORLD_SIZE".to_string(), world.to_string()),
-        ("TUTTI_MASTER_ADDR".to_string(), master.to_string()),
-        ("TUTTI_JOB_TOKEN".to_string(), "fast-path".to_string()),
-    ];
-    ClusterSpec::from_vars(&vars.into_iter().collect())
-        .unwrap()
-        .unwrap()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// `world` communicators over `kind`, rank r configured by `config(r)`.
 fn group(
@@ -106,32 +89,27 @@ fn mismatch(field: &str, kind: TransportKind) {
     }
 }
 
+/// The fields a test call can make differ between two ranks.
+const FIELDS: [&str; 7] = [
+    "count",
+    "dtype",
+    "op",
+    "collective",
+    "root",
+    "algorithm",
+    "call check (TUTTI_CHECK)",
+];
+
 #[test]
 fn every_field_of_a_mismatched_call_is_named_over_tcp() {
-    for field in [
-        "count",
-        "dtype",
-        "op",
-        "collective",
-        "root",
-        "algorithm",
-        "call check (TUTTI_CHECK)",
-    ] {
+    for field in FIELDS {
         mismatch(field, TransportKind::Tcp);
     }
 }
 
 #[test]
 fn every_field_of_a_mismatched_call_is_named_over_shm() {
-    for field in [
-        "count",
-        "dtype",
-        "op",
-        "collective",
-        "root",
-        "algorithm",
-        "call check (TUTTI_CHECK)",
-    ] {
+    for field in FIELDS {
         mismatch(field, TransportKind::Shm);
     }
 }

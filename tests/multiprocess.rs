@@ -4,6 +4,8 @@
 
 mod common;
 
+use common::{free_port, spec};
+
 use std::io::{Read, Write};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -41,14 +43,6 @@ fn text(o: &Output) -> (String, String) {
         String::from_utf8_lossy(&o.stdout).into_owned(),
         String::from_utf8_lossy(&o.stderr).into_owned(),
     )
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Segments left behind in /dev/shm: those whose creating process (the pid in the name,
@@ -439,18 +433,6 @@ fn strangers_wrong_tokens_and_garbage_are_rejected_and_the_job_finishes() {
         "{err0}"
     );
     assert!(err0.contains("failed the job-token check"), "{err0}");
-}
-
-fn spec(rank: usize, world: usize, master: &str) -> ClusterSpec {
-    let vars = [
-        ("TUTTI_RANK".to_string(), rank.to_string()),
-        ("TUTTI_WORLD_SIZE".to_string(), world.to_string()),
-        ("TUTTI_MASTER_ADDR".to_string(), master.to_string()),
-        ("TUTTI_JOB_TOKEN".to_string(), "in-process".to_string()),
-    ];
-    ClusterSpec::from_vars(&vars.into_iter().collect())
-        .unwrap()
-        .unwrap()
 }
 
 #[test]

@@ -91,3 +91,26 @@ fn build(what: &[&str], features: &[&str], output: &str) -> std::path::PathBuf {
     assert!(p.exists(), "{} was not built", p.display());
     p
 }
+
+/// A port on loopback that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Rank `rank` of a `world`-rank job meeting at `master`, as `TUTTI_*` variables describe it
+/// (for communicators made on threads of the test).
+pub fn spec(rank: usize, world: usize, master: &str) -> tutti::cluster::ClusterSpec {
+    let vars = [
+        ("TUTTI_RANK".to_string(), rank.to_string()),
+        ("TUTTI_WORLD_SIZE".to_string(), world.to_string()),
+        ("TUTTI_MASTER_ADDR".to_string(), master.to_string()),
+        ("TUTTI_JOB_TOKEN".to_string(), "in-process".to_string()),
+    ];
+    tutti::cluster::ClusterSpec::from_vars(&vars.into_iter().collect())
+        .unwrap()
+        .unwrap()
+}
