@@ -1015,8 +1015,7 @@ impl NetTransport {
             let (peer, _) = pending[0];
             let filled = pending.iter().any(|&(p, recv)| p == peer && recv);
             let free = pending.iter().any(|&(p, recv)| p == peer && !recv);
-            let links = pending.iter().map(|&(p, _)| p).collect::<Vec<_>>();
-            let one_link = links.iter().all(|&p| p == peer);
+            let one_link = pending.iter().all(|&(p, _)| p == peer);
             // Sleep up to 20 ms on the only link waited for (a hang-up does not ring the
             // futex: it is looked for after every sleep), 1 ms when others are waited for too.
             let nap = if one_link {
