@@ -22,9 +22,16 @@ pub(crate) mod wire;
 pub use crate::cluster::random_token;
 
 /// Unlink the shared-memory segments that processes of this host left behind when they died
-/// (segments of live processes are never touched); launchers call it after a job.
+/// (segments of live processes, and of processes in other PID namespaces, are never touched);
+/// launchers call it after a job.
 pub fn sweep_dead_segments() {
     shm::sweep_dead()
+}
+
+/// The names under /dev/shm of the shared-memory segments whose creating process is gone (in
+/// this process's PID namespace): what [`sweep_dead_segments`] would unlink.
+pub fn dead_segments() -> Vec<String> {
+    shm::dead_segments()
 }
 
 pub use net::{NetTransport, TransportKind};

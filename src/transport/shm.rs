@@ -192,24 +192,58 @@ impl Drop for ShmLink {
     }
 }
 
-/// Unlink the segments of processes that are gone (`/dev/shm/tutti-PID-...` whose PID no
-/// longer exists): what a process killed in the moment between creating its segment and its
-/// peer mapping it leaves behind. Segments of live processes are never touched.
-pub(crate) fn sweep_dead() {
-    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
-        return;
+/// The PID namespace of this process (the inode of `/proc/self/ns/pid`), which every segment
+/// name carries: a PID means something only inside its namespace, and ranks in two containers
+/// of one pod share `/dev/shm` but not their PIDs. None where it cannot be read.
+fn pid_namespace() -> Option<u64> {
+    static NS: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *NS.get_or_init(|| {
+        let link = std::fs::read_link("/proc/self/ns/pid").ok()?;
+        let link = link.to_str()?;
+        link.strip_prefix("pid:[")?.strip_suffix(']')?.parse().ok()
+    })
+}
+
+/// The name of this process's segment towards `peer`: `/tutti-N<namespace>-<pid>-<rank>-<peer>-<tag>`.
+fn segment_name(rank: usize, peer: usize, tag: &str) -> String {
+    format!(
+        "/tutti-N{}-{}-{rank}-{peer}-{tag}",
+        pid_namespace().unwrap_or(0),
+        std::process::id()
+    )
+}
+
+/// The creator of a segment, from its name under /dev/shm: (PID namespace, PID).
+fn segment_owner(name: &str) -> Option<(u64, u32)> {
+    let mut parts = name.strip_prefix("tutti-N")?.split('-');
+    let ns = parts.next()?.parse().ok()?;
+    let pid = parts.next()?.parse().ok()?;
+    Some((ns, pid))
+}
+
+/// The segments under /dev/shm whose creator is known to be gone: created in this process's
+/// PID namespace by a PID that no longer exists. A segment of another namespace (another
+/// container sharing /dev/shm) is never counted: its PID cannot be looked up from here.
+pub(crate) fn dead_segments() -> Vec<String> {
+    let (Some(mine), Ok(dir)) = (pid_namespace(), std::fs::read_dir("/dev/shm")) else {
+        return Vec::new();
     };
-    for e in dir.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let pid = name
-            .strip_prefix("tutti-")
-            .and_then(|r| r.split('-').next())
-            .and_then(|p| p.parse::<u32>().ok());
-        if let Some(pid) = pid {
-            if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
-                unlink(&format!("/{name}"));
-            }
-        }
+    dir.flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| {
+            segment_owner(name).is_some_and(|(ns, pid)| {
+                ns == mine && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+            })
+        })
+        .collect()
+}
+
+/// Unlink the segments of processes that are gone ([`dead_segments`]): what a process killed
+/// in the moment between creating its segment and its peer mapping it leaves behind. Segments
+/// of live processes, and of other PID namespaces, are never touched.
+pub(crate) fn sweep_dead() {
+    for name in dead_segments() {
+        unlink(&format!("/{name}"));
     }
 }
 
@@ -237,7 +271,7 @@ impl ShmLink {
             .take(6)
             .map(|b| format!("{b:02x}"))
             .collect::<String>();
-        let name = format!("/tutti-{}-{rank}-{peer}-{tag}", std::process::id());
+        let name = segment_name(rank, peer, &tag);
         sweep_dead();
         let tx = Segment::map(&name, len, true)?;
         let mut peer_name = String::new();
