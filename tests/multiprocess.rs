@@ -987,3 +987,51 @@ fn shared_memory_across_pid_namespaces() {
         }
     }
 }
+
+/// Ranks started with different world sizes or transports are told so at rendezvous, by name,
+/// long before their timeout; not by a timeout that never mentions the world size, nor by a
+/// garbled frame later (issue 12, item 9).
+#[test]
+fn rendezvous_names_a_different_world_size_or_transport() {
+    let cases: [[(usize, TransportKind); 2]; 2] = [
+        [(2, TransportKind::Tcp), (3, TransportKind::Tcp)],
+        [(2, TransportKind::Tcp), (2, TransportKind::Shm)],
+    ];
+    for case in cases {
+        let master = format!("127.0.0.1:{}", free_port());
+        let t = Instant::now();
+        let errors: Vec<String> = std::thread::scope(|s| {
+            let handles: Vec<_> = case
+                .iter()
+                .enumerate()
+                .map(|(r, &(world, kind))| {
+                    let master = &master;
+                    s.spawn(move || {
+                        Communicator::from_cluster(
+                            &spec(r, world, master),
+                            kind,
+                            &Config::default().with_timeout(Duration::from_secs(30)),
+                        )
+                        .err()
+                        .map(|e| e.to_string())
+                        .unwrap_or_default()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let took = t.elapsed();
+        assert!(took < Duration::from_secs(20), "{case:?} took {took:?}");
+        let what = if case[0].0 != case[1].0 {
+            ["world size 2", "world size 3"]
+        } else {
+            ["transport tcp", "transport shm"]
+        };
+        for (r, e) in errors.iter().enumerate() {
+            assert!(
+                what.iter().all(|w| e.contains(w)) && e.contains(&format!("rank {}", 1 - r)),
+                "{case:?}, rank {r}: {e}"
+            );
+        }
+    }
+}

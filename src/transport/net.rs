@@ -199,7 +199,10 @@ impl NetTransport {
         } else {
             spec.listen_host.clone()
         };
-        let me = format!("{host}:{port} {}", host_id());
+        // What this rank publishes: where to reach it, and what every rank must agree on
+        // before anyone connects (a rank started with another world size or transport is
+        // told so here, not by a timeout or a garbled frame later).
+        let me = format!("{host}:{port} {world} {kind} {}", host_id());
         store.set(&key("addr", rank), me.as_bytes())?;
 
         let mut infos = Vec::with_capacity(world);
@@ -207,12 +210,11 @@ impl NetTransport {
             let left = deadline.saturating_duration_since(Instant::now());
             let v = store.get(&key("addr", r), left).map_err(|_| {
                 Error::config(format!(
-                    "rendezvous: rank {r} did not publish its address within {timeout:?}"
+                    "rendezvous: rank {r} did not publish its address within {timeout:?} \
+                     (is it running, with world size {world}?)"
                 ))
             })?;
-            let v = String::from_utf8_lossy(&v).into_owned();
-            let (addr, hid) = v.split_once(' ').unwrap_or((v.as_str(), ""));
-            infos.push((addr.to_string(), hid.to_string()));
+            infos.push(peer_record(&v, r, rank, world, kind)?);
         }
         let my_host = host_id();
         let same_host: Vec<bool> = infos.iter().map(|(_, h)| *h == my_host).collect();
@@ -375,6 +377,45 @@ impl NetTransport {
             }
         }
     }
+}
+
+/// A peer's rendezvous record, `ADDR WORLD TRANSPORT HOST-ID`: its address and host, once its
+/// world size and transport are known to equal this rank's.
+fn peer_record(
+    v: &[u8],
+    peer: usize,
+    rank: usize,
+    world: usize,
+    kind: TransportKind,
+) -> Result<(String, String)> {
+    let v = String::from_utf8_lossy(v);
+    let mut parts = v.splitn(4, ' ');
+    let fields = (|| {
+        let addr = parts.next()?;
+        let their_world: usize = parts.next()?.parse().ok()?;
+        let their_kind: TransportKind = parts.next()?.parse().ok()?;
+        Some((addr, their_world, their_kind, parts.next()?))
+    })();
+    let Some((addr, their_world, their_kind, hid)) = fields else {
+        return Err(Error::config(format!(
+            "rendezvous: rank {peer} published a record this rank cannot read ('{}'): \
+             is it another version of tutti?",
+            v.chars().take(200).collect::<String>()
+        )));
+    };
+    if their_world != world {
+        return Err(Error::config(format!(
+            "rendezvous: rank {peer} runs with world size {their_world}, rank {rank} with \
+             world size {world}: give every rank the same world size"
+        )));
+    }
+    if their_kind != kind {
+        return Err(Error::config(format!(
+            "rendezvous: rank {peer} asked for transport {their_kind}, rank {rank} for \
+             transport {kind}: give every rank the same transport"
+        )));
+    }
+    Ok((addr.to_string(), hid.to_string()))
 }
 
 fn connect_peer(
