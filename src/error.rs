@@ -108,7 +108,7 @@ impl fmt::Display for Site {
     }
 }
 
-fn list(ranks: &[usize]) -> String {
+pub(crate) fn list(ranks: &[usize]) -> String {
     let v: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
     match v.len() {
         1 => format!("rank {}", v[0]),
@@ -116,18 +116,34 @@ fn list(ranks: &[usize]) -> String {
     }
 }
 
-fn awaited(ranks: &[usize], phase: &str) -> String {
+fn awaited(ranks: &[usize], phase: &str, stalled_on: &[(usize, usize)]) -> String {
     if ranks.is_empty() {
-        format!(
+        return format!(
             "the call to {phase}; it goes on: wait for it again, or abort the communicator to end it"
-        )
-    } else {
-        format!(
+        );
+    }
+    if stalled_on.is_empty() {
+        return format!(
             "{} to {phase}; that rank is stuck, dead or making a different call (raise the \
              timeout if it is only slow)",
             list(ranks)
-        )
+        );
     }
+    // The awaited ranks answered: they were waiting too, so the stuck rank is further on.
+    let chain: Vec<String> = stalled_on
+        .iter()
+        .map(|(r, w)| format!("rank {r} answered that it was itself waiting for rank {w}"))
+        .collect();
+    let mut last: Vec<usize> = stalled_on.iter().map(|&(_, w)| w).collect();
+    last.sort_unstable();
+    last.dedup();
+    format!(
+        "{} to {phase}; {}: {} is stuck, dead or making a different call (raise the timeout if \
+         it is only slow)",
+        list(ranks),
+        chain.join(", "),
+        list(&last)
+    )
 }
 
 /// What went wrong. Marked non-exhaustive: new carriers add variants.
@@ -184,7 +200,7 @@ pub enum Error {
     /// the call goes on.
     #[error(
         "{site}: timed out after {timeout:?} waiting for {}",
-        awaited(waiting_for, phase)
+        awaited(waiting_for, phase, stalled_on)
     )]
     Timeout {
         /// The call that timed out.
@@ -195,6 +211,10 @@ pub enum Error {
         phase: &'static str,
         /// The bound that was exceeded.
         timeout: Duration,
+        /// What the awaited ranks answered when this rank gave up: (awaited rank, the rank it
+        /// was itself waiting for). Empty when none answered in time. A rank that stopped is
+        /// found at the end of this chain, not among the ranks waited for.
+        stalled_on: Vec<(usize, usize)>,
     },
     /// The communicator was aborted (by `abort()`, or after an earlier failure); build a new one.
     #[error("communicator aborted on rank {rank}: {reason}")]
@@ -280,6 +300,7 @@ mod tests {
             waiting_for: vec![1, 3],
             phase: "arrive",
             timeout: Duration::from_millis(50),
+            stalled_on: Vec::new(),
         };
         assert!(e.to_string().contains("ranks 1, 3 to arrive"), "{e}");
         assert_eq!(

@@ -1035,3 +1035,49 @@ fn rendezvous_names_a_different_world_size_or_transport() {
         }
     }
 }
+
+/// A rank that stops (SIGSTOP) mid all-reduce is the rank the others name, even when the first
+/// rank to time out was waiting for a healthy rank that was itself waiting for the stopped one
+/// (issue 12, item 4).
+#[test]
+fn a_stopped_rank_is_named_not_the_rank_waiting_for_it() {
+    for transport in ["tcp", "shm"] {
+        for round in 0..2 {
+            let n = 3;
+            let master = format!("127.0.0.1:{}", free_port());
+            let mut children: Vec<Child> = (0..n)
+                .map(|r| {
+                    Command::new(common::tutti_bin())
+                        .args(["check", "--counts", "0", "--busy-secs", "60"])
+                        .args(["--timeout", "4", "--transport", transport])
+                        .env_remove("TF_CONFIG")
+                        .env("TUTTI_RANK", r.to_string())
+                        .env("TUTTI_WORLD_SIZE", n.to_string())
+                        .env("TUTTI_MASTER_ADDR", &master)
+                        .env("TUTTI_JOB_TOKEN", "stop-test")
+                        .stdout(Stdio::piped())
+                        .stderr(Stdio::piped())
+                        .spawn()
+                        .unwrap()
+                })
+                .collect();
+            std::thread::sleep(Duration::from_millis(2000));
+            let stopped = Command::new("kill")
+                .args(["-STOP", &children[0].id().to_string()])
+                .status()
+                .unwrap();
+            assert!(stopped.success());
+            for (r, c) in children.iter_mut().enumerate().skip(1) {
+                wait_bounded(c, Duration::from_secs(30));
+                let mut err = String::new();
+                c.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+                assert!(
+                    !c.wait().unwrap().success() && err.contains("waiting for rank 0"),
+                    "{transport}, round {round}: rank {r} does not name rank 0: {err}"
+                );
+            }
+            let _ = children[0].kill();
+            let _ = children[0].wait();
+        }
+    }
+}

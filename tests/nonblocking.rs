@@ -227,6 +227,7 @@ fn a_short_wait_times_out_and_the_call_completes_later() {
                 waiting_for,
                 phase,
                 timeout: Duration::from_millis(50),
+                stalled_on: Vec::new(),
             }
             .to_string();
             assert!(msg.contains("wait for it again"), "{msg}");

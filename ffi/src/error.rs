@@ -362,6 +362,7 @@ mod tests {
                 waiting_for: vec![0],
                 phase: "arrive",
                 timeout: std::time::Duration::from_secs(1),
+                stalled_on: Vec::new(),
             },
             tutti::Error::Aborted {
                 rank: 1,

@@ -347,6 +347,7 @@ impl<B: Send + 'static> Work<B> {
                             waiting_for: Vec::new(),
                             phase: "complete",
                             timeout,
+                            stalled_on: Vec::new(),
                         });
                     }
                 }

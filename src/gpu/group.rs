@@ -937,6 +937,7 @@ impl GpuGroup {
                     waiting_for: ranks,
                     phase: "finish the NCCL call (the NCCL communicators were aborted)",
                     timeout: self.timeout,
+                    stalled_on: Vec::new(),
                 })
             }
         }
@@ -1071,6 +1072,7 @@ impl GpuGroup {
                     waiting_for: pending.into_iter().map(|i| self.first_rank + i).collect(),
                     phase: "finish its copies and reductions on the GPU",
                     timeout: self.timeout,
+                    stalled_on: Vec::new(),
                 })
             }
         }

@@ -151,6 +151,7 @@ impl LocalTransport {
             waiting_for: peers(),
             phase,
             timeout: s.timeout,
+            stalled_on: Vec::new(),
         };
         s.abort(&e.to_string());
         Err(e)

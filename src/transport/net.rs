@@ -25,11 +25,11 @@
 //! (Why one long file: connection setup, the step engine and failure propagation share the
 //! per-peer link state and its invariants; split, that state would be visible across files.)
 
-use std::io::{ErrorKind, IoSlice, Read, Write};
+use std::io::{ErrorKind, IoSlice, Read};
 use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -122,6 +122,14 @@ pub struct NetTransport {
     hosts: Vec<usize>,
     /// Scratch buffers of reducing receives, reused across exchanges.
     scratch: Mutex<Vec<Vec<u64>>>,
+    /// The peers have been told why this rank stopped (they are told once).
+    notified: AtomicBool,
+    /// The rank this rank was waiting for when its call failed, plus one (0: none): every
+    /// ABORT frame carries it, so that the rank that gave up can tell who is stuck.
+    waiting_for: AtomicU32,
+    /// The peer whose ABORT frame was read last, plus one (0: none): the news a failing call
+    /// received rather than found.
+    aborted_by: AtomicU32,
 }
 
 fn eventfd() -> Result<OwnedFd> {
@@ -298,6 +306,9 @@ impl NetTransport {
                 .0,
             hosts,
             scratch: Mutex::new(Vec::new()),
+            notified: AtomicBool::new(false),
+            waiting_for: AtomicU32::new(0),
+            aborted_by: AtomicU32::new(0),
         })
     }
 
@@ -361,15 +372,19 @@ impl NetTransport {
         }
     }
 
-    /// Tell every peer why we stop, then close our sending side (best effort, never blocks long).
+    /// Tell every peer why we stop, and which rank this rank was waiting for, then close our
+    /// sending side (once; best effort, never blocks).
     fn notify_peers(&self, reason: &str) {
+        if self.notified.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let waiting_for = self.waiting_for.load(Ordering::Acquire);
         for l in self.links.iter().flatten() {
             if !l.mid_frame.load(Ordering::Acquire) {
                 let msg = reason.as_bytes();
                 let msg = &msg[..msg.len().min(4000)];
-                let mut out = frame(FRAME_ABORT, 0, msg.len() as u64, &self.ident()).to_vec();
-                out.extend_from_slice(msg);
-                let _ = (&l.sock).write(&out);
+                let hdr = frame(FRAME_ABORT, waiting_for, msg.len() as u64, &self.ident());
+                let _ = send_vectored(&l.sock, &[IoSlice::new(&hdr), IoSlice::new(msg)]);
             }
             let _ = l.sock.shutdown(Shutdown::Write);
             if let Some(s) = &l.shm {
@@ -640,6 +655,8 @@ impl NetTransport {
     }
 
     fn read_abort(&self, site: Site, peer: usize, len: u64) -> Error {
+        self.aborted_by
+            .store(u32::try_from(peer + 1).unwrap_or(0), Ordering::Release);
         let link = self.link(peer);
         let mut msg = vec![0u8; len.min(4000) as usize];
         let _ = link.sock.set_nonblocking(false);
@@ -963,6 +980,140 @@ impl NetTransport {
         recvs: &mut [RecvState<'_>],
     ) -> Result<()> {
         let _engine = self.engine.lock();
+        self.aborted_by.store(0, Ordering::Release);
+        self.run_steps(site, phase, sends, recvs)
+            .map_err(|e| self.blame(phase, e, sends, recvs))
+    }
+
+    /// A failed step: its error says what this rank was waiting for, and a timeout asks the
+    /// ranks it waited for what they were waiting for. The rank that stopped is the one at the
+    /// end of that chain; the first rank to time out may only be waiting for a rank that waits.
+    fn blame(
+        &self,
+        phase: &'static str,
+        e: Error,
+        sends: &[SendState<'_>],
+        recvs: &[RecvState<'_>],
+    ) -> Error {
+        let mut pending: Vec<usize> = sends
+            .iter()
+            .filter(|s| !s.done())
+            .map(|s| s.peer)
+            .chain(recvs.iter().filter(|r| !r.done()).map(|r| r.peer))
+            .collect();
+        pending.sort_unstable();
+        pending.dedup();
+        let by = self.aborted_by.swap(0, Ordering::AcqRel) as usize;
+        match e {
+            Error::Timeout {
+                ref waiting_for, ..
+            } if !waiting_for.is_empty() => {
+                let waiting_for = waiting_for.clone();
+                self.waiting_for.store(
+                    u32::try_from(waiting_for[0] + 1).unwrap_or(0),
+                    Ordering::Release,
+                );
+                // Give up now, telling every peer, and hear what the awaited ranks answer.
+                let reason = e.to_string();
+                self.set_aborted(&reason);
+                self.notify_peers(&reason);
+                let answers = self.ask_waits(&waiting_for, recvs);
+                let mut e = e;
+                if let Error::Timeout { stalled_on, .. } = &mut e {
+                    *stalled_on = answers;
+                }
+                e
+            }
+            // A peer gave up while this rank still waited for others: say so, so that its
+            // guess is not repeated as fact, and tell every peer whom this rank waited for.
+            Error::Aborted { rank, reason } if by > 0 => {
+                let others: Vec<usize> = pending.into_iter().filter(|&p| p != by - 1).collect();
+                let Some(&first) = others.first() else {
+                    return Error::Aborted { rank, reason };
+                };
+                self.waiting_for
+                    .store(u32::try_from(first + 1).unwrap_or(0), Ordering::Release);
+                Error::Aborted {
+                    rank,
+                    reason: format!(
+                        "rank {rank} was waiting for {} to {phase} when {reason}",
+                        crate::error::list(&others)
+                    ),
+                }
+            }
+            e => e,
+        }
+    }
+
+    /// After a timeout: the ABORT frames of the ranks waited for, read as they answer this
+    /// rank's (for a tenth of the timeout, at most a second): (rank, the rank it was itself
+    /// waiting for). A TCP stream that stopped mid-header cannot be read on and is skipped.
+    fn ask_waits(&self, waiting_for: &[usize], recvs: &[RecvState<'_>]) -> Vec<(usize, usize)> {
+        let until = Instant::now() + (self.timeout / 10).min(Duration::from_secs(1));
+        let mut answers = Vec::new();
+        for &peer in waiting_for {
+            let l = self.link(peer);
+            // What is left of the frame being received, on a stream that carries data.
+            let rest = match recvs.iter().find(|r| r.peer == peer && !r.done()) {
+                _ if l.shm.is_some() => 0,
+                None => 0,
+                Some(r) if r.hoff == 0 => 0,
+                Some(r) if r.hoff == HDR => (r.len - r.off - r.fill) as u64,
+                Some(_) => continue,
+            };
+            if let Some(w) = self.await_abort(peer, rest, until) {
+                answers.push((peer, w));
+            }
+        }
+        answers
+    }
+
+    /// Read `peer`'s stream until its ABORT frame, skipping `skip` bytes and then whole
+    /// frames, until `until`: the rank that peer was waiting for, if it said.
+    fn await_abort(&self, peer: usize, mut skip: u64, until: Instant) -> Option<usize> {
+        let l = self.link(peer);
+        let _ = l.sock.set_nonblocking(false);
+        let mut scratch = vec![0u8; 64 << 10];
+        let mut h = [0u8; HDR];
+        let mut found = None;
+        let mut s = &l.sock;
+        let left = || {
+            let d = until.saturating_duration_since(Instant::now());
+            (!d.is_zero()).then_some(d)
+        };
+        'frames: while let Some(d) = left() {
+            let _ = s.set_read_timeout(Some(d));
+            while skip > 0 {
+                let n = skip.min(scratch.len() as u64) as usize;
+                match s.read(&mut scratch[..n]) {
+                    Ok(n) if n > 0 => skip -= n as u64,
+                    _ => break 'frames,
+                }
+            }
+            if s.read_exact(&mut h).is_err() {
+                break;
+            }
+            let (kind, aux, len) = parse_frame(&h);
+            if kind == FRAME_ABORT {
+                found = (aux as usize).checked_sub(1);
+                break;
+            }
+            // To a shared-memory peer only ABORT frames travel on the socket.
+            skip = if l.shm.is_some() { 0 } else { len };
+        }
+        let _ = l.sock.set_read_timeout(None);
+        let _ = l.sock.set_nonblocking(true);
+        found
+    }
+
+    /// The engine's loop: move every send and receive until all are done.
+    fn run_steps(
+        &self,
+        site: Site,
+        phase: &'static str,
+        sends: &mut [SendState<'_>],
+        recvs: &mut [RecvState<'_>],
+    ) -> Result<()> {
         let mine = self.ident();
         let mut deadline = Instant::now() + self.timeout;
         let mut pause = Duration::from_micros(20);
@@ -1002,6 +1153,7 @@ impl NetTransport {
                     waiting_for: waiting,
                     phase,
                     timeout: self.timeout,
+                    stalled_on: Vec::new(),
                 });
             }
             // Spin briefly while every rank has a core: a reply in a shared-memory slot or on
