@@ -34,7 +34,7 @@ while read -r b us; do mpi[$b]=$us; done < <(
 lo=${sizes[0]} hi=${sizes[0]}
 for b in "${sizes[@]}"; do ((b < lo)) && lo=$b; ((b > hi)) && hi=$b; done
 while read -r b us; do tut[$b]=$us; done < <(
-    "$tutti" launch -n "$ranks" -- "$tutti" perf -b "$lo" -e "$hi" -f 2 --transport "$transport" --json |
+    "$tutti" launch -n "$ranks" -- "$tutti" perf -b "$lo" -e "$hi" -f 2 --out-of-place --transport "$transport" --json |
         python3 -c 'import sys, json
 for l in sys.stdin:
     r = json.loads(l) if l.startswith("{") else {}

@@ -1165,7 +1165,11 @@ fn perf_rows_are_correct_on_gpus() {
                     min_bytes: 1024,
                     max_bytes: 1 << 20,
                     factor: 32,
-                    in_place,
+                    placement: if in_place {
+                        tutti::perf::Placement::InPlace
+                    } else {
+                        tutti::perf::Placement::OutOfPlace
+                    },
                     iters: Some(3),
                     config: config(),
                     ..Default::default()

@@ -512,8 +512,8 @@ fn perf_under_launch_prints_json_from_rank_0() {
     let first: serde_json::Value = serde_json::from_str(lines[0]).unwrap();
     assert!(first["machine"]["copy_gbps"].as_f64().unwrap() > 0.0);
     assert!(first["machine"]["tcp_gbps"].as_f64().unwrap() > 0.0);
-    // Sizes 8, 128, 2K, 32K.
-    assert_eq!(lines.len(), 1 + 4, "{out}");
+    // Sizes 8, 128, 2K, 32K, each out of place and in place.
+    assert_eq!(lines.len(), 1 + 2 * 4, "{out}");
     for l in &lines[1..] {
         let row: serde_json::Value = serde_json::from_str(l).unwrap();
         assert_eq!(row["errors"], 0);
@@ -523,6 +523,7 @@ fn perf_under_launch_prints_json_from_rank_0() {
             "algo",
             "dtype",
             "op",
+            "in_place",
             "bytes",
             "count",
             "time_us",
@@ -794,6 +795,12 @@ fn perf_checks_its_arguments_first() {
         (&["-f", "1"][..], "-f 1"),
         (&["--transport", "tcp"][..], "--transport applies"),
         (&["-c", "barrier"][..], "-c barrier"),
+        (
+            &["-c", "broadcast", "-n", "2", "-r", "2"][..],
+            "-r 2: out of range",
+        ),
+        (&["-r", "1"][..], "all-reduce has no root"),
+        (&["--in-place", "--out-of-place"][..], "cannot be used with"),
     ] {
         let mut all = vec!["perf"];
         all.extend_from_slice(args);
@@ -807,13 +814,17 @@ fn perf_checks_its_arguments_first() {
         let o = run(&["perf", "--device", "gpu"], &[], Duration::from_secs(60));
         assert!(text(&o).0.is_empty() && text(&o).1.contains("GPU not available"));
     }
+    // A rooted collective from a root other than 0, both placements side by side as
+    // nccl-tests prints them, every row checked.
     let o = run(
         &[
             "perf",
             "-c",
             "broadcast",
+            "-r",
+            "1",
             "-n",
-            "2",
+            "3",
             "-b",
             "1K",
             "-e",
@@ -826,16 +837,65 @@ fn perf_checks_its_arguments_first() {
     );
     let (out, err) = text(&o);
     assert!(o.status.success(), "{err}");
-    let header = out.lines().next().unwrap();
+    let lines: Vec<&str> = out.lines().collect();
     assert!(
-        header.contains("f32, out of place") && !header.contains("sum"),
-        "{header}"
+        lines[0].contains("f32, root 1, out of place and in place") && !lines[0].contains("sum"),
+        "{out}"
     );
     assert!(
-        out.lines()
+        lines[2].contains("out of place") && lines[2].contains("in place"),
+        "{out}"
+    );
+    // bytes, count, root, then time, algbw, busbw, mem_ratio, errors twice.
+    let rows: Vec<Vec<&str>> = lines
+        .iter()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 2, "{out}");
+    for r in &rows {
+        assert_eq!(r.len(), 13, "{out}");
+        assert_eq!((r[2], r[7], r[12]), ("1", "0", "0"), "{out}");
+    }
+    assert!(
+        lines
             .last()
             .unwrap()
             .starts_with("# Avg bus bandwidth    : "),
+        "{out}"
+    );
+    // One placement: one group of columns, and JSON rows that say which.
+    let o = run(
+        &[
+            "perf",
+            "-c",
+            "reduce",
+            "-r",
+            "1",
+            "-n",
+            "2",
+            "-b",
+            "1K",
+            "-e",
+            "1K",
+            "--iters",
+            "2",
+            "--in-place",
+            "--json",
+        ],
+        &[],
+        Duration::from_secs(60),
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let row: serde_json::Value = serde_json::from_str(out.lines().nth(1).unwrap()).unwrap();
+    assert_eq!(
+        (&row["root"], &row["in_place"], &row["errors"]),
+        (
+            &serde_json::json!(1),
+            &serde_json::json!(true),
+            &serde_json::json!(0)
+        ),
         "{out}"
     );
 }

@@ -25,7 +25,7 @@ use clap::{Parser, Subcommand};
 use std::ffi::OsString;
 use std::time::Duration;
 
-use tutti::perf::{self, Options};
+use tutti::perf::{self, Options, Placement};
 use tutti::{
     device, Algorithm, ClusterSpec, Collective, Communicator, Config, DType, DeviceKind, ReduceOp,
     TransportKind,
@@ -156,9 +156,15 @@ struct PerfArgs {
     /// Device kind: cpu (gpu and xla with their features).
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     device: DeviceKind,
-    /// Run in place instead of out of place.
-    #[arg(long)]
+    /// Measure in place only (default: out of place and in place, side by side).
+    #[arg(long, conflicts_with = "out_of_place")]
     in_place: bool,
+    /// Measure out of place only.
+    #[arg(long)]
+    out_of_place: bool,
+    /// Root of broadcast and reduce.
+    #[arg(short = 'r', long)]
+    root: Option<usize>,
     /// Iterations per size (default: about 0.25 s per size).
     #[arg(long)]
     iters: Option<usize>,
@@ -370,6 +376,22 @@ fn check_perf_args(a: &PerfArgs) -> Result<(), tutti::Error> {
     if a.collective == Collective::Barrier {
         return bad("-c barrier: perf measures collectives that move data".into());
     }
+    if let Some(root) = a.root {
+        if !matches!(a.collective, Collective::Broadcast | Collective::Reduce) {
+            return bad(format!(
+                "-r {root}: {} has no root (broadcast and reduce do)",
+                a.collective.cli_name()
+            ));
+        }
+        if let Some(n) = a.ranks.filter(|&n| root >= n) {
+            return bad(format!("-r {root}: out of range for {n} ranks (-n {n})"));
+        }
+    }
+    if a.device == DeviceKind::Xla && a.in_place {
+        return bad(
+            "--in-place: XLA collectives write new device buffers (drop --in-place)".into(),
+        );
+    }
     let esize = a.dtype.size();
     let split = matches!(
         a.collective,
@@ -465,10 +487,25 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
         dtype: a.dtype,
         op: a.op,
         device: a.device,
-        in_place: a.in_place,
+        placement: if a.in_place {
+            Placement::InPlace
+        } else if a.out_of_place || a.device == DeviceKind::Xla {
+            // XLA collectives write new buffers: out of place is all there is.
+            Placement::OutOfPlace
+        } else {
+            Placement::Both
+        },
+        root: a.root.unwrap_or(0),
         iters: a.iters,
         config,
     };
+    if opts.root >= opts.ranks {
+        // The world size of a launched job is known only now, and before anything is measured.
+        return Err(tutti::Error::config(format!(
+            "-r {}: out of range for {} ranks",
+            opts.root, opts.ranks
+        )));
+    }
     let lead = comm.as_ref().is_none_or(|c| c.rank() == 0);
     // Rank 0 measures the machine while the others wait; they learn the copy bandwidth from it.
     let mut machine = if lead {
@@ -508,7 +545,7 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
         say!("{}", serde_json::json!({ "machine": machine }));
     } else if lead {
         say!(
-            "# tutti perf: {} algo {} on {} ranks ({carrier}), {}{}, {}, device {}",
+            "# tutti perf: {} algo {} on {} ranks ({carrier}), {}{}{}, {}, device {}",
             opts.collective.cli_name(),
             if gpu {
                 a.algo.to_ascii_lowercase()
@@ -526,10 +563,12 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
             } else {
                 String::new()
             },
-            if opts.in_place {
-                "in place"
-            } else {
-                "out of place"
+            opts.rooted()
+                .map_or(String::new(), |r| format!(", root {r}")),
+            match opts.placement {
+                Placement::OutOfPlace => "out of place",
+                Placement::InPlace => "in place",
+                Placement::Both => "out of place and in place",
             },
             opts.device
         );
@@ -545,33 +584,53 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
             machine.cores,
             machine.cpu
         );
+        // nccl-tests' layout: size, count and root, then a group of columns per placement.
+        let group = format!(
+            "{:>11} {:>11} {:>11} {:>9} {:>7}",
+            "time(us)", "algbw(GB/s)", "busbw(GB/s)", "mem_ratio", "errors"
+        );
+        let runs = opts.placement.runs();
+        let titles: Vec<String> = runs
+            .iter()
+            .map(|&p| format!("{:>52}", if p { "in place" } else { "out of place" }))
+            .collect();
+        say!("# {:>12} {:>12} {:>5}{}", "", "", "", titles.join(" "));
         say!(
-            "# {:>12} {:>12} {:>11} {:>11} {:>11} {:>9} {:>7}",
+            "# {:>12} {:>12} {:>5} {}",
             "bytes",
             "count",
-            "time(us)",
-            "algbw(GB/s)",
-            "busbw(GB/s)",
-            "mem_ratio",
-            "errors"
+            "root",
+            vec![group; runs.len()].join(" ")
         );
     }
     let json = a.json;
+    let both = opts.placement == Placement::Both;
+    // With both placements a size's line waits for its in-place row.
+    let out_of_place: std::sync::Mutex<Option<perf::Row>> = Default::default();
     let emit = |row: &perf::Row| {
         if json {
             say!("{}", serde_json::to_string(row).expect("a row serializes"));
-        } else {
-            say!(
-                "  {:>12} {:>12} {:>11.1} {:>11.2} {:>11.2} {:>9.2} {:>7}",
-                row.bytes,
-                row.count,
-                row.time_us,
-                row.algbw_gbps,
-                row.busbw_gbps,
-                row.mem_ratio,
-                row.errors
-            );
+            return;
         }
+        let mut held = out_of_place.lock().unwrap_or_else(|e| e.into_inner());
+        if both && !row.in_place {
+            *held = Some(row.clone());
+            return;
+        }
+        let group = |r: &perf::Row| {
+            format!(
+                "{:>11.1} {:>11.2} {:>11.2} {:>9.2} {:>7}",
+                r.time_us, r.algbw_gbps, r.busbw_gbps, r.mem_ratio, r.errors
+            )
+        };
+        let groups: Vec<String> = held.take().iter().chain([row]).map(group).collect();
+        say!(
+            "  {:>12} {:>12} {:>5} {}",
+            row.bytes,
+            row.count,
+            row.root.map_or(-1, |r| r as i64),
+            groups.join(" ")
+        );
     };
     let rows = match &comm {
         Some(c) => perf::run_on(c, &opts, &machine, &emit)?,

@@ -89,14 +89,23 @@ pub fn run(
     physical.sort_unstable();
     physical.dedup();
     let bandwidth = copy_gbps * physical.len() as f64;
+    if opts.root >= opts.ranks {
+        return Err(Error::config(format!(
+            "root {} is out of range for {} GPUs",
+            opts.root, opts.ranks
+        )));
+    }
     let mut rows = Vec::new();
     for bytes in sizes(opts.min_bytes, opts.max_bytes, opts.factor) {
-        let row = crate::for_each_dtype!(opts.dtype, T => {
-            one_size::<T>(&group, opts, bandwidth, bytes)?
-        });
-        if let Some(row) = row {
-            emit(&row);
-            rows.push(row);
+        for &in_place in opts.placement.runs() {
+            let opts = opts.run_of(in_place);
+            let row = crate::for_each_dtype!(opts.dtype, T => {
+                one_size::<T>(&group, &opts, bandwidth, bytes)?
+            });
+            if let Some(row) = row {
+                emit(&row);
+                rows.push(row);
+            }
         }
     }
     Ok(rows)
@@ -135,9 +144,9 @@ fn one_size<T: Element>(
     };
     for (r, d) in group.devices().iter().enumerate() {
         b.input.push(GpuBuffer::from_host(d, &data(r, in_len))?);
-        let out = if opts.in_place || (c == Collective::Broadcast && r == 0) {
+        let out = if opts.in_place() || (c == Collective::Broadcast && r == opts.root) {
             let mut v = data(r, out_len);
-            if opts.in_place && c == Collective::AllGather {
+            if opts.in_place() && c == Collective::AllGather {
                 v = vec![T::from_f64(0.0); out_len];
                 v[r * in_len..(r + 1) * in_len].copy_from_slice(&data(r, in_len));
             }
@@ -171,6 +180,8 @@ fn one_size<T: Element>(
         } else {
             opts.op.name().into()
         },
+        root: opts.rooted(),
+        in_place: opts.in_place(),
         bytes: count * es,
         count,
         time_us: time * 1e6,
@@ -192,7 +203,7 @@ fn run_once<T: Element>(
     let c = opts.collective;
     let es = T::DTYPE.size();
     let out: Vec<u64> = b.output.iter().map(|x| x.device_ptr()).collect();
-    let inp: Vec<u64> = if opts.in_place || c == Collective::Broadcast {
+    let inp: Vec<u64> = if opts.in_place() || c == Collective::Broadcast {
         match c {
             Collective::AllGather => out
                 .iter()
@@ -212,9 +223,14 @@ fn run_once<T: Element>(
     };
     let mut recv = out;
     if c == Collective::Reduce {
-        recv.iter_mut().skip(1).for_each(|x| *x = 0);
+        // Only the root receives.
+        for (r, x) in recv.iter_mut().enumerate() {
+            if r != opts.root {
+                *x = 0;
+            }
+        }
     }
-    group.execute(c, T::DTYPE, opts.op, 0, n, &inp, &recv)
+    group.execute(c, T::DTYPE, opts.op, opts.root, n, &inp, &recv)
 }
 
 /// Wrong elements over every device after one call on fresh data.
@@ -222,7 +238,8 @@ fn count_errors<T: Element>(group: &GpuGroup, opts: &Options, b: &Bufs<T>) -> Re
     let p = group.devices().len();
     let mut errors = 0;
     for (r, o) in b.output.iter().enumerate() {
-        errors += crate::perf::wrong_elements(opts.collective, opts.op, p, r, &o.to_host()?);
+        errors +=
+            crate::perf::wrong_elements(opts.collective, opts.op, opts.root, p, r, &o.to_host()?);
     }
     Ok(errors)
 }

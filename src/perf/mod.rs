@@ -47,8 +47,10 @@ pub struct Options {
     pub op: ReduceOp,
     /// Device kind.
     pub device: DeviceKind,
-    /// Run in place instead of out of place.
-    pub in_place: bool,
+    /// Out of place, in place, or both (a row for each, out of place first).
+    pub placement: Placement,
+    /// The root of broadcast and reduce.
+    pub root: usize,
     /// Fixed iteration count per size (default: about 0.25 s per size).
     pub iters: Option<usize>,
     /// Communicator settings.
@@ -67,10 +69,59 @@ impl Default for Options {
             dtype: DType::F32,
             op: ReduceOp::Sum,
             device: DeviceKind::Cpu,
-            in_place: false,
+            placement: Placement::OutOfPlace,
+            root: 0,
             iters: None,
             config: Config::default(),
         }
+    }
+}
+
+/// Where a collective writes: a separate output buffer, the input buffer, or both measured one
+/// after the other (as nccl-tests prints them side by side).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Placement {
+    /// Into a separate output buffer.
+    #[default]
+    OutOfPlace,
+    /// Into the input buffer.
+    InPlace,
+    /// Out of place, then in place, for every size.
+    Both,
+}
+
+impl Placement {
+    /// The runs of each size: `false` out of place, `true` in place.
+    pub fn runs(self) -> &'static [bool] {
+        match self {
+            Placement::OutOfPlace => &[false],
+            Placement::InPlace => &[true],
+            Placement::Both => &[false, true],
+        }
+    }
+}
+
+impl Options {
+    /// These options for one run of each size: out of place, or in place.
+    pub fn run_of(&self, in_place: bool) -> Options {
+        Options {
+            placement: if in_place {
+                Placement::InPlace
+            } else {
+                Placement::OutOfPlace
+            },
+            ..self.clone()
+        }
+    }
+
+    /// Whether a run of these options is in place.
+    pub fn in_place(&self) -> bool {
+        self.placement == Placement::InPlace
+    }
+
+    /// The root of the collective, for the collectives that have one.
+    pub fn rooted(&self) -> Option<usize> {
+        matches!(self.collective, Collective::Broadcast | Collective::Reduce).then_some(self.root)
     }
 }
 
@@ -109,6 +160,11 @@ pub struct Row {
     pub dtype: String,
     /// Reduce op (`none` for broadcast and all-gather).
     pub op: String,
+    /// The root (broadcast and reduce).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub root: Option<usize>,
+    /// Measured in place (else out of place).
+    pub in_place: bool,
     /// Size in bytes (see the module docs).
     pub bytes: usize,
     /// Elements in `bytes`.
@@ -357,15 +413,26 @@ pub fn run_on(
             opts.device, opts.device
         )));
     }
+    if opts.root >= comm.world_size() {
+        return Err(Error::config(format!(
+            "root {} is out of range for {} ranks",
+            opts.root,
+            comm.world_size()
+        )));
+    }
     let mut rows = Vec::new();
     for bytes in sizes(opts.min_bytes, opts.max_bytes, opts.factor) {
-        let row =
-            crate::for_each_dtype!(opts.dtype, T => { one_size::<T>(comm, opts, machine, bytes)? });
-        if let Some(row) = row {
-            if comm.rank() == 0 {
-                emit(&row);
+        for &in_place in opts.placement.runs() {
+            let opts = opts.run_of(in_place);
+            let row = crate::for_each_dtype!(opts.dtype, T => {
+                one_size::<T>(comm, &opts, machine, bytes)?
+            });
+            if let Some(row) = row {
+                if comm.rank() == 0 {
+                    emit(&row);
+                }
+                rows.push(row);
             }
-            rows.push(row);
         }
     }
     Ok(rows)
@@ -579,7 +646,7 @@ fn one_size<T: Element>(
             .enumerate()
             .for_each(|(i, x)| *x = pattern(r, i));
         let fill = |i| {
-            if c == Collective::Broadcast && r == 0 || opts.in_place {
+            if c == Collective::Broadcast && r == opts.root || opts.in_place() {
                 pattern(r, i)
             } else {
                 T::from_f64(0.0)
@@ -589,7 +656,7 @@ fn one_size<T: Element>(
             .iter_mut()
             .enumerate()
             .for_each(|(i, x)| *x = fill(i));
-        if opts.in_place && c == Collective::AllGather {
+        if opts.in_place() && c == Collective::AllGather {
             b.output.iter_mut().for_each(|x| *x = T::from_f64(0.0));
             let own = r * in_len;
             for i in 0..in_len {
@@ -644,6 +711,8 @@ fn one_size<T: Element>(
         } else {
             opts.op.name().into()
         },
+        root: opts.rooted(),
+        in_place: opts.in_place(),
         bytes: count * esize,
         count,
         time_us: time * 1e6,
@@ -655,8 +724,8 @@ fn one_size<T: Element>(
 }
 
 fn run_once<T: Element>(comm: &Communicator, opts: &Options, b: &mut Bufs<T>) -> Result<()> {
-    let (op, root) = (opts.op, 0);
-    match (opts.collective, opts.in_place) {
+    let (op, root) = (opts.op, opts.root);
+    match (opts.collective, opts.in_place()) {
         (Collective::AllReduce, false) => comm.all_reduce_into(&b.input, &mut b.output, op),
         (Collective::AllReduce, true) => comm.all_reduce(&mut b.output, op),
         (Collective::Broadcast, _) => comm.broadcast(&mut b.output, root),
@@ -677,6 +746,7 @@ fn count_errors<T: Element>(comm: &Communicator, opts: &Options, b: &Bufs<T>) ->
     wrong_elements(
         opts.collective,
         opts.op,
+        opts.root,
         comm.world_size(),
         comm.rank(),
         &b.output,
@@ -684,11 +754,13 @@ fn count_errors<T: Element>(comm: &Communicator, opts: &Options, b: &Bufs<T>) ->
 }
 
 /// The elements of rank `rank`'s `output` that differ from the reference after one run of
-/// `collective` with `op` over `ranks` ranks whose inputs are the test [`pattern`] (the output
-/// off the root of a reduce is not checked). Shared by every device's harness.
+/// `collective` with `op` (and `root`, for broadcast and reduce) over `ranks` ranks whose inputs
+/// are the test [`pattern`] (the output off the root of a reduce is not checked). Shared by
+/// every device's harness.
 pub fn wrong_elements<T: Element>(
     collective: Collective,
     op: ReduceOp,
+    root: usize,
     ranks: usize,
     rank: usize,
     output: &[T],
@@ -713,12 +785,12 @@ pub fn wrong_elements<T: Element>(
     };
     match collective {
         Collective::AllReduce => at(0),
-        Collective::Reduce if rank != 0 => 0,
+        Collective::Reduce if rank != root => 0,
         Collective::Reduce => at(0),
         Collective::Broadcast => output
             .iter()
             .enumerate()
-            .map(|(i, x)| bad(*x, pattern(0, i)))
+            .map(|(i, x)| bad(*x, pattern(root, i)))
             .sum(),
         Collective::AllGather => {
             let n = output.len() / p;

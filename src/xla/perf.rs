@@ -44,13 +44,19 @@ pub fn run(opts: &Options, machine: &Machine, emit: &(dyn Fn(&Row) + Sync)) -> R
         )))
         }
     }
-    if opts.in_place {
+    if opts.placement != crate::perf::Placement::OutOfPlace {
         return Err(Error::config(
             "--device xla: XLA collectives write new device buffers; drop --in-place",
         ));
     }
     if opts.ranks == 0 {
         return Err(Error::config("perf needs at least one rank (-n)"));
+    }
+    if opts.root >= opts.ranks {
+        return Err(Error::config(format!(
+            "root {} is out of range for {} devices",
+            opts.root, opts.ranks
+        )));
     }
     let client = client_for(opts.ranks, opts.config.timeout)?;
     let have = client.devices().len();
@@ -78,7 +84,7 @@ pub fn run(opts: &Options, machine: &Machine, emit: &(dyn Fn(&Row) + Sync)) -> R
 fn call(client: &Client, opts: &Options, inputs: &[&XlaBuffer]) -> Result<Vec<XlaBuffer>> {
     match opts.collective {
         Collective::AllReduce => client.all_reduce_buffers(inputs, opts.op),
-        Collective::Broadcast => client.broadcast_buffers(inputs, 0),
+        Collective::Broadcast => client.broadcast_buffers(inputs, opts.root),
         Collective::AllGather => client.all_gather_buffers(inputs),
         _ => client.reduce_scatter_buffers(inputs, opts.op),
     }
@@ -142,6 +148,8 @@ fn one_size<T: Element>(
         } else {
             opts.op.name().into()
         },
+        root: opts.rooted(),
+        in_place: false,
         bytes: count * esize,
         count,
         time_us: time * 1e6,
@@ -154,5 +162,5 @@ fn one_size<T: Element>(
 
 /// Wrong elements in replica r's result (see `tutti::perf` for the pattern).
 fn count_errors<T: Element>(opts: &Options, r: usize, p: usize, got: &[T]) -> usize {
-    crate::perf::wrong_elements(opts.collective, opts.op, p, r, got)
+    crate::perf::wrong_elements(opts.collective, opts.op, opts.root, p, r, got)
 }
