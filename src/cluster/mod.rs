@@ -10,8 +10,9 @@
 //! | Open MPI's mpirun | `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK` |
 //! | SLURM's srun | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` |
 //!
-//! mpirun and srun give ranks but no meeting point: `MASTER_ADDR` and `MASTER_PORT` (or
-//! `TUTTI_MASTER_ADDR`) name it. `TUTTI_JOB_TOKEN` is the secret every connection proves;
+//! mpirun gives ranks but no meeting point: `MASTER_ADDR` and `MASTER_PORT` (or
+//! `TUTTI_MASTER_ADDR`) name it. Under srun they may too; without them the ranks meet on the first
+//! host of the step's node list (see `slurm_rendezvous`). `TUTTI_JOB_TOKEN` is the secret every connection proves;
 //! `TUTTI_TRANSPORT` (`auto`, `tcp`, `shm`) chooses the transport.
 //!
 //! In a TF_CONFIG cluster the collective world is the chief and the workers, in that order (the
@@ -150,6 +151,77 @@ fn parse_num(vars: &HashMap<String, String>, name: &str, source: &str) -> Result
     }
 }
 
+/// Where the ranks of an `srun` step meet when no `MASTER_ADDR` is set: the first host of the
+/// step's node list (`SLURM_STEP_NODELIST`, else `SLURM_JOB_NODELIST` or `SLURM_NODELIST`), on
+/// `MASTER_PORT` if given, else 15000 plus the last four digits of `SLURM_JOB_ID` (the port
+/// PyTorch Lightning picks), so every rank of the step computes the same address.
+fn slurm_rendezvous(vars: &HashMap<String, String>, port: Option<&String>) -> Result<String> {
+    let list = [
+        "SLURM_STEP_NODELIST",
+        "SLURM_JOB_NODELIST",
+        "SLURM_NODELIST",
+    ]
+    .iter()
+    .find_map(|v| vars.get(*v).map(|l| (*v, l)));
+    let Some((var, list)) = list else {
+        return Err(Error::config(
+            "srun: no rendezvous address and no node list; set MASTER_ADDR and MASTER_PORT \
+             (or TUTTI_MASTER_ADDR=host:port)",
+        ));
+    };
+    let host = first_host(list).ok_or_else(|| {
+        Error::config(format!(
+            "srun: {var}='{list}' is not a Slurm host list; set MASTER_ADDR and MASTER_PORT"
+        ))
+    })?;
+    let port: u16 = match port {
+        Some(p) => p.trim().parse().ok().filter(|&p| p != 0).ok_or_else(|| {
+            Error::config(format!("srun: MASTER_PORT='{p}' is not a port number"))
+        })?,
+        None => {
+            let job = vars.get("SLURM_JOB_ID").ok_or_else(|| {
+                Error::config("srun: neither MASTER_PORT nor SLURM_JOB_ID is set; set MASTER_PORT")
+            })?;
+            let id: u64 = job.trim().parse().map_err(|_| {
+                Error::config(format!("srun: SLURM_JOB_ID='{job}' is not a number"))
+            })?;
+            15000 + (id % 10000) as u16
+        }
+    };
+    Ok(format!("{host}:{port}"))
+}
+
+/// The first host of a Slurm host list: `node[07-10,12],gpu1` gives `node07`, `a[1,3]-ib` gives
+/// `a1-ib`. None for a list that is empty or unbalanced.
+fn first_host(list: &str) -> Option<String> {
+    // The first entry: up to the first comma outside brackets.
+    let mut depth = 0i32;
+    let end = list
+        .char_indices()
+        .find(|&(_, c)| {
+            match c {
+                '[' => depth += 1,
+                ']' => depth -= 1,
+                _ => {}
+            }
+            c == ',' && depth == 0
+        })
+        .map_or(list.len(), |(i, _)| i);
+    let entry = list[..end].trim();
+    let host = match entry.split_once('[') {
+        None => entry.to_string(),
+        Some((prefix, rest)) => {
+            let (ranges, suffix) = rest.split_once(']')?;
+            let first = ranges.split([',', '-']).next()?.trim();
+            if first.is_empty() || !first.chars().all(|c| c.is_ascii_digit()) {
+                return None;
+            }
+            format!("{prefix}{first}{suffix}")
+        }
+    };
+    (!host.is_empty() && !host.contains(['[', ']', ' '])).then_some(host)
+}
+
 /// Split `host:port` (IPv6 in brackets), checking the port.
 pub fn split_addr(addr: &str, what: &str) -> Result<(String, u16)> {
     let bad = || Error::config(format!("{what}: '{addr}' is not host:port"));
@@ -205,6 +277,7 @@ fn from_ranks(
                 format!("{h}:{port}")
             }
             (Some(_), None) => return Err(Error::config(format!("{source}: MASTER_ADDR is set but MASTER_PORT is not"))),
+            (None, port) if source == "srun" => slurm_rendezvous(vars, port)?,
             _ => {
                 return Err(Error::config(format!(
                     "{source}: no rendezvous address; set TUTTI_MASTER_ADDR=host:port, or MASTER_ADDR and MASTER_PORT"
@@ -499,6 +572,27 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!((s.source, s.rank, s.local_rank), ("srun", Some(3), Some(1)));
+        // Slurm sets no MASTER_ADDR: the step's first node, on a port from the job id.
+        let s = ClusterSpec::from_vars(&vars(&[
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_STEP_NODELIST", "gpu[007-008,012],login1"),
+            ("SLURM_JOB_ID", "4242137"),
+            ("TUTTI_JOB_TOKEN", "s3cret"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(s.rendezvous, "gpu007:17137");
+        let e = ClusterSpec::from_vars(&vars(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_JOB_NODELIST", "n[1-"),
+            ("MASTER_PORT", "7000"),
+        ]))
+        .unwrap_err();
+        assert!(e.to_string().contains("SLURM_JOB_NODELIST"), "{e}");
         // tutti's own variables win over the others.
         let s = ClusterSpec::from_vars(&vars(&[
             ("TUTTI_RANK", "0"),
@@ -627,6 +721,21 @@ mod tests {
         for (v, want) in cases {
             let e = ClusterSpec::from_vars(&vars(v)).unwrap_err().to_string();
             assert!(e.contains(want), "{v:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_first_host_of_a_slurm_host_list() {
+        for (list, first) in [
+            ("n0", Some("n0")),
+            ("node[07-10,12],gpu1", Some("node07")),
+            ("a[1,3]-ib", Some("a1-ib")),
+            ("x1,y[2-3]", Some("x1")),
+            ("", None),
+            ("n[", None),
+            ("n[a-b]", None),
+        ] {
+            assert_eq!(first_host(list).as_deref(), first, "{list}");
         }
     }
 }
