@@ -38,47 +38,87 @@ fn timeout_err(key: &str, timeout: Duration) -> Error {
     Error::config(format!("rendezvous: key '{key}' was not set within {timeout:?} (a rank has not started, or cannot reach the store)"))
 }
 
+/// What the store holds: the entries, and their bytes (keys and values) counted against its
+/// bound.
 #[derive(Default)]
+struct Entries {
+    map: HashMap<String, Vec<u8>>,
+    bytes: usize,
+}
+
 struct Table {
-    map: Mutex<HashMap<String, Vec<u8>>>,
+    entries: Mutex<Entries>,
     changed: Condvar,
+    /// The most bytes (keys and values) the store holds: a client that proved the token may
+    /// still not fill the chief's memory.
+    limit: usize,
 }
 
 impl Table {
+    fn new(limit: usize) -> Table {
+        Table {
+            entries: Mutex::default(),
+            changed: Condvar::new(),
+            limit,
+        }
+    }
+
     fn get(&self, key: &str, timeout: Duration) -> Option<Vec<u8>> {
         let deadline = Instant::now() + timeout;
-        let mut m = self.map.lock();
+        let mut e = self.entries.lock();
         loop {
-            if let Some(v) = m.get(key) {
+            if let Some(v) = e.map.get(key) {
                 return Some(v.clone());
             }
-            if self.changed.wait_until(&mut m, deadline).timed_out() {
-                return m.get(key).cloned();
+            if self.changed.wait_until(&mut e, deadline).timed_out() {
+                return e.map.get(key).cloned();
             }
         }
     }
-    fn set(&self, key: &str, value: &[u8]) {
-        self.map.lock().insert(key.to_string(), value.to_vec());
+
+    /// Store `value` under `key`, unless the store would then hold more than its bound.
+    fn set(&self, key: &str, value: Vec<u8>) -> std::result::Result<(), String> {
+        let mut e = self.entries.lock();
+        let old = e.map.get(key).map_or(0, |v| key.len() + v.len());
+        let bytes = e.bytes - old + key.len() + value.len();
+        if bytes > self.limit {
+            return Err(format!(
+                "the store is full: '{key}' ({} bytes) would make it hold {bytes} bytes, more \
+                 than its bound of {}",
+                value.len(),
+                self.limit
+            ));
+        }
+        e.bytes = bytes;
+        e.map.insert(key.to_string(), value);
+        drop(e);
         self.changed.notify_all();
+        Ok(())
     }
-    fn add(&self, key: &str, delta: i64) -> i64 {
-        let mut m = self.map.lock();
-        let cur = m
-            .get(key)
-            .and_then(|v| std::str::from_utf8(v).ok()?.parse::<i64>().ok())
-            .unwrap_or(0);
-        let new = cur + delta;
-        m.insert(key.to_string(), new.to_string().into_bytes());
-        drop(m);
-        self.changed.notify_all();
-        new
+
+    fn add(&self, key: &str, delta: i64) -> std::result::Result<i64, String> {
+        let cur = {
+            let e = self.entries.lock();
+            e.map
+                .get(key)
+                .and_then(|v| std::str::from_utf8(v).ok()?.parse::<i64>().ok())
+                .unwrap_or(0)
+        };
+        let new = cur.wrapping_add(delta);
+        self.set(key, new.to_string().into_bytes()).map(|_| new)
     }
 }
 
 const OP_SET: u8 = 1;
 const OP_GET: u8 = 2;
 const OP_ADD: u8 = 3;
+/// Status of a request the store refused; a message follows.
+const REFUSED: u8 = 2;
 const MAX_FIELD: usize = 1 << 20;
+/// The most bytes a store holds (keys and values).
+const MAX_STORE_BYTES: usize = 64 << 20;
+/// The most connections a store serves at once, authenticated or not: each has a thread.
+const MAX_CONNECTIONS: usize = 1024;
 
 fn read_field(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
     let mut n = [0u8; 4];
@@ -114,13 +154,19 @@ pub struct TcpStoreServer {
 impl TcpStoreServer {
     /// Listen on `addr` (`host:port`; port 0 picks one) for clients that prove `token`.
     pub fn start(addr: &str, token: &str) -> Result<TcpStoreServer> {
+        Self::start_bounded(addr, token, MAX_STORE_BYTES)
+    }
+
+    /// [`TcpStoreServer::start`], holding at most `limit` bytes of keys and values.
+    fn start_bounded(addr: &str, token: &str, limit: usize) -> Result<TcpStoreServer> {
         let listener = TcpListener::bind(addr)
             .map_err(|e| Error::io(format!("rendezvous store: listening on {addr}"), e))?;
         let local = listener
             .local_addr()
             .map_err(|e| Error::io("rendezvous store", e))?;
         let stop = Arc::new(AtomicBool::new(false));
-        let table = Arc::new(Table::default());
+        let table = Arc::new(Table::new(limit));
+        let live = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let token = token.to_string();
         let stop2 = stop.clone();
         let thread = std::thread::Builder::new()
@@ -131,10 +177,23 @@ impl TcpStoreServer {
                         break;
                     }
                     let Ok(mut s) = conn else { continue };
+                    // A flood of connections gets no more threads than the bound.
+                    if live.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
+                        live.fetch_sub(1, Ordering::AcqRel);
+                        continue;
+                    }
                     let (table, token, stop) = (table.clone(), token.clone(), stop2.clone());
-                    let _ = std::thread::Builder::new()
+                    let conn_live = live.clone();
+                    let spawned = std::thread::Builder::new()
                         .name("tutti-store-conn".into())
                         .spawn(move || {
+                            struct Leave(Arc<std::sync::atomic::AtomicUsize>);
+                            impl Drop for Leave {
+                                fn drop(&mut self) {
+                                    self.0.fetch_sub(1, Ordering::AcqRel);
+                                }
+                            }
+                            let _leave = Leave(conn_live);
                             if let Err(e) = handshake_server(
                                 &mut s,
                                 &token,
@@ -148,6 +207,9 @@ impl TcpStoreServer {
                             let _ = s.set_nodelay(true);
                             serve(&mut s, &table, &stop);
                         });
+                    if spawned.is_err() {
+                        live.fetch_sub(1, Ordering::AcqRel);
+                    }
                 }
             })
             .map_err(|e| Error::io("starting the rendezvous store", e))?;
@@ -175,10 +237,10 @@ fn serve(s: &mut TcpStream, table: &Table, stop: &AtomicBool) {
         };
         let Ok(arg) = read_field(s) else { return };
         let ok = match op[0] {
-            OP_SET => {
-                table.set(&key, &arg);
-                write_fields(s, 0, &[&[]])
-            }
+            OP_SET => match table.set(&key, arg) {
+                Ok(()) => write_fields(s, 0, &[&[]]),
+                Err(why) => write_fields(s, REFUSED, &[why.as_bytes()]),
+            },
             OP_GET => {
                 let ms = arg
                     .get(..8)
@@ -192,7 +254,10 @@ fn serve(s: &mut TcpStream, table: &Table, stop: &AtomicBool) {
                 let d = arg
                     .get(..8)
                     .map_or(0, |b| i64::from_le_bytes(b.try_into().expect("8 bytes")));
-                write_fields(s, 0, &[&table.add(&key, d).to_le_bytes()])
+                match table.add(&key, d) {
+                    Ok(v) => write_fields(s, 0, &[&v.to_le_bytes()]),
+                    Err(why) => write_fields(s, REFUSED, &[why.as_bytes()]),
+                }
             }
             _ => return,
         };
@@ -274,10 +339,17 @@ impl TcpStore {
         write_fields(&mut s, op, &[key.as_bytes(), arg]).map_err(io)?;
         let mut status = [0u8; 1];
         s.read_exact(&mut status).map_err(io)?;
-        let v = if status[0] == 0 {
-            read_field(&mut s).map_err(io)?
-        } else {
-            Vec::new()
+        let v = match status[0] {
+            0 => read_field(&mut s).map_err(io)?,
+            REFUSED => {
+                let why = read_field(&mut s).map_err(io)?;
+                return Err(Error::config(format!(
+                    "rendezvous store at {} refused '{key}': {}",
+                    self.addr,
+                    String::from_utf8_lossy(&why)
+                )));
+            }
+            _ => Vec::new(),
         };
         Ok((status[0], v))
     }
@@ -425,6 +497,21 @@ mod tests {
         let _ = g.write_all(b"GET / HTTP/1.1\r\n\r\n");
         a.set("k2", b"still fine").unwrap();
         assert_eq!(a.get("k2", Duration::from_secs(1)).unwrap(), b"still fine");
+    }
+
+    #[test]
+    fn the_store_holds_no_more_than_its_bound() {
+        let server = TcpStoreServer::start_bounded("127.0.0.1:0", "tok", 4096).unwrap();
+        let addr = server.addr().to_string();
+        let a = TcpStore::connect(&addr, "tok", Duration::from_secs(5)).unwrap();
+        a.set("big", &[7; 3000]).unwrap();
+        let e = a.set("more", &[7; 3000]).unwrap_err();
+        assert!(e.to_string().contains("the store is full"), "{e}");
+        // Replacing a value counts its new size only, and the store still serves.
+        a.set("big", &[8; 3500]).unwrap();
+        assert_eq!(a.get("big", Duration::from_secs(1)).unwrap(), vec![8; 3500]);
+        assert!(a.add("n", 1).is_ok());
+        assert!(a.get("more", Duration::from_millis(20)).is_err());
     }
 
     #[test]
