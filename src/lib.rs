@@ -61,6 +61,7 @@ pub mod perf;
 pub mod reference;
 pub mod strategy;
 mod sync;
+mod trace;
 pub mod transport;
 #[cfg(feature = "xla")]
 pub mod xla;

@@ -1141,3 +1141,90 @@ fn a_stopped_rank_is_named_not_the_rank_waiting_for_it() {
         }
     }
 }
+
+/// `TUTTI_TRACE` writes each rank's calls as Chrome trace events: a rank that stopped shows its
+/// open call, the rank that timed out the call's end with the error and whom it waited for
+/// (issue 12, observability for hangs).
+#[test]
+fn a_trace_shows_every_call_and_the_one_that_hung() {
+    let dir = std::env::temp_dir().join(format!("tutti-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let master = format!("127.0.0.1:{}", free_port());
+    let mut children: Vec<Child> = (0..2)
+        .map(|r| {
+            Command::new(common::tutti_bin())
+                .args(["check", "--counts", "7", "--busy-secs", "60"])
+                .args(["--timeout", "3", "--transport", "tcp"])
+                .env_remove("TF_CONFIG")
+                .env("TUTTI_RANK", r.to_string())
+                .env("TUTTI_WORLD_SIZE", "2")
+                .env("TUTTI_MASTER_ADDR", &master)
+                .env("TUTTI_JOB_TOKEN", "trace-test")
+                .env("TUTTI_TRACE", dir.join(format!("rank{r}.json")))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(2000));
+    let pid = children[0].id();
+    assert!(Command::new("kill")
+        .args(["-STOP", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    wait_bounded(&mut children[1], Duration::from_secs(30));
+    let pid1 = children[1].id();
+    let _ = children[0].kill();
+    let _ = children[0].wait();
+    // The events of a rank, read as the JSON array the file holds once it is closed.
+    let events = |rank: usize, pid: u32| -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(dir.join(format!("rank{rank}.{pid}.json"))).unwrap();
+        let closed = format!("{}]", text.trim_end().trim_end_matches(','));
+        let v: serde_json::Value = serde_json::from_str(&closed).unwrap();
+        v.as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["ph"] != "M")
+            .cloned()
+            .collect()
+    };
+    let (stopped, survivor) = (events(0, pid), events(1, pid1));
+    std::fs::remove_dir_all(&dir).unwrap();
+    // Every call that began ended, but the one rank 0 was stopped in (it may also have been
+    // stopped between two calls).
+    for (rank, ev) in [(0, &stopped), (1, &survivor)] {
+        assert!(ev.len() > 20, "rank {rank}: {} events", ev.len());
+        let begins = ev.iter().filter(|e| e["ph"] == "B").count();
+        let ends = ev.iter().filter(|e| e["ph"] == "E").count();
+        assert!(ev.iter().all(|e| e["pid"] == rank), "rank {rank}");
+        assert!(
+            ev.iter().any(|e| e["name"] == "broadcast")
+                && ev.iter().any(|e| e["name"] == "all_reduce"),
+            "rank {rank}"
+        );
+        let open = begins - ends;
+        assert!(
+            open == 0 || rank == 0 && open == 1,
+            "rank {rank}: {open} open"
+        );
+        if open == 1 {
+            assert_eq!(ev.last().unwrap()["ph"], "B");
+        }
+    }
+    let last = survivor.last().unwrap();
+    assert_eq!(last["ph"], "E");
+    assert_eq!(
+        last["args"]["waiting_for"],
+        serde_json::json!([0]),
+        "{last}"
+    );
+    assert!(
+        last["args"]["error"]
+            .as_str()
+            .unwrap()
+            .contains("timed out"),
+        "{last}"
+    );
+}

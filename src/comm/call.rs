@@ -245,6 +245,15 @@ impl Runnable for Call {
         } else {
             CallBuffers::NONE
         };
+        let tracer = crate::trace::tracer();
+        if let Some(t) = tracer {
+            t.begin(
+                site,
+                self.dtype,
+                self.count.saturating_mul(self.dtype.size()),
+                self.algorithm,
+            );
+        }
         let begun = transport.begin(site, &header, buffers);
         let result = match (&self.check, begun) {
             (Err(message), _) => Err(Error::invalid(site, message.clone())),
@@ -265,6 +274,9 @@ impl Runnable for Call {
         };
         guard.failed = result.as_ref().err().cloned();
         guard.finished = true;
+        if let Some(t) = tracer {
+            t.end(site, &result);
+        }
         result
     }
 }
