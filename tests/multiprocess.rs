@@ -1228,3 +1228,77 @@ fn a_trace_shows_every_call_and_the_one_that_hung() {
         "{last}"
     );
 }
+
+/// `tutti perf --plot` draws busbw against size, a line per algorithm (`-a ring,direct`) or per
+/// transport of a launched job (`--transport tcp,shm`), and prints a table for each (issue 12,
+/// item 13).
+#[test]
+fn perf_plots_a_line_per_algorithm_and_transport() {
+    let dir = std::env::temp_dir().join(format!("tutti-plot-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let svg = dir.join("busbw.svg");
+    let svg = svg.to_str().unwrap();
+    let sweep = [
+        "-b",
+        "4K",
+        "-e",
+        "64K",
+        "-f",
+        "16",
+        "--iters",
+        "2",
+        "--out-of-place",
+    ];
+    // The SVG's text elements: title, axis labels, ticks and the legend.
+    let texts = |path: &str| -> Vec<String> {
+        let s = std::fs::read_to_string(path).unwrap();
+        assert!(s.starts_with("<svg"), "{s}");
+        s.split("<text")
+            .skip(1)
+            .filter_map(|t| Some(t.split_once('>')?.1.split('<').next()?.trim().to_string()))
+            .collect()
+    };
+    let mut args = vec!["perf", "-n", "2", "-a", "ring,direct", "--plot", svg];
+    args.extend(sweep);
+    let o = run(&args, &[], Duration::from_secs(60));
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert_eq!(out.matches("# Avg bus bandwidth").count(), 2, "{out}");
+    let t = texts(svg);
+    assert!(
+        t.iter().any(|x| x == "ring") && t.iter().any(|x| x == "direct"),
+        "{t:?}"
+    );
+    let mut args = vec![
+        "launch",
+        "-n",
+        "2",
+        "--",
+        "tutti",
+        "perf",
+        "--transport",
+        "tcp,shm",
+    ];
+    args.extend(["--plot", svg]);
+    args.extend(sweep);
+    let o = run(&args, &[], Duration::from_secs(120));
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(
+        out.contains("transport tcp") && out.contains("transport shm"),
+        "{out}"
+    );
+    let t = texts(svg);
+    assert!(
+        t.iter().any(|x| x == "tcp") && t.iter().any(|x| x == "shm"),
+        "{t:?}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+    // One overlap measurement at a time.
+    let o = run(
+        &["perf", "--overlap", "-a", "ring,direct"],
+        &[],
+        Duration::from_secs(60),
+    );
+    assert!(!o.status.success() && text(&o).1.contains("--overlap measures one algorithm"));
+}

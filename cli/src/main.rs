@@ -132,7 +132,8 @@ struct PerfArgs {
     #[arg(short = 'c', long, default_value = "all-reduce", value_parser = parse::<Collective>)]
     collective: Collective,
     /// Algorithm: auto, direct, ring, hierarchical-copy[:GROUP], reduce-to-one[:ROOT]; with
-    /// --device gpu: auto, nccl, hierarchical-copy[:GROUP], reduce-to-one[:ROOT].
+    /// --device gpu: auto, nccl, hierarchical-copy[:GROUP], reduce-to-one[:ROOT]. Several
+    /// (comma-separated) are measured one after the other.
     #[arg(short = 'a', long, default_value = "auto")]
     algo: String,
     /// Number of ranks (default: the number of cores, at least 2).
@@ -171,12 +172,16 @@ struct PerfArgs {
     /// Timeout of every wait, in seconds.
     #[arg(long)]
     timeout: Option<f64>,
-    /// Transport under a launcher: auto, tcp, shm.
-    #[arg(long, value_parser = parse::<TransportKind>)]
-    transport: Option<TransportKind>,
+    /// Transport under a launcher: auto, tcp, shm; several (comma-separated) measure each.
+    #[arg(long, value_parser = parse::<TransportKind>, value_delimiter = ',')]
+    transport: Vec<TransportKind>,
     /// Print JSON Lines: a machine line, then a line per size.
     #[arg(long)]
     json: bool,
+    /// Draw busbw against size into this SVG file, a line per algorithm (-a ring,direct) or
+    /// transport (--transport tcp,shm) measured.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<String>,
     /// Measure overlap instead: a non-blocking f32 all-reduce with computation on the caller's
     /// thread meanwhile, against the two one after the other (ratio 1.0: no overlap).
     #[arg(long)]
@@ -444,13 +449,81 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
             a.min_bytes, a.max_bytes
         )));
     }
+    // `-a ring,direct`: one sweep per algorithm (and per transport given), one line each in
+    // the plot.
+    let algos = a
+        .algo
+        .split(',')
+        .map(|name| perf_algorithm(&a, name.trim()))
+        .collect::<Result<Vec<_>, _>>()?;
+    check_perf_args(&a)?;
+    let transports: Vec<Option<TransportKind>> = if a.transport.is_empty() {
+        vec![None]
+    } else {
+        a.transport.iter().copied().map(Some).collect()
+    };
+    if a.overlap && algos.len() * transports.len() > 1 {
+        return Err(tutti::Error::config(
+            "--overlap measures one algorithm on one transport (one -a, one --transport)",
+        ));
+    }
+    let mut machine = None;
+    let mut series: Vec<(String, Vec<perf::Row>)> = Vec::new();
+    let mut lead = true;
+    for &transport in &transports {
+        let mut comm = launched_comm(transport, &config.clone().with_algorithm(algos[0].core))?;
+        if comm.is_none() && transport.is_some() {
+            return Err(tutti::Error::config(
+                "--transport applies to the processes of a launched job (tutti launch -n 2 -- \
+                 tutti perf --transport tcp); without a launcher the ranks are threads",
+            ));
+        }
+        if a.overlap {
+            return overlap_cmd(&a, comm, config.with_algorithm(algos[0].core));
+        }
+        lead = comm.as_ref().is_none_or(|c| c.rank() == 0);
+        for algo in &algos {
+            if let Some(c) = &mut comm {
+                c.set_algorithm(algo.core)?;
+            }
+            let rows = sweep(&a, comm.as_ref(), algo, transport, &config, &mut machine)?;
+            let label = match (algos.len() > 1, transports.len() > 1, transport) {
+                (true, true, Some(t)) => format!("{}, {t}", algo.name),
+                (false, true, Some(t)) => t.to_string(),
+                _ => algo.name.clone(),
+            };
+            series.push((label, rows));
+        }
+    }
+    if let (Some(path), true) = (&a.plot, lead) {
+        plot(path, &a, &series)?;
+    }
+    let wrong: u64 = series.iter().flat_map(|(_, r)| r).map(|r| r.errors).sum();
+    if wrong > 0 {
+        return Err(tutti::Error::System {
+            what: "perf".into(),
+            message: format!("{wrong} elements differed from the reference"),
+        });
+    }
+    Ok(())
+}
+
+/// One algorithm of `-a`, as the core and (with CUDA) the GPU harness take it.
+struct PerfAlgorithm {
+    name: String,
+    core: Algorithm,
+    #[cfg(feature = "cuda")]
+    gpu: tutti::gpu::GpuAlgorithm,
+}
+
+fn perf_algorithm(a: &PerfArgs, name: &str) -> Result<PerfAlgorithm, tutti::Error> {
     // `nccl` names a GPU algorithm only; the other names are the core algorithms.
     let gpu = a.device == DeviceKind::Gpu;
-    let algo: Algorithm = match a.algo.parse() {
+    let core: Algorithm = match name.parse() {
         Ok(x) => x,
         // GPU names (nccl among them) are checked with the GPU algorithms.
         Err(_) if gpu => Algorithm::Auto,
-        Err(_) if a.algo.eq_ignore_ascii_case("nccl") => {
+        Err(_) if name.eq_ignore_ascii_case("nccl") => {
             return Err(tutti::Error::config(
                 "-a nccl: NCCL runs on GPUs (--device gpu)",
             ))
@@ -458,26 +531,115 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
         Err(e) => return Err(tutti::Error::config(format!("-a: {e}"))),
     };
     #[cfg(feature = "cuda")]
-    let gpu_algo: tutti::gpu::GpuAlgorithm = a
-        .algo
+    let gpu_algo: tutti::gpu::GpuAlgorithm = name
         .parse()
         .map_err(|e| tutti::Error::config(format!("-a: {e}")))
         .or_else(|e| if gpu { Err(e) } else { Ok(Default::default()) })?;
-    check_perf_args(&a)?;
-    let comm = launched_comm(a.transport, &config.clone().with_algorithm(algo))?;
-    if comm.is_none() && a.transport.is_some() {
-        return Err(tutti::Error::config(
-            "--transport applies to the processes of a launched job (tutti launch -n 2 -- \
-             tutti perf --transport tcp); without a launcher the ranks are threads",
-        ));
+    Ok(PerfAlgorithm {
+        name: if gpu {
+            name.to_ascii_lowercase()
+        } else {
+            core.to_string()
+        },
+        core,
+        #[cfg(feature = "cuda")]
+        gpu: gpu_algo,
+    })
+}
+
+/// `tutti perf --plot FILE.svg`: busbw against size, a line per algorithm or transport.
+fn plot(path: &str, a: &PerfArgs, series: &[(String, Vec<perf::Row>)]) -> Result<(), tutti::Error> {
+    use plotters::prelude::*;
+    let fail = |e: String| tutti::Error::System {
+        what: format!("--plot {path}"),
+        message: e,
+    };
+    // Out of place where both were measured: one line per series.
+    let points: Vec<(&str, Vec<(f64, f64)>)> = series
+        .iter()
+        .map(|(label, rows)| {
+            let any_out = rows.iter().any(|r| !r.in_place);
+            let pts = rows
+                .iter()
+                .filter(|r| r.in_place != any_out)
+                .map(|r| (r.bytes as f64, r.busbw_gbps))
+                .collect();
+            (label.as_str(), pts)
+        })
+        .collect();
+    let all = || points.iter().flat_map(|(_, p)| p.iter());
+    let (lo, hi) = all().fold((f64::MAX, 0f64), |(lo, hi), &(x, _)| (lo.min(x), hi.max(x)));
+    let top = all().fold(0f64, |m, &(_, y)| m.max(y)).max(1e-3) * 1.1;
+    if points.iter().all(|(_, p)| p.is_empty()) {
+        return Err(fail("nothing was measured".into()));
     }
-    if a.overlap {
-        return overlap_cmd(&a, comm, config.with_algorithm(algo));
+    let rows = &series[0].1;
+    let title = format!(
+        "tutti perf: {} {} on {} ranks",
+        a.collective.cli_name(),
+        a.dtype,
+        rows.first().map_or(0, |r| r.ranks)
+    );
+    let root = SVGBackend::new(path, (960, 600)).into_drawing_area();
+    let draw = || -> Result<(), Box<dyn std::error::Error>> {
+        root.fill(&WHITE)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 22))
+            .margin(16)
+            .x_label_area_size(44)
+            .y_label_area_size(64)
+            .build_cartesian_2d((lo..hi.max(lo * 2.0)).log_scale(), 0f64..top)?;
+        chart
+            .configure_mesh()
+            .x_desc("bytes")
+            .y_desc("busbw (GB/s)")
+            .x_label_formatter(&|b| size_label(*b))
+            .draw()?;
+        for (i, (label, pts)) in points.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            chart
+                .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))?
+                .label(*label)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color));
+            chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .border_style(BLACK)
+            .background_style(WHITE.mix(0.85))
+            .draw()?;
+        root.present()?;
+        Ok(())
+    };
+    draw().map_err(|e| fail(e.to_string()))
+}
+
+/// `10k`, `1M`: a size on the plot's axis (whose ticks are powers of ten).
+fn size_label(bytes: f64) -> String {
+    match bytes {
+        b if b >= 1e9 => format!("{}G", b / 1e9),
+        b if b >= 1e6 => format!("{}M", b / 1e6),
+        b if b >= 1e3 => format!("{}k", b / 1e3),
+        b => format!("{b}"),
     }
+}
+
+/// One sweep of sizes with one algorithm: its table (or JSON lines) from rank 0, and its rows.
+fn sweep(
+    a: &PerfArgs,
+    comm: Option<&Communicator>,
+    algo: &PerfAlgorithm,
+    transport: Option<TransportKind>,
+    config: &Config,
+    machine_out: &mut Option<perf::Machine>,
+) -> Result<Vec<perf::Row>, tutti::Error> {
+    let gpu = a.device == DeviceKind::Gpu;
+    let config = config.clone();
     let defaults = Options::default();
     let opts = Options {
         collective: a.collective,
-        algorithm: algo,
+        algorithm: algo.core,
         ranks: comm
             .as_ref()
             .map_or(a.ranks.unwrap_or(defaults.ranks), |c| c.world_size()),
@@ -507,32 +669,34 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
         )));
     }
     let lead = comm.as_ref().is_none_or(|c| c.rank() == 0);
-    // Rank 0 measures the machine while the others wait; they learn the copy bandwidth from it.
-    let mut machine = if lead {
-        perf::machine(comm.is_some())?
-    } else {
-        perf::Machine {
+    // Rank 0 measures the machine once, while the others wait; they learn the copy bandwidth
+    // from it.
+    let mut machine = match machine_out {
+        Some(m) => m.clone(),
+        None if lead => perf::machine(comm.is_some())?,
+        None => perf::Machine {
             copy_gbps: 0.0,
             cores: 0,
             cpu: String::new(),
             memory_bytes: 0,
             tcp_gbps: None,
             gpu_copy_gbps: None,
-        }
+        },
     };
     #[cfg(feature = "cuda")]
-    if gpu && comm.is_none() {
+    if gpu && comm.is_none() && machine.gpu_copy_gbps.is_none() {
         machine.gpu_copy_gbps = Some(tutti::gpu::perf::device_copy_gbps(0)?);
     }
-    if let Some(c) = &comm {
+    if let Some(c) = comm {
         let mut bw = [machine.copy_gbps];
         c.broadcast(&mut bw, 0)?;
         machine.copy_gbps = bw[0];
     }
-    let carrier = match &comm {
+    *machine_out = Some(machine.clone());
+    let carrier = match comm {
         Some(_) => format!(
             "processes, transport {}",
-            a.transport.map_or_else(
+            transport.map_or_else(
                 || std::env::var("TUTTI_TRANSPORT").unwrap_or_else(|_| "auto".into()),
                 |t| t.to_string()
             )
@@ -547,11 +711,7 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
         say!(
             "# tutti perf: {} algo {} on {} ranks ({carrier}), {}{}{}, {}, device {}",
             opts.collective.cli_name(),
-            if gpu {
-                a.algo.to_ascii_lowercase()
-            } else {
-                opts.algorithm.to_string()
-            },
+            algo.name,
             opts.ranks,
             opts.dtype,
             // The op only where the collective reduces (a broadcast has none).
@@ -632,12 +792,12 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
             groups.join(" ")
         );
     };
-    let rows = match &comm {
+    let rows = match comm {
         Some(c) => perf::run_on(c, &opts, &machine, &emit)?,
         #[cfg(feature = "cuda")]
         None if gpu => {
             let gbps = machine.gpu_copy_gbps.unwrap_or_default();
-            tutti::gpu::perf::run(&opts, gpu_algo, gbps, &emit)?
+            tutti::gpu::perf::run(&opts, algo.gpu, gbps, &emit)?
         }
         None => perf::run(&opts, &machine, &emit)?,
     };
@@ -646,14 +806,7 @@ fn perf_cmd(a: PerfArgs) -> Result<(), tutti::Error> {
         let avg = rows.iter().map(|r| r.busbw_gbps).sum::<f64>() / rows.len() as f64;
         say!("# Avg bus bandwidth    : {avg:.3}");
     }
-    let wrong: u64 = rows.iter().map(|r| r.errors).sum();
-    if wrong > 0 {
-        return Err(tutti::Error::System {
-            what: "perf".into(),
-            message: format!("{wrong} elements differed from the reference"),
-        });
-    }
-    Ok(())
+    Ok(rows)
 }
 
 /// `tutti perf --overlap`: each size's all-reduce, computation and both overlapped.
