@@ -44,6 +44,7 @@ use crate::cluster::store::Store;
 use crate::cluster::ClusterSpec;
 use crate::dtype::kernels::{self, Init};
 use crate::error::{Error, Result, Site};
+use crate::sync::YIELD_FOR;
 
 /// Which transport carries a multi-process communicator.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
@@ -83,9 +84,6 @@ impl std::fmt::Display for TransportKind {
 
 /// Socket buffer size asked for on every data connection.
 const SOCKET_BUFFER: usize = 4 << 20;
-/// How long a waiting rank yields its core between looks before it sleeps, where ranks outnumber
-/// cores.
-const YIELD_FOR: Duration = Duration::from_micros(50);
 /// Longest rejection message accepted from a peer.
 const MAX_HEADER: u64 = 64 << 10;
 
