@@ -493,6 +493,10 @@ fn timeout_and_abort_over_tcp() {
         e.to_string().contains("operator stop"),
         "the peer hears why: {e}"
     );
+    // Later calls say the same, once: not "communicator aborted on rank 1: communicator
+    // aborted on rank 1: ...".
+    let again = comms[1].barrier().unwrap_err();
+    assert_eq!(again.to_string(), e.to_string());
 }
 
 #[test]

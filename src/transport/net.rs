@@ -1461,7 +1461,12 @@ impl Transport for NetTransport {
             // Found in a check round by every rank alike, before any data moved: still usable.
             return;
         }
-        let reason = e.to_string();
+        // An abort's own reason, not its "communicator aborted on rank N:" wrapping, which
+        // every later call adds again.
+        let reason = match e {
+            Error::Aborted { reason, .. } => reason.clone(),
+            e => e.to_string(),
+        };
         self.set_aborted(&reason);
         let _engine = self.engine.lock();
         self.notify_peers(&reason);
