@@ -79,8 +79,37 @@ impl Table {
     /// Store `value` under `key`, unless the store would then hold more than its bound.
     fn set(&self, key: &str, value: Vec<u8>) -> std::result::Result<(), String> {
         let mut e = self.entries.lock();
-        let old = e.map.get(key).map_or(0, |v| key.len() + v.len());
-        let bytes = e.bytes - old + key.len() + value.len();
+        self.insert(&mut e, key, value)?;
+        drop(e);
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    /// Add `delta` to the number stored under `key` (0 if none), atomically.
+    fn add(&self, key: &str, delta: i64) -> std::result::Result<i64, String> {
+        let mut e = self.entries.lock();
+        let cur = e
+            .map
+            .get(key)
+            .and_then(|v| std::str::from_utf8(v).ok()?.parse::<i64>().ok())
+            .unwrap_or(0);
+        let new = cur.wrapping_add(delta);
+        self.insert(&mut e, key, new.to_string().into_bytes())?;
+        drop(e);
+        self.changed.notify_all();
+        Ok(new)
+    }
+
+    /// Insert under the entries' lock, counting each entry's key, value and bookkeeping.
+    fn insert(
+        &self,
+        e: &mut Entries,
+        key: &str,
+        value: Vec<u8>,
+    ) -> std::result::Result<(), String> {
+        let cost = |v: &[u8]| ENTRY_OVERHEAD + key.len() + v.len();
+        let old = e.map.get(key).map_or(0, |v| cost(v));
+        let bytes = e.bytes - old + cost(&value);
         if bytes > self.limit {
             return Err(format!(
                 "the store is full: '{key}' ({} bytes) would make it hold {bytes} bytes, more \
@@ -91,21 +120,7 @@ impl Table {
         }
         e.bytes = bytes;
         e.map.insert(key.to_string(), value);
-        drop(e);
-        self.changed.notify_all();
         Ok(())
-    }
-
-    fn add(&self, key: &str, delta: i64) -> std::result::Result<i64, String> {
-        let cur = {
-            let e = self.entries.lock();
-            e.map
-                .get(key)
-                .and_then(|v| std::str::from_utf8(v).ok()?.parse::<i64>().ok())
-                .unwrap_or(0)
-        };
-        let new = cur.wrapping_add(delta);
-        self.set(key, new.to_string().into_bytes()).map(|_| new)
     }
 }
 
@@ -115,10 +130,14 @@ const OP_ADD: u8 = 3;
 /// Status of a request the store refused; a message follows.
 const REFUSED: u8 = 2;
 const MAX_FIELD: usize = 1 << 20;
-/// The most bytes a store holds (keys and values).
+/// The most bytes a store holds (keys, values and bookkeeping): this, or 64 KiB per rank of a
+/// larger world, which leaves room for hundreds of communicators per job.
 const MAX_STORE_BYTES: usize = 64 << 20;
-/// The most connections a store serves at once, authenticated or not: each has a thread.
-const MAX_CONNECTIONS: usize = 1024;
+/// Bytes counted per entry besides its key and value: the map's own bookkeeping.
+const ENTRY_OVERHEAD: usize = 96;
+/// The most connections that may be proving the token at once: each has a thread. Connections
+/// that proved it are the job's own ranks (as many as the world has).
+const MAX_HANDSHAKES: usize = 1024;
 
 fn read_field(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
     let mut n = [0u8; 4];
@@ -152,7 +171,8 @@ pub struct TcpStoreServer {
 }
 
 impl TcpStoreServer {
-    /// Listen on `addr` (`host:port`; port 0 picks one) for clients that prove `token`.
+    /// Listen on `addr` (`host:port`; port 0 picks one) for clients that prove `token`; it holds
+    /// at most 64 MiB.
     pub fn start(addr: &str, token: &str) -> Result<TcpStoreServer> {
         Self::start_bounded(addr, token, MAX_STORE_BYTES)
     }
@@ -166,7 +186,7 @@ impl TcpStoreServer {
             .map_err(|e| Error::io("rendezvous store", e))?;
         let stop = Arc::new(AtomicBool::new(false));
         let table = Arc::new(Table::new(limit));
-        let live = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let proving = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let token = token.to_string();
         let stop2 = stop.clone();
         let thread = std::thread::Builder::new()
@@ -177,29 +197,24 @@ impl TcpStoreServer {
                         break;
                     }
                     let Ok(mut s) = conn else { continue };
-                    // A flood of connections gets no more threads than the bound.
-                    if live.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
-                        live.fetch_sub(1, Ordering::AcqRel);
+                    // A flood of strangers gets no more threads than the bound.
+                    if proving.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
+                        proving.fetch_sub(1, Ordering::AcqRel);
                         continue;
                     }
                     let (table, token, stop) = (table.clone(), token.clone(), stop2.clone());
-                    let conn_live = live.clone();
+                    let conn_proving = proving.clone();
                     let spawned = std::thread::Builder::new()
                         .name("tutti-store-conn".into())
                         .spawn(move || {
-                            struct Leave(Arc<std::sync::atomic::AtomicUsize>);
-                            impl Drop for Leave {
-                                fn drop(&mut self) {
-                                    self.0.fetch_sub(1, Ordering::AcqRel);
-                                }
-                            }
-                            let _leave = Leave(conn_live);
-                            if let Err(e) = handshake_server(
+                            let proved = handshake_server(
                                 &mut s,
                                 &token,
                                 Purpose::Store,
                                 Duration::from_secs(10),
-                            ) {
+                            );
+                            conn_proving.fetch_sub(1, Ordering::AcqRel);
+                            if let Err(e) = proved {
                                 log_rejected("rendezvous store", &e);
                                 return;
                             }
@@ -208,7 +223,7 @@ impl TcpStoreServer {
                             serve(&mut s, &table, &stop);
                         });
                     if spawned.is_err() {
-                        live.fetch_sub(1, Ordering::AcqRel);
+                        proving.fetch_sub(1, Ordering::AcqRel);
                     }
                 }
             })
@@ -463,7 +478,8 @@ pub(crate) fn store_for(
     if rank == 0 {
         let mut servers = SERVERS.lock();
         if !servers.iter().any(|(a, _)| a == &spec.rendezvous) {
-            let s = TcpStoreServer::start(&spec.rendezvous, token)?;
+            let limit = MAX_STORE_BYTES.max(spec.world_size.saturating_mul(64 << 10));
+            let s = TcpStoreServer::start_bounded(&spec.rendezvous, token, limit)?;
             servers.push((spec.rendezvous.clone(), s));
         }
     }
@@ -501,7 +517,7 @@ mod tests {
 
     #[test]
     fn the_store_holds_no_more_than_its_bound() {
-        let server = TcpStoreServer::start_bounded("127.0.0.1:0", "tok", 4096).unwrap();
+        let server = TcpStoreServer::start_bounded("127.0.0.1:0", "tok", 4096 + 192).unwrap();
         let addr = server.addr().to_string();
         let a = TcpStore::connect(&addr, "tok", Duration::from_secs(5)).unwrap();
         a.set("big", &[7; 3000]).unwrap();
@@ -512,6 +528,24 @@ mod tests {
         assert_eq!(a.get("big", Duration::from_secs(1)).unwrap(), vec![8; 3500]);
         assert!(a.add("n", 1).is_ok());
         assert!(a.get("more", Duration::from_millis(20)).is_err());
+    }
+
+    #[test]
+    fn concurrent_adds_count_every_one() {
+        let server = TcpStoreServer::start("127.0.0.1:0", "tok").unwrap();
+        let addr = server.addr().to_string();
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    let c = TcpStore::connect(&addr, "tok", Duration::from_secs(5)).unwrap();
+                    for _ in 0..200 {
+                        c.add("n", 1).unwrap();
+                    }
+                });
+            }
+        });
+        let c = TcpStore::connect(&addr, "tok", Duration::from_secs(5)).unwrap();
+        assert_eq!(c.add("n", 0).unwrap(), 800);
     }
 
     #[test]
