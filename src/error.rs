@@ -138,11 +138,14 @@ fn awaited(ranks: &[usize], phase: &str, stalled_on: &[(usize, usize)]) -> Strin
     last.sort_unstable();
     last.dedup();
     format!(
-        "{} to {phase}; {}: {} is stuck, dead or making a different call (raise the timeout if \
-         it is only slow)",
+        "{} to {phase}; {}: {} likely stuck, dead or making a different call, or waiting in \
+         turn for a rank that is (raise the timeout if it is only slow)",
         list(ranks),
         chain.join(", "),
-        list(&last)
+        match last.len() {
+            1 => format!("rank {} is", last[0]),
+            _ => format!("{} are", list(&last)),
+        }
     )
 }
 
@@ -303,6 +306,19 @@ mod tests {
             stalled_on: Vec::new(),
         };
         assert!(e.to_string().contains("ranks 1, 3 to arrive"), "{e}");
+        let e = Error::Timeout {
+            site,
+            waiting_for: vec![1, 3],
+            phase: "arrive",
+            timeout: Duration::from_millis(50),
+            stalled_on: vec![(1, 0), (3, 2)],
+        };
+        let m = e.to_string();
+        assert!(
+            m.contains("rank 1 answered that it was itself waiting for rank 0")
+                && m.contains("ranks 0, 2 are likely stuck"),
+            "{m}"
+        );
         assert_eq!(
             "all_gather".parse::<Collective>().unwrap(),
             Collective::AllGather

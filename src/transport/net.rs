@@ -584,6 +584,39 @@ struct RecvState<'a> {
     fill: usize,
 }
 
+/// A question to a peer after a timeout: its stream, read up to its ABORT frame.
+struct Ask {
+    peer: usize,
+    /// Bytes of the frame under way still to skip.
+    skip: u64,
+    hdr: [u8; HDR],
+    got: usize,
+    open: bool,
+}
+
+/// What a peer's stream said.
+enum Answer {
+    /// Nothing more to read yet.
+    Pending,
+    /// It gave up while waiting for this rank.
+    WaitingFor(usize),
+    /// It left, or gave up saying nothing of whom it waited for.
+    None,
+}
+
+/// The peers a step still waits for (to send, or to receive from), each once, in rank order.
+fn pending_peers(sends: &[SendState<'_>], recvs: &[RecvState<'_>]) -> Vec<usize> {
+    let mut peers: Vec<usize> = sends
+        .iter()
+        .filter(|s| !s.done())
+        .map(|s| s.peer)
+        .chain(recvs.iter().filter(|r| !r.done()).map(|r| r.peer))
+        .collect();
+    peers.sort_unstable();
+    peers.dedup();
+    peers
+}
+
 impl SendState<'_> {
     fn done(&self) -> bool {
         self.hoff == HDR && self.off == self.data.len()
@@ -993,24 +1026,25 @@ impl NetTransport {
         sends: &[SendState<'_>],
         recvs: &[RecvState<'_>],
     ) -> Error {
-        let mut pending: Vec<usize> = sends
+        let by = (self.aborted_by.swap(0, Ordering::AcqRel) as usize).checked_sub(1);
+        let pending = pending_peers(sends, recvs);
+        // Whom this rank tells its peers it waited for: a peer it still receives from (it has
+        // not sent: that is the news), else one it still sends to; never the rank that gave up.
+        let awaited = recvs
             .iter()
-            .filter(|s| !s.done())
-            .map(|s| s.peer)
-            .chain(recvs.iter().filter(|r| !r.done()).map(|r| r.peer))
-            .collect();
-        pending.sort_unstable();
-        pending.dedup();
-        let by = self.aborted_by.swap(0, Ordering::AcqRel) as usize;
+            .filter(|r| !r.done() && Some(r.peer) != by)
+            .map(|r| r.peer)
+            .min()
+            .or_else(|| pending.iter().copied().find(|&p| Some(p) != by));
+        self.waiting_for.store(
+            awaited.map_or(0, |p| u32::try_from(p + 1).unwrap_or(0)),
+            Ordering::Release,
+        );
         match e {
             Error::Timeout {
                 ref waiting_for, ..
             } if !waiting_for.is_empty() => {
                 let waiting_for = waiting_for.clone();
-                self.waiting_for.store(
-                    u32::try_from(waiting_for[0] + 1).unwrap_or(0),
-                    Ordering::Release,
-                );
                 // Give up now, telling every peer, and hear what the awaited ranks answer.
                 let reason = e.to_string();
                 self.set_aborted(&reason);
@@ -1023,14 +1057,12 @@ impl NetTransport {
                 e
             }
             // A peer gave up while this rank still waited for others: say so, so that its
-            // guess is not repeated as fact, and tell every peer whom this rank waited for.
-            Error::Aborted { rank, reason } if by > 0 => {
-                let others: Vec<usize> = pending.into_iter().filter(|&p| p != by - 1).collect();
-                let Some(&first) = others.first() else {
+            // guess is not repeated as fact.
+            Error::Aborted { rank, reason } if by.is_some() => {
+                let others: Vec<usize> = pending.into_iter().filter(|&p| Some(p) != by).collect();
+                if others.is_empty() {
                     return Error::Aborted { rank, reason };
-                };
-                self.waiting_for
-                    .store(u32::try_from(first + 1).unwrap_or(0), Ordering::Release);
+                }
                 Error::Aborted {
                     rank,
                     reason: format!(
@@ -1043,65 +1075,114 @@ impl NetTransport {
         }
     }
 
-    /// After a timeout: the ABORT frames of the ranks waited for, read as they answer this
-    /// rank's (for a tenth of the timeout, at most a second): (rank, the rank it was itself
-    /// waiting for). A TCP stream that stopped mid-header cannot be read on and is skipped.
+    /// After a timeout: the answers of the ranks waited for, read from their ABORT frames as they
+    /// come (all at once, for a tenth of the timeout and at most a second): (rank, the rank it
+    /// was itself waiting for). Answers naming this rank say nothing new and are left out. A
+    /// TCP stream that stopped mid-header cannot be read on and is not asked.
     fn ask_waits(&self, waiting_for: &[usize], recvs: &[RecvState<'_>]) -> Vec<(usize, usize)> {
         let until = Instant::now() + (self.timeout / 10).min(Duration::from_secs(1));
+        let mut asks: Vec<Ask> = waiting_for
+            .iter()
+            .filter_map(|&peer| {
+                // What is left of the frame being received, on a stream that carries data.
+                let skip = match recvs.iter().find(|r| r.peer == peer && !r.done()) {
+                    _ if self.link(peer).shm.is_some() => 0,
+                    None => 0,
+                    Some(r) if r.hoff == 0 => 0,
+                    Some(r) if r.hoff == HDR => (r.len - r.off - r.fill) as u64,
+                    Some(_) => return None,
+                };
+                Some(Ask {
+                    peer,
+                    skip,
+                    hdr: [0; HDR],
+                    got: 0,
+                    open: true,
+                })
+            })
+            .collect();
         let mut answers = Vec::new();
-        for &peer in waiting_for {
-            let l = self.link(peer);
-            // What is left of the frame being received, on a stream that carries data.
-            let rest = match recvs.iter().find(|r| r.peer == peer && !r.done()) {
-                _ if l.shm.is_some() => 0,
-                None => 0,
-                Some(r) if r.hoff == 0 => 0,
-                Some(r) if r.hoff == HDR => (r.len - r.off - r.fill) as u64,
-                Some(_) => continue,
-            };
-            if let Some(w) = self.await_abort(peer, rest, until) {
-                answers.push((peer, w));
+        let mut scratch = vec![0u8; 64 << 10];
+        loop {
+            for a in asks.iter_mut().filter(|a| a.open) {
+                match self.read_answer(a, &mut scratch) {
+                    Answer::Pending => {}
+                    Answer::WaitingFor(w) => {
+                        a.open = false;
+                        if w != self.rank {
+                            answers.push((a.peer, w));
+                        }
+                    }
+                    Answer::None => a.open = false,
+                }
             }
+            let left = until.saturating_duration_since(Instant::now());
+            let mut fds: Vec<libc::pollfd> = asks
+                .iter()
+                .filter(|a| a.open)
+                .map(|a| libc::pollfd {
+                    fd: self.link(a.peer).sock.as_raw_fd(),
+                    events: libc::POLLIN | libc::POLLRDHUP,
+                    revents: 0,
+                })
+                .collect();
+            if fds.is_empty() || left.is_zero() {
+                break;
+            }
+            let ts = libc::timespec {
+                tv_sec: left.as_secs() as libc::time_t,
+                tv_nsec: left.subsec_nanos() as libc::c_long,
+            };
+            // SAFETY: fds is a valid array of pollfd for its length; ts outlives the call.
+            unsafe {
+                libc::ppoll(
+                    fds.as_mut_ptr(),
+                    fds.len() as libc::nfds_t,
+                    &ts,
+                    std::ptr::null(),
+                )
+            };
         }
         answers
     }
 
-    /// Read `peer`'s stream until its ABORT frame, skipping `skip` bytes and then whole
-    /// frames, until `until`: the rank that peer was waiting for, if it said.
-    fn await_abort(&self, peer: usize, mut skip: u64, until: Instant) -> Option<usize> {
-        let l = self.link(peer);
-        let _ = l.sock.set_nonblocking(false);
-        let mut scratch = vec![0u8; 64 << 10];
-        let mut h = [0u8; HDR];
-        let mut found = None;
+    /// Read what `a.peer`'s (non-blocking) stream holds, up to its ABORT frame.
+    fn read_answer(&self, a: &mut Ask, scratch: &mut [u8]) -> Answer {
+        let l = self.link(a.peer);
         let mut s = &l.sock;
-        let left = || {
-            let d = until.saturating_duration_since(Instant::now());
-            (!d.is_zero()).then_some(d)
-        };
-        'frames: while let Some(d) = left() {
-            let _ = s.set_read_timeout(Some(d));
-            while skip > 0 {
-                let n = skip.min(scratch.len() as u64) as usize;
-                match s.read(&mut scratch[..n]) {
-                    Ok(n) if n > 0 => skip -= n as u64,
-                    _ => break 'frames,
-                }
+        loop {
+            let buf = if a.skip > 0 {
+                let n = a.skip.min(scratch.len() as u64) as usize;
+                &mut scratch[..n]
+            } else {
+                &mut a.hdr[a.got..]
+            };
+            let n = match s.read(buf) {
+                Ok(0) => return Answer::None,
+                Ok(n) => n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Answer::Pending,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(_) => return Answer::None,
+            };
+            if a.skip > 0 {
+                a.skip -= n as u64;
+                continue;
             }
-            if s.read_exact(&mut h).is_err() {
-                break;
+            a.got += n;
+            if a.got < HDR {
+                continue;
             }
-            let (kind, aux, len) = parse_frame(&h);
+            a.got = 0;
+            let (kind, aux, len) = parse_frame(&a.hdr);
             if kind == FRAME_ABORT {
-                found = (aux as usize).checked_sub(1);
-                break;
+                return match (aux as usize).checked_sub(1) {
+                    Some(w) => Answer::WaitingFor(w),
+                    None => Answer::None,
+                };
             }
             // To a shared-memory peer only ABORT frames travel on the socket.
-            skip = if l.shm.is_some() { 0 } else { len };
+            a.skip = if l.shm.is_some() { 0 } else { len };
         }
-        let _ = l.sock.set_read_timeout(None);
-        let _ = l.sock.set_nonblocking(true);
-        found
     }
 
     /// The engine's loop: move every send and receive until all are done.
@@ -1138,17 +1219,9 @@ impl NetTransport {
             }
             let now = Instant::now();
             if now >= deadline {
-                let mut waiting: Vec<usize> = sends
-                    .iter()
-                    .filter(|s| !s.done())
-                    .map(|s| s.peer)
-                    .chain(recvs.iter().filter(|r| !r.done()).map(|r| r.peer))
-                    .collect();
-                waiting.sort_unstable();
-                waiting.dedup();
                 return Err(Error::Timeout {
                     site,
-                    waiting_for: waiting,
+                    waiting_for: pending_peers(sends, recvs),
                     phase,
                     timeout: self.timeout,
                     stalled_on: Vec::new(),
