@@ -661,13 +661,8 @@ fn sweep(
         iters: a.iters,
         config,
     };
-    if opts.root >= opts.ranks {
-        // The world size of a launched job is known only now, and before anything is measured.
-        return Err(tutti::Error::config(format!(
-            "-r {}: out of range for {} ranks",
-            opts.root, opts.ranks
-        )));
-    }
+    // The world size of a launched job is known only now, and before anything is measured.
+    opts.check_root(opts.ranks)?;
     let lead = comm.as_ref().is_none_or(|c| c.rank() == 0);
     // Rank 0 measures the machine once, while the others wait; they learn the copy bandwidth
     // from it.

@@ -89,12 +89,7 @@ pub fn run(
     physical.sort_unstable();
     physical.dedup();
     let bandwidth = copy_gbps * physical.len() as f64;
-    if opts.root >= opts.ranks {
-        return Err(Error::config(format!(
-            "root {} is out of range for {} GPUs",
-            opts.root, opts.ranks
-        )));
-    }
+    opts.check_root(opts.ranks)?;
     let mut rows = Vec::new();
     for bytes in sizes(opts.min_bytes, opts.max_bytes, opts.factor) {
         for &in_place in opts.placement.runs() {

@@ -119,6 +119,17 @@ impl Options {
         self.placement == Placement::InPlace
     }
 
+    /// An error unless the root is one of `ranks` ranks (checked before anything is measured).
+    pub fn check_root(&self, ranks: usize) -> Result<()> {
+        if self.root >= ranks {
+            return Err(Error::config(format!(
+                "root {} is out of range for {ranks} ranks",
+                self.root
+            )));
+        }
+        Ok(())
+    }
+
     /// The root of the collective, for the collectives that have one.
     pub fn rooted(&self) -> Option<usize> {
         matches!(self.collective, Collective::Broadcast | Collective::Reduce).then_some(self.root)
@@ -413,13 +424,7 @@ pub fn run_on(
             opts.device, opts.device
         )));
     }
-    if opts.root >= comm.world_size() {
-        return Err(Error::config(format!(
-            "root {} is out of range for {} ranks",
-            opts.root,
-            comm.world_size()
-        )));
-    }
+    opts.check_root(comm.world_size())?;
     let mut rows = Vec::new();
     for bytes in sizes(opts.min_bytes, opts.max_bytes, opts.factor) {
         for &in_place in opts.placement.runs() {

@@ -52,12 +52,7 @@ pub fn run(opts: &Options, machine: &Machine, emit: &(dyn Fn(&Row) + Sync)) -> R
     if opts.ranks == 0 {
         return Err(Error::config("perf needs at least one rank (-n)"));
     }
-    if opts.root >= opts.ranks {
-        return Err(Error::config(format!(
-            "root {} is out of range for {} devices",
-            opts.root, opts.ranks
-        )));
-    }
+    opts.check_root(opts.ranks)?;
     let client = client_for(opts.ranks, opts.config.timeout)?;
     let have = client.devices().len();
     if opts.ranks > have {
