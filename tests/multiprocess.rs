@@ -38,6 +38,19 @@ fn wait_bounded(child: &mut Child, limit: Duration) {
     }
 }
 
+/// Wait until a `tutti check --busy-secs` rank says it is busy (it prints that line, or exits
+/// within its own timeout); the reader of its stdout is returned to be kept open.
+fn wait_busy(c: &mut Child) -> impl Iterator<Item = std::io::Result<String>> {
+    use std::io::BufRead;
+    let mut lines = std::io::BufReader::new(c.stdout.take().expect("stdout piped")).lines();
+    for l in lines.by_ref() {
+        if l.expect("the rank's stdout").contains("now busy") {
+            return lines;
+        }
+    }
+    panic!("the rank ended before it was busy");
+}
+
 fn text(o: &Output) -> (String, String) {
     (
         String::from_utf8_lossy(&o.stdout).into_owned(),
@@ -316,7 +329,8 @@ fn a_killed_rank_is_named_by_every_survivor() {
             })
             .collect();
         // Let them get into the busy all-reduce loop, then kill rank 1 outright.
-        std::thread::sleep(Duration::from_millis(2500));
+        let _out = wait_busy(&mut children[1]);
+        std::thread::sleep(Duration::from_millis(300));
         assert!(
             children[1].try_wait().unwrap().is_none(),
             "rank 1 ended early"
@@ -1011,6 +1025,10 @@ fn shared_memory_across_pid_namespaces() {
         .stderr(Stdio::null())
         .status();
     if !probe.is_ok_and(|s| s.success()) {
+        assert!(
+            std::env::var("TUTTI_REQUIRE_NAMESPACES").is_err(),
+            "TUTTI_REQUIRE_NAMESPACES is set but `unshare --pid --fork --mount-proc` fails"
+        );
         eprintln!("skipped: `unshare --pid --fork --mount-proc` is not available here");
         return;
     }
@@ -1020,11 +1038,15 @@ fn shared_memory_across_pid_namespaces() {
         let children: Vec<Child> = (0..n)
             .map(|r| {
                 // Each rank in a PID namespace of its own, with its own /proc, and a PID that
-                // differs from the others' (rank r runs 3r short processes first): each rank's
-                // PID names no process in another rank's namespace.
+                // differs from the others' (rank r runs 3r short processes first, and tutti runs
+                // as a child, not exec'd in place of the shell): each rank's PID names no process
+                // in another rank's namespace.
                 Command::new("unshare")
                     .args(["--pid", "--fork", "--mount-proc", "sh", "-c"])
-                    .arg(r#"i=0; while [ $i -lt "$0" ]; do /bin/true; i=$((i+1)); done; "$@""#)
+                    .arg(concat!(
+                        r#"i=0; while [ $i -lt "$0" ]; do /bin/true; i=$((i+1)); done; "#,
+                        r#""$@" & wait $!"#
+                    ))
                     .arg((3 * r).to_string())
                     .arg(common::tutti_bin())
                     .args(["check", "--counts", "1,70001", "--timeout", "30"])
@@ -1125,7 +1147,8 @@ fn a_stopped_rank_is_named_not_the_rank_waiting_for_it() {
                         .unwrap()
                 })
                 .collect();
-            std::thread::sleep(Duration::from_millis(2000));
+            let _out = wait_busy(&mut children[0]);
+            std::thread::sleep(Duration::from_millis(300));
             let stopped = Command::new("kill")
                 .args(["-STOP", &children[0].id().to_string()])
                 .status()
@@ -1165,13 +1188,14 @@ fn a_trace_shows_every_call_and_the_one_that_hung() {
                 .env("TUTTI_MASTER_ADDR", &master)
                 .env("TUTTI_JOB_TOKEN", "trace-test")
                 .env("TUTTI_TRACE", dir.join(format!("rank{r}.json")))
-                .stdout(Stdio::null())
+                .stdout(Stdio::piped())
                 .stderr(Stdio::null())
                 .spawn()
                 .unwrap()
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(2000));
+    let _out = wait_busy(&mut children[0]);
+    std::thread::sleep(Duration::from_millis(300));
     let pid = children[0].id();
     assert!(Command::new("kill")
         .args(["-STOP", &pid.to_string()])

@@ -899,6 +899,8 @@ fn check_one_rank(comm: &mut Communicator, a: &CheckArgs) -> Result<usize, tutti
     let calls = perf::check(comm, &a.counts)?;
     if let Some(secs) = a.busy_secs {
         comm.set_algorithm(Algorithm::Auto)?;
+        // Fault drills wait for this line before they stop or kill a rank.
+        say!("rank {}: checked, now busy for {secs} s", comm.rank());
         let t = std::time::Instant::now();
         let mut buf = vec![1.0f32; 1 << 20];
         while t.elapsed().as_secs_f64() < secs {
