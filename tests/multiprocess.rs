@@ -819,6 +819,10 @@ fn perf_checks_its_arguments_first() {
         ),
         (&["-r", "1"][..], "all-reduce has no root"),
         (&["--in-place", "--out-of-place"][..], "cannot be used with"),
+        (
+            &["-n", "2", "-a", "hierarchical-copy:4294967295"][..],
+            "group size 4294967295 is larger than the world of 2 ranks",
+        ),
     ] {
         let mut all = vec!["perf"];
         all.extend_from_slice(args);

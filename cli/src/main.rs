@@ -663,6 +663,12 @@ fn sweep(
     };
     // The world size of a launched job is known only now, and before anything is measured.
     opts.check_root(opts.ranks)?;
+    if opts.device == DeviceKind::Cpu {
+        opts.config
+            .clone()
+            .with_algorithm(opts.algorithm)
+            .check(opts.ranks)?;
+    }
     let lead = comm.as_ref().is_none_or(|c| c.rank() == 0);
     // Rank 0 measures the machine once, while the others wait; they learn the copy bandwidth
     // from it.

@@ -245,6 +245,10 @@ pub(crate) fn check(algo: Algorithm, world: usize) -> Result<(), String> {
         Algorithm::ReduceToOne { root } if root >= world => Err(format!(
             "reduce-to-one root {root} is out of range for a world of {world} ranks"
         )),
+        // Groups as large as the world (or the default, 2) make sense; larger is a mistake.
+        Algorithm::HierarchicalCopy { group_size } if group_size > world.max(2) => Err(format!(
+            "hierarchical-copy group size {group_size} is larger than the world of {world} ranks"
+        )),
         _ => Ok(()),
     }
 }
@@ -388,6 +392,12 @@ mod tests {
         );
         assert!("ring:2".parse::<Algorithm>().is_err());
         assert!("hierarchical-copy:0".parse::<Algorithm>().is_err());
+        let huge = "hierarchical-copy:4294967295".parse::<Algorithm>().unwrap();
+        assert!(check(huge, 2)
+            .unwrap_err()
+            .contains("group size 4294967295"));
+        assert!(check(Algorithm::HierarchicalCopy { group_size: 4 }, 4).is_ok());
+        assert!(check(Algorithm::HierarchicalCopy { group_size: 2 }, 1).is_ok());
         assert!("tree".parse::<Algorithm>().unwrap_err().contains("tree"));
     }
 

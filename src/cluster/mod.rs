@@ -97,7 +97,9 @@ impl ClusterSpec {
             )?)
         } else if let Some(tf) = vars.get("TF_CONFIG") {
             Some(from_tf_config(tf)?)
-        } else if vars.contains_key("RANK") && vars.contains_key("WORLD_SIZE") {
+        } else if vars.contains_key("RANK") || vars.contains_key("WORLD_SIZE") {
+            // One without the other is a job set up by hand and half done: an error, not a
+            // silent run alone.
             Some(from_ranks(
                 vars,
                 "torchrun",
@@ -245,7 +247,8 @@ fn from_ranks(
     names: [&str; 3],
 ) -> Result<ClusterSpec> {
     let [rank_v, size_v, local_v] = names;
-    let rank = parse_num(vars, rank_v, source)?.expect("present: checked by the caller");
+    let rank = parse_num(vars, rank_v, source)?
+        .ok_or_else(|| Error::config(format!("{source}: {size_v} is set but {rank_v} is not")))?;
     let world_size = parse_num(vars, size_v, source)?
         .ok_or_else(|| Error::config(format!("{source}: {rank_v} is set but {size_v} is not")))?;
     if world_size == 0 {
@@ -674,7 +677,7 @@ mod tests {
 
     #[test]
     fn launcher_environments_invalid() {
-        let cases: [(&[(&str, &str)], &str); 7] = [
+        let cases: [(&[(&str, &str)], &str); 9] = [
             (
                 &[
                     ("RANK", "4"),
@@ -704,6 +707,14 @@ mod tests {
             (
                 &[("SLURM_PROCID", "0")],
                 "SLURM_PROCID is set but SLURM_NTASKS is not",
+            ),
+            (
+                &[("RANK", "0")],
+                "torchrun: RANK is set but WORLD_SIZE is not",
+            ),
+            (
+                &[("WORLD_SIZE", "2")],
+                "torchrun: WORLD_SIZE is set but RANK is not",
             ),
             (
                 &[("TUTTI_RANK", "0"), ("TUTTI_WORLD_SIZE", "0")],

@@ -130,7 +130,10 @@ impl Config {
         self.chunk_bytes = chunk_bytes;
         self
     }
-    pub(crate) fn check(&self, world: usize) -> Result<()> {
+    /// The error creating a group of `world` ranks with this config would give, if any: its
+    /// environment (`TUTTI_TIMEOUT`, `TUTTI_CHECK`), world size, timeout, chunk size and
+    /// algorithm parameters (a root or group size the world cannot have).
+    pub fn check(&self, world: usize) -> Result<()> {
         timeout_from_env()?;
         full_check_from_env()?;
         if world == 0 {
