@@ -123,6 +123,16 @@ def test_errors_say_what_was_wrong():
         tutti.all_reduce([np.zeros(3, np.float32)] * 2, op="median")
     with pytest.raises(ValueError, match="unknown algorithm"):
         tutti.Replicas(2, algorithm="tree")
+    # Numbers too large for the C fields are refused, not wrapped (reduce-to-one:4294967297
+    # was root 1, a timeout of 2**64 ms was the default).
+    with pytest.raises(ValueError, match="4294967297 is out of range"):
+        tutti.Replicas(2, algorithm="reduce-to-one:4294967297")
+    with pytest.raises(ValueError, match="longer than tutti allows"):
+        tutti.Replicas(2, timeout=2**64 / 1000)
+    with pytest.raises(ValueError, match="longer than tutti allows"):
+        tutti.Replicas(2, timeout=float("inf"))
+    with pytest.raises(tutti.TuttiError, match="longer"):
+        tutti.Replicas(2, timeout=365 * 86400)
     # The C library's own checks come back as TuttiError with its message.
     with tutti.Replicas(3) as r:
         with pytest.raises(tutti.TuttiError) as e:

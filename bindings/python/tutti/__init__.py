@@ -260,8 +260,16 @@ def _config(timeout=None, algorithm="auto", chunk_bytes=None, transport="auto"):
     if timeout is not None:
         if not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
-        c.timeout_ms = max(1, int(round(timeout * 1000)))
-    c.chunk_bytes = int(chunk_bytes or 0)
+        ms = round(timeout * 1000) if timeout != float("inf") else 2**64
+        # ctypes would wrap a number too large for the field silently: refuse it instead (the
+        # library itself refuses more than 30 days).
+        if ms >= 2**64:
+            raise ValueError(f"timeout {timeout!r} s is longer than tutti allows (30 days)")
+        c.timeout_ms = max(1, ms)
+    chunk = int(chunk_bytes or 0)
+    if not 0 <= chunk < 2**64:
+        raise ValueError(f"chunk_bytes {chunk_bytes!r} is out of range")
+    c.chunk_bytes = chunk
     c.algorithm, c.algorithm_arg = _algorithm(algorithm)
     if transport not in TRANSPORTS:
         raise ValueError(f"unknown transport {transport!r} (expected auto, tcp or shm)")
@@ -280,6 +288,9 @@ def _algorithm(name):
         return ALGORITHMS[base], 0
     if base not in ("hierarchical-copy", "reduce-to-one") or not arg.isdigit():
         raise ValueError(f"algorithm {name!r}: only hierarchical-copy and reduce-to-one take a number")
+    if int(arg) >= 2**32:
+        # The C field is 32 bits: 4294967297 would become 1 silently.
+        raise ValueError(f"algorithm {name!r}: {arg} is out of range")
     return ALGORITHMS[base], int(arg)
 
 
