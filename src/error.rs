@@ -129,14 +129,26 @@ fn awaited(ranks: &[usize], phase: &str, stalled_on: &[(usize, usize)]) -> Strin
             list(ranks)
         );
     }
-    // The awaited ranks answered: they were waiting too, so the stuck rank is further on.
+    // Ranks answered that they were waiting too: the stuck rank is one they wait for that did
+    // not answer (or, if every one answered, any of those waited for).
     let chain: Vec<String> = stalled_on
         .iter()
         .map(|(r, w)| format!("rank {r} answered that it was itself waiting for rank {w}"))
         .collect();
-    let mut last: Vec<usize> = stalled_on.iter().map(|&(_, w)| w).collect();
-    last.sort_unstable();
-    last.dedup();
+    let named = |silent_only: bool| {
+        let mut v: Vec<usize> = stalled_on
+            .iter()
+            .map(|&(_, w)| w)
+            .filter(|w| !silent_only || !stalled_on.iter().any(|&(r, _)| r == *w))
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
+    let last = match named(true) {
+        silent if silent.is_empty() => named(false),
+        silent => silent,
+    };
     format!(
         "{} to {phase}; {}: {} likely stuck, dead or making a different call, or waiting in \
          turn for a rank that is (raise the timeout if it is only slow)",
@@ -214,9 +226,9 @@ pub enum Error {
         phase: &'static str,
         /// The bound that was exceeded.
         timeout: Duration,
-        /// What the awaited ranks answered when this rank gave up: (awaited rank, the rank it
-        /// was itself waiting for). Empty when none answered in time. A rank that stopped is
-        /// found at the end of this chain, not among the ranks waited for.
+        /// What the other ranks answered when this rank gave up: (rank, the rank it was itself
+        /// waiting for), as far as this rank could learn within a tenth of the timeout. Empty
+        /// when none answered. A rank that stopped is one waited for that did not answer.
         stalled_on: Vec<(usize, usize)>,
     },
     /// The communicator was aborted (by `abort()`, or after an earlier failure); build a new one.
@@ -319,6 +331,15 @@ mod tests {
                 && m.contains("ranks 0, 2 are likely stuck"),
             "{m}"
         );
+        // A rank that answered is not the stuck one: rank 2 was waiting for rank 0.
+        let e = Error::Timeout {
+            site,
+            waiting_for: vec![1],
+            phase: "arrive",
+            timeout: Duration::from_millis(50),
+            stalled_on: vec![(1, 2), (2, 0)],
+        };
+        assert!(e.to_string().contains(": rank 0 is likely stuck"), "{e}");
         assert_eq!(
             "all_gather".parse::<Collective>().unwrap(),
             Collective::AllGather

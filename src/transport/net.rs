@@ -1044,12 +1044,12 @@ impl NetTransport {
             Error::Timeout {
                 ref waiting_for, ..
             } if !waiting_for.is_empty() => {
-                let waiting_for = waiting_for.clone();
-                // Give up now, telling every peer, and hear what the awaited ranks answer.
+                // Give up now, telling every peer, and hear what the others answer: whom each
+                // was waiting for, as far as this rank can learn (a flight recorder's view).
                 let reason = e.to_string();
                 self.set_aborted(&reason);
                 self.notify_peers(&reason);
-                let answers = self.ask_waits(&waiting_for, recvs);
+                let answers = self.ask_waits(recvs);
                 let mut e = e;
                 if let Error::Timeout { stalled_on, .. } = &mut e {
                     *stalled_on = answers;
@@ -1075,15 +1075,16 @@ impl NetTransport {
         }
     }
 
-    /// After a timeout: the answers of the ranks waited for, read from their ABORT frames as they
+    /// After a timeout: the answers of the other ranks, read from their ABORT frames as they
     /// come (all at once, for a tenth of the timeout and at most a second): (rank, the rank it
     /// was itself waiting for). Answers naming this rank say nothing new and are left out. A
-    /// TCP stream that stopped mid-header cannot be read on and is not asked.
-    fn ask_waits(&self, waiting_for: &[usize], recvs: &[RecvState<'_>]) -> Vec<(usize, usize)> {
+    /// TCP stream that stopped mid-header cannot be read on and is not asked; the streams of
+    /// peers this step no longer receives from are between frames.
+    fn ask_waits(&self, recvs: &[RecvState<'_>]) -> Vec<(usize, usize)> {
         let until = Instant::now() + (self.timeout / 10).min(Duration::from_secs(1));
-        let mut asks: Vec<Ask> = waiting_for
-            .iter()
-            .filter_map(|&peer| {
+        let mut asks: Vec<Ask> = (0..self.world)
+            .filter(|&peer| peer != self.rank)
+            .filter_map(|peer| {
                 // What is left of the frame being received, on a stream that carries data.
                 let skip = match recvs.iter().find(|r| r.peer == peer && !r.done()) {
                     _ if self.link(peer).shm.is_some() => 0,
