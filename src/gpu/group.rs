@@ -244,13 +244,7 @@ impl GpuGroup {
             let start = || -> Result<Comms> {
                 let id = nccl::unique_id()?;
                 let inner: Vec<&DeviceInner> = devices.iter().map(|d| &*d.inner).collect();
-                Comms::init(
-                    &inner,
-                    &id,
-                    0,
-                    n,
-                    config.timeout.max(Duration::from_secs(60)),
-                )
+                Comms::init(&inner, &id, 0, n, config.timeout)
             };
             if auto {
                 match start_or_fall_back(start) {
@@ -423,9 +417,10 @@ impl GpuGroup {
             }
         };
         let token = spec.token.clone().unwrap_or_default();
-        let setup = config.timeout.max(Duration::from_secs(60));
+        // Processes may start at different times: joining waits for them as long as the
+        // configured timeout, and no longer (a short timeout asked for is honoured here too).
+        let setup = config.timeout;
         let store = crate::cluster::store::store_for(spec, rank, &token, setup)?;
-        // Processes may start at different times: joining waits at least a minute for them.
         GpuGroup::join(&store, rank, spec.world_size, devices, config, setup)
     }
 
