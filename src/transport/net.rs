@@ -532,6 +532,30 @@ fn accept_peers(
     Ok(())
 }
 
+/// `ppoll(2)` on `fds` for at most `timeout`; EINTR is not an error (nothing became ready).
+fn poll_for(fds: &mut [libc::pollfd], timeout: Duration) -> std::io::Result<()> {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: fds is a valid array of pollfd for its length; ts outlives the call.
+    let n = unsafe {
+        libc::ppoll(
+            fds.as_mut_ptr(),
+            fds.len() as libc::nfds_t,
+            &ts,
+            std::ptr::null(),
+        )
+    };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() != ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
 /// `writev` without SIGPIPE: a peer that died makes the call fail with EPIPE instead of
 /// killing a program that does not ignore the signal (C trainers do not).
 fn send_vectored(sock: &TcpStream, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
@@ -584,24 +608,31 @@ struct RecvState<'a> {
     fill: usize,
 }
 
-/// A question to a peer after a timeout: its stream, read up to its ABORT frame.
+/// A peer's stream, read up to its ABORT frame (after a failure, to learn why it gave up and
+/// whom it was waiting for).
 struct Ask {
     peer: usize,
     /// Bytes of the frame under way still to skip.
     skip: u64,
     hdr: [u8; HDR],
     got: usize,
+    /// Still worth reading.
     open: bool,
+    /// The ABORT frame's aux (whom the peer waited for, plus one) and message length.
+    abort: Option<(u32, u64)>,
 }
 
-/// What a peer's stream said.
-enum Answer {
-    /// Nothing more to read yet.
-    Pending,
-    /// It gave up while waiting for this rank.
-    WaitingFor(usize),
-    /// It left, or gave up saying nothing of whom it waited for.
-    None,
+impl Ask {
+    fn new(peer: usize, skip: u64) -> Ask {
+        Ask {
+            peer,
+            skip,
+            hdr: [0; HDR],
+            got: 0,
+            open: true,
+            abort: None,
+        }
+    }
 }
 
 /// The peers a step still waits for (to send, or to receive from), each once, in rank order.
@@ -721,32 +752,13 @@ impl NetTransport {
     }
 
     /// The peer's ABORT frame, reading past the frames it sent before it (a peer can be a step
-    /// ahead). Only for a call that is failing anyway: what it reads is lost.
+    /// ahead), for up to half a second. Only for a call that is failing anyway: what it reads is
+    /// lost.
     fn drain_abort(&self, site: Site, peer: usize) -> Option<Error> {
-        let l = self.link(peer);
-        let _ = l.sock.set_nonblocking(false);
-        let _ = l.sock.set_read_timeout(Some(Duration::from_millis(200)));
-        let mut found = None;
-        let mut h = [0u8; HDR];
-        let mut scratch = vec![0u8; 64 << 10];
-        while (&l.sock).read_exact(&mut h).is_ok() {
-            let (kind, _, len) = parse_frame(&h);
-            if kind == FRAME_ABORT {
-                found = Some(self.read_abort(site, peer, len));
-                break;
-            }
-            // To a shared-memory peer only ABORT frames travel on the socket.
-            let mut skip = if l.shm.is_some() { 0 } else { len };
-            while skip > 0 {
-                let n = skip.min(scratch.len() as u64) as usize;
-                if (&l.sock).read_exact(&mut scratch[..n]).is_err() {
-                    break;
-                }
-                skip -= n as u64;
-            }
-        }
-        let _ = l.sock.set_nonblocking(true);
-        found
+        let mut ask = [Ask::new(peer, 0)];
+        self.read_to_aborts(&mut ask, Instant::now() + Duration::from_millis(500));
+        let (_, len) = ask[0].abort?;
+        Some(self.read_abort(site, peer, len))
     }
 
     /// A shared-memory ring reported the peer aborted: its ABORT frame says why.
@@ -1093,31 +1105,27 @@ impl NetTransport {
                     Some(r) if r.hoff == HDR => (r.len - r.off - r.fill) as u64,
                     Some(_) => return None,
                 };
-                Some(Ask {
-                    peer,
-                    skip,
-                    hdr: [0; HDR],
-                    got: 0,
-                    open: true,
-                })
+                Some(Ask::new(peer, skip))
             })
             .collect();
-        let mut answers = Vec::new();
+        self.read_to_aborts(&mut asks, until);
+        asks.iter()
+            .filter_map(|a| {
+                let (aux, _) = a.abort?;
+                let w = (aux as usize).checked_sub(1)?;
+                (w != self.rank).then_some((a.peer, w))
+            })
+            .collect()
+    }
+
+    /// Read the peers' streams of `asks` together (non-blocking, polled), past their frames,
+    /// until each reaches its ABORT frame's header (kept in `abort`), ends, or `until` passes.
+    fn read_to_aborts(&self, asks: &mut [Ask], until: Instant) {
         let mut scratch = vec![0u8; 64 << 10];
         loop {
             for a in asks.iter_mut().filter(|a| a.open) {
-                match self.read_answer(a, &mut scratch) {
-                    Answer::Pending => {}
-                    Answer::WaitingFor(w) => {
-                        a.open = false;
-                        if w != self.rank {
-                            answers.push((a.peer, w));
-                        }
-                    }
-                    Answer::None => a.open = false,
-                }
+                a.open = self.read_to_abort(a, &mut scratch);
             }
-            let left = until.saturating_duration_since(Instant::now());
             let mut fds: Vec<libc::pollfd> = asks
                 .iter()
                 .filter(|a| a.open)
@@ -1127,28 +1135,16 @@ impl NetTransport {
                     revents: 0,
                 })
                 .collect();
-            if fds.is_empty() || left.is_zero() {
-                break;
+            let left = until.saturating_duration_since(Instant::now());
+            if fds.is_empty() || left.is_zero() || poll_for(&mut fds, left).is_err() {
+                return;
             }
-            let ts = libc::timespec {
-                tv_sec: left.as_secs() as libc::time_t,
-                tv_nsec: left.subsec_nanos() as libc::c_long,
-            };
-            // SAFETY: fds is a valid array of pollfd for its length; ts outlives the call.
-            unsafe {
-                libc::ppoll(
-                    fds.as_mut_ptr(),
-                    fds.len() as libc::nfds_t,
-                    &ts,
-                    std::ptr::null(),
-                )
-            };
         }
-        answers
     }
 
-    /// Read what `a.peer`'s (non-blocking) stream holds, up to its ABORT frame.
-    fn read_answer(&self, a: &mut Ask, scratch: &mut [u8]) -> Answer {
+    /// Read what `a.peer`'s stream holds, up to its ABORT frame's header; false once there is
+    /// nothing more to wait for (the header was read, or the stream ended or failed).
+    fn read_to_abort(&self, a: &mut Ask, scratch: &mut [u8]) -> bool {
         let l = self.link(a.peer);
         let mut s = &l.sock;
         loop {
@@ -1159,11 +1155,11 @@ impl NetTransport {
                 &mut a.hdr[a.got..]
             };
             let n = match s.read(buf) {
-                Ok(0) => return Answer::None,
+                Ok(0) => return false,
                 Ok(n) => n,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return Answer::Pending,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return true,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(_) => return Answer::None,
+                Err(_) => return false,
             };
             if a.skip > 0 {
                 a.skip -= n as u64;
@@ -1176,10 +1172,8 @@ impl NetTransport {
             a.got = 0;
             let (kind, aux, len) = parse_frame(&a.hdr);
             if kind == FRAME_ABORT {
-                return match (aux as usize).checked_sub(1) {
-                    Some(w) => Answer::WaitingFor(w),
-                    None => Answer::None,
-                };
+                a.abort = Some((aux, len));
+                return false;
             }
             // To a shared-memory peer only ABORT frames travel on the socket.
             a.skip = if l.shm.is_some() { 0 } else { len };
@@ -1326,26 +1320,7 @@ impl NetTransport {
                 .saturating_duration_since(Instant::now())
                 .min(Duration::from_secs(1))
         };
-        let ts = libc::timespec {
-            tv_sec: wait.as_secs() as libc::time_t,
-            tv_nsec: wait.subsec_nanos() as libc::c_long,
-        };
-        // SAFETY: fds is a valid array of pollfd for its length; ts outlives the call.
-        let n = unsafe {
-            libc::ppoll(
-                fds.as_mut_ptr(),
-                fds.len() as libc::nfds_t,
-                &ts,
-                std::ptr::null(),
-            )
-        };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() != ErrorKind::Interrupted {
-                return Err(Error::io("poll", e));
-            }
-            return Ok(());
-        }
+        poll_for(&mut fds, wait).map_err(|e| Error::io("poll", e))?;
         for (l, f) in self.links.iter().flatten().zip(&fds[1..]) {
             if f.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
                 l.closed.store(true, Ordering::Relaxed);
