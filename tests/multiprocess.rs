@@ -38,6 +38,26 @@ fn wait_bounded(child: &mut Child, limit: Duration) {
     }
 }
 
+/// `cmd` as rank `r` of an `n`-rank job that meets at `master` and proves `token`, its output
+/// piped.
+fn as_rank(mut cmd: Command, r: usize, n: usize, master: &str, token: &str) -> Command {
+    cmd.env_remove("TF_CONFIG")
+        .env("TUTTI_RANK", r.to_string())
+        .env("TUTTI_WORLD_SIZE", n.to_string())
+        .env("TUTTI_MASTER_ADDR", master)
+        .env("TUTTI_JOB_TOKEN", token)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+/// `tutti check ARGS` as rank `r` of a job (see [`as_rank`]).
+fn check_rank(args: &[&str], r: usize, n: usize, master: &str, token: &str) -> Command {
+    let mut cmd = Command::new(common::tutti_bin());
+    cmd.arg("check").args(args);
+    as_rank(cmd, r, n, master, token)
+}
+
 /// Wait until a `tutti check --busy-secs` rank says it is busy (it prints that line, or exits
 /// within its own timeout); the reader of its stdout is returned to be kept open.
 fn wait_busy(c: &mut Child) -> impl Iterator<Item = std::io::Result<String>> {
@@ -116,16 +136,9 @@ fn hierarchical_all_reduce_across_hosts() {
     let master = format!("127.0.0.1:{}", free_port());
     let children: Vec<Child> = (0..4)
         .map(|r| {
-            Command::new(common::tutti_bin())
-                .args(["check", "--counts", "1000,70001", "--timeout", "60"])
-                .env_remove("TF_CONFIG")
-                .env("TUTTI_RANK", r.to_string())
-                .env("TUTTI_WORLD_SIZE", "4")
-                .env("TUTTI_MASTER_ADDR", &master)
-                .env("TUTTI_JOB_TOKEN", "hosts-test")
+            let args = ["--counts", "1000,70001", "--timeout", "60"];
+            check_rank(&args, r, 4, &master, "hosts-test")
                 .env("TUTTI_HOST_ID", if r < 2 { "host-a" } else { "host-b" })
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
                 .spawn()
                 .unwrap()
         })
@@ -305,25 +318,9 @@ fn a_killed_rank_is_named_by_every_survivor() {
         let master = format!("127.0.0.1:{}", free_port());
         let mut children: Vec<Child> = (0..n)
             .map(|r| {
-                Command::new(common::tutti_bin())
-                    .args([
-                        "check",
-                        "--counts",
-                        "0",
-                        "--busy-secs",
-                        "60",
-                        "--timeout",
-                        "20",
-                        "--transport",
-                        transport,
-                    ])
-                    .env_remove("TF_CONFIG")
-                    .env("TUTTI_RANK", r.to_string())
-                    .env("TUTTI_WORLD_SIZE", n.to_string())
-                    .env("TUTTI_MASTER_ADDR", &master)
-                    .env("TUTTI_JOB_TOKEN", "kill-test")
-                    .stdout(Stdio::piped())
-                    .stderr(Stdio::piped())
+                let args = ["--counts", "0", "--busy-secs", "60", "--timeout", "20"];
+                check_rank(&args, r, n, &master, "kill-test")
+                    .args(["--transport", transport])
                     .spawn()
                     .unwrap()
             })
@@ -373,23 +370,15 @@ fn strangers_wrong_tokens_and_garbage_are_rejected_and_the_job_finishes() {
     let port = free_port();
     let master = format!("127.0.0.1:{port}");
     let spawn = |r: usize| {
-        Command::new(common::tutti_bin())
-            .args([
-                "check",
-                "--counts",
-                "7,1000",
-                "--timeout",
-                "30",
-                "--transport",
-                "tcp",
-            ])
-            .env_remove("TF_CONFIG")
-            .env("TUTTI_RANK", r.to_string())
-            .env("TUTTI_WORLD_SIZE", "2")
-            .env("TUTTI_MASTER_ADDR", &master)
-            .env("TUTTI_JOB_TOKEN", "the-real-token")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
+        let args = [
+            "--counts",
+            "7,1000",
+            "--timeout",
+            "30",
+            "--transport",
+            "tcp",
+        ];
+        check_rank(&args, r, 2, &master, "the-real-token")
             .spawn()
             .unwrap()
     };
@@ -1045,8 +1034,8 @@ fn shared_memory_across_pid_namespaces() {
                 // differs from the others' (rank r runs 3r short processes first, and tutti runs
                 // as a child, not exec'd in place of the shell): each rank's PID names no process
                 // in another rank's namespace.
-                Command::new("unshare")
-                    .args(["--pid", "--fork", "--mount-proc", "sh", "-c"])
+                let mut cmd = Command::new("unshare");
+                cmd.args(["--pid", "--fork", "--mount-proc", "sh", "-c"])
                     .arg(concat!(
                         r#"i=0; while [ $i -lt "$0" ]; do /bin/true; i=$((i+1)); done; "#,
                         r#""$@" & wait $!"#
@@ -1054,14 +1043,8 @@ fn shared_memory_across_pid_namespaces() {
                     .arg((3 * r).to_string())
                     .arg(common::tutti_bin())
                     .args(["check", "--counts", "1,70001", "--timeout", "30"])
-                    .args(["--transport", "shm"])
-                    .env_remove("TF_CONFIG")
-                    .env("TUTTI_RANK", r.to_string())
-                    .env("TUTTI_WORLD_SIZE", n.to_string())
-                    .env("TUTTI_MASTER_ADDR", &master)
-                    .env("TUTTI_JOB_TOKEN", "pid-namespaces")
-                    .stdout(Stdio::piped())
-                    .stderr(Stdio::piped())
+                    .args(["--transport", "shm"]);
+                as_rank(cmd, r, n, &master, "pid-namespaces")
                     .spawn()
                     .unwrap()
             })
@@ -1137,16 +1120,9 @@ fn a_stopped_rank_is_named_not_the_rank_waiting_for_it() {
             let master = format!("127.0.0.1:{}", free_port());
             let mut children: Vec<Child> = (0..n)
                 .map(|r| {
-                    Command::new(common::tutti_bin())
-                        .args(["check", "--counts", "0", "--busy-secs", "60"])
-                        .args(["--timeout", "4", "--transport", transport])
-                        .env_remove("TF_CONFIG")
-                        .env("TUTTI_RANK", r.to_string())
-                        .env("TUTTI_WORLD_SIZE", n.to_string())
-                        .env("TUTTI_MASTER_ADDR", &master)
-                        .env("TUTTI_JOB_TOKEN", "stop-test")
-                        .stdout(Stdio::piped())
-                        .stderr(Stdio::piped())
+                    let args = ["--counts", "0", "--busy-secs", "60", "--timeout", "4"];
+                    check_rank(&args, r, n, &master, "stop-test")
+                        .args(["--transport", transport])
                         .spawn()
                         .unwrap()
                 })
@@ -1183,16 +1159,10 @@ fn a_trace_shows_every_call_and_the_one_that_hung() {
     let master = format!("127.0.0.1:{}", free_port());
     let mut children: Vec<Child> = (0..2)
         .map(|r| {
-            Command::new(common::tutti_bin())
-                .args(["check", "--counts", "7", "--busy-secs", "60"])
-                .args(["--timeout", "3", "--transport", "tcp"])
-                .env_remove("TF_CONFIG")
-                .env("TUTTI_RANK", r.to_string())
-                .env("TUTTI_WORLD_SIZE", "2")
-                .env("TUTTI_MASTER_ADDR", &master)
-                .env("TUTTI_JOB_TOKEN", "trace-test")
+            let args = ["--counts", "7", "--busy-secs", "60", "--timeout", "3"];
+            check_rank(&args, r, 2, &master, "trace-test")
+                .args(["--transport", "tcp"])
                 .env("TUTTI_TRACE", dir.join(format!("rank{r}.json")))
-                .stdout(Stdio::piped())
                 .stderr(Stdio::null())
                 .spawn()
                 .unwrap()
