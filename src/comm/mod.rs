@@ -22,7 +22,7 @@ pub use replicas::Replicas;
 pub use work::Work;
 
 use call::{Bytes, BytesMut, Call};
-use work::{Progress, Shared};
+use work::{Owned, Progress, Shared};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -391,8 +391,9 @@ impl Communicator {
     }
 
     /// Issue `call` without waiting; `keep` is held until the call completes.
-    fn issue<B: Send + 'static>(&self, call: Call, keep: Box<B>) -> Work<B> {
-        self.progress.issue(Box::new(self.host_memory(call)), keep)
+    fn issue<B: Send + 'static>(&self, call: Call, keep: Owned<B>) -> Work<B> {
+        self.progress
+            .issue(Box::new(self.host_memory(call)), Box::new(keep))
     }
 
     /// A call over Rust slices (host memory): on a rank whose buffers are device memory it is
@@ -487,7 +488,7 @@ impl Communicator {
     ) -> Work {
         self.issue(
             self.all_reduce_call(dtype, input.map(Bytes::of), BytesMut::of(output), op),
-            Box::new(()),
+            Owned::new(()),
         )
     }
 
@@ -499,7 +500,7 @@ impl Communicator {
     pub unsafe fn broadcast_raw_async(&self, dtype: DType, buf: &mut [u8], root: usize) -> Work {
         self.issue(
             self.broadcast_call(dtype, BytesMut::of(buf), root),
-            Box::new(()),
+            Owned::new(()),
         )
     }
 
@@ -516,7 +517,7 @@ impl Communicator {
     ) -> Work {
         self.issue(
             self.all_gather_call(dtype, input.map(Bytes::of), BytesMut::of(output)),
-            Box::new(()),
+            Owned::new(()),
         )
     }
 
@@ -534,7 +535,7 @@ impl Communicator {
     ) -> Work {
         self.issue(
             self.reduce_scatter_call(dtype, Bytes::of(input), BytesMut::of(output), op),
-            Box::new(()),
+            Owned::new(()),
         )
     }
 
@@ -559,7 +560,7 @@ impl Communicator {
                 op,
                 root,
             ),
-            Box::new(()),
+            Owned::new(()),
         )
     }
 
@@ -585,7 +586,7 @@ impl Communicator {
     /// dropped first).
     pub unsafe fn issue_raw(&self, c: &RawCall) -> Work {
         self.progress
-            .issue(Box::new(self.raw_call(c)), Box::new(()))
+            .issue(Box::new(self.raw_call(c)), Box::new(Owned::new(())))
     }
 
     // ----- typed API -----
@@ -715,8 +716,8 @@ impl Communicator {
         T: Element,
         B: AsMut<[T]> + Send + 'static,
     {
-        let mut buf = Box::new(buf);
-        let bytes: &mut [u8] = bytemuck::cast_slice_mut((*buf).as_mut());
+        let mut buf = Owned::new(buf);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf.get().as_mut());
         let call = self.all_reduce_call(T::DTYPE, None, BytesMut::of(bytes), op);
         self.issue(call, buf)
     }
@@ -727,8 +728,8 @@ impl Communicator {
         T: Element,
         B: AsMut<[T]> + Send + 'static,
     {
-        let mut buf = Box::new(buf);
-        let bytes: &mut [u8] = bytemuck::cast_slice_mut((*buf).as_mut());
+        let mut buf = Owned::new(buf);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf.get().as_mut());
         let call = self.broadcast_call(T::DTYPE, BytesMut::of(bytes), root);
         self.issue(call, buf)
     }
@@ -740,8 +741,8 @@ impl Communicator {
         S: AsRef<[T]> + Send + 'static,
         R: AsMut<[T]> + Send + 'static,
     {
-        let mut bufs = Box::new((send, recv));
-        let (send, recv) = &mut *bufs;
+        let mut bufs = Owned::new((send, recv));
+        let (send, recv) = bufs.get();
         let call = self.all_gather_call(
             T::DTYPE,
             Some(Bytes::of(bytemuck::cast_slice(send.as_ref()))),
@@ -758,8 +759,8 @@ impl Communicator {
         S: AsRef<[T]> + Send + 'static,
         R: AsMut<[T]> + Send + 'static,
     {
-        let mut bufs = Box::new((send, recv));
-        let (send, recv) = &mut *bufs;
+        let mut bufs = Owned::new((send, recv));
+        let (send, recv) = bufs.get();
         let call = self.reduce_scatter_call(
             T::DTYPE,
             Bytes::of(bytemuck::cast_slice(send.as_ref())),
@@ -776,8 +777,8 @@ impl Communicator {
         T: Element,
         B: AsMut<[T]> + Send + 'static,
     {
-        let mut buf = Box::new(buf);
-        let bytes: &mut [u8] = bytemuck::cast_slice_mut((*buf).as_mut());
+        let mut buf = Owned::new(buf);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf.get().as_mut());
         let call = if self.rank() == root {
             self.reduce_call(T::DTYPE, None, Some(BytesMut::of(bytes)), op, root)
         } else {
@@ -788,6 +789,6 @@ impl Communicator {
 
     /// [`Communicator::barrier`] without waiting.
     pub fn barrier_async(&self) -> Work {
-        self.issue(self.barrier_call(), Box::new(()))
+        self.issue(self.barrier_call(), Owned::new(()))
     }
 }

@@ -25,6 +25,44 @@ use crate::transport::Transport;
 /// What a queued call owns until it completes (the buffers of a safe non-blocking call).
 pub(crate) type Keep = Box<dyn Any + Send>;
 
+/// A buffer that a safe non-blocking call owns, held by address: the call reads and writes it
+/// through pointers taken from it, and moving a `Box` would assert a unique borrow over those
+/// (the buffer may be stored inline, an array). Freed when dropped, or handed back by
+/// [`Work::wait`].
+pub(crate) struct Owned<B>(std::ptr::NonNull<B>);
+
+// SAFETY: an `Owned<B>` is a `Box<B>` that never asserts uniqueness; it moves between threads
+// as a `Box<B>` would.
+unsafe impl<B: Send> Send for Owned<B> {}
+
+impl<B> Owned<B> {
+    pub(crate) fn new(b: B) -> Owned<B> {
+        // SAFETY: `Box::into_raw` is never null.
+        Owned(unsafe { std::ptr::NonNull::new_unchecked(Box::into_raw(Box::new(b))) })
+    }
+
+    /// The buffer, for taking the call's pointers (valid until this is dropped or taken).
+    pub(crate) fn get(&mut self) -> &mut B {
+        // SAFETY: owned and live; the borrow ends before the call is issued, and the pointers
+        // taken from it are derived from this address, which nothing retags.
+        unsafe { self.0.as_mut() }
+    }
+
+    fn into_inner(self) -> B {
+        let ptr = self.0.as_ptr();
+        std::mem::forget(self);
+        // SAFETY: made by `Box::into_raw` in `new`, and not freed (`self` was forgotten).
+        *unsafe { Box::from_raw(ptr) }
+    }
+}
+
+impl<B> Drop for Owned<B> {
+    fn drop(&mut self) {
+        // SAFETY: made by `Box::into_raw` in `new`; dropped once.
+        drop(unsafe { Box::from_raw(self.0.as_ptr()) })
+    }
+}
+
 /// A call ready to run: everything it needs, its buffers as raw parts (see `Call`).
 pub(crate) trait Runnable: Send {
     /// Run the call as call number `number`.
@@ -132,7 +170,7 @@ impl Progress {
         // completed (a wait without a deadline returns only then).
         let call: Box<dyn Runnable + '_> = Box::new(Borrowed(call));
         let call: Box<dyn Runnable> = unsafe { std::mem::transmute(call) };
-        let work: Work<()> = self.issue(call, Box::new(()));
+        let work: Work<()> = self.issue(call, Box::new(Owned::new(())));
         work.wait().map(drop)
     }
 
@@ -368,9 +406,9 @@ impl<B: Send + 'static> Work<B> {
         let (result, keep) = done.take().expect("checked above");
         drop(done);
         result?;
-        let keep: Keep = keep.unwrap_or_else(|| Box::new(()));
-        match keep.downcast::<B>() {
-            Ok(b) => Ok(*b),
+        let keep: Keep = keep.unwrap_or_else(|| Box::new(Owned::new(())));
+        match keep.downcast::<Owned<B>>() {
+            Ok(b) => Ok(b.into_inner()),
             // A handle's type is fixed when it is issued; this is unreachable by construction.
             Err(_) => Err(Error::System {
                 what: format!("{}", self.state.site),
