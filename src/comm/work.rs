@@ -189,14 +189,18 @@ impl Progress {
                     *self.thread.lock() = Some(h);
                 }
                 Err(e) => {
+                    // The call's number is used up and the peers are told: they would wait for
+                    // this call, and this rank's next call would carry their call's number.
                     let site = call.site(q.next_call);
+                    q.next_call += 1;
                     drop(q);
                     drop(call);
+                    let error = Error::io("starting the communicator's progress thread", e);
+                    self.shared
+                        .transport
+                        .abort(&format!("rank {}: {error}", site.rank));
                     let state = Arc::new(WorkState::new(site));
-                    state.complete(
-                        Err(Error::io("starting the communicator's progress thread", e)),
-                        Some(keep),
-                    );
+                    state.complete(Err(error), Some(keep));
                     return Work::from_state(state);
                 }
             }
