@@ -69,6 +69,10 @@ pub struct CallHeader {
 impl CallHeader {
     /// The first field in which `other` differs from `self`: (name, mine, theirs).
     pub fn first_difference(&self, other: &CallHeader) -> Option<(&'static str, String, String)> {
+        if self == other {
+            // The common case, without formatting every field.
+            return None;
+        }
         fn opt<T: std::fmt::Display>(v: &Option<T>) -> String {
             v.as_ref()
                 .map_or_else(|| "none".to_string(), |x| x.to_string())
