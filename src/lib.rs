@@ -59,6 +59,7 @@ pub mod error;
 pub mod gpu;
 pub mod perf;
 pub mod reference;
+mod reuse;
 pub mod strategy;
 mod sync;
 mod trace;

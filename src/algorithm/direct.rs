@@ -16,6 +16,7 @@
 
 use std::ops::Range;
 
+use super::plan::List;
 use super::{bytes, partition, Ctx};
 use crate::dtype::kernels::{self, Init};
 use crate::error::Result;
@@ -27,14 +28,15 @@ const DONE: u64 = u32::MAX as u64;
 
 struct Call<'c> {
     pm: &'c dyn PeerMemory,
-    bufs: Vec<CallBuffers>,
+    bufs: List<'c, CallBuffers>,
     base: u64,
 }
 
 impl<'c> Call<'c> {
     fn new(ctx: &'c Ctx<'_>) -> Result<Call<'c>> {
         let pm = ctx.peer_memory("direct")?;
-        let bufs = (0..ctx.world()).map(|k| pm.buffers(k)).collect();
+        let mut bufs = ctx.plan.list::<CallBuffers>();
+        bufs.extend((0..ctx.world()).map(|k| pm.buffers(k)));
         Ok(Call {
             pm,
             bufs,
@@ -97,7 +99,7 @@ pub(crate) fn all_reduce(ctx: &Ctx<'_>, in_place: bool, len: usize) -> Result<()
     } else {
         Init::Overwrite
     };
-    let mut srcs: Vec<&[u8]> = Vec::with_capacity(p);
+    let mut srcs = ctx.plan.list::<&[u8]>();
     for c in 0..chunks(0) {
         if c < chunks(r) {
             let range = chunk(r, c);
@@ -140,9 +142,8 @@ pub(crate) fn reduce_scatter(ctx: &Ctx<'_>, output: &mut [u8]) -> Result<()> {
     let call = Call::new(ctx)?;
     let range = ctx.rank() * output.len()..(ctx.rank() + 1) * output.len();
     // SAFETY: inputs are not written during a reduce_scatter.
-    let srcs: Vec<&[u8]> = (0..ctx.world())
-        .map(|k| unsafe { call.input(k, range.clone()) })
-        .collect();
+    let mut srcs = ctx.plan.list::<&[u8]>();
+    srcs.extend((0..ctx.world()).map(|k| unsafe { call.input(k, range.clone()) }));
     kernels::reduce(
         ctx.dtype,
         ctx.op,
@@ -160,12 +161,14 @@ pub(crate) fn reduce(ctx: &Ctx<'_>, root: usize, len: usize) -> Result<()> {
     let range = bytes(partition(len / esize, p, r), esize);
     let root_in_place = std::ptr::eq(call.bufs[root].input, call.bufs[root].output);
     if !range.is_empty() {
-        let srcs: Vec<&[u8]> = (0..p)
-            .filter(|&k| !(root_in_place && k == root))
-            // SAFETY: inputs are not written during a reduce, except the root's in place, whose
-            // slice r only this rank touches.
-            .map(|k| unsafe { call.input(k, range.clone()) })
-            .collect();
+        let mut srcs = ctx.plan.list::<&[u8]>();
+        srcs.extend(
+            (0..p)
+                .filter(|&k| !(root_in_place && k == root))
+                // SAFETY: inputs are not written during a reduce, except the root's in place,
+                // whose slice r only this rank touches.
+                .map(|k| unsafe { call.input(k, range.clone()) }),
+        );
         let init = if root_in_place {
             Init::Accumulate
         } else {

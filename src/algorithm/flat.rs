@@ -39,10 +39,12 @@ pub(super) fn scatter_copies(
     ranks: impl Iterator<Item = usize>,
     buf: &[u8],
 ) -> Result<()> {
-    let sends: Vec<SendOp<'_>> = ranks
-        .filter(|&k| k != root)
-        .map(|peer| SendOp { peer, data: buf })
-        .collect();
+    let mut sends = ctx.plan.list::<SendOp<'_>>();
+    sends.extend(
+        ranks
+            .filter(|&k| k != root)
+            .map(|peer| SendOp { peer, data: buf }),
+    );
     ctx.t.exchange(ctx.site, &sends, &mut [])
 }
 
@@ -140,26 +142,31 @@ pub(crate) fn all_to_all_reduce(ctx: &Ctx<'_>, buf: &mut [u8]) -> Result<()> {
     if buf.is_empty() {
         return Ok(());
     }
-    let mut theirs = vec![0u8; buf.len() * p];
+    let mut theirs = ctx.plan.scratch(buf.len() * p);
     {
-        let sends: Vec<SendOp<'_>> = (0..p)
-            .filter(|&k| k != r)
-            .map(|peer| SendOp { peer, data: &*buf })
-            .collect();
-        let mut recvs: Vec<RecvOp<'_>> = theirs
-            .chunks_mut(buf.len())
-            .enumerate()
-            .filter(|(k, _)| *k != r)
-            .map(|(peer, dst)| RecvOp {
-                peer,
-                dst,
-                mode: RecvMode::Copy,
-            })
-            .collect();
+        let mut sends = ctx.plan.list::<SendOp<'_>>();
+        sends.extend(
+            (0..p)
+                .filter(|&k| k != r)
+                .map(|peer| SendOp { peer, data: &*buf }),
+        );
+        let mut recvs = ctx.plan.list::<RecvOp<'_>>();
+        recvs.extend(
+            theirs
+                .chunks_mut(buf.len())
+                .enumerate()
+                .filter(|(k, _)| *k != r)
+                .map(|(peer, dst)| RecvOp {
+                    peer,
+                    dst,
+                    mode: RecvMode::Copy,
+                }),
+        );
         ctx.t.exchange(ctx.site, &sends, &mut recvs)?;
     }
     theirs[r * buf.len()..(r + 1) * buf.len()].copy_from_slice(buf);
-    let srcs: Vec<&[u8]> = theirs.chunks(buf.len()).collect();
+    let mut srcs = ctx.plan.list::<&[u8]>();
+    srcs.extend(theirs.chunks(buf.len()));
     crate::dtype::kernels::reduce(
         ctx.dtype,
         ctx.op,

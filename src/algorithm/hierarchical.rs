@@ -69,6 +69,7 @@ pub(crate) fn all_reduce_hosts(
             dtype: ctx.dtype,
             op: ctx.op.combining(),
             chunk_bytes: ctx.chunk_bytes,
+            plan: ctx.plan,
         };
         ring::all_reduce(&across, None, buf)?;
         ctx.finish_mean(buf);

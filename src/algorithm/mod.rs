@@ -16,7 +16,10 @@
 mod direct;
 mod flat;
 mod hierarchical;
+mod plan;
 mod ring;
+
+pub(crate) use plan::Plan;
 
 use std::fmt;
 use std::ops::Range;
@@ -151,6 +154,8 @@ pub(crate) struct Ctx<'a> {
     pub op: ReduceOp,
     /// Largest piece, in bytes, that one step of a chunked algorithm handles.
     pub chunk_bytes: usize,
+    /// Scratch and lists reused from the communicator's earlier calls.
+    pub plan: &'a Plan,
 }
 
 impl Ctx<'_> {
@@ -257,10 +262,8 @@ pub(crate) fn check(algo: Algorithm, world: usize) -> Result<(), String> {
 /// True when the ranks are on several hosts and some host holds more than one: then `auto`
 /// reduces within each host before going across.
 fn spans_hosts_with_neighbours(hosts: &[usize]) -> bool {
-    let distinct = hosts
-        .iter()
-        .collect::<std::collections::BTreeSet<_>>()
-        .len();
+    // Hosts are numbered from 0 in the order of their first rank (see `Transport::hosts`).
+    let distinct = hosts.iter().max().map_or(0, |&h| h + 1);
     distinct > 1 && distinct < hosts.len()
 }
 

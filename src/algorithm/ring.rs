@@ -111,7 +111,7 @@ pub(crate) fn reduce_scatter(ctx: &Ctx<'_>, input: &[u8], output: &mut [u8]) -> 
     let reduce = RecvMode::Reduce(ctx.dtype, ctx.op.combining());
     // Slices may differ by one element (reduce cuts uneven ones): size for the largest piece.
     let scratch_len = (partition(count, p, 0).len() * esize).min(ctx.chunk_elems() * esize);
-    let mut scratch = [vec![0u8; scratch_len], vec![0u8; scratch_len]];
+    let mut scratch = [ctx.plan.scratch(scratch_len), ctx.plan.scratch(scratch_len)];
     for g in 0..rounds(ctx, count) {
         let own = piece(ctx, count, r, g);
         let out = own.start - slice_start..own.end - slice_start;
@@ -124,7 +124,7 @@ pub(crate) fn reduce_scatter(ctx: &Ctx<'_>, input: &[u8], output: &mut [u8]) -> 
             let send_range = piece(ctx, count, (r + 2 * p - s - 1) % p, g);
             let recv_range = piece(ctx, count, (r + 2 * p - s - 2) % p, g);
             let [a, b] = &mut scratch;
-            let (prev, cur) = if s % 2 == 0 { (&*a, b) } else { (&*b, a) };
+            let (prev, cur): (&[u8], &mut [u8]) = if s % 2 == 0 { (a, b) } else { (b, a) };
             let send: &[u8] = if s == 0 {
                 &input[send_range.clone()]
             } else {
@@ -190,7 +190,7 @@ pub(crate) fn reduce(
     let (p, r) = (ctx.world(), ctx.rank());
     let esize = ctx.dtype.size();
     let count = len / esize;
-    let mut slice = vec![0u8; partition(count, p, r).len() * esize];
+    let mut slice = ctx.plan.scratch(partition(count, p, r).len() * esize);
     match (input, &output) {
         (Some(i), _) => reduce_scatter(ctx, i, &mut slice)?,
         (None, Some(o)) => reduce_scatter(ctx, o, &mut slice)?,
@@ -199,7 +199,7 @@ pub(crate) fn reduce(
     let Some(output) = output.filter(|_| r == root) else {
         return exchange_nonempty(ctx, root, &slice, root, &mut [], RecvMode::Copy);
     };
-    let mut recvs = Vec::with_capacity(p - 1);
+    let mut recvs = ctx.plan.list::<RecvOp<'_>>();
     let mut rest: &mut [u8] = output;
     for k in 0..p {
         let (head, tail) =

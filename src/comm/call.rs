@@ -4,7 +4,7 @@
 
 use super::work::{Runnable, Shared};
 use super::{Communicator, RawCall};
-use crate::algorithm::{self, Algorithm, Ctx};
+use crate::algorithm::{self, Algorithm, Ctx, Plan};
 use crate::dtype::{DType, ReduceOp};
 use crate::engine::{GroupCall, GroupEngine};
 use crate::error::{Collective, Error, Result, Site};
@@ -187,9 +187,8 @@ impl Call {
         if ctx.rank() != 0 {
             return pm.wait_progress(ctx.site, 0, done, "run the call on the group's devices");
         }
-        let bufs: Vec<CallBuffers> = (0..ctx.world())
-            .map(|k| if k == 0 { self.buffers } else { pm.buffers(k) })
-            .collect();
+        let mut bufs = ctx.plan.list::<CallBuffers>();
+        bufs.extend((0..ctx.world()).map(|k| if k == 0 { self.buffers } else { pm.buffers(k) }));
         engine
             .run(ctx.site, &self.group_call(), &bufs)
             .map_err(failed)?;
@@ -219,7 +218,7 @@ impl Runnable for Call {
         }
     }
 
-    fn run(&self, shared: &Shared, number: u64) -> Result<()> {
+    fn run(&self, shared: &Shared, number: u64, plan: &Plan) -> Result<()> {
         let site = self.site(number);
         let transport = &*shared.transport;
         let mut guard = CallGuard {
@@ -265,6 +264,7 @@ impl Runnable for Call {
                     dtype: self.dtype,
                     op: self.op.unwrap_or(ReduceOp::Sum),
                     chunk_bytes: shared.chunk_bytes,
+                    plan,
                 };
                 match &shared.engine {
                     None => self.body(&ctx),

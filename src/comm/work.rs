@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::algorithm::Plan;
 use crate::engine::GroupEngine;
 use crate::error::{Error, Result, Site};
 use crate::transport::Transport;
@@ -65,8 +66,8 @@ impl<B> Drop for Owned<B> {
 
 /// A call ready to run: everything it needs, its buffers as raw parts (see `Call`).
 pub(crate) trait Runnable: Send {
-    /// Run the call as call number `number`.
-    fn run(&self, shared: &Shared, number: u64) -> Result<()>;
+    /// Run the call as call number `number`, with the communicator's plan (reused scratch).
+    fn run(&self, shared: &Shared, number: u64, plan: &Plan) -> Result<()>;
     /// Where an error of this call is reported (collective and rank; the number is added).
     fn site(&self, number: u64) -> Site;
 }
@@ -90,6 +91,8 @@ struct Queue {
     closed: bool,
     /// The progress thread has been started.
     thread: bool,
+    /// What calls reuse from one to the next; the running call holds it.
+    plan: Plan,
 }
 
 /// The state a communicator shares with its progress thread.
@@ -123,13 +126,15 @@ impl Shared {
     }
 }
 
-/// Clears `running` when an inline call ends, a panic included, and hands the queue on.
-struct Inline<'a>(&'a Shared);
+/// Clears `running` when an inline call ends, a panic included, hands the plan back and the
+/// queue on.
+struct Inline<'a>(&'a Shared, Plan);
 
 impl Drop for Inline<'_> {
     fn drop(&mut self) {
         let mut q = self.0.queue.lock();
         q.running = false;
+        q.plan = std::mem::take(&mut self.1);
         if !q.jobs.is_empty() {
             self.0.cv.notify_all();
         }
@@ -161,9 +166,9 @@ impl Progress {
             let number = q.next_call;
             q.next_call += 1;
             q.running = true;
+            let inline = Inline(&self.shared, std::mem::take(&mut q.plan));
             drop(q);
-            let _inline = Inline(&self.shared);
-            return call.run(&self.shared, number);
+            return call.run(&self.shared, number, &inline.1);
         }
         drop(q);
         // SAFETY: the call's borrows outlive this function, and it waits until the call has
@@ -239,8 +244,8 @@ impl Drop for Progress {
 struct Borrowed<'a>(&'a (dyn Runnable + Sync + 'a));
 
 impl Runnable for Borrowed<'_> {
-    fn run(&self, shared: &Shared, number: u64) -> Result<()> {
-        self.0.run(shared, number)
+    fn run(&self, shared: &Shared, number: u64, plan: &Plan) -> Result<()> {
+        self.0.run(shared, number, plan)
     }
     fn site(&self, number: u64) -> Site {
         self.0.site(number)
@@ -253,6 +258,7 @@ fn progress(shared: Arc<Shared>) {
         if !q.running {
             if let Some(job) = q.jobs.pop_front() {
                 q.running = true;
+                let plan = std::mem::take(&mut q.plan);
                 drop(q);
                 let Job {
                     number,
@@ -262,7 +268,7 @@ fn progress(shared: Arc<Shared>) {
                 } = job;
                 state.start();
                 let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    call.run(&shared, number)
+                    call.run(&shared, number, &plan)
                 }))
                 .unwrap_or_else(|_| {
                     Err(Error::Aborted {
@@ -278,6 +284,7 @@ fn progress(shared: Arc<Shared>) {
                 let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(state)));
                 q = shared.queue.lock();
                 q.running = false;
+                q.plan = plan;
                 shared.cv.notify_all();
                 continue;
             }

@@ -202,7 +202,8 @@ pub trait Transport: Send + Sync {
         None
     }
 
-    /// The host of every rank (equal numbers: the same host), when ranks can be on several.
+    /// The host of every rank (equal numbers: the same host), when ranks can be on several;
+    /// hosts are numbered from 0 in the order of their first rank.
     fn hosts(&self) -> Option<&[usize]> {
         None
     }
@@ -223,32 +224,52 @@ pub(crate) fn check_peers(
     sends: &[SendOp<'_>],
     recvs: &[RecvOp<'_>],
 ) -> Result<()> {
-    let mut seen = vec![(false, false); world];
-    for (p, is_send) in sends
-        .iter()
-        .map(|x| (x.peer, true))
-        .chain(recvs.iter().map(|x| (x.peer, false)))
-    {
-        if p >= world || p == rank {
-            return Err(crate::error::Error::invalid(
-                site,
-                format!("exchange with rank {p}: not a peer"),
-            ));
-        }
-        let slot = if is_send {
-            &mut seen[p].0
-        } else {
-            &mut seen[p].1
-        };
-        if std::mem::replace(slot, true) {
-            return Err(crate::error::Error::invalid(
-                site,
-                format!(
-                    "exchange: two {} rank {p} in one step",
-                    if is_send { "sends to" } else { "receives from" }
-                ),
-            ));
-        }
+    // Lists are short (at most one entry per peer): compare pairs rather than allocate a table.
+    for (i, s) in sends.iter().enumerate() {
+        check_one(
+            site,
+            rank,
+            world,
+            s.peer,
+            sends[..i].iter().any(|x| x.peer == s.peer),
+            true,
+        )?;
+    }
+    for (i, r) in recvs.iter().enumerate() {
+        check_one(
+            site,
+            rank,
+            world,
+            r.peer,
+            recvs[..i].iter().any(|x| x.peer == r.peer),
+            false,
+        )?;
+    }
+    Ok(())
+}
+
+fn check_one(
+    site: Site,
+    rank: usize,
+    world: usize,
+    p: usize,
+    seen: bool,
+    is_send: bool,
+) -> Result<()> {
+    if p >= world || p == rank {
+        return Err(crate::error::Error::invalid(
+            site,
+            format!("exchange with rank {p}: not a peer"),
+        ));
+    }
+    if seen {
+        return Err(crate::error::Error::invalid(
+            site,
+            format!(
+                "exchange: two {} rank {p} in one step",
+                if is_send { "sends to" } else { "receives from" }
+            ),
+        ));
     }
     Ok(())
 }

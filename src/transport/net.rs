@@ -44,6 +44,7 @@ use crate::cluster::store::Store;
 use crate::cluster::ClusterSpec;
 use crate::dtype::kernels::{self, Init};
 use crate::error::{Error, Result, Site};
+use crate::reuse::recycle;
 use crate::sync::YIELD_FOR;
 
 /// Which transport carries a multi-process communicator.
@@ -108,8 +109,9 @@ pub struct NetTransport {
     aborted: AtomicBool,
     reason: Mutex<Option<String>>,
     wake: OwnedFd,
-    /// Serializes exchanges with the abort notification to peers.
-    engine: Mutex<()>,
+    /// Serializes exchanges with the abort notification to peers, and holds what exchanges
+    /// reuse.
+    engine: Mutex<Reuse>,
     /// The identity of the current call, which its frames carry ([`CallHeader::ident`]).
     ident: [AtomicU64; IDENT / 8],
     /// The current call has started moving data (an error now leaves peers mid-step).
@@ -118,8 +120,6 @@ pub struct NetTransport {
     spin: Duration,
     /// The host of every rank.
     hosts: Vec<usize>,
-    /// Scratch buffers of reducing receives, reused across exchanges.
-    scratch: Mutex<Vec<Vec<u64>>>,
     /// The peers have been told why this rank stopped (they are told once).
     notified: AtomicBool,
     /// The rank this rank was waiting for when its call failed, plus one (0: none): every
@@ -296,14 +296,20 @@ impl NetTransport {
             aborted: AtomicBool::new(false),
             reason: Mutex::new(None),
             wake: eventfd()?,
-            engine: Mutex::new(()),
+            // A wait's lists are sized now: the first wait may come at any call.
+            engine: Mutex::new(Reuse {
+                wait: WaitLists {
+                    pending: Vec::with_capacity(2 * world),
+                    fds: Vec::with_capacity(world + 1),
+                },
+                ..Reuse::default()
+            }),
             ident: Default::default(),
             data_started: AtomicBool::new(false),
             // Spinning pays while every rank of this host has a core of its own.
             spin: crate::sync::Spin::for_world(hosts.iter().filter(|&&h| h == hosts[rank]).count())
                 .0,
             hosts,
-            scratch: Mutex::new(Vec::new()),
             notified: AtomicBool::new(false),
             waiting_for: AtomicU32::new(0),
             aborted_by: AtomicU32::new(0),
@@ -607,6 +613,26 @@ struct RecvState<'a> {
     scratch: Vec<u64>,
     fill: usize,
 }
+
+/// What an exchange reuses from the last (a repeated exchange allocates nothing): its send and
+/// receive states (kept empty), the scratch buffers of reducing receives, and a wait's lists.
+#[derive(Default)]
+struct Reuse {
+    sends: Vec<SendState<'static>>,
+    recvs: Vec<RecvState<'static>>,
+    scratch: Vec<Vec<u64>>,
+    wait: WaitLists,
+}
+
+/// The lists a wait builds: the transfers still pending, and poll(2)'s descriptors.
+#[derive(Default)]
+struct WaitLists {
+    pending: Vec<(usize, bool)>,
+    fds: Vec<libc::pollfd>,
+}
+
+// SAFETY: `pollfd` is plain data (a descriptor number and flags); the rest is `Send` already.
+unsafe impl Send for WaitLists {}
 
 /// A peer's stream, read up to its ABORT frame (after a failure, to learn why it gave up and
 /// whom it was waiting for).
@@ -1014,17 +1040,18 @@ impl NetTransport {
         Err(lost(site, peer, &closed("connection closed mid-message")))
     }
 
-    /// The engine: drive `sends` and `recvs` to completion.
+    /// The engine: drive `sends` and `recvs` to completion (the caller holds `self.engine`,
+    /// whose lists `wait` are).
     fn run(
         &self,
         site: Site,
         phase: &'static str,
         sends: &mut [SendState<'_>],
         recvs: &mut [RecvState<'_>],
+        wait: &mut WaitLists,
     ) -> Result<()> {
-        let _engine = self.engine.lock();
         self.aborted_by.store(0, Ordering::Release);
-        self.run_steps(site, phase, sends, recvs)
+        self.run_steps(site, phase, sends, recvs, wait)
             .map_err(|e| self.blame(phase, e, sends, recvs))
     }
 
@@ -1187,6 +1214,7 @@ impl NetTransport {
         phase: &'static str,
         sends: &mut [SendState<'_>],
         recvs: &mut [RecvState<'_>],
+        lists: &mut WaitLists,
     ) -> Result<()> {
         let mine = self.ident();
         let mut deadline = Instant::now() + self.timeout;
@@ -1246,7 +1274,7 @@ impl NetTransport {
             let on_ring = |peer: usize| self.link(peer).shm.is_some();
             let ring_only = sends.iter().all(|s| s.done() || on_ring(s.peer))
                 && recvs.iter().all(|r| r.done() || on_ring(r.peer));
-            self.wait(sends, recvs, ring_only, &mut pause, deadline)?;
+            self.wait(sends, recvs, ring_only, &mut pause, deadline, lists)?;
             if let Some(e) = self.hang_ups(site, sends)? {
                 return Err(e);
             }
@@ -1263,13 +1291,17 @@ impl NetTransport {
         ring_only: bool,
         pause: &mut Duration,
         deadline: Instant,
+        lists: &mut WaitLists,
     ) -> Result<()> {
-        let pending: Vec<(usize, bool)> = sends
-            .iter()
-            .filter(|s| !s.done())
-            .map(|s| (s.peer, false))
-            .chain(recvs.iter().filter(|r| !r.done()).map(|r| (r.peer, true)))
-            .collect();
+        let WaitLists { pending, fds } = lists;
+        pending.clear();
+        pending.extend(
+            sends
+                .iter()
+                .filter(|s| !s.done())
+                .map(|s| (s.peer, false))
+                .chain(recvs.iter().filter(|r| !r.done()).map(|r| (r.peer, true))),
+        );
         if ring_only {
             let (peer, _) = pending[0];
             let filled = pending.iter().any(|&(p, recv)| p == peer && recv);
@@ -1285,7 +1317,7 @@ impl NetTransport {
             let shm = self.link(peer).shm.as_ref().expect("a ring");
             shm.sleep(filled, free, (Instant::now() + nap).min(deadline));
         }
-        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.world + 1);
+        fds.clear();
         let pfd = |fd: RawFd, events: i16| libc::pollfd {
             fd,
             events,
@@ -1320,7 +1352,7 @@ impl NetTransport {
                 .saturating_duration_since(Instant::now())
                 .min(Duration::from_secs(1))
         };
-        poll_for(&mut fds, wait).map_err(|e| Error::io("poll", e))?;
+        poll_for(fds, wait).map_err(|e| Error::io("poll", e))?;
         for (l, f) in self.links.iter().flatten().zip(&fds[1..]) {
             if f.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
                 l.closed.store(true, Ordering::Relaxed);
@@ -1351,6 +1383,27 @@ impl NetTransport {
             }
         }
         Ok(None)
+    }
+
+    /// What a check round's frames say: a peer's rejection, or the first peer whose call differs.
+    fn check_round(&self, site: Site, recvs: &[RecvState<'_>], ident: &Ident) -> Result<()> {
+        for r in recvs {
+            let Target::Header(message) = &r.target else {
+                unreachable!("header receives")
+            };
+            if !message.is_empty() {
+                return Err(Error::PeerRejected {
+                    site,
+                    peer: r.peer,
+                    message: String::from_utf8_lossy(message).into_owned(),
+                });
+            }
+            let theirs = frame_ident(&r.hdr);
+            if theirs != ident {
+                return Err(self.mismatch(site, r.peer, theirs, ident));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -1402,46 +1455,33 @@ impl Transport for NetTransport {
         let message = &message[..message.len().min(MAX_HEADER as usize)];
         let hdr = frame(FRAME_HEADER, 0, message.len() as u64, &ident);
         let peers = (0..self.world).filter(|&r| r != self.rank);
-        let mut sends: Vec<SendState<'_>> = peers
-            .clone()
-            .map(|peer| SendState {
-                peer,
-                hdr,
-                hoff: 0,
-                data: message,
-                off: 0,
-            })
-            .collect();
-        let mut recvs: Vec<RecvState<'_>> = peers
-            .map(|peer| RecvState {
-                peer,
-                target: Target::Header(Vec::new()),
-                hdr: [0; HDR],
-                hoff: 0,
-                len: 0,
-                off: 0,
-                scratch: Vec::new(),
-                fill: 0,
-            })
-            .collect();
-        self.run(site, "arrive", &mut sends, &mut recvs)?;
-        for r in &recvs {
-            let Target::Header(message) = &r.target else {
-                unreachable!("header receives")
-            };
-            if !message.is_empty() {
-                return Err(Error::PeerRejected {
-                    site,
-                    peer: r.peer,
-                    message: String::from_utf8_lossy(message).into_owned(),
-                });
-            }
-            let theirs = frame_ident(&r.hdr);
-            if *theirs != ident {
-                return Err(self.mismatch(site, r.peer, theirs, &ident));
-            }
-        }
-        Ok(())
+        let mut engine = self.engine.lock();
+        let reuse = &mut *engine;
+        let mut sends: Vec<SendState<'_>> = recycle(std::mem::take(&mut reuse.sends));
+        sends.extend(peers.clone().map(|peer| SendState {
+            peer,
+            hdr,
+            hoff: 0,
+            data: message,
+            off: 0,
+        }));
+        let mut recvs: Vec<RecvState<'_>> = recycle(std::mem::take(&mut reuse.recvs));
+        recvs.extend(peers.map(|peer| RecvState {
+            peer,
+            target: Target::Header(Vec::new()),
+            hdr: [0; HDR],
+            hoff: 0,
+            len: 0,
+            off: 0,
+            scratch: Vec::new(),
+            fill: 0,
+        }));
+        let result = self.run(site, "arrive", &mut sends, &mut recvs, &mut reuse.wait);
+        reuse.sends = recycle(sends);
+        result?;
+        let checked = self.check_round(site, &recvs, &ident);
+        reuse.recvs = recycle(recvs);
+        checked
     }
 
     fn exchange(&self, site: Site, sends: &[SendOp<'_>], recvs: &mut [RecvOp<'_>]) -> Result<()> {
@@ -1449,42 +1489,42 @@ impl Transport for NetTransport {
         // From here a failure leaves peers mid-step: `end` must abort the communicator.
         self.data_started.store(true, Ordering::Release);
         let ident = self.ident();
-        let mut ss: Vec<SendState<'_>> = sends
-            .iter()
-            .map(|s| SendState {
-                peer: s.peer,
-                hdr: frame(FRAME_DATA, 0, s.data.len() as u64, &ident),
-                hoff: 0,
-                data: s.data,
-                off: 0,
-            })
-            .collect();
+        let mut engine = self.engine.lock();
+        let reuse = &mut *engine;
+        let mut ss: Vec<SendState<'_>> = recycle(std::mem::take(&mut reuse.sends));
+        ss.extend(sends.iter().map(|s| SendState {
+            peer: s.peer,
+            hdr: frame(FRAME_DATA, 0, s.data.len() as u64, &ident),
+            hoff: 0,
+            data: s.data,
+            off: 0,
+        }));
         // Reducing receives stage chunks in scratch buffers kept between exchanges: a buffer
         // resized to the length it had is not allocated or zeroed again.
-        let mut pool = std::mem::take(&mut *self.scratch.lock());
-        let mut rs: Vec<RecvState<'_>> = recvs
-            .iter_mut()
-            .map(|r| RecvState {
-                peer: r.peer,
-                target: Target::Data {
-                    dst: &mut *r.dst,
-                    mode: r.mode,
-                },
-                hdr: [0; HDR],
-                hoff: 0,
-                len: 0,
-                off: 0,
-                scratch: pool.pop().unwrap_or_default(),
-                fill: 0,
-            })
-            .collect();
-        let result = self.run(site, "exchange data", &mut ss, &mut rs);
-        pool.extend(
-            rs.into_iter()
-                .map(|r| r.scratch)
-                .filter(|v| v.capacity() > 0),
-        );
-        *self.scratch.lock() = pool;
+        let pool = &mut reuse.scratch;
+        let mut rs: Vec<RecvState<'_>> = recycle(std::mem::take(&mut reuse.recvs));
+        rs.extend(recvs.iter_mut().map(|r| RecvState {
+            peer: r.peer,
+            target: Target::Data {
+                dst: &mut *r.dst,
+                mode: r.mode,
+            },
+            hdr: [0; HDR],
+            hoff: 0,
+            len: 0,
+            off: 0,
+            scratch: pool.pop().unwrap_or_default(),
+            fill: 0,
+        }));
+        let result = self.run(site, "exchange data", &mut ss, &mut rs, &mut reuse.wait);
+        for r in rs.iter_mut() {
+            let v = std::mem::take(&mut r.scratch);
+            if v.capacity() > 0 {
+                reuse.scratch.push(v);
+            }
+        }
+        reuse.sends = recycle(ss);
+        reuse.recvs = recycle(rs);
         result
     }
 
