@@ -8,7 +8,8 @@
 //! | `reduce-to-one` | every rank sends to the root, the root reduces and sends back | S (root: receives and sends (P-1)S) |
 //!
 //! `auto` picks `direct` where the transport exposes peer memory; elsewhere a one-step all-to-all
-//! for small buffers (each rank sends at most 64 KiB) and `ring` above, except when the ranks
+//! for small buffers (up to 48 KiB over shared memory, 128 KiB over TCP, and at most 160 KiB
+//! sent per rank: the measured crossovers) and `ring` above, except when the ranks
 //! span several hosts with more than one rank on some: then a reduce within each host, the ring
 //! among the hosts' leaders, and a broadcast within each host. Each
 //! module documents its steps; the README gives the full cost table.
@@ -258,7 +259,6 @@ pub(crate) fn check(algo: Algorithm, world: usize) -> Result<(), String> {
     }
 }
 
-/// All-reduce: `output = ⊕ over ranks of input` (`input = None`: in place in `output`).
 /// True when the ranks are on several hosts and some host holds more than one: then `auto`
 /// reduces within each host before going across.
 fn spans_hosts_with_neighbours(hosts: &[usize]) -> bool {
@@ -267,10 +267,28 @@ fn spans_hosts_with_neighbours(hosts: &[usize]) -> bool {
     distinct > 1 && distinct < hosts.len()
 }
 
-/// Below this many bytes sent per rank, `auto` without peer memory all-reduces in one all-to-all
-/// step instead of 2(P-1) ring steps.
-const SMALL_ALL_TO_ALL: usize = 64 << 10;
+/// The largest buffer that `auto` without peer memory all-reduces in one all-to-all step
+/// instead of 2(P-1) ring steps, where every peer is reached through shared memory: the measured
+/// crossover (2-4 processes; README, "Across processes and hosts").
+const ALL_TO_ALL_SHM: usize = 48 << 10;
+/// The same over TCP (or a mix): more latency per step, so the crossover is larger.
+const ALL_TO_ALL_NET: usize = 128 << 10;
+/// And at most this many bytes sent per rank ((P-1)·S): worlds larger than those measured send
+/// P-1 copies of the buffer where the ring sends two.
+const ALL_TO_ALL_SENT: usize = 160 << 10;
 
+/// Whether `auto` all-reduces `len` bytes in one all-to-all step (every rank decides alike: the
+/// kind of link is the same for every rank of a world).
+fn small_all_to_all(ctx: &Ctx<'_>, len: usize) -> bool {
+    let limit = if ctx.t.all_shared_memory() {
+        ALL_TO_ALL_SHM
+    } else {
+        ALL_TO_ALL_NET
+    };
+    len <= limit && len.saturating_mul(ctx.world() - 1) <= ALL_TO_ALL_SENT
+}
+
+/// All-reduce: `output = ⊕ over ranks of input` (`input = None`: in place in `output`).
 pub(crate) fn all_reduce(
     ctx: &Ctx<'_>,
     algo: Algorithm,
@@ -282,7 +300,7 @@ pub(crate) fn all_reduce(
     if algo == Algorithm::Direct {
         return direct::all_reduce(ctx, input.is_none(), output.len());
     }
-    let small = output.len() * (ctx.world() - 1) <= SMALL_ALL_TO_ALL;
+    let small = small_all_to_all(ctx, output.len());
     if auto && !small {
         if let Some(hosts) = ctx.t.hosts().filter(|h| spans_hosts_with_neighbours(h)) {
             return hierarchical::all_reduce_hosts(ctx, hosts, input, output);

@@ -202,6 +202,11 @@ pub trait Transport: Send + Sync {
         None
     }
 
+    /// Every peer is reached through shared memory (the same for every rank of a world).
+    fn all_shared_memory(&self) -> bool {
+        false
+    }
+
     /// The host of every rank (equal numbers: the same host), when ranks can be on several;
     /// hosts are numbered from 0 in the order of their first rank.
     fn hosts(&self) -> Option<&[usize]> {

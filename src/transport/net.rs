@@ -1532,6 +1532,10 @@ impl Transport for NetTransport {
         Some(&self.hosts)
     }
 
+    fn all_shared_memory(&self) -> bool {
+        self.links.iter().flatten().all(|l| l.shm.is_some())
+    }
+
     fn end(&self, failed: Option<&Error>) {
         let Some(e) = failed else { return };
         if matches!(
