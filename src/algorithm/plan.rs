@@ -10,6 +10,11 @@ use std::ops::{Deref, DerefMut};
 use crate::reuse::recycle;
 use crate::transport::{CallBuffers, RecvOp, SendOp};
 
+/// Scratch buffers larger than this are freed when their call is done rather than kept: a
+/// single huge call must not hold its memory for the communicator's life (calls that large spend
+/// far longer moving bytes than allocating).
+const KEEP_SCRATCH: usize = 4 << 20;
+
 /// The reusable parts of a communicator's calls (see the module documentation), owned by the
 /// running call.
 #[derive(Default)]
@@ -144,7 +149,7 @@ impl DerefMut for Scratch<'_> {
 impl Drop for Scratch<'_> {
     fn drop(&mut self) {
         let v = std::mem::take(&mut self.v);
-        if v.capacity() > 0 {
+        if v.capacity() > 0 && v.capacity() * 8 <= KEEP_SCRATCH {
             self.plan.0.borrow_mut().bytes.push(v);
         }
     }
