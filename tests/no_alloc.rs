@@ -112,6 +112,11 @@ fn repeated(comms: &[Communicator], counts: &[usize], rounds: usize) -> Vec<u64>
             .iter()
             .map(|c| {
                 s.spawn(move || {
+                    // A thread's first sleep lets parking_lot allocate its thread data (and grow
+                    // its table): sleep once before counting, whether or not a call will.
+                    let lock = parking_lot::Mutex::new(());
+                    parking_lot::Condvar::new()
+                        .wait_for(&mut lock.lock(), Duration::from_micros(1));
                     let mut bufs = Buffers {
                         a: vec![1.0; max],
                         b: vec![2.0; max],

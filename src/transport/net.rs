@@ -631,9 +631,6 @@ struct WaitLists {
     fds: Vec<libc::pollfd>,
 }
 
-// SAFETY: `pollfd` is plain data (a descriptor number and flags); the rest is `Send` already.
-unsafe impl Send for WaitLists {}
-
 /// A peer's stream, read up to its ABORT frame (after a failure, to learn why it gave up and
 /// whom it was waiting for).
 struct Ask {
