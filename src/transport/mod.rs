@@ -229,52 +229,48 @@ pub(crate) fn check_peers(
     sends: &[SendOp<'_>],
     recvs: &[RecvOp<'_>],
 ) -> Result<()> {
-    // Lists are short (at most one entry per peer): compare pairs rather than allocate a table.
-    for (i, s) in sends.iter().enumerate() {
-        check_one(
-            site,
-            rank,
-            world,
-            s.peer,
-            sends[..i].iter().any(|x| x.peer == s.peer),
-            true,
-        )?;
-    }
-    for (i, r) in recvs.iter().enumerate() {
-        check_one(
-            site,
-            rank,
-            world,
-            r.peer,
-            recvs[..i].iter().any(|x| x.peer == r.peer),
-            false,
-        )?;
-    }
-    Ok(())
+    check_list(site, rank, world, sends.iter().map(|x| x.peer), "sends to")?;
+    check_list(
+        site,
+        rank,
+        world,
+        recvs.iter().map(|x| x.peer),
+        "receives from",
+    )
 }
 
-fn check_one(
+/// Every peer in range and not this rank, and none twice, without a table per exchange:
+/// algorithms list peers in increasing order, which proves them distinct in one pass; any other
+/// order is compared pair by pair.
+fn check_list(
     site: Site,
     rank: usize,
     world: usize,
-    p: usize,
-    seen: bool,
-    is_send: bool,
+    peers: impl Iterator<Item = usize> + Clone,
+    what: &str,
 ) -> Result<()> {
-    if p >= world || p == rank {
-        return Err(crate::error::Error::invalid(
-            site,
-            format!("exchange with rank {p}: not a peer"),
-        ));
+    let mut increasing = true;
+    let mut last = None;
+    for p in peers.clone() {
+        if p >= world || p == rank {
+            return Err(crate::error::Error::invalid(
+                site,
+                format!("exchange with rank {p}: not a peer"),
+            ));
+        }
+        increasing &= last.is_none_or(|l| l < p);
+        last = Some(p);
     }
-    if seen {
-        return Err(crate::error::Error::invalid(
-            site,
-            format!(
-                "exchange: two {} rank {p} in one step",
-                if is_send { "sends to" } else { "receives from" }
-            ),
-        ));
+    if increasing {
+        return Ok(());
+    }
+    for (i, p) in peers.clone().enumerate() {
+        if peers.clone().take(i).any(|q| q == p) {
+            return Err(crate::error::Error::invalid(
+                site,
+                format!("exchange: two {what} rank {p} in one step"),
+            ));
+        }
     }
     Ok(())
 }
@@ -289,4 +285,48 @@ pub trait PeerMemory {
     /// `Timeout` error.
     fn wait_progress(&self, site: Site, peer: usize, value: u64, phase: &'static str)
         -> Result<()>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Collective;
+
+    fn check(sends: &[usize], recvs: &[usize]) -> std::result::Result<(), String> {
+        let site = Site {
+            collective: Collective::AllReduce,
+            rank: 1,
+            call: 0,
+        };
+        let data = [0u8; 1];
+        let mut dst = [[0u8; 1]; 8];
+        let sends: Vec<SendOp<'_>> = sends
+            .iter()
+            .map(|&peer| SendOp { peer, data: &data })
+            .collect();
+        let recvs: Vec<RecvOp<'_>> = recvs
+            .iter()
+            .zip(dst.iter_mut())
+            .map(|(&peer, d)| RecvOp {
+                peer,
+                dst: d,
+                mode: RecvMode::Copy,
+            })
+            .collect();
+        check_peers(site, 1, 4, &sends, &recvs).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn exchange_peers_are_checked_in_any_order() {
+        assert!(check(&[0, 2, 3], &[0, 2, 3]).is_ok());
+        assert!(check(&[3, 0, 2], &[2, 0]).is_ok());
+        assert!(check(&[4], &[]).unwrap_err().contains("rank 4: not a peer"));
+        assert!(check(&[], &[1]).unwrap_err().contains("rank 1: not a peer"));
+        assert!(check(&[3, 0, 3], &[])
+            .unwrap_err()
+            .contains("two sends to rank 3"));
+        assert!(check(&[0], &[2, 2])
+            .unwrap_err()
+            .contains("two receives from rank 2"));
+    }
 }
