@@ -38,8 +38,7 @@ unsafe impl<B: Send> Send for Owned<B> {}
 
 impl<B> Owned<B> {
     pub(crate) fn new(b: B) -> Owned<B> {
-        // SAFETY: `Box::into_raw` is never null.
-        Owned(unsafe { std::ptr::NonNull::new_unchecked(Box::into_raw(Box::new(b))) })
+        Owned(std::ptr::NonNull::from(Box::leak(Box::new(b))))
     }
 
     /// The buffer, for taking the call's pointers (valid until this is dropped or taken).
@@ -52,14 +51,14 @@ impl<B> Owned<B> {
     fn into_inner(self) -> B {
         let ptr = self.0.as_ptr();
         std::mem::forget(self);
-        // SAFETY: made by `Box::into_raw` in `new`, and not freed (`self` was forgotten).
+        // SAFETY: made by `Box::leak` in `new`, and not freed (`self` was forgotten).
         *unsafe { Box::from_raw(ptr) }
     }
 }
 
 impl<B> Drop for Owned<B> {
     fn drop(&mut self) {
-        // SAFETY: made by `Box::into_raw` in `new`; dropped once.
+        // SAFETY: made by `Box::leak` in `new`; dropped once.
         drop(unsafe { Box::from_raw(self.0.as_ptr()) })
     }
 }
