@@ -43,7 +43,7 @@ fn step(
     buf: &mut [u8],
     send: Range<usize>,
     recv: Range<usize>,
-    mode: RecvMode,
+    mode: RecvMode<'_>,
 ) -> Result<()> {
     let (p, r) = (ctx.world(), ctx.rank());
     let (right, left) = ((r + 1) % p, (r + p - 1) % p);
@@ -51,32 +51,37 @@ fn step(
     exchange_nonempty(ctx, right, s, left, d, mode)
 }
 
-/// All-reduce in `buf`. Out of place (`input` given), each piece of the input is copied into
-/// `buf` just before the step that first uses it, so the copy stays in cache.
+/// All-reduce in `buf`. Out of place (`input` given), the reduce-scatter reads the input where
+/// `buf` holds nothing yet: the first step sends the input's piece, and each piece that arrives
+/// is combined with the input's into `buf`, so no byte of the input is copied into `buf` first.
 pub(crate) fn all_reduce(ctx: &Ctx<'_>, input: Option<&[u8]>, buf: &mut [u8]) -> Result<()> {
     let p = ctx.world();
     let r = ctx.rank();
     let count = buf.len() / ctx.dtype.size();
-    let stage = |buf: &mut [u8], range: Range<usize>| {
-        if let Some(i) = input {
-            buf[range.clone()].copy_from_slice(&i[range]);
-        }
-    };
     if p == 1 {
-        stage(buf, 0..buf.len());
+        if let Some(i) = input {
+            buf.copy_from_slice(i);
+        }
         ctx.finish_mean(buf);
         return Ok(());
     }
-    let reduce = RecvMode::Reduce(ctx.dtype, ctx.op.combining());
+    let (dtype, op) = (ctx.dtype, ctx.op.combining());
+    let (right, left) = ((r + 1) % p, (r + p - 1) % p);
     for g in 0..rounds(ctx, count) {
+        // Step s receives slice r-s-1 (each slice but r once) and sends slice r-s: this rank's
+        // own at the first step, then the one it received the step before.
         for s in 0..p - 1 {
             let send = piece(ctx, count, (r + p - s) % p, g);
             let recv = piece(ctx, count, (r + 2 * p - s - 1) % p, g);
-            if s == 0 {
-                stage(buf, send.clone());
+            match input {
+                Some(i) => {
+                    let (sent, dst) = split_pair(buf, send.clone(), recv.clone());
+                    let data = if s == 0 { &i[send] } else { sent };
+                    let mode = RecvMode::ReduceWith(dtype, op, &i[recv]);
+                    exchange_nonempty(ctx, right, data, left, dst, mode)?;
+                }
+                None => step(ctx, buf, send, recv, RecvMode::Reduce(dtype, op))?,
             }
-            stage(buf, recv.clone());
-            step(ctx, buf, send, recv, reduce)?;
         }
         ctx.finish_mean(&mut buf[piece(ctx, count, (r + 1) % p, g)]);
         for s in 0..p - 1 {
@@ -108,7 +113,6 @@ pub(crate) fn reduce_scatter(ctx: &Ctx<'_>, input: &[u8], output: &mut [u8]) -> 
     let esize = ctx.dtype.size();
     let count = input.len() / esize;
     let slice_start = partition(count, p, r).start * esize;
-    let reduce = RecvMode::Reduce(ctx.dtype, ctx.op.combining());
     // Slices may differ by one element (reduce cuts uneven ones): size for the largest piece.
     let scratch_len = (partition(count, p, 0).len() * esize).min(ctx.chunk_elems() * esize);
     let mut scratch = [ctx.plan.scratch(scratch_len), ctx.plan.scratch(scratch_len)];
@@ -135,8 +139,8 @@ pub(crate) fn reduce_scatter(ctx: &Ctx<'_>, input: &[u8], output: &mut [u8]) -> 
             } else {
                 &mut cur[..recv_range.len()]
             };
-            dst.copy_from_slice(&input[recv_range]);
-            exchange_nonempty(ctx, (r + 1) % p, send, (r + p - 1) % p, dst, reduce)?;
+            let mode = RecvMode::ReduceWith(ctx.dtype, ctx.op.combining(), &input[recv_range]);
+            exchange_nonempty(ctx, (r + 1) % p, send, (r + p - 1) % p, dst, mode)?;
         }
         ctx.finish_mean(&mut output[out]);
     }
@@ -151,7 +155,7 @@ fn exchange_nonempty(
     send: &[u8],
     from: usize,
     dst: &mut [u8],
-    mode: RecvMode,
+    mode: RecvMode<'_>,
 ) -> Result<()> {
     let sends = [SendOp {
         peer: to,

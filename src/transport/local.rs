@@ -15,8 +15,7 @@ use std::time::{Duration, Instant};
 use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 
-use super::{CallBuffers, CallHeader, PeerMemory, RecvMode, RecvOp, SendOp, Transport};
-use crate::dtype::kernels::{self, Init};
+use super::{CallBuffers, CallHeader, PeerMemory, RecvOp, SendOp, Transport};
 use crate::error::{Error, Result, Site};
 use crate::sync::{Bell, Spin};
 
@@ -277,12 +276,7 @@ impl Transport for LocalTransport {
                 // message consumed below; they do not overlap our destination (different
                 // buffers, or disjoint ranges of one buffer chosen by the algorithm).
                 let src = unsafe { std::slice::from_raw_parts(ptr, len) };
-                match rcv.mode {
-                    RecvMode::Copy => rcv.dst.copy_from_slice(src),
-                    RecvMode::Reduce(dtype, op) => {
-                        kernels::reduce(dtype, op, rcv.dst, &[src], Init::Accumulate, None)
-                    }
-                }
+                rcv.mode.deliver(rcv.dst, 0, src);
             }
             ch.consumed.store(expect, Ordering::Release);
             s.bells[peer].ring();

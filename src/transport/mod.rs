@@ -38,6 +38,7 @@ pub use net::{NetTransport, TransportKind};
 
 use std::time::Duration;
 
+use crate::dtype::kernels::{self, Init};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Collective, Result, Site};
 
@@ -155,11 +156,42 @@ pub struct SendOp<'a> {
 
 /// What a receive does with the bytes that arrive.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum RecvMode {
+pub enum RecvMode<'a> {
     /// Copy them into the destination.
     Copy,
     /// Combine them into the destination with a reduce op: `dst = dst ⊕ incoming`.
     Reduce(DType, ReduceOp),
+    /// Combine them with `base` (as long as the destination) into the destination:
+    /// `dst = base ⊕ incoming`, never reading what the destination held. An out-of-place
+    /// reduction receives this way, sparing a copy of its input into the output first.
+    ReduceWith(DType, ReduceOp, &'a [u8]),
+}
+
+impl RecvMode<'_> {
+    /// Deliver `incoming`, the bytes that arrived for `dst`, which starts `off` bytes into the
+    /// receive's destination. Every transport delivers through here.
+    #[inline]
+    pub(crate) fn deliver(&self, dst: &mut [u8], off: usize, incoming: &[u8]) {
+        match *self {
+            RecvMode::Copy => dst.copy_from_slice(incoming),
+            RecvMode::Reduce(dtype, op) => {
+                kernels::reduce(dtype, op, dst, &[incoming], Init::Accumulate, None)
+            }
+            RecvMode::ReduceWith(dtype, op, base) => kernels::reduce(
+                dtype,
+                op,
+                dst,
+                &[&base[off..off + dst.len()], incoming],
+                Init::Overwrite,
+                None,
+            ),
+        }
+    }
+
+    /// Whether the receive combines what arrives (and so needs whole elements).
+    pub(crate) fn reduces(&self) -> bool {
+        !matches!(self, RecvMode::Copy)
+    }
 }
 
 /// A receive in an [`Transport::exchange`].
@@ -169,7 +201,7 @@ pub struct RecvOp<'a> {
     /// Where the bytes go; its length must equal the sender's.
     pub dst: &'a mut [u8],
     /// Copy or reduce.
-    pub mode: RecvMode,
+    pub mode: RecvMode<'a>,
 }
 
 /// Moves the bytes of collectives between the ranks of one communicator.
@@ -230,6 +262,21 @@ pub(crate) fn check_peers(
     recvs: &[RecvOp<'_>],
 ) -> Result<()> {
     check_list(site, rank, world, sends.iter().map(|x| x.peer), "sends to")?;
+    for r in recvs {
+        if let RecvMode::ReduceWith(_, _, base) = r.mode {
+            if base.len() != r.dst.len() {
+                return Err(crate::error::Error::invalid(
+                    site,
+                    format!(
+                        "receive from rank {}: {} bytes to combine with a {}-byte destination",
+                        r.peer,
+                        base.len(),
+                        r.dst.len()
+                    ),
+                ));
+            }
+        }
+    }
     check_list(
         site,
         rank,

@@ -42,7 +42,6 @@ use super::{CallBuffers, CallHeader, RecvMode, RecvOp, SendOp, Transport};
 use crate::cluster::auth::{self as wire, Purpose};
 use crate::cluster::store::Store;
 use crate::cluster::ClusterSpec;
-use crate::dtype::kernels::{self, Init};
 use crate::error::{Error, Result, Site};
 use crate::reuse::recycle;
 use crate::sync::YIELD_FOR;
@@ -588,7 +587,7 @@ fn send_vectored(sock: &TcpStream, bufs: &[IoSlice<'_>]) -> std::io::Result<usiz
 enum Target<'a> {
     Data {
         dst: &'a mut [u8],
-        mode: RecvMode,
+        mode: RecvMode<'a>,
     },
     /// A check round's frame: its payload (a rejection message, or nothing).
     Header(Vec<u8>),
@@ -858,11 +857,9 @@ impl NetTransport {
                     ));
                 }
                 r.len = dst.len();
-                if let RecvMode::Reduce(..) = mode {
-                    if self.link(r.peer).shm.is_none() {
-                        r.scratch
-                            .resize(self.chunk_bytes.min(r.len).max(8).div_ceil(8), 0);
-                    }
+                if mode.reduces() && self.link(r.peer).shm.is_none() {
+                    r.scratch
+                        .resize(self.chunk_bytes.min(r.len).max(8).div_ceil(8), 0);
                 }
                 Ok(())
             }
@@ -997,23 +994,18 @@ impl NetTransport {
             };
             moved = true;
             match &mut r.target {
-                Target::Data {
-                    dst,
-                    mode: RecvMode::Reduce(dtype, op),
-                } => {
+                Target::Data { dst, mode } if mode.reduces() => {
+                    let mode = *mode;
+                    let (RecvMode::Reduce(dtype, _) | RecvMode::ReduceWith(dtype, ..)) = mode
+                    else {
+                        unreachable!("a reducing receive")
+                    };
                     r.fill += n;
                     let esize = dtype.size();
                     let whole = r.fill - r.fill % esize;
                     let scratch: &mut [u8] = bytemuck::cast_slice_mut(&mut r.scratch);
                     if r.fill == scratch.len() || r.off + r.fill == r.len {
-                        kernels::reduce(
-                            *dtype,
-                            *op,
-                            &mut dst[r.off..r.off + whole],
-                            &[&scratch[..whole]],
-                            Init::Accumulate,
-                            None,
-                        );
+                        mode.deliver(&mut dst[r.off..r.off + whole], r.off, &scratch[..whole]);
                         scratch.copy_within(whole..r.fill, 0);
                         r.off += whole;
                         r.fill -= whole;

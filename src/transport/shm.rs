@@ -22,7 +22,6 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 use std::time::Instant;
 
-use crate::dtype::kernels::{self, Init};
 use crate::error::{Error, Result, Site};
 use crate::transport::wire::HDR;
 use crate::transport::RecvMode;
@@ -397,7 +396,7 @@ impl ShmLink {
         site: Site,
         peer: usize,
         dst: &mut [u8],
-        mode: RecvMode,
+        mode: RecvMode<'_>,
         off: &mut usize,
     ) -> Result<bool> {
         let c = self.rx.seg.counters();
@@ -416,12 +415,7 @@ impl ShmLink {
             }
             let src = unsafe { std::slice::from_raw_parts(payload as *const u8, n) };
             let d = &mut dst[*off..*off + n];
-            match mode {
-                RecvMode::Copy => d.copy_from_slice(src),
-                RecvMode::Reduce(dtype, op) => {
-                    kernels::reduce(dtype, op, d, &[src], Init::Accumulate, None)
-                }
-            }
+            mode.deliver(d, *off, src);
             tail += 1;
             c.tail.store(tail, Ordering::SeqCst);
             *off += n;
