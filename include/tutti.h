@@ -847,6 +847,39 @@ tutti_result tutti_comm_set_algorithm(struct tutti_comm *comm,
                                       uint32_t arg);
 
 /**
+ * Order this communicator's later collectives after the work queued on a CUDA stream
+ * (`cudaStream_t` or `CUstream`, of the rank's GPU in its primary context as the CUDA runtime's
+ * streams are; NULL: the legacy default stream), for `"cuda:N"` ranks. A collective issued
+ * while a stream is set first waits, on the GPU and not on the host, for the work queued on
+ * the stream before it was issued, so the kernels that wrote its input need no
+ * synchronization first. Its results are in place when it completes: the blocking call
+ * returns, or the `_async` call's work handle is waited. Work queued on the stream after an
+ * `_async` call and before waiting for it is not ordered after the call.
+ * `tutti_comm_unset_cuda_stream` goes back to no stream (the default: the caller makes sure
+ * the buffers are ready). Errors: `TUTTI_ERROR_INVALID_ARGUMENT` on a rank that is not a CUDA GPU.
+ *
+ * Thread-safety: as `tutti_comm_set_algorithm`.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle; `stream` is a live stream of the rank's GPU (or NULL) until
+ * it is replaced, unset, or the communicator destroyed.
+ */
+tutti_result tutti_comm_set_cuda_stream(struct tutti_comm *comm, void *stream);
+
+/**
+ * Stop ordering this communicator's collectives after a CUDA stream
+ * (`tutti_comm_set_cuda_stream`).
+ *
+ * Thread-safety: as `tutti_comm_set_algorithm`.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle.
+ */
+tutti_result tutti_comm_unset_cuda_stream(struct tutti_comm *comm);
+
+/**
  * Abort the group: every blocked and later collective of every rank fails at once with
  * `TUTTI_ERROR_ABORTED`, carrying `reason` (NULL: a default reason). Use it to wake ranks
  * blocked in a collective when one rank gives up. The communicators stay valid for

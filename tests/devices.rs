@@ -174,3 +174,29 @@ fn a_process_rank_on_a_device() {
     comm.all_reduce(&mut x, ReduceOp::Sum).unwrap();
     assert_eq!(x, [2.0; 3]);
 }
+
+#[test]
+fn only_cuda_ranks_take_a_cuda_stream() {
+    let mut comms = device_group(&["cpu:0", "cpu:1"], &Config::default()).unwrap();
+    // SAFETY: the call refuses before the stream is ever used.
+    let e = unsafe { comms[1].set_cuda_stream(Some(0)) }.unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+    let m = e.to_string();
+    assert!(
+        m.contains("rank 1 is on cpu:1") && m.contains("CUDA stream"),
+        "{m}"
+    );
+    assert_eq!(comms[1].cuda_stream(), None);
+    // No stream is always fine, and the group still works.
+    // SAFETY: no stream.
+    unsafe { comms[1].set_cuda_stream(None) }.unwrap();
+    std::thread::scope(|s| {
+        for c in &comms {
+            s.spawn(move || {
+                let mut v = [1.0f32; 3];
+                c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                assert_eq!(v, [2.0; 3]);
+            });
+        }
+    });
+}

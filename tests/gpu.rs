@@ -27,7 +27,7 @@ use tutti::gpu::{
     self, kernels, DevicePtr, GpuAlgorithm, GpuBuffer, GpuDevice, GpuGroup, GpuInfo, LogicalGpu,
     VirtualGpuConfig,
 };
-use tutti::{reference, Collective, Config, DType, Element, Error, ReduceOp};
+use tutti::{reference, Collective, Config, DType, Element, Error, RawCall, ReduceOp};
 
 /// One test that uses GPUs at a time, in this process. Poison-tolerant: a test that fails
 /// while holding it does not fail the others.
@@ -1490,4 +1490,79 @@ fn drops_after_a_timeout_do_not_wait_again() {
     }
     let b = GpuBuffer::from_host(&devs[0], &[3.0f32; 8]).unwrap();
     assert_eq!(b.to_host().unwrap(), vec![3.0; 8]);
+}
+
+/// A `cuda:0` rank with the caller's stream set: each call, issued right after the caller
+/// queued slow work and then its input's values on that stream (no synchronization between),
+/// reads those values: the call's GPU work waits for the stream's work before it.
+#[test]
+fn calls_wait_for_the_callers_stream() {
+    use cudarc::driver::sys::{self, CUresult::CUDA_SUCCESS};
+    let Some((_gpu, gpus)) = gpus_or_skip("calls_wait_for_the_callers_stream") else {
+        return;
+    };
+    if !nccl_or_skip("calls_wait_for_the_callers_stream (NCCL)")
+        && !nvrtc_or_skip("calls_wait_for_the_callers_stream (copy algorithms)")
+    {
+        return;
+    }
+    const N: usize = 32 << 20;
+    let mut comms = tutti::device_group(&["cuda:0"], &config()).unwrap();
+    let (mut dev, mut ctx, mut stream) = (0, std::ptr::null_mut(), std::ptr::null_mut());
+    let (mut input, mut output) = (0, 0);
+    // SAFETY: the driver is loaded (the GPUs were listed); every handle made here is released
+    // at the end, and the stream outlives its use by the communicator (unset before it goes).
+    unsafe {
+        assert_eq!(
+            sys::cuDeviceGet(&mut dev, gpus[0].ordinal as i32),
+            CUDA_SUCCESS
+        );
+        assert_eq!(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxPushCurrent_v2(ctx), CUDA_SUCCESS);
+        assert_eq!(sys::cuStreamCreate(&mut stream, 1), CUDA_SUCCESS); // non-blocking
+        assert_eq!(sys::cuMemAlloc_v2(&mut input, N * 4), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemAlloc_v2(&mut output, N * 4), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemsetD32_v2(output, 0, N), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxSynchronize(), CUDA_SUCCESS);
+        comms[0].set_cuda_stream(Some(stream as u64)).unwrap();
+        let mut host = vec![0f32; N];
+        for round in 1..=3u32 {
+            for _ in 0..16 {
+                assert_eq!(sys::cuMemsetD32Async(input, 0, N, stream), CUDA_SUCCESS);
+            }
+            let v = round as f32;
+            assert_eq!(
+                sys::cuMemsetD32Async(input, v.to_bits(), N, stream),
+                CUDA_SUCCESS
+            );
+            comms[0]
+                .run_raw(&RawCall {
+                    collective: Collective::AllReduce,
+                    dtype: DType::F32,
+                    count: N,
+                    op: ReduceOp::Sum,
+                    root: 0,
+                    input: input as *const u8,
+                    output: output as *mut u8,
+                })
+                .unwrap();
+            assert_eq!(
+                sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), output, N * 4),
+                CUDA_SUCCESS
+            );
+            let wrong = host.iter().filter(|&&x| x != v).count();
+            assert_eq!(
+                wrong, 0,
+                "round {round}: {wrong} elements missed the stream's values"
+            );
+        }
+        comms[0].set_cuda_stream(None).unwrap();
+        drop(comms);
+        assert_eq!(sys::cuMemFree_v2(input), CUDA_SUCCESS);
+        assert_eq!(sys::cuMemFree_v2(output), CUDA_SUCCESS);
+        assert_eq!(sys::cuStreamDestroy_v2(stream), CUDA_SUCCESS);
+        let mut popped = std::ptr::null_mut();
+        assert_eq!(sys::cuCtxPopCurrent_v2(&mut popped), CUDA_SUCCESS);
+        assert_eq!(sys::cuDevicePrimaryCtxRelease_v2(dev), CUDA_SUCCESS);
+    }
 }

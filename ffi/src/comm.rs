@@ -1,7 +1,7 @@
 //! `tutti_comm`: one rank's handle on a group, and the collectives.
 
 use std::ffi::{c_char, CStr};
-use std::sync::{RwLock, RwLockReadGuard};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use std::collections::HashMap;
 
@@ -33,6 +33,19 @@ impl tutti_comm {
             device: comm.device_kind(),
             comm: RwLock::new(comm),
         }))
+    }
+
+    /// The communicator to change a setting of (`what`), while no collective runs on it.
+    fn between_calls(&self, what: &str) -> Result<RwLockWriteGuard<'_, Communicator>, Failure> {
+        match self.comm.try_write() {
+            Ok(g) => Ok(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => Ok(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => Err(Failure::invalid(format!(
+                "rank {}: a collective is running on this communicator; change the {what} \
+                 between collectives",
+                self.rank
+            ))),
+        }
     }
 
     pub(crate) fn read(&self) -> RwLockReadGuard<'_, Communicator> {
@@ -424,18 +437,58 @@ pub unsafe extern "C" fn tutti_comm_set_algorithm(
         // SAFETY: as the caller promises.
         let c = unsafe { comm_ref(comm) }?;
         let a = types::algorithm(algorithm, arg)?;
-        let mut inner = match c.comm.try_write() {
-            Ok(g) => g,
-            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => {
-                return Err(Failure::invalid(format!(
-                    "rank {}: a collective is running on this communicator; change the \
-                     algorithm between collectives",
-                    c.rank
-                )))
-            }
-        };
-        inner.set_algorithm(a)?;
+        c.between_calls("algorithm")?.set_algorithm(a)?;
+        Ok(())
+    })
+}
+
+/// Order this communicator's later collectives after the work queued on a CUDA stream
+/// (`cudaStream_t` or `CUstream`, of the rank's GPU in its primary context as the CUDA runtime's
+/// streams are; NULL: the legacy default stream), for `"cuda:N"` ranks. A collective issued
+/// while a stream is set first waits, on the GPU and not on the host, for the work queued on
+/// the stream before it was issued, so the kernels that wrote its input need no
+/// synchronization first. Its results are in place when it completes: the blocking call
+/// returns, or the `_async` call's work handle is waited. Work queued on the stream after an
+/// `_async` call and before waiting for it is not ordered after the call.
+/// `tutti_comm_unset_cuda_stream` goes back to no stream (the default: the caller makes sure
+/// the buffers are ready). Errors: `TUTTI_ERROR_INVALID_ARGUMENT` on a rank that is not a CUDA GPU.
+///
+/// Thread-safety: as `tutti_comm_set_algorithm`.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `stream` is a live stream of the rank's GPU (or NULL) until
+/// it is replaced, unset, or the communicator destroyed.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_comm_set_cuda_stream(
+    comm: *mut tutti_comm,
+    stream: *mut std::ffi::c_void,
+) -> tutti_result {
+    boundary("tutti_comm_set_cuda_stream", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let mut inner = c.between_calls("CUDA stream")?;
+        // SAFETY: as the caller promises.
+        unsafe { inner.set_cuda_stream(Some(stream as u64))? };
+        Ok(())
+    })
+}
+
+/// Stop ordering this communicator's collectives after a CUDA stream
+/// (`tutti_comm_set_cuda_stream`).
+///
+/// Thread-safety: as `tutti_comm_set_algorithm`.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_comm_unset_cuda_stream(comm: *mut tutti_comm) -> tutti_result {
+    boundary("tutti_comm_unset_cuda_stream", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        // SAFETY: no stream is set, so none needs to live.
+        unsafe { c.between_calls("CUDA stream")?.set_cuda_stream(None)? };
         Ok(())
     })
 }

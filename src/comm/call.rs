@@ -6,7 +6,7 @@ use super::work::{Runnable, Shared};
 use super::{Communicator, RawCall};
 use crate::algorithm::{self, Algorithm, Ctx, Plan};
 use crate::dtype::{DType, ReduceOp};
-use crate::engine::{GroupCall, GroupEngine};
+use crate::engine::{GroupCall, GroupEngine, StreamMark};
 use crate::error::{Collective, Error, Result, Site};
 use crate::transport::{CallBuffers, CallHeader, Transport};
 
@@ -45,6 +45,17 @@ pub(super) struct Call {
     buffers: CallBuffers,
     /// The input is the output (`input` of the collective's body is `None`).
     in_place: bool,
+    /// The mark of the work queued on the caller's stream before the call (`buffers.after`),
+    /// held until the call completes.
+    _after: Option<Box<dyn StreamMark>>,
+}
+
+impl Call {
+    /// Make the call's device work wait for `mark`.
+    pub(super) fn wait_for(&mut self, mark: Box<dyn StreamMark>) {
+        self.buffers.after = mark.raw();
+        self._after = Some(mark);
+    }
 }
 
 /// A slice from raw parts that may be empty (a zero-length slice still needs a non-null,
@@ -349,6 +360,7 @@ impl Communicator {
             input_len: output.len(),
             output: output.as_mut_ptr(),
             output_len: output.len(),
+            after: 0,
         };
         Call {
             collective: Collective::AllReduce,
@@ -361,6 +373,7 @@ impl Communicator {
             rank: self.rank(),
             algorithm: self.algorithm,
             in_place: input.is_none(),
+            _after: None,
         }
     }
 
@@ -377,6 +390,7 @@ impl Communicator {
             input_len: buf.len(),
             output: ptr,
             output_len: buf.len(),
+            after: 0,
         };
         Call {
             collective: Collective::Broadcast,
@@ -389,6 +403,7 @@ impl Communicator {
             rank: self.rank(),
             algorithm: self.algorithm,
             in_place: true,
+            _after: None,
         }
     }
 
@@ -421,6 +436,7 @@ impl Communicator {
             input_len: in_len,
             output: output.as_mut_ptr(),
             output_len: output.len(),
+            after: 0,
         };
         Call {
             collective: Collective::AllGather,
@@ -433,6 +449,7 @@ impl Communicator {
             rank: self.rank(),
             algorithm: self.algorithm,
             in_place: input.is_none(),
+            _after: None,
         }
     }
 
@@ -463,6 +480,7 @@ impl Communicator {
             input_len: input.len(),
             output: output.as_mut_ptr(),
             output_len: output.len(),
+            after: 0,
         };
         Call {
             collective: Collective::ReduceScatter,
@@ -475,6 +493,7 @@ impl Communicator {
             rank: self.rank(),
             algorithm: self.algorithm,
             in_place: false,
+            _after: None,
         }
     }
 
@@ -525,6 +544,7 @@ impl Communicator {
             input_len: len,
             output: out_ptr,
             output_len: out_len,
+            after: 0,
         };
         Call {
             collective: Collective::Reduce,
@@ -537,6 +557,7 @@ impl Communicator {
             rank: self.rank(),
             algorithm: self.algorithm,
             in_place: input.is_none(),
+            _after: None,
         }
     }
 
@@ -552,6 +573,7 @@ impl Communicator {
             check: Ok(()),
             buffers: CallBuffers::NONE,
             in_place: true,
+            _after: None,
         }
     }
 

@@ -180,6 +180,8 @@ pub struct Communicator {
     algorithm: Algorithm,
     /// The device this rank's buffers live on.
     device: (DeviceKind, usize),
+    /// The CUDA stream whose earlier work this rank's calls wait for (`cuda:N` ranks).
+    cuda_stream: Option<u64>,
 }
 
 /// A collective described by addresses, for memory that Rust cannot borrow: a device's
@@ -228,6 +230,7 @@ impl Communicator {
             progress: Progress::new(shared),
             algorithm: config.algorithm,
             device,
+            cuda_stream: None,
         }
     }
 
@@ -366,6 +369,54 @@ impl Communicator {
         algorithm::check(algorithm, self.world_size()).map_err(Error::config)?;
         self.algorithm = algorithm;
         Ok(())
+    }
+
+    /// Order this rank's later calls after the work queued on a CUDA stream (`cuda:N` ranks;
+    /// `None`: no stream, the default). A call issued while a stream is set first waits, on the
+    /// GPU and not on the host, for the work queued on the stream before the call was issued:
+    /// the kernels that wrote its input need no synchronization first. Its results are in place
+    /// when the call completes: a blocking call returns, or the [`Work`] of a non-blocking one
+    /// is waited. Work queued on the stream after issuing a non-blocking call, before waiting
+    /// for it, is not ordered after the call. The stream belongs to the GPU's primary context,
+    /// as the CUDA runtime's streams do (PyTorch's, CuPy's); `Some(0)` is the legacy default
+    /// stream. Errors: `InvalidArgument` on a rank whose device is not a CUDA GPU.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a live stream of this rank's GPU until it is replaced or the communicator is
+    /// dropped.
+    pub unsafe fn set_cuda_stream(&mut self, stream: Option<u64>) -> Result<()> {
+        if stream.is_some() && self.device.0 != DeviceKind::Gpu {
+            return Err(Error::config(format!(
+                "rank {} is on {}: only cuda:N ranks take a CUDA stream",
+                self.rank(),
+                self.device_spec()
+            )));
+        }
+        self.cuda_stream = stream;
+        Ok(())
+    }
+
+    /// The CUDA stream set by [`Communicator::set_cuda_stream`].
+    pub fn cuda_stream(&self) -> Option<u64> {
+        self.cuda_stream
+    }
+
+    /// A device call issued while a stream is set waits for the stream's work so far; failing
+    /// to mark it is this rank's argument error, which every rank sees before anything moves.
+    fn on_stream(&self, mut call: Call) -> Call {
+        let (Some(stream), Some(engine)) = (self.cuda_stream, &self.progress.shared().engine)
+        else {
+            return call;
+        };
+        if call.check.is_ok() {
+            // SAFETY: `set_cuda_stream`'s caller promised the stream lives while it is set.
+            match unsafe { engine.mark_stream(self.rank(), stream) } {
+                Ok(mark) => call.wait_for(mark),
+                Err(e) => call.check = Err(format!("the CUDA stream it was given: {e}")),
+            }
+        }
+        call
     }
 
     /// Abort the group: blocked and later calls on every rank fail with `Aborted`.
@@ -575,7 +626,8 @@ impl Communicator {
     /// The addresses hold the bytes `c` describes on this rank's device, and nothing else
     /// touches them during the call.
     pub unsafe fn run_raw(&self, c: &RawCall) -> Result<()> {
-        self.progress.run_blocking(&self.raw_call(c))
+        self.progress
+            .run_blocking(&self.on_stream(self.raw_call(c)))
     }
 
     /// Issue the collective `c` describes by address without waiting.
@@ -585,8 +637,10 @@ impl Communicator {
     /// As [`Communicator::run_raw`], until the call has completed (even if the `Work` is
     /// dropped first).
     pub unsafe fn issue_raw(&self, c: &RawCall) -> Work {
-        self.progress
-            .issue(Box::new(self.raw_call(c)), Box::new(Owned::new(())))
+        self.progress.issue(
+            Box::new(self.on_stream(self.raw_call(c))),
+            Box::new(Owned::new(())),
+        )
     }
 
     // ----- typed API -----

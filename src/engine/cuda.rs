@@ -5,7 +5,13 @@ use crate::error::{Collective, Result, Site};
 use crate::gpu::{DevicePtr, GpuBuffer, GpuGroup};
 use crate::transport::CallBuffers;
 
-use super::{GroupCall, GroupEngine};
+use super::{GroupCall, GroupEngine, StreamMark};
+
+impl StreamMark for crate::gpu::StreamMark {
+    fn raw(&self) -> u64 {
+        crate::gpu::StreamMark::raw(self)
+    }
+}
 
 /// The CUDA engine of a group whose rank r is the group's device r, or (`per_rank`) of one
 /// process's GPU in a job of one NCCL rank per process.
@@ -43,8 +49,25 @@ impl GroupEngine for Cuda {
             .enumerate()
             .map(|(r, b)| ptr(r, b.output, b.output_len))
             .collect();
-        self.group
-            .collective_raw(c.collective, c.dtype, c.count, c.op, c.root, &send, &recv)
+        let after: Vec<u64> = bufs.iter().map(|b| b.after).collect();
+        self.group.collective_raw_after(
+            c.collective,
+            c.dtype,
+            c.count,
+            c.op,
+            c.root,
+            &send,
+            &recv,
+            &after,
+        )
+    }
+
+    unsafe fn mark_stream(&self, rank: usize, stream: u64) -> Result<Box<dyn StreamMark>> {
+        // A group spanning processes holds this process's device only.
+        let index = if self.per_rank { 0 } else { rank };
+        // SAFETY: as the caller promises.
+        let mark = unsafe { self.group.mark_stream(index, stream)? };
+        Ok(Box::new(mark))
     }
 }
 

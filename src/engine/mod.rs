@@ -35,6 +35,13 @@ pub(crate) struct GroupCall {
     pub root: usize,
 }
 
+/// The work a caller queued on its device stream before issuing a call (an event recorded
+/// there), which the call's device work waits for. The call holds it until it completes.
+pub(crate) trait StreamMark: Send + Sync {
+    /// The handle published with the call's buffers ([`CallBuffers::after`]).
+    fn raw(&self) -> u64;
+}
+
 /// Runs a call once for every rank of a group of this process's devices, or (`per_rank`) each
 /// rank's own part of a call that spans processes (one NCCL rank per process).
 pub(crate) trait GroupEngine: Send + Sync {
@@ -46,4 +53,17 @@ pub(crate) trait GroupEngine: Send + Sync {
     /// Run `call` over every rank's buffers (`bufs[r]` is rank r's, published when the ranks
     /// met: `input` equals `output` in place; `output` is null off the root of a reduce).
     fn run(&self, site: Site, call: &GroupCall, bufs: &[CallBuffers]) -> Result<()>;
+
+    /// Mark the work queued so far on `stream`, a stream of rank `rank`'s device, for a call
+    /// being issued to wait for. Engines whose devices have no streams refuse.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a live stream of that device (for CUDA, 0 is the legacy default stream).
+    unsafe fn mark_stream(&self, rank: usize, stream: u64) -> Result<Box<dyn StreamMark>> {
+        let _ = stream;
+        Err(crate::error::Error::config(format!(
+            "rank {rank}'s device has no streams: only cuda:N ranks take a CUDA stream"
+        )))
+    }
 }

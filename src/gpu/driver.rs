@@ -315,6 +315,25 @@ impl Stream {
     }
 }
 
+impl Stream {
+    /// Make this stream wait for `event` (a raw `CUevent` of this stream's context, from
+    /// [`Event::raw`]), without blocking the host.
+    pub fn wait_event(&self, event: u64) -> Result<()> {
+        let _cur = self.ctx.enter()?;
+        // SAFETY: a live stream; the event is live while the call that waits on it runs (its
+        // owner holds it until the call completes).
+        check(
+            unsafe { sys::cuStreamWaitEvent(self.raw, event as sys::CUevent, 0) },
+            || {
+                format!(
+                    "CUDA cuStreamWaitEvent (GPU {} waiting for the caller's stream)",
+                    self.ctx.ordinal
+                )
+            },
+        )
+    }
+}
+
 impl Drop for Stream {
     fn drop(&mut self) {
         let Ok(_cur) = self.ctx.enter() else {
@@ -372,6 +391,33 @@ impl Event {
         check(unsafe { sys::cuEventRecord(self.raw, stream.raw) }, || {
             format!("CUDA cuEventRecord on GPU {}", stream.ctx.ordinal)
         })
+    }
+
+    /// Record the event on a caller's stream (a `CUstream`, or a `cudaStream_t`: the same
+    /// handle) of this event's context: it completes once the work queued there so far has.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a live stream handle, or 0 (the legacy default stream).
+    pub unsafe fn record_raw(&self, stream: u64) -> Result<()> {
+        let _cur = self.ctx.enter()?;
+        // SAFETY: a live event; the stream as the caller promises. A stream of another
+        // context is refused by the driver (CUDA_ERROR_INVALID_HANDLE), not undefined.
+        check(
+            unsafe { sys::cuEventRecord(self.raw, stream as sys::CUstream) },
+            || {
+                format!(
+                    "CUDA cuEventRecord on the stream given for GPU {} (it must belong to the \
+                     GPU's primary context, as the CUDA runtime's streams do)",
+                    self.ctx.ordinal
+                )
+            },
+        )
+    }
+
+    /// The raw handle, for [`Stream::wait_event`].
+    pub fn raw(&self) -> u64 {
+        self.raw as u64
     }
 }
 

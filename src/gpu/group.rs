@@ -38,6 +38,20 @@ use crate::comm::Config;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Collective, Error, Result, Site};
 
+/// The work queued on a caller's CUDA stream when a call was issued (an event recorded there),
+/// which the call's device work waits for. Dropping it is safe at any time: the driver frees an
+/// event that something still waits on once it completes.
+pub(crate) struct StreamMark {
+    event: driver::Event,
+}
+
+impl StreamMark {
+    /// The event, for [`GpuGroup::execute_after`].
+    pub(crate) fn raw(&self) -> u64 {
+        self.event.raw()
+    }
+}
+
 /// How a [`GpuGroup`] runs its collectives.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default)]
 pub enum GpuAlgorithm {
@@ -463,6 +477,26 @@ impl GpuGroup {
         self.timeout
     }
 
+    /// Mark the work queued so far on a caller's CUDA stream (a `CUstream` or `cudaStream_t` of
+    /// device `index`'s GPU, in its primary context; 0: the legacy default stream), for a call
+    /// to wait for ([`GpuGroup::execute_after`]).
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a live stream of that GPU, or 0.
+    pub(crate) unsafe fn mark_stream(&self, index: usize, stream: u64) -> Result<StreamMark> {
+        let d = self.devices.get(index).ok_or_else(|| {
+            Error::config(format!(
+                "device {index} is not in this GPU group of {}",
+                self.devices.len()
+            ))
+        })?;
+        let event = driver::Event::new(&d.inner.ctx)?;
+        // SAFETY: as the caller promises.
+        unsafe { event.record_raw(stream)? };
+        Ok(StreamMark { event })
+    }
+
     /// Abort the group: NCCL communicators are aborted, and this and later calls fail.
     pub fn abort(&self, reason: &str) {
         let mut a = self.aborted.lock().unwrap_or_else(|p| p.into_inner());
@@ -654,6 +688,23 @@ impl GpuGroup {
         send: &[DevicePtr],
         recv: &[DevicePtr],
     ) -> Result<()> {
+        self.collective_raw_after(collective, dtype, count, op, root, send, recv, &[])
+    }
+
+    /// [`GpuGroup::collective_raw`], with device i's work first waiting for the event
+    /// `after[i]` ([`GpuGroup::execute_after`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn collective_raw_after(
+        &self,
+        collective: Collective,
+        dtype: DType,
+        count: usize,
+        op: ReduceOp,
+        root: usize,
+        send: &[DevicePtr],
+        recv: &[DevicePtr],
+        after: &[u64],
+    ) -> Result<()> {
         let c = collective;
         if c == Collective::Barrier {
             return Err(self.invalid(
@@ -746,7 +797,7 @@ impl GpuGroup {
                 ));
             }
         }
-        self.execute(c, dtype, op, root, count, &s, &r)
+        self.execute_after(c, dtype, op, root, count, &s, &r, after)
     }
 
     // ----- argument checks -----
@@ -843,6 +894,24 @@ impl GpuGroup {
         send: &[u64],
         recv: &[u64],
     ) -> Result<()> {
+        self.execute_after(c, dtype, op, root, count, send, recv, &[])
+    }
+
+    /// [`GpuGroup::execute`], with device i's work first waiting (on the GPU) for the event
+    /// `after[i]` (a [`StreamMark`]'s, 0 or missing: none): the work a caller queued on its
+    /// stream before issuing the call.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn execute_after(
+        &self,
+        c: Collective,
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+        count: usize,
+        send: &[u64],
+        recv: &[u64],
+        after: &[u64],
+    ) -> Result<()> {
         if let Some(reason) = self.aborted() {
             return Err(Error::Aborted {
                 rank: self.first_rank,
@@ -866,6 +935,11 @@ impl GpuGroup {
         }
         let site = self.site(c);
         self.calls.fetch_add(1, Ordering::Relaxed);
+        for (d, &event) in self.devices.iter().zip(after) {
+            if event != 0 {
+                d.inner.stream.wait_event(event)?;
+            }
+        }
         let deadline = Instant::now() + self.timeout;
         let r = match &self.nccl {
             Some(comms) => self.run_nccl(comms, site, dtype, op, root, count, send, recv, deadline),

@@ -61,6 +61,7 @@ pub use discovery::{
     parse_device_list, plan_replicas, select, visible_devices, GpuDevice, GpuInfo, LogicalGpu,
     VirtualGpuConfig, VisibleDevices, RESERVED_SHARE,
 };
+pub(crate) use group::StreamMark;
 pub use group::{GpuAlgorithm, GpuGroup};
 pub use nccl::{
     decode_version, nccl_dtype, nccl_library, nccl_op, open_nccl_library, NcclLibrary, MIN_VERSION,

@@ -129,6 +129,10 @@ pub struct CallBuffers {
     pub output: *mut u8,
     /// Length of the output in bytes.
     pub output_len: usize,
+    /// On a device whose engine orders work on streams (`cuda:N`): an event the call's device
+    /// work waits for, marking the work the caller queued on its stream before issuing the
+    /// call. 0: none.
+    pub after: u64,
 }
 
 // SAFETY: the pointers are only dereferenced by peers while the owning rank is inside the call
@@ -143,6 +147,7 @@ impl CallBuffers {
         input_len: 0,
         output: std::ptr::null_mut(),
         output_len: 0,
+        after: 0,
     };
 }
 

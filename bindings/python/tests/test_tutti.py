@@ -271,6 +271,10 @@ def test_device_groups():
     run_ranks(comms, rank)
     np.testing.assert_array_equal(out[0], [3.0] * 5)
     with pytest.raises(tutti.TuttiError) as e:
+        comms[1].set_cuda_stream(0)
+    assert e.value.code == "TUTTI_ERROR_INVALID_ARGUMENT" and "rank 1 is on cpu:1" in e.value.message
+    comms[1].set_cuda_stream(None)
+    with pytest.raises(tutti.TuttiError) as e:
         tutti.device_group(["cpu:0", "cpu:0"])
     assert e.value.code == "TUTTI_ERROR_INVALID_ARGUMENT" and "listed twice" in e.value.message
     try:

@@ -154,6 +154,8 @@ _PROTOTYPES = {
     "tutti_comm_rank": (_u32, [_ptr, ctypes.POINTER(_size)]),
     "tutti_comm_world_size": (_u32, [_ptr, ctypes.POINTER(_size)]),
     "tutti_comm_abort": (_u32, [_ptr, ctypes.c_char_p]),
+    "tutti_comm_set_cuda_stream": (_u32, [_ptr, _ptr]),
+    "tutti_comm_unset_cuda_stream": (_u32, [_ptr]),
     "tutti_all_reduce": (_u32, [_ptr, _size, _u32, _u32, _ptr, _ptr]),
     "tutti_broadcast": (_u32, [_ptr, _size, _u32, _size, _ptr]),
     "tutti_all_gather": (_u32, [_ptr, _size, _u32, _ptr, _ptr]),
@@ -555,6 +557,16 @@ class Communicator:
 
     def abort(self, reason=None):
         _check(_library().tutti_comm_abort(self._handle(), reason.encode() if reason else None))
+
+    def set_cuda_stream(self, stream):
+        """Order later calls of this ``cuda:N`` rank after the work queued on ``stream`` (a raw
+        ``cudaStream_t`` as an int, e.g. ``torch.cuda.current_stream().cuda_stream``; 0 is the
+        legacy default stream), or after nothing with ``None``. See the README, "CUDA streams"."""
+        lib = _library()
+        if stream is None:
+            _check(lib.tutti_comm_unset_cuda_stream(self._handle()))
+        else:
+            _check(lib.tutti_comm_set_cuda_stream(self._handle(), ctypes.c_void_p(int(stream))))
 
     def _call(self, name, args, result, keep, async_op):
         lib = _library()

@@ -17,6 +17,9 @@ static void *rank_main(void *p) {
     tutti_work *works[CALLS];
     int32_t mine[3], gathered[MAX_RANKS * 3], rs_in[MAX_RANKS * 2], rs_out[2], bc[4], red[5];
     tutti_work *w = NULL;
+    /* Only cuda:N ranks take a CUDA stream; going back to none is always fine. */
+    EXPECT(tutti_comm_set_cuda_stream(c->comm, NULL) == TUTTI_ERROR_INVALID_ARGUMENT);
+    EXPECT(tutti_comm_unset_cuda_stream(c->comm) == TUTTI_SUCCESS);
     for (k = 0; k < CALLS; k++) {
         bufs[k] = malloc(COUNT * sizeof(float));
         EXPECT(bufs[k] != NULL);
