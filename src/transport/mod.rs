@@ -193,9 +193,13 @@ impl RecvMode<'_> {
         }
     }
 
-    /// Whether the receive combines what arrives (and so needs whole elements).
-    pub(crate) fn reduces(&self) -> bool {
-        !matches!(self, RecvMode::Copy)
+    /// The element type a reducing receive combines (it needs whole elements); `None` for a
+    /// copy.
+    pub(crate) fn combined(&self) -> Option<DType> {
+        match *self {
+            RecvMode::Copy => None,
+            RecvMode::Reduce(dtype, _) | RecvMode::ReduceWith(dtype, ..) => Some(dtype),
+        }
     }
 }
 

@@ -857,7 +857,7 @@ impl NetTransport {
                     ));
                 }
                 r.len = dst.len();
-                if mode.reduces() && self.link(r.peer).shm.is_none() {
+                if mode.combined().is_some() && self.link(r.peer).shm.is_none() {
                     r.scratch
                         .resize(self.chunk_bytes.min(r.len).max(8).div_ceil(8), 0);
                 }
@@ -993,25 +993,23 @@ impl NetTransport {
                 }
             };
             moved = true;
-            match &mut r.target {
-                Target::Data { dst, mode } if mode.reduces() => {
-                    let mode = *mode;
-                    let (RecvMode::Reduce(dtype, _) | RecvMode::ReduceWith(dtype, ..)) = mode
-                    else {
-                        unreachable!("a reducing receive")
-                    };
-                    r.fill += n;
-                    let esize = dtype.size();
-                    let whole = r.fill - r.fill % esize;
-                    let scratch: &mut [u8] = bytemuck::cast_slice_mut(&mut r.scratch);
-                    if r.fill == scratch.len() || r.off + r.fill == r.len {
-                        mode.deliver(&mut dst[r.off..r.off + whole], r.off, &scratch[..whole]);
-                        scratch.copy_within(whole..r.fill, 0);
-                        r.off += whole;
-                        r.fill -= whole;
-                    }
-                }
-                _ => r.off += n,
+            let combined = match &r.target {
+                Target::Data { mode, .. } => mode.combined(),
+                Target::Header(_) => None,
+            };
+            let (Some(dtype), Target::Data { dst, mode }) = (combined, &mut r.target) else {
+                r.off += n;
+                continue;
+            };
+            // A reducing receive combines whole elements only: a partial one waits in scratch.
+            r.fill += n;
+            let whole = r.fill - r.fill % dtype.size();
+            let scratch: &mut [u8] = bytemuck::cast_slice_mut(&mut r.scratch);
+            if r.fill == scratch.len() || r.off + r.fill == r.len {
+                mode.deliver(&mut dst[r.off..r.off + whole], r.off, &scratch[..whole]);
+                scratch.copy_within(whole..r.fill, 0);
+                r.off += whole;
+                r.fill -= whole;
             }
         }
     }
