@@ -49,11 +49,20 @@ pub struct Launch {
 }
 
 fn free_port() -> Result<u16> {
-    let l =
-        std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| Error::io("choosing a port", e))?;
-    Ok(l.local_addr()
-        .map_err(|e| Error::io("choosing a port", e))?
-        .port())
+    Ok(free_ports(1)?[0])
+}
+
+/// `n` distinct free loopback ports: every listener stays open until all are chosen, so the
+/// OS cannot hand out one port twice.
+fn free_ports(n: usize) -> Result<Vec<u16>> {
+    let io = |e| Error::io("choosing a port", e);
+    let listeners = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").map_err(io))
+        .collect::<Result<Vec<_>>>()?;
+    listeners
+        .iter()
+        .map(|l| Ok(l.local_addr().map_err(io)?.port()))
+        .collect()
 }
 
 fn describe(status: ExitStatus) -> String {
@@ -125,10 +134,11 @@ fn plan(l: &Launch) -> Result<Vec<Plan>> {
         }
         // Parameter-server training needs a coordinator: with ps tasks comes a chief.
         let chiefs = usize::from(l.ps > 0);
+        let mut ports = free_ports(chiefs + workers + l.ps)?.into_iter();
         let mut tasks = Vec::new();
         for (ty, n) in [("chief", chiefs), ("worker", workers), ("ps", l.ps)] {
-            for i in 0..n {
-                tasks.push((ty, i, format!("127.0.0.1:{}", free_port()?)));
+            for (i, port) in (0..n).zip(ports.by_ref()) {
+                tasks.push((ty, i, format!("127.0.0.1:{port}")));
             }
         }
         let list = |ty: &str| {
@@ -389,6 +399,16 @@ pub fn run(l: &Launch) -> Result<i32> {
 mod tests {
     use super::*;
     use std::os::unix::process::ExitStatusExt;
+
+    #[test]
+    fn the_ports_of_a_job_are_distinct() {
+        for _ in 0..20 {
+            let mut ports = free_ports(16).unwrap();
+            ports.sort_unstable();
+            ports.dedup();
+            assert_eq!(ports.len(), 16, "{ports:?}");
+        }
+    }
 
     #[test]
     fn a_process_killed_by_a_signal_is_blamed_before_those_that_exited() {
