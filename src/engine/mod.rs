@@ -63,7 +63,8 @@ pub(crate) trait GroupEngine: Send + Sync {
     unsafe fn mark_stream(&self, rank: usize, stream: u64) -> Result<Box<dyn StreamMark>> {
         let _ = stream;
         Err(crate::error::Error::config(format!(
-            "rank {rank}'s device has no streams: only cuda:N ranks take a CUDA stream"
+            "rank {rank}'s group orders no work on device streams (its buffers are host \
+             memory): only cuda:N ranks with device buffers take a CUDA stream"
         )))
     }
 }

@@ -313,9 +313,7 @@ impl Stream {
             },
         )
     }
-}
 
-impl Stream {
     /// Make this stream wait for `event` (a raw `CUevent` of this stream's context, from
     /// [`Event::raw`]), without blocking the host.
     pub fn wait_event(&self, event: u64) -> Result<()> {

@@ -46,7 +46,7 @@ pub(crate) struct StreamMark {
 }
 
 impl StreamMark {
-    /// The event, for [`GpuGroup::execute_after`].
+    /// The event, for [`GpuGroup::execute`].
     pub(crate) fn raw(&self) -> u64 {
         self.event.raw()
     }
@@ -479,7 +479,7 @@ impl GpuGroup {
 
     /// Mark the work queued so far on a caller's CUDA stream (a `CUstream` or `cudaStream_t` of
     /// device `index`'s GPU, in its primary context; 0: the legacy default stream), for a call
-    /// to wait for ([`GpuGroup::execute_after`]).
+    /// to wait for ([`GpuGroup::execute`]).
     ///
     /// # Safety
     ///
@@ -528,7 +528,16 @@ impl GpuGroup {
         let regions = self.regions(Collective::AllReduce, bufs.iter().map(|b| b.region()))?;
         let count = self.same_len(Collective::AllReduce, &regions, "buffer")?;
         let ptrs: Vec<u64> = regions.iter().map(|r| r.ptr).collect();
-        self.execute(Collective::AllReduce, T::DTYPE, op, 0, count, &ptrs, &ptrs)
+        self.execute(
+            Collective::AllReduce,
+            T::DTYPE,
+            op,
+            0,
+            count,
+            &ptrs,
+            &ptrs,
+            &[],
+        )
     }
 
     /// `recv[i]` = the element-wise `op` over every rank's `send`.
@@ -544,7 +553,7 @@ impl GpuGroup {
         let count = self.same_len(c, &s, "send buffer")?;
         self.expect_len(c, &r, count, "receive buffer")?;
         self.no_partial_overlap(c, &s, &r, T::DTYPE.size())?;
-        self.execute(c, T::DTYPE, op, 0, count, &ptrs(&s), &ptrs(&r))
+        self.execute(c, T::DTYPE, op, 0, count, &ptrs(&s), &ptrs(&r), &[])
     }
 
     /// In place: every buffer becomes rank `root`'s.
@@ -557,7 +566,7 @@ impl GpuGroup {
         let regions = self.regions(c, bufs.iter().map(|b| b.region()))?;
         let count = self.same_len(c, &regions, "buffer")?;
         let p = ptrs(&regions);
-        self.execute(c, T::DTYPE, ReduceOp::Sum, root, count, &p, &p)
+        self.execute(c, T::DTYPE, ReduceOp::Sum, root, count, &p, &p, &[])
     }
 
     /// `recv[i]` = every rank's `send`, in rank order (`recv` holds world × `send`).
@@ -580,7 +589,16 @@ impl GpuGroup {
                 )));
             }
         }
-        self.execute(c, T::DTYPE, ReduceOp::Sum, 0, count, &ptrs(&s), &ptrs(&r))
+        self.execute(
+            c,
+            T::DTYPE,
+            ReduceOp::Sum,
+            0,
+            count,
+            &ptrs(&s),
+            &ptrs(&r),
+            &[],
+        )
     }
 
     /// The root receives the element-wise `op` over every rank's `send` in `recv` (which this
@@ -643,7 +661,7 @@ impl GpuGroup {
             }
             _ => {}
         }
-        self.execute(c, T::DTYPE, op, root, count, &ptrs(&s), &r)
+        self.execute(c, T::DTYPE, op, root, count, &ptrs(&s), &r, &[])
     }
 
     /// `recv[i]` = slice `rank` of the element-wise `op` over every rank's `send` (`send`
@@ -667,7 +685,7 @@ impl GpuGroup {
                 ));
             }
         }
-        self.execute(c, T::DTYPE, op, 0, count, &ptrs(&s), &ptrs(&r))
+        self.execute(c, T::DTYPE, op, 0, count, &ptrs(&s), &ptrs(&r), &[])
     }
 
     /// Any collective over device addresses, for carriers such as the C ABI. `send[i]` and
@@ -692,7 +710,7 @@ impl GpuGroup {
     }
 
     /// [`GpuGroup::collective_raw`], with device i's work first waiting for the event
-    /// `after[i]` ([`GpuGroup::execute_after`]).
+    /// `after[i]` ([`GpuGroup::execute`]).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn collective_raw_after(
         &self,
@@ -797,7 +815,7 @@ impl GpuGroup {
                 ));
             }
         }
-        self.execute_after(c, dtype, op, root, count, &s, &r, after)
+        self.execute(c, dtype, op, root, count, &s, &r, after)
     }
 
     // ----- argument checks -----
@@ -883,25 +901,10 @@ impl GpuGroup {
     // ----- running a call -----
 
     /// Run a collective over addresses already checked (see [`GpuGroup::collective_raw`]).
+    /// Device i's work first waits (on the GPU) for the event `after[i]` (a [`StreamMark`]'s;
+    /// 0 or missing: none): the work a caller queued on its stream before issuing the call.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn execute(
-        &self,
-        c: Collective,
-        dtype: DType,
-        op: ReduceOp,
-        root: usize,
-        count: usize,
-        send: &[u64],
-        recv: &[u64],
-    ) -> Result<()> {
-        self.execute_after(c, dtype, op, root, count, send, recv, &[])
-    }
-
-    /// [`GpuGroup::execute`], with device i's work first waiting (on the GPU) for the event
-    /// `after[i]` (a [`StreamMark`]'s, 0 or missing: none): the work a caller queued on its
-    /// stream before issuing the call.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn execute_after(
         &self,
         c: Collective,
         dtype: DType,

@@ -225,7 +225,7 @@ fn run_once<T: Element>(
             }
         }
     }
-    group.execute(c, T::DTYPE, opts.op, opts.root, n, &inp, &recv)
+    group.execute(c, T::DTYPE, opts.op, opts.root, n, &inp, &recv, &[])
 }
 
 /// Wrong elements over every device after one call on fresh data.
