@@ -407,7 +407,10 @@ impl ShmLink {
             // SAFETY: the sender published this slot (Acquire above) and does not touch it until
             // we advance the tail.
             let n = unsafe { len.read_volatile() } as usize;
-            if n == 0 || n > self.rx.slot || *off + n > dst.len() {
+            // A reducing receive combines whole elements: every piece holds some (slots are
+            // multiples of 64 bytes, and a frame a whole number of elements).
+            let partial = mode.combined().is_some_and(|d| n % d.size() != 0);
+            if n == 0 || n > self.rx.slot || *off + n > dst.len() || partial {
                 return Err(Error::invalid(
                     site,
                     format!("rank {peer} wrote a malformed shared-memory slot ({n} bytes)"),
