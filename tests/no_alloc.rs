@@ -159,7 +159,13 @@ fn check(kind: Option<TransportKind>, algorithm: Algorithm, world: usize) {
 
 #[test]
 fn repeated_calls_allocate_nothing_in_process() {
-    for algo in [Algorithm::Auto, Algorithm::Ring, Algorithm::Direct] {
+    for algo in [
+        Algorithm::Auto,
+        Algorithm::Ring,
+        Algorithm::Direct,
+        Algorithm::HierarchicalCopy { group_size: 2 },
+        Algorithm::ReduceToOne { root: 1 },
+    ] {
         check(None, algo, 2);
         check(None, algo, 4);
     }
@@ -167,7 +173,12 @@ fn repeated_calls_allocate_nothing_in_process() {
 
 #[test]
 fn repeated_calls_allocate_nothing_over_tcp() {
-    for algo in [Algorithm::Auto, Algorithm::Ring] {
+    for algo in [
+        Algorithm::Auto,
+        Algorithm::Ring,
+        Algorithm::HierarchicalCopy { group_size: 2 },
+        Algorithm::ReduceToOne { root: 1 },
+    ] {
         check(Some(TransportKind::Tcp), algo, 2);
         check(Some(TransportKind::Tcp), algo, 3);
         check(Some(TransportKind::Tcp), algo, 4);
@@ -176,7 +187,12 @@ fn repeated_calls_allocate_nothing_over_tcp() {
 
 #[test]
 fn repeated_calls_allocate_nothing_over_shared_memory() {
-    for algo in [Algorithm::Auto, Algorithm::Ring] {
+    for algo in [
+        Algorithm::Auto,
+        Algorithm::Ring,
+        Algorithm::HierarchicalCopy { group_size: 2 },
+        Algorithm::ReduceToOne { root: 1 },
+    ] {
         check(Some(TransportKind::Shm), algo, 2);
         check(Some(TransportKind::Shm), algo, 3);
         check(Some(TransportKind::Shm), algo, 4);

@@ -1,8 +1,6 @@
-//! One-to-all and all-to-one: TensorFlow's ReductionToOneDevice, and flat broadcast and reduce.
+//! One-to-all and all-to-one: flat broadcast and reduce, the one-step all-to-all all-reduce, and
+//! the moves that the copy schedules of [`super::copies`] are made of.
 //!
-//! * all_reduce (`reduce-to-one[:ROOT]`): every rank sends its buffer to the root, which reduces
-//!   them in rank order and sends the result back to every rank. Each rank sends S and receives S;
-//!   the root receives and sends (P-1)·S, so it is the bottleneck: O(P·S) at one rank.
 //! * broadcast: the root sends to every rank at once; (P-1)·S leave the root.
 //! * reduce: every rank sends to the root, which reduces in rank order.
 
@@ -85,15 +83,6 @@ pub(super) fn reduce_onto(
     } else {
         send(ctx, root, buf)
     }
-}
-
-pub(crate) fn all_reduce(ctx: &Ctx<'_>, root: usize, buf: &mut [u8]) -> Result<()> {
-    let p = ctx.world();
-    reduce_onto(ctx, root, 0..p, buf)?;
-    if ctx.rank() == root {
-        ctx.finish_mean(buf);
-    }
-    broadcast(ctx, root, buf)
 }
 
 pub(crate) fn broadcast(ctx: &Ctx<'_>, root: usize, buf: &mut [u8]) -> Result<()> {

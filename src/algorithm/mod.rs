@@ -14,12 +14,16 @@
 //! among the hosts' leaders, and a broadcast within each host. Each
 //! module documents its steps; the README gives the full cost table.
 
+mod copies;
 mod direct;
 mod flat;
-mod hierarchical;
+mod hosts;
 mod plan;
 mod ring;
 
+pub(crate) use copies::CopyAlgorithm;
+#[cfg(feature = "cuda")]
+pub(crate) use copies::{Move, Ranks};
 pub(crate) use plan::Plan;
 
 use std::fmt;
@@ -303,7 +307,7 @@ pub(crate) fn all_reduce(
     let small = small_all_to_all(ctx, output.len());
     if auto && !small {
         if let Some(hosts) = ctx.t.hosts().filter(|h| spans_hosts_with_neighbours(h)) {
-            return hierarchical::all_reduce_hosts(ctx, hosts, input, output);
+            return hosts::all_reduce(ctx, hosts, input, output);
         }
     }
     if algo == Algorithm::Ring && !(auto && small) {
@@ -315,9 +319,11 @@ pub(crate) fn all_reduce(
     match algo {
         Algorithm::Ring => flat::all_to_all_reduce(ctx, output),
         Algorithm::HierarchicalCopy { group_size } => {
-            hierarchical::all_reduce(ctx, group_size, output)
+            copies::all_reduce(ctx, CopyAlgorithm::HierarchicalCopy { group_size }, output)
         }
-        Algorithm::ReduceToOne { root } => flat::all_reduce(ctx, root, output),
+        Algorithm::ReduceToOne { root } => {
+            copies::all_reduce(ctx, CopyAlgorithm::ReduceToOne { root }, output)
+        }
         Algorithm::Auto | Algorithm::Direct => unreachable!("resolved above"),
     }
 }

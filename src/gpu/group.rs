@@ -8,12 +8,14 @@
 //! | `reduce-to-one[:ROOT]` | TensorFlow's ReductionToOneDevice: ROOT (default 0) reduces every buffer in device order, then every device copies the result | broadcast: every device copies the root's buffer; reduce: the root reduces every input; all-gather: every device copies every input; reduce-scatter: device r reduces slice r of every input |
 //! | `auto` | `nccl` when NCCL is present and every device is a whole GPU of its own; otherwise `reduce-to-one`, as TensorFlow's MirroredStrategy falls back (the reason goes to stderr) | |
 //!
-//! The copy-based algorithms read a peer GPU's memory directly where `cuDeviceCanAccessPeer`
-//! allows (peer access is enabled when the group is built) and logical GPUs of one physical GPU
-//! always can; other sources are first copied to a scratch buffer on the reducing GPU
-//! (`cuMemcpyPeerAsync`, which the driver stages through the host). Reductions run the kernels
-//! of [`super::kernels`]. Every device works on its own stream; events order the steps between
-//! streams, and a call returns once every stream is idle (or fails at the timeout).
+//! The copy-based all-reduces are not written here: they are the host's schedules of moves
+//! (`algorithm::CopyAlgorithm`), which a [`GpuGroup`] queues move by move as copies and
+//! reductions over every device of the group. They read a peer GPU's memory directly where
+//! `cuDeviceCanAccessPeer` allows (peer access is enabled when the group is built) and logical
+//! GPUs of one physical GPU always can; other sources are first copied to a scratch buffer on
+//! the reducing GPU (`cuMemcpyPeerAsync`, which the driver stages through the host). Reductions
+//! run the kernels of [`super::kernels`]. Every device works on its own stream; events order the
+//! steps between streams, and a call returns once every stream is idle (or fails at the timeout).
 //!
 //! A call is synchronous: the buffers must not be in use by other work when it starts, and they
 //! hold the result when it returns. Each group runs one call at a time.
@@ -31,7 +33,9 @@ use super::buffer::{DeviceMut, DevicePtr, DeviceRef, Region};
 use super::discovery::{DeviceInner, GpuDevice};
 use super::driver;
 use super::kernels::{self, Kernels};
+use super::moves::{self, DeviceOp};
 use super::nccl::{self, Call, Comms};
+use crate::algorithm::{CopyAlgorithm, Move, Ranks};
 use crate::cluster::store::Store;
 use crate::cluster::ClusterSpec;
 use crate::comm::Config;
@@ -1171,18 +1175,25 @@ impl GpuGroup {
         let mean = (op == ReduceOp::Mean && p > 1).then_some(p);
         let queued = (|| -> Result<()> {
             match site.collective {
-                Collective::AllReduce => match self.algorithm {
-                    GpuAlgorithm::HierarchicalCopy { group_size } => {
-                        self.hierarchical(dtype, op, group_size, count, send, recv, mean)
-                    }
-                    GpuAlgorithm::ReductionToOneDevice { root } => {
-                        self.reduce_to_one(dtype, op, root, count, send, recv, mean)
-                    }
-                    a => Err(Error::System {
-                        what: format!("GPU group {site}"),
-                        message: format!("algorithm {a} reached the copy path"),
-                    }),
-                },
+                Collective::AllReduce => {
+                    let algo = match self.algorithm {
+                        GpuAlgorithm::HierarchicalCopy { group_size } => {
+                            CopyAlgorithm::HierarchicalCopy { group_size }
+                        }
+                        GpuAlgorithm::ReductionToOneDevice { root } => {
+                            CopyAlgorithm::ReduceToOne { root }
+                        }
+                        a => {
+                            return Err(Error::System {
+                                what: format!("GPU group {site}"),
+                                message: format!("algorithm {a} reached the copy path"),
+                            })
+                        }
+                    };
+                    algo.moves(p, |m| {
+                        self.queue_move(m, dtype, op, count, send, recv, mean)
+                    })
+                }
                 Collective::Broadcast => {
                     let src = if send[root] != 0 {
                         send[root]
@@ -1190,21 +1201,33 @@ impl GpuGroup {
                         recv[root]
                     };
                     for (k, &r) in recv.iter().enumerate() {
-                        self.copy(k, r, root, src, bytes, false)?;
+                        if (k, r) != (root, src) {
+                            self.copy(k, r, root, src, bytes, false)?;
+                        }
                     }
                     Ok(())
                 }
-                Collective::Reduce => {
-                    let k = self.kernels(root)?;
-                    let srcs: Vec<(usize, u64)> = (0..p).map(|j| (j, send[j])).collect();
-                    self.reduce_at(
-                        &k, root, dtype, op, recv[root], &srcs, count, false, mean, false,
-                    )
-                }
+                Collective::Reduce => self.queue_move(
+                    Move::Reduce {
+                        at: root,
+                        from: Ranks::range(0..p),
+                        inputs: true,
+                        last: true,
+                    },
+                    dtype,
+                    op,
+                    count,
+                    send,
+                    recv,
+                    mean,
+                ),
                 Collective::AllGather => {
                     for (k, &r) in recv.iter().enumerate() {
                         for (j, &s) in send.iter().enumerate() {
-                            self.copy(k, r + (j * bytes) as u64, j, s, bytes, false)?;
+                            let d = r + (j * bytes) as u64;
+                            if (k, d) != (j, s) {
+                                self.copy(k, d, j, s, bytes, false)?;
+                            }
                         }
                     }
                     Ok(())
@@ -1231,85 +1254,42 @@ impl GpuGroup {
         queued.and(waited)
     }
 
-    /// ReductionToOneDevice: `root` reduces every input in device order, every device copies
-    /// the result.
+    /// Queue one move of a copy schedule (see `algorithm::CopyAlgorithm`) as device work
+    /// ([`moves::lower`]).
     #[allow(clippy::too_many_arguments)]
-    fn reduce_to_one(
+    fn queue_move(
         &self,
+        m: Move,
         dtype: DType,
         op: ReduceOp,
-        root: usize,
         count: usize,
         send: &[u64],
         recv: &[u64],
         mean: Option<usize>,
     ) -> Result<()> {
-        let p = self.devices.len();
         let bytes = count * dtype.size();
-        if p == 1 {
-            return self.copy(0, recv[0], 0, send[0], bytes, false);
-        }
-        let k = self.kernels(root)?;
-        let srcs: Vec<(usize, u64)> = (0..p).map(|j| (j, send[j])).collect();
-        self.reduce_at(
-            &k, root, dtype, op, recv[root], &srcs, count, false, mean, false,
-        )?;
-        for j in (0..p).filter(|&j| j != root) {
-            self.copy(j, recv[j], root, recv[root], bytes, true)?;
-        }
-        Ok(())
-    }
-
-    /// HierarchicalCopyAllReduce: groups of `g` consecutive devices reduce onto their first
-    /// device, the leaders onto device 0, and the result goes back the same way.
-    #[allow(clippy::too_many_arguments)]
-    fn hierarchical(
-        &self,
-        dtype: DType,
-        op: ReduceOp,
-        g: usize,
-        count: usize,
-        send: &[u64],
-        recv: &[u64],
-        mean: Option<usize>,
-    ) -> Result<()> {
-        let p = self.devices.len();
-        let bytes = count * dtype.size();
-        if p == 1 {
-            return self.copy(0, recv[0], 0, send[0], bytes, false);
-        }
-        let g = g.clamp(1, p);
-        let leaders: Vec<usize> = (0..p).step_by(g).collect();
-        let one_group = leaders.len() == 1;
-        // 1. Each group onto its leader.
-        for &l in &leaders {
-            let members: Vec<(usize, u64)> = (l..(l + g).min(p)).map(|m| (m, send[m])).collect();
-            let divisor = if one_group { mean } else { None };
-            if members.len() == 1 && divisor.is_none() {
-                self.copy(l, recv[l], l, send[l], bytes, false)?;
-            } else {
-                let k = self.kernels(l)?;
+        moves::lower(m, send, recv, mean, |work| match work {
+            DeviceOp::Copy {
+                to,
+                dst,
+                from,
+                src,
+                produced,
+            } => self.copy(to, dst, from, src, bytes, produced),
+            DeviceOp::Reduce {
+                at,
+                dst,
+                srcs,
+                accumulate,
+                divisor,
+                produced,
+            } => {
+                let k = self.kernels(at)?;
                 self.reduce_at(
-                    &k, l, dtype, op, recv[l], &members, count, false, divisor, false,
-                )?;
+                    &k, at, dtype, op, dst, &srcs, count, accumulate, divisor, produced,
+                )
             }
-        }
-        // 2. The leaders onto device 0.
-        if !one_group {
-            let k = self.kernels(0)?;
-            let others: Vec<(usize, u64)> = leaders[1..].iter().map(|&l| (l, recv[l])).collect();
-            self.reduce_at(&k, 0, dtype, op, recv[0], &others, count, true, mean, true)?;
-        }
-        // 3. Device 0 to the other leaders, 4. each leader to its members.
-        for &l in &leaders[1..] {
-            self.copy(l, recv[l], 0, recv[0], bytes, true)?;
-        }
-        for &l in &leaders {
-            for m in (l + 1)..(l + g).min(p) {
-                self.copy(m, recv[m], l, recv[l], bytes, true)?;
-            }
-        }
-        Ok(())
+        })
     }
 }
 

@@ -51,6 +51,7 @@ mod driver;
 mod group;
 pub mod kernels;
 pub mod libs;
+mod moves;
 mod nccl;
 mod nvrtc;
 pub mod perf;

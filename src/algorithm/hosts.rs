@@ -1,50 +1,18 @@
-//! TensorFlow's HierarchicalCopyAllReduce.
-//!
-//! Ranks form groups of G consecutive ranks (default 2); the first of each group is its leader.
-//! 1. Members send to their leader, which reduces them in (each member sends S).
-//! 2. Leaders send to leader 0, which reduces them in (and divides, for `Mean`).
-//! 3. Leader 0 sends the result to every other leader.
-//! 4. Each leader sends it to its members.
-//!
-//! A leader receives (G-1)·S and sends (G-1)·S within its group; leader 0 also receives and sends
-//! (P/G - 1)·S across leaders. With G = 1 this is reduce-to-one onto rank 0; with G = P, too.
+//! All-reduce across hosts: reduce within each host, the ring among the hosts' leaders, and a
+//! broadcast within each host. (TensorFlow's HierarchicalCopyAllReduce within one group of
+//! devices is a copy schedule: see [`super::copies`].)
 
 use super::flat::{recv_copy, reduce_onto, scatter_copies};
-use super::{ring, Ctx};
+use super::ring;
+use super::Ctx;
 use crate::error::Result;
 use crate::transport::sub::SubTransport;
-
-pub(crate) fn all_reduce(ctx: &Ctx<'_>, group_size: usize, buf: &mut [u8]) -> Result<()> {
-    let (p, r) = (ctx.world(), ctx.rank());
-    if buf.is_empty() || p == 1 {
-        ctx.finish_mean(buf);
-        return Ok(());
-    }
-    let g = group_size.clamp(1, p);
-    let leader = r - r % g;
-    let members = leader..(leader + g).min(p);
-    let leaders = (0..p).step_by(g);
-
-    reduce_onto(ctx, leader, members.clone(), buf)?;
-    if r == leader {
-        reduce_onto(ctx, 0, leaders.clone(), buf)?;
-        if r == 0 {
-            ctx.finish_mean(buf);
-            scatter_copies(ctx, 0, leaders, buf)?;
-        } else {
-            recv_copy(ctx, 0, buf)?;
-        }
-        scatter_copies(ctx, leader, members, buf)
-    } else {
-        recv_copy(ctx, leader, buf)
-    }
-}
 
 /// All-reduce across hosts: each host's ranks reduce onto the host's first rank (through shared
 /// memory where the transport has it), those leaders run the ring among themselves (over the
 /// network), and each leader sends the result back to its host's ranks. Only the leaders' ring
 /// crosses hosts: 2(H-1)/H·S per leader for H hosts, instead of 2(P-1)/P·S for every rank.
-pub(crate) fn all_reduce_hosts(
+pub(crate) fn all_reduce(
     ctx: &Ctx<'_>,
     hosts: &[usize],
     input: Option<&[u8]>,
