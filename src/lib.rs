@@ -51,6 +51,7 @@
 pub mod algorithm;
 pub mod cluster;
 pub mod comm;
+mod config;
 pub mod device;
 pub mod dtype;
 mod engine;

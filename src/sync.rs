@@ -10,6 +10,42 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::error::{Error, Result};
+
+/// The longest timeout a communicator accepts: 30 days (deadlines are computed as now +
+/// timeout, and a wait that long means something else is wrong).
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// `TUTTI_TIMEOUT` in seconds (a positive number, at most 30 days), `None` when unset, or an
+/// error that says what is wrong with its value.
+pub fn timeout_from_env() -> Result<Option<Duration>> {
+    let Ok(v) = std::env::var("TUTTI_TIMEOUT") else {
+        return Ok(None);
+    };
+    v.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+        .filter(|d| !d.is_zero() && *d <= MAX_TIMEOUT)
+        .map(Some)
+        .ok_or_else(|| {
+            Error::config(format!(
+                "TUTTI_TIMEOUT='{v}' is not a timeout: give a positive number of seconds \
+                 (e.g. 30 or 0.5), at most 30 days"
+            ))
+        })
+}
+
+/// The bound on every wait unless a config says otherwise: `TUTTI_TIMEOUT` when it is valid
+/// (an invalid one is reported by every communicator built with it), else 300 s.
+pub fn default_timeout() -> Duration {
+    timeout_from_env()
+        .ok()
+        .flatten()
+        .unwrap_or(Duration::from_secs(300))
+}
+
 /// Cores this process may run on (read once).
 pub(crate) fn cores() -> usize {
     static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();

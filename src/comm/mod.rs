@@ -21,6 +21,9 @@ pub use group::{device_group, local_group, run_local, MAX_LOCAL_RANKS};
 pub use replicas::Replicas;
 pub use work::Work;
 
+pub use crate::config::{full_check_from_env, Config};
+pub use crate::sync::{timeout_from_env, MAX_TIMEOUT};
+
 use call::{Bytes, BytesMut, Call};
 use work::{Owned, Progress, Shared};
 
@@ -34,132 +37,6 @@ use crate::dtype::{DType, Element, ReduceOp};
 use crate::engine::GroupEngine;
 use crate::error::{Collective, Error, Result};
 use crate::transport::{NetTransport, Transport, TransportKind};
-
-/// The longest timeout a communicator accepts: 30 days (deadlines are computed as now +
-/// timeout, and a wait that long means something else is wrong).
-pub const MAX_TIMEOUT: Duration = Duration::from_secs(30 * 24 * 3600);
-
-/// Settings of a communicator.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Config {
-    /// Bound on every wait for a peer (default 300 s, or `TUTTI_TIMEOUT` in seconds).
-    pub timeout: Duration,
-    /// All-reduce algorithm, and the choice for the other collectives (default `auto`).
-    pub algorithm: Algorithm,
-    /// Largest piece one step of a chunked algorithm handles (default 256 KiB).
-    pub chunk_bytes: usize,
-    /// Check every call between processes in a round of its own before any data moves
-    /// (`TUTTI_CHECK=full`; default `fast`). Either way a mismatched call is an error naming both
-    /// ranks and the field that differs. `fast` checks each call's identity as its data arrives,
-    /// so a small call costs one round trip instead of two; a mismatch found that way aborts the
-    /// communicator (peers may be mid-step), where `full` leaves it usable. `full` costs one
-    /// all-to-all of small frames per call (a few microseconds over shared memory).
-    pub full_check: bool,
-}
-
-/// `TUTTI_CHECK`: `full` or `fast` (the default when unset).
-pub fn full_check_from_env() -> Result<bool> {
-    match std::env::var("TUTTI_CHECK") {
-        Err(_) => Ok(false),
-        Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
-            "" | "fast" => Ok(false),
-            "full" => Ok(true),
-            _ => Err(Error::config(format!(
-                "TUTTI_CHECK='{v}': expected full (a check round before every call) or fast"
-            ))),
-        },
-    }
-}
-
-/// `TUTTI_TIMEOUT` in seconds (a positive number, at most 30 days), `None` when unset, or an
-/// error that says what is wrong with its value.
-pub fn timeout_from_env() -> Result<Option<Duration>> {
-    let Ok(v) = std::env::var("TUTTI_TIMEOUT") else {
-        return Ok(None);
-    };
-    v.trim()
-        .parse::<f64>()
-        .ok()
-        .filter(|s| s.is_finite() && *s > 0.0)
-        .and_then(|s| Duration::try_from_secs_f64(s).ok())
-        .filter(|d| !d.is_zero() && *d <= MAX_TIMEOUT)
-        .map(Some)
-        .ok_or_else(|| {
-            Error::config(format!(
-                "TUTTI_TIMEOUT='{v}' is not a timeout: give a positive number of seconds \
-                 (e.g. 30 or 0.5), at most 30 days"
-            ))
-        })
-}
-
-impl Default for Config {
-    /// The defaults, with `TUTTI_TIMEOUT`'s timeout when it is valid (an invalid one is
-    /// reported by every communicator built with this config, see [`timeout_from_env`]).
-    fn default() -> Config {
-        let timeout = timeout_from_env()
-            .ok()
-            .flatten()
-            .unwrap_or(Duration::from_secs(300));
-        Config {
-            timeout,
-            algorithm: Algorithm::Auto,
-            chunk_bytes: 256 * 1024,
-            full_check: full_check_from_env().unwrap_or(false),
-        }
-    }
-}
-
-impl Config {
-    /// This config with another timeout.
-    pub fn with_timeout(mut self, timeout: Duration) -> Config {
-        self.timeout = timeout;
-        self
-    }
-    /// This config with another algorithm.
-    pub fn with_algorithm(mut self, algorithm: Algorithm) -> Config {
-        self.algorithm = algorithm;
-        self
-    }
-    /// This config with the full call check on or off (see [`Config::full_check`]).
-    pub fn with_full_check(mut self, full_check: bool) -> Config {
-        self.full_check = full_check;
-        self
-    }
-    /// This config with another chunk size.
-    pub fn with_chunk_bytes(mut self, chunk_bytes: usize) -> Config {
-        self.chunk_bytes = chunk_bytes;
-        self
-    }
-    /// The error creating a group of `world` ranks with this config would give, if any: its
-    /// environment (`TUTTI_TIMEOUT`, `TUTTI_CHECK`), world size, timeout, chunk size and
-    /// algorithm parameters (a root or group size the world cannot have).
-    pub fn check(&self, world: usize) -> Result<()> {
-        timeout_from_env()?;
-        full_check_from_env()?;
-        if world == 0 {
-            return Err(Error::config("a group needs at least one rank"));
-        }
-        if world > crate::cluster::MAX_WORLD_SIZE {
-            return Err(Error::config(format!(
-                "a group of {world} ranks is more than tutti supports ({})",
-                crate::cluster::MAX_WORLD_SIZE
-            )));
-        }
-        if self.timeout.is_zero() {
-            return Err(Error::config("timeout must be positive"));
-        }
-        if self.timeout > MAX_TIMEOUT {
-            return Err(Error::config(format!(
-                "timeout {:?} is longer than the longest tutti allows ({MAX_TIMEOUT:?})",
-                self.timeout
-            )));
-        }
-        if self.chunk_bytes == 0 {
-            return Err(Error::config("chunk_bytes must be positive"));
-        }
-        algorithm::check(self.algorithm, world).map_err(Error::config)
-    }
-}
 
 /// Wakes a communicator's blocked calls from any thread; see [`Communicator::abort_handle`].
 #[derive(Clone)]

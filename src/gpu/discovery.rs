@@ -539,7 +539,7 @@ impl GpuDevice {
                 ctx,
                 stream,
                 event,
-                timeout: crate::comm::Config::default().timeout,
+                timeout: crate::sync::default_timeout(),
                 failed: AtomicBool::new(false),
             }),
         })

@@ -38,7 +38,7 @@ use super::nccl::{self, Call, Comms};
 use crate::algorithm::{CopyAlgorithm, Move, Ranks};
 use crate::cluster::store::Store;
 use crate::cluster::ClusterSpec;
-use crate::comm::Config;
+use crate::config::Config;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Collective, Error, Result, Site};
 

@@ -185,7 +185,7 @@ impl ParameterServerStrategy {
         Ok(ParameterServerStrategy {
             spec,
             partitioner,
-            timeout: crate::comm::Config::default().timeout,
+            timeout: crate::sync::default_timeout(),
         })
     }
 

@@ -81,7 +81,7 @@ impl Default for ClientOptions {
     fn default() -> ClientOptions {
         ClientOptions {
             options: Vec::new(),
-            timeout: crate::comm::Config::default().timeout,
+            timeout: crate::sync::default_timeout(),
         }
     }
 }
