@@ -168,11 +168,11 @@ fn absent_libraries_are_clean_errors() {
             assert!(e.to_string().starts_with("CUDA not available: "), "{e}");
             assert!(gpu::driver_version().is_err());
             assert!(gpu::discover_devices().is_empty());
-            assert!(gpu::perf::replica_devices(2)
+            assert!(gpu::replica_devices(2)
                 .unwrap_err()
                 .to_string()
                 .starts_with("CUDA not available: "));
-            assert!(gpu::perf::device_copy_gbps(0).is_err());
+            assert!(gpu::device_copy_gbps(0).is_err());
             assert!(!tutti::device::discover()
                 .iter()
                 .any(|d| d.kind == tutti::DeviceKind::Gpu));
@@ -632,7 +632,7 @@ fn discovery_reports_gpus() {
     assert!(gpu::visible_devices(Some(&[gpus.len()])).is_err());
     let (major, _) = gpu::driver_version().unwrap();
     assert!(major >= 11);
-    let bw = gpu::perf::device_copy_gbps(0).unwrap();
+    let bw = gpu::device_copy_gbps(0).unwrap();
     println!("device copy bandwidth of GPU 0: {bw:.0} GB/s");
     assert!(bw > 10.0);
 }
@@ -1141,7 +1141,7 @@ fn perf_rows_are_correct_on_gpus() {
     let Some((_gpu, gpus)) = gpus_or_skip("perf_rows_are_correct_on_gpus") else {
         return;
     };
-    let bw = gpu::perf::device_copy_gbps(gpus[0].ordinal).unwrap();
+    let bw = gpu::device_copy_gbps(gpus[0].ordinal).unwrap();
     let mut runs: Vec<(usize, GpuAlgorithm)> = vec![];
     if nvrtc_or_skip("perf_rows_are_correct_on_gpus (copy algorithms)") {
         runs.push((2, GpuAlgorithm::HierarchicalCopy { group_size: 2 }));
@@ -1174,7 +1174,7 @@ fn perf_rows_are_correct_on_gpus() {
                     config: config(),
                     ..Default::default()
                 };
-                let rows = gpu::perf::run(&opts, algo, bw, &|_| {}).unwrap();
+                let rows = tutti::perf::gpu::run(&opts, algo, bw, &|_| {}).unwrap();
                 assert_eq!(rows.len(), 3);
                 for r in rows {
                     assert_eq!(r.errors, 0, "{r:?}");

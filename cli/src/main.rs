@@ -686,7 +686,7 @@ fn sweep(
     };
     #[cfg(feature = "cuda")]
     if gpu && comm.is_none() && machine.gpu_copy_gbps.is_none() {
-        machine.gpu_copy_gbps = Some(tutti::gpu::perf::device_copy_gbps(0)?);
+        machine.gpu_copy_gbps = Some(tutti::gpu::device_copy_gbps(0)?);
     }
     if let Some(c) = comm {
         let mut bw = [machine.copy_gbps];
@@ -798,7 +798,7 @@ fn sweep(
         #[cfg(feature = "cuda")]
         None if gpu => {
             let gbps = machine.gpu_copy_gbps.unwrap_or_default();
-            tutti::gpu::perf::run(&opts, algo.gpu, gbps, &emit)?
+            tutti::perf::gpu::run(&opts, algo.gpu, gbps, &emit)?
         }
         None => perf::run(&opts, &machine, &emit)?,
     };

@@ -25,7 +25,6 @@
 //!   [`GpuGroup::from_cluster`]: one rank per process over NCCL, the NCCL id exchanged through
 //!   tutti's rendezvous store; [`GpuGroup::collective_raw`]: device addresses tagged with their
 //!   device, for the C ABI.
-//! * [`perf`]: `tutti perf --device gpu`.
 //!
 //! ```no_run
 //! use tutti::gpu::{plan_replicas, devices, GpuAlgorithm, GpuBuffer, GpuDevice, GpuGroup};
@@ -54,7 +53,6 @@ pub mod libs;
 mod moves;
 mod nccl;
 mod nvrtc;
-pub mod perf;
 
 pub use buffer::{DeviceMut, DevicePtr, DeviceRef, GpuBuffer, GpuSlice, GpuSliceMut};
 pub use discovery::{
@@ -72,6 +70,8 @@ pub use nvrtc::{
     MIN_VERSION as NVRTC_MIN_VERSION,
 };
 
+use std::time::Instant;
+
 use crate::error::{Error, Result};
 
 /// The CUDA driver's version (major, minor), e.g. (12, 4): the newest CUDA it runs.
@@ -84,6 +84,52 @@ pub fn driver_version() -> Result<(u32, u32)> {
         || "CUDA cuDriverGetVersion".into(),
     )?;
     Ok(((v / 1000) as u32, ((v % 1000) / 10) as u32))
+}
+
+/// The devices `-n ranks` means: that many GPUs, or logical GPUs spread over the GPUs there
+/// are.
+pub fn replica_devices(ranks: usize) -> Result<Vec<GpuDevice>> {
+    let gpus = devices()?;
+    plan_replicas(ranks, &gpus)?
+        .iter()
+        .map(GpuDevice::open)
+        .collect()
+}
+
+/// Device-to-device copy bandwidth of physical GPU `ordinal`: bytes read plus written per
+/// second by 256 MiB copies within its memory (GB/s, the best of three rounds of ten).
+pub fn device_copy_gbps(ordinal: usize) -> Result<f64> {
+    let dev = GpuDevice::open(&LogicalGpu {
+        index: 0,
+        physical: ordinal,
+        memory_limit: None,
+        is_virtual: false,
+    })?;
+    let n = (256usize << 20) / 4;
+    let src = GpuBuffer::<u32>::zeros(&dev, n)?;
+    let dst = GpuBuffer::<u32>::zeros(&dev, n)?;
+    let inner = &dev.inner;
+    let bytes = n * 4;
+    let mut best = f64::MAX;
+    for round in 0..4 {
+        let reps = if round == 0 { 2 } else { 10 };
+        let t = Instant::now();
+        for _ in 0..reps {
+            driver::copy_async(
+                dst.device_ptr(),
+                &inner.ctx,
+                src.device_ptr(),
+                &inner.ctx,
+                bytes,
+                &inner.stream,
+            )?;
+        }
+        inner.sync(inner.timeout, "finish the copy-bandwidth test")?;
+        if round > 0 {
+            best = best.min(t.elapsed().as_secs_f64() / reps as f64);
+        }
+    }
+    Ok(2.0 * bytes as f64 / best / 1e9)
 }
 
 /// NVRTC's version, when it is there (the copy-based algorithms need it).

@@ -11,8 +11,20 @@
 //! reduce). `mem_ratio` divides the least memory traffic the collective needs (every input byte
 //! read once and every output byte written once: all-reduce 2·n·S) per second by the machine's
 //! copy bandwidth measured in the same run.
+//!
+//! One harness times every device: a size on CPU ranks (one per thread or process), on the GPUs
+//! of this process ([`gpu`], feature `cuda`) or on its XLA devices (`xla.rs`, feature `xla`) is
+//! a `Bench` (a checked call, a timed call, and how the ranks agree), and `measure` warms it up,
+//! times it and builds the row the same way for all of them. The device modules never import
+//! this one back.
 
+mod check;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 mod overlap;
+#[cfg(feature = "xla")]
+mod xla;
+pub use check::check;
 pub use overlap::{overlap_one, OverlapRow};
 
 use std::time::{Duration, Instant};
@@ -375,9 +387,9 @@ pub fn run(opts: &Options, machine: &Machine, emit: &(dyn Fn(&Row) + Sync)) -> R
             let algorithm = crate::gpu::GpuAlgorithm::from_core(opts.algorithm)?;
             let gbps = match machine.gpu_copy_gbps {
                 Some(g) => g,
-                None => crate::gpu::perf::device_copy_gbps(0)?,
+                None => crate::gpu::device_copy_gbps(0)?,
             };
-            return crate::gpu::perf::run(opts, algorithm, gbps, emit);
+            return gpu::run(opts, algorithm, gbps, emit);
         }
         #[cfg(not(feature = "cuda"))]
         DeviceKind::Gpu => {
@@ -387,7 +399,7 @@ pub fn run(opts: &Options, machine: &Machine, emit: &(dyn Fn(&Row) + Sync)) -> R
             })
         }
         #[cfg(feature = "xla")]
-        DeviceKind::Xla => return crate::xla::perf::run(opts, machine, emit),
+        DeviceKind::Xla => return xla::run(opts, machine, emit),
         #[cfg(not(feature = "xla"))]
         DeviceKind::Xla => {
             return Err(Error::Unavailable {
@@ -443,184 +455,178 @@ pub fn run_on(
     Ok(rows)
 }
 
-/// Check every collective with every algorithm on this communicator against the reference:
-/// all-reduce (every op, in place and out of place, f32 bf16 i32 u8 f64), broadcast and reduce
-/// from every root, all-gather, reduce-scatter, barrier. Every rank calls it; returns the number
-/// of calls checked, or an error naming the algorithm, collective, dtype and count that failed.
-pub fn check(comm: &mut Communicator, counts: &[usize]) -> Result<usize> {
-    let mut calls = 0;
-    for algo in Algorithm::ALL_REDUCE {
-        if algo == Algorithm::Direct && !comm.has_peer_memory() {
-            continue;
-        }
-        comm.set_algorithm(algo)?;
-        for &count in counts {
-            for dtype in [DType::F32, DType::BF16, DType::I32, DType::U8, DType::F64] {
-                calls += crate::for_each_dtype!(dtype, T => { check_one::<T>(comm, algo, count)? });
-                calls += crate::for_each_dtype!(dtype, T => { check_in_flight::<T>(comm, algo, count)? });
-            }
-        }
-    }
-    comm.barrier()?;
-    Ok(calls + 1)
-}
-
-fn check_one<T: Element>(comm: &Communicator, algo: Algorithm, count: usize) -> Result<usize> {
-    let (p, r) = (comm.world_size(), comm.rank());
-    let fail = |what: String| Error::System {
-        what: format!("check {algo} {} n={count}", T::DTYPE),
-        message: what,
-    };
-    let data = |k: usize, n: usize| -> Vec<T> { (0..n).map(|i| pattern(k, i)).collect() };
-    let inputs: Vec<Vec<T>> = (0..p).map(|k| data(k, count)).collect();
-    let refs: Vec<&[T]> = inputs.iter().map(|v| v.as_slice()).collect();
-    let mut calls = 0;
-    for op in ReduceOp::ALL {
-        let want = reference::reduce(&refs, op);
-        let tol = reference::tolerance(T::DTYPE, op, p, 2.0);
-        let mut buf = inputs[r].clone();
-        comm.all_reduce(&mut buf, op)?;
-        let mut out = vec![T::from_f64(0.0); count];
-        comm.all_reduce_into(&inputs[r], &mut out, op)?;
-        for (got, how) in [(&buf, "in place"), (&out, "out of place")] {
-            let bad = reference::count_errors(got, &want, tol);
-            if bad > 0 {
-                return Err(fail(format!(
-                    "all_reduce {op} {how}: {bad} of {count} elements wrong on rank {r}"
-                )));
-            }
-        }
-        calls += 2;
-    }
-    for root in 0..p {
-        let mut buf = if r == root {
-            inputs[root].clone()
-        } else {
-            vec![T::from_f64(0.0); count]
-        };
-        comm.broadcast(&mut buf, root)?;
-        if buf != inputs[root] {
-            return Err(fail(format!(
-                "broadcast from root {root}: wrong values on rank {r}"
-            )));
-        }
-        let mut out = vec![T::from_f64(0.0); count];
-        comm.reduce(
-            &inputs[r],
-            (r == root).then_some(&mut out[..]),
-            ReduceOp::Max,
-            root,
-        )?;
-        if r == root && out != reference::reduce(&refs, ReduceOp::Max) {
-            return Err(fail(format!("reduce max onto root {root}: wrong values")));
-        }
-        calls += 2;
-    }
-    let mut gathered = vec![T::from_f64(0.0); count * p];
-    comm.all_gather(&inputs[r], &mut gathered)?;
-    if gathered != inputs.concat() {
-        return Err(fail(format!("all_gather: wrong values on rank {r}")));
-    }
-    let big: Vec<Vec<T>> = (0..p).map(|k| data(k + 1, count * p)).collect();
-    let big_refs: Vec<&[T]> = big.iter().map(|v| v.as_slice()).collect();
-    let want = reference::reduce(&big_refs, ReduceOp::Min);
-    let mut slice = vec![T::from_f64(0.0); count];
-    comm.reduce_scatter(&big[r], &mut slice, ReduceOp::Min)?;
-    if slice[..] != want[r * count..(r + 1) * count] {
-        return Err(fail(format!("reduce_scatter min: wrong slice on rank {r}")));
-    }
-    Ok(calls + 2)
-}
-
-/// Every collective of `check_one` issued non-blocking before any is waited for, then waited
-/// in reverse issue order: the calls complete in issue order all the same, each correct.
-fn check_in_flight<T: Element>(
-    comm: &Communicator,
-    algo: Algorithm,
+/// The elements of one size of a sweep: `count` in `bytes` (a multiple of the ranks where the
+/// collective splits it), and each rank's input and output lengths.
+struct Shape {
     count: usize,
-) -> Result<usize> {
-    let (p, r) = (comm.world_size(), comm.rank());
-    let fail = |what: String| Error::System {
-        what: format!("check in flight {algo} {} n={count}", T::DTYPE),
-        message: what,
-    };
-    let data = |k: usize, n: usize| -> Vec<T> { (0..n).map(|i| pattern(k, i)).collect() };
-    let inputs: Vec<Vec<T>> = (0..p).map(|k| data(k, count)).collect();
-    let refs: Vec<&[T]> = inputs.iter().map(|v| v.as_slice()).collect();
-    let big: Vec<Vec<T>> = (0..p).map(|k| data(k + 1, count * p)).collect();
-    let big_refs: Vec<&[T]> = big.iter().map(|v| v.as_slice()).collect();
-    type Check = Box<dyn FnOnce() -> std::result::Result<(), String>>;
-    let mut pending: Vec<Check> = Vec::new();
-    for op in ReduceOp::ALL {
-        let work = comm.all_reduce_async(inputs[r].clone(), op);
-        let want = reference::reduce(&refs, op);
-        let tol = reference::tolerance(T::DTYPE, op, p, 2.0);
-        pending.push(Box::new(move || {
-            let got = work.wait().map_err(|e| e.to_string())?;
-            match reference::count_errors(&got, &want, tol) {
-                0 => Ok(()),
-                bad => Err(format!(
-                    "all_reduce {op}: {bad} of {count} elements wrong on rank {r}"
-                )),
-            }
-        }));
-    }
-    for root in 0..p {
-        let buf = if r == root {
-            inputs[root].clone()
-        } else {
-            vec![T::from_f64(0.0); count]
+    in_len: usize,
+    out_len: usize,
+}
+
+impl Shape {
+    /// `None` when the size holds no element (per rank, for all-gather and reduce-scatter).
+    fn of(c: Collective, ranks: usize, bytes: usize, dtype: DType) -> Option<Shape> {
+        let mut count = bytes / dtype.size();
+        if matches!(c, Collective::AllGather | Collective::ReduceScatter) {
+            count -= count % ranks;
+        }
+        if count == 0 {
+            return None;
+        }
+        let (in_len, out_len) = match c {
+            Collective::AllGather => (count / ranks, count),
+            Collective::ReduceScatter => (count, count / ranks),
+            _ => (count, count),
         };
-        let work = comm.broadcast_async(buf, root);
-        let want = inputs[root].clone();
-        pending.push(Box::new(move || {
-            match work.wait().map_err(|e| e.to_string())? == want {
-                true => Ok(()),
-                false => Err(format!(
-                    "broadcast from root {root}: wrong values on rank {r}"
-                )),
-            }
-        }));
-        let work = comm.reduce_async(inputs[r].clone(), ReduceOp::Max, root);
-        let want = reference::reduce(&refs, ReduceOp::Max);
-        pending.push(Box::new(move || {
-            let got = work.wait().map_err(|e| e.to_string())?;
-            match r != root || got == want {
-                true => Ok(()),
-                false => Err(format!("reduce max onto root {root}: wrong values")),
-            }
-        }));
-    }
-    let work = comm.all_gather_async(inputs[r].clone(), vec![T::from_f64(0.0); count * p]);
-    let want = inputs.concat();
-    pending.push(Box::new(move || {
-        match work.wait().map_err(|e| e.to_string())?.1 == want {
-            true => Ok(()),
-            false => Err(format!("all_gather: wrong values on rank {r}")),
-        }
-    }));
-    let work =
-        comm.reduce_scatter_async(big[r].clone(), vec![T::from_f64(0.0); count], ReduceOp::Min);
-    let want = reference::reduce(&big_refs, ReduceOp::Min)[r * count..(r + 1) * count].to_vec();
-    pending.push(Box::new(move || {
-        match work.wait().map_err(|e| e.to_string())?.1 == want {
-            true => Ok(()),
-            false => Err(format!("reduce_scatter min: wrong slice on rank {r}")),
-        }
-    }));
-    let calls = pending.len();
-    // Wait newest first; the first failure (in issue order) is the one reported.
-    let results: Vec<_> = pending.into_iter().rev().map(|check| check()).collect();
-    match results.into_iter().rev().find_map(|r| r.err()) {
-        Some(e) => Err(fail(e)),
-        None => Ok(calls),
+        Some(Shape {
+            count,
+            in_len,
+            out_len,
+        })
     }
 }
 
-/// Buffers of one rank for one size.
-struct Bufs<T> {
+/// Rank `r`'s buffers on fresh data: the [`pattern`] as input; as output the pattern where the
+/// call reads it (in place, the broadcast root), else zeros (an in-place all-gather: its own
+/// slice only).
+fn fresh<T: Element>(opts: &Options, shape: &Shape, r: usize) -> (Vec<T>, Vec<T>) {
+    let c = opts.collective;
+    let input = (0..shape.in_len).map(|i| pattern(r, i)).collect();
+    let mut output = vec![T::from_f64(0.0); shape.out_len];
+    if opts.in_place() && c == Collective::AllGather {
+        let own = r * shape.in_len;
+        for i in 0..shape.in_len {
+            output[own + i] = pattern(r, i);
+        }
+    } else if opts.in_place() || (c == Collective::Broadcast && r == opts.root) {
+        output
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| *x = pattern(r, i));
+    }
+    (input, output)
+}
+
+/// One size of a sweep on some device, as the harness ([`measure`]) drives it: every device
+/// kind's rows are timed and checked the same way.
+trait Bench {
+    /// One call on fresh data, then the elements that differ from the reference, summed over
+    /// every rank (see [`wrong_elements`]).
+    fn check(&mut self) -> Result<u64>;
+    /// One timed call.
+    fn call(&mut self) -> Result<()>;
+    /// The iteration count every rank uses: rank 0's (where one process drives every rank,
+    /// its own).
+    fn agree(&mut self, iters: u64) -> Result<u64> {
+        Ok(iters)
+    }
+    /// Wait for every rank before the timed calls.
+    fn barrier(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// The slowest rank's seconds.
+    fn slowest(&mut self, secs: f64) -> Result<f64> {
+        Ok(secs)
+    }
+}
+
+/// What a row says besides its time.
+struct RowOf<'a> {
+    opts: &'a Options,
+    algo: String,
+    ranks: usize,
+    dtype: DType,
+    count: usize,
+    /// The copy bandwidth that `mem_ratio` divides by, GB/s.
+    bandwidth: f64,
+}
+
+/// Check `bench` once, then time it: warm up (caches, pages, the peers' pace), time a few calls
+/// to choose the iteration count (about a quarter of a second, or `opts.iters`), warm up again
+/// for a quarter of that (ranks that slept while rank 0 measured take a while to be back at full
+/// speed), and time the iterations; the time is the slowest rank's mean.
+fn measure(bench: &mut dyn Bench, row: RowOf<'_>) -> Result<Row> {
+    const WARM_UP: u32 = 5;
+    let errors = bench.check()?;
+    for _ in 0..WARM_UP {
+        bench.call()?;
+    }
+    let t = Instant::now();
+    for _ in 0..WARM_UP {
+        bench.call()?;
+    }
+    let iters = bench.agree(row.opts.iters.unwrap_or_else(|| {
+        let per = (t.elapsed() / WARM_UP).max(Duration::from_nanos(200));
+        (Duration::from_millis(250).as_secs_f64() / per.as_secs_f64()).clamp(3.0, 20000.0) as usize
+    }) as u64)?;
+    for _ in 0..iters / 4 {
+        bench.call()?;
+    }
+    bench.barrier()?;
+    let t = Instant::now();
+    for _ in 0..iters {
+        bench.call()?;
+    }
+    let time = bench.slowest(t.elapsed().as_secs_f64())? / iters as f64;
+    let c = row.opts.collective;
+    let bytes = row.count * row.dtype.size();
+    let algbw = bytes as f64 / time / 1e9;
+    Ok(Row {
+        collective: c.cli_name().into(),
+        algo: row.algo,
+        ranks: row.ranks,
+        dtype: row.dtype.name().into(),
+        op: if matches!(c, Collective::Broadcast | Collective::AllGather) {
+            "none".into()
+        } else {
+            row.opts.op.name().into()
+        },
+        root: row.opts.rooted(),
+        in_place: row.opts.in_place(),
+        bytes,
+        count: row.count,
+        time_us: time * 1e6,
+        algbw_gbps: algbw,
+        busbw_gbps: algbw * bus_factor(c, row.ranks),
+        mem_ratio: min_traffic(c, row.ranks, bytes) / time / 1e9 / row.bandwidth,
+        errors,
+    })
+}
+
+/// This rank's side of a size on CPU ranks.
+struct CpuBench<'a, T> {
+    comm: &'a Communicator,
+    opts: &'a Options,
     input: Vec<T>,
     output: Vec<T>,
+}
+
+impl<T: Element> Bench for CpuBench<'_, T> {
+    fn check(&mut self) -> Result<u64> {
+        self.call()?;
+        let (comm, opts) = (self.comm, self.opts);
+        let (p, r) = (comm.world_size(), comm.rank());
+        let mine = wrong_elements(opts.collective, opts.op, opts.root, p, r, &self.output);
+        let mut errors = [mine as u64];
+        comm.all_reduce(&mut errors, ReduceOp::Sum)?;
+        Ok(errors[0])
+    }
+    fn call(&mut self) -> Result<()> {
+        run_once(self.comm, self.opts, &self.input, &mut self.output)
+    }
+    fn agree(&mut self, iters: u64) -> Result<u64> {
+        let mut v = [iters];
+        self.comm.broadcast(&mut v, 0)?;
+        Ok(v[0])
+    }
+    fn barrier(&mut self) -> Result<()> {
+        self.comm.barrier()
+    }
+    fn slowest(&mut self, secs: f64) -> Result<f64> {
+        let mut v = [secs];
+        self.comm.all_reduce(&mut v, ReduceOp::Max)?;
+        Ok(v[0])
+    }
 }
 
 fn one_size<T: Element>(
@@ -629,133 +635,49 @@ fn one_size<T: Element>(
     machine: &Machine,
     bytes: usize,
 ) -> Result<Option<Row>> {
-    let (p, r) = (comm.world_size(), comm.rank());
-    let c = opts.collective;
-    let esize = T::DTYPE.size();
-    // Elements in `bytes`, a multiple of the ranks where the collective splits it.
-    let mut count = bytes / esize;
-    if matches!(c, Collective::AllGather | Collective::ReduceScatter) {
-        count -= count % p;
-    }
-    if count == 0 {
+    let p = comm.world_size();
+    let Some(shape) = Shape::of(opts.collective, p, bytes, T::DTYPE) else {
         return Ok(None);
-    }
-    let (in_len, out_len) = match c {
-        Collective::AllGather => (count / p, count),
-        Collective::ReduceScatter => (count, count / p),
-        _ => (count, count),
     };
-    let fresh = |b: &mut Bufs<T>| {
-        b.input
-            .iter_mut()
-            .enumerate()
-            .for_each(|(i, x)| *x = pattern(r, i));
-        let fill = |i| {
-            if c == Collective::Broadcast && r == opts.root || opts.in_place() {
-                pattern(r, i)
-            } else {
-                T::from_f64(0.0)
-            }
-        };
-        b.output
-            .iter_mut()
-            .enumerate()
-            .for_each(|(i, x)| *x = fill(i));
-        if opts.in_place() && c == Collective::AllGather {
-            b.output.iter_mut().for_each(|x| *x = T::from_f64(0.0));
-            let own = r * in_len;
-            for i in 0..in_len {
-                b.output[own + i] = pattern(r, i);
-            }
-        }
+    let (input, output) = fresh::<T>(opts, &shape, comm.rank());
+    let mut bench = CpuBench {
+        comm,
+        opts,
+        input,
+        output,
     };
-    let mut b = Bufs {
-        input: vec![T::from_f64(0.0); in_len],
-        output: vec![T::from_f64(0.0); out_len],
-    };
-    fresh(&mut b);
-    run_once(comm, opts, &mut b)?;
-    let mut errors = [count_errors(comm, opts, &b) as u64];
-    comm.all_reduce(&mut errors, ReduceOp::Sum)?;
-
-    // Warm up (caches, pages, the peers' pace), then time a few calls to let rank 0 choose
-    // the iteration count, and warm up again for a quarter of it: ranks that slept while rank 0
-    // measured the machine take a while to be back at full speed.
-    const WARM_UP: u32 = 5;
-    for _ in 0..WARM_UP {
-        run_once(comm, opts, &mut b)?;
-    }
-    let t = Instant::now();
-    for _ in 0..WARM_UP {
-        run_once(comm, opts, &mut b)?;
-    }
-    let mut iters = [opts.iters.unwrap_or_else(|| {
-        let per = (t.elapsed() / WARM_UP).max(Duration::from_nanos(200));
-        (Duration::from_millis(250).as_secs_f64() / per.as_secs_f64()).clamp(3.0, 20000.0) as usize
-    }) as u64];
-    comm.broadcast(&mut iters, 0)?;
-    for _ in 0..iters[0] / 4 {
-        run_once(comm, opts, &mut b)?;
-    }
-    comm.barrier()?;
-    let t = Instant::now();
-    for _ in 0..iters[0] {
-        run_once(comm, opts, &mut b)?;
-    }
-    let mut elapsed = [t.elapsed().as_secs_f64()];
-    comm.all_reduce(&mut elapsed, ReduceOp::Max)?;
-    let time = elapsed[0] / iters[0] as f64;
-    let algbw = (count * esize) as f64 / time / 1e9;
-    Ok(Some(Row {
-        collective: c.cli_name().into(),
+    let row = RowOf {
+        opts,
         algo: opts.algorithm.to_string(),
         ranks: p,
-        dtype: T::DTYPE.name().into(),
-        op: if matches!(c, Collective::Broadcast | Collective::AllGather) {
-            "none".into()
-        } else {
-            opts.op.name().into()
-        },
-        root: opts.rooted(),
-        in_place: opts.in_place(),
-        bytes: count * esize,
-        count,
-        time_us: time * 1e6,
-        algbw_gbps: algbw,
-        busbw_gbps: algbw * bus_factor(c, p),
-        mem_ratio: min_traffic(c, p, count * esize) / time / 1e9 / machine.copy_gbps,
-        errors: errors[0],
-    }))
+        dtype: T::DTYPE,
+        count: shape.count,
+        bandwidth: machine.copy_gbps,
+    };
+    measure(&mut bench, row).map(Some)
 }
 
-fn run_once<T: Element>(comm: &Communicator, opts: &Options, b: &mut Bufs<T>) -> Result<()> {
+fn run_once<T: Element>(
+    comm: &Communicator,
+    opts: &Options,
+    input: &[T],
+    output: &mut [T],
+) -> Result<()> {
     let (op, root) = (opts.op, opts.root);
     match (opts.collective, opts.in_place()) {
-        (Collective::AllReduce, false) => comm.all_reduce_into(&b.input, &mut b.output, op),
-        (Collective::AllReduce, true) => comm.all_reduce(&mut b.output, op),
-        (Collective::Broadcast, _) => comm.broadcast(&mut b.output, root),
-        (Collective::AllGather, false) => comm.all_gather(&b.input, &mut b.output),
-        (Collective::AllGather, true) => comm.all_gather_in_place(&mut b.output),
-        (Collective::ReduceScatter, _) => comm.reduce_scatter(&b.input, &mut b.output, op),
+        (Collective::AllReduce, false) => comm.all_reduce_into(input, output, op),
+        (Collective::AllReduce, true) => comm.all_reduce(output, op),
+        (Collective::Broadcast, _) => comm.broadcast(output, root),
+        (Collective::AllGather, false) => comm.all_gather(input, output),
+        (Collective::AllGather, true) => comm.all_gather_in_place(output),
+        (Collective::ReduceScatter, _) => comm.reduce_scatter(input, output, op),
         (Collective::Reduce, false) => {
-            let out = (comm.rank() == root).then_some(&mut b.output[..]);
-            comm.reduce(&b.input, out, op, root)
+            let out = (comm.rank() == root).then_some(output);
+            comm.reduce(input, out, op, root)
         }
-        (Collective::Reduce, true) => comm.reduce_in_place(&mut b.output, op, root),
+        (Collective::Reduce, true) => comm.reduce_in_place(output, op, root),
         (Collective::Barrier, _) => comm.barrier(),
     }
-}
-
-/// Wrong elements in this rank's output after one run on fresh data.
-fn count_errors<T: Element>(comm: &Communicator, opts: &Options, b: &Bufs<T>) -> usize {
-    wrong_elements(
-        opts.collective,
-        opts.op,
-        opts.root,
-        comm.world_size(),
-        comm.rank(),
-        &b.output,
-    )
 }
 
 /// The elements of rank `rank`'s `output` that differ from the reference after one run of

@@ -42,7 +42,6 @@
 pub mod client;
 mod collective;
 pub mod ffi;
-pub mod perf;
 pub mod plugin;
 pub mod program;
 

@@ -7,18 +7,20 @@
 //! device, wait for all of them, release the results). Host copies are not in the timed loop,
 //! as in nccl-tests.
 
-use std::time::{Duration, Instant};
+use std::marker::PhantomData;
+use std::time::Duration;
 
-use super::client::{Client, ClientOptions, OptionValue, XlaBuffer};
-use super::plugin::{Plugin, PluginKind};
+use super::{
+    fresh, measure, sizes, wrong_elements, Bench, Machine, Options, Placement, Row, RowOf, Shape,
+};
 use crate::dtype::Element;
 use crate::error::{Collective, Error, Result};
-use crate::perf::{bus_factor, min_traffic, pattern, sizes, Machine, Options, Row};
+use crate::xla::{Client, ClientOptions, OptionValue, Plugin, PluginKind, XlaBuffer};
 
 /// The client perf measures with: the plugin of [`Client::discover`], with the options of
 /// `TUTTI_PJRT_OPTIONS` and the perf timeout; for the CPU plugin `cpu_device_count` defaults
 /// to the number of ranks.
-pub fn client_for(ranks: usize, timeout: Duration) -> Result<Client> {
+fn client_for(ranks: usize, timeout: Duration) -> Result<Client> {
     let base = ClientOptions::from_env()?.with_timeout(timeout);
     Client::discover_with(&|p: &Plugin| {
         if p.kind() == PluginKind::Cpu && base.get("cpu_device_count").is_none() {
@@ -31,7 +33,11 @@ pub fn client_for(ranks: usize, timeout: Duration) -> Result<Client> {
 }
 
 /// Run the sweep of `opts` on the first `opts.ranks` XLA devices, calling `emit` per row.
-pub fn run(opts: &Options, machine: &Machine, emit: &(dyn Fn(&Row) + Sync)) -> Result<Vec<Row>> {
+pub(super) fn run(
+    opts: &Options,
+    machine: &Machine,
+    emit: &(dyn Fn(&Row) + Sync),
+) -> Result<Vec<Row>> {
     match opts.collective {
         Collective::AllReduce
         | Collective::Broadcast
@@ -44,7 +50,7 @@ pub fn run(opts: &Options, machine: &Machine, emit: &(dyn Fn(&Row) + Sync)) -> R
         )))
         }
     }
-    if opts.placement != crate::perf::Placement::OutOfPlace {
+    if opts.placement != Placement::OutOfPlace {
         return Err(Error::config(
             "--device xla: XLA collectives write new device buffers; drop --in-place",
         ));
@@ -85,6 +91,40 @@ fn call(client: &Client, opts: &Options, inputs: &[&XlaBuffer]) -> Result<Vec<Xl
     }
 }
 
+/// One size on every XLA device: the inputs stay on the devices; each call's results are
+/// checked (the first call) or released.
+struct XlaBench<'a, T> {
+    client: &'a Client,
+    opts: &'a Options,
+    inputs: Vec<XlaBuffer>,
+    /// The buffers are untyped device memory; the results are read back as `T`.
+    dtype: PhantomData<T>,
+}
+
+impl<T> XlaBench<'_, T> {
+    fn run(&self) -> Result<Vec<XlaBuffer>> {
+        let refs: Vec<&XlaBuffer> = self.inputs.iter().collect();
+        call(self.client, self.opts, &refs)
+    }
+}
+
+impl<T: Element> Bench for XlaBench<'_, T> {
+    fn check(&mut self) -> Result<u64> {
+        let opts = self.opts;
+        let outs = self.run()?;
+        let p = outs.len();
+        let mut errors = 0;
+        for (r, o) in outs.iter().enumerate() {
+            let got = o.to_vec::<T>()?;
+            errors += wrong_elements(opts.collective, opts.op, opts.root, p, r, &got) as u64;
+        }
+        Ok(errors)
+    }
+    fn call(&mut self) -> Result<()> {
+        self.run().map(drop)
+    }
+}
+
 fn one_size<T: Element>(
     client: &Client,
     opts: &Options,
@@ -92,70 +132,25 @@ fn one_size<T: Element>(
     bytes: usize,
 ) -> Result<Option<Row>> {
     let p = opts.ranks;
-    let c = opts.collective;
-    let esize = T::DTYPE.size();
-    let mut count = bytes / esize;
-    if matches!(c, Collective::AllGather | Collective::ReduceScatter) {
-        count -= count % p;
-    }
-    if count == 0 {
+    let Some(shape) = Shape::of(opts.collective, p, bytes, T::DTYPE) else {
         return Ok(None);
-    }
-    let in_len = if c == Collective::AllGather {
-        count / p
-    } else {
-        count
     };
     let inputs = (0..p)
-        .map(|r| {
-            let data: Vec<T> = (0..in_len).map(|i| pattern(r, i)).collect();
-            client.buffer_from_host(&data, r)
-        })
+        .map(|r| client.buffer_from_host(&fresh::<T>(opts, &shape, r).0, r))
         .collect::<Result<Vec<_>>>()?;
-    let refs: Vec<&XlaBuffer> = inputs.iter().collect();
-    let outs = call(client, opts, &refs)?;
-    let mut errors = 0u64;
-    for (r, o) in outs.iter().enumerate() {
-        errors += count_errors::<T>(opts, r, p, &o.to_vec::<T>()?) as u64;
-    }
-    drop(outs);
-
-    // Warm up, then choose the iteration count (about 0.25 s per size).
-    let t = Instant::now();
-    drop(call(client, opts, &refs)?);
-    let iters = opts.iters.unwrap_or_else(|| {
-        let per = t.elapsed().max(Duration::from_nanos(200));
-        (0.25 / per.as_secs_f64()).clamp(3.0, 2000.0) as usize
-    });
-    let t = Instant::now();
-    for _ in 0..iters {
-        drop(call(client, opts, &refs)?);
-    }
-    let time = t.elapsed().as_secs_f64() / iters as f64;
-    let algbw = (count * esize) as f64 / time / 1e9;
-    Ok(Some(Row {
-        collective: c.cli_name().into(),
+    let mut bench = XlaBench::<T> {
+        client,
+        opts,
+        inputs,
+        dtype: PhantomData,
+    };
+    let row = RowOf {
+        opts,
         algo: "xla".into(),
         ranks: p,
-        dtype: T::DTYPE.name().into(),
-        op: if matches!(c, Collective::Broadcast | Collective::AllGather) {
-            "none".into()
-        } else {
-            opts.op.name().into()
-        },
-        root: opts.rooted(),
-        in_place: false,
-        bytes: count * esize,
-        count,
-        time_us: time * 1e6,
-        algbw_gbps: algbw,
-        busbw_gbps: algbw * bus_factor(c, p),
-        mem_ratio: min_traffic(c, p, count * esize) / time / 1e9 / machine.copy_gbps,
-        errors,
-    }))
-}
-
-/// Wrong elements in replica r's result (see `tutti::perf` for the pattern).
-fn count_errors<T: Element>(opts: &Options, r: usize, p: usize, got: &[T]) -> usize {
-    crate::perf::wrong_elements(opts.collective, opts.op, opts.root, p, r, got)
+        dtype: T::DTYPE,
+        count: shape.count,
+        bandwidth: machine.copy_gbps,
+    };
+    measure(&mut bench, row).map(Some)
 }
