@@ -55,13 +55,71 @@ pub fn run(
     Ok(rows)
 }
 
-/// One size on every device of the group, driven from this thread.
+/// One size on every device of the group, driven from this thread. The call's addresses are
+/// worked out once, not in the timed loop.
 struct GpuBench<'a, T: Element> {
     group: &'a GpuGroup,
     opts: &'a Options,
-    shape: Shape,
-    input: Vec<GpuBuffer<T>>,
+    /// Owns the input buffers that `send` points into.
+    _input: Vec<GpuBuffer<T>>,
     output: Vec<GpuBuffer<T>>,
+    send: Vec<u64>,
+    recv: Vec<u64>,
+    /// Elements per rank, as `GpuGroup::execute` counts them.
+    n: usize,
+}
+
+impl<'a, T: Element> GpuBench<'a, T> {
+    /// In place the call uses the output buffers only (all-gather: its own slice as input);
+    /// off the root a reduce receives nothing.
+    fn new(
+        group: &'a GpuGroup,
+        opts: &'a Options,
+        shape: &Shape,
+        input: Vec<GpuBuffer<T>>,
+        output: Vec<GpuBuffer<T>>,
+    ) -> GpuBench<'a, T> {
+        let c = opts.collective;
+        let p = output.len();
+        let es = T::DTYPE.size();
+        let ptrs = |v: &[GpuBuffer<T>]| -> Vec<u64> { v.iter().map(|x| x.device_ptr()).collect() };
+        let out = ptrs(&output);
+        let send = match c {
+            _ if !(opts.in_place() || c == Collective::Broadcast) => ptrs(&input),
+            Collective::AllGather => out
+                .iter()
+                .enumerate()
+                .map(|(r, &o)| o + (r * shape.in_len * es) as u64)
+                .collect(),
+            Collective::ReduceScatter => ptrs(&input),
+            _ => out.clone(),
+        };
+        let recv = out
+            .into_iter()
+            .enumerate()
+            .map(|(r, o)| {
+                if c == Collective::Reduce && r != opts.root {
+                    0
+                } else {
+                    o
+                }
+            })
+            .collect();
+        let n = match c {
+            Collective::AllGather => shape.in_len,
+            Collective::ReduceScatter => shape.count / p,
+            _ => shape.count,
+        };
+        GpuBench {
+            group,
+            opts,
+            _input: input,
+            output,
+            send,
+            recv,
+            n,
+        }
+    }
 }
 
 impl<T: Element> Bench for GpuBench<'_, T> {
@@ -76,42 +134,19 @@ impl<T: Element> Bench for GpuBench<'_, T> {
         Ok(errors)
     }
 
-    /// One call: in place uses the output buffers only (all-gather: the own slice as input).
     fn call(&mut self) -> Result<()> {
-        let (c, opts) = (self.opts.collective, self.opts);
-        let p = self.output.len();
-        let es = T::DTYPE.size();
-        let in_len = self.shape.in_len;
-        let out: Vec<u64> = self.output.iter().map(|x| x.device_ptr()).collect();
-        let inp: Vec<u64> = if opts.in_place() || c == Collective::Broadcast {
-            match c {
-                Collective::AllGather => out
-                    .iter()
-                    .enumerate()
-                    .map(|(r, &o)| o + (r * in_len * es) as u64)
-                    .collect(),
-                Collective::ReduceScatter => self.input.iter().map(|x| x.device_ptr()).collect(),
-                _ => out.clone(),
-            }
-        } else {
-            self.input.iter().map(|x| x.device_ptr()).collect()
-        };
-        let n = match c {
-            Collective::AllGather => in_len,
-            Collective::ReduceScatter => self.shape.count / p,
-            _ => self.shape.count,
-        };
-        let mut recv = out;
-        if c == Collective::Reduce {
-            // Only the root receives.
-            for (r, x) in recv.iter_mut().enumerate() {
-                if r != opts.root {
-                    *x = 0;
-                }
-            }
-        }
-        self.group
-            .execute(c, T::DTYPE, opts.op, opts.root, n, &inp, &recv, &[])
+        let o = self.opts;
+        let (send, recv) = (&self.send, &self.recv);
+        self.group.execute(
+            o.collective,
+            T::DTYPE,
+            o.op,
+            o.root,
+            self.n,
+            send,
+            recv,
+            &[],
+        )
     }
 }
 
@@ -125,24 +160,19 @@ fn one_size<T: Element>(
     let Some(shape) = Shape::of(opts.collective, p, bytes, T::DTYPE) else {
         return Ok(None);
     };
-    let mut bench = GpuBench {
-        group,
-        opts,
-        input: Vec::with_capacity(p),
-        output: Vec::with_capacity(p),
-        shape,
-    };
+    let (mut input, mut output) = (Vec::with_capacity(p), Vec::with_capacity(p));
     for (r, d) in group.devices().iter().enumerate() {
-        let (input, output) = fresh::<T>(opts, &bench.shape, r);
-        bench.input.push(GpuBuffer::from_host(d, &input)?);
-        bench.output.push(GpuBuffer::from_host(d, &output)?);
+        let (i, o) = fresh::<T>(opts, &shape, r);
+        input.push(GpuBuffer::from_host(d, &i)?);
+        output.push(GpuBuffer::from_host(d, &o)?);
     }
+    let mut bench = GpuBench::new(group, opts, &shape, input, output);
     let row = RowOf {
         opts,
         algo: group.algorithm().to_string(),
         ranks: p,
         dtype: T::DTYPE,
-        count: bench.shape.count,
+        count: shape.count,
         bandwidth,
     };
     measure(&mut bench, row).map(Some)

@@ -96,22 +96,15 @@ fn call(client: &Client, opts: &Options, inputs: &[&XlaBuffer]) -> Result<Vec<Xl
 struct XlaBench<'a, T> {
     client: &'a Client,
     opts: &'a Options,
-    inputs: Vec<XlaBuffer>,
+    inputs: Vec<&'a XlaBuffer>,
     /// The buffers are untyped device memory; the results are read back as `T`.
     dtype: PhantomData<T>,
-}
-
-impl<T> XlaBench<'_, T> {
-    fn run(&self) -> Result<Vec<XlaBuffer>> {
-        let refs: Vec<&XlaBuffer> = self.inputs.iter().collect();
-        call(self.client, self.opts, &refs)
-    }
 }
 
 impl<T: Element> Bench for XlaBench<'_, T> {
     fn check(&mut self) -> Result<u64> {
         let opts = self.opts;
-        let outs = self.run()?;
+        let outs = call(self.client, opts, &self.inputs)?;
         let p = outs.len();
         let mut errors = 0;
         for (r, o) in outs.iter().enumerate() {
@@ -121,7 +114,7 @@ impl<T: Element> Bench for XlaBench<'_, T> {
         Ok(errors)
     }
     fn call(&mut self) -> Result<()> {
-        self.run().map(drop)
+        call(self.client, self.opts, &self.inputs).map(drop)
     }
 }
 
@@ -141,7 +134,7 @@ fn one_size<T: Element>(
     let mut bench = XlaBench::<T> {
         client,
         opts,
-        inputs,
+        inputs: inputs.iter().collect(),
         dtype: PhantomData,
     };
     let row = RowOf {
