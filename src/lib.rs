@@ -49,6 +49,7 @@
 #![warn(missing_docs)]
 
 pub mod algorithm;
+mod call;
 pub mod cluster;
 pub mod comm;
 mod config;

@@ -26,130 +26,14 @@ pub(crate) use copies::CopyAlgorithm;
 pub(crate) use copies::{Move, Ranks};
 pub(crate) use plan::Plan;
 
-use std::fmt;
+pub use crate::call::Algorithm;
+
 use std::ops::Range;
-use std::str::FromStr;
 
 use crate::dtype::kernels;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Collective, Error, Result, Site};
 use crate::transport::{PeerMemory, Transport};
-
-/// An algorithm, chosen by name (`auto`, `direct`, `ring`, `hierarchical-copy[:G]`,
-/// `reduce-to-one[:ROOT]`).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default)]
-pub enum Algorithm {
-    /// The fastest for the transport: `direct` with peer memory, `ring` otherwise.
-    #[default]
-    Auto,
-    /// Ranks read and reduce peers' buffers in place, each owning one slice (peer memory only).
-    Direct,
-    /// Reduce-scatter then all-gather around a ring, chunked.
-    Ring,
-    /// TensorFlow's HierarchicalCopyAllReduce: groups of `group_size` ranks reduce onto their
-    /// leader, leaders reduce onto the first leader, and the result comes back the same way.
-    HierarchicalCopy {
-        /// Ranks per group (TensorFlow's default is 2).
-        group_size: usize,
-    },
-    /// TensorFlow's ReductionToOneDevice: reduce onto `root`, broadcast back.
-    ReduceToOne {
-        /// The rank that reduces.
-        root: usize,
-    },
-}
-
-impl Algorithm {
-    /// The all-reduce algorithms that `tutti perf` and the tests sweep.
-    pub const ALL_REDUCE: [Algorithm; 5] = [
-        Algorithm::Auto,
-        Algorithm::Direct,
-        Algorithm::Ring,
-        Algorithm::HierarchicalCopy { group_size: 2 },
-        Algorithm::ReduceToOne { root: 0 },
-    ];
-}
-
-impl Algorithm {
-    /// A number and a parameter for the wire (see [`Algorithm::from_code`]).
-    pub(crate) fn code(self) -> (u8, u64) {
-        match self {
-            Algorithm::Auto => (0, 0),
-            Algorithm::Direct => (1, 0),
-            Algorithm::Ring => (2, 0),
-            Algorithm::HierarchicalCopy { group_size } => (3, group_size as u64),
-            Algorithm::ReduceToOne { root } => (4, root as u64),
-        }
-    }
-
-    /// The algorithm of a [`Algorithm::code`], or `None` when it is not one.
-    pub(crate) fn from_code(code: u8, param: u64) -> Option<Algorithm> {
-        let param = usize::try_from(param).ok();
-        Some(match code {
-            0 => Algorithm::Auto,
-            1 => Algorithm::Direct,
-            2 => Algorithm::Ring,
-            3 => Algorithm::HierarchicalCopy { group_size: param? },
-            4 => Algorithm::ReduceToOne { root: param? },
-            _ => return None,
-        })
-    }
-}
-
-impl fmt::Display for Algorithm {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Algorithm::Auto => f.write_str("auto"),
-            Algorithm::Direct => f.write_str("direct"),
-            Algorithm::Ring => f.write_str("ring"),
-            Algorithm::HierarchicalCopy { group_size: 2 } => f.write_str("hierarchical-copy"),
-            Algorithm::HierarchicalCopy { group_size } => {
-                write!(f, "hierarchical-copy:{group_size}")
-            }
-            Algorithm::ReduceToOne { root: 0 } => f.write_str("reduce-to-one"),
-            Algorithm::ReduceToOne { root } => write!(f, "reduce-to-one:{root}"),
-        }
-    }
-}
-
-impl FromStr for Algorithm {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let l = s.to_ascii_lowercase().replace('_', "-");
-        let (name, arg) = match l.split_once(':') {
-            Some((n, a)) => (n, Some(a)),
-            None => (l.as_str(), None),
-        };
-        let num = |default: usize| -> Result<usize, String> {
-            arg.map_or(Ok(default), |a| {
-                a.parse()
-                    .map_err(|_| format!("algorithm '{s}': '{a}' is not a number"))
-            })
-        };
-        let algo = match name {
-            "auto" => Algorithm::Auto,
-            "direct" => Algorithm::Direct,
-            "ring" => Algorithm::Ring,
-            "hierarchical-copy" | "hierarchical" => {
-                let group_size = num(2)?;
-                if group_size == 0 {
-                    return Err(format!("algorithm '{s}': group size must be at least 1"));
-                }
-                Algorithm::HierarchicalCopy { group_size }
-            }
-            "reduce-to-one" | "reduction-to-one-device" => Algorithm::ReduceToOne { root: num(0)? },
-            _ => {
-                return Err(format!(
-                    "unknown algorithm '{s}' (expected auto, direct, ring, hierarchical-copy[:GROUP] or reduce-to-one[:ROOT])"
-                ))
-            }
-        };
-        if arg.is_some() && matches!(algo, Algorithm::Auto | Algorithm::Direct | Algorithm::Ring) {
-            return Err(format!("algorithm '{name}' takes no ':' argument"));
-        }
-        Ok(algo)
-    }
-}
 
 /// Everything an algorithm needs about the call.
 pub(crate) struct Ctx<'a> {

@@ -34,88 +34,14 @@ pub fn dead_segments() -> Vec<String> {
     shm::dead_segments()
 }
 
+pub use crate::call::CallHeader;
 pub use net::{NetTransport, TransportKind};
 
 use std::time::Duration;
 
 use crate::dtype::kernels::{self, Init};
 use crate::dtype::{DType, ReduceOp};
-use crate::error::{Collective, Result, Site};
-
-/// What every rank states about a call before it runs; compared field by field across ranks.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CallHeader {
-    /// The communicator's call number.
-    pub call: u64,
-    /// Which collective.
-    pub collective: Collective,
-    /// Element type.
-    pub dtype: DType,
-    /// Elements per rank (all_gather: of the input; reduce_scatter: of the output).
-    pub count: usize,
-    /// The reduce op, for reducing collectives.
-    pub op: Option<ReduceOp>,
-    /// The root, for rooted collectives.
-    pub root: Option<usize>,
-    /// The algorithm asked for.
-    pub algorithm: crate::algorithm::Algorithm,
-    /// The chunk size of chunked algorithms (ranks must cut buffers alike).
-    pub chunk_bytes: u64,
-    /// Whether every call is checked in a round of its own before data moves (`TUTTI_CHECK=full`).
-    pub full_check: bool,
-    /// Set when this rank rejected its own arguments: peers fail the call at once.
-    pub rejected: Option<String>,
-}
-
-impl CallHeader {
-    /// The first field in which `other` differs from `self`: (name, mine, theirs).
-    pub fn first_difference(&self, other: &CallHeader) -> Option<(&'static str, String, String)> {
-        if self == other {
-            // The common case, without formatting every field.
-            return None;
-        }
-        fn opt<T: std::fmt::Display>(v: &Option<T>) -> String {
-            v.as_ref()
-                .map_or_else(|| "none".to_string(), |x| x.to_string())
-        }
-        let fields = [
-            ("call number", self.call.to_string(), other.call.to_string()),
-            (
-                "collective",
-                self.collective.to_string(),
-                other.collective.to_string(),
-            ),
-            ("dtype", self.dtype.to_string(), other.dtype.to_string()),
-            ("count", self.count.to_string(), other.count.to_string()),
-            ("op", opt(&self.op), opt(&other.op)),
-            ("root", opt(&self.root), opt(&other.root)),
-            (
-                "algorithm",
-                self.algorithm.to_string(),
-                other.algorithm.to_string(),
-            ),
-            (
-                "chunk size",
-                self.chunk_bytes.to_string(),
-                other.chunk_bytes.to_string(),
-            ),
-            (
-                "call check (TUTTI_CHECK)",
-                check_name(self.full_check).to_string(),
-                check_name(other.full_check).to_string(),
-            ),
-        ];
-        fields.into_iter().find(|(_, a, b)| a != b)
-    }
-}
-
-fn check_name(full: bool) -> &'static str {
-    if full {
-        "full"
-    } else {
-        "fast"
-    }
-}
+use crate::error::{Result, Site};
 
 /// The buffers of one rank for the current call, published to peers by transports that expose
 /// peer memory. `input` may equal `output` (in place).

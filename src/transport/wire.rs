@@ -81,7 +81,7 @@ impl CallHeader {
                 u8::MAX => None,
                 o => Some(crate::dtype::ReduceOp::from_u32(o.into())?),
             },
-            algorithm: crate::algorithm::Algorithm::from_code(v[43], u64_(32..40))?,
+            algorithm: crate::call::Algorithm::from_code(v[43], u64_(32..40))?,
             full_check: v[44] != 0,
             rejected: None,
         })

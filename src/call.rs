@@ -1,0 +1,202 @@
+//! What identifies a call: the algorithm asked for, and the header every rank states before a
+//! call runs and compares with its peers'.
+//!
+//! This sits below the transports, which carry and compare headers, and the algorithms, which
+//! run what the header names.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::dtype::{DType, ReduceOp};
+use crate::error::Collective;
+
+/// An algorithm, chosen by name (`auto`, `direct`, `ring`, `hierarchical-copy[:G]`,
+/// `reduce-to-one[:ROOT]`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Algorithm {
+    /// The fastest for the transport: `direct` with peer memory, `ring` otherwise.
+    #[default]
+    Auto,
+    /// Ranks read and reduce peers' buffers in place, each owning one slice (peer memory only).
+    Direct,
+    /// Reduce-scatter then all-gather around a ring, chunked.
+    Ring,
+    /// TensorFlow's HierarchicalCopyAllReduce: groups of `group_size` ranks reduce onto their
+    /// leader, leaders reduce onto the first leader, and the result comes back the same way.
+    HierarchicalCopy {
+        /// Ranks per group (TensorFlow's default is 2).
+        group_size: usize,
+    },
+    /// TensorFlow's ReductionToOneDevice: reduce onto `root`, broadcast back.
+    ReduceToOne {
+        /// The rank that reduces.
+        root: usize,
+    },
+}
+
+impl Algorithm {
+    /// The all-reduce algorithms that `tutti perf` and the tests sweep.
+    pub const ALL_REDUCE: [Algorithm; 5] = [
+        Algorithm::Auto,
+        Algorithm::Direct,
+        Algorithm::Ring,
+        Algorithm::HierarchicalCopy { group_size: 2 },
+        Algorithm::ReduceToOne { root: 0 },
+    ];
+}
+
+impl Algorithm {
+    /// A number and a parameter for the wire (see [`Algorithm::from_code`]).
+    pub(crate) fn code(self) -> (u8, u64) {
+        match self {
+            Algorithm::Auto => (0, 0),
+            Algorithm::Direct => (1, 0),
+            Algorithm::Ring => (2, 0),
+            Algorithm::HierarchicalCopy { group_size } => (3, group_size as u64),
+            Algorithm::ReduceToOne { root } => (4, root as u64),
+        }
+    }
+
+    /// The algorithm of a [`Algorithm::code`], or `None` when it is not one.
+    pub(crate) fn from_code(code: u8, param: u64) -> Option<Algorithm> {
+        let param = usize::try_from(param).ok();
+        Some(match code {
+            0 => Algorithm::Auto,
+            1 => Algorithm::Direct,
+            2 => Algorithm::Ring,
+            3 => Algorithm::HierarchicalCopy { group_size: param? },
+            4 => Algorithm::ReduceToOne { root: param? },
+            _ => return None,
+        })
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Algorithm::Auto => f.write_str("auto"),
+            Algorithm::Direct => f.write_str("direct"),
+            Algorithm::Ring => f.write_str("ring"),
+            Algorithm::HierarchicalCopy { group_size: 2 } => f.write_str("hierarchical-copy"),
+            Algorithm::HierarchicalCopy { group_size } => {
+                write!(f, "hierarchical-copy:{group_size}")
+            }
+            Algorithm::ReduceToOne { root: 0 } => f.write_str("reduce-to-one"),
+            Algorithm::ReduceToOne { root } => write!(f, "reduce-to-one:{root}"),
+        }
+    }
+}
+
+impl FromStr for Algorithm {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let l = s.to_ascii_lowercase().replace('_', "-");
+        let (name, arg) = match l.split_once(':') {
+            Some((n, a)) => (n, Some(a)),
+            None => (l.as_str(), None),
+        };
+        let num = |default: usize| -> Result<usize, String> {
+            arg.map_or(Ok(default), |a| {
+                a.parse()
+                    .map_err(|_| format!("algorithm '{s}': '{a}' is not a number"))
+            })
+        };
+        let algo = match name {
+            "auto" => Algorithm::Auto,
+            "direct" => Algorithm::Direct,
+            "ring" => Algorithm::Ring,
+            "hierarchical-copy" | "hierarchical" => {
+                let group_size = num(2)?;
+                if group_size == 0 {
+                    return Err(format!("algorithm '{s}': group size must be at least 1"));
+                }
+                Algorithm::HierarchicalCopy { group_size }
+            }
+            "reduce-to-one" | "reduction-to-one-device" => Algorithm::ReduceToOne { root: num(0)? },
+            _ => {
+                return Err(format!(
+                    "unknown algorithm '{s}' (expected auto, direct, ring, hierarchical-copy[:GROUP] or reduce-to-one[:ROOT])"
+                ))
+            }
+        };
+        if arg.is_some() && matches!(algo, Algorithm::Auto | Algorithm::Direct | Algorithm::Ring) {
+            return Err(format!("algorithm '{name}' takes no ':' argument"));
+        }
+        Ok(algo)
+    }
+}
+
+/// What every rank states about a call before it runs; compared field by field across ranks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CallHeader {
+    /// The communicator's call number.
+    pub call: u64,
+    /// Which collective.
+    pub collective: Collective,
+    /// Element type.
+    pub dtype: DType,
+    /// Elements per rank (all_gather: of the input; reduce_scatter: of the output).
+    pub count: usize,
+    /// The reduce op, for reducing collectives.
+    pub op: Option<ReduceOp>,
+    /// The root, for rooted collectives.
+    pub root: Option<usize>,
+    /// The algorithm asked for.
+    pub algorithm: Algorithm,
+    /// The chunk size of chunked algorithms (ranks must cut buffers alike).
+    pub chunk_bytes: u64,
+    /// Whether every call is checked in a round of its own before data moves (`TUTTI_CHECK=full`).
+    pub full_check: bool,
+    /// Set when this rank rejected its own arguments: peers fail the call at once.
+    pub rejected: Option<String>,
+}
+
+impl CallHeader {
+    /// The first field in which `other` differs from `self`: (name, mine, theirs).
+    pub fn first_difference(&self, other: &CallHeader) -> Option<(&'static str, String, String)> {
+        if self == other {
+            // The common case, without formatting every field.
+            return None;
+        }
+        fn opt<T: std::fmt::Display>(v: &Option<T>) -> String {
+            v.as_ref()
+                .map_or_else(|| "none".to_string(), |x| x.to_string())
+        }
+        let fields = [
+            ("call number", self.call.to_string(), other.call.to_string()),
+            (
+                "collective",
+                self.collective.to_string(),
+                other.collective.to_string(),
+            ),
+            ("dtype", self.dtype.to_string(), other.dtype.to_string()),
+            ("count", self.count.to_string(), other.count.to_string()),
+            ("op", opt(&self.op), opt(&other.op)),
+            ("root", opt(&self.root), opt(&other.root)),
+            (
+                "algorithm",
+                self.algorithm.to_string(),
+                other.algorithm.to_string(),
+            ),
+            (
+                "chunk size",
+                self.chunk_bytes.to_string(),
+                other.chunk_bytes.to_string(),
+            ),
+            (
+                "call check (TUTTI_CHECK)",
+                check_name(self.full_check).to_string(),
+                check_name(other.full_check).to_string(),
+            ),
+        ];
+        fields.into_iter().find(|(_, a, b)| a != b)
+    }
+}
+
+fn check_name(full: bool) -> &'static str {
+    if full {
+        "full"
+    } else {
+        "fast"
+    }
+}
