@@ -5,6 +5,11 @@
 //! one physical CPU can be presented as N logical devices `cpu:0` … `cpu:N-1` so that one host runs
 //! N replicas.
 
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+#[cfg(feature = "xla")]
+pub(crate) mod pjrt;
+
 use std::fmt;
 use std::str::FromStr;
 
@@ -156,9 +161,9 @@ pub fn discover() -> Vec<Device> {
     #[allow(unused_mut)]
     let mut devices = vec![host_cpu()];
     #[cfg(feature = "cuda")]
-    devices.extend(crate::gpu::discover_devices());
+    devices.extend(cuda::discover_devices());
     #[cfg(feature = "xla")]
-    devices.extend(crate::xla::discover_devices());
+    devices.extend(pjrt::discover_devices());
     devices
 }
 

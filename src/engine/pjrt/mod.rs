@@ -1,9 +1,11 @@
 //! PJRT programs on `xla:N` ranks: every rank's host buffer staged to its device, one program
 //! over the group's devices, the results staged back (the client's host-staged path).
 
+mod collective;
+
+use crate::device::pjrt::Client;
 use crate::error::{Collective, Error, Result, Site};
 use crate::transport::CallBuffers;
-use crate::xla::Client;
 
 use super::{GroupCall, GroupEngine};
 

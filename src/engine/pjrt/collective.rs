@@ -8,8 +8,8 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::client::{Client, Compiled, Executable, ProgramKey, Route, XlaBuffer};
-use super::program::Kind;
+use crate::device::pjrt::client::{Client, Compiled, Executable, ProgramKey, Route, XlaBuffer};
+use crate::device::pjrt::program::Kind;
 use crate::dtype::kernels::{self, Init};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, Result, Site};
@@ -126,7 +126,7 @@ impl Client {
                 if self.platform_name() == "cpu" {
                     format!(
                         " (the CPU plugin makes more with {}=cpu_device_count={n})",
-                        super::client::OPTIONS_ENV
+                        crate::device::pjrt::client::OPTIONS_ENV
                     )
                 } else {
                     String::new()

@@ -2,6 +2,10 @@
 //! plugin that exports `GetPjrtApi` (the CPU plugin `xla-cpu-pjrt`, the CUDA plugins
 //! `jax-cuda12-pjrt` / `jax-cuda13-pjrt`).
 //!
+//! This module is the public face of two layers: XLA devices (`device/pjrt`: the plugin, the
+//! client, buffers, programs) and the PJRT engine (`engine/pjrt`: the collectives across a
+//! client's devices).
+//!
 //! tutti loads the plugin at run time (nothing of XLA is linked in) through its own bindings to
 //! the PJRT C API ([`ffi`]): the plugin's API version is checked (same major version as the
 //! header tutti mirrors, a minor version at least [`ffi::MIN_MINOR`]) and an incompatible plugin
@@ -39,68 +43,8 @@
 //! # Ok::<(), tutti::Error>(())
 //! ```
 
-pub mod client;
-mod collective;
-pub mod ffi;
-pub mod plugin;
-pub mod program;
-
-pub use client::{
-    CacheStats, Client, ClientOptions, OptionValue, Route, XlaBuffer, XlaDevice, OPTIONS_ENV,
+pub use crate::device::pjrt::{client, ffi, plugin, program};
+pub use crate::device::pjrt::{
+    discover_devices, discovery, CacheStats, Candidate, Client, ClientOptions, Discovery,
+    OptionValue, Plugin, PluginKind, Route, XlaBuffer, XlaDevice, OPTIONS_ENV, PLUGIN_ENV,
 };
-pub use plugin::{Candidate, Plugin, PluginKind, PLUGIN_ENV};
-
-use crate::device::{Device, DeviceKind};
-
-/// What automatic discovery found: the plugin, its platform and its devices.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct Discovery {
-    /// The plugin's shared library.
-    pub plugin: std::path::PathBuf,
-    /// The plugin's PJRT C API version.
-    pub api_version: (i32, i32),
-    /// The platform (`cpu`, `tpu`, `cuda`, ...).
-    pub platform: String,
-    /// The platform's version text.
-    pub platform_version: String,
-    /// The addressable devices.
-    pub devices: Vec<XlaDevice>,
-}
-
-/// The plugin and devices [`Client::from_env`] finds, looked up once per process (the client
-/// made for it is closed again); the error says why there are none.
-pub fn discovery() -> Result<&'static Discovery, crate::Error> {
-    static FOUND: std::sync::OnceLock<Result<Discovery, crate::Error>> = std::sync::OnceLock::new();
-    FOUND
-        .get_or_init(|| {
-            let c = Client::from_env()?;
-            Ok(Discovery {
-                plugin: c.plugin().path().to_path_buf(),
-                api_version: c.plugin().api_version(),
-                platform: c.platform_name().to_string(),
-                platform_version: c.platform_version().to_string(),
-                devices: c.devices().to_vec(),
-            })
-        })
-        .as_ref()
-        .map_err(Clone::clone)
-}
-
-/// The XLA devices of [`discovery`] as tutti [`Device`]s (`xla:0`, `xla:1`, ...; the name is
-/// the PJRT device kind); empty when no plugin starts.
-pub fn discover_devices() -> Vec<Device> {
-    discovery()
-        .map(|d| {
-            d.devices
-                .iter()
-                .map(|x| Device {
-                    kind: DeviceKind::Xla,
-                    index: x.index,
-                    name: x.kind.clone(),
-                    memory_bytes: x.memory_bytes,
-                    physical_index: x.index,
-                })
-                .collect()
-        })
-        .unwrap_or_default()
-}

@@ -19,10 +19,10 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
 
-use super::discovery::DeviceInner;
-use super::driver::{self, Context};
-use super::libs;
-use super::nvrtc;
+use crate::device::cuda::discovery::DeviceInner;
+use crate::device::cuda::driver::{self, Context};
+use crate::device::cuda::libs;
+use crate::device::cuda::nvrtc;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -116,7 +116,7 @@ fn c_types(
     }
 }
 
-const PRELUDE: &str = r#"// tutti: reduction kernels (generated; see src/gpu/kernels.rs).
+const PRELUDE: &str = r#"// tutti: reduction kernels (generated; see src/engine/cuda/kernels.rs).
 #define TUTTI_MAX_SOURCES 32
 typedef unsigned long long tutti_u64;
 struct tutti_sources { const void* p[TUTTI_MAX_SOURCES]; };

@@ -29,16 +29,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::buffer::{DeviceMut, DevicePtr, DeviceRef, Region};
-use super::discovery::{DeviceInner, GpuDevice};
-use super::driver;
 use super::kernels::{self, Kernels};
 use super::moves::{self, DeviceOp};
-use super::nccl::{self, Call, Comms};
 use crate::algorithm::{CopyAlgorithm, Move, Ranks};
 use crate::cluster::store::Store;
 use crate::cluster::ClusterSpec;
 use crate::config::Config;
+use crate::device::cuda::buffer::{DeviceMut, DevicePtr, DeviceRef, Region};
+use crate::device::cuda::discovery::{DeviceInner, GpuDevice};
+use crate::device::cuda::driver;
+use crate::device::cuda::nccl::{self, Call, Comms};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Collective, Error, Result, Site};
 
@@ -427,9 +427,10 @@ impl GpuGroup {
         let devices = match devices {
             Some(d) => d,
             None => {
-                let gpus = super::discovery::devices()?;
+                let gpus = crate::device::cuda::discovery::devices()?;
                 let pick = spec.local_rank.unwrap_or(rank) % gpus.len();
-                let plan = super::discovery::VirtualGpuConfig::new().plan(&gpus[pick..pick + 1])?;
+                let plan = crate::device::cuda::discovery::VirtualGpuConfig::new()
+                    .plan(&gpus[pick..pick + 1])?;
                 owned = vec![GpuDevice::open(&plan[0])?];
                 &owned[..]
             }
@@ -1123,12 +1124,12 @@ impl GpuGroup {
     }
 
     /// Wait for every device's stream until the deadline (bounded by
-    /// [`super::discovery::FAILED_DEVICE_WAIT`] when a device timed out before); the devices
+    /// [`crate::device::cuda::discovery::FAILED_DEVICE_WAIT`] when a device timed out before); the devices
     /// still busy then are marked failed.
     fn finish(&self, site: Site, deadline: Instant) -> Result<()> {
         let streams: Vec<&driver::Stream> = self.devices.iter().map(|d| &d.inner.stream).collect();
         let deadline = if self.devices.iter().any(|d| d.inner.has_failed()) {
-            deadline.min(Instant::now() + super::discovery::FAILED_DEVICE_WAIT)
+            deadline.min(Instant::now() + crate::device::cuda::discovery::FAILED_DEVICE_WAIT)
         } else {
             deadline
         };

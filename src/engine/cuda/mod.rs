@@ -1,15 +1,21 @@
 //! NCCL or the CUDA copy algorithms on `cuda:N` ranks: one [`GpuGroup`] call over every rank's
 //! device memory (the group's algorithm: NCCL, hierarchical copy or reduction to one device).
 
+mod group;
+pub mod kernels;
+mod moves;
+
+pub use group::{GpuAlgorithm, GpuGroup};
+
+use crate::device::cuda::{DevicePtr, GpuBuffer};
 use crate::error::{Collective, Result, Site};
-use crate::gpu::{DevicePtr, GpuBuffer, GpuGroup};
 use crate::transport::CallBuffers;
 
 use super::{GroupCall, GroupEngine, StreamMark};
 
-impl StreamMark for crate::gpu::StreamMark {
+impl StreamMark for group::StreamMark {
     fn raw(&self) -> u64 {
-        crate::gpu::StreamMark::raw(self)
+        group::StreamMark::raw(self)
     }
 }
 
