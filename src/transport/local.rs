@@ -5,7 +5,7 @@
 //! when the send completes. [`PeerMemory`] hands the algorithms the peers' buffers of the call,
 //! published in [`Transport::begin`].
 //!
-//! Every wait sleeps on the waiting rank's [`Bell`] after a short spin, checks the group's abort
+//! Every wait sleeps on the waiting rank's bell after a short spin, checks the group's abort
 //! flag, and is bounded by the group's timeout.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};

@@ -1,5 +1,5 @@
 //! The transport between processes and hosts: one TCP connection per peer, with the bytes of
-//! peers on the same host moved through shared memory when asked to (see [`super::shm`]).
+//! peers on the same host moved through shared memory when asked to (`shm.rs`).
 //!
 //! Setup goes through the rendezvous store: every rank listens on its configured host (a port
 //! chosen by the OS), publishes its address, connects to the lower ranks and accepts the higher
@@ -11,7 +11,7 @@
 //! stay busy, and a receive that reduces does so chunk by chunk as the bytes arrive.
 //!
 //! Frames are a 64-byte header (kind, aux, length, and the identity of the call they belong to;
-//! see [`super::wire`]) and a payload. `DATA` frames carry the bytes of a step, `HEADER` frames
+//! see `wire.rs`) and a payload. `DATA` frames carry the bytes of a step, `HEADER` frames
 //! the check round of a call that has one (`TUTTI_CHECK=full`, barriers, calls without data, and
 //! arguments a rank rejected, whose reason is the payload), `ABORT` frames the reason a rank gave
 //! up. Every frame's identity is compared with the receiver's call before its payload is taken:
@@ -19,7 +19,7 @@
 //! call sends `ABORT` to every peer and closes its connections, so a dead or failed rank turns
 //! into an error naming it on every survivor.
 //!
-//! To a peer on the same host every frame goes through a shared-memory ring ([`super::shm`])
+//! To a peer on the same host every frame goes through a shared-memory ring (`shm.rs`)
 //! instead of the socket, which then carries only `ABORT` frames and the peer's hang-up.
 //!
 //! (Why one long file: connection setup, the step engine and failure propagation share the

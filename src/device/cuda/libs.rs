@@ -13,7 +13,7 @@
 //!   [`nvrtc_candidates`].
 //! * **NCCL** ships as `libnccl.so.2` (NVIDIA's packages and the `nvidia-nccl-cu12` pip
 //!   package), a name cudarc's loader does not search, so tutti loads it itself, by path, and
-//!   binds the functions it calls (see [`super::nccl`]). The search order is
+//!   binds the functions it calls (`nccl.rs`). The search order is
 //!   [`nccl_candidates`].
 //!
 //! Python packages are looked for in the site-packages of every Python prefix tutti can find
