@@ -3,13 +3,15 @@
 //! allocations of the calling thread only.
 //!
 //! The ranks are threads of this test, each with its own communicator (in-process, or a network
-//! communicator over TCP or shared memory: the same code path as separate processes).
+//! communicator over TCP or shared memory: the same code path as separate processes), except
+//! across hosts: there the ranks are processes (this test binary again) whose host ids differ.
 
 mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
-use std::time::Duration;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use common::{free_port, spec};
 
@@ -106,12 +108,12 @@ struct Buffers {
 /// count, after a first round that builds the plans.
 fn repeated(comms: &[Communicator], counts: &[usize], rounds: usize) -> Vec<u64> {
     let max = counts.iter().copied().max().unwrap_or(0);
-    let world = comms.len();
     std::thread::scope(|s| {
         let hs: Vec<_> = comms
             .iter()
             .map(|c| {
                 s.spawn(move || {
+                    let world = c.world_size();
                     // A thread's first sleep lets parking_lot allocate its thread data (and grow
                     // its table): sleep once before counting, whether or not a call will.
                     let lock = parking_lot::Mutex::new(());
@@ -196,5 +198,71 @@ fn repeated_calls_allocate_nothing_over_shared_memory() {
         check(Some(TransportKind::Shm), algo, 2);
         check(Some(TransportKind::Shm), algo, 3);
         check(Some(TransportKind::Shm), algo, 4);
+    }
+}
+
+/// Set in the child processes of [`repeated_calls_allocate_nothing_across_hosts`]: the rank, the
+/// world size and where the ranks meet.
+const CHILD: &str = "TUTTI_NOALLOC_CHILD";
+
+#[test]
+fn repeated_calls_allocate_nothing_across_hosts() {
+    // Two "hosts" of two ranks each (TUTTI_HOST_ID is per process, so the ranks are processes):
+    // auto's large all-reduce reduces within each host, runs the ring among the hosts' leaders
+    // and copies back, and that path too reuses its plan.
+    const WORLD: usize = 4;
+    if let Ok(child) = std::env::var(CHILD) {
+        let mut parts = child.split(' ');
+        let (Some(rank), Some(master)) = (parts.next(), parts.next()) else {
+            panic!("{CHILD}={child}: expected 'RANK MASTER'");
+        };
+        let config = Config::default()
+            .with_timeout(Duration::from_secs(30))
+            .with_chunk_bytes(64 << 10);
+        let c = Communicator::from_cluster(
+            &spec(rank.parse().unwrap(), WORLD, master),
+            TransportKind::Auto,
+            &config,
+        )
+        .unwrap();
+        let n = repeated(std::slice::from_ref(&c), &COUNTS, 3)[0];
+        println!("allocations: {n}");
+        return;
+    }
+    let master = format!("127.0.0.1:{}", free_port());
+    let children: Vec<Child> = (0..WORLD)
+        .map(|r| {
+            Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "repeated_calls_allocate_nothing_across_hosts",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(CHILD, format!("{r} {master}"))
+                .env("TUTTI_HOST_ID", if r < 2 { "host-a" } else { "host-b" })
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let started = Instant::now();
+    for (r, mut c) in children.into_iter().enumerate() {
+        while c.try_wait().unwrap().is_none() {
+            if started.elapsed() > Duration::from_secs(120) {
+                let _ = c.kill();
+                panic!("rank {r} ran past 120 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let o = c.wait_with_output().unwrap();
+        let out = String::from_utf8_lossy(&o.stdout);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "rank {r}:\n{out}\n{err}");
+        assert!(
+            out.contains("allocations: 0"),
+            "rank {r}: repeated calls across hosts allocated:\n{out}"
+        );
     }
 }

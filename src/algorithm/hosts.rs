@@ -5,7 +5,7 @@
 use super::flat::{recv_copy, reduce_onto, scatter_copies};
 use super::ring;
 use super::Ctx;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::transport::sub::SubTransport;
 
 /// All-reduce across hosts: each host's ranks reduce onto the host's first rank (through shared
@@ -22,27 +22,31 @@ pub(crate) fn all_reduce(
         buf.copy_from_slice(i);
     }
     let r = ctx.rank();
-    let members: Vec<usize> = (0..ctx.world()).filter(|&k| hosts[k] == hosts[r]).collect();
-    let leader = members[0];
-    let leaders: Vec<usize> = (0..ctx.world())
-        .filter(|&k| hosts[..k].iter().all(|&h| h != hosts[k]))
-        .collect();
-    reduce_onto(ctx, leader, members.iter().copied(), buf)?;
-    if r == leader {
-        let sub = SubTransport::new(ctx.t, leaders).expect("a leader is among the leaders");
-        // The ring sums; the mean divides by every rank, not by the leaders.
-        let across = Ctx {
-            t: &sub,
-            site: ctx.site,
-            dtype: ctx.dtype,
-            op: ctx.op.combining(),
-            chunk_bytes: ctx.chunk_bytes,
-            plan: ctx.plan,
-        };
-        ring::all_reduce(&across, None, buf)?;
-        ctx.finish_mean(buf);
-        scatter_copies(ctx, leader, members.into_iter(), buf)
-    } else {
-        recv_copy(ctx, leader, buf)
+    let world = ctx.world();
+    let members = move || (0..world).filter(move |&k| hosts[k] == hosts[r]);
+    let leader = members().next().unwrap_or(r); // r is among its host's ranks
+    reduce_onto(ctx, leader, members(), buf)?;
+    if r != leader {
+        return recv_copy(ctx, leader, buf);
     }
+    let mut leaders = ctx.plan.list::<usize>();
+    leaders.extend((0..world).filter(|&k| hosts[..k].iter().all(|&h| h != hosts[k])));
+    let sub = SubTransport::new(ctx.t, &leaders).ok_or_else(|| {
+        Error::invalid(
+            ctx.site,
+            format!("rank {r} leads its host but is not a leader"),
+        )
+    })?;
+    // The ring sums; the mean divides by every rank, not by the leaders.
+    let across = Ctx {
+        t: &sub,
+        site: ctx.site,
+        dtype: ctx.dtype,
+        op: ctx.op.combining(),
+        chunk_bytes: ctx.chunk_bytes,
+        plan: ctx.plan,
+    };
+    ring::all_reduce(&across, None, buf)?;
+    ctx.finish_mean(buf);
+    scatter_copies(ctx, leader, members(), buf)
 }

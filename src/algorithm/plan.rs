@@ -28,6 +28,7 @@ pub(crate) struct Parts {
     sends: Vec<SendOp<'static>>,
     recvs: Vec<RecvOp<'static>>,
     bufs: Vec<CallBuffers>,
+    ranks: Vec<usize>,
 }
 
 /// A list type that a plan keeps between calls.
@@ -62,6 +63,13 @@ impl Listed for CallBuffers {
     type Stored = CallBuffers;
     fn slot(plan: &mut Parts) -> &mut Vec<CallBuffers> {
         &mut plan.bufs
+    }
+}
+
+impl Listed for usize {
+    type Stored = usize;
+    fn slot(plan: &mut Parts) -> &mut Vec<usize> {
+        &mut plan.ranks
     }
 }
 

@@ -9,13 +9,16 @@ use crate::error::{Error, Result, Site};
 /// `members` (global ranks, this rank among them) of `inner`, renumbered 0..members.len().
 pub(crate) struct SubTransport<'a> {
     inner: &'a dyn Transport,
-    members: Vec<usize>,
+    members: &'a [usize],
     rank: usize,
 }
 
+/// Sends of one exchange renumbered on the stack up to this many (a ring step sends one).
+const INLINE_SENDS: usize = 4;
+
 impl<'a> SubTransport<'a> {
     /// The view, or `None` when this rank is not among `members`.
-    pub(crate) fn new(inner: &'a dyn Transport, members: Vec<usize>) -> Option<SubTransport<'a>> {
+    pub(crate) fn new(inner: &'a dyn Transport, members: &'a [usize]) -> Option<SubTransport<'a>> {
         let rank = members.iter().position(|&m| m == inner.rank())?;
         Some(SubTransport {
             inner,
@@ -50,26 +53,48 @@ impl Transport for SubTransport<'_> {
         Ok(())
     }
 
+    /// The sends are renumbered into a small array and the receives in place (and back), so a
+    /// step of a repeated call allocates nothing.
     fn exchange(&self, site: Site, sends: &[SendOp<'_>], recvs: &mut [RecvOp<'_>]) -> Result<()> {
-        let sends = sends
+        for peer in sends
             .iter()
-            .map(|s| {
-                Ok(SendOp {
-                    peer: self.global(site, s.peer)?,
+            .map(|s| s.peer)
+            .chain(recvs.iter().map(|r| r.peer))
+        {
+            self.global(site, peer)?;
+        }
+        let global = |peer: usize| self.members[peer];
+        for r in recvs.iter_mut() {
+            r.peer = global(r.peer);
+        }
+        let result = if sends.len() <= INLINE_SENDS {
+            let mut inline: [SendOp<'_>; INLINE_SENDS] =
+                std::array::from_fn(|_| SendOp { peer: 0, data: &[] });
+            for (to, s) in inline.iter_mut().zip(sends) {
+                *to = SendOp {
+                    peer: global(s.peer),
+                    data: s.data,
+                };
+            }
+            self.inner.exchange(site, &inline[..sends.len()], recvs)
+        } else {
+            let mapped: Vec<SendOp<'_>> = sends
+                .iter()
+                .map(|s| SendOp {
+                    peer: global(s.peer),
                     data: s.data,
                 })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let mut mapped = Vec::with_capacity(recvs.len());
+                .collect();
+            self.inner.exchange(site, &mapped, recvs)
+        };
         for r in recvs.iter_mut() {
-            let peer = self.global(site, r.peer)?;
-            mapped.push(RecvOp {
-                peer,
-                dst: &mut *r.dst,
-                mode: r.mode,
-            });
+            r.peer = self
+                .members
+                .iter()
+                .position(|&m| m == r.peer)
+                .unwrap_or(r.peer);
         }
-        self.inner.exchange(site, &sends, &mut mapped)
+        result
     }
 
     fn end(&self, failed: Option<&Error>) {
