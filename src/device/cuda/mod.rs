@@ -10,14 +10,17 @@ pub(crate) mod buffer;
 pub(crate) mod discovery;
 pub(crate) mod driver;
 pub mod libs;
+pub(crate) mod logical;
 pub(crate) mod nccl;
 pub(crate) mod nvrtc;
 
 pub use buffer::{DeviceMut, DevicePtr, DeviceRef, GpuBuffer, GpuSlice, GpuSliceMut};
 pub use discovery::{
-    devices, discover_devices, even_memory_limits, format_uuid, parse_cuda_visible_devices,
-    parse_device_list, plan_replicas, select, visible_devices, GpuDevice, GpuInfo, LogicalGpu,
-    VirtualGpuConfig, VisibleDevices, RESERVED_SHARE,
+    devices, discover_devices, format_uuid, parse_cuda_visible_devices, parse_device_list, select,
+    visible_devices, GpuDevice, GpuInfo, VisibleDevices,
+};
+pub use logical::{
+    even_memory_limits, plan_replicas, LogicalGpu, VirtualGpuConfig, RESERVED_SHARE,
 };
 pub use nccl::{
     decode_version, nccl_dtype, nccl_library, nccl_op, open_nccl_library, NcclLibrary, MIN_VERSION,

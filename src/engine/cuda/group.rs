@@ -429,8 +429,8 @@ impl GpuGroup {
             None => {
                 let gpus = crate::device::cuda::discovery::devices()?;
                 let pick = spec.local_rank.unwrap_or(rank) % gpus.len();
-                let plan = crate::device::cuda::discovery::VirtualGpuConfig::new()
-                    .plan(&gpus[pick..pick + 1])?;
+                let plan =
+                    crate::device::cuda::VirtualGpuConfig::new().plan(&gpus[pick..pick + 1])?;
                 owned = vec![GpuDevice::open(&plan[0])?];
                 &owned[..]
             }
