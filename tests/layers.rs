@@ -83,21 +83,20 @@ fn layers_import_only_lower_layers() {
     rust_files(&src, &mut files);
     files.sort();
 
-    let mut modules = BTreeSet::new();
-    for f in &files {
-        let rel = f.strip_prefix(&src).unwrap();
-        let top = rel
-            .components()
-            .next()
-            .unwrap()
-            .as_os_str()
-            .to_str()
-            .unwrap();
-        let top = top.trim_end_matches(".rs").to_string();
-        if top != "lib" {
-            modules.insert(top);
-        }
-    }
+    // Each file with the top-level module it belongs to (`src/a.rs` and `src/a/…` are `a`).
+    let tops: Vec<String> = files
+        .iter()
+        .map(|f| {
+            let rel = f.strip_prefix(&src).unwrap();
+            let first = rel.components().next().unwrap().as_os_str();
+            first.to_str().unwrap().trim_end_matches(".rs").to_string()
+        })
+        .collect();
+    let modules: BTreeSet<&str> = tops
+        .iter()
+        .map(String::as_str)
+        .filter(|&t| t != "lib")
+        .collect();
     let unplaced: Vec<_> = modules.iter().filter(|m| layer_of(m).is_none()).collect();
     assert!(
         unplaced.is_empty(),
@@ -105,16 +104,8 @@ fn layers_import_only_lower_layers() {
     );
 
     let mut wrong = Vec::new();
-    for f in &files {
+    for (f, top) in files.iter().zip(&tops) {
         let rel = f.strip_prefix(&src).unwrap();
-        let top = rel
-            .components()
-            .next()
-            .unwrap()
-            .as_os_str()
-            .to_str()
-            .unwrap();
-        let top = top.trim_end_matches(".rs");
         let Some(own) = layer_of(top) else { continue };
         for (n, line) in std::fs::read_to_string(f).unwrap().lines().enumerate() {
             let code = line.trim_start();
@@ -122,7 +113,7 @@ fn layers_import_only_lower_layers() {
                 continue;
             }
             for m in named_modules(code) {
-                if m == top || !modules.contains(&m) {
+                if m == *top || !modules.contains(m.as_str()) {
                     continue;
                 }
                 if layer_of(&m).unwrap() >= own {
