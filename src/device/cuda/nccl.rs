@@ -337,6 +337,18 @@ pub fn nccl_op(op: ReduceOp) -> i32 {
     }) as i32
 }
 
+/// The op NCCL is given for `op` over `world` ranks. The mean of one rank is its sum, and
+/// NCCL before 2.29.7 leaves the tail of a one-rank `ncclAvg` unwritten (NVIDIA/nccl#1950:
+/// the one-rank kernel splits the elements among its blocks rounding down); `ncclSum` over one
+/// rank is a plain copy.
+fn one_rank_op(world: usize, op: ReduceOp) -> ReduceOp {
+    if world == 1 && op == ReduceOp::Mean {
+        ReduceOp::Sum
+    } else {
+        op
+    }
+}
+
 /// A fresh NCCL unique id (rank 0 makes it; the others receive it).
 pub(crate) fn unique_id() -> Result<[u8; 128]> {
     let a = api()?;
@@ -365,6 +377,8 @@ pub(crate) struct Comms {
     comms: Vec<ncclComm_t>,
     /// The global rank of each local device.
     pub ranks: Vec<usize>,
+    /// Ranks in the NCCL world.
+    world: usize,
     aborted: AtomicBool,
 }
 
@@ -432,6 +446,7 @@ impl Comms {
             api,
             comms,
             ranks: (first_rank..first_rank + devices.len()).collect(),
+            world,
             aborted: AtomicBool::new(false),
         };
         let result = first_err
@@ -520,6 +535,7 @@ impl Comms {
         let api = self.api;
         let _keep = driver::preserve_current();
         let dt = nccl_dtype(dtype) as c_int;
+        let red_op = |op| nccl_op(one_rank_op(self.world, op));
         // SAFETY: group calls over live communicators; every address lies in device memory of
         // the matching device, of the sizes the group checked; streams are the devices' own.
         let started = unsafe { (api.group_start)() };
@@ -532,7 +548,7 @@ impl Comms {
             let r = unsafe {
                 match *call {
                     Call::AllReduce { op } => {
-                        (api.all_reduce)(send, recv, count, dt, nccl_op(op), c, s)
+                        (api.all_reduce)(send, recv, count, dt, red_op(op), c, s)
                     }
                     Call::Broadcast { root } => {
                         (api.broadcast)(send, recv, count, dt, root as c_int, c, s)
@@ -543,11 +559,11 @@ impl Comms {
                         } else {
                             std::ptr::null_mut()
                         };
-                        (api.reduce)(send, recv, count, dt, nccl_op(op), root as c_int, c, s)
+                        (api.reduce)(send, recv, count, dt, red_op(op), root as c_int, c, s)
                     }
                     Call::AllGather => (api.all_gather)(send, recv, count, dt, c, s),
                     Call::ReduceScatter { op } => {
-                        (api.reduce_scatter)(send, recv, count, dt, nccl_op(op), c, s)
+                        (api.reduce_scatter)(send, recv, count, dt, red_op(op), c, s)
                     }
                 }
             };
@@ -680,6 +696,15 @@ mod tests {
         assert_eq!(decode_version(2804), (2, 8, 4));
         assert!(decode_version(21403) >= MIN_VERSION);
         assert!(decode_version(21305) < MIN_VERSION);
+    }
+
+    #[test]
+    fn one_rank_mean_is_a_sum() {
+        assert_eq!(one_rank_op(1, ReduceOp::Mean), ReduceOp::Sum);
+        assert_eq!(one_rank_op(2, ReduceOp::Mean), ReduceOp::Mean);
+        for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
+            assert_eq!(one_rank_op(1, op), op);
+        }
     }
 
     #[test]
