@@ -536,9 +536,17 @@ fn perf_under_launch_prints_json_from_rank_0() {
             "time_us",
             "algbw_gbps",
             "busbw_gbps",
+            "mem_ratio",
+            "copy_gbps",
         ] {
             assert!(!row[k].is_null(), "{k} missing in {l}");
         }
+        // mem_ratio is the all-reduce's least traffic (2·P·S) per second over the row's own copy
+        // rate, which every rank measured after the row.
+        let f = |k: &str| row[k].as_f64().unwrap();
+        assert!(f("copy_gbps") > 0.0 && f("copy_gbps").is_finite(), "{l}");
+        let want = 4.0 * f("bytes") / (f("time_us") * 1e3) / f("copy_gbps");
+        assert!((f("mem_ratio") - want).abs() <= 1e-9 * want, "{l}");
     }
 }
 

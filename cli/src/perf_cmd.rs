@@ -312,9 +312,9 @@ fn sweep(
             .check(opts.ranks)?;
     }
     let lead = comm.as_ref().is_none_or(|c| c.rank() == 0);
-    // Rank 0 measures the machine once, while the others wait; they learn the copy bandwidth
-    // from it.
-    let mut machine = match machine_out {
+    // Rank 0 measures the machine once for the header, while the others wait (CPU rows time
+    // their own copies, see `tutti::perf`).
+    let machine = match machine_out {
         Some(m) => m.clone(),
         None if lead => perf::machine(comm.is_some())?,
         None => perf::Machine {
@@ -327,14 +327,14 @@ fn sweep(
         },
     };
     #[cfg(feature = "cuda")]
-    if gpu && comm.is_none() && machine.gpu_copy_gbps.is_none() {
-        machine.gpu_copy_gbps = Some(tutti::gpu::device_copy_gbps(0)?);
-    }
-    if let Some(c) = comm {
-        let mut bw = [machine.copy_gbps];
-        c.broadcast(&mut bw, 0)?;
-        machine.copy_gbps = bw[0];
-    }
+    let machine = if gpu && comm.is_none() && machine.gpu_copy_gbps.is_none() {
+        perf::Machine {
+            gpu_copy_gbps: Some(tutti::gpu::device_copy_gbps(0)?),
+            ..machine
+        }
+    } else {
+        machine
+    };
     *machine_out = Some(machine.clone());
     let carrier = match comm {
         Some(_) => format!(
@@ -436,7 +436,7 @@ fn sweep(
         );
     };
     let rows = match comm {
-        Some(c) => perf::run_on(c, &opts, &machine, &emit)?,
+        Some(c) => perf::run_on(c, &opts, &emit)?,
         #[cfg(feature = "cuda")]
         None if gpu => {
             let gbps = machine.gpu_copy_gbps.unwrap_or_default();

@@ -173,7 +173,7 @@ fn one_size<T: Element>(
         ranks: p,
         dtype: T::DTYPE,
         count: shape.count,
-        bandwidth,
+        bandwidth: Some(bandwidth),
     };
     measure(&mut bench, row).map(Some)
 }

@@ -9,8 +9,13 @@
 //! output of all-gather and the whole input of reduce-scatter. `algbw = bytes / time`; `busbw`
 //! scales it by 2(n-1)/n (all-reduce), (n-1)/n (all-gather, reduce-scatter) or 1 (broadcast,
 //! reduce). `mem_ratio` divides the least memory traffic the collective needs (every input byte
-//! read once and every output byte written once: all-reduce 2·n·S) per second by the machine's
-//! copy bandwidth measured in the same run.
+//! read once and every output byte written once: all-reduce 2·n·S) per second by a copy
+//! bandwidth measured like the collective: on CPU ranks, right after a size is timed, every rank
+//! copies its input into its output at once, as many times as the collective ran, and the rate
+//! is the bytes read and written by all of them over the slowest rank's mean time (for an
+//! all-reduce, `mem_ratio` is the copies' time over the collective's). The machine's best copy
+//! rate (the header line) is no yardstick on a shared host: it swings by 2x from one second to
+//! the next, and a mean compared with a best says more about the noise than about tutti.
 //!
 //! One harness times every device: a size on CPU ranks (one per thread or process), on the GPUs
 //! of this process ([`gpu`], feature `cuda`) or on its XLA devices (`xla.rs`, feature `xla`) is
@@ -200,11 +205,14 @@ pub struct Row {
     pub busbw_gbps: f64,
     /// Least memory traffic per second over the copy bandwidth (see the module docs).
     pub mem_ratio: f64,
+    /// The copy bandwidth `mem_ratio` divides by, GB/s: on CPU ranks every rank's copy of its
+    /// input to its output timed right after this row; on GPUs and XLA devices the machine's.
+    pub copy_gbps: f64,
     /// Elements that differ from the reference (must be 0).
     pub errors: u64,
 }
 
-/// Measure the copy bandwidth: a 256 MiB memcpy split across every core, best of five, counted
+/// Measure the copy bandwidth: a 256 MiB memcpy split across every core, best of six, counted
 /// as bytes read plus bytes written per second (GB/s).
 pub fn copy_gbps() -> f64 {
     const BYTES: usize = 256 << 20;
@@ -380,6 +388,9 @@ fn signed(d: DType) -> bool {
 
 /// Run the sweep on `opts.ranks` threads, calling `emit` with each row as it is measured.
 pub fn run(opts: &Options, machine: &Machine, emit: &(dyn Fn(&Row) + Sync)) -> Result<Vec<Row>> {
+    // CPU rows time their own copies (see the module docs); the machine's rate is the devices'.
+    #[cfg(not(any(feature = "cuda", feature = "xla")))]
+    let _ = machine;
     match opts.device {
         DeviceKind::Cpu => {}
         #[cfg(feature = "cuda")]
@@ -417,9 +428,7 @@ pub fn run(opts: &Options, machine: &Machine, emit: &(dyn Fn(&Row) + Sync)) -> R
         return Err(Error::config("perf needs at least one rank (-n)"));
     }
     let config = opts.config.clone().with_algorithm(opts.algorithm);
-    let rows = run_local(opts.ranks, &config, |comm| {
-        run_on(comm, opts, machine, emit)
-    })?;
+    let rows = run_local(opts.ranks, &config, |comm| run_on(comm, opts, emit))?;
     rows.into_iter().next().expect("at least one rank")
 }
 
@@ -427,7 +436,6 @@ pub fn run(opts: &Options, machine: &Machine, emit: &(dyn Fn(&Row) + Sync)) -> R
 pub fn run_on(
     comm: &Communicator,
     opts: &Options,
-    machine: &Machine,
     emit: &(dyn Fn(&Row) + Sync),
 ) -> Result<Vec<Row>> {
     if opts.device != DeviceKind::Cpu {
@@ -442,7 +450,7 @@ pub fn run_on(
         for &in_place in opts.placement.runs() {
             let opts = opts.run_of(in_place);
             let row = crate::for_each_dtype!(opts.dtype, T => {
-                one_size::<T>(comm, &opts, machine, bytes)?
+                one_size::<T>(comm, &opts, bytes)?
             });
             if let Some(row) = row {
                 if comm.rank() == 0 {
@@ -528,6 +536,11 @@ trait Bench {
     fn slowest(&mut self, secs: f64) -> Result<f64> {
         Ok(secs)
     }
+    /// Copy this rank's input into its output, the yardstick of `mem_ratio`; the bytes copied.
+    /// Only benches whose row measures no bandwidth of its own are asked.
+    fn copy(&mut self) -> usize {
+        0
+    }
 }
 
 /// What a row says besides its time.
@@ -537,14 +550,15 @@ struct RowOf<'a> {
     ranks: usize,
     dtype: DType,
     count: usize,
-    /// The copy bandwidth that `mem_ratio` divides by, GB/s.
-    bandwidth: f64,
+    /// The copy bandwidth that `mem_ratio` divides by, GB/s; `None`: time the bench's copies.
+    bandwidth: Option<f64>,
 }
 
 /// Check `bench` once, then time it: warm up (caches, pages, the peers' pace), time a few calls
 /// to choose the iteration count (about a quarter of a second, or `opts.iters`), warm up again
 /// for a quarter of that (ranks that slept while rank 0 measured take a while to be back at full
-/// speed), and time the iterations; the time is the slowest rank's mean.
+/// speed), and time the iterations; the time is the slowest rank's mean. Where the row has no
+/// bandwidth, the bench's copies are timed the same way next (see the module docs).
 fn measure(bench: &mut dyn Bench, row: RowOf<'_>) -> Result<Row> {
     const WARM_UP: u32 = 5;
     let errors = bench.check()?;
@@ -568,6 +582,19 @@ fn measure(bench: &mut dyn Bench, row: RowOf<'_>) -> Result<Row> {
         bench.call()?;
     }
     let time = bench.slowest(t.elapsed().as_secs_f64())? / iters as f64;
+    let copy_gbps = match row.bandwidth {
+        Some(b) => b,
+        None => {
+            let mut copied = bench.copy();
+            bench.barrier()?;
+            let t = Instant::now();
+            for _ in 0..iters {
+                copied = bench.copy();
+            }
+            let secs = bench.slowest(t.elapsed().as_secs_f64())? / iters as f64;
+            2.0 * (copied * row.ranks) as f64 / secs.max(1e-12) / 1e9
+        }
+    };
     let c = row.opts.collective;
     let bytes = row.count * row.dtype.size();
     let algbw = bytes as f64 / time / 1e9;
@@ -588,7 +615,8 @@ fn measure(bench: &mut dyn Bench, row: RowOf<'_>) -> Result<Row> {
         time_us: time * 1e6,
         algbw_gbps: algbw,
         busbw_gbps: algbw * bus_factor(c, row.ranks),
-        mem_ratio: min_traffic(c, row.ranks, bytes) / time / 1e9 / row.bandwidth,
+        mem_ratio: min_traffic(c, row.ranks, bytes) / time / 1e9 / copy_gbps,
+        copy_gbps,
         errors,
     })
 }
@@ -627,14 +655,15 @@ impl<T: Element> Bench for CpuBench<'_, T> {
         self.comm.all_reduce(&mut v, ReduceOp::Max)?;
         Ok(v[0])
     }
+    fn copy(&mut self) -> usize {
+        let n = self.input.len().min(self.output.len());
+        self.output[..n].copy_from_slice(&self.input[..n]);
+        std::hint::black_box(&mut self.output);
+        n * std::mem::size_of::<T>()
+    }
 }
 
-fn one_size<T: Element>(
-    comm: &Communicator,
-    opts: &Options,
-    machine: &Machine,
-    bytes: usize,
-) -> Result<Option<Row>> {
+fn one_size<T: Element>(comm: &Communicator, opts: &Options, bytes: usize) -> Result<Option<Row>> {
     let p = comm.world_size();
     let Some(shape) = Shape::of(opts.collective, p, bytes, T::DTYPE) else {
         return Ok(None);
@@ -652,7 +681,7 @@ fn one_size<T: Element>(
         ranks: p,
         dtype: T::DTYPE,
         count: shape.count,
-        bandwidth: machine.copy_gbps,
+        bandwidth: None,
     };
     measure(&mut bench, row).map(Some)
 }

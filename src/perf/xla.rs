@@ -143,7 +143,7 @@ fn one_size<T: Element>(
         ranks: p,
         dtype: T::DTYPE,
         count: shape.count,
-        bandwidth: machine.copy_gbps,
+        bandwidth: Some(machine.copy_gbps),
     };
     measure(&mut bench, row).map(Some)
 }
