@@ -17,7 +17,7 @@
 //! `{"strategy", "replicas", "steps", "loss", "weights": [...], "reference_weights": [...]}`.
 
 use clap::Parser;
-use tutti::device::logical_cpus;
+use tutti::logical_cpus;
 use tutti::strategy::ps::{ParameterServerStrategy, Partitioner, Role};
 use tutti::strategy::{
     Aggregation, CommunicationImplementation, CrossDeviceOps, PerReplica, Strategy, Tensor,
@@ -162,7 +162,7 @@ fn train_ps(steps: usize, step_delay: std::time::Duration) -> Result<Option<Trai
         std::thread::sleep(step_delay);
         // Each step uses the worker's shard of the batch for this step (round-robin).
         let workers = ctx.num_workers();
-        let shard = tutti::algorithm::partition(SAMPLES, workers, (ctx.step() as usize) % workers);
+        let shard = tutti::partition(SAMPLES, workers, (ctx.step() as usize) % workers);
         let (g, l) = grad_sum(
             &ctx.variables()[0],
             &rows[shard.start * ROW..shard.end * ROW],

@@ -28,11 +28,12 @@
 //!
 //! ## Layers, bottom up
 //!
-//! [`dtype`] (element types, reduce kernels), [`device`] (what replicas run on), [`cluster`]
-//! (cluster config, rendezvous store, the job secret), [`transport`] (how bytes move),
-//! [`algorithm`] (collectives written once against a transport), group engines (PJRT programs,
-//! NCCL and CUDA copies), [`comm`] (the communicator: one checked path, issue order, work
-//! handles, timeouts, abort), [`strategy`].
+//! Element types and reduce kernels ([`kernels`]), devices (what replicas run on), the cluster
+//! (configuration, rendezvous [`Store`], the job secret), transports (how bytes move), the
+//! algorithms (collectives written once against a transport), the group engines (PJRT
+//! programs, NCCL and CUDA copies), the communicator (one checked path, issue order, work
+//! handles, timeouts, abort), and the [`strategy`] objects on top. The layers are modules of
+//! the crate, private: everything a user names is re-exported here, at the top.
 //!
 //! ```
 //! use tutti::{run_local, Config, ReduceOp};
@@ -47,16 +48,17 @@
 //! assert_eq!(results, vec![2.5; 4]);
 //! ```
 #![warn(missing_docs)]
+#![warn(unnameable_types)]
 
-pub mod algorithm;
+mod algorithm;
 mod call;
-pub mod cluster;
-pub mod comm;
+mod cluster;
+mod comm;
 mod config;
-pub mod device;
-pub mod dtype;
+mod device;
+mod dtype;
 mod engine;
-pub mod error;
+mod error;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod perf;
@@ -65,21 +67,30 @@ mod reuse;
 pub mod strategy;
 mod sync;
 mod trace;
-pub mod transport;
+mod transport;
 #[cfg(feature = "xla")]
 pub mod xla;
 
-pub use algorithm::Algorithm;
-pub use cluster::ClusterSpec;
-pub use comm::{
-    device_group, local_group, run_local, timeout_from_env, AbortHandle, Communicator, Config,
-    RawCall, Replicas, Work, MAX_LOCAL_RANKS,
+// The public API is flat: every item a user names is re-exported here, whatever layer it lives
+// in, so the layers can move without moving a user's paths. `strategy`, `perf`, `reference`,
+// `kernels`, `gpu` and `xla` are the namespaces of their areas.
+pub use algorithm::{partition, Algorithm};
+pub use cluster::store::{FileStore, Store, TcpStore, TcpStoreServer};
+pub use cluster::{
+    from_tf_config, random_token, split_addr, ClusterSpec, MAX_WORLD_SIZE, TASK_TYPES,
 };
-pub use device::{Device, DeviceKind};
-pub use dtype::{DType, Element, ReduceOp};
+pub use comm::{
+    device_group, full_check_from_env, local_group, run_local, timeout_from_env, AbortHandle,
+    Communicator, Config, RawCall, Replicas, Work, MAX_LOCAL_RANKS, MAX_TIMEOUT,
+};
+pub use device::{
+    discover as discover_devices, host as host_info, logical_cpus, parse_spec as parse_device,
+    Device, DeviceKind, HostInfo,
+};
+pub use dtype::{kernels, DType, Element, ReduceOp};
 pub use error::{Collective, Error, Result, Site};
 pub use half::{bf16, f16};
-pub use transport::TransportKind;
+pub use transport::{dead_segments, sweep_dead_segments, TransportKind};
 
 /// The README's examples, compiled and run as doctests.
 #[cfg(doctest)]

@@ -138,7 +138,7 @@ fn xla_devices_every_collective() {
 /// connection is made; `cpu` joins as before.
 #[test]
 fn a_process_rank_on_a_device() {
-    use tutti::cluster::ClusterSpec;
+    use tutti::ClusterSpec;
     use tutti::{Communicator, TransportKind};
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

@@ -22,12 +22,12 @@ use std::process::Command;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use tutti::cluster::store::{FileStore, TcpStore, TcpStoreServer};
 use tutti::gpu::{
     self, kernels, DevicePtr, GpuAlgorithm, GpuBuffer, GpuDevice, GpuGroup, GpuInfo, LogicalGpu,
     VirtualGpuConfig,
 };
 use tutti::{reference, Collective, Config, DType, Element, Error, RawCall, ReduceOp};
+use tutti::{FileStore, TcpStore, TcpStoreServer};
 
 /// One test that uses GPUs at a time, in this process. Poison-tolerant: a test that fails
 /// while holding it does not fail the others.
@@ -173,7 +173,7 @@ fn absent_libraries_are_clean_errors() {
                 .to_string()
                 .starts_with("CUDA not available: "));
             assert!(gpu::device_copy_gbps(0).is_err());
-            assert!(!tutti::device::discover()
+            assert!(!tutti::discover_devices()
                 .iter()
                 .any(|d| d.kind == tutti::DeviceKind::Gpu));
         }
@@ -530,12 +530,12 @@ fn host_check<T: Element>(lib: &libloading::Library) {
             if matches!(T::DTYPE, DType::F16 | DType::BF16) {
                 let mut cpu = vec![0u8; n * 2];
                 let srcs: Vec<&[u8]> = inputs.iter().map(|v| bytemuck::cast_slice(v)).collect();
-                tutti::dtype::kernels::reduce(
+                tutti::kernels::reduce(
                     T::DTYPE,
                     op,
                     &mut cpu,
                     &srcs,
-                    tutti::dtype::kernels::Init::Overwrite,
+                    tutti::kernels::Init::Overwrite,
                     (op == ReduceOp::Mean).then_some(p),
                 );
                 let gpu: &[u8] = bytemuck::cast_slice(&out);
@@ -621,7 +621,7 @@ fn discovery_reports_gpus() {
         assert!(g.multiprocessors > 0);
         assert!(g.uuid.starts_with("GPU-"), "{}", g.uuid);
     }
-    let devs = tutti::device::discover();
+    let devs = tutti::discover_devices();
     assert_eq!(
         devs.iter()
             .filter(|d| d.kind == tutti::DeviceKind::Gpu)
@@ -1009,7 +1009,7 @@ fn a_missing_rank_times_out_and_aborts() {
     // the timeout, with an error naming the wait, and abort its communicator.
     let dir = std::env::temp_dir().join(format!("tutti-gpu-timeout-{}", std::process::id()));
     let store = FileStore::new(&dir).unwrap();
-    use tutti::cluster::store::Store;
+    use tutti::Store;
     store.add("tutti/gpu/generation/1", 1).unwrap();
     store.set("tutti/gpu/1/devices/1", b"1").unwrap();
     let devs = whole_gpus(&gpus[..1]);
@@ -1324,7 +1324,7 @@ fn listing_gpus_creates_no_context() {
     if std::env::var_os(CHILD).is_some() {
         let gpus = gpu::devices().unwrap();
         let _ = gpu::status();
-        let _ = tutti::device::discover();
+        let _ = tutti::discover_devices();
         let _ = gpu::plan_replicas(gpus.len(), &gpus).unwrap();
         for g in &gpus {
             assert!(

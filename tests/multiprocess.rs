@@ -10,7 +10,7 @@ use std::io::{Read, Write};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use tutti::cluster::ClusterSpec;
+use tutti::ClusterSpec;
 use tutti::{Communicator, Config, Error, ReduceOp, TransportKind};
 
 /// Run a command, killing it if it outlives `limit`.
@@ -81,7 +81,7 @@ fn text(o: &Output) -> (String, String) {
 /// Segments left behind in /dev/shm: those whose creating process is gone. Live segments of
 /// other tests running now do not count.
 fn tutti_segments() -> usize {
-    tutti::transport::dead_segments().len()
+    tutti::dead_segments().len()
 }
 
 #[test]
@@ -978,7 +978,7 @@ fn a_job_without_a_token_refuses_strangers() {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        let stranger = tutti::cluster::store::TcpStore::connect(&addr, "", Duration::from_secs(2));
+        let stranger = tutti::TcpStore::connect(&addr, "", Duration::from_secs(2));
         assert!(
             stranger.is_err(),
             "a client without the secret reached the store"

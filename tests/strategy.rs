@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tutti::device::logical_cpus;
+use tutti::logical_cpus;
 use tutti::strategy::{
     pack_plan, Aggregation, CrossDeviceOps, PerReplica, Strategy, StrategyKind, Tensor,
 };

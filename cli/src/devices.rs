@@ -1,15 +1,13 @@
 //! `tutti devices`: what this machine offers, as text or JSON.
 
-use tutti::device;
-
 fn gib(b: u64) -> f64 {
     b as f64 / (1u64 << 30) as f64
 }
 
 /// `tutti devices [--json]`.
 pub(crate) fn run(json: bool) -> Result<(), tutti::Error> {
-    let host = device::host();
-    let devs = device::discover();
+    let host = tutti::host_info();
+    let devs = tutti::discover_devices();
     if json {
         #[allow(unused_mut)]
         let mut v = serde_json::json!({ "host": host, "devices": devs });

@@ -18,7 +18,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
-use tutti::transport::random_token;
+use tutti::random_token;
 use tutti::TransportKind;
 use tutti::{Error, Result};
 
@@ -387,7 +387,7 @@ pub fn run(l: &Launch) -> Result<i32> {
         }
     }
     // A process killed while it set up shared memory may have left a segment behind.
-    tutti::transport::sweep_dead_segments();
+    tutti::sweep_dead_segments();
     Ok(match (first, interrupted) {
         (Some((_, s)), _) => exit_code(s),
         (None, Some(sig)) => 128 + sig,

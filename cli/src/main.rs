@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use tutti::perf::{self, Options, Placement};
 use tutti::{
-    device, Algorithm, ClusterSpec, Collective, Communicator, Config, DType, DeviceKind, ReduceOp,
+    Algorithm, ClusterSpec, Collective, Communicator, Config, DType, DeviceKind, ReduceOp,
     TransportKind,
 };
 
@@ -201,7 +201,7 @@ fn config_with_timeout(timeout: Option<f64>) -> Result<Config, tutti::Error> {
         }
         config.timeout = Duration::try_from_secs_f64(t)
             .ok()
-            .filter(|d| *d <= tutti::comm::MAX_TIMEOUT)
+            .filter(|d| *d <= tutti::MAX_TIMEOUT)
             .ok_or_else(|| {
                 tutti::Error::config(format!("--timeout {t}: longer than tutti allows (30 days)"))
             })?;
@@ -301,7 +301,7 @@ fn check_cmd(a: CheckArgs) -> Result<(), tutti::Error> {
             );
         }
         None => {
-            let n = a.ranks.unwrap_or_else(|| device::host().cores.max(2));
+            let n = a.ranks.unwrap_or_else(|| tutti::host_info().cores.max(2));
             let results = tutti::local_group(n, &config).and_then(|comms| {
                 std::thread::scope(|s| {
                     let a = &a;

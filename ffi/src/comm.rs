@@ -267,7 +267,7 @@ pub unsafe extern "C" fn tutti_comm_create_rank(
             .to_str()
             .map_err(|_| Failure::invalid("master_addr is not UTF-8"))?;
         let out = out_ptr(comm, "comm")?;
-        let (_, port) = tutti::cluster::split_addr(addr, "master_addr")?;
+        let (_, port) = tutti::split_addr(addr, "master_addr")?;
         if port == 0 {
             return Err(Failure::invalid(format!(
                 "master_addr '{addr}' has port 0; rank 0 serves the rendezvous at a fixed port \

@@ -57,7 +57,7 @@ pub unsafe extern "C" fn tutti_device_count(count: *mut usize) -> tutti_result {
         if count.is_null() {
             return Err(Failure::invalid("count is NULL"));
         }
-        let n = tutti::device::discover().len();
+        let n = tutti::discover_devices().len();
         // SAFETY: checked non-NULL; the caller promises it is writable.
         unsafe { count.write(n) };
         Ok(())
@@ -96,7 +96,7 @@ pub unsafe extern "C" fn tutti_device_get(
                  initialize it with TUTTI_DEVICE_INFO_INIT"
             )));
         }
-        let devices = tutti::device::discover();
+        let devices = tutti::discover_devices();
         let d = devices.get(index).ok_or_else(|| {
             Failure::invalid(format!(
                 "index {index} is out of range: this build sees {} device(s)",

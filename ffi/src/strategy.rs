@@ -7,7 +7,7 @@
 
 use std::ffi::c_void;
 
-use tutti::device::logical_cpus;
+use tutti::logical_cpus;
 use tutti::strategy::{
     CommunicationImplementation, CrossDeviceOps, PerReplica, ReplicaContext, Strategy, Tensor,
 };

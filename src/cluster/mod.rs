@@ -1,24 +1,5 @@
-//! Cluster configuration: who this process is in the job, and where to meet the others.
-//!
-//! [`ClusterSpec::from_env`] reads, in this order (the first present wins):
-//!
-//! | source | variables |
-//! |---|---|
-//! | tutti | `TUTTI_RANK`, `TUTTI_WORLD_SIZE`, `TUTTI_LOCAL_RANK`, `TUTTI_MASTER_ADDR` (`host:port`) |
-//! | TensorFlow | `TF_CONFIG` (`cluster` with `chief`/`worker`/`ps`/`evaluator` address lists, `task` with `type` and `index`) |
-//! | torchrun | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` |
-//! | Open MPI's mpirun | `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK` |
-//! | SLURM's srun | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` |
-//!
-//! mpirun gives ranks but no meeting point: `MASTER_ADDR` and `MASTER_PORT` (or
-//! `TUTTI_MASTER_ADDR`) name it. Under srun they may too; without them the ranks meet on the first
-//! host of the step's node list (see `slurm_rendezvous`). `TUTTI_JOB_TOKEN` is the secret every connection proves;
-//! `TUTTI_TRANSPORT` (`auto`, `tcp`, `shm`) chooses the transport.
-//!
-//! In a TF_CONFIG cluster the collective world is the chief and the workers, in that order (the
-//! chief is rank 0; with no chief, worker 0 is the chief, as in TensorFlow). `ps` and `evaluator`
-//! tasks are part of the cluster but not of the collective world. The chief's address is the
-//! rendezvous; every task listens for its peers on its own listed host.
+//! Cluster configuration: who this process is in the job, and where to meet the others (the
+//! sources it reads are listed on [`ClusterSpec`]).
 
 pub(crate) mod auth;
 
@@ -37,6 +18,26 @@ use crate::error::{Error, Result};
 pub const TASK_TYPES: [&str; 4] = ["chief", "worker", "ps", "evaluator"];
 
 /// What this process is in the job.
+///
+/// [`ClusterSpec::from_env`] reads, in this order (the first present wins):
+///
+/// | source | variables |
+/// |---|---|
+/// | tutti | `TUTTI_RANK`, `TUTTI_WORLD_SIZE`, `TUTTI_LOCAL_RANK`, `TUTTI_MASTER_ADDR` (`host:port`) |
+/// | TensorFlow | `TF_CONFIG` (`cluster` with `chief`/`worker`/`ps`/`evaluator` address lists, `task` with `type` and `index`) |
+/// | torchrun | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` |
+/// | Open MPI's mpirun | `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK` |
+/// | SLURM's srun | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` |
+///
+/// mpirun gives ranks but no meeting point: `MASTER_ADDR` and `MASTER_PORT` (or
+/// `TUTTI_MASTER_ADDR`) name it. Under srun they may too; without them the ranks meet on the first
+/// host of the step's node list. `TUTTI_JOB_TOKEN` is the secret every connection proves;
+/// `TUTTI_TRANSPORT` (`auto`, `tcp`, `shm`) chooses the transport.
+///
+/// In a TF_CONFIG cluster the collective world is the chief and the workers, in that order (the
+/// chief is rank 0; with no chief, worker 0 is the chief, as in TensorFlow). `ps` and `evaluator`
+/// tasks are part of the cluster but not of the collective world. The chief's address is the
+/// rendezvous; every task listens for its peers on its own listed host.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClusterSpec {
     /// Where the values came from (`tutti`, `TF_CONFIG`, `torchrun`, `mpirun`, `srun`).

@@ -127,8 +127,9 @@ impl Communicator {
     }
 
     /// Join the job that this process's environment describes (`TUTTI_*`, `TF_CONFIG`, torchrun,
-    /// mpirun or srun variables; see [`crate::cluster`]), over the transport `TUTTI_TRANSPORT`
-    /// names (`auto` by default: shared memory for peers on this host, TCP for the others).
+    /// mpirun or srun variables; see [`ClusterSpec`](crate::ClusterSpec)), over the transport
+    /// `TUTTI_TRANSPORT` names (`auto` by default: shared memory for peers on this host, TCP for
+    /// the others).
     ///
     /// ```no_run
     /// // Under `tutti launch -n 2 -- ./trainer`, torchrun, mpirun or a TF_CONFIG job:

@@ -254,6 +254,8 @@ macro_rules! for_each_dtype {
 }
 
 mod sealed {
+    /// Keeps [`Element`](super::Element) to the ten types tutti knows: unnameable on purpose.
+    #[allow(unnameable_types)]
     pub trait Sealed {}
 }
 

@@ -18,7 +18,7 @@
 //! the next, and a mean compared with a best says more about the noise than about tutti.
 //!
 //! One harness times every device: a size on CPU ranks (one per thread or process), on the GPUs
-//! of this process ([`gpu`], feature `cuda`) or on its XLA devices (`xla.rs`, feature `xla`) is
+//! of this process (`gpu.rs`, feature `cuda`) or on its XLA devices (`xla.rs`, feature `xla`) is
 //! a `Bench` (a checked call, a timed call, and how the ranks agree), and `measure` warms it up,
 //! times it and builds the row the same way for all of them. The device modules never import
 //! this one back.

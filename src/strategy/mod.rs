@@ -427,7 +427,7 @@ impl Strategy {
     }
 
     /// Replicas on every local device of every worker of the cluster `resolver` describes
-    /// (default: this process's environment, see [`crate::cluster`]); `communication` picks the
+    /// (default: this process's environment, see [`ClusterSpec`]); `communication` picks the
     /// cross-worker transport.
     pub fn multi_worker_mirrored(
         communication: CommunicationImplementation,

@@ -19,7 +19,6 @@ pub mod net;
 pub(crate) mod shm;
 pub(crate) mod sub;
 pub(crate) mod wire;
-pub use crate::cluster::random_token;
 
 /// Unlink the shared-memory segments that processes of this host left behind when they died
 /// (segments of live processes, and of processes in other PID namespaces, are never touched);

@@ -315,16 +315,6 @@ impl NetTransport {
         })
     }
 
-    /// The peers reached through shared memory.
-    pub fn shm_peers(&self) -> Vec<usize> {
-        self.links
-            .iter()
-            .flatten()
-            .filter(|l| l.shm.is_some())
-            .map(|l| l.peer)
-            .collect()
-    }
-
     fn link(&self, peer: usize) -> &Link {
         self.links[peer].as_ref().expect("a link to every peer")
     }

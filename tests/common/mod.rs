@@ -103,14 +103,14 @@ pub fn free_port() -> u16 {
 
 /// Rank `rank` of a `world`-rank job meeting at `master`, as `TUTTI_*` variables describe it
 /// (for communicators made on threads of the test).
-pub fn spec(rank: usize, world: usize, master: &str) -> tutti::cluster::ClusterSpec {
+pub fn spec(rank: usize, world: usize, master: &str) -> tutti::ClusterSpec {
     let vars = [
         ("TUTTI_RANK".to_string(), rank.to_string()),
         ("TUTTI_WORLD_SIZE".to_string(), world.to_string()),
         ("TUTTI_MASTER_ADDR".to_string(), master.to_string()),
         ("TUTTI_JOB_TOKEN".to_string(), "in-process".to_string()),
     ];
-    tutti::cluster::ClusterSpec::from_vars(&vars.into_iter().collect())
+    tutti::ClusterSpec::from_vars(&vars.into_iter().collect())
         .unwrap()
         .unwrap()
 }

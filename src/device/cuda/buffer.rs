@@ -204,8 +204,10 @@ pub struct GpuSliceMut<'a, T: Element> {
     range: Range<usize>,
 }
 
-/// Where a run of device elements lives, without its type: what the collectives work on.
+/// Where a run of device elements lives, without its type: what the collectives work on. Named
+/// by the sealed buffer trait only, so no user can build one.
 #[doc(hidden)]
+#[allow(unnameable_types)]
 #[derive(Clone, Debug)]
 pub struct Region {
     pub(crate) dev: GpuDevice,

@@ -414,9 +414,9 @@ impl GpuGroup {
         })
     }
 
-    /// This process's part of the job `spec` describes (see [`crate::cluster`]), over NCCL:
-    /// the NCCL id travels through the job's rendezvous store (served by rank 0). `devices`
-    /// `None` means one GPU per process: GPU `local_rank % GPUs` (or `rank % GPUs`).
+    /// This process's part of the job `spec` describes (see [`ClusterSpec`]), over NCCL: the
+    /// NCCL id travels through the job's rendezvous store (served by rank 0). `devices` `None`
+    /// means one GPU per process: GPU `local_rank % GPUs` (or `rank % GPUs`).
     pub fn from_cluster(
         spec: &ClusterSpec,
         devices: Option<&[GpuDevice]>,
