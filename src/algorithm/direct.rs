@@ -3,12 +3,13 @@
 //!
 //! all_reduce: the buffer is cut into P slices and each slice into chunks. Rank r reduces chunk c
 //! of slice r from every rank's input into its own output (one pass: each input read once, the
-//! result written once, `Mean`'s division fused), publishes "chunk c done", then copies chunk c
-//! of every other slice from its owner's output as soon as that owner has published it. A chunk
-//! is copied while it is still in the last-level cache of the rank that reduced it, so the
-//! traffic to memory approaches the limit: each buffer read once and written once (2·P·S in all).
-//! Where ranks outnumber cores the chunk is the whole slice, so a rank sleeps at most once per
-//! peer. Finally every rank waits until its peers have finished reading its buffers.
+//! result written once, `Mean`'s division fused), then writes the chunk, still in its cache, into
+//! every peer's output. Each buffer is read once and written once (2·P·S bytes of traffic in all,
+//! the memory-traffic limit), and no rank waits for another until the end, when every rank waits
+//! until its peers are done with its buffers. (Pulling each finished chunk from its owner's
+//! output instead reads it from another core's cache: as fast where the cores share their last
+//! level cache, 0.78 of the limit where they do not, measured with two processes on two cores of
+//! different core complexes.)
 //!
 //! all_gather copies each peer's input straight into place; reduce_scatter reduces slice r of
 //! every input into rank r's output; reduce does the same into the root's output; broadcast copies
@@ -20,7 +21,6 @@ use super::plan::List;
 use super::{bytes, partition, Ctx};
 use crate::dtype::kernels::{self, Init};
 use crate::error::Result;
-use crate::sync::cores;
 use crate::transport::{CallBuffers, PeerMemory};
 
 /// Progress value meaning "done reading every peer's buffers" (within one call's range).
@@ -78,49 +78,28 @@ impl<'c> Call<'c> {
 pub(crate) fn all_reduce(ctx: &Ctx<'_>, in_place: bool, len: usize) -> Result<()> {
     let call = Call::new(ctx)?;
     let (p, r, esize) = (ctx.world(), ctx.rank(), ctx.dtype.size());
-    let count = len / esize;
-    // Where ranks outnumber cores a rank may sleep at every chunk it waits for: take about
-    // eight chunks per slice (still cache-sized for buffers up to the last-level cache's size
-    // times eight), so the copies mostly read chunks while they are still in cache.
-    let slice_elems = count.div_ceil(p).max(1);
-    let ce = if p > cores() {
-        ctx.chunk_elems().max(slice_elems.div_ceil(8))
-    } else {
-        ctx.chunk_elems()
-    };
-    let chunk = |k: usize, c: usize| -> Range<usize> {
-        let s = partition(count, p, k);
-        let lo = s.start + c * ce;
-        bytes(lo..(lo + ce).min(s.end), esize)
-    };
-    let chunks = |k: usize| partition(count, p, k).len().div_ceil(ce);
+    let slice = partition(len / esize, p, r);
+    let ce = ctx.chunk_elems();
     let init = if in_place {
         Init::Accumulate
     } else {
         Init::Overwrite
     };
     let mut srcs = ctx.plan.list::<&[u8]>();
-    for c in 0..chunks(0) {
-        if c < chunks(r) {
-            let range = chunk(r, c);
-            srcs.clear();
-            for k in (0..p).filter(|&k| !(in_place && k == r)) {
-                // SAFETY: rank k does not write slice r of its buffer before we publish progress
-                // past chunk c, and we own slice r of our output.
-                srcs.push(unsafe { call.input(k, range.clone()) });
-            }
-            let dst = unsafe { call.output(r, range) };
-            kernels::reduce(ctx.dtype, ctx.op, dst, &srcs, init, ctx.mean_divisor());
-            call.pm.set_progress(call.base + c as u64 + 1);
+    for lo in slice.clone().step_by(ce) {
+        let range = bytes(lo..(lo + ce).min(slice.end), esize);
+        srcs.clear();
+        for k in (0..p).filter(|&k| !(in_place && k == r)) {
+            // SAFETY: only this rank touches slice r of any buffer during the call (in place,
+            // each source chunk is read here before this rank writes it).
+            srcs.push(unsafe { call.input(k, range.clone()) });
         }
-        for j in (1..p).map(|d| (r + d) % p).filter(|&j| c < chunks(j)) {
-            call.pm
-                .wait_progress(ctx.site, j, call.base + c as u64 + 1, "reduce its slice")?;
-            let range = chunk(j, c);
-            // SAFETY: rank j published chunk c of slice j final and never writes it again in
-            // this call; we own our output.
-            let (src, dst) = unsafe { (call.output(j, range.clone()), call.output(r, range)) };
-            dst.copy_from_slice(src);
+        // SAFETY: as above; every rank's output outlives the call (`finish`).
+        let dst = unsafe { call.output(r, range.clone()) };
+        kernels::reduce(ctx.dtype, ctx.op, dst, &srcs, init, ctx.mean_divisor());
+        for j in (1..p).map(|d| (r + d) % p) {
+            // SAFETY: slice r of rank j's output is this rank's alone to write.
+            unsafe { call.output(j, range.clone()) }.copy_from_slice(dst);
         }
     }
     call.finish(ctx)

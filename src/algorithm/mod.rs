@@ -2,7 +2,7 @@
 //!
 //! | algorithm | all_reduce steps | bytes sent per rank (S = buffer size, P = ranks) |
 //! |---|---|---|
-//! | `direct` | rank r reduces slice r of every buffer in place, peers copy it out, chunk by chunk | reads S + (P-1)S/P, writes S (peer memory, nothing on a wire) |
+//! | `direct` | rank r reduces slice r of every input and writes it into every output, chunk by chunk | reads S, writes S (peer memory, nothing on a wire) |
 //! | `ring` | P-1 reduce-scatter steps, P-1 all-gather steps around the ring | 2(P-1)S/P |
 //! | `hierarchical-copy` | reduce onto group leaders, reduce across leaders, broadcast back | members S; leaders up to (G-1)S received + (P/G-1)S + G·S |
 //! | `reduce-to-one` | every rank sends to the root, the root reduces and sends back | S (root: receives and sends (P-1)S) |
