@@ -770,6 +770,44 @@ tutti_result tutti_comm_create_rank(size_t rank,
                                     struct tutti_comm **comm);
 
 /**
+ * Allocate `bytes` bytes of shared memory for this communicator's collectives and write its
+ * address to `*ptr`: zeroed, 64-byte aligned, mapped by every process of the group (all on
+ * this host, on shared memory). A collective whose buffers lie in such memory on every rank
+ * (the inputs in memory from one `tutti_mem_alloc` call, the outputs from one) runs without a
+ * copy through shared-memory slots: each rank reduces its slice from every peer's input and
+ * writes it into every peer's output. Collective: every rank calls it, in the same order as
+ * its other calls, with the same size. In a group of threads it is plain memory.
+ *
+ * Errors: `TUTTI_ERROR_INVALID_ARGUMENT` when some peer is not on shared memory of this host,
+ * a rank asked for another size, the communicator's ranks are devices, or an argument is NULL;
+ * `TUTTI_ERROR_SYSTEM` when a segment could not be created or mapped (the message says which
+ * rank and why); the errors of a collective, which it is.
+ *
+ * Thread-safety: callable from any thread; it is a collective of its own.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle; `ptr` is NULL or writable.
+ */
+tutti_result tutti_mem_alloc(struct tutti_comm *comm, size_t bytes, void **ptr);
+
+/**
+ * Release memory from `tutti_mem_alloc` on this rank (not a collective: the peers' memory of
+ * the same call stays theirs, and collectives on it go through the shared-memory slots).
+ * NULL is accepted and ignored. `tutti_comm_destroy` releases what is left.
+ *
+ * Errors: `TUTTI_ERROR_INVALID_ARGUMENT` when `ptr` is not memory of this communicator's
+ * `tutti_mem_alloc`.
+ *
+ * Thread-safety: no collective may be using the memory.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle; `ptr` is NULL or from `tutti_mem_alloc` on `comm`.
+ */
+tutti_result tutti_mem_free(struct tutti_comm *comm, void *ptr);
+
+/**
  * Release a communicator. NULL is accepted and ignored. Other ranks' calls that wait for this
  * one fail when their timeout runs out; abort the group first (`tutti_comm_abort`) to make
  * them fail at once.

@@ -313,14 +313,16 @@ fn mismatched_calls_name_both_ranks_on_every_rank() {
 
 #[test]
 fn a_killed_rank_is_named_by_every_survivor() {
-    for transport in ["tcp", "shm"] {
+    // "shm shared": the all-reduces run `direct` on shared buffers, where no frame moves.
+    for transport in ["tcp", "shm", "shm shared"] {
         let n = 4;
         let master = format!("127.0.0.1:{}", free_port());
         let mut children: Vec<Child> = (0..n)
             .map(|r| {
                 let args = ["--counts", "0", "--busy-secs", "60", "--timeout", "20"];
                 check_rank(&args, r, n, &master, "kill-test")
-                    .args(["--transport", transport])
+                    .args(["--transport", &transport[..3]])
+                    .args(transport.ends_with("shared").then_some("--busy-shared"))
                     .spawn()
                     .unwrap()
             })
@@ -547,6 +549,56 @@ fn perf_under_launch_prints_json_from_rank_0() {
         assert!(f("copy_gbps") > 0.0 && f("copy_gbps").is_finite(), "{l}");
         let want = 4.0 * f("bytes") / (f("time_us") * 1e3) / f("copy_gbps");
         assert!((f("mem_ratio") - want).abs() <= 1e-9 * want, "{l}");
+        assert_eq!(row["shared_buffers"], false, "{l}");
+    }
+}
+
+#[test]
+fn perf_on_shared_buffers_runs_direct_between_processes() {
+    // `direct` forced: between processes it runs only on shared buffers; over TCP there are
+    // none, which is an error naming why.
+    for (transport, ok) in [("shm", true), ("tcp", false)] {
+        let o = run(
+            &[
+                "launch",
+                "-n",
+                "2",
+                "--",
+                "tutti",
+                "perf",
+                "--json",
+                "--shared-buffers",
+                "-a",
+                "direct",
+                "--transport",
+                transport,
+                "-b",
+                "64K",
+                "-e",
+                "1M",
+                "-f",
+                "16",
+            ],
+            &[],
+            Duration::from_secs(120),
+        );
+        let (out, err) = text(&o);
+        assert_eq!(o.status.success(), ok, "{transport}: {out}\n{err}");
+        if !ok {
+            assert!(err.contains("shared memory of this host"), "{err}");
+            continue;
+        }
+        let rows: Vec<serde_json::Value> = out
+            .lines()
+            .skip(1)
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(rows.len(), 4, "{out}");
+        for row in rows {
+            assert_eq!(row["errors"], 0, "{row}");
+            assert_eq!(row["shared_buffers"], true, "{row}");
+            assert_eq!(row["algo"], "direct", "{row}");
+        }
     }
 }
 

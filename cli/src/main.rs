@@ -121,6 +121,9 @@ struct CheckArgs {
     /// After checking, keep running 4 MiB all-reduces for this many seconds (fault drills).
     #[arg(long, hide = true)]
     busy_secs: Option<f64>,
+    /// The busy all-reduces on a shared buffer (Communicator::alloc_shared).
+    #[arg(long, hide = true)]
+    busy_shared: bool,
     /// Before checking, make one call on rank --inject-rank differ (count, dtype, op or
     /// collective) and require every rank to see the error.
     #[arg(long, hide = true)]
@@ -166,6 +169,10 @@ struct PerfArgs {
     /// Measure out of place only.
     #[arg(long)]
     out_of_place: bool,
+    /// Put CPU ranks' buffers in shared buffers (Communicator::alloc_shared, tutti_mem_alloc),
+    /// mapped by every process of the host: collectives on them run `direct` between processes.
+    #[arg(long)]
+    shared_buffers: bool,
     /// Root of broadcast and reduce.
     #[arg(short = 'r', long)]
     root: Option<usize>,
@@ -278,11 +285,19 @@ fn check_one_rank(comm: &mut Communicator, a: &CheckArgs) -> Result<usize, tutti
         comm.set_algorithm(Algorithm::Auto)?;
         // Fault drills wait for this line before they stop or kill a rank.
         say!("rank {}: checked, now busy for {secs} s", comm.rank());
+        let mut shared = match a.busy_shared {
+            true => Some(comm.alloc_shared(4 << 20)?),
+            false => None,
+        };
+        let mut heap = vec![1.0f32; 1 << 20];
         let t = std::time::Instant::now();
-        let mut buf = vec![1.0f32; 1 << 20];
         while t.elapsed().as_secs_f64() < secs {
+            let buf = match &mut shared {
+                Some(b) => b.as_mut_slice::<f32>(),
+                None => &mut heap[..],
+            };
             buf.fill(1.0);
-            comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+            comm.all_reduce(buf, ReduceOp::Sum)?;
         }
     }
     Ok(calls)

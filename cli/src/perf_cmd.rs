@@ -33,6 +33,12 @@ fn check_perf_args(a: &PerfArgs) -> Result<(), tutti::Error> {
             return bad(format!("-r {root}: out of range for {n} ranks (-n {n})"));
         }
     }
+    if a.shared_buffers && a.device != DeviceKind::Cpu {
+        return Err(tutti::Error::config(format!(
+            "--shared-buffers: shared buffers are host memory of cpu ranks, not {} devices",
+            a.device
+        )));
+    }
     if a.device == DeviceKind::Xla && a.in_place {
         return bad(
             "--in-place: XLA collectives write new device buffers (drop --in-place)".into(),
@@ -291,6 +297,7 @@ fn sweep(
         dtype: a.dtype,
         op: a.op,
         device: a.device,
+        shared_buffers: a.shared_buffers,
         placement: if a.in_place {
             Placement::InPlace
         } else if a.out_of_place || a.device == DeviceKind::Xla {
@@ -352,7 +359,7 @@ fn sweep(
         say!("{}", serde_json::json!({ "machine": machine }));
     } else if lead {
         say!(
-            "# tutti perf: {} algo {} on {} ranks ({carrier}), {}{}{}, {}, device {}",
+            "# tutti perf: {} algo {} on {} ranks ({carrier}), {}{}{}, {}, device {}{}",
             opts.collective.cli_name(),
             algo.name,
             opts.ranks,
@@ -373,7 +380,12 @@ fn sweep(
                 Placement::InPlace => "in place",
                 Placement::Both => "out of place and in place",
             },
-            opts.device
+            opts.device,
+            if opts.shared_buffers {
+                ", shared buffers"
+            } else {
+                ""
+            }
         );
         let tcp = machine.tcp_gbps.map_or(String::new(), |t| {
             format!(", loopback TCP {t:.2} GB/s per direction")

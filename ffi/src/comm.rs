@@ -1,11 +1,11 @@
 //! `tutti_comm`: one rank's handle on a group, and the collectives.
 
 use std::ffi::{c_char, CStr};
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use std::collections::HashMap;
 
-use tutti::{AbortHandle, ClusterSpec, Communicator, DeviceKind, TransportKind};
+use tutti::{AbortHandle, ClusterSpec, Communicator, DeviceKind, SharedBuffer, TransportKind};
 
 use crate::config::{self, tutti_config, Settings};
 use crate::error::{boundary, boundary_void, tutti_result, Failure};
@@ -22,6 +22,8 @@ pub struct tutti_comm {
     pub(crate) world: usize,
     /// The kind of device the buffers live on.
     pub(crate) device: DeviceKind,
+    /// The shared buffers handed out by `tutti_mem_alloc`, until `tutti_mem_free`.
+    shared: Mutex<Vec<SharedBuffer>>,
 }
 
 impl tutti_comm {
@@ -32,6 +34,7 @@ impl tutti_comm {
             world: comm.world_size(),
             device: comm.device_kind(),
             comm: RwLock::new(comm),
+            shared: Mutex::new(Vec::new()),
         }))
     }
 
@@ -296,6 +299,80 @@ pub unsafe extern "C" fn tutti_comm_create_rank(
         let c = Communicator::from_cluster(&spec, kind, &settings.core)?;
         // SAFETY: checked non-NULL; the caller promises it is writable.
         unsafe { out.write(tutti_comm::into_raw(c)) };
+        Ok(())
+    })
+}
+
+/// Allocate `bytes` bytes of shared memory for this communicator's collectives and write its
+/// address to `*ptr`: zeroed, 64-byte aligned, mapped by every process of the group (all on
+/// this host, on shared memory). A collective whose buffers lie in such memory on every rank
+/// (the inputs in memory from one `tutti_mem_alloc` call, the outputs from one) runs without a
+/// copy through shared-memory slots: each rank reduces its slice from every peer's input and
+/// writes it into every peer's output. Collective: every rank calls it, in the same order as
+/// its other calls, with the same size. In a group of threads it is plain memory.
+///
+/// Errors: `TUTTI_ERROR_INVALID_ARGUMENT` when some peer is not on shared memory of this host,
+/// a rank asked for another size, the communicator's ranks are devices, or an argument is NULL;
+/// `TUTTI_ERROR_SYSTEM` when a segment could not be created or mapped (the message says which
+/// rank and why); the errors of a collective, which it is.
+///
+/// Thread-safety: callable from any thread; it is a collective of its own.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `ptr` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_mem_alloc(
+    comm: *mut tutti_comm,
+    bytes: usize,
+    ptr: *mut *mut std::ffi::c_void,
+) -> tutti_result {
+    boundary("tutti_mem_alloc", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm)? };
+        let out = out_ptr(ptr, "ptr")?;
+        let mut buf = c.read().alloc_shared(bytes)?;
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { out.write(buf.as_mut_ptr().cast()) };
+        c.shared.lock().unwrap_or_else(|e| e.into_inner()).push(buf);
+        Ok(())
+    })
+}
+
+/// Release memory from `tutti_mem_alloc` on this rank (not a collective: the peers' memory of
+/// the same call stays theirs, and collectives on it go through the shared-memory slots).
+/// NULL is accepted and ignored. `tutti_comm_destroy` releases what is left.
+///
+/// Errors: `TUTTI_ERROR_INVALID_ARGUMENT` when `ptr` is not memory of this communicator's
+/// `tutti_mem_alloc`.
+///
+/// Thread-safety: no collective may be using the memory.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `ptr` is NULL or from `tutti_mem_alloc` on `comm`.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_mem_free(
+    comm: *mut tutti_comm,
+    ptr: *mut std::ffi::c_void,
+) -> tutti_result {
+    boundary("tutti_mem_free", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm)? };
+        if ptr.is_null() {
+            return Ok(());
+        }
+        let mut bufs = c.shared.lock().unwrap_or_else(|e| e.into_inner());
+        let i = bufs
+            .iter_mut()
+            .position(|b| b.as_mut_ptr().cast() == ptr)
+            .ok_or_else(|| {
+                Failure::invalid(format!(
+                    "rank {}: {ptr:?} is not memory from tutti_mem_alloc on this communicator",
+                    c.rank
+                ))
+            })?;
+        drop(bufs.swap_remove(i));
         Ok(())
     })
 }

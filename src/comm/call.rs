@@ -51,6 +51,13 @@ pub(super) struct Call {
 }
 
 impl Call {
+    /// The call with another algorithm (for calls a communicator makes for itself, which must
+    /// not depend on the algorithm its user chose).
+    pub(super) fn with_algorithm(mut self, algorithm: Algorithm) -> Call {
+        self.algorithm = algorithm;
+        self
+    }
+
     /// Make the call's device work wait for `mark`.
     pub(super) fn wait_for(&mut self, mark: Box<dyn StreamMark>) {
         self.buffers.after = mark.raw();

@@ -14,11 +14,13 @@
 mod call;
 mod group;
 mod replicas;
+mod shared;
 mod work;
 
 pub(crate) use group::engine_group;
 pub use group::{device_group, local_group, run_local, MAX_LOCAL_RANKS};
 pub use replicas::Replicas;
+pub use shared::SharedBuffer;
 pub use work::Work;
 
 pub use crate::config::{full_check_from_env, Config};

@@ -7,6 +7,7 @@ use crate::comm::Communicator;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::reference;
+use crate::transport::shared::MIN_BYTES as SHARED_MIN;
 
 /// Check every collective with every algorithm on this communicator against the reference:
 /// all-reduce (every op, in place and out of place, f32 bf16 i32 u8 f64), broadcast and reduce
@@ -26,8 +27,125 @@ pub fn check(comm: &mut Communicator, counts: &[usize]) -> Result<usize> {
             }
         }
     }
+    if comm.can_share_buffers() {
+        for &count in counts {
+            calls += check_shared::<f32>(comm, count)?;
+            calls += check_shared::<half::bf16>(comm, count)?;
+        }
+        comm.set_algorithm(Algorithm::Auto)?;
+    }
     comm.barrier()?;
     Ok(calls + 1)
+}
+
+/// Every collective on buffers from [`Communicator::alloc_shared`], with `auto` and, where the
+/// call is large enough to run through shared buffers (or the ranks are threads), `direct`
+/// forced: an error rather than a silent fallback if the mappings are not used.
+fn check_shared<T: Element>(comm: &mut Communicator, count: usize) -> Result<usize> {
+    let (p, r) = (comm.world_size(), comm.rank());
+    let bytes = count * p * std::mem::size_of::<T>();
+    // A call in flight across an allocation: it has no claim round on any rank (it was issued
+    // before), and the calls after it have one on every rank.
+    comm.set_algorithm(Algorithm::Auto)?;
+    let before = comm.all_reduce_async(vec![T::from_f64(1.0); 1 << 16], ReduceOp::Sum);
+    let mut inb = comm.alloc_shared(bytes)?;
+    let mut outb = comm.alloc_shared(bytes)?;
+    if before.wait()?.iter().any(|&x| x != T::from_f64(p as f64)) {
+        return Err(Error::System {
+            what: format!("check shared buffers {} n={count}", T::DTYPE),
+            message: format!("an all_reduce in flight across the allocation: wrong on rank {r}"),
+        });
+    }
+    let data = |k: usize, n: usize| -> Vec<T> { (0..n).map(|i| pattern(k, i)).collect() };
+    let inputs: Vec<Vec<T>> = (0..p).map(|k| data(k, count)).collect();
+    let refs: Vec<&[T]> = inputs.iter().map(|v| v.as_slice()).collect();
+    let big: Vec<Vec<T>> = (0..p).map(|k| data(k + 1, count * p)).collect();
+    let big_refs: Vec<&[T]> = big.iter().map(|v| v.as_slice()).collect();
+    let direct = comm.has_peer_memory() || count * std::mem::size_of::<T>() >= SHARED_MIN;
+    let mut algos = vec![Algorithm::Auto];
+    if direct {
+        algos.push(Algorithm::Direct);
+    }
+    let mut calls = 0;
+    for algo in algos {
+        comm.set_algorithm(algo)?;
+        let fail = |what: String| Error::System {
+            what: format!("check shared buffers {algo} {} n={count}", T::DTYPE),
+            message: what,
+        };
+        let (sum, tol) = (
+            reference::reduce(&refs, ReduceOp::Sum),
+            reference::tolerance(T::DTYPE, ReduceOp::Sum, p, 2.0),
+        );
+        inb.as_mut_slice::<T>()[..count].copy_from_slice(&inputs[r]);
+        comm.all_reduce_into(
+            &inb.as_slice::<T>()[..count],
+            &mut outb.as_mut_slice::<T>()[..count],
+            ReduceOp::Sum,
+        )?;
+        if reference::count_errors(&outb.as_slice::<T>()[..count], &sum, tol) > 0 {
+            return Err(fail(format!("all_reduce out of place: wrong on rank {r}")));
+        }
+        let in_place = &mut outb.as_mut_slice::<T>()[..count];
+        in_place.copy_from_slice(&inputs[r]);
+        comm.all_reduce(in_place, ReduceOp::Sum)?;
+        if reference::count_errors(in_place, &sum, tol) > 0 {
+            return Err(fail(format!("all_reduce in place: wrong on rank {r}")));
+        }
+        comm.all_gather(
+            &inb.as_slice::<T>()[..count],
+            &mut outb.as_mut_slice::<T>()[..count * p],
+        )?;
+        if outb.as_slice::<T>()[..count * p] != inputs.concat()[..] {
+            return Err(fail(format!("all_gather: wrong values on rank {r}")));
+        }
+        inb.as_mut_slice::<T>()[..count * p].copy_from_slice(&big[r]);
+        comm.reduce_scatter(
+            &inb.as_slice::<T>()[..count * p],
+            &mut outb.as_mut_slice::<T>()[..count],
+            ReduceOp::Min,
+        )?;
+        let want = reference::reduce(&big_refs, ReduceOp::Min);
+        if outb.as_slice::<T>()[..count] != want[r * count..(r + 1) * count] {
+            return Err(fail(format!("reduce_scatter min: wrong slice on rank {r}")));
+        }
+        for (root, want) in inputs.iter().enumerate() {
+            let buf = &mut outb.as_mut_slice::<T>()[..count];
+            match r == root {
+                true => buf.copy_from_slice(want),
+                false => buf.fill(T::from_f64(0.0)),
+            }
+            comm.broadcast(buf, root)?;
+            if buf != &want[..] {
+                return Err(fail(format!(
+                    "broadcast from root {root}: wrong values on rank {r}"
+                )));
+            }
+        }
+        calls += 4 + p;
+        if algo == Algorithm::Direct && !comm.has_peer_memory() {
+            // A reduce's ranks off the root have no output, so it runs on the slots.
+            continue;
+        }
+        inb.as_mut_slice::<T>()[..count].copy_from_slice(&inputs[r]);
+        comm.reduce(
+            &inb.as_slice::<T>()[..count],
+            (r == 0).then(|| &mut outb.as_mut_slice::<T>()[..count]),
+            ReduceOp::Max,
+            0,
+        )?;
+        if r == 0 && outb.as_slice::<T>()[..count] != reference::reduce(&refs, ReduceOp::Max)[..] {
+            return Err(fail("reduce max onto root 0: wrong values".into()));
+        }
+        // The buffer travels into a non-blocking call and back.
+        outb.as_mut_slice::<T>()[..count].copy_from_slice(&inputs[r]);
+        outb = comm.all_reduce_async::<T, _>(outb, ReduceOp::Sum).wait()?;
+        if reference::count_errors(&outb.as_slice::<T>()[..count], &sum, tol) > 0 {
+            return Err(fail(format!("all_reduce in flight: wrong on rank {r}")));
+        }
+        calls += 2;
+    }
+    Ok(calls)
 }
 
 fn check_one<T: Element>(comm: &Communicator, algo: Algorithm, count: usize) -> Result<usize> {

@@ -70,6 +70,8 @@ pub struct Options {
     pub root: usize,
     /// Fixed iteration count per size (default: about 0.25 s per size).
     pub iters: Option<usize>,
+    /// CPU ranks' buffers from [`Communicator::alloc_shared`] (else plain heap memory).
+    pub shared_buffers: bool,
     /// Communicator settings.
     pub config: Config,
 }
@@ -89,6 +91,7 @@ impl Default for Options {
             placement: Placement::OutOfPlace,
             root: 0,
             iters: None,
+            shared_buffers: false,
             config: Config::default(),
         }
     }
@@ -210,6 +213,8 @@ pub struct Row {
     pub copy_gbps: f64,
     /// Elements that differ from the reference (must be 0).
     pub errors: u64,
+    /// The buffers came from `alloc_shared` (`--shared-buffers`).
+    pub shared_buffers: bool,
 }
 
 /// Measure the copy bandwidth: a 256 MiB memcpy split across every core, best of six, counted
@@ -618,15 +623,52 @@ fn measure(bench: &mut dyn Bench, row: RowOf<'_>) -> Result<Row> {
         mem_ratio: min_traffic(c, row.ranks, bytes) / time / 1e9 / copy_gbps,
         copy_gbps,
         errors,
+        shared_buffers: row.opts.shared_buffers,
     })
+}
+
+/// A CPU rank's buffer: heap memory, or a shared buffer (`Options::shared_buffers`).
+enum HostBuf<T> {
+    Heap(Vec<T>),
+    Shared(crate::comm::SharedBuffer, usize),
+}
+
+impl<T: Element> HostBuf<T> {
+    fn new(comm: &Communicator, shared: bool, data: Vec<T>) -> Result<HostBuf<T>> {
+        if !shared {
+            return Ok(HostBuf::Heap(data));
+        }
+        let mut b = comm.alloc_shared(std::mem::size_of_val(&data[..]))?;
+        b.as_mut_slice::<T>()[..data.len()].copy_from_slice(&data);
+        Ok(HostBuf::Shared(b, data.len()))
+    }
+}
+
+impl<T: Element> std::ops::Deref for HostBuf<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            HostBuf::Heap(v) => v,
+            HostBuf::Shared(b, n) => &b.as_slice()[..*n],
+        }
+    }
+}
+
+impl<T: Element> std::ops::DerefMut for HostBuf<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        match self {
+            HostBuf::Heap(v) => v,
+            HostBuf::Shared(b, n) => &mut b.as_mut_slice()[..*n],
+        }
+    }
 }
 
 /// This rank's side of a size on CPU ranks.
 struct CpuBench<'a, T> {
     comm: &'a Communicator,
     opts: &'a Options,
-    input: Vec<T>,
-    output: Vec<T>,
+    input: HostBuf<T>,
+    output: HostBuf<T>,
 }
 
 impl<T: Element> Bench for CpuBench<'_, T> {
@@ -636,7 +678,7 @@ impl<T: Element> Bench for CpuBench<'_, T> {
         let (p, r) = (comm.world_size(), comm.rank());
         let mine = wrong_elements(opts.collective, opts.op, opts.root, p, r, &self.output);
         let mut errors = [mine as u64];
-        comm.all_reduce(&mut errors, ReduceOp::Sum)?;
+        comm.all_reduce_auto(&mut errors, ReduceOp::Sum)?;
         Ok(errors[0])
     }
     fn call(&mut self) -> Result<()> {
@@ -644,7 +686,7 @@ impl<T: Element> Bench for CpuBench<'_, T> {
     }
     fn agree(&mut self, iters: u64) -> Result<u64> {
         let mut v = [iters];
-        self.comm.broadcast(&mut v, 0)?;
+        self.comm.broadcast_auto(&mut v, 0)?;
         Ok(v[0])
     }
     fn barrier(&mut self) -> Result<()> {
@@ -652,13 +694,13 @@ impl<T: Element> Bench for CpuBench<'_, T> {
     }
     fn slowest(&mut self, secs: f64) -> Result<f64> {
         let mut v = [secs];
-        self.comm.all_reduce(&mut v, ReduceOp::Max)?;
+        self.comm.all_reduce_auto(&mut v, ReduceOp::Max)?;
         Ok(v[0])
     }
     fn copy(&mut self) -> usize {
         let n = self.input.len().min(self.output.len());
         self.output[..n].copy_from_slice(&self.input[..n]);
-        std::hint::black_box(&mut self.output);
+        std::hint::black_box(&mut self.output[..]);
         n * std::mem::size_of::<T>()
     }
 }
@@ -672,8 +714,8 @@ fn one_size<T: Element>(comm: &Communicator, opts: &Options, bytes: usize) -> Re
     let mut bench = CpuBench {
         comm,
         opts,
-        input,
-        output,
+        input: HostBuf::new(comm, opts.shared_buffers, input)?,
+        output: HostBuf::new(comm, opts.shared_buffers, output)?,
     };
     let row = RowOf {
         opts,

@@ -351,6 +351,10 @@ impl Transport for LocalTransport {
         Some(self)
     }
 
+    fn one_process(&self) -> bool {
+        true
+    }
+
     fn abort(&self, reason: &str) {
         self.shared.abort(reason);
     }

@@ -16,6 +16,7 @@
 
 pub mod local;
 pub mod net;
+pub(crate) mod shared;
 pub(crate) mod shm;
 pub(crate) mod sub;
 pub(crate) mod wire;
@@ -177,6 +178,40 @@ pub trait Transport: Send + Sync {
     /// hosts are numbered from 0 in the order of their first rank.
     fn hosts(&self) -> Option<&[usize]> {
         None
+    }
+
+    /// The ranks are threads of one process (their memory is shared already).
+    fn one_process(&self) -> bool {
+        false
+    }
+
+    /// Shared buffers ([`shared`]), step 1 of a collective allocation: this rank's record for
+    /// the all-gather. Transports without them (the in-process one needs none) refuse.
+    fn share_create(&self, len: usize) -> Result<[u8; shared::RECORD]> {
+        let _ = len;
+        Err(crate::error::Error::config(
+            "shared buffers are not available on this transport",
+        ))
+    }
+
+    /// Step 2, on every rank whose all-gather of the records succeeded (step 1 failed or not):
+    /// map the peers' segments from every rank's record; (allocation number, this rank's
+    /// buffer).
+    fn share_map(&self, records: &[u8], len: usize) -> Result<(u64, *mut u8)> {
+        let _ = (records, len);
+        Err(crate::error::Error::config(
+            "shared buffers are not available on this transport",
+        ))
+    }
+
+    /// Step 3, once every rank has mapped allocation `id`.
+    fn share_mapped(&self, id: u64) {
+        let _ = id;
+    }
+
+    /// Give up allocation `id` on this rank.
+    fn share_free(&self, id: u64) {
+        let _ = id;
     }
 
     /// Fail every current and later call of every rank at once with `Aborted` carrying `reason`.

@@ -34,11 +34,12 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::shared::{self, Buffers};
 use super::shm::ShmLink;
 use super::wire::{
     frame, frame_ident, parse_frame, Ident, FRAME_ABORT, FRAME_DATA, FRAME_HEADER, HDR, IDENT,
 };
-use super::{CallBuffers, CallHeader, RecvMode, RecvOp, SendOp, Transport};
+use super::{CallBuffers, CallHeader, PeerMemory, RecvMode, RecvOp, SendOp, Transport};
 use crate::cluster::auth::{self as wire, Purpose};
 use crate::cluster::store::Store;
 use crate::cluster::ClusterSpec;
@@ -127,6 +128,12 @@ pub struct NetTransport {
     /// The peer whose ABORT frame was read last, plus one (0: none): the news a failing call
     /// received rather than found.
     aborted_by: AtomicU32,
+    /// Shared buffers ([`shared`]), and whether any were ever allocated (then calls of
+    /// [`shared::MIN_BYTES`] and more have a check round, on every rank alike).
+    shared: Mutex<Buffers>,
+    shared_ever: AtomicBool,
+    /// The current call runs through shared buffers: [`PeerMemory`] is offered.
+    direct: AtomicBool,
 }
 
 fn eventfd() -> Result<OwnedFd> {
@@ -312,6 +319,9 @@ impl NetTransport {
             notified: AtomicBool::new(false),
             waiting_for: AtomicU32::new(0),
             aborted_by: AtomicU32::new(0),
+            shared: Mutex::new(Buffers::new(rank, world)),
+            shared_ever: AtomicBool::new(false),
+            direct: AtomicBool::new(false),
         })
     }
 
@@ -1397,11 +1407,12 @@ impl Transport for NetTransport {
         self.timeout
     }
 
-    fn begin(&self, site: Site, header: &CallHeader, _buffers: CallBuffers) -> Result<()> {
+    fn begin(&self, site: Site, header: &CallHeader, buffers: CallBuffers) -> Result<()> {
         if self.aborted.load(Ordering::Acquire) {
             return Err(self.aborted_error());
         }
         self.data_started.store(false, Ordering::Release);
+        self.direct.store(false, Ordering::Release);
         if self.world == 1 {
             return Ok(());
         }
@@ -1415,13 +1426,27 @@ impl Transport for NetTransport {
         // Broadcast and reduce have one too: a rank that only sends in a call (the root of a
         // broadcast, the others in a reduce) would otherwise check nothing, and two ranks that
         // both take themselves for the root would neither receive.
+        // A communicator that allocated shared buffers also rounds every call large enough to
+        // run through them: each rank claims its buffers before, and all decide alike after.
         use crate::error::Collective::{Barrier, Broadcast, Reduce};
+        let share = self.shared_ever.load(Ordering::Acquire)
+            && header.collective != Barrier
+            && header.count.saturating_mul(header.dtype.size()) >= shared::MIN_BYTES;
         let round = header.full_check
             || header.count == 0
             || matches!(header.collective, Barrier | Broadcast | Reduce)
-            || header.rejected.is_some();
+            || header.rejected.is_some()
+            || share;
         if !round {
             return Ok(());
+        }
+        if share {
+            let b = if header.rejected.is_some() {
+                CallBuffers::NONE
+            } else {
+                buffers
+            };
+            self.shared.lock().claim(site.call, &b);
         }
         let message = header
             .rejected
@@ -1458,7 +1483,13 @@ impl Transport for NetTransport {
         result?;
         let checked = self.check_round(site, &recvs, &ident);
         reuse.recvs = recycle(recvs);
-        checked
+        checked?;
+        if share && self.shared.lock().decide(site.call) {
+            // Peers now write into this rank's buffers: a failure from here aborts.
+            self.data_started.store(true, Ordering::Release);
+            self.direct.store(true, Ordering::Release);
+        }
+        Ok(())
     }
 
     fn exchange(&self, site: Site, sends: &[SendOp<'_>], recvs: &mut [RecvOp<'_>]) -> Result<()> {
@@ -1513,7 +1544,17 @@ impl Transport for NetTransport {
         self.links.iter().flatten().all(|l| l.shm.is_some())
     }
 
+    fn peer_memory(&self) -> Option<&dyn PeerMemory> {
+        self.direct
+            .load(Ordering::Acquire)
+            .then_some(self as &dyn PeerMemory)
+    }
+
     fn end(&self, failed: Option<&Error>) {
+        let direct = self.direct.swap(false, Ordering::AcqRel);
+        if direct {
+            self.shared.lock().leave();
+        }
         let Some(e) = failed else { return };
         if matches!(
             e,
@@ -1540,6 +1581,34 @@ impl Transport for NetTransport {
         self.set_aborted(&reason);
         let _engine = self.engine.lock();
         self.notify_peers(&reason);
+        if direct {
+            self.wait_peers_out();
+        }
+    }
+
+    fn share_create(&self, len: usize) -> Result<[u8; shared::RECORD]> {
+        if !self.all_shared_memory() {
+            return Err(Error::config(
+                "shared buffers need every peer on shared memory of this host (transport shm or auto, one host)",
+            ));
+        }
+        self.shared.lock().create(len)
+    }
+
+    fn share_map(&self, records: &[u8], len: usize) -> Result<(u64, *mut u8)> {
+        // From here on calls have the claim round. Every rank gets here once the records'
+        // all-gather has completed, before any later call of its own begins (and after every
+        // earlier one ended): the calls that have it are the same on every rank.
+        self.shared_ever.store(true, Ordering::Release);
+        self.shared.lock().map(records, len)
+    }
+
+    fn share_mapped(&self, id: u64) {
+        self.shared.lock().mapped(id)
+    }
+
+    fn share_free(&self, id: u64) {
+        self.shared.lock().free(id)
     }
 
     fn abort(&self, reason: &str) {
@@ -1555,6 +1624,137 @@ impl Transport for NetTransport {
             self.reason.lock().clone()
         } else {
             None
+        }
+    }
+}
+
+impl NetTransport {
+    /// After a failed call through shared buffers: wait (bounded by the timeout) until no live
+    /// peer still runs it, so that none writes into this rank's buffers once they are the
+    /// caller's again. A peer leaves at its next wait, which reads the ABORT frame sent to it.
+    fn wait_peers_out(&self) {
+        let call = self.ident_call();
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            let inside: Vec<usize> = {
+                let b = self.shared.lock();
+                b.inside(call)
+                    .filter(|&k| !self.link(k).closed.load(Ordering::Acquire))
+                    .collect()
+            };
+            if inside.is_empty() {
+                return;
+            }
+            if Instant::now() >= deadline {
+                log::warn!(
+                    "rank {} returns its buffers while {} still run the failed call",
+                    self.rank,
+                    crate::error::list(&inside)
+                );
+                return;
+            }
+            self.shared
+                .lock()
+                .sleep(Duration::from_millis(1), |_| false);
+            self.watch_links();
+        }
+    }
+
+    /// The call number of the current call (from its identity).
+    fn ident_call(&self) -> u64 {
+        u64::from_le_bytes(self.ident()[..8].try_into().expect("8 bytes"))
+    }
+
+    /// Mark the links whose peer hung up; return the first peer with bytes waiting (an ABORT
+    /// frame, in a call that moves nothing else over the sockets).
+    fn watch_links(&self) -> Option<usize> {
+        let links: Vec<&Link> = self.links.iter().flatten().collect();
+        let mut fds: Vec<libc::pollfd> = links
+            .iter()
+            .map(|l| libc::pollfd {
+                fd: l.sock.as_raw_fd(),
+                events: libc::POLLIN | libc::POLLRDHUP,
+                revents: 0,
+            })
+            .collect();
+        if poll_for(&mut fds, Duration::ZERO).is_err() {
+            return None;
+        }
+        let mut readable = None;
+        for (f, l) in fds.iter().zip(&links) {
+            if f.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+                l.closed.store(true, Ordering::Release);
+            }
+            if f.revents & libc::POLLIN != 0 && readable.is_none() {
+                readable = Some(l.peer);
+            }
+        }
+        readable
+    }
+}
+
+/// Peer memory through shared buffers, for calls whose every buffer lies in one
+/// ([`shared`]).
+impl PeerMemory for NetTransport {
+    fn buffers(&self, peer: usize) -> CallBuffers {
+        self.shared.lock().buffers(peer)
+    }
+
+    fn set_progress(&self, value: u64) {
+        self.shared.lock().set_progress(value)
+    }
+
+    fn wait_progress(
+        &self,
+        site: Site,
+        peer: usize,
+        value: u64,
+        phase: &'static str,
+    ) -> Result<()> {
+        let start = Instant::now();
+        let deadline = start + self.timeout;
+        let reached = || self.shared.lock().progress(peer) >= value;
+        let mut nap = Duration::from_micros(50);
+        loop {
+            if reached() {
+                return Ok(());
+            }
+            if self.aborted.load(Ordering::Acquire) {
+                return Err(self.aborted_error());
+            }
+            if start.elapsed() < self.spin {
+                std::hint::spin_loop();
+                continue;
+            }
+            self.shared.lock().sleep(nap, |b| b.progress(peer) >= value);
+            nap = (nap * 2).min(Duration::from_millis(1));
+            if reached() {
+                return Ok(());
+            }
+            // A peer that gave up says why on its socket; one that died hangs it up.
+            if let Some(k) = self.watch_links() {
+                if let Some(e) = self.peek_abort(site, k) {
+                    return Err(e);
+                }
+            }
+            if self.link(peer).closed.load(Ordering::Acquire) {
+                return Err(lost(site, peer, &closed("connection closed")));
+            }
+            if Instant::now() >= deadline {
+                let e = Error::Timeout {
+                    site,
+                    waiting_for: vec![peer],
+                    phase,
+                    timeout: self.timeout,
+                    stalled_on: Vec::new(),
+                };
+                let reason = e.to_string();
+                self.waiting_for
+                    .store(u32::try_from(peer + 1).unwrap_or(0), Ordering::Release);
+                self.set_aborted(&reason);
+                self.notify_peers(&reason);
+                return Err(e);
+            }
         }
     }
 }

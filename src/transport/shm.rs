@@ -50,7 +50,7 @@ struct Counters {
     sleeping: AtomicU32,
 }
 
-fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+pub(super) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     let ts = libc::timespec {
         tv_sec: timeout.as_secs() as libc::time_t,
         tv_nsec: timeout.subsec_nanos() as libc::c_long,
@@ -70,7 +70,7 @@ fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     };
 }
 
-fn futex_wake(word: &AtomicU32) {
+pub(super) fn futex_wake(word: &AtomicU32) {
     // SAFETY: waking the waiters of a word of a shared mapping.
     unsafe {
         libc::syscall(
@@ -86,7 +86,7 @@ fn futex_wake(word: &AtomicU32) {
 }
 
 /// A mapped segment.
-struct Segment {
+pub(super) struct Segment {
     ptr: *mut u8,
     len: usize,
 }
@@ -111,7 +111,9 @@ fn shm_error(what: &str) -> Error {
 }
 
 impl Segment {
-    fn map(name: &str, len: usize, create: bool) -> Result<Segment> {
+    /// Map `name` (`create`: a new segment of `len` bytes; else an existing one, which must hold
+    /// at least `len` bytes: touching a mapping past its file's end would be a SIGBUS).
+    pub(super) fn map(name: &str, len: usize, create: bool) -> Result<Segment> {
         let cname = std::ffi::CString::new(name).expect("no NUL in segment names");
         let flags = if create {
             libc::O_CREAT | libc::O_EXCL | libc::O_RDWR
@@ -123,6 +125,14 @@ impl Segment {
             let fd = libc::shm_open(cname.as_ptr(), flags, 0o600);
             if fd < 0 {
                 return Err(shm_error(&format!("opening {name}")));
+            }
+            let mut st: libc::stat = std::mem::zeroed();
+            if !create && (libc::fstat(fd, &mut st) != 0 || (st.st_size as u64) < len as u64) {
+                libc::close(fd);
+                return Err(Error::config(format!(
+                    "shared memory: {name} holds {} bytes where {len} were expected",
+                    st.st_size
+                )));
             }
             if create && libc::ftruncate(fd, len as libc::off_t) != 0 {
                 let e = shm_error(&format!("sizing {name}"));
@@ -147,6 +157,14 @@ impl Segment {
             }
             Ok(Segment { ptr: p.cast(), len })
         }
+    }
+
+    pub(super) fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.len
     }
 
     fn counters(&self) -> &Counters {
@@ -204,9 +222,19 @@ fn pid_namespace() -> Option<u64> {
 }
 
 /// The name of this process's segment towards `peer`: `/tutti-N<namespace>-<pid>-<rank>-<peer>-<tag>`.
-fn segment_name(rank: usize, peer: usize, tag: &str) -> String {
+pub(super) fn segment_name(rank: usize, peer: usize, tag: &str) -> String {
     format!(
         "/tutti-N{}-{}-{rank}-{peer}-{tag}",
+        pid_namespace().unwrap_or(0),
+        std::process::id()
+    )
+}
+
+/// The name of this process's segment of shared buffer `id`:
+/// `/tutti-N<namespace>-<pid>-<rank>-b<id>-<tag>` (`ctl` for the control page's).
+pub(super) fn buffer_name(rank: usize, id: &str, tag: &str) -> String {
+    format!(
+        "/tutti-N{}-{}-{rank}-b{id}-{tag}",
         pid_namespace().unwrap_or(0),
         std::process::id()
     )
@@ -246,7 +274,7 @@ pub(crate) fn sweep_dead() {
     }
 }
 
-fn unlink(name: &str) {
+pub(super) fn unlink(name: &str) {
     let c = std::ffi::CString::new(name).expect("no NUL in segment names");
     // SAFETY: plain syscall.
     unsafe { libc::shm_unlink(c.as_ptr()) };

@@ -1,6 +1,6 @@
 /* Communicators of separate processes: forked ranks join through tutti_comm_create_rank (TCP and
- * shared memory) and tutti_comm_create_from_env, run collectives with checked values, and a
- * rank that leaves makes its peers fail (not hang). */
+ * shared memory) and tutti_comm_create_from_env, run collectives with checked values (in
+ * tutti_mem_alloc memory too), and a rank that leaves makes its peers fail (not hang). */
 #include "check.h"
 
 #include <arpa/inet.h>
@@ -39,8 +39,46 @@ static void unset_launcher_env(void) {
     }
 }
 
+typedef enum how { BY_RANK_TCP, BY_RANK_SHM, FROM_ENV, PEER_LEAVES } how;
+
+/* Shared memory from tutti_mem_alloc: over shared memory the collectives run `direct` between
+ * the processes (forced here, so that a fallback would be an error); over TCP there is none. */
+static void shared_work(tutti_comm *comm, size_t rank, how h) {
+    enum { N = 32768 }; /* 128 KiB of f32: large enough to run through shared memory */
+    float *in = NULL, *out = NULL, stray = 0.0f;
+    size_t i;
+    if (h == BY_RANK_TCP) {
+        EXPECT_ERROR(tutti_mem_alloc(comm, N * 4, (void **)&in), TUTTI_ERROR_INVALID_ARGUMENT,
+                     "shared memory of this host");
+        EXPECT(in == NULL);
+        return;
+    }
+    CHECK(tutti_mem_alloc(comm, N * 4 * WORLD, (void **)&in));
+    CHECK(tutti_mem_alloc(comm, N * 4 * WORLD, (void **)&out));
+    EXPECT(in != NULL && out != NULL && (uintptr_t)in % 64 == 0 && in[N * WORLD - 1] == 0.0f);
+    CHECK(tutti_comm_set_algorithm(comm, TUTTI_ALGORITHM_DIRECT, 0));
+    for (i = 0; i < N; i++) {
+        in[i] = (float)(rank + i % 7);
+    }
+    CHECK(tutti_all_reduce(comm, N, TUTTI_DTYPE_F32, TUTTI_OP_SUM, in, out));
+    for (i = 0; i < N; i++) {
+        EXPECT(out[i] == (float)(3 + 3 * (i % 7)));
+    }
+    CHECK(tutti_all_reduce(comm, N, TUTTI_DTYPE_F32, TUTTI_OP_MAX, in, in));
+    EXPECT(in[0] == 2.0f && in[N - 1] == (float)(2 + (N - 1) % 7));
+    CHECK(tutti_all_gather(comm, N, TUTTI_DTYPE_F32, in, out));
+    EXPECT(out[N + 3] == 5.0f && out[N * WORLD - 1] == in[N - 1]);
+    CHECK(tutti_comm_set_algorithm(comm, TUTTI_ALGORITHM_AUTO, 0));
+    EXPECT_ERROR(tutti_mem_free(comm, &stray), TUTTI_ERROR_INVALID_ARGUMENT,
+                 "not memory from tutti_mem_alloc");
+    CHECK(tutti_mem_free(comm, in));
+    CHECK(tutti_mem_free(comm, NULL));
+    /* memory left allocated goes with the communicator */
+    (void)out;
+}
+
 /* One rank's work: collectives on a communicator of separate processes. */
-static void rank_work(tutti_comm *comm, size_t rank) {
+static void rank_work(tutti_comm *comm, size_t rank, how h) {
     size_t r = 99, world = 0, i;
     double x[1000];
     int64_t mine[4], all[4 * WORLD];
@@ -68,6 +106,7 @@ static void rank_work(tutti_comm *comm, size_t rank) {
     }
     CHECK(tutti_broadcast(comm, 5, TUTTI_DTYPE_F32, 1, b));
     EXPECT(b[4] == 7.5f);
+    shared_work(comm, rank, h);
     /* a count mismatch across processes: every rank fails naming the field. With the check
        round (TUTTI_CHECK=full) the communicator stays usable; by default the check travels
        with the data, and the ranks that did not see the difference themselves hear it from the
@@ -86,8 +125,6 @@ static void rank_work(tutti_comm *comm, size_t rank) {
         EXPECT(tutti_barrier(comm) == TUTTI_ERROR_ABORTED);
     }
 }
-
-typedef enum how { BY_RANK_TCP, BY_RANK_SHM, FROM_ENV, PEER_LEAVES } how;
 
 static int child(how h, size_t rank, int port) {
     tutti_config config = TUTTI_CONFIG_INIT;
@@ -132,7 +169,7 @@ static int child(how h, size_t rank, int port) {
             }
         }
     } else {
-        rank_work(comm, rank);
+        rank_work(comm, rank, h);
     }
     tutti_comm_destroy(comm);
     return 0;

@@ -1,0 +1,412 @@
+//! Shared buffers: host memory that every rank of a process group on one host maps, so that
+//! the algorithms that read and write peers' buffers in place (`direct`) run between processes,
+//! with no copy through the shared-memory slots.
+//!
+//! A communicator allocates them collectively ([`crate::Communicator::alloc_shared`]): every
+//! rank creates a segment of the same size, the ranks all-gather the segments' names, each maps
+//! every peer's, and once all have, each unlinks its own (nothing is left under /dev/shm, even
+//! when a process is killed). The first allocation also creates each rank's control page: its
+//! progress counter and doorbell for `direct`, and the claim that a call's buffers lie in a
+//! shared buffer.
+//!
+//! A call of a communicator that has allocated shared buffers, of at least [`MIN_BYTES`], has a
+//! check round. Before it, each rank writes its claim into its control page: the call number,
+//! and for its input and output the shared buffer holding them (by allocation number), offset
+//! and length. After it every rank reads every claim and decides alike: the call runs `direct`
+//! through the mappings when every rank's input lies in the same allocation and so does every
+//! rank's output, with the same lengths. A rank can claim only an allocation it still holds, so
+//! every rank then holds the mappings the call needs.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use super::shm::{buffer_name, futex_wait, futex_wake, unlink, Segment};
+use super::CallBuffers;
+use crate::error::{Error, Result};
+
+/// Calls moving fewer bytes per rank than this never run through shared buffers: a check
+/// round costs about a microsecond, and the slots are as fast below it.
+pub(crate) const MIN_BYTES: usize = 64 << 10;
+/// Bytes of a rank's record in an allocation's all-gather: its segment's name and length, and
+/// (first allocation) its control page's name.
+pub(crate) const RECORD: usize = 128;
+/// Room for a name in a record.
+const NAME: usize = 56;
+/// Bytes of a control page.
+const CONTROL: usize = 4096;
+
+/// A rank's control page. Only its rank writes `progress`, `inside` and the claim; peers ring
+/// `bell` when they publish progress while `sleeping` says the rank sleeps on it.
+#[repr(C)]
+struct Control {
+    progress: AtomicU64,
+    _p0: [u8; 56],
+    bell: AtomicU32,
+    sleeping: AtomicU32,
+    /// Call number + 1 while the rank runs a call through shared buffers (0: none).
+    inside: AtomicU64,
+    _p1: [u8; 48],
+    /// Call number + 1 of the claim (0: none yet).
+    call: AtomicU64,
+    /// Input then output: allocation number + 1 (0: not in a shared buffer), offset, length.
+    claim: [AtomicU64; 6],
+}
+
+/// One allocation: every rank's segment, mapped here (this rank's own included).
+struct Set {
+    id: u64,
+    maps: Vec<Segment>,
+    /// This rank's own names, unlinked once every rank has mapped them.
+    names: Vec<String>,
+    /// The first allocation's control pages, installed once every rank has mapped them (an
+    /// allocation that fails on some rank leaves no rank with them).
+    controls: Vec<Segment>,
+}
+
+/// A rank's shared buffers.
+pub(crate) struct Buffers {
+    rank: usize,
+    world: usize,
+    /// Allocations made so far (the same count on every rank: allocation is collective).
+    made: u64,
+    /// Every rank's control page (empty before the first allocation).
+    controls: Vec<Segment>,
+    sets: Vec<Set>,
+    /// The buffers of the current call's ranks, read from their claims.
+    call: Vec<CallBuffers>,
+    /// The segments created for an allocation that is not mapped yet.
+    pending: Option<Pending>,
+}
+
+/// This rank's new segment and its name, and (first allocation) its control page's.
+struct Pending {
+    seg: Segment,
+    name: String,
+    ctl: Option<(Segment, String)>,
+}
+
+impl Pending {
+    fn unlink(&self) {
+        unlink(&self.name);
+        if let Some((_, n)) = &self.ctl {
+            unlink(n);
+        }
+    }
+}
+
+// SAFETY: the mappings are shared memory reached through atomics (control pages) and through
+// buffers handed over by the call protocol.
+unsafe impl Send for Buffers {}
+
+fn record_name(r: &[u8]) -> Option<&str> {
+    let end = r.iter().position(|&b| b == 0).unwrap_or(r.len());
+    let name = std::str::from_utf8(&r[..end]).ok()?;
+    (name.starts_with("/tutti-") && !name[1..].contains('/') && name.len() > 7).then_some(name)
+}
+
+fn put_name(r: &mut [u8], name: &str) {
+    r[..name.len()].copy_from_slice(name.as_bytes());
+}
+
+impl Buffers {
+    pub(crate) fn new(rank: usize, world: usize) -> Buffers {
+        Buffers {
+            rank,
+            world,
+            made: 0,
+            controls: Vec::new(),
+            sets: Vec::new(),
+            call: vec![CallBuffers::NONE; world],
+            pending: None,
+        }
+    }
+
+    fn control(&self, k: usize) -> &Control {
+        // SAFETY: a control page is CONTROL bytes, zeroed by ftruncate, starting with Control.
+        unsafe { &*(self.controls[k].ptr() as *const Control) }
+    }
+
+    /// Step 1 of an allocation: create this rank's segment of `len` bytes (and its control
+    /// page, first time) and return its record for the all-gather. The allocation's number is
+    /// taken even when this fails, as on every other rank.
+    pub(crate) fn create(&mut self, len: usize) -> Result<[u8; RECORD]> {
+        self.made += 1;
+        self.pending = None;
+        let tag = crate::cluster::auth::nonce()?
+            .iter()
+            .take(6)
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>();
+        let name = buffer_name(self.rank, &self.made.to_string(), &tag);
+        let seg = Segment::map(&name, len.max(64), true)?;
+        let mut rec = [0u8; RECORD];
+        put_name(&mut rec[..NAME], &name);
+        rec[NAME..NAME + 8].copy_from_slice(&(len as u64).to_le_bytes());
+        let ctl = if self.controls.is_empty() {
+            let cname = buffer_name(self.rank, "ctl", &tag);
+            let c = Segment::map(&cname, CONTROL, true).inspect_err(|_| unlink(&name))?;
+            put_name(&mut rec[NAME + 8..2 * NAME + 8], &cname);
+            Some((c, cname))
+        } else {
+            None
+        };
+        self.pending = Some(Pending { seg, name, ctl });
+        Ok(rec)
+    }
+
+    /// Step 2: map every peer's segment from the gathered records (rank order). Returns the
+    /// allocation's number and this rank's buffer.
+    pub(crate) fn map(&mut self, records: &[u8], len: usize) -> Result<(u64, *mut u8)> {
+        let Pending {
+            seg: own,
+            name: own_name,
+            ctl: own_ctl,
+        } = self
+            .pending
+            .take()
+            .ok_or_else(|| Error::config("shared buffer: this rank created no segment"))?;
+        let mut names = vec![own_name];
+        let mut own_ctl = own_ctl.map(|(c, n)| {
+            names.push(n);
+            c
+        });
+        let mut own = Some(own);
+        let set = (|| {
+            let mut maps = Vec::with_capacity(self.world);
+            let mut controls = Vec::new();
+            for (k, r) in records.chunks_exact(RECORD).enumerate() {
+                let theirs = u64::from_le_bytes(r[NAME..NAME + 8].try_into().expect("8 bytes"));
+                let name = record_name(&r[..NAME]);
+                if k == self.rank {
+                    maps.push(own.take().expect("one own segment"));
+                    if let Some(c) = own_ctl.take() {
+                        controls.push(c);
+                    }
+                    continue;
+                }
+                let Some(name) = name else {
+                    return Err(Error::config(format!(
+                        "shared buffer: rank {k} could not create its segment (its own error says why)"
+                    )));
+                };
+                if theirs != len as u64 {
+                    return Err(Error::config(format!(
+                        "shared buffer: rank {k} allocated {theirs} bytes, this rank {len}: every rank must allocate the same size"
+                    )));
+                }
+                maps.push(Segment::map(name, len.max(64), false)?);
+                if self.controls.is_empty() {
+                    let Some(c) = record_name(&r[NAME + 8..2 * NAME + 8]) else {
+                        return Err(Error::config(format!(
+                            "shared buffer: rank {k} sent no control page"
+                        )));
+                    };
+                    controls.push(Segment::map(c, CONTROL, false)?);
+                }
+            }
+            Ok((maps, controls))
+        })();
+        let (maps, controls) = match set {
+            Ok(s) => s,
+            Err(e) => {
+                names.iter().for_each(|n| unlink(n));
+                return Err(e);
+            }
+        };
+        let ptr = maps[self.rank].ptr();
+        self.sets.push(Set {
+            id: self.made,
+            maps,
+            names,
+            controls,
+        });
+        Ok((self.made, ptr))
+    }
+
+    /// Step 3, once every rank has mapped allocation `id`: unlink this rank's names.
+    pub(crate) fn mapped(&mut self, id: u64) {
+        if let Some(s) = self.sets.iter_mut().find(|s| s.id == id) {
+            s.names.drain(..).for_each(|n| unlink(&n));
+            if self.controls.is_empty() {
+                self.controls = std::mem::take(&mut s.controls);
+            }
+        }
+    }
+
+    /// Give up allocation `id` (and any segment still pending): unmap it here.
+    pub(crate) fn free(&mut self, id: u64) {
+        if let Some(p) = self.pending.take() {
+            p.unlink();
+        }
+        if let Some(i) = self.sets.iter().position(|s| s.id == id) {
+            let s = self.sets.swap_remove(i);
+            s.names.iter().for_each(|n| unlink(n));
+        }
+    }
+
+    /// The allocation and offset holding `len` bytes at `ptr` in this rank's own segments.
+    fn locate(&self, ptr: *const u8, len: usize) -> (u64, u64) {
+        if ptr.is_null() || len == 0 {
+            return (0, 0);
+        }
+        let p = ptr as usize;
+        for s in &self.sets {
+            let base = s.maps[self.rank].ptr() as usize;
+            if p >= base && p - base + len <= s.maps[self.rank].len() {
+                return (s.id + 1, (p - base) as u64);
+            }
+        }
+        (0, 0)
+    }
+
+    /// Write this rank's claim for call `call` (before its check round).
+    pub(crate) fn claim(&self, call: u64, b: &CallBuffers) {
+        if self.controls.is_empty() {
+            // No allocation succeeded yet, on any rank: no call decides for shared buffers.
+            return;
+        }
+        let c = self.control(self.rank);
+        let (iid, ioff) = self.locate(b.input, b.input_len);
+        let (oid, ooff) = self.locate(b.output, b.output_len);
+        let v = [
+            iid,
+            ioff,
+            b.input_len as u64,
+            oid,
+            ooff,
+            b.output_len as u64,
+        ];
+        for (a, x) in c.claim.iter().zip(v) {
+            a.store(x, Ordering::Relaxed);
+        }
+        c.call.store(call + 1, Ordering::Release);
+    }
+
+    /// After the check round: whether call `call` runs through shared buffers (every rank
+    /// decides alike from the same claims); if so the ranks' buffers are ready for
+    /// [`Buffers::buffers`].
+    pub(crate) fn decide(&mut self, call: u64) -> bool {
+        if self.controls.is_empty() {
+            return false;
+        }
+        let mut call_bufs = std::mem::take(&mut self.call);
+        let ok = self.read_claims(call, &mut call_bufs);
+        self.call = call_bufs;
+        if ok {
+            self.control(self.rank)
+                .inside
+                .store(call + 1, Ordering::Release);
+        }
+        ok
+    }
+
+    fn read_claims(&self, call: u64, call_bufs: &mut [CallBuffers]) -> bool {
+        let claim = |k: usize| -> Option<[u64; 6]> {
+            let c = self.control(k);
+            if c.call.load(Ordering::Acquire) != call + 1 {
+                return None;
+            }
+            Some(std::array::from_fn(|i| c.claim[i].load(Ordering::Relaxed)))
+        };
+        let Some(mine) = claim(self.rank) else {
+            return false;
+        };
+        let fits = |seg: &Segment, off: u64, len: u64| {
+            off.checked_add(len).is_some_and(|e| e <= seg.len() as u64)
+        };
+        let set = |id: u64| self.sets.iter().find(|s| s.id + 1 == id);
+        // Both buffers in allocations this rank holds (then so does every rank claiming them).
+        let (Some(iset), Some(oset)) = (set(mine[0]), set(mine[3])) else {
+            return false;
+        };
+        for (k, slot) in call_bufs.iter_mut().enumerate() {
+            // The same allocations and lengths on every rank (lengths follow from the call,
+            // which the round checked; a peer's offsets are checked before they are used).
+            let Some(c) = claim(k) else {
+                return false;
+            };
+            if c[0] != mine[0] || c[3] != mine[3] || c[2] != mine[2] || c[5] != mine[5] {
+                return false;
+            }
+            let (iseg, oseg) = (&iset.maps[k], &oset.maps[k]);
+            if !fits(iseg, c[1], c[2]) || !fits(oseg, c[4], c[5]) {
+                return false;
+            }
+            // SAFETY: inside the mappings (checked just above).
+            *slot = unsafe {
+                CallBuffers {
+                    input: iseg.ptr().add(c[1] as usize),
+                    input_len: c[2] as usize,
+                    output: oseg.ptr().add(c[4] as usize),
+                    output_len: c[5] as usize,
+                    after: 0,
+                }
+            };
+        }
+        true
+    }
+
+    /// Rank `k`'s buffers of the current call.
+    pub(crate) fn buffers(&self, k: usize) -> CallBuffers {
+        self.call[k]
+    }
+
+    /// Leave a call that ran through shared buffers.
+    pub(crate) fn leave(&self) {
+        if !self.controls.is_empty() {
+            self.control(self.rank).inside.store(0, Ordering::Release);
+            self.ring_peers();
+        }
+    }
+
+    /// The peers still inside call `call` (for a failing call, which waits for them to leave
+    /// before its buffers go back to the caller).
+    pub(crate) fn inside(&self, call: u64) -> impl Iterator<Item = usize> + '_ {
+        (0..self.world).filter(move |&k| {
+            k != self.rank && self.control(k).inside.load(Ordering::Acquire) == call + 1
+        })
+    }
+
+    pub(crate) fn set_progress(&self, value: u64) {
+        self.control(self.rank)
+            .progress
+            .store(value, Ordering::Release);
+        self.ring_peers();
+    }
+
+    fn ring_peers(&self) {
+        for k in (0..self.world).filter(|&k| k != self.rank) {
+            let c = self.control(k);
+            c.bell.fetch_add(1, Ordering::SeqCst);
+            if c.sleeping.load(Ordering::SeqCst) != 0 {
+                futex_wake(&c.bell);
+            }
+        }
+    }
+
+    pub(crate) fn progress(&self, k: usize) -> u64 {
+        self.control(k).progress.load(Ordering::Acquire)
+    }
+
+    /// Sleep on this rank's doorbell for at most `nap`, unless `ready` already holds.
+    pub(crate) fn sleep(&self, nap: Duration, ready: impl Fn(&Buffers) -> bool) {
+        let c = self.control(self.rank);
+        c.sleeping.store(1, Ordering::SeqCst);
+        let bell = c.bell.load(Ordering::SeqCst);
+        if !ready(self) {
+            futex_wait(&c.bell, bell, nap);
+        }
+        c.sleeping.store(0, Ordering::Release);
+    }
+}
+
+impl Drop for Buffers {
+    fn drop(&mut self) {
+        if let Some(p) = self.pending.take() {
+            p.unlink();
+        }
+        for s in &self.sets {
+            s.names.iter().for_each(|n| unlink(n));
+        }
+    }
+}
