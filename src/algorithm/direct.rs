@@ -23,13 +23,12 @@ use crate::dtype::kernels::{self, Init};
 use crate::error::Result;
 use crate::transport::{CallBuffers, PeerMemory};
 
-/// Progress value meaning "done reading every peer's buffers" (within one call's range).
-const DONE: u64 = u32::MAX as u64;
-
 struct Call<'c> {
     pm: &'c dyn PeerMemory,
     bufs: List<'c, CallBuffers>,
-    base: u64,
+    /// The progress value saying "done with every peer's buffers in this call": the call number
+    /// plus one (progress only grows, call after call).
+    done: u64,
 }
 
 impl<'c> Call<'c> {
@@ -40,14 +39,14 @@ impl<'c> Call<'c> {
         Ok(Call {
             pm,
             bufs,
-            base: ctx.site.call << 32,
+            done: ctx.site.call + 1,
         })
     }
 
     /// `range` of rank `k`'s input.
     ///
     /// SAFETY (for callers): rank `k` keeps its input unchanged in `range` until this rank
-    /// publishes that it has read it (progress past the chunk, or DONE).
+    /// publishes that it is done with it (`finish`).
     unsafe fn input(&self, k: usize, range: Range<usize>) -> &[u8] {
         debug_assert!(range.end <= self.bufs[k].input_len);
         std::slice::from_raw_parts(self.bufs[k].input.add(range.start), range.len())
@@ -62,14 +61,10 @@ impl<'c> Call<'c> {
 
     /// Tell the peers this rank is done with their buffers and wait until they are done with ours.
     fn finish(&self, ctx: &Ctx<'_>) -> Result<()> {
-        self.pm.set_progress(self.base + DONE);
+        self.pm.set_progress(self.done);
         for k in (0..ctx.world()).filter(|&k| k != ctx.rank()) {
-            self.pm.wait_progress(
-                ctx.site,
-                k,
-                self.base + DONE,
-                "finish reading this rank's buffers",
-            )?;
+            self.pm
+                .wait_progress(ctx.site, k, self.done, "finish reading this rank's buffers")?;
         }
         Ok(())
     }
