@@ -1,6 +1,6 @@
 /* An all-reduce of two processes through cross-memory attach (process_vm_readv), the
- * zero-copy design tutti measured and did not take (README: "No zero-copy between processes, by
- * measurement"). Nothing of tutti is in it: no call checks, no timeouts, spinning barriers.
+ * zero-copy design tutti measured and did not take (README: "Zero-copy between processes:
+ * shared buffers"). Nothing of tutti is in it: no call checks, no timeouts, spinning barriers.
  *
  *   gcc -O3 -march=native scripts/cma_allreduce.c -o cma && ./cma BYTES [CHUNK_BYTES]
  *

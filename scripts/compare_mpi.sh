@@ -8,7 +8,8 @@
 # tutti's time and their ratio (Open MPI / tutti: above 1.0, tutti is faster). shm compares
 # tutti's shared-memory transport with Open MPI's vader; tcp both over loopback TCP. More ranks
 # than cores run Open MPI with --oversubscribe. Both run ROUNDS times in turn (default 3) and
-# each side's best time per size is printed.
+# each side's best time per size is printed. SHARED=1 runs tutti on shared buffers
+# (--shared-buffers, over shm: zero-copy between the processes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 transport=${1:-shm}
@@ -30,6 +31,8 @@ mpi_flags=(--allow-run-as-root --bind-to none --mca btl "$btl" -np "$ranks")
 # Both sides run in turn, ROUNDS times (default 3), and each keeps its best time per size: a
 # side that ran right after the other (processes still exiting, caches cold) is not penalised.
 rounds=${ROUNDS:-3}
+shared=()
+[ "${SHARED:-0}" = 1 ] && shared=(--shared-buffers)
 declare -A mpi tut
 keep_best() { # keep_best ARRAY BYTES US
     local -n arr=$1
@@ -45,14 +48,14 @@ for ((round = 0; round < rounds; round++)); do
     while read -r b us; do keep_best mpi "$b" "$us"; done < <(
         OMPI_MCA_btl_tcp_if_include=lo mpirun "${mpi_flags[@]}" python3 scripts/mpi_allreduce.py "${sizes[@]}")
     while read -r b us; do keep_best tut "$b" "$us"; done < <(
-        "$tutti" launch -n "$ranks" -- "$tutti" perf -b "$lo" -e "$hi" -f 2 --out-of-place --transport "$transport" --json |
+        "$tutti" launch -n "$ranks" -- "$tutti" perf -b "$lo" -e "$hi" -f 2 --out-of-place --transport "$transport" "${shared[@]}" --json |
             python3 -c 'import sys, json
 for l in sys.stdin:
     r = json.loads(l) if l.startswith("{") else {}
     if "bytes" in r:
         print(r["bytes"], r["time_us"])')
 done
-echo "# f32 all-reduce, $ranks ranks over $transport, best of $rounds rounds each: Open MPI ($btl) against tutti; ratio = Open MPI time / tutti time (>1: tutti faster)"
+echo "# f32 all-reduce, $ranks ranks over $transport${shared:+ (tutti on shared buffers)}, best of $rounds rounds each: Open MPI ($btl) against tutti; ratio = Open MPI time / tutti time (>1: tutti faster)"
 printf "%12s %14s %12s %8s\n" bytes "openmpi(us)" "tutti(us)" ratio
 for b in "${sizes[@]}"; do
     python3 -c "import sys; b, m, t = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]); print('%12s %14.2f %12.2f %8.2f' % (b, m, t, m / t))" "$b" "${mpi[$b]}" "${tut[$b]}"

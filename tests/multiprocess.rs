@@ -1364,3 +1364,53 @@ fn perf_plots_a_line_per_algorithm_and_transport() {
     );
     assert!(!o.status.success() && text(&o).1.contains("--overlap measures one algorithm"));
 }
+
+/// Shared buffers on a /dev/shm too small for them: an error naming it on every rank, not a
+/// SIGBUS when the pages are first touched.
+#[test]
+fn shared_buffers_on_a_full_dev_shm_are_an_error() {
+    let probe = Command::new("unshare")
+        .args([
+            "--mount",
+            "sh",
+            "-c",
+            "mount -t tmpfs -o size=8m tmpfs /dev/shm",
+        ])
+        .stderr(Stdio::null())
+        .status();
+    if !probe.is_ok_and(|s| s.success()) {
+        assert!(
+            std::env::var("TUTTI_REQUIRE_NAMESPACES").is_err(),
+            "TUTTI_REQUIRE_NAMESPACES is set but `unshare --mount` with a tmpfs fails"
+        );
+        eprintln!("skipped: `unshare --mount` with a tmpfs is not available here");
+        return;
+    }
+    let bin = common::tutti_bin();
+    let mut child = Command::new("unshare")
+        .args(["--mount", "sh", "-c"])
+        .arg(r#"mount -t tmpfs -o size=8m tmpfs /dev/shm && exec "$0" "$@""#)
+        .arg(&bin)
+        .args(["launch", "-n", "2", "--", &bin.to_string_lossy()])
+        .args(["perf", "--shared-buffers", "-b", "16M", "-e", "16M"])
+        .args(["--transport", "shm", "--timeout", "30"])
+        .env_remove("TF_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_bounded(&mut child, Duration::from_secs(60));
+    let o = child.wait_with_output().unwrap();
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{out}\n{err}");
+    for r in 0..2 {
+        assert!(
+            err.contains(&format!("rank {r} exited with status 1")),
+            "{err}"
+        );
+    }
+    assert!(
+        err.matches("is /dev/shm full?").count() >= 1 && !err.contains("signal"),
+        "{err}"
+    );
+}

@@ -305,18 +305,21 @@ pub unsafe extern "C" fn tutti_comm_create_rank(
 
 /// Allocate `bytes` bytes of shared memory for this communicator's collectives and write its
 /// address to `*ptr`: zeroed, 64-byte aligned, mapped by every process of the group (all on
-/// this host, on shared memory). A collective whose buffers lie in such memory on every rank
-/// (the inputs in memory from one `tutti_mem_alloc` call, the outputs from one) runs without a
-/// copy through shared-memory slots: each rank reduces its slice from every peer's input and
-/// writes it into every peer's output. Collective: every rank calls it, in the same order as
-/// its other calls, with the same size. In a group of threads it is plain memory.
+/// this host, on shared memory). A collective of 64 KiB or more per rank whose buffers lie in
+/// such memory on every rank (the inputs in memory from one `tutti_mem_alloc` call, the outputs
+/// from one), with the algorithm `AUTO` or `DIRECT`, runs without a copy through shared-memory
+/// slots: each rank reduces its slice from every peer's input and writes it into every peer's
+/// output (a reduce, whose ranks off the root have no output, excepted). Collective: every rank
+/// calls it, in the same order as its other calls, with the same size, one allocation at a
+/// time. In a group of threads it is plain memory.
 ///
 /// Errors: `TUTTI_ERROR_INVALID_ARGUMENT` when some peer is not on shared memory of this host,
 /// a rank asked for another size, the communicator's ranks are devices, or an argument is NULL;
 /// `TUTTI_ERROR_SYSTEM` when a segment could not be created or mapped (the message says which
 /// rank and why); the errors of a collective, which it is.
 ///
-/// Thread-safety: callable from any thread; it is a collective of its own.
+/// Thread-safety: callable from any thread; it is a collective of its own (not alongside
+/// another `tutti_mem_alloc` on the same communicator).
 ///
 /// # Safety
 ///

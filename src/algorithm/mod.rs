@@ -7,7 +7,8 @@
 //! | `hierarchical-copy` | reduce onto group leaders, reduce across leaders, broadcast back | members S; leaders up to (G-1)S received + (P/G-1)S + G·S |
 //! | `reduce-to-one` | every rank sends to the root, the root reduces and sends back | S (root: receives and sends (P-1)S) |
 //!
-//! `auto` picks `direct` where the transport exposes peer memory; elsewhere a one-step all-to-all
+//! `auto` picks `direct` where the transport exposes peer memory (threads of one process; a
+//! call on shared buffers between processes); elsewhere a one-step all-to-all
 //! for small buffers (up to 48 KiB over shared memory, 128 KiB over TCP, and at most 160 KiB
 //! sent per rank: the measured crossovers) and `ring` above, except when the ranks
 //! span several hosts with more than one rank on some: then a reduce within each host, the ring

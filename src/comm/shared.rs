@@ -14,14 +14,18 @@ use crate::error::{Error, Result};
 use crate::transport::{shared::RECORD, Transport};
 
 /// Host memory from [`Communicator::alloc_shared`]: zeroed, aligned to 64 bytes, mapped by every
-/// rank of the communicator's processes on this host. A collective whose buffers lie in shared
-/// buffers on every rank (the input in one allocation, the output in one) runs `direct`
-/// between processes: each rank reduces its slice from every peer's input and writes it into
-/// every peer's output, with no copy through shared-memory slots.
+/// rank of the communicator's processes on this host. A collective of 64 KiB or more per rank
+/// whose buffers lie in shared buffers on every rank (the input in one allocation, the output
+/// in one), with the algorithm `auto` or `direct`, runs `direct` between processes: each rank
+/// reduces its slice from every peer's input and writes it into every peer's output, with no
+/// copy through shared-memory slots. A reduce is the exception: its ranks off the root have no
+/// output, so it runs on the slots.
 ///
 /// Use it as a slice of any element type ([`SharedBuffer::as_mut_slice`], `AsMut<[T]>`), and
 /// pass it by value to the non-blocking calls. Dropping it unmaps it on this rank only; calls on
-/// the other ranks' buffers of the same allocation then go through the slots.
+/// the other ranks' buffers of the same allocation then go through the slots. Once a
+/// communicator has allocated one, its calls of 64 KiB and more have a check round (about a
+/// microsecond), freed or not.
 pub struct SharedBuffer {
     ptr: NonNull<u8>,
     len: usize,
@@ -145,7 +149,7 @@ impl Communicator {
     }
 
     /// Allocate a [`SharedBuffer`] of `bytes` bytes, collectively: every rank calls it, in the
-    /// same order as its other calls, with the same size. Between processes every peer must be
+    /// same order as its other calls, with the same size, one allocation at a time. Between processes every peer must be
     /// on shared memory of this host (transport `shm`, or `auto` on one host); within one
     /// process the buffer is plain memory. Errors: `InvalidArgument` naming what is wrong (no
     /// shared memory with some peer, a rank that allocated another size, device ranks),
@@ -188,7 +192,7 @@ impl Communicator {
             BytesMut::of(&mut records),
         );
         if let Err(e) = self.blocking(gather.with_algorithm(Algorithm::Auto)) {
-            t.share_free(u64::MAX);
+            t.share_abandon();
             return Err(e);
         }
         // Called whether this rank's segment was created or not: from here on calls of this
@@ -216,7 +220,7 @@ impl Communicator {
                 ))
             }
             (Err(e), _) => {
-                t.share_free(u64::MAX);
+                t.share_abandon();
                 Err(e)
             }
         }

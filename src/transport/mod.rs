@@ -209,6 +209,9 @@ pub trait Transport: Send + Sync {
         let _ = id;
     }
 
+    /// Give up the segment of step 1 (an allocation that failed before step 2).
+    fn share_abandon(&self) {}
+
     /// Give up allocation `id` on this rank.
     fn share_free(&self, id: u64) {
         let _ = id;

@@ -134,6 +134,8 @@ pub struct NetTransport {
     shared_ever: AtomicBool,
     /// The current call runs through shared buffers: [`PeerMemory`] is offered.
     direct: AtomicBool,
+    /// The current call claimed its buffers (peers may write into them until it leaves).
+    claimed: AtomicBool,
 }
 
 fn eventfd() -> Result<OwnedFd> {
@@ -322,6 +324,7 @@ impl NetTransport {
             shared: Mutex::new(Buffers::new(rank, world)),
             shared_ever: AtomicBool::new(false),
             direct: AtomicBool::new(false),
+            claimed: AtomicBool::new(false),
         })
     }
 
@@ -1413,6 +1416,7 @@ impl Transport for NetTransport {
         }
         self.data_started.store(false, Ordering::Release);
         self.direct.store(false, Ordering::Release);
+        self.claimed.store(false, Ordering::Release);
         if self.world == 1 {
             return Ok(());
         }
@@ -1446,7 +1450,8 @@ impl Transport for NetTransport {
             } else {
                 buffers
             };
-            self.shared.lock().claim(site.call, &b);
+            let claimed = self.shared.lock().claim(site.call, &b);
+            self.claimed.store(claimed, Ordering::Release);
         }
         let message = header
             .rejected
@@ -1551,11 +1556,14 @@ impl Transport for NetTransport {
     }
 
     fn end(&self, failed: Option<&Error>) {
-        let direct = self.direct.swap(false, Ordering::AcqRel);
-        if direct {
-            self.shared.lock().leave();
-        }
-        let Some(e) = failed else { return };
+        self.direct.store(false, Ordering::Release);
+        let claimed = self.claimed.swap(false, Ordering::AcqRel);
+        let Some(e) = failed else {
+            if claimed {
+                self.shared.lock().leave();
+            }
+            return;
+        };
         if matches!(
             e,
             Error::Mismatch { .. }
@@ -1570,6 +1578,9 @@ impl Transport for NetTransport {
                 .all(|l| !l.mid_frame.load(Ordering::Acquire))
         {
             // Found in a check round by every rank alike, before any data moved: still usable.
+            if claimed {
+                self.shared.lock().leave();
+            }
             return;
         }
         // An abort's own reason, not its "communicator aborted on rank N:" wrapping, which
@@ -1581,7 +1592,9 @@ impl Transport for NetTransport {
         self.set_aborted(&reason);
         let _engine = self.engine.lock();
         self.notify_peers(&reason);
-        if direct {
+        if claimed {
+            // A peer that got this rank's claim may write into its buffers until it leaves.
+            self.shared.lock().leave();
             self.wait_peers_out();
         }
     }
@@ -1607,13 +1620,22 @@ impl Transport for NetTransport {
         self.shared.lock().mapped(id)
     }
 
+    fn share_abandon(&self) {
+        self.shared.lock().abandon()
+    }
+
     fn share_free(&self, id: u64) {
         self.shared.lock().free(id)
     }
 
     fn abort(&self, reason: &str) {
         self.set_aborted(reason);
-        // Tell the peers now if no call is running; a running call does it as it fails.
+        // Tell the peers now if no call is running; a running call does it as it fails (one
+        // that runs through shared buffers holds no lock while it writes into them, and its
+        // peers, told now, would take it for gone and hand their buffers back too early).
+        if self.direct.load(Ordering::Acquire) {
+            return;
+        }
         if let Some(_engine) = self.engine.try_lock() {
             self.notify_peers(reason);
         }
@@ -1636,10 +1658,15 @@ impl NetTransport {
         let call = self.ident_call();
         let deadline = Instant::now() + self.timeout;
         loop {
+            // A peer counts while its process runs (or, where that cannot be known, while its
+            // connection is open): a gone one writes nothing more.
             let inside: Vec<usize> = {
                 let b = self.shared.lock();
                 b.inside(call)
-                    .filter(|&k| !self.link(k).closed.load(Ordering::Acquire))
+                    .filter(|&k| {
+                        b.alive(k)
+                            .unwrap_or_else(|| !self.link(k).closed.load(Ordering::Acquire))
+                    })
                     .collect()
             };
             if inside.is_empty() {

@@ -17,10 +17,12 @@
 //! rank's output, with the same lengths. A rank can claim only an allocation it still holds, so
 //! every rank then holds the mappings the call needs.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
-use super::shm::{buffer_name, futex_wait, futex_wake, unlink, Segment};
+use super::shm::{
+    buffer_name, futex_wait, futex_wake, pid_namespace, segment_owner, unlink, Segment,
+};
 use super::CallBuffers;
 use crate::error::{Error, Result};
 
@@ -29,21 +31,24 @@ use crate::error::{Error, Result};
 pub(crate) const MIN_BYTES: usize = 64 << 10;
 /// Bytes of a rank's record in an allocation's all-gather: its segment's name and length, and
 /// (first allocation) its control page's name.
-pub(crate) const RECORD: usize = 128;
+pub(crate) const RECORD: usize = 256;
 /// Room for a name in a record.
-const NAME: usize = 56;
+const NAME: usize = 120;
 /// Bytes of a control page.
 const CONTROL: usize = 4096;
 
 /// A rank's control page. Only its rank writes `progress`, `inside` and the claim; peers ring
-/// `bell` when they publish progress while `sleeping` says the rank sleeps on it.
+/// `bell` when they publish progress while `sleeping` says the rank sleeps on it. The claim is
+/// a sequence lock: `call` is 0 while the words change, so a reader that finds the same
+/// `call` before and after reading them read one claim, not two halves.
 #[repr(C)]
 struct Control {
     progress: AtomicU64,
     _p0: [u8; 56],
     bell: AtomicU32,
     sleeping: AtomicU32,
-    /// Call number + 1 while the rank runs a call through shared buffers (0: none).
+    /// Call number + 1 from the claim until the rank leaves the call (0: none): peers may
+    /// write into its buffers in between.
     inside: AtomicU64,
     _p1: [u8; 48],
     /// Call number + 1 of the claim (0: none yet).
@@ -59,8 +64,9 @@ struct Set {
     /// This rank's own names, unlinked once every rank has mapped them.
     names: Vec<String>,
     /// The first allocation's control pages, installed once every rank has mapped them (an
-    /// allocation that fails on some rank leaves no rank with them).
+    /// allocation that fails on some rank leaves no rank with them), and the peers' processes.
     controls: Vec<Segment>,
+    pids: Vec<Option<u32>>,
 }
 
 /// A rank's shared buffers.
@@ -71,6 +77,8 @@ pub(crate) struct Buffers {
     made: u64,
     /// Every rank's control page (empty before the first allocation).
     controls: Vec<Segment>,
+    /// Every rank's process, where it is in this PID namespace: a peer is alive while it is.
+    pids: Vec<Option<u32>>,
     sets: Vec<Set>,
     /// The buffers of the current call's ranks, read from their claims.
     call: Vec<CallBuffers>,
@@ -104,8 +112,15 @@ fn record_name(r: &[u8]) -> Option<&str> {
     (name.starts_with("/tutti-") && !name[1..].contains('/') && name.len() > 7).then_some(name)
 }
 
-fn put_name(r: &mut [u8], name: &str) {
+fn put_name(r: &mut [u8], name: &str) -> Result<()> {
+    if name.len() >= r.len() {
+        return Err(Error::config(format!(
+            "shared buffer: segment name {name} is longer than {} bytes",
+            r.len() - 1
+        )));
+    }
     r[..name.len()].copy_from_slice(name.as_bytes());
+    Ok(())
 }
 
 impl Buffers {
@@ -115,6 +130,7 @@ impl Buffers {
             world,
             made: 0,
             controls: Vec::new(),
+            pids: Vec::new(),
             sets: Vec::new(),
             call: vec![CallBuffers::NONE; world],
             pending: None,
@@ -131,21 +147,22 @@ impl Buffers {
     /// taken even when this fails, as on every other rank.
     pub(crate) fn create(&mut self, len: usize) -> Result<[u8; RECORD]> {
         self.made += 1;
-        self.pending = None;
+        self.abandon();
         let tag = crate::cluster::auth::nonce()?
             .iter()
             .take(6)
             .map(|b| format!("{b:02x}"))
             .collect::<String>();
         let name = buffer_name(self.rank, &self.made.to_string(), &tag);
-        let seg = Segment::map(&name, len.max(64), true)?;
         let mut rec = [0u8; RECORD];
-        put_name(&mut rec[..NAME], &name);
+        put_name(&mut rec[..NAME], &name)?;
+        let seg = Segment::map(&name, len.max(64), true)?;
         rec[NAME..NAME + 8].copy_from_slice(&(len as u64).to_le_bytes());
         let ctl = if self.controls.is_empty() {
             let cname = buffer_name(self.rank, "ctl", &tag);
-            let c = Segment::map(&cname, CONTROL, true).inspect_err(|_| unlink(&name))?;
-            put_name(&mut rec[NAME + 8..2 * NAME + 8], &cname);
+            let c = put_name(&mut rec[NAME + 8..2 * NAME + 8], &cname)
+                .and_then(|_| Segment::map(&cname, CONTROL, true))
+                .inspect_err(|_| unlink(&name))?;
             Some((c, cname))
         } else {
             None
@@ -171,6 +188,7 @@ impl Buffers {
             c
         });
         let mut own = Some(own);
+        let mut pids = vec![None; self.world];
         let set = (|| {
             let mut maps = Vec::with_capacity(self.world);
             let mut controls = Vec::new();
@@ -202,6 +220,9 @@ impl Buffers {
                         )));
                     };
                     controls.push(Segment::map(c, CONTROL, false)?);
+                    pids[k] = segment_owner(&c[1..])
+                        .filter(|&(ns, _)| Some(ns) == pid_namespace())
+                        .map(|(_, pid)| pid);
                 }
             }
             Ok((maps, controls))
@@ -219,6 +240,7 @@ impl Buffers {
             maps,
             names,
             controls,
+            pids,
         });
         Ok((self.made, ptr))
     }
@@ -229,15 +251,20 @@ impl Buffers {
             s.names.drain(..).for_each(|n| unlink(&n));
             if self.controls.is_empty() {
                 self.controls = std::mem::take(&mut s.controls);
+                self.pids = std::mem::take(&mut s.pids);
             }
         }
     }
 
-    /// Give up allocation `id` (and any segment still pending): unmap it here.
-    pub(crate) fn free(&mut self, id: u64) {
+    /// Give up the segments of an allocation that did not get as far as [`Buffers::map`].
+    pub(crate) fn abandon(&mut self) {
         if let Some(p) = self.pending.take() {
             p.unlink();
         }
+    }
+
+    /// Give up allocation `id`: unmap it here.
+    pub(crate) fn free(&mut self, id: u64) {
         if let Some(i) = self.sets.iter().position(|s| s.id == id) {
             let s = self.sets.swap_remove(i);
             s.names.iter().for_each(|n| unlink(n));
@@ -259,11 +286,12 @@ impl Buffers {
         (0, 0)
     }
 
-    /// Write this rank's claim for call `call` (before its check round).
-    pub(crate) fn claim(&self, call: u64, b: &CallBuffers) {
+    /// Write this rank's claim for call `call` (before its check round); from here until
+    /// [`Buffers::leave`] the rank counts as inside the call.
+    /// Returns whether it claimed (no allocation succeeded yet: none, on any rank).
+    pub(crate) fn claim(&self, call: u64, b: &CallBuffers) -> bool {
         if self.controls.is_empty() {
-            // No allocation succeeded yet, on any rank: no call decides for shared buffers.
-            return;
+            return false;
         }
         let c = self.control(self.rank);
         let (iid, ioff) = self.locate(b.input, b.input_len);
@@ -276,10 +304,14 @@ impl Buffers {
             ooff,
             b.output_len as u64,
         ];
+        c.inside.store(call + 1, Ordering::Release);
+        c.call.store(0, Ordering::Relaxed);
+        fence(Ordering::Release);
         for (a, x) in c.claim.iter().zip(v) {
             a.store(x, Ordering::Relaxed);
         }
         c.call.store(call + 1, Ordering::Release);
+        true
     }
 
     /// After the check round: whether call `call` runs through shared buffers (every rank
@@ -292,21 +324,20 @@ impl Buffers {
         let mut call_bufs = std::mem::take(&mut self.call);
         let ok = self.read_claims(call, &mut call_bufs);
         self.call = call_bufs;
-        if ok {
-            self.control(self.rank)
-                .inside
-                .store(call + 1, Ordering::Release);
-        }
         ok
     }
 
     fn read_claims(&self, call: u64, call_bufs: &mut [CallBuffers]) -> bool {
+        // A peer's claim for this call, read whole (or None: it has moved on to its next call,
+        // which it does only after deciding against shared buffers for this one).
         let claim = |k: usize| -> Option<[u64; 6]> {
             let c = self.control(k);
             if c.call.load(Ordering::Acquire) != call + 1 {
                 return None;
             }
-            Some(std::array::from_fn(|i| c.claim[i].load(Ordering::Relaxed)))
+            let words = std::array::from_fn(|i| c.claim[i].load(Ordering::Relaxed));
+            fence(Ordering::Acquire);
+            (c.call.load(Ordering::Relaxed) == call + 1).then_some(words)
         };
         let Some(mine) = claim(self.rank) else {
             return false;
@@ -351,7 +382,7 @@ impl Buffers {
         self.call[k]
     }
 
-    /// Leave a call that ran through shared buffers.
+    /// Leave a call that made a claim.
     pub(crate) fn leave(&self) {
         if !self.controls.is_empty() {
             self.control(self.rank).inside.store(0, Ordering::Release);
@@ -365,6 +396,22 @@ impl Buffers {
         (0..self.world).filter(move |&k| {
             k != self.rank && self.control(k).inside.load(Ordering::Acquire) == call + 1
         })
+    }
+
+    /// Whether rank `k`'s process still runs (None: not known from here, another PID
+    /// namespace). A process that is gone writes nothing more; one that aborted may still be
+    /// finishing its call.
+    pub(crate) fn alive(&self, k: usize) -> Option<bool> {
+        let pid = (*self.pids.get(k)?)?;
+        // SAFETY: signal 0 sends nothing; it only asks whether the process exists.
+        let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
+        if r != 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EPERM) {
+            return Some(false);
+        }
+        // A process that exited but was not yet reaped (a zombie) still answers signal 0.
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let state = stat.rsplit_once(')')?.1.trim_start().chars().next()?;
+        Some(!matches!(state, 'Z' | 'X'))
     }
 
     pub(crate) fn set_progress(&self, value: u64) {

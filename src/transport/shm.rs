@@ -140,6 +140,21 @@ impl Segment {
                 libc::shm_unlink(cname.as_ptr());
                 return Err(e);
             }
+            // Reserve the pages now: on a full /dev/shm a sparse segment would fail on first
+            // touch, with SIGBUS, in whichever process touched it.
+            let err = if create {
+                libc::posix_fallocate(fd, 0, len as libc::off_t)
+            } else {
+                0
+            };
+            if err != 0 {
+                libc::close(fd);
+                libc::shm_unlink(cname.as_ptr());
+                return Err(Error::io(
+                    format!("shared memory: reserving {len} bytes for {name} (is /dev/shm full?)"),
+                    std::io::Error::from_raw_os_error(err),
+                ));
+            }
             let p = libc::mmap(
                 std::ptr::null_mut(),
                 len,
@@ -212,7 +227,7 @@ impl Drop for ShmLink {
 /// The PID namespace of this process (the inode of `/proc/self/ns/pid`), which every segment
 /// name carries: a PID means something only inside its namespace, and ranks in two containers
 /// of one pod share `/dev/shm` but not their PIDs. None where it cannot be read.
-fn pid_namespace() -> Option<u64> {
+pub(super) fn pid_namespace() -> Option<u64> {
     static NS: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
     *NS.get_or_init(|| {
         let link = std::fs::read_link("/proc/self/ns/pid").ok()?;
@@ -241,7 +256,7 @@ pub(super) fn buffer_name(rank: usize, id: &str, tag: &str) -> String {
 }
 
 /// The creator of a segment, from its name under /dev/shm: (PID namespace, PID).
-fn segment_owner(name: &str) -> Option<(u64, u32)> {
+pub(super) fn segment_owner(name: &str) -> Option<(u64, u32)> {
     let mut parts = name.strip_prefix("tutti-N")?.split('-');
     let ns = parts.next()?.parse().ok()?;
     let pid = parts.next()?.parse().ok()?;
