@@ -322,6 +322,25 @@ x = np.arange(6, dtype=np.float64) * (rank + 1)
 comm.all_reduce(x, op="sum")
 g = comm.all_gather(np.array([rank * 10], dtype=np.int32))
 print("result", x.tolist(), g.tolist())
+if transport == "shm":
+    # Shared arrays: 256 KiB each, so the all-reduce runs through the mappings.
+    a = comm.shared_array((256, 256), dtype=np.float32)
+    out = comm.shared_array((256, 256), dtype=np.float32)
+    a[:] = rank + 1
+    comm.all_reduce(a, op="sum", out=out)
+    w = comm.all_reduce(a, op="max", async_op=True).wait()
+    print("shared", float(out[0, 0]), float(out[-1, -1]), float(w[3, 3]), float(a.sum()))
+    try:
+        comm.close()
+    except ValueError as e:
+        print("close refused:", "still alive" in str(e))
+    del a, out, w
+    comm.close()
+else:
+    try:
+        comm.shared_array(16)
+    except tutti.TuttiError as e:
+        print("shared refused:", "shared memory of this host" in e.message)
 """
 
 
@@ -345,6 +364,10 @@ def test_separate_processes_join_one_job(transport):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err
         assert "result [0.0, 6.0, 12.0, 18.0, 24.0, 30.0] [0, 10, 20]" in out, out
+        if transport == "shm":
+            assert "shared 6.0 6.0 3.0 196608.0" in out and "close refused: True" in out, out
+        else:
+            assert "shared refused: True" in out, out
 
 
 def test_joining_without_a_cluster_says_what_to_set(monkeypatch):

@@ -26,6 +26,7 @@ import ctypes
 import ctypes.util
 import os
 import pathlib
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,6 +163,8 @@ _PROTOTYPES = {
     "tutti_reduce_scatter": (_u32, [_ptr, _size, _u32, _u32, _ptr, _ptr]),
     "tutti_reduce": (_u32, [_ptr, _size, _u32, _u32, _size, _ptr, _ptr]),
     "tutti_barrier": (_u32, [_ptr]),
+    "tutti_mem_alloc": (_u32, [_ptr, _size, _pp]),
+    "tutti_mem_free": (_u32, [_ptr, _ptr]),
     "tutti_all_reduce_async": (_u32, [_ptr, _size, _u32, _u32, _ptr, _ptr, _pp]),
     "tutti_broadcast_async": (_u32, [_ptr, _size, _u32, _size, _ptr, _pp]),
     "tutti_all_gather_async": (_u32, [_ptr, _size, _u32, _ptr, _ptr, _pp]),
@@ -535,6 +538,7 @@ class Communicator:
 
     def __init__(self, handle):
         self._h = handle
+        self._shared = weakref.WeakSet()
         lib = _library()
         v = ctypes.c_size_t()
         _check(lib.tutti_comm_rank(handle, ctypes.byref(v)))
@@ -546,9 +550,29 @@ class Communicator:
         self.close()
 
     def close(self):
+        """Release the communicator. Arrays from ``shared_array`` must be gone first (they keep
+        the communicator alive; an explicit close while one lives is a ValueError)."""
+        if getattr(self, "_h", None) and len(getattr(self, "_shared", ())):
+            raise ValueError(
+                f"{len(self._shared)} shared arrays of this communicator are still alive: delete them first"
+            )
         h, self._h = getattr(self, "_h", None), None
         if h and _lib is not None:  # at interpreter exit the library may already be gone
             _lib.tutti_comm_destroy(h)
+
+    def shared_array(self, shape, dtype=np.float32):
+        """A zeroed numpy array in shared memory (``tutti_mem_alloc``): every process of the
+        group maps it, and collectives whose arrays are shared arrays on every rank (64 KiB or
+        more) run without a copy between the processes. Collective: every rank calls it in the
+        same order, with the same shape and dtype. The memory is released when the array (and
+        every view of it) is gone."""
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        owner = _SharedMemory(self, count * dtype.itemsize)
+        buf = (ctypes.c_char * max(owner.nbytes, 1)).from_address(owner.ptr)
+        buf._owner = owner  # the memory lives as long as the array's base does
+        self._shared.add(owner)
+        return np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)
 
     def _handle(self):
         if not self._h:
@@ -619,6 +643,20 @@ class Communicator:
 
     def barrier(self, async_op=False):
         return self._call("tutti_barrier", (), None, (), async_op)
+
+
+class _SharedMemory:
+    """One ``tutti_mem_alloc`` allocation, released when the last array over it goes."""
+
+    def __init__(self, comm, nbytes):
+        ptr = ctypes.c_void_p()
+        _check(_library().tutti_mem_alloc(comm._handle(), nbytes, ctypes.byref(ptr)))
+        self.comm, self.ptr, self.nbytes = comm, ptr.value, nbytes
+
+    def __del__(self):
+        h = getattr(self.comm, "_h", None)
+        if h and _lib is not None:
+            _lib.tutti_mem_free(h, self.ptr)
 
 
 def _index(value, name):
