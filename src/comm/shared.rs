@@ -139,6 +139,13 @@ impl Communicator {
         self.blocking(call.with_algorithm(Algorithm::Auto))
     }
 
+    /// The smallest call, in bytes per rank, that runs `direct` on shared buffers (0 where every
+    /// call can: threads; `usize::MAX` before the first allocation between processes). Between
+    /// processes 64 KiB, or 512 KiB where ranks outnumber the cores of the host.
+    pub fn shared_min_bytes(&self) -> usize {
+        self.transport().shared_min_bytes()
+    }
+
     /// Whether [`Communicator::alloc_shared`] can map buffers between this communicator's
     /// ranks (threads of one process, or processes all on shared memory of one host).
     pub fn can_share_buffers(&self) -> bool {

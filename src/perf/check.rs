@@ -7,7 +7,6 @@ use crate::comm::Communicator;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::reference;
-use crate::transport::shared::MIN_BYTES as SHARED_MIN;
 
 /// Check every collective with every algorithm on this communicator against the reference:
 /// all-reduce (every op, in place and out of place, f32 bf16 i32 u8 f64), broadcast and reduce
@@ -31,6 +30,12 @@ pub fn check(comm: &mut Communicator, counts: &[usize]) -> Result<usize> {
         for &count in counts {
             calls += check_shared::<f32>(comm, count)?;
             calls += check_shared::<half::bf16>(comm, count)?;
+        }
+        // And the smallest call that runs through shared buffers (larger where ranks share
+        // cores), whatever counts were asked for.
+        let min = comm.shared_min_bytes();
+        if min > 0 && min <= 16 << 20 {
+            calls += check_shared::<f32>(comm, min / 4 + 1)?;
         }
         comm.set_algorithm(Algorithm::Auto)?;
     }
@@ -62,7 +67,7 @@ fn check_shared<T: Element>(comm: &mut Communicator, count: usize) -> Result<usi
     let refs: Vec<&[T]> = inputs.iter().map(|v| v.as_slice()).collect();
     let big: Vec<Vec<T>> = (0..p).map(|k| data(k + 1, count * p)).collect();
     let big_refs: Vec<&[T]> = big.iter().map(|v| v.as_slice()).collect();
-    let direct = comm.has_peer_memory() || count * std::mem::size_of::<T>() >= SHARED_MIN;
+    let direct = count * std::mem::size_of::<T>() >= comm.shared_min_bytes();
     let mut algos = vec![Algorithm::Auto];
     if direct {
         algos.push(Algorithm::Direct);

@@ -212,6 +212,16 @@ pub trait Transport: Send + Sync {
     /// Give up the segment of step 1 (an allocation that failed before step 2).
     fn share_abandon(&self) {}
 
+    /// The smallest call, in bytes per rank, that runs on shared buffers where every rank's
+    /// buffers are in them (`usize::MAX`: none does; 0 where every call has peer memory).
+    fn shared_min_bytes(&self) -> usize {
+        if self.one_process() {
+            0
+        } else {
+            usize::MAX
+        }
+    }
+
     /// Give up allocation `id` on this rank.
     fn share_free(&self, id: u64) {
         let _ = id;

@@ -29,7 +29,7 @@ use std::io::{ErrorKind, IoSlice, Read};
 use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -128,10 +128,10 @@ pub struct NetTransport {
     /// The peer whose ABORT frame was read last, plus one (0: none): the news a failing call
     /// received rather than found.
     aborted_by: AtomicU32,
-    /// Shared buffers ([`shared`]), and whether any were ever allocated (then calls of
-    /// [`shared::MIN_BYTES`] and more have a check round, on every rank alike).
+    /// Shared buffers ([`shared`]), and once any were allocated, the smallest call (bytes per
+    /// rank) that has the claim round, the same on every rank (`usize::MAX` before).
     shared: Mutex<Buffers>,
-    shared_ever: AtomicBool,
+    shared_min: AtomicUsize,
     /// The current call runs through shared buffers: [`PeerMemory`] is offered.
     direct: AtomicBool,
     /// The current call claimed its buffers (peers may write into them until it leaves).
@@ -322,7 +322,7 @@ impl NetTransport {
             waiting_for: AtomicU32::new(0),
             aborted_by: AtomicU32::new(0),
             shared: Mutex::new(Buffers::new(rank, world)),
-            shared_ever: AtomicBool::new(false),
+            shared_min: AtomicUsize::new(usize::MAX),
             direct: AtomicBool::new(false),
             claimed: AtomicBool::new(false),
         })
@@ -1433,9 +1433,9 @@ impl Transport for NetTransport {
         // A communicator that allocated shared buffers also rounds every call large enough to
         // run through them: each rank claims its buffers before, and all decide alike after.
         use crate::error::Collective::{Barrier, Broadcast, Reduce};
-        let share = self.shared_ever.load(Ordering::Acquire)
-            && header.collective != Barrier
-            && header.count.saturating_mul(header.dtype.size()) >= shared::MIN_BYTES;
+        let share = header.collective != Barrier
+            && header.count.saturating_mul(header.dtype.size())
+                >= self.shared_min.load(Ordering::Acquire);
         let round = header.full_check
             || header.count == 0
             || matches!(header.collective, Barrier | Broadcast | Reduce)
@@ -1612,7 +1612,8 @@ impl Transport for NetTransport {
         // From here on calls have the claim round. Every rank gets here once the records'
         // all-gather has completed, before any later call of its own begins (and after every
         // earlier one ended): the calls that have it are the same on every rank.
-        self.shared_ever.store(true, Ordering::Release);
+        let min = shared::min_bytes(records);
+        self.shared_min.fetch_min(min, Ordering::AcqRel);
         self.shared.lock().map(records, len)
     }
 
@@ -1622,6 +1623,10 @@ impl Transport for NetTransport {
 
     fn share_abandon(&self) {
         self.shared.lock().abandon()
+    }
+
+    fn shared_min_bytes(&self) -> usize {
+        self.shared_min.load(Ordering::Acquire)
     }
 
     fn share_free(&self, id: u64) {

@@ -26,11 +26,17 @@ use super::shm::{
 use super::CallBuffers;
 use crate::error::{Error, Result};
 
-/// Calls moving fewer bytes per rank than this never run through shared buffers: a check
-/// round costs about a microsecond, and the slots are as fast below it.
+/// Calls moving fewer bytes per rank than this never run through shared buffers: the check
+/// round costs about a microsecond, and below it the slots are as fast (2 processes on 2
+/// cores: 64 KiB takes 1.4 µs on shared buffers, 4.3 on the slots; 32 KiB 3.3 on the slots).
 pub(crate) const MIN_BYTES: usize = 64 << 10;
-/// Bytes of a rank's record in an allocation's all-gather: its segment's name and length, and
-/// (first allocation) its control page's name.
+/// The same where ranks outnumber cores: every rank that waits sleeps, and the round and the
+/// final wait cost more than the slots save below this (3 and 4 processes on 2 cores: 256 KiB
+/// 40-66 µs on shared buffers against 30-45 on the slots, 512 KiB 56-80 against 57-89, 1 MiB
+/// 83-100 against 112-206).
+pub(crate) const MIN_BYTES_SHARING_CORES: usize = 512 << 10;
+/// Bytes of a rank's record in an allocation's all-gather: its segment's name and length,
+/// (first allocation) its control page's name, and its number of cores.
 pub(crate) const RECORD: usize = 256;
 /// Room for a name in a record.
 const NAME: usize = 120;
@@ -55,6 +61,23 @@ struct Control {
     call: AtomicU64,
     /// Input then output: allocation number + 1 (0: not in a shared buffer), offset, length.
     claim: [AtomicU64; 6],
+}
+
+/// The smallest call (bytes per rank) that runs through shared buffers, from the gathered
+/// records: the same on every rank, since they read the same records (a rank whose record is
+/// empty counts as having no core of its own).
+pub(crate) fn min_bytes(records: &[u8]) -> usize {
+    let world = records.len() / RECORD;
+    let cores = records
+        .chunks_exact(RECORD)
+        .map(|r| u64::from_le_bytes(r[2 * NAME + 8..2 * NAME + 16].try_into().expect("8 bytes")))
+        .min()
+        .unwrap_or(0);
+    if world as u64 > cores {
+        MIN_BYTES_SHARING_CORES
+    } else {
+        MIN_BYTES
+    }
 }
 
 /// One allocation: every rank's segment, mapped here (this rank's own included).
@@ -158,6 +181,8 @@ impl Buffers {
         put_name(&mut rec[..NAME], &name)?;
         let seg = Segment::map(&name, len.max(64), true)?;
         rec[NAME..NAME + 8].copy_from_slice(&(len as u64).to_le_bytes());
+        rec[2 * NAME + 8..2 * NAME + 16]
+            .copy_from_slice(&(crate::sync::cores() as u64).to_le_bytes());
         let ctl = if self.controls.is_empty() {
             let cname = buffer_name(self.rank, "ctl", &tag);
             let c = put_name(&mut rec[NAME + 8..2 * NAME + 8], &cname)

@@ -323,9 +323,10 @@ comm.all_reduce(x, op="sum")
 g = comm.all_gather(np.array([rank * 10], dtype=np.int32))
 print("result", x.tolist(), g.tolist())
 if transport == "shm":
-    # Shared arrays: 256 KiB each, so the all-reduce runs through the mappings.
-    a = comm.shared_array((256, 256), dtype=np.float32)
-    out = comm.shared_array((256, 256), dtype=np.float32)
+    # Shared arrays of 512 KiB: the all-reduces run through the mappings (even with more ranks
+    # than cores).
+    a = comm.shared_array((512, 256), dtype=np.float32)
+    out = comm.shared_array((512, 256), dtype=np.float32)
     a[:] = rank + 1
     comm.all_reduce(a, op="sum", out=out)
     w = comm.all_reduce(a, op="max", async_op=True).wait()
@@ -365,7 +366,7 @@ def test_separate_processes_join_one_job(transport):
         assert p.returncode == 0, err
         assert "result [0.0, 6.0, 12.0, 18.0, 24.0, 30.0] [0, 10, 20]" in out, out
         if transport == "shm":
-            assert "shared 6.0 6.0 3.0 196608.0" in out and "close refused: True" in out, out
+            assert "shared 6.0 6.0 3.0 393216.0" in out and "close refused: True" in out, out
         else:
             assert "shared refused: True" in out, out
 

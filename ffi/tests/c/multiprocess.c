@@ -44,7 +44,9 @@ typedef enum how { BY_RANK_TCP, BY_RANK_SHM, FROM_ENV, PEER_LEAVES } how;
 /* Shared memory from tutti_mem_alloc: over shared memory the collectives run `direct` between
  * the processes (forced here, so that a fallback would be an error); over TCP there is none. */
 static void shared_work(tutti_comm *comm, size_t rank, how h) {
-    enum { N = 32768 }; /* 128 KiB of f32: large enough to run through shared memory */
+    /* 512 KiB of f32: large enough to run through shared memory, even where the ranks
+       outnumber the cores (from 64 KiB where each has one) */
+    enum { N = 131072 };
     float *in = NULL, *out = NULL, stray = 0.0f;
     size_t i;
     if (h == BY_RANK_TCP) {
