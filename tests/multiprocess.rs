@@ -1068,21 +1068,31 @@ fn an_interrupted_launch_fails() {
     assert_eq!(o.status.code(), Some(130), "{}", text(&o).1);
 }
 
+/// Whether `unshare ARGS` runs here (root); where it does not, the test says so and passes,
+/// unless `TUTTI_REQUIRE_NAMESPACES` is set.
+fn unshare_works(args: &[&str]) -> bool {
+    let probe = Command::new("unshare")
+        .args(args)
+        .stderr(Stdio::null())
+        .status();
+    if probe.is_ok_and(|s| s.success()) {
+        return true;
+    }
+    let what = format!("`unshare {}`", args.join(" "));
+    assert!(
+        std::env::var("TUTTI_REQUIRE_NAMESPACES").is_err(),
+        "TUTTI_REQUIRE_NAMESPACES is set but {what} fails"
+    );
+    eprintln!("skipped: {what} is not available here");
+    false
+}
+
 /// Ranks in different PID namespaces that share /dev/shm (containers of one pod) set up shared
 /// memory and finish: none takes another's live segment for a dead process's and unlinks it
 /// (issue 12, item 3). Needs `unshare` (root); says so and passes where it is absent.
 #[test]
 fn shared_memory_across_pid_namespaces() {
-    let probe = Command::new("unshare")
-        .args(["--pid", "--fork", "--mount-proc", "true"])
-        .stderr(Stdio::null())
-        .status();
-    if !probe.is_ok_and(|s| s.success()) {
-        assert!(
-            std::env::var("TUTTI_REQUIRE_NAMESPACES").is_err(),
-            "TUTTI_REQUIRE_NAMESPACES is set but `unshare --pid --fork --mount-proc` fails"
-        );
-        eprintln!("skipped: `unshare --pid --fork --mount-proc` is not available here");
+    if !unshare_works(&["--pid", "--fork", "--mount-proc", "true"]) {
         return;
     }
     let n = 3;
@@ -1369,21 +1379,12 @@ fn perf_plots_a_line_per_algorithm_and_transport() {
 /// SIGBUS when the pages are first touched.
 #[test]
 fn shared_buffers_on_a_full_dev_shm_are_an_error() {
-    let probe = Command::new("unshare")
-        .args([
-            "--mount",
-            "sh",
-            "-c",
-            "mount -t tmpfs -o size=8m tmpfs /dev/shm",
-        ])
-        .stderr(Stdio::null())
-        .status();
-    if !probe.is_ok_and(|s| s.success()) {
-        assert!(
-            std::env::var("TUTTI_REQUIRE_NAMESPACES").is_err(),
-            "TUTTI_REQUIRE_NAMESPACES is set but `unshare --mount` with a tmpfs fails"
-        );
-        eprintln!("skipped: `unshare --mount` with a tmpfs is not available here");
+    if !unshare_works(&[
+        "--mount",
+        "sh",
+        "-c",
+        "mount -t tmpfs -o size=8m tmpfs /dev/shm",
+    ]) {
         return;
     }
     let bin = common::tutti_bin();
