@@ -4,13 +4,13 @@
 //!
 //! A communicator allocates them collectively ([`crate::Communicator::alloc_shared`]): every
 //! rank creates a segment of the same size, the ranks all-gather the segments' names, each maps
-//! every peer's, and once all have, each unlinks its own (nothing is left under /dev/shm, even
-//! when a process is killed). The first allocation also creates each rank's control page: its
-//! progress counter and doorbell for `direct`, and the claim that a call's buffers lie in a
-//! shared buffer.
+//! every peer's, and once all have, each unlinks its own (from then on nothing is left under
+//! /dev/shm, even when a process is killed; one killed before leaves its names to the next
+//! sweep). The first allocation also creates each rank's control page: its progress counter and
+//! doorbell for `direct`, and the claim that a call's buffers lie in a shared buffer.
 //!
-//! A call of a communicator that has allocated shared buffers, of at least [`MIN_BYTES`], has a
-//! check round. Before it, each rank writes its claim into its control page: the call number,
+//! A call of a communicator that has allocated shared buffers, of at least [`MIN_BYTES`]
+//! ([`MIN_BYTES_SHARING_CORES`] where ranks outnumber cores: [`min_bytes`]), has a check round. Before it, each rank writes its claim into its control page: the call number,
 //! and for its input and output the shared buffer holding them (by allocation number), offset
 //! and length. After it every rank reads every claim and decides alike: the call runs `direct`
 //! through the mappings when every rank's input lies in the same allocation and so does every
