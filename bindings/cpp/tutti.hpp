@@ -176,6 +176,51 @@ private:
 };
 
 /// One rank's handle on a group. Move-only; released when it goes out of scope.
+/// Memory from tutti_mem_alloc, as `size()` elements of T, released with tutti_mem_free when
+/// this object goes (before its communicator does). Collectives whose buffers are in such
+/// memory on every rank skip the shared-memory slots between processes (README: "Zero-copy
+/// between processes: shared buffers"). Made by comm::alloc_shared.
+template <typename T> class shared_array {
+public:
+    shared_array(tutti_comm *owner, T *data, std::size_t n) noexcept
+        : owner_(owner), data_(data), n_(n) {}
+    shared_array(shared_array &&o) noexcept : owner_(o.owner_), data_(o.data_), n_(o.n_) {
+        o.data_ = nullptr;
+    }
+    shared_array &operator=(shared_array &&o) noexcept {
+        if (this != &o) {
+            release();
+            owner_ = o.owner_;
+            data_ = o.data_;
+            n_ = o.n_;
+            o.data_ = nullptr;
+        }
+        return *this;
+    }
+    shared_array(const shared_array &) = delete;
+    shared_array &operator=(const shared_array &) = delete;
+    ~shared_array() { release(); }
+
+    T *data() noexcept { return data_; }
+    const T *data() const noexcept { return data_; }
+    std::size_t size() const noexcept { return n_; }
+    T &operator[](std::size_t i) noexcept { return data_[i]; }
+    const T &operator[](std::size_t i) const noexcept { return data_[i]; }
+    T *begin() noexcept { return data_; }
+    T *end() noexcept { return data_ + n_; }
+
+private:
+    void release() noexcept {
+        if (data_ != nullptr) {
+            tutti_mem_free(owner_, data_); // fails only on memory it did not hand out
+            data_ = nullptr;
+        }
+    }
+    tutti_comm *owner_;
+    T *data_;
+    std::size_t n_;
+};
+
 class comm {
 public:
     /// An in-process group of `world_size` ranks: element r is rank r's communicator; hand
@@ -341,6 +386,14 @@ public:
         tutti_work *w = nullptr;
         detail::check(tutti_barrier_async(h_.get(), &w));
         return work(w);
+    }
+
+    /// `count` zeroed elements of T in shared memory (tutti_mem_alloc): collective, every rank
+    /// with the same count, in the same order as its other calls.
+    template <typename T> shared_array<T> alloc_shared(std::size_t count) {
+        void *p = nullptr;
+        detail::check(tutti_mem_alloc(h_.get(), count * sizeof(T), &p));
+        return shared_array<T>(h_.get(), static_cast<T *>(p), count);
     }
 
     /// The C handle, still owned by this object.

@@ -72,6 +72,18 @@ static void collectives() {
         std::vector<double> b(7, r == 2 ? 3.25 : 0.0);
         c.broadcast(b, 2);
         EXPECT(b[6] == 3.25);
+        {
+            // shared memory (plain memory in a group of threads), released at scope end
+            tutti::shared_array<float> s = c.alloc_shared<float>(1 << 16);
+            EXPECT(s.size() == (1u << 16) && s[0] == 0.0f);
+            for (float &x : s) {
+                x = static_cast<float>(r);
+            }
+            c.all_reduce(s.data(), s.data(), s.size(), tutti::op::max);
+            EXPECT(s[0] == 3.0f && s[s.size() - 1] == 3.0f);
+            tutti::shared_array<float> moved = std::move(s);
+            EXPECT(moved.data() != nullptr && s.data() == nullptr);
+        }
         std::vector<std::uint8_t> mine(3, static_cast<std::uint8_t>(r * 10));
         auto all = c.all_gather(mine);
         EXPECT(all.size() == 12 && all[0] == 0 && all[3] == 10 && all[11] == 30);
