@@ -87,7 +87,7 @@ fn tutti_segments() -> usize {
 #[test]
 fn every_collective_and_algorithm_over_tcp_and_shm() {
     for transport in ["tcp", "shm"] {
-        for n in [2, 3, 4] {
+        for n in [1, 2, 3, 4] {
             let o = run(
                 &[
                     "launch",

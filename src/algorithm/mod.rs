@@ -116,6 +116,8 @@ fn resolve(ctx: &Ctx<'_>, algo: Algorithm) -> Algorithm {
     match algo {
         Algorithm::Auto if ctx.t.peer_memory().is_some() => Algorithm::Direct,
         Algorithm::Auto => Algorithm::Ring,
+        // One rank has no peers whose memory to read: every algorithm is the ring's copy.
+        Algorithm::Direct if ctx.world() == 1 && ctx.t.peer_memory().is_none() => Algorithm::Ring,
         a => a,
     }
 }
