@@ -305,8 +305,16 @@ fn check_one_rank(comm: &mut Communicator, a: &CheckArgs) -> Result<usize, tutti
 
 fn check_cmd(a: CheckArgs) -> Result<(), tutti::Error> {
     let config = config_with_timeout(a.timeout)?;
-    match launched_comm(a.transport, &config)? {
+    let comm = launched_comm(a.transport, &config)?;
+    if comm.is_none() && a.transport.is_some() {
+        return Err(tutti::Error::config(
+            "--transport applies to the processes of a launched job (tutti launch -n 2 -- \
+             tutti check --transport tcp); without a launcher the ranks are threads",
+        ));
+    }
+    match comm {
         Some(mut comm) => {
+            perf_cmd::launched_ranks(a.ranks, &comm)?;
             let calls = check_one_rank(&mut comm, &a)?;
             say!(
                 "rank {} of {}, hosts {}: {calls} calls checked, all correct",

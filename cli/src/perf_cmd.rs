@@ -33,6 +33,19 @@ fn check_perf_args(a: &PerfArgs) -> Result<(), tutti::Error> {
             return bad(format!("-r {root}: out of range for {n} ranks (-n {n})"));
         }
     }
+    if let Some(path) = &a.plot {
+        // Found now rather than after the whole sweep.
+        let dir = std::path::Path::new(path)
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(std::path::Path::new("."));
+        if !dir.is_dir() {
+            return bad(format!(
+                "--plot {path}: the directory {} does not exist",
+                dir.display()
+            ));
+        }
+    }
     if a.shared_buffers && a.device != DeviceKind::Cpu {
         return Err(tutti::Error::config(format!(
             "--shared-buffers: shared buffers are host memory of cpu ranks, not {} devices",
@@ -126,6 +139,15 @@ pub(crate) fn run(a: PerfArgs) -> Result<(), tutti::Error> {
                  tutti perf --transport tcp); without a launcher the ranks are threads",
             ));
         }
+        match &comm {
+            Some(c) => launched_ranks(a.ranks, c)?,
+            None => threads_fit(a.ranks, a.device)?,
+        }
+        if let Some(c) = &comm {
+            for algo in &algos {
+                direct_between_processes(&a, algo.core, c)?;
+            }
+        }
         if a.overlap {
             return overlap_cmd(&a, comm, config.with_algorithm(algos[0].core));
         }
@@ -154,6 +176,89 @@ pub(crate) fn run(a: PerfArgs) -> Result<(), tutti::Error> {
         });
     }
     Ok(())
+}
+
+/// `-n` on CPU threads: no more than an in-process group may have (said before the header).
+fn threads_fit(ranks: Option<usize>, device: DeviceKind) -> Result<(), tutti::Error> {
+    match ranks {
+        Some(n) if device == DeviceKind::Cpu && n > tutti::MAX_LOCAL_RANKS => {
+            Err(tutti::Error::config(format!(
+                "-n {n}: an in-process group has at most {} ranks (threads); run larger jobs \
+                 as processes (tutti launch -n {n} -- tutti perf)",
+                tutti::MAX_LOCAL_RANKS
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// `-a direct` between processes reads the peers' buffers in place: only on shared buffers,
+/// from the size where calls run through them, and not for reduce, whose ranks off the root
+/// have no output to share (it runs on the slots). Found before anything is printed.
+fn direct_between_processes(
+    a: &PerfArgs,
+    algo: Algorithm,
+    comm: &Communicator,
+) -> Result<(), tutti::Error> {
+    if algo != Algorithm::Direct || comm.world_size() == 1 || comm.has_peer_memory() {
+        return Ok(());
+    }
+    let no = |why: String| {
+        Err(tutti::Error::config(format!(
+            "-a direct between processes: {why}"
+        )))
+    };
+    if !a.shared_buffers {
+        return no(
+            "direct reads the peers' buffers in place, which separate processes can only do \
+             on shared buffers (add --shared-buffers)"
+                .into(),
+        );
+    }
+    if a.collective == Collective::Reduce {
+        return no(
+            "a reduce's ranks off the root have no output to share, so it runs on the \
+             shared-memory slots (use another algorithm)"
+                .into(),
+        );
+    }
+    if !comm.can_share_buffers() {
+        return no("some ranks are not on shared memory of this host (--transport shm)".into());
+    }
+    // Every rank runs this alike: the threshold is known once the communicator allocated.
+    drop(comm.alloc_shared(1)?);
+    let min = comm.shared_min_bytes();
+    // A call's size as the threshold counts it: per rank's piece where the collective splits.
+    let per_rank = match a.collective {
+        Collective::AllGather | Collective::ReduceScatter => comm.world_size(),
+        _ => 1,
+    };
+    let esize = a.dtype.size();
+    if a.min_bytes / esize / per_rank * esize < min {
+        return no(format!(
+            "calls of {} run through shared buffers from {min} bytes{}; smaller ones run on \
+             the slots (start the sweep there: -b {})",
+            a.collective.cli_name(),
+            if per_rank > 1 { " per rank" } else { "" },
+            min * per_rank
+        ));
+    }
+    Ok(())
+}
+
+/// `-n` under a launcher: the launched world's size, or not given.
+pub(crate) fn launched_ranks(
+    ranks: Option<usize>,
+    comm: &Communicator,
+) -> Result<(), tutti::Error> {
+    match ranks {
+        Some(n) if n != comm.world_size() => Err(tutti::Error::config(format!(
+            "-n {n}: this job was launched with {} ranks (tutti launch -n); -n sets the threads \
+             of a run without a launcher",
+            comm.world_size()
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// One algorithm of `-a`, as the core and (with CUDA) the GPU harness take it.
