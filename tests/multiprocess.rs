@@ -700,6 +700,57 @@ fn perf_into_a_closed_pipe_ends_quietly() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
+/// Arguments that cannot run are refused before perf prints anything: `direct` between
+/// processes without shared buffers or below their threshold, `-n` that disagrees with the
+/// launched world, `--plot` into a missing directory.
+#[test]
+fn perf_refuses_what_cannot_run_before_the_header() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &[
+                "launch", "-n", "2", "--", "tutti", "perf", "-e", "4K", "-a", "direct",
+            ],
+            "add --shared-buffers",
+        ),
+        (
+            &[
+                "launch",
+                "-n",
+                "2",
+                "--",
+                "tutti",
+                "perf",
+                "-e",
+                "4K",
+                "-a",
+                "direct",
+                "--shared-buffers",
+            ],
+            "smaller ones run on the slots (start the sweep there: -b ",
+        ),
+        (
+            &[
+                "launch", "-n", "2", "--", "tutti", "perf", "-n", "3", "-e", "1K",
+            ],
+            "this job was launched with 2 ranks",
+        ),
+        (
+            &["perf", "-e", "1K", "--plot", "/nonexistent-dir/x.svg"],
+            "the directory /nonexistent-dir does not exist",
+        ),
+    ];
+    for (args, says) in cases {
+        let o = run(args, &[], Duration::from_secs(60));
+        let (out, err) = text(&o);
+        assert!(!o.status.success(), "{args:?} ran: {out}");
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert!(
+            !out.contains("# tutti perf"),
+            "{args:?} printed a header: {out}"
+        );
+    }
+}
+
 /// A `TUTTI_TIMEOUT` that is not a number of seconds is an error naming it, not a silent
 /// 300 s (issue 12, item 7).
 #[test]
