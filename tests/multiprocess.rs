@@ -776,6 +776,57 @@ fn a_bad_tutti_timeout_is_an_error() {
     assert!(o.status.success(), "{:?}", text(&o));
 }
 
+/// A launcher killed outright (SIGKILL) leaves none of its processes running.
+#[test]
+fn a_killed_launcher_takes_its_processes_with_it() {
+    let mut launcher = Command::new(common::tutti_bin())
+        .args(["launch", "-n", "2", "--", "sleep", "60"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let parent = launcher.id().to_string();
+    // The processes whose parent is the launcher (state and parent are fields 3 and 4 of
+    // /proc/PID/stat, after the command in parentheses).
+    let stat = |pid: &str| -> Option<(String, String)> {
+        let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let mut f = s[s.rfind(')')? + 2..].split(' ');
+        Some((f.next()?.to_string(), f.next()?.to_string()))
+    };
+    let children = || -> Vec<String> {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|p| p.bytes().all(|b| b.is_ascii_digit()))
+            .filter(|p| stat(p).is_some_and(|(_, pp)| pp == parent))
+            .collect()
+    };
+    let t = Instant::now();
+    let mut kids = children();
+    while kids.len() < 2 && t.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(20));
+        kids = children();
+    }
+    assert_eq!(kids.len(), 2, "the launcher did not start 2 processes");
+    launcher.kill().unwrap();
+    launcher.wait().unwrap();
+    // Gone, or a zombie waiting for whoever inherited it.
+    let running = |p: &String| stat(p).is_some_and(|(state, _)| state != "Z" && state != "X");
+    let t = Instant::now();
+    while kids.iter().any(running) && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let left: Vec<&String> = kids.iter().filter(|p| running(p)).collect();
+    for p in &left {
+        // SAFETY: plain kill of a process this test started (through the launcher).
+        unsafe { libc::kill(p.parse().unwrap(), libc::SIGKILL) };
+    }
+    assert!(
+        left.is_empty(),
+        "still running after the launcher was killed: {left:?}"
+    );
+}
+
 /// The launcher names every process that failed, blames the one killed by a signal before the
 /// ranks that exited after seeing it go, says something at P=2 too, and takes mpirun's `-np`
 /// and refuses conflicting options (issue 12, items 8 and 12).

@@ -298,15 +298,32 @@ pub fn run(l: &Launch) -> Result<i32> {
     };
     let mut children: Vec<(String, Child, Option<ExitStatus>)> = Vec::new();
     let mut relays = Vec::new();
+    // SAFETY: getpid has no preconditions.
+    let launcher = unsafe { libc::getpid() };
     for (label, env) in plan(l)? {
-        let spawned = Command::new(&exe)
-            .args(&l.program[1..])
+        let mut cmd = Command::new(&exe);
+        cmd.args(&l.program[1..])
             .envs(env)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
-            .process_group(0)
-            .spawn();
+            .process_group(0);
+        // A launcher killed outright (SIGKILL, the OOM killer) cannot stop its processes: the
+        // kernel does (this thread, which spawns them, lives as long as the launcher).
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The launcher may have died before the line above.
+                if libc::getppid() != launcher {
+                    libc::_exit(1);
+                }
+                Ok(())
+            })
+        };
+        let spawned = cmd.spawn();
         let mut child = match spawned {
             Ok(c) => c,
             Err(e) => {
