@@ -270,6 +270,24 @@ pub unsafe extern "C" fn tutti_comm_create_rank(
             .to_str()
             .map_err(|_| Failure::invalid("master_addr is not UTF-8"))?;
         let out = out_ptr(comm, "comm")?;
+        // Named as the arguments they are (the checks of the environment's spec below would
+        // name TUTTI_RANK and TUTTI_WORLD_SIZE).
+        if world_size == 0 {
+            return Err(Failure::invalid(
+                "world_size is 0: a job has at least one rank",
+            ));
+        }
+        if world_size > tutti::MAX_WORLD_SIZE {
+            return Err(Failure::invalid(format!(
+                "world_size {world_size} is more ranks than tutti supports ({})",
+                tutti::MAX_WORLD_SIZE
+            )));
+        }
+        if rank >= world_size {
+            return Err(Failure::invalid(format!(
+                "rank {rank} is out of range for world_size {world_size}"
+            )));
+        }
         let (_, port) = tutti::split_addr(addr, "master_addr")?;
         if port == 0 {
             return Err(Failure::invalid(format!(

@@ -198,7 +198,7 @@ static void multi_process_errors() {
         tutti::comm::join(3, 2, "127.0.0.1:1", tutti::config().transport(TUTTI_TRANSPORT_TCP));
     });
     EXPECT(e.code() == TUTTI_ERROR_INVALID_ARGUMENT);
-    EXPECT(std::string(e.what()).find("TUTTI_RANK=3 is out of range") != std::string::npos);
+    EXPECT(std::string(e.what()).find("rank 3 is out of range for world_size") != std::string::npos);
     e = expect_throw([] { tutti::comm::join(0, 1, "127.0.0.1:0"); });
     EXPECT(std::string(e.what()).find("port 0") != std::string::npos);
     // A one-rank job needs no peers: rank 0 serves its own rendezvous.

@@ -145,6 +145,9 @@ def test_errors_say_what_was_wrong():
         tutti.Replicas(0)
     with pytest.raises(tutti.TuttiError, match="root 7 is out of range"):
         tutti.Replicas(2, algorithm="reduce-to-one:7")
+    # Arguments are named as the arguments they are, not as environment variables.
+    with pytest.raises(tutti.TuttiError, match="rank 3 is out of range for world_size 2"):
+        tutti.join(3, 2, "127.0.0.1:1")
 
 
 def run_ranks(comms, fn):
@@ -163,6 +166,33 @@ def run_ranks(comms, fn):
         t.join(120)
     if errors:
         raise errors[0]
+
+
+def test_a_rank_that_rejects_its_own_arguments_does_not_leave_the_others_waiting():
+    # A long timeout: the peer must fail because the group was aborted, not by waiting.
+    comms = tutti.local_group(2, timeout=120)
+    seen = {}
+
+    def rank(c):
+        started = time.monotonic()
+        if c.rank == 1:
+            with pytest.raises(ValueError, match="out must match") as e:
+                c.all_reduce(np.ones(4, np.float32), out=np.ones(3, np.float32))
+            assert "the group is aborted" in str(e.value)
+        else:
+            with pytest.raises(tutti.TuttiError) as e:
+                c.all_reduce(np.ones(4, np.float32))
+            assert e.value.code == "TUTTI_ERROR_ABORTED", e.value
+            assert "rank 1 rejected its arguments to all_reduce" in e.value.message
+        seen[c.rank] = time.monotonic() - started
+
+    run_ranks(comms, rank)
+    assert max(seen.values()) < 30, seen
+    for c in comms:
+        c.close()
+    # A negative root is refused as it is, not wrapped into a huge one.
+    with tutti.Replicas(2) as r, pytest.raises(ValueError, match="root -1 is out of range"):
+        r.broadcast([np.zeros(3, np.float32)] * 2, root=-1)
 
 
 def test_a_communicator_per_thread():

@@ -24,6 +24,7 @@ Errors from tutti raise ``TuttiError`` with ``code`` (a ``TUTTI_*`` name) and th
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import pathlib
 import weakref
@@ -402,6 +403,7 @@ class Replicas:
     def broadcast(self, arrays, root=0):
         """Every array becomes ``arrays[root]``, in place; returns them."""
         arrays, dtype, count = _same(arrays, "arrays", writable=True)
+        root = _index(root, "root")
         _check(
             _library().tutti_replicas_broadcast(
                 self._handle(), count, dtype, root, len(arrays), _pointers(arrays)
@@ -530,6 +532,34 @@ class Work:
         self._keep = None
 
 
+def _collective(method):
+    """A collective whose arguments this rank rejects before calling the library (a wrong
+    array, dtype, size or root) aborts the group, as the C API does, so that the other ranks'
+    calls fail at once naming this rank instead of waiting out the timeout."""
+
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (TypeError, ValueError) as e:
+            h = getattr(self, "_h", None)
+            if not h or isinstance(e, _Closed):
+                raise
+            name = method.__name__
+            _library().tutti_comm_abort(
+                h, f"rank {self.rank} rejected its arguments to {name}: {e}".encode()
+            )
+            raise type(e)(
+                f"{e} (the group is aborted so that the other ranks do not wait for this one)"
+            ) from e
+
+    return checked
+
+
+class _Closed(ValueError):
+    """A call on a closed communicator."""
+
+
 class Communicator:
     """One rank's handle on a group. Every collective takes ``async_op``: True returns a
     ``Work`` at once (``work.wait()`` gives the result), as torch.distributed does. Calls from
@@ -576,7 +606,7 @@ class Communicator:
 
     def _handle(self):
         if not self._h:
-            raise ValueError("this communicator is closed")
+            raise _Closed("this communicator is closed")
         return self._h
 
     def abort(self, reason=None):
@@ -601,6 +631,7 @@ class Communicator:
         _check(getattr(lib, name + "_async")(self._handle(), *args, ctypes.byref(work)))
         return Work(work, result, keep)
 
+    @_collective
     def all_reduce(self, array, op="sum", out=None, async_op=False):
         """In place, or into ``out``; returns the result (a ``Work`` with ``async_op``)."""
         _array(array, "array", writable=out is None)
@@ -610,12 +641,14 @@ class Communicator:
         args = (array.size, _dtype(array), _op(op), array.ctypes.data, target.ctypes.data)
         return self._call("tutti_all_reduce", args, target, (array, target), async_op)
 
+    @_collective
     def broadcast(self, array, root=0, async_op=False):
         _array(array, "array", writable=True)
         root = _index(root, "root")
         args = (array.size, _dtype(array), root, array.ctypes.data)
         return self._call("tutti_broadcast", args, array, (array,), async_op)
 
+    @_collective
     def all_gather(self, array, async_op=False):
         """A new array: every rank's array concatenated along the first axis."""
         _array(array, "array")
@@ -624,6 +657,7 @@ class Communicator:
         args = (array.size, _dtype(array), array.ctypes.data, out.ctypes.data)
         return self._call("tutti_all_gather", args, out, (array, out), async_op)
 
+    @_collective
     def reduce_scatter(self, array, op="sum", async_op=False):
         """This rank's slice of the element-wise op over every rank's (flattened) array."""
         _array(array, "array")
@@ -633,6 +667,7 @@ class Communicator:
         args = (out.size, _dtype(array), _op(op), array.ctypes.data, out.ctypes.data)
         return self._call("tutti_reduce_scatter", args, out, (array, out), async_op)
 
+    @_collective
     def reduce(self, array, op="sum", root=0, async_op=False):
         """At the root, a new array with the reduction; None elsewhere."""
         _array(array, "array")

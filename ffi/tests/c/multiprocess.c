@@ -211,7 +211,7 @@ int main(void) {
     EXPECT_ERROR(tutti_comm_create_rank(0, 2, NULL, NULL, &comm), TUTTI_ERROR_INVALID_ARGUMENT,
                  "master_addr is NULL");
     EXPECT_ERROR(tutti_comm_create_rank(5, 2, "127.0.0.1:1", NULL, &comm),
-                 TUTTI_ERROR_INVALID_ARGUMENT, "TUTTI_RANK=5 is out of range");
+                 TUTTI_ERROR_INVALID_ARGUMENT, "rank 5 is out of range for world_size 2");
     EXPECT_ERROR(tutti_comm_create_rank(0, 2, "nowhere", NULL, &comm),
                  TUTTI_ERROR_INVALID_ARGUMENT, "'nowhere' is not host:port");
     EXPECT_ERROR(tutti_comm_create_rank(0, 2, "127.0.0.1:0", NULL, &comm),
