@@ -67,7 +67,9 @@ enum tutti_result
      */
     TUTTI_ERROR_PEER_REJECTED = 3,
     /**
-     * A wait for a peer ran past the communicator's timeout. The group is aborted.
+     * A wait for a peer ran past the communicator's timeout. The group is aborted. Creating a
+     * communicator: a rank did not join, or the rendezvous was out of reach, within the
+     * timeout; nothing was created.
      */
     TUTTI_ERROR_TIMEOUT = 4,
     /**

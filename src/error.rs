@@ -231,6 +231,16 @@ pub enum Error {
         /// when none answered. A rank that stopped is one waited for that did not answer.
         stalled_on: Vec<(usize, usize)>,
     },
+    /// Creating a communicator ran past its bound: a rank did not join, or the rendezvous
+    /// store was out of reach. Nothing was created. (A call's wait past the timeout is
+    /// [`Error::Timeout`].)
+    #[error("{message}")]
+    JoinTimeout {
+        /// What was not done in time, and the likely causes.
+        message: String,
+        /// The bound that was exceeded.
+        timeout: Duration,
+    },
     /// The communicator was aborted (by `abort()`, or after an earlier failure); build a new one.
     #[error("communicator aborted on rank {rank}: {reason}")]
     Aborted {

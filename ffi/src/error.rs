@@ -24,7 +24,9 @@ pub enum TuttiResult {
     /// Another rank rejected its own arguments for this call, so the call failed on every rank.
     /// The communicator stays usable.
     TUTTI_ERROR_PEER_REJECTED = 3,
-    /// A wait for a peer ran past the communicator's timeout. The group is aborted.
+    /// A wait for a peer ran past the communicator's timeout. The group is aborted. Creating a
+    /// communicator: a rank did not join, or the rendezvous was out of reach, within the
+    /// timeout; nothing was created.
     TUTTI_ERROR_TIMEOUT = 4,
     /// The group was aborted (`tutti_comm_abort`, a timeout, a failed peer, or arguments that a
     /// rank rejected before it could take part). Destroy it and create a new group.
@@ -110,7 +112,7 @@ impl From<tutti::Error> for Failure {
             E::InvalidArgument { .. } => TUTTI_ERROR_INVALID_ARGUMENT,
             E::Mismatch { .. } => TUTTI_ERROR_MISMATCH,
             E::PeerRejected { .. } => TUTTI_ERROR_PEER_REJECTED,
-            E::Timeout { .. } => TUTTI_ERROR_TIMEOUT,
+            E::Timeout { .. } | E::JoinTimeout { .. } => TUTTI_ERROR_TIMEOUT,
             E::Aborted { .. } => TUTTI_ERROR_ABORTED,
             E::Unavailable { .. } => TUTTI_ERROR_UNAVAILABLE,
             E::System { .. } => TUTTI_ERROR_SYSTEM,
@@ -387,5 +389,10 @@ mod tests {
             .map(|e| Failure::from(e).code as u32)
             .collect();
         assert_eq!(codes, [1, 2, 3, 4, 5, 6, 7, 9]);
+        let setup = tutti::Error::JoinTimeout {
+            message: "x".into(),
+            timeout: std::time::Duration::from_secs(1),
+        };
+        assert_eq!(Failure::from(setup).code, TUTTI_ERROR_TIMEOUT);
     }
 }

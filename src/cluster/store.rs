@@ -35,7 +35,13 @@ pub trait Store: Send + Sync {
 }
 
 fn timeout_err(key: &str, timeout: Duration) -> Error {
-    Error::config(format!("rendezvous: key '{key}' was not set within {timeout:?} (a rank has not started, or cannot reach the store)"))
+    Error::JoinTimeout {
+        message: format!(
+            "rendezvous: key '{key}' was not set within {timeout:?} (a rank has not started, \
+             or cannot reach the store)"
+        ),
+        timeout,
+    }
 }
 
 /// What the store holds: the entries, and their bytes (keys and values) counted against its
@@ -341,9 +347,10 @@ impl TcpStore {
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(200));
         }
-        Err(Error::config(format!(
-            "rendezvous store at {addr} not reachable within {timeout:?}: {last}"
-        )))
+        Err(Error::JoinTimeout {
+            message: format!("rendezvous store at {addr} not reachable within {timeout:?}: {last}"),
+            timeout,
+        })
     }
 
     fn request(&self, op: u8, key: &str, arg: &[u8], wait: Duration) -> Result<(u8, Vec<u8>)> {

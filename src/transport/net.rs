@@ -222,11 +222,23 @@ impl NetTransport {
         let mut infos = Vec::with_capacity(world);
         for r in 0..world {
             let left = deadline.saturating_duration_since(Instant::now());
-            let v = store.get(&key("addr", r), left).map_err(|_| {
-                Error::config(format!(
-                    "rendezvous: rank {r} did not publish its address within {timeout:?} \
-                     (is it running, with world size {world}?)"
-                ))
+            let v = store.get(&key("addr", r), left).map_err(|e| match e {
+                Error::JoinTimeout { .. } => Error::JoinTimeout {
+                    message: format!(
+                        "rendezvous: rank {r} did not publish its address within {timeout:?} \
+                         (is it running, with world size {world}?)"
+                    ),
+                    timeout,
+                },
+                // The store itself failed (its connection closed): the process serving it
+                // stopped, most often on an error of its own that it reports.
+                e => Error::System {
+                    what: format!("rendezvous: waiting for rank {r}'s address"),
+                    message: format!(
+                        "{e}; the process serving the store (rank 0, or the launcher) may have \
+                         stopped: see its own error"
+                    ),
+                },
             })?;
             infos.push(peer_record(&v, r, rank, world, kind)?);
         }

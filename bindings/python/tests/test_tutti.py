@@ -148,6 +148,13 @@ def test_errors_say_what_was_wrong():
     # Arguments are named as the arguments they are, not as environment variables.
     with pytest.raises(tutti.TuttiError, match="rank 3 is out of range for world_size 2"):
         tutti.join(3, 2, "127.0.0.1:1")
+    # A rank that cannot reach the rendezvous in time gets a timeout, not an argument error.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(tutti.TuttiError) as e:
+        tutti.join(1, 2, f"127.0.0.1:{port}", timeout=1)
+    assert e.value.code == "TUTTI_ERROR_TIMEOUT" and "not reachable within" in e.value.message
 
 
 def run_ranks(comms, fn):
