@@ -90,7 +90,9 @@ impl ClusterSpec {
             .get("TUTTI_JOB_TOKEN")
             .filter(|t| !t.is_empty())
             .cloned();
-        let spec = if vars.contains_key("TUTTI_RANK") {
+        // One of a pair without the other is a job set up by hand and half done: an error,
+        // not a silent run alone.
+        let spec = if vars.contains_key("TUTTI_RANK") || vars.contains_key("TUTTI_WORLD_SIZE") {
             Some(from_ranks(
                 vars,
                 "tutti",
@@ -144,12 +146,11 @@ impl ClusterSpec {
 }
 
 fn parse_num(vars: &HashMap<String, String>, name: &str, source: &str) -> Result<Option<usize>> {
+    let from = prefix(source);
     match vars.get(name) {
         None => Ok(None),
         Some(v) => v.trim().parse::<usize>().map(Some).map_err(|_| {
-            Error::config(format!(
-                "{source}: {name}='{v}' is not a non-negative integer"
-            ))
+            Error::config(format!("{from}{name}='{v}' is not a non-negative integer"))
         }),
     }
 }
@@ -242,30 +243,40 @@ pub fn split_addr(addr: &str, what: &str) -> Result<(String, u16)> {
     Ok((host.to_string(), port))
 }
 
+/// How a message about a source's variables starts: the launcher that set them
+/// (`torchrun: RANK is set but ...`); tutti's own (`TUTTI_RANK ...`) need no name, and the
+/// `tutti` command and the C ABI put their own name first.
+fn prefix(source: &str) -> String {
+    if source == "tutti" {
+        String::new()
+    } else {
+        format!("{source}: ")
+    }
+}
+
 fn from_ranks(
     vars: &HashMap<String, String>,
     source: &'static str,
     names: [&str; 3],
 ) -> Result<ClusterSpec> {
+    let from = prefix(source);
     let [rank_v, size_v, local_v] = names;
     let rank = parse_num(vars, rank_v, source)?
-        .ok_or_else(|| Error::config(format!("{source}: {size_v} is set but {rank_v} is not")))?;
+        .ok_or_else(|| Error::config(format!("{from}{size_v} is set but {rank_v} is not")))?;
     let world_size = parse_num(vars, size_v, source)?
-        .ok_or_else(|| Error::config(format!("{source}: {rank_v} is set but {size_v} is not")))?;
+        .ok_or_else(|| Error::config(format!("{from}{rank_v} is set but {size_v} is not")))?;
     if world_size == 0 {
-        return Err(Error::config(format!(
-            "{source}: {size_v} must be at least 1"
-        )));
+        return Err(Error::config(format!("{from}{size_v} must be at least 1")));
     }
     if world_size > MAX_WORLD_SIZE {
         return Err(Error::config(format!(
-            "{source}: {size_v}={world_size} is more ranks than tutti supports \
+            "{from}{size_v}={world_size} is more ranks than tutti supports \
              ({MAX_WORLD_SIZE}); every rank keeps a connection to every other"
         )));
     }
     if rank >= world_size {
         return Err(Error::config(format!(
-            "{source}: {rank_v}={rank} is out of range for {size_v}={world_size}"
+            "{from}{rank_v}={rank} is out of range for {size_v}={world_size}"
         )));
     }
     let local_rank = parse_num(vars, local_v, source)?;
@@ -276,15 +287,15 @@ fn from_ranks(
         match (vars.get("MASTER_ADDR"), vars.get("MASTER_PORT")) {
             (Some(h), Some(p)) => {
                 let port: u16 = p.trim().parse().ok().filter(|&p| p != 0).ok_or_else(|| {
-                    Error::config(format!("{source}: MASTER_PORT='{p}' is not a port number"))
+                    Error::config(format!("{from}MASTER_PORT='{p}' is not a port number"))
                 })?;
                 format!("{h}:{port}")
             }
-            (Some(_), None) => return Err(Error::config(format!("{source}: MASTER_ADDR is set but MASTER_PORT is not"))),
+            (Some(_), None) => return Err(Error::config(format!("{from}MASTER_ADDR is set but MASTER_PORT is not"))),
             (None, port) if source == "srun" => slurm_rendezvous(vars, port)?,
             _ => {
                 return Err(Error::config(format!(
-                    "{source}: no rendezvous address; set TUTTI_MASTER_ADDR=host:port, or MASTER_ADDR and MASTER_PORT"
+                    "{from}no rendezvous address; set TUTTI_MASTER_ADDR=host:port, or MASTER_ADDR and MASTER_PORT"
                 )))
             }
         }
@@ -333,10 +344,11 @@ fn job_secret(vars: &HashMap<String, String>, spec: &ClusterSpec) -> Result<Opti
         return Ok(None);
     }
     Err(Error::config(format!(
-        "{}: this job spans hosts (rendezvous at {}) and has no secret: set TUTTI_JOB_TOKEN to \
+        "{}this job spans hosts (rendezvous at {}) and has no secret: set TUTTI_JOB_TOKEN to \
          the same random string on every rank (e.g. TUTTI_JOB_TOKEN=$(openssl rand -hex 16) in \
          the job's environment), or TUTTI_INSECURE=1 to run without one on a network you trust",
-        spec.source, spec.rendezvous
+        prefix(spec.source),
+        spec.rendezvous
     )))
 }
 
@@ -678,7 +690,7 @@ mod tests {
 
     #[test]
     fn launcher_environments_invalid() {
-        let cases: [(&[(&str, &str)], &str); 9] = [
+        let cases: [(&[(&str, &str)], &str); 10] = [
             (
                 &[
                     ("RANK", "4"),
@@ -722,6 +734,10 @@ mod tests {
                 "TUTTI_WORLD_SIZE must be at least 1",
             ),
             (
+                &[("TUTTI_WORLD_SIZE", "2")],
+                "TUTTI_WORLD_SIZE is set but TUTTI_RANK is not",
+            ),
+            (
                 &[
                     ("TUTTI_RANK", "0"),
                     ("TUTTI_WORLD_SIZE", "2"),
@@ -733,6 +749,8 @@ mod tests {
         for (v, want) in cases {
             let e = ClusterSpec::from_vars(&vars(v)).unwrap_err().to_string();
             assert!(e.contains(want), "{v:?}: {e}");
+            // tutti's own variables need no source name (the caller names itself).
+            assert!(!e.starts_with("tutti:"), "{v:?}: {e}");
         }
     }
 
