@@ -175,7 +175,6 @@ private:
     std::unique_ptr<tutti_work, detail::work_deleter> h_;
 };
 
-/// One rank's handle on a group. Move-only; released when it goes out of scope.
 /// Memory from tutti_mem_alloc, as `size()` elements of T, released with tutti_mem_free when
 /// this object goes (before its communicator does). Collectives whose buffers are in such
 /// memory on every rank skip the shared-memory slots between processes (README: "Zero-copy
@@ -221,6 +220,7 @@ private:
     std::size_t n_;
 };
 
+/// One rank's handle on a group. Move-only; released when it goes out of scope.
 class comm {
 public:
     /// An in-process group of `world_size` ranks: element r is rank r's communicator; hand

@@ -60,7 +60,8 @@ enum Command {
     /// Check every collective and algorithm against the reference, on threads or, under a
     /// launcher, on this world.
     Check(CheckArgs),
-    /// Start N processes of a program with the job's environment set, prefixing their output.
+    /// Start N processes of a program with the job's environment set (--tag-output prefixes
+    /// each line with its rank).
     Launch(LaunchArgs),
 }
 
