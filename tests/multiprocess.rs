@@ -853,7 +853,10 @@ fn launch_names_each_failed_process() {
     ]);
     assert_eq!(code, Some(128 + 9), "{err}");
     assert!(
-        err.contains("tutti launch: rank 3 was killed by signal 9 (SIGKILL); stopping the others"),
+        err.contains(
+            "tutti launch: rank 3 was killed by signal 9 (SIGKILL); stopping the others (still \
+             running: rank 0, rank 1, rank 2)"
+        ),
         "{err}"
     );
     // Two processes, one fails: it is named.

@@ -254,6 +254,10 @@ fn signal(c: &Child, sig: libc::c_int) {
     unsafe { libc::kill(-(c.id() as libc::pid_t), sig) };
 }
 
+/// How long the other processes of a failed job may take to end on their own (at most the
+/// grace period) before the launcher stops them.
+const SETTLE: Duration = Duration::from_secs(2);
+
 /// A signal the launcher received (SIGINT, SIGTERM), forwarded to every process.
 static RECEIVED: AtomicI32 = AtomicI32::new(0);
 
@@ -355,6 +359,10 @@ pub fn run(l: &Launch) -> Result<i32> {
     let mut interrupted: Option<i32> = None;
     // The failure named when the others were stopped.
     let mut announced: Option<String> = None;
+    // When the others are stopped after a failure. The ranks of a failed job usually end
+    // within moments on their own (their group is aborted), each saying what it saw: the rank
+    // that timed out names the one it waited for. They get that moment before being stopped.
+    let mut stop_at: Option<Instant> = None;
     loop {
         let sig = RECEIVED.swap(0, Ordering::SeqCst);
         if sig != 0 && !stopping {
@@ -373,12 +381,21 @@ pub fn run(l: &Launch) -> Result<i32> {
             }
         }
         if before == 0 && !failed.is_empty() {
+            stop_at = Some(Instant::now() + l.grace.min(SETTLE));
+        }
+        if !stopping && stop_at.is_some_and(|t| Instant::now() >= t) {
             let (label, s) = root_cause(&failed).expect("one failed");
             if children.iter().any(|x| x.2.is_none()) {
+                // Those still running after the others ended are where to look first (a rank
+                // stuck outside its calls, or one that waits for it).
+                let running: Vec<String> = (children.iter().filter(|x| x.2.is_none()))
+                    .map(|x| who(&x.0))
+                    .collect();
                 eprintln!(
-                    "tutti launch: {} {}; stopping the others",
+                    "tutti launch: {} {}; stopping the others (still running: {})",
                     who(label),
-                    describe(*s)
+                    describe(*s),
+                    running.join(", ")
                 );
                 announced = Some(label.clone());
                 terminate(&mut children, l.grace);

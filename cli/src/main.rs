@@ -97,7 +97,8 @@ struct LaunchArgs {
     /// Transport for every process: auto, tcp, shm.
     #[arg(long, value_parser = parse::<TransportKind>)]
     transport: Option<TransportKind>,
-    /// Seconds a stopped process gets between SIGTERM and SIGKILL.
+    /// Seconds a stopped process gets between SIGTERM and SIGKILL (and, after a failure, at
+    /// most the moment the others get to end on their own, 2 s by default).
     #[arg(long, default_value_t = 3.0)]
     grace: f64,
     /// The program and its arguments (`tutti` means this executable).
