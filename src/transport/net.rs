@@ -230,15 +230,17 @@ impl NetTransport {
                     ),
                     timeout,
                 },
-                // The store itself failed (its connection closed): the process serving it
-                // stopped, most often on an error of its own that it reports.
-                e => Error::System {
-                    what: format!("rendezvous: waiting for rank {r}'s address"),
+                // The store's connection failed: the process serving it stopped, most often
+                // on an error of its own that it reports.
+                Error::System { what, message } => Error::System {
+                    what: format!("rendezvous: waiting for rank {r}'s address ({what})"),
                     message: format!(
-                        "{e}; the process serving the store (rank 0, or the launcher) may have \
-                         stopped: see its own error"
+                        "{message}; the process serving the store (rank 0, or the launcher) \
+                         may have stopped: see its own error"
                     ),
                 },
+                // What the store refused says why itself.
+                e => e,
             })?;
             infos.push(peer_record(&v, r, rank, world, kind)?);
         }
