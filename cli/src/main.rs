@@ -238,6 +238,21 @@ fn launched_comm(
     Communicator::from_cluster(&spec, kind, config).map(Some)
 }
 
+/// `-n` under a launcher: the launched world's size, or not given.
+pub(crate) fn launched_ranks(
+    ranks: Option<usize>,
+    comm: &Communicator,
+) -> Result<(), tutti::Error> {
+    match ranks {
+        Some(n) if n != comm.world_size() => Err(tutti::Error::config(format!(
+            "-n {n}: this job was launched with {} ranks (tutti launch -n); -n sets the threads \
+             of a run without a launcher",
+            comm.world_size()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 fn parse<T: std::str::FromStr<Err = String>>(s: &str) -> Result<T, String> {
     s.parse()
 }
@@ -316,7 +331,7 @@ fn check_cmd(a: CheckArgs) -> Result<(), tutti::Error> {
     }
     match comm {
         Some(mut comm) => {
-            perf_cmd::launched_ranks(a.ranks, &comm)?;
+            launched_ranks(a.ranks, &comm)?;
             let calls = check_one_rank(&mut comm, &a)?;
             say!(
                 "rank {} of {}, hosts {}: {calls} calls checked, all correct",

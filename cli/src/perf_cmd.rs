@@ -246,21 +246,6 @@ fn direct_between_processes(
     Ok(())
 }
 
-/// `-n` under a launcher: the launched world's size, or not given.
-pub(crate) fn launched_ranks(
-    ranks: Option<usize>,
-    comm: &Communicator,
-) -> Result<(), tutti::Error> {
-    match ranks {
-        Some(n) if n != comm.world_size() => Err(tutti::Error::config(format!(
-            "-n {n}: this job was launched with {} ranks (tutti launch -n); -n sets the threads \
-             of a run without a launcher",
-            comm.world_size()
-        ))),
-        _ => Ok(()),
-    }
-}
-
 /// One algorithm of `-a`, as the core and (with CUDA) the GPU harness take it.
 struct PerfAlgorithm {
     name: String,
