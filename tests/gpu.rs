@@ -1566,3 +1566,90 @@ fn calls_wait_for_the_callers_stream() {
         assert_eq!(sys::cuDevicePrimaryCtxRelease_v2(dev), CUDA_SUCCESS);
     }
 }
+
+/// A `cuda:0` rank with the caller's stream set: work the caller queues on that stream right
+/// after issuing a non-blocking call (without waiting for its handle) runs after the call's
+/// GPU work, as with NCCL: a copy of the call's output queued there reads the call's result.
+#[test]
+fn work_queued_on_the_stream_after_a_call_waits_for_it() {
+    use cudarc::driver::sys::{self, CUresult::CUDA_SUCCESS};
+    let Some((_gpu, gpus)) = gpus_or_skip("work_queued_on_the_stream_after_a_call_waits_for_it")
+    else {
+        return;
+    };
+    if !nccl_or_skip("work_queued_on_the_stream_after_a_call_waits_for_it (NCCL)")
+        && !nvrtc_or_skip("work_queued_on_the_stream_after_a_call_waits_for_it (copies)")
+    {
+        return;
+    }
+    const N: usize = 32 << 20;
+    let mut comms = tutti::device_group(&["cuda:0"], &config()).unwrap();
+    let (mut dev, mut ctx, mut stream) = (0, std::ptr::null_mut(), std::ptr::null_mut());
+    let (mut input, mut output, mut copy) = (0, 0, 0);
+    // SAFETY: the driver is loaded (the GPUs were listed); every handle made here is released
+    // at the end, and the stream outlives its use by the communicator (unset before it goes).
+    unsafe {
+        assert_eq!(
+            sys::cuDeviceGet(&mut dev, gpus[0].ordinal as i32),
+            CUDA_SUCCESS
+        );
+        assert_eq!(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), CUDA_SUCCESS);
+        assert_eq!(sys::cuCtxPushCurrent_v2(ctx), CUDA_SUCCESS);
+        assert_eq!(sys::cuStreamCreate(&mut stream, 1), CUDA_SUCCESS); // non-blocking
+        for p in [&mut input, &mut output, &mut copy] {
+            assert_eq!(sys::cuMemAlloc_v2(p, N * 4), CUDA_SUCCESS);
+        }
+        comms[0].set_cuda_stream(Some(stream as u64)).unwrap();
+        let mut host = vec![0f32; N];
+        for round in 1..=3u32 {
+            let v = round as f32;
+            assert_eq!(sys::cuMemsetD32Async(output, 0, N, stream), CUDA_SUCCESS);
+            assert_eq!(sys::cuMemsetD32Async(copy, 0, N, stream), CUDA_SUCCESS);
+            for _ in 0..16 {
+                assert_eq!(sys::cuMemsetD32Async(input, 0, N, stream), CUDA_SUCCESS);
+            }
+            assert_eq!(
+                sys::cuMemsetD32Async(input, v.to_bits(), N, stream),
+                CUDA_SUCCESS
+            );
+            let work = comms[0].issue_raw(&RawCall {
+                collective: Collective::AllReduce,
+                dtype: DType::F32,
+                count: N,
+                op: ReduceOp::Sum,
+                root: 0,
+                input: input as *const u8,
+                output: output as *mut u8,
+            });
+            // Queued after the call, before its handle is waited: runs after the call's work.
+            assert_eq!(
+                sys::cuMemcpyDtoDAsync_v2(copy, output, N * 4, stream),
+                CUDA_SUCCESS
+            );
+            assert_eq!(sys::cuStreamSynchronize(stream), CUDA_SUCCESS);
+            assert!(
+                work.is_completed(),
+                "round {round}: the stream is done, the call not"
+            );
+            work.wait().unwrap();
+            assert_eq!(
+                sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), copy, N * 4),
+                CUDA_SUCCESS
+            );
+            let wrong = host.iter().filter(|&&x| x != v).count();
+            assert_eq!(
+                wrong, 0,
+                "round {round}: {wrong} elements of the copy queued after the call missed its result"
+            );
+        }
+        comms[0].set_cuda_stream(None).unwrap();
+        drop(comms);
+        for p in [input, output, copy] {
+            assert_eq!(sys::cuMemFree_v2(p), CUDA_SUCCESS);
+        }
+        assert_eq!(sys::cuStreamDestroy_v2(stream), CUDA_SUCCESS);
+        let mut popped = std::ptr::null_mut();
+        assert_eq!(sys::cuCtxPopCurrent_v2(&mut popped), CUDA_SUCCESS);
+        assert_eq!(sys::cuDevicePrimaryCtxRelease_v2(dev), CUDA_SUCCESS);
+    }
+}

@@ -298,8 +298,8 @@ public:
     }
     /// Every rank must make the same choice before its next collective.
     void set_algorithm(algorithm a) { detail::check(tutti_comm_set_algorithm(h_.get(), a.kind, a.arg)); }
-    /// cuda:N ranks: order later collectives after the work queued on `stream` (a cudaStream_t;
-    /// nullptr: the legacy default stream); `unset_cuda_stream` goes back to none.
+    /// cuda:N ranks: order later collectives on `stream` as NCCL does (a cudaStream_t; nullptr:
+    /// the legacy default stream); `unset_cuda_stream` goes back to none.
     void set_cuda_stream(void *stream) { detail::check(tutti_comm_set_cuda_stream(h_.get(), stream)); }
     void unset_cuda_stream() { detail::check(tutti_comm_unset_cuda_stream(h_.get())); }
     /// Wake every blocked collective of the group and fail later ones; callable from any thread.

@@ -540,14 +540,14 @@ pub unsafe extern "C" fn tutti_comm_set_algorithm(
     })
 }
 
-/// Order this communicator's later collectives after the work queued on a CUDA stream
-/// (`cudaStream_t` or `CUstream`, of the rank's GPU in its primary context as the CUDA runtime's
-/// streams are; NULL: the legacy default stream), for `"cuda:N"` ranks. A collective issued
-/// while a stream is set first waits, on the GPU and not on the host, for the work queued on
-/// the stream before it was issued, so the kernels that wrote its input need no
-/// synchronization first. Its results are in place when it completes: the blocking call
-/// returns, or the `_async` call's work handle is waited. Work queued on the stream after an
-/// `_async` call and before waiting for it is not ordered after the call.
+/// Order this communicator's later collectives on a CUDA stream (`cudaStream_t` or `CUstream`,
+/// of the rank's GPU in its primary context as the CUDA runtime's streams are; NULL: the legacy
+/// default stream), for `"cuda:N"` ranks, as NCCL does. A collective issued while a stream is
+/// set waits, on the GPU and not on the host, for the work queued on the stream before it was
+/// issued, and the work queued on the stream after it waits for the collective's GPU work. The
+/// collective meets its peers when it is issued (each rank of an in-process group issues from
+/// its own thread) and returns once its GPU work is queued: the `_async` call's work handle
+/// completes when that work is done, and the blocking call returns then.
 /// `tutti_comm_unset_cuda_stream` goes back to no stream (the default: the caller makes sure
 /// the buffers are ready). Errors: `TUTTI_ERROR_INVALID_ARGUMENT` on a rank that is not a CUDA GPU.
 ///

@@ -45,8 +45,8 @@ pub(super) struct Call {
     buffers: CallBuffers,
     /// The input is the output (`input` of the collective's body is `None`).
     in_place: bool,
-    /// The mark of the work queued on the caller's stream before the call (`buffers.after`),
-    /// held until the call completes.
+    /// The mark of the call on the caller's stream (`buffers.after` and `end`), held
+    /// until the call completes.
     _after: Option<Box<dyn StreamMark>>,
 }
 
@@ -58,10 +58,45 @@ impl Call {
         self
     }
 
-    /// Make the call's device work wait for `mark`.
+    /// Make the call's device work wait for `mark`, and the caller's stream for the call.
     pub(super) fn wait_for(&mut self, mark: Box<dyn StreamMark>) {
         self.buffers.after = mark.raw();
+        self.buffers.end = mark.end();
         self._after = Some(mark);
+    }
+
+    /// True when the call runs on a caller's stream (it was given a mark).
+    pub(super) fn on_stream(&self) -> bool {
+        self._after.is_some()
+    }
+
+    /// The mark, once the call ran: its device work's handle holds it from then on.
+    pub(super) fn take_mark(&mut self) -> Option<Box<dyn StreamMark>> {
+        self._after.take()
+    }
+}
+
+/// The device work of a call that ran on a caller's stream: the engine waits for its end
+/// event. Past the call's deadline the communicator is aborted too, so that the peers, whose
+/// later calls would wait for this rank, hear why.
+pub(super) struct OnStream {
+    pub(super) engine: std::sync::Arc<dyn GroupEngine>,
+    pub(super) transport: std::sync::Arc<dyn Transport>,
+    pub(super) mark: Box<dyn StreamMark>,
+    pub(super) site: Site,
+    pub(super) deadline: std::time::Instant,
+}
+
+impl super::work::DeviceWork for OnStream {
+    fn wait(&self, until: std::time::Instant) -> Result<bool> {
+        let r =
+            self.engine
+                .stream_done(self.site, self.site.rank, &*self.mark, until, self.deadline);
+        if let Err(e) = &r {
+            self.transport
+                .abort(&format!("rank {}: {e}", self.site.rank));
+        }
+        r
     }
 }
 
@@ -368,6 +403,7 @@ impl Communicator {
             output: output.as_mut_ptr(),
             output_len: output.len(),
             after: 0,
+            end: 0,
         };
         Call {
             collective: Collective::AllReduce,
@@ -398,6 +434,7 @@ impl Communicator {
             output: ptr,
             output_len: buf.len(),
             after: 0,
+            end: 0,
         };
         Call {
             collective: Collective::Broadcast,
@@ -444,6 +481,7 @@ impl Communicator {
             output: output.as_mut_ptr(),
             output_len: output.len(),
             after: 0,
+            end: 0,
         };
         Call {
             collective: Collective::AllGather,
@@ -488,6 +526,7 @@ impl Communicator {
             output: output.as_mut_ptr(),
             output_len: output.len(),
             after: 0,
+            end: 0,
         };
         Call {
             collective: Collective::ReduceScatter,
@@ -552,6 +591,7 @@ impl Communicator {
             output: out_ptr,
             output_len: out_len,
             after: 0,
+            end: 0,
         };
         Call {
             collective: Collective::Reduce,

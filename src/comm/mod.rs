@@ -42,12 +42,15 @@ use crate::transport::{NetTransport, Transport, TransportKind};
 
 /// Wakes a communicator's blocked calls from any thread; see [`Communicator::abort_handle`].
 #[derive(Clone)]
-pub struct AbortHandle(Arc<dyn Transport>);
+pub struct AbortHandle(Arc<dyn Transport>, Option<Arc<dyn GroupEngine>>);
 
 impl AbortHandle {
     /// Abort the communicator: every blocked and later call of every rank fails with `Aborted`.
     pub fn abort(&self, reason: &str) {
-        self.0.abort(reason)
+        self.0.abort(reason);
+        if let Some(engine) = &self.1 {
+            engine.abort(reason);
+        }
     }
 }
 
@@ -251,15 +254,15 @@ impl Communicator {
         Ok(())
     }
 
-    /// Order this rank's later calls after the work queued on a CUDA stream (`cuda:N` ranks;
-    /// `None`: no stream, the default). A call issued while a stream is set first waits, on the
-    /// GPU and not on the host, for the work queued on the stream before the call was issued:
-    /// the kernels that wrote its input need no synchronization first. Its results are in place
-    /// when the call completes: a blocking call returns, or the [`Work`] of a non-blocking one
-    /// is waited. Work queued on the stream after issuing a non-blocking call, before waiting
-    /// for it, is not ordered after the call. The stream belongs to the GPU's primary context,
-    /// as the CUDA runtime's streams do (PyTorch's, CuPy's); `Some(0)` is the legacy default
-    /// stream. Errors: `InvalidArgument` on a rank whose device is not a CUDA GPU.
+    /// Order this rank's later calls on a CUDA stream (`cuda:N` ranks; `None`: no stream, the
+    /// default), as NCCL does. A call issued while a stream is set waits, on the GPU and not on
+    /// the host, for the work queued on the stream before it was issued; the work queued on the
+    /// stream after it waits for the call's GPU work. The call meets its peers when it is
+    /// issued (each rank of an in-process group issues from its own thread) and returns once
+    /// its GPU work is queued; its [`Work`] completes when that work is done (a blocking call
+    /// returns then). The stream belongs to the GPU's primary context, as the CUDA runtime's
+    /// streams do (PyTorch's, CuPy's); `Some(0)` is the legacy default stream. Errors:
+    /// `InvalidArgument` on a rank whose device is not a CUDA GPU.
     ///
     /// # Safety
     ///
@@ -299,9 +302,10 @@ impl Communicator {
         call
     }
 
-    /// Abort the group: blocked and later calls on every rank fail with `Aborted`.
+    /// Abort the group: blocked and later calls on every rank fail with `Aborted` (and a
+    /// GPU group's NCCL communicators are aborted, which ends their kernels).
     pub fn abort(&self, reason: &str) {
-        self.transport().abort(reason)
+        self.abort_handle().abort(reason)
     }
 
     /// The abort reason, once the group is aborted.
@@ -311,7 +315,10 @@ impl Communicator {
 
     /// A handle that aborts this communicator from any thread, e.g. to wake a blocked call.
     pub fn abort_handle(&self) -> AbortHandle {
-        AbortHandle(self.transport().clone())
+        AbortHandle(
+            self.transport().clone(),
+            self.progress.shared().engine.clone(),
+        )
     }
 
     // ----- byte-level API (the C ABI and other carriers build on it) -----
@@ -506,8 +513,11 @@ impl Communicator {
     /// The addresses hold the bytes `c` describes on this rank's device, and nothing else
     /// touches them during the call.
     pub unsafe fn run_raw(&self, c: &RawCall) -> Result<()> {
-        self.progress
-            .run_blocking(&self.on_stream(self.raw_call(c)))
+        let call = self.on_stream(self.raw_call(c));
+        if call.on_stream() {
+            return self.run_on_stream(call).wait();
+        }
+        self.progress.run_blocking(&call)
     }
 
     /// Issue the collective `c` describes by address without waiting.
@@ -517,10 +527,48 @@ impl Communicator {
     /// As [`Communicator::run_raw`], until the call has completed (even if the `Work` is
     /// dropped first).
     pub unsafe fn issue_raw(&self, c: &RawCall) -> Work {
-        self.progress.issue(
-            Box::new(self.on_stream(self.raw_call(c))),
-            Box::new(Owned::new(())),
-        )
+        let call = self.on_stream(self.raw_call(c));
+        if call.on_stream() {
+            return self.run_on_stream(call);
+        }
+        self.progress
+            .issue(Box::new(call), Box::new(Owned::new(())))
+    }
+
+    /// Run a call issued on a caller's stream at once (the ranks meet now, in issue order) up
+    /// to queueing its device work, which the caller's stream then waits for; its handle waits
+    /// for that work on the host.
+    fn run_on_stream(&self, mut call: Call) -> Work {
+        let (site, result) = self.progress.run_numbered(&call);
+        let started = std::time::Instant::now();
+        let shared = self.progress.shared();
+        let (Some(mark), Some(engine)) = (call.take_mark(), &shared.engine) else {
+            return Work::ran(site, result, None, started);
+        };
+        if result.is_err() {
+            // Another rank may still be running the call with this mark's events.
+            engine.retire(mark);
+            return Work::ran(site, result, None, started);
+        }
+        // SAFETY: `set_cuda_stream`'s caller promised the stream lives while it is set.
+        let ordered = unsafe { engine.order_stream(self.rank(), &*mark) };
+        let device = call::OnStream {
+            engine: engine.clone(),
+            transport: shared.transport.clone(),
+            mark,
+            site,
+            deadline: started + shared.transport.timeout(),
+        };
+        match ordered {
+            Ok(()) => Work::ran(site, Ok(()), Some(Box::new(device)), started),
+            Err(e) => {
+                // The caller's stream is not ordered after the call: its error comes once the
+                // call's device work is done, so that nothing reuses the buffers under it.
+                let far = started + std::time::Duration::from_secs(365 * 24 * 3600);
+                let _ = work::DeviceWork::wait(&device, far);
+                Work::ran(site, Err(e), None, started)
+            }
+        }
     }
 
     // ----- typed API -----

@@ -160,6 +160,11 @@ impl Progress {
 
     /// Run `call` now when nothing is queued or running, else queue it and wait for it.
     pub(crate) fn run_blocking(&self, call: &(dyn Runnable + Sync + '_)) -> Result<()> {
+        self.run_numbered(call).1
+    }
+
+    /// [`Progress::run_blocking`], also saying where the call ran (its number).
+    pub(crate) fn run_numbered(&self, call: &(dyn Runnable + Sync + '_)) -> (Site, Result<()>) {
         let mut q = self.shared.queue.lock();
         if q.jobs.is_empty() && !q.running {
             let number = q.next_call;
@@ -167,7 +172,7 @@ impl Progress {
             q.running = true;
             let inline = Inline(&self.shared, std::mem::take(&mut q.plan));
             drop(q);
-            return call.run(&self.shared, number, &inline.1);
+            return (call.site(number), call.run(&self.shared, number, &inline.1));
         }
         drop(q);
         // SAFETY: the call's borrows outlive this function, and it waits until the call has
@@ -175,7 +180,7 @@ impl Progress {
         let call: Box<dyn Runnable + '_> = Box::new(Borrowed(call));
         let call: Box<dyn Runnable> = unsafe { std::mem::transmute(call) };
         let work: Work<()> = self.issue(call, Box::new(Owned::new(())));
-        work.wait().map(drop)
+        (work.site(), work.wait().map(drop))
     }
 
     /// Queue `call` and return its handle; `keep` is held until the call completes.
@@ -295,6 +300,14 @@ fn progress(shared: Arc<Shared>) {
     }
 }
 
+/// The device work a call queued on a caller's stream when it ran (see
+/// `Communicator::set_cuda_stream`), which its handle waits for on the host.
+pub(crate) trait DeviceWork: Send + Sync {
+    /// Wait until the work is done (`Ok(true)`) or `until` passes (`Ok(false)`); past the
+    /// call's own deadline, its error (`Timeout`).
+    fn wait(&self, until: Instant) -> Result<bool>;
+}
+
 /// The shared state of one issued call.
 pub(crate) struct WorkState {
     site: Site,
@@ -302,7 +315,12 @@ pub(crate) struct WorkState {
     cv: Condvar,
     /// When the call started running (it waits in the queue before).
     started: Mutex<Option<Instant>>,
+    /// The device work of a call that ran on a caller's stream, and its result once known.
+    device: Option<(Box<dyn DeviceWork>, DeviceResult)>,
 }
+
+/// The result of a call's device work, once known.
+type DeviceResult = Mutex<Option<Result<()>>>;
 
 impl WorkState {
     fn new(site: Site) -> WorkState {
@@ -311,7 +329,27 @@ impl WorkState {
             done: Mutex::new(None),
             cv: Condvar::new(),
             started: Mutex::new(None),
+            device: None,
         }
+    }
+
+    /// Wait for the device work, if any, until `until` (`None`: the call's own deadline).
+    /// `Ok(true)` once done (or there is none), `Ok(false)` once `until` passed first.
+    fn device_wait(&self, until: Option<Instant>) -> Result<bool> {
+        let Some((work, result)) = &self.device else {
+            return Ok(true);
+        };
+        if let Some(r) = &*result.lock() {
+            return r.clone().map(|()| true);
+        }
+        // Several threads may wait at once; each asks the device, the first answer is kept.
+        let far = Instant::now() + Duration::from_secs(365 * 24 * 3600);
+        let r = match work.wait(until.unwrap_or(far)) {
+            Ok(false) => return Ok(false),
+            Ok(true) => Ok(()),
+            Err(e) => Err(e),
+        };
+        result.lock().get_or_insert(r).clone().map(|()| true)
     }
 
     fn start(&self) {
@@ -365,6 +403,21 @@ impl<B: Send + 'static> Work<B> {
         }
     }
 
+    /// The handle of a call that already ran (issued on a caller's stream: its device work
+    /// is queued, `device` waits for it). Started at `started`.
+    pub(crate) fn ran(
+        site: Site,
+        result: Result<()>,
+        device: Option<Box<dyn DeviceWork>>,
+        started: Instant,
+    ) -> Work<B> {
+        let mut state = WorkState::new(site);
+        state.device = device.map(|d| (d, Mutex::new(None)));
+        *state.started.get_mut() = Some(started);
+        *state.done.get_mut() = Some((result, None));
+        Work::from_state(Arc::new(state))
+    }
+
     /// The call: its collective, this rank and its call number.
     pub fn site(&self) -> Site {
         self.state.site
@@ -377,7 +430,12 @@ impl<B: Send + 'static> Work<B> {
 
     /// True once the call has completed, successfully or not (never blocks).
     pub fn is_completed(&self) -> bool {
-        self.state.done.lock().is_some()
+        match &*self.state.done.lock() {
+            None => return false,
+            Some((Err(_), _)) => return true,
+            Some((Ok(()), _)) => {}
+        }
+        !matches!(self.state.device_wait(Some(Instant::now())), Ok(false))
     }
 
     /// Wait up to `timeout` for the call. `Ok` once it completed successfully; the call's
@@ -402,7 +460,18 @@ impl<B: Send + 'static> Work<B> {
                 None => self.state.cv.wait(&mut done),
             }
         }
-        done.as_ref().map_or(Ok(()), |(r, _)| r.clone())
+        done.as_ref().map_or(Ok(()), |(r, _)| r.clone())?;
+        drop(done);
+        match self.state.device_wait(deadline)? {
+            true => Ok(()),
+            false => Err(Error::Timeout {
+                site: self.state.site,
+                waiting_for: Vec::new(),
+                phase: "complete",
+                timeout,
+                stalled_on: Vec::new(),
+            }),
+        }
     }
 
     /// Wait until the call completes and return its result: the buffer the call owned (for
@@ -416,6 +485,7 @@ impl<B: Send + 'static> Work<B> {
         let (result, keep) = done.take().expect("checked above");
         drop(done);
         result?;
+        self.state.device_wait(None)?;
         let keep: Keep = keep.unwrap_or_else(|| Box::new(Owned::new(())));
         match keep.downcast::<Owned<B>>() {
             Ok(b) => Ok(b.into_inner()),
@@ -425,5 +495,116 @@ impl<B: Send + 'static> Work<B> {
                 message: "the work handle's buffer has another type".into(),
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Collective;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// Device work that is done once `done` is set, or fails with `Timeout` at its deadline.
+    struct Flag {
+        done: Arc<AtomicBool>,
+        deadline: Instant,
+    }
+
+    impl DeviceWork for Flag {
+        fn wait(&self, until: Instant) -> Result<bool> {
+            loop {
+                if self.done.load(Ordering::Acquire) {
+                    return Ok(true);
+                }
+                let now = Instant::now();
+                if now >= self.deadline {
+                    return Err(Error::Timeout {
+                        site: SITE,
+                        waiting_for: vec![0],
+                        phase: "finish its work on the device",
+                        timeout: Duration::ZERO,
+                        stalled_on: Vec::new(),
+                    });
+                }
+                if now >= until {
+                    return Ok(false);
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+
+    const SITE: Site = Site {
+        collective: Collective::AllReduce,
+        rank: 0,
+        call: 7,
+    };
+
+    /// A call that ran at issue is complete only once its device work is: a bounded wait
+    /// times out before, `is_completed` says no, and both see it once the work is done.
+    #[test]
+    fn a_call_that_ran_completes_with_its_device_work() {
+        let done = Arc::new(AtomicBool::new(false));
+        let device = Flag {
+            done: done.clone(),
+            deadline: Instant::now() + Duration::from_secs(60),
+        };
+        let work: Work<()> = Work::ran(SITE, Ok(()), Some(Box::new(device)), Instant::now());
+        assert!(!work.is_completed());
+        let e = work.wait_timeout(Duration::from_millis(20)).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Timeout {
+                    phase: "complete",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let setter = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            done.store(true, Ordering::Release);
+        });
+        work.wait_timeout(Duration::MAX).unwrap();
+        assert!(work.is_completed());
+        work.wait().unwrap();
+        setter.join().unwrap();
+    }
+
+    /// Device work past the call's deadline fails the handle with its error, every time asked.
+    #[test]
+    fn device_work_past_its_deadline_is_the_calls_error() {
+        let device = Flag {
+            done: Arc::new(AtomicBool::new(false)),
+            deadline: Instant::now() + Duration::from_millis(20),
+        };
+        let work: Work<()> = Work::ran(SITE, Ok(()), Some(Box::new(device)), Instant::now());
+        for _ in 0..2 {
+            let e = work.wait_timeout(Duration::MAX).unwrap_err();
+            assert!(
+                matches!(&e, Error::Timeout { waiting_for, .. } if waiting_for == &[0]),
+                "{e}"
+            );
+        }
+        assert!(work.is_completed());
+        assert!(work.wait().is_err());
+    }
+
+    /// A call whose own run failed never asks its device work.
+    #[test]
+    fn a_failed_call_does_not_wait_for_device_work() {
+        let device = Flag {
+            done: Arc::new(AtomicBool::new(false)),
+            deadline: Instant::now() + Duration::from_secs(60),
+        };
+        let failed = Error::Aborted {
+            rank: 1,
+            reason: "peer gone".into(),
+        };
+        let work: Work<()> = Work::ran(SITE, Err(failed), Some(Box::new(device)), Instant::now());
+        assert!(work.is_completed());
+        let e = work.wait().unwrap_err();
+        assert!(matches!(e, Error::Aborted { rank: 1, .. }), "{e}");
     }
 }

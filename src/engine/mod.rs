@@ -35,11 +35,18 @@ pub(crate) struct GroupCall {
     pub root: usize,
 }
 
-/// The work a caller queued on its device stream before issuing a call (an event recorded
-/// there), which the call's device work waits for. The call holds it until it completes.
+/// A call issued on a caller's device stream: the work queued there before the call (an event
+/// recorded there), which the call's device work waits for; and the event the call's device
+/// work records once queued, which the caller's stream then waits for (work queued there after
+/// the call is ordered after it). The call's handle holds it until the call completes.
 pub(crate) trait StreamMark: Send + Sync {
     /// The handle published with the call's buffers ([`CallBuffers::after`]).
     fn raw(&self) -> u64;
+    /// The end event ([`CallBuffers::end`]).
+    fn end(&self) -> u64;
+    /// The caller's stream.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn stream(&self) -> u64;
 }
 
 /// Runs a call once for every rank of a group of this process's devices, or (`per_rank`) each
@@ -66,5 +73,42 @@ pub(crate) trait GroupEngine: Send + Sync {
             "rank {rank}'s group orders no work on device streams (its buffers are host \
              memory): only cuda:N ranks with device buffers take a CUDA stream"
         )))
+    }
+
+    /// Make the caller's stream of `mark` (rank `rank`'s) wait for the device work of the call
+    /// that just ran with it (its end event). Called on the thread that issued the call.
+    ///
+    /// # Safety
+    ///
+    /// The mark's stream is still live (as promised to `mark_stream`).
+    unsafe fn order_stream(&self, rank: usize, mark: &dyn StreamMark) -> Result<()> {
+        let _ = (rank, mark);
+        Ok(())
+    }
+
+    /// Take the mark of a call that failed on its own rank: freed once no call of the engine
+    /// runs (another rank may still be running the call with it).
+    fn retire(&self, mark: Box<dyn StreamMark>) {
+        drop(mark)
+    }
+
+    /// Abort the engine's own work (NCCL's communicators), with the communicator.
+    fn abort(&self, reason: &str) {
+        let _ = reason;
+    }
+
+    /// Wait on the host for the device work of a call that ran with rank `rank`'s stream mark
+    /// `mark` (its end event): `Ok(true)` once done, `Ok(false)` once `until` passed first.
+    /// Past `deadline` (the call's) the error is `Timeout` and the engine is aborted.
+    fn stream_done(
+        &self,
+        site: Site,
+        rank: usize,
+        mark: &dyn StreamMark,
+        until: std::time::Instant,
+        deadline: std::time::Instant,
+    ) -> Result<bool> {
+        let _ = (site, rank, mark, until, deadline);
+        Ok(true)
     }
 }

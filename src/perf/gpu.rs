@@ -146,6 +146,7 @@ impl<T: Element> Bench for GpuBench<'_, T> {
             send,
             recv,
             &[],
+            &[],
         )
     }
 }

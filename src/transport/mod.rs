@@ -59,6 +59,9 @@ pub struct CallBuffers {
     /// work waits for, marking the work the caller queued on its stream before issuing the
     /// call. 0: none.
     pub after: u64,
+    /// With `after`: the event the call's device work records once queued, which the
+    /// caller's stream then waits for. 0: none.
+    pub end: u64,
 }
 
 // SAFETY: the pointers are only dereferenced by peers while the owning rank is inside the call
@@ -74,6 +77,7 @@ impl CallBuffers {
         output: std::ptr::null_mut(),
         output_len: 0,
         after: 0,
+        end: 0,
     };
 }
 

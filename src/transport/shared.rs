@@ -396,6 +396,7 @@ impl Buffers {
                     output: oseg.ptr().add(c[4] as usize),
                     output_len: c[5] as usize,
                     after: 0,
+                    end: 0,
                 }
             };
         }

@@ -613,9 +613,11 @@ class Communicator:
         _check(_library().tutti_comm_abort(self._handle(), reason.encode() if reason else None))
 
     def set_cuda_stream(self, stream):
-        """Order later calls of this ``cuda:N`` rank after the work queued on ``stream`` (a raw
+        """Order later calls of this ``cuda:N`` rank on ``stream`` as NCCL does (a raw
         ``cudaStream_t`` as an int, e.g. ``torch.cuda.current_stream().cuda_stream``; 0 is the
-        legacy default stream), or after nothing with ``None``. See the README, "CUDA streams"."""
+        legacy default stream): each call's GPU work comes after the work queued there before
+        it, and the work queued there after it comes after the call's. ``None``: no stream.
+        See the README, "CUDA streams"."""
         lib = _library()
         if stream is None:
             _check(lib.tutti_comm_unset_cuda_stream(self._handle()))

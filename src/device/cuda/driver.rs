@@ -419,6 +419,50 @@ impl Event {
     }
 }
 
+/// Record the event `event` (a raw `CUevent` of `stream`'s context, from [`Event::raw`]) on
+/// `stream`: it completes once the work queued there so far has.
+pub(crate) fn record_on(event: u64, stream: &Stream) -> Result<()> {
+    let _cur = stream.ctx.enter()?;
+    // SAFETY: a live stream; the event is live while the call that records it runs (its owner
+    // holds it until the call completes).
+    check(
+        unsafe { sys::cuEventRecord(event as sys::CUevent, stream.raw) },
+        || format!("CUDA cuEventRecord on GPU {}", stream.ctx.ordinal),
+    )
+}
+
+/// Make a caller's stream (a `CUstream` or `cudaStream_t` of `ctx`; 0: the legacy default
+/// stream) wait, on the GPU, for the event `event` (a raw `CUevent` of `ctx`).
+///
+/// # Safety
+///
+/// `stream` is a live stream of `ctx`, or 0; `event` is a live event of `ctx`.
+pub(crate) unsafe fn stream_wait_raw(ctx: &Context, stream: u64, event: u64) -> Result<()> {
+    let _cur = ctx.enter()?;
+    // SAFETY: as the caller promises.
+    check(
+        unsafe { sys::cuStreamWaitEvent(stream as sys::CUstream, event as sys::CUevent, 0) },
+        || {
+            format!(
+                "CUDA cuStreamWaitEvent (the stream given for GPU {} waiting for a call)",
+                ctx.ordinal
+            )
+        },
+    )
+}
+
+/// True once the work before the last record of `event` (a raw `CUevent` of `ctx`) is done,
+/// or the event was never recorded.
+pub(crate) fn event_done(ctx: &Context, event: u64) -> Result<bool> {
+    let _cur = ctx.enter()?;
+    // SAFETY: a live event, as its owner holds it while asking.
+    match unsafe { sys::cuEventQuery(event as sys::CUevent) } {
+        CUresult::CUDA_SUCCESS => Ok(true),
+        CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        r => check(r, || format!("CUDA work on GPU {}", ctx.ordinal)).map(|_| true),
+    }
+}
+
 impl Drop for Event {
     fn drop(&mut self) {
         let Ok(_cur) = self.ctx.enter() else {

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
 
 use super::discovery::DeviceInner;
-use super::driver::{self, Stream};
+use super::driver;
 use super::libs;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
@@ -380,6 +380,9 @@ pub(crate) struct Comms {
     /// Ranks in the NCCL world.
     world: usize,
     aborted: AtomicBool,
+    /// Held (shared) while a communicator is asked for its state, (alone) by an abort, which
+    /// frees them.
+    gate: parking_lot::RwLock<()>,
 }
 
 // SAFETY: communicator handles may be used from any thread (one call at a time, which the
@@ -448,6 +451,7 @@ impl Comms {
             ranks: (first_rank..first_rank + devices.len()).collect(),
             world,
             aborted: AtomicBool::new(false),
+            gate: parking_lot::RwLock::new(()),
         };
         let result = first_err
             .map_or(Ok(()), Err)
@@ -510,12 +514,11 @@ impl Comms {
         }
     }
 
-    /// Run one collective over every local device, on each device's stream, and wait for it.
-    /// `sends[i]`, `recvs[i]` are device `i`'s addresses; `count` is NCCL's count (per rank
-    /// for all-gather's input and reduce-scatter's output). `Ok(Err(ranks))`: timed out waiting
-    /// for those global ranks (the communicators are then aborted).
+    /// Queue one collective over every local device, on each device's stream (see
+    /// [`Comms::wait`]). `sends[i]`, `recvs[i]` are device `i`'s addresses; `count` is NCCL's
+    /// count (per rank for all-gather's input and reduce-scatter's output).
     #[allow(clippy::too_many_arguments)]
-    pub fn run(
+    pub fn enqueue(
         &self,
         call: &Call,
         dtype: DType,
@@ -523,9 +526,9 @@ impl Comms {
         sends: &[u64],
         recvs: &[u64],
         devices: &[&DeviceInner],
-        deadline: Instant,
         what: &str,
-    ) -> Result<std::result::Result<(), Vec<usize>>> {
+    ) -> Result<()> {
+        let _gate = self.gate.read();
         if self.aborted.load(Ordering::Acquire) {
             return Err(Error::System {
                 what: what.into(),
@@ -576,32 +579,41 @@ impl Comms {
         if let Some(e) = first_err {
             return Err(e);
         }
-        api.check(ended, None, || format!("{what}: ncclGroupEnd"))?;
-        // The work is queued once no communicator is in progress; then wait for the streams,
-        // watching for asynchronous errors.
+        api.check(ended, None, || format!("{what}: ncclGroupEnd"))
+    }
+
+    /// Wait until the work queued on the devices' streams is done, watching for NCCL's
+    /// asynchronous errors. `Ok(Err(ranks))`: the deadline passed while those global ranks were
+    /// busy (the communicators are then aborted).
+    pub fn wait(
+        &self,
+        devices: &[&DeviceInner],
+        deadline: Instant,
+        what: &str,
+    ) -> Result<std::result::Result<(), Vec<usize>>> {
+        let r = self.wait_for(|i| devices[i].stream.done(), deadline, what)?;
+        if r.is_err() {
+            self.abort();
+        }
+        Ok(r)
+    }
+
+    /// [`Comms::wait`] with what "done" means for local device `i` given by `done(i)` (its
+    /// stream idle, or an event recorded after a call's work completed). Past the deadline
+    /// the communicators are left as they are: the caller decides whether to abort.
+    pub fn wait_for(
+        &self,
+        done: impl Fn(usize) -> Result<bool>,
+        deadline: Instant,
+        what: &str,
+    ) -> Result<std::result::Result<(), Vec<usize>>> {
         let start = Instant::now();
-        let streams: Vec<&Stream> = devices.iter().map(|d| &d.stream).collect();
         loop {
-            let mut busy_comm = false;
-            for (i, &c) in self.comms.iter().enumerate() {
-                let mut state: c_int = NCCL_SUCCESS;
-                // SAFETY: a live communicator and a valid out-pointer.
-                let r = unsafe { (api.comm_get_async_error)(c, &mut state) };
-                api.check(r, Some(c), || format!("{what}: ncclCommGetAsyncError"))?;
-                if state == NCCL_IN_PROGRESS {
-                    busy_comm = true;
-                } else if let Err(e) = api.check(state, Some(c), || {
-                    format!("{what} on rank {}", self.ranks[i])
-                }) {
-                    self.abort();
-                    return Err(e);
-                }
-            }
             let mut pending = Vec::new();
-            if !busy_comm {
-                for (i, s) in streams.iter().enumerate() {
-                    if !s.done()? {
-                        pending.push(self.ranks[i]);
+            if !self.in_progress(what)? {
+                for (i, &rank) in self.ranks.iter().enumerate() {
+                    if !done(i)? {
+                        pending.push(rank);
                     }
                 }
                 if pending.is_empty() {
@@ -612,15 +624,49 @@ impl Comms {
             }
             let now = Instant::now();
             if now >= deadline {
-                self.abort();
                 return Ok(Err(pending));
             }
             driver::pause(now - start);
         }
     }
 
+    /// True while a communicator is still queueing work; an asynchronous error of any is
+    /// returned (and the communicators aborted). Several threads may ask at once (the waits
+    /// of calls issued on streams); an abort waits until no one asks.
+    pub(crate) fn in_progress(&self, what: &str) -> Result<bool> {
+        let api = self.api;
+        let _gate = self.gate.read();
+        if self.is_aborted() {
+            return Err(Error::System {
+                what: what.into(),
+                message: "the group's NCCL communicators were aborted by an earlier failure; \
+                          build a new group"
+                    .into(),
+            });
+        }
+        let mut busy = false;
+        for (i, &c) in self.comms.iter().enumerate() {
+            let mut state: c_int = NCCL_SUCCESS;
+            // SAFETY: a live communicator (not aborted: the gate holds aborts off) and a valid
+            // out-pointer.
+            let r = unsafe { (api.comm_get_async_error)(c, &mut state) };
+            api.check(r, Some(c), || format!("{what}: ncclCommGetAsyncError"))?;
+            if state == NCCL_IN_PROGRESS {
+                busy = true;
+            } else if let Err(e) = api.check(state, Some(c), || {
+                format!("{what} on rank {}", self.ranks[i])
+            }) {
+                drop(_gate);
+                self.abort();
+                return Err(e);
+            }
+        }
+        Ok(busy)
+    }
+
     /// Abort every communicator (once): NCCL's kernels stop and the communicators are freed.
     pub fn abort(&self) {
+        let _gate = self.gate.write();
         if self.aborted.swap(true, Ordering::AcqRel) {
             return;
         }

@@ -42,17 +42,32 @@ use crate::device::cuda::nccl::{self, Call, Comms};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Collective, Error, Result, Site};
 
-/// The work queued on a caller's CUDA stream when a call was issued (an event recorded there),
-/// which the call's device work waits for. Dropping it is safe at any time: the driver frees an
-/// event that something still waits on once it completes.
+/// A call issued on a caller's CUDA stream: the work queued there before the call (an event
+/// recorded there), which the call's device work waits for; the caller's stream; and the event
+/// the call records after its device work, which that stream then waits for. Dropping it is
+/// safe once no call uses its events (see [`GpuGroup::retire`]): the driver frees an event
+/// that something still waits on once it completes.
 pub(crate) struct StreamMark {
     event: driver::Event,
+    end: driver::Event,
+    stream: u64,
 }
 
 impl StreamMark {
-    /// The event, for [`GpuGroup::execute`].
+    /// The event before the call, for [`GpuGroup::execute`].
     pub(crate) fn raw(&self) -> u64 {
         self.event.raw()
+    }
+
+    /// The event after the call's device work, for [`GpuGroup::execute`] and
+    /// [`GpuGroup::stream_done`].
+    pub(crate) fn end(&self) -> u64 {
+        self.end.raw()
+    }
+
+    /// The caller's stream.
+    pub(crate) fn stream(&self) -> u64 {
+        self.stream
     }
 }
 
@@ -147,6 +162,10 @@ pub struct GpuGroup {
     calls: AtomicU64,
     aborted: Mutex<Option<String>>,
     busy: Mutex<()>,
+    /// Stream marks of calls that failed on their own rank while the group's call may still
+    /// use their events (rank 0 runs an in-process group's call for every rank): freed once
+    /// no call runs (the next call, or the group's drop).
+    retired: Mutex<Vec<Box<dyn crate::engine::StreamMark>>>,
 }
 
 impl fmt::Debug for GpuGroup {
@@ -316,6 +335,7 @@ impl GpuGroup {
             calls: AtomicU64::new(0),
             aborted: Mutex::new(None),
             busy: Mutex::new(()),
+            retired: Mutex::new(Vec::new()),
         })
     }
 
@@ -411,6 +431,7 @@ impl GpuGroup {
             calls: AtomicU64::new(0),
             aborted: Mutex::new(None),
             busy: Mutex::new(()),
+            retired: Mutex::new(Vec::new()),
         })
     }
 
@@ -497,9 +518,87 @@ impl GpuGroup {
             ))
         })?;
         let event = driver::Event::new(&d.inner.ctx)?;
+        let end = driver::Event::new(&d.inner.ctx)?;
         // SAFETY: as the caller promises.
         unsafe { event.record_raw(stream)? };
-        Ok(StreamMark { event })
+        Ok(StreamMark { event, end, stream })
+    }
+
+    /// Make the caller's `stream` wait for the end event `end` of a call that ran on device
+    /// `index` (recorded by [`GpuGroup::execute`] before the call returned on any rank). On the
+    /// thread that issued the call: a per-thread default stream handle means that thread's.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a live stream of that device's GPU (or 0), as given to `mark_stream`.
+    pub(crate) unsafe fn order_caller(&self, index: usize, stream: u64, end: u64) -> Result<()> {
+        let d = self.device_at(index)?;
+        // SAFETY: as the caller promises; the end event is the call's own, of this context.
+        unsafe { driver::stream_wait_raw(&d.inner.ctx, stream, end) }
+    }
+
+    /// Keep the mark of a call that failed on its own rank until no call of this group runs:
+    /// in an in-process group, rank 0 may still be queueing that call with the mark's events.
+    pub(crate) fn retire(&self, mark: Box<dyn crate::engine::StreamMark>) {
+        self.retired
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(mark);
+    }
+
+    fn device_at(&self, index: usize) -> Result<&GpuDevice> {
+        self.devices.get(index).ok_or_else(|| {
+            Error::config(format!(
+                "device {index} is not in this GPU group of {}",
+                self.devices.len()
+            ))
+        })
+    }
+
+    /// Wait for the device work of a call that ran on a caller's stream on device `index` (its
+    /// `end` event, see [`GpuGroup::execute`]): `Ok(true)` once done, `Ok(false)` once `until`
+    /// passed first. Past `deadline` (the call's), the device is marked failed, the group
+    /// aborted and the error is `Timeout`. NCCL's asynchronous errors are watched meanwhile.
+    pub(crate) fn stream_done(
+        &self,
+        site: Site,
+        index: usize,
+        end: u64,
+        until: Instant,
+        deadline: Instant,
+    ) -> Result<bool> {
+        let d = self.device_at(index)?;
+        let stop = until.min(deadline);
+        let what = format!("NCCL {site}");
+        let start = Instant::now();
+        loop {
+            if driver::event_done(&d.inner.ctx, end)? {
+                return Ok(true);
+            }
+            if let Some(comms) = &self.nccl {
+                // Only for its errors: a communicator busy with a later call is no sign of
+                // this one.
+                comms.in_progress(&what)?;
+            }
+            let now = Instant::now();
+            if now >= stop {
+                break;
+            }
+            driver::pause(now - start);
+        }
+        if stop < deadline {
+            return Ok(false);
+        }
+        d.inner.mark_failed();
+        let e = Error::Timeout {
+            site,
+            waiting_for: vec![self.first_rank + index],
+            phase: "finish its work on the GPU (queued before the caller's stream's next work)",
+            timeout: self.timeout,
+            stalled_on: Vec::new(),
+        };
+        self.abort(&format!("an earlier call failed: {e}"));
+        Err(e)
     }
 
     /// Abort the group: NCCL communicators are aborted, and this and later calls fail.
@@ -542,6 +641,7 @@ impl GpuGroup {
             &ptrs,
             &ptrs,
             &[],
+            &[],
         )
     }
 
@@ -558,7 +658,7 @@ impl GpuGroup {
         let count = self.same_len(c, &s, "send buffer")?;
         self.expect_len(c, &r, count, "receive buffer")?;
         self.no_partial_overlap(c, &s, &r, T::DTYPE.size())?;
-        self.execute(c, T::DTYPE, op, 0, count, &ptrs(&s), &ptrs(&r), &[])
+        self.execute(c, T::DTYPE, op, 0, count, &ptrs(&s), &ptrs(&r), &[], &[])
     }
 
     /// In place: every buffer becomes rank `root`'s.
@@ -571,7 +671,7 @@ impl GpuGroup {
         let regions = self.regions(c, bufs.iter().map(|b| b.region()))?;
         let count = self.same_len(c, &regions, "buffer")?;
         let p = ptrs(&regions);
-        self.execute(c, T::DTYPE, ReduceOp::Sum, root, count, &p, &p, &[])
+        self.execute(c, T::DTYPE, ReduceOp::Sum, root, count, &p, &p, &[], &[])
     }
 
     /// `recv[i]` = every rank's `send`, in rank order (`recv` holds world × `send`).
@@ -602,6 +702,7 @@ impl GpuGroup {
             count,
             &ptrs(&s),
             &ptrs(&r),
+            &[],
             &[],
         )
     }
@@ -666,7 +767,7 @@ impl GpuGroup {
             }
             _ => {}
         }
-        self.execute(c, T::DTYPE, op, root, count, &ptrs(&s), &r, &[])
+        self.execute(c, T::DTYPE, op, root, count, &ptrs(&s), &r, &[], &[])
     }
 
     /// `recv[i]` = slice `rank` of the element-wise `op` over every rank's `send` (`send`
@@ -690,7 +791,7 @@ impl GpuGroup {
                 ));
             }
         }
-        self.execute(c, T::DTYPE, op, 0, count, &ptrs(&s), &ptrs(&r), &[])
+        self.execute(c, T::DTYPE, op, 0, count, &ptrs(&s), &ptrs(&r), &[], &[])
     }
 
     /// Any collective over device addresses, for carriers such as the C ABI. `send[i]` and
@@ -711,11 +812,11 @@ impl GpuGroup {
         send: &[DevicePtr],
         recv: &[DevicePtr],
     ) -> Result<()> {
-        self.collective_raw_after(collective, dtype, count, op, root, send, recv, &[])
+        self.collective_raw_after(collective, dtype, count, op, root, send, recv, &[], &[])
     }
 
     /// [`GpuGroup::collective_raw`], with device i's work first waiting for the event
-    /// `after[i]` ([`GpuGroup::execute`]).
+    /// `after[i]`, and recording `ends[i]` once queued ([`GpuGroup::execute`]).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn collective_raw_after(
         &self,
@@ -727,6 +828,7 @@ impl GpuGroup {
         send: &[DevicePtr],
         recv: &[DevicePtr],
         after: &[u64],
+        ends: &[u64],
     ) -> Result<()> {
         let c = collective;
         if c == Collective::Barrier {
@@ -820,7 +922,7 @@ impl GpuGroup {
                 ));
             }
         }
-        self.execute(c, dtype, op, root, count, &s, &r, after)
+        self.execute(c, dtype, op, root, count, &s, &r, after, ends)
     }
 
     // ----- argument checks -----
@@ -908,6 +1010,11 @@ impl GpuGroup {
     /// Run a collective over addresses already checked (see [`GpuGroup::collective_raw`]).
     /// Device i's work first waits (on the GPU) for the event `after[i]` (a [`StreamMark`]'s;
     /// 0 or missing: none): the work a caller queued on its stream before issuing the call.
+    ///
+    /// With an end event for every device (`ends[i]`, a [`StreamMark::end`]), the call returns
+    /// once its work is queued and the events recorded after it: each caller's stream then
+    /// waits for its event ([`GpuGroup::order_caller`]), and [`GpuGroup::stream_done`] waits
+    /// for it on the host. Otherwise it returns once the work is done.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn execute(
         &self,
@@ -919,6 +1026,7 @@ impl GpuGroup {
         send: &[u64],
         recv: &[u64],
         after: &[u64],
+        ends: &[u64],
     ) -> Result<()> {
         if let Some(reason) = self.aborted() {
             return Err(Error::Aborted {
@@ -941,17 +1049,43 @@ impl GpuGroup {
                 ),
             ));
         }
+        self.retired
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
         let site = self.site(c);
         self.calls.fetch_add(1, Ordering::Relaxed);
-        for (d, &event) in self.devices.iter().zip(after) {
-            if event != 0 {
+        // Every device waits for every caller's earlier work: a copy queued on one device
+        // reads another's input (an event may be waited for from any device).
+        let marks: Vec<u64> = after.iter().copied().filter(|&e| e != 0).collect();
+        for d in &self.devices {
+            for &event in &marks {
                 d.inner.stream.wait_event(event)?;
             }
         }
         let deadline = Instant::now() + self.timeout;
-        let r = match &self.nccl {
-            Some(comms) => self.run_nccl(comms, site, dtype, op, root, count, send, recv, deadline),
-            None => self.run_copies(site, dtype, op, root, count, send, recv, deadline),
+        let queued = match &self.nccl {
+            Some(comms) => self.queue_nccl(comms, site, dtype, op, root, count, send, recv),
+            None => self.queue_copies(site, dtype, op, count, root, send, recv),
+        };
+        let streamed = ends.len() == self.devices.len() && ends.iter().all(|&e| e != 0);
+        let r = match (&self.nccl, queued) {
+            // NCCL refused the call: nothing waits for its kernels but an abort (below).
+            (Some(_), Err(e)) => Err(e),
+            (_, queued) => {
+                let ended = queued.and_then(|()| self.record_ends(site, ends, deadline));
+                if streamed && ended.is_ok() {
+                    Ok(())
+                } else {
+                    // Wait for what was queued even when queueing failed part-way, so that no
+                    // device still works on the buffers when the call returns.
+                    let waited = match &self.nccl {
+                        Some(comms) => self.wait_nccl(comms, site, deadline),
+                        None => self.finish(site, deadline),
+                    };
+                    ended.and(waited)
+                }
+            }
         };
         if let Err(e) = &r {
             // A timeout, or NCCL failing, leaves the devices in an unknown state.
@@ -964,8 +1098,42 @@ impl GpuGroup {
         r
     }
 
+    /// Record each device's end event (`ends[i]`, 0: none) once the call's work is queued:
+    /// after every device's work of the call (a copy on one device reads another's buffers),
+    /// so that the caller's stream, which waits for it, is ordered after the whole call.
+    fn record_ends(&self, site: Site, ends: &[u64], deadline: Instant) -> Result<()> {
+        if ends.iter().all(|&e| e == 0) {
+            return Ok(());
+        }
+        if let Some(comms) = &self.nccl {
+            // Non-blocking communicators may still be queueing the call when ncclGroupEnd
+            // returns (ncclInProgress): its kernels are on the streams once none is.
+            let what = format!("NCCL {site}");
+            if let Err(ranks) = comms.wait_for(|_| Ok(true), deadline, &what)? {
+                comms.abort();
+                return Err(Error::Timeout {
+                    site,
+                    waiting_for: ranks,
+                    phase: "queue the NCCL call (the NCCL communicators were aborted)",
+                    timeout: self.timeout,
+                    stalled_on: Vec::new(),
+                });
+            }
+        }
+        for (i, &end) in ends.iter().enumerate() {
+            if end == 0 {
+                continue;
+            }
+            for k in 0..self.devices.len() {
+                self.order(i, k)?;
+            }
+            driver::record_on(end, &self.devices[i].inner.stream)?;
+        }
+        Ok(())
+    }
+
     #[allow(clippy::too_many_arguments)]
-    fn run_nccl(
+    fn queue_nccl(
         &self,
         comms: &Comms,
         site: Site,
@@ -975,7 +1143,6 @@ impl GpuGroup {
         count: usize,
         send: &[u64],
         recv: &[u64],
-        deadline: Instant,
     ) -> Result<()> {
         let call = match site.collective {
             Collective::AllReduce => Call::AllReduce { op },
@@ -997,8 +1164,21 @@ impl GpuGroup {
             .map(|(&s, &r)| if s == 0 { r } else { s })
             .collect();
         let inner: Vec<&DeviceInner> = self.devices.iter().map(|d| &*d.inner).collect();
-        let what = format!("NCCL {site}");
-        match comms.run(&call, dtype, count, &send, recv, &inner, deadline, &what)? {
+        comms.enqueue(
+            &call,
+            dtype,
+            count,
+            &send,
+            recv,
+            &inner,
+            &format!("NCCL {site}"),
+        )
+    }
+
+    /// Wait for the NCCL work queued on the devices' streams, up to the deadline.
+    fn wait_nccl(&self, comms: &Comms, site: Site, deadline: Instant) -> Result<()> {
+        let inner: Vec<&DeviceInner> = self.devices.iter().map(|d| &*d.inner).collect();
+        match comms.wait(&inner, deadline, &format!("NCCL {site}"))? {
             Ok(()) => Ok(()),
             Err(ranks) => {
                 for r in &ranks {
@@ -1031,8 +1211,9 @@ impl GpuGroup {
 
     /// Queue on device `to`'s stream a copy of `bytes` from device `from`'s `src` to `dst`.
     /// `produced`: the source was written earlier in this call, so the copy waits for the work
-    /// queued on `from` so far. (A call starts with every stream idle, so inputs need no wait;
-    /// not waiting lets the devices' copies run side by side.)
+    /// queued on `from` so far. (Inputs need no wait: a call starts with every stream idle,
+    /// or, on callers' streams, after every device waited for every caller's earlier work,
+    /// the previous calls' included; not waiting lets the devices' copies run side by side.)
     fn copy(
         &self,
         to: usize,
@@ -1156,16 +1337,15 @@ impl GpuGroup {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn run_copies(
+    fn queue_copies(
         &self,
         site: Site,
         dtype: DType,
         op: ReduceOp,
-        root: usize,
         count: usize,
+        root: usize,
         send: &[u64],
         recv: &[u64],
-        deadline: Instant,
     ) -> Result<()> {
         let p = self.devices.len();
         let es = dtype.size();
@@ -1174,7 +1354,7 @@ impl GpuGroup {
             return Ok(());
         }
         let mean = (op == ReduceOp::Mean && p > 1).then_some(p);
-        let queued = (|| -> Result<()> {
+        {
             match site.collective {
                 Collective::AllReduce => {
                     let algo = match self.algorithm {
@@ -1248,11 +1428,7 @@ impl GpuGroup {
                 }
                 Collective::Barrier => Ok(()),
             }
-        })();
-        // Wait for what was queued even when queueing failed part-way, so that no device
-        // still works on the buffers when the call returns.
-        let waited = self.finish(site, deadline);
-        queued.and(waited)
+        }
     }
 
     /// Queue one move of a copy schedule (see `algorithm::CopyAlgorithm`) as device work

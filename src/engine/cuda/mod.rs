@@ -7,6 +7,8 @@ mod moves;
 
 pub use group::{GpuAlgorithm, GpuGroup};
 
+use std::time::Instant;
+
 use crate::device::cuda::{DevicePtr, GpuBuffer};
 use crate::error::{Collective, Result, Site};
 use crate::transport::CallBuffers;
@@ -16,6 +18,12 @@ use super::{GroupCall, GroupEngine, StreamMark};
 impl StreamMark for group::StreamMark {
     fn raw(&self) -> u64 {
         group::StreamMark::raw(self)
+    }
+    fn end(&self) -> u64 {
+        group::StreamMark::end(self)
+    }
+    fn stream(&self) -> u64 {
+        group::StreamMark::stream(self)
     }
 }
 
@@ -56,6 +64,7 @@ impl GroupEngine for Cuda {
             .map(|(r, b)| ptr(r, b.output, b.output_len))
             .collect();
         let after: Vec<u64> = bufs.iter().map(|b| b.after).collect();
+        let ends: Vec<u64> = bufs.iter().map(|b| b.end).collect();
         self.group.collective_raw_after(
             c.collective,
             c.dtype,
@@ -65,15 +74,54 @@ impl GroupEngine for Cuda {
             &send,
             &recv,
             &after,
+            &ends,
         )
     }
 
     unsafe fn mark_stream(&self, rank: usize, stream: u64) -> Result<Box<dyn StreamMark>> {
-        // A group spanning processes holds this process's device only.
-        let index = if self.per_rank { 0 } else { rank };
         // SAFETY: as the caller promises.
-        let mark = unsafe { self.group.mark_stream(index, stream)? };
+        let mark = unsafe { self.group.mark_stream(self.index(rank), stream)? };
         Ok(Box::new(mark))
+    }
+
+    unsafe fn order_stream(&self, rank: usize, mark: &dyn StreamMark) -> Result<()> {
+        // SAFETY: as the caller promises.
+        unsafe {
+            self.group
+                .order_caller(self.index(rank), mark.stream(), mark.end())
+        }
+    }
+
+    fn retire(&self, mark: Box<dyn StreamMark>) {
+        self.group.retire(mark)
+    }
+
+    fn abort(&self, reason: &str) {
+        self.group.abort(reason)
+    }
+
+    fn stream_done(
+        &self,
+        site: Site,
+        rank: usize,
+        mark: &dyn StreamMark,
+        until: Instant,
+        deadline: Instant,
+    ) -> Result<bool> {
+        self.group
+            .stream_done(site, self.index(rank), mark.end(), until, deadline)
+    }
+}
+
+impl Cuda {
+    /// The group's device of rank `rank` (a group spanning processes holds this process's
+    /// device only).
+    fn index(&self, rank: usize) -> usize {
+        if self.per_rank {
+            0
+        } else {
+            rank
+        }
     }
 }
 
