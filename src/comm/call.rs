@@ -88,7 +88,8 @@ pub(super) struct OnStream {
 }
 
 impl super::work::DeviceWork for OnStream {
-    fn wait(&self, until: std::time::Instant) -> Result<bool> {
+    fn wait(&self, until: Option<std::time::Instant>) -> Result<bool> {
+        let until = until.unwrap_or(self.deadline);
         let r =
             self.engine
                 .stream_done(self.site, self.site.rank, &*self.mark, until, self.deadline);

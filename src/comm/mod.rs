@@ -564,8 +564,7 @@ impl Communicator {
             Err(e) => {
                 // The caller's stream is not ordered after the call: its error comes once the
                 // call's device work is done, so that nothing reuses the buffers under it.
-                let far = started + std::time::Duration::from_secs(365 * 24 * 3600);
-                let _ = work::DeviceWork::wait(&device, far);
+                let _ = work::DeviceWork::wait(&device, None);
                 Work::ran(site, Err(e), None, started)
             }
         }

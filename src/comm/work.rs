@@ -303,9 +303,9 @@ fn progress(shared: Arc<Shared>) {
 /// The device work a call queued on a caller's stream when it ran (see
 /// `Communicator::set_cuda_stream`), which its handle waits for on the host.
 pub(crate) trait DeviceWork: Send + Sync {
-    /// Wait until the work is done (`Ok(true)`) or `until` passes (`Ok(false)`); past the
-    /// call's own deadline, its error (`Timeout`).
-    fn wait(&self, until: Instant) -> Result<bool>;
+    /// Wait until the work is done (`Ok(true)`) or `until` passes (`Ok(false)`; `None`: until
+    /// the call's own deadline); past that deadline, its error (`Timeout`).
+    fn wait(&self, until: Option<Instant>) -> Result<bool>;
 }
 
 /// The shared state of one issued call.
@@ -343,8 +343,7 @@ impl WorkState {
             return r.clone().map(|()| true);
         }
         // Several threads may wait at once; each asks the device, the first answer is kept.
-        let far = Instant::now() + Duration::from_secs(365 * 24 * 3600);
-        let r = match work.wait(until.unwrap_or(far)) {
+        let r = match work.wait(until) {
             Ok(false) => return Ok(false),
             Ok(true) => Ok(()),
             Err(e) => Err(e),
@@ -511,7 +510,7 @@ mod tests {
     }
 
     impl DeviceWork for Flag {
-        fn wait(&self, until: Instant) -> Result<bool> {
+        fn wait(&self, until: Option<Instant>) -> Result<bool> {
             loop {
                 if self.done.load(Ordering::Acquire) {
                     return Ok(true);
@@ -526,7 +525,7 @@ mod tests {
                         stalled_on: Vec::new(),
                     });
                 }
-                if now >= until {
+                if until.is_some_and(|u| now >= u) {
                     return Ok(false);
                 }
                 std::thread::sleep(Duration::from_millis(1));

@@ -1057,9 +1057,8 @@ impl GpuGroup {
         self.calls.fetch_add(1, Ordering::Relaxed);
         // Every device waits for every caller's earlier work: a copy queued on one device
         // reads another's input (an event may be waited for from any device).
-        let marks: Vec<u64> = after.iter().copied().filter(|&e| e != 0).collect();
         for d in &self.devices {
-            for &event in &marks {
+            for &event in after.iter().filter(|&&e| e != 0) {
                 d.inner.stream.wait_event(event)?;
             }
         }
