@@ -257,6 +257,26 @@ pub enum Error {
         /// Why it is not there and what would make it so.
         why: String,
     },
+    /// A task of a parameter-server job (a `ps` task, a worker, the coordinator) is gone: its
+    /// connection broke or it did not answer within the timeout.
+    #[error("lost {task} ({detail}); that task exited, crashed or was killed")]
+    TaskLost {
+        /// The task, as TF_CONFIG names it (`ps task 0`, `worker 1`).
+        task: String,
+        /// What the connection reported.
+        detail: String,
+    },
+    /// The user's step function failed on a worker of a parameter-server job: its own error,
+    /// with the worker that raised it. The worker stays in the job.
+    #[error("step {step} failed on worker {worker}: {message}")]
+    StepFailed {
+        /// The worker's index among the `worker` tasks.
+        worker: usize,
+        /// The step the coordinator scheduled.
+        step: u64,
+        /// The step function's error.
+        message: String,
+    },
     /// An operating-system call failed.
     #[error("{what}: {message}")]
     System {

@@ -461,3 +461,133 @@ fn strategy_api() {
         .iter()
         .all(|(g, b)| g == &[0, 1, 2] && *b == 7));
 }
+
+/// `n` addresses on loopback with ports free a moment ago.
+fn free_addrs(n: usize) -> Vec<String> {
+    let ls: Vec<_> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    ls.iter()
+        .map(|l| l.local_addr().unwrap().to_string())
+        .collect()
+}
+/// The spec of task `ty`:`index` in `cluster`, with a token as a real job has.
+fn spec_of(cluster: &serde_json::Value, ty: &str, index: usize) -> tutti::ClusterSpec {
+    let tf = serde_json::json!({"cluster": cluster, "task": {"type": ty, "index": index}});
+    let mut spec = tutti::from_tf_config(&tf.to_string()).unwrap();
+    spec.token = Some("strategy-consistency-test-token".into());
+    spec
+}
+/// A step function that fails is the user's error: `run_steps` returns it with its message and
+/// the worker that raised it, and the workers stay in the job (the next `run_steps` uses them).
+#[test]
+fn a_failing_step_is_returned_and_the_workers_stay() {
+    use tutti::strategy::ps::{ParameterServerStrategy, Partitioner, Role};
+    let addrs = free_addrs(4);
+    let cluster = serde_json::json!({
+        "chief": [addrs[0]], "worker": [addrs[1], addrs[2]], "ps": [addrs[3]]
+    });
+    let task = |ty: &str, i: usize| {
+        ParameterServerStrategy::new(spec_of(&cluster, ty, i), Partitioner::MaxShards(1))
+            .unwrap()
+            .with_timeout(Duration::from_secs(20))
+    };
+    let step_fn = |ctx: &tutti::strategy::ps::StepContext| {
+        if ctx.step() == 3 {
+            return Err(Error::config("the loss is NaN at step 3"));
+        }
+        Ok((vec![vec![1.0f32; 4]], ctx.step() as f32))
+    };
+    std::thread::scope(|s| {
+        let servers: Vec<_> = [("ps", 0), ("worker", 0), ("worker", 1)]
+            .into_iter()
+            .map(|(ty, i)| {
+                let t = task(ty, i);
+                s.spawn(move || t.run_role(step_fn).map(|r| matches!(r, Role::Done)))
+            })
+            .collect();
+        let Role::Chief(coord) = task("chief", 0).run_role(step_fn).unwrap() else {
+            panic!("the chief got no coordinator")
+        };
+        coord.create_variable("w", &[0.0; 4], 0.5).unwrap();
+        let e = coord.run_steps(6).unwrap_err();
+        match &e {
+            Error::StepFailed { step, message, .. } => {
+                assert_eq!(*step, 3, "{e}");
+                assert!(message.contains("the loss is NaN at step 3"), "{e}");
+            }
+            other => panic!("not the step's error: {other}"),
+        }
+        let shown = e.to_string();
+        assert!(shown.contains("step 3 failed on worker "), "{shown}");
+        assert_eq!(
+            coord.num_workers(),
+            2,
+            "a worker was dropped for the step's error"
+        );
+        // The job goes on with both workers (steps 0..2 run again: none of them fails).
+        let losses = coord.run_steps(3).unwrap();
+        assert_eq!(losses, vec![0.0, 1.0, 2.0]);
+        assert_eq!(coord.num_workers(), 2);
+        coord.shutdown().unwrap();
+        for h in servers {
+            assert!(
+                h.join().unwrap().unwrap(),
+                "a task did not end with the job"
+            );
+        }
+    });
+}
+/// A parameter server that dies is named by the coordinator and by every worker, each within
+/// the timeout, instead of the workers being dropped one by one.
+#[test]
+fn a_lost_parameter_server_is_named_by_every_task() {
+    let t = train();
+    let addrs = free_addrs(4);
+    let cluster =
+        serde_json::json!({"chief": [addrs[0]], "worker": [addrs[1], addrs[2]], "ps": [addrs[3]]});
+    let spawn = |ty: &str, i: usize| {
+        let tf = serde_json::json!({"cluster": cluster, "task": {"type": ty, "index": i}});
+        Command::new(&t)
+            .args([
+                "--strategy",
+                "parameter-server",
+                "--steps",
+                "1000",
+                "--step-delay-ms",
+                "10",
+                "--json",
+            ])
+            .env("TF_CONFIG", tf.to_string())
+            .env("TUTTI_JOB_TOKEN", "ps-lost-test-token")
+            .env("TUTTI_TIMEOUT", "20")
+            .env_remove("TUTTI_RANK")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut ps = spawn("ps", 0);
+    let tasks = vec![
+        ("worker 0", spawn("worker", 0)),
+        ("worker 1", spawn("worker", 1)),
+        ("chief", spawn("chief", 0)),
+    ];
+    std::thread::sleep(Duration::from_millis(2000));
+    ps.kill().unwrap();
+    let _ = ps.wait();
+    let start = Instant::now();
+    for (name, mut c) in tasks {
+        while c.try_wait().unwrap().is_none() {
+            if start.elapsed() > Duration::from_secs(60) {
+                let _ = c.kill();
+                panic!("{name} did not end after the ps task was lost");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let mut err = String::new();
+        c.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+        assert!(!c.wait().unwrap().success(), "{name} succeeded: {err}");
+        assert!(err.contains("lost ps task 0"), "{name}: {err}");
+    }
+}

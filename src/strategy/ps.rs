@@ -8,7 +8,9 @@
 //! each variable's shards on the ps tasks ([`Partitioner`]), hands steps to workers as they become
 //! free, and when a worker is lost (its connection breaks or a step outlives the timeout) gives
 //! that step to another worker. A rescheduled step may apply its gradient twice, as in
-//! TensorFlow: delivery is at least once.
+//! TensorFlow: delivery is at least once. A step whose step function fails is the caller's
+//! error (the worker stays in the job); a lost ps task ends the job on every task, each naming
+//! it.
 //!
 //! Updates are plain SGD applied by the ps task on each push: `w -= lr * g`.
 //! Every connection proves the job token (the same handshake as the collectives).
@@ -52,8 +54,17 @@ const OP_PUSH: u32 = 3;
 const OP_SETUP: u32 = 4;
 const OP_STEP: u32 = 5;
 const OP_SHUTDOWN: u32 = 6;
+/// The job is over because a task was lost (payload: [`encode_lost`]); the task that gets it
+/// returns that error from `run_role`.
+const OP_ABORT: u32 = 7;
 const OP_OK: u32 = 100;
 const OP_ERR: u32 = 101;
+/// A worker's answer to a step whose step function failed (payload: its message). The worker
+/// stays in the job.
+const OP_STEP_FAILED: u32 = 102;
+/// A worker's answer to a step it could not run because a ps task is gone (payload:
+/// [`encode_lost`]). The worker leaves the job with that error.
+const OP_TASK_LOST: u32 = 103;
 
 fn send(s: &mut TcpStream, op: u32, payload: &[u8]) -> std::io::Result<()> {
     let mut m = Vec::with_capacity(12 + payload.len());
@@ -79,21 +90,44 @@ fn recv(s: &mut TcpStream) -> std::io::Result<(u32, Vec<u8>)> {
     Ok((op, p))
 }
 
+/// Request and answer. A broken connection (or no answer within the timeout) is
+/// [`Error::TaskLost`] naming `who`.
+fn exchange(s: &mut TcpStream, op: u32, payload: &[u8], who: &str) -> Result<(u32, Vec<u8>)> {
+    let lost = |e: std::io::Error| Error::TaskLost {
+        task: who.to_string(),
+        detail: e.to_string(),
+    };
+    send(s, op, payload).map_err(lost)?;
+    recv(s).map_err(lost)
+}
+
 /// Request and answer; an `OP_ERR` answer becomes an error carrying the peer's message.
 fn call(s: &mut TcpStream, op: u32, payload: &[u8], who: &str) -> Result<Vec<u8>> {
-    let io = |e: std::io::Error| Error::System {
-        what: format!("parameter-server call to {who}"),
-        message: e.to_string(),
-    };
-    send(s, op, payload).map_err(io)?;
-    let (r, p) = recv(s).map_err(io)?;
-    if r == OP_ERR {
-        return Err(Error::System {
+    match exchange(s, op, payload, who)? {
+        (OP_OK, p) => Ok(p),
+        (OP_TASK_LOST, p) => Err(decode_lost(&p)),
+        (_, p) => Err(Error::System {
             what: who.to_string(),
             message: String::from_utf8_lossy(&p).into_owned(),
-        });
+        }),
     }
-    Ok(p)
+}
+
+/// A lost task's error as it travels between tasks: the task's name, a newline, the detail.
+fn encode_lost(e: &Error) -> Vec<u8> {
+    match e {
+        Error::TaskLost { task, detail } => format!("{task}\n{detail}").into_bytes(),
+        other => format!("a task\n{other}").into_bytes(),
+    }
+}
+
+fn decode_lost(p: &[u8]) -> Error {
+    let text = String::from_utf8_lossy(p);
+    let (task, detail) = text.split_once('\n').unwrap_or(("a task", &text));
+    Error::TaskLost {
+        task: task.to_string(),
+        detail: detail.to_string(),
+    }
 }
 
 fn f32s(b: &[u8]) -> Vec<f32> {
@@ -251,10 +285,12 @@ impl ParameterServerStrategy {
 /// A shard held by a ps task: its values and learning rate.
 type HeldShard = (Vec<f32>, f32);
 
-/// A ps task's shards by (variable, shard).
+/// A ps task's shards by (variable, shard), and why the task's job ended early, if it did.
 #[derive(Default)]
 struct PsState {
     shards: Mutex<HashMap<(u32, u32), HeldShard>>,
+    /// A lost task that ended this task's part of the job: `serve` returns it.
+    failure: Mutex<Option<Error>>,
 }
 
 struct WorkerState {
@@ -352,13 +388,22 @@ fn serve(
             Err(e) => return Err(Error::io("accepting", e)),
         }
     }
-    Ok(())
+    match ps.failure.lock().take() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 fn handle(s: &mut TcpStream, ps: &PsState, worker: Option<&WorkerState>, done: &AtomicBool) {
     while let Ok((op, p)) = recv(s) {
         let answer = match op {
             OP_SHUTDOWN => {
+                done.store(true, Ordering::Release);
+                let _ = send(s, OP_OK, &[]);
+                return;
+            }
+            OP_ABORT => {
+                *ps.failure.lock() = Some(decode_lost(&p));
                 done.store(true, Ordering::Release);
                 let _ = send(s, OP_OK, &[]);
                 return;
@@ -405,9 +450,33 @@ fn handle(s: &mut TcpStream, ps: &PsState, worker: Option<&WorkerState>, done: &
                 None => Err("SETUP sent to a ps task".into()),
             },
             OP_STEP => match worker {
-                Some(w) => w
-                    .step(u64::from_le_bytes(p[..8].try_into().unwrap_or([0; 8])))
-                    .map_err(|e| e.to_string()),
+                Some(w) => {
+                    let step = p.get(..8).and_then(|b| b.try_into().ok());
+                    let step = u64::from_le_bytes(step.unwrap_or([0; 8]));
+                    match w.step(step) {
+                        Ok(b) => Ok(b),
+                        Err(e @ Error::TaskLost { .. }) => {
+                            // Without that ps task this worker cannot run any step: it leaves
+                            // the job with the error, once the coordinator has heard it.
+                            let _ = send(s, OP_TASK_LOST, &encode_lost(&e));
+                            *ps.failure.lock() = Some(e);
+                            done.store(true, Ordering::Release);
+                            return;
+                        }
+                        Err(e) => {
+                            // The step's own failure is the user's: it goes back to the
+                            // coordinator, and this worker stays in the job.
+                            let message = match e {
+                                Error::StepFailed { message, .. } => message,
+                                e => e.to_string(),
+                            };
+                            if send(s, OP_STEP_FAILED, message.as_bytes()).is_err() {
+                                return;
+                            }
+                            continue;
+                        }
+                    }
+                }
                 None => Err("STEP sent to a ps task".into()),
             },
             other => Err(format!("unknown request {other}")),
@@ -468,7 +537,14 @@ impl WorkerState {
                     .ps
                     .get(ps)
                     .ok_or_else(|| Error::config(format!("no ps task {ps}")))?;
-                e.insert(connect(addr, &self.token, self.timeout)?)
+                let conn = connect(addr, &self.token, self.timeout).map_err(|e| match e {
+                    e @ Error::InvalidArgument { .. } => e,
+                    e => Error::TaskLost {
+                        task: format!("ps task {ps}"),
+                        detail: format!("not reachable at {addr}: {e}"),
+                    },
+                })?;
+                e.insert(conn)
             }
         };
         let r = f(conn);
@@ -499,9 +575,14 @@ impl WorkerState {
             num_workers: self.num_workers,
             variables,
         };
-        let (grads, loss) = (self.step_fn)(&ctx)?;
+        let failed = |message: String| Error::StepFailed {
+            worker: self.index,
+            step,
+            message,
+        };
+        let (grads, loss) = (self.step_fn)(&ctx).map_err(|e| failed(e.to_string()))?;
         if grads.len() != layout.len() {
-            return Err(Error::config(format!(
+            return Err(failed(format!(
                 "the step returned {} gradients for {} variables",
                 grads.len(),
                 layout.len()
@@ -510,7 +591,7 @@ impl WorkerState {
         for (g, shards) in grads.iter().zip(&layout) {
             let total: usize = shards.iter().map(|s| s.len).sum();
             if g.len() != total {
-                return Err(Error::config(format!(
+                return Err(failed(format!(
                     "a gradient of {} elements for a variable of {total}",
                     g.len()
                 )));
@@ -630,33 +711,73 @@ impl Coordinator {
     }
 
     /// Run steps `0..n` on the workers, each step on whichever worker is free, and return the
-    /// losses in step order. A worker that is lost (connection broken or step timed out) is
-    /// dropped and its step given to another; the call fails only when every worker is lost.
+    /// losses in step order.
+    ///
+    /// - A worker that is lost (its connection breaks, or a step outlives the timeout) is
+    ///   dropped and its step given to another; the call fails only when every worker is lost.
+    /// - A step whose step function fails is the caller's error: no further step is
+    ///   scheduled, the steps already running finish, and the call returns
+    ///   [`Error::StepFailed`] with the step function's message and the worker that raised it.
+    ///   The workers stay in the job: the next `run_steps` uses them all.
+    /// - A ps task that is gone ends the job: every task still reachable is told, each
+    ///   returns [`Error::TaskLost`] naming it from `run_role`, and so does this call.
     pub fn run_steps(&self, n: usize) -> Result<Vec<f32>> {
         let queue = Mutex::new((0..n as u64).collect::<VecDeque<u64>>());
         let losses = Mutex::new(vec![f32::NAN; n]);
         let remaining = std::sync::atomic::AtomicUsize::new(n);
         let lost = Mutex::new(Vec::new());
+        // The first step failure or lost ps task; once set, no step is handed out.
+        let failure: Mutex<Option<Error>> = Mutex::new(None);
+        let stop = AtomicBool::new(false);
         std::thread::scope(|sc| {
             for (i, w) in self.workers.iter().enumerate() {
-                let (queue, losses, remaining, lost) = (&queue, &losses, &remaining, &lost);
+                let (queue, losses, remaining, lost, failure, stop) =
+                    (&queue, &losses, &remaining, &lost, &failure, &stop);
                 sc.spawn(move || {
                     let mut conn = w.lock();
-                    while remaining.load(Ordering::Acquire) > 0 {
+                    let fail = |e: Error| {
+                        let mut f = failure.lock();
+                        match &*f {
+                            None => *f = Some(e),
+                            Some(_) => log::warn!("parameter-server job: also {e}"),
+                        }
+                        stop.store(true, Ordering::Release);
+                    };
+                    while remaining.load(Ordering::Acquire) > 0 && !stop.load(Ordering::Acquire) {
                         let Some(c) = conn.as_mut() else { return };
                         let Some(step) = queue.lock().pop_front() else {
                             std::thread::sleep(Duration::from_millis(1));
                             continue;
                         };
-                        match call(c, OP_STEP, &step.to_le_bytes(), &format!("worker {i}")) {
-                            Ok(b) => {
-                                losses.lock()[step as usize] = f32::from_le_bytes(b[..4].try_into().unwrap_or([0; 4]));
+                        let who = format!("worker {i}");
+                        match exchange(c, OP_STEP, &step.to_le_bytes(), &who) {
+                            Ok((OP_OK, b)) => {
+                                let loss = b.get(..4).and_then(|b| b.try_into().ok());
+                                losses.lock()[step as usize] =
+                                    f32::from_le_bytes(loss.unwrap_or([0; 4]));
                                 remaining.fetch_sub(1, Ordering::AcqRel);
                             }
+                            Ok((OP_STEP_FAILED, m)) => fail(Error::StepFailed {
+                                worker: i,
+                                step,
+                                message: String::from_utf8_lossy(&m).into_owned(),
+                            }),
+                            Ok((OP_TASK_LOST, m)) => {
+                                // The worker left the job with this error.
+                                *conn = None;
+                                fail(decode_lost(&m));
+                                return;
+                            }
+                            Ok((_, m)) => fail(Error::System {
+                                what: format!("worker {i} refused step {step}"),
+                                message: String::from_utf8_lossy(&m).into_owned(),
+                            }),
                             Err(e) => {
-                                log::warn!("worker {i} lost during step {step} ({e}); rescheduling the step");
+                                log::warn!(
+                                    "worker {i} lost during step {step} ({e}); rescheduling the step"
+                                );
                                 queue.lock().push_front(step);
-                                lost.lock().push(i);
+                                lost.lock().push((i, e));
                                 *conn = None;
                                 return;
                             }
@@ -664,22 +785,39 @@ impl Coordinator {
                     }
                 });
             }
-            // Every worker may be lost: then no one finishes the queue.
-            loop {
-                if remaining.load(Ordering::Acquire) == 0 || lost.lock().len() == self.workers.len()
-                {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(2));
-            }
         });
-        if remaining.load(Ordering::Acquire) > 0 {
-            return Err(Error::config(format!(
-                "every worker was lost with {} steps left",
-                remaining.load(Ordering::Acquire)
-            )));
+        if let Some(e) = failure.into_inner() {
+            if matches!(e, Error::TaskLost { .. }) {
+                self.abort(&e);
+            }
+            return Err(e);
+        }
+        let left = remaining.load(Ordering::Acquire);
+        if left > 0 {
+            let why: Vec<String> = lost
+                .into_inner()
+                .iter()
+                .map(|(i, e)| format!("worker {i}: {e}"))
+                .collect();
+            return Err(Error::TaskLost {
+                task: "every worker".into(),
+                detail: format!("{} steps left; {}", left, why.join("; ")),
+            });
         }
         Ok(losses.into_inner())
+    }
+
+    /// End the job because of `lost`: every task still reachable returns it from `run_role`.
+    fn abort(&self, lost: &Error) {
+        let reason = encode_lost(lost);
+        for (i, w) in self.workers.iter().enumerate() {
+            if let Some(c) = w.lock().as_mut() {
+                let _ = exchange(c, OP_ABORT, &reason, &format!("worker {i}"));
+            }
+        }
+        for (i, p) in self.ps.iter().enumerate() {
+            let _ = exchange(&mut p.lock(), OP_ABORT, &reason, &format!("ps task {i}"));
+        }
     }
 
     /// Tell every task the job is over.
