@@ -111,7 +111,7 @@ fn scaled(g: &[f32]) -> Vec<f32> {
 /// Mirrored variables: every replica updates its copy with the SUM of the replicas' updates.
 fn train_mirrored(strategy: &Strategy, steps: usize) -> Result<(Vec<f32>, f32)> {
     let shards = strategy.distribute_batch(&data(), ROW)?;
-    let w = strategy.mirrored_variable(&[0f32; FEATURES + 1]);
+    let w = strategy.mirrored_variable(&[0f32; FEATURES + 1])?;
     let mut loss = 0.0;
     for _ in 0..steps {
         let losses = strategy.run(|ctx| {
@@ -130,7 +130,7 @@ fn train_mirrored(strategy: &Strategy, steps: usize) -> Result<(Vec<f32>, f32)> 
 /// Central storage: one copy of the weights; the replicas' updates are reduced onto it.
 fn train_central(strategy: &Strategy, steps: usize) -> Result<(Vec<f32>, f32)> {
     let shards = strategy.distribute_batch(&data(), ROW)?;
-    let w = strategy.central_variable(&[0f32; FEATURES + 1]);
+    let w = strategy.central_variable(&[0f32; FEATURES + 1])?;
     let mut loss = 0.0;
     for _ in 0..steps {
         let weights = w.value();

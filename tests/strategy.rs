@@ -420,7 +420,7 @@ fn strategy_api() {
     assert!(m.distribute_batch(&batch, 3).is_err());
 
     // Mirrored variables from outside run.
-    let var = m.mirrored_variable(&[1.0f32, 1.0]);
+    let var = m.mirrored_variable(&[1.0f32, 1.0]).unwrap();
     var.assign_add(&m, &PerReplica(vec![vec![1.0, 2.0]; 3]), Aggregation::Sum)
         .unwrap();
     assert_eq!(var.value(), vec![4.0, 7.0]);
@@ -442,7 +442,7 @@ fn strategy_api() {
 
     // Central storage: one copy, updated once with the reduced update.
     let c = Strategy::central_storage(&devices).unwrap();
-    let cv = c.central_variable(&[0i64, 0]);
+    let cv = c.central_variable(&[0i64, 0]).unwrap();
     cv.assign_add(&c, &PerReplica(vec![vec![1, 2]; 3]), Aggregation::Sum)
         .unwrap();
     assert_eq!(cv.value(), vec![3, 6]);
@@ -477,6 +477,59 @@ fn spec_of(cluster: &serde_json::Value, ty: &str, index: usize) -> tutti::Cluste
     let mut spec = tutti::from_tf_config(&tf.to_string()).unwrap();
     spec.token = Some("strategy-consistency-test-token".into());
     spec
+}
+/// Two workers that each compute their own initial value (as workers seeded differently do)
+/// start from the chief's, and stay identical; a worker whose variable differs in length from
+/// the chief's gets an error naming both, and so does the chief.
+#[test]
+fn workers_start_from_the_chiefs_initial_value() {
+    use tutti::strategy::CommunicationImplementation;
+    let cluster = serde_json::json!({ "worker": free_addrs(2) });
+    let out = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|w| {
+                let spec = spec_of(&cluster, "worker", w);
+                s.spawn(move || -> tutti::Result<_> {
+                    let cpus = logical_cpus(1)?;
+                    let strategy = Strategy::multi_worker_mirrored(
+                        CommunicationImplementation::Ring,
+                        Some(spec),
+                        &cpus,
+                    )?;
+                    let mine = 10.0 * (w + 1) as f32; // 10 on worker 0, 20 on worker 1
+                    let v = strategy.mirrored_variable(&[mine])?;
+                    let before = v.value();
+                    v.assign_add(&strategy, &PerReplica(vec![vec![1.0]]), Aggregation::Mean)?;
+                    let c = strategy.central_variable(&[mine, mine])?;
+                    // A variable whose shape differs between the workers.
+                    let odd = strategy.mirrored_variable(&vec![0.0f32; 3 + w]);
+                    Ok((before, v.value(), c.value(), odd.err()))
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap().unwrap())
+            .collect::<Vec<_>>()
+    });
+    for (w, (before, after, central, odd)) in out.into_iter().enumerate() {
+        assert_eq!(
+            before,
+            vec![10.0],
+            "worker {w} did not start from the chief's value"
+        );
+        assert_eq!(after, vec![11.0], "worker {w}");
+        assert_eq!(central, vec![10.0, 10.0], "worker {w}");
+        let e = odd.unwrap_or_else(|| panic!("worker {w} accepted a variable of another shape"));
+        let msg = e.to_string();
+        let (me, peer) = (w, 1 - w);
+        assert!(
+            msg.contains("mirrored_variable")
+                && msg.contains(&format!("rank {me}"))
+                && msg.contains(&format!("rank {peer}"))
+                && msg.contains("element count"),
+            "worker {w}: {msg}"
+        );
+    }
 }
 /// A step function that fails is the user's error: `run_steps` returns it with its message and
 /// the worker that raised it, and the workers stay in the job (the next `run_steps` uses them).

@@ -753,14 +753,56 @@ impl Strategy {
         ))
     }
 
-    /// Create a variable mirrored on every replica, initialised to `initial`.
-    pub fn mirrored_variable<T: Element>(&self, initial: &[T]) -> MirroredVariable<T> {
-        MirroredVariable::new(initial, self.devices.len())
+    /// Create a variable mirrored on every replica, initialised to the chief's `initial` (as
+    /// TensorFlow, Horovod's `broadcast_variables` and DDP do): on a multi-worker strategy the
+    /// chief's value is broadcast to every worker, so workers that computed different initial
+    /// values (another seed) still start identical. Every worker creates the same variables in
+    /// the same order; one whose `initial` differs in length or element type from the chief's
+    /// gets an error naming both workers (so does the chief).
+    pub fn mirrored_variable<T: Element>(&self, initial: &[T]) -> Result<MirroredVariable<T>> {
+        let value = self.chiefs_value(initial, "mirrored_variable")?;
+        Ok(MirroredVariable::new(&value, self.devices.len()))
     }
 
-    /// Create a variable stored once (CentralStorageStrategy's way).
-    pub fn central_variable<T: Element>(&self, initial: &[T]) -> CentralVariable<T> {
-        CentralVariable::new(initial)
+    /// Create a variable stored once (CentralStorageStrategy's way), initialised to the chief's
+    /// `initial` as [`Strategy::mirrored_variable`] is.
+    pub fn central_variable<T: Element>(&self, initial: &[T]) -> Result<CentralVariable<T>> {
+        let value = self.chiefs_value(initial, "central_variable")?;
+        Ok(CentralVariable::new(&value))
+    }
+
+    /// `initial` as the chief holds it: broadcast from the chief (worker 0) to every worker
+    /// of a multi-worker strategy; this worker's own value elsewhere. The broadcast is checked
+    /// across workers, so a length or element type that differs is an error naming both.
+    fn chiefs_value<T: Element>(&self, initial: &[T], what: &str) -> Result<Vec<T>> {
+        let mut value = initial.to_vec();
+        let Some(w) = &self.workers else {
+            return Ok(value);
+        };
+        w.broadcast(&mut value, 0).map_err(|e| match e {
+            Error::Mismatch {
+                peer,
+                field,
+                mine,
+                theirs,
+                ..
+            } => {
+                let field = match field {
+                    "count" => "element count",
+                    "dtype" => "element type",
+                    f => f,
+                };
+                Error::config(format!(
+                    "{what}: the initial value's {field} is {mine} on this worker (rank {}) \
+                     but {theirs} on rank {peer}; every worker creates the same variables, in \
+                     the same order, with the same shape and element type (the chief's value, \
+                     rank 0's, is broadcast to the others)",
+                    w.rank()
+                ))
+            }
+            e => e,
+        })?;
+        Ok(value)
     }
 
     /// Reduce each of `values` (per-replica tensors) across every replica, packing small ones
