@@ -471,6 +471,7 @@ fn free_addrs(n: usize) -> Vec<String> {
         .map(|l| l.local_addr().unwrap().to_string())
         .collect()
 }
+
 /// The spec of task `ty`:`index` in `cluster`, with a token as a real job has.
 fn spec_of(cluster: &serde_json::Value, ty: &str, index: usize) -> tutti::ClusterSpec {
     let tf = serde_json::json!({"cluster": cluster, "task": {"type": ty, "index": index}});
@@ -478,6 +479,7 @@ fn spec_of(cluster: &serde_json::Value, ty: &str, index: usize) -> tutti::Cluste
     spec.token = Some("strategy-consistency-test-token".into());
     spec
 }
+
 /// Two workers that each compute their own initial value (as workers seeded differently do)
 /// start from the chief's, and stay identical; a worker whose variable differs in length from
 /// the chief's gets an error naming both, and so does the chief.
@@ -531,6 +533,102 @@ fn workers_start_from_the_chiefs_initial_value() {
         );
     }
 }
+
+/// TensorFlow runs MultiWorkerMirroredStrategy without a cluster as one worker on the local
+/// devices: a script written for a cluster runs unchanged on a laptop.
+#[test]
+fn multi_worker_without_a_cluster_runs_as_one_worker() {
+    use tutti::strategy::CommunicationImplementation;
+    assert!(
+        !tutti::ClusterSpec::env_present(),
+        "this test needs an environment without a cluster"
+    );
+    let cpus = logical_cpus(2).unwrap();
+    let s =
+        Strategy::multi_worker_mirrored(CommunicationImplementation::Auto, None, &cpus).unwrap();
+    assert_eq!(s.kind(), StrategyKind::MultiWorkerMirrored);
+    assert_eq!(s.num_replicas_in_sync(), 2);
+    assert!(s.cluster_resolver().is_chief);
+    assert_eq!(s.cluster_resolver().num_workers, 1);
+    let v = s.mirrored_variable(&[1.0f32]).unwrap();
+    let out = s
+        .run(|ctx| {
+            let mut g = [ctx.replica_id_in_sync_group() as f32 + 1.0];
+            ctx.all_reduce(ReduceOp::Sum, &mut g)?;
+            ctx.assign_add(&v, &g, Aggregation::Mean)?;
+            Ok(g[0])
+        })
+        .unwrap();
+    assert_eq!(out.local_results(), &[3.0, 3.0]);
+    assert_eq!(v.value(), vec![4.0]);
+}
+
+/// Captures the library's log records (this test binary's only logger).
+struct Captured;
+static RECORDS: std::sync::Mutex<Vec<(log::Level, String)>> = std::sync::Mutex::new(Vec::new());
+impl log::Log for Captured {
+    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
+        true
+    }
+    fn log(&self, r: &log::Record<'_>) {
+        RECORDS
+            .lock()
+            .unwrap()
+            .push((r.level(), r.args().to_string()));
+    }
+    fn flush(&self) {}
+}
+
+/// NCCL asked for across workers whose devices are not all GPUs: the ring runs, and the user is
+/// told why at `warn`, once (not at `info`, where nobody looks).
+#[test]
+fn nccl_across_workers_that_cannot_have_it_is_a_warning_once() {
+    use tutti::strategy::CommunicationImplementation;
+    static LOGGER: Captured = Captured;
+    let _ = log::set_logger(&LOGGER);
+    log::set_max_level(log::LevelFilter::Trace);
+    let cpus = logical_cpus(1).unwrap();
+    for _ in 0..2 {
+        let cluster = serde_json::json!({ "worker": free_addrs(2) });
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|w| {
+                    let (spec, cpus) = (spec_of(&cluster, "worker", w), cpus.clone());
+                    s.spawn(move || {
+                        let st = Strategy::multi_worker_mirrored(
+                            CommunicationImplementation::Nccl,
+                            Some(spec),
+                            &cpus,
+                        )?;
+                        st.run(|ctx| {
+                            let mut x = [1.0f32];
+                            ctx.all_reduce(ReduceOp::Sum, &mut x)?;
+                            Ok(x[0])
+                        })
+                    })
+                })
+                .collect();
+            for h in hs {
+                assert_eq!(h.join().unwrap().unwrap().local_results(), &[2.0]);
+            }
+        });
+    }
+    let warned: Vec<_> = RECORDS
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, m)| m.contains("NCCL cannot run here"))
+        .cloned()
+        .collect();
+    assert_eq!(warned.len(), 1, "{warned:?}");
+    assert_eq!(warned[0].0, log::Level::Warn);
+    assert!(
+        warned[0].1.contains("cpu:0") && warned[0].1.contains("using RING"),
+        "{}",
+        warned[0].1
+    );
+}
+
 /// A step function that fails is the user's error: `run_steps` returns it with its message and
 /// the worker that raised it, and the workers stay in the job (the next `run_steps` uses them).
 #[test]
@@ -591,6 +689,7 @@ fn a_failing_step_is_returned_and_the_workers_stay() {
         }
     });
 }
+
 /// A parameter server that dies is named by the coordinator and by every worker, each within
 /// the timeout, instead of the workers being dropped one by one.
 #[test]

@@ -167,16 +167,24 @@ pub(super) fn cuda_rank_engine(
     index: usize,
     spec: &crate::cluster::ClusterSpec,
     config: &Config,
+    staged: bool,
 ) -> Result<Arc<dyn GroupEngine>> {
     use crate::gpu::{GpuDevice, GpuGroup, VirtualGpuConfig};
     let gpus = crate::gpu::visible_devices(Some(&[index]))?;
     let plan = VirtualGpuConfig::new().plan(&gpus)?;
     let device = GpuDevice::open(&plan[0])?;
     let group = GpuGroup::from_cluster(spec, Some(&[device]), config)?;
-    Ok(Arc::new(crate::engine::cuda::Cuda {
-        group,
-        per_rank: true,
-    }))
+    Ok(if staged {
+        Arc::new(crate::engine::cuda::Staged {
+            group,
+            per_rank: true,
+        })
+    } else {
+        Arc::new(crate::engine::cuda::Cuda {
+            group,
+            per_rank: true,
+        })
+    })
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -184,6 +192,7 @@ pub(super) fn cuda_rank_engine(
     _: usize,
     _: &crate::cluster::ClusterSpec,
     _: &Config,
+    _: bool,
 ) -> Result<Arc<dyn GroupEngine>> {
     cuda_engine(&[], &Config::default())
 }

@@ -200,18 +200,39 @@ impl Communicator {
                 "device '{device}': XLA devices form groups within one process (device_group, \
                  tutti_comm_create_devices), not one rank per process"
             ))),
-            DeviceKind::Gpu => {
-                config.check(spec.world_size)?;
-                let engine = group::cuda_rank_engine(index, spec, config)?;
-                let t = NetTransport::connect(spec, kind, config.timeout, config.chunk_bytes)?;
-                Ok(Communicator::with_engine(
-                    Arc::new(t),
-                    config,
-                    Some(engine),
-                    (DeviceKind::Gpu, index),
-                ))
-            }
+            DeviceKind::Gpu => Communicator::gpu_rank(spec, kind, index, config, false),
         }
+    }
+
+    /// Join the job `spec` describes as one NCCL rank per process on this process's GPU
+    /// `index`, with buffers in host memory: each call copies this rank's input to the GPU,
+    /// runs NCCL there and copies the output back (MultiWorkerMirroredStrategy's NCCL across
+    /// workers, whose replicas' values live in host memory).
+    pub(crate) fn from_cluster_staged_on_gpu(
+        spec: &ClusterSpec,
+        kind: TransportKind,
+        index: usize,
+        config: &Config,
+    ) -> Result<Communicator> {
+        Communicator::gpu_rank(spec, kind, index, config, true)
+    }
+
+    fn gpu_rank(
+        spec: &ClusterSpec,
+        kind: TransportKind,
+        index: usize,
+        config: &Config,
+        staged: bool,
+    ) -> Result<Communicator> {
+        config.check(spec.world_size)?;
+        let engine = group::cuda_rank_engine(index, spec, config, staged)?;
+        let t = NetTransport::connect(spec, kind, config.timeout, config.chunk_bytes)?;
+        Ok(Communicator::with_engine(
+            Arc::new(t),
+            config,
+            Some(engine),
+            (DeviceKind::Gpu, index),
+        ))
     }
 
     /// This rank, in `0..world_size()`.

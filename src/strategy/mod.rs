@@ -230,6 +230,25 @@ fn algorithm_for(ops: &CrossDeviceOps, devices: &[Device]) -> Result<Algorithm> 
     })
 }
 
+/// The GPU (its index among the visible GPUs) through which NCCL can carry the cross-worker
+/// collectives of replicas on `devices`, or why it cannot.
+fn nccl_across_workers(devices: &[Device]) -> std::result::Result<usize, String> {
+    if let Some(d) = devices.iter().find(|d| d.kind != DeviceKind::Gpu) {
+        return Err(format!(
+            "NCCL reduces GPU buffers and not every local device is a GPU ({} is not)",
+            d.spec()
+        ));
+    }
+    #[cfg(feature = "cuda")]
+    return match (crate::gpu::nccl_library(), devices.first()) {
+        (Err(e), _) => Err(e.to_string()),
+        (Ok(_), None) => Err("there are no local devices".into()),
+        (Ok(_), Some(d)) => Ok(d.physical_index),
+    };
+    #[cfg(not(feature = "cuda"))]
+    Err("this build has no CUDA support, so no NCCL".into())
+}
+
 /// Why the strategies cannot run NcclAllReduce in this build.
 fn no_nccl() -> String {
     #[cfg(feature = "cuda")]
@@ -392,7 +411,10 @@ impl Strategy {
         let config = Config::default();
         let group = crate::gpu::GpuGroup::new(&gpus, crate::gpu::GpuAlgorithm::Nccl, &config)?;
         // The replicas' values live in host memory: the engine stages them to the GPUs.
-        let engine: Arc<dyn GroupEngine> = Arc::new(crate::engine::cuda::Staged { group });
+        let engine: Arc<dyn GroupEngine> = Arc::new(crate::engine::cuda::Staged {
+            group,
+            per_rank: false,
+        });
         Strategy::build_on(
             StrategyKind::Mirrored,
             devices,
@@ -429,34 +451,77 @@ impl Strategy {
     /// Replicas on every local device of every worker of the cluster `resolver` describes
     /// (default: this process's environment, see [`ClusterSpec`]); `communication` picks the
     /// cross-worker transport.
+    ///
+    /// Without a cluster (no `resolver`, no TF_CONFIG, no launcher) it runs, as TensorFlow
+    /// does, as a single worker on the local devices (logged at `info`), so a script written
+    /// for a cluster runs unchanged on one machine.
+    ///
+    /// `Nccl` runs the cross-worker collectives with NCCL (one rank per worker, on local
+    /// replica 0's GPU, the values staged through it) where every local device is a GPU and
+    /// NCCL loads; elsewhere it runs the ring over TCP and says why once, at `warn`.
     pub fn multi_worker_mirrored(
         communication: CommunicationImplementation,
         resolver: Option<ClusterSpec>,
         local_devices: &[Device],
     ) -> Result<Strategy> {
-        let spec = match resolver {
-            Some(s) => s,
-            None => ClusterSpec::from_env()?.ok_or_else(|| {
-                Error::config("MultiWorkerMirroredStrategy: no cluster (set TF_CONFIG or run under tutti launch)")
-            })?,
-        };
-        let kind = match communication {
-            CommunicationImplementation::Auto => TransportKind::Auto,
-            CommunicationImplementation::Ring => TransportKind::Tcp,
-            CommunicationImplementation::Nccl => {
-                log(&format!(
-                    "MultiWorkerMirroredStrategy: NCCL is not usable ({}); using RING",
-                    no_nccl()
-                ));
-                TransportKind::Tcp
-            }
-        };
-        let config = Config::default();
-        let workers = Communicator::from_cluster(&spec, kind, &config)?;
         let devices = if local_devices.is_empty() {
             default_devices()
         } else {
             local_devices.to_vec()
+        };
+        let spec = match resolver {
+            Some(s) => Some(s),
+            None => ClusterSpec::from_env()?,
+        };
+        let nccl = match communication {
+            CommunicationImplementation::Nccl => match nccl_across_workers(&devices) {
+                Ok(gpu) => Some(gpu),
+                Err(why) => {
+                    static WARNED: std::sync::Once = std::sync::Once::new();
+                    WARNED.call_once(|| {
+                        log::warn!(
+                            "MultiWorkerMirroredStrategy: CommunicationImplementation NCCL cannot \
+                             run here ({why}); using RING"
+                        )
+                    });
+                    None
+                }
+            },
+            _ => None,
+        };
+        let Some(spec) = spec else {
+            log(&format!(
+                "MultiWorkerMirroredStrategy: no cluster (no TF_CONFIG, no launcher's \
+                 variables): running as a single worker on the local devices ({})",
+                devices
+                    .iter()
+                    .map(|d| d.spec())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+            let ops = CrossDeviceOps::Ring;
+            let local = Config::default().with_algorithm(algorithm_for(&ops, &devices)?);
+            return Strategy::build(
+                StrategyKind::MultiWorkerMirrored,
+                devices,
+                Some(ops),
+                local,
+                None,
+                local_resolver(),
+            );
+        };
+        let kind = match communication {
+            CommunicationImplementation::Auto => TransportKind::Auto,
+            CommunicationImplementation::Ring | CommunicationImplementation::Nccl => {
+                TransportKind::Tcp
+            }
+        };
+        let config = Config::default();
+        let workers = match nccl {
+            Some(gpu) => {
+                Communicator::from_cluster_staged_on_gpu(&spec, TransportKind::Auto, gpu, &config)?
+            }
+            None => Communicator::from_cluster(&spec, kind, &config)?,
         };
         // Every worker must run the same number of replicas.
         let mut n = [devices.len() as u64];

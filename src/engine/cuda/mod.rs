@@ -130,9 +130,16 @@ impl Cuda {
 /// outputs back.
 pub(crate) struct Staged {
     pub(crate) group: GpuGroup,
+    /// As [`Cuda::per_rank`]: the group holds this process's GPU alone, in a job of one rank
+    /// per process, and each rank stages its own buffers.
+    pub(crate) per_rank: bool,
 }
 
 impl GroupEngine for Staged {
+    fn per_rank(&self) -> bool {
+        self.per_rank
+    }
+
     fn run(&self, _site: Site, c: &GroupCall, bufs: &[CallBuffers]) -> Result<()> {
         if c.collective == Collective::Barrier {
             return Ok(());
