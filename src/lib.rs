@@ -77,7 +77,8 @@ pub mod xla;
 pub use algorithm::{partition, Algorithm};
 pub use cluster::store::{FileStore, Store, TcpStore, TcpStoreServer};
 pub use cluster::{
-    from_tf_config, random_token, split_addr, ClusterSpec, MAX_WORLD_SIZE, TASK_TYPES,
+    from_tf_config, random_token, split_addr, ClusterSpec, MAX_WORLD_SIZE, MIN_TOKEN_BYTES,
+    TASK_TYPES,
 };
 pub use comm::{
     device_group, full_check_from_env, local_group, run_local, timeout_from_env, AbortHandle,

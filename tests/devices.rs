@@ -149,7 +149,10 @@ fn a_process_rank_on_a_device() {
         ("TUTTI_RANK".to_string(), "0".to_string()),
         ("TUTTI_WORLD_SIZE".to_string(), "1".to_string()),
         ("TUTTI_MASTER_ADDR".to_string(), format!("127.0.0.1:{port}")),
-        ("TUTTI_JOB_TOKEN".to_string(), "devices-test".to_string()),
+        (
+            "TUTTI_JOB_TOKEN".to_string(),
+            "devices-test-job-token".to_string(),
+        ),
     ];
     let spec = ClusterSpec::from_vars(&vars.into_iter().collect())
         .unwrap()

@@ -137,7 +137,7 @@ fn hierarchical_all_reduce_across_hosts() {
     let children: Vec<Child> = (0..4)
         .map(|r| {
             let args = ["--counts", "1000,70001", "--timeout", "60"];
-            check_rank(&args, r, 4, &master, "hosts-test")
+            check_rank(&args, r, 4, &master, "hosts-test-job-token")
                 .env("TUTTI_HOST_ID", if r < 2 { "host-a" } else { "host-b" })
                 .spawn()
                 .unwrap()
@@ -320,7 +320,7 @@ fn a_killed_rank_is_named_by_every_survivor() {
         let mut children: Vec<Child> = (0..n)
             .map(|r| {
                 let args = ["--counts", "0", "--busy-secs", "60", "--timeout", "20"];
-                check_rank(&args, r, n, &master, "kill-test")
+                check_rank(&args, r, n, &master, "kill-test-job-token")
                     .args(["--transport", &transport[..3]])
                     .args(transport.ends_with("shared").then_some("--busy-shared"))
                     .spawn()
@@ -380,7 +380,7 @@ fn strangers_wrong_tokens_and_garbage_are_rejected_and_the_job_finishes() {
             "--transport",
             "tcp",
         ];
-        check_rank(&args, r, 2, &master, "the-real-token")
+        check_rank(&args, r, 2, &master, "the-real-job-token")
             .spawn()
             .unwrap()
     };
@@ -934,8 +934,8 @@ fn launch_across_two_hosts() {
         };
         c.spawn().unwrap()
     };
-    let mut a = node("0", Some("two-hosts"));
-    let mut b = node("1", Some("two-hosts"));
+    let mut a = node("0", Some("two-hosts-job-token"));
+    let mut b = node("1", Some("two-hosts-job-token"));
     wait_bounded(&mut a, Duration::from_secs(120));
     wait_bounded(&mut b, Duration::from_secs(120));
     let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
@@ -1219,7 +1219,7 @@ fn shared_memory_across_pid_namespaces() {
                     .arg(common::tutti_bin())
                     .args(["check", "--counts", "1,70001", "--timeout", "30"])
                     .args(["--transport", "shm"]);
-                as_rank(cmd, r, n, &master, "pid-namespaces")
+                as_rank(cmd, r, n, &master, "pid-namespaces-job-token")
                     .spawn()
                     .unwrap()
             })
@@ -1296,7 +1296,7 @@ fn a_stopped_rank_is_named_not_the_rank_waiting_for_it() {
             let mut children: Vec<Child> = (0..n)
                 .map(|r| {
                     let args = ["--counts", "0", "--busy-secs", "60", "--timeout", "4"];
-                    check_rank(&args, r, n, &master, "stop-test")
+                    check_rank(&args, r, n, &master, "stop-test-job-token")
                         .args(["--transport", transport])
                         .spawn()
                         .unwrap()
@@ -1335,7 +1335,7 @@ fn a_trace_shows_every_call_and_the_one_that_hung() {
     let mut children: Vec<Child> = (0..2)
         .map(|r| {
             let args = ["--counts", "7", "--busy-secs", "60", "--timeout", "3"];
-            check_rank(&args, r, 2, &master, "trace-test")
+            check_rank(&args, r, 2, &master, "trace-test-job-token")
                 .args(["--transport", "tcp"])
                 .env("TUTTI_TRACE", dir.join(format!("rank{r}.json")))
                 .stderr(Stdio::null())

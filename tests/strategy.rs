@@ -193,7 +193,7 @@ fn parameter_servers_converge_and_survive_a_lost_worker() {
                 "--json",
             ])
             .env("TF_CONFIG", tf.to_string())
-            .env("TUTTI_JOB_TOKEN", "ps-test")
+            .env("TUTTI_JOB_TOKEN", "ps-test-job-token")
             .env_remove("TUTTI_RANK")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

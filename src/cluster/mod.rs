@@ -2,6 +2,9 @@
 //! sources it reads are listed on [`ClusterSpec`]).
 
 pub(crate) mod auth;
+mod key;
+pub use key::MIN_TOKEN_BYTES;
+use key::{is_loopback, job_secret, Secret};
 
 /// The most ranks a job may have. Every rank keeps a connection to every other, so even this
 /// many is more than one host's descriptors allow; larger sizes are mistakes (a unit in the
@@ -31,8 +34,12 @@ pub const TASK_TYPES: [&str; 4] = ["chief", "worker", "ps", "evaluator"];
 ///
 /// mpirun gives ranks but no meeting point: `MASTER_ADDR` and `MASTER_PORT` (or
 /// `TUTTI_MASTER_ADDR`) name it. Under srun they may too; without them the ranks meet on the first
-/// host of the step's node list. `TUTTI_JOB_TOKEN` is the secret every connection proves;
-/// `TUTTI_TRANSPORT` (`auto`, `tcp`, `shm`) chooses the transport.
+/// host of the step's node list. `TUTTI_TRANSPORT` (`auto`, `tcp`, `shm`) chooses the transport.
+///
+/// Every connection of a job proves its secret: `token`, else `TUTTI_JOB_TOKEN`, else this
+/// user's own secret on one host; a job across hosts without one is refused unless
+/// `TUTTI_INSECURE=1` (see [`ClusterSpec::job_key`], which every way of joining applies, to a
+/// spec from the environment or one built by hand alike).
 ///
 /// In a TF_CONFIG cluster the collective world is the chief and the workers, in that order (the
 /// chief is rank 0; with no chief, worker 0 is the chief, as in TensorFlow). `ps` and `evaluator`
@@ -60,7 +67,10 @@ pub struct ClusterSpec {
     pub is_chief: bool,
     /// The full cluster by task type (TF_CONFIG), or `worker` → the rendezvous address.
     pub cluster: BTreeMap<String, Vec<String>>,
-    /// The job token, when one is set.
+    /// The job token (at least [`MIN_TOKEN_BYTES`] bytes). `None` (or empty): the rule of
+    /// [`ClusterSpec::job_key`] decides when the job connects (`TUTTI_JOB_TOKEN`, this user's
+    /// secret on one host, or an error across hosts); never a job without a secret, unless
+    /// `TUTTI_INSECURE=1`.
     pub token: Option<String>,
 }
 
@@ -86,10 +96,6 @@ impl ClusterSpec {
 
     /// Resolve from a set of variables (the environment, or a test's).
     pub fn from_vars(vars: &HashMap<String, String>) -> Result<Option<ClusterSpec>> {
-        let token = vars
-            .get("TUTTI_JOB_TOKEN")
-            .filter(|t| !t.is_empty())
-            .cloned();
         // One of a pair without the other is a job set up by hand and half done: an error,
         // not a silent run alone.
         let spec = if vars.contains_key("TUTTI_RANK") || vars.contains_key("TUTTI_WORLD_SIZE") {
@@ -127,9 +133,12 @@ impl ClusterSpec {
         let Some(spec) = spec else {
             return Ok(None);
         };
-        let token = match token {
-            Some(t) => Some(t),
-            None => job_secret(vars, &spec)?,
+        // The rule every way of joining applies (ClusterSpec::job_key), applied here too: a job
+        // across hosts without a token fails before it starts, and the spec carries the secret
+        // it found (none when TUTTI_INSECURE=1 opted out: joining says so).
+        let token = match job_secret(&spec, vars)? {
+            Secret::Key(k) => Some(k),
+            Secret::Insecure => None,
         };
         Ok(Some(ClusterSpec { token, ..spec }))
     }
@@ -321,39 +330,6 @@ fn from_ranks(
         cluster: BTreeMap::from([("worker".to_string(), vec![rendezvous])]),
         token: None,
     })
-}
-
-/// The secret of a job that set no `TUTTI_JOB_TOKEN`: on one host (every address loopback),
-/// this user's secret, which other users cannot read; across hosts, an error that says how to
-/// set one, unless `TUTTI_INSECURE=1` opts out (said on every rank).
-fn job_secret(vars: &HashMap<String, String>, spec: &ClusterSpec) -> Result<Option<String>> {
-    let one_host = std::iter::once(&spec.rendezvous)
-        .chain(spec.cluster.values().flatten())
-        .all(|a| split_addr(a, "address").is_ok_and(|(h, _)| is_loopback(&h)));
-    if one_host {
-        return auth::user_secret(vars).map(Some);
-    }
-    if vars.get("TUTTI_INSECURE").is_some_and(|v| v == "1") {
-        log::warn!(
-            "rank {}: TUTTI_INSECURE=1: this job has no secret; any process that reaches \
-             {} can join it or read its store",
-            spec.rank
-                .map_or_else(|| spec.task_type.clone(), |r| r.to_string()),
-            spec.rendezvous
-        );
-        return Ok(None);
-    }
-    Err(Error::config(format!(
-        "{}this job spans hosts (rendezvous at {}) and has no secret: set TUTTI_JOB_TOKEN to \
-         the same random string on every rank (e.g. TUTTI_JOB_TOKEN=$(openssl rand -hex 16) in \
-         the job's environment), or TUTTI_INSECURE=1 to run without one on a network you trust",
-        prefix(spec.source),
-        spec.rendezvous
-    )))
-}
-
-fn is_loopback(host: &str) -> bool {
-    host == "localhost" || host.starts_with("127.") || host == "::1"
 }
 
 /// Parse and check a TF_CONFIG value.
@@ -570,12 +546,12 @@ mod tests {
             ("OMPI_COMM_WORLD_SIZE", "2"),
             ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
             ("TUTTI_MASTER_ADDR", "10.0.0.1:5000"),
-            ("TUTTI_JOB_TOKEN", "s3cret"),
+            ("TUTTI_JOB_TOKEN", "s3cret-s3cret-s3cret"),
         ]))
         .unwrap()
         .unwrap();
         assert_eq!((s.source, s.rank, s.is_chief), ("mpirun", Some(0), true));
-        assert_eq!(s.token.as_deref(), Some("s3cret"));
+        assert_eq!(s.token.as_deref(), Some("s3cret-s3cret-s3cret"));
         assert_eq!(s.listen_host, "0.0.0.0");
         let s = ClusterSpec::from_vars(&vars(&[
             ("SLURM_PROCID", "3"),
@@ -583,7 +559,7 @@ mod tests {
             ("SLURM_LOCALID", "1"),
             ("MASTER_ADDR", "n0"),
             ("MASTER_PORT", "7000"),
-            ("TUTTI_JOB_TOKEN", "s3cret"),
+            ("TUTTI_JOB_TOKEN", "s3cret-s3cret-s3cret"),
         ]))
         .unwrap()
         .unwrap();
@@ -595,7 +571,7 @@ mod tests {
             ("SLURM_LOCALID", "1"),
             ("SLURM_STEP_NODELIST", "gpu[007-008,012],login1"),
             ("SLURM_JOB_ID", "4242137"),
-            ("TUTTI_JOB_TOKEN", "s3cret"),
+            ("TUTTI_JOB_TOKEN", "s3cret-s3cret-s3cret"),
         ]))
         .unwrap()
         .unwrap();
@@ -665,10 +641,10 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(s.token, None);
-        let s = torchrun("10.0.0.7", &[("TUTTI_JOB_TOKEN", "given")])
+        let s = torchrun("10.0.0.7", &[("TUTTI_JOB_TOKEN", "given-given-given")])
             .unwrap()
             .unwrap();
-        assert_eq!(s.token.as_deref(), Some("given"));
+        assert_eq!(s.token.as_deref(), Some("given-given-given"));
         std::fs::remove_dir_all(&home).unwrap();
     }
 

@@ -197,6 +197,8 @@ pub struct ParameterServerStrategy {
     spec: ClusterSpec,
     partitioner: Partitioner,
     timeout: Duration,
+    /// The job's secret ([`ClusterSpec::job_key`]).
+    key: String,
 }
 
 impl ParameterServerStrategy {
@@ -207,7 +209,9 @@ impl ParameterServerStrategy {
         ParameterServerStrategy::new(spec, partitioner)
     }
 
-    /// From a cluster spec.
+    /// From a cluster spec. The job's secret is decided here, by the rule of every way of
+    /// joining ([`ClusterSpec::job_key`]): a spec without a token across hosts is refused
+    /// (unless `TUTTI_INSECURE=1`).
     pub fn new(spec: ClusterSpec, partitioner: Partitioner) -> Result<ParameterServerStrategy> {
         for ty in ["chief", "worker", "ps"] {
             if spec.cluster.get(ty).is_none_or(|l| l.is_empty()) {
@@ -216,10 +220,12 @@ impl ParameterServerStrategy {
                 )));
             }
         }
+        let key = spec.job_key()?;
         Ok(ParameterServerStrategy {
             spec,
             partitioner,
             timeout: crate::sync::default_timeout(),
+            key,
         })
     }
 
@@ -235,7 +241,7 @@ impl ParameterServerStrategy {
     }
 
     fn token(&self) -> String {
-        self.spec.token.clone().unwrap_or_default()
+        self.key.clone()
     }
 
     /// Take this task's role: serve (ps), run steps with `step_fn` (worker), or coordinate

@@ -192,7 +192,9 @@ impl NetTransport {
         let call_timeout = timeout;
         let rank = spec.collective_rank()?;
         let world = spec.world_size;
-        let token = spec.token.clone().unwrap_or_default();
+        // The one rule of every way of joining: the job's secret, or a refusal (before any
+        // connection is made or accepted).
+        let token = spec.job_key()?;
         // Ranks may start at different times: setup waits for them as long as the configured
         // timeout, and no longer (a short timeout asked for is honoured here too).
         let deadline = Instant::now() + timeout;

@@ -108,7 +108,10 @@ pub fn spec(rank: usize, world: usize, master: &str) -> tutti::ClusterSpec {
         ("TUTTI_RANK".to_string(), rank.to_string()),
         ("TUTTI_WORLD_SIZE".to_string(), world.to_string()),
         ("TUTTI_MASTER_ADDR".to_string(), master.to_string()),
-        ("TUTTI_JOB_TOKEN".to_string(), "in-process".to_string()),
+        (
+            "TUTTI_JOB_TOKEN".to_string(),
+            "in-process-job-token".to_string(),
+        ),
     ];
     tutti::ClusterSpec::from_vars(&vars.into_iter().collect())
         .unwrap()

@@ -444,6 +444,9 @@ impl GpuGroup {
         config: &Config,
     ) -> Result<GpuGroup> {
         let rank = spec.collective_rank()?;
+        // The one rule of every way of joining: the job's secret, or a refusal (before a
+        // device is opened or any connection is made or accepted).
+        let token = spec.job_key()?;
         let owned;
         let devices = match devices {
             Some(d) => d,
@@ -456,7 +459,6 @@ impl GpuGroup {
                 &owned[..]
             }
         };
-        let token = spec.token.clone().unwrap_or_default();
         // Processes may start at different times: joining waits for them as long as the
         // configured timeout, and no longer (a short timeout asked for is honoured here too).
         let setup = config.timeout;
