@@ -220,19 +220,21 @@ fn first_host(list: &str) -> Option<String> {
             c == ',' && depth == 0
         })
         .map_or(list.len(), |(i, _)| i);
-    let entry = list[..end].trim();
-    let host = match entry.split_once('[') {
-        None => entry.to_string(),
-        Some((prefix, rest)) => {
-            let (ranges, suffix) = rest.split_once(']')?;
-            let first = ranges.split([',', '-']).next()?.trim();
-            if first.is_empty() || !first.chars().all(|c| c.is_ascii_digit()) {
-                return None;
-            }
-            format!("{prefix}{first}{suffix}")
+    // Each bracketed range (`rack[1-2]-node[01-04]` has two) gives its first number.
+    let mut rest = list[..end].trim();
+    let mut host = String::new();
+    while let Some((prefix, after)) = rest.split_once('[') {
+        let (ranges, tail) = after.split_once(']')?;
+        let first = ranges.split([',', '-']).next()?.trim();
+        if first.is_empty() || !first.chars().all(|c| c.is_ascii_digit()) {
+            return None;
         }
-    };
-    (!host.is_empty() && !host.contains(['[', ']', ' '])).then_some(host)
+        host.push_str(prefix);
+        host.push_str(first);
+        rest = tail;
+    }
+    host.push_str(rest);
+    (!host.is_empty() && !host.contains(['[', ']', ' ', ','])).then_some(host)
 }
 
 /// Split `host:port` (IPv6 in brackets), checking the port.
@@ -298,7 +300,9 @@ fn from_ranks(
                 let port: u16 = p.trim().parse().ok().filter(|&p| p != 0).ok_or_else(|| {
                     Error::config(format!("{from}MASTER_PORT='{p}' is not a port number"))
                 })?;
-                format!("{h}:{port}")
+                let a = format!("{h}:{port}");
+                split_addr(&a, &format!("{from}MASTER_ADDR and MASTER_PORT"))?;
+                a
             }
             (Some(_), None) => return Err(Error::config(format!("{from}MASTER_ADDR is set but MASTER_PORT is not"))),
             (None, port) if source == "srun" => slurm_rendezvous(vars, port)?,
@@ -414,6 +418,13 @@ pub fn from_tf_config(text: &str) -> Result<ClusterSpec> {
         .collect();
     if world.is_empty() {
         return Err(err("the cluster has no chief and no worker".into()));
+    }
+    if world.len() > MAX_WORLD_SIZE {
+        return Err(err(format!(
+            "cluster.chief and cluster.worker list {} tasks, more ranks than tutti supports \
+             ({MAX_WORLD_SIZE})",
+            world.len()
+        )));
     }
     let rank = world
         .iter()
@@ -666,7 +677,16 @@ mod tests {
 
     #[test]
     fn launcher_environments_invalid() {
-        let cases: [(&[(&str, &str)], &str); 10] = [
+        let cases: [(&[(&str, &str)], &str); 11] = [
+            (
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("MASTER_ADDR", ""),
+                    ("MASTER_PORT", "1"),
+                ],
+                "torchrun: MASTER_ADDR and MASTER_PORT: ':1' is not host:port",
+            ),
             (
                 &[
                     ("RANK", "4"),
@@ -737,11 +757,413 @@ mod tests {
             ("node[07-10,12],gpu1", Some("node07")),
             ("a[1,3]-ib", Some("a1-ib")),
             ("x1,y[2-3]", Some("x1")),
+            ("rack[1-2]-node[01-04,07],b", Some("rack1-node01")),
+            ("n[1-2]x[", None),
+            ("a]b", None),
             ("", None),
             ("n[", None),
             ("n[a-b]", None),
         ] {
             assert_eq!(first_host(list).as_deref(), first, "{list}");
         }
+    }
+}
+
+/// The parsers of what the environment says (`TF_CONFIG`, the launchers' variables, Slurm host
+/// lists, addresses), fed arbitrary text and mutations of valid configurations: each gives a
+/// spec within bounds or an error naming the variable or field, never a panic.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Every variable a launcher sets that the parsers read.
+    const NAMES: [&str; 23] = [
+        "TUTTI_RANK",
+        "TUTTI_WORLD_SIZE",
+        "TUTTI_LOCAL_RANK",
+        "TUTTI_MASTER_ADDR",
+        "TUTTI_LISTEN_HOST",
+        "TUTTI_JOB_TOKEN",
+        "TUTTI_INSECURE",
+        "TF_CONFIG",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "SLURM_LOCALID",
+        "SLURM_STEP_NODELIST",
+        "SLURM_JOB_NODELIST",
+        "SLURM_NODELIST",
+        "SLURM_JOB_ID",
+    ];
+
+    /// A home of this test process's own, for the per-user secret of one-host jobs.
+    fn home() -> &'static str {
+        static HOME: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        HOME.get_or_init(|| {
+            let d = std::env::temp_dir().join(format!("tutti-fuzz-home-{}", std::process::id()));
+            std::fs::create_dir_all(&d).unwrap();
+            d.to_str().unwrap().to_string()
+        })
+    }
+
+    /// What a spec the parsers accept satisfies: nothing anyone sizes by it is out of bounds.
+    fn within_bounds(s: &ClusterSpec) {
+        assert!((1..=MAX_WORLD_SIZE).contains(&s.world_size), "{s:?}");
+        assert!(s.rank.is_none_or(|r| r < s.world_size), "{s:?}");
+        assert!(split_addr(&s.rendezvous, "rendezvous").is_ok(), "{s:?}");
+        assert!(
+            s.token.as_ref().is_none_or(|t| t.len() >= MIN_TOKEN_BYTES),
+            "{s:?}"
+        );
+    }
+
+    /// Values that reach the parsers' edges: numbers at and past every bound, addresses,
+    /// host lists, JSON fragments, and anything at all.
+    fn value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            2 => any::<String>(),
+            1 => "[0-9]{1,3}",
+            1 => any::<u64>().prop_map(|n| n.to_string()),
+            4 => prop::sample::select(vec![
+                "0",
+                "1",
+                "-1",
+                " 2 ",
+                "65536",
+                "65537",
+                "1152921504606846976",
+                "18446744073709551616",
+                "",
+                "1",
+                "0x10",
+                "127.0.0.1:29500",
+                "127.0.0.1:0",
+                "[::1]:1",
+                ":1",
+                "a:b:c",
+                "0123456789abcdef0123",
+                "short",
+                "node[07-10,12],gpu1",
+                "n[",
+                "rack[1-2]-node[01-04]",
+            ])
+            .prop_map(String::from),
+            2 => "(127\\.0\\.0\\.1|localhost|10\\.0\\.0\\.[0-9]|\\[::1\\]|n[0-9]|)(:[0-9]{0,6})?",
+            1 => "[a-z]{0,3}(\\[[0-9,\\-]{0,6}\\]?)?[a-z]{0,2}(,[a-z0-9\\[\\]]{0,5})?",
+        ]
+    }
+
+    /// A valid environment of one of the launchers (no token: the per-user secret of one
+    /// host, or the opt-out across hosts).
+    fn launcher_env() -> impl Strategy<Value = HashMap<String, String>> {
+        (
+            0usize..4,
+            1usize..9,
+            0usize..8,
+            prop::bool::ANY,
+            1u16..=u16::MAX,
+        )
+            .prop_map(|(which, world, rank, local, port)| {
+                let rank = (rank % world).to_string();
+                let world = world.to_string();
+                let host = if local { "127.0.0.1" } else { "10.0.0.1" };
+                let mut v: Vec<(&str, String)> = match which {
+                    0 => vec![
+                        ("TUTTI_RANK", rank),
+                        ("TUTTI_WORLD_SIZE", world),
+                        ("TUTTI_MASTER_ADDR", format!("{host}:{port}")),
+                    ],
+                    1 => vec![
+                        ("RANK", rank),
+                        ("WORLD_SIZE", world),
+                        ("LOCAL_RANK", "0".into()),
+                        ("MASTER_ADDR", host.into()),
+                        ("MASTER_PORT", port.to_string()),
+                    ],
+                    2 => vec![
+                        ("OMPI_COMM_WORLD_RANK", rank),
+                        ("OMPI_COMM_WORLD_SIZE", world),
+                        ("OMPI_COMM_WORLD_LOCAL_RANK", "0".into()),
+                        ("MASTER_ADDR", host.into()),
+                        ("MASTER_PORT", port.to_string()),
+                    ],
+                    _ => vec![
+                        ("SLURM_PROCID", rank),
+                        ("SLURM_NTASKS", world),
+                        ("SLURM_LOCALID", "0".into()),
+                        ("SLURM_STEP_NODELIST", "gpu[007-008,012],login1".into()),
+                        ("SLURM_JOB_ID", port.to_string()),
+                    ],
+                };
+                // srun's rendezvous is its first node, another host.
+                if !local || which == 3 {
+                    v.push(("TUTTI_INSECURE", "1".into()));
+                }
+                v.into_iter().map(|(k, x)| (k.to_string(), x)).collect()
+            })
+    }
+
+    /// A valid TF_CONFIG, and the rank and world size it describes.
+    fn tf_config() -> impl Strategy<Value = (String, Option<usize>, usize)> {
+        (0usize..2, 0usize..5, 0usize..3, 0usize..2, 0usize..16, 1u16..1000).prop_filter_map(
+            "no chief and no worker",
+            |(chiefs, workers, ps, evaluators, pick, port)| {
+                if chiefs + workers == 0 {
+                    return None;
+                }
+                let mut n = port;
+                let mut list = |k: usize| -> Vec<String> {
+                    (0..k)
+                        .map(|_| {
+                            n += 1;
+                            format!("h{n}:{n}")
+                        })
+                        .collect()
+                };
+                let cluster = [
+                    ("chief", list(chiefs)),
+                    ("worker", list(workers)),
+                    ("ps", list(ps)),
+                    ("evaluator", list(evaluators)),
+                ];
+                let tasks: Vec<(&str, usize)> = cluster
+                    .iter()
+                    .flat_map(|(t, l)| (0..l.len()).map(move |i| (*t, i)))
+                    .collect();
+                let (ty, index) = tasks[pick % tasks.len()];
+                let rank = match ty {
+                    "chief" => Some(0),
+                    "worker" => Some(chiefs + index),
+                    _ => None,
+                };
+                let cluster: serde_json::Map<String, serde_json::Value> = cluster
+                    .iter()
+                    .filter(|(_, l)| !l.is_empty())
+                    .map(|(t, l)| (t.to_string(), serde_json::json!(l)))
+                    .collect();
+                let text = serde_json::json!({"cluster": cluster, "task": {"type": ty, "index": index}});
+                Some((text.to_string(), rank, chiefs + workers))
+            },
+        )
+    }
+
+    /// Mutations of a text: a span replaced by a fragment that reaches an edge.
+    fn mutate(text: &str, at: usize, len: usize, with: &str) -> String {
+        let mut cut = at % (text.len() + 1);
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let mut end = (cut + len).min(text.len());
+        while !text.is_char_boundary(end) {
+            end += 1;
+        }
+        format!("{}{with}{}", &text[..cut], &text[end..])
+    }
+
+    fn fragment() -> impl Strategy<Value = String> {
+        prop_oneof![
+            prop::sample::select(vec![
+                "",
+                "1152921504606846976",
+                "18446744073709551616",
+                "-1",
+                "1e400",
+                "0.5",
+                "null",
+                "[]",
+                "{}",
+                "\"\"",
+                "\"a:0\"",
+                "\"boss\"",
+                "\"ps\"",
+                "\"chief\"",
+                ":",
+                ",",
+                "[",
+                "]",
+                "{",
+                "}",
+                "\"",
+                "\\",
+                "\"h1:1\",\"h1:1\"",
+            ])
+            .prop_map(String::from),
+            any::<String>(),
+        ]
+    }
+
+    fn check_tf_config(text: &str) {
+        match from_tf_config(text) {
+            Ok(s) => {
+                within_bounds(&s);
+                let tasks = &s.cluster[&s.task_type];
+                assert!(s.task_index < tasks.len(), "{s:?}");
+                assert!(split_addr(&tasks[s.task_index], "own").is_ok(), "{s:?}");
+            }
+            Err(e) => {
+                let e = e.to_string();
+                assert!(e.starts_with("TF_CONFIG: "), "{text:?}: {e}");
+            }
+        }
+    }
+
+    fn check_vars(vars: &mut HashMap<String, String>) {
+        vars.insert("HOME".into(), home().into());
+        vars.remove("XDG_RUNTIME_DIR");
+        match ClusterSpec::from_vars(vars) {
+            Ok(Some(s)) => within_bounds(&s),
+            Ok(None) => {}
+            Err(e) => {
+                let e = e.to_string();
+                assert!(
+                    NAMES.iter().any(|n| e.contains(n)),
+                    "the error names no variable: {vars:?}: {e}"
+                );
+            }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn tf_config_arbitrary_text(text in any::<String>()) {
+            check_tf_config(&text);
+        }
+
+        #[test]
+        fn tf_config_valid_round_trips((text, rank, world) in tf_config()) {
+            let s = from_tf_config(&text).unwrap();
+            prop_assert_eq!((s.rank, s.world_size), (rank, world));
+            within_bounds(&s);
+        }
+
+        #[test]
+        fn tf_config_mutations(
+            (text, _, _) in tf_config(),
+            edits in prop::collection::vec((any::<usize>(), 0usize..8, fragment()), 1..4),
+        ) {
+            let mut t = text;
+            for (at, len, with) in &edits {
+                t = mutate(&t, *at, *len, with);
+            }
+            check_tf_config(&t);
+        }
+
+        #[test]
+        fn launcher_vars_arbitrary(
+            pairs in prop::collection::vec((prop::sample::select(NAMES.to_vec()), value()), 0..8),
+        ) {
+            let mut vars: HashMap<String, String> =
+                pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+            check_vars(&mut vars);
+        }
+
+        #[test]
+        fn launcher_vars_valid_and_mutated(
+            env in launcher_env(),
+            edits in prop::collection::vec(
+                (
+                    any::<prop::sample::Index>(),
+                    prop::sample::select(NAMES.to_vec()),
+                    prop::option::weighted(0.8, value()),
+                ),
+                0..3,
+            ),
+        ) {
+            let mut vars = env;
+            let valid = edits.is_empty();
+            for (i, other, v) in edits {
+                // Mostly a variable the launcher set, sometimes another.
+                let mut keys: Vec<String> = vars.keys().cloned().collect();
+                keys.sort();
+                let k = if i.index(4) < 3 { i.get(&keys).clone() } else { other.to_string() };
+                match v {
+                    Some(v) => vars.insert(k, v),
+                    None => vars.remove(&k),
+                };
+            }
+            if valid {
+                let mut v = vars.clone();
+                v.insert("HOME".into(), home().into());
+                let s = ClusterSpec::from_vars(&v).unwrap().unwrap();
+                within_bounds(&s);
+            }
+            check_vars(&mut vars);
+        }
+
+        #[test]
+        fn slurm_host_lists(list in prop_oneof![
+            any::<String>(),
+            "[a-z]{0,3}(\\[[0-9,\\-]{0,6}\\]?)?[a-z\\-]{0,2}(\\[[0-9]{0,2}\\])?(,[a-z0-9\\[\\]]{0,5})?",
+        ]) {
+            if let Some(h) = first_host(&list) {
+                prop_assert!(!h.is_empty() && !h.contains(['[', ']', ' ', ',']), "{:?} -> {:?}", list, h);
+            }
+        }
+
+        #[test]
+        fn slurm_host_lists_valid(
+            prefix in "[a-z]{1,4}",
+            first in 0u32..1000,
+            width in 1usize..5,
+            more in prop::collection::vec(0u32..1000, 0..3),
+            suffix in "(-ib)?",
+            tail in "(,[a-z]{1,3}[0-9]?)?",
+        ) {
+            let first_s = format!("{first:0width$}");
+            let mut ranges = first_s.clone();
+            for m in &more {
+                ranges.push_str(&format!(",{m}-{}", m + 1));
+            }
+            let list = format!("{prefix}[{ranges}]{suffix}{tail}");
+            prop_assert_eq!(first_host(&list), Some(format!("{prefix}{first_s}{suffix}")));
+        }
+
+        #[test]
+        fn addresses(addr in prop_oneof![any::<String>(), value()]) {
+            if let Ok((h, p)) = split_addr(&addr, "x") {
+                prop_assert!(!h.is_empty() && p != 0);
+            }
+        }
+    }
+
+    /// Sizes past every bound are refused by the parser, before anything is sized by them.
+    #[test]
+    fn world_sizes_past_the_bound_are_refused() {
+        let huge = (1u64 << 60).to_string();
+        for (rank, size) in [("TUTTI_RANK", "TUTTI_WORLD_SIZE"), ("RANK", "WORLD_SIZE")] {
+            let v: HashMap<String, String> = [
+                (rank, "0"),
+                (size, huge.as_str()),
+                ("TUTTI_MASTER_ADDR", "127.0.0.1:1"),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+            let e = ClusterSpec::from_vars(&v).unwrap_err().to_string();
+            assert!(e.contains(&format!("{size}={huge} is more ranks")), "{e}");
+        }
+        let workers: Vec<String> = (0..=MAX_WORLD_SIZE).map(|i| format!("h{i}:1")).collect();
+        let tf = serde_json::json!({"cluster": {"worker": workers}, "task": {"type": "worker"}});
+        let e = from_tf_config(&tf.to_string()).unwrap_err().to_string();
+        assert!(
+            e.contains("65537 tasks, more ranks than tutti supports"),
+            "{e}"
+        );
+        let tf = format!(
+            r#"{{"cluster": {{"worker": ["a:1"]}}, "task": {{"type": "worker", "index": {huge}}}}}"#
+        );
+        let e = from_tf_config(&tf).unwrap_err().to_string();
+        assert!(
+            e.contains("task.index 1152921504606846976 is out of range"),
+            "{e}"
+        );
     }
 }
