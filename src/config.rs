@@ -14,7 +14,9 @@ pub struct Config {
     pub timeout: Duration,
     /// All-reduce algorithm, and the choice for the other collectives (default `auto`).
     pub algorithm: Algorithm,
-    /// Largest piece one step of a chunked algorithm handles (default 256 KiB).
+    /// Largest piece one step of a chunked algorithm handles (default 256 KiB; from 1 byte to
+    /// [`Config::MAX_CHUNK_BYTES`], 1 GiB). A chunk at least as large as a buffer runs it in
+    /// one piece.
     pub chunk_bytes: usize,
     /// Check every call between processes in a round of its own before any data moves
     /// (`TUTTI_CHECK=full`; default `fast`). Either way a mismatched call is an error naming both
@@ -53,6 +55,11 @@ impl Default for Config {
 }
 
 impl Config {
+    /// The largest `chunk_bytes` a communicator accepts (1 GiB): a piece that large no longer
+    /// stays in any cache, so larger ones gain nothing, and every offset an algorithm computes
+    /// from a chunk and a buffer's length stays far from overflowing.
+    pub const MAX_CHUNK_BYTES: usize = 1 << 30;
+
     /// This config with another timeout.
     pub fn with_timeout(mut self, timeout: Duration) -> Config {
         self.timeout = timeout;
@@ -68,14 +75,16 @@ impl Config {
         self.full_check = full_check;
         self
     }
-    /// This config with another chunk size.
+    /// This config with another chunk size (checked, with the rest, when a communicator is
+    /// made: see [`Config::check`]).
     pub fn with_chunk_bytes(mut self, chunk_bytes: usize) -> Config {
         self.chunk_bytes = chunk_bytes;
         self
     }
     /// The error creating a group of `world` ranks with this config would give, if any: its
     /// environment (`TUTTI_TIMEOUT`, `TUTTI_CHECK`), world size, timeout, chunk size and
-    /// algorithm parameters (a root or group size the world cannot have).
+    /// algorithm parameters (a root or group size the world cannot have). Every communicator,
+    /// group and strategy is made through this check, from Rust, C, Python or the environment.
     pub fn check(&self, world: usize) -> Result<()> {
         timeout_from_env()?;
         full_check_from_env()?;
@@ -99,6 +108,13 @@ impl Config {
         }
         if self.chunk_bytes == 0 {
             return Err(Error::config("chunk_bytes must be positive"));
+        }
+        if self.chunk_bytes > Config::MAX_CHUNK_BYTES {
+            return Err(Error::config(format!(
+                "chunk_bytes {} is more than the largest chunk tutti allows ({} bytes, 1 GiB)",
+                self.chunk_bytes,
+                Config::MAX_CHUNK_BYTES
+            )));
         }
         algorithm::check(self.algorithm, world).map_err(Error::config)
     }

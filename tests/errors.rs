@@ -381,3 +381,123 @@ fn huge_world_sizes_are_errors() {
         );
     }
 }
+
+/// A chunk size past the bound is refused when the group is made, naming the field and the
+/// bound, whatever the algorithm (issue 29, item 5: `usize::MAX` with `direct` skipped slices
+/// and with `ring` panicked).
+#[test]
+fn oversized_chunk_bytes_is_refused_naming_the_field_and_the_bound() {
+    for algo in [Algorithm::Direct, Algorithm::Ring, Algorithm::Auto] {
+        for chunk in [usize::MAX, usize::MAX / 2 + 1, (1 << 30) + 1] {
+            let config = quick().with_algorithm(algo).with_chunk_bytes(chunk);
+            let e = local_group(2, &config)
+                .err()
+                .unwrap_or_else(|| panic!("{algo}: chunk_bytes {chunk} was accepted"));
+            assert!(
+                matches!(e, Error::InvalidArgument { site: None, .. }),
+                "{e:?}"
+            );
+            let m = e.to_string();
+            assert!(
+                m.contains(&format!("chunk_bytes {chunk}")) && m.contains("1073741824"),
+                "{m}"
+            );
+        }
+    }
+}
+
+/// At the bound, with buffers far smaller than one chunk, `direct` and `ring` give every
+/// collective's right answer (no range wraps).
+#[test]
+fn the_largest_chunk_gives_the_right_results() {
+    for algo in [Algorithm::Direct, Algorithm::Ring] {
+        let config = quick()
+            .with_algorithm(algo)
+            .with_chunk_bytes(Config::MAX_CHUNK_BYTES);
+        run_local(2, &config, |comm| {
+            let r = comm.rank() as u8;
+            let input: Vec<u8> = (0..100u8).map(|i| i % 7 + r).collect();
+            let sum: Vec<u8> = (0..100u8).map(|i| 2 * (i % 7) + 1).collect();
+            let mut v = input.clone();
+            comm.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            assert_eq!(v, sum, "{algo}: in-place all_reduce on rank {r}");
+            let mut out = vec![0u8; 100];
+            comm.all_reduce_into(&input, &mut out, ReduceOp::Sum)
+                .unwrap();
+            assert_eq!(out, sum, "{algo}: all_reduce_into on rank {r}");
+            let mut b = input.clone();
+            comm.broadcast(&mut b, 1).unwrap();
+            assert_eq!(
+                b,
+                (0..100u8).map(|i| i % 7 + 1).collect::<Vec<_>>(),
+                "{algo}"
+            );
+            let mut g = vec![0u8; 200];
+            comm.all_gather(&input, &mut g).unwrap();
+            let want: Vec<u8> = (0..2u8)
+                .flat_map(|k| (0..100u8).map(move |i| i % 7 + k))
+                .collect();
+            assert_eq!(g, want, "{algo}: all_gather on rank {r}");
+            let mut s = vec![0u8; 100];
+            comm.reduce_scatter(&g, &mut s, ReduceOp::Sum).unwrap();
+            // Both ranks gathered the same 200 elements: slice r of the sum is twice slice r.
+            let off = 100 * comm.rank();
+            let want: Vec<u8> = (0..100).map(|i| 2 * want[off + i]).collect();
+            assert_eq!(s, want, "{algo}: reduce_scatter on rank {r}");
+            let mut root = vec![0u8; 100];
+            let recv = (comm.rank() == 0).then_some(&mut root[..]);
+            comm.reduce(&input, recv, ReduceOp::Sum, 0).unwrap();
+            if comm.rank() == 0 {
+                assert_eq!(root, sum, "{algo}: reduce at the root");
+            }
+        })
+        .unwrap();
+    }
+}
+
+/// Counts whose byte size overflows, on the raw forms, are this rank's argument error (and the
+/// communicator stays usable), never a wrapped length.
+#[test]
+fn raw_counts_whose_bytes_overflow_are_errors() {
+    let collectives = [
+        Collective::AllReduce,
+        Collective::AllGather,
+        Collective::ReduceScatter,
+        Collective::Broadcast,
+        Collective::Reduce,
+    ];
+    let errs = run_local(2, &quick(), |comm| {
+        let mut buf = [0u32; 4];
+        let mut msgs = Vec::new();
+        for collective in collectives {
+            for count in [
+                usize::MAX,
+                usize::MAX / 4 + 1,
+                usize::MAX / 8 + 1,
+                isize::MAX as usize / 4 + 1,
+            ] {
+                let call = tutti::RawCall {
+                    collective,
+                    dtype: tutti::DType::F32,
+                    count,
+                    op: ReduceOp::Sum,
+                    root: 0,
+                    input: buf.as_ptr().cast(),
+                    output: buf.as_mut_ptr().cast(),
+                };
+                // SAFETY: the call is refused before any byte is touched.
+                let e = unsafe { comm.run_raw(&call) }.unwrap_err();
+                assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+                msgs.push(e.to_string());
+            }
+        }
+        let mut ok = [1u32; 4];
+        comm.all_reduce(&mut ok, ReduceOp::Sum).unwrap();
+        assert_eq!(ok, [2; 4]);
+        msgs
+    })
+    .unwrap();
+    for m in errs.into_iter().flatten() {
+        assert!(m.contains("more bytes than a buffer can hold"), "{m}");
+    }
+}

@@ -82,7 +82,7 @@ pub(crate) fn all_reduce(ctx: &Ctx<'_>, in_place: bool, len: usize) -> Result<()
     };
     let mut srcs = ctx.plan.list::<&[u8]>();
     for lo in slice.clone().step_by(ce) {
-        let range = bytes(lo..(lo + ce).min(slice.end), esize);
+        let range = bytes(lo..lo.saturating_add(ce).min(slice.end), esize);
         srcs.clear();
         for k in (0..p).filter(|&k| !(in_place && k == r)) {
             // SAFETY: only this rank touches slice r of any buffer during the call (in place,

@@ -315,6 +315,77 @@ mod tests {
         assert!("tree".parse::<Algorithm>().unwrap_err().contains("tree"));
     }
 
+    /// Chunks far larger than any buffer, past the bound [`crate::Config::check`] puts on them
+    /// (a communicator made without that check), still give every collective's right answer
+    /// with `direct` and `ring`: no piece's range wraps (issue 29, item 5).
+    #[test]
+    fn any_chunk_size_gives_the_right_results() {
+        use crate::comm::Communicator;
+        use crate::transport::local::LocalTransport;
+        use std::sync::Arc;
+        let big = [usize::MAX, usize::MAX / 2 + 1, isize::MAX as usize + 1];
+        for (algo, chunk) in [Algorithm::Direct, Algorithm::Ring]
+            .into_iter()
+            .flat_map(|a| big.map(|c| (a, c)))
+        {
+            let config = crate::Config::default()
+                .with_timeout(std::time::Duration::from_secs(20))
+                .with_algorithm(algo)
+                .with_chunk_bytes(chunk);
+            let comms: Vec<Communicator> = LocalTransport::group(3, config.timeout)
+                .into_iter()
+                .map(|t| Communicator::new(Arc::new(t), &config))
+                .collect();
+            std::thread::scope(|s| {
+                for comm in &comms {
+                    s.spawn(move || {
+                        let r = comm.rank() as u8;
+                        let what = format!("{algo} with chunk_bytes {chunk}, rank {r}");
+                        let input: Vec<u8> = (0..101u8).map(|i| i % 7 + r).collect();
+                        let sum: Vec<u8> = (0..101u8).map(|i| 3 * (i % 7) + 3).collect();
+                        let mut v = input.clone();
+                        comm.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                        assert_eq!(v, sum, "in-place all_reduce, {what}");
+                        let mut out = vec![0u8; 101];
+                        comm.all_reduce_into(&input, &mut out, ReduceOp::Sum)
+                            .unwrap();
+                        assert_eq!(out, sum, "all_reduce_into, {what}");
+                        let f: Vec<f32> = (0..37).map(|i| (i + comm.rank()) as f32).collect();
+                        let mut fs = f.clone();
+                        comm.all_reduce(&mut fs, ReduceOp::Sum).unwrap();
+                        let want: Vec<f32> = (0..37).map(|i| (3 * i + 3) as f32).collect();
+                        assert_eq!(fs, want, "f32 all_reduce, {what}");
+                        let mut b = input.clone();
+                        comm.broadcast(&mut b, 1).unwrap();
+                        assert!(
+                            b.iter().enumerate().all(|(i, &x)| x == i as u8 % 7 + 1),
+                            "{what}"
+                        );
+                        let mut g = vec![0u8; 303];
+                        comm.all_gather(&input, &mut g).unwrap();
+                        let all: Vec<u8> = (0..3u8)
+                            .flat_map(|k| (0..101u8).map(move |i| i % 7 + k))
+                            .collect();
+                        assert_eq!(g, all, "all_gather, {what}");
+                        let mut part = vec![0u8; 101];
+                        comm.reduce_scatter(&g, &mut part, ReduceOp::Sum).unwrap();
+                        let off = 101 * comm.rank();
+                        let want: Vec<u8> = (0..101)
+                            .map(|i| all[off + i] + all[off + i] + all[off + i])
+                            .collect();
+                        assert_eq!(part, want, "reduce_scatter, {what}");
+                        let mut root = vec![0u8; 101];
+                        let recv = (comm.rank() == 2).then_some(&mut root[..]);
+                        comm.reduce(&input, recv, ReduceOp::Sum, 2).unwrap();
+                        if comm.rank() == 2 {
+                            assert_eq!(root, sum, "reduce, {what}");
+                        }
+                    });
+                }
+            });
+        }
+    }
+
     #[test]
     fn split_pair_either_order() {
         let mut v: Vec<u8> = (0..10).collect();

@@ -25,8 +25,9 @@ use crate::transport::{RecvMode, RecvOp, SendOp};
 fn piece(ctx: &Ctx<'_>, count: usize, k: usize, g: usize) -> Range<usize> {
     let s = partition(count, ctx.world(), k);
     let ce = ctx.chunk_elems();
-    let lo = (s.start + g * ce).min(s.end);
-    let hi = (lo + ce).min(s.end);
+    // Saturating: a chunk may be far larger than the buffer (one piece per slice).
+    let lo = s.start.saturating_add(g.saturating_mul(ce)).min(s.end);
+    let hi = lo.saturating_add(ce).min(s.end);
     bytes(lo..hi, ctx.dtype.size())
 }
 
@@ -233,7 +234,8 @@ pub(crate) fn broadcast(ctx: &Ctx<'_>, root: usize, buf: &mut [u8]) -> Result<()
     let chunk = ctx.chunk_elems() * ctx.dtype.size();
     let len = buf.len();
     let n = len.div_ceil(chunk);
-    let range = |g: usize| g * chunk..((g + 1) * chunk).min(len);
+    // g < n, so g·chunk < len; (g+1)·chunk may pass usize::MAX when one chunk is most of it.
+    let range = |g: usize| g * chunk..(g + 1).saturating_mul(chunk).min(len);
     if pos == 0 {
         for g in 0..n {
             ctx.t.exchange(

@@ -363,6 +363,12 @@ fn aligned(
     }
 }
 
+/// `n × p` for a message: the product, or that it is more than a count can hold.
+fn times(n: usize, p: usize) -> String {
+    n.checked_mul(p)
+        .map_or_else(|| "more than a usize holds".to_string(), |x| x.to_string())
+}
+
 fn check_root(root: usize, world: usize) -> std::result::Result<(), String> {
     if root >= world {
         return Err(format!(
@@ -463,11 +469,14 @@ impl Communicator {
         let p = self.world_size();
         let in_len = input.map_or(output.len() / p, |i| i.len());
         let check = elems(dtype, "the input", in_len).and_then(|n| {
-            if output.len() != in_len * p || (input.is_none() && output.len() % p != 0) {
+            // Checked: world × a huge input must not wrap round to the output's length.
+            if in_len.checked_mul(p) != Some(output.len())
+                || (input.is_none() && output.len() % p != 0)
+            {
                 Err(format!(
                     "the output holds {} elements; all_gather needs world size × input = {p} × {n} = {}",
                     output.len() / dtype.size(),
-                    n * p
+                    times(n, p)
                 ))
             } else {
                 let i = input.map_or(output.as_ptr(), |i| i.as_ptr());
@@ -475,9 +484,10 @@ impl Communicator {
             }
         });
         let count = *check.as_ref().unwrap_or(&0);
-        let own = self.rank() * in_len;
+        // In place, the input is this rank's slice of the output (in_len = output / world).
+        let own = || output.as_ptr().wrapping_add(self.rank() * in_len);
         let buffers = CallBuffers {
-            input: input.map_or(output.as_ptr().wrapping_add(own), |i| i.as_ptr()),
+            input: input.map_or_else(own, |i| i.as_ptr()),
             input_len: in_len,
             output: output.as_mut_ptr(),
             output_len: output.len(),
@@ -510,11 +520,12 @@ impl Communicator {
     ) -> Call {
         let p = self.world_size();
         let check = elems(dtype, "the output", output.len()).and_then(|n| {
-            if input.len() != output.len() * p {
+            // Checked: world × a huge output must not wrap round to the input's length.
+            if output.len().checked_mul(p) != Some(input.len()) {
                 Err(format!(
                     "the input holds {} elements; reduce_scatter needs world size × output = {p} × {n} = {}",
                     input.len() / dtype.size(),
-                    n * p
+                    times(n, p)
                 ))
             } else {
                 aligned(dtype, n, &[("the input", input.as_ptr()), ("the output", output.as_ptr())]).map(|_| n)
@@ -688,5 +699,40 @@ impl Communicator {
             }
             Collective::Barrier => self.barrier_call(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::local::LocalTransport;
+    use std::sync::Arc;
+
+    /// Lengths whose product with the world size wraps round to the other buffer's length are
+    /// an argument error, not a call over a wrapped length (issue 29, item 5). The buffers are
+    /// never touched: a call is only built and checked here.
+    #[test]
+    fn world_times_a_length_never_wraps() {
+        let config = crate::Config::default();
+        let t = LocalTransport::group(4, config.timeout).remove(1);
+        let comm = Communicator::new(Arc::new(t), &config);
+        let huge = 1usize << 62; // × 4 = 2^64, which wraps to 0
+        let far = std::ptr::NonNull::<u64>::dangling().as_ptr().cast::<u8>();
+        let input = Bytes {
+            ptr: far,
+            len: huge,
+        };
+        let output = BytesMut { ptr: far, len: 0 };
+        let call = comm.all_gather_call(DType::U8, Some(input), output);
+        let e = call.check.unwrap_err();
+        assert!(e.contains("all_gather needs world size × input = 4 × 4611686018427387904 = more than a usize holds"), "{e}");
+        let input = Bytes { ptr: far, len: 0 };
+        let output = BytesMut {
+            ptr: far,
+            len: huge,
+        };
+        let call = comm.reduce_scatter_call(DType::U8, input, output, ReduceOp::Sum);
+        let e = call.check.unwrap_err();
+        assert!(e.contains("reduce_scatter needs world size × output = 4 × 4611686018427387904 = more than a usize holds"), "{e}");
     }
 }

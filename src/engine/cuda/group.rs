@@ -840,9 +840,22 @@ impl GpuGroup {
             ));
         }
         let es = dtype.size();
+        // The caller's count: world × count elements, and their bytes, must not wrap.
+        let whole = count
+            .checked_mul(self.world)
+            .filter(|n| n.checked_mul(es).is_some_and(|b| b <= isize::MAX as usize))
+            .ok_or_else(|| {
+                self.invalid(
+                    c,
+                    format!(
+                        "{} × count {count} of {dtype} is more bytes than a buffer can hold",
+                        self.world
+                    ),
+                )
+            })?;
         let (send_len, recv_len) = match c {
-            Collective::AllGather => (count, count * self.world),
-            Collective::ReduceScatter => (count * self.world, count),
+            Collective::AllGather => (count, whole),
+            Collective::ReduceScatter => (whole, count),
             _ => (count, count),
         };
         let check = |what: &str,
@@ -901,7 +914,8 @@ impl GpuGroup {
                 }
                 let (base, size) =
                     driver::address_range(&d.inner.ctx, p.ptr).map_err(&not_device)?;
-                if p.ptr + (len * es) as u64 > base + size as u64 {
+                let end = p.ptr.checked_add((len * es) as u64);
+                if end.is_none_or(|end| end > base + size as u64) {
                     return Err(self.invalid(c, format!(
                         "{what} address {:#x} on device {i}: {} bytes do not fit in its allocation ({} bytes from {:#x})",
                         p.ptr,
