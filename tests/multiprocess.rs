@@ -1406,6 +1406,66 @@ fn a_trace_shows_every_call_and_the_one_that_hung() {
     );
 }
 
+/// `TUTTI_TRACE` never writes through a symbolic link, never truncates a file, keeps a new one
+/// private (0600), and a FIFO at its path stalls no collective (issue 29, item 8). The traced
+/// process is `sh`, which prepares its own trace path (`t.$$.json`), then `exec`s `tutti check`
+/// (the same process id).
+#[test]
+fn a_trace_path_is_opened_safely() {
+    let dir = std::env::temp_dir().join(format!("tutti-trace-safe-{}", std::process::id()));
+    let traced = |prepare: &str| -> (Output, String) {
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let script = format!("echo $$ > pid; {prepare}; exec \"$TUTTI\" check -n 2 --counts 7");
+        let mut child = Command::new("sh")
+            .args(["-c", &script])
+            .current_dir(&dir)
+            .env("TUTTI", common::tutti_bin())
+            .env("TUTTI_TRACE", dir.join("t.json"))
+            .env_remove("TF_CONFIG")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_bounded(&mut child, Duration::from_secs(60));
+        let out = child.wait_with_output().unwrap();
+        let pid = std::fs::read_to_string(dir.join("pid")).unwrap();
+        (out, format!("t.{}.json", pid.trim()))
+    };
+    let read = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap();
+
+    // A new file: private, and every call in it.
+    let (out, file) = traced("umask 022");
+    assert!(out.status.success(), "{:?}", text(&out));
+    let mode = std::fs::metadata(dir.join(&file)).unwrap().permissions();
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(mode.mode() & 0o777, 0o600, "{:o}", mode.mode());
+    assert!(read(&file).contains("\"ph\":\"E\""), "{}", read(&file));
+
+    // A symbolic link: refused, said so, its target untouched, the calls run.
+    let (out, file) = traced("echo keep > victim; ln -s victim t.$$.json");
+    let (_, err) = text(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains(&file) && err.contains("symbolic link"),
+        "{err}"
+    );
+    assert_eq!(read("victim"), "keep\n");
+
+    // An existing file: appended to, not truncated.
+    let (out, file) = traced("printf 'keep\\n' > t.$$.json");
+    assert!(out.status.success(), "{:?}", text(&out));
+    let t = read(&file);
+    assert!(t.starts_with("keep\n") && t.contains("all_reduce"), "{t}");
+
+    // A FIFO nobody reads: no trace, and no call waits for it.
+    let (out, _) = traced("mkfifo t.$$.json");
+    let (_, err) = text(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("FIFO"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// `tutti perf --plot` draws busbw against size, a line per algorithm (`-a ring,direct`) or per
 /// transport of a launched job (`--transport tcp,shm`), and prints a table for each (issue 12,
 /// item 13).
