@@ -1503,3 +1503,167 @@ mod tests {
         assert_eq!(frame_through(&zero, &one, &[5; 300]), [5; 300]);
     }
 }
+
+#[cfg(test)]
+mod fuzz {
+    use super::tests::{ring_pair, site};
+    use super::*;
+    use proptest::prelude::*;
+
+    fn names_peer(e: &Error, peer: usize) -> bool {
+        e.to_string().contains(&format!("rank {peer}"))
+    }
+
+    fn valid_setup() -> impl Strategy<Value = Setup> {
+        (
+            any::<u64>(),
+            proptest::option::of("[A-Za-z0-9._-]{1,89}"),
+            any::<[u8; KEY]>(),
+        )
+            .prop_map(|(slot, name, key)| Setup {
+                slot,
+                socket: name.map(|n| format!("/tutti-{n}")),
+                key,
+            })
+    }
+
+    proptest! {
+        /// Any bytes as a setup message: read, or refused naming the peer; the length read
+        /// after the head is bounded.
+        #[test]
+        fn setup_messages_of_any_bytes(msg in proptest::collection::vec(any::<u8>(), 0..200)) {
+            if let Ok(rest) = setup_rest(3, &msg) {
+                prop_assert!(rest <= MAX_NAME + KEY);
+            }
+            match parse_setup(3, &msg) {
+                Ok(s) => prop_assert_eq!(s.encode(), msg),
+                Err(e) => prop_assert!(names_peer(&e, 3), "{}", e),
+            }
+        }
+
+        /// Valid setup messages round-trip; mutated ones (a byte changed, cut short, grown)
+        /// are read or refused naming the peer.
+        #[test]
+        fn setup_messages_mutated(
+            s in valid_setup(),
+            at in any::<prop::sample::Index>(),
+            byte in any::<u8>(),
+            cut in any::<prop::sample::Index>(),
+            extra in proptest::collection::vec(any::<u8>(), 0..8),
+        ) {
+            let msg = s.encode();
+            prop_assert_eq!(parse_setup(3, &msg).unwrap(), s);
+            let mut changed = msg.clone();
+            changed[at.index(msg.len())] = byte;
+            let mut grown = msg.clone();
+            grown.extend_from_slice(&extra);
+            for m in [changed, msg[..cut.index(msg.len())].to_vec(), grown] {
+                match parse_setup(3, &m) {
+                    Ok(p) => {
+                        prop_assert_eq!(p.encode(), m);
+                        if let Some(n) = p.socket {
+                            prop_assert!(std::ffi::CString::new(n).is_ok());
+                        }
+                    }
+                    Err(e) => prop_assert!(names_peer(&e, 3), "{}", e),
+                }
+            }
+        }
+
+        /// Names from a peer, any bytes (NUL, '/', long ones): taken only when they are one of
+        /// tutti's names under /dev/shm, else refused naming the peer.
+        #[test]
+        fn names_from_a_peer(
+            name in prop_oneof![
+                proptest::collection::vec(any::<u8>(), 0..300),
+                "/tutti-[A-Za-z0-9._/\\x00-]{0,120}".prop_map(String::into_bytes),
+            ]
+        ) {
+            match check_name(4, &name) {
+                Ok(n) => {
+                    prop_assert!(n.len() <= MAX_NAME && n.starts_with("/tutti-"));
+                    prop_assert!(!n[1..].contains('/') && !n.contains('\0'));
+                    prop_assert!(std::ffi::CString::new(n).is_ok());
+                }
+                Err(e) => prop_assert!(names_peer(&e, 4), "{}", e),
+            }
+        }
+
+        /// The position checks: never a panic, never more than the ring.
+        #[test]
+        fn ring_positions(head in any::<u64>(), seen in any::<u64>(), tail in any::<u64>()) {
+            if let Some(n) = filled_slots(head, tail) {
+                prop_assert!(n <= SLOTS as u64 && head >= tail);
+            }
+            if let Some(n) = free_slots(head, seen, tail) {
+                prop_assert!(n <= SLOTS as u64 && seen <= tail && tail <= head);
+            }
+        }
+
+        /// The checks of a segment handed over: taken only sealed, large enough and reserved.
+        #[test]
+        fn segments_handed_over(
+            seals in any::<i32>(), fs in prop_oneof![Just(libc::TMPFS_MAGIC as _), any::<i64>()],
+            size in any::<i64>(), blocks in any::<i64>(), len in 0usize..1 << 40,
+        ) {
+            if check_segment(seals, fs, size, blocks, len).is_ok() {
+                prop_assert!(seals & SEALS == SEALS && size as u64 >= len as u64);
+                prop_assert!((blocks as u64).saturating_mul(512) >= len as u64);
+            }
+        }
+
+        /// A peer that writes anything into the shared pages (both rings' positions, the abort
+        /// flag, the bell, the pieces' lengths) between this end's sends and receives: every
+        /// call returns at once, with data or an error naming the peer; never a panic or a
+        /// wait.
+        #[test]
+        fn a_peer_writing_anything_into_the_rings(
+            steps in proptest::collection::vec(
+                (0u8..6, any::<u64>(), 0usize..SLOTS, 1usize..9000), 1..24)
+        ) {
+            let (a, b) = ring_pair(4096);
+            let data = vec![1u8; 9000];
+            let mut dst = vec![0u8; 9000];
+            let t = Instant::now();
+            for (what, v, slot, n) in steps {
+                // The peer's writes: into the segment it created (rank 0's receiving ring) and
+                // into the one it maps (rank 0's sending ring).
+                let mine = b.tx.seg.counters();
+                let theirs = b.rx.seg.counters();
+                match what {
+                    0 => mine.head.store(v, Ordering::SeqCst),
+                    1 => theirs.tail.store(v, Ordering::SeqCst),
+                    // SAFETY: a slot's length word, inside the mapping.
+                    2 => unsafe { b.tx.slot_ptr(slot as u64).0.write_volatile(v) },
+                    3 => mine.bell.store(v as u32, Ordering::SeqCst),
+                    4 => theirs.head.store(v, Ordering::SeqCst),
+                    _ => {
+                        let (mut hoff, mut off) = (0, 0);
+                        let _ = b.push(site(), 0, &[2; HDR], &mut hoff, &data[..n], &mut off);
+                    }
+                }
+                let _ = a.ready(true, true);
+                a.sleep(true, true, Instant::now());
+                let (mut hoff, mut off) = (0, 0);
+                let checks = [
+                    a.push(site(), 1, &[0; HDR], &mut hoff, &data[..n], &mut off),
+                    a.peek_header(site(), 1, &mut [0; HDR]),
+                    a.pull(site(), 1, &mut dst[..n], RecvMode::Copy, &mut 0),
+                    a.pull(
+                        site(),
+                        1,
+                        &mut dst[..n / 4 * 4],
+                        RecvMode::Reduce(crate::dtype::DType::F32, crate::dtype::ReduceOp::Sum),
+                        &mut 0,
+                    ),
+                ];
+                for r in checks {
+                    if let Err(e) = r {
+                        prop_assert!(names_peer(&e, 1), "{}", e);
+                    }
+                }
+            }
+            prop_assert!(t.elapsed() < Duration::from_secs(2));
+        }
+    }
+}
