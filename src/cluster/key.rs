@@ -471,6 +471,16 @@ mod tests {
                     t.elapsed() < Duration::from_secs(5),
                     "refused only after a wait"
                 );
+                // And so is the strategy built on them.
+                let e = crate::strategy::Strategy::multi_worker_mirrored(
+                    crate::strategy::CommunicationImplementation::Ring,
+                    Some(s0.clone()),
+                    &[],
+                )
+                .err()
+                .unwrap()
+                .to_string();
+                assert!(e.contains("spans hosts"), "{e}");
                 println!("refused");
             }
             return;
