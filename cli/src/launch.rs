@@ -5,6 +5,10 @@
 //! `TUTTI_LOCAL_WORLD_SIZE`, `TUTTI_MASTER_ADDR` (a loopback port chosen by the OS) and a fresh
 //! random `TUTTI_JOB_TOKEN`; or, with workers and parameter servers, a `TF_CONFIG` naming every
 //! task (with ps tasks comes a chief task, the coordinator parameter-server training needs).
+//! The launcher chooses those ports by binding them and never releases them: the process that
+//! listens at an address (rank 0 at `TUTTI_MASTER_ADDR`, each task at its own) inherits the
+//! bound socket, its descriptor in `TUTTI_LISTEN_FD`, and tutti takes it instead of binding
+//! anew, so no other process can take a port between the choice and its use.
 //! Output passes through untagged, as mpirun and torchrun pass it; `--tag-output` prefixes every
 //! line with its rank (or task). When a process fails, the others are stopped (SIGTERM, then
 //! SIGKILL after a grace period), every process that failed is named with its exit status or
@@ -13,12 +17,16 @@
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 use tutti::random_token;
+/// The variable that names the inherited listening socket (read by the library).
+const LISTEN_FD_VAR: &str = "TUTTI_LISTEN_FD";
 use tutti::TransportKind;
 use tutti::{Error, Result};
 
@@ -48,20 +56,16 @@ pub struct Launch {
     pub master: Option<(String, u16)>,
 }
 
-fn free_port() -> Result<u16> {
-    Ok(free_ports(1)?[0])
-}
-
-/// `n` distinct free loopback ports: every listener stays open until all are chosen, so the
-/// OS cannot hand out one port twice.
-fn free_ports(n: usize) -> Result<Vec<u16>> {
+/// `n` listeners on distinct free loopback ports, with their addresses. The launcher holds
+/// them until it hands each to its process: a port chosen is never free again.
+fn bound_ports(n: usize) -> Result<Vec<(TcpListener, String)>> {
     let io = |e| Error::io("choosing a port", e);
-    let listeners = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").map_err(io))
-        .collect::<Result<Vec<_>>>()?;
-    listeners
-        .iter()
-        .map(|l| Ok(l.local_addr().map_err(io)?.port()))
+    (0..n)
+        .map(|_| {
+            let l = TcpListener::bind("127.0.0.1:0").map_err(io)?;
+            let addr = l.local_addr().map_err(io)?.to_string();
+            Ok((l, addr))
+        })
         .collect()
 }
 
@@ -118,8 +122,9 @@ fn exit_code(status: ExitStatus) -> i32 {
         .max(1)
 }
 
-/// A process to start: its label (rank or task) and its environment.
-type Plan = (String, Vec<(String, String)>);
+/// A process to start: its label (rank or task), its environment, and the socket bound to the
+/// address it listens at, when the launcher chose that address.
+type Plan = (String, Vec<(String, String)>, Option<TcpListener>);
 
 /// The environment of each process, with its label.
 fn plan(l: &Launch) -> Result<Vec<Plan>> {
@@ -134,11 +139,11 @@ fn plan(l: &Launch) -> Result<Vec<Plan>> {
         }
         // Parameter-server training needs a coordinator: with ps tasks comes a chief.
         let chiefs = usize::from(l.ps > 0);
-        let mut ports = free_ports(chiefs + workers + l.ps)?.into_iter();
+        let mut ports = bound_ports(chiefs + workers + l.ps)?.into_iter();
         let mut tasks = Vec::new();
         for (ty, n) in [("chief", chiefs), ("worker", workers), ("ps", l.ps)] {
-            for (i, port) in (0..n).zip(ports.by_ref()) {
-                tasks.push((ty, i, format!("127.0.0.1:{port}")));
+            for (i, (listener, addr)) in (0..n).zip(ports.by_ref()) {
+                tasks.push((ty, i, addr, listener));
             }
         }
         let list = |ty: &str| {
@@ -155,14 +160,14 @@ fn plan(l: &Launch) -> Result<Vec<Plan>> {
         if l.ps > 0 {
             cluster["ps"] = serde_json::json!(list("ps"));
         }
-        for (ty, i, _) in &tasks {
+        for (ty, i, _, listener) in tasks {
             let tf = serde_json::json!({ "cluster": cluster, "task": { "type": ty, "index": i } });
             let mut env = vec![
                 ("TF_CONFIG".to_string(), tf.to_string()),
                 ("TUTTI_JOB_TOKEN".to_string(), token.clone()),
             ];
             env.extend(transport.clone());
-            out.push((format!("{ty}:{i}"), env));
+            out.push((format!("{ty}:{i}"), env, Some(listener)));
         }
     } else {
         if l.nprocs == 0 {
@@ -178,6 +183,8 @@ fn plan(l: &Launch) -> Result<Vec<Plan>> {
             .nprocs
             .checked_mul(l.nnodes)
             .ok_or_else(|| Error::config("-n × --nnodes is more processes than can be counted"))?;
+        // The rendezvous socket, bound here when the launcher chooses its port (rank 0's).
+        let mut rendezvous = None;
         let master = match &l.master {
             Some((host, port)) if host.contains(':') => format!("[{host}]:{port}"),
             Some((host, port)) => format!("{host}:{port}"),
@@ -187,7 +194,11 @@ fn plan(l: &Launch) -> Result<Vec<Plan>> {
                      --node-rank 0) serves the rendezvous, the same on every host",
                 ))
             }
-            None => format!("127.0.0.1:{}", free_port()?),
+            None => {
+                let (listener, addr) = bound_ports(1)?.remove(0);
+                rendezvous = Some(listener);
+                addr
+            }
         };
         // Every host's launcher must hand its ranks the same secret: one made here would
         // differ from the others'.
@@ -219,7 +230,8 @@ fn plan(l: &Launch) -> Result<Vec<Plan>> {
             .map(|(k, v)| (k.to_string(), v))
             .collect();
             env.extend(transport.clone());
-            out.push((r.to_string(), env));
+            let listener = if r == 0 { rendezvous.take() } else { None };
+            out.push((r.to_string(), env, listener));
         }
     }
     Ok(out)
@@ -304,7 +316,7 @@ pub fn run(l: &Launch) -> Result<i32> {
     let mut relays = Vec::new();
     // SAFETY: getpid has no preconditions.
     let launcher = unsafe { libc::getpid() };
-    for (label, env) in plan(l)? {
+    for (label, env, listener) in plan(l)? {
         let mut cmd = Command::new(&exe);
         cmd.args(&l.program[1..])
             .envs(env)
@@ -312,6 +324,12 @@ pub fn run(l: &Launch) -> Result<i32> {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0);
+        // The process inherits the socket bound to its address (every other descriptor of the
+        // launcher closes on exec); the launcher's own copy goes once the process has it.
+        let inherit = listener.as_ref().map(|l| l.as_raw_fd());
+        if let Some(fd) = inherit {
+            cmd.env(LISTEN_FD_VAR, fd.to_string());
+        }
         // A launcher killed outright (SIGKILL, the OOM killer) cannot stop its processes: the
         // kernel does (this thread, which spawns them, lives as long as the launcher).
         // SAFETY: only async-signal-safe calls between fork and exec.
@@ -324,10 +342,16 @@ pub fn run(l: &Launch) -> Result<i32> {
                 if libc::getppid() != launcher {
                     libc::_exit(1);
                 }
+                if let Some(fd) = inherit {
+                    if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
                 Ok(())
             })
         };
         let spawned = cmd.spawn();
+        drop(listener);
         let mut child = match spawned {
             Ok(c) => c,
             Err(e) => {
@@ -437,10 +461,63 @@ mod tests {
     #[test]
     fn the_ports_of_a_job_are_distinct() {
         for _ in 0..20 {
-            let mut ports = free_ports(16).unwrap();
+            let mut ports: Vec<String> =
+                bound_ports(16).unwrap().into_iter().map(|p| p.1).collect();
             ports.sort_unstable();
             ports.dedup();
             assert_eq!(ports.len(), 16, "{ports:?}");
+        }
+    }
+
+    /// Every address the launcher chooses stays bound from the moment it is chosen until the
+    /// process that listens there has the socket: another process that tries to take the port
+    /// at any point in between fails (issue 29, item 7). Each such process gets the socket of
+    /// its own address, the others none.
+    #[test]
+    fn a_chosen_port_is_never_free_for_another_process() {
+        let ranks = Launch {
+            nprocs: 3,
+            nnodes: 1,
+            ..Launch::default()
+        };
+        let tasks = Launch {
+            workers: Some(2),
+            ps: 2,
+            ..Launch::default()
+        };
+        for launch in [ranks, tasks] {
+            let plans = plan(&launch).unwrap();
+            let mut held = 0;
+            for (label, env, listener) in &plans {
+                let var = |k: &str| env.iter().find(|e| e.0 == k).map(|e| e.1.clone());
+                let own = match var("TF_CONFIG") {
+                    Some(tf) => {
+                        let tf: serde_json::Value = serde_json::from_str(&tf).unwrap();
+                        let (ty, i) = (&tf["task"]["type"], &tf["task"]["index"]);
+                        let i = i.as_u64().unwrap() as usize;
+                        tf["cluster"][ty.as_str().unwrap()][i]
+                            .as_str()
+                            .unwrap()
+                            .to_string()
+                    }
+                    None => var("TUTTI_MASTER_ADDR").unwrap(),
+                };
+                // A squatter that comes right after the choice finds the port taken.
+                let e = TcpListener::bind(&own).err();
+                assert_eq!(
+                    e.map(|e| e.kind()),
+                    Some(std::io::ErrorKind::AddrInUse),
+                    "{label}: {own} was free"
+                );
+                match listener {
+                    Some(l) => {
+                        assert_eq!(l.local_addr().unwrap().to_string(), own, "{label}");
+                        held += 1;
+                    }
+                    None => assert!(label != "0", "rank 0 serves the rendezvous"),
+                }
+            }
+            assert_eq!(held, if launch.workers.is_some() { 5 } else { 1 });
         }
     }
 

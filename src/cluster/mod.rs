@@ -3,6 +3,7 @@
 
 pub(crate) mod auth;
 mod key;
+pub(crate) mod listen;
 pub use key::MIN_TOKEN_BYTES;
 use key::{is_loopback, job_secret, Secret};
 

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{TcpStream, ToSocketAddrs};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -185,7 +185,7 @@ impl TcpStoreServer {
 
     /// [`TcpStoreServer::start`], holding at most `limit` bytes of keys and values.
     fn start_bounded(addr: &str, token: &str, limit: usize) -> Result<TcpStoreServer> {
-        let listener = TcpListener::bind(addr)
+        let listener = super::listen::bind(addr)
             .map_err(|e| Error::io(format!("rendezvous store: listening on {addr}"), e))?;
         let local = listener
             .local_addr()

@@ -17,7 +17,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -351,7 +351,7 @@ fn serve(
     worker: Option<Arc<WorkerState>>,
 ) -> Result<()> {
     let (host, port) = split_addr(addr, "ParameterServerStrategy task address")?;
-    let listener = TcpListener::bind((host.as_str(), port))
+    let listener = crate::cluster::listen::bind((host.as_str(), port))
         .map_err(|e| Error::io(format!("listening on {addr}"), e))?;
     listener
         .set_nonblocking(true)
