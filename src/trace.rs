@@ -443,3 +443,26 @@ mod tests {
         std::fs::remove_dir_all(&d).unwrap();
     }
 }
+
+/// `TUTTI_TRACE` is the environment's: any path gives this process its own file name, without
+/// a panic.
+#[cfg(test)]
+mod fuzz {
+    use super::file_for;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn any_trace_path_gives_a_file_of_this_process(path in any::<String>(), pid in any::<u32>()) {
+            let f = file_for(&path, pid);
+            prop_assert!(f.contains(&pid.to_string()), "{f}");
+        }
+
+        #[test]
+        fn a_trace_path_with_placeholders(stem in "[a-z/%.]{0,20}", ext in "[a-z%]{0,5}", pid in any::<u32>()) {
+            let f = file_for(&format!("{stem}%p.{ext}"), pid);
+            prop_assert!(!f.contains("%p") || stem.contains('%') || ext.contains('%'), "{f}");
+            prop_assert!(f.contains(&pid.to_string()), "{f}");
+        }
+    }
+}
