@@ -27,7 +27,7 @@ pub use crate::config::{full_check_from_env, Config};
 pub use crate::sync::{timeout_from_env, MAX_TIMEOUT};
 
 use call::{Bytes, BytesMut, Call};
-use work::{Owned, Progress, Shared};
+use work::{Owned, Prepared, Progress, Shared};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -554,6 +554,69 @@ impl Communicator {
         }
         self.progress
             .issue(Box::new(call), Box::new(Owned::new(())))
+    }
+
+    /// [`Communicator::run_raw`] with a step `before` that runs when the call starts, after
+    /// every call issued before it has completed: e.g. copying an input that an earlier
+    /// non-blocking call writes (an in-place reduce-scatter of the C API reads such a copy).
+    /// On a caller's CUDA stream (device memory) `before` runs when the call is issued.
+    ///
+    /// # Safety
+    ///
+    /// As [`Communicator::run_raw`]; what `before` touches is valid when it runs.
+    pub unsafe fn run_raw_prepared(
+        &self,
+        c: &RawCall,
+        before: Box<dyn FnOnce() + Send>,
+    ) -> Result<()> {
+        let call = self.on_stream(self.raw_call(c));
+        if call.on_stream() {
+            before();
+            return self.run_on_stream(call).wait();
+        }
+        let call = Prepared {
+            call,
+            before: parking_lot::Mutex::new(Some(before)),
+            _keep: parking_lot::Mutex::new(None),
+        };
+        self.progress.run_blocking(&call)
+    }
+
+    /// [`Communicator::issue_raw`] with a step `before` that runs when the call starts (see
+    /// [`Communicator::run_raw_prepared`]); `keep` is held until the call has completed (even
+    /// if the `Work` is dropped first).
+    ///
+    /// # Safety
+    ///
+    /// As [`Communicator::issue_raw`]; what `before` touches is valid when it runs.
+    pub unsafe fn issue_raw_prepared(
+        &self,
+        c: &RawCall,
+        before: Box<dyn FnOnce() + Send>,
+        keep: Box<dyn std::any::Any + Send>,
+    ) -> Work {
+        let call = self.on_stream(self.raw_call(c));
+        if call.on_stream() {
+            before();
+            let work = self.run_on_stream(call);
+            self.drop_after_issued(keep);
+            return work;
+        }
+        let call = Prepared {
+            call,
+            before: parking_lot::Mutex::new(Some(before)),
+            _keep: parking_lot::Mutex::new(Some(keep)),
+        };
+        self.progress
+            .issue(Box::new(call), Box::new(Owned::new(())))
+    }
+
+    /// Hold `value` until every call issued on this communicator before now has completed,
+    /// then drop it (at once when none is queued or running). For memory that calls issued by
+    /// address may still read or write: the C API's `tutti_mem_free` hands a [`SharedBuffer`]
+    /// here, so that a queued call never writes through an unmapped or reused page.
+    pub fn drop_after_issued<T: Send + 'static>(&self, value: T) {
+        self.progress.drop_after_issued(Box::new(value))
     }
 
     /// Run a call issued on a caller's stream at once (the ranks meet now, in issue order) up

@@ -92,6 +92,35 @@ struct Queue {
     thread: bool,
     /// What calls reuse from one to the next; the running call holds it.
     plan: Plan,
+    /// The number of the last call completed, plus one (calls complete in issue order).
+    completed: u64,
+    /// Values dropped once every call issued before them has completed (see
+    /// [`Progress::drop_after_issued`]), each with the call count it waits for.
+    deferred: Vec<(u64, Keep)>,
+}
+
+impl Queue {
+    /// Call `number` has completed: the deferred values it held back, to drop outside the lock.
+    fn completed(&mut self, number: u64) -> Vec<Keep> {
+        self.completed = self.completed.max(number + 1);
+        if self.deferred.is_empty() {
+            return Vec::new();
+        }
+        let done = self.completed;
+        let (ready, waiting) = std::mem::take(&mut self.deferred)
+            .into_iter()
+            .partition(|(mark, _)| *mark <= done);
+        self.deferred = waiting;
+        ready.into_iter().map(|(_, k)| k).collect()
+    }
+}
+
+/// Drop deferred values, each caught: their `Drop` may unmap memory or take locks, and a panic
+/// in one must not end the progress thread or a caller's call.
+fn release(values: Vec<Keep>) {
+    for v in values {
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(v)));
+    }
 }
 
 /// The state a communicator shares with its progress thread.
@@ -125,18 +154,21 @@ impl Shared {
     }
 }
 
-/// Clears `running` when an inline call ends, a panic included, hands the plan back and the
-/// queue on.
-struct Inline<'a>(&'a Shared, Plan);
+/// Clears `running` when an inline call (number `.2`) ends, a panic included, hands the plan
+/// back and the queue on.
+struct Inline<'a>(&'a Shared, Plan, u64);
 
 impl Drop for Inline<'_> {
     fn drop(&mut self) {
         let mut q = self.0.queue.lock();
         q.running = false;
         q.plan = std::mem::take(&mut self.1);
+        let ready = q.completed(self.2);
         if !q.jobs.is_empty() {
             self.0.cv.notify_all();
         }
+        drop(q);
+        release(ready);
     }
 }
 
@@ -170,7 +202,7 @@ impl Progress {
             let number = q.next_call;
             q.next_call += 1;
             q.running = true;
-            let inline = Inline(&self.shared, std::mem::take(&mut q.plan));
+            let inline = Inline(&self.shared, std::mem::take(&mut q.plan), number);
             drop(q);
             return (call.site(number), call.run(&self.shared, number, &inline.1));
         }
@@ -181,6 +213,20 @@ impl Progress {
         let call: Box<dyn Runnable> = unsafe { std::mem::transmute(call) };
         let work: Work<()> = self.issue(call, Box::new(Owned::new(())));
         (work.site(), work.wait().map(drop))
+    }
+
+    /// Hold `value` until every call issued before now has completed, then drop it (at once
+    /// when none is queued or running): for memory that calls issued by address may still
+    /// use, such as a shared buffer its owner frees while a non-blocking call on it is queued.
+    pub(crate) fn drop_after_issued(&self, value: Keep) {
+        let mut q = self.shared.queue.lock();
+        if q.completed >= q.next_call {
+            drop(q);
+            release(vec![value]);
+            return;
+        }
+        let mark = q.next_call;
+        q.deferred.push((mark, value));
     }
 
     /// Queue `call` and return its handle; `keep` is held until the call completes.
@@ -244,6 +290,26 @@ impl Drop for Progress {
     }
 }
 
+/// A call with a step that runs when the call starts, in issue order (every earlier call of
+/// the communicator has completed by then), and a value it holds until it is dropped.
+pub(crate) struct Prepared<R> {
+    pub(crate) call: R,
+    pub(crate) before: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    pub(crate) _keep: Mutex<Option<Keep>>,
+}
+
+impl<R: Runnable> Runnable for Prepared<R> {
+    fn run(&self, shared: &Shared, number: u64, plan: &Plan) -> Result<()> {
+        if let Some(before) = self.before.lock().take() {
+            before();
+        }
+        self.call.run(shared, number, plan)
+    }
+    fn site(&self, number: u64) -> Site {
+        self.call.site(number)
+    }
+}
+
 /// A borrowed call, boxed for the queue by a caller that waits for it.
 struct Borrowed<'a>(&'a (dyn Runnable + Sync + 'a));
 
@@ -289,7 +355,13 @@ fn progress(shared: Arc<Shared>) {
                 q = shared.queue.lock();
                 q.running = false;
                 q.plan = plan;
+                let ready = q.completed(number);
                 shared.cv.notify_all();
+                if !ready.is_empty() {
+                    drop(q);
+                    release(ready);
+                    q = shared.queue.lock();
+                }
                 continue;
             }
             if q.closed {
