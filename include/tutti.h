@@ -801,10 +801,14 @@ tutti_result tutti_mem_alloc(struct tutti_comm *comm, size_t bytes, void **ptr);
  * the same call stays theirs, and collectives on it go through the shared-memory slots).
  * NULL is accepted and ignored. `tutti_comm_destroy` releases what is left.
  *
- * Errors: `TUTTI_ERROR_INVALID_ARGUMENT` when `ptr` is not memory of this communicator's
- * `tutti_mem_alloc`.
+ * The memory is unmapped once every call this rank issued before the free has completed: a
+ * non-blocking call still queued or running on it goes on reading and writing mapped memory
+ * (the caller must not use the pointer after this returns; the calls issued before may).
  *
- * Thread-safety: no collective may be using the memory.
+ * Errors: `TUTTI_ERROR_INVALID_ARGUMENT` when `ptr` is not memory of this communicator's
+ * `tutti_mem_alloc` (freed already, say).
+ *
+ * Thread-safety: callable from any thread, while calls issued before run.
  *
  * # Safety
  *
@@ -817,11 +821,22 @@ tutti_result tutti_mem_free(struct tutti_comm *comm, void *ptr);
  * one fail when their timeout runs out; abort the group first (`tutti_comm_abort`) to make
  * them fail at once.
  *
- * Thread-safety: no other call may be using `comm`, on any thread, nor use it afterwards.
+ * Calls on other threads that are inside `comm` when this is called are waited for, up to the
+ * communicator's timeout; past it the group is aborted, which ends them at once. Calls made
+ * on `comm` from then on, until this returns, fail with `TUTTI_ERROR_INVALID_ARGUMENT`. A
+ * second destroy of the same handle (or two threads destroying it at once) does nothing but
+ * record, as the thread's last error, that it was not a live handle. Should calls inside
+ * never leave, the handle is left allocated (not freed under them) and the last error says
+ * so. The last error is empty when the handle was released. Non-blocking calls issued before
+ * are completed (each bounded by the timeout) before it returns.
+ *
+ * Thread-safety: callable from any thread, while other threads use `comm` (a watchdog's
+ * `tutti_comm_abort` then `tutti_comm_destroy`, say); no call may use `comm` after this has
+ * returned.
  *
  * # Safety
  *
- * `comm` is NULL or a live handle from `tutti_comm_create_group`, not used again.
+ * `comm` is NULL or a handle from `tutti_comm_create_*` (destroyed already or not).
  */
 void tutti_comm_destroy(struct tutti_comm *comm);
 
@@ -1037,11 +1052,20 @@ tutti_result tutti_replicas_create(size_t num_replicas,
 /**
  * Release replicas and stop their threads. NULL is accepted and ignored.
  *
- * Thread-safety: no other call may be using `replicas`, on any thread, nor use it afterwards.
+ * A call running on another thread is waited for, up to the replicas' timeout; past it they
+ * are aborted, which ends it at once. Calls made from then on, until this returns, fail with
+ * `TUTTI_ERROR_INVALID_ARGUMENT`. A second destroy of the same handle (or two threads
+ * destroying it at once) does nothing but record, as the thread's last error, that it was not
+ * a live handle; should a call never leave, the handle is left allocated and the last error
+ * says so.
+ *
+ * Thread-safety: callable from any thread, while another thread runs a call on `replicas` (a
+ * watchdog's `tutti_replicas_abort` then `tutti_replicas_destroy`, say); no call may use
+ * `replicas` after this has returned.
  *
  * # Safety
  *
- * `replicas` is NULL or a live handle from `tutti_replicas_create`, not used again.
+ * `replicas` is NULL or a handle from `tutti_replicas_create` (destroyed already or not).
  */
 void tutti_replicas_destroy(struct tutti_replicas *replicas);
 
@@ -1326,13 +1350,17 @@ tutti_result tutti_work_test(const struct tutti_work *work, bool *done);
  * Release a work handle; NULL is accepted and ignored. A call still running is waited for
  * first, up to the communicator's timeout; if it has not completed by then, the communicator
  * is aborted (every rank's calls fail with `TUTTI_ERROR_ABORTED`) and the call ends at once,
- * so that the buffers are never touched after this returns.
+ * so that the buffers are never touched after this returns. Waits and tests on other threads
+ * that are inside the handle are waited for too (they return once the call has completed);
+ * calls on it from then on fail with `TUTTI_ERROR_INVALID_ARGUMENT`. A second destroy of the
+ * same handle does nothing but record, as the thread's last error, that it was not live.
  *
- * Thread-safety: no other thread may use `work` during or after this call.
+ * Thread-safety: callable from any thread, while other threads wait on `work`; no call may use
+ * `work` after this has returned.
  *
  * # Safety
  *
- * `work` is NULL or a live handle, not used again.
+ * `work` is NULL or a handle from a `tutti_*_async` call (destroyed already or not).
  */
 void tutti_work_destroy(struct tutti_work *work);
 

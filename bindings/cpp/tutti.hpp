@@ -176,23 +176,30 @@ private:
 };
 
 /// Memory from tutti_mem_alloc, as `size()` elements of T, released with tutti_mem_free when
-/// this object goes (before its communicator does). Collectives whose buffers are in such
-/// memory on every rank skip the shared-memory slots between processes (README: "Zero-copy
-/// between processes: shared buffers"). Made by comm::alloc_shared.
+/// this object goes. It keeps its communicator alive: the C handle is destroyed once both the
+/// `comm` and every shared_array from it are gone, so an array that outlives its `comm` object
+/// never frees through a dangling handle. Freed memory is unmapped once the calls issued
+/// before the free have completed (a non-blocking call on it may still be queued). Collectives
+/// whose buffers are in such memory on every rank skip the shared-memory slots between
+/// processes (README: "Zero-copy between processes: shared buffers"). Made by
+/// comm::alloc_shared.
 template <typename T> class shared_array {
 public:
-    shared_array(tutti_comm *owner, T *data, std::size_t n) noexcept
-        : owner_(owner), data_(data), n_(n) {}
-    shared_array(shared_array &&o) noexcept : owner_(o.owner_), data_(o.data_), n_(o.n_) {
+    shared_array(std::shared_ptr<tutti_comm> owner, T *data, std::size_t n) noexcept
+        : owner_(std::move(owner)), data_(data), n_(n) {}
+    shared_array(shared_array &&o) noexcept
+        : owner_(std::move(o.owner_)), data_(o.data_), n_(o.n_) {
         o.data_ = nullptr;
+        o.n_ = 0;
     }
     shared_array &operator=(shared_array &&o) noexcept {
         if (this != &o) {
             release();
-            owner_ = o.owner_;
+            owner_ = std::move(o.owner_);
             data_ = o.data_;
             n_ = o.n_;
             o.data_ = nullptr;
+            o.n_ = 0;
         }
         return *this;
     }
@@ -210,12 +217,14 @@ public:
 
 private:
     void release() noexcept {
-        if (data_ != nullptr) {
-            tutti_mem_free(owner_, data_); // fails only on memory it did not hand out
-            data_ = nullptr;
+        if (data_ != nullptr && owner_) {
+            tutti_mem_free(owner_.get(), data_); // fails only on memory it did not hand out
         }
+        data_ = nullptr;
+        n_ = 0;
+        owner_.reset(); // the last owner destroys the communicator
     }
-    tutti_comm *owner_;
+    std::shared_ptr<tutti_comm> owner_;
     T *data_;
     std::size_t n_;
 };
@@ -274,7 +283,11 @@ public:
     }
 
     /// Takes ownership of a handle from the C API.
-    explicit comm(tutti_comm *handle) noexcept : h_(handle) {}
+    explicit comm(tutti_comm *handle) : h_(handle, detail::comm_deleter()) {}
+    comm(comm &&) noexcept = default;
+    comm &operator=(comm &&) noexcept = default;
+    comm(const comm &) = delete;
+    comm &operator=(const comm &) = delete;
 
     std::size_t rank() const {
         std::size_t r = 0;
@@ -392,15 +405,20 @@ public:
     /// with the same count, in the same order as its other calls.
     template <typename T> shared_array<T> alloc_shared(std::size_t count) {
         void *p = nullptr;
+        if (count > SIZE_MAX / sizeof(T)) {
+            throw error(TUTTI_ERROR_INVALID_ARGUMENT,
+                        "tutti::comm::alloc_shared: count * sizeof(T) overflows size_t");
+        }
         detail::check(tutti_mem_alloc(h_.get(), count * sizeof(T), &p));
-        return shared_array<T>(h_.get(), static_cast<T *>(p), count);
+        return shared_array<T>(h_, static_cast<T *>(p), count);
     }
 
-    /// The C handle, still owned by this object.
+    /// The C handle, still owned by this object (and by its shared arrays).
     tutti_comm *get() const noexcept { return h_.get(); }
 
 private:
-    std::unique_ptr<tutti_comm, detail::comm_deleter> h_;
+    /// Shared with the arrays from alloc_shared, which keep the communicator alive.
+    std::shared_ptr<tutti_comm> h_;
 };
 
 /// Replicas driven by one caller that holds every replica's buffer. Move-only.

@@ -94,10 +94,22 @@ pub(crate) unsafe fn slice_mut<'a>(ptr: *mut c_void, len: usize) -> &'a mut [u8]
 pub(crate) struct AlignedCopy(Vec<u64>, usize);
 
 impl AlignedCopy {
+    #[cfg(test)]
     pub fn of(bytes: &[u8]) -> AlignedCopy {
         let mut v = vec![0u64; bytes.len().div_ceil(8)];
         bytemuck::cast_slice_mut::<u64, u8>(&mut v)[..bytes.len()].copy_from_slice(bytes);
         AlignedCopy(v, bytes.len())
+    }
+    /// `len` zero bytes, to copy into later through [`AlignedCopy::as_mut_ptr`].
+    pub fn zeroed(len: usize) -> AlignedCopy {
+        AlignedCopy(vec![0u64; len.div_ceil(8)], len)
+    }
+    /// The first byte, for writing the copy in (its heap bytes do not move with the value).
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.0.as_mut_ptr().cast()
+    }
+    pub fn len(&self) -> usize {
+        self.1
     }
     pub fn bytes(&self) -> &[u8] {
         &bytemuck::cast_slice(&self.0)[..self.1]

@@ -6,11 +6,11 @@ use std::ffi::c_void;
 
 use tutti::{Collective, DType, DeviceKind, RawCall, ReduceOp};
 
-use crate::buffers::{self, byte_len, check, overlap, AlignedCopy};
+use crate::buffers::{byte_len, check, overlap, AlignedCopy};
 use crate::comm::{comm_ref, tutti_comm};
 use crate::error::{boundary, tutti_result};
 use crate::types::{self, tutti_dtype, tutti_op};
-use crate::work::Mode;
+use crate::work::{InPlace, Mode};
 
 /// All-reduce: every rank's `output` (`count` elements) becomes the element-wise `op` of every
 /// rank's `input`. In place: pass the same pointer as `input` and `output`.
@@ -102,7 +102,7 @@ pub(crate) unsafe fn all_reduce(
             output: output.cast(),
         };
         // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
-        unsafe { mode.run(c, call, None) }
+        unsafe { mode.run(&c, call, None) }
     })
 }
 
@@ -173,7 +173,7 @@ pub(crate) unsafe fn broadcast(
             output: buffer.cast(),
         };
         // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
-        unsafe { mode.run(c, call, None) }
+        unsafe { mode.run(&c, call, None) }
     })
 }
 
@@ -259,7 +259,7 @@ pub(crate) unsafe fn all_gather(
             output: output.cast(),
         };
         // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
-        unsafe { mode.run(c, call, None) }
+        unsafe { mode.run(&c, call, None) }
     })
 }
 
@@ -331,8 +331,9 @@ pub(crate) unsafe fn reduce_scatter(
             Ok((dtype, op, n, total))
         })();
         let (dtype, op, n, total) = checked.map_err(|m| c.reject(f, m))?;
-        // Output inside the input: the call reads a copy of the input, kept as long as the
-        // call runs (in the work handle, for a non-blocking one). Host memory only.
+        // Output inside the input: the call reads a copy of the input, taken when the call
+        // starts (after every earlier call, which may still write the input, has completed)
+        // and kept as long as the call runs. Host memory only.
         let copy = if overlap(input, total, output, n) {
             if c.device != DeviceKind::Cpu && c.device != DeviceKind::Xla {
                 return Err(c.reject(
@@ -341,8 +342,10 @@ pub(crate) unsafe fn reduce_scatter(
                         .to_string(),
                 ));
             }
-            // SAFETY: checked above: host memory of `total` bytes.
-            Some(AlignedCopy::of(unsafe { buffers::slice(input, total) }))
+            Some(InPlace {
+                from: input,
+                copy: AlignedCopy::zeroed(total),
+            })
         } else {
             None
         };
@@ -352,12 +355,14 @@ pub(crate) unsafe fn reduce_scatter(
             count,
             op,
             root: 0,
-            input: copy.as_ref().map_or(input.cast(), |c| c.bytes().as_ptr()),
+            input: copy
+                .as_ref()
+                .map_or(input.cast(), |c| c.copy.bytes().as_ptr()),
             output: output.cast(),
         };
         // SAFETY: checked above; the caller promises the memory, for as long as the call
-        // runs; the copy's heap bytes do not move when it moves into the work handle.
-        unsafe { mode.run(c, call, copy) }
+        // runs; the copy's heap bytes do not move when it moves into the call.
+        unsafe { mode.run(&c, call, copy) }
     })
 }
 
@@ -450,7 +455,7 @@ pub(crate) unsafe fn reduce(
             output: output.cast(),
         };
         // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
-        unsafe { mode.run(c, call, None) }
+        unsafe { mode.run(&c, call, None) }
     })
 }
 
@@ -487,7 +492,7 @@ pub(crate) unsafe fn barrier(f: &'static str, comm: *mut tutti_comm, mode: Mode)
             output: std::ptr::null_mut(),
         };
         // SAFETY: no memory.
-        unsafe { mode.run(c, call, None) }?;
+        unsafe { mode.run(&c, call, None) }?;
         Ok(())
     })
 }

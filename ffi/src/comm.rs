@@ -9,6 +9,7 @@ use tutti::{AbortHandle, ClusterSpec, Communicator, DeviceKind, SharedBuffer, Tr
 
 use crate::config::{self, tutti_config, Settings};
 use crate::error::{boundary, boundary_void, tutti_result, Failure};
+use crate::handle::{self, Entered, Handle, Kind, Live};
 use crate::types::{self, tutti_algorithm};
 
 /// One rank's handle on a group of ranks (opaque). Created by `tutti_comm_create_group`,
@@ -24,18 +25,31 @@ pub struct tutti_comm {
     pub(crate) device: DeviceKind,
     /// The shared buffers handed out by `tutti_mem_alloc`, until `tutti_mem_free`.
     shared: Mutex<Vec<SharedBuffer>>,
+    /// The bound on every wait (the destroy's wait for calls inside too).
+    timeout: std::time::Duration,
+    /// The calls inside this handle, which `tutti_comm_destroy` waits for.
+    live: Live,
+}
+
+impl Handle for tutti_comm {
+    const KIND: Kind = Kind::Comm;
+    fn live(&self) -> &Live {
+        &self.live
+    }
 }
 
 impl tutti_comm {
     fn into_raw(comm: Communicator) -> *mut tutti_comm {
-        Box::into_raw(Box::new(tutti_comm {
+        handle::into_raw(tutti_comm {
             abort: comm.abort_handle(),
             rank: comm.rank(),
             world: comm.world_size(),
             device: comm.device_kind(),
+            timeout: comm.timeout(),
             comm: RwLock::new(comm),
             shared: Mutex::new(Vec::new()),
-        }))
+            live: Live::new(),
+        })
     }
 
     /// The communicator to change a setting of (`what`), while no collective runs on it.
@@ -70,14 +84,17 @@ impl tutti_comm {
     }
 }
 
-/// The communicator behind a C handle, or an error when it is NULL.
+/// The communicator behind a C handle, entered for one call (`tutti_comm_destroy` waits until
+/// it is dropped), or an error when it is NULL or being destroyed.
 ///
 /// # Safety
 ///
-/// `comm` is NULL or a live handle from `tutti_comm_create_group`.
-pub(crate) unsafe fn comm_ref<'a>(comm: *const tutti_comm) -> Result<&'a tutti_comm, Failure> {
+/// `comm` is NULL or a handle from `tutti_comm_create_*` whose destroy has not returned.
+pub(crate) unsafe fn comm_ref<'a>(
+    comm: *const tutti_comm,
+) -> Result<Entered<'a, tutti_comm>, Failure> {
     // SAFETY: as the caller promises.
-    unsafe { comm.as_ref() }.ok_or_else(|| Failure::invalid("comm is NULL"))
+    unsafe { handle::enter(comm) }
 }
 
 fn out_ptr<T>(p: *mut T, name: &str) -> Result<*mut T, Failure> {
@@ -364,10 +381,14 @@ pub unsafe extern "C" fn tutti_mem_alloc(
 /// the same call stays theirs, and collectives on it go through the shared-memory slots).
 /// NULL is accepted and ignored. `tutti_comm_destroy` releases what is left.
 ///
-/// Errors: `TUTTI_ERROR_INVALID_ARGUMENT` when `ptr` is not memory of this communicator's
-/// `tutti_mem_alloc`.
+/// The memory is unmapped once every call this rank issued before the free has completed: a
+/// non-blocking call still queued or running on it goes on reading and writing mapped memory
+/// (the caller must not use the pointer after this returns; the calls issued before may).
 ///
-/// Thread-safety: no collective may be using the memory.
+/// Errors: `TUTTI_ERROR_INVALID_ARGUMENT` when `ptr` is not memory of this communicator's
+/// `tutti_mem_alloc` (freed already, say).
+///
+/// Thread-safety: callable from any thread, while calls issued before run.
 ///
 /// # Safety
 ///
@@ -389,11 +410,15 @@ pub unsafe extern "C" fn tutti_mem_free(
             .position(|b| b.as_mut_ptr().cast() == ptr)
             .ok_or_else(|| {
                 Failure::invalid(format!(
-                    "rank {}: {ptr:?} is not memory from tutti_mem_alloc on this communicator",
+                    "rank {}: {ptr:?} is not memory from tutti_mem_alloc on this communicator \
+                     (or was freed already)",
                     c.rank
                 ))
             })?;
-        drop(bufs.swap_remove(i));
+        let buf = bufs.swap_remove(i);
+        drop(bufs);
+        // Calls issued by address before this may still use it: unmapped after them.
+        c.read().drop_after_issued(buf);
         Ok(())
     })
 }
@@ -402,18 +427,44 @@ pub unsafe extern "C" fn tutti_mem_free(
 /// one fail when their timeout runs out; abort the group first (`tutti_comm_abort`) to make
 /// them fail at once.
 ///
-/// Thread-safety: no other call may be using `comm`, on any thread, nor use it afterwards.
+/// Calls on other threads that are inside `comm` when this is called are waited for, up to the
+/// communicator's timeout; past it the group is aborted, which ends them at once. Calls made
+/// on `comm` from then on, until this returns, fail with `TUTTI_ERROR_INVALID_ARGUMENT`. A
+/// second destroy of the same handle (or two threads destroying it at once) does nothing but
+/// record, as the thread's last error, that it was not a live handle. Should calls inside
+/// never leave, the handle is left allocated (not freed under them) and the last error says
+/// so. The last error is empty when the handle was released. Non-blocking calls issued before
+/// are completed (each bounded by the timeout) before it returns.
+///
+/// Thread-safety: callable from any thread, while other threads use `comm` (a watchdog's
+/// `tutti_comm_abort` then `tutti_comm_destroy`, say); no call may use `comm` after this has
+/// returned.
 ///
 /// # Safety
 ///
-/// `comm` is NULL or a live handle from `tutti_comm_create_group`, not used again.
+/// `comm` is NULL or a handle from `tutti_comm_create_*` (destroyed already or not).
 #[no_mangle]
 pub unsafe extern "C" fn tutti_comm_destroy(comm: *mut tutti_comm) {
     boundary_void("tutti_comm_destroy", || {
-        if !comm.is_null() {
-            // SAFETY: a live handle from Box::into_raw, released once.
-            drop(unsafe { Box::from_raw(comm) });
+        if comm.is_null() {
+            return; // a no-op that leaves the last error alone
         }
+        // SAFETY: as the caller promises; a handle not registered as live is not touched.
+        let r = unsafe {
+            handle::destroy(
+                comm,
+                |c| c.timeout,
+                |c, n| {
+                    c.abort.abort(&format!(
+                        "tutti_comm_destroy on rank {}: {n} call(s) on other threads were still \
+                         inside the communicator after its timeout ({:?})",
+                        c.rank, c.timeout
+                    ))
+                },
+                |_| {},
+            )
+        };
+        handle::report("tutti_comm_destroy", r);
     })
 }
 

@@ -15,6 +15,7 @@ mod comm;
 mod config;
 mod device;
 mod error;
+mod handle;
 mod log;
 mod replicas;
 mod strategy;

@@ -9,6 +9,7 @@ use tutti::{AbortHandle, Communicator, DType, Replicas};
 use crate::buffers::{self, byte_len, check, overlap};
 use crate::config::{self, tutti_config};
 use crate::error::{boundary, boundary_void, panic_message, tutti_result, Failure, TuttiResult};
+use crate::handle::{self, Entered, Handle, Kind, Live};
 use crate::types::{self, tutti_dtype, tutti_op};
 
 /// A group of replicas driven by one caller that holds every replica's buffer (opaque), as
@@ -22,6 +23,17 @@ pub struct tutti_replicas {
     /// Aborts the group without waiting for the lock, from any thread.
     abort: AbortHandle,
     count: usize,
+    /// The bound on every wait (the destroy's wait for calls inside too).
+    timeout: std::time::Duration,
+    /// The calls inside this handle, which `tutti_replicas_destroy` waits for.
+    live: Live,
+}
+
+impl Handle for tutti_replicas {
+    const KIND: Kind = Kind::Replicas;
+    fn live(&self) -> &Live {
+        &self.live
+    }
 }
 
 /// A buffer address handed to the replica that uses it.
@@ -88,14 +100,17 @@ impl tutti_replicas {
     }
 }
 
-/// The replicas behind a C handle, or an error when it is NULL.
+/// The replicas behind a C handle, entered for one call (`tutti_replicas_destroy` waits until
+/// it is dropped), or an error when it is NULL or being destroyed.
 ///
 /// # Safety
 ///
-/// `replicas` is NULL or a live handle from `tutti_replicas_create`.
-unsafe fn replicas_ref<'a>(replicas: *const tutti_replicas) -> Result<&'a tutti_replicas, Failure> {
+/// `replicas` is NULL or a handle from `tutti_replicas_create` whose destroy has not returned.
+unsafe fn replicas_ref<'a>(
+    replicas: *const tutti_replicas,
+) -> Result<Entered<'a, tutti_replicas>, Failure> {
     // SAFETY: as the caller promises.
-    unsafe { replicas.as_ref() }.ok_or_else(|| Failure::invalid("replicas is NULL"))
+    unsafe { handle::enter(replicas) }
 }
 
 /// The `num` pointers of a C array, or an error when the array is NULL.
@@ -169,31 +184,57 @@ pub unsafe extern "C" fn tutti_replicas_create(
             .into_inner()
             .unwrap_or_else(|e| e.into_inner())
             .ok_or_else(|| Failure::invalid("replica 0 did not start"))?;
-        let r = Box::new(tutti_replicas {
+        let r = handle::into_raw(tutti_replicas {
             inner: Mutex::new(inner),
             abort,
             count: num_replicas,
+            timeout: config.timeout,
+            live: Live::new(),
         });
         // SAFETY: checked non-NULL; the caller promises it is writable.
-        unsafe { replicas.write(Box::into_raw(r)) };
+        unsafe { replicas.write(r) };
         Ok(())
     })
 }
 
 /// Release replicas and stop their threads. NULL is accepted and ignored.
 ///
-/// Thread-safety: no other call may be using `replicas`, on any thread, nor use it afterwards.
+/// A call running on another thread is waited for, up to the replicas' timeout; past it they
+/// are aborted, which ends it at once. Calls made from then on, until this returns, fail with
+/// `TUTTI_ERROR_INVALID_ARGUMENT`. A second destroy of the same handle (or two threads
+/// destroying it at once) does nothing but record, as the thread's last error, that it was not
+/// a live handle; should a call never leave, the handle is left allocated and the last error
+/// says so.
+///
+/// Thread-safety: callable from any thread, while another thread runs a call on `replicas` (a
+/// watchdog's `tutti_replicas_abort` then `tutti_replicas_destroy`, say); no call may use
+/// `replicas` after this has returned.
 ///
 /// # Safety
 ///
-/// `replicas` is NULL or a live handle from `tutti_replicas_create`, not used again.
+/// `replicas` is NULL or a handle from `tutti_replicas_create` (destroyed already or not).
 #[no_mangle]
 pub unsafe extern "C" fn tutti_replicas_destroy(replicas: *mut tutti_replicas) {
     boundary_void("tutti_replicas_destroy", || {
-        if !replicas.is_null() {
-            // SAFETY: a live handle from Box::into_raw, released once.
-            drop(unsafe { Box::from_raw(replicas) });
+        if replicas.is_null() {
+            return; // a no-op that leaves the last error alone
         }
+        // SAFETY: as the caller promises; a handle not registered as live is not touched.
+        let r = unsafe {
+            handle::destroy(
+                replicas,
+                |r| r.timeout,
+                |r, n| {
+                    r.abort.abort(&format!(
+                        "tutti_replicas_destroy: {n} call(s) on other threads were still inside \
+                         after the timeout ({:?})",
+                        r.timeout
+                    ))
+                },
+                |_| {},
+            )
+        };
+        handle::report("tutti_replicas_destroy", r);
     })
 }
 

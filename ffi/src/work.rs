@@ -10,6 +10,7 @@ use crate::buffers::AlignedCopy;
 use crate::collectives as comm;
 use crate::comm::tutti_comm;
 use crate::error::{boundary, boundary_void, tutti_result, Failure};
+use crate::handle::{self, Handle, Kind, Live};
 use crate::types::{tutti_dtype, tutti_op};
 
 /// The handle of one non-blocking collective (opaque). Written by the `tutti_*_async`
@@ -21,8 +22,41 @@ pub struct tutti_work {
     abort: AbortHandle,
     rank: usize,
     timeout: Duration,
-    /// The input of an in-place reduce-scatter, copied; read by the call until it completes.
-    _keep: Option<AlignedCopy>,
+    /// The calls inside this handle (waits, tests), which `tutti_work_destroy` waits for.
+    live: Live,
+}
+
+impl Handle for tutti_work {
+    const KIND: Kind = Kind::Work;
+    fn live(&self) -> &Live {
+        &self.live
+    }
+}
+
+/// The input of an in-place reduce-scatter: copied from `from` into `copy` when the call
+/// starts, not when it is issued, so that an earlier call still writing it is seen.
+pub(crate) struct InPlace {
+    pub(crate) from: *const c_void,
+    pub(crate) copy: AlignedCopy,
+}
+
+impl InPlace {
+    /// The step that takes the copy, and the storage the call reads (held until it completes).
+    fn split(mut self) -> (Box<dyn FnOnce() + Send>, AlignedCopy) {
+        let (from, to, len) = (
+            self.from as usize,
+            self.copy.as_mut_ptr() as usize,
+            self.copy.len(),
+        );
+        let before = Box::new(move || {
+            if len > 0 {
+                // SAFETY: `from` holds `len` readable bytes until the call completes (the
+                // caller's promise), `to` is the copy's heap storage, which the call holds.
+                unsafe { std::ptr::copy_nonoverlapping(from as *const u8, to as *mut u8, len) }
+            }
+        });
+        (before, self.copy)
+    }
 }
 
 /// How a collective is made: waited for, or issued with its handle written to `*work`.
@@ -43,33 +77,50 @@ impl Mode {
         }
     }
 
-    /// Make the call: wait for it, or issue it and write its handle out, holding `keep` until
-    /// the call completes.
+    /// Make the call: wait for it, or issue it and write its handle out; an in-place input
+    /// is copied when the call starts.
     ///
     /// # Safety
     ///
-    /// The memory `call` names is valid until the call completes.
+    /// The memory `call` and `in_place` name is valid until the call completes.
     pub(crate) unsafe fn run(
         self,
         c: &tutti_comm,
         call: RawCall,
-        keep: Option<AlignedCopy>,
+        in_place: Option<InPlace>,
     ) -> Result<(), Failure> {
         let comm = c.read();
         match self {
-            // SAFETY: as the caller promises.
-            Mode::Blocking => Ok(unsafe { comm.run_raw(&call) }?),
+            Mode::Blocking => match in_place {
+                // SAFETY: as the caller promises.
+                None => Ok(unsafe { comm.run_raw(&call) }?),
+                Some(p) => {
+                    let (before, copy) = p.split();
+                    // SAFETY: as the caller promises; `copy` outlives the call.
+                    let r = unsafe { comm.run_raw_prepared(&call, before) };
+                    drop(copy);
+                    Ok(r?)
+                }
+            },
             Mode::Async(out) => {
-                let handle = tutti_work {
+                let work = match in_place {
                     // SAFETY: as the caller promises.
-                    work: unsafe { comm.issue_raw(&call) },
+                    None => unsafe { comm.issue_raw(&call) },
+                    Some(p) => {
+                        let (before, copy) = p.split();
+                        // SAFETY: as the caller promises; the call holds `copy` until it ends.
+                        unsafe { comm.issue_raw_prepared(&call, before, Box::new(copy)) }
+                    }
+                };
+                let handle = tutti_work {
+                    work,
                     abort: comm.abort_handle(),
                     rank: comm.rank(),
                     timeout: comm.timeout(),
-                    _keep: keep,
+                    live: Live::new(),
                 };
                 // SAFETY: checked non-NULL by `check`; the caller promises it is writable.
-                unsafe { out.write(Box::into_raw(Box::new(handle))) };
+                unsafe { out.write(handle::into_raw(handle)) };
                 Ok(())
             }
         }
@@ -92,7 +143,7 @@ impl Mode {
 pub unsafe extern "C" fn tutti_work_wait(work: *mut tutti_work, timeout_ms: u64) -> tutti_result {
     boundary("tutti_work_wait", || {
         // SAFETY: as the caller promises.
-        let w = unsafe { work.as_ref() }.ok_or_else(|| Failure::invalid("work is NULL"))?;
+        let w = unsafe { handle::enter(work) }?;
         let bound = match timeout_ms {
             0 => Duration::MAX,
             ms => Duration::from_millis(ms),
@@ -113,7 +164,7 @@ pub unsafe extern "C" fn tutti_work_wait(work: *mut tutti_work, timeout_ms: u64)
 pub unsafe extern "C" fn tutti_work_test(work: *const tutti_work, done: *mut bool) -> tutti_result {
     boundary("tutti_work_test", || {
         // SAFETY: as the caller promises.
-        let w = unsafe { work.as_ref() }.ok_or_else(|| Failure::invalid("work is NULL"))?;
+        let w = unsafe { handle::enter(work) }?;
         if done.is_null() {
             return Err(Failure::invalid("done is NULL"));
         }
@@ -127,38 +178,63 @@ pub unsafe extern "C" fn tutti_work_test(work: *const tutti_work, done: *mut boo
 /// Release a work handle; NULL is accepted and ignored. A call still running is waited for
 /// first, up to the communicator's timeout; if it has not completed by then, the communicator
 /// is aborted (every rank's calls fail with `TUTTI_ERROR_ABORTED`) and the call ends at once,
-/// so that the buffers are never touched after this returns.
+/// so that the buffers are never touched after this returns. Waits and tests on other threads
+/// that are inside the handle are waited for too (they return once the call has completed);
+/// calls on it from then on fail with `TUTTI_ERROR_INVALID_ARGUMENT`. A second destroy of the
+/// same handle does nothing but record, as the thread's last error, that it was not live.
 ///
-/// Thread-safety: no other thread may use `work` during or after this call.
+/// Thread-safety: callable from any thread, while other threads wait on `work`; no call may use
+/// `work` after this has returned.
 ///
 /// # Safety
 ///
-/// `work` is NULL or a live handle, not used again.
+/// `work` is NULL or a handle from a `tutti_*_async` call (destroyed already or not).
 #[no_mangle]
 pub unsafe extern "C" fn tutti_work_destroy(work: *mut tutti_work) {
     boundary_void("tutti_work_destroy", || {
         if work.is_null() {
-            return;
+            return; // a no-op that leaves the last error alone
         }
-        // SAFETY: a live handle from Box::into_raw, released once.
-        let w = unsafe { Box::from_raw(work) };
-        // Calls queued before this one are each bounded; this one gets the timeout from when
-        // it starts, and is ended by an abort past that, so its buffers are free on return.
-        while !w.work.is_completed() {
-            if w.work.started().is_some_and(|t| t.elapsed() > w.timeout) {
-                w.abort.abort(&format!(
-                    "tutti_work_destroy on rank {}: {} had not completed within the timeout \
-                     ({:?})",
-                    w.rank,
-                    w.work.site(),
-                    w.timeout
-                ));
-                let _ = w.work.wait_timeout(Duration::MAX);
-                break;
+        // The call itself first, as below; then the waiters, which leave once it completed.
+        let finish = |w: &tutti_work| {
+            // Calls queued before this one are each bounded; this one gets the timeout from
+            // when it starts, and is ended by an abort past that, so its buffers are free on
+            // return.
+            while !w.work.is_completed() {
+                if w.work.started().is_some_and(|t| t.elapsed() > w.timeout) {
+                    w.abort.abort(&format!(
+                        "tutti_work_destroy on rank {}: {} had not completed within the timeout \
+                         ({:?})",
+                        w.rank,
+                        w.work.site(),
+                        w.timeout
+                    ));
+                    let _ = w.work.wait_timeout(Duration::MAX);
+                    break;
+                }
+                let _ = w.work.wait_timeout(Duration::from_millis(50));
             }
-            let _ = w.work.wait_timeout(Duration::from_millis(50));
-        }
-        drop(w);
+        };
+        // SAFETY: as the caller promises; a handle not registered as live is not touched.
+        let r = unsafe {
+            handle::destroy(
+                work,
+                |w| {
+                    // Waiters without a bound leave when the call completes: finish it first.
+                    finish(w);
+                    w.timeout
+                },
+                |w, n| {
+                    w.abort.abort(&format!(
+                        "tutti_work_destroy on rank {}: {n} wait(s) on other threads had not \
+                         returned",
+                        w.rank
+                    ))
+                },
+                |_| {},
+            )
+        };
+        handle::report("tutti_work_destroy", r);
     })
 }
 

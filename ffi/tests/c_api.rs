@@ -181,3 +181,19 @@ fn cpp_wrapper() {
     let out = run(&exe, &[], LIMIT);
     assert!(out.contains("tutti.hpp: ok"), "{out}");
 }
+
+/// Handles destroyed while other threads are inside calls on them, destroyed twice, work
+/// handles destroyed while waited on, shared memory freed while a call on it is queued, and an
+/// in-place reduce-scatter behind a call that writes its input: under AddressSanitizer in
+/// `.ci/run`, any use after free or double free fails it.
+#[test]
+fn c_lifetimes_across_threads() {
+    let exe = compile(
+        Lang::C,
+        "lifetime",
+        &["ffi/tests/c/lifetime.c"],
+        &["ffi/tests/c"],
+    );
+    let out = run(&exe, &[], LIMIT);
+    assert!(out.contains("lifetime: ok"), "{out}");
+}

@@ -83,6 +83,13 @@ static void collectives() {
             EXPECT(s[0] == 3.0f && s[s.size() - 1] == 3.0f);
             tutti::shared_array<float> moved = std::move(s);
             EXPECT(moved.data() != nullptr && s.data() == nullptr);
+            // Move-assigning over a live array frees the old one (after its calls).
+            tutti::shared_array<float> other = c.alloc_shared<float>(16);
+            tutti::work w = c.all_reduce_async(other.data(), other.data(), other.size(),
+                                               tutti::op::sum);
+            other = std::move(moved);
+            w.wait();
+            EXPECT(other.size() == (1u << 16) && other[0] == 3.0f);
         }
         std::vector<std::uint8_t> mine(3, static_cast<std::uint8_t>(r * 10));
         auto all = c.all_gather(mine);
@@ -151,6 +158,18 @@ static void moves_and_ownership() {
     EXPECT(e.code() == TUTTI_ERROR_INVALID_ARGUMENT);
     EXPECT(std::string(e.what()) == "tutti_barrier: comm is NULL");
     moved.barrier();
+
+    // A shared array outlives its comm object: it keeps the communicator alive, and frees
+    // its memory through it (under ASan, a use after free otherwise).
+    tutti::shared_array<float> kept = moved.alloc_shared<float>(32);
+    {
+        tutti::comm gone = std::move(moved);
+        kept[31] = 2.0f;
+        gone.all_reduce(kept.data(), kept.data(), kept.size(), tutti::op::sum);
+    }
+    EXPECT(kept[31] == 2.0f);
+    kept = tutti::shared_array<float>(nullptr, nullptr, 0);
+    EXPECT(kept.data() == nullptr);
 }
 
 static void replicas_form() {

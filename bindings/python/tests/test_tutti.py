@@ -417,3 +417,73 @@ def test_joining_without_a_cluster_says_what_to_set(monkeypatch):
         tutti.join(0, 2, "127.0.0.1:0")
     with pytest.raises(ValueError, match="unknown transport"):
         tutti.join(0, 2, "127.0.0.1:1", transport="udp")
+
+
+def test_a_watchdog_aborts_and_closes_while_ranks_are_inside_calls():
+    """Close from another thread while calls are inside: they are waited for (the abort makes
+    them leave at once), later calls raise a clear error, and closing twice (or from two
+    threads at once) is harmless."""
+    for _ in range(20):
+        comms = tutti.local_group(2, timeout=60)
+        errors, started = [], threading.Barrier(3)
+
+        def rank(c):
+            started.wait()
+            x = np.ones(1 << 12, dtype=np.float32)
+            try:
+                while True:
+                    c.all_reduce(x)
+                    c.all_reduce(x, async_op=True).wait()
+            except (tutti.TuttiError, ValueError) as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=rank, args=(c,)) for c in comms]
+        for t in threads:
+            t.start()
+        started.wait()
+        time.sleep(0.01)
+        comms[0].abort("watchdog")
+        closers = [threading.Thread(target=c.close) for c in comms for _ in range(2)]
+        for t in closers:
+            t.start()
+        for t in closers + threads:
+            t.join(60)
+            assert not t.is_alive()
+        assert len(errors) == 2
+        for e in errors:
+            assert (isinstance(e, tutti.TuttiError) and e.code == "TUTTI_ERROR_ABORTED") or (
+                "closed" in str(e)
+            ), e
+        for c in comms:
+            c.close()
+            with pytest.raises(ValueError, match="communicator is closed"):
+                c.all_reduce(np.ones(4, dtype=np.float32))
+
+
+def test_replicas_closed_by_a_watchdog_during_a_call():
+    for _ in range(10):
+        r = tutti.Replicas(2, timeout=60)
+        a = [np.ones(1 << 12, dtype=np.float32) for _ in range(2)]
+        caught = []
+
+        def loop():
+            try:
+                while True:
+                    r.all_reduce(a)
+            except (tutti.TuttiError, ValueError) as e:
+                caught.append(e)
+
+        t = threading.Thread(target=loop)
+        t.start()
+        time.sleep(0.01)
+        r.abort("watchdog")
+        both = [threading.Thread(target=r.close) for _ in range(2)]
+        for c in both:
+            c.start()
+        for c in both + [t]:
+            c.join(60)
+            assert not c.is_alive()
+        assert caught
+        r.close()
+        with pytest.raises(ValueError, match="replicas is closed"):
+            r.all_reduce(a)

@@ -27,6 +27,7 @@ import ctypes.util
 import functools
 import os
 import pathlib
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -217,6 +218,81 @@ def _check(result):
         raise TuttiError(result, buf.value.decode("utf-8", "replace"))
 
 
+class _Closed(ValueError):
+    """A call on a closed communicator, replicas or work handle."""
+
+
+class _Lifetime:
+    """A C handle and the calls inside it: ``close`` waits for them (bounded, then aborting the
+    group, which makes them leave at once) before the handle is destroyed, and calls made from
+    then on raise ``_Closed`` instead of reaching freed memory. A second close does nothing."""
+
+    def __init__(self, handle, what):
+        self._cv = threading.Condition()
+        self.h = handle
+        self._calls = 0
+        self._what = what
+
+    def __bool__(self):
+        return bool(self.h)
+
+    def use(self):
+        return _Inside(self)
+
+    def enter(self):
+        with self._cv:
+            if not self.h:
+                raise _Closed(f"this {self._what} is closed")
+            self._calls += 1
+            return self.h
+
+    def leave(self):
+        with self._cv:
+            self._calls -= 1
+            if self._calls == 0:
+                self._cv.notify_all()
+
+    def close(self, destroy, abort, bound):
+        """Destroy the handle once no call is inside; ``bound`` seconds (None: no bound) each
+        before and after ``abort``. Raises TimeoutError, leaving the handle allocated, if calls
+        are still inside after both."""
+        with self._cv:
+            h, self.h = self.h, None
+            if not h:
+                return
+            if not self._cv.wait_for(lambda: self._calls == 0, bound):
+                abort(h, f"{self._what} closed while {self._calls} call(s) were inside".encode())
+                if not self._cv.wait_for(lambda: self._calls == 0, bound):
+                    raise TimeoutError(
+                        f"{self._calls} call(s) were still inside this {self._what} after its "
+                        "timeout and an abort: it is left open rather than freed under them"
+                    )
+        destroy(h)
+
+
+class _Inside:
+    """``with lifetime.use() as h``: the call is counted inside the handle while it runs."""
+
+    __slots__ = ("_life",)
+
+    def __init__(self, life):
+        self._life = life
+
+    def __enter__(self):
+        return self._life.enter()
+
+    def __exit__(self, *exc):
+        self._life.leave()
+
+
+def _default_timeout():
+    """The timeout of a config that sets none (TUTTI_TIMEOUT, else 300 s), in seconds."""
+    try:
+        return float(os.environ.get("TUTTI_TIMEOUT", "300"))
+    except ValueError:
+        return 300.0
+
+
 def version():
     """The library's version, "MAJOR.MINOR.PATCH"."""
     return _library().tutti_version_string().decode()
@@ -364,7 +440,8 @@ class Replicas:
         config = _config(timeout, algorithm, chunk_bytes)
         handle = ctypes.c_void_p()
         _check(lib.tutti_replicas_create(n, ctypes.byref(config), ctypes.byref(handle)))
-        self._h = handle
+        self._h = _Lifetime(handle, "replicas")
+        self._timeout = config.timeout_ms / 1000 if config.timeout_ms else _default_timeout()
         self.n = n
 
     def __enter__(self):
@@ -377,38 +454,39 @@ class Replicas:
         self.close()
 
     def close(self):
-        h, self._h = getattr(self, "_h", None), None
-        if h and _lib is not None:  # at interpreter exit the library may already be gone
-            _lib.tutti_replicas_destroy(h)
-
-    def _handle(self):
-        if not self._h:
-            raise ValueError("these replicas are closed")
-        return self._h
+        """Release the replicas; a call running on another thread is waited for (up to the
+        timeout, then it is aborted). Calls from then on raise ValueError; closing again does
+        nothing."""
+        life = getattr(self, "_h", None)
+        if life and _lib is not None:  # at interpreter exit the library may already be gone
+            life.close(_lib.tutti_replicas_destroy, _lib.tutti_replicas_abort, self._timeout)
 
     def abort(self, reason=None):
         """Fail the running call and every later one."""
-        _check(_library().tutti_replicas_abort(self._handle(), reason.encode() if reason else None))
+        with self._h.use() as h:
+            _check(_library().tutti_replicas_abort(h, reason.encode() if reason else None))
 
     def all_reduce(self, arrays, op="sum"):
         """Every array becomes the element-wise op over all of them, in place; returns them."""
         arrays, dtype, count = _same(arrays, "arrays", writable=True)
-        _check(
-            _library().tutti_replicas_all_reduce(
-                self._handle(), count, dtype, _op(op), len(arrays), _pointers(arrays)
+        with self._h.use() as h:
+            _check(
+                _library().tutti_replicas_all_reduce(
+                    h, count, dtype, _op(op), len(arrays), _pointers(arrays)
+                )
             )
-        )
         return arrays
 
     def broadcast(self, arrays, root=0):
         """Every array becomes ``arrays[root]``, in place; returns them."""
         arrays, dtype, count = _same(arrays, "arrays", writable=True)
         root = _index(root, "root")
-        _check(
-            _library().tutti_replicas_broadcast(
-                self._handle(), count, dtype, root, len(arrays), _pointers(arrays)
+        with self._h.use() as h:
+            _check(
+                _library().tutti_replicas_broadcast(
+                    h, count, dtype, root, len(arrays), _pointers(arrays)
+                )
             )
-        )
         return arrays
 
     def all_gather(self, arrays):
@@ -416,11 +494,12 @@ class Replicas:
         arrays, dtype, count = _same(arrays, "arrays", writable=False)
         shape = (len(arrays) * arrays[0].shape[0],) + arrays[0].shape[1:] if arrays[0].ndim else (len(arrays),)
         outs = [np.empty(shape, dtype=arrays[0].dtype) for _ in arrays]
-        _check(
-            _library().tutti_replicas_all_gather(
-                self._handle(), count, dtype, len(arrays), _pointers(arrays), _pointers(outs)
+        with self._h.use() as h:
+            _check(
+                _library().tutti_replicas_all_gather(
+                    h, count, dtype, len(arrays), _pointers(arrays), _pointers(outs)
+                )
             )
-        )
         return outs
 
     def reduce_scatter(self, arrays, op="sum"):
@@ -433,22 +512,24 @@ class Replicas:
             )
         count = total // len(arrays)
         outs = [np.empty(count, dtype=arrays[0].dtype) for _ in arrays]
-        _check(
-            _library().tutti_replicas_reduce_scatter(
-                self._handle(), count, dtype, _op(op), len(arrays), _pointers(arrays), _pointers(outs)
+        with self._h.use() as h:
+            _check(
+                _library().tutti_replicas_reduce_scatter(
+                    h, count, dtype, _op(op), len(arrays), _pointers(arrays), _pointers(outs)
+                )
             )
-        )
         return outs
 
     def reduce(self, arrays, op="sum"):
         """A new array: the element-wise op over every array."""
         arrays, dtype, count = _same(arrays, "arrays", writable=False)
         out = np.empty_like(arrays[0])
-        _check(
-            _library().tutti_replicas_reduce(
-                self._handle(), count, dtype, _op(op), len(arrays), _pointers(arrays), out.ctypes.data
+        with self._h.use() as h:
+            _check(
+                _library().tutti_replicas_reduce(
+                    h, count, dtype, _op(op), len(arrays), _pointers(arrays), out.ctypes.data
+                )
             )
-        )
         return out
 
 
@@ -496,7 +577,7 @@ class Work:
     were issued on their communicator; the arrays stay referenced until the call completes."""
 
     def __init__(self, handle, result, keep):
-        self._h = handle
+        self._h = _Lifetime(handle, "work handle")
         self._result = result
         self._keep = keep
 
@@ -510,25 +591,22 @@ class Work:
             if not timeout > 0:
                 raise ValueError(f"timeout {timeout!r}: must be a positive number of seconds")
             ms = max(1, min(int(timeout * 1000), 2**64 - 1))
-        _check(_library().tutti_work_wait(self._handle(), ms))
+        with self._h.use() as h:
+            _check(_library().tutti_work_wait(h, ms))
         return self._result
 
     def is_completed(self):
         """True once the call has completed (successfully or not); never blocks."""
         done = ctypes.c_bool()
-        _check(_library().tutti_work_test(self._handle(), ctypes.byref(done)))
+        with self._h.use() as h:
+            _check(_library().tutti_work_test(h, ctypes.byref(done)))
         return done.value
 
-    def _handle(self):
-        if not self._h:
-            raise ValueError("this work handle is released")
-        return self._h
-
     def __del__(self):
-        h, self._h = getattr(self, "_h", None), None
-        if h and _lib is not None:
+        life = getattr(self, "_h", None)
+        if life and _lib is not None:
             # Waits for a call still running (bounded by the timeout) before the arrays go.
-            _lib.tutti_work_destroy(h)
+            life.close(_lib.tutti_work_destroy, lambda h, reason: None, None)
         self._keep = None
 
 
@@ -542,22 +620,21 @@ def _collective(method):
         try:
             return method(self, *args, **kwargs)
         except (TypeError, ValueError) as e:
-            h = getattr(self, "_h", None)
-            if not h or isinstance(e, _Closed):
+            if isinstance(e, _Closed):
                 raise
             name = method.__name__
-            _library().tutti_comm_abort(
-                h, f"rank {self.rank} rejected its arguments to {name}: {e}".encode()
-            )
+            try:
+                with self._h.use() as h:
+                    _library().tutti_comm_abort(
+                        h, f"rank {self.rank} rejected its arguments to {name}: {e}".encode()
+                    )
+            except _Closed:
+                raise e from None
             raise type(e)(
                 f"{e} (the group is aborted so that the other ranks do not wait for this one)"
             ) from e
 
     return checked
-
-
-class _Closed(ValueError):
-    """A call on a closed communicator."""
 
 
 class Communicator:
@@ -567,7 +644,7 @@ class Communicator:
     thread."""
 
     def __init__(self, handle):
-        self._h = handle
+        self._h = _Lifetime(handle, "communicator")
         self._shared = weakref.WeakSet()
         lib = _library()
         v = ctypes.c_size_t()
@@ -575,20 +652,26 @@ class Communicator:
         self.rank = v.value
         _check(lib.tutti_comm_world_size(handle, ctypes.byref(v)))
         self.world_size = v.value
+        ms = ctypes.c_uint64()
+        _check(lib.tutti_comm_timeout_ms(handle, ctypes.byref(ms)))
+        self._timeout = ms.value / 1000
 
     def __del__(self):
         self.close()
 
     def close(self):
         """Release the communicator. Arrays from ``shared_array`` must be gone first (they keep
-        the communicator alive; an explicit close while one lives is a ValueError)."""
-        if getattr(self, "_h", None) and len(getattr(self, "_shared", ())):
+        the communicator alive; an explicit close while one lives is a ValueError). Calls
+        running on other threads are waited for, up to the timeout, then aborted (a watchdog
+        may call ``abort()`` then ``close()``); calls from then on raise ValueError, and closing
+        again does nothing."""
+        life = getattr(self, "_h", None)
+        if life and len(getattr(self, "_shared", ())):
             raise ValueError(
                 f"{len(self._shared)} shared arrays of this communicator are still alive: delete them first"
             )
-        h, self._h = getattr(self, "_h", None), None
-        if h and _lib is not None:  # at interpreter exit the library may already be gone
-            _lib.tutti_comm_destroy(h)
+        if life and _lib is not None:  # at interpreter exit the library may already be gone
+            life.close(_lib.tutti_comm_destroy, _lib.tutti_comm_abort, self._timeout)
 
     def shared_array(self, shape, dtype=np.float32):
         """A zeroed numpy array in shared memory (``tutti_mem_alloc``): every process of the
@@ -604,13 +687,9 @@ class Communicator:
         self._shared.add(owner)
         return np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)
 
-    def _handle(self):
-        if not self._h:
-            raise _Closed("this communicator is closed")
-        return self._h
-
     def abort(self, reason=None):
-        _check(_library().tutti_comm_abort(self._handle(), reason.encode() if reason else None))
+        with self._h.use() as h:
+            _check(_library().tutti_comm_abort(h, reason.encode() if reason else None))
 
     def set_cuda_stream(self, stream):
         """Order later calls of this ``cuda:N`` rank on ``stream`` as NCCL does (a raw
@@ -619,18 +698,20 @@ class Communicator:
         it, and the work queued there after it comes after the call's. ``None``: no stream.
         See the README, "CUDA streams"."""
         lib = _library()
-        if stream is None:
-            _check(lib.tutti_comm_unset_cuda_stream(self._handle()))
-        else:
-            _check(lib.tutti_comm_set_cuda_stream(self._handle(), ctypes.c_void_p(int(stream))))
+        with self._h.use() as h:
+            if stream is None:
+                _check(lib.tutti_comm_unset_cuda_stream(h))
+            else:
+                _check(lib.tutti_comm_set_cuda_stream(h, ctypes.c_void_p(int(stream))))
 
     def _call(self, name, args, result, keep, async_op):
         lib = _library()
-        if not async_op:
-            _check(getattr(lib, name)(self._handle(), *args))
-            return result
-        work = ctypes.c_void_p()
-        _check(getattr(lib, name + "_async")(self._handle(), *args, ctypes.byref(work)))
+        with self._h.use() as h:
+            if not async_op:
+                _check(getattr(lib, name)(h, *args))
+                return result
+            work = ctypes.c_void_p()
+            _check(getattr(lib, name + "_async")(h, *args, ctypes.byref(work)))
         return Work(work, result, keep)
 
     @_collective
@@ -687,13 +768,19 @@ class _SharedMemory:
 
     def __init__(self, comm, nbytes):
         ptr = ctypes.c_void_p()
-        _check(_library().tutti_mem_alloc(comm._handle(), nbytes, ctypes.byref(ptr)))
+        with comm._h.use() as h:
+            _check(_library().tutti_mem_alloc(h, nbytes, ctypes.byref(ptr)))
         self.comm, self.ptr, self.nbytes = comm, ptr.value, nbytes
 
     def __del__(self):
-        h = getattr(self.comm, "_h", None)
-        if h and _lib is not None:
-            _lib.tutti_mem_free(h, self.ptr)
+        life = getattr(getattr(self, "comm", None), "_h", None)
+        if life and _lib is not None:
+            try:
+                with life.use() as h:
+                    # Unmapped once the calls issued before it have completed.
+                    _lib.tutti_mem_free(h, self.ptr)
+            except _Closed:
+                pass
 
 
 def _index(value, name):
