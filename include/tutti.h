@@ -94,6 +94,12 @@ enum tutti_result
      * The group is aborted.
      */
     TUTTI_ERROR_PEER_LOST = 9,
+    /**
+     * `tutti_work_wait`'s own bound (`timeout_ms`) passed before the call completed. Nothing
+     * failed: the call goes on, the handle stays valid, and waiting again (or
+     * `tutti_work_test`) sees it complete. Not an abort, unlike `TUTTI_ERROR_TIMEOUT`.
+     */
+    TUTTI_ERROR_WAIT_TIMEOUT = 10,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -1321,10 +1327,12 @@ tutti_result tutti_strategy_reduce(struct tutti_strategy *strategy,
 /**
  * Wait for the call of `work` and return its result: `TUTTI_OK`, or the call's error
  * (`TUTTI_ERROR_MISMATCH`, `TUTTI_ERROR_PEER_REJECTED`, `TUTTI_ERROR_TIMEOUT` naming the ranks
- * awaited, `TUTTI_ERROR_ABORTED`, ...). `timeout_ms` bounds this wait: when the call is still
- * running after it, `TUTTI_ERROR_TIMEOUT` is returned, the handle stays valid and the call goes
- * on; 0 waits until the call completes (every call is bounded by the communicator's timeout
- * once it starts). Waiting again after completion returns the same result.
+ * awaited — the group is then aborted —, `TUTTI_ERROR_ABORTED`, ...). `timeout_ms` bounds
+ * this wait: when the call is still running after it, `TUTTI_ERROR_WAIT_TIMEOUT` is returned,
+ * nothing has failed, the handle stays valid and the call goes on (a trainer that polls with a
+ * bound tells "not yet" from "the group is gone" by the code alone); 0 waits until the call
+ * completes (every call is bounded by the communicator's timeout once it starts). Waiting
+ * again after completion returns the same result.
  *
  * Thread-safety: callable from any thread; several threads may wait on one handle.
  *

@@ -159,7 +159,8 @@ public:
     explicit work(tutti_work *handle) noexcept : h_(handle) {}
     /// Wait until the call completes; throws its error.
     void wait() { detail::check(tutti_work_wait(h_.get(), 0)); }
-    /// Wait up to `bound`; throws `error` with `TUTTI_ERROR_TIMEOUT` when the call still runs.
+    /// Wait up to `bound`; throws `error` with `TUTTI_ERROR_WAIT_TIMEOUT` when the call still
+    /// runs (nothing failed; it goes on, and the handle stays valid).
     void wait(std::chrono::milliseconds bound) {
         std::uint64_t ms = bound.count() > 0 ? static_cast<std::uint64_t>(bound.count()) : 1;
         detail::check(tutti_work_wait(h_.get(), ms));

@@ -40,6 +40,10 @@ pub enum TuttiResult {
     /// The connection to a peer process broke during a call: it exited, crashed or was killed.
     /// The group is aborted.
     TUTTI_ERROR_PEER_LOST = 9,
+    /// `tutti_work_wait`'s own bound (`timeout_ms`) passed before the call completed. Nothing
+    /// failed: the call goes on, the handle stays valid, and waiting again (or
+    /// `tutti_work_test`) sees it complete. Not an abort, unlike `TUTTI_ERROR_TIMEOUT`.
+    TUTTI_ERROR_WAIT_TIMEOUT = 10,
 }
 
 /// A `tutti_result` as it crosses the C boundary: one of the `TUTTI_*` codes above.
@@ -48,7 +52,7 @@ pub type tutti_result = u32;
 use TuttiResult::*;
 
 /// Every code with its sentence, in code order.
-const RESULT_STRINGS: [(TuttiResult, &CStr); 10] = [
+const RESULT_STRINGS: [(TuttiResult, &CStr); 11] = [
     (TUTTI_SUCCESS, c"success"),
     (
         TUTTI_ERROR_INVALID_ARGUMENT,
@@ -85,6 +89,10 @@ const RESULT_STRINGS: [(TuttiResult, &CStr); 10] = [
     (
         TUTTI_ERROR_PEER_LOST,
         c"lost a peer process (it exited, crashed or was killed): the group is aborted; find out why that rank died (tutti_last_error names it) and start a new group",
+    ),
+    (
+        TUTTI_ERROR_WAIT_TIMEOUT,
+        c"the wait's own bound passed before the call completed: nothing failed, the call goes on and the work handle stays valid; wait for it again or test it later",
     ),
 ];
 

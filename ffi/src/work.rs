@@ -9,7 +9,7 @@ use tutti::{AbortHandle, RawCall, Work};
 use crate::buffers::AlignedCopy;
 use crate::collectives as comm;
 use crate::comm::tutti_comm;
-use crate::error::{boundary, boundary_void, tutti_result, Failure};
+use crate::error::{boundary, boundary_void, tutti_result, Failure, TuttiResult};
 use crate::handle::{self, Handle, Kind, Live};
 use crate::types::{tutti_dtype, tutti_op};
 
@@ -129,10 +129,12 @@ impl Mode {
 
 /// Wait for the call of `work` and return its result: `TUTTI_OK`, or the call's error
 /// (`TUTTI_ERROR_MISMATCH`, `TUTTI_ERROR_PEER_REJECTED`, `TUTTI_ERROR_TIMEOUT` naming the ranks
-/// awaited, `TUTTI_ERROR_ABORTED`, ...). `timeout_ms` bounds this wait: when the call is still
-/// running after it, `TUTTI_ERROR_TIMEOUT` is returned, the handle stays valid and the call goes
-/// on; 0 waits until the call completes (every call is bounded by the communicator's timeout
-/// once it starts). Waiting again after completion returns the same result.
+/// awaited — the group is then aborted —, `TUTTI_ERROR_ABORTED`, ...). `timeout_ms` bounds
+/// this wait: when the call is still running after it, `TUTTI_ERROR_WAIT_TIMEOUT` is returned,
+/// nothing has failed, the handle stays valid and the call goes on (a trainer that polls with a
+/// bound tells "not yet" from "the group is gone" by the code alone); 0 waits until the call
+/// completes (every call is bounded by the communicator's timeout once it starts). Waiting
+/// again after completion returns the same result.
 ///
 /// Thread-safety: callable from any thread; several threads may wait on one handle.
 ///
@@ -148,7 +150,23 @@ pub unsafe extern "C" fn tutti_work_wait(work: *mut tutti_work, timeout_ms: u64)
             0 => Duration::MAX,
             ms => Duration::from_millis(ms),
         };
-        Ok(w.work.wait_timeout(bound)?)
+        match w.work.wait_timeout(bound) {
+            // The wait's own bound, not the call's: the call goes on.
+            Err(tutti::Error::Timeout {
+                waiting_for, phase, ..
+            }) if waiting_for.is_empty() && phase == "complete" && !w.work.is_completed() => {
+                Err(Failure {
+                    code: TuttiResult::TUTTI_ERROR_WAIT_TIMEOUT,
+                    message: format!(
+                        "rank {}: {} had not completed within this wait's bound ({timeout_ms} \
+                         ms); it goes on: wait for it again or test it later",
+                        w.rank,
+                        w.work.site()
+                    ),
+                })
+            }
+            r => Ok(r?),
+        }
     })
 }
 

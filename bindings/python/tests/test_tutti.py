@@ -265,7 +265,7 @@ def test_non_blocking_calls_return_work_handles():
     w = a.all_reduce(np.ones(4), async_op=True)
     with pytest.raises(tutti.TuttiError) as e:
         w.wait(timeout=0.02)
-    assert e.value.code == "TUTTI_ERROR_TIMEOUT" and not w.is_completed()
+    assert e.value.code == "TUTTI_ERROR_WAIT_TIMEOUT" and not w.is_completed()
     b.all_reduce(np.ones(4))
     np.testing.assert_array_equal(w.wait(), [2.0] * 4)
     with pytest.raises(ValueError):

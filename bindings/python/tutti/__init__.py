@@ -64,6 +64,7 @@ RESULT_NAMES = {
     7: "TUTTI_ERROR_SYSTEM",
     8: "TUTTI_ERROR_INTERNAL",
     9: "TUTTI_ERROR_PEER_LOST",
+    10: "TUTTI_ERROR_WAIT_TIMEOUT",
 }
 
 DTYPES = {
@@ -583,7 +584,8 @@ class Work:
 
     def wait(self, timeout=None):
         """Wait for the call and return its result. ``timeout`` (seconds) bounds this wait: past
-        it a ``TuttiError`` with code ``TUTTI_ERROR_TIMEOUT`` is raised and the call goes on; None
+        it a ``TuttiError`` with code ``TUTTI_ERROR_WAIT_TIMEOUT`` is raised (not ``TUTTI_ERROR_TIMEOUT``,
+        which means the group is aborted): nothing failed and the call goes on; None
         waits until the call completes (every call is bounded by the communicator's timeout)."""
         if timeout is None:
             ms = 0

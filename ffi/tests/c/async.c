@@ -119,7 +119,14 @@ int main(void) {
 
     /* A short wait times out while the peer has not arrived; the call then completes. */
     CHECK(tutti_all_reduce_async(comms[0], 4, TUTTI_DTYPE_F64, TUTTI_OP_SUM, a, a, &w));
-    EXPECT_ERROR(tutti_work_wait(w, 20), TUTTI_ERROR_TIMEOUT, "wait for it again");
+    /* Its own code: not TUTTI_ERROR_TIMEOUT, which means the group is aborted. */
+    EXPECT_ERROR(tutti_work_wait(w, 20), TUTTI_ERROR_WAIT_TIMEOUT, "wait for it again",
+                 "this wait's bound");
+    {
+        bool aborted = true;
+        CHECK(tutti_comm_is_aborted(comms[0], &aborted));
+        EXPECT(!aborted);
+    }
     CHECK(tutti_work_test(w, &done));
     EXPECT(!done);
     CHECK(tutti_all_reduce(comms[1], 4, TUTTI_DTYPE_F64, TUTTI_OP_SUM, b, b));
