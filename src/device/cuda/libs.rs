@@ -105,6 +105,14 @@ pub(crate) fn open_local(path: &str) -> std::result::Result<libloading::Library,
         .map_err(|e| e.to_string())
 }
 
+/// The directory an environment variable names, when it is an absolute path (a relative one
+/// would be looked up from the working directory, so it is ignored).
+fn absolute_var(var: &str) -> Option<PathBuf> {
+    std::env::var_os(var)
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute())
+}
+
 fn push_unique(v: &mut Vec<PathBuf>, p: PathBuf) {
     if !v.contains(&p) {
         v.push(p);
@@ -116,14 +124,18 @@ fn push_unique(v: &mut Vec<PathBuf>, p: PathBuf) {
 /// each name, the directory above it (a virtual environment's `bin/python3` is a link to the
 /// interpreter it was made from, so the path as `PATH` gives it leads to the environment), then
 /// the directory above the `bin/` of the file the name resolves to (the base installation).
+/// Relative entries of `PATH` (`.`, an empty one) are skipped.
 pub fn path_python_prefixes(path_var: Option<&OsStr>) -> Vec<PathBuf> {
     let mut out = Vec::new();
     let Some(path_var) = path_var else {
         return out;
     };
     for exe in ["python3", "python"] {
+        // Absolute directories only: a relative entry (`.`, or an empty one, which means the
+        // working directory) would make the search load a library from wherever the process
+        // happens to run.
         let Some(found) = std::env::split_paths(path_var)
-            .filter(|d| !d.as_os_str().is_empty())
+            .filter(|d| d.is_absolute())
             .map(|d| d.join(exe))
             .find(|f| f.is_file())
         else {
@@ -147,15 +159,15 @@ pub fn path_python_prefixes(path_var: Option<&OsStr>) -> Vec<PathBuf> {
 pub fn python_prefixes(path_var: Option<&OsStr>) -> Vec<PathBuf> {
     let mut prefixes: Vec<PathBuf> = Vec::new();
     for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
-        if let Some(v) = std::env::var_os(var).filter(|v| !v.is_empty()) {
-            push_unique(&mut prefixes, PathBuf::from(v));
+        if let Some(v) = absolute_var(var) {
+            push_unique(&mut prefixes, v);
         }
     }
     for p in path_python_prefixes(path_var) {
         push_unique(&mut prefixes, p);
     }
-    if let Some(home) = std::env::var_os("HOME").filter(|v| !v.is_empty()) {
-        push_unique(&mut prefixes, Path::new(&home).join(".local"));
+    if let Some(home) = absolute_var("HOME") {
+        push_unique(&mut prefixes, home.join(".local"));
     }
     for p in ["/usr/local", "/usr", "/opt/conda"] {
         push_unique(&mut prefixes, PathBuf::from(p));
@@ -204,8 +216,7 @@ pub fn python_package_dirs(path_var: Option<&OsStr>) -> Vec<PathBuf> {
 fn toolkit_dirs() -> Vec<PathBuf> {
     let mut roots: Vec<PathBuf> = ["CUDA_HOME", "CUDA_PATH", "CUDA_ROOT"]
         .iter()
-        .filter_map(|v| std::env::var_os(v).filter(|v| !v.is_empty()))
-        .map(PathBuf::from)
+        .filter_map(|v| absolute_var(v))
         .collect();
     roots.push(PathBuf::from("/usr/local/cuda"));
     let mut dirs = Vec::new();
@@ -241,9 +252,7 @@ impl SearchDirs {
         let path: Option<OsString> = std::env::var_os("PATH");
         SearchDirs {
             site_packages: python_package_dirs(path.as_deref()),
-            conda_prefix: std::env::var_os("CONDA_PREFIX")
-                .filter(|v| !v.is_empty())
-                .map(PathBuf::from),
+            conda_prefix: absolute_var("CONDA_PREFIX"),
             toolkit: toolkit_dirs(),
         }
     }
@@ -478,6 +487,20 @@ mod tests {
         );
     }
 
+    /// `to` relative to `from` (both absolute).
+    fn pathdiff(to: &Path, from: &Path) -> PathBuf {
+        let (t, f): (Vec<_>, Vec<_>) = (to.components().collect(), from.components().collect());
+        let common = t.iter().zip(&f).take_while(|(a, b)| a == b).count();
+        let mut out = PathBuf::new();
+        for _ in common..f.len() {
+            out.push("..");
+        }
+        for c in &t[common..] {
+            out.push(c);
+        }
+        out
+    }
+
     #[test]
     fn pythons_on_path_give_their_prefixes() {
         let t = Tree::new("path");
@@ -506,6 +529,23 @@ mod tests {
         );
         assert!(path_python_prefixes(None).is_empty());
         assert!(path_python_prefixes(Some(OsStr::new(""))).is_empty());
+        // A relative entry (here the tree's venv, relative to the working directory; `.` or an
+        // empty entry alike) is never searched: only absolute directories are.
+        let cwd = std::env::current_dir().unwrap();
+        let rel = pathdiff(&t.0.join("venv/bin"), &cwd);
+        assert!(
+            rel.is_relative() && rel.join("python3").is_file(),
+            "{rel:?}"
+        );
+        let relative =
+            std::env::join_paths([rel.clone(), PathBuf::from("."), PathBuf::new()]).unwrap();
+        let found = path_python_prefixes(Some(&relative));
+        assert!(
+            found.is_empty(),
+            "relative PATH entries searched: {found:?}"
+        );
+        let dirs = python_package_dirs(Some(&relative));
+        assert!(dirs.iter().all(|d| d.is_absolute()), "{dirs:?}");
 
         let dirs = python_package_dirs(Some(&path));
         let pos = |d: &Path| dirs.iter().position(|x| x == d);
