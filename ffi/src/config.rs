@@ -205,3 +205,77 @@ mod tests {
         assert!(e.message.contains("newer"), "{}", e.message);
     }
 }
+
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A caller's struct: the fields, then (for a longer, newer struct) trailing bytes, all in
+    /// a buffer of `MAX_STRUCT_SIZE` bytes so that every `struct_size` read stays inside it.
+    fn buffer(c: &tutti_config, extra: &[u8]) -> Vec<u64> {
+        let mut buf = vec![0u64; MAX_STRUCT_SIZE / 8 + 1];
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut buf);
+        // SAFETY: tutti_config is plain old data of FIRST_SIZE bytes.
+        let raw = unsafe {
+            std::slice::from_raw_parts((c as *const tutti_config).cast::<u8>(), FIRST_SIZE)
+        };
+        bytes[..FIRST_SIZE].copy_from_slice(raw);
+        let n = extra.len().min(bytes.len() - FIRST_SIZE);
+        bytes[FIRST_SIZE..FIRST_SIZE + n].copy_from_slice(&extra[..n]);
+        buf
+    }
+
+    fn size() -> impl Strategy<Value = usize> {
+        prop_oneof![Just(FIRST_SIZE), 0..=MAX_STRUCT_SIZE + 64, any::<usize>(),]
+    }
+
+    proptest! {
+        /// Every field and size, arbitrary: the config reads, or fails naming the field or size
+        /// that is wrong; what it reads is what the caller set.
+        #[test]
+        fn config_fields_read_or_name_the_field(
+            struct_size in size(),
+            timeout_ms in prop_oneof![Just(0u64), any::<u64>()],
+            chunk_bytes in prop_oneof![Just(0usize), any::<usize>()],
+            algorithm in prop_oneof![0u32..6, any::<u32>()],
+            algorithm_arg in prop_oneof![0u32..4, any::<u32>()],
+            transport in prop_oneof![0u32..4, any::<u32>()],
+            reserved in prop_oneof![Just(0u32), any::<u32>()],
+            extra in prop_oneof![Just(Vec::new()), proptest::collection::vec(any::<u8>(), 0..64)],
+        ) {
+            let c = tutti_config {
+                struct_size,
+                timeout_ms,
+                chunk_bytes,
+                algorithm,
+                algorithm_arg,
+                transport,
+                reserved,
+            };
+            let buf = buffer(&c, &extra);
+            // SAFETY: the buffer holds MAX_STRUCT_SIZE readable bytes (plus some), and larger
+            // sizes are refused before anything past the first field is read.
+            match unsafe { read(buf.as_ptr().cast()) } {
+                Ok(s) => {
+                    prop_assert!((FIRST_SIZE..=MAX_STRUCT_SIZE).contains(&struct_size));
+                    prop_assert_eq!(reserved, 0);
+                    if timeout_ms != 0 {
+                        prop_assert_eq!(s.core.timeout, Duration::from_millis(timeout_ms));
+                    }
+                    if chunk_bytes != 0 {
+                        prop_assert_eq!(s.core.chunk_bytes, chunk_bytes);
+                    }
+                    let (a, arg) = types::algorithm_to_c(s.core.algorithm).unwrap();
+                    prop_assert_eq!(a, algorithm);
+                    prop_assert!(arg == algorithm_arg || (algorithm == 3 && algorithm_arg == 0));
+                    prop_assert_eq!(s.transport.is_none(), transport == 0);
+                }
+                Err(f) => {
+                    prop_assert_eq!(f.code, crate::error::TuttiResult::TUTTI_ERROR_INVALID_ARGUMENT);
+                    prop_assert!(f.message.starts_with("config->"), "{}", f.message);
+                }
+            }
+        }
+    }
+}

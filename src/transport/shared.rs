@@ -80,6 +80,32 @@ pub(crate) fn min_bytes(records: &[u8]) -> usize {
     }
 }
 
+/// Where a peer's claim puts its buffers: (offset, length) in its input and output segments.
+#[derive(Debug, PartialEq, Eq)]
+struct Ranges {
+    input: (usize, usize),
+    output: (usize, usize),
+}
+
+/// A peer's claim (the words it wrote into its control page: input allocation + 1, offset,
+/// length, then the same for the output), checked against this rank's own claim and the
+/// lengths of the peer's segments as mapped here: `None` (the call goes through the slots)
+/// unless it names the same allocations and lengths and lies inside the segments. A peer can
+/// write anything there; nothing it writes makes a range outside the mappings.
+fn claimed_ranges(mine: &[u64; 6], c: &[u64; 6], in_seg: usize, out_seg: usize) -> Option<Ranges> {
+    if c[0] != mine[0] || c[3] != mine[3] || c[2] != mine[2] || c[5] != mine[5] {
+        return None;
+    }
+    let fits = |seg: usize, off: u64, len: u64| -> Option<(usize, usize)> {
+        let end = off.checked_add(len)?;
+        (end <= seg as u64).then_some((usize::try_from(off).ok()?, usize::try_from(len).ok()?))
+    };
+    Some(Ranges {
+        input: fits(in_seg, c[1], c[2])?,
+        output: fits(out_seg, c[4], c[5])?,
+    })
+}
+
 /// One allocation: every rank's segment, mapped here (this rank's own included).
 struct Set {
     id: u64,
@@ -367,9 +393,6 @@ impl Buffers {
         let Some(mine) = claim(self.rank) else {
             return false;
         };
-        let fits = |seg: &Segment, off: u64, len: u64| {
-            off.checked_add(len).is_some_and(|e| e <= seg.len() as u64)
-        };
         let set = |id: u64| self.sets.iter().find(|s| s.id + 1 == id);
         // Both buffers in allocations this rank holds (then so does every rank claiming them).
         let (Some(iset), Some(oset)) = (set(mine[0]), set(mine[3])) else {
@@ -381,20 +404,17 @@ impl Buffers {
             let Some(c) = claim(k) else {
                 return false;
             };
-            if c[0] != mine[0] || c[3] != mine[3] || c[2] != mine[2] || c[5] != mine[5] {
-                return false;
-            }
             let (iseg, oseg) = (&iset.maps[k], &oset.maps[k]);
-            if !fits(iseg, c[1], c[2]) || !fits(oseg, c[4], c[5]) {
+            let Some(r) = claimed_ranges(&mine, &c, iseg.len(), oseg.len()) else {
                 return false;
-            }
-            // SAFETY: inside the mappings (checked just above).
+            };
+            // SAFETY: inside the mappings (`claimed_ranges` checked them).
             *slot = unsafe {
                 CallBuffers {
-                    input: iseg.ptr().add(c[1] as usize),
-                    input_len: c[2] as usize,
-                    output: oseg.ptr().add(c[4] as usize),
-                    output_len: c[5] as usize,
+                    input: iseg.ptr().add(r.input.0),
+                    input_len: r.input.1,
+                    output: oseg.ptr().add(r.output.0),
+                    output_len: r.output.1,
                     after: 0,
                     end: 0,
                 }
@@ -480,6 +500,70 @@ impl Drop for Buffers {
         }
         for s in &self.sets {
             s.names.iter().for_each(|n| unlink(n));
+        }
+    }
+}
+
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn words() -> impl Strategy<Value = [u64; 6]> {
+        let w = || prop_oneof![0u64..4, 0u64..1 << 20, any::<u64>(), Just(u64::MAX)];
+        (w(), w(), w(), w(), w(), w()).prop_map(|(a, b, c, d, e, f)| [a, b, c, d, e, f])
+    }
+
+    proptest! {
+        /// Arbitrary claim words from a peer: refused, or ranges inside its segments with the
+        /// lengths this rank claimed.
+        #[test]
+        fn claims_give_ranges_inside_the_segments_or_none(
+            mine in words(),
+            theirs in words(),
+            in_seg in 0usize..1 << 21,
+            out_seg in 0usize..1 << 21,
+        ) {
+            if let Some(r) = claimed_ranges(&mine, &theirs, in_seg, out_seg) {
+                prop_assert!(r.input.0 + r.input.1 <= in_seg);
+                prop_assert!(r.output.0 + r.output.1 <= out_seg);
+                prop_assert_eq!(r.input.1 as u64, mine[2]);
+                prop_assert_eq!(r.output.1 as u64, mine[5]);
+            }
+        }
+
+        /// Mutations of a valid claim (the peer's own, which matches) reach the range checks.
+        #[test]
+        fn mutated_valid_claims_stay_inside(
+            off in 0u64..4096, len in 0u64..4096, word in 0usize..6, value in any::<u64>(),
+        ) {
+            let mine = [2, off, len, 3, off, len];
+            let seg = 8192usize;
+            prop_assert_eq!(
+                claimed_ranges(&mine, &mine, seg, seg),
+                Some(Ranges { input: (off as usize, len as usize), output: (off as usize, len as usize) })
+            );
+            let mut theirs = mine;
+            theirs[word] = value;
+            if let Some(r) = claimed_ranges(&mine, &theirs, seg, seg) {
+                prop_assert!(r.input.0 + r.input.1 <= seg && r.output.0 + r.output.1 <= seg);
+            }
+        }
+
+        /// A gathered record's names: arbitrary bytes give a segment name of the expected form
+        /// or none, never a path outside /dev/shm.
+        #[test]
+        fn record_names_are_tutti_segments_or_none(r in proptest::collection::vec(any::<u8>(), 0..NAME)) {
+            if let Some(n) = record_name(&r) {
+                prop_assert!(n.starts_with("/tutti-") && !n[1..].contains('/') && !n.contains('\0'));
+            }
+        }
+
+        /// Arbitrary gathered records: the threshold is one of the two, whatever a peer wrote.
+        #[test]
+        fn min_bytes_of_arbitrary_records(r in proptest::collection::vec(any::<u8>(), 0..4 * RECORD)) {
+            let m = min_bytes(&r);
+            prop_assert!(m == MIN_BYTES || m == MIN_BYTES_SHARING_CORES);
         }
     }
 }
