@@ -21,9 +21,9 @@ pub(crate) mod shm;
 pub(crate) mod sub;
 pub(crate) mod wire;
 
-/// Unlink the shared-memory segments that processes of this host left behind when they died
-/// (segments of live processes, and of processes in other PID namespaces, are never touched);
-/// launchers call it after a job.
+/// Unlink the shared-memory segments (of shared buffers) and the sockets of link setups that
+/// processes of this host left under /dev/shm when they died (those of live processes, and of
+/// processes in other PID namespaces, are never touched); launchers call it after a job.
 pub fn sweep_dead_segments() {
     shm::sweep_dead()
 }

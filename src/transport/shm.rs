@@ -16,7 +16,7 @@
 //! F_SEAL_SEAL` once sized and its pages reserved): no process, the creator included, can shrink
 //! one under the other's mapping, which would make the next touch of it a SIGBUS. They are handed
 //! over through a Unix socket under /dev/shm (`SCM_RIGHTS`), which the ranks of one host reach
-//! whatever PID or network namespaces they run in, as long as they share /dev/shm (as shared
+//! whatever PID namespaces they run in, as long as they share /dev/shm (as shared
 //! memory always required): the lower rank binds it and sends its name and a random key over the
 //! link's authenticated TCP connection, the higher rank connects and sends the key with its
 //! segment, and gets the lower rank's back. The receiver maps a segment only once it has seen
@@ -439,8 +439,8 @@ pub(crate) fn dead_segments() -> Vec<String> {
         .collect()
 }
 
-/// Unlink the segments of processes that are gone ([`dead_segments`]): what a process killed
-/// in the moment between creating its segment and its peer mapping it leaves behind. Segments
+/// Unlink the segments and sockets of processes that are gone ([`dead_segments`]): what a
+/// process killed in the moment between creating one and its peer taking it leaves behind. Segments
 /// of live processes, and of other PID namespaces, are never touched.
 pub(crate) fn sweep_dead() {
     for name in dead_segments() {
