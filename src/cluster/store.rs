@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::auth::{handshake_client, handshake_server, log_rejected, Purpose};
+use super::auth::{handshake_client, Acceptor, Purpose, HANDSHAKE_LIMIT};
 use crate::error::{Error, Result};
 
 /// A rendezvous key-value store.
@@ -133,6 +133,10 @@ impl Table {
 const OP_SET: u8 = 1;
 const OP_GET: u8 = 2;
 const OP_ADD: u8 = 3;
+/// Status of an answer that carries a value.
+const FOUND: u8 = 0;
+/// Status of a `get` whose key was not set in time (no field follows).
+const MISSING: u8 = 1;
 /// Status of a request the store refused; a message follows.
 const REFUSED: u8 = 2;
 const MAX_FIELD: usize = 1 << 20;
@@ -141,32 +145,182 @@ const MAX_FIELD: usize = 1 << 20;
 const MAX_STORE_BYTES: usize = 64 << 20;
 /// Bytes counted per entry besides its key and value: the map's own bookkeeping.
 const ENTRY_OVERHEAD: usize = 96;
-/// The most connections that may be proving the token at once: each has a thread. Connections
-/// that proved it are the job's own ranks (as many as the world has).
-const MAX_HANDSHAKES: usize = 1024;
 
-fn read_field(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
-    let mut n = [0u8; 4];
-    s.read_exact(&mut n)?;
-    let n = u32::from_le_bytes(n) as usize;
-    if n > MAX_FIELD {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            "field too large",
-        ));
-    }
-    let mut v = vec![0u8; n];
-    s.read_exact(&mut v)?;
-    Ok(v)
+/// What a decoder makes of the bytes of a message received so far.
+#[derive(Debug, PartialEq)]
+enum Decoded<T> {
+    /// The message, which took every byte given.
+    Done(T),
+    /// Incomplete: the message has at least this many bytes in all (never more than the
+    /// message's bound).
+    More(usize),
 }
 
-fn write_fields(s: &mut TcpStream, head: u8, fields: &[&[u8]]) -> std::io::Result<()> {
+/// A field (a `u32` length, then that many bytes, at most [`MAX_FIELD`]) at `at` of `b`: its
+/// range, or how many bytes of `b` it needs.
+fn field(b: &[u8], at: usize) -> std::result::Result<Decoded<std::ops::Range<usize>>, String> {
+    let Some(n) = b.get(at..at + 4) else {
+        return Ok(Decoded::More(at + 4));
+    };
+    let n = u32::from_le_bytes(n.try_into().expect("4 bytes")) as usize;
+    if n > MAX_FIELD {
+        return Err(format!(
+            "a field of {n} bytes (more than the bound of {MAX_FIELD})"
+        ));
+    }
+    let r = at + 4..at + 4 + n;
+    Ok(if b.len() < r.end {
+        Decoded::More(r.end)
+    } else {
+        Decoded::Done(r)
+    })
+}
+
+/// A request to the store.
+#[derive(Clone, Debug, PartialEq)]
+enum Request {
+    Set(String, Vec<u8>),
+    /// The key, and how long to wait for it.
+    Get(String, Duration),
+    Add(String, i64),
+}
+
+impl Request {
+    /// The request's bytes: op, key, argument.
+    fn encode(&self) -> Vec<u8> {
+        match self {
+            Request::Set(k, v) => fields(OP_SET, &[k.as_bytes(), v]),
+            Request::Get(k, wait) => fields(
+                OP_GET,
+                &[k.as_bytes(), &(wait.as_millis() as u64).to_le_bytes()],
+            ),
+            Request::Add(k, d) => fields(OP_ADD, &[k.as_bytes(), &d.to_le_bytes()]),
+        }
+    }
+
+    /// Read a request from the bytes received so far.
+    fn decode(b: &[u8]) -> std::result::Result<Decoded<Request>, String> {
+        let Some(&op) = b.first() else {
+            return Ok(Decoded::More(1));
+        };
+        if !matches!(op, OP_SET | OP_GET | OP_ADD) {
+            return Err(format!("unknown request {op}"));
+        }
+        let key = match field(b, 1)? {
+            Decoded::Done(r) => r,
+            Decoded::More(n) => return Ok(Decoded::More(n)),
+        };
+        let arg = match field(b, key.end)? {
+            Decoded::Done(r) => r,
+            Decoded::More(n) => return Ok(Decoded::More(n)),
+        };
+        if arg.end != b.len() {
+            return Err("bytes after the request".into());
+        }
+        let key = std::str::from_utf8(&b[key])
+            .map_err(|_| "a key that is not UTF-8".to_string())?
+            .to_string();
+        let word = |what: &str| -> std::result::Result<[u8; 8], String> {
+            b[arg.clone()]
+                .try_into()
+                .map_err(|_| format!("{what} of {} bytes, not 8", arg.len()))
+        };
+        Ok(Decoded::Done(match op {
+            OP_SET => Request::Set(key, b[arg.clone()].to_vec()),
+            OP_GET => Request::Get(
+                key,
+                Duration::from_millis(u64::from_le_bytes(word("a wait")?)),
+            ),
+            _ => Request::Add(key, i64::from_le_bytes(word("an increment")?)),
+        }))
+    }
+}
+
+/// The store's answer to a request.
+#[derive(Clone, Debug, PartialEq)]
+enum Reply {
+    /// The value (of a `get`; the new number of an `add`, 8 bytes; empty for a `set`).
+    Found(Vec<u8>),
+    /// A `get` whose key was not set in time.
+    Missing,
+    /// The store refused the request, for this reason.
+    Refused(String),
+}
+
+impl Reply {
+    fn encode(&self) -> Vec<u8> {
+        match self {
+            Reply::Found(v) => fields(FOUND, &[v]),
+            Reply::Missing => vec![MISSING],
+            Reply::Refused(why) => fields(REFUSED, &[why.as_bytes()]),
+        }
+    }
+
+    /// Read an answer from the bytes received so far.
+    fn decode(b: &[u8]) -> std::result::Result<Decoded<Reply>, String> {
+        let Some(&status) = b.first() else {
+            return Ok(Decoded::More(1));
+        };
+        if status == MISSING {
+            return match b.len() {
+                1 => Ok(Decoded::Done(Reply::Missing)),
+                _ => Err("bytes after the answer".into()),
+            };
+        }
+        if status != FOUND && status != REFUSED {
+            return Err(format!("an answer of unknown status {status}"));
+        }
+        let r = match field(b, 1)? {
+            Decoded::Done(r) => r,
+            Decoded::More(n) => return Ok(Decoded::More(n)),
+        };
+        if r.end != b.len() {
+            return Err("bytes after the answer".into());
+        }
+        Ok(Decoded::Done(match status {
+            FOUND => Reply::Found(b[r].to_vec()),
+            _ => Reply::Refused(String::from_utf8_lossy(&b[r]).into_owned()),
+        }))
+    }
+}
+
+fn fields(head: u8, fields: &[&[u8]]) -> Vec<u8> {
     let mut out = vec![head];
     for f in fields {
         out.extend_from_slice(&(f.len() as u32).to_le_bytes());
         out.extend_from_slice(f);
     }
-    s.write_all(&out)
+    out
+}
+
+/// Read one message from `s`, by `deadline` when one is given: the bytes it needs, as the
+/// decoder says, and no more (what is allocated grows with what arrives, up to the message's
+/// bound). A message the decoder refuses is an `InvalidData` error saying why.
+fn read_message<T>(
+    s: &mut TcpStream,
+    decode: fn(&[u8]) -> std::result::Result<Decoded<T>, String>,
+    deadline: Option<Instant>,
+) -> std::io::Result<T> {
+    let mut b = Vec::new();
+    loop {
+        let need = match decode(&b) {
+            Ok(Decoded::Done(m)) => return Ok(m),
+            Ok(Decoded::More(n)) => n,
+            Err(why) => return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, why)),
+        };
+        if let Some(d) = deadline {
+            let left = d.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(std::io::ErrorKind::TimedOut.into());
+            }
+            s.set_read_timeout(Some(left))?;
+        }
+        let want = (need - b.len()) as u64;
+        let got = (&mut *s).take(want).read_to_end(&mut b)?;
+        if (got as u64) < want {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
 }
 
 /// The store server, run by the chief. Stops when dropped.
@@ -180,56 +334,56 @@ impl TcpStoreServer {
     /// Listen on `addr` (`host:port`; port 0 picks one) for clients that prove `token`; it holds
     /// at most 64 MiB.
     pub fn start(addr: &str, token: &str) -> Result<TcpStoreServer> {
-        Self::start_bounded(addr, token, MAX_STORE_BYTES)
+        Self::start_bounded(addr, token, MAX_STORE_BYTES, HANDSHAKE_LIMIT)
     }
 
-    /// [`TcpStoreServer::start`], holding at most `limit` bytes of keys and values.
-    fn start_bounded(addr: &str, token: &str, limit: usize) -> Result<TcpStoreServer> {
+    /// [`TcpStoreServer::start`], holding at most `limit` bytes of keys and values, each
+    /// client proving the token within `handshake`.
+    fn start_bounded(
+        addr: &str,
+        token: &str,
+        limit: usize,
+        handshake: Duration,
+    ) -> Result<TcpStoreServer> {
         let listener = super::listen::bind(addr)
             .map_err(|e| Error::io(format!("rendezvous store: listening on {addr}"), e))?;
         let local = listener
             .local_addr()
             .map_err(|e| Error::io("rendezvous store", e))?;
+        // One thread drives every handshake under way; a client that proved the token (a rank
+        // of the job) gets a thread of its own.
+        let mut acceptor = Acceptor::new(listener, token, Purpose::Store, "rendezvous store")?
+            .with_limit(handshake);
         let stop = Arc::new(AtomicBool::new(false));
         let table = Arc::new(Table::new(limit));
-        let proving = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let token = token.to_string();
         let stop2 = stop.clone();
         let thread = std::thread::Builder::new()
             .name("tutti-store".into())
             .spawn(move || {
-                for conn in listener.incoming() {
-                    if stop2.load(Ordering::Acquire) {
-                        break;
-                    }
-                    let Ok(mut s) = conn else { continue };
-                    // A flood of strangers gets no more threads than the bound.
-                    if proving.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
-                        proving.fetch_sub(1, Ordering::AcqRel);
-                        continue;
-                    }
-                    let (table, token, stop) = (table.clone(), token.clone(), stop2.clone());
-                    let conn_proving = proving.clone();
+                while !stop2.load(Ordering::Acquire) {
+                    let (mut s, peer) =
+                        match acceptor.next(Instant::now() + Duration::from_millis(50)) {
+                            Ok(Some((s, _))) => match s.peer_addr() {
+                                Ok(a) => (s, a),
+                                Err(_) => continue,
+                            },
+                            Ok(None) => continue,
+                            Err(e) => {
+                                log::warn!("{e}");
+                                std::thread::sleep(Duration::from_millis(50));
+                                continue;
+                            }
+                        };
+                    let (table, stop) = (table.clone(), stop2.clone());
+                    let _ = s.set_nodelay(true);
                     let spawned = std::thread::Builder::new()
                         .name("tutti-store-conn".into())
-                        .spawn(move || {
-                            let proved = handshake_server(
-                                &mut s,
-                                &token,
-                                Purpose::Store,
-                                Duration::from_secs(10),
-                            );
-                            conn_proving.fetch_sub(1, Ordering::AcqRel);
-                            if let Err(e) = proved {
-                                log_rejected("rendezvous store", &e);
-                                return;
-                            }
-                            let _ = s.set_read_timeout(None);
-                            let _ = s.set_nodelay(true);
-                            serve(&mut s, &table, &stop);
-                        });
-                    if spawned.is_err() {
-                        proving.fetch_sub(1, Ordering::AcqRel);
+                        .spawn(move || serve(&mut s, peer, &table, &stop));
+                    if let Err(e) = spawned {
+                        log::warn!(
+                            "rendezvous store: no thread to serve {peer} ({e}); closing its \
+                             connection"
+                        );
                     }
                 }
             })
@@ -247,42 +401,38 @@ impl TcpStoreServer {
     }
 }
 
-fn serve(s: &mut TcpStream, table: &Table, stop: &AtomicBool) {
+fn serve(s: &mut TcpStream, peer: std::net::SocketAddr, table: &Table, stop: &AtomicBool) {
     loop {
-        let mut op = [0u8; 1];
-        if s.read_exact(&mut op).is_err() || stop.load(Ordering::Acquire) {
+        let req = match read_message(s, Request::decode, None) {
+            Ok(r) => r,
+            Err(e) => {
+                if e.kind() == std::io::ErrorKind::InvalidData {
+                    // A client that proved the token but speaks garbage: say why, then close.
+                    log::warn!("rendezvous store: a malformed request from {peer}: {e}");
+                    let _ =
+                        s.write_all(&Reply::Refused(format!("malformed request: {e}")).encode());
+                }
+                return;
+            }
+        };
+        if stop.load(Ordering::Acquire) {
             return;
         }
-        let Ok(key) = read_field(s).map(|k| String::from_utf8_lossy(&k).into_owned()) else {
-            return;
-        };
-        let Ok(arg) = read_field(s) else { return };
-        let ok = match op[0] {
-            OP_SET => match table.set(&key, arg) {
-                Ok(()) => write_fields(s, 0, &[&[]]),
-                Err(why) => write_fields(s, REFUSED, &[why.as_bytes()]),
+        let reply = match req {
+            Request::Set(key, value) => match table.set(&key, value) {
+                Ok(()) => Reply::Found(Vec::new()),
+                Err(why) => Reply::Refused(why),
             },
-            OP_GET => {
-                let ms = arg
-                    .get(..8)
-                    .map_or(0, |b| u64::from_le_bytes(b.try_into().expect("8 bytes")));
-                match table.get(&key, Duration::from_millis(ms)) {
-                    Some(v) => write_fields(s, 0, &[&v]),
-                    None => write_fields(s, 1, &[]),
-                }
-            }
-            OP_ADD => {
-                let d = arg
-                    .get(..8)
-                    .map_or(0, |b| i64::from_le_bytes(b.try_into().expect("8 bytes")));
-                match table.add(&key, d) {
-                    Ok(v) => write_fields(s, 0, &[&v.to_le_bytes()]),
-                    Err(why) => write_fields(s, REFUSED, &[why.as_bytes()]),
-                }
-            }
-            _ => return,
+            Request::Get(key, wait) => match table.get(&key, wait) {
+                Some(v) => Reply::Found(v),
+                None => Reply::Missing,
+            },
+            Request::Add(key, d) => match table.add(&key, d) {
+                Ok(v) => Reply::Found(v.to_le_bytes().to_vec()),
+                Err(why) => Reply::Refused(why),
+            },
         };
-        if ok.is_err() {
+        if s.write_all(&reply.encode()).is_err() {
             return;
         }
     }
@@ -290,9 +440,8 @@ fn serve(s: &mut TcpStream, table: &Table, stop: &AtomicBool) {
 
 impl Drop for TcpStoreServer {
     fn drop(&mut self) {
+        // The accepting thread sees it within 50 ms.
         self.stop.store(true, Ordering::Release);
-        // Wake the accept loop.
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -306,7 +455,7 @@ pub struct TcpStore {
 }
 
 impl TcpStore {
-    /// Connect to `addr`, retrying until `timeout` (the server may not be up yet).
+    /// Connect to `addr`, retrying until `timeout` (the server may not be up yet, or busy).
     pub fn connect(addr: &str, token: &str, timeout: Duration) -> Result<TcpStore> {
         let deadline = Instant::now() + timeout;
         let mut last = String::new();
@@ -320,17 +469,19 @@ impl TcpStore {
                     .ok_or_else(|| {
                         Error::config(format!("rendezvous store: {addr} resolves to nothing"))
                     })?;
-                let mut s = TcpStream::connect_timeout(&sa, Duration::from_secs(2))
-                    .map_err(|e| Error::io(format!("rendezvous store: connecting to {addr}"), e))?;
+                let left = deadline.saturating_duration_since(Instant::now());
+                let mut s = TcpStream::connect_timeout(
+                    &sa,
+                    left.clamp(Duration::from_millis(1), Duration::from_secs(2)),
+                )
+                .map_err(|e| Error::io(format!("rendezvous store: connecting to {addr}"), e))?;
                 handshake_client(
                     &mut s,
                     token,
                     Purpose::Store,
                     u32::MAX,
-                    Duration::from_secs(10),
+                    left.clamp(Duration::from_millis(1), HANDSHAKE_LIMIT),
                 )?;
-                s.set_read_timeout(None)
-                    .map_err(|e| Error::io("rendezvous store", e))?;
                 let _ = s.set_nodelay(true);
                 Ok(s)
             })();
@@ -344,7 +495,7 @@ impl TcpStore {
                 Err(e @ Error::InvalidArgument { .. }) => return Err(e),
                 Err(e) => last = e.to_string(),
             }
-            std::thread::sleep(pause);
+            std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
             pause = (pause * 2).min(Duration::from_millis(200));
         }
         Err(Error::JoinTimeout {
@@ -353,46 +504,48 @@ impl TcpStore {
         })
     }
 
-    fn request(&self, op: u8, key: &str, arg: &[u8], wait: Duration) -> Result<(u8, Vec<u8>)> {
+    fn request(&self, req: &Request, wait: Duration) -> Result<Reply> {
         let mut s = self.conn.lock();
         let io = |e: std::io::Error| Error::io(format!("rendezvous store at {}", self.addr), e);
-        s.set_read_timeout(Some(wait + Duration::from_secs(10)))
+        s.set_write_timeout(Some(Duration::from_secs(10)))
             .map_err(io)?;
-        write_fields(&mut s, op, &[key.as_bytes(), arg]).map_err(io)?;
-        let mut status = [0u8; 1];
-        s.read_exact(&mut status).map_err(io)?;
-        let v = match status[0] {
-            0 => read_field(&mut s).map_err(io)?,
-            REFUSED => {
-                let why = read_field(&mut s).map_err(io)?;
-                return Err(Error::config(format!(
-                    "rendezvous store at {} refused '{key}': {}",
-                    self.addr,
-                    String::from_utf8_lossy(&why)
-                )));
-            }
-            _ => Vec::new(),
-        };
-        Ok((status[0], v))
+        s.write_all(&req.encode()).map_err(io)?;
+        let deadline = Instant::now() + wait + Duration::from_secs(10);
+        let reply = read_message(&mut s, Reply::decode, Some(deadline)).map_err(io)?;
+        if let Reply::Refused(why) = &reply {
+            let key = match req {
+                Request::Set(k, _) | Request::Get(k, _) | Request::Add(k, _) => k,
+            };
+            return Err(Error::config(format!(
+                "rendezvous store at {} refused '{key}': {why}",
+                self.addr
+            )));
+        }
+        Ok(reply)
     }
 }
 
 impl Store for TcpStore {
     fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        self.request(OP_SET, key, value, Duration::ZERO).map(drop)
+        self.request(&Request::Set(key.into(), value.to_vec()), Duration::ZERO)
+            .map(drop)
     }
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        let ms = (timeout.as_millis() as u64).to_le_bytes();
-        match self.request(OP_GET, key, &ms, timeout)? {
-            (0, v) => Ok(v),
+        match self.request(&Request::Get(key.into(), timeout), timeout)? {
+            Reply::Found(v) => Ok(v),
             _ => Err(timeout_err(key, timeout)),
         }
     }
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
-        let (_, v) = self.request(OP_ADD, key, &delta.to_le_bytes(), Duration::ZERO)?;
-        Ok(i64::from_le_bytes(
-            v.get(..8).and_then(|b| b.try_into().ok()).unwrap_or([0; 8]),
-        ))
+        match self.request(&Request::Add(key.into(), delta), Duration::ZERO)? {
+            Reply::Found(v) if v.len() == 8 => {
+                Ok(i64::from_le_bytes(v.try_into().expect("8 bytes")))
+            }
+            r => Err(Error::System {
+                what: format!("rendezvous store at {}", self.addr),
+                message: format!("answered an add to '{key}' with {r:?}, not a number"),
+            }),
+        }
     }
 }
 
@@ -486,7 +639,7 @@ pub(crate) fn store_for(
         let mut servers = SERVERS.lock();
         if !servers.iter().any(|(a, _)| a == &spec.rendezvous) {
             let limit = MAX_STORE_BYTES.max(spec.world_size.saturating_mul(64 << 10));
-            let s = TcpStoreServer::start_bounded(&spec.rendezvous, token, limit)?;
+            let s = TcpStoreServer::start_bounded(&spec.rendezvous, token, limit, HANDSHAKE_LIMIT)?;
             servers.push((spec.rendezvous.clone(), s));
         }
     }
@@ -524,7 +677,9 @@ mod tests {
 
     #[test]
     fn the_store_holds_no_more_than_its_bound() {
-        let server = TcpStoreServer::start_bounded("127.0.0.1:0", "tok", 4096 + 192).unwrap();
+        let server =
+            TcpStoreServer::start_bounded("127.0.0.1:0", "tok", 4096 + 192, HANDSHAKE_LIMIT)
+                .unwrap();
         let addr = server.addr().to_string();
         let a = TcpStore::connect(&addr, "tok", Duration::from_secs(5)).unwrap();
         a.set("big", &[7; 3000]).unwrap();
@@ -565,5 +720,219 @@ mod tests {
         assert_eq!(s.add("c", -1).unwrap(), 3);
         assert!(s.get("nope", Duration::from_millis(20)).is_err());
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A stranger that sends a byte every `every` until the store closes its connection: how
+    /// long it was kept.
+    fn trickle_until_closed(addr: std::net::SocketAddr, every: Duration) -> Duration {
+        let start = Instant::now();
+        let mut s = TcpStream::connect(addr).unwrap();
+        let mut h = [0u8; 23];
+        s.read_exact(&mut h).unwrap();
+        for _ in 0..58 {
+            if s.write_all(b"T").is_err() {
+                break;
+            }
+            std::thread::sleep(every);
+            let mut x = [0u8; 1];
+            s.set_nonblocking(true).unwrap();
+            let closed = matches!(s.read(&mut x), Ok(0));
+            s.set_nonblocking(false).unwrap();
+            if closed {
+                break;
+            }
+        }
+        start.elapsed()
+    }
+
+    #[test]
+    fn a_trickling_stranger_cannot_outlive_the_store_handshake_deadline() {
+        let limit = Duration::from_millis(400);
+        let server = TcpStoreServer::start_bounded("127.0.0.1:0", "tok", 1 << 20, limit).unwrap();
+        // A byte every 100 ms: each read is quick, the whole would take 5.8 s.
+        let lived = trickle_until_closed(server.addr(), Duration::from_millis(100));
+        assert!(
+            lived < limit + Duration::from_millis(500),
+            "a trickling stranger kept its handshake open for {lived:?} (limit {limit:?})"
+        );
+    }
+
+    #[test]
+    fn idle_strangers_do_not_stop_the_ranks_from_joining_the_store() {
+        let server = TcpStoreServer::start("127.0.0.1:0", "tok").unwrap();
+        // More than any bound on the handshakes under way, all from this host (as the ranks).
+        let strangers = crate::cluster::auth::testing::idle_strangers(server.addr(), 1100);
+        assert!(strangers.len() > 1024, "{}", strangers.len());
+        let addr = server.addr().to_string();
+        let start = Instant::now();
+        std::thread::scope(|sc| {
+            for r in 0..8 {
+                let addr = &addr;
+                sc.spawn(move || {
+                    let c = TcpStore::connect(addr, "tok", Duration::from_secs(8)).unwrap();
+                    c.set(&format!("r{r}"), b"here").unwrap();
+                    assert_eq!(c.get("r0", Duration::from_secs(8)).unwrap(), b"here");
+                });
+            }
+        });
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
+        drop(strangers);
+    }
+
+    #[test]
+    fn the_store_starts_no_thread_per_stranger() {
+        use crate::cluster::auth::testing::{alone, idle_strangers, threads};
+        if !alone("cluster::store::tests::the_store_starts_no_thread_per_stranger") {
+            return;
+        }
+        let server = TcpStoreServer::start("127.0.0.1:0", "tok").unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let before = threads();
+        let strangers = idle_strangers(server.addr(), 300);
+        std::thread::sleep(Duration::from_millis(300));
+        let during = threads();
+        assert!(
+            during <= before,
+            "{} strangers took {before} threads to {during}",
+            strangers.len()
+        );
+        // A rank that proves the token is served on a thread of its own.
+        let c =
+            TcpStore::connect(&server.addr().to_string(), "tok", Duration::from_secs(5)).unwrap();
+        c.set("k", b"v").unwrap();
+        assert_eq!(threads(), before + 1);
+    }
+
+    #[test]
+    fn a_malformed_request_is_refused_with_its_reason() {
+        let server = TcpStoreServer::start("127.0.0.1:0", "tok").unwrap();
+        let addr = server.addr().to_string();
+        let c = TcpStore::connect(&addr, "tok", Duration::from_secs(5)).unwrap();
+        // An add whose increment is 3 bytes.
+        let mut s = c.conn.lock();
+        s.write_all(&fields(OP_ADD, &[b"n", &[1, 2, 3]])).unwrap();
+        let r = read_message(
+            &mut s,
+            Reply::decode,
+            Some(Instant::now() + Duration::from_secs(5)),
+        )
+        .unwrap();
+        assert!(
+            matches!(&r, Reply::Refused(why) if why.contains("an increment of 3 bytes")),
+            "{r:?}"
+        );
+        drop(s);
+        // A field longer than the bound is refused before anything is allocated.
+        let c = TcpStore::connect(&addr, "tok", Duration::from_secs(5)).unwrap();
+        let mut s = c.conn.lock();
+        s.write_all(&[OP_SET, 0xff, 0xff, 0xff, 0xff]).unwrap();
+        let r = read_message(
+            &mut s,
+            Reply::decode,
+            Some(Instant::now() + Duration::from_secs(5)),
+        )
+        .unwrap();
+        assert!(
+            matches!(&r, Reply::Refused(why) if why.contains("field of")),
+            "{r:?}"
+        );
+    }
+
+    mod fuzz {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        /// The most bytes one message may take.
+        const BOUND: usize = 1 + 2 * (4 + MAX_FIELD);
+
+        fn request() -> impl Strategy<Value = Request> {
+            let key = "[a-z/0-9]{0,12}";
+            prop_oneof![
+                (key, proptest::collection::vec(any::<u8>(), 0..40))
+                    .prop_map(|(k, v)| Request::Set(k, v)),
+                (key, 0u64..1 << 40).prop_map(|(k, ms)| Request::Get(k, Duration::from_millis(ms))),
+                (key, any::<i64>()).prop_map(|(k, d)| Request::Add(k, d)),
+            ]
+        }
+
+        fn reply() -> impl Strategy<Value = Reply> {
+            prop_oneof![
+                proptest::collection::vec(any::<u8>(), 0..40).prop_map(Reply::Found),
+                Just(Reply::Missing),
+                "[ -~]{0,40}".prop_map(Reply::Refused),
+            ]
+        }
+
+        /// What a decoder says of `b` is an error, a message, or a need for more bytes that
+        /// is within the bound and past what it has.
+        fn sane<T>(
+            b: &[u8],
+            d: std::result::Result<Decoded<T>, String>,
+        ) -> std::result::Result<(), TestCaseError> {
+            if let Ok(Decoded::More(n)) = d {
+                prop_assert!(n > b.len() && n <= BOUND, "needs {n} of {}", b.len());
+            }
+            Ok(())
+        }
+
+        fn mutate(mut m: Vec<u8>, edits: &[(usize, u8)], cut: usize) -> Vec<u8> {
+            for &(i, b) in edits {
+                if !m.is_empty() {
+                    let i = i % m.len();
+                    m[i] ^= b;
+                }
+            }
+            m.truncate(cut);
+            m
+        }
+
+        proptest! {
+            #[test]
+            fn decoders_take_any_bytes(b in proptest::collection::vec(any::<u8>(), 0..64)) {
+                sane(&b, Request::decode(&b))?;
+                sane(&b, Reply::decode(&b))?;
+            }
+
+            #[test]
+            fn requests_round_trip_and_mutations_fail_cleanly(
+                r in request(),
+                edits in proptest::collection::vec((any::<usize>(), 1..=255u8), 0..4),
+                cut in 0usize..80,
+            ) {
+                let m = r.encode();
+                prop_assert_eq!(Request::decode(&m), Ok(Decoded::Done(r)));
+                // Every prefix asks for more, up to the whole.
+                for k in 0..m.len() {
+                    match Request::decode(&m[..k]) {
+                        Ok(Decoded::More(n)) => prop_assert!(n > k && n <= m.len()),
+                        other => prop_assert!(false, "prefix {k}: {other:?}"),
+                    }
+                }
+                let bad = mutate(m, &edits, cut);
+                sane(&bad, Request::decode(&bad))?;
+            }
+
+            #[test]
+            fn replies_round_trip_and_mutations_fail_cleanly(
+                r in reply(),
+                edits in proptest::collection::vec((any::<usize>(), 1..=255u8), 0..4),
+                cut in 0usize..80,
+            ) {
+                let m = r.encode();
+                prop_assert_eq!(Reply::decode(&m), Ok(Decoded::Done(r)));
+                for k in 0..m.len() {
+                    match Reply::decode(&m[..k]) {
+                        Ok(Decoded::More(n)) => prop_assert!(n > k && n <= m.len()),
+                        other => prop_assert!(false, "prefix {k}: {other:?}"),
+                    }
+                }
+                let bad = mutate(m, &edits, cut);
+                sane(&bad, Reply::decode(&bad))?;
+            }
+        }
     }
 }

@@ -17,14 +17,14 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::cluster::auth::{handshake_client, handshake_server, log_rejected, Purpose};
+use crate::cluster::auth::{handshake_client, Acceptor, Purpose, HANDSHAKE_LIMIT};
 use crate::cluster::{split_addr, ClusterSpec};
 use crate::error::{Error, Result};
 
@@ -66,44 +66,110 @@ const OP_STEP_FAILED: u32 = 102;
 /// [`encode_lost`]). The worker leaves the job with that error.
 const OP_TASK_LOST: u32 = 103;
 
+/// The most bytes of an error message a task takes from a peer.
+const MAX_ERROR: u64 = 64 << 10;
+/// The most bytes of a layout (SETUP): a million shards.
+const MAX_LAYOUT: u64 = 16 << 20;
+/// The most elements of one shard: a layout carries its length as a `u32`.
+const MAX_SHARD: u64 = u32::MAX as u64;
+/// Bytes of a message's header: its op and its payload's length.
+const HEADER: usize = 12;
+
 fn send(s: &mut TcpStream, op: u32, payload: &[u8]) -> std::io::Result<()> {
-    let mut m = Vec::with_capacity(12 + payload.len());
+    let mut m = Vec::with_capacity(HEADER + payload.len());
     m.extend_from_slice(&op.to_le_bytes());
     m.extend_from_slice(&(payload.len() as u64).to_le_bytes());
     m.extend_from_slice(payload);
     s.write_all(&m)
 }
 
-fn recv(s: &mut TcpStream) -> std::io::Result<(u32, Vec<u8>)> {
-    let mut h = [0u8; 12];
+/// A message header's op and payload length.
+fn parse_header(h: &[u8; HEADER]) -> (u32, u64) {
+    (
+        u32::from_le_bytes(h[..4].try_into().expect("4 bytes")),
+        u64::from_le_bytes(h[4..].try_into().expect("8 bytes")),
+    )
+}
+
+fn invalid(why: String) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, why)
+}
+
+/// Read one message: its header, then its payload, which `bound` (given the op) limits before
+/// anything is allocated (an `InvalidData` error saying why otherwise); what is allocated grows
+/// with the bytes that arrive.
+fn recv(
+    s: &mut TcpStream,
+    bound: impl FnOnce(u32) -> std::result::Result<u64, String>,
+) -> std::io::Result<(u32, Vec<u8>)> {
+    let mut h = [0u8; HEADER];
     s.read_exact(&mut h)?;
-    let op = u32::from_le_bytes(h[..4].try_into().expect("4 bytes"));
-    let len = u64::from_le_bytes(h[4..].try_into().expect("8 bytes"));
-    if len > 1 << 32 {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            "message too large",
-        ));
+    let (op, len) = parse_header(&h);
+    let most = bound(op).map_err(invalid)?;
+    if len > most {
+        return Err(invalid(format!(
+            "a message (op {op}) of {len} bytes, more than the {most} it may hold"
+        )));
     }
-    let mut p = vec![0u8; len as usize];
-    s.read_exact(&mut p)?;
+    let mut p = Vec::new();
+    if ((&mut *s).take(len).read_to_end(&mut p)? as u64) < len {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
     Ok((op, p))
 }
 
 /// Request and answer. A broken connection (or no answer within the timeout) is
-/// [`Error::TaskLost`] naming `who`.
-fn exchange(s: &mut TcpStream, op: u32, payload: &[u8], who: &str) -> Result<(u32, Vec<u8>)> {
-    let lost = |e: std::io::Error| Error::TaskLost {
-        task: who.to_string(),
-        detail: e.to_string(),
+/// [`Error::TaskLost`] naming `who`; an answer this request cannot have (of an unknown kind,
+/// or an `OP_OK` whose length is not `want`) is an error naming `who` too.
+fn exchange(
+    s: &mut TcpStream,
+    op: u32,
+    payload: &[u8],
+    who: &str,
+    want: usize,
+) -> Result<(u32, Vec<u8>)> {
+    let failed = |e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::InvalidData => Error::System {
+            what: format!("parameter-server call to {who}"),
+            message: e.to_string(),
+        },
+        _ => Error::TaskLost {
+            task: who.to_string(),
+            detail: e.to_string(),
+        },
     };
-    send(s, op, payload).map_err(lost)?;
-    recv(s).map_err(lost)
+    send(s, op, payload).map_err(failed)?;
+    let (r, p) = recv(s, |r| match r {
+        OP_OK => Ok(want as u64),
+        OP_ERR | OP_STEP_FAILED | OP_TASK_LOST => Ok(MAX_ERROR),
+        r => Err(format!("an answer of unknown kind {r}")),
+    })
+    .map_err(failed)?;
+    if r == OP_OK && p.len() != want {
+        return Err(failed(invalid(format!(
+            "an answer of {} bytes where {want} were due",
+            p.len()
+        ))));
+    }
+    Ok((r, p))
 }
 
-/// Request and answer; an `OP_ERR` answer becomes an error carrying the peer's message.
+/// Request and answer; an `OP_ERR` answer becomes an error carrying the peer's message. An
+/// `OP_OK` answer has the length the request's op calls for (the loss of a step; nothing
+/// else), or the error says what came.
 fn call(s: &mut TcpStream, op: u32, payload: &[u8], who: &str) -> Result<Vec<u8>> {
-    match exchange(s, op, payload, who)? {
+    call_sized(s, op, payload, who, if op == OP_STEP { 4 } else { 0 })
+}
+
+/// [`call`], whose `OP_OK` answer has `want` bytes.
+fn call_sized(
+    s: &mut TcpStream,
+    op: u32,
+    payload: &[u8],
+    who: &str,
+    want: usize,
+) -> Result<Vec<u8>> {
+    match exchange(s, op, payload, who, want)? {
         (OP_OK, p) => Ok(p),
         (OP_TASK_LOST, p) => Err(decode_lost(&p)),
         (_, p) => Err(Error::System {
@@ -115,10 +181,13 @@ fn call(s: &mut TcpStream, op: u32, payload: &[u8], who: &str) -> Result<Vec<u8>
 
 /// A lost task's error as it travels between tasks: the task's name, a newline, the detail.
 fn encode_lost(e: &Error) -> Vec<u8> {
-    match e {
-        Error::TaskLost { task, detail } => format!("{task}\n{detail}").into_bytes(),
-        other => format!("a task\n{other}").into_bytes(),
-    }
+    let text = match e {
+        Error::TaskLost { task, detail } => format!("{task}\n{detail}"),
+        other => format!("a task\n{other}"),
+    };
+    let mut b = text.into_bytes();
+    b.truncate(MAX_ERROR as usize);
+    b
 }
 
 fn decode_lost(p: &[u8]) -> Error {
@@ -145,8 +214,105 @@ fn u32_at(b: &[u8], i: usize) -> u32 {
         .map_or(0, |c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
 }
 
+/// A request to a ps or worker task, read.
+#[derive(Clone, Debug, PartialEq)]
+enum Request {
+    Create {
+        var: u32,
+        shard: u32,
+        lr: f32,
+        values: Vec<f32>,
+    },
+    Pull {
+        var: u32,
+        shard: u32,
+    },
+    Push {
+        var: u32,
+        shard: u32,
+        grad: Vec<f32>,
+    },
+    Setup(Vec<Vec<Shard>>),
+    Step(u64),
+    Shutdown,
+    /// The job ends because this task was lost.
+    Abort(Error),
+}
+
+/// The most payload bytes a request of `op` may have, on a task whose largest shard has
+/// `largest` elements.
+fn request_bound(op: u32, largest: usize) -> std::result::Result<u64, String> {
+    Ok(match op {
+        OP_SHUTDOWN => 0,
+        OP_ABORT => MAX_ERROR,
+        OP_PULL | OP_STEP => 8,
+        OP_PUSH => 8 + 4 * largest as u64,
+        OP_CREATE => 12 + 4 * MAX_SHARD,
+        OP_SETUP => MAX_LAYOUT,
+        other => return Err(format!("unknown request {other}")),
+    })
+}
+
+impl Request {
+    /// Read the payload `p` of a request of `op`.
+    fn decode(op: u32, p: &[u8]) -> std::result::Result<Request, String> {
+        let sized = |what: &str, fixed: usize| {
+            if p.len() < fixed || (p.len() - fixed) % 4 != 0 {
+                return Err(format!(
+                    "a {what} request of {} bytes (not {fixed} and whole f32s)",
+                    p.len()
+                ));
+            }
+            Ok(f32s(&p[fixed..]))
+        };
+        let exact = |what: &str, n: usize| {
+            if p.len() != n {
+                return Err(format!("a {what} request of {} bytes, not {n}", p.len()));
+            }
+            Ok(())
+        };
+        Ok(match op {
+            OP_CREATE => {
+                let values = sized("CREATE", 12)?;
+                Request::Create {
+                    var: u32_at(p, 0),
+                    shard: u32_at(p, 1),
+                    lr: f32::from_bits(u32_at(p, 2)),
+                    values,
+                }
+            }
+            OP_PULL => {
+                exact("PULL", 8)?;
+                Request::Pull {
+                    var: u32_at(p, 0),
+                    shard: u32_at(p, 1),
+                }
+            }
+            OP_PUSH => {
+                let grad = sized("PUSH", 8)?;
+                Request::Push {
+                    var: u32_at(p, 0),
+                    shard: u32_at(p, 1),
+                    grad,
+                }
+            }
+            OP_SETUP => Request::Setup(decode_layout(p)?),
+            OP_STEP => {
+                exact("STEP", 8)?;
+                Request::Step(u64::from_le_bytes(p.try_into().expect("8 bytes")))
+            }
+            OP_SHUTDOWN => {
+                exact("SHUTDOWN", 0)?;
+                Request::Shutdown
+            }
+            OP_ABORT => Request::Abort(decode_lost(p)),
+            other => return Err(format!("unknown request {other}")),
+        })
+    }
+}
+
 /// Where one shard lives.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 struct Shard {
     ps: usize,
     var: u32,
@@ -295,6 +461,8 @@ type HeldShard = (Vec<f32>, f32);
 #[derive(Default)]
 struct PsState {
     shards: Mutex<HashMap<(u32, u32), HeldShard>>,
+    /// The elements of the largest shard held: what a PUSH may carry.
+    largest: std::sync::atomic::AtomicUsize,
     /// A lost task that ended this task's part of the job: `serve` returns it.
     failure: Mutex<Option<Error>>,
 }
@@ -319,14 +487,18 @@ fn connect(addr: &str, token: &str, timeout: Duration) -> Result<TcpStream> {
                 .map_err(|e| Error::io(format!("resolving {addr}"), e))?
                 .next()
                 .ok_or_else(|| Error::config(format!("{addr} resolves to nothing")))?;
-            let mut s = TcpStream::connect_timeout(&sa, Duration::from_secs(5))
-                .map_err(|e| Error::io(format!("connecting to {addr}"), e))?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut s = TcpStream::connect_timeout(
+                &sa,
+                left.clamp(Duration::from_millis(1), Duration::from_secs(5)),
+            )
+            .map_err(|e| Error::io(format!("connecting to {addr}"), e))?;
             handshake_client(
                 &mut s,
                 token,
                 Purpose::Data,
                 u32::MAX,
-                Duration::from_secs(10),
+                left.clamp(Duration::from_millis(1), HANDSHAKE_LIMIT),
             )?;
             s.set_read_timeout(Some(timeout))
                 .map_err(|e| Error::io("configuring a connection", e))?;
@@ -353,32 +525,42 @@ fn serve(
     let (host, port) = split_addr(addr, "ParameterServerStrategy task address")?;
     let listener = crate::cluster::listen::bind((host.as_str(), port))
         .map_err(|e| Error::io(format!("listening on {addr}"), e))?;
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| Error::io("listening", e))?;
+    serve_on(listener, addr, token, timeout, ps, worker)
+}
+
+/// [`serve`] on a bound listener. The handshakes run on this thread, without blocking (see
+/// `Acceptor`); a connection that proved the token gets a thread of its own.
+fn serve_on(
+    listener: TcpListener,
+    addr: &str,
+    token: &str,
+    timeout: Duration,
+    ps: Arc<PsState>,
+    worker: Option<Arc<WorkerState>>,
+) -> Result<()> {
+    let mut acceptor = Acceptor::new(listener, token, Purpose::Data, "parameter-server")?;
     let done = Arc::new(AtomicBool::new(false));
     let mut last = Instant::now();
-    let mut handlers = Vec::new();
+    let mut handlers: Vec<std::thread::JoinHandle<()>> = Vec::new();
     while !done.load(Ordering::Acquire) {
-        match listener.accept() {
-            Ok((mut s, _)) => {
+        match acceptor.next(Instant::now() + Duration::from_millis(5))? {
+            Some((mut s, _)) => {
                 last = Instant::now();
-                let (ps, worker, done, token) =
-                    (ps.clone(), worker.clone(), done.clone(), token.to_string());
-                handlers.push(std::thread::spawn(move || {
-                    let _ = s.set_nonblocking(false);
-                    if let Err(e) =
-                        handshake_server(&mut s, &token, Purpose::Data, Duration::from_secs(10))
-                    {
-                        log_rejected("parameter-server", &e);
-                        return;
-                    }
-                    let _ = s.set_read_timeout(None);
-                    let _ = s.set_nodelay(true);
-                    handle(&mut s, &ps, worker.as_deref(), &done);
-                }));
+                let Ok(peer) = s.peer_addr() else { continue };
+                let _ = s.set_nodelay(true);
+                let (ps, worker, done) = (ps.clone(), worker.clone(), done.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("tutti-ps-conn".into())
+                    .spawn(move || handle(&mut s, peer, &ps, worker.as_deref(), &done));
+                match spawned {
+                    Ok(h) => handlers.push(h),
+                    Err(e) => log::warn!(
+                        "parameter server {addr}: no thread to serve {peer} ({e}); closing its \
+                         connection"
+                    ),
+                }
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+            None => {
                 let before = handlers.len();
                 handlers.retain(|h| !h.is_finished());
                 if before > 0 && handlers.is_empty() {
@@ -389,9 +571,7 @@ fn serve(
                         "{addr}: no coordinator connected within {timeout:?} (it never came, or went away without shutting the job down)"
                     )));
                 }
-                std::thread::sleep(Duration::from_millis(5));
             }
-            Err(e) => return Err(Error::io("accepting", e)),
         }
     }
     match ps.failure.lock().take() {
@@ -400,96 +580,109 @@ fn serve(
     }
 }
 
-fn handle(s: &mut TcpStream, ps: &PsState, worker: Option<&WorkerState>, done: &AtomicBool) {
-    while let Ok((op, p)) = recv(s) {
-        let answer = match op {
-            OP_SHUTDOWN => {
+fn handle(
+    s: &mut TcpStream,
+    peer: SocketAddr,
+    ps: &PsState,
+    worker: Option<&WorkerState>,
+    done: &AtomicBool,
+) {
+    loop {
+        let largest = ps.largest.load(Ordering::Acquire);
+        let request = recv(s, |op| request_bound(op, largest))
+            .and_then(|(op, p)| Request::decode(op, &p).map_err(invalid));
+        let request = match request {
+            Ok(r) => r,
+            Err(e) => {
+                if e.kind() == std::io::ErrorKind::InvalidData {
+                    // A peer that proved the token but sent what no task sends: say why, and
+                    // close (what follows cannot be trusted to start a message).
+                    log::warn!("parameter server: a malformed request from {peer}: {e}");
+                    let _ = send(s, OP_ERR, format!("malformed request: {e}").as_bytes());
+                }
+                return;
+            }
+        };
+        let no_shard = |var: u32, shard: u32| format!("no shard {shard} of variable {var} here");
+        let answer = match request {
+            Request::Shutdown => {
                 done.store(true, Ordering::Release);
                 let _ = send(s, OP_OK, &[]);
                 return;
             }
-            OP_ABORT => {
-                *ps.failure.lock() = Some(decode_lost(&p));
+            Request::Abort(lost) => {
+                *ps.failure.lock() = Some(lost);
                 done.store(true, Ordering::Release);
                 let _ = send(s, OP_OK, &[]);
                 return;
             }
-            OP_CREATE => {
-                let (var, shard, lr) =
-                    (u32_at(&p, 0), u32_at(&p, 1), f32::from_bits(u32_at(&p, 2)));
-                ps.shards.lock().insert((var, shard), (f32s(&p[12..]), lr));
+            Request::Create {
+                var,
+                shard,
+                lr,
+                values,
+            } => {
+                ps.largest.fetch_max(values.len(), Ordering::AcqRel);
+                ps.shards.lock().insert((var, shard), (values, lr));
                 Ok(Vec::new())
             }
-            OP_PULL => match ps.shards.lock().get(&(u32_at(&p, 0), u32_at(&p, 1))) {
+            Request::Pull { var, shard } => match ps.shards.lock().get(&(var, shard)) {
                 Some((v, _)) => Ok(bytes(v)),
-                None => Err(format!(
-                    "no shard {} of variable {} here",
-                    u32_at(&p, 1),
-                    u32_at(&p, 0)
-                )),
+                None => Err(no_shard(var, shard)),
             },
-            OP_PUSH => match ps.shards.lock().get_mut(&(u32_at(&p, 0), u32_at(&p, 1))) {
+            Request::Push { var, shard, grad } => match ps.shards.lock().get_mut(&(var, shard)) {
                 Some((v, lr)) => {
-                    let g = f32s(&p[8..]);
-                    if g.len() != v.len() {
+                    if grad.len() != v.len() {
                         Err(format!(
                             "gradient of {} elements for a shard of {}",
-                            g.len(),
+                            grad.len(),
                             v.len()
                         ))
                     } else {
-                        v.iter_mut().zip(&g).for_each(|(w, g)| *w -= *lr * g);
+                        v.iter_mut().zip(&grad).for_each(|(w, g)| *w -= *lr * g);
                         Ok(Vec::new())
                     }
                 }
-                None => Err(format!(
-                    "no shard {} of variable {} here",
-                    u32_at(&p, 1),
-                    u32_at(&p, 0)
-                )),
+                None => Err(no_shard(var, shard)),
             },
-            OP_SETUP => match worker {
+            Request::Setup(layout) => match worker {
                 Some(w) => {
-                    *w.layout.lock() = decode_layout(&p);
+                    *w.layout.lock() = layout;
                     Ok(Vec::new())
                 }
                 None => Err("SETUP sent to a ps task".into()),
             },
-            OP_STEP => match worker {
-                Some(w) => {
-                    let step = p.get(..8).and_then(|b| b.try_into().ok());
-                    let step = u64::from_le_bytes(step.unwrap_or([0; 8]));
-                    match w.step(step) {
-                        Ok(b) => Ok(b),
-                        Err(e @ Error::TaskLost { .. }) => {
-                            // Without that ps task this worker cannot run any step: it leaves
-                            // the job with the error, once the coordinator has heard it.
-                            let _ = send(s, OP_TASK_LOST, &encode_lost(&e));
-                            *ps.failure.lock() = Some(e);
-                            done.store(true, Ordering::Release);
+            Request::Step(step) => match worker {
+                Some(w) => match w.step(step) {
+                    Ok(b) => Ok(b),
+                    Err(e @ Error::TaskLost { .. }) => {
+                        // Without that ps task this worker cannot run any step: it leaves the
+                        // job with the error, once the coordinator has heard it.
+                        let _ = send(s, OP_TASK_LOST, &encode_lost(&e));
+                        *ps.failure.lock() = Some(e);
+                        done.store(true, Ordering::Release);
+                        return;
+                    }
+                    Err(e) => {
+                        // The step's own failure is the user's: it goes back to the
+                        // coordinator, and this worker stays in the job.
+                        let message = match e {
+                            Error::StepFailed { message, .. } => message,
+                            e => e.to_string(),
+                        };
+                        let message = &message.as_bytes()[..message.len().min(MAX_ERROR as usize)];
+                        if send(s, OP_STEP_FAILED, message).is_err() {
                             return;
                         }
-                        Err(e) => {
-                            // The step's own failure is the user's: it goes back to the
-                            // coordinator, and this worker stays in the job.
-                            let message = match e {
-                                Error::StepFailed { message, .. } => message,
-                                e => e.to_string(),
-                            };
-                            if send(s, OP_STEP_FAILED, message.as_bytes()).is_err() {
-                                return;
-                            }
-                            continue;
-                        }
+                        continue;
                     }
-                }
+                },
                 None => Err("STEP sent to a ps task".into()),
             },
-            other => Err(format!("unknown request {other}")),
         };
         let sent = match answer {
             Ok(b) => send(s, OP_OK, &b),
-            Err(m) => send(s, OP_ERR, m.as_bytes()),
+            Err(m) => send(s, OP_ERR, &m.as_bytes()[..m.len().min(MAX_ERROR as usize)]),
         };
         if sent.is_err() {
             return;
@@ -511,16 +704,37 @@ fn encode_layout(layout: &[Vec<Shard>]) -> Vec<u8> {
     b
 }
 
-fn decode_layout(b: &[u8]) -> Vec<Vec<Shard>> {
+/// Read a layout: every count is checked against the bytes that hold it before anything is
+/// allocated.
+fn decode_layout(b: &[u8]) -> std::result::Result<Vec<Vec<Shard>>, String> {
+    let short = || format!("a layout cut short ({} bytes)", b.len());
+    if b.len() < 4 || b.len() % 4 != 0 {
+        return Err(short());
+    }
+    let words = b.len() / 4;
     let mut i = 0;
     let mut next = || {
         i += 1;
         u32_at(b, i - 1)
     };
-    let vars = next();
-    (0..vars)
-        .map(|_| {
-            let n = next();
+    let vars = next() as usize;
+    // Every variable takes a word at least.
+    if vars > words - 1 {
+        return Err(short());
+    }
+    let mut layout = Vec::with_capacity(vars);
+    let mut left = words - 1;
+    for _ in 0..vars {
+        if left == 0 {
+            return Err(short());
+        }
+        let n = next() as usize;
+        left -= 1;
+        if n > left / 4 {
+            return Err(short());
+        }
+        left -= 4 * n;
+        layout.push(
             (0..n)
                 .map(|_| Shard {
                     ps: next() as usize,
@@ -528,9 +742,13 @@ fn decode_layout(b: &[u8]) -> Vec<Vec<Shard>> {
                     index: next(),
                     len: next() as usize,
                 })
-                .collect()
-        })
-        .collect()
+                .collect(),
+        );
+    }
+    if left != 0 {
+        return Err(format!("a layout with {} bytes after its end", 4 * left));
+    }
+    Ok(layout)
 }
 
 impl WorkerState {
@@ -570,7 +788,7 @@ impl WorkerState {
                 let mut req = s.var.to_le_bytes().to_vec();
                 req.extend_from_slice(&s.index.to_le_bytes());
                 v.extend(f32s(&self.with_ps(s.ps, |c| {
-                    call(c, OP_PULL, &req, &format!("ps task {}", s.ps))
+                    call_sized(c, OP_PULL, &req, &format!("ps task {}", s.ps), 4 * s.len)
                 })?));
             }
             variables.push(v);
@@ -706,11 +924,12 @@ impl Coordinator {
         for s in shards {
             let mut req = s.var.to_le_bytes().to_vec();
             req.extend_from_slice(&s.index.to_le_bytes());
-            v.extend(f32s(&call(
+            v.extend(f32s(&call_sized(
                 &mut self.ps[s.ps].lock(),
                 OP_PULL,
                 &req,
                 &format!("ps task {}", s.ps),
+                4 * s.len,
             )?));
         }
         Ok(v)
@@ -756,7 +975,7 @@ impl Coordinator {
                             continue;
                         };
                         let who = format!("worker {i}");
-                        match exchange(c, OP_STEP, &step.to_le_bytes(), &who) {
+                        match exchange(c, OP_STEP, &step.to_le_bytes(), &who, 4) {
                             Ok((OP_OK, b)) => {
                                 let loss = b.get(..4).and_then(|b| b.try_into().ok());
                                 losses.lock()[step as usize] =
@@ -818,11 +1037,11 @@ impl Coordinator {
         let reason = encode_lost(lost);
         for (i, w) in self.workers.iter().enumerate() {
             if let Some(c) = w.lock().as_mut() {
-                let _ = exchange(c, OP_ABORT, &reason, &format!("worker {i}"));
+                let _ = exchange(c, OP_ABORT, &reason, &format!("worker {i}"), 0);
             }
         }
         for (i, p) in self.ps.iter().enumerate() {
-            let _ = exchange(&mut p.lock(), OP_ABORT, &reason, &format!("ps task {i}"));
+            let _ = exchange(&mut p.lock(), OP_ABORT, &reason, &format!("ps task {i}"), 0);
         }
     }
 
@@ -865,8 +1084,247 @@ mod tests {
                 len: 4,
             },
         ]];
-        let d = decode_layout(&encode_layout(&layout));
+        let d = decode_layout(&encode_layout(&layout)).unwrap();
         assert_eq!(d[0][1].len, 4);
         assert_eq!(d[0][0].ps, 1);
+    }
+
+    /// A ps task served on a thread, and its address.
+    fn ps_task() -> (std::thread::JoinHandle<Result<()>>, String) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let a = addr.clone();
+        let t = std::thread::spawn(move || {
+            serve_on(
+                l,
+                &a,
+                "tok",
+                Duration::from_secs(20),
+                Arc::new(PsState::default()),
+                None,
+            )
+        });
+        (t, addr)
+    }
+
+    /// Send `op` with a payload of `len` bytes announced but only `payload` sent; the answer.
+    fn raw(addr: &str, op: u32, len: u64, payload: &[u8]) -> std::io::Result<(u32, Vec<u8>)> {
+        let mut c = connect(addr, "tok", Duration::from_secs(5)).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(3)))?;
+        let mut m = op.to_le_bytes().to_vec();
+        m.extend_from_slice(&len.to_le_bytes());
+        m.extend_from_slice(payload);
+        c.write_all(&m)?;
+        recv(&mut c, |_| Ok(MAX_ERROR))
+    }
+
+    #[test]
+    fn short_and_oversized_requests_are_errors_not_crashes() {
+        let (t, addr) = ps_task();
+        // A CREATE shorter than its fixed part.
+        let (op, why) = raw(&addr, OP_CREATE, 5, &[1; 5]).unwrap();
+        let why = String::from_utf8_lossy(&why);
+        assert_eq!(op, OP_ERR, "{why}");
+        assert!(why.contains("CREATE request of 5 bytes"), "{why}");
+        // A STEP of no bytes.
+        let (op, why) = raw(&addr, OP_STEP, 0, &[]).unwrap();
+        assert_eq!(op, OP_ERR);
+        assert!(String::from_utf8_lossy(&why).contains("STEP request of 0 bytes"));
+        // A PULL announcing 4 GiB: refused before anything is allocated or read.
+        let (op, why) = raw(&addr, OP_PULL, 1 << 32, &[]).unwrap();
+        let why = String::from_utf8_lossy(&why);
+        assert_eq!(op, OP_ERR, "{why}");
+        assert!(why.contains("more than the 8"), "{why}");
+        // A PUSH larger than any shard held.
+        let (op, why) = raw(&addr, OP_PUSH, 8 + 4 * 1000, &[]).unwrap();
+        assert_eq!(op, OP_ERR);
+        assert!(String::from_utf8_lossy(&why).contains("more than the 8 it may hold"));
+        // The task still serves.
+        let mut c = connect(&addr, "tok", Duration::from_secs(5)).unwrap();
+        let mut req = Vec::new();
+        for v in [0u32, 0, 1.0f32.to_bits()] {
+            req.extend_from_slice(&v.to_le_bytes());
+        }
+        req.extend(bytes(&[1.0, 2.0]));
+        call(&mut c, OP_CREATE, &req, "ps task 0").unwrap();
+        let v = call_sized(&mut c, OP_PULL, &[0; 8], "ps task 0", 8).unwrap();
+        assert_eq!(f32s(&v), [1.0, 2.0]);
+        // A pull answered with another length than the shard's is an error naming the task.
+        let e = call_sized(&mut c, OP_PULL, &[0; 8], "ps task 0", 12).unwrap_err();
+        assert!(
+            e.to_string().contains("ps task 0") && e.to_string().contains("8 bytes where 12"),
+            "{e}"
+        );
+        let mut c = connect(&addr, "tok", Duration::from_secs(5)).unwrap();
+        call(&mut c, OP_SHUTDOWN, &[], "ps task 0").unwrap();
+        t.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn a_short_step_answer_is_an_error_naming_the_worker() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let worker = std::thread::spawn(move || {
+            let mut a = Acceptor::new(l, "tok", Purpose::Data, "test").unwrap();
+            let (mut s, _) = a
+                .next(Instant::now() + Duration::from_secs(5))
+                .unwrap()
+                .unwrap();
+            let _ = recv(&mut s, |_| Ok(8));
+            // A loss of no bytes.
+            send(&mut s, OP_OK, &[]).unwrap();
+        });
+        let mut c = connect(&addr, "tok", Duration::from_secs(5)).unwrap();
+        let e = call(&mut c, OP_STEP, &0u64.to_le_bytes(), "worker 3").unwrap_err();
+        assert!(
+            e.to_string().contains("worker 3") && e.to_string().contains("0 bytes where 4"),
+            "{e}"
+        );
+        worker.join().unwrap();
+    }
+
+    #[test]
+    fn idle_strangers_do_not_stop_the_coordinator_from_connecting() {
+        let (t, addr) = ps_task();
+        let strangers = crate::cluster::auth::testing::idle_strangers(addr.parse().unwrap(), 1100);
+        assert!(strangers.len() > 1024);
+        let start = Instant::now();
+        let mut c = connect(&addr, "tok", Duration::from_secs(8)).unwrap();
+        call(&mut c, OP_SHUTDOWN, &[], "ps task 0").unwrap();
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
+        t.join().unwrap().unwrap();
+        drop(strangers);
+    }
+
+    #[test]
+    fn a_ps_task_starts_no_thread_per_stranger() {
+        use crate::cluster::auth::testing::{alone, idle_strangers, threads};
+        if !alone("strategy::ps::tests::a_ps_task_starts_no_thread_per_stranger") {
+            return;
+        }
+        let (t, addr) = ps_task();
+        std::thread::sleep(Duration::from_millis(50));
+        let before = threads();
+        let strangers = idle_strangers(addr.parse().unwrap(), 300);
+        std::thread::sleep(Duration::from_millis(300));
+        let during = threads();
+        assert!(
+            during <= before,
+            "{} strangers took {before} threads to {during}",
+            strangers.len()
+        );
+        let mut c = connect(&addr, "tok", Duration::from_secs(5)).unwrap();
+        call(&mut c, OP_SHUTDOWN, &[], "ps task 0").unwrap();
+        t.join().unwrap().unwrap();
+    }
+
+    mod fuzz {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        fn encode(r: &Request) -> (u32, Vec<u8>) {
+            let words = |w: &[u32]| w.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+            match r {
+                Request::Create {
+                    var,
+                    shard,
+                    lr,
+                    values,
+                } => {
+                    let mut b = words(&[*var, *shard, lr.to_bits()]);
+                    b.extend(bytes(values));
+                    (OP_CREATE, b)
+                }
+                Request::Pull { var, shard } => (OP_PULL, words(&[*var, *shard])),
+                Request::Push { var, shard, grad } => {
+                    let mut b = words(&[*var, *shard]);
+                    b.extend(bytes(grad));
+                    (OP_PUSH, b)
+                }
+                Request::Setup(l) => (OP_SETUP, encode_layout(l)),
+                Request::Step(s) => (OP_STEP, s.to_le_bytes().to_vec()),
+                Request::Shutdown => (OP_SHUTDOWN, Vec::new()),
+                Request::Abort(e) => (OP_ABORT, encode_lost(e)),
+            }
+        }
+
+        fn shard() -> impl Strategy<Value = Shard> {
+            (0usize..8, any::<u32>(), any::<u32>(), 0usize..1 << 20).prop_map(
+                |(ps, var, index, len)| Shard {
+                    ps,
+                    var,
+                    index,
+                    len,
+                },
+            )
+        }
+
+        fn request() -> impl Strategy<Value = Request> {
+            let vals = proptest::collection::vec(-1e6f32..1e6, 0..16);
+            prop_oneof![
+                (any::<u32>(), any::<u32>(), -1f32..1.0, vals.clone()).prop_map(
+                    |(var, shard, lr, values)| Request::Create {
+                        var,
+                        shard,
+                        lr,
+                        values
+                    }
+                ),
+                (any::<u32>(), any::<u32>()).prop_map(|(var, shard)| Request::Pull { var, shard }),
+                (any::<u32>(), any::<u32>(), vals).prop_map(|(var, shard, grad)| Request::Push {
+                    var,
+                    shard,
+                    grad
+                }),
+                proptest::collection::vec(proptest::collection::vec(shard(), 0..4), 0..4)
+                    .prop_map(Request::Setup),
+                any::<u64>().prop_map(Request::Step),
+                Just(Request::Shutdown),
+            ]
+        }
+
+        proptest! {
+            #[test]
+            fn any_request_bytes_decode_or_are_refused(
+                op in 0u32..8,
+                b in proptest::collection::vec(any::<u8>(), 0..96),
+            ) {
+                let _ = Request::decode(op, &b);
+                let _ = request_bound(op, 16);
+                if let Ok(l) = decode_layout(&b) {
+                    // What decodes re-encodes to the same bytes.
+                    prop_assert_eq!(&encode_layout(&l), &b);
+                }
+                let h: [u8; HEADER] = std::array::from_fn(|i| b.get(i).copied().unwrap_or(0));
+                let _ = parse_header(&h);
+            }
+
+            #[test]
+            fn requests_round_trip_and_mutations_fail_cleanly(
+                r in request(),
+                edits in proptest::collection::vec((any::<usize>(), 1..=255u8), 0..4),
+                cut in 0usize..200,
+            ) {
+                let (op, mut b) = encode(&r);
+                prop_assert!(b.len() as u64 <= request_bound(op, 16).unwrap());
+                prop_assert_eq!(Request::decode(op, &b), Ok(r));
+                for (i, x) in &edits {
+                    if !b.is_empty() {
+                        let i = i % b.len();
+                        b[i] ^= x;
+                    }
+                }
+                b.truncate(cut);
+                if let Ok(Request::Setup(l)) = Request::decode(op, &b) {
+                    // A layout never holds more shards than its bytes can carry.
+                    let shards: usize = l.iter().map(|s| s.len()).sum();
+                    prop_assert!(16 * shards + 4 * l.len() < b.len());
+                }
+            }
+        }
     }
 }

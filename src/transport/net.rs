@@ -274,8 +274,7 @@ impl NetTransport {
             socks[r] = Some(connect_peer(addr, r, rank, &token, deadline)?);
         }
         // Accept the higher ones; strangers and wrong tokens are logged and dropped.
-        accept_peers(&listener, rank, world, &token, deadline, &mut socks)?;
-        drop(listener);
+        accept_peers(listener, rank, world, &token, deadline, &mut socks)?;
 
         let mut links = Vec::with_capacity(world);
         for (r, s) in socks.into_iter().enumerate() {
@@ -472,14 +471,19 @@ fn connect_peer(
                 .ok_or_else(|| {
                     Error::config(format!("rank {peer}'s address {addr} resolves to nothing"))
                 })?;
-            let mut s = TcpStream::connect_timeout(&sa, Duration::from_secs(5))
-                .map_err(|e| Error::io(format!("connecting to rank {peer} at {addr}"), e))?;
+            // Both bounded by the deadline of the whole setup too.
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut s = TcpStream::connect_timeout(
+                &sa,
+                left.clamp(Duration::from_millis(1), Duration::from_secs(5)),
+            )
+            .map_err(|e| Error::io(format!("connecting to rank {peer} at {addr}"), e))?;
             wire::handshake_client(
                 &mut s,
                 token,
                 Purpose::Data,
                 rank as u32,
-                Duration::from_secs(10),
+                left.clamp(Duration::from_millis(1), wire::HANDSHAKE_LIMIT),
             )?;
             Ok(s)
         })();
@@ -495,8 +499,12 @@ fn connect_peer(
     }
 }
 
+/// Accept the higher ranks on `listener` until every one of them has proved the token, or the
+/// deadline. The handshakes run on this thread, without blocking (see `Acceptor`): strangers
+/// that connect cost no thread, and those that stall are dropped at their own deadline or pushed
+/// out by newer connections, so they delay no rank.
 fn accept_peers(
-    listener: &TcpListener,
+    listener: TcpListener,
     rank: usize,
     world: usize,
     token: &str,
@@ -507,51 +515,25 @@ fn accept_peers(
     if missing.is_empty() {
         return Ok(());
     }
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| Error::io("listening", e))?;
-    let (tx, rx) = crossbeam_channel::unbounded::<(TcpStream, Result<u32>)>();
+    let mut acceptor = wire::Acceptor::new(listener, token, Purpose::Data, "peer")?;
     while !missing.is_empty() {
-        match listener.accept() {
-            Ok((s, _)) => {
-                // Each handshake on its own thread: a stranger that stalls delays nobody.
-                let (tx, token) = (tx.clone(), token.to_string());
-                std::thread::spawn(move || {
-                    let mut s = s;
-                    let _ = s.set_nonblocking(false);
-                    let r = wire::handshake_server(
-                        &mut s,
-                        &token,
-                        Purpose::Data,
-                        Duration::from_secs(10),
-                    );
-                    let _ = tx.send((s, r));
-                });
-            }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
-            Err(e) => return Err(Error::io("accepting peers", e)),
-        }
-        while let Ok((s, r)) = rx.try_recv() {
-            match r {
-                Ok(peer) if missing.contains(&(peer as usize)) => {
-                    missing.retain(|&m| m != peer as usize);
-                    socks[peer as usize] = Some(s);
-                }
-                Ok(peer) => wire::log_rejected(
-                    "peer",
-                    &Error::config(format!(
-                        "a connection claiming rank {peer}, which rank {rank} does not expect"
-                    )),
-                ),
-                Err(e) => wire::log_rejected("peer", &e),
-            }
-        }
-        if Instant::now() >= deadline {
+        let Some((s, peer)) = acceptor.next(deadline)? else {
             return Err(Error::config(format!(
                 "rank {rank}: ranks {missing:?} did not connect before the timeout (they did not start, or cannot reach this host)"
             )));
+        };
+        match usize::try_from(peer) {
+            Ok(peer) if missing.contains(&peer) => {
+                missing.retain(|&m| m != peer);
+                socks[peer] = Some(s);
+            }
+            _ => wire::log_rejected(
+                "peer",
+                &Error::config(format!(
+                    "a connection claiming rank {peer}, which rank {rank} does not expect"
+                )),
+            ),
         }
-        std::thread::sleep(Duration::from_micros(500));
     }
     Ok(())
 }
@@ -1804,5 +1786,56 @@ impl PeerMemory for NetTransport {
                 return Err(e);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::auth::testing::{alone, idle_strangers, threads};
+
+    /// Rank 1 connects to rank 0 while `strangers` idle connections sit on rank 0's listener;
+    /// rank 0 accepts it. The threads of this process before and after.
+    fn accept_among_strangers(strangers: usize) -> (usize, usize) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let before = threads();
+        let deadline = Instant::now() + Duration::from_secs(8);
+        // The strangers connect first, then the rank.
+        let rank1 = std::thread::spawn(move || {
+            let idle = idle_strangers(addr, strangers);
+            assert!(idle.len() >= strangers, "{}", idle.len());
+            connect_peer(&addr.to_string(), 0, 1, "tok", deadline).map(|_| idle)
+        });
+        let mut socks: Vec<Option<TcpStream>> = vec![None, None];
+        accept_peers(listener, 0, 2, "tok", deadline, &mut socks).unwrap();
+        assert!(socks[1].is_some());
+        let idle = rank1.join().unwrap().unwrap();
+        let after = threads();
+        drop(idle);
+        (before, after)
+    }
+
+    #[test]
+    fn idle_strangers_do_not_stop_a_rank_from_joining() {
+        let start = Instant::now();
+        accept_among_strangers(1100);
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
+    }
+
+    #[test]
+    fn accepting_peers_starts_no_thread_per_stranger() {
+        if !alone("transport::net::tests::accepting_peers_starts_no_thread_per_stranger") {
+            return;
+        }
+        let (before, after) = accept_among_strangers(300);
+        assert!(
+            after <= before,
+            "300 strangers took {before} threads to {after}"
+        );
     }
 }

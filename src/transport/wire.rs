@@ -87,3 +87,86 @@ impl CallHeader {
         })
     }
 }
+
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Any 64 bytes decode to a kind, aux and length, and to a call or to `None`; a call
+        /// decoded re-encodes to one that decodes the same, and comparing it with this rank's
+        /// call names a field or nothing, never panics.
+        #[test]
+        fn any_frame_header_decodes_or_is_refused(h in any::<[u8; 32]>(), t in any::<[u8; 32]>()) {
+            let mut b = [0u8; HDR];
+            b[..32].copy_from_slice(&h);
+            b[32..].copy_from_slice(&t);
+            let (kind, aux, len) = parse_frame(&b);
+            prop_assert_eq!(frame(kind, aux, len, frame_ident(&b)), b);
+            if let Some(c) = CallHeader::from_ident(frame_ident(&b)) {
+                prop_assert_eq!(CallHeader::from_ident(&c.ident()), Some(c.clone()));
+                let mine = CallHeader::from_ident(&[0; IDENT]);
+                if let Some(m) = mine {
+                    let _ = m.first_difference(&c);
+                }
+                let _ = c.first_difference(&c);
+                let _ = c.algorithm.to_string();
+            }
+        }
+
+        /// A valid call's frame, with bytes flipped: decoded or refused, never a panic; a change
+        /// that still decodes shows as a difference.
+        #[test]
+        fn mutated_frames_decode_or_are_refused(
+            call in any::<u64>(),
+            count in 0usize..1 << 40,
+            root in proptest::option::of(0usize..1024),
+            algo in 0u8..5,
+            param in 0u64..64,
+            collective in 0u32..16,
+            dtype in 0u32..16,
+            op in proptest::option::of(0u32..8),
+            edits in proptest::collection::vec((0usize..HDR, 1..=255u8), 0..4),
+        ) {
+            let (Some(collective), Some(dtype), Some(algorithm)) = (
+                crate::error::Collective::from_u32(collective),
+                crate::dtype::DType::from_u32(dtype),
+                crate::call::Algorithm::from_code(algo, param),
+            ) else {
+                return Ok(());
+            };
+            let op = match op {
+                Some(o) => match crate::dtype::ReduceOp::from_u32(o) {
+                    Some(o) => Some(o),
+                    None => return Ok(()),
+                },
+                None => None,
+            };
+            let c = CallHeader {
+                call,
+                collective,
+                dtype,
+                count,
+                op,
+                root,
+                algorithm,
+                chunk_bytes: param << 10,
+                full_check: call % 2 == 0,
+                rejected: None,
+            };
+            let mut b = frame(FRAME_DATA, 7, count as u64, &c.ident());
+            prop_assert_eq!(parse_frame(&b), (FRAME_DATA, 7, count as u64));
+            prop_assert_eq!(CallHeader::from_ident(frame_ident(&b)), Some(c.clone()));
+            for (i, x) in &edits {
+                b[*i] ^= x;
+            }
+            let _ = parse_frame(&b);
+            if let Some(t) = CallHeader::from_ident(frame_ident(&b)) {
+                if t != c {
+                    prop_assert!(c.first_difference(&t).is_some(), "{c:?} and {t:?} differ unseen");
+                }
+            }
+        }
+    }
+}
