@@ -70,7 +70,8 @@ impl Table {
     }
 
     fn get(&self, key: &str, timeout: Duration) -> Option<Vec<u8>> {
-        let deadline = Instant::now() + timeout;
+        // A wait a client asks for may be any number of milliseconds: a year is forever here.
+        let deadline = Instant::now() + timeout.min(Duration::from_secs(365 * 24 * 3600));
         let mut e = self.entries.lock();
         loop {
             if let Some(v) = e.map.get(key) {
@@ -192,7 +193,12 @@ impl Request {
             Request::Set(k, v) => fields(OP_SET, &[k.as_bytes(), v]),
             Request::Get(k, wait) => fields(
                 OP_GET,
-                &[k.as_bytes(), &(wait.as_millis() as u64).to_le_bytes()],
+                &[
+                    k.as_bytes(),
+                    &u64::try_from(wait.as_millis())
+                        .unwrap_or(u64::MAX)
+                        .to_le_bytes(),
+                ],
             ),
             Request::Add(k, d) => fields(OP_ADD, &[k.as_bytes(), &d.to_le_bytes()]),
         }
@@ -510,8 +516,8 @@ impl TcpStore {
         s.set_write_timeout(Some(Duration::from_secs(10)))
             .map_err(io)?;
         s.write_all(&req.encode()).map_err(io)?;
-        let deadline = Instant::now() + wait + Duration::from_secs(10);
-        let reply = read_message(&mut s, Reply::decode, Some(deadline)).map_err(io)?;
+        let deadline = Instant::now().checked_add(wait.saturating_add(Duration::from_secs(10)));
+        let reply = read_message(&mut s, Reply::decode, deadline).map_err(io)?;
         if let Reply::Refused(why) = &reply {
             let key = match req {
                 Request::Set(k, _) | Request::Get(k, _) | Request::Add(k, _) => k,
@@ -805,6 +811,17 @@ mod tests {
             TcpStore::connect(&server.addr().to_string(), "tok", Duration::from_secs(5)).unwrap();
         c.set("k", b"v").unwrap();
         assert_eq!(threads(), before + 1);
+    }
+
+    #[test]
+    fn a_wait_of_any_length_is_served() {
+        let server = TcpStoreServer::start("127.0.0.1:0", "tok").unwrap();
+        let c =
+            TcpStore::connect(&server.addr().to_string(), "tok", Duration::from_secs(5)).unwrap();
+        c.set("k", b"v").unwrap();
+        // u64::MAX milliseconds on the wire: the server's wait must not overflow.
+        assert_eq!(c.get("k", Duration::MAX).unwrap(), b"v");
+        assert_eq!(c.get("k", Duration::from_millis(u64::MAX)).unwrap(), b"v");
     }
 
     #[test]

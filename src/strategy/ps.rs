@@ -880,6 +880,14 @@ impl Coordinator {
         let mut shards = Vec::with_capacity(n);
         for i in 0..n {
             let r = crate::algorithm::partition(initial.len(), n, i);
+            // A layout carries a shard's length as a u32: a longer one would be cut silently.
+            if r.len() as u64 > MAX_SHARD {
+                return Err(Error::config(format!(
+                    "variable '{name}': a shard of {} elements, more than the {MAX_SHARD} a \
+                     shard may hold; use a partitioner that makes more shards",
+                    r.len()
+                )));
+            }
             let ps = (var as usize + i) % self.ps.len();
             let mut req = Vec::new();
             for v in [var, i as u32, lr.to_bits()] {
