@@ -933,8 +933,29 @@ impl ShmLink {
         }
     }
 
-    /// A ring's shared pages broken by `peer`.
-    fn corrupt(site: Site, peer: usize, what: &str, head: u64, tail: u64) -> Error {
+    /// A ring's shared pages broken by `peer`: `sending` (this side's sending ring, whose tail
+    /// the peer publishes) or the receiving one (whose head it publishes). Off the fast path.
+    #[cold]
+    #[inline(never)]
+    fn corrupt(&self, site: Site, peer: usize, sending: bool) -> Error {
+        let (head, tail, what) = if sending {
+            let tail = self.tx.seg.counters().tail.load(Ordering::Acquire);
+            let what = if tail < self.tx_seen.load(Ordering::Relaxed) {
+                "its receiving position went back"
+            } else {
+                "it freed slots that were never filled"
+            };
+            (self.tx_head.load(Ordering::Relaxed), tail, what)
+        } else {
+            let head = self.rx.seg.counters().head.load(Ordering::Acquire);
+            let tail = self.rx_tail.load(Ordering::Relaxed);
+            let what = if head < tail {
+                "its sending position went back"
+            } else {
+                "it filled more slots than the ring has"
+            };
+            (head, tail, what)
+        };
         Error::invalid(
             site,
             format!(
@@ -953,33 +974,21 @@ impl ShmLink {
         Ok(false)
     }
 
-    /// The free slots of the sending ring, from the tail the receiver published (checked).
-    fn free(&self, site: Site, peer: usize, head: u64) -> Result<u64> {
+    /// The free slots of the sending ring, from the tail the receiver published (checked:
+    /// None where it broke the protocol).
+    #[inline]
+    fn free(&self, head: u64) -> Option<u64> {
         let tail = self.tx.seg.counters().tail.load(Ordering::Acquire);
-        let seen = self.tx_seen.load(Ordering::Relaxed);
-        let free = free_slots(head, seen, tail).ok_or_else(|| {
-            let what = if tail < seen {
-                "its receiving position went back"
-            } else {
-                "it freed slots that were never filled"
-            };
-            Self::corrupt(site, peer, what, head, tail)
-        })?;
+        let free = free_slots(head, self.tx_seen.load(Ordering::Relaxed), tail)?;
         self.tx_seen.store(tail, Ordering::Relaxed);
-        Ok(free)
+        Some(free)
     }
 
-    /// The filled slots of the receiving ring, from the head the sender published (checked).
-    fn filled(&self, site: Site, peer: usize, tail: u64) -> Result<u64> {
-        let head = self.rx.seg.counters().head.load(Ordering::Acquire);
-        filled_slots(head, tail).ok_or_else(|| {
-            let what = if head < tail {
-                "its sending position went back"
-            } else {
-                "it filled more slots than the ring has"
-            };
-            Self::corrupt(site, peer, what, head, tail)
-        })
+    /// The filled slots of the receiving ring, from the head the sender published (checked:
+    /// None where it broke the protocol).
+    #[inline]
+    fn filled(&self, tail: u64) -> Option<u64> {
+        filled_slots(self.rx.seg.counters().head.load(Ordering::Acquire), tail)
     }
 
     /// Put as much of a frame into free slots as there is room for: its header `hdr` with the
@@ -997,7 +1006,12 @@ impl ShmLink {
         let c = self.tx.seg.counters();
         let mut head = self.tx_head.load(Ordering::Relaxed);
         let mut moved = false;
-        while (*hoff < HDR || *off < data.len()) && self.free(site, peer, head)? > 0 {
+        while *hoff < HDR || *off < data.len() {
+            match self.free(head) {
+                Some(0) => break,
+                Some(_) => {}
+                None => return Err(self.corrupt(site, peer, true)),
+            }
             let n = (data.len() - *off).min(self.tx.slot);
             let (len, frame, payload) = self.tx.slot_ptr(head);
             // SAFETY: the slot is free (the receiver has moved past it) and ours to fill.
@@ -1035,8 +1049,10 @@ impl ShmLink {
     /// payload is taken off the ring with it. True when a frame was there.
     pub(crate) fn peek_header(&self, site: Site, peer: usize, hdr: &mut [u8; HDR]) -> Result<bool> {
         let tail = self.rx_tail.load(Ordering::Relaxed);
-        if self.filled(site, peer, tail)? == 0 {
-            return self.aborted_error(site, peer);
+        match self.filled(tail) {
+            Some(0) => return self.aborted_error(site, peer),
+            Some(_) => {}
+            None => return Err(self.corrupt(site, peer, false)),
         }
         let (len, frame, _) = self.rx.slot_ptr(tail);
         // SAFETY: the sender published this slot (Acquire above) and does not touch it until we
@@ -1062,7 +1078,12 @@ impl ShmLink {
     ) -> Result<bool> {
         let mut tail = self.rx_tail.load(Ordering::Relaxed);
         let mut moved = false;
-        while *off < dst.len() && self.filled(site, peer, tail)? > 0 {
+        while *off < dst.len() {
+            match self.filled(tail) {
+                Some(0) => break,
+                Some(_) => {}
+                None => return Err(self.corrupt(site, peer, false)),
+            }
             let (len, _, payload) = self.rx.slot_ptr(tail);
             // SAFETY: the sender published this slot (Acquire above) and does not touch it until
             // we advance the tail.
