@@ -394,7 +394,8 @@ mod tests {
         let e = open(path.to_str().unwrap()).err().unwrap().to_string();
         assert!(e.contains("not a regular file"), "{e}");
         trace(&path, 10_000);
-        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        // A stalled write would block the calls for good; this bound only catches that.
+        assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
         drop(reader);
         std::fs::remove_dir_all(&d).unwrap();
     }
@@ -424,7 +425,7 @@ mod tests {
             t.begin(site, DType::U8, 1, Algorithm::Auto);
             t.end(site, &Ok(()));
         }
-        assert!(start.elapsed() < Duration::from_secs(5));
+        assert!(start.elapsed() < Duration::from_secs(30));
         assert_eq!(dropped.load(Ordering::Relaxed), QUEUE as u64);
         // The writer catches up: the queued events, then how many were lost.
         let d = dir("stalled");

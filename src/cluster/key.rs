@@ -468,8 +468,8 @@ mod tests {
                     );
                 }
                 assert!(
-                    t.elapsed() < Duration::from_secs(5),
-                    "refused only after a wait"
+                    t.elapsed() < Duration::from_secs(15),
+                    "refused only after a wait (the timeout is 20 s)"
                 );
                 // And so is the strategy built on them.
                 let e = crate::strategy::Strategy::multi_worker_mirrored(

@@ -1422,7 +1422,8 @@ mod tests {
             let [zero, _] = setup(Some((1, Box::new(peer))), Duration::from_secs(10));
             let e = zero.unwrap().err().unwrap().to_string();
             assert!(e.contains("rank 1") && e.contains(why), "{why}: {e}");
-            assert!(t.elapsed() < Duration::from_secs(5));
+            // Reported when the peer hung up, not at the 10 s deadline.
+            assert!(t.elapsed() < Duration::from_secs(9));
         }
     }
 
@@ -1684,7 +1685,7 @@ mod fuzz {
                     }
                 }
             }
-            prop_assert!(t.elapsed() < Duration::from_secs(2));
+            prop_assert!(t.elapsed() < Duration::from_secs(10));
         }
     }
 }
