@@ -769,16 +769,24 @@ impl Rendezvous {
                 }
             };
             let mut theirs = [0u8; KEY];
+            // The peer sends its key and segment at once: a connection that sends nothing for
+            // a second is not the peer's, and is dropped rather than waited for.
+            let by = deadline.min(Instant::now() + Duration::from_secs(1));
             let got = conn
                 .set_nonblocking(false)
-                .and_then(|_| recv_with_fd(&conn, &mut theirs, deadline));
+                .and_then(|_| recv_with_fd(&conn, &mut theirs, by));
             match got {
                 Ok(Some(fd)) if same_key(&theirs, key) => return Ok((conn, fd)),
                 Ok(_) => log::warn!(
                     "shared memory: dropped a connection to the socket for rank {peer} that did not present its key"
                 ),
                 Err(e) if e.kind() == std::io::ErrorKind::TimedOut || e.kind() == std::io::ErrorKind::WouldBlock => {
-                    return Err(late())
+                    if Instant::now() >= deadline {
+                        return Err(late());
+                    }
+                    log::warn!(
+                        "shared memory: dropped a connection to the socket for rank {peer} that sent nothing within a second"
+                    )
                 }
                 Err(e) => log::warn!(
                     "shared memory: dropped a connection to the socket for rank {peer}: {e}"
