@@ -838,7 +838,9 @@ tutti_result tutti_mem_free(struct tutti_comm *comm, void *ptr);
  *
  * Thread-safety: callable from any thread, while other threads use `comm` (a watchdog's
  * `tutti_comm_abort` then `tutti_comm_destroy`, say); no call may use `comm` after this has
- * returned.
+ * returned: a call that races the end of the destroy fails with `TUTTI_ERROR_INVALID_ARGUMENT`
+ * (the handle is looked up among the live ones, never read once destroyed), but as with `free()`,
+ * the address may be reused by a new handle, which such a call would then use.
  *
  * # Safety
  *
@@ -1067,7 +1069,10 @@ tutti_result tutti_replicas_create(size_t num_replicas,
  *
  * Thread-safety: callable from any thread, while another thread runs a call on `replicas` (a
  * watchdog's `tutti_replicas_abort` then `tutti_replicas_destroy`, say); no call may use
- * `replicas` after this has returned.
+ * `replicas` after this has returned: a call that races the end of the destroy fails with
+ * `TUTTI_ERROR_INVALID_ARGUMENT` (the handle is looked up among the live ones, never read once
+ * destroyed), but as with `free()`, the address may be reused by a new handle, which such a call
+ * would then use.
  *
  * # Safety
  *
@@ -1364,7 +1369,10 @@ tutti_result tutti_work_test(const struct tutti_work *work, bool *done);
  * same handle does nothing but record, as the thread's last error, that it was not live.
  *
  * Thread-safety: callable from any thread, while other threads wait on `work`; no call may use
- * `work` after this has returned.
+ * `work` after this has returned: a call that races the end of the destroy fails with
+ * `TUTTI_ERROR_INVALID_ARGUMENT` (the handle is looked up among the live ones, never read once
+ * destroyed), but as with `free()`, the address may be reused by a new handle, which such a call
+ * would then use.
  *
  * # Safety
  *

@@ -89,7 +89,8 @@ impl tutti_comm {
 ///
 /// # Safety
 ///
-/// `comm` is NULL or a handle from `tutti_comm_create_*` whose destroy has not returned.
+/// `comm` is NULL or a handle from `tutti_comm_create_*` whose destroy has not returned (one that
+/// is being destroyed, or was, is refused without being read).
 pub(crate) unsafe fn comm_ref<'a>(
     comm: *const tutti_comm,
 ) -> Result<Entered<'a, tutti_comm>, Failure> {
@@ -438,7 +439,9 @@ pub unsafe extern "C" fn tutti_mem_free(
 ///
 /// Thread-safety: callable from any thread, while other threads use `comm` (a watchdog's
 /// `tutti_comm_abort` then `tutti_comm_destroy`, say); no call may use `comm` after this has
-/// returned.
+/// returned: a call that races the end of the destroy fails with `TUTTI_ERROR_INVALID_ARGUMENT`
+/// (the handle is looked up among the live ones, never read once destroyed), but as with `free()`,
+/// the address may be reused by a new handle, which such a call would then use.
 ///
 /// # Safety
 ///

@@ -1,27 +1,43 @@
 //! The lifetime of the handles C holds (`tutti_comm`, `tutti_replicas`, `tutti_work`).
 //!
-//! Every entry point that uses a handle enters it ([`Guarded::enter`]: one atomic increment,
-//! and a decrement when it returns), so that the destroy function knows how many calls are
-//! inside. Destroy first marks the handle closing (later entries fail with a clear error),
-//! then waits for the calls inside to leave, bounded: by the communicator's timeout, then, after
-//! aborting the group (which makes them leave at once), by the timeout again. Only then is the
-//! memory freed; a handle whose calls never leave is left allocated (a leak, reported as the
-//! thread's last error and logged) rather than freed under them.
+//! A process-wide registry of live handles, by address, is what decides whether a handle may be
+//! used. Every entry point that uses a handle enters it ([`enter`]): under the read lock of the
+//! address's shard of the registry, it checks that the address is a registered handle of the
+//! right kind, not being destroyed, and increments the handle's count of calls inside; the
+//! count is decremented when the call returns. An address that is not registered is refused
+//! without its memory being read, so that a call racing a destroy never touches a freed handle.
 //!
-//! A process-wide registry of live handles, consulted by create and destroy only (never by a
-//! call's hot path), makes a second destroy of the same handle (two threads closing at once, or
-//! one closing twice) a no-op that says so, instead of a double free.
+//! Destroy, under the shard's write lock, checks that the handle is registered and not closing
+//! and marks it closing (later entries fail with a clear error; a second destroy is a no-op that
+//! says so, instead of a double free). Since an entry increments the count under the read lock,
+//! every call that entered before that is counted: destroy then waits for the calls inside to
+//! leave, bounded: by the communicator's timeout, then, after aborting the group (which makes
+//! them leave at once), by the timeout again. Only then is the handle removed from the registry
+//! (under the write lock) and its memory freed; a handle whose calls never leave stays
+//! registered as closing and allocated (a leak, reported as the thread's last error and logged)
+//! rather than freed under them.
+//!
+//! As with `free()`, an address that the allocator hands to a new handle after a destroy has
+//! returned cannot be told apart from the handle destroyed there: a call made with a destroyed
+//! handle's address is refused only while that address is not reused by a live handle of the
+//! same kind. The registry guards calls that race a destroy, not every use after it.
+//!
+//! The registry's shards are hash maps that keep their capacity when entries are removed: once
+//! warmed up, registering a handle (every `tutti_*_async` registers a work handle) does not
+//! allocate. A call's own cost is one uncontended read lock and the count's two atomics.
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
 use std::ops::Deref;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+
+use parking_lot::RwLock;
 
 use crate::error::Failure;
 
-/// Which kind of handle an address is registered as: destroying a live handle through the
-/// destroy function of another kind is refused too.
+/// Which kind of handle an address is registered as: using or destroying a live handle through
+/// the functions of another kind is refused too.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
     Comm,
@@ -39,42 +55,90 @@ impl Kind {
     }
 }
 
+/// A registered handle: its kind, and whether its destroy has begun.
+#[derive(Copy, Clone, Debug)]
+struct Entry {
+    kind: Kind,
+    closing: bool,
+}
+
+/// Hashes an address: a multiply that mixes every bit into the high ones, folded back into the
+/// low ones (the map indexes its buckets by the low bits; the addresses of one shard share some).
+#[derive(Default)]
+struct AddrHasher(u64);
+
+impl Hasher for AddrHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        let h = (self.0 ^ x).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = h ^ (h >> 29);
+    }
+    fn write_usize(&mut self, x: usize) {
+        self.write_u64(x as u64);
+    }
+}
+
+#[derive(Copy, Clone, Default)]
+struct AddrState;
+
+impl BuildHasher for AddrState {
+    type Hasher = AddrHasher;
+    fn build_hasher(&self) -> AddrHasher {
+        AddrHasher(0)
+    }
+}
+
+type Shard = RwLock<HashMap<usize, Entry, AddrState>>;
+
 /// Shards of the registry, by address, so that threads creating work handles at once rarely
 /// meet on one lock.
 const SHARDS: usize = 16;
 
-static LIVE: [Mutex<BTreeMap<usize, Kind>>; SHARDS] =
-    [const { Mutex::new(BTreeMap::new()) }; SHARDS];
+static LIVE: [Shard; SHARDS] = [const { RwLock::new(HashMap::with_hasher(AddrState)) }; SHARDS];
 
-fn shard(addr: usize) -> &'static Mutex<BTreeMap<usize, Kind>> {
+fn shard(addr: usize) -> &'static Shard {
     // Handles are boxes of at least 8-byte alignment: the low bits say nothing.
     &LIVE[(addr >> 4) % SHARDS]
 }
 
 fn register(addr: usize, kind: Kind) {
-    shard(addr)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(addr, kind);
+    // A live handle's address is not another live handle's: this replaces nothing.
+    shard(addr).write().insert(
+        addr,
+        Entry {
+            kind,
+            closing: false,
+        },
+    );
 }
 
-/// Remove `addr` from the registry if it is a live handle of `kind`; false otherwise (freed
+/// Mark `addr` closing if it is a live handle of `kind` not closing yet; false otherwise (freed
 /// already, being destroyed by another thread, never made, or of another kind).
-fn unregister(addr: usize, kind: Kind) -> bool {
-    let mut live = shard(addr).lock().unwrap_or_else(|e| e.into_inner());
-    match live.get(&addr) {
-        Some(k) if *k == kind => {
-            live.remove(&addr);
+fn close(addr: usize, kind: Kind) -> bool {
+    match shard(addr).write().get_mut(&addr) {
+        Some(e) if e.kind == kind && !e.closing => {
+            e.closing = true;
             true
         }
         _ => false,
     }
 }
 
-/// The count of calls inside a handle, and its closing mark; embedded in each handle type.
+/// Remove `addr`, closed by this thread, from the registry: from then on no call can enter it.
+fn unregister(addr: usize) {
+    shard(addr).write().remove(&addr);
+}
+
+/// The count of calls inside a handle; embedded in each handle type.
 pub(crate) struct Live {
     calls: AtomicUsize,
-    closing: AtomicBool,
 }
 
 /// A C handle type: its object carries a [`Live`].
@@ -95,7 +159,9 @@ impl<H: Handle> Deref for Entered<'_, H> {
 
 impl<H: Handle> Drop for Entered<'_, H> {
     fn drop(&mut self) {
-        self.0.live().calls.fetch_sub(1, Ordering::SeqCst);
+        // Release: this call's uses of the handle happen before destroy's acquiring load that
+        // sees the count at 0, and so before the free. The last touch of the handle.
+        self.0.live().calls.fetch_sub(1, Ordering::Release);
     }
 }
 
@@ -103,8 +169,11 @@ impl Live {
     pub(crate) fn new() -> Live {
         Live {
             calls: AtomicUsize::new(0),
-            closing: AtomicBool::new(false),
         }
+    }
+
+    fn calls(&self) -> usize {
+        self.calls.load(Ordering::Acquire)
     }
 
     /// Whether every call has left within `bound`.
@@ -112,7 +181,7 @@ impl Live {
         let deadline = Instant::now().checked_add(bound);
         let mut nap = Duration::from_micros(50);
         loop {
-            if self.calls.load(Ordering::SeqCst) == 0 {
+            if self.calls() == 0 {
                 return true;
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -131,38 +200,60 @@ pub(crate) fn into_raw<H: Handle>(h: H) -> *mut H {
     p
 }
 
-/// Enter the handle for one call; fails once its destroy has begun.
+/// Enter the handle for one call; fails, without reading its memory, when `p` is not a live
+/// handle of this kind (destroyed already, or never made), and once its destroy has begun.
 ///
 /// # Safety
 ///
-/// `p` is NULL or a handle from [`into_raw`] whose memory is not freed yet.
+/// `p` is NULL or any address: an address not registered as a live handle of this kind is not
+/// read. (An address reused by a new handle after a destroy returned is that new handle.)
 pub(crate) unsafe fn enter<'a, H: Handle>(p: *const H) -> Result<Entered<'a, H>, Failure> {
     let name = H::KIND.name();
-    // SAFETY: as the caller promises.
-    let h =
-        unsafe { p.as_ref() }.ok_or_else(|| Failure::invalid(format!("{} is NULL", &name[6..])))?;
-    let live = h.live();
-    // SeqCst on both sides: either this call sees `closing`, or destroy sees the call.
-    live.calls.fetch_add(1, Ordering::SeqCst);
-    if live.closing.load(Ordering::SeqCst) {
-        live.calls.fetch_sub(1, Ordering::SeqCst);
-        return Err(Failure::invalid(format!(
-            "this {name} is being destroyed ({name}_destroy was called on another thread); no \
-             call may use it from then on"
-        )));
+    if p.is_null() {
+        return Err(Failure::invalid(format!("{} is NULL", &name[6..])));
     }
+    let addr = p as usize;
+    let live = shard(addr).read();
+    match live.get(&addr) {
+        Some(e) if e.kind == H::KIND && !e.closing => {}
+        Some(e) if e.kind == H::KIND => {
+            return Err(Failure::invalid(format!(
+                "this {name} is being destroyed ({name}_destroy was called on another thread); \
+                 no call may use it from then on"
+            )))
+        }
+        Some(e) => {
+            return Err(Failure::invalid(format!(
+                "{p:?} is a {}, not a {name}",
+                e.kind.name()
+            )))
+        }
+        None => {
+            return Err(Failure::invalid(format!(
+                "{p:?} is not a live {name} handle (destroyed already?)"
+            )))
+        }
+    }
+    // SAFETY: registered and not closing, under the shard's read lock: destroy cannot mark it
+    // closing (a write lock) until this is released, and frees it only after this call, counted
+    // below, has left.
+    let h = unsafe { &*p };
+    // Relaxed suffices: the increment happens before the read lock is released, and destroy
+    // reads the count only after taking the write lock that marks the handle closing.
+    h.live().calls.fetch_add(1, Ordering::Relaxed);
+    drop(live);
     Ok(Entered(h))
 }
 
 /// Destroy a handle: refuse one that is not live (a second destroy), mark it closing, wait up
 /// to `bound` for the calls inside; past it, `overdue` (which aborts the group, so that they
-/// leave at once) and up to `bound` again; then `before_free` (waiting for its own work, say)
-/// and free it.
+/// leave at once) and up to `bound` again; then `before_free` (waiting for its own work, say),
+/// unregister and free it.
 ///
 /// # Safety
 ///
-/// `p` is NULL or was returned by [`into_raw`] (live or destroyed: a handle no longer
-/// registered is not touched).
+/// `p` is NULL or any address: one not registered as a live handle of this kind is not
+/// touched.
 pub(crate) unsafe fn destroy<H: Handle>(
     p: *mut H,
     bound: impl FnOnce(&H) -> Duration,
@@ -173,21 +264,21 @@ pub(crate) unsafe fn destroy<H: Handle>(
     if p.is_null() {
         return Ok(());
     }
-    if !unregister(p as usize, H::KIND) {
+    if !close(p as usize, H::KIND) {
         return Err(Failure::invalid(format!(
             "{p:?} is not a live {name}: it was destroyed already (or is being destroyed on \
              another thread), or never created; nothing was done"
         )));
     }
-    // SAFETY: registered, so live; only this call unregistered it, so only this call frees.
+    // SAFETY: registered, so live; only this call closed it, so only this call frees it.
     let h = unsafe { &*p };
     let live = h.live();
-    live.closing.store(true, Ordering::SeqCst);
     let bound = bound(h);
     if !live.wait_out(bound) {
-        overdue(h, live.calls.load(Ordering::SeqCst));
+        overdue(h, live.calls());
         if !live.wait_out(bound) {
-            let n = live.calls.load(Ordering::SeqCst);
+            let n = live.calls();
+            // Left registered as closing: calls keep failing clearly, the address is not reused.
             return Err(Failure {
                 code: crate::error::TuttiResult::TUTTI_ERROR_TIMEOUT,
                 message: format!(
@@ -198,8 +289,10 @@ pub(crate) unsafe fn destroy<H: Handle>(
         }
     }
     before_free(h);
-    // SAFETY: from Box::into_raw; no call is inside, and none can enter (`closing`) while the
-    // memory lives; callers do not use the handle once destroy has returned.
+    // No call can enter once unregistered; none is inside (closing since, and the count at 0).
+    unregister(p as usize);
+    // SAFETY: from Box::into_raw; no call is inside and none can enter; callers do not use the
+    // handle once destroy has returned.
     drop(unsafe { Box::from_raw(p) });
     Ok(())
 }
@@ -218,6 +311,7 @@ pub(crate) fn report(function: &str, r: Result<(), Failure>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicBool;
     use std::sync::Arc;
 
     struct H(Live, u32);
@@ -262,6 +356,73 @@ mod tests {
         t.join().unwrap().unwrap();
         let again = unsafe { destroy(p, |_| Duration::ZERO, |_, _| {}, |_| {}) };
         assert!(again.unwrap_err().message.contains("destroyed already"));
+        // Freed: an entry is refused by the registry, without reading the memory.
+        let e = unsafe { enter(p) }.err().unwrap();
+        assert!(
+            e.message.contains("not a live tutti_replicas"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn addresses_not_registered_or_of_another_kind_are_not_entered() {
+        // Never allocated: reading it would fault.
+        let bogus = 0x10usize as *const H;
+        let e = unsafe { enter(bogus) }.err().unwrap();
+        assert!(
+            e.message.contains("not a live tutti_replicas"),
+            "{}",
+            e.message
+        );
+        let p = into_raw(H(Live::new(), 1));
+        let e = unsafe { enter(p.cast::<W>()) }.err().unwrap();
+        assert!(
+            e.message.contains("is a tutti_replicas, not a tutti_work"),
+            "{}",
+            e.message
+        );
+        unsafe { destroy(p, |_| Duration::ZERO, |_, _| {}, |_| {}) }.unwrap();
+    }
+
+    /// Of a size no other test allocates, so that its freed address is not reused meanwhile.
+    struct C(Live, [u64; 37]);
+    impl Handle for C {
+        const KIND: Kind = Kind::Comm;
+        fn live(&self) -> &Live {
+            &self.0
+        }
+    }
+
+    #[test]
+    fn calls_racing_a_destroy_fail_or_are_waited_for() {
+        for _ in 0..50 {
+            let p = into_raw(C(Live::new(), [3; 37]));
+            let addr = p as usize;
+            let callers: Vec<_> = (0..3)
+                .map(|_| {
+                    std::thread::spawn(move || loop {
+                        match unsafe { enter(addr as *const C) } {
+                            Ok(h) => assert_eq!(h.1[36], 3),
+                            Err(e) => {
+                                assert!(
+                                    e.message.contains("being destroyed")
+                                        || e.message.contains("not a live"),
+                                    "{}",
+                                    e.message
+                                );
+                                return;
+                            }
+                        }
+                    })
+                })
+                .collect();
+            std::thread::yield_now();
+            unsafe { destroy(p, |_| Duration::from_secs(10), |_, _| {}, |_| {}) }.unwrap();
+            for c in callers {
+                c.join().unwrap();
+            }
+        }
     }
 
     #[test]
@@ -280,7 +441,11 @@ mod tests {
         assert_eq!(aborted, 1);
         assert!(r.unwrap_err().message.contains("left allocated"));
         drop(inside);
+        // Left registered as closing: entries still fail clearly.
+        let e = unsafe { enter(p) }.err().unwrap();
+        assert!(e.message.contains("being destroyed"), "{}", e.message);
         // Deliberately left allocated by destroy; reclaim it here.
+        unregister(p as usize);
         drop(unsafe { Box::from_raw(p) });
     }
 }

@@ -105,7 +105,8 @@ impl tutti_replicas {
 ///
 /// # Safety
 ///
-/// `replicas` is NULL or a handle from `tutti_replicas_create` whose destroy has not returned.
+/// `replicas` is NULL or a handle from `tutti_replicas_create` whose destroy has not returned
+/// (one that is being destroyed, or was, is refused without being read).
 unsafe fn replicas_ref<'a>(
     replicas: *const tutti_replicas,
 ) -> Result<Entered<'a, tutti_replicas>, Failure> {
@@ -208,7 +209,10 @@ pub unsafe extern "C" fn tutti_replicas_create(
 ///
 /// Thread-safety: callable from any thread, while another thread runs a call on `replicas` (a
 /// watchdog's `tutti_replicas_abort` then `tutti_replicas_destroy`, say); no call may use
-/// `replicas` after this has returned.
+/// `replicas` after this has returned: a call that races the end of the destroy fails with
+/// `TUTTI_ERROR_INVALID_ARGUMENT` (the handle is looked up among the live ones, never read once
+/// destroyed), but as with `free()`, the address may be reused by a new handle, which such a call
+/// would then use.
 ///
 /// # Safety
 ///

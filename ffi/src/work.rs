@@ -202,7 +202,10 @@ pub unsafe extern "C" fn tutti_work_test(work: *const tutti_work, done: *mut boo
 /// same handle does nothing but record, as the thread's last error, that it was not live.
 ///
 /// Thread-safety: callable from any thread, while other threads wait on `work`; no call may use
-/// `work` after this has returned.
+/// `work` after this has returned: a call that races the end of the destroy fails with
+/// `TUTTI_ERROR_INVALID_ARGUMENT` (the handle is looked up among the live ones, never read once
+/// destroyed), but as with `free()`, the address may be reused by a new handle, which such a call
+/// would then use.
 ///
 /// # Safety
 ///

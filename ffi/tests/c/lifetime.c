@@ -2,8 +2,9 @@
  * from one thread while other threads are inside calls on them (the watchdog pattern: abort,
  * then destroy), two threads destroying one handle at once and a destroy repeated, a work
  * handle destroyed while another thread waits on it, shared memory freed while a non-blocking
- * call on it is still queued, and an in-place reduce-scatter issued after a non-blocking call
- * that still writes its input. */
+ * call on it is still queued, an in-place reduce-scatter issued after a non-blocking call
+ * that still writes its input, and threads calling in a loop on a handle that another thread
+ * destroys. */
 #include "check.h"
 
 #define ROUNDS 20
@@ -72,8 +73,9 @@ static void watchdog_destroys_while_a_call_runs(void) {
             FAIL("the call inside returned %u: %s", (unsigned)call.result, call.error);
         }
         if (call.result == TUTTI_ERROR_INVALID_ARGUMENT) {
-            /* It had not entered yet when the destroy began. */
-            EXPECT(strstr(call.error, "being destroyed") != NULL);
+            /* It had not entered yet when the destroy began (or even ended). */
+            EXPECT(strstr(call.error, "being destroyed") != NULL ||
+                   strstr(call.error, "not a live tutti_comm") != NULL);
         }
         /* A third destroy, long after: nothing happens, and it says so. */
         tutti_comm_destroy(comms[0]);
@@ -272,6 +274,80 @@ static void in_place_reduce_scatter_reads_when_it_runs(void) {
     tutti_comm_destroy(comms[1]);
 }
 
+#define HAMMERS 4
+
+typedef struct {
+    tutti_comm *comm;
+    int collective;
+    long ok, closing;
+    tutti_result result;
+    char error[512];
+} hammer_ctx;
+
+/* Calls on `comm` in a loop (bounded) while it is destroyed: until one fails because the handle
+ * is no longer live, after the destroy freed it, which must not read it. Failures meanwhile
+ * must say that it is being destroyed. */
+static void *hammer(void *p) {
+    hammer_ctx *h = p;
+    double deadline = now_seconds() + 5.0;
+    float x[16] = {0};
+    size_t rank;
+    h->result = TUTTI_SUCCESS;
+    h->error[0] = '\0';
+    while (now_seconds() < deadline) {
+        tutti_result r = h->collective
+                             ? tutti_all_reduce(h->comm, 16, TUTTI_DTYPE_F32, TUTTI_OP_SUM, x, x)
+                             : tutti_comm_rank(h->comm, &rank);
+        if (r == TUTTI_SUCCESS) {
+            h->ok++;
+            continue;
+        }
+        h->result = r;
+        last_error(h->error, sizeof h->error);
+        if (r != TUTTI_ERROR_INVALID_ARGUMENT || strstr(h->error, "being destroyed") == NULL) {
+            return NULL; /* freed, or a failure to report */
+        }
+        h->closing++;
+    }
+    return NULL;
+}
+
+/* Threads keep calling on a handle while another destroys it: every call either runs on the
+ * live handle or fails with TUTTI_ERROR_INVALID_ARGUMENT, and none reads it once freed (a call
+ * that races the free is refused by the registry of live handles). No other tutti_comm is
+ * created meanwhile, so the freed address is not reused by one. */
+static void calls_in_a_loop_while_destroyed(void) {
+    int round;
+    for (round = 0; round < ROUNDS; round++) {
+        tutti_comm *comm;
+        pthread_t t[HAMMERS];
+        hammer_ctx h[HAMMERS];
+        int k;
+        char m[512];
+        CHECK(tutti_comm_create_group(1, NULL, &comm));
+        for (k = 0; k < HAMMERS; k++) {
+            h[k].comm = comm;
+            h[k].collective = k == 0; /* one thread: a one-rank group runs its calls in order */
+            h[k].ok = h[k].closing = 0;
+            pthread_create(&t[k], NULL, hammer, &h[k]);
+        }
+        sleep_ms(round % 4 == 0 ? 0 : 10);
+        tutti_comm_destroy(comm);
+        last_error(m, sizeof m);
+        if (m[0] != '\0') {
+            FAIL("destroy: %s", m);
+        }
+        for (k = 0; k < HAMMERS; k++) {
+            pthread_join(t[k], NULL);
+            if (h[k].result != TUTTI_ERROR_INVALID_ARGUMENT ||
+                strstr(h[k].error, "not a live tutti_comm") == NULL) {
+                FAIL("the last call in the loop returned %u: %s", (unsigned)h[k].result,
+                     h[k].error);
+            }
+        }
+    }
+}
+
 /* LIFETIME_ONLY=name runs one scenario (to watch it fail against an unfixed library). */
 static int selected(const char *name) {
     const char *only = getenv("LIFETIME_ONLY");
@@ -286,6 +362,10 @@ int main(void) {
     if (selected("watchdog")) {
         watchdog_destroys_while_a_call_runs();
         printf("watchdog: ok\n");
+    }
+    if (selected("loop")) {
+        calls_in_a_loop_while_destroyed();
+        printf("calls in a loop while destroyed: ok\n");
     }
     if (selected("destroy_waits")) {
         destroy_waits_for_the_call_inside();
