@@ -487,3 +487,7 @@ def test_replicas_closed_by_a_watchdog_during_a_call():
         r.close()
         with pytest.raises(ValueError, match="replicas is closed"):
             r.all_reduce(a)
+
+
+def test_the_package_version_is_the_librarys():
+    assert tutti.__version__ == tutti.version()

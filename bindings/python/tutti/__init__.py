@@ -15,7 +15,14 @@ Two forms, as in the C API:
 * ``join(rank, world_size, "host:port")`` or ``from_env()``: this process's ``Communicator`` in
   a job of separate processes (tutti launch, torchrun, mpirun, srun, TF_CONFIG).
 
-libtutti is found through ``TUTTI_LIBRARY`` (a path to libtutti.so), else in this repository's
+Arrays are numpy arrays, torch tensors (CPU; CUDA ones on a ``cuda:N`` communicator, on the
+tensor's current stream), or anything with ``__array_interface__`` or ``__dlpack__``, used in
+place without a copy; bfloat16 comes from torch or ``ml_dtypes``. Outputs a call makes are of
+the input's kind (a torch tensor for a torch tensor, else a numpy array). ``import tutti.torch``
+registers the torch.distributed backend ``"tutti"``.
+
+libtutti is found through ``TUTTI_LIBRARY`` (a path to libtutti.so), else the copy installed
+inside this package (``pip install ./bindings/python``), else in this repository's
 ``target/release`` or ``target/debug``, else on the system's library path.
 
 Errors from tutti raise ``TuttiError`` with ``code`` (a ``TUTTI_*`` name) and the message of
@@ -27,13 +34,17 @@ import ctypes.util
 import functools
 import os
 import pathlib
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
+from ._version import __version__
+
 __all__ = [
+    "__version__",
     "TuttiError",
     "Device",
     "Replicas",
@@ -82,6 +93,22 @@ DTYPES = {
 
 OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3, "mean": 4}
 
+# The names frameworks give the same ops (torch's ReduceOp: AVG, PRODUCT).
+_OP_ALIASES = {"avg": "mean", "average": "mean", "product": "prod"}
+
+_TORCH_DTYPES = {
+    "torch.float32": 0,
+    "torch.float64": 1,
+    "torch.float16": 2,
+    "torch.bfloat16": 3,
+    "torch.int8": 4,
+    "torch.uint8": 5,
+    "torch.int32": 6,
+    "torch.uint32": 7,
+    "torch.int64": 8,
+    "torch.uint64": 9,
+}
+
 TRANSPORTS = {"auto": 0, "tcp": 1, "shm": 2}
 
 ALGORITHMS = {
@@ -122,7 +149,12 @@ def library_path():
     env = os.environ.get("TUTTI_LIBRARY")
     if env:
         return env
-    repo = pathlib.Path(__file__).resolve().parents[3]
+    here = pathlib.Path(__file__).resolve().parent
+    # An installed package (pip install ./bindings/python) carries its own build.
+    packaged = sorted(here.glob("libtutti*.so"))
+    if packaged:
+        return str(packaged[0])
+    repo = here.parents[2]
     candidates = [repo / "target" / p / "libtutti.so" for p in ("release", "debug")]
     found = [c for c in candidates if c.exists()]
     if found:
@@ -378,10 +410,19 @@ def _algorithm(name):
 
 
 def _op(op):
+    """An op by name ("sum", "avg"/"mean", "prod", "min", "max", any case), or torch's
+    ``ReduceOp`` (``ReduceOp.SUM``, ...): its number in the C API."""
+    inner = getattr(op, "op", None)  # torch's ReduceOp object wraps a RedOpType
+    named = getattr(inner if inner is not None else op, "name", None)
+    key = str(named if isinstance(named, str) else op).lower()
+    key = key.rpartition(".")[2]  # "ReduceOp.SUM", "RedOpType.SUM"
+    key = _OP_ALIASES.get(key, key)
     try:
-        return OPS[str(op).lower()]
+        return OPS[key]
     except KeyError:
-        raise ValueError(f"unknown op {op!r} (expected sum, prod, min, max or mean)") from None
+        raise ValueError(
+            f"unknown op {op!r} (expected sum, avg/mean, prod, min or max)"
+        ) from None
 
 
 def _dtype(a):
@@ -407,23 +448,113 @@ def _array(a, what, writable=False):
     return a
 
 
+class _View:
+    """An argument as the C API takes it: the object (kept alive while a call uses it), its
+    address, element count and dtype code, and where its memory is ("cpu" or "cuda")."""
+
+    __slots__ = ("obj", "given", "ptr", "count", "dtype", "device", "shape")
+
+    def __init__(self, obj, ptr, count, dtype, device, shape, given=None):
+        self.obj, self.ptr, self.count, self.dtype = obj, ptr, count, dtype
+        self.device, self.shape = device, tuple(shape)
+        # What the caller passed (an in-place call returns it), when ``obj`` is a view of it.
+        self.given = obj if given is None else given
+
+    def empty(self, shape):
+        """A new, uninitialised output of this argument's kind and dtype."""
+        if _is_torch(self.obj):
+            import torch
+
+            return torch.empty(shape, dtype=self.obj.dtype, device=self.obj.device)
+        return np.empty(shape, dtype=self.obj.dtype)
+
+
+def _is_torch(a):
+    return type(a).__module__.startswith("torch") and hasattr(a, "data_ptr")
+
+
+def _view(a, what, writable=False):
+    """``a`` used in place: a numpy array, a torch tensor, or anything with
+    ``__array_interface__`` or ``__dlpack__`` (seen through numpy, without a copy)."""
+    if _is_torch(a):
+        import torch
+
+        if a.layout != torch.strided:
+            raise TypeError(f"{what} is a {a.layout} tensor; tutti takes dense (strided) tensors")
+        if not a.is_contiguous():
+            raise ValueError(f"{what} is not contiguous; pass tensor.contiguous()")
+        if a.is_conj() or a.is_neg():
+            raise ValueError(f"{what} has a lazy conjugate or negation; pass tensor.resolve_conj()")
+        code = _TORCH_DTYPES.get(str(a.dtype))
+        if code is None:
+            raise TypeError(
+                f"{what} has dtype {a.dtype}, which tutti does not reduce "
+                f"(expected one of {', '.join(t[6:] for t in _TORCH_DTYPES)})"
+            )
+        if a.device.type not in ("cpu", "cuda"):
+            raise TypeError(f"{what} is on {a.device}; tutti takes CPU and CUDA tensors")
+        return _View(a, a.data_ptr(), a.numel(), code, a.device.type, a.shape)
+    given = a
+    if not isinstance(a, np.ndarray):
+        if hasattr(a, "__array_interface__") or hasattr(a, "__array_struct__"):
+            a = np.asarray(a)
+        elif hasattr(a, "__dlpack__"):
+            try:
+                a = np.from_dlpack(a)
+            except (BufferError, TypeError, RuntimeError) as e:
+                # numpy has no bfloat16: torch, where loaded, sees such a capsule.
+                torch = sys.modules.get("torch")
+                if torch is None:
+                    raise TypeError(f"{what}: numpy cannot see its DLPack capsule ({e})") from None
+                try:
+                    t = torch.from_dlpack(a)
+                except (BufferError, TypeError, RuntimeError) as e2:
+                    raise TypeError(f"{what}: neither numpy nor torch can see its DLPack capsule ({e2})") from None
+                v = _view(t, what, writable)
+                v.given = given
+                return v
+        else:
+            raise TypeError(
+                f"{what} is a {type(a).__name__}: expected a numpy array, a torch tensor, or "
+                "an object with __array_interface__ or __dlpack__"
+            )
+    _array(a, what, writable)
+    return _View(a, a.ctypes.data, a.size, _dtype(a), "cpu", a.shape, given)
+
+
+def _check_out(src, out, what, count):
+    """``out`` must have ``src``'s dtype and ``count`` elements."""
+    if out.dtype != src.dtype or out.count != count:
+        raise ValueError(
+            f"{what} must match the call: it holds {out.count} elements of {out.obj.dtype}, "
+            f"the call writes {count} of {src.obj.dtype}"
+        )
+
+
 def _same(arrays, what, writable):
     arrays = list(arrays)
     if not arrays:
         raise ValueError(f"{what}: no arrays given")
-    first = _array(arrays[0], f"{what}[0]", writable)
-    for i, a in enumerate(arrays[1:], 1):
-        _array(a, f"{what}[{i}]", writable)
-        if a.dtype != first.dtype or a.shape != first.shape:
+    views = [_view(a, f"{what}[{i}]", writable) for i, a in enumerate(arrays)]
+    first = views[0]
+    for i, v in enumerate(views[1:], 1):
+        if v.device != "cpu":
+            raise TypeError(f"{what}[{i}] is on {v.device}; replicas take host memory")
+        if v.dtype != first.dtype or v.shape != first.shape:
             raise ValueError(
-                f"{what}[{i}] is {a.dtype}{list(a.shape)} but {what}[0] is "
-                f"{first.dtype}{list(first.shape)}; every replica's array must match"
+                f"{what}[{i}] is {v.obj.dtype}{list(v.shape)} but {what}[0] is "
+                f"{first.obj.dtype}{list(first.shape)}; every replica's array must match"
             )
-    return arrays, _dtype(first), first.size
+    return views, first.dtype, first.count
 
 
-def _pointers(arrays):
-    return (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
+def _pointers(views):
+    return (ctypes.c_void_p * len(views))(*[v.ptr for v in views])
+
+
+def _gathered_shape(v, n):
+    """The shape of ``n`` arrays of ``v``'s shape concatenated along the first axis."""
+    return (n * v.shape[0],) + v.shape[1:] if v.shape else (n,)
 
 
 # ----- the one-call form -----
@@ -469,69 +600,69 @@ class Replicas:
 
     def all_reduce(self, arrays, op="sum"):
         """Every array becomes the element-wise op over all of them, in place; returns them."""
-        arrays, dtype, count = _same(arrays, "arrays", writable=True)
+        views, dtype, count = _same(arrays, "arrays", writable=True)
         with self._h.use() as h:
             _check(
                 _library().tutti_replicas_all_reduce(
-                    h, count, dtype, _op(op), len(arrays), _pointers(arrays)
+                    h, count, dtype, _op(op), len(views), _pointers(views)
                 )
             )
-        return arrays
+        return [v.given for v in views]
 
     def broadcast(self, arrays, root=0):
         """Every array becomes ``arrays[root]``, in place; returns them."""
-        arrays, dtype, count = _same(arrays, "arrays", writable=True)
+        views, dtype, count = _same(arrays, "arrays", writable=True)
         root = _index(root, "root")
         with self._h.use() as h:
             _check(
                 _library().tutti_replicas_broadcast(
-                    h, count, dtype, root, len(arrays), _pointers(arrays)
+                    h, count, dtype, root, len(views), _pointers(views)
                 )
             )
-        return arrays
+        return [v.given for v in views]
 
     def all_gather(self, arrays):
         """For each replica, a new array: every input concatenated along the first axis."""
-        arrays, dtype, count = _same(arrays, "arrays", writable=False)
-        shape = (len(arrays) * arrays[0].shape[0],) + arrays[0].shape[1:] if arrays[0].ndim else (len(arrays),)
-        outs = [np.empty(shape, dtype=arrays[0].dtype) for _ in arrays]
+        views, dtype, count = _same(arrays, "arrays", writable=False)
+        shape = _gathered_shape(views[0], len(views))
+        outs = [_view(views[0].empty(shape), "out") for _ in views]
         with self._h.use() as h:
             _check(
                 _library().tutti_replicas_all_gather(
-                    h, count, dtype, len(arrays), _pointers(arrays), _pointers(outs)
+                    h, count, dtype, len(views), _pointers(views), _pointers(outs)
                 )
             )
-        return outs
+        return [o.obj for o in outs]
 
     def reduce_scatter(self, arrays, op="sum"):
         """For replica i, slice i (of ``len(arrays)`` equal slices of the flattened arrays) of
         the element-wise op over all of them."""
-        arrays, dtype, total = _same(arrays, "arrays", writable=False)
-        if total % len(arrays):
+        views, dtype, total = _same(arrays, "arrays", writable=False)
+        if total % len(views):
             raise ValueError(
-                f"reduce_scatter: {total} elements do not split into {len(arrays)} equal slices"
+                f"reduce_scatter: {total} elements do not split into {len(views)} equal slices"
             )
-        count = total // len(arrays)
-        outs = [np.empty(count, dtype=arrays[0].dtype) for _ in arrays]
+        count = total // len(views)
+        outs = [_view(views[0].empty((count,)), "out") for _ in views]
         with self._h.use() as h:
             _check(
                 _library().tutti_replicas_reduce_scatter(
-                    h, count, dtype, _op(op), len(arrays), _pointers(arrays), _pointers(outs)
+                    h, count, dtype, _op(op), len(views), _pointers(views), _pointers(outs)
                 )
             )
-        return outs
+        return [o.obj for o in outs]
 
     def reduce(self, arrays, op="sum"):
         """A new array: the element-wise op over every array."""
-        arrays, dtype, count = _same(arrays, "arrays", writable=False)
-        out = np.empty_like(arrays[0])
+        views, dtype, count = _same(arrays, "arrays", writable=False)
+        out = _view(views[0].empty(views[0].shape), "out")
         with self._h.use() as h:
             _check(
                 _library().tutti_replicas_reduce(
-                    h, count, dtype, _op(op), len(arrays), _pointers(arrays), out.ctypes.data
+                    h, count, dtype, _op(op), len(views), _pointers(views), out.ptr
                 )
             )
-        return out
+        return out.obj
 
 
 def all_reduce(arrays, op="sum", **config):
@@ -645,8 +776,10 @@ class Communicator:
     several threads run in the order they were issued. ``abort()`` may be called from any
     thread."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, device="cpu"):
         self._h = _Lifetime(handle, "communicator")
+        #: Where this rank's buffers live: "cpu", or "cuda:N" / "cuda" for a GPU rank.
+        self.device = device
         self._shared = weakref.WeakSet()
         lib = _library()
         v = ctypes.c_size_t()
@@ -657,6 +790,12 @@ class Communicator:
         ms = ctypes.c_uint64()
         _check(lib.tutti_comm_timeout_ms(handle, ctypes.byref(ms)))
         self._timeout = ms.value / 1000
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def __del__(self):
         self.close()
@@ -708,60 +847,87 @@ class Communicator:
 
     def _call(self, name, args, result, keep, async_op):
         lib = _library()
+        if any(getattr(v, "device", "cpu") == "cuda" for v in keep):
+            self._on_tensor_stream(keep)
         with self._h.use() as h:
             if not async_op:
                 _check(getattr(lib, name)(h, *args))
                 return result
             work = ctypes.c_void_p()
             _check(getattr(lib, name + "_async")(h, *args, ctypes.byref(work)))
-        return Work(work, result, keep)
+        return Work(work, result, tuple(x for v in keep for x in (v.obj, v.given)))
+
+    def _on_tensor_stream(self, views):
+        """CUDA tensors: this must be a ``cuda:N`` rank, and the call is ordered on the
+        tensor's current stream, as torch's own collectives are."""
+        if not self.device.startswith("cuda"):
+            raise TypeError(
+                f"a CUDA tensor was passed to a communicator on {self.device}: make it with "
+                "TUTTI_DEVICE=cuda (from_env), or pass CPU tensors"
+            )
+        import torch
+
+        cuda = next(v.obj for v in views if v.device == "cuda")
+        self.set_cuda_stream(torch.cuda.current_stream(cuda.device).cuda_stream)
 
     @_collective
     def all_reduce(self, array, op="sum", out=None, async_op=False):
         """In place, or into ``out``; returns the result (a ``Work`` with ``async_op``)."""
-        _array(array, "array", writable=out is None)
-        target = array if out is None else _array(out, "out", writable=True)
-        if target.dtype != array.dtype or target.size != array.size:
-            raise ValueError("out must match the array's dtype and size")
-        args = (array.size, _dtype(array), _op(op), array.ctypes.data, target.ctypes.data)
-        return self._call("tutti_all_reduce", args, target, (array, target), async_op)
+        src = _view(array, "array", writable=out is None)
+        dst = src if out is None else _view(out, "out", writable=True)
+        _check_out(src, dst, "out", src.count)
+        args = (src.count, src.dtype, _op(op), src.ptr, dst.ptr)
+        return self._call("tutti_all_reduce", args, dst.given, (src, dst), async_op)
 
     @_collective
     def broadcast(self, array, root=0, async_op=False):
-        _array(array, "array", writable=True)
+        """``array`` becomes the root's, in place; returns it."""
+        v = _view(array, "array", writable=True)
         root = _index(root, "root")
-        args = (array.size, _dtype(array), root, array.ctypes.data)
-        return self._call("tutti_broadcast", args, array, (array,), async_op)
+        args = (v.count, v.dtype, root, v.ptr)
+        return self._call("tutti_broadcast", args, v.given, (v,), async_op)
 
     @_collective
-    def all_gather(self, array, async_op=False):
-        """A new array: every rank's array concatenated along the first axis."""
-        _array(array, "array")
-        shape = (self.world_size * array.shape[0],) + array.shape[1:] if array.ndim else (self.world_size,)
-        out = np.empty(shape, dtype=array.dtype)
-        args = (array.size, _dtype(array), array.ctypes.data, out.ctypes.data)
-        return self._call("tutti_all_gather", args, out, (array, out), async_op)
+    def all_gather(self, array, out=None, async_op=False):
+        """Every rank's array concatenated along the first axis: into ``out`` (of
+        ``world_size`` times the elements), else a new array of the input's kind."""
+        src = _view(array, "array")
+        if out is None:
+            out = src.empty(_gathered_shape(src, self.world_size))
+        dst = _view(out, "out", writable=True)
+        _check_out(src, dst, "out", src.count * self.world_size)
+        args = (src.count, src.dtype, src.ptr, dst.ptr)
+        return self._call("tutti_all_gather", args, dst.given, (src, dst), async_op)
 
     @_collective
-    def reduce_scatter(self, array, op="sum", async_op=False):
-        """This rank's slice of the element-wise op over every rank's (flattened) array."""
-        _array(array, "array")
-        if array.size % self.world_size:
-            raise ValueError(f"{array.size} elements do not split into {self.world_size} equal slices")
-        out = np.empty(array.size // self.world_size, dtype=array.dtype)
-        args = (out.size, _dtype(array), _op(op), array.ctypes.data, out.ctypes.data)
-        return self._call("tutti_reduce_scatter", args, out, (array, out), async_op)
+    def reduce_scatter(self, array, op="sum", out=None, async_op=False):
+        """This rank's slice of the element-wise op over every rank's (flattened) array: into
+        ``out`` (of 1/world_size of the elements), else a new 1-D array."""
+        src = _view(array, "array")
+        if src.count % self.world_size:
+            raise ValueError(f"{src.count} elements do not split into {self.world_size} equal slices")
+        count = src.count // self.world_size
+        dst = _view(src.empty((count,)) if out is None else out, "out", writable=True)
+        _check_out(src, dst, "out", count)
+        args = (count, src.dtype, _op(op), src.ptr, dst.ptr)
+        return self._call("tutti_reduce_scatter", args, dst.given, (src, dst), async_op)
 
     @_collective
-    def reduce(self, array, op="sum", root=0, async_op=False):
-        """At the root, a new array with the reduction; None elsewhere."""
-        _array(array, "array")
+    def reduce(self, array, op="sum", root=0, out=None, async_op=False):
+        """At the root, the reduction: into ``out`` (which may be ``array`` itself), else a new
+        array; None elsewhere (``out`` is left untouched there)."""
+        src = _view(array, "array")
         root = _index(root, "root")
-        out = np.empty_like(array) if self.rank == root else None
-        args = (array.size, _dtype(array), _op(op), root, array.ctypes.data, None if out is None else out.ctypes.data)
-        return self._call("tutti_reduce", args, out, (array, out), async_op)
+        dst = None
+        if self.rank == root:
+            dst = _view(src.empty(src.shape) if out is None else out, "out", writable=True)
+            _check_out(src, dst, "out", src.count)
+        args = (src.count, src.dtype, _op(op), root, src.ptr, None if dst is None else dst.ptr)
+        keep = (src,) if dst is None else (src, dst)
+        return self._call("tutti_reduce", args, None if dst is None else dst.given, keep, async_op)
 
     def barrier(self, async_op=False):
+        """Return once every rank has called it."""
         return self._call("tutti_barrier", (), None, (), async_op)
 
 
@@ -818,7 +984,7 @@ def device_group(devices, timeout=None, algorithm="auto", chunk_bytes=None):
     specs = (ctypes.c_char_p * max(len(devices), 1))(*[str(d).encode() for d in devices])
     handles = (ctypes.c_void_p * max(len(devices), 1))()
     _check(lib.tutti_comm_create_devices(len(devices), specs, ctypes.byref(config), handles))
-    return [Communicator(ctypes.c_void_p(h)) for h in handles[: len(devices)]]
+    return [Communicator(ctypes.c_void_p(h), str(d)) for h, d in zip(handles[: len(devices)], devices)]
 
 
 def join(rank, world_size, master_addr, timeout=None, algorithm="auto", chunk_bytes=None, transport="auto"):
@@ -839,4 +1005,4 @@ def from_env(timeout=None, algorithm="auto", chunk_bytes=None, transport="auto")
     config = _config(timeout, algorithm, chunk_bytes, transport)
     handle = ctypes.c_void_p()
     _check(lib.tutti_comm_create_from_env(ctypes.byref(config), ctypes.byref(handle)))
-    return Communicator(handle)
+    return Communicator(handle, os.environ.get("TUTTI_DEVICE", "cpu"))
