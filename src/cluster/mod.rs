@@ -4,6 +4,7 @@
 pub(crate) mod auth;
 mod key;
 pub(crate) mod listen;
+pub(crate) use key::check_token;
 pub use key::MIN_TOKEN_BYTES;
 use key::{is_loopback, job_secret, Secret};
 

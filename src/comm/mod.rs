@@ -177,6 +177,81 @@ impl Communicator {
         ))
     }
 
+    /// Join a job whose ranks meet through `store`, a key-value store the caller provides (a
+    /// framework's own, such as the store torch.distributed hands a backend), as rank `rank` of
+    /// `world_size`: no rendezvous port of tutti's to configure. Each rank listens on
+    /// `listen_host` (a port chosen by the OS; `0.0.0.0` publishes this host's name), publishes
+    /// its address under `tutti/…` keys of `store`, then connects to every peer as
+    /// [`Communicator::from_cluster`] does: every connection proves `token`, the job's secret
+    /// (at least [`MIN_TOKEN_BYTES`](crate::MIN_TOKEN_BYTES) bytes, the same on every rank), and
+    /// peers on this host use shared memory under [`TransportKind::Auto`].
+    ///
+    /// Several communicators may meet through one store: each `from_store` adds one to a
+    /// counter in it, which numbers them (every rank must create them in the same order).
+    /// Setup waits at most `config.timeout` in all; a rank that does not come is a
+    /// [`Error::JoinTimeout`] naming it. `store` is called only from this thread and only until
+    /// this returns; its `set` and `add` must bound their own waits.
+    ///
+    /// ```no_run
+    /// # fn demo(store: &dyn tutti::Store) -> tutti::Result<()> {
+    /// let token = std::env::var("MY_JOB_TOKEN").unwrap();
+    /// let comm = tutti::Communicator::from_store(0, 2, store, &token, "127.0.0.1",
+    ///     tutti::TransportKind::Auto, &tutti::Config::default())?;
+    /// # Ok(()) }
+    /// ```
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_store(
+        rank: usize,
+        world_size: usize,
+        store: &dyn crate::cluster::store::Store,
+        token: &str,
+        listen_host: &str,
+        kind: TransportKind,
+        config: &Config,
+    ) -> Result<Communicator> {
+        // Named as the arguments they are, before anything is sized by them.
+        if world_size == 0 {
+            return Err(Error::config(
+                "world_size is 0: a job has at least one rank",
+            ));
+        }
+        if world_size > crate::cluster::MAX_WORLD_SIZE {
+            return Err(Error::config(format!(
+                "world_size {world_size} is more ranks than tutti supports ({})",
+                crate::cluster::MAX_WORLD_SIZE
+            )));
+        }
+        if rank >= world_size {
+            return Err(Error::config(format!(
+                "rank {rank} is out of range for world_size {world_size}"
+            )));
+        }
+        if listen_host.is_empty() {
+            return Err(Error::config(
+                "listen_host is empty (use 127.0.0.1 for one host, 0.0.0.0 for several)",
+            ));
+        }
+        // The one rule of every way of joining: the job's secret, or a refusal (before the
+        // store is touched or any connection made).
+        crate::cluster::check_token(token, "token")?;
+        config.check(world_size)?;
+        let meet = crate::transport::net::Meeting {
+            rank,
+            world: world_size,
+            token,
+            listen_host,
+            deadline: std::time::Instant::now() + config.timeout,
+            served_by: "the store's server (the store given to from_store)",
+        };
+        let t = NetTransport::meet(store, &meet, kind, config.timeout, config.chunk_bytes)?;
+        Ok(Communicator::with_engine(
+            Arc::new(t),
+            config,
+            None,
+            (DeviceKind::Cpu, 0),
+        ))
+    }
+
     /// Join the job `spec` describes as this process's rank on `device` (`from_env` reads it
     /// from `TUTTI_DEVICE`): `cpu` (host memory, as [`Communicator::from_cluster`]), or
     /// `cuda:N` / `cuda` (this process's GPU N, or its local rank's GPU; feature `cuda`): one

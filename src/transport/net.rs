@@ -99,6 +99,21 @@ struct Link {
     closed: AtomicBool,
 }
 
+/// How one rank meets the others through a store: who it is, the job's secret, where it
+/// listens, and when setup gives up.
+pub(crate) struct Meeting<'a> {
+    pub rank: usize,
+    pub world: usize,
+    /// The job token every peer connection proves.
+    pub token: &'a str,
+    /// The host this rank listens on (its port is chosen by the OS).
+    pub listen_host: &'a str,
+    /// The end of the whole setup: every wait on the store and on peers ends by then.
+    pub deadline: Instant,
+    /// Who serves the store, for the error when it fails ("... may have stopped").
+    pub served_by: &'a str,
+}
+
 /// One rank's end of a multi-process communicator.
 pub struct NetTransport {
     rank: usize,
@@ -189,9 +204,7 @@ impl NetTransport {
         timeout: Duration,
         chunk_bytes: usize,
     ) -> Result<NetTransport> {
-        let call_timeout = timeout;
         let rank = spec.collective_rank()?;
-        let world = spec.world_size;
         // The one rule of every way of joining: the job's secret, or a refusal (before any
         // connection is made or accepted).
         let token = spec.job_key()?;
@@ -199,21 +212,45 @@ impl NetTransport {
         // timeout, and no longer (a short timeout asked for is honoured here too).
         let deadline = Instant::now() + timeout;
         let store = crate::cluster::store::store_for(spec, rank, &token, timeout)?;
+        let meet = Meeting {
+            rank,
+            world: spec.world_size,
+            token: &token,
+            listen_host: &spec.listen_host,
+            deadline,
+            served_by: "the process serving the store (rank 0, or the launcher)",
+        };
+        NetTransport::meet(&store, &meet, kind, timeout, chunk_bytes)
+    }
+
+    /// Join a world through `store`, which the caller provides: listen on `meet.listen_host`
+    /// (a port chosen by the OS), publish this rank's address, connect to every peer and
+    /// authenticate with `meet.token`, all by `meet.deadline`. Only this thread calls `store`.
+    pub(crate) fn meet(
+        store: &dyn Store,
+        meet: &Meeting<'_>,
+        kind: TransportKind,
+        timeout: Duration,
+        chunk_bytes: usize,
+    ) -> Result<NetTransport> {
+        let call_timeout = timeout;
+        let (rank, world, token, deadline) = (meet.rank, meet.world, meet.token, meet.deadline);
+        let listen_host = meet.listen_host;
         // Communicators of one job are numbered in creation order (the same on every rank).
         let generation = store.add(&format!("tutti/generation/{rank}"), 1)?;
         let key = |what: &str, r: usize| format!("tutti/{generation}/{what}/{r}");
 
-        let listener = TcpListener::bind((spec.listen_host.as_str(), 0))
-            .map_err(|e| Error::io(format!("listening on {}", spec.listen_host), e))?;
+        let listener = TcpListener::bind((listen_host, 0))
+            .map_err(|e| Error::io(format!("listening on {listen_host}"), e))?;
         let port = listener
             .local_addr()
             .map_err(|e| Error::io("listening", e))?
             .port();
-        let unspecified = spec.listen_host == "0.0.0.0" || spec.listen_host == "::";
+        let unspecified = listen_host == "0.0.0.0" || listen_host == "::";
         let host = if unspecified {
             hostname()
         } else {
-            spec.listen_host.clone()
+            listen_host.to_string()
         };
         // What this rank publishes: where to reach it, and what every rank must agree on
         // before anyone connects (a rank started with another world size or transport is
@@ -237,8 +274,8 @@ impl NetTransport {
                 Error::System { what, message } => Error::System {
                     what: format!("rendezvous: waiting for rank {r}'s address ({what})"),
                     message: format!(
-                        "{message}; the process serving the store (rank 0, or the launcher) \
-                         may have stopped: see its own error"
+                        "{message}; {} may have stopped: see its own error",
+                        meet.served_by
                     ),
                 },
                 // What the store refused says why itself.
@@ -271,10 +308,10 @@ impl NetTransport {
         let mut socks: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
         // Connect to the lower ranks.
         for (r, (addr, _)) in infos.iter().enumerate().take(rank) {
-            socks[r] = Some(connect_peer(addr, r, rank, &token, deadline)?);
+            socks[r] = Some(connect_peer(addr, r, rank, token, deadline)?);
         }
         // Accept the higher ones; strangers and wrong tokens are logged and dropped.
-        accept_peers(listener, rank, world, &token, deadline, &mut socks)?;
+        accept_peers(listener, rank, world, token, deadline, &mut socks)?;
 
         let mut links = Vec::with_capacity(world);
         for (r, s) in socks.into_iter().enumerate() {
