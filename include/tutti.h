@@ -36,6 +36,18 @@
 #define TUTTI_DEVICE_SPEC_LEN 64
 
 /**
+ * What a `tutti_store` `get` callback returns when the key was not set within its
+ * `timeout_ms` (any other nonzero value is a failure of the store).
+ */
+#define TUTTI_STORE_TIMEOUT 1
+
+/**
+ * The most bytes tutti reads of one value from a `tutti_store` (a longer one is an error
+ * naming its key). Every value tutti stores is far smaller.
+ */
+#define TUTTI_STORE_VALUE_MAX (64 << 10)
+
+/**
  * What a call returned; `TUTTI_SUCCESS` (0) or the kind of failure. The message of the last
  * failure on the calling thread is available from `tutti_last_error`.
  *
@@ -543,6 +555,50 @@ typedef struct tutti_device_info {
  * called from any thread, several at once.
  */
 typedef void (*tutti_log_fn)(tutti_log_level level, const char *message, void *user);
+
+/**
+ * A key-value store the caller provides, through which the ranks of
+ * `tutti_comm_create_store` meet: every rank of the job must see the same store (or the same
+ * keys under the same prefix). Keys are NUL-terminated UTF-8 strings that start with
+ * `tutti/`; values are bytes. Each callback gets `ctx` first and returns 0 on success,
+ * nonzero on failure (tutti's error then names the callback and the key). They are called
+ * only during `tutti_comm_create_store`, and only from the thread that calls it.
+ *
+ * ```c
+ * tutti_store store = { sizeof(tutti_store), my_ctx, my_set, my_get, my_add };
+ * ```
+ */
+typedef struct tutti_store {
+    /**
+     * `sizeof(tutti_store)` as the caller compiled it.
+     */
+    size_t struct_size;
+    /**
+     * Passed as the first argument of every callback.
+     */
+    void *ctx;
+    /**
+     * Set `key` to the `len` bytes at `value` (overwriting any value), and return at once.
+     */
+    int (*set)(void *ctx, const char *key, const uint8_t *value, size_t len);
+    /**
+     * Wait up to `timeout_ms` milliseconds for `key` to be set (0: look once), then write up
+     * to `cap` bytes of its value to `buf` and the value's full length to `*len`. Returns
+     * `TUTTI_STORE_TIMEOUT` when the key was not set in time. tutti gives a buffer of
+     * `TUTTI_STORE_VALUE_MAX` bytes; a longer value is an error naming the key.
+     */
+    int (*get)(void *ctx,
+               const char *key,
+               uint64_t timeout_ms,
+               uint8_t *buf,
+               size_t cap,
+               size_t *len);
+    /**
+     * Add `delta` to the integer at `key` (0 when unset) and write the new value to
+     * `*value`.
+     */
+    int (*add)(void *ctx, const char *key, int64_t delta, int64_t *value);
+} tutti_store;
 
 /**
  * A step run once per local replica by `tutti_strategy_run`, on the replica's own thread, at
@@ -1201,6 +1257,44 @@ tutti_result tutti_replicas_reduce(struct tutti_replicas *replicas,
                                    size_t num_inputs,
                                    const void *const *inputs,
                                    void *output);
+
+/**
+ * Join a multi-process job as rank `rank` of `world_size`, meeting the other ranks through
+ * `store`, a key-value store this program provides (a framework's own: no rendezvous port of
+ * tutti's to configure), and write the communicator to `*comm`. Each rank listens on
+ * `listen_host` (NULL: `"127.0.0.1"`; `"0.0.0.0"` for ranks on several hosts) at a port the
+ * OS chooses, publishes its address in the store, and connects to every peer; every
+ * connection proves `token`, the job's secret (at least 16 bytes, the same on every rank).
+ * Peers on the same host use shared memory under `TUTTI_TRANSPORT_AUTO`, as with
+ * `tutti_comm_create_rank`. Several communicators may meet through one store, created in the
+ * same order on every rank. Blocks until every rank has joined or the timeout runs out.
+ * `config` may be NULL for every default. Released with `tutti_comm_destroy`.
+ *
+ * The store's callbacks are called only during this call, from the calling thread; `set` and
+ * `add` must return without waiting long, `get` within its `timeout_ms`.
+ *
+ * Errors: `TUTTI_ERROR_INVALID_ARGUMENT` naming the argument or field that is wrong (a NULL
+ * store or callback, a bad `struct_size`, a short token, a rank out of range);
+ * `TUTTI_ERROR_TIMEOUT` naming the rank that did not publish its address in time;
+ * `TUTTI_ERROR_SYSTEM` when a callback failed (the message names it and its key) or a
+ * connection could not be made.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `store` is NULL or points to a `tutti_store` of `store->struct_size` bytes whose callbacks
+ * may be called with its `ctx` during this call; `token` and `listen_host` are NULL or
+ * NUL-terminated strings; `config` is NULL or points to a `tutti_config` of
+ * `config->struct_size` bytes; `comm` is NULL or writable.
+ */
+tutti_result tutti_comm_create_store(size_t rank,
+                                     size_t world_size,
+                                     const struct tutti_store *store,
+                                     const char *token,
+                                     const char *listen_host,
+                                     const struct tutti_config *config,
+                                     struct tutti_comm **comm);
 
 /**
  * Create a strategy of `kind` with `num_local_replicas` replicas on this host (logical CPU

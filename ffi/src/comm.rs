@@ -39,7 +39,7 @@ impl Handle for tutti_comm {
 }
 
 impl tutti_comm {
-    fn into_raw(comm: Communicator) -> *mut tutti_comm {
+    pub(crate) fn into_raw(comm: Communicator) -> *mut tutti_comm {
         handle::into_raw(tutti_comm {
             abort: comm.abort_handle(),
             rank: comm.rank(),
@@ -98,7 +98,7 @@ pub(crate) unsafe fn comm_ref<'a>(
     unsafe { handle::enter(comm) }
 }
 
-fn out_ptr<T>(p: *mut T, name: &str) -> Result<*mut T, Failure> {
+pub(crate) fn out_ptr<T>(p: *mut T, name: &str) -> Result<*mut T, Failure> {
     if p.is_null() {
         Err(Failure::invalid(format!("{name} is NULL")))
     } else {
@@ -208,7 +208,7 @@ pub unsafe extern "C" fn tutti_comm_create_devices(
 
 /// The transport a multi-process communicator uses: the config's, else `TUTTI_TRANSPORT`, else
 /// `auto`.
-fn transport_for(settings: &Settings) -> Result<TransportKind, Failure> {
+pub(crate) fn transport_for(settings: &Settings) -> Result<TransportKind, Failure> {
     if let Some(t) = settings.transport {
         return Ok(t);
     }

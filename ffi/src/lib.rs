@@ -18,6 +18,7 @@ mod error;
 mod handle;
 mod log;
 mod replicas;
+mod store;
 mod strategy;
 mod types;
 mod work;

@@ -98,6 +98,15 @@ fn c_multiprocess() {
     assert!(out.contains("multiprocess: ok"), "{out}");
 }
 
+/// `tutti_comm_create_store`: three ranks on threads meet through an in-memory store and
+/// all-reduce; the errors of the arguments and of the store's callbacks name what failed.
+#[test]
+fn c_store_rendezvous() {
+    let exe = compile(Lang::C, "store", &["ffi/tests/c/store.c"], &["ffi/tests/c"]);
+    let out = run(&exe, &[], LIMIT);
+    assert!(out.contains("store: ok"), "{out}");
+}
+
 #[test]
 fn c_example_trainer() {
     let exe = compile(Lang::C, "train_step", &["examples/c/train_step.c"], &[]);

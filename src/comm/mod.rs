@@ -241,7 +241,7 @@ impl Communicator {
             token,
             listen_host,
             deadline: std::time::Instant::now() + config.timeout,
-            served_by: "the store's server (the store given to from_store)",
+            served_by: "the server of the store the caller provided",
         };
         let t = NetTransport::meet(store, &meet, kind, config.timeout, config.chunk_bytes)?;
         Ok(Communicator::with_engine(
