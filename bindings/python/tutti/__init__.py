@@ -219,6 +219,32 @@ _PROTOTYPES = {
     "tutti_replicas_reduce": (_u32, [_ptr, _size, _u32, _u32, _size, _pp, _ptr]),
 }
 
+# tutti_comm_create_store: the caller's key-value store as callbacks (include/tutti.h's
+# tutti_store). Each returns 0 on success; get returns _STORE_TIMEOUT when the key was not set
+# within timeout_ms. Called only during the create call, on the calling thread.
+_STORE_TIMEOUT = 1
+_StoreSet = ctypes.CFUNCTYPE(ctypes.c_int, _ptr, ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint8), _size)
+_StoreGet = ctypes.CFUNCTYPE(
+    ctypes.c_int, _ptr, ctypes.c_char_p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint8), _size, ctypes.POINTER(_size)
+)
+_StoreAdd = ctypes.CFUNCTYPE(ctypes.c_int, _ptr, ctypes.c_char_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64))
+
+
+class _Store(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", _size),
+        ("ctx", _ptr),
+        ("set", _StoreSet),
+        ("get", _StoreGet),
+        ("add", _StoreAdd),
+    ]
+
+
+_PROTOTYPES["tutti_comm_create_store"] = (
+    _u32,
+    [_size, _size, ctypes.POINTER(_Store), ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(_Config), _pp],
+)
+
 
 def _library():
     global _lib
