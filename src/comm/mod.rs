@@ -199,7 +199,6 @@ impl Communicator {
     ///     tutti::TransportKind::Auto, &tutti::Config::default())?;
     /// # Ok(()) }
     /// ```
-    #[allow(clippy::too_many_arguments)]
     pub fn from_store(
         rank: usize,
         world_size: usize,
