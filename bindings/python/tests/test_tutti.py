@@ -1,5 +1,6 @@
 """The Python bindings: collectives over numpy arrays through libtutti, values checked."""
 
+import concurrent.futures
 import os
 import pathlib
 import re
@@ -491,3 +492,61 @@ def test_replicas_closed_by_a_watchdog_during_a_call():
 
 def test_the_package_version_is_the_librarys():
     assert tutti.__version__ == tutti.version()
+
+
+class _DictStore:
+    """A store in this process's memory, for ranks on threads."""
+
+    def __init__(self):
+        self.values = {}
+        self.cv = threading.Condition()
+        self.fail_set = False
+
+    def set(self, key, value):
+        if self.fail_set:
+            raise OSError("the store is gone")
+        with self.cv:
+            self.values[key] = bytes(value)
+            self.cv.notify_all()
+
+    def get(self, key, timeout_s):
+        with self.cv:
+            if not self.cv.wait_for(lambda: key in self.values, timeout_s):
+                raise TimeoutError(key)
+            return self.values[key]
+
+    def add(self, key, delta):
+        with self.cv:
+            v = int(self.values.get(key, b"0")) + delta
+            self.values[key] = str(v).encode()
+            self.cv.notify_all()
+            return v
+
+
+def test_ranks_meet_through_the_callers_store():
+    store = _DictStore()
+    token = "0123456789abcdef0123"
+    comms = [None] * 3
+
+    def rank(r):
+        comms[r] = tutti.from_store(r, 3, store, token, timeout=30)
+        x = np.full(5, r + 1, np.float32)
+        comms[r].all_reduce(x)
+        return x
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        out = list(pool.map(rank, range(3)))
+    for x in out:
+        assert x.tolist() == [6.0] * 5
+    for c in comms:
+        c.close()
+
+
+def test_a_store_that_fails_is_named_with_its_error():
+    store = _DictStore()
+    store.fail_set = True
+    with pytest.raises(tutti.TuttiError, match="store callback 'set' failed") as e:
+        tutti.from_store(0, 1, store, "0123456789abcdef0123", timeout=5)
+    assert isinstance(e.value.__cause__, OSError)
+    with pytest.raises(tutti.TuttiError, match="16"):
+        tutti.from_store(0, 1, _DictStore(), "short", timeout=5)

@@ -52,6 +52,7 @@ __all__ = [
     "local_group",
     "join",
     "from_env",
+    "from_store",
     "devices",
     "version",
     "all_reduce",
@@ -1021,6 +1022,93 @@ def join(rank, world_size, master_addr, timeout=None, algorithm="auto", chunk_by
     config = _config(timeout, algorithm, chunk_bytes, transport)
     handle = ctypes.c_void_p()
     _check(lib.tutti_comm_create_rank(rank, world_size, master_addr.encode(), ctypes.byref(config), ctypes.byref(handle)))
+    return Communicator(handle)
+
+
+class _StoreCallbacks:
+    """A Python store (``set(key, bytes)``, ``get(key, timeout_s) -> bytes`` waiting for the
+    key, ``add(key, delta) -> int``) as ``tutti_store``'s callbacks. An exception in one is
+    kept (the first) and the callback reports failure; ``from_store`` raises it with tutti's
+    error."""
+
+    _TIMEOUT = 1  # TUTTI_STORE_TIMEOUT: get's key was not set in time
+
+    def __init__(self, store):
+        self.store = store
+        self.error = None
+        self.set = _StoreSet(self._set)
+        self.get = _StoreGet(self._get)
+        self.add = _StoreAdd(self._add)
+
+    def _fail(self, e):
+        if self.error is None:
+            self.error = e
+        return 2
+
+    def _set(self, ctx, key, value, length):
+        try:
+            self.store.set(key.decode(), ctypes.string_at(value, length))
+            return 0
+        except BaseException as e:  # noqa: BLE001 - reported through tutti's error
+            return self._fail(e)
+
+    def _get(self, ctx, key, timeout_ms, buf, cap, length):
+        try:
+            value = bytes(self.store.get(key.decode(), timeout_ms / 1000))
+        except TimeoutError:
+            return self._TIMEOUT
+        except BaseException as e:  # noqa: BLE001
+            if "timeout" in str(e).lower():  # torch's DistStoreError says "Wait timeout"
+                return self._TIMEOUT
+            return self._fail(e)
+        length[0] = len(value)
+        ctypes.memmove(buf, value, min(len(value), cap))
+        return 0
+
+    def _add(self, ctx, key, delta, value):
+        try:
+            value[0] = int(self.store.add(key.decode(), delta))
+            return 0
+        except BaseException as e:  # noqa: BLE001
+            return self._fail(e)
+
+    def struct(self):
+        s = _Store()
+        s.struct_size = ctypes.sizeof(_Store)
+        s.ctx = None
+        s.set, s.get, s.add = self.set, self.get, self.add
+        return s
+
+
+def from_store(rank, world_size, store, token, listen_host=None, timeout=None, algorithm="auto",
+               chunk_bytes=None, transport="auto"):
+    """Join a job of separate processes as ``rank`` of ``world_size``, the ranks meeting
+    through ``store``, a key-value store of the caller's: an object with ``set(key, value:
+    bytes)``, ``get(key, timeout_s) -> bytes`` (waiting for the key; ``TimeoutError`` past the
+    bound) and ``add(key, delta) -> int`` (torch.distributed's backend uses the store torch hands
+    it). Each rank listens on ``listen_host`` (None: 127.0.0.1) at a port the OS picks and
+    publishes it there; every connection proves ``token``, the job's secret (at least 16
+    bytes, the same on every rank). Blocks until every rank has joined."""
+    lib = _library()
+    config = _config(timeout, algorithm, chunk_bytes, transport)
+    callbacks = _StoreCallbacks(store)
+    s = callbacks.struct()
+    handle = ctypes.c_void_p()
+    result = lib.tutti_comm_create_store(
+        rank,
+        world_size,
+        ctypes.byref(s),
+        str(token).encode(),
+        None if listen_host is None else str(listen_host).encode(),
+        ctypes.byref(config),
+        ctypes.byref(handle),
+    )
+    if result != 0 and callbacks.error is not None:
+        try:
+            _check(result)
+        except TuttiError as e:
+            raise e from callbacks.error
+    _check(result)
     return Communicator(handle)
 
 
