@@ -1,0 +1,258 @@
+"""One rank of a torch.distributed job for tests/test_torch.py: ``python torch_worker.py
+SCENARIO BACKEND`` with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (as torchrun sets
+them). Prints one JSON line prefixed ``RESULT `` on success; raises (exit code 1) on failure."""
+
+import datetime
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import tutti.torch  # noqa: F401 - registers "tutti"
+
+torch.set_num_threads(1)
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("TEST_TIMEOUT", "60")))
+
+
+def init(backend, method="env"):
+    if method == "env":
+        dist.init_process_group(backend, timeout=TIMEOUT)
+    elif method == "tcp":
+        addr = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        dist.init_process_group(backend, init_method=addr, rank=RANK, world_size=WORLD, timeout=TIMEOUT)
+    elif method == "file":
+        dist.init_process_group(
+            backend, init_method="file://" + os.environ["TEST_FILE"], rank=RANK, world_size=WORLD, timeout=TIMEOUT
+        )
+    elif method == "store":
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), WORLD, RANK == 0, timeout=TIMEOUT
+        )
+        dist.init_process_group(backend, store=store, rank=RANK, world_size=WORLD, timeout=TIMEOUT)
+    else:
+        raise ValueError(method)
+
+
+def result(**values):
+    print("RESULT " + json.dumps(values), flush=True)
+
+
+def value(rank, n, dtype):
+    """Rank ``rank``'s input: small integers, exact in every dtype."""
+    return (torch.arange(n, dtype=torch.float64) % 5 + rank + 1).to(dtype)
+
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+          torch.int8, torch.uint8]
+
+
+def expect_equal(got, want, what):
+    if not torch.equal(got, want):
+        raise AssertionError(f"rank {RANK}: {what}: got {got.tolist()}, want {want.tolist()}")
+
+
+def scenario_collectives(backend):
+    init(backend)
+    n = 6 * WORLD
+    every = [value(r, n, torch.float64) for r in range(WORLD)]
+    reduced = {
+        dist.ReduceOp.SUM: sum(every),
+        dist.ReduceOp.PRODUCT: torch.stack(every).prod(0),
+        dist.ReduceOp.MIN: torch.stack(every).min(0).values,
+        dist.ReduceOp.MAX: torch.stack(every).max(0).values,
+    }
+    checked = 0
+    for dtype in DTYPES:
+        for op, want in reduced.items():
+            for async_op in (False, True):
+                t = value(RANK, n, dtype)
+                w = dist.all_reduce(t, op=op, async_op=async_op)
+                if async_op:
+                    w.wait()
+                expect_equal(t, want.to(dtype), f"all_reduce {op} {dtype} async={async_op}")
+                checked += 1
+        if dtype.is_floating_point:
+            t = value(RANK, n, dtype)
+            dist.all_reduce(t, op=dist.ReduceOp.AVG)
+            expect_equal(t, (sum(every) / WORLD).to(dtype), f"all_reduce AVG {dtype}")
+        # broadcast from the last rank
+        t = value(RANK, n, dtype)
+        dist.broadcast(t, src=WORLD - 1)
+        expect_equal(t, every[WORLD - 1].to(dtype), f"broadcast {dtype}")
+        # all_gather into a list, and into one tensor
+        outs = [torch.zeros(n, dtype=dtype) for _ in range(WORLD)]
+        dist.all_gather(outs, value(RANK, n, dtype))
+        for r in range(WORLD):
+            expect_equal(outs[r], every[r].to(dtype), f"all_gather {dtype} [{r}]")
+        big = torch.zeros(n * WORLD, dtype=dtype)
+        w = dist.all_gather_into_tensor(big, value(RANK, n, dtype), async_op=True)
+        w.wait()
+        expect_equal(big, torch.cat(every).to(dtype), f"all_gather_into_tensor {dtype}")
+        # reduce_scatter: a list of inputs, and one tensor
+        out = torch.zeros(n // WORLD, dtype=dtype)
+        ins = list(value(RANK, n, dtype).chunk(WORLD))
+        dist.reduce_scatter(out, ins)
+        expect_equal(out, sum(every).to(dtype).chunk(WORLD)[RANK], f"reduce_scatter {dtype}")
+        ins = [value(RANK, n // WORLD, dtype) + i for i in range(WORLD)]  # not back to back
+        dist.reduce_scatter(out, ins)
+        want = sum(value(r, n // WORLD, torch.float64) + RANK for r in range(WORLD))
+        expect_equal(out, want.to(dtype), f"reduce_scatter (separate inputs) {dtype}")
+        out = torch.zeros(n // WORLD, dtype=dtype)
+        dist.reduce_scatter_tensor(out, value(RANK, n, dtype))
+        expect_equal(out, sum(every).to(dtype).chunk(WORLD)[RANK], f"reduce_scatter_tensor {dtype}")
+        # reduce to rank 0
+        t = value(RANK, n, dtype)
+        dist.reduce(t, dst=0)
+        if RANK == 0:
+            expect_equal(t, sum(every).to(dtype), f"reduce {dtype}")
+        checked += 6
+    # PREMUL_SUM: each input scaled, then summed.
+    t = value(RANK, n, torch.float32)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(2.0))
+    expect_equal(t, (2 * sum(every)).to(torch.float32), "all_reduce PREMUL_SUM")
+    # Futures complete with the tensors.
+    t = value(RANK, n, torch.float32)
+    fut = dist.all_reduce(t, async_op=True).get_future()
+    got = fut.wait()
+    expect_equal(got[0], sum(every).to(torch.float32), "all_reduce future")
+    dist.barrier()
+    # An op tutti lacks names itself.
+    try:
+        dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.BAND)
+        raise AssertionError("BAND did not fail")
+    except Exception as e:  # noqa: BLE001
+        band = str(e)
+    dist.destroy_process_group()
+    result(checked=checked, band=band)
+
+
+def mlp(seed, width):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(),
+        torch.nn.Linear(width, 4),
+    )
+
+
+def digest(params):
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def batches(steps, seed):
+    g = torch.Generator().manual_seed(seed * 1000 + RANK)
+    return [(torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)) for _ in range(steps)]
+
+
+def scenario_ddp(backend):
+    init(backend, os.environ.get("TEST_INIT", "env"))
+    model = torch.nn.parallel.DistributedDataParallel(mlp(7, 64), bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for x, y in batches(20, 3):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    dist.destroy_process_group()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    result(digest=digest(model.parameters()), params=flat.tolist())
+
+
+def scenario_fsdp(backend):
+    from torch.distributed.fsdp import fully_shard
+
+    init(backend)
+    model = mlp(11, 32)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for x, y in batches(10, 5):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    full = [p.full_tensor() for p in model.parameters()]
+    dist.destroy_process_group()
+    result(digest=digest(full), sharded=type(next(model.parameters())).__name__)
+
+
+def scenario_kill(backend):
+    init(backend)
+    model = torch.nn.parallel.DistributedDataParallel(mlp(7, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    started = None
+    try:
+        for step, (x, y) in enumerate(batches(1000, 3)):
+            if step == 5 and RANK == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if step == 5:
+                started = time.monotonic()
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    except Exception as e:  # noqa: BLE001
+        result(error=str(e), seconds=time.monotonic() - started)
+        os._exit(0)
+    raise AssertionError("training went on without rank 1")
+
+
+def scenario_mismatch(backend):
+    init(backend)
+    t = torch.ones(4 + RANK)
+    try:
+        dist.all_reduce(t)
+    except Exception as e:  # noqa: BLE001
+        result(error=str(e))
+        os._exit(0)
+    raise AssertionError("a mismatched all_reduce succeeded")
+
+
+def scenario_bad_input(backend):
+    init(backend)
+    t = torch.ones(4, dtype=torch.bool if RANK == 0 else torch.float32)
+    started = time.monotonic()
+    try:
+        dist.all_reduce(t)
+    except Exception as e:  # noqa: BLE001
+        result(error=str(e), seconds=time.monotonic() - started)
+        os._exit(0)
+    raise AssertionError("an all_reduce of complex64 succeeded")
+
+
+def scenario_new_group(backend):
+    init(backend)
+    group = dist.new_group([0, 1])
+    if RANK in (0, 1):
+        t = torch.full((8,), float(RANK + 1))
+        dist.all_reduce(t, group=group)
+        got = t.tolist()
+    else:
+        got = None
+    t = torch.full((3,), float(RANK))
+    dist.all_reduce(t)  # the default group still works, with the third rank
+    dist.destroy_process_group()
+    result(group=got, world=t.tolist())
+
+
+def scenario_mixed(backend):
+    """ "cpu:tutti,cuda:nccl": CPU tensors go to tutti."""
+    # NCCL needs a GPU to be made at all; gloo stands in for it on a host without one.
+    init("cpu:tutti,cuda:nccl" if torch.cuda.is_available() else "cpu:tutti,cuda:gloo")
+    t = torch.full((5,), float(RANK + 1))
+    dist.all_reduce(t)
+    name = dist.get_backend()
+    dist.destroy_process_group()
+    result(value=t.tolist(), backend=name)
+
+
+if __name__ == "__main__":
+    globals()["scenario_" + sys.argv[1]](sys.argv[2])

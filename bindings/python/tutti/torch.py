@@ -1,0 +1,512 @@
+"""The torch.distributed backend ``"tutti"``: ``import tutti.torch`` registers it.
+
+::
+
+    import torch.distributed as dist
+    import tutti.torch  # registers "tutti"
+
+    dist.init_process_group("tutti")            # env:// (torchrun), tcp://, file://, or store=
+    dist.init_process_group("cpu:tutti,cuda:nccl")
+    model = torch.nn.parallel.DistributedDataParallel(model)
+
+The ranks meet through the store torch hands the backend (no second port): each rank listens on
+a port the OS picks and publishes it there, and rank 0 puts a fresh random job token there,
+which every connection between the ranks then proves. Each call is a non-blocking tutti call:
+the returned ``Work``'s ``wait()`` honours torch's timeout, and its ``get_future()`` completes
+when the call does, so DDP overlaps the all-reduce of a bucket with the rest of the backward
+pass. tutti's errors (which rank, which call, which field) reach the caller as ``TuttiError``,
+a ``RuntimeError``.
+
+The backend runs on CPU tensors. ``new_group(ranks)`` makes a tutti communicator over the
+group's own store. Ops: ``SUM``, ``AVG``, ``PRODUCT``, ``MIN``, ``MAX`` and ``PREMUL_SUM``
+(the input scaled, then summed); the bitwise ops raise an error naming them. ``alltoall``,
+``all_to_all_single``, ``send``, ``recv``, ``gather`` and ``scatter`` raise an error naming the
+call until tutti has them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import queue
+import secrets
+import socket
+import threading
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as _CBackend
+
+import tutti
+
+__all__ = ["TESTED_TORCH", "TuttiBackend", "BACKEND_NAME"]
+
+#: The name the backend is registered under.
+BACKEND_NAME = "tutti"
+
+#: The torch releases (major, minor) this backend is tested with. Others are refused, saying
+#: so, unless ``TUTTI_TORCH_UNTESTED=1``.
+TESTED_TORCH = ((2, 15),)
+
+
+def _check_torch_version() -> None:
+    parts = torch.__version__.split("+")[0].split(".")
+    try:
+        have = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        have = None
+    if have in TESTED_TORCH or os.environ.get("TUTTI_TORCH_UNTESTED") == "1":
+        return
+    tested = ", ".join(f"{a}.{b}" for a, b in TESTED_TORCH)
+    raise ImportError(
+        f"tutti.torch is tested with torch {tested}; this is torch {torch.__version__}. "
+        "Install a tested torch, or set TUTTI_TORCH_UNTESTED=1 to try this one anyway."
+    )
+
+
+_check_torch_version()
+
+# ----- the store torch hands the backend, as tutti's rendezvous store -----
+
+_TOKEN_KEY = "tutti/token"
+
+
+def _millis(td: Optional[datetime.timedelta]) -> Optional[float]:
+    if td is None:
+        return None
+    ms = td.total_seconds() * 1000
+    return ms if ms > 0 else None
+
+
+class _TorchStore:
+    """A torch ``Store`` as tutti's ``set`` / ``get`` (waiting, bounded) / ``add``."""
+
+    def __init__(self, store: dist.Store):
+        self.store = store
+
+    def set(self, key: str, value: bytes) -> None:
+        self.store.set(key, value)
+
+    def get(self, key: str, timeout_s: float) -> bytes:
+        self.store.wait([key], datetime.timedelta(seconds=timeout_s))
+        return self.store.get(key)
+
+    def add(self, key: str, delta: int) -> int:
+        return self.store.add(key, delta)
+
+
+def _listen_host(store: dist.Store) -> str:
+    """The address of this host that the other ranks reach: ``TUTTI_LISTEN_HOST``, else the
+    local address of the route to the store's host (or ``MASTER_ADDR``), else loopback."""
+    explicit = os.environ.get("TUTTI_LISTEN_HOST")
+    if explicit:
+        return explicit
+    inner = store
+    while hasattr(inner, "underlying_store"):
+        inner = inner.underlying_store
+    peer = getattr(inner, "host", None) or os.environ.get("MASTER_ADDR")
+    if not peer:
+        return "127.0.0.1"
+    try:
+        infos = socket.getaddrinfo(peer, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return "127.0.0.1"
+    for family, _, _, _, addr in infos:
+        if ipaddress.ip_address(addr[0].split("%")[0]).is_loopback:
+            return "127.0.0.1" if family == socket.AF_INET else "::1"
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((addr[0], 9))  # UDP: no packet is sent, the route is chosen
+                return s.getsockname()[0]
+        except OSError:
+            continue
+    return "127.0.0.1"
+
+
+# ----- work -----
+
+
+class _Waiter:
+    """One thread per backend that completes the futures torch asked for (DDP's), in the
+    order the calls were issued (the order they complete in). It waits inside libtutti, with
+    the GIL released."""
+
+    def __init__(self) -> None:
+        self._queue: "queue.SimpleQueue[Optional[_Work]]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def submit(self, work: "_Work") -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tutti-futures", daemon=True)
+                self._thread.start()
+        self._queue.put(work)
+
+    def _run(self) -> None:
+        while True:
+            work = self._queue.get()
+            if work is None:
+                return
+            work._finish(None)
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._thread is not None:
+                self._queue.put(None)
+
+
+class _Work(dist.Work):
+    """A tutti call as torch's ``Work``. ``then`` runs once the call succeeded (copies out of
+    a staging buffer), before the future completes or ``wait()`` returns."""
+
+    def __init__(
+        self,
+        backend: "TuttiBackend",
+        calls: Sequence[tutti.Work],
+        result: Any,
+        what: str,
+        then: Optional[Callable[[], None]] = None,
+    ) -> None:
+        super().__init__()
+        self._backend = backend
+        self._calls = list(calls)
+        self._result = result
+        self._what = what
+        self._then = then
+        self._lock = threading.Lock()
+        self._outcome: Optional[BaseException] = None
+        self._done = False
+        # (the future completed here, the one handed out): see get_future.
+        self._future: Optional[Tuple[torch.futures.Future, torch.futures.Future]] = None
+
+    def _finish(self, bound_s: Optional[float]) -> None:
+        """Wait for the calls (up to ``bound_s``; None: their own timeout), then record the
+        outcome once, run ``then`` and complete the future."""
+        error: Optional[BaseException] = None
+        try:
+            for c in self._calls:
+                c.wait(bound_s)
+        except tutti.TuttiError as e:
+            if e.code == "TUTTI_ERROR_WAIT_TIMEOUT":
+                reason = (
+                    f"rank {self._backend.rank()}: {self._what} did not complete within "
+                    f"torch's timeout of {bound_s} s"
+                )
+                self._backend.abort_group(reason)
+                raise tutti.TuttiError(e.result, reason) from None
+            error = e
+        with self._lock:
+            if self._done:
+                return
+            if error is None and self._then is not None:
+                try:
+                    self._then()
+                except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                    error = e
+            self._outcome, self._done = error, True
+            future = self._future
+        if future is not None:
+            self._complete(future[0])
+
+    def _complete(self, inner: torch.futures.Future) -> None:
+        inner.set_result((self._outcome, self._result))
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        ms = _millis(timeout)
+        self._finish(None if ms is None else ms / 1000)
+        if self._outcome is not None:
+            raise self._outcome
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or all(c.is_completed() for c in self._calls)
+
+    def is_success(self) -> bool:
+        return self._done and self._outcome is None
+
+    def exception(self) -> Optional[BaseException]:
+        return self._outcome
+
+    def result(self) -> Any:
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        """A future of the call's result (the tensors), or of its error. The error reaches C++
+        (DDP's reducer) as an error: an inner future completes with (error, result) and this
+        one is its ``then``, which raises the error. (``Future.set_exception`` would not do:
+        C++ would see a successful future holding a Python exception object.)"""
+        with self._lock:
+            if self._future is not None:
+                return self._future[1]
+            inner: torch.futures.Future = torch.futures.Future()
+            self._future = (inner, inner.then(_unwrap))
+            done = self._done
+        if done:
+            self._complete(inner)
+        else:
+            self._backend._waiter.submit(self)
+        return self._future[1]
+
+
+def _unwrap(inner: torch.futures.Future) -> Any:
+    error, result = inner.value()
+    if error is not None:
+        raise error.with_traceback(None)
+    return result
+
+
+# ----- the backend -----
+
+
+def _one_tensor(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise ValueError(f"{what}: tutti takes one tensor per rank, not {len(tensors)}")
+    return tensors[0]
+
+
+def _flat_view(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One tensor over ``tensors`` when they lie back to back in one storage (as
+    ``torch.empty(n * k).chunk(n)`` makes them), else None."""
+    first = tensors[0]
+    if not all(t.is_contiguous() and t.dtype == first.dtype and t.device == first.device for t in tensors):
+        return None
+    nbytes = first.numel() * first.element_size()
+    if any(t.numel() != first.numel() for t in tensors):
+        return None
+    base = first.data_ptr()
+    if any(t.data_ptr() != base + i * nbytes for i, t in enumerate(tensors)):
+        return None
+    if any(t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for t in tensors):
+        return None
+    flat = torch.empty(0, dtype=first.dtype, device=first.device)
+    flat.set_(first.untyped_storage(), first.storage_offset(), (first.numel() * len(tensors),))
+    return flat
+
+
+class TuttiBackend(_CBackend):
+    """One rank of a torch process group, over a tutti communicator. Made by torch through
+    ``init_process_group("tutti")`` and ``new_group(...)``; not constructed directly."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta):
+        super().__init__(rank, size)
+        self._timeout_s = timeout.total_seconds() if timeout.total_seconds() > 0 else None
+        token_store = _TorchStore(store)
+        if rank == 0:
+            store.set(_TOKEN_KEY, secrets.token_hex(16))
+        token = token_store.get(_TOKEN_KEY, self._timeout_s or 300.0).decode()
+        self._comm = tutti.from_store(
+            rank,
+            size,
+            token_store,
+            token,
+            listen_host=_listen_host(store),
+            timeout=self._timeout_s,
+        )
+        self._waiter = _Waiter()
+
+    # -- torch's bookkeeping --
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND_NAME
+
+    def abort_group(self, reason: str) -> None:
+        """Fail every call of this group, on every rank, with ``reason``."""
+        try:
+            self._comm.abort(reason)
+        except (tutti.TuttiError, ValueError):
+            pass
+
+    def abort(self) -> None:
+        self.abort_group(f"rank {self.rank()}: torch aborted the process group")
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        self._waiter.stop()
+        try:
+            self._comm.close()
+        except ValueError:
+            pass
+
+    # -- helpers --
+
+    def _op(self, reduce_op: Any, what: str, tensor: torch.Tensor) -> str:
+        inner = getattr(reduce_op, "op", reduce_op)
+        name = getattr(inner, "name", str(inner))
+        if name == "PREMUL_SUM":
+            return "premul_sum"
+        if name in ("BAND", "BOR", "BXOR"):
+            raise ValueError(f"{what}: tutti has no bitwise reduction ReduceOp.{name} yet")
+        return name.lower()
+
+    def _issue(self, what: str, calls: Callable[[], List[tutti.Work]], result: Any,
+               then: Optional[Callable[[], None]] = None) -> _Work:
+        """The calls' ``Work``. A group that has already failed (a peer lost, aborted) fails
+        the work, not the issuing call: DDP issues from inside the backward pass, where torch
+        does not expect the backend to raise, and reports the future's error instead."""
+        try:
+            issued = calls()
+        except tutti.TuttiError as e:
+            work = _Work(self, [], result, what, None)
+            work._outcome, work._done = e, True
+            return work
+        return _Work(self, issued, result, what, then)
+
+    def _reduce_args(self, tensor: torch.Tensor, opts: Any, what: str, in_place: bool):
+        """The op for tutti, and the input to reduce: PREMUL_SUM scales the input by its
+        factor first (in place where the call is in place, else into a copy), then sums."""
+        op = self._op(opts.reduceOp, what, tensor)
+        if op != "premul_sum":
+            return op, tensor
+        factor = getattr(opts.reduceOp, "factor", None)
+        if factor is None:
+            raise ValueError(f"{what}: ReduceOp.PREMUL_SUM without a factor")
+        return "sum", tensor.mul_(factor) if in_place else tensor * factor
+
+    # -- the collectives torch calls --
+
+    def allreduce(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
+        t = _one_tensor(tensors, "allreduce")
+        op, t = self._reduce_args(t, opts, "allreduce", in_place=True)
+        return self._issue("allreduce", lambda: [self._comm.all_reduce(t, op, async_op=True)], tensors)
+
+    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
+        args = [self._reduce_args(t, opts, "allreduce_coalesced", in_place=True) for t in tensors]
+        return self._issue(
+            "allreduce_coalesced",
+            lambda: [self._comm.all_reduce(t, op, async_op=True) for op, t in args],
+            tensors,
+        )
+
+    def broadcast(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
+        t = _one_tensor(tensors, "broadcast")
+        root = opts.rootRank
+        return self._issue("broadcast", lambda: [self._comm.broadcast(t, root, async_op=True)], tensors)
+
+    def reduce(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
+        t = _one_tensor(tensors, "reduce")
+        op, t = self._reduce_args(t, opts, "reduce", in_place=True)
+        root = opts.rootRank
+        return self._issue("reduce", lambda: [self._comm.reduce(t, op, root, out=t, async_op=True)], tensors)
+
+    def _gather_into(self, outputs: List[torch.Tensor], t: torch.Tensor, what: str,
+                     staged: List[Callable[[], None]]) -> List[tutti.Work]:
+        """All-gather ``t`` into the list ``outputs`` (one per rank): straight into them when
+        they lie back to back, else through one staging tensor, whose copy-out is appended to
+        ``staged`` (to run on completion)."""
+        if len(outputs) != self.size():
+            raise ValueError(f"{what}: {len(outputs)} output tensors for a group of {self.size()}")
+        flat = _flat_view(outputs)
+        if flat is not None:
+            return [self._comm.all_gather(t, out=flat, async_op=True)]
+        staging = torch.empty(t.numel() * self.size(), dtype=t.dtype, device=t.device)
+
+        def copy_out() -> None:
+            for o, part in zip(outputs, staging.chunk(self.size())):
+                o.copy_(part.view_as(o))
+
+        staged.append(copy_out)
+        return [self._comm.all_gather(t, out=staging, async_op=True)]
+
+    def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
+                  opts: Any) -> _Work:
+        t = _one_tensor(input_tensors, "allgather")
+        staged: List[Any] = []
+        return self._issue("allgather", lambda: self._gather_into(output_tensors[0], t, "allgather", staged),
+                           output_tensors, lambda: [f() for f in staged])
+
+    def allgather_coalesced(self, output_lists: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
+                            opts: Any) -> _Work:
+        staged: List[Any] = []
+        return self._issue(
+            "allgather_coalesced",
+            lambda: [c for outs, t in zip(output_lists, input_tensors)
+                     for c in self._gather_into(outs, t, "allgather_coalesced", staged)],
+            output_lists,
+            lambda: [f() for f in staged],
+        )
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> _Work:
+        return self._issue(
+            "_allgather_base", lambda: [self._comm.all_gather(input, out=output, async_op=True)], [output]
+        )
+
+    def all_gather_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                    opts: Any) -> _Work:
+        return self._issue(
+            "allgather_into_tensor_coalesced",
+            lambda: [self._comm.all_gather(i, out=o, async_op=True) for o, i in zip(outputs, inputs)],
+            outputs,
+        )
+
+    def reduce_scatter(self, output_tensors: List[torch.Tensor], input_lists: List[List[torch.Tensor]],
+                       opts: Any) -> _Work:
+        out = _one_tensor(output_tensors, "reduce_scatter")
+        inputs = input_lists[0]
+        if len(inputs) != self.size():
+            raise ValueError(f"reduce_scatter: {len(inputs)} input tensors for a group of {self.size()}")
+        flat = _flat_view(inputs)
+        if flat is None:
+            flat = torch.cat([i.reshape(-1) for i in inputs])
+        op, flat = self._reduce_args(flat, opts, "reduce_scatter", in_place=False)
+        return self._issue(
+            "reduce_scatter",
+            lambda: [self._comm.reduce_scatter(flat, op, out=out, async_op=True)],
+            output_tensors,
+        )
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> _Work:
+        op, src = self._reduce_args(input, opts, "_reduce_scatter_base", in_place=False)
+        return self._issue(
+            "_reduce_scatter_base",
+            lambda: [self._comm.reduce_scatter(src, op, out=output, async_op=True)],
+            [output],
+        )
+
+    def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                        opts: Any) -> _Work:
+        args = [self._reduce_args(i, opts, "reduce_scatter_tensor_coalesced", in_place=False) for i in inputs]
+        return self._issue(
+            "reduce_scatter_tensor_coalesced",
+            lambda: [self._comm.reduce_scatter(i, op, out=o, async_op=True) for o, (op, i) in zip(outputs, args)],
+            outputs,
+        )
+
+    def barrier(self, opts: Any = None) -> _Work:
+        return self._issue("barrier", lambda: [self._comm.barrier(async_op=True)], [])
+
+    # -- what tutti does not have yet --
+
+    def _missing(self, what: str):
+        raise NotImplementedError(
+            f"{what}: the tutti backend has no {what} yet (use a group of another backend for it, "
+            "e.g. init_process_group(\"cpu:gloo\") alongside)"
+        )
+
+    def alltoall(self, output_tensors, input_tensors, opts):
+        self._missing("alltoall")
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
+        self._missing("alltoall_base (all_to_all_single)")
+
+    def send(self, tensors, dst, tag):
+        self._missing("send")
+
+    def recv(self, tensors, src, tag):
+        self._missing("recv")
+
+    def gather(self, output_tensors, input_tensors, opts):
+        self._missing("gather")
+
+    def scatter(self, output_tensors, input_tensors, opts):
+        self._missing("scatter")
+
+
+def _create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> TuttiBackend:
+    return TuttiBackend(store, rank, size, timeout)
+
+
+if BACKEND_NAME.upper() not in dist.Backend._plugins:
+    dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
