@@ -284,3 +284,17 @@ def test_untested_torch_is_refused_saying_so():
     env.pop("TUTTI_TORCH_UNTESTED", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "tested with torch" in out.stdout and "1.0.0" in out.stdout, out
+
+
+def test_the_backends_public_names_have_docstrings():
+    import inspect
+
+    import tutti.torch as tt
+
+    for name in tt.__all__:
+        obj = getattr(tt, name)
+        if inspect.isclass(obj):
+            assert obj.__doc__, name
+            for m, f in vars(obj).items():
+                if not m.startswith("_") and callable(f):
+                    assert f.__doc__, f"{name}.{m} has no docstring"

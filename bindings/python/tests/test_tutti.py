@@ -550,3 +550,29 @@ def test_a_store_that_fails_is_named_with_its_error():
     assert isinstance(e.value.__cause__, OSError)
     with pytest.raises(tutti.TuttiError, match="16"):
         tutti.from_store(0, 1, _DictStore(), "short", timeout=5)
+
+
+def test_every_public_name_has_a_docstring_and_a_type_hint():
+    import ast
+    import inspect
+
+    stub = ast.parse((pathlib.Path(tutti.__file__).with_name("__init__.pyi")).read_text())
+    hinted = {n.name for n in stub.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    hinted |= {t.id for n in stub.body if isinstance(n, ast.AnnAssign) for t in [n.target]}
+    for name in tutti.__all__:
+        obj = getattr(tutti, name)
+        assert name in hinted, f"{name} has no type hint in __init__.pyi"
+        if inspect.isfunction(obj) or inspect.isclass(obj):
+            assert obj.__doc__, f"{name} has no docstring"
+        if inspect.isclass(obj):
+            for m, f in vars(obj).items():
+                if not m.startswith("_") and callable(f):
+                    assert f.__doc__, f"{name}.{m} has no docstring"
+
+
+def test_groups_close_as_context_managers():
+    with tutti.local_group(2) as g:
+        assert isinstance(g, list) and len(g) == 2
+    for c in g:
+        with pytest.raises(ValueError):
+            c.barrier()

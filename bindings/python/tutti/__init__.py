@@ -49,7 +49,10 @@ __all__ = [
     "Device",
     "Replicas",
     "Communicator",
+    "Group",
     "local_group",
+    "device_group",
+    "Work",
     "join",
     "from_env",
     "from_store",
@@ -856,6 +859,8 @@ class Communicator:
         return np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)
 
     def abort(self, reason=None):
+        """Fail the calls running on every rank of the group, and every later one, with
+        ``reason``; callable from any thread (a watchdog's)."""
         with self._h.use() as h:
             _check(_library().tutti_comm_abort(h, reason.encode() if reason else None))
 
@@ -987,9 +992,25 @@ def _index(value, name):
     return int(value)
 
 
+class Group(list):
+    """The communicators of an in-process group, rank 0 first (a list): hand each to its own
+    thread. As a context manager, or with ``close()``, it closes every one of them."""
+
+    def close(self):
+        """Close every communicator of the group (see ``Communicator.close``)."""
+        for c in self:
+            c.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def local_group(n, timeout=None, algorithm="auto", chunk_bytes=None, device="cpu"):
-    """An in-process group of ``n`` ranks: a list of ``Communicator``, rank 0 first; hand each
-    to its own thread. ``device`` is the kind of device the ranks are on: "cpu" (host memory),
+    """An in-process group of ``n`` ranks: a ``Group`` (a list) of ``Communicator``, rank 0
+    first; hand each to its own thread. ``device`` is the kind of device the ranks are on: "cpu" (host memory),
     or "xla" for ranks "xla:0" … "xla:n-1" (see ``device_group``)."""
     if device != "cpu":
         return device_group([f"{device}:{i}" for i in range(n)], timeout, algorithm, chunk_bytes)
@@ -997,7 +1018,7 @@ def local_group(n, timeout=None, algorithm="auto", chunk_bytes=None, device="cpu
     config = _config(timeout, algorithm, chunk_bytes)
     handles = (ctypes.c_void_p * max(n, 1))()
     _check(lib.tutti_comm_create_group(n, ctypes.byref(config), handles))
-    return [Communicator(ctypes.c_void_p(h)) for h in handles[:n]]
+    return Group(Communicator(ctypes.c_void_p(h)) for h in handles[:n])
 
 
 def device_group(devices, timeout=None, algorithm="auto", chunk_bytes=None):
@@ -1011,7 +1032,7 @@ def device_group(devices, timeout=None, algorithm="auto", chunk_bytes=None):
     specs = (ctypes.c_char_p * max(len(devices), 1))(*[str(d).encode() for d in devices])
     handles = (ctypes.c_void_p * max(len(devices), 1))()
     _check(lib.tutti_comm_create_devices(len(devices), specs, ctypes.byref(config), handles))
-    return [Communicator(ctypes.c_void_p(h), str(d)) for h, d in zip(handles[: len(devices)], devices)]
+    return Group(Communicator(ctypes.c_void_p(h), str(d)) for h, d in zip(handles[: len(devices)], devices))
 
 
 def join(rank, world_size, master_addr, timeout=None, algorithm="auto", chunk_bytes=None, transport="auto"):

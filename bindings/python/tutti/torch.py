@@ -310,6 +310,7 @@ class TuttiBackend(_CBackend):
     # -- torch's bookkeeping --
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        """The name torch knows this backend by: "tutti"."""
         return BACKEND_NAME
 
     def abort_group(self, reason: str) -> None:
@@ -320,10 +321,12 @@ class TuttiBackend(_CBackend):
             pass
 
     def abort(self) -> None:
+        """Abort the group (every rank's calls fail at once, naming this rank) and release it."""
         self.abort_group(f"rank {self.rank()}: torch aborted the process group")
         self.shutdown()
 
     def shutdown(self) -> None:
+        """Release the communicator (destroy_process_group); calls still running are waited for, up to the timeout."""
         self._waiter.stop()
         try:
             self._comm.close()
@@ -368,11 +371,13 @@ class TuttiBackend(_CBackend):
     # -- the collectives torch calls --
 
     def allreduce(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
+        """``dist.all_reduce``: the tensor becomes the op over every rank's, in place."""
         t = _one_tensor(tensors, "allreduce")
         op, t = self._reduce_args(t, opts, "allreduce", in_place=True)
         return self._issue("allreduce", lambda: [self._comm.all_reduce(t, op, async_op=True)], tensors)
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
+        """``dist.all_reduce_coalesced``: each tensor all-reduced in place, in order."""
         args = [self._reduce_args(t, opts, "allreduce_coalesced", in_place=True) for t in tensors]
         return self._issue(
             "allreduce_coalesced",
@@ -381,11 +386,13 @@ class TuttiBackend(_CBackend):
         )
 
     def broadcast(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
+        """``dist.broadcast``: the tensor becomes the root rank's, in place."""
         t = _one_tensor(tensors, "broadcast")
         root = opts.rootRank
         return self._issue("broadcast", lambda: [self._comm.broadcast(t, root, async_op=True)], tensors)
 
     def reduce(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
+        """``dist.reduce``: the root's tensor becomes the op over every rank's; others are unchanged."""
         t = _one_tensor(tensors, "reduce")
         op, t = self._reduce_args(t, opts, "reduce", in_place=True)
         root = opts.rootRank
@@ -412,6 +419,7 @@ class TuttiBackend(_CBackend):
 
     def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
                   opts: Any) -> _Work:
+        """``dist.all_gather``: output list ``[r]`` becomes rank r's input."""
         t = _one_tensor(input_tensors, "allgather")
         staged: List[Any] = []
         return self._issue("allgather", lambda: self._gather_into(output_tensors[0], t, "allgather", staged),
@@ -419,6 +427,7 @@ class TuttiBackend(_CBackend):
 
     def allgather_coalesced(self, output_lists: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
                             opts: Any) -> _Work:
+        """``dist.all_gather_coalesced``: an all-gather per input tensor."""
         staged: List[Any] = []
         return self._issue(
             "allgather_coalesced",
@@ -429,12 +438,14 @@ class TuttiBackend(_CBackend):
         )
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> _Work:
+        """``dist.all_gather_into_tensor``: every rank's input back to back in ``output``."""
         return self._issue(
             "_allgather_base", lambda: [self._comm.all_gather(input, out=output, async_op=True)], [output]
         )
 
     def all_gather_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                     opts: Any) -> _Work:
+        """``allgather_into_tensor_coalesced`` (FSDP): one all-gather per pair."""
         return self._issue(
             "allgather_into_tensor_coalesced",
             lambda: [self._comm.all_gather(i, out=o, async_op=True) for o, i in zip(outputs, inputs)],
@@ -443,6 +454,7 @@ class TuttiBackend(_CBackend):
 
     def reduce_scatter(self, output_tensors: List[torch.Tensor], input_lists: List[List[torch.Tensor]],
                        opts: Any) -> _Work:
+        """``dist.reduce_scatter``: the output becomes this rank's slot of the op over every rank's list."""
         out = _one_tensor(output_tensors, "reduce_scatter")
         inputs = input_lists[0]
         if len(inputs) != self.size():
@@ -458,6 +470,7 @@ class TuttiBackend(_CBackend):
         )
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> _Work:
+        """``dist.reduce_scatter_tensor``: this rank's slice of the op over every rank's ``input``."""
         op, src = self._reduce_args(input, opts, "_reduce_scatter_base", in_place=False)
         return self._issue(
             "_reduce_scatter_base",
@@ -467,6 +480,7 @@ class TuttiBackend(_CBackend):
 
     def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                         opts: Any) -> _Work:
+        """``reduce_scatter_tensor_coalesced`` (FSDP): one reduce-scatter per pair."""
         args = [self._reduce_args(i, opts, "reduce_scatter_tensor_coalesced", in_place=False) for i in inputs]
         return self._issue(
             "reduce_scatter_tensor_coalesced",
@@ -475,6 +489,7 @@ class TuttiBackend(_CBackend):
         )
 
     def barrier(self, opts: Any = None) -> _Work:
+        """``dist.barrier``: completes once every rank has called it."""
         return self._issue("barrier", lambda: [self._comm.barrier(async_op=True)], [])
 
     # -- what tutti does not have yet --
@@ -486,21 +501,27 @@ class TuttiBackend(_CBackend):
         )
 
     def alltoall(self, output_tensors, input_tensors, opts):
+        """Not in tutti yet: raises NotImplementedError naming the call."""
         self._missing("alltoall")
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
+        """Not in tutti yet: raises NotImplementedError naming the call."""
         self._missing("alltoall_base (all_to_all_single)")
 
     def send(self, tensors, dst, tag):
+        """Not in tutti yet: raises NotImplementedError naming the call."""
         self._missing("send")
 
     def recv(self, tensors, src, tag):
+        """Not in tutti yet: raises NotImplementedError naming the call."""
         self._missing("recv")
 
     def gather(self, output_tensors, input_tensors, opts):
+        """Not in tutti yet: raises NotImplementedError naming the call."""
         self._missing("gather")
 
     def scatter(self, output_tensors, input_tensors, opts):
+        """Not in tutti yet: raises NotImplementedError naming the call."""
         self._missing("scatter")
 
 
