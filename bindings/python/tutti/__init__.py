@@ -1052,8 +1052,6 @@ class _StoreCallbacks:
     kept (the first) and the callback reports failure; ``from_store`` raises it with tutti's
     error."""
 
-    _TIMEOUT = 1  # TUTTI_STORE_TIMEOUT: get's key was not set in time
-
     def __init__(self, store):
         self.store = store
         self.error = None
@@ -1077,10 +1075,8 @@ class _StoreCallbacks:
         try:
             value = bytes(self.store.get(key.decode(), timeout_ms / 1000))
         except TimeoutError:
-            return self._TIMEOUT
+            return _STORE_TIMEOUT
         except BaseException as e:  # noqa: BLE001
-            if "timeout" in str(e).lower():  # torch's DistStoreError says "Wait timeout"
-                return self._TIMEOUT
             return self._fail(e)
         length[0] = len(value)
         ctypes.memmove(buf, value, min(len(value), cap))

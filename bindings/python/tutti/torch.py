@@ -90,7 +90,14 @@ class _TorchStore:
         self.store.set(key, value)
 
     def get(self, key: str, timeout_s: float) -> bytes:
-        self.store.wait([key], datetime.timedelta(seconds=timeout_s))
+        # At least a millisecond: torch reads a zero timeout as "wait forever".
+        bound = datetime.timedelta(seconds=max(timeout_s, 0.001))
+        try:
+            self.store.wait([key], bound)
+        except dist.DistStoreError as e:
+            if "timeout" in str(e).lower():  # torch's own words: "Wait timeout"
+                raise TimeoutError(f"store key {key!r} was not set within {bound}") from e
+            raise
         return self.store.get(key)
 
     def add(self, key: str, delta: int) -> int:
