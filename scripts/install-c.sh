@@ -17,9 +17,13 @@
 # LD_LIBRARY_PATH (README, "C API").
 set -euo pipefail
 
-usage() {
-    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2
-    exit 2
+usage() { # exit-status: the comment above, on stdout for --help and on stderr otherwise
+    if [ "$1" = 0 ]; then
+        sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+    else
+        sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2
+    fi
+    exit "$1"
 }
 
 prefix=""
@@ -34,11 +38,11 @@ while [ $# -gt 0 ]; do
             profile=$2; shift 2 ;;
         --profile=*) profile=${1#--profile=}; shift ;;
         --no-build) build=0; shift ;;
-        -h|--help) usage ;;
-        *) echo "install-c.sh: unknown argument '$1'" >&2; usage ;;
+        -h|--help) usage 0 ;;
+        *) echo "install-c.sh: unknown argument '$1'" >&2; usage 2 ;;
     esac
 done
-[ -n "$prefix" ] || { echo "install-c.sh: --prefix DIR is required" >&2; usage; }
+[ -n "$prefix" ] || { echo "install-c.sh: --prefix DIR is required" >&2; usage 2; }
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 target_dir=${CARGO_TARGET_DIR:-$repo/target}
