@@ -3,7 +3,9 @@
 //!
 //! It computes in `f64` for floats (then rounds once to the element type) and in the element type
 //! with wrapping arithmetic for integers, over the inputs in rank order. `Mean` is the sum divided
-//! by the number of inputs (integers: wrapped sum, truncated toward zero).
+//! by the number of inputs (integers: wrapped sum, truncated toward zero). The bitwise ops are
+//! computed on the integer types; on a float type (which the communicator rejects) on the bits, as
+//! the kernels do.
 
 use crate::dtype::{DType, Element, ReduceOp};
 
@@ -15,6 +17,10 @@ fn fold_f64(op: ReduceOp, vals: impl Iterator<Item = f64>, n: usize) -> f64 {
         ReduceOp::Prod => a * b,
         ReduceOp::Min => a.min(b),
         ReduceOp::Max => a.max(b),
+        // Not reached: `reduce` runs the bitwise ops of the float types on their bits.
+        ReduceOp::BAnd => f64::from_bits(a.to_bits() & b.to_bits()),
+        ReduceOp::BOr => f64::from_bits(a.to_bits() | b.to_bits()),
+        ReduceOp::BXor => f64::from_bits(a.to_bits() ^ b.to_bits()),
     });
     if op == ReduceOp::Mean {
         r / n as f64
@@ -32,6 +38,9 @@ macro_rules! fold_int {
             ReduceOp::Prod => a.wrapping_mul(b),
             ReduceOp::Min => a.min(b),
             ReduceOp::Max => a.max(b),
+            ReduceOp::BAnd => a & b,
+            ReduceOp::BOr => a | b,
+            ReduceOp::BXor => a ^ b,
         });
         if $op == ReduceOp::Mean {
             (r as $wide / $n as $wide) as $t
@@ -63,6 +72,9 @@ pub fn reduce<T: Element>(inputs: &[&[T]], op: ReduceOp) -> Vec<T> {
         DType::U32 => ints!(u32, u64),
         DType::I64 => ints!(i64, i64),
         DType::U64 => ints!(u64, u64),
+        DType::F16 | DType::BF16 if op.is_bitwise() => ints!(u16, u64),
+        DType::F32 if op.is_bitwise() => ints!(u32, u64),
+        DType::F64 if op.is_bitwise() => ints!(u64, u64),
         _ => (0..len)
             .map(|i| T::from_f64(fold_f64(op, col(i).map(T::to_f64), n)))
             .collect(),

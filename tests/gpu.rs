@@ -318,6 +318,11 @@ fn kernel_source_covers_every_dtype_and_op() {
     for d in DType::ALL {
         for op in ReduceOp::ALL {
             let name = kernels::reduce_kernel_name(d, op);
+            if op.check(d).is_err() {
+                // Bitwise ops on a float type: no kernel (the call is refused before).
+                assert!(!src.contains(&format!("void {name}(")), "{name}");
+                continue;
+            }
             let start = src
                 .find(&format!("void {name}("))
                 .unwrap_or_else(|| panic!("{name} missing"));
@@ -343,6 +348,9 @@ fn kernel_source_covers_every_dtype_and_op() {
                 (ReduceOp::Prod, true) => "a * b",
                 (ReduceOp::Sum | ReduceOp::Mean, false) => ")a + (",
                 (ReduceOp::Prod, false) => ")a * (",
+                (ReduceOp::BAnd, _) => "(a & b)",
+                (ReduceOp::BOr, _) => "(a | b)",
+                (ReduceOp::BXor, _) => "(a ^ b)",
             };
             assert!(body.contains(combine), "{name} lacks {combine}: {body}");
             if !d.is_float() {
@@ -454,7 +462,10 @@ fn host_check<T: Element>(lib: &libloading::Library) {
     let run: libloading::Symbol<HostRun> = unsafe { lib.get(b"tutti_run").unwrap() };
     let n = 257;
     for p in [1usize, 2, 3, 5] {
-        for op in ReduceOp::ALL {
+        for op in ReduceOp::ALL
+            .into_iter()
+            .filter(|op| op.check(T::DTYPE).is_ok())
+        {
             let inputs: Vec<Vec<T>> = (0..p)
                 .map(|r| {
                     (0..n)
@@ -597,8 +608,9 @@ fn algorithm_names_and_nccl_codes() {
     assert!("direct".parse::<GpuAlgorithm>().is_err());
     assert_eq!(gpu::nccl_dtype(DType::F16), 6);
     assert_eq!(gpu::nccl_dtype(DType::I8), 0);
-    assert_eq!(gpu::nccl_op(ReduceOp::Sum), 0);
-    assert_eq!(gpu::nccl_op(ReduceOp::Mean), 4);
+    assert_eq!(gpu::nccl_op(ReduceOp::Sum), Some(0));
+    assert_eq!(gpu::nccl_op(ReduceOp::Mean), Some(4));
+    assert_eq!(gpu::nccl_op(ReduceOp::BAnd), None);
     assert_eq!(gpu::decode_version(22703), (2, 27, 3));
 }
 
@@ -737,7 +749,24 @@ fn every_collective<T: Element>(group: &GpuGroup, label: &str, counts: &[usize])
     };
     for &n in counts {
         let what = |c: &str, extra: String| format!("{label} {} n={n} {c} {extra}", T::DTYPE);
+        let nccl = group.algorithm() == GpuAlgorithm::Nccl;
         for op in ReduceOp::ALL {
+            if op.is_bitwise() && (T::DTYPE.is_float() || nccl) {
+                // Refused before anything runs: no bitwise ops on floats, none in NCCL.
+                let mut bufs = up(&vec![vec![T::from_f64(1.0); n]; p]);
+                let e = group.all_reduce(&mut bufs, op).unwrap_err();
+                let want = if T::DTYPE.is_float() {
+                    format!("{op} is defined on integer types only, not {}", T::DTYPE)
+                } else {
+                    format!("{op} is not available on NCCL")
+                };
+                assert!(
+                    e.to_string().contains(&want),
+                    "{}: {e}",
+                    what("all_reduce", format!("{op}"))
+                );
+                continue;
+            }
             let inputs: Vec<Vec<T>> = (0..p)
                 .map(|r| (0..n).map(|i| value(r, i, op)).collect())
                 .collect();
@@ -961,7 +990,7 @@ fn nccl_with_one_rank_per_process_through_the_store() {
                     let group = GpuGroup::from_store(&store, r, world, &devs, &config()).unwrap();
                     assert_eq!(group.first_rank(), r);
                     let n = 4099;
-                    for op in ReduceOp::ALL {
+                    for op in ReduceOp::ALL.into_iter().filter(|o| !o.is_bitwise()) {
                         let mine: Vec<f32> = (0..n).map(|i| value(r, i, op)).collect();
                         let mut b = vec![GpuBuffer::from_host(&devs[0], &mine).unwrap()];
                         group.all_reduce(&mut b, op).unwrap();

@@ -379,6 +379,22 @@ fn check_root(root: usize, world: usize) -> std::result::Result<(), String> {
 }
 
 impl Communicator {
+    /// `op` is defined on `dtype` (the bitwise ops on the integer types only) and the group's
+    /// engine can run it (NCCL has no bitwise ops).
+    fn check_op(&self, dtype: DType, op: ReduceOp) -> std::result::Result<(), String> {
+        op.check(dtype)?;
+        match self
+            .progress
+            .shared()
+            .engine
+            .as_ref()
+            .and_then(|e| e.op_unavailable(op))
+        {
+            Some(why) => Err(why),
+            None => Ok(()),
+        }
+    }
+
     /// All-reduce of raw bytes holding `dtype` elements: `output = ⊕ over ranks of input`, or in
     /// place in `output` when `input` is `None`.
     pub(super) fn all_reduce_call(
@@ -388,21 +404,24 @@ impl Communicator {
         output: BytesMut,
         op: ReduceOp,
     ) -> Call {
-        let check = elems(dtype, "the buffer", output.len()).and_then(|n| match input {
-            Some(i) if i.len() != output.len() => Err(format!(
-                "the input holds {} elements but the output {n}; they must be equal",
-                i.len() / dtype.size()
-            )),
-            _ => {
-                let i = input.map_or(output.as_ptr(), |i| i.as_ptr());
-                aligned(
-                    dtype,
-                    n,
-                    &[("the input", i), ("the output", output.as_ptr())],
-                )
-                .map(|_| n)
-            }
-        });
+        let check = self.check_op(dtype, op);
+        let check = check
+            .and_then(|_| elems(dtype, "the buffer", output.len()))
+            .and_then(|n| match input {
+                Some(i) if i.len() != output.len() => Err(format!(
+                    "the input holds {} elements but the output {n}; they must be equal",
+                    i.len() / dtype.size()
+                )),
+                _ => {
+                    let i = input.map_or(output.as_ptr(), |i| i.as_ptr());
+                    aligned(
+                        dtype,
+                        n,
+                        &[("the input", i), ("the output", output.as_ptr())],
+                    )
+                    .map(|_| n)
+                }
+            });
         let count = *check.as_ref().unwrap_or(&0);
         let buffers = CallBuffers {
             input: input.map_or(output.as_ptr(), |i| i.as_ptr()),
@@ -519,7 +538,8 @@ impl Communicator {
         op: ReduceOp,
     ) -> Call {
         let p = self.world_size();
-        let check = elems(dtype, "the output", output.len()).and_then(|n| {
+        let check = self.check_op(dtype, op);
+        let check = check.and_then(|_| elems(dtype, "the output", output.len())).and_then(|n| {
             // Checked: world × a huge output must not wrap round to the input's length.
             if output.len().checked_mul(p) != Some(input.len()) {
                 Err(format!(
@@ -571,27 +591,34 @@ impl Communicator {
             .map(|i| i.len())
             .or(output.as_ref().map(|o| o.len()))
             .unwrap_or(0);
-        let check = elems(dtype, "the buffer", len).and_then(|n| {
-            check_root(root, self.world_size())?;
-            match (input, &output) {
-                (None, None) if is_root => Err("the root needs an output buffer".to_string()),
-                (None, None) => Err("ranks other than the root need an input buffer".to_string()),
-                (Some(i), Some(o)) if i.len() != o.len() => Err(format!(
-                    "the input holds {} elements but the output {}; they must be equal",
-                    i.len() / dtype.size(),
-                    o.len() / dtype.size()
-                )),
-                (Some(_), None) if is_root => Err("the root needs an output buffer".to_string()),
-                _ => {
-                    let i = input.map(|i| i.as_ptr()).unwrap_or(std::ptr::null());
-                    let o = output
-                        .as_ref()
-                        .map(|o| o.as_ptr())
-                        .unwrap_or(std::ptr::null());
-                    aligned(dtype, n, &[("the input", i), ("the output", o)]).map(|_| n)
+        let check = self.check_op(dtype, op);
+        let check = check
+            .and_then(|_| elems(dtype, "the buffer", len))
+            .and_then(|n| {
+                check_root(root, self.world_size())?;
+                match (input, &output) {
+                    (None, None) if is_root => Err("the root needs an output buffer".to_string()),
+                    (None, None) => {
+                        Err("ranks other than the root need an input buffer".to_string())
+                    }
+                    (Some(i), Some(o)) if i.len() != o.len() => Err(format!(
+                        "the input holds {} elements but the output {}; they must be equal",
+                        i.len() / dtype.size(),
+                        o.len() / dtype.size()
+                    )),
+                    (Some(_), None) if is_root => {
+                        Err("the root needs an output buffer".to_string())
+                    }
+                    _ => {
+                        let i = input.map(|i| i.as_ptr()).unwrap_or(std::ptr::null());
+                        let o = output
+                            .as_ref()
+                            .map(|o| o.as_ptr())
+                            .unwrap_or(std::ptr::null());
+                        aligned(dtype, n, &[("the input", i), ("the output", o)]).map(|_| n)
+                    }
                 }
-            }
-        });
+            });
         let count = *check.as_ref().unwrap_or(&0);
         let (out_ptr, out_len) = match &output {
             Some(o) => (o.as_ptr() as *mut u8, o.len()),

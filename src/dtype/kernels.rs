@@ -40,6 +40,11 @@ const BLOCK: usize = 1024;
 /// `op` must be a combining op: pass `ReduceOp::Sum` with `divide_by = Some(n)` for a mean (a
 /// `Mean` passed here is treated as `Sum`). Every slice must have the same length, a multiple of
 /// `dtype.size()`; slices of other lengths are a bug in the caller and panic.
+///
+/// The bitwise ops (`BAnd`, `BOr`, `BXor`) are for the integer types; the communicator rejects
+/// them on a float type before a call starts ([`ReduceOp::check`]). Given a float type anyway,
+/// they combine the bit patterns of its elements (as the unsigned integer of the same size),
+/// never widened, so that the result is still defined.
 pub fn reduce(
     dtype: DType,
     op: ReduceOp,
@@ -76,6 +81,10 @@ pub fn reduce(
         }};
     }
     match dtype {
+        // Bitwise ops on a float type: on the bits (see above), never through f32 widening.
+        DType::F32 if op.is_bitwise() => native!(u32),
+        DType::F64 if op.is_bitwise() => native!(u64),
+        DType::F16 | DType::BF16 if op.is_bitwise() => native!(u16),
         DType::F32 => native!(f32),
         DType::F64 => native!(f64),
         DType::I8 => native!(i8),
@@ -102,6 +111,10 @@ trait Arith: Copy + bytemuck::Pod {
     fn min(a: Self, b: Self) -> Self;
     fn max(a: Self, b: Self) -> Self;
     fn div_n(a: Self, n: usize) -> Self;
+    /// Bitwise AND, OR, XOR (integers; a float's are on its bits, see [`reduce`]).
+    fn and(a: Self, b: Self) -> Self;
+    fn or(a: Self, b: Self) -> Self;
+    fn xor(a: Self, b: Self) -> Self;
 }
 
 macro_rules! arith_float {
@@ -126,6 +139,18 @@ macro_rules! arith_float {
             #[inline(always)]
             fn div_n(a: Self, n: usize) -> Self {
                 a / n as $t
+            }
+            #[inline(always)]
+            fn and(a: Self, b: Self) -> Self {
+                <$t>::from_bits(a.to_bits() & b.to_bits())
+            }
+            #[inline(always)]
+            fn or(a: Self, b: Self) -> Self {
+                <$t>::from_bits(a.to_bits() | b.to_bits())
+            }
+            #[inline(always)]
+            fn xor(a: Self, b: Self) -> Self {
+                <$t>::from_bits(a.to_bits() ^ b.to_bits())
             }
         }
     };
@@ -157,11 +182,24 @@ macro_rules! arith_int {
                 // Divide in the wide type so that a world size above the type's range is right.
                 (a as $wide / n as $wide) as $t
             }
+            #[inline(always)]
+            fn and(a: Self, b: Self) -> Self {
+                a & b
+            }
+            #[inline(always)]
+            fn or(a: Self, b: Self) -> Self {
+                a | b
+            }
+            #[inline(always)]
+            fn xor(a: Self, b: Self) -> Self {
+                a ^ b
+            }
         }
     };
 }
 arith_int!(i8, i64);
 arith_int!(u8, u64);
+arith_int!(u16, u64);
 arith_int!(i32, i64);
 arith_int!(u32, u64);
 arith_int!(i64, i64);
@@ -178,6 +216,9 @@ fn combine2<T: Arith>(op: ReduceOp, d: &mut [T], s: &[T]) {
         ReduceOp::Prod => d.iter_mut().zip(s).for_each(|(x, y)| *x = T::mul(*x, *y)),
         ReduceOp::Min => d.iter_mut().zip(s).for_each(|(x, y)| *x = T::min(*x, *y)),
         ReduceOp::Max => d.iter_mut().zip(s).for_each(|(x, y)| *x = T::max(*x, *y)),
+        ReduceOp::BAnd => d.iter_mut().zip(s).for_each(|(x, y)| *x = T::and(*x, *y)),
+        ReduceOp::BOr => d.iter_mut().zip(s).for_each(|(x, y)| *x = T::or(*x, *y)),
+        ReduceOp::BXor => d.iter_mut().zip(s).for_each(|(x, y)| *x = T::xor(*x, *y)),
     }
 }
 
@@ -191,6 +232,9 @@ fn combine3<T: Arith>(op: ReduceOp, d: &mut [T], a: &[T], b: &[T]) {
         ReduceOp::Prod => it.for_each(|(x, (p, q))| *x = T::mul(*p, *q)),
         ReduceOp::Min => it.for_each(|(x, (p, q))| *x = T::min(*p, *q)),
         ReduceOp::Max => it.for_each(|(x, (p, q))| *x = T::max(*p, *q)),
+        ReduceOp::BAnd => it.for_each(|(x, (p, q))| *x = T::and(*p, *q)),
+        ReduceOp::BOr => it.for_each(|(x, (p, q))| *x = T::or(*p, *q)),
+        ReduceOp::BXor => it.for_each(|(x, (p, q))| *x = T::xor(*p, *q)),
     }
 }
 
@@ -457,6 +501,83 @@ mod tests {
         let mut out = [bf16::ZERO];
         bf16::narrow(&[f32::NAN], &mut out);
         assert!(out[0].is_nan());
+    }
+
+    /// Every integer type, every bitwise op, one to many sources (blocked past `BLOCK`), both
+    /// inits, against a plain fold.
+    #[test]
+    fn bitwise_ops_on_every_integer_type() {
+        fn check<T>(dtype: DType, mk: impl Fn(u64) -> T)
+        where
+            T: bytemuck::Pod + PartialEq + std::fmt::Debug,
+            T: std::ops::BitAnd<Output = T> + std::ops::BitOr<Output = T>,
+            T: std::ops::BitXor<Output = T>,
+        {
+            let n = BLOCK + 7;
+            let mut x = 0x9e37_79b9_7f4a_7c15u64;
+            let mut next = move || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            };
+            for op in [ReduceOp::BAnd, ReduceOp::BOr, ReduceOp::BXor] {
+                for k in 1..5 {
+                    let srcs: Vec<Vec<T>> = (0..k)
+                        .map(|_| (0..n).map(|_| mk(next())).collect())
+                        .collect();
+                    let f = |a: T, b: T| match op {
+                        ReduceOp::BAnd => a & b,
+                        ReduceOp::BOr => a | b,
+                        _ => a ^ b,
+                    };
+                    let want: Vec<T> = (0..n)
+                        .map(|i| srcs[1..].iter().fold(srcs[0][i], |a, s| f(a, s[i])))
+                        .collect();
+                    let b: Vec<Vec<u8>> = srcs.iter().map(|s| bytes(s)).collect();
+                    let refs: Vec<&[u8]> = b.iter().map(|v| v.as_slice()).collect();
+                    let mut d = vec![0u8; n * size_of::<T>()];
+                    reduce(dtype, op, &mut d, &refs, Init::Overwrite, None);
+                    assert_eq!(bytemuck::cast_slice::<u8, T>(&d), want, "{op} {dtype} {k}");
+                    let mut d = b[0].clone();
+                    reduce(dtype, op, &mut d, &refs[1..], Init::Accumulate, None);
+                    assert_eq!(bytemuck::cast_slice::<u8, T>(&d), want, "{op} {dtype} {k}");
+                }
+            }
+        }
+        check(DType::I8, |v| v as i8);
+        check(DType::U8, |v| v as u8);
+        check(DType::I32, |v| v as i32);
+        check(DType::U32, |v| v as u32);
+        check(DType::I64, |v| v as i64);
+        check(DType::U64, |v| v);
+    }
+
+    /// A bitwise op on a float type (rejected before a call; see `reduce`) combines the bits.
+    #[test]
+    fn bitwise_ops_on_floats_combine_bits() {
+        let mut d = bytes(&[f32::from_bits(0xff00_ff00)]);
+        let s = bytes(&[f32::from_bits(0x0ff0_0ff0)]);
+        reduce(
+            DType::F32,
+            ReduceOp::BXor,
+            &mut d,
+            &[&s],
+            Init::Accumulate,
+            None,
+        );
+        assert_eq!(bytemuck::cast_slice::<u8, u32>(&d), &[0xf0f0_f0f0]);
+        let mut d = bytes(&[0xff00u16]);
+        let s = bytes(&[0x0ff0u16]);
+        reduce(
+            DType::BF16,
+            ReduceOp::BAnd,
+            &mut d,
+            &[&s],
+            Init::Accumulate,
+            None,
+        );
+        assert_eq!(bytemuck::cast_slice::<u8, u16>(&d), &[0x0f00]);
     }
 
     #[test]

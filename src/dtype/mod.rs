@@ -128,6 +128,10 @@ impl FromStr for DType {
 /// * `Min`, `Max`: for floats, IEEE 754 `minNum`/`maxNum`: a NaN loses against a number.
 /// * `Mean`: `Sum` divided by the number of ranks taking part. Integer `Mean` divides the wrapped
 ///   sum and truncates toward zero (`-7 / 2 == -3`); float `Mean` divides once, after the sum.
+///   `avg` (torch's and NCCL's name) parses as `Mean`.
+/// * `BAnd`, `BOr`, `BXor`: bitwise AND, OR and XOR, on the integer types only (as MPI's
+///   `MPI_BAND`... and torch's `ReduceOp.BAND`...). On a float type they are an argument error
+///   ([`ReduceOp::check`]), raised before anything is sent.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 #[repr(u32)]
 pub enum ReduceOp {
@@ -141,16 +145,25 @@ pub enum ReduceOp {
     Max = 3,
     /// Element-wise sum divided by the number of ranks.
     Mean = 4,
+    /// Element-wise bitwise AND (integer types only).
+    BAnd = 5,
+    /// Element-wise bitwise OR (integer types only).
+    BOr = 6,
+    /// Element-wise bitwise XOR (integer types only).
+    BXor = 7,
 }
 
 impl ReduceOp {
     /// Every op, in tag order.
-    pub const ALL: [ReduceOp; 5] = [
+    pub const ALL: [ReduceOp; 8] = [
         ReduceOp::Sum,
         ReduceOp::Prod,
         ReduceOp::Min,
         ReduceOp::Max,
         ReduceOp::Mean,
+        ReduceOp::BAnd,
+        ReduceOp::BOr,
+        ReduceOp::BXor,
     ];
 
     /// The name used on the command line and in JSON.
@@ -161,7 +174,27 @@ impl ReduceOp {
             ReduceOp::Min => "min",
             ReduceOp::Max => "max",
             ReduceOp::Mean => "mean",
+            ReduceOp::BAnd => "band",
+            ReduceOp::BOr => "bor",
+            ReduceOp::BXor => "bxor",
         }
+    }
+
+    /// True for the bitwise ops (`BAnd`, `BOr`, `BXor`), which only the integer types have.
+    pub const fn is_bitwise(self) -> bool {
+        matches!(self, ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor)
+    }
+
+    /// Whether `self` is defined on `dtype`: every op is, on the integer types; the bitwise ops
+    /// are not on the float types. The error names the op and the type
+    /// (`band is defined on integer types only, not f32`).
+    pub fn check(self, dtype: DType) -> Result<(), String> {
+        if self.is_bitwise() && dtype.is_float() {
+            return Err(format!(
+                "{self} is defined on integer types only, not {dtype}"
+            ));
+        }
+        Ok(())
     }
 
     /// The op with this numeric value (as used by the C ABI).
@@ -198,7 +231,7 @@ impl FromStr for ReduceOp {
             .copied()
             .find(|o| o.name() == alias)
             .ok_or_else(|| {
-                format!("unknown reduce op '{s}' (expected sum, prod, min, max or mean)")
+                format!("unknown reduce op '{s}' (expected sum, prod, min, max, mean, avg, band, bor or bxor)")
             })
     }
 }
@@ -315,7 +348,31 @@ mod tests {
         }
         assert!("f8".parse::<DType>().unwrap_err().contains("f8"));
         assert_eq!(DType::from_u32(10), None);
-        assert_eq!(ReduceOp::from_u32(5), None);
+        assert_eq!(ReduceOp::from_u32(8), None);
+        assert_eq!(ReduceOp::from_u32(5), Some(ReduceOp::BAnd));
+        assert_eq!(ReduceOp::from_u32(7), Some(ReduceOp::BXor));
+        assert_eq!("avg".parse::<ReduceOp>().unwrap(), ReduceOp::Mean);
+        assert_eq!("BXOR".parse::<ReduceOp>().unwrap(), ReduceOp::BXor);
+        let e = "nand".parse::<ReduceOp>().unwrap_err();
+        assert!(e.contains("nand") && e.contains("band"), "{e}");
+    }
+
+    #[test]
+    fn bitwise_ops_are_integer_only() {
+        for d in DType::ALL {
+            for o in ReduceOp::ALL {
+                let r = o.check(d);
+                assert_eq!(r.is_err(), o.is_bitwise() && d.is_float(), "{o} on {d}");
+            }
+        }
+        assert_eq!(
+            ReduceOp::BAnd.check(DType::F32).unwrap_err(),
+            "band is defined on integer types only, not f32"
+        );
+        assert_eq!(
+            ReduceOp::BXor.check(DType::BF16).unwrap_err(),
+            "bxor is defined on integer types only, not bf16"
+        );
     }
 
     #[test]

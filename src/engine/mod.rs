@@ -61,6 +61,14 @@ pub(crate) trait GroupEngine: Send + Sync {
     /// met: `input` equals `output` in place; `output` is null off the root of a reduce).
     fn run(&self, site: Site, call: &GroupCall, bufs: &[CallBuffers]) -> Result<()>;
 
+    /// Why this engine cannot run the reduce op `op` (on a type it is defined on), if it
+    /// cannot: NCCL has no bitwise ops. The communicator makes it an argument error of the
+    /// call, raised before the ranks meet, like its own checks.
+    fn op_unavailable(&self, op: ReduceOp) -> Option<String> {
+        let _ = op;
+        None
+    }
+
     /// Mark the work queued so far on `stream`, a stream of rank `rank`'s device, for a call
     /// being issued to wait for. Engines whose devices have no streams refuse.
     ///

@@ -326,15 +326,17 @@ pub fn nccl_dtype(d: DType) -> i32 {
 }
 
 /// NCCL's code for a tutti reduce op (`Mean` is `ncclAvg`: integers sum, wrapping, then divide
-/// truncating toward zero, as tutti does).
-pub fn nccl_op(op: ReduceOp) -> i32 {
-    (match op {
+/// truncating toward zero, as tutti does); `None` for the bitwise ops, which NCCL does not have.
+pub fn nccl_op(op: ReduceOp) -> Option<i32> {
+    let code = match op {
         ReduceOp::Sum => ncclRedOp_t::ncclSum,
         ReduceOp::Prod => ncclRedOp_t::ncclProd,
         ReduceOp::Min => ncclRedOp_t::ncclMin,
         ReduceOp::Max => ncclRedOp_t::ncclMax,
         ReduceOp::Mean => ncclRedOp_t::ncclAvg,
-    }) as i32
+        ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => return None,
+    };
+    Some(code as i32)
 }
 
 /// The op NCCL is given for `op` over `world` ranks. The mean of one rank is its sum, and
@@ -538,7 +540,16 @@ impl Comms {
         let api = self.api;
         let _keep = driver::preserve_current();
         let dt = nccl_dtype(dtype) as c_int;
-        let red_op = |op| nccl_op(one_rank_op(self.world, op));
+        // The op's code, before anything is queued: NCCL has no bitwise ops (the group refuses
+        // them before a call reaches here; this keeps a stray one an error, never a bad code).
+        let op = match *call {
+            Call::AllReduce { op } | Call::Reduce { op, .. } | Call::ReduceScatter { op } => op,
+            Call::Broadcast { .. } | Call::AllGather => ReduceOp::Sum,
+        };
+        let red_op = nccl_op(one_rank_op(self.world, op)).ok_or_else(|| Error::Unavailable {
+            what: format!("{op} on NCCL"),
+            why: format!("NCCL has no bitwise reduce ops ({what})"),
+        })?;
         // SAFETY: group calls over live communicators; every address lies in device memory of
         // the matching device, of the sizes the group checked; streams are the devices' own.
         let started = unsafe { (api.group_start)() };
@@ -550,23 +561,21 @@ impl Comms {
             // SAFETY: as above.
             let r = unsafe {
                 match *call {
-                    Call::AllReduce { op } => {
-                        (api.all_reduce)(send, recv, count, dt, red_op(op), c, s)
-                    }
+                    Call::AllReduce { .. } => (api.all_reduce)(send, recv, count, dt, red_op, c, s),
                     Call::Broadcast { root } => {
                         (api.broadcast)(send, recv, count, dt, root as c_int, c, s)
                     }
-                    Call::Reduce { op, root } => {
+                    Call::Reduce { root, .. } => {
                         let recv = if self.ranks[i] == root {
                             recv
                         } else {
                             std::ptr::null_mut()
                         };
-                        (api.reduce)(send, recv, count, dt, red_op(op), root as c_int, c, s)
+                        (api.reduce)(send, recv, count, dt, red_op, root as c_int, c, s)
                     }
                     Call::AllGather => (api.all_gather)(send, recv, count, dt, c, s),
-                    Call::ReduceScatter { op } => {
-                        (api.reduce_scatter)(send, recv, count, dt, red_op(op), c, s)
+                    Call::ReduceScatter { .. } => {
+                        (api.reduce_scatter)(send, recv, count, dt, red_op, c, s)
                     }
                 }
             };
@@ -758,9 +767,12 @@ mod tests {
         assert_eq!(nccl_dtype(DType::F32), 7);
         assert_eq!(nccl_dtype(DType::BF16), 9);
         assert_eq!(nccl_dtype(DType::U64), 5);
-        assert_eq!(nccl_op(ReduceOp::Max), 2);
-        assert_eq!(nccl_op(ReduceOp::Min), 3);
-        assert_eq!(nccl_op(ReduceOp::Mean), 4);
+        assert_eq!(nccl_op(ReduceOp::Max), Some(2));
+        assert_eq!(nccl_op(ReduceOp::Min), Some(3));
+        assert_eq!(nccl_op(ReduceOp::Mean), Some(4));
+        for op in [ReduceOp::BAnd, ReduceOp::BOr, ReduceOp::BXor] {
+            assert_eq!(nccl_op(op), None, "{op}");
+        }
         assert_eq!(std::mem::size_of::<Config>(), 48);
     }
 }

@@ -92,11 +92,15 @@ pub fn mlir_type(d: DType) -> &'static str {
 }
 
 fn combiner(op: ReduceOp) -> &'static str {
-    match op.combining() {
+    match op {
+        ReduceOp::Sum | ReduceOp::Mean => "stablehlo.add",
         ReduceOp::Prod => "stablehlo.multiply",
         ReduceOp::Min => "stablehlo.minimum",
         ReduceOp::Max => "stablehlo.maximum",
-        _ => "stablehlo.add",
+        // Integer types only: the client checks the op against the dtype before compiling.
+        ReduceOp::BAnd => "stablehlo.and",
+        ReduceOp::BOr => "stablehlo.or",
+        ReduceOp::BXor => "stablehlo.xor",
     }
 }
 
@@ -363,6 +367,15 @@ mod tests {
             m.contains("-> tensor<2xui32>") && m.contains("stablehlo.maximum"),
             "{m}"
         );
+        for (op, name) in [
+            (ReduceOp::BAnd, "stablehlo.and"),
+            (ReduceOp::BOr, "stablehlo.or"),
+            (ReduceOp::BXor, "stablehlo.xor"),
+        ] {
+            let m = mlir(Kind::AllReduce(op), DType::I64, 8, 2);
+            assert!(m.contains(&format!("\"{name}\"(%a, %b)")), "{m}");
+            assert!(m.contains("tensor<8xi64>") && !m.contains("divide"), "{m}");
+        }
         let m = mlir(Kind::AllGather, DType::I8, 3, 4);
         assert!(m.contains("(tensor<3xi8>) -> tensor<12xi8>"), "{m}");
         // Broadcast from 2 on 5 replicas: steps 1, 2, 4 relative to the root.

@@ -943,6 +943,18 @@ impl GpuGroup {
 
     // ----- argument checks -----
 
+    /// Why this group cannot run the reduce op `op`, if it cannot: NCCL has no bitwise ops
+    /// (`ncclRedOp_t` is sum, prod, min, max, avg), and a group on NCCL has no other path.
+    pub(crate) fn op_unavailable(&self, op: ReduceOp) -> Option<String> {
+        (self.nccl.is_some() && op.is_bitwise()).then(|| {
+            format!(
+                "NCCL has no bitwise reduce ops, so {op} is not available on NCCL; on GPUs of one \
+                 process use the hierarchical-copy or reduce-to-one algorithm (tutti's own \
+                 kernels), or reduce host buffers"
+            )
+        })
+    }
+
     fn site(&self, c: Collective) -> Site {
         Site {
             collective: c,
@@ -1064,6 +1076,18 @@ impl GpuGroup {
                     self.world
                 ),
             ));
+        }
+        if matches!(
+            c,
+            Collective::AllReduce | Collective::Reduce | Collective::ReduceScatter
+        ) {
+            op.check(dtype).map_err(|m| self.invalid(c, m))?;
+            if let Some(why) = self.op_unavailable(op) {
+                return Err(Error::Unavailable {
+                    what: format!("{op} on NCCL"),
+                    why,
+                });
+            }
         }
         self.retired
             .lock()

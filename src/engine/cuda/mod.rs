@@ -78,6 +78,10 @@ impl GroupEngine for Cuda {
         )
     }
 
+    fn op_unavailable(&self, op: crate::ReduceOp) -> Option<String> {
+        self.group.op_unavailable(op)
+    }
+
     unsafe fn mark_stream(&self, rank: usize, stream: u64) -> Result<Box<dyn StreamMark>> {
         // SAFETY: as the caller promises.
         let mark = unsafe { self.group.mark_stream(self.index(rank), stream)? };

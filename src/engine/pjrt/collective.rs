@@ -160,6 +160,16 @@ impl Client {
         Ok(count)
     }
 
+    /// A reduce op defined on `dtype` (the bitwise ones are on the integer types only).
+    fn check_op(&self, kind: Kind, dtype: DType) -> Result<()> {
+        match kind {
+            Kind::AllReduce(op) | Kind::ReduceScatter(op) => op
+                .check(dtype)
+                .map_err(|m| Error::invalid(self.site(kind, 0), m)),
+            _ => Ok(()),
+        }
+    }
+
     fn check_outputs(&self, kind: Kind, want: usize, lens: &[usize], n: usize) -> Result<()> {
         if lens.len() != n {
             return Err(Error::config(format!(
@@ -270,6 +280,7 @@ impl Client {
         let lens: Vec<usize> = inputs.iter().map(|b| b.len()).collect();
         let result = self.check_call(kind, &lens).and_then(|count| {
             let dtype = inputs[0].dtype();
+            self.check_op(kind, dtype)?;
             for (r, b) in inputs.iter().enumerate() {
                 if !b.same_client(self) {
                     return Err(Error::invalid(
@@ -348,6 +359,7 @@ impl Client {
             }
             let lens: Vec<usize> = inputs.iter().map(|b| b.len() / esize).collect();
             let count = self.check_call(kind, &lens)?;
+            self.check_op(kind, dtype)?;
             let n = inputs.len();
             let out_lens: Vec<usize> = outputs.iter().map(|b| b.len() / esize).collect();
             self.check_outputs(kind, kind.out_count(count, n), &out_lens, n)?;
@@ -372,6 +384,7 @@ impl Client {
             }
             let lens: Vec<usize> = bufs.iter().map(|b| b.len() / esize).collect();
             let count = self.check_call(kind, &lens)?;
+            self.check_op(kind, dtype)?;
             let n = bufs.len();
             let key = ProgramKey {
                 kind,
