@@ -181,7 +181,11 @@ typedef uint32_t tutti_dtype;
 /**
  * Reduce operations. Integers wrap on overflow; float `MIN`/`MAX` follow IEEE `minNum`/`maxNum`
  * (a NaN loses against a number); `MEAN` is the sum divided by the number of ranks (integers
- * truncate toward zero).
+ * truncate toward zero). `BAND`, `BOR`, `BXOR` are bitwise, on the integer dtypes only: on a
+ * float dtype the call fails with `TUTTI_ERROR_INVALID_ARGUMENT` naming the op and the dtype,
+ * before anything is sent (where only some ranks pass such a pair, the others' calls fail with
+ * `TUTTI_ERROR_PEER_REJECTED` naming the rank); a GPU group on NCCL refuses them (NCCL has no
+ * bitwise ops).
  */
 enum tutti_op
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -208,6 +212,18 @@ enum tutti_op
      * Element-wise sum divided by the number of ranks.
      */
     TUTTI_OP_MEAN = 4,
+    /**
+     * Element-wise bitwise AND (integer dtypes only).
+     */
+    TUTTI_OP_BAND = 5,
+    /**
+     * Element-wise bitwise OR (integer dtypes only).
+     */
+    TUTTI_OP_BOR = 6,
+    /**
+     * Element-wise bitwise XOR (integer dtypes only).
+     */
+    TUTTI_OP_BXOR = 7,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

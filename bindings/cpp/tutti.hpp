@@ -103,6 +103,10 @@ enum class op : std::uint32_t {
     min = TUTTI_OP_MIN,
     max = TUTTI_OP_MAX,
     mean = TUTTI_OP_MEAN,
+    avg = TUTTI_OP_MEAN,
+    band = TUTTI_OP_BAND,  ///< integer dtypes only
+    bor = TUTTI_OP_BOR,    ///< integer dtypes only
+    bxor = TUTTI_OP_BXOR,  ///< integer dtypes only
 };
 
 /// An algorithm and its argument (group size of hierarchical copy, root of reduce-to-one).

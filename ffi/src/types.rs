@@ -41,7 +41,11 @@ pub type tutti_dtype = u32;
 
 /// Reduce operations. Integers wrap on overflow; float `MIN`/`MAX` follow IEEE `minNum`/`maxNum`
 /// (a NaN loses against a number); `MEAN` is the sum divided by the number of ranks (integers
-/// truncate toward zero).
+/// truncate toward zero). `BAND`, `BOR`, `BXOR` are bitwise, on the integer dtypes only: on a
+/// float dtype the call fails with `TUTTI_ERROR_INVALID_ARGUMENT` naming the op and the dtype,
+/// before anything is sent (where only some ranks pass such a pair, the others' calls fail with
+/// `TUTTI_ERROR_PEER_REJECTED` naming the rank); a GPU group on NCCL refuses them (NCCL has no
+/// bitwise ops).
 #[repr(u32)]
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 #[allow(dead_code)] // Named for C in the header; values arrive here as integers.
@@ -56,6 +60,12 @@ pub enum TuttiOp {
     TUTTI_OP_MAX = 3,
     /// Element-wise sum divided by the number of ranks.
     TUTTI_OP_MEAN = 4,
+    /// Element-wise bitwise AND (integer dtypes only).
+    TUTTI_OP_BAND = 5,
+    /// Element-wise bitwise OR (integer dtypes only).
+    TUTTI_OP_BOR = 6,
+    /// Element-wise bitwise XOR (integer dtypes only).
+    TUTTI_OP_BXOR = 7,
 }
 
 /// A `tutti_op` as it crosses the C boundary: one of the `TUTTI_OP_*` values.
@@ -127,7 +137,7 @@ pub(crate) fn dtype(v: tutti_dtype) -> Result<DType, String> {
 pub(crate) fn op(v: tutti_op) -> Result<ReduceOp, String> {
     ReduceOp::from_u32(v).ok_or_else(|| {
         format!(
-            "op {v} is not a tutti_op (valid: 0..={}, TUTTI_OP_SUM .. TUTTI_OP_MEAN)",
+            "op {v} is not a tutti_op (valid: 0..={}, TUTTI_OP_SUM .. TUTTI_OP_BXOR)",
             ReduceOp::ALL.len() - 1
         )
     })
@@ -210,7 +220,11 @@ mod tests {
         assert_eq!(dtype(TuttiDtype::TUTTI_DTYPE_U64 as u32), Ok(DType::U64));
         assert!(dtype(10).unwrap_err().contains("dtype 10"));
         assert_eq!(op(TuttiOp::TUTTI_OP_MEAN as u32), Ok(ReduceOp::Mean));
-        assert!(op(5).unwrap_err().contains("op 5"));
+        assert_eq!(op(TuttiOp::TUTTI_OP_BAND as u32), Ok(ReduceOp::BAnd));
+        assert_eq!(op(TuttiOp::TUTTI_OP_BOR as u32), Ok(ReduceOp::BOr));
+        assert_eq!(op(TuttiOp::TUTTI_OP_BXOR as u32), Ok(ReduceOp::BXor));
+        let e = op(8).unwrap_err();
+        assert!(e.contains("op 8") && e.contains("TUTTI_OP_BXOR"), "{e}");
         for a in Algorithm::ALL_REDUCE {
             let (v, arg) = algorithm_to_c(a).unwrap();
             assert_eq!(algorithm(v, arg).unwrap(), a);

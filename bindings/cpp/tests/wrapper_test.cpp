@@ -69,6 +69,21 @@ static void collectives() {
             c.all_reduce(v.data(), sum.data(), v.size(), tutti::op::sum);
             EXPECT(sum[9] == 6 && v[0] == static_cast<std::int64_t>(r));
         }
+        {
+            // bitwise ops on an integer type; avg is mean
+            std::vector<std::uint32_t> m(5, 1u << r);
+            c.all_reduce(m, tutti::op::bor);
+            EXPECT(m[0] == 0x0fu && m[4] == 0x0fu);
+            std::vector<std::uint32_t> x(5, 0xf0u | r);
+            c.all_reduce(x, tutti::op::bxor);
+            EXPECT(x[0] == (0u ^ 1u ^ 2u ^ 3u));
+            std::vector<std::uint32_t> y(5, 0xffu >> r);
+            c.all_reduce(y, tutti::op::band);
+            EXPECT(y[2] == 0x1fu);
+            std::vector<float> f(3, static_cast<float>(r));
+            c.all_reduce(f, tutti::op::avg);
+            EXPECT(f[1] == 1.5f);
+        }
         std::vector<double> b(7, r == 2 ? 3.25 : 0.0);
         c.broadcast(b, 2);
         EXPECT(b[6] == 3.25);

@@ -95,7 +95,7 @@ DTYPES = {
     "uint64": 9,
 }
 
-OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3, "mean": 4}
+OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3, "mean": 4, "band": 5, "bor": 6, "bxor": 7}
 
 # The names frameworks give the same ops (torch's ReduceOp: AVG, PRODUCT).
 _OP_ALIASES = {"avg": "mean", "average": "mean", "product": "prod"}

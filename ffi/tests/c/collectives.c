@@ -188,6 +188,104 @@ static void other_collectives(const rank_ctx *c, const algo *a, tutti_dtype d) {
     free(mine);
 }
 
+/* Rank r's element i for the bitwise ops: every bit of the word in play. */
+static uint32_t bits32(size_t rank, size_t i) {
+    uint32_t x = (uint32_t)(i + 1) * 0x9E3779B9u ^ (0x85EBCA6Bu >> rank) ^ ((uint32_t)rank << 29);
+    return x ^ (x >> 15);
+}
+
+static uint32_t bitwise_fold(tutti_op op, size_t i, size_t shift) {
+    uint32_t acc = bits32(0, i + shift), r;
+    for (r = 1; r < WORLD; r++) {
+        uint32_t v = bits32(r, i + shift);
+        acc = op == TUTTI_OP_BAND ? acc & v : op == TUTTI_OP_BOR ? acc | v : acc ^ v;
+    }
+    return acc;
+}
+
+/* BAND, BOR, BXOR on u32 (all-reduce out of place and in place, reduce-scatter, reduce) and
+ * on i64 (all-reduce, the high half of every element in play), every value checked. */
+static void bitwise_case(const rank_ctx *c, const algo *a) {
+    static const tutti_op BITWISE[] = {TUTTI_OP_BAND, TUTTI_OP_BOR, TUTTI_OP_BXOR};
+    uint32_t in[WORLD * 37], out[WORLD * 37];
+    int64_t wide[37];
+    size_t o, i, n = 37;
+    for (o = 0; o < 3; o++) {
+        tutti_op op = BITWISE[o];
+        for (i = 0; i < n; i++) {
+            in[i] = bits32(c->rank, i);
+            out[i] = 0;
+        }
+        CHECK(tutti_all_reduce(c->comm, n, TUTTI_DTYPE_U32, op, in, out));
+        CHECK(tutti_all_reduce(c->comm, n, TUTTI_DTYPE_U32, op, in, in));
+        for (i = 0; i < n; i++) {
+            if (out[i] != bitwise_fold(op, i, 0) || in[i] != out[i]) {
+                FAIL("rank %zu: all_reduce %s op %u u32: element %zu is %08x (in place %08x), "
+                     "expected %08x",
+                     c->rank, a->name, (unsigned)op, i, out[i], in[i], bitwise_fold(op, i, 0));
+            }
+        }
+        /* reduce-scatter: slice `rank` of the reduction of WORLD·n elements */
+        for (i = 0; i < WORLD * n; i++) {
+            in[i] = bits32(c->rank, i + 1000);
+        }
+        CHECK(tutti_reduce_scatter(c->comm, n, TUTTI_DTYPE_U32, op, in, out));
+        for (i = 0; i < n; i++) {
+            EXPECT(out[i] == bitwise_fold(op, c->rank * n + i, 1000));
+        }
+        /* reduce onto rank 3 */
+        for (i = 0; i < n; i++) {
+            in[i] = bits32(c->rank, i);
+        }
+        CHECK(tutti_reduce(c->comm, n, TUTTI_DTYPE_U32, op, 3, in, c->rank == 3 ? out : NULL));
+        if (c->rank == 3) {
+            for (i = 0; i < n; i++) {
+                EXPECT(out[i] == bitwise_fold(op, i, 0));
+            }
+        }
+        /* i64: the same words in the high half, their complement in the low half */
+        for (i = 0; i < n; i++) {
+            uint64_t v = bits32(c->rank, i);
+            wide[i] = (int64_t)(v << 32 | (uint32_t)~v);
+        }
+        CHECK(tutti_all_reduce(c->comm, n, TUTTI_DTYPE_I64, op, wide, wide));
+        for (i = 0; i < n; i++) {
+            uint64_t hi = bitwise_fold(op, i, 0), r, lo = (uint32_t)~bits32(0, i);
+            for (r = 1; r < WORLD; r++) {
+                uint32_t v = (uint32_t)~bits32(r, i);
+                lo = op == TUTTI_OP_BAND ? lo & v : op == TUTTI_OP_BOR ? lo | v : lo ^ v;
+            }
+            EXPECT((uint64_t)wide[i] == (hi << 32 | lo));
+        }
+    }
+}
+
+/* A bitwise op on a float dtype: an argument error naming the op and the dtype, before
+ * anything is sent; made by one rank alone, the others are told which rank refused. The
+ * group goes on working. */
+static void bitwise_on_floats(const rank_ctx *c) {
+    float x[4] = {1, 2, 3, 4};
+    double y[2] = {1, 2};
+    EXPECT_ERROR(tutti_all_reduce(c->comm, 4, TUTTI_DTYPE_F32, TUTTI_OP_BAND, x, x),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "band is defined on integer types only, not f32");
+    EXPECT_ERROR(tutti_reduce(c->comm, 2, TUTTI_DTYPE_F64, TUTTI_OP_BOR, 0, y,
+                              c->rank == 0 ? y : NULL),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "bor is defined on integer types only, not f64");
+    if (c->rank == 2) {
+        EXPECT_ERROR(tutti_all_reduce(c->comm, 4, TUTTI_DTYPE_F32, TUTTI_OP_BXOR, x, x),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "bxor is defined on integer types only, not f32");
+    } else {
+        EXPECT_ERROR(tutti_all_reduce(c->comm, 4, TUTTI_DTYPE_F32, TUTTI_OP_SUM, x, x),
+                     TUTTI_ERROR_PEER_REJECTED, "rank 2", "bxor");
+    }
+    EXPECT(x[0] == 1 && x[3] == 4);
+    {
+        uint8_t v = (uint8_t)(1u << c->rank);
+        CHECK(tutti_all_reduce(c->comm, 1, TUTTI_DTYPE_U8, TUTTI_OP_BOR, &v, &v));
+        EXPECT(v == 0x0f);
+    }
+}
+
 static void *rank_main(void *p) {
     rank_ctx *c = p;
     size_t a, d, o, rank = 99, world = 0;
@@ -209,7 +307,9 @@ static void *rank_main(void *p) {
             }
             other_collectives(c, &ALGOS[a], DTYPES[d]);
         }
+        bitwise_case(c, &ALGOS[a]);
     }
+    bitwise_on_floats(c);
     return NULL;
 }
 
@@ -262,7 +362,8 @@ int main(void) {
         EXPECT(v == 7);
     }
     tutti_comm_destroy(comms[0]);
-    printf("collectives: %zu algorithms x %zu dtypes x %zu ops on %d ranks: ok\n",
+    printf("collectives: %zu algorithms x %zu dtypes x %zu ops, and the bitwise ops, on %d "
+           "ranks: ok\n",
            (size_t)NUM_ALGOS, (size_t)NUM_DTYPES, (size_t)NUM_OPS, WORLD);
     return 0;
 }
