@@ -504,6 +504,59 @@ fn timeout_and_abort_over_tcp() {
     assert_eq!(again.to_string(), e.to_string());
 }
 
+/// `tutti perf -o band|bor|bxor` on an integer type: every row checked against the reference,
+/// on threads and on processes over shared memory and TCP.
+#[test]
+fn perf_bitwise_ops_check_their_values() {
+    let mut runs: Vec<Vec<&str>> = Vec::new();
+    for (op, dtype) in [("band", "u32"), ("bor", "i64"), ("bxor", "i8")] {
+        runs.push(vec!["perf", "-n", "3", "-o", op, "-d", dtype]);
+    }
+    for t in ["shm", "tcp"] {
+        runs.push(vec![
+            "launch",
+            "-n",
+            "2",
+            "--transport",
+            t,
+            "--",
+            "tutti",
+            "perf",
+            "-o",
+            "bxor",
+            "-d",
+            "u64",
+        ]);
+    }
+    for mut args in runs {
+        args.extend([
+            "--json",
+            "-b",
+            "8",
+            "-e",
+            "64K",
+            "-f",
+            "16",
+            "-c",
+            "all-reduce",
+        ]);
+        let o = run(&args, &[], Duration::from_secs(120));
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{args:?}: {out}\n{err}");
+        let rows: Vec<serde_json::Value> = out
+            .lines()
+            .skip(1)
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(rows.len(), 2 * 4, "{args:?}: {out}");
+        let op = args[args.iter().position(|a| *a == "-o").unwrap() + 1];
+        for row in rows {
+            assert_eq!(row["errors"], 0, "{args:?}: {row}");
+            assert_eq!(row["op"], op, "{args:?}: {row}");
+        }
+    }
+}
+
 #[test]
 fn perf_under_launch_prints_json_from_rank_0() {
     let o = run(
@@ -737,6 +790,16 @@ fn perf_refuses_what_cannot_run_before_the_header() {
         (
             &["perf", "-e", "1K", "--plot", "/nonexistent-dir/x.svg"],
             "the directory /nonexistent-dir does not exist",
+        ),
+        (
+            &["perf", "-e", "1K", "-o", "band"],
+            "-o band -d f32: band is defined on integer types only, not f32",
+        ),
+        (
+            &[
+                "launch", "-n", "2", "--", "tutti", "perf", "-e", "1K", "-o", "bxor", "-d", "bf16",
+            ],
+            "bxor is defined on integer types only, not bf16",
         ),
     ];
     for (args, says) in cases {

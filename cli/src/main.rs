@@ -159,7 +159,7 @@ struct PerfArgs {
     /// Element type: f32, f64, f16, bf16, i8, u8, i32, u32, i64, u64.
     #[arg(short = 'd', long, default_value = "f32", value_parser = parse::<DType>)]
     dtype: DType,
-    /// Reduce op: sum, prod, min, max, mean.
+    /// Reduce op: sum, prod, min, max, mean (or avg); band, bor, bxor on the integer types.
     #[arg(short = 'o', long, default_value = "sum", value_parser = parse::<ReduceOp>)]
     op: ReduceOp,
     /// Device kind: cpu (gpu and xla with their features).

@@ -22,6 +22,16 @@ fn check_perf_args(a: &PerfArgs) -> Result<(), tutti::Error> {
     if a.collective == Collective::Barrier {
         return bad("-c barrier: perf measures collectives that move data".into());
     }
+    let reduces = matches!(
+        a.collective,
+        Collective::AllReduce | Collective::Reduce | Collective::ReduceScatter
+    );
+    if let (true, Err(m)) = (reduces, a.op.check(a.dtype)) {
+        return bad(format!(
+            "-o {} -d {}: {m}; pick an integer type with -d (i8, u8, i32, u32, i64, u64)",
+            a.op, a.dtype
+        ));
+    }
     if let Some(root) = a.root {
         if !matches!(a.collective, Collective::Broadcast | Collective::Reduce) {
             return bad(format!(
