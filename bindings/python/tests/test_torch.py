@@ -173,8 +173,9 @@ def test_ops_by_the_names_frameworks_use():
                          (dist.ReduceOp.PRODUCT, 2.0), (dist.ReduceOp(dist.ReduceOp.MIN), 1.0)]:
             got = threads(comms, lambda c: c.all_reduce(torch.full((3,), float(c.rank + 1)), op=op))
             assert got[0].tolist() == [want] * 3, op
+        assert tutti._op(dist.ReduceOp.BAND) == tutti.OPS["band"]
         with pytest.raises(ValueError, match="unknown op"):
-            tutti._op(dist.ReduceOp.BAND)
+            tutti._op("median")
     finally:
         for c in comms:
             c.close()
@@ -205,7 +206,6 @@ def test_wrong_tensors_are_named():
 def test_every_collective_and_dtype_through_torch_distributed():
     r = run("collectives", 2)
     assert r[0]["checked"] > 100
-    assert "BAND" in r[0]["band"]
 
 
 def test_every_collective_three_ranks():

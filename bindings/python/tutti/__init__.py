@@ -440,8 +440,9 @@ def _algorithm(name):
 
 
 def _op(op):
-    """An op by name ("sum", "avg"/"mean", "prod", "min", "max", any case), or torch's
-    ``ReduceOp`` (``ReduceOp.SUM``, ...): its number in the C API."""
+    """An op by name ("sum", "avg"/"mean", "prod", "min", "max", and on integer types "band",
+    "bor", "bxor"; any case), or torch's ``ReduceOp`` (``ReduceOp.SUM``, ...): its number in
+    the C API."""
     inner = getattr(op, "op", None)  # torch's ReduceOp object wraps a RedOpType
     named = getattr(inner if inner is not None else op, "name", None)
     key = str(named if isinstance(named, str) else op).lower()
@@ -451,7 +452,7 @@ def _op(op):
         return OPS[key]
     except KeyError:
         raise ValueError(
-            f"unknown op {op!r} (expected sum, avg/mean, prod, min or max)"
+            f"unknown op {op!r} (expected sum, avg/mean, prod, min, max, band, bor or bxor)"
         ) from None
 
 

@@ -18,8 +18,8 @@ pass. tutti's errors (which rank, which call, which field) reach the caller as `
 a ``RuntimeError``.
 
 The backend runs on CPU tensors. ``new_group(ranks)`` makes a tutti communicator over the
-group's own store. Ops: ``SUM``, ``AVG``, ``PRODUCT``, ``MIN``, ``MAX`` and ``PREMUL_SUM``
-(the input scaled, then summed); the bitwise ops raise an error naming them. ``alltoall``,
+group's own store. Ops: ``SUM``, ``AVG``, ``PRODUCT``, ``MIN``, ``MAX``, ``PREMUL_SUM`` (the
+input scaled, then summed), and ``BAND``, ``BOR``, ``BXOR`` on integer tensors. ``alltoall``,
 ``all_to_all_single``, ``send``, ``recv``, ``gather`` and ``scatter`` raise an error naming the
 call until tutti has them.
 """
@@ -347,9 +347,7 @@ class TuttiBackend(_CBackend):
         name = getattr(inner, "name", str(inner))
         if name == "PREMUL_SUM":
             return "premul_sum"
-        if name in ("BAND", "BOR", "BXOR"):
-            raise ValueError(f"{what}: tutti has no bitwise reduction ReduceOp.{name} yet")
-        return name.lower()
+        return name.lower()  # tutti's names: sum, avg, product, min, max, band, bor, bxor
 
     def _issue(self, what: str, calls: Callable[[], List[tutti.Work]], result: Any,
                then: Optional[Callable[[], None]] = None) -> _Work:
