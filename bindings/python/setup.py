@@ -4,7 +4,23 @@ package as tutti/libtutti*.so; everything else is in pyproject.toml."""
 from setuptools import setup
 from setuptools_rust import Binding, RustExtension, Strip
 
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools < 70
+    from wheel.bdist_wheel import bdist_wheel
+
+
+class PlatformWheel(bdist_wheel):
+    """libtutti is loaded with ctypes, not as an extension module: the wheel fits every
+    Python 3 on its platform (py3-none-<platform>), not only the one that built it."""
+
+    def get_tag(self):
+        _, _, platform = super().get_tag()
+        return "py3", "none", platform
+
+
 setup(
+    cmdclass={"bdist_wheel": PlatformWheel},
     rust_extensions=[
         RustExtension(
             "tutti.libtutti",

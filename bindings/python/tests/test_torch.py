@@ -262,6 +262,23 @@ def test_a_rank_that_rejects_its_tensor_does_not_leave_the_others_waiting():
     assert r[1]["seconds"] < 30, r[1]
 
 
+def test_a_collective_inside_a_future_callback_completes():
+    r = run("nested", 2, env={"TEST_TIMEOUT": "30"}, timeout=60)
+    assert r[0]["value"] == r[1]["value"] == [4.0] * 4
+
+
+def test_arguments_the_backend_rejects_release_the_other_ranks():
+    r = run("reject", 2, env={"TEST_TIMEOUT": "60"})
+    assert "3 input tensors for a group of 2" in r[0]["error"], r[0]["error"]
+    assert "rank 0" in r[1]["error"], r[1]["error"]
+    assert r[1]["seconds"] < 30, r[1]
+
+
+def test_a_group_made_again_over_the_same_store():
+    r = run("reinit", 2, env={"TEST_TIMEOUT": "30"})
+    assert r[0]["sums"] == r[1]["sums"] == [[3.0] * 3] * 3
+
+
 def test_new_group_of_two_of_three_ranks():
     r = run("new_group", 3)
     assert r[0]["group"] == r[1]["group"] == [3.0] * 8

@@ -117,6 +117,11 @@ def scenario_collectives(backend):
     t = value(RANK, n, torch.float32)
     dist.all_reduce(t, op=dist._make_nccl_premul_sum(2.0))
     expect_equal(t, (2 * sum(every)).to(torch.float32), "all_reduce PREMUL_SUM")
+    # PREMUL_SUM to a root leaves the other ranks' tensors as they were.
+    t = value(RANK, n, torch.float32)
+    dist.reduce(t, dst=0, op=dist._make_nccl_premul_sum(3.0))
+    mine = value(RANK, n, torch.float32)
+    expect_equal(t, (3 * sum(every)).to(torch.float32) if RANK == 0 else mine, "reduce PREMUL_SUM")
     # Futures complete with the tensors.
     t = value(RANK, n, torch.float32)
     fut = dist.all_reduce(t, async_op=True).get_future()
@@ -247,6 +252,51 @@ def scenario_new_group(backend):
     dist.all_reduce(t)  # the default group still works, with the third rank
     dist.destroy_process_group()
     result(group=got, world=t.tolist())
+
+
+def scenario_nested(backend):
+    """A future's callback that issues a collective and waits for its future (PowerSGD's DDP
+    hook does): it must not wait for itself."""
+    init(backend)
+
+    def then(fut):
+        u = torch.ones(4)
+        dist.all_reduce(u, async_op=True).get_future().wait()
+        return fut.value()[0] + u
+
+    t = torch.ones(4)
+    got = dist.all_reduce(t, async_op=True).get_future().then(then).wait()
+    dist.destroy_process_group()
+    result(value=got.tolist())
+
+
+def scenario_reject(backend):
+    """A rank whose arguments the backend itself rejects releases the others at once."""
+    init(backend)
+    started = time.monotonic()
+    inputs = [torch.ones(4) for _ in range(WORLD + (1 if RANK == 0 else 0))]
+    try:
+        dist.reduce_scatter(torch.zeros(4), inputs)
+    except Exception as e:  # noqa: BLE001
+        result(error=str(e), seconds=time.monotonic() - started)
+        os._exit(0)
+    raise AssertionError("a reduce_scatter with a wrong count of inputs succeeded")
+
+
+def scenario_reinit(backend):
+    """init / all_reduce / destroy, three times over one store, rank 0 starting late."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), WORLD, RANK == 0,
+                          timeout=TIMEOUT)
+    sums = []
+    for _ in range(3):
+        if RANK == 0:
+            time.sleep(1)
+        dist.init_process_group(backend, store=store, rank=RANK, world_size=WORLD, timeout=TIMEOUT)
+        t = torch.full((3,), float(RANK + 1))
+        dist.all_reduce(t)
+        sums.append(t.tolist())
+        dist.destroy_process_group()
+    result(sums=sums)
 
 
 def scenario_mixed(backend):

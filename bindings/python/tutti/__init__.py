@@ -1122,6 +1122,8 @@ def from_store(rank, world_size, store, token, listen_host=None, timeout=None, a
         ctypes.byref(handle),
     )
     if result != 0 and callbacks.error is not None:
+        if not isinstance(callbacks.error, Exception):
+            raise callbacks.error  # KeyboardInterrupt, SystemExit: as they were
         try:
             _check(result)
         except TuttiError as e:

@@ -27,12 +27,14 @@ call until tutti has them.
 from __future__ import annotations
 
 import datetime
+import functools
 import ipaddress
 import os
 import queue
 import secrets
 import socket
 import threading
+import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -94,8 +96,10 @@ class _TorchStore:
         bound = datetime.timedelta(seconds=max(timeout_s, 0.001))
         try:
             self.store.wait([key], bound)
-        except dist.DistStoreError as e:
-            if "timeout" in str(e).lower():  # torch's own words: "Wait timeout"
+        except RuntimeError as e:
+            # torch's own words, "Wait timeout": a DistStoreError from TCPStore, a plain
+            # RuntimeError from FileStore.
+            if "timeout" in str(e).lower():
                 raise TimeoutError(f"store key {key!r} was not set within {bound}") from e
             raise
         return self.store.get(key)
@@ -135,10 +139,19 @@ def _listen_host(store: dist.Store) -> str:
 # ----- work -----
 
 
+# Set on a thread while it completes a future: torch runs the future's callbacks there.
+_completing = threading.local()
+
+
 class _Waiter:
     """One thread per backend that completes the futures torch asked for (DDP's), in the
     order the calls were issued (the order they complete in). It waits inside libtutti, with
-    the GIL released."""
+    the GIL released.
+
+    A future's callbacks run on the thread that completes it, and a callback may wait for the
+    future of a call it issues itself (PowerSGD's DDP hook does): a future asked for while a
+    future is being completed gets a thread of its own, so the waiter is never waiting for
+    itself."""
 
     def __init__(self) -> None:
         self._queue: "queue.SimpleQueue[Optional[_Work]]" = queue.SimpleQueue()
@@ -146,23 +159,32 @@ class _Waiter:
         self._lock = threading.Lock()
 
     def submit(self, work: "_Work") -> None:
+        if getattr(_completing, "active", False):
+            threading.Thread(target=work._finish, args=(None,), name="tutti-future", daemon=True).start()
+            return
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="tutti-futures", daemon=True)
+                self._thread = threading.Thread(target=self._run, args=(self._queue,), name="tutti-futures",
+                                                daemon=True)
                 self._thread.start()
-        self._queue.put(work)
+            self._queue.put(work)
 
-    def _run(self) -> None:
+    @staticmethod
+    def _run(q: "queue.SimpleQueue[Optional[_Work]]") -> None:
         while True:
-            work = self._queue.get()
+            work = q.get()
             if work is None:
                 return
             work._finish(None)
 
     def stop(self) -> None:
+        """End the thread once the futures asked for so far are complete; a future asked for
+        later starts a new one."""
         with self._lock:
             if self._thread is not None:
                 self._queue.put(None)
+                self._thread = None
+                self._queue = queue.SimpleQueue()
 
 
 class _Work(dist.Work):
@@ -193,9 +215,10 @@ class _Work(dist.Work):
         """Wait for the calls (up to ``bound_s``; None: their own timeout), then record the
         outcome once, run ``then`` and complete the future."""
         error: Optional[BaseException] = None
+        deadline = None if bound_s is None else time.monotonic() + bound_s
         try:
             for c in self._calls:
-                c.wait(bound_s)
+                c.wait(None if deadline is None else max(deadline - time.monotonic(), 0.001))
         except tutti.TuttiError as e:
             if e.code == "TUTTI_ERROR_WAIT_TIMEOUT":
                 reason = (
@@ -219,7 +242,12 @@ class _Work(dist.Work):
             self._complete(future[0])
 
     def _complete(self, inner: torch.futures.Future) -> None:
-        inner.set_result((self._outcome, self._result))
+        was = getattr(_completing, "active", False)
+        _completing.active = True
+        try:
+            inner.set_result((self._outcome, self._result))
+        finally:
+            _completing.active = was
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         ms = _millis(timeout)
@@ -229,7 +257,8 @@ class _Work(dist.Work):
         return True
 
     def is_completed(self) -> bool:
-        return self._done or all(c.is_completed() for c in self._calls)
+        # A copy out of a staging tensor (``then``) runs only in wait() or the future's thread.
+        return self._done or (self._then is None and all(c.is_completed() for c in self._calls))
 
     def is_success(self) -> bool:
         return self._done and self._outcome is None
@@ -268,6 +297,24 @@ def _unwrap(inner: torch.futures.Future) -> Any:
 # ----- the backend -----
 
 
+def _rejecting(method: Callable[..., _Work]) -> Callable[..., _Work]:
+    """A call whose arguments this rank rejects (a wrong count of tensors, uneven sizes, an
+    op without its factor) aborts the group before raising, as tutti's own checks do, so the
+    other ranks fail at once naming this one instead of waiting out the timeout."""
+
+    @functools.wraps(method)
+    def checked(self: "TuttiBackend", *args: Any) -> _Work:
+        try:
+            return method(self, *args)
+        except (tutti.TuttiError, NotImplementedError):
+            raise
+        except (TypeError, ValueError, IndexError, RuntimeError) as e:
+            self.abort_group(f"rank {self.rank()} rejected its arguments to {method.__name__}: {e}")
+            raise
+
+    return checked
+
+
 def _one_tensor(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     if len(tensors) != 1:
         raise ValueError(f"{what}: tutti takes one tensor per rank, not {len(tensors)}")
@@ -301,9 +348,12 @@ class TuttiBackend(_CBackend):
         super().__init__(rank, size)
         self._timeout_s = timeout.total_seconds() if timeout.total_seconds() > 0 else None
         token_store = _TorchStore(store)
+        # One token per communicator made over this store: torch reuses a group's store
+        # prefix after destroy_process_group, and a rank must not read the last job's token.
+        key = f"{_TOKEN_KEY}/{store.add(f'{_TOKEN_KEY}/made/{rank}', 1)}"
         if rank == 0:
-            store.set(_TOKEN_KEY, secrets.token_hex(16))
-        token = token_store.get(_TOKEN_KEY, self._timeout_s or 300.0).decode()
+            store.set(key, secrets.token_hex(16))
+        token = token_store.get(key, self._timeout_s or 300.0).decode()
         self._comm = tutti.from_store(
             rank,
             size,
@@ -375,12 +425,14 @@ class TuttiBackend(_CBackend):
 
     # -- the collectives torch calls --
 
+    @_rejecting
     def allreduce(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
         """``dist.all_reduce``: the tensor becomes the op over every rank's, in place."""
         t = _one_tensor(tensors, "allreduce")
         op, t = self._reduce_args(t, opts, "allreduce", in_place=True)
         return self._issue("allreduce", lambda: [self._comm.all_reduce(t, op, async_op=True)], tensors)
 
+    @_rejecting
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
         """``dist.all_reduce_coalesced``: each tensor all-reduced in place, in order."""
         args = [self._reduce_args(t, opts, "allreduce_coalesced", in_place=True) for t in tensors]
@@ -390,18 +442,21 @@ class TuttiBackend(_CBackend):
             tensors,
         )
 
+    @_rejecting
     def broadcast(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
         """``dist.broadcast``: the tensor becomes the root rank's, in place."""
         t = _one_tensor(tensors, "broadcast")
         root = opts.rootRank
         return self._issue("broadcast", lambda: [self._comm.broadcast(t, root, async_op=True)], tensors)
 
+    @_rejecting
     def reduce(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
         """``dist.reduce``: the root's tensor becomes the op over every rank's; others are unchanged."""
         t = _one_tensor(tensors, "reduce")
-        op, t = self._reduce_args(t, opts, "reduce", in_place=True)
         root = opts.rootRank
-        return self._issue("reduce", lambda: [self._comm.reduce(t, op, root, out=t, async_op=True)], tensors)
+        # In place at the root only: elsewhere a PREMUL_SUM scales a copy.
+        op, src = self._reduce_args(t, opts, "reduce", in_place=self.rank() == root)
+        return self._issue("reduce", lambda: [self._comm.reduce(src, op, root, out=t, async_op=True)], tensors)
 
     def _gather_into(self, outputs: List[torch.Tensor], t: torch.Tensor, what: str,
                      staged: List[Callable[[], None]]) -> List[tutti.Work]:
@@ -422,6 +477,7 @@ class TuttiBackend(_CBackend):
         staged.append(copy_out)
         return [self._comm.all_gather(t, out=staging, async_op=True)]
 
+    @_rejecting
     def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
                   opts: Any) -> _Work:
         """``dist.all_gather``: output list ``[r]`` becomes rank r's input."""
@@ -430,6 +486,7 @@ class TuttiBackend(_CBackend):
         return self._issue("allgather", lambda: self._gather_into(output_tensors[0], t, "allgather", staged),
                            output_tensors, lambda: [f() for f in staged])
 
+    @_rejecting
     def allgather_coalesced(self, output_lists: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
                             opts: Any) -> _Work:
         """``dist.all_gather_coalesced``: an all-gather per input tensor."""
@@ -442,12 +499,14 @@ class TuttiBackend(_CBackend):
             lambda: [f() for f in staged],
         )
 
+    @_rejecting
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> _Work:
         """``dist.all_gather_into_tensor``: every rank's input back to back in ``output``."""
         return self._issue(
             "_allgather_base", lambda: [self._comm.all_gather(input, out=output, async_op=True)], [output]
         )
 
+    @_rejecting
     def all_gather_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                     opts: Any) -> _Work:
         """``allgather_into_tensor_coalesced`` (FSDP): one all-gather per pair."""
@@ -457,6 +516,7 @@ class TuttiBackend(_CBackend):
             outputs,
         )
 
+    @_rejecting
     def reduce_scatter(self, output_tensors: List[torch.Tensor], input_lists: List[List[torch.Tensor]],
                        opts: Any) -> _Work:
         """``dist.reduce_scatter``: the output becomes this rank's slot of the op over every rank's list."""
@@ -464,6 +524,12 @@ class TuttiBackend(_CBackend):
         inputs = input_lists[0]
         if len(inputs) != self.size():
             raise ValueError(f"reduce_scatter: {len(inputs)} input tensors for a group of {self.size()}")
+        uneven = [i for i, t in enumerate(inputs) if t.numel() != out.numel()]
+        if uneven:
+            raise ValueError(
+                f"reduce_scatter: input {uneven[0]} has {inputs[uneven[0]].numel()} elements, the output "
+                f"{out.numel()}; every input must match the output"
+            )
         flat = _flat_view(inputs)
         if flat is None:
             flat = torch.cat([i.reshape(-1) for i in inputs])
@@ -474,6 +540,7 @@ class TuttiBackend(_CBackend):
             output_tensors,
         )
 
+    @_rejecting
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> _Work:
         """``dist.reduce_scatter_tensor``: this rank's slice of the op over every rank's ``input``."""
         op, src = self._reduce_args(input, opts, "_reduce_scatter_base", in_place=False)
@@ -483,6 +550,7 @@ class TuttiBackend(_CBackend):
             [output],
         )
 
+    @_rejecting
     def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                         opts: Any) -> _Work:
         """``reduce_scatter_tensor_coalesced`` (FSDP): one reduce-scatter per pair."""
@@ -493,6 +561,7 @@ class TuttiBackend(_CBackend):
             outputs,
         )
 
+    @_rejecting
     def barrier(self, opts: Any = None) -> _Work:
         """``dist.barrier``: completes once every rank has called it."""
         return self._issue("barrier", lambda: [self._comm.barrier(async_op=True)], [])
