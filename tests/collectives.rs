@@ -248,14 +248,10 @@ fn bits<T: Element>(r: usize, count: usize) -> Vec<T> {
 }
 
 const BITWISE: [ReduceOp; 3] = [ReduceOp::BAnd, ReduceOp::BOr, ReduceOp::BXor];
-const INTEGERS: [DType; 6] = [
-    DType::I8,
-    DType::U8,
-    DType::I32,
-    DType::U32,
-    DType::I64,
-    DType::U64,
-];
+/// The integer types: those the bitwise ops are defined on.
+fn integers() -> impl Iterator<Item = DType> {
+    DType::ALL.into_iter().filter(|d| !d.is_float())
+}
 
 /// All-reduce (in place, out of place, in flight), reduce at every root and reduce-scatter of
 /// the bitwise ops on one integer type, exactly equal to the reference.
@@ -329,7 +325,7 @@ fn bitwise_ops_on_every_integer_type() {
                 .with_algorithm(algo)
                 .with_chunk_bytes(CHUNK);
             run_local(world, &config, |comm| {
-                for dtype in INTEGERS {
+                for dtype in integers() {
                     for op in BITWISE {
                         for count in [0, 1, 13, 1031] {
                             let what = format!("{algo} P={world} {dtype} {op} n={count} rank {}", comm.rank());

@@ -59,6 +59,48 @@ const FIRST_SIZE: usize = size_of::<tutti_config>();
 /// A `struct_size` beyond this is garbage (an uninitialized struct), not a newer version.
 pub(crate) const MAX_STRUCT_SIZE: usize = 4096;
 
+/// Check the `struct_size` of a versioned struct the caller passes as `arg` (of C type `ty`):
+/// at least the `first` bytes this libtutti knows, no more than [`MAX_STRUCT_SIZE`], and every
+/// byte past `first` zero (fields of a newer libtutti, which this one would ignore). `fix`
+/// says how the caller sets it right.
+///
+/// # Safety
+///
+/// `ptr` points to at least `size` readable bytes.
+pub(crate) unsafe fn check_struct_size(
+    ptr: *const u8,
+    size: usize,
+    first: usize,
+    arg: &str,
+    ty: &str,
+    fix: &str,
+) -> Result<(), Failure> {
+    if size < first {
+        return Err(Failure::invalid(format!(
+            "{arg}->struct_size is {size}, smaller than any {ty} ({first} bytes); {fix}"
+        )));
+    }
+    if size > MAX_STRUCT_SIZE {
+        return Err(Failure::invalid(format!(
+            "{arg}->struct_size is {size}, more than any {ty} will ever need; {fix}"
+        )));
+    }
+    if size > first {
+        // SAFETY: the caller promises `size` readable bytes.
+        let extra = unsafe { std::slice::from_raw_parts(ptr.add(first), size - first) };
+        if let Some(i) = extra.iter().position(|&b| b != 0) {
+            return Err(Failure::invalid(format!(
+                "{arg}->struct_size is {size} and byte {} is set, but this libtutti ({}) knows \
+                 only the first {first} bytes of {ty}; leave newer fields zero or use a newer \
+                 libtutti",
+                first + i,
+                env!("CARGO_PKG_VERSION"),
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Read the caller's config (`NULL`: every default) into a core `Config`.
 ///
 /// # Safety
@@ -74,33 +116,17 @@ pub(crate) unsafe fn read(config: *const tutti_config) -> Result<Settings, Failu
     }
     // SAFETY: the first field is always there.
     let size = unsafe { std::ptr::addr_of!((*config).struct_size).read_unaligned() };
-    if size < FIRST_SIZE {
-        return Err(Failure::invalid(format!(
-            "config->struct_size is {size}, smaller than any tutti_config ({FIRST_SIZE} bytes); \
-             initialize the config with TUTTI_CONFIG_INIT"
-        )));
-    }
-    if size > MAX_STRUCT_SIZE {
-        return Err(Failure::invalid(format!(
-            "config->struct_size is {size}, more than any tutti_config will ever need; \
-             initialize the config with TUTTI_CONFIG_INIT"
-        )));
-    }
-    if size > FIRST_SIZE {
-        // SAFETY: the caller promises `size` readable bytes.
-        let extra = unsafe {
-            std::slice::from_raw_parts(config.cast::<u8>().add(FIRST_SIZE), size - FIRST_SIZE)
-        };
-        if let Some(i) = extra.iter().position(|&b| b != 0) {
-            return Err(Failure::invalid(format!(
-                "config->struct_size is {size} and byte {} is set, but this libtutti ({}) knows \
-                 only the first {FIRST_SIZE} bytes of tutti_config; leave newer fields zero or \
-                 use a newer libtutti",
-                FIRST_SIZE + i,
-                env!("CARGO_PKG_VERSION"),
-            )));
-        }
-    }
+    // SAFETY: the caller promises `size` readable bytes.
+    unsafe {
+        check_struct_size(
+            config.cast(),
+            size,
+            FIRST_SIZE,
+            "config",
+            "tutti_config",
+            "initialize the config with TUTTI_CONFIG_INIT",
+        )
+    }?;
     // SAFETY: at least FIRST_SIZE bytes are readable; the struct may be under-aligned.
     let c = unsafe { config.read_unaligned() };
     if c.timeout_ms != 0 {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tutti::{Communicator, Error, Store};
 
 use crate::comm::{out_ptr, transport_for, tutti_comm};
-use crate::config::{self, tutti_config, MAX_STRUCT_SIZE};
+use crate::config::{self, tutti_config};
 use crate::error::{boundary, tutti_result, Failure};
 
 /// What a `tutti_store` `get` callback returns when the key was not set within its
@@ -107,33 +107,17 @@ unsafe fn read(store: *const tutti_store) -> Result<Callbacks, Failure> {
     }
     // SAFETY: the first field is always there.
     let size = unsafe { std::ptr::addr_of!((*store).struct_size).read_unaligned() };
-    if size < FIRST_SIZE {
-        return Err(Failure::invalid(format!(
-            "store->struct_size is {size}, smaller than any tutti_store ({FIRST_SIZE} bytes); \
-             set it to sizeof(tutti_store)"
-        )));
-    }
-    if size > MAX_STRUCT_SIZE {
-        return Err(Failure::invalid(format!(
-            "store->struct_size is {size}, more than any tutti_store will ever need; set it to \
-             sizeof(tutti_store)"
-        )));
-    }
-    if size > FIRST_SIZE {
-        // SAFETY: the caller promises `size` readable bytes.
-        let extra = unsafe {
-            std::slice::from_raw_parts(store.cast::<u8>().add(FIRST_SIZE), size - FIRST_SIZE)
-        };
-        if let Some(i) = extra.iter().position(|&b| b != 0) {
-            return Err(Failure::invalid(format!(
-                "store->struct_size is {size} and byte {} is set, but this libtutti ({}) knows \
-                 only the first {FIRST_SIZE} bytes of tutti_store; leave newer fields zero or \
-                 use a newer libtutti",
-                FIRST_SIZE + i,
-                env!("CARGO_PKG_VERSION"),
-            )));
-        }
-    }
+    // SAFETY: the caller promises `size` readable bytes.
+    unsafe {
+        config::check_struct_size(
+            store.cast(),
+            size,
+            FIRST_SIZE,
+            "store",
+            "tutti_store",
+            "set it to sizeof(tutti_store)",
+        )
+    }?;
     // SAFETY: at least FIRST_SIZE bytes are readable; the struct may be under-aligned.
     let s = unsafe { store.read_unaligned() };
     let missing = |name: &str| Failure::invalid(format!("store->{name} is NULL"));

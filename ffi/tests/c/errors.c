@@ -384,8 +384,10 @@ static void replicas_errors(void) {
                  TUTTI_ERROR_INVALID_ARGUMENT, "buffers is NULL");
     EXPECT_ERROR(tutti_replicas_all_reduce(rep, 4, (tutti_dtype)10, TUTTI_OP_SUM, 3, bufs),
                  TUTTI_ERROR_INVALID_ARGUMENT, "dtype 10");
-    EXPECT_ERROR(tutti_replicas_all_reduce(rep, 4, TUTTI_DTYPE_F32, (tutti_op)5, 3, bufs),
-                 TUTTI_ERROR_INVALID_ARGUMENT, "op 5");
+    EXPECT_ERROR(tutti_replicas_all_reduce(rep, 4, TUTTI_DTYPE_F32, (tutti_op)8, 3, bufs),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "op 8");
+    EXPECT_ERROR(tutti_replicas_all_reduce(rep, 4, TUTTI_DTYPE_F32, TUTTI_OP_BAND, 3, bufs),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "band is defined on integer types only, not f32");
     bufs[2] = NULL;
     EXPECT_ERROR(tutti_replicas_all_reduce(rep, 4, TUTTI_DTYPE_F32, TUTTI_OP_SUM, 3, bufs),
                  TUTTI_ERROR_INVALID_ARGUMENT, "buffers[2] is NULL");
