@@ -37,7 +37,13 @@ import threading
 import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-import torch
+try:
+    import torch
+except ImportError as e:
+    raise ImportError(
+        "tutti.torch is the torch.distributed backend and needs PyTorch 2.15: "
+        "pip install 'torch==2.15.*' (or pip install './bindings/python[torch]' from tutti's checkout)"
+    ) from e
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _CBackend
 
@@ -256,19 +262,6 @@ class _Work(dist.Work):
             raise self._outcome
         return True
 
-    def is_completed(self) -> bool:
-        # A copy out of a staging tensor (``then``) runs only in wait() or the future's thread.
-        return self._done or (self._then is None and all(c.is_completed() for c in self._calls))
-
-    def is_success(self) -> bool:
-        return self._done and self._outcome is None
-
-    def exception(self) -> Optional[BaseException]:
-        return self._outcome
-
-    def result(self) -> Any:
-        return self._result
-
     def get_future(self) -> torch.futures.Future:
         """A future of the call's result (the tensors), or of its error. The error reaches C++
         (DDP's reducer) as an error: an inner future completes with (error, result) and this
@@ -392,13 +385,6 @@ class TuttiBackend(_CBackend):
 
     # -- helpers --
 
-    def _op(self, reduce_op: Any, what: str, tensor: torch.Tensor) -> str:
-        inner = getattr(reduce_op, "op", reduce_op)
-        name = getattr(inner, "name", str(inner))
-        if name == "PREMUL_SUM":
-            return "premul_sum"
-        return name.lower()  # tutti's names: sum, avg, product, min, max, band, bor, bxor
-
     def _issue(self, what: str, calls: Callable[[], List[tutti.Work]], result: Any,
                then: Optional[Callable[[], None]] = None) -> _Work:
         """The calls' ``Work``. A group that has already failed (a peer lost, aborted) fails
@@ -415,10 +401,10 @@ class TuttiBackend(_CBackend):
     def _reduce_args(self, tensor: torch.Tensor, opts: Any, what: str, in_place: bool):
         """The op for tutti, and the input to reduce: PREMUL_SUM scales the input by its
         factor first (in place where the call is in place, else into a copy), then sums."""
-        op = self._op(opts.reduceOp, what, tensor)
-        if op != "premul_sum":
+        op = opts.reduceOp  # tutti reads torch's ReduceOp itself (SUM, AVG, BAND, ...)
+        if getattr(getattr(op, "op", op), "name", None) != "PREMUL_SUM":
             return op, tensor
-        factor = getattr(opts.reduceOp, "factor", None)
+        factor = getattr(op, "factor", None)
         if factor is None:
             raise ValueError(f"{what}: ReduceOp.PREMUL_SUM without a factor")
         return "sum", tensor.mul_(factor) if in_place else tensor * factor
