@@ -1102,8 +1102,9 @@ mod tests {
                 }
                 let bad = mutate(h.to_vec(), &edits, cut);
                 let _ = parse_hello(&bad, Purpose::Store);
+                // Two edits of one byte may cancel: only bytes that differ must be refused.
                 let bad = mutate(a.to_vec(), &edits, cut);
-                if !edits.is_empty() || cut < ANSWER {
+                if bad[..] != a[..] {
                     prop_assert!(check_answer(&bad, "tok", Purpose::Store, &cn, rank).is_err());
                 }
             }
