@@ -141,6 +141,9 @@ pub struct CallHeader {
     pub op: Option<ReduceOp>,
     /// The root, for rooted collectives.
     pub root: Option<usize>,
+    /// A digest of the count per rank, for the collectives that take one
+    /// ([`Collective::has_counts`]).
+    pub counts: Option<u64>,
     /// The algorithm asked for.
     pub algorithm: Algorithm,
     /// The chunk size of chunked algorithms (ranks must cut buffers alike).
@@ -174,6 +177,14 @@ impl CallHeader {
             ("op", opt(&self.op), opt(&other.op)),
             ("root", opt(&self.root), opt(&other.root)),
             (
+                "counts (digest)",
+                self.counts
+                    .map_or_else(|| "none".to_string(), |d| format!("{d:016x}")),
+                other
+                    .counts
+                    .map_or_else(|| "none".to_string(), |d| format!("{d:016x}")),
+            ),
+            (
                 "algorithm",
                 self.algorithm.to_string(),
                 other.algorithm.to_string(),
@@ -191,6 +202,18 @@ impl CallHeader {
         ];
         fields.into_iter().find(|(_, a, b)| a != b)
     }
+}
+
+/// The digest of a count per rank that [`CallHeader::counts`] carries (FNV-1a over the counts
+/// as 64-bit little-endian numbers): equal counts give equal digests on every host.
+pub(crate) fn counts_digest(counts: &[usize]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &c in counts {
+        for b in (c as u64).to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
 }
 
 fn check_name(full: bool) -> &'static str {

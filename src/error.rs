@@ -22,17 +22,36 @@ pub enum Collective {
     ReduceScatter = 4,
     /// No rank leaves before every rank has arrived.
     Barrier = 5,
+    /// Block j of rank i's input lands in block i of rank j's output (equal blocks).
+    AllToAll = 6,
+    /// All-to-all with a count per block: rank i sends `send_counts[j]` elements to rank j,
+    /// which receives them as its `recv_counts[i]`.
+    AllToAllV = 7,
+    /// The root ends with every rank's buffer, concatenated in rank order.
+    Gather = 8,
+    /// Rank r ends with block r of the root's buffer.
+    Scatter = 9,
+    /// All-gather with a count per rank (the same counts on every rank).
+    AllGatherV = 10,
+    /// Reduce-scatter with a count per rank (the same counts on every rank).
+    ReduceScatterV = 11,
 }
 
 impl Collective {
     /// Every collective, in tag order.
-    pub const ALL: [Collective; 6] = [
+    pub const ALL: [Collective; 12] = [
         Collective::AllReduce,
         Collective::Broadcast,
         Collective::AllGather,
         Collective::Reduce,
         Collective::ReduceScatter,
         Collective::Barrier,
+        Collective::AllToAll,
+        Collective::AllToAllV,
+        Collective::Gather,
+        Collective::Scatter,
+        Collective::AllGatherV,
+        Collective::ReduceScatterV,
     ];
 
     /// The API name (`all_reduce`, `broadcast`, ...).
@@ -44,6 +63,12 @@ impl Collective {
             Collective::Reduce => "reduce",
             Collective::ReduceScatter => "reduce_scatter",
             Collective::Barrier => "barrier",
+            Collective::AllToAll => "all_to_all",
+            Collective::AllToAllV => "all_to_all_v",
+            Collective::Gather => "gather",
+            Collective::Scatter => "scatter",
+            Collective::AllGatherV => "all_gather_v",
+            Collective::ReduceScatterV => "reduce_scatter_v",
         }
     }
 
@@ -56,7 +81,19 @@ impl Collective {
             Collective::Reduce => "reduce",
             Collective::ReduceScatter => "reduce-scatter",
             Collective::Barrier => "barrier",
+            Collective::AllToAll => "all-to-all",
+            Collective::AllToAllV => "all-to-all-v",
+            Collective::Gather => "gather",
+            Collective::Scatter => "scatter",
+            Collective::AllGatherV => "all-gather-v",
+            Collective::ReduceScatterV => "reduce-scatter-v",
         }
+    }
+
+    /// Whether every rank states a count per rank (the same on every rank), compared by a
+    /// digest in the call's header.
+    pub const fn has_counts(self) -> bool {
+        matches!(self, Collective::AllGatherV | Collective::ReduceScatterV)
     }
 
     /// The collective with this numeric value (as used by the C ABI).
@@ -81,7 +118,7 @@ impl std::str::FromStr for Collective {
             .find(|c| c.cli_name() == s || c.cli_name().replace('-', "") == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown collective '{s}' (expected all-reduce, broadcast, all-gather, reduce, reduce-scatter or barrier)"
+                    "unknown collective '{s}' (expected all-reduce, broadcast, all-gather, reduce, reduce-scatter, barrier, all-to-all, all-to-all-v, gather, scatter, all-gather-v or reduce-scatter-v)"
                 )
             })
     }

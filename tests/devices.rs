@@ -75,6 +75,8 @@ fn calls_by_address_on_a_device_group() {
                     root: 0,
                     input: x.as_ptr().cast(),
                     output: x.as_mut_ptr().cast(),
+                    counts: &[],
+                    recv_counts: &[],
                 };
                 // SAFETY: x holds 5 f32 and lives through the call.
                 unsafe { c.run_raw(&call) }.unwrap();

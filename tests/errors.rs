@@ -484,6 +484,8 @@ fn raw_counts_whose_bytes_overflow_are_errors() {
                     root: 0,
                     input: buf.as_ptr().cast(),
                     output: buf.as_mut_ptr().cast(),
+                    counts: &[],
+                    recv_counts: &[],
                 };
                 // SAFETY: the call is refused before any byte is touched.
                 let e = unsafe { comm.run_raw(&call) }.unwrap_err();

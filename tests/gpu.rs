@@ -1573,6 +1573,8 @@ fn calls_wait_for_the_callers_stream() {
                     root: 0,
                     input: input as *const u8,
                     output: output as *mut u8,
+                    counts: &[],
+                    recv_counts: &[],
                 })
                 .unwrap();
             assert_eq!(
@@ -1649,6 +1651,8 @@ fn work_queued_on_the_stream_after_a_call_waits_for_it() {
                 root: 0,
                 input: input as *const u8,
                 output: output as *mut u8,
+                counts: &[],
+                recv_counts: &[],
             });
             // Queued after the call, before its handle is waited: runs after the call's work.
             assert_eq!(

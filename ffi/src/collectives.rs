@@ -100,6 +100,8 @@ pub(crate) unsafe fn all_reduce(
             root: 0,
             input: input.cast(),
             output: output.cast(),
+            counts: &[],
+            recv_counts: &[],
         };
         // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
         unsafe { mode.run(&c, call, None) }
@@ -171,6 +173,8 @@ pub(crate) unsafe fn broadcast(
             root,
             input: buffer.cast_const().cast(),
             output: buffer.cast(),
+            counts: &[],
+            recv_counts: &[],
         };
         // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
         unsafe { mode.run(&c, call, None) }
@@ -257,6 +261,8 @@ pub(crate) unsafe fn all_gather(
             root: 0,
             input: input.cast(),
             output: output.cast(),
+            counts: &[],
+            recv_counts: &[],
         };
         // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
         unsafe { mode.run(&c, call, None) }
@@ -359,6 +365,8 @@ pub(crate) unsafe fn reduce_scatter(
                 .as_ref()
                 .map_or(input.cast(), |c| c.copy.bytes().as_ptr()),
             output: output.cast(),
+            counts: &[],
+            recv_counts: &[],
         };
         // SAFETY: checked above; the caller promises the memory, for as long as the call
         // runs; the copy's heap bytes do not move when it moves into the call.
@@ -453,6 +461,8 @@ pub(crate) unsafe fn reduce(
             root,
             input: input.cast(),
             output: output.cast(),
+            counts: &[],
+            recv_counts: &[],
         };
         // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
         unsafe { mode.run(&c, call, None) }
@@ -490,6 +500,8 @@ pub(crate) unsafe fn barrier(f: &'static str, comm: *mut tutti_comm, mode: Mode)
             root: 0,
             input: std::ptr::null(),
             output: std::ptr::null_mut(),
+            counts: &[],
+            recv_counts: &[],
         };
         // SAFETY: no memory.
         unsafe { mode.run(&c, call, None) }?;

@@ -11,6 +11,8 @@
 //! level cache, 0.78 of the limit where they do not, measured with two processes on two cores of
 //! different core complexes.)
 //!
+//! all_to_all copies this rank's block of each peer's input into place; gather copies every
+//! rank's input into the root's output and scatter this rank's block of the root's input;
 //! all_gather copies each peer's input straight into place; reduce_scatter reduces slice r of
 //! every input into rank r's output; reduce does the same into the root's output; broadcast copies
 //! from the root's buffer. None stages anything.
@@ -18,7 +20,7 @@
 use std::ops::Range;
 
 use super::plan::List;
-use super::{bytes, partition, Ctx};
+use super::{bytes, partition, Blocks, Ctx};
 use crate::dtype::kernels::{self, Init};
 use crate::error::Result;
 use crate::transport::{CallBuffers, PeerMemory};
@@ -100,21 +102,27 @@ pub(crate) fn all_reduce(ctx: &Ctx<'_>, in_place: bool, len: usize) -> Result<()
     call.finish(ctx)
 }
 
-pub(crate) fn all_gather(ctx: &Ctx<'_>, in_place: bool, output: &mut [u8]) -> Result<()> {
+pub(crate) fn all_gather(
+    ctx: &Ctx<'_>,
+    in_place: bool,
+    output: &mut [u8],
+    blocks: Blocks<'_>,
+) -> Result<()> {
     let call = Call::new(ctx)?;
-    let (p, r) = (ctx.world(), ctx.rank());
-    let s = output.len() / p;
+    let (p, r, esize) = (ctx.world(), ctx.rank(), ctx.dtype.size());
     for k in (0..p).filter(|&k| k != r || !in_place) {
+        let at = bytes(blocks.get(p, k), esize);
         // SAFETY: inputs are not written during an all_gather (in place, rank k's input is its
         // own slice k, which only rank k writes, and it does not).
-        output[k * s..(k + 1) * s].copy_from_slice(unsafe { call.input(k, 0..s) });
+        let input = unsafe { call.input(k, 0..at.len()) };
+        output[at].copy_from_slice(input);
     }
     call.finish(ctx)
 }
 
-pub(crate) fn reduce_scatter(ctx: &Ctx<'_>, output: &mut [u8]) -> Result<()> {
+pub(crate) fn reduce_scatter(ctx: &Ctx<'_>, output: &mut [u8], blocks: Blocks<'_>) -> Result<()> {
     let call = Call::new(ctx)?;
-    let range = ctx.rank() * output.len()..(ctx.rank() + 1) * output.len();
+    let range = bytes(blocks.get(ctx.world(), ctx.rank()), ctx.dtype.size());
     // SAFETY: inputs are not written during a reduce_scatter.
     let mut srcs = ctx.plan.list::<&[u8]>();
     srcs.extend((0..ctx.world()).map(|k| unsafe { call.input(k, range.clone()) }));
@@ -161,5 +169,46 @@ pub(crate) fn broadcast(ctx: &Ctx<'_>, root: usize, buf: &mut [u8]) -> Result<()
         // SAFETY: the root's buffer is not written during a broadcast.
         buf.copy_from_slice(unsafe { call.input(root, 0..buf.len()) });
     }
+    call.finish(ctx)
+}
+
+/// All-to-all of equal blocks: block k of `output` = block `rank` of rank k's input.
+pub(crate) fn all_to_all(ctx: &Ctx<'_>, output: &mut [u8], blocks: Blocks<'_>) -> Result<()> {
+    let call = Call::new(ctx)?;
+    let (p, r, esize) = (ctx.world(), ctx.rank(), ctx.dtype.size());
+    let mine = bytes(blocks.get(p, r), esize);
+    for k in (0..p).map(|d| (r + d) % p) {
+        // SAFETY: inputs are not written during an all_to_all, and no input overlaps an
+        // output (the communicator checked).
+        let input = unsafe { call.input(k, mine.clone()) };
+        output[bytes(blocks.get(p, k), esize)].copy_from_slice(input);
+    }
+    call.finish(ctx)
+}
+
+/// Gather onto `root`: the root copies every rank's `len` input bytes into its `output`.
+pub(crate) fn gather(
+    ctx: &Ctx<'_>,
+    root: usize,
+    len: usize,
+    output: Option<&mut [u8]>,
+) -> Result<()> {
+    let call = Call::new(ctx)?;
+    if let Some(output) = output.filter(|_| ctx.rank() == root) {
+        for (k, block) in output.chunks_exact_mut(len.max(1)).enumerate() {
+            // SAFETY: inputs are not written during a gather.
+            block.copy_from_slice(unsafe { call.input(k, 0..len) });
+        }
+    }
+    call.finish(ctx)
+}
+
+/// Scatter from `root`: this rank copies its block of the root's input into `output`.
+pub(crate) fn scatter(ctx: &Ctx<'_>, root: usize, output: &mut [u8]) -> Result<()> {
+    let call = Call::new(ctx)?;
+    let len = output.len();
+    let at = ctx.rank() * len;
+    // SAFETY: the root's input is not written during a scatter.
+    output.copy_from_slice(unsafe { call.input(root, at..at + len) });
     call.finish(ctx)
 }

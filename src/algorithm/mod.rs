@@ -19,6 +19,7 @@ mod copies;
 mod direct;
 mod flat;
 mod hosts;
+mod personal;
 mod plan;
 mod ring;
 
@@ -86,6 +87,33 @@ pub fn partition(count: usize, parts: usize, i: usize) -> Range<usize> {
     let (base, rem) = (count / parts, count % parts);
     let start = i * base + i.min(rem);
     start..start + base + usize::from(i < rem)
+}
+
+/// Where each rank's block lies in a buffer of P blocks, in elements.
+#[derive(Copy, Clone, Debug)]
+pub(crate) enum Blocks<'a> {
+    /// `count` elements cut evenly ([`partition`]).
+    Even(usize),
+    /// Block k is `offsets[k]..offsets[k + 1]` (a count per rank, summed: P + 1 offsets).
+    At(&'a [usize]),
+}
+
+impl Blocks<'_> {
+    /// Block `k` of `parts`.
+    pub(crate) fn get(&self, parts: usize, k: usize) -> Range<usize> {
+        match *self {
+            Blocks::Even(count) => partition(count, parts, k),
+            Blocks::At(offsets) => offsets[k]..offsets[k + 1],
+        }
+    }
+
+    /// The length of the largest block.
+    pub(crate) fn largest(&self, parts: usize) -> usize {
+        match *self {
+            Blocks::Even(count) => partition(count, parts, 0).len(),
+            Blocks::At(offsets) => offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0),
+        }
+    }
 }
 
 /// Scale an element range to bytes.
@@ -224,33 +252,83 @@ pub(crate) fn broadcast(ctx: &Ctx<'_>, algo: Algorithm, root: usize, buf: &mut [
     }
 }
 
-/// All-gather: `output[r]` = rank r's input (`input = None`: in place, own slice already there).
+/// All-gather: block r of `output` (laid out as `blocks` says) = rank r's input (`input =
+/// None`: in place, own block already there).
 pub(crate) fn all_gather(
     ctx: &Ctx<'_>,
     algo: Algorithm,
     input: Option<&[u8]>,
     output: &mut [u8],
+    blocks: Blocks<'_>,
 ) -> Result<()> {
     if resolve_other(ctx, algo, Collective::AllGather) == Algorithm::Direct {
-        return direct::all_gather(ctx, input.is_none(), output);
+        return direct::all_gather(ctx, input.is_none(), output, blocks);
     }
     if let Some(i) = input {
-        let own = ctx.rank() * i.len();
-        output[own..own + i.len()].copy_from_slice(i);
+        output[bytes(blocks.get(ctx.world(), ctx.rank()), ctx.dtype.size())].copy_from_slice(i);
     }
-    ring::all_gather(ctx, output)
+    ring::all_gather(ctx, output, blocks)
 }
 
-/// Reduce-scatter: `output` = slice `rank` of the reduction of every rank's `input`.
+/// Reduce-scatter: `output` = block `rank` of the reduction of every rank's `input` (laid out
+/// as `blocks` says).
 pub(crate) fn reduce_scatter(
     ctx: &Ctx<'_>,
     algo: Algorithm,
     input: &[u8],
     output: &mut [u8],
+    blocks: Blocks<'_>,
 ) -> Result<()> {
     match resolve_other(ctx, algo, Collective::ReduceScatter) {
-        Algorithm::Direct => direct::reduce_scatter(ctx, output),
-        _ => ring::reduce_scatter(ctx, input, output),
+        Algorithm::Direct => direct::reduce_scatter(ctx, output, blocks),
+        _ => ring::reduce_scatter(ctx, input, output, blocks),
+    }
+}
+
+/// All-to-all: block j of `input` (laid out as `send` says) goes to rank j, and block k of
+/// `output` (as `recv` says) comes from rank k.
+pub(crate) fn all_to_all(
+    ctx: &Ctx<'_>,
+    algo: Algorithm,
+    input: &[u8],
+    send: Blocks<'_>,
+    output: &mut [u8],
+    recv: Blocks<'_>,
+) -> Result<()> {
+    match (resolve_other(ctx, algo, Collective::AllToAll), send) {
+        // A peer's block for this rank is where this rank can compute it only when every
+        // rank cuts its input alike.
+        (Algorithm::Direct, Blocks::Even(_)) => direct::all_to_all(ctx, output, send),
+        _ => personal::all_to_all(ctx, input, send, output, recv),
+    }
+}
+
+/// Gather onto `root`: block k of the root's `output` (`world` × the input) = rank k's input.
+pub(crate) fn gather(
+    ctx: &Ctx<'_>,
+    algo: Algorithm,
+    root: usize,
+    input: &[u8],
+    output: Option<&mut [u8]>,
+) -> Result<()> {
+    match resolve_other(ctx, algo, Collective::Gather) {
+        Algorithm::Direct => direct::gather(ctx, root, input.len(), output),
+        _ => personal::gather(ctx, root, input, output),
+    }
+}
+
+/// Scatter from `root`: every rank's `output` = block `rank` of the root's `input` (`world` ×
+/// the output; `None` off the root).
+pub(crate) fn scatter(
+    ctx: &Ctx<'_>,
+    algo: Algorithm,
+    root: usize,
+    input: Option<&[u8]>,
+    output: &mut [u8],
+) -> Result<()> {
+    match resolve_other(ctx, algo, Collective::Scatter) {
+        Algorithm::Direct => direct::scatter(ctx, root, output),
+        _ => personal::scatter(ctx, root, input, output),
     }
 }
 

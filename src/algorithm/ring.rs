@@ -17,13 +17,13 @@
 
 use std::ops::Range;
 
-use super::{bytes, partition, split_pair, Ctx};
+use super::{bytes, partition, split_pair, Blocks, Ctx};
 use crate::error::Result;
 use crate::transport::{RecvMode, RecvOp, SendOp};
 
 /// Piece `g` of slice `k`, as a byte range of the whole buffer (empty when the slice is shorter).
-fn piece(ctx: &Ctx<'_>, count: usize, k: usize, g: usize) -> Range<usize> {
-    let s = partition(count, ctx.world(), k);
+fn piece(ctx: &Ctx<'_>, blocks: Blocks<'_>, k: usize, g: usize) -> Range<usize> {
+    let s = blocks.get(ctx.world(), k);
     let ce = ctx.chunk_elems();
     // Saturating: a chunk may be far larger than the buffer (one piece per slice).
     let lo = s.start.saturating_add(g.saturating_mul(ce)).min(s.end);
@@ -32,10 +32,8 @@ fn piece(ctx: &Ctx<'_>, count: usize, k: usize, g: usize) -> Range<usize> {
 }
 
 /// Rounds of pieces needed to cover the largest slice.
-fn rounds(ctx: &Ctx<'_>, count: usize) -> usize {
-    partition(count, ctx.world(), 0)
-        .len()
-        .div_ceil(ctx.chunk_elems())
+fn rounds(ctx: &Ctx<'_>, blocks: Blocks<'_>) -> usize {
+    blocks.largest(ctx.world()).div_ceil(ctx.chunk_elems())
 }
 
 /// One ring step: send `send` of `buf` to the right, receive into `recv` of `buf` from the left.
@@ -58,7 +56,7 @@ fn step(
 pub(crate) fn all_reduce(ctx: &Ctx<'_>, input: Option<&[u8]>, buf: &mut [u8]) -> Result<()> {
     let p = ctx.world();
     let r = ctx.rank();
-    let count = buf.len() / ctx.dtype.size();
+    let count = Blocks::Even(buf.len() / ctx.dtype.size());
     if p == 1 {
         if let Some(i) = input {
             buf.copy_from_slice(i);
@@ -94,10 +92,9 @@ pub(crate) fn all_reduce(ctx: &Ctx<'_>, input: Option<&[u8]>, buf: &mut [u8]) ->
     Ok(())
 }
 
-/// `buf` holds P slices; this rank's slice is filled; fill the others.
-pub(crate) fn all_gather(ctx: &Ctx<'_>, buf: &mut [u8]) -> Result<()> {
+/// `buf` holds P slices laid out as `count` says; this rank's slice is filled; fill the others.
+pub(crate) fn all_gather(ctx: &Ctx<'_>, buf: &mut [u8], count: Blocks<'_>) -> Result<()> {
     let (p, r) = (ctx.world(), ctx.rank());
-    let count = buf.len() / ctx.dtype.size();
     for g in 0..rounds(ctx, count) {
         for s in 0..p - 1 {
             let send = piece(ctx, count, (r + p - s) % p, g);
@@ -108,14 +105,20 @@ pub(crate) fn all_gather(ctx: &Ctx<'_>, buf: &mut [u8]) -> Result<()> {
     Ok(())
 }
 
-/// `output` = slice `rank` of the reduction of every rank's `input` (P slices).
-pub(crate) fn reduce_scatter(ctx: &Ctx<'_>, input: &[u8], output: &mut [u8]) -> Result<()> {
+/// `output` = slice `rank` of the reduction of every rank's `input` (P slices laid out as
+/// `count` says).
+pub(crate) fn reduce_scatter(
+    ctx: &Ctx<'_>,
+    input: &[u8],
+    output: &mut [u8],
+    count: Blocks<'_>,
+) -> Result<()> {
     let (p, r) = (ctx.world(), ctx.rank());
     let esize = ctx.dtype.size();
-    let count = input.len() / esize;
-    let slice_start = partition(count, p, r).start * esize;
-    // Slices may differ by one element (reduce cuts uneven ones): size for the largest piece.
-    let scratch_len = (partition(count, p, 0).len() * esize).min(ctx.chunk_elems() * esize);
+    let slice_start = count.get(p, r).start * esize;
+    // Slices may differ (reduce cuts uneven ones; reduce_scatter_v has a count per rank): size
+    // for the largest piece.
+    let scratch_len = (count.largest(p) * esize).min(ctx.chunk_elems() * esize);
     let mut scratch = [ctx.plan.scratch(scratch_len), ctx.plan.scratch(scratch_len)];
     for g in 0..rounds(ctx, count) {
         let own = piece(ctx, count, r, g);
@@ -196,9 +199,10 @@ pub(crate) fn reduce(
     let esize = ctx.dtype.size();
     let count = len / esize;
     let mut slice = ctx.plan.scratch(partition(count, p, r).len() * esize);
+    let blocks = Blocks::Even(count);
     match (input, &output) {
-        (Some(i), _) => reduce_scatter(ctx, i, &mut slice)?,
-        (None, Some(o)) => reduce_scatter(ctx, o, &mut slice)?,
+        (Some(i), _) => reduce_scatter(ctx, i, &mut slice, blocks)?,
+        (None, Some(o)) => reduce_scatter(ctx, o, &mut slice, blocks)?,
         (None, None) => unreachable!("the communicator passes an input off the root"),
     }
     let Some(output) = output.filter(|_| r == root) else {

@@ -45,6 +45,12 @@ pub(super) struct Call {
     buffers: CallBuffers,
     /// The input is the output (`input` of the collective's body is `None`).
     in_place: bool,
+    /// Where each rank's block lies, in elements, for the collectives with a count per rank:
+    /// P + 1 offsets (all_gather_v: of the output; reduce_scatter_v: of the input), or for
+    /// all_to_all_v those of the input, then those of the output. Empty for the others.
+    offsets: Vec<usize>,
+    /// The digest of the count per rank that every rank must agree on ([`Collective::has_counts`]).
+    counts: Option<u64>,
     /// The mark of the call on the caller's stream (`buffers.after` and `end`), held
     /// until the call completes.
     _after: Option<Box<dyn StreamMark>>,
@@ -188,15 +194,43 @@ impl Call {
                     self.root.unwrap_or(0),
                     raw_mut(b.output, b.output_len),
                 ),
-                Collective::AllGather => {
-                    algorithm::all_gather(ctx, algo, input, raw_mut(b.output, b.output_len))
-                }
-                Collective::ReduceScatter => algorithm::reduce_scatter(
+                Collective::AllGather | Collective::AllGatherV => algorithm::all_gather(
                     ctx,
                     algo,
-                    raw(b.input, b.input_len),
+                    input,
                     raw_mut(b.output, b.output_len),
+                    self.blocks(0, b.output_len),
                 ),
+                Collective::ReduceScatter | Collective::ReduceScatterV => {
+                    algorithm::reduce_scatter(
+                        ctx,
+                        algo,
+                        raw(b.input, b.input_len),
+                        raw_mut(b.output, b.output_len),
+                        self.blocks(0, b.input_len),
+                    )
+                }
+                Collective::AllToAll | Collective::AllToAllV => {
+                    let p = ctx.world();
+                    algorithm::all_to_all(
+                        ctx,
+                        algo,
+                        raw(b.input, b.input_len),
+                        self.blocks(0, b.input_len),
+                        raw_mut(b.output, b.output_len),
+                        self.blocks(p + 1, b.output_len),
+                    )
+                }
+                Collective::Gather => {
+                    let output = (!b.output.is_null()).then(|| raw_mut(b.output, b.output_len));
+                    let input = raw(b.input, b.input_len);
+                    algorithm::gather(ctx, algo, self.root.unwrap_or(0), input, output)
+                }
+                Collective::Scatter => {
+                    let input = (!b.input.is_null()).then(|| raw(b.input, b.input_len));
+                    let output = raw_mut(b.output, b.output_len);
+                    algorithm::scatter(ctx, algo, self.root.unwrap_or(0), input, output)
+                }
                 Collective::Reduce => {
                     let output = (!b.output.is_null()).then(|| raw_mut(b.output, b.output_len));
                     algorithm::reduce(
@@ -215,6 +249,15 @@ impl Call {
 }
 
 impl Call {
+    /// The blocks of a buffer of `len` bytes: from the offsets at `from` where the call has
+    /// a count per rank, else cut evenly.
+    fn blocks(&self, from: usize, len: usize) -> algorithm::Blocks<'_> {
+        match self.offsets.get(from..) {
+            Some(o) if !o.is_empty() => algorithm::Blocks::At(o),
+            _ => algorithm::Blocks::Even(len / self.dtype.size()),
+        }
+    }
+
     /// A group engine's part: rank 0 runs the call once over every rank's published buffers;
     /// the others wait until it has (the transport bounds the wait and carries aborts).
     fn group_body(&self, ctx: &Ctx<'_>, engine: &dyn GroupEngine) -> Result<()> {
@@ -288,6 +331,7 @@ impl Runnable for Call {
             count: self.count,
             op: self.op,
             root: self.root,
+            counts: self.counts,
             algorithm: self.algorithm,
             chunk_bytes: shared.chunk_bytes as u64,
             full_check: shared.full_check,
@@ -369,6 +413,76 @@ fn times(n: usize, p: usize) -> String {
         .map_or_else(|| "more than a usize holds".to_string(), |x| x.to_string())
 }
 
+/// P + 1 offsets (in elements) from a count per rank; an error naming the list when it does
+/// not have one count per rank or its sum is more elements than a buffer can hold.
+fn offsets(
+    dtype: DType,
+    name: &str,
+    counts: &[usize],
+    world: usize,
+) -> std::result::Result<Vec<usize>, String> {
+    if counts.len() != world {
+        return Err(format!(
+            "{name} has {} entries for a world of {world} ranks; it needs one per rank",
+            counts.len()
+        ));
+    }
+    let mut o = Vec::with_capacity(world + 1);
+    let mut at = 0usize;
+    o.push(0);
+    for (k, &c) in counts.iter().enumerate() {
+        at = at
+            .checked_add(c)
+            .filter(|&a| {
+                a.checked_mul(dtype.size())
+                    .is_some_and(|b| b <= isize::MAX as usize)
+            })
+            .ok_or_else(|| {
+                format!("{name} up to rank {k} sum to more {dtype} elements than a buffer can hold")
+            })?;
+        o.push(at);
+    }
+    Ok(o)
+}
+
+/// `len` bytes hold exactly the `n` elements that `what` says.
+fn fits(
+    dtype: DType,
+    buffer: &str,
+    len: usize,
+    what: &str,
+    n: usize,
+) -> std::result::Result<(), String> {
+    let have = elems(dtype, buffer, len)?;
+    if have != n {
+        return Err(format!(
+            "{buffer} holds {have} elements but {what} says {n}; they must be equal"
+        ));
+    }
+    Ok(())
+}
+
+/// The input and output of a call that cannot run in place do not share a byte.
+fn disjoint(input: Bytes, output: BytesMut) -> std::result::Result<(), String> {
+    let (a, b) = (input.as_ptr() as usize, output.as_ptr() as usize);
+    if input.len() > 0 && output.len() > 0 && a < b + output.len() && b < a + input.len() {
+        return Err(
+            "the input and output overlap; this collective cannot run in place".to_string(),
+        );
+    }
+    Ok(())
+}
+
+/// A checked count and offsets as the parts of a call.
+fn split(
+    r: std::result::Result<(usize, Vec<usize>), String>,
+) -> (std::result::Result<usize, String>, Vec<usize>) {
+    match r {
+        Ok((n, o)) => (Ok(n), o),
+        Err(e) => (Err(e), Vec::new()),
+    }
+}
+
 fn check_root(root: usize, world: usize) -> std::result::Result<(), String> {
     if root >= world {
         return Err(format!(
@@ -393,6 +507,23 @@ impl Communicator {
             Some(why) => Err(why),
             None => Ok(()),
         }
+    }
+
+    /// `call` as this rank's argument error where the group's engine does not run its
+    /// collective (every rank of a group has the same engine, so every rank refuses alike).
+    pub(super) fn engine_runs(&self, mut call: Call) -> Call {
+        let shared = self.progress.shared();
+        if let Some(engine) = shared.engine.as_ref() {
+            if call.check.is_ok() && !engine.runs(call.collective) {
+                call.check = Err(format!(
+                    "{} is not available on {}: its device engine runs all_reduce, \
+                     broadcast, all_gather, reduce, reduce_scatter and barrier",
+                    call.collective,
+                    self.device_spec()
+                ));
+            }
+        }
+        call
     }
 
     /// All-reduce of raw bytes holding `dtype` elements: `output = ⊕ over ranks of input`, or in
@@ -442,6 +573,8 @@ impl Communicator {
             rank: self.rank(),
             algorithm: self.algorithm,
             in_place: input.is_none(),
+            offsets: Vec::new(),
+            counts: None,
             _after: None,
         }
     }
@@ -473,6 +606,8 @@ impl Communicator {
             rank: self.rank(),
             algorithm: self.algorithm,
             in_place: true,
+            offsets: Vec::new(),
+            counts: None,
             _after: None,
         }
     }
@@ -524,6 +659,8 @@ impl Communicator {
             rank: self.rank(),
             algorithm: self.algorithm,
             in_place: input.is_none(),
+            offsets: Vec::new(),
+            counts: None,
             _after: None,
         }
     }
@@ -571,6 +708,8 @@ impl Communicator {
             rank: self.rank(),
             algorithm: self.algorithm,
             in_place: false,
+            offsets: Vec::new(),
+            counts: None,
             _after: None,
         }
     }
@@ -643,6 +782,328 @@ impl Communicator {
             rank: self.rank(),
             algorithm: self.algorithm,
             in_place: input.is_none(),
+            offsets: Vec::new(),
+            counts: None,
+            _after: None,
+        }
+    }
+
+    /// All-to-all of equal blocks: block j of `input` goes to rank j, block k of `output`
+    /// comes from rank k (each `world_size` blocks).
+    pub(super) fn all_to_all_call(&self, dtype: DType, input: Bytes, output: BytesMut) -> Call {
+        let p = self.world_size();
+        let check = elems(dtype, "the input", input.len()).and_then(|n| {
+            if output.len() != input.len() {
+                return Err(format!(
+                    "the input holds {n} elements but the output {}; all_to_all needs them equal",
+                    output.len() / dtype.size()
+                ));
+            }
+            if n % p != 0 {
+                return Err(format!(
+                    "the input holds {n} elements, not a whole number of blocks for {p} ranks"
+                ));
+            }
+            disjoint(input, output)?;
+            aligned(
+                dtype,
+                n,
+                &[
+                    ("the input", input.as_ptr()),
+                    ("the output", output.as_ptr()),
+                ],
+            )
+            .map(|_| n / p)
+        });
+        self.blocks_call(
+            Collective::AllToAll,
+            dtype,
+            input,
+            output,
+            check,
+            Vec::new(),
+        )
+    }
+
+    /// All-to-all with a count per block: `send_counts[j]` elements of `input` (in rank
+    /// order) go to rank j, and `recv_counts[k]` elements of `output` come from rank k.
+    pub(super) fn all_to_all_v_call(
+        &self,
+        dtype: DType,
+        input: Bytes,
+        send_counts: &[usize],
+        output: BytesMut,
+        recv_counts: &[usize],
+    ) -> Call {
+        let r = self.rank();
+        let check = (|| {
+            let mut o = offsets(dtype, "send_counts", send_counts, self.world_size())?;
+            fits(
+                dtype,
+                "the input",
+                input.len(),
+                "send_counts",
+                o[o.len() - 1],
+            )?;
+            let recv = offsets(dtype, "recv_counts", recv_counts, self.world_size())?;
+            fits(
+                dtype,
+                "the output",
+                output.len(),
+                "recv_counts",
+                recv[recv.len() - 1],
+            )?;
+            if send_counts[r] != recv_counts[r] {
+                return Err(format!(
+                    "send_counts[{r}] = {} but recv_counts[{r}] = {}: this rank's block to \
+                     itself must be as long as the one it receives",
+                    send_counts[r], recv_counts[r]
+                ));
+            }
+            disjoint(input, output)?;
+            let n = input.len().max(output.len());
+            aligned(
+                dtype,
+                n,
+                &[
+                    ("the input", input.as_ptr()),
+                    ("the output", output.as_ptr()),
+                ],
+            )?;
+            o.extend(recv);
+            // Counts differ from rank to rank: each pair's agree, which the exchange checks.
+            Ok((0, o))
+        })();
+        let (check, offsets) = split(check);
+        self.blocks_call(Collective::AllToAllV, dtype, input, output, check, offsets)
+    }
+
+    /// All-gather with a count per rank: rank r's `input` (`counts[r]` elements) lands at
+    /// offset `counts[0] + ... + counts[r-1]` of every rank's `output`.
+    pub(super) fn all_gather_v_call(
+        &self,
+        dtype: DType,
+        input: Bytes,
+        output: BytesMut,
+        counts: &[usize],
+    ) -> Call {
+        let r = self.rank();
+        let check = (|| {
+            let o = offsets(dtype, "counts", counts, self.world_size())?;
+            let total = o[o.len() - 1];
+            fits(
+                dtype,
+                "the input",
+                input.len(),
+                &format!("counts[{r}]"),
+                counts[r],
+            )?;
+            fits(dtype, "the output", output.len(), "counts", total)?;
+            disjoint(input, output)?;
+            aligned(
+                dtype,
+                total,
+                &[
+                    ("the input", input.as_ptr()),
+                    ("the output", output.as_ptr()),
+                ],
+            )?;
+            Ok((total, o))
+        })();
+        let (check, offsets) = split(check);
+        let mut call =
+            self.blocks_call(Collective::AllGatherV, dtype, input, output, check, offsets);
+        call.counts = Some(crate::call::counts_digest(counts));
+        call
+    }
+
+    /// Reduce-scatter with a count per rank: `output` (`counts[rank]` elements) = this rank's
+    /// block of the reduction of every rank's `input` (the sum of the counts).
+    pub(super) fn reduce_scatter_v_call(
+        &self,
+        dtype: DType,
+        input: Bytes,
+        output: BytesMut,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Call {
+        let r = self.rank();
+        let check = (|| {
+            self.check_op(dtype, op)?;
+            let o = offsets(dtype, "counts", counts, self.world_size())?;
+            let total = o[o.len() - 1];
+            fits(dtype, "the input", input.len(), "counts", total)?;
+            fits(
+                dtype,
+                "the output",
+                output.len(),
+                &format!("counts[{r}]"),
+                counts[r],
+            )?;
+            disjoint(input, output)?;
+            aligned(
+                dtype,
+                total,
+                &[
+                    ("the input", input.as_ptr()),
+                    ("the output", output.as_ptr()),
+                ],
+            )?;
+            Ok((total, o))
+        })();
+        let (check, offsets) = split(check);
+        let mut call = self.blocks_call(
+            Collective::ReduceScatterV,
+            dtype,
+            input,
+            output,
+            check,
+            offsets,
+        );
+        call.op = Some(op);
+        call.counts = Some(crate::call::counts_digest(counts));
+        call
+    }
+
+    /// A call over one input and one output cut into blocks.
+    fn blocks_call(
+        &self,
+        collective: Collective,
+        dtype: DType,
+        input: Bytes,
+        output: BytesMut,
+        check: std::result::Result<usize, String>,
+        offsets: Vec<usize>,
+    ) -> Call {
+        Call {
+            collective,
+            dtype,
+            count: *check.as_ref().unwrap_or(&0),
+            op: None,
+            root: None,
+            check: check.map(drop),
+            buffers: CallBuffers {
+                input: input.as_ptr(),
+                input_len: input.len(),
+                output: output.as_mut_ptr(),
+                output_len: output.len(),
+                after: 0,
+                end: 0,
+            },
+            rank: self.rank(),
+            algorithm: self.algorithm,
+            in_place: false,
+            offsets,
+            counts: None,
+            _after: None,
+        }
+    }
+
+    /// Gather onto `root`: its `output` (`world_size` × the input) holds every rank's `input`
+    /// in rank order. Off the root `output` is ignored and may be `None`.
+    pub(super) fn gather_call(
+        &self,
+        dtype: DType,
+        input: Bytes,
+        output: Option<BytesMut>,
+        root: usize,
+    ) -> Call {
+        let p = self.world_size();
+        let output = output.filter(|_| self.rank() == root);
+        let check = elems(dtype, "the input", input.len()).and_then(|n| {
+            check_root(root, p)?;
+            let o = output.as_ref().map_or(std::ptr::null(), |o| o.as_ptr());
+            if self.rank() == root {
+                let Some(out) = output else {
+                    return Err("the root needs an output buffer".to_string());
+                };
+                if input.len().checked_mul(p) != Some(out.len()) {
+                    return Err(format!(
+                        "the output holds {} elements; gather needs world size × input = {p} × {n} = {}",
+                        out.len() / dtype.size(),
+                        times(n, p)
+                    ));
+                }
+                disjoint(input, out)?;
+            }
+            aligned(dtype, n, &[("the input", input.as_ptr()), ("the output", o)]).map(|_| n)
+        });
+        let (out_ptr, out_len) =
+            output.map_or((std::ptr::null_mut(), 0), |o| (o.as_mut_ptr(), o.len()));
+        Call {
+            collective: Collective::Gather,
+            dtype,
+            count: *check.as_ref().unwrap_or(&0),
+            op: None,
+            root: Some(root),
+            check: check.map(drop),
+            buffers: CallBuffers {
+                input: input.as_ptr(),
+                input_len: input.len(),
+                output: out_ptr,
+                output_len: out_len,
+                after: 0,
+                end: 0,
+            },
+            rank: self.rank(),
+            algorithm: self.algorithm,
+            in_place: false,
+            offsets: Vec::new(),
+            counts: None,
+            _after: None,
+        }
+    }
+
+    /// Scatter from `root`: every rank's `output` becomes block `rank` of the root's `input`
+    /// (`world_size` × the output). Off the root `input` is ignored and may be `None`.
+    pub(super) fn scatter_call(
+        &self,
+        dtype: DType,
+        input: Option<Bytes>,
+        output: BytesMut,
+        root: usize,
+    ) -> Call {
+        let p = self.world_size();
+        let input = input.filter(|_| self.rank() == root);
+        let check = elems(dtype, "the output", output.len()).and_then(|n| {
+            check_root(root, p)?;
+            let i = input.as_ref().map_or(std::ptr::null(), |i| i.as_ptr());
+            if self.rank() == root {
+                let Some(inp) = input else {
+                    return Err("the root needs an input buffer".to_string());
+                };
+                if output.len().checked_mul(p) != Some(inp.len()) {
+                    return Err(format!(
+                        "the input holds {} elements; scatter needs world size × output = {p} × {n} = {}",
+                        inp.len() / dtype.size(),
+                        times(n, p)
+                    ));
+                }
+                disjoint(inp, output)?;
+            }
+            aligned(dtype, n, &[("the input", i), ("the output", output.as_ptr())]).map(|_| n)
+        });
+        let (in_ptr, in_len) = input.map_or((std::ptr::null(), 0), |i| (i.as_ptr(), i.len()));
+        Call {
+            collective: Collective::Scatter,
+            dtype,
+            count: *check.as_ref().unwrap_or(&0),
+            op: None,
+            root: Some(root),
+            check: check.map(drop),
+            buffers: CallBuffers {
+                input: in_ptr,
+                input_len: in_len,
+                output: output.as_mut_ptr(),
+                output_len: output.len(),
+                after: 0,
+                end: 0,
+            },
+            rank: self.rank(),
+            algorithm: self.algorithm,
+            in_place: false,
+            offsets: Vec::new(),
+            counts: None,
             _after: None,
         }
     }
@@ -659,18 +1120,28 @@ impl Communicator {
             check: Ok(()),
             buffers: CallBuffers::NONE,
             in_place: true,
+            offsets: Vec::new(),
+            counts: None,
             _after: None,
         }
     }
 
     /// Build the call `c` describes; lengths that overflow are this rank's argument error.
-    pub(super) fn raw_call(&self, c: &RawCall) -> Call {
+    pub(super) fn raw_call(&self, c: &RawCall<'_>) -> Call {
+        self.engine_runs(self.raw_call_of(c))
+    }
+
+    fn raw_call_of(&self, c: &RawCall<'_>) -> Call {
         let p = self.world_size();
         let (in_times, out_times) = match c.collective {
-            Collective::AllGather => (1, p),
-            Collective::ReduceScatter => (p, 1),
+            Collective::AllGather | Collective::Gather => (1, p),
+            Collective::ReduceScatter | Collective::Scatter => (p, 1),
+            Collective::AllToAll => (p, p),
             _ => (1, 1),
         };
+        if c.collective.has_counts() || c.collective == Collective::AllToAllV {
+            return self.raw_counts_call(c);
+        }
         let bytes = |times: usize| {
             c.count
                 .checked_mul(times)
@@ -725,6 +1196,74 @@ impl Communicator {
                 self.reduce_call(c.dtype, input, output, c.op, c.root)
             }
             Collective::Barrier => self.barrier_call(),
+            Collective::AllToAll => self.all_to_all_call(c.dtype, input, output),
+            Collective::Gather => {
+                let output = (self.rank() == c.root).then_some(output);
+                self.gather_call(c.dtype, input, output, c.root)
+            }
+            Collective::Scatter => {
+                let input = (self.rank() == c.root).then_some(input);
+                self.scatter_call(c.dtype, input, output, c.root)
+            }
+            Collective::AllToAllV | Collective::AllGatherV | Collective::ReduceScatterV => {
+                unreachable!("built by raw_counts_call")
+            }
+        }
+    }
+
+    /// Build a call with a count per rank that `c` describes: the buffers are as long as the
+    /// counts say (this rank's argument error when a list is not one count per rank or sums
+    /// past what a buffer holds).
+    fn raw_counts_call(&self, c: &RawCall<'_>) -> Call {
+        let (p, r) = (self.world_size(), self.rank());
+        let total = |counts: &[usize]| -> std::result::Result<usize, String> {
+            let name = if std::ptr::eq(counts, c.recv_counts) {
+                "recv_counts"
+            } else {
+                "counts"
+            };
+            let o = offsets(c.dtype, name, counts, p)?;
+            Ok(o[p] * c.dtype.size())
+        };
+        let lens = (|| {
+            let sent = total(c.counts)?;
+            Ok(match c.collective {
+                Collective::AllGatherV => (c.counts[r] * c.dtype.size(), sent),
+                Collective::ReduceScatterV => (sent, c.counts[r] * c.dtype.size()),
+                _ => (sent, total(c.recv_counts)?),
+            })
+        })();
+        let (in_len, out_len) = match lens {
+            Ok(l) => l,
+            Err(e) => {
+                let mut call = self.barrier_call();
+                call.collective = c.collective;
+                call.dtype = c.dtype;
+                call.check = Err(e);
+                return call;
+            }
+        };
+        let fix = |p: *const u8, len: usize| {
+            if len == 0 {
+                std::ptr::NonNull::<u128>::dangling().as_ptr() as *const u8
+            } else {
+                p
+            }
+        };
+        let input = Bytes {
+            ptr: fix(c.input, in_len),
+            len: in_len,
+        };
+        let output = BytesMut {
+            ptr: fix(c.output, out_len) as *mut u8,
+            len: out_len,
+        };
+        match c.collective {
+            Collective::AllGatherV => self.all_gather_v_call(c.dtype, input, output, c.counts),
+            Collective::ReduceScatterV => {
+                self.reduce_scatter_v_call(c.dtype, input, output, c.counts, c.op)
+            }
+            _ => self.all_to_all_v_call(c.dtype, input, c.counts, output, c.recv_counts),
         }
     }
 }

@@ -69,23 +69,31 @@ pub struct Communicator {
 /// A collective described by addresses, for memory that Rust cannot borrow: a device's
 /// (`cuda:N` ranks), or a C caller's. Counts are per rank, as in the C API.
 #[derive(Copy, Clone, Debug)]
-pub struct RawCall {
+pub struct RawCall<'a> {
     /// Which collective.
     pub collective: Collective,
     /// Element type.
     pub dtype: DType,
-    /// Elements per rank: all-gather of the input (the output holds world × count),
-    /// reduce-scatter of the output (the input holds world × count), the others of each buffer.
+    /// Elements per rank: all-gather and gather of the input (the output holds world × count),
+    /// reduce-scatter and scatter of the output (the input holds world × count), all-to-all of
+    /// each block (each buffer holds world × count), the others of each buffer. Ignored by the
+    /// collectives with a count per rank, which take `counts`.
     pub count: usize,
     /// The reduce op (reducing collectives; ignored by the others).
     pub op: ReduceOp,
-    /// The root (broadcast and reduce; ignored by the others).
+    /// The root (broadcast, reduce, gather and scatter; ignored by the others).
     pub root: usize,
     /// The input. In place: equal to `output` (all-gather: `output` + rank × count elements);
-    /// ignored by broadcast and barrier.
+    /// ignored by broadcast and barrier, and by scatter off the root.
     pub input: *const u8,
-    /// The output (broadcast: the buffer; reduce: used at the root only).
+    /// The output (broadcast: the buffer; reduce and gather: used at the root only).
     pub output: *mut u8,
+    /// A count per rank: all-gather-v's and reduce-scatter-v's, all-to-all-v's of the input
+    /// (what goes to each rank). Empty for the others.
+    pub counts: &'a [usize],
+    /// All-to-all-v's count per rank of the output (what comes from each rank). Empty for the
+    /// others.
+    pub recv_counts: &'a [usize],
 }
 
 impl Communicator {
@@ -431,7 +439,8 @@ impl Communicator {
 
     /// A call over Rust slices (host memory): on a rank whose buffers are device memory it is
     /// this rank's argument error, seen by every rank before anything moves.
-    fn host_memory(&self, mut call: Call) -> Call {
+    fn host_memory(&self, call: Call) -> Call {
+        let mut call = self.engine_runs(call);
         if self.device.0 == DeviceKind::Gpu && call.check.is_ok() && call.count > 0 {
             call.check = Err(format!(
                 "rank {} is on {}, whose buffers are device memory: pass them by address \
@@ -499,6 +508,84 @@ impl Communicator {
             output.map(BytesMut::of),
             op,
             root,
+        ))
+    }
+
+    /// All-to-all of raw bytes holding `dtype` elements: block j of `input` goes to rank j and
+    /// block k of `output` comes from rank k (`world_size` equal blocks each).
+    pub fn all_to_all_raw(&self, dtype: DType, input: &[u8], output: &mut [u8]) -> Result<()> {
+        self.blocking(self.all_to_all_call(dtype, Bytes::of(input), BytesMut::of(output)))
+    }
+
+    /// All-to-all of raw bytes with a count of elements per block (see
+    /// [`Communicator::all_to_all_v`]).
+    pub fn all_to_all_v_raw(
+        &self,
+        dtype: DType,
+        input: &[u8],
+        send_counts: &[usize],
+        output: &mut [u8],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.blocking(self.all_to_all_v_call(
+            dtype,
+            Bytes::of(input),
+            send_counts,
+            BytesMut::of(output),
+            recv_counts,
+        ))
+    }
+
+    /// Gather of raw bytes onto `root` (see [`Communicator::gather`]).
+    pub fn gather_raw(
+        &self,
+        dtype: DType,
+        input: &[u8],
+        output: Option<&mut [u8]>,
+        root: usize,
+    ) -> Result<()> {
+        self.blocking(self.gather_call(dtype, Bytes::of(input), output.map(BytesMut::of), root))
+    }
+
+    /// Scatter of raw bytes from `root` (see [`Communicator::scatter`]).
+    pub fn scatter_raw(
+        &self,
+        dtype: DType,
+        input: Option<&[u8]>,
+        output: &mut [u8],
+        root: usize,
+    ) -> Result<()> {
+        self.blocking(self.scatter_call(dtype, input.map(Bytes::of), BytesMut::of(output), root))
+    }
+
+    /// All-gather of raw bytes with a count of elements per rank (see
+    /// [`Communicator::all_gather_v`]).
+    pub fn all_gather_v_raw(
+        &self,
+        dtype: DType,
+        input: &[u8],
+        output: &mut [u8],
+        counts: &[usize],
+    ) -> Result<()> {
+        self.blocking(self.all_gather_v_call(dtype, Bytes::of(input), BytesMut::of(output), counts))
+    }
+
+    /// Reduce-scatter of raw bytes with a count of elements per rank (see
+    /// [`Communicator::reduce_scatter_v`]).
+    pub fn reduce_scatter_v_raw(
+        &self,
+        dtype: DType,
+        input: &[u8],
+        output: &mut [u8],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.blocking(self.reduce_scatter_v_call(
+            dtype,
+            Bytes::of(input),
+            BytesMut::of(output),
+            counts,
+            op,
         ))
     }
 
@@ -607,7 +694,7 @@ impl Communicator {
     ///
     /// The addresses hold the bytes `c` describes on this rank's device, and nothing else
     /// touches them during the call.
-    pub unsafe fn run_raw(&self, c: &RawCall) -> Result<()> {
+    pub unsafe fn run_raw(&self, c: &RawCall<'_>) -> Result<()> {
         let call = self.on_stream(self.raw_call(c));
         if call.on_stream() {
             return self.run_on_stream(call).wait();
@@ -621,7 +708,7 @@ impl Communicator {
     ///
     /// As [`Communicator::run_raw`], until the call has completed (even if the `Work` is
     /// dropped first).
-    pub unsafe fn issue_raw(&self, c: &RawCall) -> Work {
+    pub unsafe fn issue_raw(&self, c: &RawCall<'_>) -> Work {
         let call = self.on_stream(self.raw_call(c));
         if call.on_stream() {
             return self.run_on_stream(call);
@@ -640,7 +727,7 @@ impl Communicator {
     /// As [`Communicator::run_raw`]; what `before` touches is valid when it runs.
     pub unsafe fn run_raw_prepared(
         &self,
-        c: &RawCall,
+        c: &RawCall<'_>,
         before: Box<dyn FnOnce() + Send>,
     ) -> Result<()> {
         let call = self.on_stream(self.raw_call(c));
@@ -665,7 +752,7 @@ impl Communicator {
     /// As [`Communicator::issue_raw`]; what `before` touches is valid when it runs.
     pub unsafe fn issue_raw_prepared(
         &self,
-        c: &RawCall,
+        c: &RawCall<'_>,
         before: Box<dyn FnOnce() + Send>,
         keep: Box<dyn std::any::Any + Send>,
     ) -> Work {
@@ -834,6 +921,120 @@ impl Communicator {
         self.blocking(self.barrier_call())
     }
 
+    /// All-to-all: block j of `send` goes to rank j, and block k of `recv` comes from rank k
+    /// (both cut into `world_size` equal blocks; `send` and `recv` equally long).
+    ///
+    /// ```
+    /// use tutti::{run_local, Config};
+    /// let out = run_local(2, &Config::default(), |comm| {
+    ///     let r = comm.rank() as i32;
+    ///     let mut recv = [0; 2];
+    ///     comm.all_to_all(&[10 * r, 10 * r + 1], &mut recv).unwrap();
+    ///     recv
+    /// })
+    /// .unwrap();
+    /// assert_eq!(out, [[0, 10], [1, 11]]);
+    /// ```
+    pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.all_to_all_raw(
+            T::DTYPE,
+            bytemuck::cast_slice(send),
+            bytemuck::cast_slice_mut(recv),
+        )
+    }
+
+    /// All-to-all with a count per block: the first `send_counts[0]` elements of `send` go to
+    /// rank 0, the next `send_counts[1]` to rank 1, and so on; `recv` holds `recv_counts[k]`
+    /// elements from each rank k, in rank order. Rank i's `send_counts[j]` must equal rank j's
+    /// `recv_counts[i]` (else an error naming both ranks).
+    pub fn all_to_all_v<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.all_to_all_v_raw(
+            T::DTYPE,
+            bytemuck::cast_slice(send),
+            send_counts,
+            bytemuck::cast_slice_mut(recv),
+            recv_counts,
+        )
+    }
+
+    /// Gather onto `root`: the root's `recv` (world size × `send.len()`) becomes every rank's
+    /// `send`, in rank order. Other ranks pass `None` (a `Some` is ignored).
+    pub fn gather<T: Element>(
+        &self,
+        send: &[T],
+        recv: Option<&mut [T]>,
+        root: usize,
+    ) -> Result<()> {
+        let recv = recv.map(|r| bytemuck::cast_slice_mut::<T, u8>(r));
+        self.gather_raw(T::DTYPE, bytemuck::cast_slice(send), recv, root)
+    }
+
+    /// Scatter from `root`: every rank's `recv` becomes block `rank` of the root's `send`
+    /// (world size × `recv.len()`). Other ranks pass `None` (a `Some` is ignored).
+    pub fn scatter<T: Element>(
+        &self,
+        send: Option<&[T]>,
+        recv: &mut [T],
+        root: usize,
+    ) -> Result<()> {
+        let send = send.map(|s| bytemuck::cast_slice::<T, u8>(s));
+        self.scatter_raw(T::DTYPE, send, bytemuck::cast_slice_mut(recv), root)
+    }
+
+    /// All-gather with a count per rank: `recv` (the sum of `counts`) becomes every rank's
+    /// `send` in rank order, rank r's `counts[r]` elements long. Every rank passes the same
+    /// `counts` (else an error naming both ranks).
+    ///
+    /// ```
+    /// use tutti::{run_local, Config};
+    /// let out = run_local(2, &Config::default(), |comm| {
+    ///     let send = vec![comm.rank() as u8; 1 + comm.rank()];
+    ///     let mut recv = [0u8; 3];
+    ///     comm.all_gather_v(&send, &mut recv, &[1, 2]).unwrap();
+    ///     recv
+    /// })
+    /// .unwrap();
+    /// assert_eq!(out, [[0, 1, 1], [0, 1, 1]]);
+    /// ```
+    pub fn all_gather_v<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        counts: &[usize],
+    ) -> Result<()> {
+        self.all_gather_v_raw(
+            T::DTYPE,
+            bytemuck::cast_slice(send),
+            bytemuck::cast_slice_mut(recv),
+            counts,
+        )
+    }
+
+    /// Reduce-scatter with a count per rank: `recv` (`counts[rank]` elements) becomes this
+    /// rank's block of the element-wise `op` over every rank's `send` (the sum of `counts`).
+    /// Every rank passes the same `counts`.
+    pub fn reduce_scatter_v<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.reduce_scatter_v_raw(
+            T::DTYPE,
+            bytemuck::cast_slice(send),
+            bytemuck::cast_slice_mut(recv),
+            counts,
+            op,
+        )
+    }
+
     // ----- non-blocking typed API: each call owns its buffers until it completes -----
 
     /// [`Communicator::all_reduce`] without waiting: the call owns `buf` (a `Vec<T>`, a boxed
@@ -924,6 +1125,142 @@ impl Communicator {
             self.reduce_call(T::DTYPE, Some(Bytes::of(bytes)), None, op, root)
         };
         self.issue(call, buf)
+    }
+
+    /// [`Communicator::all_to_all`] without waiting; [`Work::wait`] hands back `(send, recv)`.
+    pub fn all_to_all_async<T, S, R>(&self, send: S, recv: R) -> Work<(S, R)>
+    where
+        T: Element,
+        S: AsRef<[T]> + Send + 'static,
+        R: AsMut<[T]> + Send + 'static,
+    {
+        let mut bufs = Owned::new((send, recv));
+        let (send, recv) = bufs.get();
+        let call = self.all_to_all_call(
+            T::DTYPE,
+            Bytes::of(bytemuck::cast_slice(send.as_ref())),
+            BytesMut::of(bytemuck::cast_slice_mut(recv.as_mut())),
+        );
+        self.issue(call, bufs)
+    }
+
+    /// [`Communicator::all_to_all_v`] without waiting (the counts are read when it is
+    /// issued); [`Work::wait`] hands back `(send, recv)`.
+    pub fn all_to_all_v_async<T, S, R>(
+        &self,
+        send: S,
+        send_counts: &[usize],
+        recv: R,
+        recv_counts: &[usize],
+    ) -> Work<(S, R)>
+    where
+        T: Element,
+        S: AsRef<[T]> + Send + 'static,
+        R: AsMut<[T]> + Send + 'static,
+    {
+        let mut bufs = Owned::new((send, recv));
+        let (send, recv) = bufs.get();
+        let call = self.all_to_all_v_call(
+            T::DTYPE,
+            Bytes::of(bytemuck::cast_slice(send.as_ref())),
+            send_counts,
+            BytesMut::of(bytemuck::cast_slice_mut(recv.as_mut())),
+            recv_counts,
+        );
+        self.issue(call, bufs)
+    }
+
+    /// [`Communicator::gather`] without waiting; [`Work::wait`] hands back `(send, recv)`.
+    pub fn gather_async<T, S, R>(
+        &self,
+        send: S,
+        recv: Option<R>,
+        root: usize,
+    ) -> Work<(S, Option<R>)>
+    where
+        T: Element,
+        S: AsRef<[T]> + Send + 'static,
+        R: AsMut<[T]> + Send + 'static,
+    {
+        let mut bufs = Owned::new((send, recv));
+        let (send, recv) = bufs.get();
+        let call = self.gather_call(
+            T::DTYPE,
+            Bytes::of(bytemuck::cast_slice(send.as_ref())),
+            recv.as_mut()
+                .map(|r| BytesMut::of(bytemuck::cast_slice_mut(r.as_mut()))),
+            root,
+        );
+        self.issue(call, bufs)
+    }
+
+    /// [`Communicator::scatter`] without waiting; [`Work::wait`] hands back `(send, recv)`.
+    pub fn scatter_async<T, S, R>(
+        &self,
+        send: Option<S>,
+        recv: R,
+        root: usize,
+    ) -> Work<(Option<S>, R)>
+    where
+        T: Element,
+        S: AsRef<[T]> + Send + 'static,
+        R: AsMut<[T]> + Send + 'static,
+    {
+        let mut bufs = Owned::new((send, recv));
+        let (send, recv) = bufs.get();
+        let call = self.scatter_call(
+            T::DTYPE,
+            send.as_ref()
+                .map(|s| Bytes::of(bytemuck::cast_slice(s.as_ref()))),
+            BytesMut::of(bytemuck::cast_slice_mut(recv.as_mut())),
+            root,
+        );
+        self.issue(call, bufs)
+    }
+
+    /// [`Communicator::all_gather_v`] without waiting (the counts are read when it is
+    /// issued); [`Work::wait`] hands back `(send, recv)`.
+    pub fn all_gather_v_async<T, S, R>(&self, send: S, recv: R, counts: &[usize]) -> Work<(S, R)>
+    where
+        T: Element,
+        S: AsRef<[T]> + Send + 'static,
+        R: AsMut<[T]> + Send + 'static,
+    {
+        let mut bufs = Owned::new((send, recv));
+        let (send, recv) = bufs.get();
+        let call = self.all_gather_v_call(
+            T::DTYPE,
+            Bytes::of(bytemuck::cast_slice(send.as_ref())),
+            BytesMut::of(bytemuck::cast_slice_mut(recv.as_mut())),
+            counts,
+        );
+        self.issue(call, bufs)
+    }
+
+    /// [`Communicator::reduce_scatter_v`] without waiting (the counts are read when it is
+    /// issued); [`Work::wait`] hands back `(send, recv)`.
+    pub fn reduce_scatter_v_async<T, S, R>(
+        &self,
+        send: S,
+        recv: R,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Work<(S, R)>
+    where
+        T: Element,
+        S: AsRef<[T]> + Send + 'static,
+        R: AsMut<[T]> + Send + 'static,
+    {
+        let mut bufs = Owned::new((send, recv));
+        let (send, recv) = bufs.get();
+        let call = self.reduce_scatter_v_call(
+            T::DTYPE,
+            Bytes::of(bytemuck::cast_slice(send.as_ref())),
+            BytesMut::of(bytemuck::cast_slice_mut(recv.as_mut())),
+            counts,
+            op,
+        );
+        self.issue(call, bufs)
     }
 
     /// [`Communicator::barrier`] without waiting.

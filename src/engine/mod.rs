@@ -61,6 +61,14 @@ pub(crate) trait GroupEngine: Send + Sync {
     /// met: `input` equals `output` in place; `output` is null off the root of a reduce).
     fn run(&self, site: Site, call: &GroupCall, bufs: &[CallBuffers]) -> Result<()>;
 
+    /// Whether this engine runs collective `c`. The group engines run the collectives every
+    /// device library has (all-reduce, broadcast, all-gather, reduce, reduce-scatter, barrier);
+    /// the communicator makes any other an argument error of the call, raised before the ranks
+    /// meet, naming the device.
+    fn runs(&self, c: Collective) -> bool {
+        (c as usize) <= Collective::Barrier as usize
+    }
+
     /// Why this engine cannot run the reduce op `op` (on a type it is defined on), if it
     /// cannot: NCCL has no bitwise ops. The communicator makes it an argument error of the
     /// call, raised before the ranks meet, like its own checks.

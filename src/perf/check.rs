@@ -10,7 +10,8 @@ use crate::reference;
 
 /// Check every collective with every algorithm on this communicator against the reference:
 /// all-reduce (every op, in place and out of place, f32 bf16 i32 u8 f64), broadcast and reduce
-/// from every root, all-gather, reduce-scatter, barrier. Every rank calls it; returns the number
+/// from every root, all-gather, reduce-scatter, barrier, all-to-all, gather and scatter from
+/// every root, and the collectives with a count per rank on uneven counts. Every rank calls it; returns the number
 /// of calls checked, or an error naming the algorithm, collective, dtype and count that failed.
 pub fn check(comm: &mut Communicator, counts: &[usize]) -> Result<usize> {
     let mut calls = 0;
@@ -23,6 +24,8 @@ pub fn check(comm: &mut Communicator, counts: &[usize]) -> Result<usize> {
             for dtype in [DType::F32, DType::BF16, DType::I32, DType::U8, DType::F64] {
                 calls += crate::for_each_dtype!(dtype, T => { check_one::<T>(comm, algo, count)? });
                 calls += crate::for_each_dtype!(dtype, T => { check_in_flight::<T>(comm, algo, count)? });
+                calls +=
+                    crate::for_each_dtype!(dtype, T => { check_personal::<T>(comm, algo, count)? });
             }
         }
     }
@@ -312,4 +315,136 @@ fn check_in_flight<T: Element>(
         Some(e) => Err(fail(e)),
         None => Ok(calls),
     }
+}
+
+/// A count per rank (or per pair) that differs from rank to rank, zero for some, derived from
+/// the check's `count` alike on every rank.
+fn uneven(count: usize, k: usize) -> usize {
+    count / 2 + (k * 7919 + count) % (count + 2)
+}
+
+/// All-to-all, gather and scatter from every root, and the collectives with a count per rank,
+/// blocking and non-blocking, against the reference.
+fn check_personal<T: Element>(comm: &Communicator, algo: Algorithm, count: usize) -> Result<usize> {
+    let (p, r) = (comm.world_size(), comm.rank());
+    let fail = |what: String| Error::System {
+        what: format!("check {algo} {} n={count}", T::DTYPE),
+        message: what,
+    };
+    let data = |k: usize, n: usize| -> Vec<T> { (0..n).map(|i| pattern(k, i)).collect() };
+    let zeros = |n: usize| vec![T::from_f64(0.0); n];
+    let mut calls = 0;
+
+    // all_to_all: block k of the output is block r of rank k's input.
+    let inputs: Vec<Vec<T>> = (0..p).map(|k| data(k + 2, count * p)).collect();
+    let want: Vec<T> = (0..p)
+        .flat_map(|k| inputs[k][r * count..(r + 1) * count].to_vec())
+        .collect();
+    let mut out = zeros(count * p);
+    comm.all_to_all(&inputs[r], &mut out)?;
+    if out != want {
+        return Err(fail(format!("all_to_all: wrong values on rank {r}")));
+    }
+    let (_, out) = comm
+        .all_to_all_async(inputs[r].clone(), zeros(count * p))
+        .wait()?;
+    if out != want {
+        return Err(fail(format!(
+            "all_to_all (non-blocking): wrong values on rank {r}"
+        )));
+    }
+    calls += 2;
+
+    // all_to_all_v: rank i sends c(i, j) elements to rank j.
+    let c = |i: usize, j: usize| uneven(count, i * p + j);
+    let send_counts: Vec<usize> = (0..p).map(|j| c(r, j)).collect();
+    let recv_counts: Vec<usize> = (0..p).map(|k| c(k, r)).collect();
+    let input = data(r + 3, send_counts.iter().sum());
+    let mut want = Vec::new();
+    for k in 0..p {
+        let from: usize = (0..r).map(|j| c(k, j)).sum();
+        want.extend(data(k + 3, from + c(k, r)).split_off(from));
+    }
+    let mut out = zeros(want.len());
+    comm.all_to_all_v(&input, &send_counts, &mut out, &recv_counts)?;
+    if out != want {
+        return Err(fail(format!("all_to_all_v: wrong values on rank {r}")));
+    }
+    let work = comm.all_to_all_v_async(input, &send_counts, zeros(want.len()), &recv_counts);
+    if work.wait()?.1 != want {
+        return Err(fail(format!(
+            "all_to_all_v (non-blocking): wrong values on rank {r}"
+        )));
+    }
+    calls += 2;
+
+    // gather and scatter from every root.
+    for root in 0..p {
+        let mut out = zeros(count * p);
+        comm.gather(&data(r, count), (r == root).then_some(&mut out[..]), root)?;
+        let want: Vec<T> = (0..p).flat_map(|k| data(k, count)).collect();
+        if r == root && out != want {
+            return Err(fail(format!("gather onto root {root}: wrong values")));
+        }
+        let whole = data(root + 5, count * p);
+        let mut mine = zeros(count);
+        comm.scatter((r == root).then_some(&whole[..]), &mut mine, root)?;
+        if mine[..] != whole[r * count..(r + 1) * count] {
+            return Err(fail(format!(
+                "scatter from root {root}: wrong values on rank {r}"
+            )));
+        }
+        let send = (r == root).then(|| whole.clone());
+        let (_, got) = comm.scatter_async(send, zeros(count), root).wait()?;
+        if got != mine {
+            return Err(fail(format!(
+                "scatter from root {root} (non-blocking): wrong values on rank {r}"
+            )));
+        }
+        let recv = (r == root).then(|| zeros(count * p));
+        let (_, got) = comm.gather_async(data(r, count), recv, root).wait()?;
+        if got.is_some_and(|g| g != want) {
+            return Err(fail(format!(
+                "gather onto root {root} (non-blocking): wrong values"
+            )));
+        }
+        calls += 4;
+    }
+
+    // all_gather_v and reduce_scatter_v on uneven counts.
+    let counts: Vec<usize> = (0..p).map(|k| uneven(count, k)).collect();
+    let total: usize = counts.iter().sum();
+    let at: usize = counts[..r].iter().sum();
+    let want: Vec<T> = (0..p).flat_map(|k| data(k, counts[k])).collect();
+    let mut out = zeros(total);
+    comm.all_gather_v(&data(r, counts[r]), &mut out, &counts)?;
+    if out != want {
+        return Err(fail(format!("all_gather_v: wrong values on rank {r}")));
+    }
+    let (_, out) = comm
+        .all_gather_v_async(data(r, counts[r]), zeros(total), &counts)
+        .wait()?;
+    if out != want {
+        return Err(fail(format!(
+            "all_gather_v (non-blocking): wrong values on rank {r}"
+        )));
+    }
+    let big: Vec<Vec<T>> = (0..p).map(|k| data(k + 1, total)).collect();
+    let refs: Vec<&[T]> = big.iter().map(|v| v.as_slice()).collect();
+    let want = reference::reduce(&refs, ReduceOp::Min)[at..at + counts[r]].to_vec();
+    let mut out = zeros(counts[r]);
+    comm.reduce_scatter_v(&big[r], &mut out, &counts, ReduceOp::Min)?;
+    if out != want {
+        return Err(fail(format!(
+            "reduce_scatter_v min: wrong slice on rank {r}"
+        )));
+    }
+    let work =
+        comm.reduce_scatter_v_async(big[r].clone(), zeros(counts[r]), &counts, ReduceOp::Min);
+    if work.wait()?.1 != want {
+        return Err(fail(format!(
+            "reduce_scatter_v min (non-blocking): wrong slice on rank {r}"
+        )));
+    }
+    Ok(calls + 4)
 }

@@ -372,6 +372,7 @@ pub fn min_traffic(c: Collective, n: usize, bytes: usize) -> f64 {
         Collective::Reduce => (n + 1.0) * s,
         Collective::AllGather | Collective::ReduceScatter => (n + 1.0) * s,
         Collective::Barrier => 0.0,
+        _ => 0.0,
     }
 }
 
@@ -748,6 +749,9 @@ fn run_once<T: Element>(
         }
         (Collective::Reduce, true) => comm.reduce_in_place(output, op, root),
         (Collective::Barrier, _) => comm.barrier(),
+        (c, _) => Err(crate::Error::config(format!(
+            "perf does not measure {c} yet"
+        ))),
     }
 }
 
@@ -800,5 +804,6 @@ pub fn wrong_elements<T: Element>(
         }
         Collective::ReduceScatter => at(rank * output.len()),
         Collective::Barrier => 0,
+        _ => output.len(),
     }
 }

@@ -52,7 +52,13 @@ impl CallHeader {
         let (algo, param) = self.algorithm.code();
         v[..8].copy_from_slice(&self.call.to_le_bytes());
         v[8..16].copy_from_slice(&(self.count as u64).to_le_bytes());
-        v[16..24].copy_from_slice(&self.root.map_or(u64::MAX, |r| r as u64).to_le_bytes());
+        // A collective has a root or counts, never both: they share the field.
+        let root_or_counts = match (self.root, self.counts) {
+            (Some(r), _) => r as u64,
+            (None, Some(d)) => d,
+            (None, None) => u64::MAX,
+        };
+        v[16..24].copy_from_slice(&root_or_counts.to_le_bytes());
         v[24..32].copy_from_slice(&self.chunk_bytes.to_le_bytes());
         v[32..40].copy_from_slice(&param.to_le_bytes());
         v[40] = self.collective as u8;
@@ -66,16 +72,19 @@ impl CallHeader {
     /// A header from an identity (no `rejected` message), or `None` when it is not one.
     pub(crate) fn from_ident(v: &Ident) -> Option<CallHeader> {
         let u64_ = |r: std::ops::Range<usize>| u64::from_le_bytes(v[r].try_into().expect("8"));
-        let root = match u64_(16..24) {
-            u64::MAX => None,
-            r => Some(usize::try_from(r).ok()?),
+        let collective = crate::error::Collective::from_u32(v[40].into())?;
+        let (root, counts) = match u64_(16..24) {
+            d if collective.has_counts() => (None, Some(d)),
+            u64::MAX => (None, None),
+            r => (Some(usize::try_from(r).ok()?), None),
         };
         Some(CallHeader {
             call: u64_(0..8),
             count: usize::try_from(u64_(8..16)).ok()?,
             root,
+            counts,
             chunk_bytes: u64_(24..32),
-            collective: crate::error::Collective::from_u32(v[40].into())?,
+            collective,
             dtype: crate::dtype::DType::from_u32(v[41].into())?,
             op: match v[42] {
                 u8::MAX => None,
@@ -143,6 +152,12 @@ mod fuzz {
                 },
                 None => None,
             };
+            // A collective with counts states their digest where others state a root.
+            let (root, counts) = if collective.has_counts() {
+                (None, Some(root.map_or(u64::MAX, |r| r as u64 * 0x9e37_79b9_7f4a_7c15)))
+            } else {
+                (root, None)
+            };
             let c = CallHeader {
                 call,
                 collective,
@@ -150,6 +165,7 @@ mod fuzz {
                 count,
                 op,
                 root,
+                counts,
                 algorithm,
                 chunk_bytes: param << 10,
                 full_check: call % 2 == 0,

@@ -1192,6 +1192,8 @@ impl GpuGroup {
             Collective::Barrier => {
                 return Err(self.invalid(site.collective, "a GPU group has no barrier".into()))
             }
+            // The communicator refuses these before the ranks meet (`GroupEngine::runs`).
+            c => return Err(not_run(c)),
         };
         if count == 0 {
             return Ok(());
@@ -1466,6 +1468,7 @@ impl GpuGroup {
                     Ok(())
                 }
                 Collective::Barrier => Ok(()),
+                c => Err(not_run(c)),
             }
         }
     }
@@ -1542,6 +1545,16 @@ fn overlaps(a: &Region, b: &Region, es: usize) -> bool {
     let (a0, a1) = (a.ptr, a.ptr + (a.len * es) as u64);
     let (b0, b1) = (b.ptr, b.ptr + (b.len * es) as u64);
     a.len > 0 && b.len > 0 && a0 < b1 && b0 < a1
+}
+
+/// A collective this engine does not run (the communicator refuses it before the ranks meet).
+fn not_run(c: Collective) -> Error {
+    Error::Unavailable {
+        what: format!("{c} on a CUDA device group"),
+        why: "its engine runs all_reduce, broadcast, all_gather, reduce, reduce_scatter and \
+              barrier"
+            .into(),
+    }
 }
 
 #[cfg(test)]

@@ -101,6 +101,13 @@ impl GroupEngine for Pjrt {
                 Ok(())
             }
             Collective::Barrier => Ok(()),
+            // The communicator refuses these before the ranks meet (`GroupEngine::runs`).
+            other => Err(crate::error::Error::Unavailable {
+                what: format!("{other} on XLA devices"),
+                why: "their engine runs all_reduce, broadcast, all_gather, reduce, \
+                      reduce_scatter and barrier"
+                    .into(),
+            }),
         }
     }
 }
