@@ -183,7 +183,8 @@ impl Call {
         // (see `Call`); input and output are distinct unless the call is in place, when the
         // input is not formed.
         unsafe {
-            let input = (!self.in_place).then(|| raw(b.input, b.input_len));
+            // Scatter off the root has no input (null), gather off the root no output.
+            let input = (!self.in_place && !b.input.is_null()).then(|| raw(b.input, b.input_len));
             match self.collective {
                 Collective::AllReduce => {
                     algorithm::all_reduce(ctx, algo, input, raw_mut(b.output, b.output_len))
