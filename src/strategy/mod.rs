@@ -765,27 +765,44 @@ impl Strategy {
         let Some(w) = &self.workers else {
             return Ok(local);
         };
-        // Workers' parts may differ in length along the axis: share lengths, pad, trim.
+        // Workers' parts may differ in length along the axis: share the lengths, then gather
+        // each worker's part at its own length.
         let p = w.world_size();
         let mut lens = vec![0u64; p];
         w.all_gather(&[local.data.len() as u64], &mut lens)?;
-        let max = *lens.iter().max().unwrap_or(&0) as usize;
-        let mut padded = local.data.clone();
-        padded.resize(max, T::from_f64(0.0));
-        let mut all = vec![T::from_f64(0.0); max * p];
-        w.all_gather(&padded, &mut all)?;
+        let counts = lens
+            .iter()
+            .map(|&l| usize::try_from(l).ok())
+            .collect::<Option<Vec<usize>>>()
+            .ok_or_else(|| {
+                Error::config("gather: a worker's part is longer than this host can hold")
+            })?;
+        let total = counts
+            .iter()
+            .try_fold(0usize, |a, &c| a.checked_add(c))
+            .ok_or_else(|| {
+                Error::config("gather: the workers' parts sum past what a buffer holds")
+            })?;
+        let mut all = vec![T::from_f64(0.0); total];
+        w.all_gather_v(&local.data, &mut all, &counts)?;
+        let inner: usize = local
+            .shape
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != axis)
+            .map(|(_, d)| *d)
+            .product();
         let mut parts = Vec::with_capacity(p);
-        for (k, len) in lens.iter().enumerate() {
-            let data = all[k * max..k * max + *len as usize].to_vec();
+        let mut rest = &all[..];
+        for len in counts {
+            let (data, tail) = rest.split_at(len);
+            rest = tail;
             let mut shape = local.shape.clone();
-            let inner: usize = shape
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| *i != axis)
-                .map(|(_, d)| *d)
-                .product();
-            shape[axis] = data.len().checked_div(inner).unwrap_or(0);
-            parts.push(Tensor { data, shape });
+            shape[axis] = len.checked_div(inner).unwrap_or(0);
+            parts.push(Tensor {
+                data: data.to_vec(),
+                shape,
+            });
         }
         Tensor::concat(&parts, axis)
     }
@@ -1105,5 +1122,58 @@ impl ReplicaContext<'_> {
         agg: Aggregation,
     ) -> Result<()> {
         var.update_in_replica(self, value, agg, variables::Update::Set)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::local::LocalTransport;
+
+    /// Workers whose parts differ in length along the axis gather every part at its own
+    /// length, in worker order (one all_gather_v, no padding).
+    #[test]
+    fn gather_across_workers_keeps_each_part_its_length() {
+        let config = Config::default().with_timeout(std::time::Duration::from_secs(20));
+        let comms: Vec<Communicator> = LocalTransport::group(3, config.timeout)
+            .into_iter()
+            .map(|t| Communicator::new(Arc::new(t), &config))
+            .collect();
+        let got: Vec<Tensor<f32>> = std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .into_iter()
+                .enumerate()
+                .map(|(w, comm)| {
+                    let config = config.clone();
+                    s.spawn(move || {
+                        let resolver = ClusterResolver {
+                            task_type: "worker".into(),
+                            task_id: w,
+                            is_chief: w == 0,
+                            num_workers: 3,
+                        };
+                        let devices = crate::device::logical_cpus(1).unwrap();
+                        let s = Strategy::build(
+                            StrategyKind::MultiWorkerMirrored,
+                            devices,
+                            None,
+                            config,
+                            Some(Arc::new(comm)),
+                            resolver,
+                        )
+                        .unwrap();
+                        // Worker w holds w rows of 2 (worker 0 none).
+                        let rows: Vec<f32> = (0..2 * w).map(|i| (10 * w + i) as f32).collect();
+                        let t = Tensor::new(rows, vec![w, 2]).unwrap();
+                        s.gather(&PerReplica(vec![t]), 0).unwrap()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for g in got {
+            assert_eq!(g.shape, vec![3, 2]);
+            assert_eq!(g.data, vec![10.0, 11.0, 20.0, 21.0, 22.0, 23.0]);
+        }
     }
 }
