@@ -154,7 +154,7 @@ mod fuzz {
             };
             // A collective with counts states their digest where others state a root.
             let (root, counts) = if collective.has_counts() {
-                (None, Some(root.map_or(u64::MAX, |r| r as u64 * 0x9e37_79b9_7f4a_7c15)))
+                (None, Some(root.map_or(u64::MAX, |r| (r as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))))
             } else {
                 (root, None)
             };
