@@ -1,58 +1,16 @@
 //! Ranks that meet through a store the caller provides (`Communicator::from_store`): an
 //! in-memory store shared by threads, as a framework's own store would be shared by processes.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex};
+mod common;
+
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use common::MemStore;
 
 use tutti::{Communicator, Config, Error, ReduceOp, Store, TransportKind};
 
 const TOKEN: &str = "a-token-of-32-bytes-for-the-test";
-
-/// A store in memory: what torch's `HashStore` is, for threads of one process.
-#[derive(Default)]
-struct MemStore {
-    map: Mutex<HashMap<String, Vec<u8>>>,
-    changed: Condvar,
-}
-
-impl Store for MemStore {
-    fn set(&self, key: &str, value: &[u8]) -> tutti::Result<()> {
-        self.map.lock().unwrap().insert(key.into(), value.to_vec());
-        self.changed.notify_all();
-        Ok(())
-    }
-
-    fn get(&self, key: &str, timeout: Duration) -> tutti::Result<Vec<u8>> {
-        let deadline = Instant::now() + timeout;
-        let mut map = self.map.lock().unwrap();
-        loop {
-            if let Some(v) = map.get(key) {
-                return Ok(v.clone());
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::JoinTimeout {
-                    message: format!("key '{key}' was not set within {timeout:?}"),
-                    timeout,
-                });
-            }
-            map = self.changed.wait_timeout(map, left).unwrap().0;
-        }
-    }
-
-    fn add(&self, key: &str, delta: i64) -> tutti::Result<i64> {
-        let mut map = self.map.lock().unwrap();
-        let v = map
-            .get(key)
-            .map(|v| String::from_utf8_lossy(v).parse::<i64>().unwrap())
-            .unwrap_or(0)
-            + delta;
-        map.insert(key.into(), v.to_string().into_bytes());
-        self.changed.notify_all();
-        Ok(v)
-    }
-}
 
 fn config(timeout: Duration) -> Config {
     Config {

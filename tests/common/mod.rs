@@ -1,6 +1,10 @@
 //! Shared helpers of the integration tests.
 #![allow(dead_code)]
 
+use std::collections::HashMap;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
 use tutti::{DType, Element};
 
 /// Small integral values (exact in every type, even f16 products of 8 of them): rank r,
@@ -116,4 +120,49 @@ pub fn spec(rank: usize, world: usize, master: &str) -> tutti::ClusterSpec {
     tutti::ClusterSpec::from_vars(&vars.into_iter().collect())
         .unwrap()
         .unwrap()
+}
+
+/// A store in memory: what torch's `HashStore` is, for threads of one process.
+#[derive(Default)]
+pub struct MemStore {
+    pub map: Mutex<HashMap<String, Vec<u8>>>,
+    changed: Condvar,
+}
+
+impl tutti::Store for MemStore {
+    fn set(&self, key: &str, value: &[u8]) -> tutti::Result<()> {
+        self.map.lock().unwrap().insert(key.into(), value.to_vec());
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    fn get(&self, key: &str, timeout: Duration) -> tutti::Result<Vec<u8>> {
+        let deadline = Instant::now() + timeout;
+        let mut map = self.map.lock().unwrap();
+        loop {
+            if let Some(v) = map.get(key) {
+                return Ok(v.clone());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(tutti::Error::JoinTimeout {
+                    message: format!("key '{key}' was not set within {timeout:?}"),
+                    timeout,
+                });
+            }
+            map = self.changed.wait_timeout(map, left).unwrap().0;
+        }
+    }
+
+    fn add(&self, key: &str, delta: i64) -> tutti::Result<i64> {
+        let mut map = self.map.lock().unwrap();
+        let v = map
+            .get(key)
+            .map(|v| String::from_utf8_lossy(v).parse::<i64>().unwrap())
+            .unwrap_or(0)
+            + delta;
+        map.insert(key.into(), v.to_string().into_bytes());
+        self.changed.notify_all();
+        Ok(v)
+    }
 }
