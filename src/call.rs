@@ -150,6 +150,8 @@ pub struct CallHeader {
     pub chunk_bytes: u64,
     /// Whether every call is checked in a round of its own before data moves (`TUTTI_CHECK=full`).
     pub full_check: bool,
+    /// Whether reductions are bitwise-deterministic (`TUTTI_DETERMINISTIC=1`).
+    pub deterministic: bool,
     /// Set when this rank rejected its own arguments: peers fail the call at once.
     pub rejected: Option<String>,
 }
@@ -199,6 +201,11 @@ impl CallHeader {
                 check_name(self.full_check).to_string(),
                 check_name(other.full_check).to_string(),
             ),
+            (
+                "deterministic mode (TUTTI_DETERMINISTIC)",
+                on_off(self.deterministic).to_string(),
+                on_off(other.deterministic).to_string(),
+            ),
         ];
         fields.into_iter().find(|(_, a, b)| a != b)
     }
@@ -214,6 +221,14 @@ pub(crate) fn counts_digest(counts: &[usize]) -> u64 {
         }
     }
     h
+}
+
+fn on_off(on: bool) -> &'static str {
+    if on {
+        "on"
+    } else {
+        "off"
+    }
 }
 
 fn check_name(full: bool) -> &'static str {

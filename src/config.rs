@@ -25,6 +25,29 @@ pub struct Config {
     /// communicator (peers may be mid-step), where `full` leaves it usable. `full` costs one
     /// all-to-all of small frames per call (a few microseconds over shared memory).
     pub full_check: bool,
+    /// Bitwise-deterministic reductions (`TUTTI_DETERMINISTIC=1`; default off): every reducing
+    /// collective gives, on every rank, the bits of the reduction of the inputs in rank order
+    /// (one kernel pass over rank 0's, rank 1's, ... element: `((x0 + x1) + x2) ...`, the
+    /// 16-bit floats summed in f32 and rounded once), whatever the algorithm, chunk size,
+    /// transport or placement of ranks on hosts. Each element is reduced by one rank from
+    /// every input (a reduce-scatter in rank order, then an all-gather): the same bytes sent as
+    /// the ring's, with every rank's slices arriving in one step. Device engines (CUDA groups,
+    /// XLA) do not offer it: their reducing calls are refused.
+    pub deterministic: bool,
+}
+
+/// `TUTTI_DETERMINISTIC`: `1`/`true`/`on` or `0`/`false`/`off` (the default when unset).
+pub fn deterministic_from_env() -> Result<bool> {
+    match std::env::var("TUTTI_DETERMINISTIC") {
+        Err(_) => Ok(false),
+        Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+            "" | "0" | "false" | "off" | "no" => Ok(false),
+            "1" | "true" | "on" | "yes" => Ok(true),
+            _ => Err(Error::config(format!(
+                "TUTTI_DETERMINISTIC='{v}': expected 1 (bitwise-deterministic reductions) or 0"
+            ))),
+        },
+    }
 }
 
 /// `TUTTI_CHECK`: `full` or `fast` (the default when unset).
@@ -50,6 +73,7 @@ impl Default for Config {
             algorithm: Algorithm::Auto,
             chunk_bytes: 256 * 1024,
             full_check: full_check_from_env().unwrap_or(false),
+            deterministic: deterministic_from_env().unwrap_or(false),
         }
     }
 }
@@ -75,6 +99,12 @@ impl Config {
         self.full_check = full_check;
         self
     }
+    /// This config with bitwise-deterministic reductions on or off (see
+    /// [`Config::deterministic`]).
+    pub fn with_deterministic(mut self, deterministic: bool) -> Config {
+        self.deterministic = deterministic;
+        self
+    }
     /// This config with another chunk size (checked, with the rest, when a communicator is
     /// made: see [`Config::check`]).
     pub fn with_chunk_bytes(mut self, chunk_bytes: usize) -> Config {
@@ -82,12 +112,13 @@ impl Config {
         self
     }
     /// The error creating a group of `world` ranks with this config would give, if any: its
-    /// environment (`TUTTI_TIMEOUT`, `TUTTI_CHECK`), world size, timeout, chunk size and
+    /// environment (`TUTTI_TIMEOUT`, `TUTTI_CHECK`, `TUTTI_DETERMINISTIC`), world size, timeout, chunk size and
     /// algorithm parameters (a root or group size the world cannot have). Every communicator,
     /// group and strategy is made through this check, from Rust, C, Python or the environment.
     pub fn check(&self, world: usize) -> Result<()> {
         timeout_from_env()?;
         full_check_from_env()?;
+        deterministic_from_env()?;
         if world == 0 {
             return Err(Error::config("a group needs at least one rank"));
         }

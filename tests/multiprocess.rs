@@ -156,6 +156,62 @@ fn hierarchical_all_reduce_across_hosts() {
 }
 
 #[test]
+fn deterministic_mode_gives_the_bits_in_rank_order_over_processes_and_hosts() {
+    // `tutti check` in the mode compares every reduction of random floats with the reduction
+    // in rank order, bit for bit: over TCP, over shared memory, and on two simulated hosts.
+    for transport in ["tcp", "shm"] {
+        let o = run(
+            &[
+                "launch",
+                "-n",
+                "3",
+                "--transport",
+                transport,
+                "--",
+                "tutti",
+                "check",
+                "--counts",
+                "1,7,1000,70001",
+                "--timeout",
+                "60",
+            ],
+            &[("TUTTI_DETERMINISTIC", "1")],
+            Duration::from_secs(240),
+        );
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{transport}: {out}\n{err}");
+        assert_eq!(
+            out.matches("all correct, reductions bit for bit in rank order")
+                .count(),
+            3,
+            "{transport}: {out}"
+        );
+    }
+    let master = format!("127.0.0.1:{}", free_port());
+    let children: Vec<Child> = (0..4)
+        .map(|r| {
+            let args = ["--counts", "1000,70001", "--timeout", "60"];
+            check_rank(&args, r, 4, &master, "deterministic-hosts-job-token")
+                .env("TUTTI_HOST_ID", if r < 2 { "host-a" } else { "host-b" })
+                .env("TUTTI_DETERMINISTIC", "1")
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (r, mut c) in children.into_iter().enumerate() {
+        wait_bounded(&mut c, Duration::from_secs(240));
+        let o = c.wait_with_output().unwrap();
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "rank {r}: {out}\n{err}");
+        assert!(
+            out.contains(&format!("rank {r} of 4, hosts 2:"))
+                && out.contains("all correct, reductions bit for bit in rank order"),
+            "{out}"
+        );
+    }
+}
+
+#[test]
 fn tf_config_job_with_workers_and_ps() {
     // Three workers check the collectives; the ps task is not part of the collective world and
     // says so with a clear error, which makes the launch fail naming it.

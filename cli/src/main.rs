@@ -334,10 +334,15 @@ fn check_cmd(a: CheckArgs) -> Result<(), tutti::Error> {
             launched_ranks(a.ranks, &comm)?;
             let calls = check_one_rank(&mut comm, &a)?;
             say!(
-                "rank {} of {}, hosts {}: {calls} calls checked, all correct",
+                "rank {} of {}, hosts {}: {calls} calls checked, all correct{}",
                 comm.rank(),
                 comm.world_size(),
-                comm.num_hosts()
+                comm.num_hosts(),
+                if comm.deterministic() {
+                    ", reductions bit for bit in rank order (deterministic mode)"
+                } else {
+                    ""
+                }
             );
         }
         None => {
@@ -358,8 +363,13 @@ fn check_cmd(a: CheckArgs) -> Result<(), tutti::Error> {
                 })
             })?;
             say!(
-                "{n} ranks (threads): {} calls checked, all correct",
-                results[0]
+                "{n} ranks (threads): {} calls checked, all correct{}",
+                results[0],
+                if config.deterministic {
+                    ", reductions bit for bit in rank order (deterministic mode)"
+                } else {
+                    ""
+                }
             );
         }
     }

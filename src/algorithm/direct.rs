@@ -82,18 +82,37 @@ pub(crate) fn all_reduce(ctx: &Ctx<'_>, in_place: bool, len: usize) -> Result<()
     } else {
         Init::Overwrite
     };
+    // In rank order (deterministic), an in-place chunk is reduced from every input, its own
+    // included, into scratch first: its own input must not be overwritten while it is read.
+    let ordered = in_place && ctx.deterministic;
+    let mut scratch = ctx
+        .plan
+        .scratch(if ordered { (ce * esize).min(len) } else { 0 });
     let mut srcs = ctx.plan.list::<&[u8]>();
     for lo in slice.clone().step_by(ce) {
         let range = bytes(lo..lo.saturating_add(ce).min(slice.end), esize);
         srcs.clear();
-        for k in (0..p).filter(|&k| !(in_place && k == r)) {
+        for k in (0..p).filter(|&k| ordered || !(in_place && k == r)) {
             // SAFETY: only this rank touches slice r of any buffer during the call (in place,
             // each source chunk is read here before this rank writes it).
             srcs.push(unsafe { call.input(k, range.clone()) });
         }
         // SAFETY: as above; every rank's output outlives the call (`finish`).
         let dst = unsafe { call.output(r, range.clone()) };
-        kernels::reduce(ctx.dtype, ctx.op, dst, &srcs, init, ctx.mean_divisor());
+        if ordered {
+            let tmp = &mut scratch[..range.len()];
+            kernels::reduce(
+                ctx.dtype,
+                ctx.op,
+                tmp,
+                &srcs,
+                Init::Overwrite,
+                ctx.mean_divisor(),
+            );
+            dst.copy_from_slice(tmp);
+        } else {
+            kernels::reduce(ctx.dtype, ctx.op, dst, &srcs, init, ctx.mean_divisor());
+        }
         for j in (1..p).map(|d| (r + d) % p) {
             // SAFETY: slice r of rank j's output is this rank's alone to write.
             unsafe { call.output(j, range.clone()) }.copy_from_slice(dst);
@@ -142,23 +161,32 @@ pub(crate) fn reduce(ctx: &Ctx<'_>, root: usize, len: usize) -> Result<()> {
     let (p, r, esize) = (ctx.world(), ctx.rank(), ctx.dtype.size());
     let range = bytes(partition(len / esize, p, r), esize);
     let root_in_place = std::ptr::eq(call.bufs[root].input, call.bufs[root].output);
+    // In rank order (deterministic), the root's own input is a source like the others: an
+    // in-place slice is reduced into scratch first.
+    let ordered = root_in_place && ctx.deterministic;
     if !range.is_empty() {
         let mut srcs = ctx.plan.list::<&[u8]>();
         srcs.extend(
             (0..p)
-                .filter(|&k| !(root_in_place && k == root))
+                .filter(|&k| ordered || !(root_in_place && k == root))
                 // SAFETY: inputs are not written during a reduce, except the root's in place,
                 // whose slice r only this rank touches.
                 .map(|k| unsafe { call.input(k, range.clone()) }),
         );
-        let init = if root_in_place {
+        let init = if root_in_place && !ordered {
             Init::Accumulate
         } else {
             Init::Overwrite
         };
         // SAFETY: slice r of the root's output is written by this rank alone.
         let dst = unsafe { call.output(root, range) };
-        kernels::reduce(ctx.dtype, ctx.op, dst, &srcs, init, ctx.mean_divisor());
+        if ordered {
+            let mut tmp = ctx.plan.scratch(dst.len());
+            kernels::reduce(ctx.dtype, ctx.op, &mut tmp, &srcs, init, ctx.mean_divisor());
+            dst.copy_from_slice(&tmp);
+        } else {
+            kernels::reduce(ctx.dtype, ctx.op, dst, &srcs, init, ctx.mean_divisor());
+        }
     }
     call.finish(ctx)
 }

@@ -44,6 +44,7 @@ pub(crate) fn all_reduce(
         dtype: ctx.dtype,
         op: ctx.op.combining(),
         chunk_bytes: ctx.chunk_bytes,
+        deterministic: ctx.deterministic,
         plan: ctx.plan,
     };
     ring::all_reduce(&across, None, buf)?;

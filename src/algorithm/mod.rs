@@ -19,6 +19,7 @@ mod copies;
 mod direct;
 mod flat;
 mod hosts;
+mod ordered;
 mod personal;
 mod plan;
 mod ring;
@@ -45,6 +46,8 @@ pub(crate) struct Ctx<'a> {
     pub op: ReduceOp,
     /// Largest piece, in bytes, that one step of a chunked algorithm handles.
     pub chunk_bytes: usize,
+    /// Reductions in rank order, whatever the algorithm (see `Config::deterministic`).
+    pub deterministic: bool,
     /// Scratch and lists reused from the communicator's earlier calls.
     pub plan: &'a Plan,
 }
@@ -214,6 +217,14 @@ pub(crate) fn all_reduce(
     input: Option<&[u8]>,
     output: &mut [u8],
 ) -> Result<()> {
+    if ctx.deterministic {
+        // Rank order whatever the algorithm: direct reduces in it; without peer memory, the
+        // ordered reduce-scatter and an all-gather.
+        return match ctx.t.peer_memory() {
+            Some(_) => direct::all_reduce(ctx, input.is_none(), output.len()),
+            None => ordered::all_reduce(ctx, input, output),
+        };
+    }
     let auto = algo == Algorithm::Auto;
     let algo = resolve(ctx, algo);
     if algo == Algorithm::Direct {
@@ -279,6 +290,13 @@ pub(crate) fn reduce_scatter(
     output: &mut [u8],
     blocks: Blocks<'_>,
 ) -> Result<()> {
+    if ctx.deterministic {
+        // direct reduces every input in rank order into the (separate) output already.
+        return match ctx.t.peer_memory() {
+            Some(_) => direct::reduce_scatter(ctx, output, blocks),
+            None => ordered::reduce_scatter(ctx, input, output, blocks),
+        };
+    }
     match resolve_other(ctx, algo, Collective::ReduceScatter) {
         Algorithm::Direct => direct::reduce_scatter(ctx, output, blocks),
         _ => ring::reduce_scatter(ctx, input, output, blocks),
@@ -342,6 +360,12 @@ pub(crate) fn reduce(
     output: Option<&mut [u8]>,
     len: usize,
 ) -> Result<()> {
+    if ctx.deterministic {
+        return match ctx.t.peer_memory() {
+            Some(_) => direct::reduce(ctx, root, len),
+            None => ordered::reduce(ctx, root, input, output, len),
+        };
+    }
     match resolve_other(ctx, algo, Collective::Reduce) {
         Algorithm::Direct => direct::reduce(ctx, root, len),
         Algorithm::Ring => ring::reduce(ctx, root, input, output, len),

@@ -336,6 +336,7 @@ impl Runnable for Call {
             algorithm: self.algorithm,
             chunk_bytes: shared.chunk_bytes as u64,
             full_check: shared.full_check,
+            deterministic: shared.deterministic,
             rejected: self.check.clone().err(),
         };
         let buffers = if self.check.is_ok() {
@@ -363,6 +364,7 @@ impl Runnable for Call {
                     dtype: self.dtype,
                     op: self.op.unwrap_or(ReduceOp::Sum),
                     chunk_bytes: shared.chunk_bytes,
+                    deterministic: shared.deterministic,
                     plan,
                 };
                 match &shared.engine {
@@ -520,6 +522,14 @@ impl Communicator {
                     "{} is not available on {}: its device engine runs all_reduce, \
                      broadcast, all_gather, reduce, reduce_scatter and barrier",
                     call.collective,
+                    self.device_spec()
+                ));
+            }
+            if call.check.is_ok() && shared.deterministic && call.op.is_some() {
+                call.check = Err(format!(
+                    "deterministic mode (TUTTI_DETERMINISTIC) is not available on {}: its \
+                     device engine does not reduce in rank order; turn the mode off for \
+                     device ranks",
                     self.device_spec()
                 ));
             }

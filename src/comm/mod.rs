@@ -23,7 +23,7 @@ pub use replicas::Replicas;
 pub use shared::SharedBuffer;
 pub use work::Work;
 
-pub use crate::config::{full_check_from_env, Config};
+pub use crate::config::{deterministic_from_env, full_check_from_env, Config};
 pub use crate::sync::{timeout_from_env, MAX_TIMEOUT};
 
 use call::{Bytes, BytesMut, Call};
@@ -114,6 +114,7 @@ impl Communicator {
             transport,
             config.chunk_bytes,
             full_check,
+            config.deterministic,
             engine,
         ));
         Communicator {
@@ -320,6 +321,12 @@ impl Communicator {
     /// This rank, in `0..world_size()`.
     pub fn rank(&self) -> usize {
         self.transport().rank()
+    }
+
+    /// Whether this communicator's reductions are bitwise-deterministic (see
+    /// [`Config::deterministic`]).
+    pub fn deterministic(&self) -> bool {
+        self.progress.shared().deterministic
     }
 
     /// Number of ranks in the group.

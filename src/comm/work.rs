@@ -129,6 +129,8 @@ pub(crate) struct Shared {
     pub(crate) chunk_bytes: usize,
     /// Every call is checked in a round of its own (see `Config::full_check`).
     pub(crate) full_check: bool,
+    /// Reductions are bitwise-deterministic (see `Config::deterministic`).
+    pub(crate) deterministic: bool,
     /// Runs calls for a group of this process's devices; `None`: the host algorithms.
     pub(crate) engine: Option<Arc<dyn GroupEngine>>,
     queue: Mutex<Queue>,
@@ -141,12 +143,14 @@ impl Shared {
         transport: Arc<dyn Transport>,
         chunk_bytes: usize,
         full_check: bool,
+        deterministic: bool,
         engine: Option<Arc<dyn GroupEngine>>,
     ) -> Shared {
         Shared {
             transport,
             chunk_bytes,
             full_check,
+            deterministic,
             engine,
             queue: Mutex::new(Queue::default()),
             cv: Condvar::new(),

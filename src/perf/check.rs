@@ -11,7 +11,9 @@ use crate::reference;
 /// Check every collective with every algorithm on this communicator against the reference:
 /// all-reduce (every op, in place and out of place, f32 bf16 i32 u8 f64), broadcast and reduce
 /// from every root, all-gather, reduce-scatter, barrier, all-to-all, gather and scatter from
-/// every root, and the collectives with a count per rank on uneven counts. Every rank calls it; returns the number
+/// every root, and the collectives with a count per rank on uneven counts. On a deterministic
+/// communicator, also that every reduction of random floats has the bits of the reduction in
+/// rank order, on every rank. Every rank calls it; returns the number
 /// of calls checked, or an error naming the algorithm, collective, dtype and count that failed.
 pub fn check(comm: &mut Communicator, counts: &[usize]) -> Result<usize> {
     let mut calls = 0;
@@ -28,6 +30,20 @@ pub fn check(comm: &mut Communicator, counts: &[usize]) -> Result<usize> {
                     crate::for_each_dtype!(dtype, T => { check_personal::<T>(comm, algo, count)? });
             }
         }
+    }
+    if comm.deterministic() {
+        for algo in Algorithm::ALL_REDUCE {
+            if algo == Algorithm::Direct && !comm.has_peer_memory() {
+                continue;
+            }
+            comm.set_algorithm(algo)?;
+            for &count in counts {
+                calls += check_deterministic::<f32>(comm, algo, count)?;
+                calls += check_deterministic::<half::bf16>(comm, algo, count)?;
+                calls += check_deterministic::<f64>(comm, algo, count)?;
+            }
+        }
+        comm.set_algorithm(Algorithm::Auto)?;
     }
     if comm.can_share_buffers() {
         for &count in counts {
@@ -447,4 +463,105 @@ fn check_personal<T: Element>(comm: &Communicator, algo: Algorithm, count: usize
         )));
     }
     Ok(calls + 4)
+}
+
+/// Element i of rank r's random input: magnitudes from 2^-10 to 2^10 and both signs, so that
+/// the order of a float sum shows in its bits.
+fn random<T: Element>(r: usize, i: usize) -> T {
+    let mut h = (r as u64) << 32 ^ i as u64;
+    h = h.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    h ^= h >> 29;
+    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h ^= h >> 32;
+    let unit = (h >> 11) as f64 / (1u64 << 53) as f64 - 0.5;
+    T::from_f64(unit * f64::powi(2.0, (h % 21) as i32 - 10))
+}
+
+/// The reduction in rank order that deterministic mode promises: one kernel pass over every
+/// rank's input, rank 0's first.
+fn in_rank_order<T: Element>(inputs: &[Vec<T>], op: ReduceOp) -> Vec<T> {
+    let mut out = vec![T::from_f64(0.0); inputs.first().map_or(0, Vec::len)];
+    let srcs: Vec<&[u8]> = inputs.iter().map(|v| bytemuck::cast_slice(v)).collect();
+    let div = (op == ReduceOp::Mean).then_some(inputs.len());
+    let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
+    crate::dtype::kernels::reduce(
+        T::DTYPE,
+        op,
+        dst,
+        &srcs,
+        crate::dtype::kernels::Init::Overwrite,
+        div,
+    );
+    out
+}
+
+/// Every reducing collective on random floats gives the bits of the reduction in rank order.
+fn check_deterministic<T: Element>(
+    comm: &Communicator,
+    algo: Algorithm,
+    count: usize,
+) -> Result<usize> {
+    let (p, r) = (comm.world_size(), comm.rank());
+    let fail = |what: String| Error::System {
+        what: format!("check deterministic {algo} {} n={count}", T::DTYPE),
+        message: what,
+    };
+    let bits = |v: &[T]| -> Vec<u8> { bytemuck::cast_slice(v).to_vec() };
+    let inputs: Vec<Vec<T>> = (0..p)
+        .map(|k| (0..count).map(|i| random(k, i)).collect())
+        .collect();
+    let mut calls = 0;
+    for op in [ReduceOp::Sum, ReduceOp::Mean] {
+        let want = bits(&in_rank_order(&inputs, op));
+        let mut buf = inputs[r].clone();
+        comm.all_reduce(&mut buf, op)?;
+        let mut out = vec![T::from_f64(0.0); count];
+        comm.all_reduce_into(&inputs[r], &mut out, op)?;
+        for (got, how) in [(&buf, "in place"), (&out, "out of place")] {
+            if bits(got) != want {
+                return Err(fail(format!(
+                    "all_reduce {op} {how}: not the bits of the reduction in rank order on rank {r}"
+                )));
+            }
+        }
+        for root in 0..p {
+            let mut out = vec![T::from_f64(0.0); count];
+            comm.reduce(&inputs[r], (r == root).then_some(&mut out[..]), op, root)?;
+            let mut buf = inputs[r].clone();
+            comm.reduce_in_place(&mut buf, op, root)?;
+            if r == root && (bits(&out) != want || bits(&buf) != want) {
+                return Err(fail(format!(
+                    "reduce {op} onto root {root}: not the bits of the reduction in rank order"
+                )));
+            }
+        }
+        calls += 2 + 2 * p;
+    }
+    // reduce_scatter and reduce_scatter_v: each rank's block of the same reduction.
+    let big: Vec<Vec<T>> = (0..p)
+        .map(|k| (0..count * p).map(|i| random(k + 7, i)).collect())
+        .collect();
+    let want = in_rank_order(&big, ReduceOp::Sum);
+    let mut slice = vec![T::from_f64(0.0); count];
+    comm.reduce_scatter(&big[r], &mut slice, ReduceOp::Sum)?;
+    if bits(&slice) != bits(&want[r * count..(r + 1) * count]) {
+        return Err(fail(format!(
+            "reduce_scatter: not the bits in rank order on rank {r}"
+        )));
+    }
+    let counts: Vec<usize> = (0..p).map(|k| uneven(count, k)).collect();
+    let total: usize = counts.iter().sum();
+    let v: Vec<Vec<T>> = (0..p)
+        .map(|k| (0..total).map(|i| random(k + 11, i)).collect())
+        .collect();
+    let want = in_rank_order(&v, ReduceOp::Sum);
+    let at: usize = counts[..r].iter().sum();
+    let mut mine = vec![T::from_f64(0.0); counts[r]];
+    comm.reduce_scatter_v(&v[r], &mut mine, &counts, ReduceOp::Sum)?;
+    if bits(&mine) != bits(&want[at..at + counts[r]]) {
+        return Err(fail(format!(
+            "reduce_scatter_v: not the bits in rank order on rank {r}"
+        )));
+    }
+    Ok(calls + 2)
 }

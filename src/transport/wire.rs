@@ -66,6 +66,7 @@ impl CallHeader {
         v[42] = self.op.map_or(u8::MAX, |o| o as u8);
         v[43] = algo;
         v[44] = u8::from(self.full_check);
+        v[45] = u8::from(self.deterministic);
         v
     }
 
@@ -92,6 +93,7 @@ impl CallHeader {
             },
             algorithm: crate::call::Algorithm::from_code(v[43], u64_(32..40))?,
             full_check: v[44] != 0,
+            deterministic: v[45] != 0,
             rejected: None,
         })
     }
@@ -169,6 +171,7 @@ mod fuzz {
                 algorithm,
                 chunk_bytes: param << 10,
                 full_check: call % 2 == 0,
+                deterministic: call % 3 == 0,
                 rejected: None,
             };
             let mut b = frame(FRAME_DATA, 7, count as u64, &c.ident());
