@@ -759,6 +759,141 @@ tutti_result tutti_reduce(struct tutti_comm *comm,
                           void *output);
 
 /**
+ * All-to-all: block j of this rank's `input` goes to rank j, and block k of its `output`
+ * comes from rank k. Both buffers hold `world_size × count` elements (`count` per block) and
+ * must not overlap: the call cannot run in place.
+ *
+ * Every rank must make the same call (same count, dtype); see `tutti_all_reduce` for the
+ * errors.
+ *
+ * Thread-safety: as `tutti_all_reduce`. The non-blocking form is `tutti_all_to_all_async`.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle; `input` and `output` are NULL or point to
+ * `world_size × count` elements, aligned to the element size, that nothing else touches
+ * during the call.
+ */
+tutti_result tutti_all_to_all(struct tutti_comm *comm,
+                              size_t count,
+                              tutti_dtype dtype,
+                              const void *input,
+                              void *output);
+
+/**
+ * All-to-all with a count per block: the first `send_counts[0]` elements of `input` go to
+ * rank 0, the next `send_counts[1]` to rank 1, and so on; `output` receives
+ * `recv_counts[k]` elements from each rank k, in rank order. `send_counts` and `recv_counts`
+ * hold `world_size` entries each (read when the call is issued); `input` holds the sum of
+ * `send_counts`, `output` the sum of `recv_counts`, and they must not overlap. Rank i's
+ * `send_counts[j]` must equal rank j's `recv_counts[i]`: a pair that differs fails the call on
+ * both ranks with an error naming them.
+ *
+ * See `tutti_all_reduce` for the errors. Thread-safety: as `tutti_all_reduce`.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle; `send_counts` and `recv_counts` are NULL or point to
+ * `world_size` values; `input` and `output` are NULL or point to as many elements as their
+ * counts sum to, aligned to the element size, that nothing else touches during the call.
+ */
+tutti_result tutti_all_to_all_v(struct tutti_comm *comm,
+                                const size_t *send_counts,
+                                const size_t *recv_counts,
+                                tutti_dtype dtype,
+                                const void *input,
+                                void *output);
+
+/**
+ * Gather onto `root`: the root's `output` (`world_size × count` elements) becomes every
+ * rank's `input` (`count` elements) in rank order. Off the root `output` is not used and may
+ * be NULL. At the root `input` and `output` must not overlap: the call cannot run in place.
+ *
+ * Every rank must make the same call (same count, dtype, root); see `tutti_all_reduce` for
+ * the errors (a root out of range is this rank's argument error).
+ *
+ * Thread-safety: as `tutti_all_reduce`.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle; `input` is NULL or points to `count` elements and (at the
+ * root) `output` is NULL or points to `world_size × count` elements, aligned to the element
+ * size, that nothing else touches during the call.
+ */
+tutti_result tutti_gather(struct tutti_comm *comm,
+                          size_t count,
+                          tutti_dtype dtype,
+                          size_t root,
+                          const void *input,
+                          void *output);
+
+/**
+ * Scatter from `root`: every rank's `output` (`count` elements) becomes block `rank` of the
+ * root's `input` (`world_size × count` elements). Off the root `input` is not used and may be
+ * NULL. At the root `input` and `output` must not overlap: the call cannot run in place.
+ *
+ * Every rank must make the same call (same count, dtype, root); see `tutti_all_reduce` for
+ * the errors (a root out of range is this rank's argument error).
+ *
+ * Thread-safety: as `tutti_all_reduce`.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle; (at the root) `input` is NULL or points to
+ * `world_size × count` elements and `output` is NULL or points to `count` elements, aligned to
+ * the element size, that nothing else touches during the call.
+ */
+tutti_result tutti_scatter(struct tutti_comm *comm,
+                           size_t count,
+                           tutti_dtype dtype,
+                           size_t root,
+                           const void *input,
+                           void *output);
+
+/**
+ * All-gather with a count per rank: rank r's `input` (`counts[r]` elements) lands at element
+ * `counts[0] + ... + counts[r-1]` of every rank's `output` (the sum of `counts`). `counts`
+ * holds `world_size` entries (read when the call is issued), the same on every rank (else
+ * `TUTTI_ERROR_MISMATCH`); zeros are allowed. `input` and `output` must not overlap: the call
+ * cannot run in place.
+ *
+ * See `tutti_all_reduce` for the errors. Thread-safety: as `tutti_all_reduce`.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle; `counts` is NULL or points to `world_size` values; `input`
+ * is NULL or points to `counts[rank]` elements and `output` is NULL or points to the sum of
+ * `counts`, aligned to the element size, that nothing else touches during the call.
+ */
+tutti_result tutti_all_gather_v(struct tutti_comm *comm,
+                                const size_t *counts,
+                                tutti_dtype dtype,
+                                const void *input,
+                                void *output);
+
+/**
+ * Reduce-scatter with a count per rank: rank r's `output` (`counts[r]` elements) becomes
+ * elements `counts[0] + ... + counts[r-1] ..` of the element-wise `op` of every rank's
+ * `input` (the sum of `counts`). `counts` holds `world_size` entries (read when the call is
+ * issued), the same on every rank (else `TUTTI_ERROR_MISMATCH`); zeros are allowed. `input`
+ * and `output` must not overlap: the call cannot run in place.
+ *
+ * See `tutti_all_reduce` for the errors. Thread-safety: as `tutti_all_reduce`.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle; `counts` is NULL or points to `world_size` values; `input`
+ * is NULL or points to the sum of `counts` elements and `output` is NULL or points to
+ * `counts[rank]`, aligned to the element size, that nothing else touches during the call.
+ */
+tutti_result tutti_reduce_scatter_v(struct tutti_comm *comm,
+                                    const size_t *counts,
+                                    tutti_dtype dtype,
+                                    tutti_op op,
+                                    const void *input,
+                                    void *output);
+
+/**
  * Barrier: returns once every rank of the group has called it.
  *
  * Thread-safety: as `tutti_all_reduce`.
@@ -1568,6 +1703,101 @@ tutti_result tutti_reduce_async(struct tutti_comm *comm,
                                 const void *input,
                                 void *output,
                                 struct tutti_work **work);
+
+/**
+ * All-to-all without waiting; see `tutti_all_to_all` and `tutti_all_reduce_async`.
+ *
+ * # Safety
+ *
+ * As `tutti_all_to_all`, for as long as the call runs; `work` is NULL or writable.
+ */
+tutti_result tutti_all_to_all_async(struct tutti_comm *comm,
+                                    size_t count,
+                                    tutti_dtype dtype,
+                                    const void *input,
+                                    void *output,
+                                    struct tutti_work **work);
+
+/**
+ * All-to-all with a count per block without waiting; see `tutti_all_to_all_v` and
+ * `tutti_all_reduce_async`. The counts are read before this returns; the buffers must stay
+ * valid until the call completes.
+ *
+ * # Safety
+ *
+ * As `tutti_all_to_all_v`, for as long as the call runs (the counts only during this call);
+ * `work` is NULL or writable.
+ */
+tutti_result tutti_all_to_all_v_async(struct tutti_comm *comm,
+                                      const size_t *send_counts,
+                                      const size_t *recv_counts,
+                                      tutti_dtype dtype,
+                                      const void *input,
+                                      void *output,
+                                      struct tutti_work **work);
+
+/**
+ * Gather without waiting; see `tutti_gather` and `tutti_all_reduce_async`.
+ *
+ * # Safety
+ *
+ * As `tutti_gather`, for as long as the call runs; `work` is NULL or writable.
+ */
+tutti_result tutti_gather_async(struct tutti_comm *comm,
+                                size_t count,
+                                tutti_dtype dtype,
+                                size_t root,
+                                const void *input,
+                                void *output,
+                                struct tutti_work **work);
+
+/**
+ * Scatter without waiting; see `tutti_scatter` and `tutti_all_reduce_async`.
+ *
+ * # Safety
+ *
+ * As `tutti_scatter`, for as long as the call runs; `work` is NULL or writable.
+ */
+tutti_result tutti_scatter_async(struct tutti_comm *comm,
+                                 size_t count,
+                                 tutti_dtype dtype,
+                                 size_t root,
+                                 const void *input,
+                                 void *output,
+                                 struct tutti_work **work);
+
+/**
+ * All-gather with a count per rank without waiting; see `tutti_all_gather_v` and
+ * `tutti_all_reduce_async`. The counts are read before this returns.
+ *
+ * # Safety
+ *
+ * As `tutti_all_gather_v`, for as long as the call runs (the counts only during this call);
+ * `work` is NULL or writable.
+ */
+tutti_result tutti_all_gather_v_async(struct tutti_comm *comm,
+                                      const size_t *counts,
+                                      tutti_dtype dtype,
+                                      const void *input,
+                                      void *output,
+                                      struct tutti_work **work);
+
+/**
+ * Reduce-scatter with a count per rank without waiting; see `tutti_reduce_scatter_v` and
+ * `tutti_all_reduce_async`. The counts are read before this returns.
+ *
+ * # Safety
+ *
+ * As `tutti_reduce_scatter_v`, for as long as the call runs (the counts only during this
+ * call); `work` is NULL or writable.
+ */
+tutti_result tutti_reduce_scatter_v_async(struct tutti_comm *comm,
+                                          const size_t *counts,
+                                          tutti_dtype dtype,
+                                          tutti_op op,
+                                          const void *input,
+                                          void *output,
+                                          struct tutti_work **work);
 
 /**
  * Barrier without waiting: the handle completes once every rank has called it.

@@ -20,6 +20,48 @@ pub(crate) fn byte_len(count: usize, times: usize, dtype: DType) -> Result<usize
         })
 }
 
+/// The byte length of the elements `counts` lists (one count per rank) of `dtype`, or an
+/// error naming `name` when their sum overflows or exceeds what one buffer can hold.
+pub(crate) fn counts_len(counts: &[usize], dtype: DType, name: &str) -> Result<usize, String> {
+    counts
+        .iter()
+        .try_fold(0usize, |sum, &n| sum.checked_add(n))
+        .and_then(|n| n.checked_mul(dtype.size()))
+        .filter(|&n| n <= isize::MAX as usize)
+        .ok_or_else(|| {
+            format!("the entries of {name} sum to more {dtype} elements than a buffer can hold")
+        })
+}
+
+/// A copy of the `world` counts at `ptr`, named `name`: one per rank of the communicator,
+/// read when the call is issued. NULL is an error unless `world` is 0.
+///
+/// # Safety
+///
+/// `ptr` is NULL or points to `world` readable `size_t` values.
+pub(crate) unsafe fn read_counts(
+    ptr: *const usize,
+    world: usize,
+    name: &str,
+) -> Result<Vec<usize>, String> {
+    if world == 0 {
+        return Ok(Vec::new());
+    }
+    if ptr.is_null() {
+        return Err(format!(
+            "{name} is NULL but must hold one count per rank ({world} size_t values)"
+        ));
+    }
+    if (ptr as usize) % std::mem::align_of::<usize>() != 0 {
+        return Err(format!(
+            "{name} ({ptr:p}) is not aligned to {} bytes, the alignment of size_t",
+            std::mem::align_of::<usize>()
+        ));
+    }
+    // SAFETY: non-NULL and aligned; the caller promises `world` readable values.
+    Ok(unsafe { std::slice::from_raw_parts(ptr, world) }.to_vec())
+}
+
 /// Check that `ptr`, named `name`, can hold `len` bytes of `dtype`: not NULL unless `len` is 0,
 /// and aligned to the element size.
 pub(crate) fn check(
@@ -143,6 +185,28 @@ mod tests {
         let q = unsafe { p.cast::<u8>().add(8) }.cast::<c_void>();
         assert_eq!(any_overlap(&[(q, 8), (p, 8)]), None);
         assert_eq!(any_overlap(&[(q, 8), (p, 8), (odd, 2)]), Some((1, 2)));
+        assert_eq!(counts_len(&[3, 0, 2], DType::F64, "counts"), Ok(40));
+        assert_eq!(counts_len(&[], DType::F64, "counts"), Ok(0));
+        let e = counts_len(&[usize::MAX, 1], DType::U8, "recv_counts").unwrap_err();
+        assert!(e.contains("recv_counts"), "{e}");
+        assert!(counts_len(&[usize::MAX / 4, 1], DType::F32, "counts").is_err());
+        let counts = [4usize, 0, 7];
+        assert_eq!(
+            unsafe { read_counts(counts.as_ptr(), 3, "counts") },
+            Ok(vec![4, 0, 7])
+        );
+        assert_eq!(
+            unsafe { read_counts(std::ptr::null(), 0, "counts") },
+            Ok(vec![])
+        );
+        let e = unsafe { read_counts(std::ptr::null(), 2, "send_counts") }.unwrap_err();
+        assert!(
+            e.contains("send_counts is NULL") && e.contains("2 size_t"),
+            "{e}"
+        );
+        let odd = unsafe { counts.as_ptr().cast::<u8>().add(1) }.cast::<usize>();
+        let e = unsafe { read_counts(odd, 2, "counts") }.unwrap_err();
+        assert!(e.contains("not aligned"), "{e}");
         let c = AlignedCopy::of(&[1, 2, 3]);
         assert_eq!(c.bytes(), &[1, 2, 3]);
         assert_eq!(c.bytes().as_ptr() as usize % 8, 0);

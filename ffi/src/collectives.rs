@@ -6,7 +6,7 @@ use std::ffi::c_void;
 
 use tutti::{Collective, DType, DeviceKind, RawCall, ReduceOp};
 
-use crate::buffers::{byte_len, check, overlap, AlignedCopy};
+use crate::buffers::{byte_len, check, counts_len, overlap, read_counts, AlignedCopy};
 use crate::comm::{comm_ref, tutti_comm};
 use crate::error::{boundary, tutti_result};
 use crate::types::{self, tutti_dtype, tutti_op};
@@ -467,6 +467,551 @@ pub(crate) unsafe fn reduce(
         // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
         unsafe { mode.run(&c, call, None) }
     })
+}
+
+/// All-to-all: block j of this rank's `input` goes to rank j, and block k of its `output`
+/// comes from rank k. Both buffers hold `world_size × count` elements (`count` per block) and
+/// must not overlap: the call cannot run in place.
+///
+/// Every rank must make the same call (same count, dtype); see `tutti_all_reduce` for the
+/// errors.
+///
+/// Thread-safety: as `tutti_all_reduce`. The non-blocking form is `tutti_all_to_all_async`.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `input` and `output` are NULL or point to
+/// `world_size × count` elements, aligned to the element size, that nothing else touches
+/// during the call.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_all_to_all(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    input: *const c_void,
+    output: *mut c_void,
+) -> tutti_result {
+    // SAFETY: as the caller promises.
+    unsafe {
+        all_to_all(
+            "tutti_all_to_all",
+            comm,
+            count,
+            dtype,
+            input,
+            output,
+            Mode::Blocking,
+        )
+    }
+}
+
+/// The body of `tutti_all_to_all` and `tutti_all_to_all_async`.
+///
+/// # Safety
+///
+/// As `tutti_all_to_all`; with `Mode::Async`, the buffers stay valid until the work completes.
+pub(crate) unsafe fn all_to_all(
+    f: &'static str,
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    input: *const c_void,
+    output: *mut c_void,
+    mode: Mode,
+) -> tutti_result {
+    boundary(f, || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let world = c.world;
+        let checked = (|| {
+            mode.check()?;
+            let dtype = types::dtype(dtype)?;
+            let total = byte_len(count, world, dtype)?;
+            check(input, total, dtype, "input")?;
+            check(output, total, dtype, "output")?;
+            disjoint(input, total, output, total, "all-to-all")?;
+            Ok(dtype)
+        })();
+        let dtype = checked.map_err(|m| c.reject(f, m))?;
+        let call = RawCall {
+            collective: Collective::AllToAll,
+            dtype,
+            count,
+            op: ReduceOp::Sum,
+            root: 0,
+            input: input.cast(),
+            output: output.cast(),
+            counts: &[],
+            recv_counts: &[],
+        };
+        // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
+        unsafe { mode.run(&c, call, None) }
+    })
+}
+
+/// All-to-all with a count per block: the first `send_counts[0]` elements of `input` go to
+/// rank 0, the next `send_counts[1]` to rank 1, and so on; `output` receives
+/// `recv_counts[k]` elements from each rank k, in rank order. `send_counts` and `recv_counts`
+/// hold `world_size` entries each (read when the call is issued); `input` holds the sum of
+/// `send_counts`, `output` the sum of `recv_counts`, and they must not overlap. Rank i's
+/// `send_counts[j]` must equal rank j's `recv_counts[i]`: a pair that differs fails the call on
+/// both ranks with an error naming them.
+///
+/// See `tutti_all_reduce` for the errors. Thread-safety: as `tutti_all_reduce`.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `send_counts` and `recv_counts` are NULL or point to
+/// `world_size` values; `input` and `output` are NULL or point to as many elements as their
+/// counts sum to, aligned to the element size, that nothing else touches during the call.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_all_to_all_v(
+    comm: *mut tutti_comm,
+    send_counts: *const usize,
+    recv_counts: *const usize,
+    dtype: tutti_dtype,
+    input: *const c_void,
+    output: *mut c_void,
+) -> tutti_result {
+    let f = "tutti_all_to_all_v";
+    let mode = Mode::Blocking;
+    // SAFETY: as the caller promises.
+    unsafe {
+        all_to_all_v(
+            f,
+            comm,
+            send_counts,
+            recv_counts,
+            dtype,
+            input,
+            output,
+            mode,
+        )
+    }
+}
+
+/// The body of `tutti_all_to_all_v` and `tutti_all_to_all_v_async`.
+///
+/// # Safety
+///
+/// As `tutti_all_to_all_v`; with `Mode::Async`, the buffers stay valid until the work
+/// completes (the counts are copied when the call is issued).
+#[allow(clippy::too_many_arguments)] // the C signature, plus the name and the mode
+pub(crate) unsafe fn all_to_all_v(
+    f: &'static str,
+    comm: *mut tutti_comm,
+    send_counts: *const usize,
+    recv_counts: *const usize,
+    dtype: tutti_dtype,
+    input: *const c_void,
+    output: *mut c_void,
+    mode: Mode,
+) -> tutti_result {
+    boundary(f, || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let world = c.world;
+        let checked = (|| {
+            mode.check()?;
+            let dtype = types::dtype(dtype)?;
+            // SAFETY: the caller promises `world_size` values behind each.
+            let send = unsafe { read_counts(send_counts, world, "send_counts") }?;
+            // SAFETY: as above.
+            let recv = unsafe { read_counts(recv_counts, world, "recv_counts") }?;
+            let n_in = counts_len(&send, dtype, "send_counts")?;
+            let n_out = counts_len(&recv, dtype, "recv_counts")?;
+            check(input, n_in, dtype, "input")?;
+            check(output, n_out, dtype, "output")?;
+            disjoint(input, n_in, output, n_out, "all-to-all-v")?;
+            Ok((dtype, send, recv))
+        })();
+        let (dtype, send, recv) = checked.map_err(|m| c.reject(f, m))?;
+        let call = RawCall {
+            collective: Collective::AllToAllV,
+            dtype,
+            count: 0,
+            op: ReduceOp::Sum,
+            root: 0,
+            input: input.cast(),
+            output: output.cast(),
+            counts: &send,
+            recv_counts: &recv,
+        };
+        // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
+        unsafe { mode.run(&c, call, None) }
+    })
+}
+
+/// Gather onto `root`: the root's `output` (`world_size × count` elements) becomes every
+/// rank's `input` (`count` elements) in rank order. Off the root `output` is not used and may
+/// be NULL. At the root `input` and `output` must not overlap: the call cannot run in place.
+///
+/// Every rank must make the same call (same count, dtype, root); see `tutti_all_reduce` for
+/// the errors (a root out of range is this rank's argument error).
+///
+/// Thread-safety: as `tutti_all_reduce`.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `input` is NULL or points to `count` elements and (at the
+/// root) `output` is NULL or points to `world_size × count` elements, aligned to the element
+/// size, that nothing else touches during the call.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_gather(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    root: usize,
+    input: *const c_void,
+    output: *mut c_void,
+) -> tutti_result {
+    // SAFETY: as the caller promises.
+    unsafe {
+        gather(
+            "tutti_gather",
+            comm,
+            count,
+            dtype,
+            root,
+            input,
+            output,
+            Mode::Blocking,
+        )
+    }
+}
+
+/// The body of `tutti_gather` and `tutti_gather_async`.
+///
+/// # Safety
+///
+/// As `tutti_gather`; with `Mode::Async`, the buffers stay valid until the work completes.
+#[allow(clippy::too_many_arguments)] // the C signature, plus the name and the mode
+pub(crate) unsafe fn gather(
+    f: &'static str,
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    root: usize,
+    input: *const c_void,
+    output: *mut c_void,
+    mode: Mode,
+) -> tutti_result {
+    boundary(f, || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let (world, is_root) = (c.world, c.rank == root);
+        let checked = (|| {
+            mode.check()?;
+            let dtype = types::dtype(dtype)?;
+            let n = byte_len(count, 1, dtype)?;
+            check(input, n, dtype, "input")?;
+            if is_root {
+                let total = byte_len(count, world, dtype)?;
+                check(output, total, dtype, "output (at the root)")?;
+                disjoint(input, n, output, total, "gather")?;
+            }
+            Ok(dtype)
+        })();
+        let dtype = checked.map_err(|m| c.reject(f, m))?;
+        let call = RawCall {
+            collective: Collective::Gather,
+            dtype,
+            count,
+            op: ReduceOp::Sum,
+            root,
+            input: input.cast(),
+            output: if is_root {
+                output.cast()
+            } else {
+                std::ptr::null_mut()
+            },
+            counts: &[],
+            recv_counts: &[],
+        };
+        // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
+        unsafe { mode.run(&c, call, None) }
+    })
+}
+
+/// Scatter from `root`: every rank's `output` (`count` elements) becomes block `rank` of the
+/// root's `input` (`world_size × count` elements). Off the root `input` is not used and may be
+/// NULL. At the root `input` and `output` must not overlap: the call cannot run in place.
+///
+/// Every rank must make the same call (same count, dtype, root); see `tutti_all_reduce` for
+/// the errors (a root out of range is this rank's argument error).
+///
+/// Thread-safety: as `tutti_all_reduce`.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; (at the root) `input` is NULL or points to
+/// `world_size × count` elements and `output` is NULL or points to `count` elements, aligned to
+/// the element size, that nothing else touches during the call.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_scatter(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    root: usize,
+    input: *const c_void,
+    output: *mut c_void,
+) -> tutti_result {
+    // SAFETY: as the caller promises.
+    unsafe {
+        scatter(
+            "tutti_scatter",
+            comm,
+            count,
+            dtype,
+            root,
+            input,
+            output,
+            Mode::Blocking,
+        )
+    }
+}
+
+/// The body of `tutti_scatter` and `tutti_scatter_async`.
+///
+/// # Safety
+///
+/// As `tutti_scatter`; with `Mode::Async`, the buffers stay valid until the work completes.
+#[allow(clippy::too_many_arguments)] // the C signature, plus the name and the mode
+pub(crate) unsafe fn scatter(
+    f: &'static str,
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    root: usize,
+    input: *const c_void,
+    output: *mut c_void,
+    mode: Mode,
+) -> tutti_result {
+    boundary(f, || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let (world, is_root) = (c.world, c.rank == root);
+        let checked = (|| {
+            mode.check()?;
+            let dtype = types::dtype(dtype)?;
+            let n = byte_len(count, 1, dtype)?;
+            check(output, n, dtype, "output")?;
+            if is_root {
+                let total = byte_len(count, world, dtype)?;
+                check(input, total, dtype, "input (at the root)")?;
+                disjoint(input, total, output, n, "scatter")?;
+            }
+            Ok(dtype)
+        })();
+        let dtype = checked.map_err(|m| c.reject(f, m))?;
+        let call = RawCall {
+            collective: Collective::Scatter,
+            dtype,
+            count,
+            op: ReduceOp::Sum,
+            root,
+            input: if is_root {
+                input.cast()
+            } else {
+                std::ptr::null()
+            },
+            output: output.cast(),
+            counts: &[],
+            recv_counts: &[],
+        };
+        // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
+        unsafe { mode.run(&c, call, None) }
+    })
+}
+
+/// All-gather with a count per rank: rank r's `input` (`counts[r]` elements) lands at element
+/// `counts[0] + ... + counts[r-1]` of every rank's `output` (the sum of `counts`). `counts`
+/// holds `world_size` entries (read when the call is issued), the same on every rank (else
+/// `TUTTI_ERROR_MISMATCH`); zeros are allowed. `input` and `output` must not overlap: the call
+/// cannot run in place.
+///
+/// See `tutti_all_reduce` for the errors. Thread-safety: as `tutti_all_reduce`.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `counts` is NULL or points to `world_size` values; `input`
+/// is NULL or points to `counts[rank]` elements and `output` is NULL or points to the sum of
+/// `counts`, aligned to the element size, that nothing else touches during the call.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_all_gather_v(
+    comm: *mut tutti_comm,
+    counts: *const usize,
+    dtype: tutti_dtype,
+    input: *const c_void,
+    output: *mut c_void,
+) -> tutti_result {
+    // SAFETY: as the caller promises.
+    unsafe {
+        all_gather_v(
+            "tutti_all_gather_v",
+            comm,
+            counts,
+            dtype,
+            input,
+            output,
+            Mode::Blocking,
+        )
+    }
+}
+
+/// The body of `tutti_all_gather_v` and `tutti_all_gather_v_async`.
+///
+/// # Safety
+///
+/// As `tutti_all_gather_v`; with `Mode::Async`, the buffers stay valid until the work
+/// completes (the counts are copied when the call is issued).
+pub(crate) unsafe fn all_gather_v(
+    f: &'static str,
+    comm: *mut tutti_comm,
+    counts: *const usize,
+    dtype: tutti_dtype,
+    input: *const c_void,
+    output: *mut c_void,
+    mode: Mode,
+) -> tutti_result {
+    boundary(f, || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let (world, rank) = (c.world, c.rank);
+        let checked = (|| {
+            mode.check()?;
+            let dtype = types::dtype(dtype)?;
+            // SAFETY: the caller promises `world_size` values behind it.
+            let counts = unsafe { read_counts(counts, world, "counts") }?;
+            let total = counts_len(&counts, dtype, "counts")?;
+            // Within the total, which did not overflow.
+            let n = counts.get(rank).map_or(0, |&k| k * dtype.size());
+            check(input, n, dtype, "input")?;
+            check(output, total, dtype, "output")?;
+            disjoint(input, n, output, total, "all-gather-v")?;
+            Ok((dtype, counts))
+        })();
+        let (dtype, counts) = checked.map_err(|m| c.reject(f, m))?;
+        let call = RawCall {
+            collective: Collective::AllGatherV,
+            dtype,
+            count: 0,
+            op: ReduceOp::Sum,
+            root: 0,
+            input: input.cast(),
+            output: output.cast(),
+            counts: &counts,
+            recv_counts: &[],
+        };
+        // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
+        unsafe { mode.run(&c, call, None) }
+    })
+}
+
+/// Reduce-scatter with a count per rank: rank r's `output` (`counts[r]` elements) becomes
+/// elements `counts[0] + ... + counts[r-1] ..` of the element-wise `op` of every rank's
+/// `input` (the sum of `counts`). `counts` holds `world_size` entries (read when the call is
+/// issued), the same on every rank (else `TUTTI_ERROR_MISMATCH`); zeros are allowed. `input`
+/// and `output` must not overlap: the call cannot run in place.
+///
+/// See `tutti_all_reduce` for the errors. Thread-safety: as `tutti_all_reduce`.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `counts` is NULL or points to `world_size` values; `input`
+/// is NULL or points to the sum of `counts` elements and `output` is NULL or points to
+/// `counts[rank]`, aligned to the element size, that nothing else touches during the call.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_reduce_scatter_v(
+    comm: *mut tutti_comm,
+    counts: *const usize,
+    dtype: tutti_dtype,
+    op: tutti_op,
+    input: *const c_void,
+    output: *mut c_void,
+) -> tutti_result {
+    // SAFETY: as the caller promises.
+    unsafe {
+        reduce_scatter_v(
+            "tutti_reduce_scatter_v",
+            comm,
+            counts,
+            dtype,
+            op,
+            input,
+            output,
+            Mode::Blocking,
+        )
+    }
+}
+
+/// The body of `tutti_reduce_scatter_v` and `tutti_reduce_scatter_v_async`.
+///
+/// # Safety
+///
+/// As `tutti_reduce_scatter_v`; with `Mode::Async`, the buffers stay valid until the work
+/// completes (the counts are copied when the call is issued).
+#[allow(clippy::too_many_arguments)] // the C signature, plus the name and the mode
+pub(crate) unsafe fn reduce_scatter_v(
+    f: &'static str,
+    comm: *mut tutti_comm,
+    counts: *const usize,
+    dtype: tutti_dtype,
+    op: tutti_op,
+    input: *const c_void,
+    output: *mut c_void,
+    mode: Mode,
+) -> tutti_result {
+    boundary(f, || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let (world, rank) = (c.world, c.rank);
+        let checked = (|| {
+            mode.check()?;
+            let dtype = types::dtype(dtype)?;
+            let op = types::op(op)?;
+            // SAFETY: the caller promises `world_size` values behind it.
+            let counts = unsafe { read_counts(counts, world, "counts") }?;
+            let total = counts_len(&counts, dtype, "counts")?;
+            // Within the total, which did not overflow.
+            let n = counts.get(rank).map_or(0, |&k| k * dtype.size());
+            check(input, total, dtype, "input")?;
+            check(output, n, dtype, "output")?;
+            disjoint(input, total, output, n, "reduce-scatter-v")?;
+            Ok((dtype, op, counts))
+        })();
+        let (dtype, op, counts) = checked.map_err(|m| c.reject(f, m))?;
+        let call = RawCall {
+            collective: Collective::ReduceScatterV,
+            dtype,
+            count: 0,
+            op,
+            root: 0,
+            input: input.cast(),
+            output: output.cast(),
+            counts: &counts,
+            recv_counts: &[],
+        };
+        // SAFETY: checked above; the caller promises the memory, for as long as the call runs.
+        unsafe { mode.run(&c, call, None) }
+    })
+}
+
+/// An error unless the `a_len` bytes at `input` and the `b_len` bytes at `output` are apart,
+/// for a collective (`what`) that cannot run in place.
+fn disjoint(
+    input: *const c_void,
+    a_len: usize,
+    output: *mut c_void,
+    b_len: usize,
+    what: &str,
+) -> Result<(), String> {
+    if overlap(input, a_len, output.cast_const(), b_len) {
+        return Err(format!(
+            "input and output overlap; {what} cannot run in place: pass separate buffers"
+        ));
+    }
+    Ok(())
 }
 
 /// Barrier: returns once every rank of the group has called it.

@@ -366,6 +366,149 @@ pub unsafe extern "C" fn tutti_reduce_async(
     unsafe { comm::reduce(f, comm, count, dtype, op, root, input, output, mode) }
 }
 
+/// All-to-all without waiting; see `tutti_all_to_all` and `tutti_all_reduce_async`.
+///
+/// # Safety
+///
+/// As `tutti_all_to_all`, for as long as the call runs; `work` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_all_to_all_async(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    input: *const c_void,
+    output: *mut c_void,
+    work: *mut *mut tutti_work,
+) -> tutti_result {
+    let f = "tutti_all_to_all_async";
+    // SAFETY: as the caller promises.
+    unsafe { comm::all_to_all(f, comm, count, dtype, input, output, Mode::Async(work)) }
+}
+
+/// All-to-all with a count per block without waiting; see `tutti_all_to_all_v` and
+/// `tutti_all_reduce_async`. The counts are read before this returns; the buffers must stay
+/// valid until the call completes.
+///
+/// # Safety
+///
+/// As `tutti_all_to_all_v`, for as long as the call runs (the counts only during this call);
+/// `work` is NULL or writable.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn tutti_all_to_all_v_async(
+    comm: *mut tutti_comm,
+    send_counts: *const usize,
+    recv_counts: *const usize,
+    dtype: tutti_dtype,
+    input: *const c_void,
+    output: *mut c_void,
+    work: *mut *mut tutti_work,
+) -> tutti_result {
+    let f = "tutti_all_to_all_v_async";
+    let mode = Mode::Async(work);
+    // SAFETY: as the caller promises.
+    unsafe {
+        comm::all_to_all_v(
+            f,
+            comm,
+            send_counts,
+            recv_counts,
+            dtype,
+            input,
+            output,
+            mode,
+        )
+    }
+}
+
+/// Gather without waiting; see `tutti_gather` and `tutti_all_reduce_async`.
+///
+/// # Safety
+///
+/// As `tutti_gather`, for as long as the call runs; `work` is NULL or writable.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn tutti_gather_async(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    root: usize,
+    input: *const c_void,
+    output: *mut c_void,
+    work: *mut *mut tutti_work,
+) -> tutti_result {
+    let f = "tutti_gather_async";
+    let mode = Mode::Async(work);
+    // SAFETY: as the caller promises.
+    unsafe { comm::gather(f, comm, count, dtype, root, input, output, mode) }
+}
+
+/// Scatter without waiting; see `tutti_scatter` and `tutti_all_reduce_async`.
+///
+/// # Safety
+///
+/// As `tutti_scatter`, for as long as the call runs; `work` is NULL or writable.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn tutti_scatter_async(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    root: usize,
+    input: *const c_void,
+    output: *mut c_void,
+    work: *mut *mut tutti_work,
+) -> tutti_result {
+    let f = "tutti_scatter_async";
+    let mode = Mode::Async(work);
+    // SAFETY: as the caller promises.
+    unsafe { comm::scatter(f, comm, count, dtype, root, input, output, mode) }
+}
+
+/// All-gather with a count per rank without waiting; see `tutti_all_gather_v` and
+/// `tutti_all_reduce_async`. The counts are read before this returns.
+///
+/// # Safety
+///
+/// As `tutti_all_gather_v`, for as long as the call runs (the counts only during this call);
+/// `work` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_all_gather_v_async(
+    comm: *mut tutti_comm,
+    counts: *const usize,
+    dtype: tutti_dtype,
+    input: *const c_void,
+    output: *mut c_void,
+    work: *mut *mut tutti_work,
+) -> tutti_result {
+    let f = "tutti_all_gather_v_async";
+    // SAFETY: as the caller promises.
+    unsafe { comm::all_gather_v(f, comm, counts, dtype, input, output, Mode::Async(work)) }
+}
+
+/// Reduce-scatter with a count per rank without waiting; see `tutti_reduce_scatter_v` and
+/// `tutti_all_reduce_async`. The counts are read before this returns.
+///
+/// # Safety
+///
+/// As `tutti_reduce_scatter_v`, for as long as the call runs (the counts only during this
+/// call); `work` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_reduce_scatter_v_async(
+    comm: *mut tutti_comm,
+    counts: *const usize,
+    dtype: tutti_dtype,
+    op: tutti_op,
+    input: *const c_void,
+    output: *mut c_void,
+    work: *mut *mut tutti_work,
+) -> tutti_result {
+    let f = "tutti_reduce_scatter_v_async";
+    let mode = Mode::Async(work);
+    // SAFETY: as the caller promises.
+    unsafe { comm::reduce_scatter_v(f, comm, counts, dtype, op, input, output, mode) }
+}
+
 /// Barrier without waiting: the handle completes once every rank has called it.
 ///
 /// # Safety
