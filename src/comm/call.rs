@@ -107,21 +107,36 @@ impl super::work::DeviceWork for OnStream {
     }
 }
 
-/// A slice from raw parts that may be empty (a zero-length slice still needs a non-null,
-/// aligned pointer; slices handed to a call are never null).
+/// A slice from raw parts that may be empty. An empty one is made at a dangling address
+/// aligned for every element type (kernels cast even empty slices to elements), not at `ptr`,
+/// which may be NULL: a buffer a rank does not pass (scatter's input and gather's output off
+/// the root) is NULL with length 0, and `from_raw_parts` needs a non-null pointer even then.
 ///
 /// # Safety
 ///
 /// `ptr` is valid for `len` bytes for the life the caller picks.
 unsafe fn raw<'a>(ptr: *const u8, len: usize) -> &'a [u8] {
+    if len == 0 {
+        // SAFETY: zero bytes at a non-null, aligned address.
+        return unsafe { std::slice::from_raw_parts(empty(), 0) };
+    }
     // SAFETY: as the caller promises.
     unsafe { std::slice::from_raw_parts(ptr, len) }
+}
+
+/// A non-null address aligned for every element type, for empty slices.
+fn empty() -> *mut u8 {
+    std::ptr::NonNull::<u128>::dangling().as_ptr().cast()
 }
 
 /// # Safety
 ///
 /// As [`raw`], and nothing else reads or writes the bytes meanwhile.
 unsafe fn raw_mut<'a>(ptr: *mut u8, len: usize) -> &'a mut [u8] {
+    if len == 0 {
+        // SAFETY: zero bytes at a non-null, aligned address.
+        return unsafe { std::slice::from_raw_parts_mut(empty(), 0) };
+    }
     // SAFETY: as the caller promises.
     unsafe { std::slice::from_raw_parts_mut(ptr, len) }
 }
@@ -1284,6 +1299,30 @@ mod tests {
     use super::*;
     use crate::transport::local::LocalTransport;
     use std::sync::Arc;
+
+    /// Scatter's input and gather's output are not passed off the root: the call runs over
+    /// a NULL, empty buffer there, never a slice made from NULL (a debug build's check aborts
+    /// on that, through the C ABI too).
+    #[test]
+    fn scatter_and_gather_without_buffers_off_the_root() {
+        let config = crate::Config::default();
+        let out = crate::run_local(3, &config, |comm| {
+            let r = comm.rank();
+            let whole: Vec<u32> = (0..6).collect();
+            let mut mine = [0u32; 2];
+            comm.scatter((r == 1).then_some(&whole[..]), &mut mine, 1)
+                .unwrap();
+            let mut all = [0u32; 6];
+            comm.gather(&mine, (r == 2).then_some(&mut all[..]), 2)
+                .unwrap();
+            (mine, all)
+        })
+        .unwrap();
+        assert_eq!(out[0].0, [0, 1]);
+        assert_eq!(out[2].0, [4, 5]);
+        assert_eq!(out[2].1, [0, 1, 2, 3, 4, 5]);
+        assert_eq!(out[0].1, [0; 6]);
+    }
 
     /// Lengths whose product with the world size wraps round to the other buffer's length are
     /// an argument error, not a call over a wrapped length (issue 29, item 5). The buffers are
