@@ -43,6 +43,20 @@ fn c_non_blocking_calls() {
     assert!(out.contains("async: ok"), "{out}");
 }
 
+/// all_to_all(_v), gather, scatter, all_gather_v and reduce_scatter_v, blocking and `_async`,
+/// on 1 to 4 ranks with uneven counts and every root, and their argument errors.
+#[test]
+fn c_block_collectives() {
+    let exe = compile(
+        Lang::C,
+        "blocks",
+        &["ffi/tests/c/blocks.c"],
+        &["ffi/tests/c"],
+    );
+    let out = run(&exe, &[], LIMIT);
+    assert!(out.contains("blocks:") && out.contains("ok"), "{out}");
+}
+
 /// `tutti_comm_create_devices` over CPU devices, and over 4 XLA devices of the CPU plugin in a
 /// build with `xla` and `TUTTI_PJRT_PLUGIN` set (else the clean "unavailable" path).
 #[test]
