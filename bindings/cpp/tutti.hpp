@@ -368,6 +368,112 @@ public:
     }
     void barrier() { detail::check(tutti_barrier(h_.get())); }
 
+    /// Block j of input goes to rank j, block k of output comes from rank k (`count`
+    /// elements per block, world_size blocks in each; the buffers must not overlap).
+    template <typename T> void all_to_all(const T *input, T *output, std::size_t count) {
+        detail::check(tutti_all_to_all(h_.get(), count, dtype_of<T>::value, input, output));
+    }
+    /// `input` cut into world_size equal blocks; returns the blocks received, in rank order.
+    template <typename T> std::vector<T> all_to_all(const std::vector<T> &input) {
+        std::size_t p = world_size();
+        if (input.size() % p != 0) {
+            throw error(TUTTI_ERROR_INVALID_ARGUMENT,
+                        "tutti::comm::all_to_all: the input holds " +
+                            std::to_string(input.size()) + " elements, not a whole number of "
+                            "blocks for " + std::to_string(p) + " ranks");
+        }
+        std::vector<T> out(input.size());
+        all_to_all(input.data(), out.data(), input.size() / p);
+        return out;
+    }
+    /// send_counts[j] elements of input (in rank order) go to rank j; recv_counts[k] elements
+    /// of output come from rank k. One count per rank in each (checked here: the C call reads
+    /// world_size entries).
+    template <typename T>
+    void all_to_all_v(const T *input, const std::vector<std::size_t> &send_counts, T *output,
+                      const std::vector<std::size_t> &recv_counts) {
+        counts_total(send_counts, "all_to_all_v", "send_counts");
+        counts_total(recv_counts, "all_to_all_v", "recv_counts");
+        detail::check(tutti_all_to_all_v(h_.get(), send_counts.data(), recv_counts.data(),
+                                         dtype_of<T>::value, input, output));
+    }
+    /// Returns the recv_counts' sum of elements received, in rank order.
+    template <typename T>
+    std::vector<T> all_to_all_v(const std::vector<T> &input,
+                                const std::vector<std::size_t> &send_counts,
+                                const std::vector<std::size_t> &recv_counts) {
+        expect_len(input.size(), counts_total(send_counts, "all_to_all_v", "send_counts"),
+                   "all_to_all_v", "the sum of send_counts");
+        std::vector<T> out(counts_total(recv_counts, "all_to_all_v", "recv_counts"));
+        all_to_all_v(input.data(), send_counts, out.data(), recv_counts);
+        return out;
+    }
+    /// At the root, output (world_size × count) = every rank's input in rank order; elsewhere
+    /// output may be null.
+    template <typename T>
+    void gather(const T *input, T *output, std::size_t count, std::size_t root) {
+        detail::check(tutti_gather(h_.get(), count, dtype_of<T>::value, root, input, output));
+    }
+    /// Returns every rank's input in rank order at the root, an empty vector elsewhere.
+    template <typename T> std::vector<T> gather(const std::vector<T> &input, std::size_t root) {
+        std::vector<T> out(rank() == root ? checked_times(input.size(), "gather") : 0);
+        gather(input.data(), out.empty() ? nullptr : out.data(), input.size(), root);
+        return out;
+    }
+    /// output (count) = block `rank` of the root's input (world_size × count); input is used
+    /// at the root only and may be null elsewhere.
+    template <typename T>
+    void scatter(const T *input, T *output, std::size_t count, std::size_t root) {
+        detail::check(tutti_scatter(h_.get(), count, dtype_of<T>::value, root, input, output));
+    }
+    /// Returns this rank's block of the root's input (world_size × count elements there;
+    /// ignored elsewhere).
+    template <typename T>
+    std::vector<T> scatter(const std::vector<T> &input, std::size_t count, std::size_t root) {
+        bool at_root = rank() == root;
+        if (at_root) {
+            expect_len(input.size(), checked_times(count, "scatter"), "scatter",
+                       "world_size × count at the root");
+        }
+        std::vector<T> out(count);
+        scatter(at_root ? input.data() : nullptr, out.data(), count, root);
+        return out;
+    }
+    /// output (the sum of counts) = every rank's input in rank order, rank r's counts[r]
+    /// elements long; the same counts on every rank, one per rank.
+    template <typename T>
+    void all_gather_v(const T *input, T *output, const std::vector<std::size_t> &counts) {
+        counts_total(counts, "all_gather_v", "counts");
+        detail::check(
+            tutti_all_gather_v(h_.get(), counts.data(), dtype_of<T>::value, input, output));
+    }
+    template <typename T>
+    std::vector<T> all_gather_v(const std::vector<T> &input,
+                                const std::vector<std::size_t> &counts) {
+        std::vector<T> out(counts_total(counts, "all_gather_v", "counts"));
+        expect_len(input.size(), counts[rank()], "all_gather_v", "counts[rank]");
+        all_gather_v(input.data(), out.data(), counts);
+        return out;
+    }
+    /// output (counts[rank]) = this rank's block of op over every rank's input (the sum of
+    /// counts); the same counts on every rank, one per rank.
+    template <typename T>
+    void reduce_scatter_v(const T *input, T *output, const std::vector<std::size_t> &counts,
+                          op o) {
+        counts_total(counts, "reduce_scatter_v", "counts");
+        detail::check(tutti_reduce_scatter_v(h_.get(), counts.data(), dtype_of<T>::value,
+                                             static_cast<tutti_op>(o), input, output));
+    }
+    template <typename T>
+    std::vector<T> reduce_scatter_v(const std::vector<T> &input,
+                                    const std::vector<std::size_t> &counts, op o) {
+        expect_len(input.size(), counts_total(counts, "reduce_scatter_v", "counts"),
+                   "reduce_scatter_v", "the sum of counts");
+        std::vector<T> out(counts[rank()]);
+        reduce_scatter_v(input.data(), out.data(), counts, o);
+        return out;
+    }
+
     /// Non-blocking forms: the call is issued and runs in issue order; `work::wait` ends it.
     template <typename T>
     work all_reduce_async(const T *input, T *output, std::size_t count, op o) {
@@ -400,6 +506,54 @@ public:
                                          static_cast<tutti_op>(o), root, input, output, &w));
         return work(w);
     }
+    template <typename T> work all_to_all_async(const T *input, T *output, std::size_t count) {
+        tutti_work *w = nullptr;
+        detail::check(
+            tutti_all_to_all_async(h_.get(), count, dtype_of<T>::value, input, output, &w));
+        return work(w);
+    }
+    /// The counts are copied when the call is issued; the buffers must outlive it.
+    template <typename T>
+    work all_to_all_v_async(const T *input, const std::vector<std::size_t> &send_counts,
+                            T *output, const std::vector<std::size_t> &recv_counts) {
+        counts_total(send_counts, "all_to_all_v_async", "send_counts");
+        counts_total(recv_counts, "all_to_all_v_async", "recv_counts");
+        tutti_work *w = nullptr;
+        detail::check(tutti_all_to_all_v_async(h_.get(), send_counts.data(), recv_counts.data(),
+                                               dtype_of<T>::value, input, output, &w));
+        return work(w);
+    }
+    template <typename T>
+    work gather_async(const T *input, T *output, std::size_t count, std::size_t root) {
+        tutti_work *w = nullptr;
+        detail::check(
+            tutti_gather_async(h_.get(), count, dtype_of<T>::value, root, input, output, &w));
+        return work(w);
+    }
+    template <typename T>
+    work scatter_async(const T *input, T *output, std::size_t count, std::size_t root) {
+        tutti_work *w = nullptr;
+        detail::check(
+            tutti_scatter_async(h_.get(), count, dtype_of<T>::value, root, input, output, &w));
+        return work(w);
+    }
+    template <typename T>
+    work all_gather_v_async(const T *input, T *output, const std::vector<std::size_t> &counts) {
+        counts_total(counts, "all_gather_v_async", "counts");
+        tutti_work *w = nullptr;
+        detail::check(tutti_all_gather_v_async(h_.get(), counts.data(), dtype_of<T>::value, input,
+                                               output, &w));
+        return work(w);
+    }
+    template <typename T>
+    work reduce_scatter_v_async(const T *input, T *output, const std::vector<std::size_t> &counts,
+                                op o) {
+        counts_total(counts, "reduce_scatter_v_async", "counts");
+        tutti_work *w = nullptr;
+        detail::check(tutti_reduce_scatter_v_async(h_.get(), counts.data(), dtype_of<T>::value,
+                                                   static_cast<tutti_op>(o), input, output, &w));
+        return work(w);
+    }
     work barrier_async() {
         tutti_work *w = nullptr;
         detail::check(tutti_barrier_async(h_.get(), &w));
@@ -422,6 +576,47 @@ public:
     tutti_comm *get() const noexcept { return h_.get(); }
 
 private:
+    /// The sum of `counts` (named `name` in calls to `fn`), which must hold one count per
+    /// rank: the C calls read world_size entries.
+    std::size_t counts_total(const std::vector<std::size_t> &counts, const char *fn,
+                             const char *name) const {
+        std::size_t p = world_size(), sum = 0;
+        if (counts.size() != p) {
+            throw error(TUTTI_ERROR_INVALID_ARGUMENT,
+                        std::string("tutti::comm::") + fn + ": " + name + " has " +
+                            std::to_string(counts.size()) + " entries for a world of " +
+                            std::to_string(p) + " ranks; it needs one per rank");
+        }
+        for (std::size_t n : counts) {
+            if (n > SIZE_MAX - sum) {
+                throw error(TUTTI_ERROR_INVALID_ARGUMENT, std::string("tutti::comm::") + fn +
+                                                              ": the entries of " + name +
+                                                              " sum past SIZE_MAX");
+            }
+            sum += n;
+        }
+        return sum;
+    }
+    /// world_size × n, or an error when it overflows.
+    std::size_t checked_times(std::size_t n, const char *fn) const {
+        std::size_t p = world_size();
+        if (p != 0 && n > SIZE_MAX / p) {
+            throw error(TUTTI_ERROR_INVALID_ARGUMENT,
+                        std::string("tutti::comm::") + fn + ": world_size × " +
+                            std::to_string(n) + " overflows size_t");
+        }
+        return n * p;
+    }
+    /// A vector's length must be what the call reads from it.
+    static void expect_len(std::size_t have, std::size_t want, const char *fn, const char *what) {
+        if (have != want) {
+            throw error(TUTTI_ERROR_INVALID_ARGUMENT,
+                        std::string("tutti::comm::") + fn + ": the input holds " +
+                            std::to_string(have) + " elements but " + what + " is " +
+                            std::to_string(want));
+        }
+    }
+
     /// Shared with the arrays from alloc_shared, which keep the communicator alive.
     std::shared_ptr<tutti_comm> h_;
 };

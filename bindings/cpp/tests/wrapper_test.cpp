@@ -149,6 +149,136 @@ static void collectives() {
     });
 }
 
+// all_to_all(_v), gather, scatter, all_gather_v, reduce_scatter_v: vector and pointer forms,
+// non-blocking forms, and counts the wrapper refuses before the C call reads them.
+static void block_collectives() {
+    auto comms = tutti::comm::group(3, tutti::config().timeout(std::chrono::seconds(60)));
+    on_every_rank(comms, [](tutti::comm &c, std::size_t r) {
+        const std::size_t p = 3;
+        // all_to_all: block k of rank r's input is {10r + k, -(10r + k)}
+        std::vector<std::int32_t> a2a;
+        for (std::size_t k = 0; k < p; k++) {
+            a2a.push_back(static_cast<std::int32_t>(10 * r + k));
+            a2a.push_back(-static_cast<std::int32_t>(10 * r + k));
+        }
+        auto got = c.all_to_all(a2a);
+        for (std::size_t k = 0; k < p; k++) {
+            EXPECT(got[2 * k] == static_cast<std::int32_t>(10 * k + r));
+            EXPECT(got[2 * k + 1] == -static_cast<std::int32_t>(10 * k + r));
+        }
+        // all_to_all_v: rank i sends rank j (i + j) % 3 elements valued 100i + j
+        std::vector<std::size_t> send(p), recv(p);
+        std::vector<double> v_in;
+        for (std::size_t k = 0; k < p; k++) {
+            send[k] = (r + k) % 3;
+            recv[k] = (k + r) % 3;
+            for (std::size_t i = 0; i < send[k]; i++) {
+                v_in.push_back(static_cast<double>(100 * r + k));
+            }
+        }
+        auto v_out = c.all_to_all_v(v_in, send, recv);
+        std::size_t at = 0;
+        for (std::size_t k = 0; k < p; k++) {
+            for (std::size_t i = 0; i < recv[k]; i++) {
+                EXPECT(v_out[at++] == static_cast<double>(100 * k + r));
+            }
+        }
+        EXPECT(at == v_out.size());
+        // gather and scatter at every root
+        for (std::size_t root = 0; root < p; root++) {
+            std::vector<std::uint8_t> mine = {static_cast<std::uint8_t>(r),
+                                              static_cast<std::uint8_t>(r + root)};
+            auto all = c.gather(mine, root);
+            if (r == root) {
+                EXPECT(all.size() == 2 * p);
+                for (std::size_t k = 0; k < p; k++) {
+                    EXPECT(all[2 * k] == k && all[2 * k + 1] == k + root);
+                }
+            } else {
+                EXPECT(all.empty());
+            }
+            std::vector<std::int64_t> whole;
+            if (r == root) {
+                for (std::size_t i = 0; i < 2 * p; i++) {
+                    whole.push_back(static_cast<std::int64_t>(i * 7 + root));
+                }
+            }
+            auto part = c.scatter(whole, 2, root);
+            EXPECT(part.size() == 2 && part[0] == static_cast<std::int64_t>(2 * r * 7 + root) &&
+                   part[1] == static_cast<std::int64_t>((2 * r + 1) * 7 + root));
+        }
+        // all_gather_v and reduce_scatter_v with a zero count
+        std::vector<std::size_t> counts = {2, 0, 3};
+        std::vector<float> piece(counts[r], static_cast<float>(r + 1));
+        auto gathered = c.all_gather_v(piece, counts);
+        EXPECT((gathered == std::vector<float>{1, 1, 3, 3, 3}));
+        std::vector<std::int32_t> full(5);
+        for (std::size_t i = 0; i < 5; i++) {
+            full[i] = static_cast<std::int32_t>(i * (r + 1));
+        }
+        auto mine = c.reduce_scatter_v(full, counts, tutti::op::sum);
+        EXPECT(mine.size() == counts[r]);
+        std::size_t off = r == 0 ? 0 : 2; // counts {2, 0, 3}: offsets 0, 2, 2
+        for (std::size_t i = 0; i < mine.size(); i++) {
+            EXPECT(mine[i] == static_cast<std::int32_t>(6 * (off + i))); // (1 + 2 + 3)·index
+        }
+
+        // Non-blocking forms, all in flight; the counts vectors may go once issued.
+        std::vector<std::int32_t> o_a2a(2 * p), g_in = {static_cast<std::int32_t>(r)},
+                                                g_out(p), s_in = {5, 6, 7}, s_out(1),
+                                                agv_out(5), rs_out(counts[r]);
+        std::vector<double> o_v(v_out.size());
+        std::vector<float> agv_in(counts[r], static_cast<float>(r + 1)), agv_f(5);
+        std::vector<tutti::work> works;
+        works.push_back(c.all_to_all_async(a2a.data(), o_a2a.data(), 2));
+        {
+            std::vector<std::size_t> s2 = send, r2 = recv;
+            works.push_back(c.all_to_all_v_async(v_in.data(), s2, o_v.data(), r2));
+        }
+        works.push_back(c.gather_async(g_in.data(), r == 1 ? g_out.data() : nullptr, 1, 1));
+        works.push_back(c.scatter_async(r == 2 ? s_in.data() : nullptr, s_out.data(), 1, 2));
+        works.push_back(c.all_gather_v_async(agv_in.data(), agv_f.data(), counts));
+        works.push_back(
+            c.reduce_scatter_v_async(full.data(), rs_out.data(), counts, tutti::op::max));
+        for (std::size_t k = works.size(); k-- > 0;) {
+            works[k].wait();
+        }
+        EXPECT(o_a2a == got && o_v == v_out);
+        EXPECT(r != 1 || (g_out == std::vector<std::int32_t>{0, 1, 2}));
+        EXPECT(s_out[0] == static_cast<std::int32_t>(5 + r));
+        EXPECT(agv_f == gathered);
+        for (std::size_t i = 0; i < rs_out.size(); i++) {
+            EXPECT(rs_out[i] == static_cast<std::int32_t>(3 * (off + i))); // max is rank 2's
+        }
+
+        // Counts the wrapper refuses before the C call could read past them.
+        tutti::error e = expect_throw([&] { c.all_gather_v(piece, std::vector<std::size_t>{2}); });
+        EXPECT(e.code() == TUTTI_ERROR_INVALID_ARGUMENT);
+        EXPECT(std::string(e.what()).find("all_gather_v: counts has 1 entries for a world of 3") !=
+               std::string::npos);
+        e = expect_throw([&] { c.all_to_all(std::vector<float>(4)); });
+        EXPECT(std::string(e.what()).find("not a whole number of blocks for 3 ranks") !=
+               std::string::npos);
+        e = expect_throw([&] { c.reduce_scatter_v(std::vector<int>(4), counts, tutti::op::sum); });
+        EXPECT(std::string(e.what()).find("holds 4 elements but the sum of counts is 5") !=
+               std::string::npos);
+        c.barrier(); // none of those reached the group
+    });
+    // An argument error of the C API comes through with its message.
+    on_every_rank(comms, [](tutti::comm &c, std::size_t r) {
+        std::vector<float> x(6);
+        if (r == 0) {
+            tutti::error e = expect_throw([&] { c.all_to_all(x.data(), x.data() + 1, 2); });
+            EXPECT(e.code() == TUTTI_ERROR_INVALID_ARGUMENT);
+            EXPECT(std::string(e.what()).find("all-to-all cannot run in place") !=
+                   std::string::npos);
+        } else {
+            tutti::error e = expect_throw([&] { c.barrier(); });
+            EXPECT(e.code() == TUTTI_ERROR_ABORTED);
+        }
+    });
+}
+
 static void abort_wakes_a_blocked_rank() {
     auto comms = tutti::comm::group(2, tutti::config().timeout(std::chrono::seconds(120)));
     std::atomic<bool> woke(false);
@@ -250,6 +380,7 @@ int main() {
     EXPECT(e.code() == TUTTI_ERROR_INVALID_ARGUMENT);
     EXPECT(std::string(e.what()).find("at least one rank") != std::string::npos);
     collectives();
+    block_collectives();
     abort_wakes_a_blocked_rank();
     moves_and_ownership();
     replicas_form();
