@@ -524,9 +524,12 @@ typedef struct tutti_config {
      */
     tutti_transport transport;
     /**
-     * Must be 0 (room for a later field without changing the struct's size).
+     * Bitwise-deterministic reductions: every reducing collective gives, on every rank, the
+     * bits of the reduction of the inputs in rank order, whatever the algorithm, chunk size or
+     * transport. 0: the `TUTTI_DETERMINISTIC` environment variable (off when unset); 1: on;
+     * 2: off.
      */
-    uint32_t reserved;
+    uint32_t deterministic;
 } tutti_config;
 
 /**

@@ -40,8 +40,11 @@ pub struct tutti_config {
     /// (`TUTTI_TRANSPORT_AUTO` by default); in-process groups share memory and need
     /// `TUTTI_TRANSPORT_AUTO`.
     pub transport: tutti_transport,
-    /// Must be 0 (room for a later field without changing the struct's size).
-    pub reserved: u32,
+    /// Bitwise-deterministic reductions: every reducing collective gives, on every rank, the
+    /// bits of the reduction of the inputs in rank order, whatever the algorithm, chunk size or
+    /// transport. 0: the `TUTTI_DETERMINISTIC` environment variable (off when unset); 1: on;
+    /// 2: off.
+    pub deterministic: u32,
 }
 
 /// A caller's config, read and checked.
@@ -139,11 +142,15 @@ pub(crate) unsafe fn read(config: *const tutti_config) -> Result<Settings, Failu
         .map_err(|f| Failure::invalid(format!("config->algorithm: {}", f.message)))?;
     let transport = types::transport(c.transport)
         .map_err(|m| Failure::invalid(format!("config->transport: {m}")))?;
-    if c.reserved != 0 {
-        return Err(Failure::invalid(format!(
-            "config->reserved is {}; it must be 0",
-            c.reserved
-        )));
+    match c.deterministic {
+        0 => {}
+        1 => out.deterministic = true,
+        2 => out.deterministic = false,
+        d => {
+            return Err(Failure::invalid(format!(
+                "config->deterministic is {d}; it must be 0 (TUTTI_DETERMINISTIC), 1 (on) or 2 (off)"
+            )))
+        }
     }
     Ok(Settings {
         core: out,
@@ -175,7 +182,7 @@ mod tests {
             algorithm: 0,
             algorithm_arg: 0,
             transport: 0,
-            reserved: 0,
+            deterministic: 0,
         }
     }
 
@@ -195,11 +202,15 @@ mod tests {
         assert_eq!(c.core.timeout, Duration::from_millis(1500));
         assert_eq!(c.core.algorithm, Algorithm::ReduceToOne { root: 2 });
         assert_eq!(c.transport, Some(tutti::TransportKind::Tcp));
-        cfg.reserved = 1;
+        cfg.deterministic = 1;
+        assert!(unsafe { read(&cfg) }.unwrap().core.deterministic);
+        cfg.deterministic = 2;
+        assert!(!unsafe { read(&cfg) }.unwrap().core.deterministic);
+        cfg.deterministic = 3;
         assert!(unsafe { read(&cfg) }
             .unwrap_err()
             .message
-            .contains("reserved"));
+            .contains("config->deterministic is 3"));
     }
 
     #[test]
@@ -267,7 +278,7 @@ mod fuzz {
             algorithm in prop_oneof![0u32..6, any::<u32>()],
             algorithm_arg in prop_oneof![0u32..4, any::<u32>()],
             transport in prop_oneof![0u32..4, any::<u32>()],
-            reserved in prop_oneof![Just(0u32), any::<u32>()],
+            deterministic in prop_oneof![0u32..3, any::<u32>()],
             extra in prop_oneof![Just(Vec::new()), proptest::collection::vec(any::<u8>(), 0..64)],
         ) {
             let c = tutti_config {
@@ -277,7 +288,7 @@ mod fuzz {
                 algorithm,
                 algorithm_arg,
                 transport,
-                reserved,
+                deterministic,
             };
             let buf = buffer(&c, &extra);
             // SAFETY: the buffer holds MAX_STRUCT_SIZE readable bytes (plus some), and larger
@@ -285,7 +296,10 @@ mod fuzz {
             match unsafe { read(buf.as_ptr().cast()) } {
                 Ok(s) => {
                     prop_assert!((FIRST_SIZE..=MAX_STRUCT_SIZE).contains(&struct_size));
-                    prop_assert_eq!(reserved, 0);
+                    prop_assert!(deterministic < 3);
+                    if deterministic != 0 {
+                        prop_assert_eq!(s.core.deterministic, deterministic == 1);
+                    }
                     if timeout_ms != 0 {
                         prop_assert_eq!(s.core.timeout, Duration::from_millis(timeout_ms));
                     }

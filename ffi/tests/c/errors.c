@@ -175,6 +175,12 @@ static void bad_group_configs(void) {
     EXPECT_ERROR(tutti_comm_create_group(4, &c, comms), TUTTI_ERROR_INVALID_ARGUMENT,
                  "root 9 is out of range for a world of 4 ranks");
     EXPECT(comms[0] == NULL && comms[3] == NULL);
+    c.algorithm = TUTTI_ALGORITHM_AUTO;
+    c.algorithm_arg = 0;
+    c.deterministic = 3;
+    EXPECT_ERROR(tutti_comm_create_group(2, &c, comms), TUTTI_ERROR_INVALID_ARGUMENT,
+                 "config->deterministic is 3", "1 (on) or 2 (off)");
+    EXPECT(comms[0] == NULL);
 }
 
 /* ----- arguments one rank rejects before taking part: that rank gets INVALID_ARGUMENT, its
