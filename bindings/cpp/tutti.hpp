@@ -149,6 +149,11 @@ public:
         c_.transport = t;
         return *this;
     }
+    /// Bitwise-deterministic reductions on or off (default: `TUTTI_DETERMINISTIC`).
+    config &deterministic(bool on) {
+        c_.deterministic = on ? 1u : 2u;
+        return *this;
+    }
     const tutti_config *get() const noexcept { return &c_; }
 
 private:

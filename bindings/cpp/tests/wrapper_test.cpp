@@ -52,7 +52,7 @@ template <typename F> static tutti::error expect_throw(F f) {
 }
 
 static void collectives() {
-    auto comms = tutti::comm::group(4, tutti::config().timeout(std::chrono::seconds(60)));
+    auto comms = tutti::comm::group(4, tutti::config().timeout(std::chrono::seconds(60)).deterministic(true));
     EXPECT(comms.size() == 4);
     on_every_rank(comms, [](tutti::comm &c, std::size_t r) {
         EXPECT(c.rank() == r && c.world_size() == 4);
