@@ -576,3 +576,209 @@ def test_groups_close_as_context_managers():
     for c in g:
         with pytest.raises(ValueError):
             c.barrier()
+
+
+# ----- all_to_all(_v), gather, scatter, all_gather_v, reduce_scatter_v -----
+
+
+def _of_kind(kind, a):
+    """``a`` (a numpy array) as a numpy array or a torch tensor."""
+    if kind == "torch":
+        return pytest.importorskip("torch").from_numpy(a)
+    return a
+
+
+def _numpy(x):
+    assert type(x).__module__.split(".")[0] in ("numpy", "torch"), type(x)
+    return x.numpy() if hasattr(x, "numpy") and not isinstance(x, np.ndarray) else x
+
+
+def _element(src, dst, i):
+    """Element ``i`` of what rank ``src`` sends rank ``dst``: every value says where it came from."""
+    return 1000 * src + 10 * dst + i
+
+
+def _block(src, dst, n):
+    return [_element(src, dst, i) for i in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_personalized_rooted_and_uneven_collectives(world, kind):
+    comms = tutti.local_group(world, timeout=60)
+    # Uneven counts with zeros: rank i sends rank j (i + 2j) % 3 elements.
+    pair = [[(i + 2 * j) % 3 for j in range(world)] for i in range(world)]
+    counts = [r % 3 for r in range(world)]  # rank 0's is 0, as is every third one's
+    total = sum(counts)
+
+    def rank(c):
+        r, n = c.rank, world
+        kind_of = (lambda x: type(x)) if kind == "numpy" else (lambda x: type(x).__module__)
+        want_type = kind_of(_of_kind(kind, np.zeros(1)))
+        # all_to_all: 3 elements a block (and 0), blocking, non-blocking and into out.
+        send = np.array([_element(r, j, i) for j in range(n) for i in range(3)], dtype=np.int64)
+        want = [_element(k, r, i) for k in range(n) for i in range(3)]
+        got = c.all_to_all(_of_kind(kind, send))
+        assert kind_of(got) == want_type and list(_numpy(got)) == want
+        out = _of_kind(kind, np.zeros(3 * n, np.int64))
+        assert c.all_to_all(_of_kind(kind, send), out=out, async_op=True).wait() is out
+        assert list(_numpy(out)) == want
+        assert _numpy(c.all_to_all(_of_kind(kind, np.zeros(0, np.float32)))).size == 0
+        # The output has the input's shape: here one row (a block) per rank.
+        got = c.all_to_all(_of_kind(kind, send.astype(np.float32).reshape(n, 3)))
+        assert tuple(got.shape) == (n, 3) and list(_numpy(got).ravel()) == want
+        # all_to_all_v: the blocks as long as `pair` says, zeros included.
+        send = np.array([v for j in range(n) for v in _block(r, j, pair[r][j])], dtype=np.int32)
+        recv_counts = [pair[k][r] for k in range(n)]
+        want = [v for k in range(n) for v in _block(k, r, pair[k][r])]
+        got = c.all_to_all_v(_of_kind(kind, send), pair[r], recv_counts)
+        assert kind_of(got) == want_type and list(_numpy(got)) == want
+        out = _of_kind(kind, np.full(sum(recv_counts), -1, np.int32))
+        w = c.all_to_all_v(_of_kind(kind, send), np.array(pair[r]), tuple(recv_counts), out=out, async_op=True)
+        assert w.wait() is out and list(_numpy(out)) == want
+        # gather and scatter onto and from every root, the roots' outputs new or given.
+        mine = np.array([[_element(r, 0, 0), _element(r, 0, 1)]], dtype=np.float64)  # shape (1, 2)
+        for root in range(n):
+            got = c.gather(_of_kind(kind, mine), root=root)
+            if r == root:
+                assert tuple(got.shape) == (n, 2)
+                assert _numpy(got).ravel().tolist() == [v for k in range(n) for v in _block(k, 0, 2)]
+            else:
+                assert got is None
+            out = _of_kind(kind, np.zeros(2 * n, np.float64))
+            got = c.gather(_of_kind(kind, mine), root=root, out=out, async_op=True).wait()
+            assert (got is out) == (r == root) and (got is None) == (r != root)
+            assert _numpy(out).tolist() == ([v for k in range(n) for v in _block(k, 0, 2)] if r == root else [0] * 2 * n)
+        for root in range(n):
+            whole = np.array([v for k in range(n) for v in _block(root, k, 2)], dtype=np.uint32)
+            if r == root:
+                got = c.scatter(_of_kind(kind, whole.reshape(n, 2)), root=root)
+                assert tuple(got.shape) == (1, 2)
+            elif (r + root) % 2:
+                got = c.scatter(None, root=root, out=_of_kind(kind, np.zeros(2, np.uint32)))
+            else:
+                # count=, the dtype and kind from an array that is not read off the root.
+                got = c.scatter(_of_kind(kind, np.zeros(0, np.uint32)), root=root, count=2)
+                assert tuple(got.shape) == (2,)
+            assert kind_of(got) == want_type and _numpy(got).ravel().tolist() == _block(root, r, 2)
+            out = _of_kind(kind, np.zeros(2, np.uint32))
+            src = _of_kind(kind, whole) if r == root else None
+            assert c.scatter(src, root, out=out, async_op=True).wait() is out
+            assert _numpy(out).tolist() == _block(root, r, 2)
+        # all_gather_v: rank k contributes counts[k] elements, zeros included.
+        got = c.all_gather_v(_of_kind(kind, np.array(_block(r, 0, counts[r]), np.int64)), counts)
+        assert kind_of(got) == want_type
+        assert _numpy(got).tolist() == [v for k in range(n) for v in _block(k, 0, counts[k])]
+        out = _of_kind(kind, np.zeros(total, np.int64))
+        assert c.all_gather_v(_of_kind(kind, np.array(_block(r, 0, counts[r]), np.int64)), counts, out=out,
+                              async_op=True).wait() is out
+        assert _numpy(out).tolist() == [v for k in range(n) for v in _block(k, 0, counts[k])]
+        # reduce_scatter_v: rank k's input is (k + 1) × 0..total; rank r keeps its counts[r].
+        start = sum(counts[:r])
+        scale = n * (n + 1) // 2
+        got = c.reduce_scatter_v(_of_kind(kind, np.arange(total, dtype=np.float32) * (r + 1)), counts)
+        assert kind_of(got) == want_type
+        assert _numpy(got).tolist() == [scale * float(i) for i in range(start, start + counts[r])]
+        out = _of_kind(kind, np.zeros(counts[r], np.int32))
+        w = c.reduce_scatter_v(_of_kind(kind, np.arange(total, dtype=np.int32) + r), counts, op="max", out=out,
+                               async_op=True)
+        assert w.wait() is out and _numpy(out).tolist() == [i + n - 1 for i in range(start, start + counts[r])]
+
+    try:
+        run_ranks(comms, rank)
+    finally:
+        comms.close()
+
+
+def _alone(call, error, match):
+    """``call`` on a group of one rank raises ``error`` matching ``match``."""
+    with tutti.local_group(1, timeout=30) as (c,):
+        with pytest.raises(error, match=match):
+            call(c)
+
+
+def test_new_collectives_say_what_was_wrong():
+    f32 = lambda n: np.zeros(n, np.float32)  # noqa: E731
+    _alone(lambda c: c.all_to_all(f32(4), out=f32(3)), ValueError, "out must match")
+    _alone(lambda c: c.all_to_all_v(f32(3), [2], [3]), ValueError, "send_counts sum to 2 but array holds 3")
+    _alone(lambda c: c.all_to_all_v(f32(3), [3, 0], [3]), ValueError, "send_counts has 2 entries but the group has 1")
+    _alone(lambda c: c.all_to_all_v(f32(3), [3], []), ValueError, "recv_counts has 0 entries but the group has 1")
+    _alone(lambda c: c.all_to_all_v(f32(3), [-3], [3]), ValueError, r"send_counts\[0\] -3 is out of range")
+    _alone(lambda c: c.all_to_all_v(f32(3), 3, [3]), TypeError, "send_counts must be a sequence of 1 integers")
+    _alone(lambda c: c.all_to_all_v(f32(3), [3.0], [3]), TypeError, r"send_counts\[0\] must be an integer")
+    _alone(lambda c: c.all_to_all_v(f32(3), [3], [3], out=f32(2)), ValueError, "out must match")
+    _alone(lambda c: c.gather(f32(3), out=f32(4)), ValueError, "out must match")
+    _alone(lambda c: c.gather(f32(3), root=-1), ValueError, "root -1 is out of range")
+    _alone(lambda c: c.scatter(None), ValueError, "rank 0 is the root, so it must pass the array")
+    _alone(lambda c: c.scatter(f32(3), count=2), ValueError, "count is 2 but the root's 3 elements make blocks of 3")
+    _alone(lambda c: c.scatter(f32(3), out=f32(2)), ValueError, "out must match")
+    _alone(lambda c: c.all_gather_v(f32(3), [2]), ValueError, r"counts\[0\] is 2 but this rank's array holds 3")
+    _alone(lambda c: c.reduce_scatter_v(f32(3), [4]), ValueError, "counts sum to 4 but array holds 3")
+    _alone(lambda c: c.reduce_scatter_v(f32(3), [3], op="median"), ValueError, "unknown op")
+    # The library's own checks: no all-to-all in place; a root past the group.
+    a = f32(4)
+    _alone(lambda c: c.all_to_all(a, out=a), tutti.TuttiError, "cannot run in place")
+    _alone(lambda c: c.gather(f32(2), root=5), tutti.TuttiError, "root 5 is out of range")
+    # Lengths that do not split into one block per rank.
+    with tutti.local_group(2, timeout=30) as comms:
+        with pytest.raises(ValueError, match="all_to_all: 3 elements do not split into 2 equal blocks"):
+            comms[0].all_to_all(f32(3))
+    with tutti.local_group(2, timeout=30) as comms:
+        with pytest.raises(ValueError, match="scatter: 3 elements do not split into 2 equal blocks"):
+            comms[0].scatter(f32(3), root=0)
+
+
+def test_a_rank_without_a_receive_length_releases_the_root():
+    # Off the root, scatter's length comes from out= or count=: without either the rank is
+    # refused, and the root, waiting for it, fails at once naming it (the timeout is long).
+    with tutti.local_group(3, timeout=120) as comms:
+        started = time.monotonic()
+
+        def rank(c):
+            if c.rank == 2:
+                with pytest.raises(ValueError, match=r"rank 2 is not the root \(0\), so its receive length comes from out= or count="):
+                    c.scatter(None, root=0)
+            elif c.rank == 1:
+                with pytest.raises(ValueError, match="with count= and no out=, pass array="):
+                    c.scatter(None, root=0, count=2)
+            else:
+                with pytest.raises(tutti.TuttiError) as e:
+                    c.scatter(np.zeros(6, np.float32), root=0)
+                assert e.value.code == "TUTTI_ERROR_ABORTED", e.value
+                assert re.search(r"rank [12] rejected its arguments to scatter", e.value.message), e.value.message
+
+        run_ranks(comms, rank)
+        assert time.monotonic() - started < 30
+
+
+def test_counts_that_disagree_name_the_ranks():
+    def mismatch(comms, call, code, *names):
+        def rank(c):
+            with pytest.raises(tutti.TuttiError) as e:
+                call(c)
+            assert e.value.code == code, e.value
+            for name in names:
+                assert name in e.value.message, e.value.message
+        run_ranks(comms, rank)
+
+    f32 = lambda n: np.ones(n, np.float32)  # noqa: E731
+    # Every rank passes counts of its own: the one that differs is named by every rank.
+    with tutti.local_group(3, timeout=60) as comms:
+        mismatch(comms, lambda c: c.all_gather_v(f32(1), [1, 1, 2] if c.rank == 1 else [1, 1, 1]),
+                 "TUTTI_ERROR_MISMATCH", "rank 1")
+    with tutti.local_group(3, timeout=60) as comms:
+        mismatch(comms, lambda c: c.reduce_scatter_v(f32(3), [1, 0, 2] if c.rank == 2 else [1, 1, 1]),
+                 "TUTTI_ERROR_MISMATCH", "rank 2", "counts")
+    with tutti.local_group(3, timeout=60) as comms:
+        mismatch(comms, lambda c: c.gather(f32(2 if c.rank == 0 else 1), root=1), "TUTTI_ERROR_MISMATCH", "rank 0")
+    with tutti.local_group(3, timeout=60) as comms:
+        mismatch(comms, lambda c: c.scatter(f32(6), root=0) if c.rank == 0 else c.scatter(None, 0, out=f32(3)),
+                 "TUTTI_ERROR_MISMATCH", "count")
+    # all_to_all_v: rank 0 expects 2 elements from rank 1, which sends it 1.
+    with tutti.local_group(2, timeout=60) as comms:
+        def rank(c):
+            recv = [1, 2] if c.rank == 0 else [1, 1]
+            with pytest.raises(tutti.TuttiError) as e:
+                c.all_to_all_v(f32(2), [1, 1], recv)
+            assert "rank 0" in e.value.message and "rank 1" in e.value.message, e.value.message
+        run_ranks(comms, rank)

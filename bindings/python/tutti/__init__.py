@@ -179,6 +179,7 @@ _size = ctypes.c_size_t
 _u32 = ctypes.c_uint32
 _ptr = ctypes.c_void_p
 _pp = ctypes.POINTER(ctypes.c_void_p)
+_sizes = ctypes.POINTER(ctypes.c_size_t)
 
 _PROTOTYPES = {
     "tutti_version_string": (ctypes.c_char_p, []),
@@ -210,6 +211,18 @@ _PROTOTYPES = {
     "tutti_reduce_scatter_async": (_u32, [_ptr, _size, _u32, _u32, _ptr, _ptr, _pp]),
     "tutti_reduce_async": (_u32, [_ptr, _size, _u32, _u32, _size, _ptr, _ptr, _pp]),
     "tutti_barrier_async": (_u32, [_ptr, _pp]),
+    "tutti_all_to_all": (_u32, [_ptr, _size, _u32, _ptr, _ptr]),
+    "tutti_all_to_all_v": (_u32, [_ptr, _sizes, _sizes, _u32, _ptr, _ptr]),
+    "tutti_gather": (_u32, [_ptr, _size, _u32, _size, _ptr, _ptr]),
+    "tutti_scatter": (_u32, [_ptr, _size, _u32, _size, _ptr, _ptr]),
+    "tutti_all_gather_v": (_u32, [_ptr, _sizes, _u32, _ptr, _ptr]),
+    "tutti_reduce_scatter_v": (_u32, [_ptr, _sizes, _u32, _u32, _ptr, _ptr]),
+    "tutti_all_to_all_async": (_u32, [_ptr, _size, _u32, _ptr, _ptr, _pp]),
+    "tutti_all_to_all_v_async": (_u32, [_ptr, _sizes, _sizes, _u32, _ptr, _ptr, _pp]),
+    "tutti_gather_async": (_u32, [_ptr, _size, _u32, _size, _ptr, _ptr, _pp]),
+    "tutti_scatter_async": (_u32, [_ptr, _size, _u32, _size, _ptr, _ptr, _pp]),
+    "tutti_all_gather_v_async": (_u32, [_ptr, _sizes, _u32, _ptr, _ptr, _pp]),
+    "tutti_reduce_scatter_v_async": (_u32, [_ptr, _sizes, _u32, _u32, _ptr, _ptr, _pp]),
     "tutti_work_wait": (_u32, [_ptr, ctypes.c_uint64]),
     "tutti_work_test": (_u32, [_ptr, ctypes.POINTER(ctypes.c_bool)]),
     "tutti_work_destroy": (None, [_ptr]),
@@ -959,6 +972,147 @@ class Communicator:
         keep = (src,) if dst is None else (src, dst)
         return self._call("tutti_reduce", args, None if dst is None else dst.given, keep, async_op)
 
+    @_collective
+    def all_to_all(self, array, out=None, async_op=False):
+        """Personalized exchange: ``array``'s elements in ``world_size`` equal blocks, block j
+        going to rank j; ``out`` (as many elements; else a new array of the input's shape and
+        kind) holds rank k's block for this rank at block k. Not in place: ``out`` must not
+        overlap ``array``. Every rank passes the same number of elements."""
+        src = _view(array, "array")
+        n = self.world_size
+        if src.count % n:
+            raise ValueError(f"all_to_all: {src.count} elements do not split into {n} equal blocks")
+        dst = _view(src.empty(src.shape) if out is None else out, "out", writable=True)
+        _check_out(src, dst, "out", src.count)
+        args = (src.count // n, src.dtype, src.ptr, dst.ptr)
+        return self._call("tutti_all_to_all", args, dst.given, (src, dst), async_op)
+
+    @_collective
+    def all_to_all_v(self, array, send_counts, recv_counts, out=None, async_op=False):
+        """All-to-all with a count per block: the first ``send_counts[0]`` elements of
+        ``array`` (flattened) go to rank 0, the next ``send_counts[1]`` to rank 1, and so on;
+        ``out`` (the sum of ``recv_counts`` elements; else a new 1-D array) holds
+        ``recv_counts[k]`` elements from each rank k, in rank order. Both lists have
+        ``world_size`` entries, ``send_counts`` summing to ``array``'s length; rank i's
+        ``send_counts[j]`` must equal rank j's ``recv_counts[i]`` (else a ``TuttiError``
+        naming both ranks). Not in place."""
+        src = _view(array, "array")
+        send = _counts(send_counts, "send_counts", self.world_size)
+        recv = _counts(recv_counts, "recv_counts", self.world_size)
+        if sum(send) != src.count:
+            raise ValueError(f"all_to_all_v: send_counts sum to {sum(send)} but array holds {src.count} elements")
+        total = sum(recv)
+        dst = _view(src.empty((total,)) if out is None else out, "out", writable=True)
+        _check_out(src, dst, "out", total)
+        args = (send, recv, src.dtype, src.ptr, dst.ptr)
+        return self._call("tutti_all_to_all_v", args, dst.given, (src, dst), async_op)
+
+    @_collective
+    def gather(self, array, root=0, out=None, async_op=False):
+        """At the root, every rank's array concatenated along the first axis (in rank order):
+        into ``out`` (``world_size`` times the elements), else a new array of the input's kind;
+        None elsewhere (``out`` is left untouched there). Every rank passes as many elements."""
+        src = _view(array, "array")
+        root = _index(root, "root")
+        dst = None
+        if self.rank == root:
+            if out is None:
+                out = src.empty(_gathered_shape(src, self.world_size))
+            dst = _view(out, "out", writable=True)
+            _check_out(src, dst, "out", src.count * self.world_size)
+        args = (src.count, src.dtype, root, src.ptr, None if dst is None else dst.ptr)
+        keep = (src,) if dst is None else (src, dst)
+        return self._call("tutti_gather", args, None if dst is None else dst.given, keep, async_op)
+
+    @_collective
+    def scatter(self, array=None, root=0, out=None, count=None, async_op=False):
+        """Every rank receives its block of the root's ``array`` (``world_size`` equal blocks
+        of its elements, block r for rank r): into ``out``, else a new array of ``array``'s
+        kind and dtype; returns it.
+
+        At the root ``array`` is required and sets the block length (``count``, if given,
+        must agree). Off the root ``array`` is not read (None is fine): the block length is
+        ``out``'s length, else ``count``; with ``count`` and no ``out``, ``array`` (any
+        length) gives the new output's kind and dtype. Every rank's length, dtype and root
+        must agree (else a ``TuttiError`` naming the ranks)."""
+        root = _index(root, "root")
+        n = self.world_size
+        if count is not None:
+            count = _index(count, "count")
+        src = None if array is None else _view(array, "array")
+        dst = None if out is None else _view(out, "out", writable=True)
+        if self.rank == root:
+            if src is None:
+                raise ValueError(f"scatter: rank {self.rank} is the root, so it must pass the array to scatter")
+            if src.count % n:
+                raise ValueError(f"scatter: {src.count} elements do not split into {n} equal blocks")
+            block = src.count // n
+            if count is not None and count != block:
+                raise ValueError(f"scatter: count is {count} but the root's {src.count} elements make blocks of {block}")
+            if dst is None:
+                shape = (src.shape[0] // n,) + src.shape[1:] if src.shape and src.shape[0] % n == 0 else (block,)
+                dst = _view(src.empty(shape), "out", writable=True)
+            _check_out(src, dst, "out", block)
+        else:
+            if dst is not None:
+                block = dst.count
+                if count is not None and count != block:
+                    raise ValueError(f"scatter: count is {count} but out holds {block} elements")
+            elif count is None:
+                raise ValueError(
+                    f"scatter: rank {self.rank} is not the root ({root}), so its receive length comes "
+                    "from out= or count=; pass one of them"
+                )
+            elif src is None:
+                raise ValueError(
+                    f"scatter: rank {self.rank} is not the root ({root}): with count= and no out=, pass "
+                    "array= (not read here) for the output's dtype and kind, or pass out="
+                )
+            else:
+                block = count
+                dst = _view(src.empty((count,)), "out", writable=True)
+        dtype = dst.dtype
+        args = (block, dtype, root, src.ptr if self.rank == root else None, dst.ptr)
+        keep = (src, dst) if self.rank == root else (dst,)
+        return self._call("tutti_scatter", args, dst.given, keep, async_op)
+
+    @_collective
+    def all_gather_v(self, array, counts, out=None, async_op=False):
+        """All-gather with a count per rank: ``out`` (the sum of ``counts`` elements; else a
+        new 1-D array of the input's kind) becomes every rank's array in rank order, rank r's
+        ``counts[r]`` elements long. ``counts`` has ``world_size`` entries, this rank's being
+        ``array``'s length, and is the same on every rank (else a ``TuttiError`` naming the
+        ranks)."""
+        src = _view(array, "array")
+        counts = _counts(counts, "counts", self.world_size)
+        if counts[self.rank] != src.count:
+            raise ValueError(
+                f"all_gather_v: counts[{self.rank}] is {counts[self.rank]} but this rank's array holds "
+                f"{src.count} elements"
+            )
+        total = sum(counts)
+        dst = _view(src.empty((total,)) if out is None else out, "out", writable=True)
+        _check_out(src, dst, "out", total)
+        args = (counts, src.dtype, src.ptr, dst.ptr)
+        return self._call("tutti_all_gather_v", args, dst.given, (src, dst), async_op)
+
+    @_collective
+    def reduce_scatter_v(self, array, counts, op="sum", out=None, async_op=False):
+        """Reduce-scatter with a count per rank: ``out`` (``counts[rank]`` elements; else a new
+        1-D array of the input's kind) becomes this rank's block of the element-wise op over
+        every rank's (flattened) array, whose length is the sum of ``counts``. ``counts`` has
+        ``world_size`` entries and is the same on every rank (else a ``TuttiError`` naming the
+        ranks)."""
+        src = _view(array, "array")
+        counts = _counts(counts, "counts", self.world_size)
+        if sum(counts) != src.count:
+            raise ValueError(f"reduce_scatter_v: counts sum to {sum(counts)} but array holds {src.count} elements")
+        mine = counts[self.rank]
+        dst = _view(src.empty((mine,)) if out is None else out, "out", writable=True)
+        _check_out(src, dst, "out", mine)
+        args = (counts, src.dtype, _op(op), src.ptr, dst.ptr)
+        return self._call("tutti_reduce_scatter_v", args, dst.given, (src, dst), async_op)
+
     def barrier(self, async_op=False):
         """Return once every rank has called it."""
         return self._call("tutti_barrier", (), None, (), async_op)
@@ -991,6 +1145,16 @@ def _index(value, name):
     if not 0 <= int(value) < 2**64:
         raise ValueError(f"{name} {value} is out of range")
     return int(value)
+
+
+def _counts(counts, name, n):
+    """A list of ``n`` element counts as the C API's ``size_t`` array, or an error naming it."""
+    if isinstance(counts, (str, bytes)) or not hasattr(counts, "__len__"):
+        raise TypeError(f"{name} must be a sequence of {n} integers, not {type(counts).__name__}")
+    if len(counts) != n:
+        raise ValueError(f"{name} has {len(counts)} entries but the group has {n} ranks")
+    values = [_index(c, f"{name}[{i}]") for i, c in enumerate(counts)]
+    return (ctypes.c_size_t * max(n, 1))(*values)
 
 
 class Group(list):
