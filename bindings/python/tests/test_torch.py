@@ -212,6 +212,21 @@ def test_every_collective_three_ranks():
     run("collectives", 3)
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_all_to_all_gather_and_scatter_through_torch_distributed(world):
+    r = run("alltoall", world)
+    assert all(x["checked"] == 8 + 2 * world for x in r), r
+    if world > 1:
+        assert "no send yet" in r[0]["missing"], r[0]["missing"]
+
+
+def test_split_sizes_that_do_not_add_up_are_refused_and_release_the_others():
+    r = run("alltoall_reject", 2, env={"TEST_TIMEOUT": "60"})
+    assert "input split sizes [3, 3] do not add up to the input's 4 rows" in r[0]["error"], r[0]["error"]
+    assert "rank 0" in r[1]["error"], r[1]["error"]
+    assert r[1]["seconds"] < 30, r[1]
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_ddp_weights_are_those_of_gloo(world):
     tutti_ = run("ddp", world)

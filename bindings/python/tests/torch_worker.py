@@ -144,6 +144,100 @@ def scenario_collectives(backend):
     result(checked=checked)
 
 
+def scenario_alltoall(backend):
+    """all_to_all_single (even, uneven with zeros, rows of several elements), all_to_all (list
+    form, back to back and separate tensors), gather and scatter from every root; every value
+    says which rank sent it to which."""
+    init(backend)
+    n = WORLD
+    checked = 0
+
+    def block(src, dst, k, dtype=torch.float32, row=1):
+        return (torch.arange(k * row, dtype=torch.float64) + 1000 * src + 10 * dst).to(dtype)
+
+    for dtype in (torch.float32, torch.int64, torch.bfloat16, torch.uint8):
+        # Even: 3 elements a block, no split sizes.
+        inp = torch.cat([block(RANK, j, 3, dtype) for j in range(n)])
+        out = torch.zeros(3 * n, dtype=dtype)
+        dist.all_to_all_single(out, inp)
+        expect_equal(out, torch.cat([block(k, RANK, 3, dtype) for k in range(n)]), f"all_to_all_single {dtype}")
+        checked += 1
+    # Uneven, zeros included: rank i sends rank j (i + 2j) % 3 rows of 2 elements.
+    rows = [[(i + 2 * j) % 3 for j in range(n)] for i in range(n)]
+    send_rows, recv_rows = rows[RANK], [rows[k][RANK] for k in range(n)]
+    inp = torch.cat([block(RANK, j, rows[RANK][j], row=2) for j in range(n)]).reshape(-1, 2)
+    out = torch.full((sum(recv_rows), 2), -1.0)
+    w = dist.all_to_all_single(out, inp, recv_rows, send_rows, async_op=True)
+    w.wait()
+    want = torch.cat([block(k, RANK, rows[k][RANK], row=2) for k in range(n)]).reshape(-1, 2)
+    expect_equal(out, want, "all_to_all_single uneven")
+    # Split sizes on one side only: equal blocks of rows on the other.
+    inp = torch.cat([block(RANK, j, 2, row=2) for j in range(n)]).reshape(-1, 2)
+    out = torch.zeros(2 * n, 2)
+    dist.all_to_all_single(out, inp, [2] * n, None)
+    expect_equal(out, torch.cat([block(k, RANK, 2, row=2) for k in range(n)]).reshape(-1, 2),
+                 "all_to_all_single with output split sizes only")
+    checked += 2
+    # The list form: separate tensors of different sizes, then views of one tensor.
+    ins = [block(RANK, j, rows[RANK][j], torch.int32) for j in range(n)]
+    outs = [torch.full((rows[k][RANK],), -1, dtype=torch.int32) for k in range(n)]
+    dist.all_to_all(outs, ins)
+    for k in range(n):
+        expect_equal(outs[k], block(k, RANK, rows[k][RANK], torch.int32), f"all_to_all [{k}]")
+    whole_in = torch.cat([block(RANK, j, rows[RANK][j]) for j in range(n)])
+    whole_out = torch.zeros(sum(recv_rows))
+    outs = list(whole_out.split(recv_rows))
+    fut = dist.all_to_all(outs, list(whole_in.split(send_rows)), async_op=True).get_future()
+    fut.wait()
+    expect_equal(whole_out, torch.cat([block(k, RANK, rows[k][RANK]) for k in range(n)]), "all_to_all (views)")
+    checked += 2
+    # gather and scatter, every root; the gather list separate tensors or views of one.
+    for root in range(n):
+        mine = block(RANK, root, 4, torch.float64)
+        gl = None
+        if RANK == root:
+            gl = [torch.zeros(4, dtype=torch.float64) for _ in range(n)] if root % 2 else \
+                list(torch.zeros(4 * n, dtype=torch.float64).chunk(n))
+        dist.gather(mine, gl, dst=root)
+        if RANK == root:
+            for k in range(n):
+                expect_equal(gl[k], block(k, root, 4, torch.float64), f"gather to {root} [{k}]")
+        sl = None
+        if RANK == root:
+            sl = [block(root, k, 3, torch.int64) for k in range(n)] if root % 2 else \
+                list(torch.cat([block(root, k, 3, torch.int64) for k in range(n)]).chunk(n))
+        out = torch.zeros(3, dtype=torch.int64)
+        w = dist.scatter(out, sl, src=root, async_op=True)
+        w.wait()
+        expect_equal(out, block(root, RANK, 3, torch.int64), f"scatter from {root}")
+        checked += 2
+    # send and recv are still missing, and say so (torch itself refuses a send to oneself).
+    missing = None
+    if n > 1:
+        try:
+            dist.send(torch.zeros(1), dst=(RANK + 1) % n)
+        except Exception as e:  # noqa: BLE001
+            missing = str(e)
+        else:
+            raise AssertionError("send succeeded")
+    dist.destroy_process_group()
+    result(checked=checked, missing=missing)
+
+
+def scenario_alltoall_reject(backend):
+    """Split sizes that do not add up to the tensor: the rank is refused, the others released."""
+    init(backend)
+    started = time.monotonic()
+    inp = torch.zeros(2 * WORLD)
+    splits = [2] * WORLD if RANK else [3] * WORLD
+    try:
+        dist.all_to_all_single(torch.zeros(2 * WORLD), inp, [2] * WORLD, splits)
+    except Exception as e:  # noqa: BLE001
+        result(error=str(e), seconds=time.monotonic() - started)
+        os._exit(0)
+    raise AssertionError("an all_to_all_single with wrong split sizes succeeded")
+
+
 def mlp(seed, width):
     torch.manual_seed(seed)
     return torch.nn.Sequential(

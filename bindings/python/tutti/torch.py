@@ -19,9 +19,10 @@ a ``RuntimeError``.
 
 The backend runs on CPU tensors. ``new_group(ranks)`` makes a tutti communicator over the
 group's own store. Ops: ``SUM``, ``AVG``, ``PRODUCT``, ``MIN``, ``MAX``, ``PREMUL_SUM`` (the
-input scaled, then summed), and ``BAND``, ``BOR``, ``BXOR`` on integer tensors. ``alltoall``,
-``all_to_all_single``, ``send``, ``recv``, ``gather`` and ``scatter`` raise an error naming the
-call until tutti has them.
+input scaled, then summed), and ``BAND``, ``BOR``, ``BXOR`` on integer tensors. Besides the
+reductions and gathers: ``all_to_all_single`` (with and without split sizes), ``all_to_all``,
+``gather`` and ``scatter``. ``send`` and ``recv`` raise an error naming the call until tutti has
+them.
 """
 
 from __future__ import annotations
@@ -314,22 +315,26 @@ def _one_tensor(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     return tensors[0]
 
 
-def _flat_view(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+def _flat_view(tensors: Sequence[torch.Tensor], uneven: bool = False) -> Optional[torch.Tensor]:
     """One tensor over ``tensors`` when they lie back to back in one storage (as
-    ``torch.empty(n * k).chunk(n)`` makes them), else None."""
+    ``torch.empty(n * k).chunk(n)`` makes them; with ``uneven``, tensors of different sizes as
+    ``split([a, b, ...])`` makes them), else None."""
+    if not tensors:
+        return None
     first = tensors[0]
     if not all(t.is_contiguous() and t.dtype == first.dtype and t.device == first.device for t in tensors):
         return None
-    nbytes = first.numel() * first.element_size()
-    if any(t.numel() != first.numel() for t in tensors):
+    if not uneven and any(t.numel() != first.numel() for t in tensors):
         return None
-    base = first.data_ptr()
-    if any(t.data_ptr() != base + i * nbytes for i, t in enumerate(tensors)):
-        return None
+    at = first.data_ptr()
+    for t in tensors:
+        if t.data_ptr() != at:
+            return None
+        at += t.numel() * t.element_size()
     if any(t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for t in tensors):
         return None
     flat = torch.empty(0, dtype=first.dtype, device=first.device)
-    flat.set_(first.untyped_storage(), first.storage_offset(), (first.numel() * len(tensors),))
+    flat.set_(first.untyped_storage(), first.storage_offset(), (sum(t.numel() for t in tensors),))
     return flat
 
 
@@ -552,6 +557,111 @@ class TuttiBackend(_CBackend):
         """``dist.barrier``: completes once every rank has called it."""
         return self._issue("barrier", lambda: [self._comm.barrier(async_op=True)], [])
 
+    # -- personalized exchanges and rooted calls --
+
+    def _split_counts(self, t: torch.Tensor, splits: Sequence[int], what: str) -> List[int]:
+        """The element count of each of ``t``'s blocks: torch's split sizes count rows (the
+        first dimension); none given means ``world_size`` equal blocks of rows."""
+        n = self.size()
+        rows = t.shape[0] if t.dim() else 1
+        row = int(t.shape[1:].numel()) if t.dim() else 1  # elements per row
+        if not splits:
+            if rows % n:
+                raise ValueError(f"all_to_all_single: the {what}'s {rows} rows do not split into {n} equal blocks")
+            return [rows // n * row] * n
+        if len(splits) != n:
+            raise ValueError(f"all_to_all_single: {len(splits)} {what} split sizes for a group of {n}")
+        if any(s < 0 for s in splits) or sum(splits) != rows:
+            raise ValueError(
+                f"all_to_all_single: {what} split sizes {list(splits)} do not add up to the {what}'s {rows} rows"
+            )
+        return [int(s) * row for s in splits]
+
+    @_rejecting
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: List[int],
+                          input_split_sizes: List[int], opts: Any) -> _Work:
+        """``dist.all_to_all_single``: block j of ``input`` (rows, by ``input_split_sizes``,
+        else equal) goes to rank j; block k of ``output`` comes from rank k. Without split
+        sizes it is tutti's all_to_all, with them all_to_all_v (every rank must pass split
+        sizes, or none: the two are different calls)."""
+        if not output_split_sizes and not input_split_sizes:
+            self._split_counts(input, (), "input")  # whole rows per block, as torch's backends ask
+            self._split_counts(output, (), "output")
+            call = lambda: [self._comm.all_to_all(input, out=output, async_op=True)]  # noqa: E731
+        else:
+            send = self._split_counts(input, input_split_sizes, "input")
+            recv = self._split_counts(output, output_split_sizes, "output")
+            call = lambda: [self._comm.all_to_all_v(input, send, recv, out=output, async_op=True)]  # noqa: E731
+        return self._issue("all_to_all_single", call, [output])
+
+    @_rejecting
+    def alltoall(self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor], opts: Any) -> _Work:
+        """``dist.all_to_all``: ``input_tensors[j]`` goes to rank j, ``output_tensors[k]``
+        comes from rank k. Always tutti's all_to_all_v (the tensors may differ in size, and a
+        rank cannot know whether the others' do), straight from and into the tensors where
+        they lie back to back in one storage, else through staging tensors."""
+        n = self.size()
+        if len(input_tensors) != n or len(output_tensors) != n:
+            raise ValueError(
+                f"alltoall: {len(input_tensors)} input and {len(output_tensors)} output tensors for a group of {n}"
+            )
+        send = [t.numel() for t in input_tensors]
+        recv = [t.numel() for t in output_tensors]
+        flat_in = _flat_view(input_tensors, uneven=True)
+        if flat_in is None:
+            flat_in = torch.cat([t.reshape(-1) for t in input_tensors])
+        staged: List[Callable[[], None]] = []
+        flat_out = _flat_view(output_tensors, uneven=True)
+        if flat_out is None:
+            flat_out = torch.empty(sum(recv), dtype=flat_in.dtype, device=flat_in.device)
+            staged.append(lambda: _copy_out(flat_out, output_tensors))
+        return self._issue(
+            "alltoall",
+            lambda: [self._comm.all_to_all_v(flat_in, send, recv, out=flat_out, async_op=True)],
+            output_tensors,
+            lambda: [f() for f in staged],
+        )
+
+    @_rejecting
+    def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
+               opts: Any) -> _Work:
+        """``dist.gather``: at the root, list ``[r]`` becomes rank r's input; elsewhere nothing
+        is written."""
+        t = _one_tensor(input_tensors, "gather")
+        root = opts.rootRank
+        staged: List[Callable[[], None]] = []
+        if self.rank() != root:
+            return self._issue("gather", lambda: [self._comm.gather(t, root, async_op=True)], output_tensors)
+        outputs = _one_list(output_tensors, "gather", "output")
+        _same_sizes(outputs, t, "gather", "output", self.size())
+        flat = _flat_view(outputs)
+        if flat is None:
+            flat = torch.empty(t.numel() * self.size(), dtype=t.dtype, device=t.device)
+            staged.append(lambda: _copy_out(flat, outputs))
+        return self._issue(
+            "gather",
+            lambda: [self._comm.gather(t, root, out=flat, async_op=True)],
+            output_tensors,
+            lambda: [f() for f in staged],
+        )
+
+    @_rejecting
+    def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],
+                opts: Any) -> _Work:
+        """``dist.scatter``: the output becomes the root's ``scatter_list[rank]``."""
+        out = _one_tensor(output_tensors, "scatter")
+        root = opts.rootRank
+        if self.rank() != root:
+            return self._issue("scatter", lambda: [self._comm.scatter(None, root, out=out, async_op=True)],
+                               output_tensors)
+        inputs = _one_list(input_tensors, "scatter", "input")
+        _same_sizes(inputs, out, "scatter", "input", self.size())
+        flat = _flat_view(inputs)
+        if flat is None:
+            flat = torch.cat([i.reshape(-1) for i in inputs])
+        return self._issue("scatter", lambda: [self._comm.scatter(flat, root, out=out, async_op=True)],
+                           output_tensors)
+
     # -- what tutti does not have yet --
 
     def _missing(self, what: str):
@@ -559,14 +669,6 @@ class TuttiBackend(_CBackend):
             f"{what}: the tutti backend has no {what} yet (use a group of another backend for it, "
             "e.g. init_process_group(\"cpu:gloo\") alongside)"
         )
-
-    def alltoall(self, output_tensors, input_tensors, opts):
-        """Not in tutti yet: raises NotImplementedError naming the call."""
-        self._missing("alltoall")
-
-    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
-        """Not in tutti yet: raises NotImplementedError naming the call."""
-        self._missing("alltoall_base (all_to_all_single)")
 
     def send(self, tensors, dst, tag):
         """Not in tutti yet: raises NotImplementedError naming the call."""
@@ -576,13 +678,32 @@ class TuttiBackend(_CBackend):
         """Not in tutti yet: raises NotImplementedError naming the call."""
         self._missing("recv")
 
-    def gather(self, output_tensors, input_tensors, opts):
-        """Not in tutti yet: raises NotImplementedError naming the call."""
-        self._missing("gather")
 
-    def scatter(self, output_tensors, input_tensors, opts):
-        """Not in tutti yet: raises NotImplementedError naming the call."""
-        self._missing("scatter")
+def _one_list(lists: Sequence[List[torch.Tensor]], what: str, side: str) -> List[torch.Tensor]:
+    if len(lists) != 1:
+        raise ValueError(f"{what}: tutti takes one {side} list at the root, not {len(lists)}")
+    return lists[0]
+
+
+def _same_sizes(tensors: Sequence[torch.Tensor], like: torch.Tensor, what: str, side: str, n: int) -> None:
+    """``n`` tensors of ``like``'s element count and dtype, or an error naming the first that is not."""
+    if len(tensors) != n:
+        raise ValueError(f"{what}: {len(tensors)} {side} tensors for a group of {n}")
+    for i, t in enumerate(tensors):
+        if t.numel() != like.numel() or t.dtype != like.dtype:
+            raise ValueError(
+                f"{what}: {side} {i} is {t.dtype} of {t.numel()} elements, the call's tensor "
+                f"{like.dtype} of {like.numel()}; every {side} must match it"
+            )
+
+
+def _copy_out(flat: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
+    """Copy ``flat`` into ``outputs``, each taking as many elements as it holds, in order."""
+    at = 0
+    for o in outputs:
+        k = o.numel()
+        o.copy_(flat[at:at + k].view_as(o))
+        at += k
 
 
 def _create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> TuttiBackend:
