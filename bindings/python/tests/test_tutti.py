@@ -782,3 +782,23 @@ def test_counts_that_disagree_name_the_ranks():
                 c.all_to_all_v(f32(2), [1, 1], recv)
             assert "rank 0" in e.value.message and "rank 1" in e.value.message, e.value.message
         run_ranks(comms, rank)
+
+
+def test_deterministic_groups_sum_in_rank_order():
+    """deterministic=True: every rank gets the bits of ((x0 + x1) + x2) + x3, whatever the
+    algorithm; a value other than True, False or None is refused."""
+    rng = np.random.default_rng(7)
+    xs = [(rng.standard_normal(4099) * 2.0 ** rng.integers(-12, 12, 4099)).astype(np.float32)
+          for _ in range(4)]
+    want = xs[0].copy()
+    for x in xs[1:]:
+        want = want + x
+    for algorithm in ["auto", "ring", "direct", "reduce-to-one"]:
+        got = {}
+        with tutti.local_group(4, algorithm=algorithm, deterministic=True) as comms:
+            run_ranks(comms, lambda c: got.__setitem__(c.rank, c.all_reduce(xs[c.rank].copy())))
+        assert len(got) == 4
+        for g in got.values():
+            assert g.tobytes() == want.tobytes(), algorithm
+    with pytest.raises(ValueError, match="deterministic must be True, False or None"):
+        tutti.local_group(2, deterministic="yes")

@@ -132,7 +132,7 @@ class _Config(ctypes.Structure):
         ("algorithm", ctypes.c_uint32),
         ("algorithm_arg", ctypes.c_uint32),
         ("transport", ctypes.c_uint32),
-        ("reserved", ctypes.c_uint32),
+        ("deterministic", ctypes.c_uint32),
     ]
 
 
@@ -412,7 +412,7 @@ def devices():
 # ----- arguments -----
 
 
-def _config(timeout=None, algorithm="auto", chunk_bytes=None, transport="auto"):
+def _config(timeout=None, algorithm="auto", chunk_bytes=None, transport="auto", deterministic=None):
     c = _Config()
     c.struct_size = ctypes.sizeof(_Config)
     if timeout is not None:
@@ -432,6 +432,10 @@ def _config(timeout=None, algorithm="auto", chunk_bytes=None, transport="auto"):
     if transport not in TRANSPORTS:
         raise ValueError(f"unknown transport {transport!r} (expected auto, tcp or shm)")
     c.transport = TRANSPORTS[transport]
+    # None: the TUTTI_DETERMINISTIC environment variable (off when unset).
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic must be True, False or None, not {deterministic!r}")
+    c.deterministic = {None: 0, True: 1, False: 2}[deterministic]
     return c
 
 
@@ -607,13 +611,13 @@ def _gathered_shape(v, n):
 class Replicas:
     """A group of replicas driven by one caller holding every replica's array.
 
-    ``Replicas(n, timeout=None, algorithm="auto", chunk_bytes=None)``; use it as a context
+    ``Replicas(n, timeout=None, algorithm="auto", chunk_bytes=None, deterministic=None)``; use it as a context
     manager or call ``close()``. One call at a time; ``abort()`` from any thread.
     """
 
-    def __init__(self, n, timeout=None, algorithm="auto", chunk_bytes=None):
+    def __init__(self, n, timeout=None, algorithm="auto", chunk_bytes=None, deterministic=None):
         lib = _library()
-        config = _config(timeout, algorithm, chunk_bytes)
+        config = _config(timeout, algorithm, chunk_bytes, deterministic=deterministic)
         handle = ctypes.c_void_p()
         _check(lib.tutti_replicas_create(n, ctypes.byref(config), ctypes.byref(handle)))
         self._h = _Lifetime(handle, "replicas")
@@ -1173,39 +1177,41 @@ class Group(list):
         self.close()
 
 
-def local_group(n, timeout=None, algorithm="auto", chunk_bytes=None, device="cpu"):
+def local_group(n, timeout=None, algorithm="auto", chunk_bytes=None, device="cpu", deterministic=None):
     """An in-process group of ``n`` ranks: a ``Group`` (a list) of ``Communicator``, rank 0
     first; hand each to its own thread. ``device`` is the kind of device the ranks are on: "cpu" (host memory),
     or "xla" for ranks "xla:0" … "xla:n-1" (see ``device_group``)."""
     if device != "cpu":
-        return device_group([f"{device}:{i}" for i in range(n)], timeout, algorithm, chunk_bytes)
+        return device_group([f"{device}:{i}" for i in range(n)], timeout, algorithm, chunk_bytes,
+                            deterministic)
     lib = _library()
-    config = _config(timeout, algorithm, chunk_bytes)
+    config = _config(timeout, algorithm, chunk_bytes, deterministic=deterministic)
     handles = (ctypes.c_void_p * max(n, 1))()
     _check(lib.tutti_comm_create_group(n, ctypes.byref(config), handles))
     return Group(Communicator(ctypes.c_void_p(h)) for h in handles[:n])
 
 
-def device_group(devices, timeout=None, algorithm="auto", chunk_bytes=None):
+def device_group(devices, timeout=None, algorithm="auto", chunk_bytes=None, deterministic=None):
     """A group whose rank r is on ``devices[r]`` ("cpu:0", "xla:2", ...): a list of
     ``Communicator``, one per thread. Arrays are numpy arrays in host memory on every device
     (XLA ranks stage them to their devices). A device kind this build lacks raises a
     ``TuttiError`` with code ``TUTTI_ERROR_UNAVAILABLE``."""
     devices = list(devices)
     lib = _library()
-    config = _config(timeout, algorithm, chunk_bytes)
+    config = _config(timeout, algorithm, chunk_bytes, deterministic=deterministic)
     specs = (ctypes.c_char_p * max(len(devices), 1))(*[str(d).encode() for d in devices])
     handles = (ctypes.c_void_p * max(len(devices), 1))()
     _check(lib.tutti_comm_create_devices(len(devices), specs, ctypes.byref(config), handles))
     return Group(Communicator(ctypes.c_void_p(h), str(d)) for h, d in zip(handles[: len(devices)], devices))
 
 
-def join(rank, world_size, master_addr, timeout=None, algorithm="auto", chunk_bytes=None, transport="auto"):
+def join(rank, world_size, master_addr, timeout=None, algorithm="auto", chunk_bytes=None, transport="auto",
+         deterministic=None):
     """Join a job of separate processes as ``rank`` of ``world_size``, meeting the others at
     ``master_addr`` ("host:port", served by rank 0); ``TUTTI_JOB_TOKEN``, when set, is the
     secret every connection proves. Blocks until every rank has joined."""
     lib = _library()
-    config = _config(timeout, algorithm, chunk_bytes, transport)
+    config = _config(timeout, algorithm, chunk_bytes, transport, deterministic)
     handle = ctypes.c_void_p()
     _check(lib.tutti_comm_create_rank(rank, world_size, master_addr.encode(), ctypes.byref(config), ctypes.byref(handle)))
     return Communicator(handle)
@@ -1263,7 +1269,7 @@ class _StoreCallbacks:
 
 
 def from_store(rank, world_size, store, token, listen_host=None, timeout=None, algorithm="auto",
-               chunk_bytes=None, transport="auto"):
+               chunk_bytes=None, transport="auto", deterministic=None):
     """Join a job of separate processes as ``rank`` of ``world_size``, the ranks meeting
     through ``store``, a key-value store of the caller's: an object with ``set(key, value:
     bytes)``, ``get(key, timeout_s) -> bytes`` (waiting for the key; ``TimeoutError`` past the
@@ -1272,7 +1278,7 @@ def from_store(rank, world_size, store, token, listen_host=None, timeout=None, a
     publishes it there; every connection proves ``token``, the job's secret (at least 16
     bytes, the same on every rank). Blocks until every rank has joined."""
     lib = _library()
-    config = _config(timeout, algorithm, chunk_bytes, transport)
+    config = _config(timeout, algorithm, chunk_bytes, transport, deterministic)
     callbacks = _StoreCallbacks(store)
     s = callbacks.struct()
     handle = ctypes.c_void_p()
@@ -1296,11 +1302,11 @@ def from_store(rank, world_size, store, token, listen_host=None, timeout=None, a
     return Communicator(handle)
 
 
-def from_env(timeout=None, algorithm="auto", chunk_bytes=None, transport="auto"):
+def from_env(timeout=None, algorithm="auto", chunk_bytes=None, transport="auto", deterministic=None):
     """Join the job this process's environment describes (tutti launch, torchrun, mpirun, srun,
     TF_CONFIG, or TUTTI_RANK, TUTTI_WORLD_SIZE and TUTTI_MASTER_ADDR)."""
     lib = _library()
-    config = _config(timeout, algorithm, chunk_bytes, transport)
+    config = _config(timeout, algorithm, chunk_bytes, transport, deterministic)
     handle = ctypes.c_void_p()
     _check(lib.tutti_comm_create_from_env(ctypes.byref(config), ctypes.byref(handle)))
     return Communicator(handle, os.environ.get("TUTTI_DEVICE", "cpu"))
