@@ -23,9 +23,72 @@ pub(crate) fn reduce_scatter(
     output: &mut [u8],
     blocks: Blocks<'_>,
 ) -> Result<()> {
+    let at = bytes(blocks.get(ctx.world(), ctx.rank()), ctx.dtype.size()).start;
+    // SAFETY: `input` is borrowed (unchanged) for the whole call.
+    let input = unsafe { Pieces::of(input.as_ptr(), input.len()) };
+    reduce_pieces(ctx, &input, blocks, |range, reduce| {
+        reduce(&mut output[range.start - at..range.end - at])
+    })
+}
+
+/// A rank's input by address, cut into short-lived slices: in place, this rank writes its own
+/// block between the reads of its pieces.
+struct Pieces {
+    ptr: *const u8,
+    len: usize,
+}
+
+impl Pieces {
+    /// # Safety
+    ///
+    /// `ptr` is valid for `len` bytes for the life of the value, and nothing writes a range
+    /// while a slice of it from [`Pieces::get`] is alive.
+    unsafe fn of(ptr: *const u8, len: usize) -> Pieces {
+        Pieces { ptr, len }
+    }
+
+    fn get(&self, r: std::ops::Range<usize>) -> &[u8] {
+        assert!(r.start <= r.end && r.end <= self.len, "piece out of the buffer");
+        if r.is_empty() {
+            return &[];
+        }
+        // SAFETY: in bounds (above); see `of`.
+        unsafe { std::slice::from_raw_parts(self.ptr.add(r.start), r.len()) }
+    }
+}
+
+/// All-reduce's first half in place: block `rank` of `buf` becomes the reduction in rank order
+/// of every rank's block (each piece of this rank's own input is read before it is
+/// overwritten, through a piece of scratch).
+fn reduce_own_block(ctx: &Ctx<'_>, buf: &mut [u8], blocks: Blocks<'_>) -> Result<()> {
+    let piece = (ctx.chunk_elems() * ctx.dtype.size()).min(buf.len());
+    let mut tmp = ctx.plan.scratch(piece);
+    let (at, len) = (buf.as_mut_ptr(), buf.len());
+    // SAFETY: `buf` is this call's alone; its own block is written below only once the
+    // piece's sources (every slice `reduce_pieces` made of it) are done with.
+    let input = unsafe { Pieces::of(at, len) };
+    reduce_pieces(ctx, &input, blocks, |range, reduce| {
+        let tmp = &mut tmp[..range.len()];
+        reduce(tmp);
+        // SAFETY: `range` lies in `buf`; no slice of this range is read again (this piece's
+        // sources were read into `tmp`, the round's sends are done, and peers never read this
+        // rank's own block).
+        unsafe { std::slice::from_raw_parts_mut(at.add(range.start), range.len()) }
+            .copy_from_slice(tmp);
+    })
+}
+
+/// Piece by piece of this rank's block of `input`: gather every rank's piece (this rank's own
+/// read in place, the others' received into scratch), then hand `place` the piece's byte
+/// range in `input` and the reduction to run into a destination of its choosing.
+fn reduce_pieces(
+    ctx: &Ctx<'_>,
+    input: &Pieces,
+    blocks: Blocks<'_>,
+    mut place: impl FnMut(std::ops::Range<usize>, &mut dyn FnMut(&mut [u8])),
+) -> Result<()> {
     let (p, r, esize) = (ctx.world(), ctx.rank(), ctx.dtype.size());
     let ce = ctx.chunk_elems();
-    let mine = blocks.get(p, r);
     let piece_bytes = (ce * esize).min(blocks.largest(p) * esize);
     // One piece from each peer (this rank's own is read from its input).
     let mut scratch = ctx.plan.scratch(piece_bytes * p.saturating_sub(1));
@@ -39,52 +102,45 @@ pub(crate) fn reduce_scatter(
     for g in 0..rounds {
         let own = piece(r, g);
         let len = own.len();
-        let mut sends = ctx.plan.list::<SendOp<'_>>();
-        for k in (0..p).filter(|&k| k != r) {
-            let data = &input[piece(k, g)];
-            if !data.is_empty() {
-                sends.push(SendOp { peer: k, data });
+        {
+            let mut sends = ctx.plan.list::<SendOp<'_>>();
+            for k in (0..p).filter(|&k| k != r) {
+                let data = input.get(piece(k, g));
+                if !data.is_empty() {
+                    sends.push(SendOp { peer: k, data });
+                }
+            }
+            let mut recvs = ctx.plan.list::<RecvOp<'_>>();
+            if len > 0 {
+                for (i, dst) in scratch.chunks_exact_mut(piece_bytes).enumerate() {
+                    recvs.push(RecvOp {
+                        peer: if i < r { i } else { i + 1 },
+                        dst: &mut dst[..len],
+                        mode: RecvMode::Copy,
+                    });
+                }
+            }
+            if !sends.is_empty() || !recvs.is_empty() {
+                ctx.t.exchange(ctx.site, &sends, &mut recvs)?;
             }
         }
-        let mut recvs = ctx.plan.list::<RecvOp<'_>>();
-        if len > 0 {
-            for (i, dst) in scratch.chunks_exact_mut(piece_bytes).enumerate() {
-                let peer = if i < r { i } else { i + 1 };
-                recvs.push(RecvOp {
-                    peer,
-                    dst: &mut dst[..len],
-                    mode: RecvMode::Copy,
-                });
-            }
-        }
-        if !sends.is_empty() || !recvs.is_empty() {
-            ctx.t.exchange(ctx.site, &sends, &mut recvs)?;
-        }
-        drop(recvs);
-        drop(sends);
         if len == 0 {
             continue;
         }
         let mut srcs = ctx.plan.list::<&[u8]>();
         for k in 0..p {
-            srcs.push(match k {
-                k if k == r => &input[own.clone()],
-                k => {
-                    let i = if k < r { k } else { k - 1 };
-                    &scratch[i * piece_bytes..i * piece_bytes + len]
+            srcs.push(match k.cmp(&r) {
+                std::cmp::Ordering::Equal => input.get(own.clone()),
+                std::cmp::Ordering::Less => &scratch[k * piece_bytes..k * piece_bytes + len],
+                std::cmp::Ordering::Greater => {
+                    &scratch[(k - 1) * piece_bytes..(k - 1) * piece_bytes + len]
                 }
             });
         }
-        let at = own.start - mine.start * esize;
-        let dst = &mut output[at..at + len];
-        kernels::reduce(
-            ctx.dtype,
-            ctx.op,
-            dst,
-            &srcs,
-            Init::Overwrite,
-            ctx.mean_divisor(),
-        );
+        let (dtype, op, div) = (ctx.dtype, ctx.op, ctx.mean_divisor());
+        place(own, &mut |dst| {
+            kernels::reduce(dtype, op, dst, &srcs, Init::Overwrite, div)
+        });
     }
     Ok(())
 }
@@ -93,17 +149,14 @@ pub(crate) fn reduce_scatter(
 /// in place in `output`).
 pub(crate) fn all_reduce(ctx: &Ctx<'_>, input: Option<&[u8]>, output: &mut [u8]) -> Result<()> {
     let (p, r, esize) = (ctx.world(), ctx.rank(), ctx.dtype.size());
-    let count = output.len() / esize;
-    let blocks = Blocks::Even(count);
-    let mine = bytes(blocks.get(p, r), esize);
-    let mut block = ctx.plan.scratch(mine.len());
+    let blocks = Blocks::Even(output.len() / esize);
     match input {
-        Some(i) => reduce_scatter(ctx, i, &mut block, blocks)?,
-        None => reduce_scatter(ctx, output, &mut block, blocks)?,
+        Some(i) => {
+            let mine = bytes(blocks.get(p, r), esize);
+            reduce_scatter(ctx, i, &mut output[mine], blocks)?
+        }
+        None => reduce_own_block(ctx, output, blocks)?,
     }
-    // Every rank has sent what its peers need of its input: its own block may be written.
-    output[mine].copy_from_slice(&block);
-    drop(block);
     ring::all_gather(ctx, output, blocks)
 }
 
