@@ -48,7 +48,10 @@ impl Pieces {
     }
 
     fn get(&self, r: std::ops::Range<usize>) -> &[u8] {
-        assert!(r.start <= r.end && r.end <= self.len, "piece out of the buffer");
+        assert!(
+            r.start <= r.end && r.end <= self.len,
+            "piece out of the buffer"
+        );
         if r.is_empty() {
             return &[];
         }

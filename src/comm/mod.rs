@@ -15,6 +15,7 @@ mod call;
 mod group;
 mod replicas;
 mod shared;
+mod split;
 mod work;
 
 pub(crate) use group::engine_group;
@@ -64,6 +65,8 @@ pub struct Communicator {
     device: (DeviceKind, usize),
     /// The CUDA stream whose earlier work this rank's calls wait for (`cuda:N` ranks).
     cuda_stream: Option<u64>,
+    /// Splits made so far (the same number on every rank: a split is collective).
+    splits: std::sync::atomic::AtomicU64,
 }
 
 /// A collective described by addresses, for memory that Rust cannot borrow: a device's
@@ -122,6 +125,7 @@ impl Communicator {
             algorithm: config.algorithm,
             device,
             cuda_stream: None,
+            splits: std::sync::atomic::AtomicU64::new(0),
         }
     }
 

@@ -158,6 +158,10 @@ impl LocalTransport {
 }
 
 impl Transport for LocalTransport {
+    fn regroup(&self) -> Option<super::Regroup> {
+        Some(super::Regroup::Threads(Arc::as_ptr(&self.shared) as usize))
+    }
+
     fn rank(&self) -> usize {
         self.rank
     }

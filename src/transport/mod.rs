@@ -231,11 +231,33 @@ pub trait Transport: Send + Sync {
         let _ = id;
     }
 
+    /// How a split of this transport's communicator finds its members again
+    /// (`Communicator::split`); `None` where it cannot.
+    fn regroup(&self) -> Option<Regroup> {
+        None
+    }
+
     /// Fail every current and later call of every rank at once with `Aborted` carrying `reason`.
     fn abort(&self, reason: &str);
 
     /// The abort reason, once aborted.
     fn aborted(&self) -> Option<String>;
+}
+
+/// How the ranks of a split meet (see [`Transport::regroup`]).
+pub(crate) enum Regroup {
+    /// Threads of one process: the identity of their group in this process.
+    Threads(usize),
+    /// Processes: new connections, proving the job's token, listening on the host the
+    /// parent's ranks listen on, over the same kind of transport.
+    Network {
+        /// The job's secret.
+        token: String,
+        /// Where this rank listens.
+        listen_host: String,
+        /// TCP, shared memory or either.
+        kind: TransportKind,
+    },
 }
 
 /// Check the peers of an exchange: each a peer of this rank, and at most one send and one

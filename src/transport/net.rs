@@ -133,6 +133,9 @@ pub struct NetTransport {
     data_started: AtomicBool,
     /// How long a wait on shared-memory slots may spin before it sleeps.
     spin: Duration,
+    /// What a split needs to meet again: the job's token, the host to listen on, the kind of
+    /// transport asked for.
+    regroup: (String, String, TransportKind),
     /// The host of every rank.
     hosts: Vec<usize>,
     /// The peers have been told why this rank stopped (they are told once).
@@ -370,6 +373,7 @@ impl NetTransport {
             spin: crate::sync::Spin::for_world(hosts.iter().filter(|&&h| h == hosts[rank]).count())
                 .0,
             hosts,
+            regroup: (token.to_string(), listen_host.to_string(), kind),
             notified: AtomicBool::new(false),
             waiting_for: AtomicU32::new(0),
             aborted_by: AtomicU32::new(0),
@@ -1578,6 +1582,15 @@ impl Transport for NetTransport {
 
     fn hosts(&self) -> Option<&[usize]> {
         Some(&self.hosts)
+    }
+
+    fn regroup(&self) -> Option<super::Regroup> {
+        let (token, listen_host, kind) = self.regroup.clone();
+        Some(super::Regroup::Network {
+            token,
+            listen_host,
+            kind,
+        })
     }
 
     fn all_shared_memory(&self) -> bool {
