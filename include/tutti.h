@@ -1059,6 +1059,30 @@ tutti_result tutti_mem_free(struct tutti_comm *comm, void *ptr);
 void tutti_comm_destroy(struct tutti_comm *comm);
 
 /**
+ * Split `comm` as `MPI_Comm_split` does: the ranks that pass the same `color` (0 or more)
+ * form a new communicator, ranked by `key`, then by their rank in `comm`; `*newcomm` is set to
+ * it. A rank that passes a negative `color` takes part but gets no communicator (`*newcomm`
+ * is set to NULL). Collective: every rank of `comm` calls it, in the same order as its
+ * collectives, and it is checked and bounded by the timeout as they are. The new communicator
+ * has `comm`'s settings and connections of its own: its calls never disturb another group's
+ * or `comm`'s. Destroy it with `tutti_comm_destroy`, before or after `comm`.
+ *
+ * Errors: `TUTTI_ERROR_INVALID_ARGUMENT` (NULL `newcomm`, a color past 2^32 - 1),
+ * `TUTTI_ERROR_MISMATCH` when the ranks' calls differ, `TUTTI_ERROR_UNAVAILABLE` for device
+ * groups, and the errors of a collective or of joining (a timeout naming the rank).
+ *
+ * Thread-safety: as a collective.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle; `newcomm` is NULL or writable.
+ */
+tutti_result tutti_comm_split(struct tutti_comm *comm,
+                              int64_t color,
+                              int64_t key,
+                              struct tutti_comm **newcomm);
+
+/**
  * Write this communicator's rank (in `0 .. world_size - 1`) to `*rank`.
  *
  * Thread-safety: callable from any thread, during a collective too.

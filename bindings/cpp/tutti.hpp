@@ -292,6 +292,15 @@ public:
         return comm(c);
     }
 
+    /// Split this communicator (collective, as `tutti_comm_split`): the ranks with the same
+    /// `color` (0 or more) form a new communicator ranked by `key`, then rank; a negative color
+    /// gets none (a null pointer).
+    std::unique_ptr<comm> split(std::int64_t color, std::int64_t key) {
+        tutti_comm *c = nullptr;
+        detail::check(tutti_comm_split(h_.get(), color, key, &c));
+        return c == nullptr ? nullptr : std::unique_ptr<comm>(new comm(c));
+    }
+
     /// Takes ownership of a handle from the C API.
     explicit comm(tutti_comm *handle) : h_(handle, detail::comm_deleter()) {}
     comm(comm &&) noexcept = default;

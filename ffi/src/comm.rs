@@ -471,6 +471,54 @@ pub unsafe extern "C" fn tutti_comm_destroy(comm: *mut tutti_comm) {
     })
 }
 
+/// Split `comm` as `MPI_Comm_split` does: the ranks that pass the same `color` (0 or more)
+/// form a new communicator, ranked by `key`, then by their rank in `comm`; `*newcomm` is set to
+/// it. A rank that passes a negative `color` takes part but gets no communicator (`*newcomm`
+/// is set to NULL). Collective: every rank of `comm` calls it, in the same order as its
+/// collectives, and it is checked and bounded by the timeout as they are. The new communicator
+/// has `comm`'s settings and connections of its own: its calls never disturb another group's
+/// or `comm`'s. Destroy it with `tutti_comm_destroy`, before or after `comm`.
+///
+/// Errors: `TUTTI_ERROR_INVALID_ARGUMENT` (NULL `newcomm`, a color past 2^32 - 1),
+/// `TUTTI_ERROR_MISMATCH` when the ranks' calls differ, `TUTTI_ERROR_UNAVAILABLE` for device
+/// groups, and the errors of a collective or of joining (a timeout naming the rank).
+///
+/// Thread-safety: as a collective.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `newcomm` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_comm_split(
+    comm: *mut tutti_comm,
+    color: i64,
+    key: i64,
+    newcomm: *mut *mut tutti_comm,
+) -> tutti_result {
+    boundary("tutti_comm_split", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let checked = (|| -> Result<_, Failure> {
+            let out = out_ptr(newcomm, "newcomm")?;
+            let color = match color {
+                c if c < 0 => None,
+                c => Some(u32::try_from(c).map_err(|_| {
+                    Failure::invalid(format!(
+                        "color {c} is more than 2^32 - 1 (a negative color: no communicator)"
+                    ))
+                })?),
+            };
+            Ok((out, color))
+        })();
+        let (out, color) = checked.map_err(|f| c.reject("tutti_comm_split", f.message))?;
+        let split = c.read().split(color, key)?;
+        let handle = split.map_or(std::ptr::null_mut(), tutti_comm::into_raw);
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { out.write(handle) };
+        Ok(())
+    })
+}
+
 /// Write this communicator's rank (in `0 .. world_size - 1`) to `*rank`.
 ///
 /// Thread-safety: callable from any thread, during a collective too.

@@ -372,6 +372,22 @@ static void multi_process_errors() {
     EXPECT(solo.world_size() == 1 && x[2] == 2.0f);
 }
 
+static void split_groups() {
+    auto comms = tutti::comm::group(3, tutti::config().timeout(std::chrono::seconds(60)));
+    on_every_rank(comms, [](tutti::comm &c, std::size_t r) {
+        // Ranks 0 and 2 together (2 first, by key), rank 1 without a group.
+        std::unique_ptr<tutti::comm> sub = c.split(r == 1 ? -1 : 5, -static_cast<std::int64_t>(r));
+        if (r == 1) {
+            EXPECT(!sub);
+            return;
+        }
+        EXPECT(sub && sub->world_size() == 2 && sub->rank() == (r == 2 ? 0u : 1u));
+        std::vector<int> v{static_cast<int>(r)};
+        sub->all_reduce(v, tutti::op::sum);
+        EXPECT(v[0] == 2);
+    });
+}
+
 int main() {
     EXPECT(tutti::version() == TUTTI_VERSION_STRING);
     auto devs = tutti::devices();
@@ -381,6 +397,7 @@ int main() {
     EXPECT(std::string(e.what()).find("at least one rank") != std::string::npos);
     collectives();
     block_collectives();
+    split_groups();
     abort_wakes_a_blocked_rank();
     moves_and_ownership();
     replicas_form();

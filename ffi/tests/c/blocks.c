@@ -3,7 +3,7 @@
  * of 1 to 4 ranks (a thread per rank), every dtype, uneven counts with zeros, every root, every
  * element checked; counts copied when an _async call is issued; argument errors (NULL counts,
  * overlapping buffers, NULL root buffers, counts that overflow, wrong roots, counts that
- * disagree between ranks) returning an error that names the problem. */
+ * disagree between ranks) returning an error that names the problem; tutti_comm_split. */
 #include "check.h"
 
 #define MAX_WORLD 4
@@ -537,6 +537,32 @@ static void *agreed_errors(void *arg) {
     return NULL;
 }
 
+/* tutti_comm_split: colors rank % 2 (rank 3 none), keys descending; an all-reduce in each
+ * group; a NULL newcomm refused. */
+static void *split_ranks(void *p) {
+    rank_ctx *c = p;
+    tutti_comm *sub = (tutti_comm *)1;
+    int64_t color = c->rank == 3 ? -1 : (int64_t)(c->rank % 2);
+    size_t sub_rank = 99, sub_world = 99;
+    double v;
+    CHECK(tutti_comm_split(c->comm, color, -(int64_t)c->rank, &sub));
+    if (color < 0) {
+        EXPECT(sub == NULL);
+        return NULL;
+    }
+    EXPECT(sub != NULL);
+    CHECK(tutti_comm_rank(sub, &sub_rank));
+    CHECK(tutti_comm_world_size(sub, &sub_world));
+    /* 4 ranks: evens {0, 2} ranked 2, 0; odds {1} alone (rank 3 has no color). */
+    EXPECT(sub_world == (c->rank % 2 == 0 ? 2u : 1u));
+    EXPECT(sub_rank == (c->rank == 0 ? 1u : 0u));
+    v = (double)c->rank;
+    CHECK(tutti_all_reduce(sub, 1, TUTTI_DTYPE_F64, TUTTI_OP_SUM, &v, &v));
+    EXPECT(v == (c->rank % 2 == 0 ? 2.0 : 1.0));
+    tutti_comm_destroy(sub);
+    return NULL;
+}
+
 int main(void) {
     tutti_config config = TUTTI_CONFIG_INIT;
     tutti_comm *comms[MAX_WORLD];
@@ -553,6 +579,16 @@ int main(void) {
             tutti_comm_destroy(comms[r]);
         }
     }
+
+    CHECK(tutti_comm_create_group(4, &config, comms));
+    run_ranks(4, comms, split_ranks, NULL);
+    for (r = 0; r < 4; r++) {
+        tutti_comm_destroy(comms[r]);
+    }
+    CHECK(tutti_comm_create_group(1, &config, comms));
+    EXPECT_ERROR(tutti_comm_split(comms[0], 0, 0, NULL), TUTTI_ERROR_INVALID_ARGUMENT,
+                 "tutti_comm_split", "newcomm is NULL");
+    tutti_comm_destroy(comms[0]);
 
     /* One rank: every count from the communicator, zeros everywhere are fine. */
     CHECK(tutti_comm_create_group(1, &config, comms));
