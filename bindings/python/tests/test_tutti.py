@@ -802,3 +802,28 @@ def test_deterministic_groups_sum_in_rank_order():
             assert g.tobytes() == want.tobytes(), algorithm
     with pytest.raises(ValueError, match="deterministic must be True, False or None"):
         tutti.local_group(2, deterministic="yes")
+
+
+def test_split_groups_by_color_ordered_by_key():
+    """split(color, key): the ranks of one color form a group ranked by key; None gets None;
+    each group's all-reduce sums its own ranks; a split of a split works the same."""
+    got = {}
+
+    def body(c):
+        sub = c.split(None if c.rank == 3 else c.rank % 2, key=-c.rank)
+        if sub is None:
+            got[c.rank] = None
+            return
+        with sub:
+            total = sub.all_reduce(np.array([c.rank], dtype=np.int64))
+            again = sub.split(0)
+            with again:
+                got[c.rank] = (sub.rank, sub.world_size, int(total[0]), again.world_size)
+
+    with tutti.local_group(5) as comms:
+        run_ranks(comms, body)
+    # evens {0, 2, 4} ranked 4, 2, 0; odds {1} (3 has no color).
+    assert got == {0: (2, 3, 6, 3), 1: (0, 1, 1, 1), 2: (1, 3, 6, 3), 3: None, 4: (0, 3, 6, 3)}
+    with tutti.local_group(1) as comms:
+        with pytest.raises(TypeError, match="color must be an int or None"):
+            comms[0].split("red")

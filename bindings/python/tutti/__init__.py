@@ -194,6 +194,7 @@ _PROTOTYPES = {
     "tutti_comm_destroy": (None, [_ptr]),
     "tutti_comm_rank": (_u32, [_ptr, ctypes.POINTER(_size)]),
     "tutti_comm_world_size": (_u32, [_ptr, ctypes.POINTER(_size)]),
+    "tutti_comm_split": (_u32, [_ptr, ctypes.c_int64, ctypes.c_int64, _pp]),
     "tutti_comm_abort": (_u32, [_ptr, ctypes.c_char_p]),
     "tutti_comm_set_cuda_stream": (_u32, [_ptr, _ptr]),
     "tutti_comm_unset_cuda_stream": (_u32, [_ptr]),
@@ -875,6 +876,23 @@ class Communicator:
         buf._owner = owner  # the memory lives as long as the array's base does
         self._shared.add(owner)
         return np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)
+
+    def split(self, color, key=0):
+        """Split the group as MPI_Comm_split does (collective: every rank calls it): the ranks
+        passing the same ``color`` (an int, 0 or more) form a new ``Communicator``, ranked by
+        ``key``, then by rank; a rank passing ``None`` (or a negative color) gets ``None``. The
+        new communicator has this one's settings and connections of its own."""
+        if color is not None and not isinstance(color, int):
+            raise TypeError(f"color must be an int or None, not {type(color).__name__}")
+        if not isinstance(key, int):
+            raise TypeError(f"key must be an int, not {type(key).__name__}")
+        c = -1 if color is None or color < 0 else color
+        if c >= 2**32 or not -(2**63) <= key < 2**63:
+            raise ValueError(f"color {color} or key {key} is out of range")
+        out = ctypes.c_void_p()
+        with self._h.use() as h:
+            _check(_library().tutti_comm_split(h, c, key, ctypes.byref(out)))
+        return Communicator(out, self.device) if out.value else None
 
     def abort(self, reason=None):
         """Fail the calls running on every rank of the group, and every later one, with
