@@ -6,6 +6,8 @@
 
 use std::time::Duration;
 
+mod common;
+
 use tutti::{run_local, Collective, Config, Error, RawCall, ReduceOp};
 
 fn quick() -> Config {
@@ -259,5 +261,61 @@ fn raw_counts_that_overflow_are_errors_not_huge_buffers() {
                 .contains("more f32 elements than a buffer can hold"),
             "{e}"
         );
+    }
+}
+
+/// Between processes too (ranks meeting over TCP): ranks that disagree about a gather's or
+/// scatter's root, or about counts whose data would still match in length, get a `Mismatch`
+/// before any byte moves, not a hang or a wrong result.
+#[test]
+fn between_processes_roots_and_counts_that_differ_are_a_mismatch() {
+    use std::sync::Arc;
+    use tutti::{Communicator, TransportKind};
+    let store = Arc::new(common::MemStore::default());
+    let handles: Vec<_> = (0..2)
+        .map(|r| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let comm = Communicator::from_store(
+                    r,
+                    2,
+                    &*store,
+                    "a-token-of-32-bytes-for-the-test",
+                    "127.0.0.1",
+                    TransportKind::Tcp,
+                    &quick(),
+                )
+                .unwrap();
+                let mut fields = Vec::new();
+                let mut all = [0u32; 4];
+                let e = comm.gather(&[1u32, 2], Some(&mut all[..]), r).unwrap_err();
+                fields.push(e);
+                let mut part = [0u32; 2];
+                let e = comm
+                    .scatter(Some(&[1u32; 4][..]), &mut part, r)
+                    .unwrap_err();
+                fields.push(e);
+                let counts = if r == 0 { [5, 0] } else { [0, 5] };
+                let mut out = [0u32; 5];
+                let e = comm.all_gather_v(&vec![1u32; counts[r]], &mut out, &counts);
+                fields.push(e.unwrap_err());
+                // The communicator is still usable.
+                let mut v = [1u32];
+                comm.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                assert_eq!(v, [2]);
+                fields
+            })
+        })
+        .collect();
+    for h in handles {
+        let errs = h.join().unwrap();
+        let fields: Vec<&str> = errs
+            .iter()
+            .map(|e| match e {
+                Error::Mismatch { field, .. } => *field,
+                other => panic!("expected a mismatch, got {other}"),
+            })
+            .collect();
+        assert_eq!(fields, ["root", "root", "counts (digest)"]);
     }
 }

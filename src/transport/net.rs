@@ -1466,9 +1466,11 @@ impl Transport for NetTransport {
         // `TUTTI_CHECK=full` have a check round first: every rank sends its identity (and any
         // rejection) to every other and compares what it gets, so a difference found there
         // leaves the communicator usable.
-        // Broadcast and reduce have one too: a rank that only sends in a call (the root of a
-        // broadcast, the others in a reduce) would otherwise check nothing, and two ranks that
-        // both take themselves for the root would neither receive.
+        // Every rooted call has one too (broadcast, reduce, gather, scatter): a rank that only
+        // sends in a call (the root of a broadcast or scatter, the others in a reduce or
+        // gather) would otherwise check nothing, and two ranks that both take themselves for
+        // the root would neither receive. So do the calls with counts: ranks whose counts
+        // differ may move data that matches in length, or none between some pairs.
         // A communicator that allocated shared buffers also rounds every call large enough to
         // run through them: each rank claims its buffers before, and all decide alike after.
         use crate::error::Collective::{Barrier, Broadcast, Reduce};
@@ -1478,6 +1480,8 @@ impl Transport for NetTransport {
         let round = header.full_check
             || header.count == 0
             || matches!(header.collective, Barrier | Broadcast | Reduce)
+            || header.root.is_some()
+            || header.counts.is_some()
             || header.rejected.is_some()
             || share;
         if !round {
