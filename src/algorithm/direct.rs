@@ -97,22 +97,23 @@ pub(crate) fn all_reduce(ctx: &Ctx<'_>, in_place: bool, len: usize) -> Result<()
             // each source chunk is read here before this rank writes it).
             srcs.push(unsafe { call.input(k, range.clone()) });
         }
-        // SAFETY: as above; every rank's output outlives the call (`finish`).
-        let dst = unsafe { call.output(r, range.clone()) };
-        if ordered {
+        let dst = if ordered {
             let tmp = &mut scratch[..range.len()];
-            kernels::reduce(
-                ctx.dtype,
-                ctx.op,
-                tmp,
-                &srcs,
-                Init::Overwrite,
-                ctx.mean_divisor(),
-            );
+            let div = ctx.mean_divisor();
+            kernels::reduce(ctx.dtype, ctx.op, tmp, &srcs, Init::Overwrite, div);
+            // The chunk's sources (its own among them, in place) are read: drop them before
+            // the chunk is written.
+            srcs.clear();
+            // SAFETY: as above; every rank's output outlives the call (`finish`).
+            let dst = unsafe { call.output(r, range.clone()) };
             dst.copy_from_slice(tmp);
+            dst
         } else {
+            // SAFETY: as above; every rank's output outlives the call (`finish`).
+            let dst = unsafe { call.output(r, range.clone()) };
             kernels::reduce(ctx.dtype, ctx.op, dst, &srcs, init, ctx.mean_divisor());
-        }
+            dst
+        };
         for j in (1..p).map(|d| (r + d) % p) {
             // SAFETY: slice r of rank j's output is this rank's alone to write.
             unsafe { call.output(j, range.clone()) }.copy_from_slice(dst);
@@ -178,13 +179,17 @@ pub(crate) fn reduce(ctx: &Ctx<'_>, root: usize, len: usize) -> Result<()> {
         } else {
             Init::Overwrite
         };
-        // SAFETY: slice r of the root's output is written by this rank alone.
-        let dst = unsafe { call.output(root, range) };
         if ordered {
-            let mut tmp = ctx.plan.scratch(dst.len());
+            let mut tmp = ctx.plan.scratch(range.len());
             kernels::reduce(ctx.dtype, ctx.op, &mut tmp, &srcs, init, ctx.mean_divisor());
-            dst.copy_from_slice(&tmp);
+            // The sources (the root's own input among them) are read: drop them before the
+            // slice is written.
+            srcs.clear();
+            // SAFETY: slice r of the root's output is written by this rank alone.
+            unsafe { call.output(root, range) }.copy_from_slice(&tmp);
         } else {
+            // SAFETY: slice r of the root's output is written by this rank alone.
+            let dst = unsafe { call.output(root, range) };
             kernels::reduce(ctx.dtype, ctx.op, dst, &srcs, init, ctx.mean_divisor());
         }
     }
