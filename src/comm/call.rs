@@ -268,7 +268,12 @@ impl Call {
     /// The blocks of a buffer of `len` bytes: from the offsets at `from` where the call has
     /// a count per rank, else cut evenly.
     fn blocks(&self, from: usize, len: usize) -> algorithm::Blocks<'_> {
-        match self.offsets.get(from..) {
+        // One list of P + 1 offsets, or all_to_all_v's two.
+        let n = match self.collective {
+            Collective::AllToAllV => self.offsets.len() / 2,
+            _ => self.offsets.len(),
+        };
+        match self.offsets.get(from..from + n) {
             Some(o) if !o.is_empty() => algorithm::Blocks::At(o),
             _ => algorithm::Blocks::Even(len / self.dtype.size()),
         }
@@ -1054,30 +1059,16 @@ impl Communicator {
             }
             aligned(dtype, n, &[("the input", input.as_ptr()), ("the output", o)]).map(|_| n)
         });
-        let (out_ptr, out_len) =
-            output.map_or((std::ptr::null_mut(), 0), |o| (o.as_mut_ptr(), o.len()));
-        Call {
-            collective: Collective::Gather,
-            dtype,
-            count: *check.as_ref().unwrap_or(&0),
-            op: None,
-            root: Some(root),
-            check: check.map(drop),
-            buffers: CallBuffers {
-                input: input.as_ptr(),
-                input_len: input.len(),
-                output: out_ptr,
-                output_len: out_len,
-                after: 0,
-                end: 0,
-            },
-            rank: self.rank(),
-            algorithm: self.algorithm,
-            in_place: false,
-            offsets: Vec::new(),
-            counts: None,
-            _after: None,
-        }
+        // Off the root there is no output: a null one (the body forms no slice of it).
+        let none = BytesMut {
+            ptr: std::ptr::null_mut(),
+            len: 0,
+        };
+        let output = output.unwrap_or(none);
+        let mut call =
+            self.blocks_call(Collective::Gather, dtype, input, output, check, Vec::new());
+        call.root = Some(root);
+        call
     }
 
     /// Scatter from `root`: every rank's `output` becomes block `rank` of the root's `input`
@@ -1109,29 +1100,16 @@ impl Communicator {
             }
             aligned(dtype, n, &[("the input", i), ("the output", output.as_ptr())]).map(|_| n)
         });
-        let (in_ptr, in_len) = input.map_or((std::ptr::null(), 0), |i| (i.as_ptr(), i.len()));
-        Call {
-            collective: Collective::Scatter,
-            dtype,
-            count: *check.as_ref().unwrap_or(&0),
-            op: None,
-            root: Some(root),
-            check: check.map(drop),
-            buffers: CallBuffers {
-                input: in_ptr,
-                input_len: in_len,
-                output: output.as_mut_ptr(),
-                output_len: output.len(),
-                after: 0,
-                end: 0,
-            },
-            rank: self.rank(),
-            algorithm: self.algorithm,
-            in_place: false,
-            offsets: Vec::new(),
-            counts: None,
-            _after: None,
-        }
+        // Off the root there is no input: a null one (the body forms no slice of it).
+        let none = Bytes {
+            ptr: std::ptr::null(),
+            len: 0,
+        };
+        let input = input.unwrap_or(none);
+        let mut call =
+            self.blocks_call(Collective::Scatter, dtype, input, output, check, Vec::new());
+        call.root = Some(root);
+        call
     }
 
     pub(super) fn barrier_call(&self) -> Call {
@@ -1243,10 +1221,10 @@ impl Communicator {
     fn raw_counts_call(&self, c: &RawCall<'_>) -> Call {
         let (p, r) = (self.world_size(), self.rank());
         let total = |counts: &[usize]| -> std::result::Result<usize, String> {
-            let name = if std::ptr::eq(counts, c.recv_counts) {
-                "recv_counts"
-            } else {
-                "counts"
+            let name = match c.collective {
+                _ if std::ptr::eq(counts, c.recv_counts) => "recv_counts",
+                Collective::AllToAllV => "send_counts",
+                _ => "counts",
             };
             let o = offsets(c.dtype, name, counts, p)?;
             Ok(o[p] * c.dtype.size())

@@ -272,8 +272,8 @@ impl Transport for LocalTransport {
             }
             let len = ch.len.load(Ordering::Relaxed);
             if len != rcv.dst.len() {
-                ch.refused_len
-                    .store(rcv.dst.len().max(1), Ordering::Relaxed);
+                // Plus one: an expected length of 0 is a refusal too.
+                ch.refused_len.store(rcv.dst.len() + 1, Ordering::Relaxed);
             } else if len > 0 {
                 let ptr = ch.ptr.load(Ordering::Relaxed) as *const u8;
                 // SAFETY: the sender keeps `len` bytes at `ptr` unchanged until we mark the
@@ -313,7 +313,8 @@ impl Transport for LocalTransport {
                 result = Err(Error::invalid(
                     site,
                     format!(
-                        "rank {peer} expected {refused} bytes where {} were sent",
+                        "rank {peer} expected {} bytes where {} were sent",
+                        refused - 1,
                         snd.data.len()
                     ),
                 ));
