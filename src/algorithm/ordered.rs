@@ -181,34 +181,5 @@ pub(crate) fn reduce(
         (None, Some(o)) => reduce_scatter(ctx, o, &mut block, blocks)?,
         (None, None) => unreachable!("the communicator passes an input off the root"),
     }
-    let Some(output) = output.filter(|_| r == root) else {
-        if block.is_empty() {
-            return Ok(());
-        }
-        let send = [SendOp {
-            peer: root,
-            data: &block,
-        }];
-        return ctx.t.exchange(ctx.site, &send, &mut []);
-    };
-    let mut recvs = ctx.plan.list::<RecvOp<'_>>();
-    let mut rest: &mut [u8] = output;
-    for k in 0..p {
-        let (head, tail) =
-            std::mem::take(&mut rest).split_at_mut(partition(count, p, k).len() * esize);
-        rest = tail;
-        if k == r {
-            head.copy_from_slice(&block);
-        } else if !head.is_empty() {
-            recvs.push(RecvOp {
-                peer: k,
-                dst: head,
-                mode: RecvMode::Copy,
-            });
-        }
-    }
-    if recvs.is_empty() {
-        return Ok(());
-    }
-    ctx.t.exchange(ctx.site, &[], &mut recvs)
+    ring::slices_to_root(ctx, root, &block, output, count)
 }

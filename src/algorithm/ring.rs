@@ -205,8 +205,21 @@ pub(crate) fn reduce(
         (None, Some(o)) => reduce_scatter(ctx, o, &mut slice, blocks)?,
         (None, None) => unreachable!("the communicator passes an input off the root"),
     }
+    slices_to_root(ctx, root, &slice, output, count)
+}
+
+/// Every rank's `slice` of `count` elements (cut as [`partition`] cuts them) into the root's
+/// `output`, in rank order (`output` is `None` off the root).
+pub(super) fn slices_to_root(
+    ctx: &Ctx<'_>,
+    root: usize,
+    slice: &[u8],
+    output: Option<&mut [u8]>,
+    count: usize,
+) -> Result<()> {
+    let (p, r, esize) = (ctx.world(), ctx.rank(), ctx.dtype.size());
     let Some(output) = output.filter(|_| r == root) else {
-        return exchange_nonempty(ctx, root, &slice, root, &mut [], RecvMode::Copy);
+        return exchange_nonempty(ctx, root, slice, root, &mut [], RecvMode::Copy);
     };
     let mut recvs = ctx.plan.list::<RecvOp<'_>>();
     let mut rest: &mut [u8] = output;
@@ -215,7 +228,7 @@ pub(crate) fn reduce(
             std::mem::take(&mut rest).split_at_mut(partition(count, p, k).len() * esize);
         rest = tail;
         if k == r {
-            head.copy_from_slice(&slice);
+            head.copy_from_slice(slice);
         } else if !head.is_empty() {
             recvs.push(RecvOp {
                 peer: k,
