@@ -146,9 +146,11 @@ pub(crate) unsafe fn read(config: *const tutti_config) -> Result<Settings, Failu
         0 => {}
         1 => out.deterministic = true,
         2 => out.deterministic = false,
-        d => return Err(Failure::invalid(format!(
+        d => {
+            return Err(Failure::invalid(format!(
             "config->deterministic is {d}; it must be 0 (TUTTI_DETERMINISTIC), 1 (on) or 2 (off)"
-        ))),
+        )))
+        }
     }
     Ok(Settings {
         core: out,
