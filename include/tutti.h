@@ -789,8 +789,9 @@ tutti_result tutti_all_to_all(struct tutti_comm *comm,
  * `recv_counts[k]` elements from each rank k, in rank order. `send_counts` and `recv_counts`
  * hold `world_size` entries each (read when the call is issued); `input` holds the sum of
  * `send_counts`, `output` the sum of `recv_counts`, and they must not overlap. Rank i's
- * `send_counts[j]` must equal rank j's `recv_counts[i]`: a pair that differs fails the call on
- * both ranks with an error naming them.
+ * `send_counts[j]` must equal rank j's `recv_counts[i]`: where they differ, the receiving
+ * rank's call fails naming the sender and both byte counts, and the communicator is aborted
+ * (the sender's call fails too between threads; between processes its next call does).
  *
  * See `tutti_all_reduce` for the errors. Thread-safety: as `tutti_all_reduce`.
  *

@@ -391,8 +391,7 @@ public:
     template <typename T> std::vector<T> all_to_all(const std::vector<T> &input) {
         std::size_t p = world_size();
         if (input.size() % p != 0) {
-            throw error(TUTTI_ERROR_INVALID_ARGUMENT,
-                        "tutti::comm::all_to_all: the input holds " +
+            reject("tutti::comm::all_to_all: the input holds " +
                             std::to_string(input.size()) + " elements, not a whole number of "
                             "blocks for " + std::to_string(p) + " ranks");
         }
@@ -592,18 +591,25 @@ public:
 private:
     /// The sum of `counts` (named `name` in calls to `fn`), which must hold one count per
     /// rank: the C calls read world_size entries.
+    /// This rank's arguments are wrong before any C call: abort the group, so that the other
+    /// ranks fail at once instead of waiting out the timeout (as the C calls do), and throw.
+    [[noreturn]] void reject(const std::string &message) const {
+        tutti_comm_abort(h_.get(), message.c_str());
+        throw error(TUTTI_ERROR_INVALID_ARGUMENT,
+                    message + " (the group is aborted so that the other ranks do not wait for "
+                              "this call; create a new group)");
+    }
     std::size_t counts_total(const std::vector<std::size_t> &counts, const char *fn,
                              const char *name) const {
         std::size_t p = world_size(), sum = 0;
         if (counts.size() != p) {
-            throw error(TUTTI_ERROR_INVALID_ARGUMENT,
-                        std::string("tutti::comm::") + fn + ": " + name + " has " +
+            reject(std::string("tutti::comm::") + fn + ": " + name + " has " +
                             std::to_string(counts.size()) + " entries for a world of " +
                             std::to_string(p) + " ranks; it needs one per rank");
         }
         for (std::size_t n : counts) {
             if (n > SIZE_MAX - sum) {
-                throw error(TUTTI_ERROR_INVALID_ARGUMENT, std::string("tutti::comm::") + fn +
+                reject(std::string("tutti::comm::") + fn +
                                                               ": the entries of " + name +
                                                               " sum past SIZE_MAX");
             }
@@ -615,17 +621,15 @@ private:
     std::size_t checked_times(std::size_t n, const char *fn) const {
         std::size_t p = world_size();
         if (p != 0 && n > SIZE_MAX / p) {
-            throw error(TUTTI_ERROR_INVALID_ARGUMENT,
-                        std::string("tutti::comm::") + fn + ": world_size × " +
+            reject(std::string("tutti::comm::") + fn + ": world_size × " +
                             std::to_string(n) + " overflows size_t");
         }
         return n * p;
     }
     /// A vector's length must be what the call reads from it.
-    static void expect_len(std::size_t have, std::size_t want, const char *fn, const char *what) {
+    void expect_len(std::size_t have, std::size_t want, const char *fn, const char *what) const {
         if (have != want) {
-            throw error(TUTTI_ERROR_INVALID_ARGUMENT,
-                        std::string("tutti::comm::") + fn + ": the input holds " +
+            reject(std::string("tutti::comm::") + fn + ": the input holds " +
                             std::to_string(have) + " elements but " + what + " is " +
                             std::to_string(want));
         }

@@ -4,7 +4,8 @@
 //! * all_to_all: rank r sends block j of its input to rank j and receives block k of its output
 //!   from rank k; (P-1)/P of the input leaves each rank. Equal blocks that are all empty move
 //!   nothing; with a count per block every pair exchanges, an empty block too, so that counts
-//!   that disagree between a sender and its receiver are an error naming both.
+//!   that disagree between a sender and its receiver are an error at the receiver naming the
+//!   sender.
 //! * gather: every rank sends its input to the root; (P-1)·S arrive at the root.
 //! * scatter: the root sends block k of its input to rank k; (P-1)·S leave the root.
 //!

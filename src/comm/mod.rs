@@ -957,7 +957,9 @@ impl Communicator {
     /// All-to-all with a count per block: the first `send_counts[0]` elements of `send` go to
     /// rank 0, the next `send_counts[1]` to rank 1, and so on; `recv` holds `recv_counts[k]`
     /// elements from each rank k, in rank order. Rank i's `send_counts[j]` must equal rank j's
-    /// `recv_counts[i]` (else an error naming both ranks).
+    /// `recv_counts[i]`: where they differ, the receiving rank's call fails naming the sender
+    /// and both byte counts, and the communicator is aborted (between threads the sender's
+    /// call fails too; between processes the sender's next call does).
     pub fn all_to_all_v<T: Element>(
         &self,
         send: &[T],

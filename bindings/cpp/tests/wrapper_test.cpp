@@ -262,7 +262,10 @@ static void block_collectives() {
         e = expect_throw([&] { c.reduce_scatter_v(std::vector<int>(4), counts, tutti::op::sum); });
         EXPECT(std::string(e.what()).find("holds 4 elements but the sum of counts is 5") !=
                std::string::npos);
-        c.barrier(); // none of those reached the group
+        EXPECT(std::string(e.what()).find("the group is aborted") != std::string::npos);
+        // Each refusal aborted the group, so that no peer waits for a call that never comes.
+        e = expect_throw([&] { c.barrier(); });
+        EXPECT(e.code() == TUTTI_ERROR_ABORTED);
     });
     // An argument error of the C API comes through with its message.
     on_every_rank(comms, [](tutti::comm &c, std::size_t r) {
