@@ -613,6 +613,122 @@ fn perf_bitwise_ops_check_their_values() {
     }
 }
 
+/// `tutti perf -c` of each collective of issue 26 (all-to-all, all-to-all-v, gather, scatter,
+/// all-gather-v, reduce-scatter-v) on 1-3 threads and on 2 processes over TCP and shared
+/// memory (with and without shared buffers): a row per size, out of place only, every row
+/// checked against the reference, with nccl-tests' bus factor (n-1)/n.
+#[test]
+fn perf_of_each_new_collective_checks_every_row() {
+    let collectives = [
+        "all-to-all",
+        "all-to-all-v",
+        "gather",
+        "scatter",
+        "all-gather-v",
+        "reduce-scatter-v",
+    ];
+    for c in collectives {
+        let rooted = c == "gather" || c == "scatter";
+        let mut runs: Vec<(usize, Vec<&str>)> = Vec::new();
+        for n in ["1", "2", "3"] {
+            let mut args = vec!["perf", "-n", n];
+            if rooted {
+                // The last rank as the root: the others receive (scatter) or send (gather).
+                args.extend(["-r", if n == "1" { "0" } else { "1" }]);
+            }
+            runs.push((n.parse().unwrap(), args));
+        }
+        for t in [&["tcp"][..], &["shm"], &["shm", "--shared-buffers"]] {
+            let mut args = vec!["launch", "-n", "2", "--", "tutti", "perf", "--transport"];
+            args.extend(t);
+            if rooted {
+                args.extend(["-r", "1"]);
+            }
+            runs.push((2, args));
+        }
+        for (n, mut args) in runs {
+            args.extend([
+                "--json", "-c", c, "-b", "8", "-e", "256K", "-f", "32", "--iters", "3",
+            ]);
+            let o = run(&args, &[], Duration::from_secs(120));
+            let (out, err) = text(&o);
+            assert!(o.status.success(), "{args:?}: {out}\n{err}");
+            let rows: Vec<serde_json::Value> = out
+                .lines()
+                .skip(1)
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect();
+            // 8, 256, 8K, 256K bytes: 8 bytes hold no f32 per rank on 3 ranks where the
+            // collective cuts a block per rank.
+            let split = !c.ends_with("-v");
+            let sizes = if split && n == 3 { 3 } else { 4 };
+            assert_eq!(rows.len(), sizes, "{args:?}: {out}");
+            for row in rows {
+                assert_eq!(row["errors"], 0, "{args:?}: {row}");
+                assert_eq!(row["collective"], c, "{args:?}: {row}");
+                assert_eq!(row["in_place"], false, "{args:?}: {row}");
+                let want_op = if c == "reduce-scatter-v" {
+                    "sum"
+                } else {
+                    "none"
+                };
+                assert_eq!(row["op"], want_op, "{args:?}: {row}");
+                let f = |k: &str| row[k].as_f64().unwrap();
+                let factor = (n as f64 - 1.0) / n as f64;
+                assert!(
+                    (f("busbw_gbps") - f("algbw_gbps") * factor).abs() <= 1e-9 * f("algbw_gbps"),
+                    "{args:?}: {row}"
+                );
+                assert!(f("mem_ratio") > 0.0 && f("mem_ratio").is_finite(), "{row}");
+                if rooted {
+                    assert_eq!(row["root"], if n == 1 { 0 } else { 1 }, "{row}");
+                } else {
+                    assert!(row["root"].is_null(), "{row}");
+                }
+            }
+        }
+    }
+    // The table's header line names the collective, and the op only where it reduces.
+    let o = run(
+        &[
+            "perf",
+            "-c",
+            "reduce-scatter-v",
+            "-n",
+            "2",
+            "-e",
+            "1K",
+            "--iters",
+            "1",
+        ],
+        &[],
+        Duration::from_secs(60),
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        out.starts_with(
+            "# tutti perf: reduce-scatter-v algo auto on 2 ranks (threads), f32 sum, out of place,"
+        ),
+        "{out}"
+    );
+    let o = run(
+        &[
+            "perf", "-c", "gather", "-r", "1", "-n", "2", "-e", "1K", "--iters", "1",
+        ],
+        &[],
+        Duration::from_secs(60),
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        out.starts_with(
+            "# tutti perf: gather algo auto on 2 ranks (threads), f32, root 1, out of place,"
+        ),
+        "{out}"
+    );
+}
+
 #[test]
 fn perf_under_launch_prints_json_from_rank_0() {
     let o = run(
@@ -850,6 +966,56 @@ fn perf_refuses_what_cannot_run_before_the_header() {
         (
             &["perf", "-e", "1K", "-o", "band"],
             "-o band -d f32: band is defined on integer types only, not f32",
+        ),
+        (
+            &[
+                "launch",
+                "-n",
+                "2",
+                "--",
+                "tutti",
+                "perf",
+                "-c",
+                "gather",
+                "-a",
+                "direct",
+                "--shared-buffers",
+            ],
+            "a gather's ranks off the root have no output to share",
+        ),
+        (
+            &[
+                "launch",
+                "-n",
+                "2",
+                "--",
+                "tutti",
+                "perf",
+                "-c",
+                "all-gather-v",
+                "-a",
+                "direct",
+                "--shared-buffers",
+            ],
+            "the ranks of all-gather-v hold buffers of different lengths",
+        ),
+        (
+            &[
+                "launch",
+                "-n",
+                "2",
+                "--",
+                "tutti",
+                "perf",
+                "-c",
+                "all-to-all",
+                "-b",
+                "64K",
+                "-a",
+                "direct",
+                "--shared-buffers",
+            ],
+            "(start the sweep there: -b 131072)",
         ),
         (
             &[
@@ -1092,6 +1258,34 @@ fn perf_checks_its_arguments_first() {
         ),
         (&["-r", "1"][..], "all-reduce has no root"),
         (&["--in-place", "--out-of-place"][..], "cannot be used with"),
+        (
+            &["-c", "all-to-all", "--device", "gpu"][..],
+            "-c all-to-all --device gpu: not available on GPU ranks",
+        ),
+        (
+            &["-c", "reduce-scatter-v", "--device", "xla"][..],
+            "-c reduce-scatter-v --device xla: not available on XLA devices",
+        ),
+        (
+            &["-c", "scatter", "--in-place"][..],
+            "--in-place: scatter has no in-place form",
+        ),
+        (
+            &["-c", "all-to-all-v", "-r", "1"][..],
+            "all-to-all-v has no root",
+        ),
+        (
+            &["-c", "gather", "-n", "2", "-r", "2"][..],
+            "-r 2: out of range",
+        ),
+        (
+            &["-c", "all-to-all", "-n", "3", "-b", "8", "-e", "8"][..],
+            "no size holds one f32 element per rank",
+        ),
+        (
+            &["-c", "reduce-scatter-v", "-o", "bor"][..],
+            "bor is defined on integer types only",
+        ),
         (
             &["-n", "2", "-a", "hierarchical-copy:4294967295"][..],
             "group size 4294967295 is larger than the world of 2 ranks",

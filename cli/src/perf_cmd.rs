@@ -22,20 +22,16 @@ fn check_perf_args(a: &PerfArgs) -> Result<(), tutti::Error> {
     if a.collective == Collective::Barrier {
         return bad("-c barrier: perf measures collectives that move data".into());
     }
-    let reduces = matches!(
-        a.collective,
-        Collective::AllReduce | Collective::Reduce | Collective::ReduceScatter
-    );
-    if let (true, Err(m)) = (reduces, a.op.check(a.dtype)) {
+    if let (true, Err(m)) = (perf::reduces(a.collective), a.op.check(a.dtype)) {
         return bad(format!(
             "-o {} -d {}: {m}; pick an integer type with -d (i8, u8, i32, u32, i64, u64)",
             a.op, a.dtype
         ));
     }
     if let Some(root) = a.root {
-        if !matches!(a.collective, Collective::Broadcast | Collective::Reduce) {
+        if !perf::rooted(a.collective) {
             return bad(format!(
-                "-r {root}: {} has no root (broadcast and reduce do)",
+                "-r {root}: {} has no root (broadcast, reduce, gather and scatter do)",
                 a.collective.cli_name()
             ));
         }
@@ -62,16 +58,22 @@ fn check_perf_args(a: &PerfArgs) -> Result<(), tutti::Error> {
             a.device
         )));
     }
+    // Named before the device's own availability: the collective is the first thing wrong.
+    perf::device_measures(a.device, a.collective)?;
+    if a.in_place && !perf::has_in_place(a.collective) {
+        return bad(format!(
+            "--in-place: {} has no in-place form; it is measured out of place only (drop \
+             --in-place)",
+            a.collective.cli_name()
+        ));
+    }
     if a.device == DeviceKind::Xla && a.in_place {
         return bad(
             "--in-place: XLA collectives write new device buffers (drop --in-place)".into(),
         );
     }
     let esize = a.dtype.size();
-    let split = matches!(
-        a.collective,
-        Collective::AllGather | Collective::ReduceScatter
-    );
+    let split = perf::splits(a.collective);
     let least = if split {
         esize * a.ranks.unwrap_or(1)
     } else {
@@ -203,8 +205,10 @@ fn threads_fit(ranks: Option<usize>, device: DeviceKind) -> Result<(), tutti::Er
 }
 
 /// `-a direct` between processes reads the peers' buffers in place: only on shared buffers,
-/// from the size where calls run through them, and not for reduce, whose ranks off the root
-/// have no output to share (it runs on the slots). Found before anything is printed.
+/// from the size where calls run through them (per rank's block where the collective cuts
+/// one), and not for reduce and gather, whose ranks off the root have no output to share,
+/// scatter, whose ranks off the root have no input, or the `-v` forms, whose ranks' buffers
+/// differ in length (they run on the slots). Found before anything is printed.
 fn direct_between_processes(
     a: &PerfArgs,
     algo: Algorithm,
@@ -225,12 +229,29 @@ fn direct_between_processes(
                 .into(),
         );
     }
-    if a.collective == Collective::Reduce {
-        return no(
-            "a reduce's ranks off the root have no output to share, so it runs on the \
-             shared-memory slots (use another algorithm)"
-                .into(),
-        );
+    match a.collective {
+        Collective::Reduce | Collective::Gather => {
+            return no(format!(
+                "a {}'s ranks off the root have no output to share, so it runs on the \
+                 shared-memory slots (use another algorithm)",
+                a.collective.cli_name()
+            ))
+        }
+        Collective::Scatter => {
+            return no(
+                "a scatter's ranks off the root have no input to share, so it runs on the \
+                 shared-memory slots (use another algorithm)"
+                    .into(),
+            )
+        }
+        Collective::AllGatherV | Collective::ReduceScatterV | Collective::AllToAllV => {
+            return no(format!(
+                "the ranks of {} hold buffers of different lengths, which run on the \
+                 shared-memory slots, not on shared buffers (use another algorithm)",
+                a.collective.cli_name()
+            ))
+        }
+        _ => {}
     }
     if !comm.can_share_buffers() {
         return no("some ranks are not on shared memory of this host (--transport shm)".into());
@@ -239,9 +260,10 @@ fn direct_between_processes(
     drop(comm.alloc_shared(1)?);
     let min = comm.shared_min_bytes();
     // A call's size as the threshold counts it: per rank's piece where the collective splits.
-    let per_rank = match a.collective {
-        Collective::AllGather | Collective::ReduceScatter => comm.world_size(),
-        _ => 1,
+    let per_rank = if perf::splits(a.collective) {
+        comm.world_size()
+    } else {
+        1
     };
     let esize = a.dtype.size();
     if a.min_bytes / esize / per_rank * esize < min {
@@ -400,8 +422,10 @@ fn sweep(
         shared_buffers: a.shared_buffers,
         placement: if a.in_place {
             Placement::InPlace
-        } else if a.out_of_place || a.device == DeviceKind::Xla {
-            // XLA collectives write new buffers: out of place is all there is.
+        } else if a.out_of_place || a.device == DeviceKind::Xla || !perf::has_in_place(a.collective)
+        {
+            // XLA collectives write new buffers, and all-to-all, gather, scatter and the `-v`
+            // forms have no in-place call: out of place is all there is.
             Placement::OutOfPlace
         } else {
             Placement::Both
@@ -465,10 +489,7 @@ fn sweep(
             opts.ranks,
             opts.dtype,
             // The op only where the collective reduces (a broadcast has none).
-            if matches!(
-                opts.collective,
-                Collective::AllReduce | Collective::Reduce | Collective::ReduceScatter
-            ) {
+            if perf::reduces(opts.collective) {
                 format!(" {}", opts.op)
             } else {
                 String::new()

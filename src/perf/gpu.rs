@@ -11,7 +11,10 @@
 //! number of physical GPUs in use: 1.0 means the collective moves its bytes as fast as a plain
 //! copy would.
 
-use super::{fresh, measure, sizes, wrong_elements, Bench, Options, Row, RowOf, Shape};
+use super::{
+    device_measures, fresh, measure, sizes, wrong_elements, Bench, Options, Row, RowOf, Shape,
+};
+use crate::device::DeviceKind;
 use crate::dtype::Element;
 use crate::error::{Collective, Error, Result};
 use crate::gpu::{replica_devices, GpuAlgorithm, GpuBuffer, GpuGroup};
@@ -29,6 +32,9 @@ pub fn run(
             "perf measures data collectives; barrier moves no bytes",
         ));
     }
+    // Before any device is touched: all-to-all, gather, scatter and the `-v` forms are not
+    // there on GPU ranks.
+    device_measures(DeviceKind::Gpu, opts.collective)?;
     if opts.ranks == 0 {
         return Err(Error::config("perf needs at least one GPU (-n)"));
     }
@@ -67,6 +73,8 @@ struct GpuBench<'a, T: Element> {
     recv: Vec<u64>,
     /// Elements per rank, as `GpuGroup::execute` counts them.
     n: usize,
+    /// The row's count (see [`wrong_elements`]).
+    count: usize,
 }
 
 impl<'a, T: Element> GpuBench<'a, T> {
@@ -89,7 +97,7 @@ impl<'a, T: Element> GpuBench<'a, T> {
             Collective::AllGather => out
                 .iter()
                 .enumerate()
-                .map(|(r, &o)| o + (r * shape.in_len * es) as u64)
+                .map(|(r, &o)| o + (r * shape.in_len(r) * es) as u64)
                 .collect(),
             Collective::ReduceScatter => ptrs(&input),
             _ => out.clone(),
@@ -106,7 +114,7 @@ impl<'a, T: Element> GpuBench<'a, T> {
             })
             .collect();
         let n = match c {
-            Collective::AllGather => shape.in_len,
+            Collective::AllGather => shape.in_len(0),
             Collective::ReduceScatter => shape.count / p,
             _ => shape.count,
         };
@@ -118,6 +126,7 @@ impl<'a, T: Element> GpuBench<'a, T> {
             send,
             recv,
             n,
+            count: shape.count,
         }
     }
 }
@@ -129,7 +138,8 @@ impl<T: Element> Bench for GpuBench<'_, T> {
         let mut errors = 0;
         for (r, o) in self.output.iter().enumerate() {
             let got = o.to_host()?;
-            errors += wrong_elements(opts.collective, opts.op, opts.root, p, r, &got) as u64;
+            let c = opts.collective;
+            errors += wrong_elements(c, opts.op, opts.root, p, r, self.count, &got) as u64;
         }
         Ok(errors)
     }

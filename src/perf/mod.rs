@@ -5,17 +5,21 @@
 //! a warm-up so each size takes about a quarter of a second). The time of a size is the slowest
 //! rank's mean per iteration.
 //!
-//! Sizes follow nccl-tests: `bytes` is the buffer of all-reduce, broadcast and reduce, the whole
-//! output of all-gather and the whole input of reduce-scatter. `algbw = bytes / time`; `busbw`
-//! scales it by 2(n-1)/n (all-reduce), (n-1)/n (all-gather, reduce-scatter) or 1 (broadcast,
-//! reduce). `mem_ratio` divides the least memory traffic the collective needs (every input byte
-//! read once and every output byte written once: all-reduce 2·n·S) per second by a copy
+//! Sizes follow nccl-tests: `bytes` is the buffer of all-reduce, broadcast and reduce, the larger
+//! buffer of the others: the whole output of all-gather(-v) and gather, the whole input of
+//! reduce-scatter(-v) and scatter, each rank's input of all-to-all(-v). The collectives with a
+//! count per rank split `bytes` unevenly ([`v_counts`], [`pair_counts`]). `algbw = bytes /
+//! time`; `busbw` scales it by 2(n-1)/n (all-reduce), (n-1)/n (all-gather, reduce-scatter, their
+//! `-v` forms, all-to-all(-v), gather, scatter) or 1 (broadcast, reduce). `mem_ratio` divides the
+//! least memory traffic the collective needs (every input byte read once and every output byte
+//! written once: all-reduce and all-to-all 2·n·S, gather and scatter 2·S) per second by a copy
 //! bandwidth measured like the collective: on CPU ranks, right after a size is timed, every rank
 //! copies its input into its output at once, as many times as the collective ran, and the rate
 //! is the bytes read and written by all of them over the slowest rank's mean time (for an
-//! all-reduce, `mem_ratio` is the copies' time over the collective's). The machine's best copy
-//! rate (the header line) is no yardstick on a shared host: it swings by 2x from one second to
-//! the next, and a mean compared with a best says more about the noise than about tutti.
+//! all-reduce or an all-to-all, `mem_ratio` is the copies' time over the collective's). The
+//! machine's best copy rate (the header line) is no yardstick on a shared host: it swings by 2x
+//! from one second to the next, and a mean compared with a best says more about the noise than
+//! about tutti.
 //!
 //! One harness times every device: a size on CPU ranks (one per thread or process), on the GPUs
 //! of this process (`gpu.rs`, feature `cuda`) or on its XLA devices (`xla.rs`, feature `xla`) is
@@ -66,7 +70,7 @@ pub struct Options {
     pub device: DeviceKind,
     /// Out of place, in place, or both (a row for each, out of place first).
     pub placement: Placement,
-    /// The root of broadcast and reduce.
+    /// The root of broadcast, reduce, gather and scatter.
     pub root: usize,
     /// Fixed iteration count per size (default: about 0.25 s per size).
     pub iters: Option<usize>,
@@ -152,8 +156,135 @@ impl Options {
 
     /// The root of the collective, for the collectives that have one.
     pub fn rooted(&self) -> Option<usize> {
-        matches!(self.collective, Collective::Broadcast | Collective::Reduce).then_some(self.root)
+        rooted(self.collective).then_some(self.root)
     }
+}
+
+/// Whether `c` has a root: broadcast, reduce, gather, scatter.
+pub fn rooted(c: Collective) -> bool {
+    matches!(
+        c,
+        Collective::Broadcast | Collective::Reduce | Collective::Gather | Collective::Scatter
+    )
+}
+
+/// Whether `c` reduces (takes an op): all-reduce, reduce, reduce-scatter and reduce-scatter-v.
+pub fn reduces(c: Collective) -> bool {
+    matches!(
+        c,
+        Collective::AllReduce
+            | Collective::Reduce
+            | Collective::ReduceScatter
+            | Collective::ReduceScatterV
+    )
+}
+
+/// Whether perf measures `c` in place too (`--in-place`): the collectives that existed before
+/// all-to-all; all-to-all(-v), gather, scatter and the `-v` forms have no in-place call.
+pub fn has_in_place(c: Collective) -> bool {
+    matches!(
+        c,
+        Collective::AllReduce
+            | Collective::Broadcast
+            | Collective::AllGather
+            | Collective::Reduce
+            | Collective::ReduceScatter
+    )
+}
+
+/// Whether a size of `c` is cut into one equal block per rank (so `count` is a multiple of the
+/// ranks): all-gather, reduce-scatter, all-to-all, gather, scatter.
+pub fn splits(c: Collective) -> bool {
+    matches!(
+        c,
+        Collective::AllGather
+            | Collective::ReduceScatter
+            | Collective::AllToAll
+            | Collective::Gather
+            | Collective::Scatter
+    )
+}
+
+/// An error unless perf measures `c` on `device`: GPUs and XLA devices measure the collectives
+/// their harnesses call (all-reduce, broadcast, all-gather, reduce-scatter, and on GPUs
+/// reduce); all-to-all(-v), gather, scatter and the `-v` forms run on CPU ranks only.
+pub fn device_measures(device: DeviceKind, c: Collective) -> Result<()> {
+    let (ok, list, what) = match device {
+        DeviceKind::Cpu => return Ok(()),
+        DeviceKind::Gpu => (
+            has_in_place(c),
+            "all-reduce, broadcast, all-gather, reduce and reduce-scatter",
+            "GPU ranks",
+        ),
+        DeviceKind::Xla => (
+            matches!(
+                c,
+                Collective::AllReduce
+                    | Collective::Broadcast
+                    | Collective::AllGather
+                    | Collective::ReduceScatter
+            ),
+            "all-reduce, broadcast, all-gather and reduce-scatter",
+            "XLA devices",
+        ),
+    };
+    if ok || c == Collective::Barrier {
+        return Ok(());
+    }
+    Err(Error::config(format!(
+        "-c {} --device {device}: not available on {what} (perf measures {list} there; \
+         measure {} on CPU ranks: --device cpu)",
+        c.cli_name(),
+        c.cli_name()
+    )))
+}
+
+/// The count per rank of an all-gather-v or reduce-scatter-v of `count` elements over `ranks`
+/// ranks: rank k's share in proportion to k + 1 (rounded down), the remainder to the last rank,
+/// so the counts sum to `count` and the last rank holds the most.
+pub fn v_counts(count: usize, ranks: usize) -> Vec<usize> {
+    weighted(count, (0..ranks).map(|k| k + 1))
+}
+
+/// The counts rank `from` sends each rank in an all-to-all-v of `count` elements per rank over
+/// `ranks` ranks: to rank j in proportion to ((from + j) mod ranks) + 1, the remainder to the
+/// rank of the largest weight. Every rank sends `count` elements; every rank receives about
+/// `count` (each weight, the largest too, is one sender's for each receiver), from pairs of
+/// different sizes.
+pub fn pair_counts(count: usize, ranks: usize, from: usize) -> Vec<usize> {
+    weighted(count, (0..ranks).map(|j| (from + j) % ranks + 1))
+}
+
+/// `count` split in proportion to `weights` (rounded down), the remainder to the part of the
+/// largest weight (the first such).
+fn weighted(count: usize, weights: impl Iterator<Item = usize> + Clone) -> Vec<usize> {
+    let total: u128 = weights.clone().map(|w| w as u128).sum();
+    let heaviest = weights
+        .clone()
+        .enumerate()
+        .fold(
+            (0, 0),
+            |best, (k, w)| if w > best.1 { (k, w) } else { best },
+        )
+        .0;
+    let mut v: Vec<usize> = weights
+        .map(|w| (count as u128 * w as u128 / total.max(1)) as usize)
+        .collect();
+    let rest = count - v.iter().sum::<usize>();
+    if let Some(x) = v.get_mut(heaviest) {
+        *x += rest;
+    }
+    v
+}
+
+/// P + 1 offsets from a count per rank.
+fn offsets(counts: &[usize]) -> Vec<usize> {
+    std::iter::once(0)
+        .chain(counts.iter().scan(0, |at, &c| {
+            *at += c;
+            Some(*at)
+        }))
+        .collect()
 }
 
 /// The machine line of `--json`.
@@ -189,9 +320,9 @@ pub struct Row {
     pub ranks: usize,
     /// Element type.
     pub dtype: String,
-    /// Reduce op (`none` for broadcast and all-gather).
+    /// Reduce op (`none` for the collectives that do not reduce).
     pub op: String,
-    /// The root (broadcast and reduce).
+    /// The root (broadcast, reduce, gather, scatter).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub root: Option<usize>,
     /// Measured in place (else out of place).
@@ -353,26 +484,41 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         .ok_or_else(|| format!("'{s}' is not a size (e.g. 1024, 4K, 64M, 1G)"))
 }
 
-/// Bus bandwidth factor, as nccl-tests.
+/// Bus bandwidth factor, as nccl-tests (whose alltoall, gather and scatter tests use (n-1)/n;
+/// the `-v` forms take their even form's).
 pub fn bus_factor(c: Collective, n: usize) -> f64 {
     let n = n as f64;
     match c {
         Collective::AllReduce => 2.0 * (n - 1.0) / n,
-        Collective::AllGather | Collective::ReduceScatter => (n - 1.0) / n,
-        _ => 1.0,
+        Collective::AllGather
+        | Collective::ReduceScatter
+        | Collective::AllGatherV
+        | Collective::ReduceScatterV
+        | Collective::AllToAll
+        | Collective::AllToAllV
+        | Collective::Gather
+        | Collective::Scatter => (n - 1.0) / n,
+        Collective::Broadcast | Collective::Reduce | Collective::Barrier => 1.0,
     }
 }
 
-/// Least bytes read plus written by a collective of size `bytes` over `n` ranks.
+/// Least bytes read plus written by a collective of size `bytes` over `n` ranks: every input
+/// byte read once, every output byte written once.
 pub fn min_traffic(c: Collective, n: usize, bytes: usize) -> f64 {
     let (n, s) = (n as f64, bytes as f64);
     match c {
-        Collective::AllReduce => 2.0 * n * s,
+        // Every rank reads S and writes S.
+        Collective::AllReduce | Collective::AllToAll | Collective::AllToAllV => 2.0 * n * s,
         Collective::Broadcast => n * s,
         Collective::Reduce => (n + 1.0) * s,
-        Collective::AllGather | Collective::ReduceScatter => (n + 1.0) * s,
+        // S read in all (a share per rank), S written by every rank; or the reverse.
+        Collective::AllGather
+        | Collective::ReduceScatter
+        | Collective::AllGatherV
+        | Collective::ReduceScatterV => (n + 1.0) * s,
+        // S read (a share per rank, or the root's), S written (the root's, or a share each).
+        Collective::Gather | Collective::Scatter => 2.0 * s,
         Collective::Barrier => 0.0,
-        _ => 0.0,
     }
 }
 
@@ -397,6 +543,7 @@ pub fn run(opts: &Options, machine: &Machine, emit: &(dyn Fn(&Row) + Sync)) -> R
     // CPU rows time their own copies (see the module docs); the machine's rate is the devices'.
     #[cfg(not(any(feature = "cuda", feature = "xla")))]
     let _ = machine;
+    device_measures(opts.device, opts.collective)?;
     match opts.device {
         DeviceKind::Cpu => {}
         #[cfg(feature = "cuda")]
@@ -451,6 +598,12 @@ pub fn run_on(
         )));
     }
     opts.check_root(comm.world_size())?;
+    if opts.placement != Placement::OutOfPlace && !has_in_place(opts.collective) {
+        return Err(Error::config(format!(
+            "--in-place: {} has no in-place form; it is measured out of place only",
+            opts.collective.cli_name()
+        )));
+    }
     let mut rows = Vec::new();
     for bytes in sizes(opts.min_bytes, opts.max_bytes, opts.factor) {
         for &in_place in opts.placement.runs() {
@@ -470,33 +623,82 @@ pub fn run_on(
 }
 
 /// The elements of one size of a sweep: `count` in `bytes` (a multiple of the ranks where the
-/// collective splits it), and each rank's input and output lengths.
+/// collective splits it, [`splits`]), and each rank's input and output lengths.
 struct Shape {
+    collective: Collective,
+    ranks: usize,
     count: usize,
-    in_len: usize,
-    out_len: usize,
+    /// all-gather-v and reduce-scatter-v: the count per rank ([`v_counts`]); all-to-all-v: what
+    /// each rank sends each rank, a row per sender ([`pair_counts`]).
+    counts: Vec<Vec<usize>>,
 }
 
 impl Shape {
-    /// `None` when the size holds no element (per rank, for all-gather and reduce-scatter).
+    /// `None` when the size holds no element (per rank, where the collective splits it).
     fn of(c: Collective, ranks: usize, bytes: usize, dtype: DType) -> Option<Shape> {
         let mut count = bytes / dtype.size();
-        if matches!(c, Collective::AllGather | Collective::ReduceScatter) {
-            count -= count % ranks;
+        if splits(c) {
+            count -= count % ranks.max(1);
         }
-        if count == 0 {
+        if count == 0 || ranks == 0 {
             return None;
         }
-        let (in_len, out_len) = match c {
-            Collective::AllGather => (count / ranks, count),
-            Collective::ReduceScatter => (count, count / ranks),
-            _ => (count, count),
+        let counts = match c {
+            Collective::AllGatherV | Collective::ReduceScatterV => vec![v_counts(count, ranks)],
+            Collective::AllToAllV => (0..ranks).map(|i| pair_counts(count, ranks, i)).collect(),
+            _ => Vec::new(),
         };
         Some(Shape {
+            collective: c,
+            ranks,
             count,
-            in_len,
-            out_len,
+            counts,
         })
+    }
+
+    /// Rank `r`'s input length. Every rank has a root's buffer in gather and scatter (used at
+    /// the root only), so every rank copies alike for `mem_ratio`.
+    fn in_len(&self, r: usize) -> usize {
+        let (c, p) = (self.count, self.ranks);
+        match self.collective {
+            Collective::AllGather | Collective::Gather => c / p,
+            Collective::AllGatherV => self.counts[0][r],
+            _ => c,
+        }
+    }
+
+    /// Rank `r`'s output length.
+    fn out_len(&self, r: usize) -> usize {
+        let (c, p) = (self.count, self.ranks);
+        match self.collective {
+            Collective::ReduceScatter | Collective::Scatter => c / p,
+            Collective::ReduceScatterV => self.counts[0][r],
+            Collective::AllToAllV => self.counts.iter().map(|row| row[r]).sum(),
+            _ => c,
+        }
+    }
+
+    /// The longest input and output of any rank: what a shared buffer holds on every rank
+    /// (every rank allocates alike).
+    fn caps(&self) -> (usize, usize) {
+        (0..self.ranks).fold((0, 0), |(i, o), r| {
+            (i.max(self.in_len(r)), o.max(self.out_len(r)))
+        })
+    }
+
+    /// Rank `r`'s counts for the call: the count per rank (all-gather-v, reduce-scatter-v) or
+    /// the counts it sends (all-to-all-v), and those it receives (all-to-all-v).
+    fn counts_of(&self, r: usize) -> (Vec<usize>, Vec<usize>) {
+        match self.collective {
+            Collective::AllGatherV | Collective::ReduceScatterV => {
+                (self.counts[0].clone(), Vec::new())
+            }
+            Collective::AllToAllV => (
+                self.counts[r].clone(),
+                self.counts.iter().map(|row| row[r]).collect(),
+            ),
+            _ => (Vec::new(), Vec::new()),
+        }
     }
 }
 
@@ -505,11 +707,12 @@ impl Shape {
 /// slice only).
 fn fresh<T: Element>(opts: &Options, shape: &Shape, r: usize) -> (Vec<T>, Vec<T>) {
     let c = opts.collective;
-    let input = (0..shape.in_len).map(|i| pattern(r, i)).collect();
-    let mut output = vec![T::from_f64(0.0); shape.out_len];
+    let in_len = shape.in_len(r);
+    let input = (0..in_len).map(|i| pattern(r, i)).collect();
+    let mut output = vec![T::from_f64(0.0); shape.out_len(r)];
     if opts.in_place() && c == Collective::AllGather {
-        let own = r * shape.in_len;
-        for i in 0..shape.in_len {
+        let own = r * in_len;
+        for i in 0..in_len {
             output[own + i] = pattern(r, i);
         }
     } else if opts.in_place() || (c == Collective::Broadcast && r == opts.root) {
@@ -546,6 +749,11 @@ trait Bench {
     /// Only benches whose row measures no bandwidth of its own are asked.
     fn copy(&mut self) -> usize {
         0
+    }
+    /// The bytes every rank copied, given this rank's (where one process drives every rank,
+    /// `copied` by each of the `ranks`).
+    fn all_copied(&mut self, copied: usize, ranks: usize) -> Result<usize> {
+        Ok(copied * ranks)
     }
 }
 
@@ -598,7 +806,9 @@ fn measure(bench: &mut dyn Bench, row: RowOf<'_>) -> Result<Row> {
                 copied = bench.copy();
             }
             let secs = bench.slowest(t.elapsed().as_secs_f64())? / iters as f64;
-            2.0 * (copied * row.ranks) as f64 / secs.max(1e-12) / 1e9
+            // Ranks of a collective with a count per rank copy different amounts.
+            let copied = bench.all_copied(copied, row.ranks)?;
+            2.0 * copied as f64 / secs.max(1e-12) / 1e9
         }
     };
     let c = row.opts.collective;
@@ -609,10 +819,10 @@ fn measure(bench: &mut dyn Bench, row: RowOf<'_>) -> Result<Row> {
         algo: row.algo,
         ranks: row.ranks,
         dtype: row.dtype.name().into(),
-        op: if matches!(c, Collective::Broadcast | Collective::AllGather) {
-            "none".into()
-        } else {
+        op: if reduces(c) {
             row.opts.op.name().into()
+        } else {
+            "none".into()
         },
         root: row.opts.rooted(),
         in_place: row.opts.in_place(),
@@ -635,11 +845,13 @@ enum HostBuf<T> {
 }
 
 impl<T: Element> HostBuf<T> {
-    fn new(comm: &Communicator, shared: bool, data: Vec<T>) -> Result<HostBuf<T>> {
+    /// `data` in heap memory, or at the start of a shared buffer of `cap` elements (`cap` the
+    /// same on every rank, which allocate together; at least `data.len()`).
+    fn new(comm: &Communicator, shared: bool, data: Vec<T>, cap: usize) -> Result<HostBuf<T>> {
         if !shared {
             return Ok(HostBuf::Heap(data));
         }
-        let mut b = comm.alloc_shared(std::mem::size_of_val(&data[..]))?;
+        let mut b = comm.alloc_shared(cap.max(data.len()) * std::mem::size_of::<T>())?;
         b.as_mut_slice::<T>()[..data.len()].copy_from_slice(&data);
         Ok(HostBuf::Shared(b, data.len()))
     }
@@ -670,6 +882,12 @@ struct CpuBench<'a, T> {
     opts: &'a Options,
     input: HostBuf<T>,
     output: HostBuf<T>,
+    /// The row's count (see [`wrong_elements`]).
+    count: usize,
+    /// The counts of the collectives with a count per rank ([`Shape::counts_of`]), made once,
+    /// not in the timed loop.
+    send_counts: Vec<usize>,
+    recv_counts: Vec<usize>,
 }
 
 impl<T: Element> Bench for CpuBench<'_, T> {
@@ -677,13 +895,22 @@ impl<T: Element> Bench for CpuBench<'_, T> {
         self.call()?;
         let (comm, opts) = (self.comm, self.opts);
         let (p, r) = (comm.world_size(), comm.rank());
-        let mine = wrong_elements(opts.collective, opts.op, opts.root, p, r, &self.output);
+        let mine = wrong_elements(
+            opts.collective,
+            opts.op,
+            opts.root,
+            p,
+            r,
+            self.count,
+            &self.output,
+        );
         let mut errors = [mine as u64];
         comm.all_reduce_auto(&mut errors, ReduceOp::Sum)?;
         Ok(errors[0])
     }
     fn call(&mut self) -> Result<()> {
-        run_once(self.comm, self.opts, &self.input, &mut self.output)
+        let counts = (&self.send_counts[..], &self.recv_counts[..]);
+        run_once(self.comm, self.opts, &self.input, &mut self.output, counts)
     }
     fn agree(&mut self, iters: u64) -> Result<u64> {
         let mut v = [iters];
@@ -704,6 +931,11 @@ impl<T: Element> Bench for CpuBench<'_, T> {
         std::hint::black_box(&mut self.output[..]);
         n * std::mem::size_of::<T>()
     }
+    fn all_copied(&mut self, copied: usize, _ranks: usize) -> Result<usize> {
+        let mut v = [copied as u64];
+        self.comm.all_reduce_auto(&mut v, ReduceOp::Sum)?;
+        Ok(v[0] as usize)
+    }
 }
 
 fn one_size<T: Element>(comm: &Communicator, opts: &Options, bytes: usize) -> Result<Option<Row>> {
@@ -711,12 +943,18 @@ fn one_size<T: Element>(comm: &Communicator, opts: &Options, bytes: usize) -> Re
     let Some(shape) = Shape::of(opts.collective, p, bytes, T::DTYPE) else {
         return Ok(None);
     };
-    let (input, output) = fresh::<T>(opts, &shape, comm.rank());
+    let r = comm.rank();
+    let (input, output) = fresh::<T>(opts, &shape, r);
+    let (in_cap, out_cap) = shape.caps();
+    let (send_counts, recv_counts) = shape.counts_of(r);
     let mut bench = CpuBench {
         comm,
         opts,
-        input: HostBuf::new(comm, opts.shared_buffers, input)?,
-        output: HostBuf::new(comm, opts.shared_buffers, output)?,
+        input: HostBuf::new(comm, opts.shared_buffers, input, in_cap)?,
+        output: HostBuf::new(comm, opts.shared_buffers, output, out_cap)?,
+        count: shape.count,
+        send_counts,
+        recv_counts,
     };
     let row = RowOf {
         opts,
@@ -729,13 +967,16 @@ fn one_size<T: Element>(comm: &Communicator, opts: &Options, bytes: usize) -> Re
     measure(&mut bench, row).map(Some)
 }
 
+/// One call of the collective on this rank's buffers; `counts`: the send (or per rank) and
+/// receive counts of the collectives with a count per rank.
 fn run_once<T: Element>(
     comm: &Communicator,
     opts: &Options,
     input: &[T],
     output: &mut [T],
+    counts: (&[usize], &[usize]),
 ) -> Result<()> {
-    let (op, root) = (opts.op, opts.root);
+    let (op, root, is_root) = (opts.op, opts.root, comm.rank() == opts.root);
     match (opts.collective, opts.in_place()) {
         (Collective::AllReduce, false) => comm.all_reduce_into(input, output, op),
         (Collective::AllReduce, true) => comm.all_reduce(output, op),
@@ -749,25 +990,44 @@ fn run_once<T: Element>(
         }
         (Collective::Reduce, true) => comm.reduce_in_place(output, op, root),
         (Collective::Barrier, _) => comm.barrier(),
-        (c, _) => Err(crate::Error::config(format!(
-            "perf does not measure {c} yet"
+        (Collective::AllToAll, false) => comm.all_to_all(input, output),
+        (Collective::AllToAllV, false) => comm.all_to_all_v(input, counts.0, output, counts.1),
+        (Collective::Gather, false) => comm.gather(input, is_root.then_some(output), root),
+        (Collective::Scatter, false) => comm.scatter(is_root.then_some(input), output, root),
+        (Collective::AllGatherV, false) => comm.all_gather_v(input, output, counts.0),
+        (Collective::ReduceScatterV, false) => comm.reduce_scatter_v(input, output, counts.0, op),
+        (
+            c @ (Collective::AllToAll
+            | Collective::AllToAllV
+            | Collective::Gather
+            | Collective::Scatter
+            | Collective::AllGatherV
+            | Collective::ReduceScatterV),
+            true,
+        ) => Err(Error::config(format!(
+            "--in-place: {} has no in-place form",
+            c.cli_name()
         ))),
     }
 }
 
 /// The elements of rank `rank`'s `output` that differ from the reference after one run of
-/// `collective` with `op` (and `root`, for broadcast and reduce) over `ranks` ranks whose inputs
-/// are the test [`pattern`] (the output off the root of a reduce is not checked). Shared by
-/// every device's harness.
+/// `collective` with `op` (and `root`, for the rooted collectives) over `ranks` ranks whose
+/// inputs are the test [`pattern`], in a row of `count` elements (see the module docs; the
+/// counts per rank of the `-v` forms follow from it: [`v_counts`], [`pair_counts`]). The output
+/// off the root of a reduce is not checked; off the root of a gather, which receives nothing,
+/// it must still be the zeros it started as. An output of another length than the collective
+/// writes counts every element it lacks or has too many. Shared by every device's harness.
 pub fn wrong_elements<T: Element>(
     collective: Collective,
     op: ReduceOp,
     root: usize,
     ranks: usize,
     rank: usize,
+    count: usize,
     output: &[T],
 ) -> usize {
-    let p = ranks;
+    let p = ranks.max(1);
     // The reduction of the pattern over every rank, for the five residues of i.
     let reduced: Vec<T> = (0..5)
         .map(|i| {
@@ -778,32 +1038,255 @@ pub fn wrong_elements<T: Element>(
         .collect();
     let tol = reference::tolerance(T::DTYPE, op, p, 2.0);
     let bad = |got: T, want: T| reference::count_errors(&[got], &[want], tol);
-    let at = |base: usize| {
+    // Every element against `want(i)`, and a length other than `len` counted as wrong.
+    let check = |len: usize, want: &dyn Fn(usize) -> T| -> usize {
         output
             .iter()
+            .take(len)
             .enumerate()
-            .map(|(i, x)| bad(*x, reduced[(base + i) % 5]))
-            .sum()
+            .map(|(i, x)| bad(*x, want(i)))
+            .sum::<usize>()
+            + len.abs_diff(output.len())
     };
+    let at = |base: usize| check(output.len(), &|i| reduced[(base + i) % 5]);
+    // The block of `offsets` (P + 1 of them) that holds element i, and i's place in it.
+    let block = |offsets: &[usize], i: usize| {
+        let k = offsets.partition_point(|&o| o <= i) - 1;
+        (k, i - offsets[k])
+    };
+    // (At least 1: a count below the ranks is no row, but must not divide by zero here.)
+    let block_len = (count / p).max(1);
     match collective {
         Collective::AllReduce => at(0),
         Collective::Reduce if rank != root => 0,
         Collective::Reduce => at(0),
-        Collective::Broadcast => output
-            .iter()
-            .enumerate()
-            .map(|(i, x)| bad(*x, pattern(root, i)))
-            .sum(),
+        Collective::Broadcast => check(output.len(), &|i| pattern(root, i)),
         Collective::AllGather => {
             let n = output.len() / p;
-            output
-                .iter()
-                .enumerate()
-                .map(|(i, x)| bad(*x, pattern(i / n, i % n)))
-                .sum()
+            check(output.len(), &|i| pattern(i / n, i % n))
         }
         Collective::ReduceScatter => at(rank * output.len()),
         Collective::Barrier => 0,
-        _ => output.len(),
+        // Block k of the output is block `rank` of rank k's input.
+        Collective::AllToAll => check(count, &|i| {
+            pattern(i / block_len, rank * block_len + i % block_len)
+        }),
+        // From rank k: c(k, rank) elements, from where rank k's block for this rank starts.
+        Collective::AllToAllV => {
+            let rows: Vec<Vec<usize>> = (0..p).map(|k| pair_counts(count, p, k)).collect();
+            let from: Vec<usize> = rows.iter().map(|row| row[..rank].iter().sum()).collect();
+            let recv = offsets(&rows.iter().map(|row| row[rank]).collect::<Vec<_>>());
+            check(recv[p], &|i| {
+                let (k, j) = block(&recv, i);
+                pattern(k, from[k] + j)
+            })
+        }
+        Collective::Gather if rank != root => check(count, &|_| T::from_f64(0.0)),
+        Collective::Gather => check(count, &|i| pattern(i / block_len, i % block_len)),
+        // This rank's block of the root's input.
+        Collective::Scatter => check(block_len, &|i| pattern(root, rank * block_len + i)),
+        Collective::AllGatherV => {
+            let o = offsets(&v_counts(count, p));
+            check(count, &|i| {
+                let (k, j) = block(&o, i);
+                pattern(k, j)
+            })
+        }
+        Collective::ReduceScatterV => {
+            let o = offsets(&v_counts(count, p));
+            let base = o[rank.min(p - 1)];
+            check(o[rank.min(p - 1) + 1] - base, &|i| reduced[(base + i) % 5])
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The collectives with no in-place form, each measured out of place.
+    const NEW: [Collective; 6] = [
+        Collective::AllToAll,
+        Collective::AllToAllV,
+        Collective::Gather,
+        Collective::Scatter,
+        Collective::AllGatherV,
+        Collective::ReduceScatterV,
+    ];
+
+    #[test]
+    fn uneven_counts_sum_to_the_count_and_differ() {
+        for p in 1..=5 {
+            for count in [0, 1, 2, 7, 100, 12345, 1 << 24] {
+                let v = v_counts(count, p);
+                assert_eq!(
+                    (v.len(), v.iter().sum::<usize>()),
+                    (p, count),
+                    "{p} {count}"
+                );
+                let rows: Vec<Vec<usize>> = (0..p).map(|i| pair_counts(count, p, i)).collect();
+                for row in &rows {
+                    assert_eq!((row.len(), row.iter().sum::<usize>()), (p, count));
+                }
+                // Each rank receives about what it sends (a rounding per sender off).
+                for j in 0..p {
+                    let got: usize = rows.iter().map(|row| row[j]).sum();
+                    assert!(got.abs_diff(count) <= p, "{p} {count}: rank {j} gets {got}");
+                }
+                if p > 1 && count >= 100 {
+                    // Uneven: the last rank holds the most, the pairs of a rank differ.
+                    assert!(v[p - 1] > v[0], "{v:?}");
+                    assert!(rows[0].iter().any(|&c| c != rows[0][0]), "{rows:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bus_factors_and_least_traffic_follow_nccl_tests() {
+        let s = 1000;
+        for c in NEW {
+            assert_eq!(bus_factor(c, 4), 0.75, "{c}");
+            assert_eq!(bus_factor(c, 1), 0.0, "{c}");
+        }
+        for c in [Collective::AllToAll, Collective::AllToAllV] {
+            assert_eq!(min_traffic(c, 4, s), 8000.0);
+        }
+        for c in [Collective::Gather, Collective::Scatter] {
+            assert_eq!(min_traffic(c, 4, s), 2000.0);
+        }
+        for c in [Collective::AllGatherV, Collective::ReduceScatterV] {
+            assert_eq!(
+                min_traffic(c, 4, s),
+                min_traffic(Collective::AllGather, 4, s)
+            );
+        }
+    }
+
+    /// A real call of each collective on 1-3 threads, from the first and the last root: no
+    /// element of any rank's output is wrong, and one changed element (scatter's ranks off
+    /// the root and gather's untouched outputs included) or a missing one is one wrong element.
+    #[test]
+    fn the_check_reads_every_value_of_every_rank() {
+        let op = ReduceOp::Sum;
+        for c in NEW {
+            for p in 1..=3 {
+                for root in [0, p - 1] {
+                    for bytes in [8, 4 * 30, 4 * 1001] {
+                        let opts = Options {
+                            collective: c,
+                            ranks: p,
+                            root,
+                            placement: Placement::OutOfPlace,
+                            ..Options::default()
+                        };
+                        let Some(shape) = Shape::of(c, p, bytes, DType::I32) else {
+                            assert!(splits(c) && bytes / 4 < p);
+                            continue;
+                        };
+                        let outs = run_local(p, &Config::default(), |comm| {
+                            let r = comm.rank();
+                            let (input, mut output) = fresh::<i32>(&opts, &shape, r);
+                            let (send, recv) = shape.counts_of(r);
+                            run_once(comm, &opts, &input, &mut output, (&send, &recv))
+                                .map(|()| output)
+                        })
+                        .unwrap();
+                        let at = format!("{c} on {p} ranks, root {root}, {bytes} bytes");
+                        for (r, out) in outs.into_iter().enumerate() {
+                            let out = out.unwrap();
+                            let wrong =
+                                |o: &[i32]| wrong_elements(c, op, root, p, r, shape.count, o);
+                            assert_eq!(wrong(&out), 0, "{at}: rank {r}: {out:?}");
+                            for i in [0, out.len() / 2, out.len().saturating_sub(1)] {
+                                let Some(&x) = out.get(i) else { continue };
+                                let mut bad = out.clone();
+                                bad[i] = x + 7;
+                                assert_eq!(wrong(&bad), 1, "{at}: rank {r}, element {i}");
+                            }
+                            if let Some((_, short)) = out.split_last() {
+                                assert_eq!(wrong(short), 1, "{at}: rank {r}, one short");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn machine() -> Machine {
+        Machine {
+            copy_gbps: 1.0,
+            cores: 2,
+            cpu: String::new(),
+            memory_bytes: 0,
+            tcp_gbps: None,
+            gpu_copy_gbps: None,
+        }
+    }
+
+    /// The sweep on 1-3 threads, on heap and shared buffers: a row per size, none wrong, with
+    /// the collective's op (or none) and root (or none).
+    #[test]
+    fn sweeps_of_each_collective_check_every_row() {
+        for c in NEW {
+            for p in 1..=3 {
+                for shared_buffers in [false, true] {
+                    let opts = Options {
+                        collective: c,
+                        ranks: p,
+                        root: p - 1,
+                        min_bytes: 8,
+                        max_bytes: 64 << 10,
+                        factor: 32,
+                        iters: Some(2),
+                        shared_buffers,
+                        placement: Placement::OutOfPlace,
+                        ..Options::default()
+                    };
+                    let rows = run(&opts, &machine(), &|_| {}).unwrap();
+                    let want = if splits(c) && p == 3 { 2 } else { 3 };
+                    assert_eq!(rows.len(), want, "{c} on {p}: {rows:?}");
+                    for row in rows {
+                        assert_eq!(row.errors, 0, "{c} on {p}: {row:?}");
+                        assert_eq!(row.op, if reduces(c) { "sum" } else { "none" });
+                        assert_eq!(row.root, rooted(c).then_some(p - 1));
+                        assert!(row.mem_ratio.is_finite() && row.mem_ratio > 0.0, "{row:?}");
+                        let f = bus_factor(c, p);
+                        assert!(
+                            (row.busbw_gbps - row.algbw_gbps * f).abs() < 1e-9,
+                            "{row:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn what_perf_cannot_measure_is_refused_before_it_runs() {
+        for c in NEW {
+            for device in [DeviceKind::Gpu, DeviceKind::Xla] {
+                let opts = Options {
+                    collective: c,
+                    device,
+                    ..Options::default()
+                };
+                let e = run(&opts, &machine(), &|_| {}).unwrap_err().to_string();
+                let name = c.cli_name();
+                assert!(
+                    e.contains(&format!("-c {name} --device {device}: not available on")),
+                    "{e}"
+                );
+            }
+            let opts = Options {
+                collective: c,
+                ranks: 2,
+                placement: Placement::Both,
+                ..Options::default()
+            };
+            let e = run(&opts, &machine(), &|_| {}).unwrap_err().to_string();
+            assert!(e.contains("has no in-place form"), "{e}");
+        }
     }
 }

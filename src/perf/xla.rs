@@ -38,18 +38,9 @@ pub(super) fn run(
     machine: &Machine,
     emit: &(dyn Fn(&Row) + Sync),
 ) -> Result<Vec<Row>> {
-    match opts.collective {
-        Collective::AllReduce
-        | Collective::Broadcast
-        | Collective::AllGather
-        | Collective::ReduceScatter => {}
-        c => {
-            return Err(Error::config(format!(
-            "--device xla measures all-reduce, broadcast, all-gather and reduce-scatter, not {}",
-            c.cli_name()
-        )))
-        }
-    }
+    // Before any plugin is loaded: all-to-all, gather, scatter, reduce and the `-v` forms are
+    // not there on XLA devices.
+    super::device_measures(crate::device::DeviceKind::Xla, opts.collective)?;
     if opts.placement != Placement::OutOfPlace {
         return Err(Error::config(
             "--device xla: XLA collectives write new device buffers; drop --in-place",
@@ -97,6 +88,8 @@ struct XlaBench<'a, T> {
     client: &'a Client,
     opts: &'a Options,
     inputs: Vec<&'a XlaBuffer>,
+    /// The row's count (see [`wrong_elements`]).
+    count: usize,
     /// The buffers are untyped device memory; the results are read back as `T`.
     dtype: PhantomData<T>,
 }
@@ -109,7 +102,8 @@ impl<T: Element> Bench for XlaBench<'_, T> {
         let mut errors = 0;
         for (r, o) in outs.iter().enumerate() {
             let got = o.to_vec::<T>()?;
-            errors += wrong_elements(opts.collective, opts.op, opts.root, p, r, &got) as u64;
+            let c = opts.collective;
+            errors += wrong_elements(c, opts.op, opts.root, p, r, self.count, &got) as u64;
         }
         Ok(errors)
     }
@@ -135,6 +129,7 @@ fn one_size<T: Element>(
         client,
         opts,
         inputs: inputs.iter().collect(),
+        count: shape.count,
         dtype: PhantomData,
     };
     let row = RowOf {
