@@ -213,3 +213,35 @@ fn ranks_that_disagree_about_the_mode_get_a_mismatch() {
         }
     }
 }
+
+#[test]
+fn perf_measures_the_mode() {
+    let out = std::process::Command::new(common::tutti_bin())
+        .args([
+            "perf",
+            "-n",
+            "3",
+            "-b",
+            "1K",
+            "-e",
+            "64K",
+            "--deterministic",
+            "--json",
+        ])
+        .env_remove("TUTTI_DETERMINISTIC")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<&str> = text.lines().filter(|l| l.contains("\"errors\"")).collect();
+    assert!(rows.len() >= 4, "{text}");
+    assert!(rows.iter().all(|l| l.contains("\"errors\":0")), "{text}");
+    assert!(
+        rows.iter().all(|l| l.contains("\"deterministic\":true")),
+        "{text}"
+    );
+}

@@ -198,6 +198,10 @@ struct PerfArgs {
     /// thread meanwhile, against the two one after the other (ratio 1.0: no overlap).
     #[arg(long)]
     overlap: bool,
+    /// Bitwise-deterministic reductions (as TUTTI_DETERMINISTIC=1), to measure what the mode
+    /// costs (`tutti check` under it compares the bits on random floats).
+    #[arg(long)]
+    deterministic: bool,
 }
 
 fn config_with_timeout(timeout: Option<f64>) -> Result<Config, tutti::Error> {

@@ -115,7 +115,10 @@ fn check_perf_args(a: &PerfArgs) -> Result<(), tutti::Error> {
 
 /// `tutti perf`: one sweep, or one per algorithm asked for, on this process's ranks or devices.
 pub(crate) fn run(a: PerfArgs) -> Result<(), tutti::Error> {
-    let config = config_with_timeout(a.timeout)?;
+    let mut config = config_with_timeout(a.timeout)?;
+    if a.deterministic {
+        config = config.with_deterministic(true);
+    }
     if a.min_bytes > a.max_bytes {
         return Err(tutti::Error::config(format!(
             "-b {} is larger than -e {}: nothing to measure",
@@ -483,7 +486,7 @@ fn sweep(
         say!("{}", serde_json::json!({ "machine": machine }));
     } else if lead {
         say!(
-            "# tutti perf: {} algo {} on {} ranks ({carrier}), {}{}{}, {}, device {}{}",
+            "# tutti perf: {} algo {} on {} ranks ({carrier}), {}{}{}, {}, device {}{}{}",
             opts.collective.cli_name(),
             algo.name,
             opts.ranks,
@@ -504,6 +507,11 @@ fn sweep(
             opts.device,
             if opts.shared_buffers {
                 ", shared buffers"
+            } else {
+                ""
+            },
+            if opts.config.deterministic {
+                ", deterministic"
             } else {
                 ""
             }

@@ -346,6 +346,8 @@ pub struct Row {
     pub errors: u64,
     /// The buffers came from `alloc_shared` (`--shared-buffers`).
     pub shared_buffers: bool,
+    /// Bitwise-deterministic reductions (`--deterministic`, `TUTTI_DETERMINISTIC=1`).
+    pub deterministic: bool,
 }
 
 /// Measure the copy bandwidth: a 256 MiB memcpy split across every core, best of six, counted
@@ -835,6 +837,7 @@ fn measure(bench: &mut dyn Bench, row: RowOf<'_>) -> Result<Row> {
         copy_gbps,
         errors,
         shared_buffers: row.opts.shared_buffers,
+        deterministic: row.opts.config.deterministic,
     })
 }
 
