@@ -194,6 +194,7 @@ _PROTOTYPES = {
     "tutti_comm_destroy": (None, [_ptr]),
     "tutti_comm_rank": (_u32, [_ptr, ctypes.POINTER(_size)]),
     "tutti_comm_world_size": (_u32, [_ptr, ctypes.POINTER(_size)]),
+    "tutti_comm_timeout_ms": (_u32, [_ptr, ctypes.POINTER(ctypes.c_uint64)]),
     "tutti_comm_split": (_u32, [_ptr, ctypes.c_int64, ctypes.c_int64, _pp]),
     "tutti_comm_abort": (_u32, [_ptr, ctypes.c_char_p]),
     "tutti_comm_set_cuda_stream": (_u32, [_ptr, _ptr]),
