@@ -92,6 +92,7 @@ pub use device::{
 pub use dtype::{kernels, DType, Element, ReduceOp};
 pub use error::{Collective, Error, Result, Site};
 pub use half::{bf16, f16};
+pub use trace::flush as flush_trace;
 pub use transport::{dead_segments, sweep_dead_segments, TransportKind};
 
 /// The README's examples, compiled and run as doctests.

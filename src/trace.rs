@@ -44,6 +44,29 @@ pub(crate) struct Tracer {
     dropped: Arc<AtomicU64>,
     /// Closed by the writer thread when it has written everything and closed the file.
     done: Receiver<()>,
+    /// Events handed to the writer, and events it has written and flushed.
+    queued: AtomicU64,
+    written: Arc<AtomicU64>,
+}
+
+/// Wait, at most a second, until the writer of `TUTTI_TRACE` has written and flushed every
+/// event this process's calls queued: a program about to exit calls it, so that the trace
+/// shows how its last call ended (the writer thread does not outlive the process). Without a
+/// trace it returns at once.
+pub fn flush() {
+    let Some(t) = tracer() else { return };
+    let queued = t.queued.load(Ordering::Acquire);
+    let deadline = std::time::Instant::now() + FLUSH_WAIT;
+    while t.written.load(Ordering::Acquire) < queued && std::time::Instant::now() < deadline {
+        // A writer that stopped (it could not open the file) writes nothing more.
+        if matches!(
+            t.done.try_recv(),
+            Err(crossbeam_channel::TryRecvError::Disconnected)
+        ) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 /// One event, with the rank whose process-name record must precede it.
@@ -114,7 +137,7 @@ fn open(path: &str) -> std::io::Result<(std::fs::File, bool)> {
 
 /// The writer thread: open the file, then write each event as it comes, flushing whenever the
 /// queue is empty, until every sender is gone.
-fn write_events(path: &str, queue: Receiver<Line>, dropped: &AtomicU64) {
+fn write_events(path: &str, queue: Receiver<Line>, dropped: &AtomicU64, written: &AtomicU64) {
     let (file, new) = match open(path) {
         Ok(f) => f,
         Err(e) => {
@@ -132,7 +155,9 @@ fn write_events(path: &str, queue: Receiver<Line>, dropped: &AtomicU64) {
     let mut warned = false;
     while let Ok(first) = queue.recv() {
         let mut next = Some(first);
+        let mut lines = 0;
         while let Some(Line { rank, event }) = next {
+            lines += 1;
             if !named.contains(&rank) {
                 named.push(rank);
                 let name = serde_json::json!({
@@ -162,6 +187,7 @@ fn write_events(path: &str, queue: Receiver<Line>, dropped: &AtomicU64) {
             next = queue.try_recv().ok();
         }
         let _ = out.flush();
+        written.fetch_add(lines, Ordering::Release);
     }
     let _ = out.flush();
 }
@@ -174,10 +200,12 @@ impl Tracer {
         let (done_tx, done) = bounded::<()>(0);
         let dropped = Arc::new(AtomicU64::new(0));
         let lost = dropped.clone();
+        let written = Arc::new(AtomicU64::new(0));
+        let flushed = written.clone();
         let spawned = std::thread::Builder::new()
             .name("tutti-trace".into())
             .spawn(move || {
-                write_events(&path, rx, &lost);
+                write_events(&path, rx, &lost, &flushed);
                 drop(done_tx);
             });
         match spawned {
@@ -185,6 +213,8 @@ impl Tracer {
                 queue: Some(queue),
                 dropped,
                 done,
+                queued: AtomicU64::new(0),
+                written,
             }),
             Err(e) => {
                 log::warn!("TUTTI_TRACE: cannot start the trace writer: {e}; no trace is written");
@@ -197,7 +227,9 @@ impl Tracer {
     fn write(&self, rank: usize, event: serde_json::Value) {
         let Some(queue) = &self.queue else { return };
         match queue.try_send(Line { rank, event }) {
-            Ok(()) => {}
+            Ok(()) => {
+                self.queued.fetch_add(1, Ordering::Release);
+            }
             Err(TrySendError::Full(_)) => {
                 self.dropped.fetch_add(1, Ordering::Relaxed);
             }
@@ -410,10 +442,13 @@ mod tests {
         let (queue, stalled) = bounded(QUEUE);
         let (_done_tx, done) = bounded::<()>(0);
         let dropped = Arc::new(AtomicU64::new(0));
+        let written = Arc::new(AtomicU64::new(0));
         let t = Tracer {
             queue: Some(queue),
             dropped: dropped.clone(),
             done,
+            queued: AtomicU64::new(0),
+            written: written.clone(),
         };
         let start = Instant::now();
         let site = Site {
@@ -432,9 +467,14 @@ mod tests {
         let path = d.join("t.json");
         let lost = dropped.clone();
         let path2 = path.to_string_lossy().into_owned();
-        let writer = std::thread::spawn(move || write_events(&path2, stalled, &lost));
+        let flushed = written.clone();
+        let writer = std::thread::spawn(move || write_events(&path2, stalled, &lost, &flushed));
+        let queued = t.queued.load(Ordering::Relaxed);
         drop(t);
         writer.join().unwrap();
+        // What `flush` waits for: every queued event written.
+        assert_eq!(queued, QUEUE as u64);
+        assert_eq!(written.load(Ordering::Relaxed), queued);
         let text = std::fs::read_to_string(&path).unwrap();
         assert!(
             text.contains("\"dropped\":4096"),

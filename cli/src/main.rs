@@ -460,6 +460,8 @@ fn main() -> ExitCode {
         Command::Check(a) => ("check", check_cmd(a).map(|_| 0)),
         Command::Launch(a) => ("launch", launch_cmd(a)),
     };
+    // The trace's last events (how the last call ended) are written before the process goes.
+    tutti::flush_trace();
     match r {
         Ok(0) => ExitCode::SUCCESS,
         Ok(code) => ExitCode::from(code.clamp(1, 255) as u8),
