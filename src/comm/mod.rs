@@ -327,6 +327,17 @@ impl Communicator {
         self.transport().rank()
     }
 
+    /// Whether this communicator's ranks run `collective`: host ranks run every one; device
+    /// groups (CUDA, XLA) the collectives every device library has, and refuse the others
+    /// before the ranks meet.
+    pub fn runs(&self, collective: Collective) -> bool {
+        self.progress
+            .shared()
+            .engine
+            .as_ref()
+            .is_none_or(|e| e.runs(collective))
+    }
+
     /// Whether this communicator's reductions are bitwise-deterministic (see
     /// [`Config::deterministic`]).
     pub fn deterministic(&self) -> bool {
