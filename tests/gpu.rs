@@ -1376,6 +1376,10 @@ fn listing_gpus_creates_no_context() {
             "--test-threads=1",
         ])
         .env(CHILD, "1")
+        // XLA discovery (`discover_devices` with the `xla` feature) makes a client of the PJRT
+        // plugin it finds, and a CUDA plugin's client holds a context of its own on the GPU:
+        // the plugin's, not the listing's. A plugin that does not exist keeps this to tutti's.
+        .env("TUTTI_PJRT_PLUGIN", "/nonexistent/tutti-test/plugin.so")
         .output()
         .unwrap();
     let text =

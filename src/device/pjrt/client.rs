@@ -341,8 +341,24 @@ impl Client {
         Err(plugin::not_found(&why))
     }
 
-    /// A client of `plugin` with `options`.
+    /// A client of `plugin` with `options`. A CUDA plugin's client takes GPU memory as it
+    /// needs it (`preallocate=false`) unless the options name `preallocate`, `allocator` or
+    /// `memory_fraction`: XLA's own default takes 75% of the GPU at once, which the caller's
+    /// framework on that GPU would then lack.
     pub fn new(plugin: &'static Plugin, options: &ClientOptions) -> Result<Client> {
+        let defaulted;
+        let options = if PluginKind::of(plugin.path()) == PluginKind::Cuda
+            && ["preallocate", "allocator", "memory_fraction"]
+                .iter()
+                .all(|k| options.get(k).is_none())
+        {
+            defaulted = options
+                .clone()
+                .with("preallocate", OptionValue::Bool(false));
+            &defaulted
+        } else {
+            options
+        };
         let api = plugin.api;
         let create = api
             .client_create
