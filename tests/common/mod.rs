@@ -32,10 +32,21 @@ pub fn example(name: &str, features: &[&str]) -> std::path::PathBuf {
 }
 
 /// The `tutti` command (the `tutti-cli` package), built once per test process with this
-/// test's profile, target directory and the library features the test was built with.
+/// test's profile, target directory and the library features the test was built with; or,
+/// where `TUTTI_TEST_BIN` names one, that prebuilt command (for test binaries carried to a
+/// machine without cargo, such as a GPU machine).
 pub fn tutti_bin() -> std::path::PathBuf {
     static BIN: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
     BIN.get_or_init(|| {
+        if let Some(bin) = std::env::var_os("TUTTI_TEST_BIN") {
+            let bin = std::path::PathBuf::from(bin);
+            assert!(
+                bin.exists(),
+                "TUTTI_TEST_BIN={} does not exist",
+                bin.display()
+            );
+            return bin;
+        }
         let mut features = Vec::new();
         if cfg!(feature = "xla") {
             features.push("xla");
