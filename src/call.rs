@@ -168,12 +168,12 @@ impl CallHeader {
                 .map_or_else(|| "none".to_string(), |x| x.to_string())
         }
         let fields = [
-            ("call number", self.call.to_string(), other.call.to_string()),
             (
                 "collective",
                 self.collective.to_string(),
                 other.collective.to_string(),
             ),
+            ("call number", self.call.to_string(), other.call.to_string()),
             ("dtype", self.dtype.to_string(), other.dtype.to_string()),
             ("count", self.count.to_string(), other.count.to_string()),
             ("op", opt(&self.op), opt(&other.op)),

@@ -35,11 +35,18 @@ pub enum Collective {
     AllGatherV = 10,
     /// Reduce-scatter with a count per rank (the same counts on every rank).
     ReduceScatterV = 11,
+    /// Point-to-point: this rank's buffer goes to one peer (matched with its `Recv`).
+    Send = 12,
+    /// Point-to-point: this rank's buffer is filled from one peer (matched with its `Send`).
+    Recv = 13,
+    /// Point-to-point: a group of sends and receives run together (`send_recv`, the C ABI's
+    /// `tutti_group_start` / `tutti_group_end`).
+    SendRecv = 14,
 }
 
 impl Collective {
     /// Every collective, in tag order.
-    pub const ALL: [Collective; 12] = [
+    pub const ALL: [Collective; 15] = [
         Collective::AllReduce,
         Collective::Broadcast,
         Collective::AllGather,
@@ -52,6 +59,9 @@ impl Collective {
         Collective::Scatter,
         Collective::AllGatherV,
         Collective::ReduceScatterV,
+        Collective::Send,
+        Collective::Recv,
+        Collective::SendRecv,
     ];
 
     /// The API name (`all_reduce`, `broadcast`, ...).
@@ -69,6 +79,9 @@ impl Collective {
             Collective::Scatter => "scatter",
             Collective::AllGatherV => "all_gather_v",
             Collective::ReduceScatterV => "reduce_scatter_v",
+            Collective::Send => "send",
+            Collective::Recv => "recv",
+            Collective::SendRecv => "send_recv",
         }
     }
 
@@ -87,6 +100,9 @@ impl Collective {
             Collective::Scatter => "scatter",
             Collective::AllGatherV => "all-gather-v",
             Collective::ReduceScatterV => "reduce-scatter-v",
+            Collective::Send => "send",
+            Collective::Recv => "recv",
+            Collective::SendRecv => "send-recv",
         }
     }
 
@@ -94,6 +110,14 @@ impl Collective {
     /// digest in the call's header.
     pub const fn has_counts(self) -> bool {
         matches!(self, Collective::AllGatherV | Collective::ReduceScatterV)
+    }
+
+    /// Whether this is a point-to-point call (between two ranks, not every rank).
+    pub const fn is_point_to_point(self) -> bool {
+        matches!(
+            self,
+            Collective::Send | Collective::Recv | Collective::SendRecv
+        )
     }
 
     /// The collective with this numeric value (as used by the C ABI).
@@ -118,7 +142,7 @@ impl std::str::FromStr for Collective {
             .find(|c| c.cli_name() == s || c.cli_name().replace('-', "") == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown collective '{s}' (expected all-reduce, broadcast, all-gather, reduce, reduce-scatter, barrier, all-to-all, all-to-all-v, gather, scatter, all-gather-v or reduce-scatter-v)"
+                    "unknown collective '{s}' (expected all-reduce, broadcast, all-gather, reduce, reduce-scatter, barrier, all-to-all, all-to-all-v, gather, scatter, all-gather-v, reduce-scatter-v or send-recv)"
                 )
             })
     }

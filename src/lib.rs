@@ -82,8 +82,8 @@ pub use cluster::{
 };
 pub use comm::{
     deterministic_from_env, device_group, full_check_from_env, local_group, run_local,
-    timeout_from_env, AbortHandle, Communicator, Config, RawCall, Replicas, SharedBuffer, Work,
-    MAX_LOCAL_RANKS, MAX_TIMEOUT,
+    timeout_from_env, AbortHandle, Communicator, Config, PeerOp, RawCall, RawPeerOp, Replicas,
+    SharedBuffer, Work, MAX_LOCAL_RANKS, MAX_TIMEOUT,
 };
 pub use device::{
     discover as discover_devices, host as host_info, logical_cpus, parse_spec as parse_device,

@@ -259,6 +259,8 @@ impl Call {
                     )
                 }
                 Collective::Barrier => Ok(()),
+                // Refused when the call was made (see `raw_call_of`).
+                Collective::Send | Collective::Recv | Collective::SendRecv => Ok(()),
             }
         }
     }
@@ -1211,6 +1213,15 @@ impl Communicator {
             }
             Collective::AllToAllV | Collective::AllGatherV | Collective::ReduceScatterV => {
                 unreachable!("built by raw_counts_call")
+            }
+            Collective::Send | Collective::Recv | Collective::SendRecv => {
+                let mut call = self.barrier_call();
+                call.collective = c.collective;
+                call.check = Err(format!(
+                    "{} is point-to-point: run it with Communicator::send, recv or send_recv",
+                    c.collective
+                ));
+                call
             }
         }
     }

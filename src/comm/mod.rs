@@ -13,6 +13,7 @@
 
 mod call;
 mod group;
+mod p2p;
 mod replicas;
 mod shared;
 mod split;
@@ -20,6 +21,7 @@ mod work;
 
 pub(crate) use group::engine_group;
 pub use group::{device_group, local_group, run_local, MAX_LOCAL_RANKS};
+pub use p2p::{PeerOp, RawPeerOp};
 pub use replicas::Replicas;
 pub use shared::SharedBuffer;
 pub use work::Work;

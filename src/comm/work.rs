@@ -69,9 +69,17 @@ pub(crate) trait Runnable: Send {
     fn run(&self, shared: &Shared, number: u64, plan: &Plan) -> Result<()>;
     /// Where an error of this call is reported (collective and rank; the number is added).
     fn site(&self, number: u64) -> Site;
+    /// Whether the call takes a call number of its own: every collective does, and every rank
+    /// numbers its collectives alike; a point-to-point call involves two ranks only, so it
+    /// runs under the number of the collective that comes next, which it does not use up.
+    fn numbered(&self) -> bool {
+        true
+    }
 }
 
 struct Job {
+    /// Its place in issue order, among every call of the communicator.
+    seq: u64,
     number: u64,
     call: Box<dyn Runnable>,
     state: Arc<WorkState>,
@@ -80,8 +88,10 @@ struct Job {
 
 #[derive(Default)]
 struct Queue {
-    /// The next call number to hand out.
+    /// The next call number to hand out (collectives only: see [`Runnable::numbered`]).
     next_call: u64,
+    /// The next place in issue order (every call).
+    next_seq: u64,
     /// Issued calls not yet started, in issue order.
     jobs: VecDeque<Job>,
     /// A call is running (on the progress thread or inline on a caller's thread).
@@ -92,17 +102,30 @@ struct Queue {
     thread: bool,
     /// What calls reuse from one to the next; the running call holds it.
     plan: Plan,
-    /// The number of the last call completed, plus one (calls complete in issue order).
+    /// The place in issue order of the last call completed, plus one (calls complete in issue
+    /// order).
     completed: u64,
     /// Values dropped once every call issued before them has completed (see
-    /// [`Progress::drop_after_issued`]), each with the call count it waits for.
+    /// [`Progress::drop_after_issued`]), each with the place in issue order it waits for.
     deferred: Vec<(u64, Keep)>,
 }
 
 impl Queue {
-    /// Call `number` has completed: the deferred values it held back, to drop outside the lock.
-    fn completed(&mut self, number: u64) -> Vec<Keep> {
-        self.completed = self.completed.max(number + 1);
+    /// The call number and place in issue order of a call issued now.
+    fn take_numbers(&mut self, call: &(dyn Runnable + '_)) -> (u64, u64) {
+        let number = self.next_call;
+        if call.numbered() {
+            self.next_call += 1;
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        (number, seq)
+    }
+
+    /// The call at `seq` in issue order has completed: the deferred values it held back, to
+    /// drop outside the lock.
+    fn completed(&mut self, seq: u64) -> Vec<Keep> {
+        self.completed = self.completed.max(seq + 1);
         if self.deferred.is_empty() {
             return Vec::new();
         }
@@ -158,8 +181,8 @@ impl Shared {
     }
 }
 
-/// Clears `running` when an inline call (number `.2`) ends, a panic included, hands the plan
-/// back and the queue on.
+/// Clears `running` when an inline call (at `.2` in issue order) ends, a panic included, hands
+/// the plan back and the queue on.
 struct Inline<'a>(&'a Shared, Plan, u64);
 
 impl Drop for Inline<'_> {
@@ -203,10 +226,9 @@ impl Progress {
     pub(crate) fn run_numbered(&self, call: &(dyn Runnable + Sync + '_)) -> (Site, Result<()>) {
         let mut q = self.shared.queue.lock();
         if q.jobs.is_empty() && !q.running {
-            let number = q.next_call;
-            q.next_call += 1;
+            let (number, seq) = q.take_numbers(call);
             q.running = true;
-            let inline = Inline(&self.shared, std::mem::take(&mut q.plan), number);
+            let inline = Inline(&self.shared, std::mem::take(&mut q.plan), seq);
             drop(q);
             return (call.site(number), call.run(&self.shared, number, &inline.1));
         }
@@ -224,12 +246,12 @@ impl Progress {
     /// use, such as a shared buffer its owner frees while a non-blocking call on it is queued.
     pub(crate) fn drop_after_issued(&self, value: Keep) {
         let mut q = self.shared.queue.lock();
-        if q.completed >= q.next_call {
+        if q.completed >= q.next_seq {
             drop(q);
             release(vec![value]);
             return;
         }
-        let mark = q.next_call;
+        let mark = q.next_seq;
         q.deferred.push((mark, value));
     }
 
@@ -250,8 +272,8 @@ impl Progress {
                 Err(e) => {
                     // The call's number is used up and the peers are told: they would wait for
                     // this call, and this rank's next call would carry their call's number.
-                    let site = call.site(q.next_call);
-                    q.next_call += 1;
+                    let (number, _) = q.take_numbers(&*call);
+                    let site = call.site(number);
                     drop(q);
                     drop(call);
                     let error = Error::io("starting the communicator's progress thread", e);
@@ -264,10 +286,10 @@ impl Progress {
                 }
             }
         }
-        let number = q.next_call;
-        q.next_call += 1;
+        let (number, seq) = q.take_numbers(&*call);
         let state = Arc::new(WorkState::new(call.site(number)));
         q.jobs.push_back(Job {
+            seq,
             number,
             call,
             state: state.clone(),
@@ -312,6 +334,9 @@ impl<R: Runnable> Runnable for Prepared<R> {
     fn site(&self, number: u64) -> Site {
         self.call.site(number)
     }
+    fn numbered(&self) -> bool {
+        self.call.numbered()
+    }
 }
 
 /// A borrowed call, boxed for the queue by a caller that waits for it.
@@ -324,6 +349,9 @@ impl Runnable for Borrowed<'_> {
     fn site(&self, number: u64) -> Site {
         self.0.site(number)
     }
+    fn numbered(&self) -> bool {
+        self.0.numbered()
+    }
 }
 
 fn progress(shared: Arc<Shared>) {
@@ -335,6 +363,7 @@ fn progress(shared: Arc<Shared>) {
                 let plan = std::mem::take(&mut q.plan);
                 drop(q);
                 let Job {
+                    seq,
                     number,
                     call,
                     state,
@@ -359,7 +388,7 @@ fn progress(shared: Arc<Shared>) {
                 q = shared.queue.lock();
                 q.running = false;
                 q.plan = plan;
-                let ready = q.completed(number);
+                let ready = q.completed(seq);
                 shared.cv.notify_all();
                 if !ready.is_empty() {
                     drop(q);

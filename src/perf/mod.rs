@@ -500,7 +500,12 @@ pub fn bus_factor(c: Collective, n: usize) -> f64 {
         | Collective::AllToAllV
         | Collective::Gather
         | Collective::Scatter => (n - 1.0) / n,
-        Collective::Broadcast | Collective::Reduce | Collective::Barrier => 1.0,
+        Collective::Broadcast
+        | Collective::Reduce
+        | Collective::Barrier
+        | Collective::Send
+        | Collective::Recv
+        | Collective::SendRecv => 1.0,
     }
 }
 
@@ -510,7 +515,12 @@ pub fn min_traffic(c: Collective, n: usize, bytes: usize) -> f64 {
     let (n, s) = (n as f64, bytes as f64);
     match c {
         // Every rank reads S and writes S.
-        Collective::AllReduce | Collective::AllToAll | Collective::AllToAllV => 2.0 * n * s,
+        Collective::AllReduce
+        | Collective::AllToAll
+        | Collective::AllToAllV
+        | Collective::SendRecv => 2.0 * n * s,
+        // One rank reads S, one writes S.
+        Collective::Send | Collective::Recv => 2.0 * s,
         Collective::Broadcast => n * s,
         Collective::Reduce => (n + 1.0) * s,
         // S read in all (a share per rank), S written by every rank; or the reverse.
@@ -999,13 +1009,26 @@ fn run_once<T: Element>(
         (Collective::Scatter, false) => comm.scatter(is_root.then_some(input), output, root),
         (Collective::AllGatherV, false) => comm.all_gather_v(input, output, counts.0),
         (Collective::ReduceScatterV, false) => comm.reduce_scatter_v(input, output, counts.0, op),
+        // nccl-tests' sendrecv: each rank sends to the next and receives from the previous.
+        (Collective::SendRecv, false) => {
+            let (r, p) = (comm.rank(), comm.world_size());
+            comm.send_recv(&mut [
+                crate::PeerOp::send(input, (r + 1) % p),
+                crate::PeerOp::recv(output, (r + p - 1) % p),
+            ])
+        }
+        (c @ (Collective::Send | Collective::Recv), _) => Err(Error::config(format!(
+            "-c {}: measure point-to-point with -c send-recv",
+            c.cli_name()
+        ))),
         (
             c @ (Collective::AllToAll
             | Collective::AllToAllV
             | Collective::Gather
             | Collective::Scatter
             | Collective::AllGatherV
-            | Collective::ReduceScatterV),
+            | Collective::ReduceScatterV
+            | Collective::SendRecv),
             true,
         ) => Err(Error::config(format!(
             "--in-place: {} has no in-place form",
@@ -1100,6 +1123,9 @@ pub fn wrong_elements<T: Element>(
             let base = o[rank.min(p - 1)];
             check(o[rank.min(p - 1) + 1] - base, &|i| reduced[(base + i) % 5])
         }
+        // The previous rank's input.
+        Collective::SendRecv => check(count, &|i| pattern((rank + p - 1) % p, i)),
+        Collective::Send | Collective::Recv => 0,
     }
 }
 

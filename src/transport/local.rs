@@ -8,6 +8,7 @@
 //! Every wait sleeps on the waiting rank's bell after a short spin, checks the group's abort
 //! flag, and is bounded by the group's timeout.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,7 +16,8 @@ use std::time::{Duration, Instant};
 use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 
-use super::{CallBuffers, CallHeader, PeerMemory, RecvOp, SendOp, Transport};
+use super::{CallBuffers, CallHeader, PairData, PairOp, PeerMemory, RecvOp, SendOp, Transport};
+use crate::dtype::DType;
 use crate::error::{Error, Result, Site};
 use crate::sync::{Bell, Spin};
 
@@ -34,6 +36,9 @@ struct Slot {
     /// Progress counter for `PeerMemory`.
     progress: AtomicU64,
 }
+
+/// Point-to-point messages from one rank to another: each one's dtype and bytes.
+type Mailbox = VecDeque<(DType, Vec<u8>)>;
 
 /// A one-way mailbox from one rank to another, one message in flight.
 #[derive(Default)]
@@ -54,6 +59,9 @@ pub(crate) struct Shared {
     bells: Vec<CachePadded<Bell>>,
     slots: Vec<CachePadded<Slot>>,
     channels: Vec<CachePadded<Channel>>,
+    /// Point-to-point messages from one rank to another, in send order: copies, so that a send
+    /// never waits for its receive.
+    mail: Vec<CachePadded<Mutex<Mailbox>>>,
     aborted: AtomicBool,
     reason: Mutex<Option<String>>,
 }
@@ -67,6 +75,7 @@ impl Shared {
             bells: (0..world).map(|_| Default::default()).collect(),
             slots: (0..world).map(|_| Default::default()).collect(),
             channels: (0..world * world).map(|_| Default::default()).collect(),
+            mail: (0..world * world).map(|_| Default::default()).collect(),
             aborted: AtomicBool::new(false),
             reason: Mutex::new(None),
         })
@@ -321,6 +330,47 @@ impl Transport for LocalTransport {
             }
         }
         result
+    }
+
+    /// Sends are copied into the peer's mailbox at once, so no order of sends and receives
+    /// across the ranks can deadlock; receives take their peer's messages in order.
+    fn pair_exchange(&self, site: Site, ops: &mut [PairOp<'_>]) -> Result<()> {
+        let s = &self.shared;
+        if s.aborted.load(Ordering::Acquire) {
+            return Err(self.aborted_error());
+        }
+        for op in ops.iter() {
+            if let PairData::Send(data) = &op.data {
+                let to = s.world * self.rank + op.peer;
+                s.mail[to].lock().push_back((op.dtype, data.to_vec()));
+                s.bells[op.peer].ring();
+            }
+        }
+        for op in ops.iter_mut() {
+            let PairData::Recv(dst) = &mut op.data else {
+                continue;
+            };
+            let peer = op.peer;
+            let mailbox = &s.mail[s.world * peer + self.rank];
+            self.wait(site, "send", || !mailbox.lock().is_empty(), || vec![peer])?;
+            // Only this rank takes from its mailboxes: the message it waited for is there.
+            let Some((dtype, bytes)) = mailbox.lock().pop_front() else {
+                return Err(Error::invalid(
+                    site,
+                    format!("rank {peer}'s message vanished"),
+                ));
+            };
+            if dtype != op.dtype || bytes.len() != dst.len() {
+                return Err(super::pair_mismatch(
+                    site,
+                    peer,
+                    (dtype, bytes.len()),
+                    (op.dtype, dst.len()),
+                ));
+            }
+            dst.copy_from_slice(&bytes);
+        }
+        Ok(())
     }
 
     fn end(&self, failed: Option<&Error>) {

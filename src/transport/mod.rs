@@ -143,6 +143,31 @@ pub struct RecvOp<'a> {
     pub mode: RecvMode<'a>,
 }
 
+/// What one operation of a point-to-point group moves.
+pub enum PairData<'a> {
+    /// These bytes go to the peer.
+    Send(&'a [u8]),
+    /// The peer's bytes land here; the length must equal the sender's.
+    Recv(&'a mut [u8]),
+}
+
+/// One operation of a point-to-point group ([`Transport::pair_exchange`]).
+pub struct PairOp<'a> {
+    /// The other rank.
+    pub peer: usize,
+    /// The element type both sides must state alike.
+    pub dtype: DType,
+    /// The bytes.
+    pub data: PairData<'a>,
+}
+
+impl PairOp<'_> {
+    /// Whether this operation sends.
+    pub fn is_send(&self) -> bool {
+        matches!(self.data, PairData::Send(_))
+    }
+}
+
 /// Moves the bytes of collectives between the ranks of one communicator.
 pub trait Transport: Send + Sync {
     /// This rank.
@@ -162,6 +187,20 @@ pub trait Transport: Send + Sync {
     /// its data may be changed again; receives from the same peer match that peer's sends to this
     /// rank in order, and receives that reduce into overlapping destinations run in list order.
     fn exchange(&self, site: Site, sends: &[SendOp<'_>], recvs: &mut [RecvOp<'_>]) -> Result<()>;
+
+    /// Point-to-point, outside any collective call (no `begin` or `end`, no other rank
+    /// involved): run this rank's sends and receives of one group, each matched with its peer's
+    /// operations in the other direction in per-pair issue order, whatever the grouping on
+    /// either side. A receive whose sender states another length or dtype fails naming both;
+    /// the caller aborts the communicator on any error (the peers may be mid-message). No op
+    /// names this rank itself.
+    fn pair_exchange(&self, site: Site, ops: &mut [PairOp<'_>]) -> Result<()> {
+        let _ = ops;
+        Err(crate::error::Error::Unavailable {
+            what: format!("{} on this transport", site.collective),
+            why: "it moves the bytes of collectives only".into(),
+        })
+    }
 
     /// Leave the current call. `failed` is the call's error, if any: an error found by every
     /// rank alike in `begin` leaves the communicator usable; any other aborts it, and the
@@ -258,6 +297,27 @@ pub(crate) enum Regroup {
         /// TCP, shared memory or either.
         kind: TransportKind,
     },
+}
+
+/// The error of a point-to-point receive whose sender stated another dtype or length: it
+/// names both ranks and both sides' element counts.
+pub(crate) fn pair_mismatch(
+    site: Site,
+    peer: usize,
+    sent: (DType, usize),
+    receive: (DType, usize),
+) -> crate::error::Error {
+    let elements = |(d, bytes): (DType, usize)| format!("{} {d}", bytes / d.size().max(1));
+    crate::error::Error::invalid(
+        site,
+        format!(
+            "rank {peer} sent {} where rank {} receives {} (a send and its receive must \
+             state the same count and dtype)",
+            elements(sent),
+            site.rank,
+            elements(receive)
+        ),
+    )
 }
 
 /// Check the peers of an exchange: each a peer of this rank, and at most one send and one

@@ -653,6 +653,38 @@ struct RecvState<'a> {
     /// Holds a partial chunk of a reducing receive (u64s: aligned for every dtype).
     scratch: Vec<u64>,
     fill: usize,
+    /// The aux a data frame for this receive carries: 0 for a collective's, [`pair_aux`] of
+    /// the dtype for a point-to-point receive's.
+    aux: u32,
+}
+
+/// The aux of a point-to-point data frame: a marker and the dtype both sides must state.
+fn pair_aux(dtype: crate::dtype::DType) -> u32 {
+    PAIR_MARK | dtype as u32
+}
+
+/// The high half of [`pair_aux`].
+const PAIR_MARK: u32 = 0x5050_0000;
+
+/// The identity every point-to-point frame carries: no call number (point-to-point calls are
+/// not numbered with the collectives), so that a collective's frame where a point-to-point one
+/// is due, or the reverse, is a `Mismatch` naming the collective.
+fn pair_ident() -> Ident {
+    CallHeader {
+        call: u64::MAX,
+        collective: crate::error::Collective::SendRecv,
+        dtype: crate::dtype::DType::U8,
+        count: 0,
+        op: None,
+        root: None,
+        counts: None,
+        algorithm: crate::call::Algorithm::Auto,
+        chunk_bytes: 0,
+        full_check: false,
+        deterministic: false,
+        rejected: None,
+    }
+    .ident()
 }
 
 /// What an exchange reuses from the last (a repeated exchange allocates nothing): its send and
@@ -858,7 +890,7 @@ impl NetTransport {
     /// Check the header of an arriving frame against this rank's call and the receive it
     /// arrives for; set the length to receive.
     fn accept_frame(&self, site: Site, r: &mut RecvState<'_>, mine: &Ident) -> Result<()> {
-        let (kind, _aux, len) = parse_frame(&r.hdr);
+        let (kind, aux, len) = parse_frame(&r.hdr);
         if kind == FRAME_ABORT {
             return Err(self.read_abort(site, r.peer, len));
         }
@@ -888,6 +920,25 @@ impl NetTransport {
                 })
             }
             (Target::Data { dst, mode }, FRAME_DATA) if theirs == mine => {
+                if r.aux != 0 && (aux != r.aux || len != dst.len() as u64) {
+                    let sent = crate::dtype::DType::from_u32(aux & 0xffff)
+                        .filter(|_| aux & !0xffff == PAIR_MARK);
+                    return Err(match sent {
+                        Some(d) => super::pair_mismatch(
+                            site,
+                            r.peer,
+                            (d, len as usize),
+                            (
+                                crate::dtype::DType::from_u32(r.aux & 0xffff).unwrap_or(d),
+                                dst.len(),
+                            ),
+                        ),
+                        None => Error::invalid(
+                            site,
+                            format!("rank {} sent a frame this rank cannot read", r.peer),
+                        ),
+                    });
+                }
                 if len != dst.len() as u64 {
                     return Err(Error::invalid(
                         site,
@@ -1525,6 +1576,7 @@ impl Transport for NetTransport {
             off: 0,
             scratch: Vec::new(),
             fill: 0,
+            aux: 0,
         }));
         let result = self.run(site, "arrive", &mut sends, &mut recvs, &mut reuse.wait);
         reuse.sends = recycle(sends);
@@ -1571,6 +1623,7 @@ impl Transport for NetTransport {
             off: 0,
             scratch: pool.pop().unwrap_or_default(),
             fill: 0,
+            aux: 0,
         }));
         let result = self.run(site, "exchange data", &mut ss, &mut rs, &mut reuse.wait);
         for r in rs.iter_mut() {
@@ -1582,6 +1635,60 @@ impl Transport for NetTransport {
         reuse.sends = recycle(ss);
         reuse.recvs = recycle(rs);
         result
+    }
+
+    /// Each peer's operations in one direction run in order, one per round (an exchange moves
+    /// at most one message each way per peer); every round's sends and receives run at once.
+    fn pair_exchange(&self, site: Site, ops: &mut [super::PairOp<'_>]) -> Result<()> {
+        if self.aborted.load(Ordering::Acquire) {
+            return Err(self.aborted_error());
+        }
+        self.set_ident(&pair_ident());
+        self.data_started.store(true, Ordering::Release);
+        // The round of each op: its place among the ops to its peer in its direction.
+        let mut seen: std::collections::HashMap<(usize, bool), usize> = Default::default();
+        let rounds: Vec<usize> = ops
+            .iter()
+            .map(|op| {
+                let n = seen.entry((op.peer, op.is_send())).or_insert(0);
+                *n += 1;
+                *n - 1
+            })
+            .collect();
+        let last = rounds.iter().max().map_or(0, |m| m + 1);
+        let mut engine = self.engine.lock();
+        for round in 0..last {
+            let mut ss: Vec<SendState<'_>> = Vec::new();
+            let mut rs: Vec<RecvState<'_>> = Vec::new();
+            for (op, _) in ops.iter_mut().zip(&rounds).filter(|(_, &r)| r == round) {
+                let aux = pair_aux(op.dtype);
+                match &mut op.data {
+                    super::PairData::Send(data) => ss.push(SendState {
+                        peer: op.peer,
+                        hdr: frame(FRAME_DATA, aux, data.len() as u64, &pair_ident()),
+                        hoff: 0,
+                        data,
+                        off: 0,
+                    }),
+                    super::PairData::Recv(dst) => rs.push(RecvState {
+                        peer: op.peer,
+                        target: Target::Data {
+                            dst,
+                            mode: RecvMode::Copy,
+                        },
+                        hdr: [0; HDR],
+                        hoff: 0,
+                        len: 0,
+                        off: 0,
+                        scratch: Vec::new(),
+                        fill: 0,
+                        aux,
+                    }),
+                }
+            }
+            self.run(site, "point-to-point", &mut ss, &mut rs, &mut engine.wait)?;
+        }
+        Ok(())
     }
 
     fn hosts(&self) -> Option<&[usize]> {

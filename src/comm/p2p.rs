@@ -1,0 +1,328 @@
+//! Point-to-point: `send`, `recv` and groups of both (`send_recv`), between two ranks of a
+//! communicator with no other rank involved.
+//!
+//! A rank's sends to a peer match that peer's receives from it in issue order, whatever the
+//! grouping on either side; both sides state the same count and dtype, or the receive fails
+//! naming both ranks and the communicator is aborted (the sender's next call says so). The calls
+//! join the communicator's queue like the collectives (so they keep their order with them) but
+//! take no call number: the other ranks never see them. A send to this rank itself needs its
+//! receive in the same group. Device ranks refuse them.
+
+use super::work::{Owned, Runnable, Shared};
+use super::{Communicator, Work};
+use crate::algorithm::Plan;
+use crate::dtype::{DType, Element};
+use crate::error::{Collective, Error, Result, Site};
+use crate::transport::{PairData, PairOp};
+
+/// One operation of a point-to-point group ([`Communicator::send_recv`]): a buffer sent to a
+/// peer, or a buffer filled from one.
+pub struct PeerOp<'a> {
+    op: PairOp<'a>,
+}
+
+impl<'a> PeerOp<'a> {
+    /// Send `buf` to `peer`.
+    pub fn send<T: Element>(buf: &'a [T], peer: usize) -> PeerOp<'a> {
+        PeerOp::send_raw(T::DTYPE, bytemuck::cast_slice(buf), peer)
+    }
+
+    /// Receive `peer`'s buffer into `buf`.
+    pub fn recv<T: Element>(buf: &'a mut [T], peer: usize) -> PeerOp<'a> {
+        PeerOp::recv_raw(T::DTYPE, bytemuck::cast_slice_mut(buf), peer)
+    }
+
+    /// Send raw bytes holding `dtype` elements to `peer`.
+    pub fn send_raw(dtype: DType, buf: &'a [u8], peer: usize) -> PeerOp<'a> {
+        PeerOp {
+            op: PairOp {
+                peer,
+                dtype,
+                data: PairData::Send(buf),
+            },
+        }
+    }
+
+    /// Receive `peer`'s bytes, holding `dtype` elements, into `buf`.
+    pub fn recv_raw(dtype: DType, buf: &'a mut [u8], peer: usize) -> PeerOp<'a> {
+        PeerOp {
+            op: PairOp {
+                peer,
+                dtype,
+                data: PairData::Recv(buf),
+            },
+        }
+    }
+
+    fn raw(&self) -> RawPeerOp {
+        let (send, ptr, len) = match &self.op.data {
+            PairData::Send(d) => (true, d.as_ptr() as *mut u8, d.len()),
+            PairData::Recv(d) => (false, d.as_ptr() as *mut u8, d.len()),
+        };
+        RawPeerOp {
+            send,
+            peer: self.op.peer,
+            dtype: self.op.dtype,
+            ptr,
+            len,
+        }
+    }
+}
+
+/// A point-to-point operation by address (for carriers such as the C ABI): see
+/// [`Communicator::send_recv_raw_async`].
+#[derive(Copy, Clone, Debug)]
+pub struct RawPeerOp {
+    /// A send (else a receive).
+    pub send: bool,
+    /// The other rank.
+    pub peer: usize,
+    /// The element type.
+    pub dtype: DType,
+    /// The bytes: read by a send, written by a receive.
+    pub ptr: *mut u8,
+    /// Their length.
+    pub len: usize,
+}
+
+/// A point-to-point call ready to run: its operations by address, checked when it was made.
+struct PairCall {
+    collective: Collective,
+    rank: usize,
+    ops: Vec<RawPeerOp>,
+    check: std::result::Result<(), String>,
+}
+
+// SAFETY: the addresses are the caller's buffers, valid and untouched by the caller until the
+// call completes (held by the call's `Work` or borrowed by a blocking call).
+unsafe impl Send for PairCall {}
+unsafe impl Sync for PairCall {}
+
+impl PairCall {
+    /// Check `ops` on a communicator of `world` ranks where this is `rank`.
+    fn new(comm: &Communicator, ops: Vec<RawPeerOp>) -> PairCall {
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let collective = match (ops.iter().all(|o| o.send), ops.iter().all(|o| !o.send)) {
+            (true, false) if ops.len() == 1 => Collective::Send,
+            (false, true) if ops.len() == 1 => Collective::Recv,
+            _ => Collective::SendRecv,
+        };
+        let check = Self::check(comm, rank, world, &ops);
+        PairCall {
+            collective,
+            rank,
+            ops,
+            check,
+        }
+    }
+
+    fn check(
+        comm: &Communicator,
+        rank: usize,
+        world: usize,
+        ops: &[RawPeerOp],
+    ) -> std::result::Result<(), String> {
+        if comm.progress.shared().engine.is_some() {
+            return Err(format!(
+                "point-to-point calls are not available on {}: its device engine runs \
+                 collectives only",
+                comm.device_spec()
+            ));
+        }
+        for (i, o) in ops.iter().enumerate() {
+            let what = if o.send { "send" } else { "recv" };
+            if o.peer >= world {
+                return Err(format!(
+                    "{what} {i}: peer {} is out of range (world size {world})",
+                    o.peer
+                ));
+            }
+            if o.len % o.dtype.size() != 0 {
+                return Err(format!(
+                    "{what} {i}: {} bytes are not whole {} elements",
+                    o.len, o.dtype
+                ));
+            }
+            if o.len > 0 && o.ptr.is_null() {
+                return Err(format!("{what} {i}: the buffer is null"));
+            }
+        }
+        // A receive's buffer may overlap no other buffer of the group.
+        for (i, a) in ops.iter().enumerate().filter(|(_, o)| !o.send && o.len > 0) {
+            for (j, b) in ops.iter().enumerate().filter(|(j, o)| *j != i && o.len > 0) {
+                let (a0, b0) = (a.ptr as usize, b.ptr as usize);
+                if a0 < b0 + b.len && b0 < a0 + a.len {
+                    return Err(format!(
+                        "recv {i} overlaps the buffer of {} {j}",
+                        if b.send { "send" } else { "recv" }
+                    ));
+                }
+            }
+        }
+        // Sends to this rank itself pair with its receives from itself, in order.
+        let to_self = |send: bool| {
+            ops.iter()
+                .filter(move |o| o.peer == rank && o.send == send)
+                .map(|o| (o.dtype, o.len))
+        };
+        if !to_self(true).eq(to_self(false)) {
+            return Err(format!(
+                "rank {rank}'s sends to itself ({:?}) do not match its receives from itself \
+                 ({:?}) in this group: each needs its receive, of the same count and dtype, in \
+                 the same group",
+                to_self(true).collect::<Vec<_>>(),
+                to_self(false).collect::<Vec<_>>()
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Runnable for PairCall {
+    fn site(&self, number: u64) -> Site {
+        Site {
+            collective: self.collective,
+            rank: self.rank,
+            call: number,
+        }
+    }
+
+    fn numbered(&self) -> bool {
+        false
+    }
+
+    fn run(&self, shared: &Shared, number: u64, _plan: &Plan) -> Result<()> {
+        let site = self.site(number);
+        if let Err(m) = &self.check {
+            return Err(Error::invalid(site, m.clone()));
+        }
+        // SAFETY: see `PairCall`; a receive's buffer overlaps no other (checked).
+        let ops = unsafe { self.transport_ops() };
+        let (mut mine, mut others): (Vec<PairOp<'_>>, Vec<PairOp<'_>>) =
+            ops.into_iter().partition(|o| o.peer == self.rank);
+        // To itself: each send's bytes into the receive at the same place (checked to match).
+        let (sends, recvs): (Vec<_>, Vec<_>) = mine.iter_mut().partition(|o| o.is_send());
+        for (s, r) in sends.into_iter().zip(recvs) {
+            if let (PairData::Send(src), PairData::Recv(dst)) = (&s.data, &mut r.data) {
+                dst.copy_from_slice(src);
+            }
+        }
+        if others.is_empty() {
+            return Ok(());
+        }
+        let transport = &*shared.transport;
+        let result = transport.pair_exchange(site, &mut others);
+        if let Err(e) = &result {
+            // A peer may be mid-message: the communicator cannot go on.
+            if transport.aborted().is_none() {
+                transport.abort(&e.to_string());
+            }
+        }
+        result
+    }
+}
+
+impl PairCall {
+    /// The operations as the transport takes them.
+    ///
+    /// # Safety
+    /// The addresses are valid for the call (see `PairCall`) and no receive overlaps another
+    /// buffer.
+    unsafe fn transport_ops(&self) -> Vec<PairOp<'_>> {
+        self.ops
+            .iter()
+            .map(|o| {
+                let data = if o.len == 0 {
+                    if o.send {
+                        PairData::Send(&[])
+                    } else {
+                        PairData::Recv(&mut [])
+                    }
+                } else if o.send {
+                    PairData::Send(std::slice::from_raw_parts(o.ptr, o.len))
+                } else {
+                    PairData::Recv(std::slice::from_raw_parts_mut(o.ptr, o.len))
+                };
+                PairOp {
+                    peer: o.peer,
+                    dtype: o.dtype,
+                    data,
+                }
+            })
+            .collect()
+    }
+}
+
+impl Communicator {
+    /// Send `buf` to rank `peer`, which receives it with [`Communicator::recv`] (or in a
+    /// [`Communicator::send_recv`] group). Matched with that rank's receives from this one in
+    /// issue order; both state the same count and dtype. Returns once the bytes are handed over
+    /// (between threads: copied; between processes: written to the connection, which may wait
+    /// for the receiver). Bounded by the timeout.
+    ///
+    /// ```
+    /// let comms = tutti::local_group(2, &tutti::Config::default()).unwrap();
+    /// std::thread::scope(|s| {
+    ///     s.spawn(|| comms[0].send(&[1.0f32, 2.0], 1).unwrap());
+    ///     let mut got = [0.0f32; 2];
+    ///     comms[1].recv(&mut got, 0).unwrap();
+    ///     assert_eq!(got, [1.0, 2.0]);
+    /// });
+    /// ```
+    pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
+        self.send_recv(&mut [PeerOp::send(buf, peer)])
+    }
+
+    /// Receive rank `peer`'s next send to this rank into `buf` (see [`Communicator::send`]).
+    pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
+        self.send_recv(&mut [PeerOp::recv(buf, peer)])
+    }
+
+    /// Run a group of sends and receives together, as NCCL's grouped calls and torch's
+    /// `batch_isend_irecv` do: every operation is under way at once, so a ring of sends and
+    /// receives, or two ranks each sending to the other first, cannot deadlock. Each peer's
+    /// operations in one direction keep their order.
+    pub fn send_recv(&self, ops: &mut [PeerOp<'_>]) -> Result<()> {
+        let call = PairCall::new(self, ops.iter().map(PeerOp::raw).collect());
+        self.progress.run_blocking(&call)
+    }
+
+    /// [`Communicator::send`] without waiting; [`Work::wait`] hands `buf` back.
+    pub fn send_async<T, B>(&self, buf: B, peer: usize) -> Work<B>
+    where
+        T: Element,
+        B: AsRef<[T]> + Send + 'static,
+    {
+        let mut buf = Owned::new(buf);
+        let held = buf.get();
+        let bytes: &[u8] = bytemuck::cast_slice(held.as_ref());
+        let op = PeerOp::send_raw(T::DTYPE, bytes, peer).raw();
+        let call = PairCall::new(self, vec![op]);
+        self.progress.issue(Box::new(call), Box::new(buf))
+    }
+
+    /// [`Communicator::recv`] without waiting; [`Work::wait`] hands `buf` back.
+    pub fn recv_async<T, B>(&self, buf: B, peer: usize) -> Work<B>
+    where
+        T: Element,
+        B: AsMut<[T]> + Send + 'static,
+    {
+        let mut buf = Owned::new(buf);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf.get().as_mut());
+        let op = PeerOp::recv_raw(T::DTYPE, bytes, peer).raw();
+        let call = PairCall::new(self, vec![op]);
+        self.progress.issue(Box::new(call), Box::new(buf))
+    }
+
+    /// A group of sends and receives by address, without waiting (the C ABI's
+    /// `tutti_group_end`); the handle completes when every operation has.
+    ///
+    /// # Safety
+    /// Each operation's `len` bytes at `ptr` are valid (writable for a receive) and untouched by
+    /// the caller until the handle completes.
+    pub unsafe fn send_recv_raw_async(&self, ops: &[RawPeerOp]) -> Work {
+        let call = PairCall::new(self, ops.to_vec());
+        self.progress
+            .issue(Box::new(call), Box::new(Owned::new(())))
+    }
+}
