@@ -37,8 +37,17 @@ struct Slot {
     progress: AtomicU64,
 }
 
-/// Point-to-point messages from one rank to another: each one's dtype and bytes.
-type Mailbox = VecDeque<(DType, Vec<u8>)>;
+/// Point-to-point messages from one rank to another: each one's dtype and bytes, in send
+/// order, and the buffers of messages already taken, for the next sends to reuse (a fresh
+/// buffer costs a page fault per page it fills).
+#[derive(Default)]
+struct Mailbox {
+    messages: VecDeque<(DType, Vec<u8>)>,
+    spare: Vec<Vec<u8>>,
+}
+
+/// The spare buffers a mailbox keeps at most.
+const SPARE_BUFFERS: usize = 4;
 
 /// A one-way mailbox from one rank to another, one message in flight.
 #[derive(Default)]
@@ -341,8 +350,16 @@ impl Transport for LocalTransport {
         }
         for op in ops.iter() {
             if let PairData::Send(data) = &op.data {
-                let to = s.world * self.rank + op.peer;
-                s.mail[to].lock().push_back((op.dtype, data.to_vec()));
+                let mailbox = &s.mail[s.world * self.rank + op.peer];
+                let spare = {
+                    let mut m = mailbox.lock();
+                    let fits = m.spare.iter().position(|b| b.capacity() >= data.len());
+                    fits.map(|i| m.spare.swap_remove(i))
+                };
+                let mut copy = spare.unwrap_or_default();
+                copy.clear();
+                copy.extend_from_slice(data);
+                mailbox.lock().messages.push_back((op.dtype, copy));
                 s.bells[op.peer].ring();
             }
         }
@@ -352,9 +369,10 @@ impl Transport for LocalTransport {
             };
             let peer = op.peer;
             let mailbox = &s.mail[s.world * peer + self.rank];
-            self.wait(site, "send", || !mailbox.lock().is_empty(), || vec![peer])?;
+            let ready = || !mailbox.lock().messages.is_empty();
+            self.wait(site, "send", ready, || vec![peer])?;
             // Only this rank takes from its mailboxes: the message it waited for is there.
-            let Some((dtype, bytes)) = mailbox.lock().pop_front() else {
+            let Some((dtype, bytes)) = mailbox.lock().messages.pop_front() else {
                 return Err(Error::invalid(
                     site,
                     format!("rank {peer}'s message vanished"),
@@ -369,6 +387,10 @@ impl Transport for LocalTransport {
                 ));
             }
             dst.copy_from_slice(&bytes);
+            let mut m = mailbox.lock();
+            if m.spare.len() < SPARE_BUFFERS {
+                m.spare.push(bytes);
+            }
         }
         Ok(())
     }

@@ -1643,29 +1643,32 @@ impl Transport for NetTransport {
         if self.aborted.load(Ordering::Acquire) {
             return Err(self.aborted_error());
         }
-        self.set_ident(&pair_ident());
+        static IDENT: std::sync::OnceLock<Ident> = std::sync::OnceLock::new();
+        let ident = IDENT.get_or_init(pair_ident);
+        self.set_ident(ident);
         self.data_started.store(true, Ordering::Release);
-        // The round of each op: its place among the ops to its peer in its direction.
-        let mut seen: std::collections::HashMap<(usize, bool), usize> = Default::default();
-        let rounds: Vec<usize> = ops
-            .iter()
-            .map(|op| {
-                let n = seen.entry((op.peer, op.is_send())).or_insert(0);
-                *n += 1;
-                *n - 1
-            })
-            .collect();
+        // The round of each op: how many ops before it go to its peer in its direction.
+        let round_of = |i: usize, ops: &[super::PairOp<'_>]| {
+            let (peer, send) = (ops[i].peer, ops[i].is_send());
+            ops[..i]
+                .iter()
+                .filter(|o| o.peer == peer && o.is_send() == send)
+                .count()
+        };
+        let rounds: Vec<usize> = (0..ops.len()).map(|i| round_of(i, ops)).collect();
         let last = rounds.iter().max().map_or(0, |m| m + 1);
         let mut engine = self.engine.lock();
+        let reuse = &mut *engine;
+        let mut result = Ok(());
         for round in 0..last {
-            let mut ss: Vec<SendState<'_>> = Vec::new();
-            let mut rs: Vec<RecvState<'_>> = Vec::new();
+            let mut ss: Vec<SendState<'_>> = recycle(std::mem::take(&mut reuse.sends));
+            let mut rs: Vec<RecvState<'_>> = recycle(std::mem::take(&mut reuse.recvs));
             for (op, _) in ops.iter_mut().zip(&rounds).filter(|(_, &r)| r == round) {
                 let aux = pair_aux(op.dtype);
                 match &mut op.data {
                     super::PairData::Send(data) => ss.push(SendState {
                         peer: op.peer,
-                        hdr: frame(FRAME_DATA, aux, data.len() as u64, &pair_ident()),
+                        hdr: frame(FRAME_DATA, aux, data.len() as u64, ident),
                         hoff: 0,
                         data,
                         off: 0,
@@ -1686,9 +1689,14 @@ impl Transport for NetTransport {
                     }),
                 }
             }
-            self.run(site, "point-to-point", &mut ss, &mut rs, &mut engine.wait)?;
+            result = self.run(site, "point-to-point", &mut ss, &mut rs, &mut reuse.wait);
+            reuse.sends = recycle(ss);
+            reuse.recvs = recycle(rs);
+            if result.is_err() {
+                break;
+            }
         }
-        Ok(())
+        result
     }
 
     fn hosts(&self) -> Option<&[usize]> {
