@@ -58,6 +58,12 @@ fn check_perf_args(a: &PerfArgs) -> Result<(), tutti::Error> {
             a.device
         )));
     }
+    if matches!(a.collective, Collective::Send | Collective::Recv) {
+        return bad(format!(
+            "-c {}: point-to-point is measured as nccl-tests does, with -c send-recv",
+            a.collective.cli_name()
+        ));
+    }
     // Named before the device's own availability: the collective is the first thing wrong.
     perf::device_measures(a.device, a.collective)?;
     if a.in_place && !perf::has_in_place(a.collective) {
