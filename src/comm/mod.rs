@@ -14,6 +14,7 @@
 mod call;
 mod group;
 mod p2p;
+mod premul;
 mod replicas;
 mod shared;
 mod split;

@@ -20,7 +20,7 @@
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
-use super::{DType, ReduceOp};
+use super::{DType, Element, ReduceOp};
 
 /// What the destination holds before a [`reduce`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -102,6 +102,60 @@ pub fn reduce(
 /// [`reduce`]). Integers truncate toward zero.
 pub fn divide(dtype: DType, buf: &mut [u8], n: usize) {
     reduce(dtype, ReduceOp::Sum, buf, &[], Init::Accumulate, Some(n));
+}
+
+/// Whether `factor` can scale `dtype` elements ([`scale`]): any finite number for the float
+/// types; for the integer types a whole number the type holds. The error says why not.
+pub fn check_scale(dtype: DType, factor: f64) -> Result<(), String> {
+    if !factor.is_finite() {
+        return Err(format!("the factor {factor} is not a finite number"));
+    }
+    if dtype.is_float() {
+        return Ok(());
+    }
+    let held = crate::for_each_dtype!(dtype, T => { T::from_f64(factor).to_f64() == factor });
+    if factor.fract() != 0.0 || !held {
+        return Err(format!(
+            "the factor {factor} is not a whole number {dtype} holds (integer elements scale by \
+             integers)"
+        ));
+    }
+    Ok(())
+}
+
+/// Multiply every element of `buf` by `factor` as the element type multiplies: the factor is
+/// first made a `dtype` value, floats then round the product once (f16 and bf16 as f32
+/// multiplies them), integers wrap. [`check_scale`] must accept the factor.
+pub fn scale(dtype: DType, buf: &mut [u8], factor: f64) {
+    macro_rules! floats {
+        ($t:ty) => {{
+            let f = <$t as Element>::from_f64(factor).to_f64();
+            for x in bytemuck::cast_slice_mut::<u8, $t>(buf) {
+                // Exact in f64 for every type but f64 itself, whose product is its own.
+                *x = <$t as Element>::from_f64(x.to_f64() * f);
+            }
+        }};
+    }
+    macro_rules! ints {
+        ($t:ty) => {{
+            let f = <$t as Element>::from_f64(factor);
+            for x in bytemuck::cast_slice_mut::<u8, $t>(buf) {
+                *x = x.wrapping_mul(f);
+            }
+        }};
+    }
+    match dtype {
+        DType::F32 => floats!(f32),
+        DType::F64 => floats!(f64),
+        DType::F16 => floats!(f16),
+        DType::BF16 => floats!(bf16),
+        DType::I8 => ints!(i8),
+        DType::U8 => ints!(u8),
+        DType::I32 => ints!(i32),
+        DType::U32 => ints!(u32),
+        DType::I64 => ints!(i64),
+        DType::U64 => ints!(u64),
+    }
 }
 
 /// Element arithmetic used by the kernels. Integers wrap.
