@@ -1278,6 +1278,119 @@ tutti_result tutti_set_log_callback(tutti_log_fn callback, void *user);
 tutti_result tutti_set_log_level(tutti_log_level level);
 
 /**
+ * Send `count` elements of `dtype` at `buf` to rank `peer` of the communicator, which receives
+ * them with `tutti_recv` (or `tutti_recv_async`, or in a group). Only the two ranks take part.
+ * A rank's sends to a peer match that peer's receives from it in issue order; both state the
+ * same count and dtype, or the receive fails with `TUTTI_ERROR_INVALID_ARGUMENT` naming both
+ * ranks ("rank 0 sent 5 f32 where rank 1 receives 4 f32") and the communicator is aborted (the
+ * sender's next call fails with `TUTTI_ERROR_ABORTED`). Returns once the bytes are handed over
+ * (between threads: copied; between processes: written to the connection, which may wait for
+ * the receiver), bounded by the communicator's timeout. Point-to-point calls keep their order
+ * with the collectives of the communicator. A send to this rank itself needs its receive in
+ * the same group.
+ *
+ * Between `tutti_group_start` and `tutti_group_end` the send is recorded, not run: this
+ * returns `TUTTI_SUCCESS` at once and `buf` must stay valid and unchanged until
+ * `tutti_group_end` returns.
+ *
+ * Errors of this rank's arguments (NULL `buf` with `count` > 0, a misaligned `buf`, an unknown
+ * dtype, a byte size that overflows, `peer` out of range) are `TUTTI_ERROR_INVALID_ARGUMENT`
+ * and leave the communicator usable. Communicators on CUDA or XLA devices refuse point-to-point
+ * calls (`TUTTI_ERROR_INVALID_ARGUMENT`).
+ *
+ * Thread-safety: as `tutti_all_reduce`.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle; `buf` is NULL or points to `count` elements, aligned to the
+ * element size, that nothing writes during the call.
+ */
+tutti_result tutti_send(struct tutti_comm *comm,
+                        size_t count,
+                        tutti_dtype dtype,
+                        const void *buf,
+                        size_t peer);
+
+/**
+ * Receive rank `peer`'s next send to this rank (`count` elements of `dtype`) into `buf`; see
+ * `tutti_send` for the matching, the errors and the groups (inside one, `buf` must stay valid
+ * and untouched until `tutti_group_end` returns, which is when it holds the data).
+ *
+ * Thread-safety: as `tutti_all_reduce`.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle; `buf` is NULL or points to `count` writable elements,
+ * aligned to the element size, that nothing else touches during the call.
+ */
+tutti_result tutti_recv(struct tutti_comm *comm,
+                        size_t count,
+                        tutti_dtype dtype,
+                        void *buf,
+                        size_t peer);
+
+/**
+ * Send without waiting: `tutti_send`'s arguments, then where to write the handle, which
+ * completes once the bytes are handed over (`tutti_work_wait` returns the send's error, if
+ * any). `buf` must stay valid and unchanged until then. Refused inside a group
+ * (`TUTTI_ERROR_INVALID_ARGUMENT`): there, `tutti_send` itself is deferred.
+ *
+ * # Safety
+ *
+ * As `tutti_send`, for as long as the call runs; `work` is NULL or writable.
+ */
+tutti_result tutti_send_async(struct tutti_comm *comm,
+                              size_t count,
+                              tutti_dtype dtype,
+                              const void *buf,
+                              size_t peer,
+                              struct tutti_work **work);
+
+/**
+ * Receive without waiting: `tutti_recv`'s arguments, then where to write the handle, which
+ * completes once `buf` holds the data. `buf` must stay valid and untouched until then.
+ * Refused inside a group (`TUTTI_ERROR_INVALID_ARGUMENT`).
+ *
+ * # Safety
+ *
+ * As `tutti_recv`, for as long as the call runs; `work` is NULL or writable.
+ */
+tutti_result tutti_recv_async(struct tutti_comm *comm,
+                              size_t count,
+                              tutti_dtype dtype,
+                              void *buf,
+                              size_t peer,
+                              struct tutti_work **work);
+
+/**
+ * Open a group on the calling thread, as NCCL's `ncclGroupStart`: until the matching
+ * `tutti_group_end`, `tutti_send` and `tutti_recv` on any communicator are recorded, not run
+ * (they return at once; their buffers must stay valid until `tutti_group_end` returns).
+ * Groups nest: only the outermost `tutti_group_end` runs what was recorded. Inside a group,
+ * collectives, `tutti_barrier` and the `_async` point-to-point calls are refused with
+ * `TUTTI_ERROR_INVALID_ARGUMENT`.
+ *
+ * Thread-safety: the group is the calling thread's; other threads are not affected.
+ */
+tutti_result tutti_group_start(void);
+
+/**
+ * Close the calling thread's innermost group (see `tutti_group_start`). The outermost end runs
+ * each communicator's recorded sends and receives as one group: every operation under way at
+ * once, so a ring (each rank sends to the next and receives from the previous) or two ranks
+ * that both send first cannot deadlock; each peer's operations in one direction keep their
+ * order. Every communicator's group is issued before any is waited for, so one thread may
+ * drive several ranks of an in-process group. Returns once all have completed: the first error
+ * (`tutti_last_error` names the communicator, its rank and its recorded operations, then the
+ * error), after every group has ended. A communicator destroyed after its operations were
+ * recorded is `TUTTI_ERROR_INVALID_ARGUMENT` naming it (the others still run). Without an open
+ * group: `TUTTI_ERROR_INVALID_ARGUMENT`.
+ *
+ * Thread-safety: closes the calling thread's group only.
+ */
+tutti_result tutti_group_end(void);
+
+/**
  * Create `num_replicas` replicas (threads of this process) and write the handle to
  * `*replicas`. `config` may be NULL for every default.
  *

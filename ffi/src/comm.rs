@@ -29,6 +29,9 @@ pub struct tutti_comm {
     timeout: std::time::Duration,
     /// The calls inside this handle, which `tutti_comm_destroy` waits for.
     live: Live,
+    /// Unique in the process: tells this handle from a later one at the same address (a group
+    /// records its communicators by address until `tutti_group_end`).
+    pub(crate) serial: u64,
 }
 
 impl Handle for tutti_comm {
@@ -49,6 +52,10 @@ impl tutti_comm {
             comm: RwLock::new(comm),
             shared: Mutex::new(Vec::new()),
             live: Live::new(),
+            serial: {
+                static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            },
         })
     }
 

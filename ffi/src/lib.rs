@@ -17,6 +17,7 @@ mod device;
 mod error;
 mod handle;
 mod log;
+mod p2p;
 mod replicas;
 mod store;
 mod strategy;

@@ -4,7 +4,7 @@
 use std::ffi::c_void;
 use std::time::Duration;
 
-use tutti::{AbortHandle, RawCall, Work};
+use tutti::{AbortHandle, Communicator, RawCall, Work};
 
 use crate::buffers::AlignedCopy;
 use crate::collectives as comm;
@@ -30,6 +30,19 @@ impl Handle for tutti_work {
     const KIND: Kind = Kind::Work;
     fn live(&self) -> &Live {
         &self.live
+    }
+}
+
+impl tutti_work {
+    /// The handle of `work`, issued on `comm`.
+    pub(crate) fn into_raw(comm: &Communicator, work: Work) -> *mut tutti_work {
+        handle::into_raw(tutti_work {
+            work,
+            abort: comm.abort_handle(),
+            rank: comm.rank(),
+            timeout: comm.timeout(),
+            live: Live::new(),
+        })
     }
 }
 
@@ -89,6 +102,9 @@ impl Mode {
         call: RawCall,
         in_place: Option<InPlace>,
     ) -> Result<(), Failure> {
+        // The one place every collective (and barrier) of a `tutti_comm` passes, with its
+        // arguments checked: a group records point-to-point calls only.
+        crate::p2p::refuse_in_group(c.rank, "a collective")?;
         let comm = c.read();
         match self {
             Mode::Blocking => match in_place {
@@ -112,15 +128,8 @@ impl Mode {
                         unsafe { comm.issue_raw_prepared(&call, before, Box::new(copy)) }
                     }
                 };
-                let handle = tutti_work {
-                    work,
-                    abort: comm.abort_handle(),
-                    rank: comm.rank(),
-                    timeout: comm.timeout(),
-                    live: Live::new(),
-                };
                 // SAFETY: checked non-NULL by `check`; the caller promises it is writable.
-                unsafe { out.write(handle::into_raw(handle)) };
+                unsafe { out.write(tutti_work::into_raw(&comm, work)) };
                 Ok(())
             }
         }

@@ -57,6 +57,20 @@ fn c_block_collectives() {
     assert!(out.contains("blocks:") && out.contains("ok"), "{out}");
 }
 
+/// tutti_send, tutti_recv, their `_async` forms and groups (tutti_group_start/end) on 1 to 4
+/// ranks on threads and 3 processes: a 1 MiB ring in a group, one thread driving every rank,
+/// blocking pairs, a count mismatch naming both ranks, argument errors and group misuse.
+#[test]
+fn c_point_to_point() {
+    let exe = compile(Lang::C, "p2p", &["ffi/tests/c/p2p.c"], &["ffi/tests/c"]);
+    let out = run(&exe, &[], LIMIT);
+    assert!(
+        out.contains("group misuse: ok") && out.contains("3 processes over TCP: ok"),
+        "{out}"
+    );
+    assert!(out.contains("p2p: ok"), "{out}");
+}
+
 /// `tutti_comm_create_devices` over CPU devices, and over 4 XLA devices of the CPU plugin in a
 /// build with `xla` and `TUTTI_PJRT_PLUGIN` set (else the clean "unavailable" path).
 #[test]
