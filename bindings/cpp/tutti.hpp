@@ -185,6 +185,46 @@ private:
     std::unique_ptr<tutti_work, detail::work_deleter> h_;
 };
 
+/// A group of point-to-point calls on the calling thread (tutti_group_start /
+/// tutti_group_end, as NCCL's ncclGroupStart/End): while it is open, `comm::send` and
+/// `comm::recv` on any communicator are recorded, and `end()` runs them all at once, so a ring
+/// or two ranks that both send first cannot deadlock. Groups nest; only the outermost end runs
+/// the calls. Collectives and the `_async` point-to-point calls throw inside a group.
+///
+///     {
+///         tutti::group g;
+///         c.send(out.data(), n, next);
+///         c.recv(in.data(), n, prev);
+///         g.end(); // throws the first error
+///     }
+///
+/// The recorded buffers must outlive the guard: declare them before it. The destructor of a
+/// group not ended yet (an exception left the scope) ends it, running the recorded calls, and
+/// drops any error (call `end()` to see it). Not movable: the group belongs to its thread.
+class group {
+public:
+    group() { detail::check(tutti_group_start()); }
+    group(const group &) = delete;
+    group &operator=(const group &) = delete;
+    /// Close the group (running the recorded calls, if it is the outermost) and throw the
+    /// first error. Once only.
+    void end() {
+        if (!open_) {
+            throw error(TUTTI_ERROR_INVALID_ARGUMENT, "tutti::group::end: the group has ended");
+        }
+        open_ = false;
+        detail::check(tutti_group_end());
+    }
+    ~group() {
+        if (open_) {
+            (void)tutti_group_end();
+        }
+    }
+
+private:
+    bool open_ = true;
+};
+
 /// Memory from tutti_mem_alloc, as `size()` elements of T, released with tutti_mem_free when
 /// this object goes. It keeps its communicator alive: the C handle is destroyed once both the
 /// `comm` and every shared_array from it are gone, so an array that outlives its `comm` object
@@ -485,6 +525,37 @@ public:
         std::vector<T> out(counts[rank()]);
         reduce_scatter_v(input.data(), out.data(), counts, o);
         return out;
+    }
+
+    /// Point-to-point: send `count` elements to rank `peer`, which receives them with `recv`.
+    /// Sends to a peer match its receives from this rank in issue order, with the same count
+    /// and type (a receive of another count throws, naming both ranks, and aborts the group).
+    /// Inside a `tutti::group` the call is recorded and runs at the group's end.
+    template <typename T> void send(const T *buf, std::size_t count, std::size_t peer) {
+        detail::check(tutti_send(h_.get(), count, dtype_of<T>::value, buf, peer));
+    }
+    template <typename T> void send(const std::vector<T> &buf, std::size_t peer) {
+        send(buf.data(), buf.size(), peer);
+    }
+    /// Receive rank `peer`'s next send to this rank into `buf` (`count` elements).
+    template <typename T> void recv(T *buf, std::size_t count, std::size_t peer) {
+        detail::check(tutti_recv(h_.get(), count, dtype_of<T>::value, buf, peer));
+    }
+    /// Fills `buf`, whose size is the count received.
+    template <typename T> void recv(std::vector<T> &buf, std::size_t peer) {
+        recv(buf.data(), buf.size(), peer);
+    }
+    /// `send` without waiting (not inside a group); the buffer must outlive the call.
+    template <typename T> work send_async(const T *buf, std::size_t count, std::size_t peer) {
+        tutti_work *w = nullptr;
+        detail::check(tutti_send_async(h_.get(), count, dtype_of<T>::value, buf, peer, &w));
+        return work(w);
+    }
+    /// `recv` without waiting (not inside a group); the buffer must outlive the call.
+    template <typename T> work recv_async(T *buf, std::size_t count, std::size_t peer) {
+        tutti_work *w = nullptr;
+        detail::check(tutti_recv_async(h_.get(), count, dtype_of<T>::value, buf, peer, &w));
+        return work(w);
     }
 
     /// Non-blocking forms: the call is issued and runs in issue order; `work::wait` ends it.

@@ -397,6 +397,62 @@ static void split_groups() {
     });
 }
 
+static void point_to_point() {
+    auto comms = tutti::comm::group(3, tutti::config().timeout(std::chrono::seconds(60)));
+    on_every_rank(comms, [](tutti::comm &c, std::size_t r) {
+        const std::size_t p = c.world_size(), next = (r + 1) % p, prev = (r + p - 1) % p;
+        // A ring through the guard, both orders, 1 MiB each way: every rank sends first.
+        std::vector<float> out(256 * 1024, static_cast<float>(r) + 0.5f), in(out.size());
+        {
+            tutti::group g;
+            c.send(out, next);
+            c.recv(in, prev);
+            g.end();
+        }
+        EXPECT(in.front() == static_cast<float>(prev) + 0.5f && in.back() == in.front());
+        // Blocking pairs, by pointer: rank 0 to rank 1 and back.
+        std::int64_t v[3] = {static_cast<std::int64_t>(r), 7, 8};
+        if (r == 0) {
+            c.send(v, 3, 1);
+            c.recv(v, 3, 1);
+            EXPECT(v[0] == 1);
+        } else if (r == 1) {
+            std::int64_t got[3] = {0, 0, 0};
+            c.recv(got, 3, 0);
+            EXPECT(got[0] == 0 && got[2] == 8);
+            c.send(v, 3, 0);
+        }
+        // Async, sends first.
+        std::vector<double> a(5, static_cast<double>(r)), b(5, -1.0);
+        tutti::work s = c.send_async(a.data(), a.size(), next);
+        tutti::work w = c.recv_async(b.data(), b.size(), prev);
+        s.wait();
+        w.wait();
+        EXPECT(b[4] == static_cast<double>(prev));
+        // Inside a group, collectives throw and leave the group open and the communicator
+        // usable; the guard's destructor ends the group.
+        {
+            tutti::group g;
+            tutti::error e = expect_throw([&] { c.barrier(); });
+            EXPECT(e.code() == TUTTI_ERROR_INVALID_ARGUMENT);
+            EXPECT(std::string(e.what()).find("only tutti_send and tutti_recv") !=
+                   std::string::npos);
+            g.end();
+            e = expect_throw([&] { g.end(); });
+            EXPECT(e.code() == TUTTI_ERROR_INVALID_ARGUMENT);
+        }
+        // end() throws the group's error: a send to itself without its receive.
+        {
+            tutti::group g;
+            c.send(a, r);
+            tutti::error e = expect_throw([&] { g.end(); });
+            EXPECT(e.code() == TUTTI_ERROR_INVALID_ARGUMENT);
+            EXPECT(std::string(e.what()).find("sends to itself") != std::string::npos);
+        }
+        c.barrier();
+    });
+}
+
 int main() {
     EXPECT(tutti::version() == TUTTI_VERSION_STRING);
     auto devs = tutti::devices();
@@ -407,6 +463,7 @@ int main() {
     collectives();
     block_collectives();
     split_groups();
+    point_to_point();
     abort_wakes_a_blocked_rank();
     moves_and_ownership();
     replicas_form();
