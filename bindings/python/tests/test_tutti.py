@@ -827,3 +827,123 @@ def test_split_groups_by_color_ordered_by_key():
     with tutti.local_group(1) as comms:
         with pytest.raises(TypeError, match="color must be an int or None"):
             comms[0].split("red")
+
+
+# ----- point-to-point: send, recv, send_recv -----
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("recv_first", [False, True])
+def test_send_recv_ring_in_one_group(n, recv_first):
+    # 1 MiB each way: more than a socket buffer, every rank sending before it receives.
+    comms = tutti.local_group(n, timeout=60)
+    size = 256 * 1024
+
+    def rank(c):
+        nxt, prev = (c.rank + 1) % n, (c.rank - 1) % n
+        out = np.arange(size, dtype=np.float32) + 1000 * c.rank
+        got = np.zeros(size, dtype=np.float32)
+        ops = [("send", out, nxt), ("recv", got, prev)]
+        received = c.send_recv(ops[::-1] if recv_first else ops)
+        assert len(received) == 1 and received[0] is got
+        np.testing.assert_array_equal(got, np.arange(size, dtype=np.float32) + 1000 * prev)
+
+    run_ranks(comms, rank)
+    comms.close()
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int8, np.uint64, np.float16])
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_send_and_recv_blocking_pairs(dtype, kind):
+    comms = tutti.local_group(3, timeout=60)
+
+    def rank(c):
+        mine = _of_kind(kind, (np.arange(10) + 10 * c.rank).astype(dtype))
+        if c.rank == 0:
+            for k in (1, 2):
+                assert c.send(mine, k) is None
+                got = _of_kind(kind, np.zeros(10, dtype=dtype))
+                assert c.recv(got, k) is got
+                np.testing.assert_array_equal(np.asarray(got), (np.arange(10) + 10 * k).astype(dtype))
+        else:
+            got = _of_kind(kind, np.zeros(10, dtype=dtype))
+            c.recv(got, 0)
+            np.testing.assert_array_equal(np.asarray(got), np.arange(10).astype(dtype))
+            c.send(mine, 0)
+        # Point-to-point keeps its order with the collectives.
+        assert c.all_reduce(np.ones(2, dtype=np.float32))[0] == 3
+
+    run_ranks(comms, rank)
+    comms.close()
+
+
+def test_send_and_recv_async_sends_first():
+    comms = tutti.local_group(3, timeout=60)
+
+    def rank(c):
+        nxt, prev = (c.rank + 1) % 3, (c.rank - 1) % 3
+        out = np.full(100, c.rank, dtype=np.int64)
+        got = np.full(100, -1, dtype=np.int64)
+        s = c.send(out, nxt, async_op=True)
+        r = c.recv(got, prev, async_op=True)
+        assert s.wait() is None
+        assert r.wait() is got
+        assert (got == prev).all()
+
+    run_ranks(comms, rank)
+    comms.close()
+
+
+def test_send_count_mismatch_names_both_ranks_and_aborts():
+    comms = tutti.local_group(2, timeout=60)
+    seen = {}
+
+    def rank(c):
+        if c.rank == 0:
+            c.send(np.ones(5, dtype=np.float32), 1)
+            with pytest.raises(tutti.TuttiError) as e:
+                c.barrier()
+            seen[0] = e.value
+        else:
+            with pytest.raises(tutti.TuttiError) as e:
+                c.recv(np.zeros(4, dtype=np.float32), 0)
+            seen[1] = e.value
+
+    run_ranks(comms, rank)
+    assert seen[1].code == "TUTTI_ERROR_INVALID_ARGUMENT"
+    assert "rank 0 sent 5 f32 where rank 1 receives 4 f32" in seen[1].message
+    assert seen[0].code == "TUTTI_ERROR_ABORTED"
+    comms.close()
+
+
+def test_send_argument_errors_leave_the_communicator_usable():
+    comms = tutti.local_group(2, timeout=60)
+    c = comms[0]
+    with pytest.raises(ValueError, match="peer 2 is out of range"):
+        c.send(np.ones(3), 2)
+    with pytest.raises(TypeError, match="peer must be an integer"):
+        c.recv(np.ones(3), "1")
+    ro = np.ones(3)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        c.recv(ro, 1)
+    with pytest.raises(ValueError, match="neither 'send' nor 'recv'"):
+        c.send_recv([("put", np.ones(3), 1)])
+    with pytest.raises(TypeError, match=r"ops\[0\] must be a \(kind, array, peer\)"):
+        c.send_recv([np.ones(3)])
+    # A send to itself needs its receive in the same group; with it, it is a copy.
+    with pytest.raises(tutti.TuttiError, match="sends to itself") as e:
+        c.send(np.ones(3), 0)
+    assert e.value.code == "TUTTI_ERROR_INVALID_ARGUMENT"
+    got = np.zeros(3)
+    c.send_recv([("send", np.arange(3.0), 0), ("recv", got, 0)])
+    assert list(got) == [0.0, 1.0, 2.0]
+    with pytest.raises(tutti.TuttiError, match="rank 0 of 2.*sends to itself"):
+        c.send_recv([("send", np.arange(3.0), 0)])
+    # Still usable: both ranks all-reduce.
+    run_ranks(comms, lambda c: c.all_reduce(np.ones(1)))
+    # The group of send_recv is closed even after an error: a collective runs afterwards.
+    w = comms[0].all_reduce(np.ones(1), async_op=True)
+    assert comms[1].all_reduce(np.ones(1))[0] == 2
+    assert w.wait()[0] == 2
+    comms.close()

@@ -225,6 +225,12 @@ _PROTOTYPES = {
     "tutti_scatter_async": (_u32, [_ptr, _size, _u32, _size, _ptr, _ptr, _pp]),
     "tutti_all_gather_v_async": (_u32, [_ptr, _sizes, _u32, _ptr, _ptr, _pp]),
     "tutti_reduce_scatter_v_async": (_u32, [_ptr, _sizes, _u32, _u32, _ptr, _ptr, _pp]),
+    "tutti_send": (_u32, [_ptr, _size, _u32, _ptr, _size]),
+    "tutti_recv": (_u32, [_ptr, _size, _u32, _ptr, _size]),
+    "tutti_send_async": (_u32, [_ptr, _size, _u32, _ptr, _size, _pp]),
+    "tutti_recv_async": (_u32, [_ptr, _size, _u32, _ptr, _size, _pp]),
+    "tutti_group_start": (_u32, []),
+    "tutti_group_end": (_u32, []),
     "tutti_work_wait": (_u32, [_ptr, ctypes.c_uint64]),
     "tutti_work_test": (_u32, [_ptr, ctypes.POINTER(ctypes.c_bool)]),
     "tutti_work_destroy": (None, [_ptr]),
@@ -1139,6 +1145,78 @@ class Communicator:
     def barrier(self, async_op=False):
         """Return once every rank has called it."""
         return self._call("tutti_barrier", (), None, (), async_op)
+
+    # ----- point-to-point -----
+
+    def _peer(self, peer):
+        peer = _index(peer, "peer")
+        if peer >= self.world_size:
+            raise ValueError(f"peer {peer} is out of range (world size {self.world_size})")
+        return peer
+
+    def send(self, array, peer, async_op=False):
+        """Send ``array`` to rank ``peer``, which receives it with ``recv`` (or in a
+        ``send_recv`` group). A rank's sends to a peer match that peer's receives from it in
+        issue order; both name the same element count and dtype, or the receive raises naming
+        both ranks and the group is aborted (the sender's next call fails). Returns None once
+        the data is handed over (a ``Work`` with ``async_op``). Only the two ranks take part;
+        the call keeps its order with this communicator's collectives. Wrong arguments (an
+        array tutti cannot take, a peer out of range) raise at once and leave the communicator
+        usable. A send to this rank itself needs its receive in the same ``send_recv``."""
+        v = _view(array, "array")
+        args = (v.count, v.dtype, v.ptr, self._peer(peer))
+        return self._call("tutti_send", args, None, (v,), async_op)
+
+    def recv(self, array, peer, async_op=False):
+        """Receive rank ``peer``'s next send to this rank into ``array``, in place (its element
+        count and dtype must be the send's); returns ``array`` (a ``Work`` whose ``wait()``
+        returns it, with ``async_op``). See ``send``."""
+        v = _view(array, "array", writable=True)
+        args = (v.count, v.dtype, v.ptr, self._peer(peer))
+        return self._call("tutti_recv", args, v.given, (v,), async_op)
+
+    def send_recv(self, ops):
+        """Run sends and receives as one group (``tutti_group_start`` / ``tutti_group_end`` on
+        the calling thread, as torch's ``batch_isend_irecv`` and NCCL's grouped calls): every
+        operation is under way at once, so a ring (each rank sends to the next and receives from
+        the previous) or two ranks that both send first cannot deadlock; each peer's operations
+        in one direction keep their order. ``ops`` is a list of ``("send", array, peer)`` and
+        ``("recv", array, peer)``; receives fill their arrays in place. Returns the received
+        arrays, in the order of the ``"recv"`` operations."""
+        if isinstance(ops, (str, bytes)) or not hasattr(ops, "__iter__"):
+            raise TypeError(f"ops must be a list of (kind, array, peer), not {type(ops).__name__}")
+        calls, keep, received = [], [], []
+        for i, op in enumerate(ops):
+            if not isinstance(op, (tuple, list)) or len(op) != 3:
+                raise TypeError(f"ops[{i}] must be a (kind, array, peer) tuple, not {op!r}")
+            kind, array, peer = op
+            if kind not in ("send", "recv"):
+                raise ValueError(f"ops[{i}]: kind {kind!r} is neither 'send' nor 'recv'")
+            v = _view(array, f"ops[{i}]'s array", writable=kind == "recv")
+            calls.append((f"tutti_{kind}", (v.count, v.dtype, v.ptr, self._peer(peer))))
+            keep.append(v)
+            if kind == "recv":
+                received.append(v.given)
+        if any(v.device == "cuda" for v in keep):
+            self._on_tensor_stream(keep)
+        lib = _library()
+        with self._h.use() as h:
+            _check(lib.tutti_group_start())
+            recorded = False
+            try:
+                for name, args in calls:
+                    _check(getattr(lib, name)(h, *args))
+                recorded = True
+            finally:
+                if not recorded:
+                    # Part of the group was recorded: running it alone would leave the peers'
+                    # operations unmatched. Abort the group, so that they fail at once.
+                    lib.tutti_comm_abort(
+                        h, f"rank {self.rank}: send_recv could not record its operations".encode()
+                    )
+                ended = lib.tutti_group_end()
+            _check(ended)
+        return received
 
 
 class _SharedMemory:
