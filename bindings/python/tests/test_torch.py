@@ -216,8 +216,15 @@ def test_every_collective_three_ranks():
 def test_all_to_all_gather_and_scatter_through_torch_distributed(world):
     r = run("alltoall", world)
     assert all(x["checked"] == 8 + 2 * world for x in r), r
-    if world > 1:
-        assert "no send yet" in r[0]["missing"], r[0]["missing"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_send_recv_and_batch_isend_irecv_through_torch_distributed(world):
+    r = run("p2p", world)
+    for x in r:
+        assert x["checked"] == (3 * (world - 1) if x is r[0] else 3) + 4, x
+        assert "tag 3" in x["refused"]["tag"] and "pass tag=0" in x["refused"]["tag"], x
+        assert "recv without src" in x["refused"]["anysource"], x
 
 
 def test_split_sizes_that_do_not_add_up_are_refused_and_release_the_others():

@@ -211,17 +211,77 @@ def scenario_alltoall(backend):
         w.wait()
         expect_equal(out, block(root, RANK, 3, torch.int64), f"scatter from {root}")
         checked += 2
-    # send and recv are still missing, and say so (torch itself refuses a send to oneself).
-    missing = None
-    if n > 1:
-        try:
-            dist.send(torch.zeros(1), dst=(RANK + 1) % n)
-        except Exception as e:  # noqa: BLE001
-            missing = str(e)
-        else:
-            raise AssertionError("send succeeded")
     dist.destroy_process_group()
-    result(checked=checked, missing=missing)
+    result(checked=checked)
+
+
+def scenario_p2p(backend):
+    """dist.send / dist.recv pairs, and batch_isend_irecv rings of 1 MiB where every rank posts
+    its send first; held operations run by a wait, by a collective, by shutdown; refused tags
+    and receives from any source."""
+    init(backend)
+    n = WORLD
+    nxt, prev = (RANK + 1) % n, (RANK - 1) % n
+    checked = 0
+
+    def mine(rank, k, dtype=torch.float32):
+        return (torch.arange(k, dtype=torch.float64) % 1000 + 1000 * rank).to(dtype)
+
+    # Blocking pairs: rank 0 with every other rank, both ways.
+    for dtype in (torch.float32, torch.int64, torch.bfloat16):
+        if RANK == 0:
+            for k in range(1, n):
+                dist.send(mine(0, 7, dtype), dst=k)
+                got = torch.zeros(7, dtype=dtype)
+                assert dist.recv(got, src=k) == k
+                expect_equal(got, mine(k, 7, dtype), f"recv {dtype} from {k}")
+                checked += 1
+        else:
+            got = torch.zeros(7, dtype=dtype)
+            dist.recv(got, src=0)
+            expect_equal(got, mine(0, 7, dtype), f"recv {dtype} from 0")
+            dist.send(mine(RANK, 7, dtype), dst=0)
+            checked += 1
+    # A ring: every rank sends first, 1 MiB, more than a socket buffer.
+    size = 256 * 1024
+    for order in ("send first", "recv first"):
+        out, got = mine(RANK, size), torch.zeros(size)
+        ops = [dist.P2POp(dist.isend, out, nxt), dist.P2POp(dist.irecv, got, prev)]
+        works = dist.batch_isend_irecv(ops if order == "send first" else ops[::-1])
+        for w in works:
+            w.wait()
+        expect_equal(got, mine(prev, size), f"batch_isend_irecv ring, {order}")
+        checked += 1
+    # isend then irecv, waiting only on the receive; then held operations run by a collective.
+    out, got = mine(RANK, 100, torch.int32), torch.zeros(100, dtype=torch.int32)
+    s = dist.isend(out, nxt)
+    dist.irecv(got, prev).wait()
+    expect_equal(got, mine(prev, 100, torch.int32), "isend, irecv, wait on the receive")
+    s.wait()  # ran already, with the receive
+    got = torch.zeros(100, dtype=torch.int32)
+    s, r = dist.isend(out, nxt), dist.irecv(got, prev)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    assert total.item() == n
+    expect_equal(got, mine(prev, 100, torch.int32), "held operations run by a collective")
+    s.wait(), r.wait()
+    checked += 2
+    # Refused: a tag, a receive from any source; the group goes on.
+    refused = {}
+    try:
+        dist.send(torch.zeros(1), dst=nxt, tag=3)
+    except Exception as e:  # noqa: BLE001
+        refused["tag"] = str(e)
+    try:
+        dist.recv(torch.zeros(1))
+    except Exception as e:  # noqa: BLE001
+        refused["anysource"] = str(e)
+    dist.barrier()
+    # Held until the group is destroyed: shutdown runs them (the peer's are run the same way).
+    dist.isend(mine(RANK, 5), nxt)
+    dist.irecv(torch.zeros(5), prev)
+    dist.destroy_process_group()
+    result(checked=checked, refused=refused)
 
 
 def scenario_alltoall_reject(backend):

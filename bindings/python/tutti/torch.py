@@ -21,8 +21,16 @@ The backend runs on CPU tensors. ``new_group(ranks)`` makes a tutti communicator
 group's own store. Ops: ``SUM``, ``AVG``, ``PRODUCT``, ``MIN``, ``MAX``, ``PREMUL_SUM`` (the
 input scaled, then summed), and ``BAND``, ``BOR``, ``BXOR`` on integer tensors. Besides the
 reductions and gathers: ``all_to_all_single`` (with and without split sizes), ``all_to_all``,
-``gather`` and ``scatter``. ``send`` and ``recv`` raise an error naming the call until tutti has
-them.
+``gather`` and ``scatter``; ``send``, ``recv``, ``isend``, ``irecv`` and ``batch_isend_irecv``
+(tag 0 only: sends and receives between two ranks match in issue order; ``recv`` without a
+source is refused).
+
+Point-to-point calls are held back and run together, as one tutti group: torch's
+``batch_isend_irecv`` posts its operations one by one on this backend, and user code often posts
+``isend`` before ``irecv`` on every rank, which run one at a time could deadlock. The held
+operations run (the calling thread waits for them) when one of their ``Work`` objects is waited
+on or asked for its future, when a collective or barrier is issued on the backend (so
+they keep their order with the collectives), or when the backend shuts down.
 """
 
 from __future__ import annotations
@@ -281,6 +289,53 @@ class _Work(dist.Work):
         return self._future[1]
 
 
+class _PeerBatch:
+    """Point-to-point operations held back to run as one group (see the module's docstring):
+    ``("send" | "recv", tensor, peer)`` in the order torch posted them, and, once run, the
+    group's error (None if it succeeded)."""
+
+    def __init__(self) -> None:
+        self.ops: List[Tuple[str, torch.Tensor, int]] = []
+        self.ran = False
+        self.error: Optional[BaseException] = None
+
+
+class _PeerWork(dist.Work):
+    """The ``Work`` of an ``isend`` or ``irecv``: waiting on it or asking for its future runs the held operations (its own and every other one held on the backend) as one
+    group first."""
+
+    def __init__(self, backend: "TuttiBackend", batch: _PeerBatch, result: Any) -> None:
+        super().__init__()
+        self._backend = backend
+        self._batch = batch
+        self._result = result
+
+    def _run(self) -> None:
+        if not self._batch.ran:
+            self._backend._run_held()
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        # Bounded by the communicator's timeout (torch's, given when the group was made).
+        self._run()
+        if self._batch.error is not None:
+            raise self._batch.error
+        return True
+
+    def is_completed(self) -> bool:
+        # Seen when this object is used from Python; torch 2.15's wrapper around a Python
+        # backend's Work forwards only wait() and get_future() to it.
+        self._run()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        """A completed future of the received tensors (or the group's error, raised by its
+        ``wait``), once the held operations have run."""
+        self._run()
+        inner: torch.futures.Future = torch.futures.Future()
+        inner.set_result((self._batch.error, self._result))
+        return inner.then(_unwrap)
+
+
 def _unwrap(inner: torch.futures.Future) -> Any:
     error, result = inner.value()
     if error is not None:
@@ -361,8 +416,18 @@ class TuttiBackend(_CBackend):
             timeout=self._timeout_s,
         )
         self._waiter = _Waiter()
+        # Point-to-point operations held back until something needs them (see _run_held).
+        self._held = _PeerBatch()
+        self._held_lock = threading.RLock()
 
     # -- torch's bookkeeping --
+
+    @property
+    def supports_coalescing(self) -> bool:
+        """False: torch's ``batch_isend_irecv`` then posts its operations one by one, which
+        this backend holds and runs as one group. (The base class's property would ask C++,
+        which asks this Python object again, without end.)"""
+        return False
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         """The name torch knows this backend by: "tutti"."""
@@ -381,7 +446,13 @@ class TuttiBackend(_CBackend):
         self.shutdown()
 
     def shutdown(self) -> None:
-        """Release the communicator (destroy_process_group); calls still running are waited for, up to the timeout."""
+        """Release the communicator (destroy_process_group): held point-to-point operations
+        run first (their errors reach their ``Work``); calls still running are waited for, up to
+        the timeout."""
+        try:
+            self._run_held()
+        except ValueError:
+            pass  # closed already
         self._waiter.stop()
         try:
             self._comm.close()
@@ -394,7 +465,9 @@ class TuttiBackend(_CBackend):
                then: Optional[Callable[[], None]] = None) -> _Work:
         """The calls' ``Work``. A group that has already failed (a peer lost, aborted) fails
         the work, not the issuing call: DDP issues from inside the backward pass, where torch
-        does not expect the backend to raise, and reports the future's error instead."""
+        does not expect the backend to raise, and reports the future's error instead. Held
+        point-to-point operations run first, keeping their order with the collectives."""
+        self._run_held()
         try:
             issued = calls()
         except tutti.TuttiError as e:
@@ -662,21 +735,57 @@ class TuttiBackend(_CBackend):
         return self._issue("scatter", lambda: [self._comm.scatter(flat, root, out=out, async_op=True)],
                            output_tensors)
 
-    # -- what tutti does not have yet --
+    # -- point-to-point --
 
-    def _missing(self, what: str):
+    def _run_held(self) -> None:
+        """Run the held point-to-point operations as one group, on this thread; their error
+        goes to their ``Work`` objects. Under a lock held while they run, so that a collective
+        issued on another thread meanwhile comes after them."""
+        with self._held_lock:
+            batch = self._held
+            if not batch.ops:
+                return
+            self._held = _PeerBatch()
+            try:
+                self._comm.send_recv(batch.ops)
+            except Exception as e:  # noqa: BLE001 - handed to the batch's Work objects
+                batch.error = e
+            batch.ran = True
+
+    def _hold(self, kind: str, tensors: List[torch.Tensor], peer: int, tag: int) -> _PeerWork:
+        """Check ``tensors`` for ``kind`` (send or recv) now, and hold the operation."""
+        t = _one_tensor(tensors, kind)
+        if tag != 0:
+            raise ValueError(
+                f"{kind}: tag {tag}: the tutti backend matches a rank's sends and receives in the "
+                "order they are posted, not by tag; pass tag=0 (the default)"
+            )
+        if t.device.type != "cpu":
+            raise TypeError(f"{kind}: the tensor is on {t.device}; the tutti backend takes CPU tensors")
+        if not 0 <= peer < self.size():
+            raise ValueError(f"{kind}: peer {peer} is out of range (group size {self.size()})")
+        tutti._view(t, f"{kind}'s tensor", writable=kind == "recv")  # its errors now, not when run
+        with self._held_lock:
+            self._held.ops.append((kind, t, peer))
+            return _PeerWork(self, self._held, tensors)
+
+    def send(self, tensors: List[torch.Tensor], dstRank: int, tag: int) -> _PeerWork:  # noqa: N803
+        """``dist.send`` / ``dist.isend``: the tensor to rank ``dstRank``, held until the
+        ``Work`` is waited on (see the module's docstring). ``tag`` must be 0."""
+        return self._hold("send", tensors, dstRank, tag)
+
+    def recv(self, tensors: List[torch.Tensor], srcRank: int, tag: int) -> _PeerWork:  # noqa: N803
+        """``dist.recv`` / ``dist.irecv``: rank ``srcRank``'s next send into the tensor, held
+        until the ``Work`` is waited on. ``tag`` must be 0."""
+        return self._hold("recv", tensors, srcRank, tag)
+
+    def recv_anysource(self, tensors: List[torch.Tensor], tag: int) -> _PeerWork:
+        """Refused: tutti pairs a receive with the sender it names."""
         raise NotImplementedError(
-            f"{what}: the tutti backend has no {what} yet (use a group of another backend for it, "
-            "e.g. init_process_group(\"cpu:gloo\") alongside)"
+            "recv without src: the tutti backend pairs each receive with the rank it names (a "
+            "rank's sends to another match that rank's receives from it in order), so it has no "
+            "receive from any source; pass src="
         )
-
-    def send(self, tensors, dst, tag):
-        """Not in tutti yet: raises NotImplementedError naming the call."""
-        self._missing("send")
-
-    def recv(self, tensors, src, tag):
-        """Not in tutti yet: raises NotImplementedError naming the call."""
-        self._missing("recv")
 
 
 def _one_list(lists: Sequence[List[torch.Tensor]], what: str, side: str) -> List[torch.Tensor]:
