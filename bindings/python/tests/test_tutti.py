@@ -947,3 +947,19 @@ def test_send_argument_errors_leave_the_communicator_usable():
     assert comms[1].all_reduce(np.ones(1))[0] == 2
     assert w.wait()[0] == 2
     comms.close()
+
+
+def test_send_recv_refuse_cuda_tensors_on_cpu_ranks(monkeypatch):
+    # No GPU needed: every argument is seen as a CUDA tensor's view.
+    comms = tutti.local_group(2, timeout=60)
+    monkeypatch.setattr(tutti, "_view", lambda a, what, writable=False: tutti._View(a, 8, 1, 0, "cuda", (1,)))
+    for call in (lambda: comms[0].send(object(), 1), lambda: comms[0].recv(object(), 1, async_op=True),
+                 lambda: comms[0].send_recv([("send", object(), 1), ("recv", object(), 1)])):
+        with pytest.raises(TypeError, match="CUDA tensor was passed to a communicator on cpu"):
+            call()
+    monkeypatch.undo()
+    # Nothing was issued or aborted: the ranks still exchange.
+    got = np.zeros(2)
+    run_ranks(comms, lambda c: c.send(np.ones(2), 1) if c.rank == 0 else c.recv(got, 0))
+    assert list(got) == [1.0, 1.0]
+    comms.close()
