@@ -909,6 +909,44 @@ tutti_result tutti_reduce_scatter_v(struct tutti_comm *comm,
 tutti_result tutti_barrier(struct tutti_comm *comm);
 
 /**
+ * Pre-multiplied sum (NCCL's `ncclRedOpCreatePreMulSum`): every rank's `output` (`count`
+ * elements) becomes the sum over ranks of that rank's `input` multiplied by its own `factor`.
+ * The factor becomes the element type first (for integer dtypes it must be a whole number the
+ * type holds; otherwise every rank gets an error naming the factor), each element is
+ * multiplied as the type multiplies (f16 and bf16 in float, rounded once; integers wrap), then
+ * summed as `TUTTI_OP_SUM` sums. In place: pass the same pointer as `input` and `output`; the
+ * scaled copy is made before the ranks meet, so a failed call leaves `input` as it was.
+ * Host memory only (ranks on a GPU: `TUTTI_ERROR_INVALID_ARGUMENT`). Blocking; errors as
+ * `tutti_all_reduce`'s.
+ *
+ * # Safety
+ *
+ * As `tutti_all_reduce`.
+ */
+tutti_result tutti_all_reduce_premul_sum(struct tutti_comm *comm,
+                                         size_t count,
+                                         tutti_dtype dtype,
+                                         double factor,
+                                         const void *input,
+                                         void *output);
+
+/**
+ * Pre-multiplied reduce-scatter: `output` (`recv_count` elements) becomes this rank's block
+ * of the sum over ranks of each rank's `input` (world size × `recv_count` elements) scaled by
+ * its own `factor`; see `tutti_all_reduce_premul_sum`. Not in place.
+ *
+ * # Safety
+ *
+ * As `tutti_reduce_scatter`.
+ */
+tutti_result tutti_reduce_scatter_premul_sum(struct tutti_comm *comm,
+                                             size_t recv_count,
+                                             tutti_dtype dtype,
+                                             double factor,
+                                             const void *input,
+                                             void *output);
+
+/**
  * Create an in-process group of `world_size` ranks and write its communicators, rank 0 first,
  * to `comms[0]` … `comms[world_size - 1]`. Hand each to the thread that runs that rank. Each is
  * released with `tutti_comm_destroy`. `config` may be NULL for every default.

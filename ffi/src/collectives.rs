@@ -1054,3 +1054,163 @@ pub(crate) unsafe fn barrier(f: &'static str, comm: *mut tutti_comm, mode: Mode)
         Ok(())
     })
 }
+
+/// Pre-multiplied sum (NCCL's `ncclRedOpCreatePreMulSum`): every rank's `output` (`count`
+/// elements) becomes the sum over ranks of that rank's `input` multiplied by its own `factor`.
+/// The factor becomes the element type first (for integer dtypes it must be a whole number the
+/// type holds; otherwise every rank gets an error naming the factor), each element is
+/// multiplied as the type multiplies (f16 and bf16 in float, rounded once; integers wrap), then
+/// summed as `TUTTI_OP_SUM` sums. In place: pass the same pointer as `input` and `output`; the
+/// scaled copy is made before the ranks meet, so a failed call leaves `input` as it was.
+/// Host memory only (ranks on a GPU: `TUTTI_ERROR_INVALID_ARGUMENT`). Blocking; errors as
+/// `tutti_all_reduce`'s.
+///
+/// # Safety
+///
+/// As `tutti_all_reduce`.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_all_reduce_premul_sum(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    factor: f64,
+    input: *const c_void,
+    output: *mut c_void,
+) -> tutti_result {
+    const F: &str = "tutti_all_reduce_premul_sum";
+    boundary(F, || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        crate::p2p::refuse_in_group(c.rank, F)?;
+        let checked = (|| {
+            host_ranks_only(c.device)?;
+            let dtype = types::dtype(dtype)?;
+            let n = byte_len(count, 1, dtype)?;
+            check(input, n, dtype, "input")?;
+            check(output, n, dtype, "output")?;
+            let in_place = std::ptr::eq(input, output);
+            if !in_place && overlap(input, n, output, n) {
+                return Err(
+                    "input and output overlap without being the same buffer; pass the \
+                            same pointer as both for an in-place all-reduce"
+                        .to_string(),
+                );
+            }
+            Ok((dtype, n, in_place))
+        })();
+        let (dtype, n, in_place) = checked.map_err(|m| c.reject(F, m))?;
+        // SAFETY: checked above (`n` bytes each, aligned, non-NULL when n > 0); the caller
+        // keeps them untouched for the call.
+        let (input, output) = unsafe { host_slices(input, output, n) };
+        let input = if in_place { None } else { Some(input) };
+        let result = c
+            .read()
+            .all_reduce_premul_sum_raw(dtype, input, output, factor);
+        Ok(result?)
+    })
+}
+
+/// Pre-multiplied reduce-scatter: `output` (`recv_count` elements) becomes this rank's block
+/// of the sum over ranks of each rank's `input` (world size × `recv_count` elements) scaled by
+/// its own `factor`; see `tutti_all_reduce_premul_sum`. Not in place.
+///
+/// # Safety
+///
+/// As `tutti_reduce_scatter`.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_reduce_scatter_premul_sum(
+    comm: *mut tutti_comm,
+    recv_count: usize,
+    dtype: tutti_dtype,
+    factor: f64,
+    input: *const c_void,
+    output: *mut c_void,
+) -> tutti_result {
+    const F: &str = "tutti_reduce_scatter_premul_sum";
+    boundary(F, || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        crate::p2p::refuse_in_group(c.rank, F)?;
+        let world = c.read().world_size();
+        let checked = (|| {
+            host_ranks_only(c.device)?;
+            let dtype = types::dtype(dtype)?;
+            let n_in = byte_len(recv_count, world, dtype)?;
+            let n_out = byte_len(recv_count, 1, dtype)?;
+            check(input, n_in, dtype, "input")?;
+            check(output, n_out, dtype, "output")?;
+            if overlap(input, n_in, output, n_out) {
+                return Err("input and output overlap; reduce-scatter is not in place".to_string());
+            }
+            Ok((dtype, n_in, n_out))
+        })();
+        let (dtype, n_in, n_out) = checked.map_err(|m| c.reject(F, m))?;
+        // SAFETY: checked above; the caller keeps them untouched for the call.
+        let (input, output) = unsafe { (host_slice(input, n_in), host_slice_mut(output, n_out)) };
+        let result = c
+            .read()
+            .reduce_scatter_premul_sum_raw(dtype, input, output, factor);
+        Ok(result?)
+    })
+}
+
+/// The pre-multiplied sums scale host memory: GPU ranks, whose buffers are device memory,
+/// refuse them (XLA ranks take host memory).
+fn host_ranks_only(device: DeviceKind) -> Result<(), String> {
+    if device == DeviceKind::Cpu || device == DeviceKind::Xla {
+        Ok(())
+    } else {
+        Err(format!(
+            "the pre-multiplied sums take host memory; this rank is on a {device} device"
+        ))
+    }
+}
+
+/// `n` bytes at `p` (any address when `n` is 0).
+///
+/// # Safety
+///
+/// `p` points to `n` readable bytes when `n > 0`, untouched by others while the slice lives.
+unsafe fn host_slice<'a>(p: *const c_void, n: usize) -> &'a [u8] {
+    if n == 0 {
+        return &[];
+    }
+    // SAFETY: as the caller promises.
+    unsafe { std::slice::from_raw_parts(p.cast(), n) }
+}
+
+/// `n` writable bytes at `p` (any address when `n` is 0).
+///
+/// # Safety
+///
+/// `p` points to `n` writable bytes when `n > 0`, used by nothing else while the slice lives.
+unsafe fn host_slice_mut<'a>(p: *mut c_void, n: usize) -> &'a mut [u8] {
+    if n == 0 {
+        return &mut [];
+    }
+    // SAFETY: as the caller promises.
+    unsafe { std::slice::from_raw_parts_mut(p.cast(), n) }
+}
+
+/// The input and output of a call over `n` bytes each; the input slice is empty when the two
+/// are the same buffer (in place: only the output is formed).
+///
+/// # Safety
+///
+/// As [`host_slice`] and [`host_slice_mut`]; `input` and `output` are the same pointer or do
+/// not overlap.
+unsafe fn host_slices<'a>(
+    input: *const c_void,
+    output: *mut c_void,
+    n: usize,
+) -> (&'a [u8], &'a mut [u8]) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        let i = if std::ptr::eq(input, output) {
+            &[][..]
+        } else {
+            host_slice(input, n)
+        };
+        (i, host_slice_mut(output, n))
+    }
+}

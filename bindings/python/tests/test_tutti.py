@@ -963,3 +963,45 @@ def test_send_recv_refuse_cuda_tensors_on_cpu_ranks(monkeypatch):
     run_ranks(comms, lambda c: c.send(np.ones(2), 1) if c.rank == 0 else c.recv(got, 0))
     assert list(got) == [1.0, 1.0]
     comms.close()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int32, np.uint8])
+def test_premul_sum_scales_each_ranks_array_by_its_own_factor(dtype):
+    comms = tutti.local_group(3, timeout=60)
+    out = {}
+
+    def rank(c):
+        a = (np.arange(6) % 4).astype(dtype)
+        f = c.rank + 1
+        in_place = a.copy()
+        c.all_reduce_premul_sum(in_place, f)
+        into = np.zeros_like(a)
+        c.all_reduce_premul_sum(a, f, out=into)
+        part = c.reduce_scatter_premul_sum(a, f)
+        out[c.rank] = (in_place, into, part)
+
+    run_ranks(comms, rank)
+    want = ((np.arange(6) % 4) * 6).astype(dtype)
+    for r in range(3):
+        in_place, into, part = out[r]
+        np.testing.assert_array_equal(in_place, want)
+        np.testing.assert_array_equal(into, want)
+        np.testing.assert_array_equal(part, want[2 * r : 2 * r + 2])
+
+
+def test_premul_sum_refuses_a_fraction_on_integers_on_every_rank():
+    comms = tutti.local_group(2, timeout=60)
+    errors = {}
+
+    def rank(c):
+        a = np.full(4, 5, dtype=np.int32)
+        try:
+            c.all_reduce_premul_sum(a, 0.5 if c.rank == 1 else 2)
+        except tutti.TuttiError as e:
+            errors[c.rank] = (e.code, e.message, a.copy())
+
+    run_ranks(comms, rank)
+    assert errors[1][0] == "TUTTI_ERROR_INVALID_ARGUMENT" and "0.5 is not a whole number" in errors[1][1]
+    assert errors[0][0] == "TUTTI_ERROR_PEER_REJECTED"
+    for r in range(2):
+        np.testing.assert_array_equal(errors[r][2], [5] * 4)

@@ -203,6 +203,8 @@ _PROTOTYPES = {
     "tutti_broadcast": (_u32, [_ptr, _size, _u32, _size, _ptr]),
     "tutti_all_gather": (_u32, [_ptr, _size, _u32, _ptr, _ptr]),
     "tutti_reduce_scatter": (_u32, [_ptr, _size, _u32, _u32, _ptr, _ptr]),
+    "tutti_all_reduce_premul_sum": (_u32, [_ptr, _size, _u32, ctypes.c_double, _ptr, _ptr]),
+    "tutti_reduce_scatter_premul_sum": (_u32, [_ptr, _size, _u32, ctypes.c_double, _ptr, _ptr]),
     "tutti_reduce": (_u32, [_ptr, _size, _u32, _u32, _size, _ptr, _ptr]),
     "tutti_barrier": (_u32, [_ptr]),
     "tutti_mem_alloc": (_u32, [_ptr, _size, _pp]),
@@ -955,6 +957,17 @@ class Communicator:
         return self._call("tutti_all_reduce", args, dst.given, (src, dst), async_op)
 
     @_collective
+    def all_reduce_premul_sum(self, array, factor, out=None):
+        """The sum over ranks of each rank's array scaled by its own ``factor`` (NCCL's
+        pre-multiplied sum), in place or into ``out``; integer arrays take whole factors.
+        Blocking; host memory."""
+        src = _view(array, "array", writable=out is None)
+        dst = src if out is None else _view(out, "out", writable=True)
+        _check_out(src, dst, "out", src.count)
+        args = (src.count, src.dtype, float(factor), src.ptr, dst.ptr)
+        return self._call("tutti_all_reduce_premul_sum", args, dst.given, (src, dst), False)
+
+    @_collective
     def broadcast(self, array, root=0, async_op=False):
         """``array`` becomes the root's, in place; returns it."""
         v = _view(array, "array", writable=True)
@@ -986,6 +999,19 @@ class Communicator:
         _check_out(src, dst, "out", count)
         args = (count, src.dtype, _op(op), src.ptr, dst.ptr)
         return self._call("tutti_reduce_scatter", args, dst.given, (src, dst), async_op)
+
+    @_collective
+    def reduce_scatter_premul_sum(self, array, factor, out=None):
+        """This rank's slice of the sum over ranks of each rank's array scaled by its own
+        ``factor`` (see ``all_reduce_premul_sum``). Blocking; host memory."""
+        src = _view(array, "array")
+        if src.count % self.world_size:
+            raise ValueError(f"{src.count} elements do not split into {self.world_size} equal slices")
+        count = src.count // self.world_size
+        dst = _view(src.empty((count,)) if out is None else out, "out", writable=True)
+        _check_out(src, dst, "out", count)
+        args = (count, src.dtype, float(factor), src.ptr, dst.ptr)
+        return self._call("tutti_reduce_scatter_premul_sum", args, dst.given, (src, dst), False)
 
     @_collective
     def reduce(self, array, op="sum", root=0, out=None, async_op=False):

@@ -286,6 +286,26 @@ static void bitwise_on_floats(const rank_ctx *c) {
     }
 }
 
+/* The pre-multiplied sums, in place and out of place: rank r scales by r + 1. */
+static void premul_sums(rank_ctx *c) {
+    size_t i, r = c->rank;
+    float x[2 * WORLD], into[2 * WORLD], part[2];
+    for (i = 0; i < 2 * WORLD; i++) {
+        x[i] = (float)(i % 3);
+    }
+    CHECK(tutti_all_reduce_premul_sum(c->comm, 2 * WORLD, TUTTI_DTYPE_F32, (double)(r + 1), x,
+                                      into));
+    CHECK(tutti_reduce_scatter_premul_sum(c->comm, 2, TUTTI_DTYPE_F32, (double)(r + 1), x, part));
+    CHECK(tutti_all_reduce_premul_sum(c->comm, 2 * WORLD, TUTTI_DTYPE_F32, (double)(r + 1), x, x));
+    for (i = 0; i < 2 * WORLD; i++) {
+        float want = (float)(i % 3) * (float)(WORLD * (WORLD + 1) / 2);
+        EXPECT(into[i] == want && x[i] == want);
+    }
+    for (i = 0; i < 2; i++) {
+        EXPECT(part[i] == (float)((2 * r + i) % 3) * (float)(WORLD * (WORLD + 1) / 2));
+    }
+}
+
 static void *rank_main(void *p) {
     rank_ctx *c = p;
     size_t a, d, o, rank = 99, world = 0;
@@ -310,6 +330,7 @@ static void *rank_main(void *p) {
         bitwise_case(c, &ALGOS[a]);
     }
     bitwise_on_floats(c);
+    premul_sums(c);
     return NULL;
 }
 
