@@ -37,17 +37,26 @@ struct Slot {
     progress: AtomicU64,
 }
 
-/// Point-to-point messages from one rank to another: each one's dtype and bytes, in send
+/// The point-to-point messages sent to one rank: each one's sender, dtype and bytes, in send
 /// order, and the buffers of messages already taken, for the next sends to reuse (a fresh
 /// buffer costs a page fault per page it fills).
 #[derive(Default)]
-struct Mailbox {
-    messages: VecDeque<(DType, Vec<u8>)>,
+struct Inbox {
+    messages: VecDeque<(usize, DType, Vec<u8>)>,
+    /// The bytes of `messages`.
+    bytes: usize,
+    /// A sender waits for room (the receiver rings every rank when it takes a message).
+    full: bool,
     spare: Vec<Vec<u8>>,
 }
 
-/// The spare buffers a mailbox keeps at most.
+/// The spare buffers an inbox keeps at most, and the largest it keeps.
 const SPARE_BUFFERS: usize = 4;
+const SPARE_MAX_BYTES: usize = 16 << 20;
+
+/// The bytes an inbox holds at most: past them a send waits (bounded by the timeout) for the
+/// receiver to take some, so a sender that runs ahead cannot take all the memory there is.
+const INBOX_MAX_BYTES: usize = 1 << 30;
 
 /// A one-way mailbox from one rank to another, one message in flight.
 #[derive(Default)]
@@ -68,9 +77,9 @@ pub(crate) struct Shared {
     bells: Vec<CachePadded<Bell>>,
     slots: Vec<CachePadded<Slot>>,
     channels: Vec<CachePadded<Channel>>,
-    /// Point-to-point messages from one rank to another, in send order: copies, so that a send
-    /// never waits for its receive.
-    mail: Vec<CachePadded<Mutex<Mailbox>>>,
+    /// Each rank's point-to-point messages: copies, so that a send does not wait for its
+    /// receive.
+    inboxes: Vec<CachePadded<Mutex<Inbox>>>,
     aborted: AtomicBool,
     reason: Mutex<Option<String>>,
 }
@@ -84,7 +93,7 @@ impl Shared {
             bells: (0..world).map(|_| Default::default()).collect(),
             slots: (0..world).map(|_| Default::default()).collect(),
             channels: (0..world * world).map(|_| Default::default()).collect(),
-            mail: (0..world * world).map(|_| Default::default()).collect(),
+            inboxes: (0..world).map(|_| Default::default()).collect(),
             aborted: AtomicBool::new(false),
             reason: Mutex::new(None),
         })
@@ -341,38 +350,63 @@ impl Transport for LocalTransport {
         result
     }
 
-    /// Sends are copied into the peer's mailbox at once, so no order of sends and receives
-    /// across the ranks can deadlock; receives take their peer's messages in order.
+    /// Sends are copied into the peer's inbox at once, so a send does not wait for its receive
+    /// (unless the inbox holds [`INBOX_MAX_BYTES`]); receives take their peer's messages in
+    /// order.
     fn pair_exchange(&self, site: Site, ops: &mut [PairOp<'_>]) -> Result<()> {
         let s = &self.shared;
         if s.aborted.load(Ordering::Acquire) {
             return Err(self.aborted_error());
         }
         for op in ops.iter() {
-            if let PairData::Send(data) = &op.data {
-                let mailbox = &s.mail[s.world * self.rank + op.peer];
-                let spare = {
-                    let mut m = mailbox.lock();
-                    let fits = m.spare.iter().position(|b| b.capacity() >= data.len());
-                    fits.map(|i| m.spare.swap_remove(i))
-                };
-                let mut copy = spare.unwrap_or_default();
-                copy.clear();
-                copy.extend_from_slice(data);
-                mailbox.lock().messages.push_back((op.dtype, copy));
-                s.bells[op.peer].ring();
-            }
+            let PairData::Send(data) = &op.data else {
+                continue;
+            };
+            let inbox = &s.inboxes[op.peer];
+            let peer = op.peer;
+            let room = || {
+                let mut i = inbox.lock();
+                let room = i.messages.is_empty() || i.bytes + data.len() <= INBOX_MAX_BYTES;
+                i.full |= !room;
+                room
+            };
+            self.wait(site, "receive data", room, || vec![peer])?;
+            let spare = {
+                let mut i = inbox.lock();
+                let fits = i.spare.iter().position(|b| b.capacity() >= data.len());
+                fits.map(|k| i.spare.swap_remove(k))
+            };
+            let mut copy = spare.unwrap_or_default();
+            copy.clear();
+            copy.extend_from_slice(data);
+            let mut i = inbox.lock();
+            i.bytes += copy.len();
+            i.messages.push_back((self.rank, op.dtype, copy));
+            drop(i);
+            s.bells[peer].ring();
         }
+        let inbox = &s.inboxes[self.rank];
         for op in ops.iter_mut() {
             let PairData::Recv(dst) = &mut op.data else {
                 continue;
             };
             let peer = op.peer;
-            let mailbox = &s.mail[s.world * peer + self.rank];
-            let ready = || !mailbox.lock().messages.is_empty();
-            self.wait(site, "send", ready, || vec![peer])?;
-            // Only this rank takes from its mailboxes: the message it waited for is there.
-            let Some((dtype, bytes)) = mailbox.lock().messages.pop_front() else {
+            let first_from = |i: &Inbox| i.messages.iter().position(|m| m.0 == peer);
+            let ready = || first_from(&inbox.lock()).is_some();
+            self.wait(site, "send data", ready, || vec![peer])?;
+            // Only this rank takes from its inbox: the message it waited for is there.
+            let (taken, full) = {
+                let mut i = inbox.lock();
+                let m = first_from(&i).and_then(|k| i.messages.remove(k));
+                if let Some(m) = &m {
+                    i.bytes -= m.2.len();
+                }
+                (m, std::mem::take(&mut i.full))
+            };
+            if full {
+                s.ring_all();
+            }
+            let Some((_, dtype, bytes)) = taken else {
                 return Err(Error::invalid(
                     site,
                     format!("rank {peer}'s message vanished"),
@@ -387,9 +421,9 @@ impl Transport for LocalTransport {
                 ));
             }
             dst.copy_from_slice(&bytes);
-            let mut m = mailbox.lock();
-            if m.spare.len() < SPARE_BUFFERS {
-                m.spare.push(bytes);
+            let mut i = inbox.lock();
+            if i.spare.len() < SPARE_BUFFERS && bytes.capacity() <= SPARE_MAX_BYTES {
+                i.spare.push(bytes);
             }
         }
         Ok(())
