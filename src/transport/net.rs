@@ -641,6 +641,9 @@ struct SendState<'a> {
     hoff: usize,
     data: &'a [u8],
     off: usize,
+    /// Waits for an earlier send of its exchange to the same peer (a point-to-point group's
+    /// messages to one peer go one after the other on its stream).
+    held: bool,
 }
 
 struct RecvState<'a> {
@@ -656,6 +659,8 @@ struct RecvState<'a> {
     /// The aux a data frame for this receive carries: 0 for a collective's, [`pair_aux`] of
     /// the dtype for a point-to-point receive's.
     aux: u32,
+    /// Waits for an earlier receive of its exchange from the same peer.
+    held: bool,
 }
 
 /// The aux of a point-to-point data frame: a marker and the dtype both sides must state.
@@ -748,12 +753,48 @@ impl SendState<'_> {
     fn done(&self) -> bool {
         self.hoff == HDR && self.off == self.data.len()
     }
+
+    /// Under way: not done, and not held behind another.
+    fn active(&self) -> bool {
+        !self.held && !self.done()
+    }
 }
 
 impl RecvState<'_> {
     fn done(&self) -> bool {
         self.hoff == HDR && self.off == self.len
     }
+
+    fn active(&self) -> bool {
+        !self.held && !self.done()
+    }
+}
+
+/// Release the held transfers whose earlier ones to or from the same peer are done; true if
+/// any was released.
+fn release_held(sends: &mut [SendState<'_>], recvs: &mut [RecvState<'_>]) -> bool {
+    let mut released = false;
+    for i in 0..sends.len() {
+        if sends[i].held
+            && sends[..i]
+                .iter()
+                .all(|s| s.peer != sends[i].peer || s.done())
+        {
+            sends[i].held = false;
+            released = true;
+        }
+    }
+    for i in 0..recvs.len() {
+        if recvs[i].held
+            && recvs[..i]
+                .iter()
+                .all(|r| r.peer != recvs[i].peer || r.done())
+        {
+            recvs[i].held = false;
+            released = true;
+        }
+    }
+    released
 }
 
 fn lost(site: Site, peer: usize, e: &std::io::Error) -> Error {
@@ -910,7 +951,9 @@ impl NetTransport {
                 Ok(())
             }
             // A rank that rejected its arguments says so instead of sending data.
-            (Target::Data { .. }, FRAME_HEADER) if len > 0 && len <= MAX_HEADER => {
+            (Target::Data { .. }, FRAME_HEADER)
+                if len > 0 && len <= MAX_HEADER && theirs == mine =>
+            {
                 self.data_started.store(true, Ordering::Release);
                 let message = self.read_payload(site, r.peer, len as usize);
                 Err(Error::PeerRejected {
@@ -961,8 +1004,9 @@ impl NetTransport {
                 let e = self.mismatch(site, r.peer, theirs, mine);
                 // A frame of an earlier call is left over from a call that failed: the peer's
                 // ABORT frame behind it says why, which is the news.
+                // (Point-to-point frames carry no call number: u64::MAX.)
                 let call = |i: &Ident| u64::from_le_bytes(i[..8].try_into().expect("8 bytes"));
-                if call(theirs) < call(mine) {
+                if call(theirs) < call(mine) && call(mine) != u64::MAX {
                     return Err(self.drain_abort(site, r.peer).unwrap_or(e));
                 }
                 Err(e)
@@ -1297,6 +1341,7 @@ impl NetTransport {
         lists: &mut WaitLists,
     ) -> Result<()> {
         let mine = self.ident();
+        let mut held = sends.iter().any(|s| s.held) || recvs.iter().any(|r| r.held);
         let mut deadline = Instant::now() + self.timeout;
         let mut pause = Duration::from_micros(20);
         let mut spin_until: Option<Instant> = None;
@@ -1305,14 +1350,18 @@ impl NetTransport {
                 return Err(self.aborted_error());
             }
             let mut moved = false;
-            for s in sends.iter_mut().filter(|s| !s.done()) {
+            for s in sends.iter_mut().filter(|s| s.active()) {
                 moved |= self.progress_send(site, s)?;
             }
-            for r in recvs.iter_mut().filter(|r| !r.done()) {
+            for r in recvs.iter_mut().filter(|r| r.active()) {
                 moved |= self.progress_recv(site, r, &mine)?;
             }
             if sends.iter().all(|s| s.done()) && recvs.iter().all(|r| r.done()) {
                 return Ok(());
+            }
+            if held {
+                moved |= release_held(sends, recvs);
+                held = sends.iter().any(|s| s.held) || recvs.iter().any(|r| r.held);
             }
             if moved {
                 deadline = Instant::now() + self.timeout;
@@ -1352,8 +1401,8 @@ impl NetTransport {
                 continue;
             }
             let on_ring = |peer: usize| self.link(peer).shm.is_some();
-            let ring_only = sends.iter().all(|s| s.done() || on_ring(s.peer))
-                && recvs.iter().all(|r| r.done() || on_ring(r.peer));
+            let ring_only = sends.iter().all(|s| !s.active() || on_ring(s.peer))
+                && recvs.iter().all(|r| !r.active() || on_ring(r.peer));
             self.wait(sends, recvs, ring_only, &mut pause, deadline, lists)?;
             if let Some(e) = self.hang_ups(site, sends)? {
                 return Err(e);
@@ -1378,9 +1427,9 @@ impl NetTransport {
         pending.extend(
             sends
                 .iter()
-                .filter(|s| !s.done())
+                .filter(|s| s.active())
                 .map(|s| (s.peer, false))
-                .chain(recvs.iter().filter(|r| !r.done()).map(|r| (r.peer, true))),
+                .chain(recvs.iter().filter(|r| r.active()).map(|r| (r.peer, true))),
         );
         if ring_only {
             let (peer, _) = pending[0];
@@ -1565,6 +1614,7 @@ impl Transport for NetTransport {
             hoff: 0,
             data: message,
             off: 0,
+            held: false,
         }));
         let mut recvs: Vec<RecvState<'_>> = recycle(std::mem::take(&mut reuse.recvs));
         recvs.extend(peers.map(|peer| RecvState {
@@ -1577,6 +1627,7 @@ impl Transport for NetTransport {
             scratch: Vec::new(),
             fill: 0,
             aux: 0,
+            held: false,
         }));
         let result = self.run(site, "arrive", &mut sends, &mut recvs, &mut reuse.wait);
         reuse.sends = recycle(sends);
@@ -1606,6 +1657,7 @@ impl Transport for NetTransport {
             hoff: 0,
             data: s.data,
             off: 0,
+            held: false,
         }));
         // Reducing receives stage chunks in scratch buffers kept between exchanges: a buffer
         // resized to the length it had is not allocated or zeroed again.
@@ -1624,6 +1676,7 @@ impl Transport for NetTransport {
             scratch: pool.pop().unwrap_or_default(),
             fill: 0,
             aux: 0,
+            held: false,
         }));
         let result = self.run(site, "exchange data", &mut ss, &mut rs, &mut reuse.wait);
         for r in rs.iter_mut() {
@@ -1637,8 +1690,8 @@ impl Transport for NetTransport {
         result
     }
 
-    /// Each peer's operations in one direction run in order, one per round (an exchange moves
-    /// at most one message each way per peer); every round's sends and receives run at once.
+    /// Every operation of the group is under way at once, but for the messages to (or from) one
+    /// peer, which follow each other on its stream: each starts when the one before it is done.
     fn pair_exchange(&self, site: Site, ops: &mut [super::PairOp<'_>]) -> Result<()> {
         if self.aborted.load(Ordering::Acquire) {
             return Err(self.aborted_error());
@@ -1647,33 +1700,27 @@ impl Transport for NetTransport {
         let ident = IDENT.get_or_init(pair_ident);
         self.set_ident(ident);
         self.data_started.store(true, Ordering::Release);
-        // The round of each op: how many ops before it go to its peer in its direction.
-        let round_of = |i: usize, ops: &[super::PairOp<'_>]| {
-            let (peer, send) = (ops[i].peer, ops[i].is_send());
-            ops[..i]
-                .iter()
-                .filter(|o| o.peer == peer && o.is_send() == send)
-                .count()
-        };
-        let rounds: Vec<usize> = (0..ops.len()).map(|i| round_of(i, ops)).collect();
-        let last = rounds.iter().max().map_or(0, |m| m + 1);
         let mut engine = self.engine.lock();
         let reuse = &mut *engine;
-        let mut result = Ok(());
-        for round in 0..last {
-            let mut ss: Vec<SendState<'_>> = recycle(std::mem::take(&mut reuse.sends));
-            let mut rs: Vec<RecvState<'_>> = recycle(std::mem::take(&mut reuse.recvs));
-            for (op, _) in ops.iter_mut().zip(&rounds).filter(|(_, &r)| r == round) {
-                let aux = pair_aux(op.dtype);
-                match &mut op.data {
-                    super::PairData::Send(data) => ss.push(SendState {
+        let mut ss: Vec<SendState<'_>> = recycle(std::mem::take(&mut reuse.sends));
+        let mut rs: Vec<RecvState<'_>> = recycle(std::mem::take(&mut reuse.recvs));
+        for op in ops.iter_mut() {
+            let aux = pair_aux(op.dtype);
+            match &mut op.data {
+                super::PairData::Send(data) => {
+                    let held = ss.iter().any(|s| s.peer == op.peer);
+                    ss.push(SendState {
                         peer: op.peer,
                         hdr: frame(FRAME_DATA, aux, data.len() as u64, ident),
                         hoff: 0,
                         data,
                         off: 0,
-                    }),
-                    super::PairData::Recv(dst) => rs.push(RecvState {
+                        held,
+                    })
+                }
+                super::PairData::Recv(dst) => {
+                    let held = rs.iter().any(|r| r.peer == op.peer);
+                    rs.push(RecvState {
                         peer: op.peer,
                         target: Target::Data {
                             dst,
@@ -1686,16 +1733,14 @@ impl Transport for NetTransport {
                         scratch: Vec::new(),
                         fill: 0,
                         aux,
-                    }),
+                        held,
+                    })
                 }
             }
-            result = self.run(site, "point-to-point", &mut ss, &mut rs, &mut reuse.wait);
-            reuse.sends = recycle(ss);
-            reuse.recvs = recycle(rs);
-            if result.is_err() {
-                break;
-            }
         }
+        let result = self.run(site, "point-to-point", &mut ss, &mut rs, &mut reuse.wait);
+        reuse.sends = recycle(ss);
+        reuse.recvs = recycle(rs);
         result
     }
 
