@@ -321,3 +321,114 @@ fn cpu_device_ranks_take_point_to_point() {
         assert_eq!(x, [3]);
     });
 }
+
+#[test]
+fn peers_that_group_differently_still_match_in_order() {
+    for kind in KINDS {
+        let got = world(kind, 2, quick(), |c| {
+            if c.rank() == 0 {
+                // One group: two sends, then a receive that the peer sends only after both.
+                let mut back = [0u64; 2];
+                c.send_recv(&mut [
+                    PeerOp::send(&[1u64; 3], 1),
+                    PeerOp::send(&[2u64; 5], 1),
+                    PeerOp::recv(&mut back, 1),
+                ])
+                .unwrap();
+                back.to_vec()
+            } else {
+                let (mut a, mut b) = ([0u64; 3], [0u64; 5]);
+                c.recv(&mut a, 0).unwrap();
+                c.recv(&mut b, 0).unwrap();
+                c.send(&[a[0] + b[0]; 2], 0).unwrap();
+                vec![a[0], b[0]]
+            }
+        });
+        assert_eq!(got, [vec![3, 3], vec![1, 2]], "{kind:?}");
+    }
+}
+
+#[test]
+fn an_abort_during_a_receive_reaches_the_peer_at_once() {
+    for kind in KINDS {
+        let config = Config::default().with_timeout(Duration::from_secs(30));
+        let got = world(kind, 2, config, |c| {
+            let mut x = [0u8; 4];
+            if c.rank() == 0 {
+                let handle = c.abort_handle();
+                let t = std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(300));
+                    handle.abort("the user stopped it");
+                });
+                let e = c.recv(&mut x, 1).unwrap_err();
+                t.join().unwrap();
+                (e, Duration::ZERO)
+            } else {
+                let start = std::time::Instant::now();
+                let e = c.recv(&mut x, 0).unwrap_err();
+                (e, start.elapsed())
+            }
+        });
+        let (e, took) = &got[1];
+        assert!(
+            e.to_string().contains("the user stopped it"),
+            "{kind:?}: {e}"
+        );
+        assert!(*took < Duration::from_secs(10), "{kind:?}: {took:?}");
+    }
+}
+
+#[test]
+fn a_receive_that_meets_a_collective_names_it() {
+    for kind in [Kind::Tcp, Kind::Shm] {
+        let got = world(kind, 2, quick(), |c| {
+            if c.rank() == 0 {
+                let mut v = [3i32; 64];
+                c.all_reduce(&mut v, ReduceOp::Sum).err()
+            } else {
+                let mut x = [0i32; 64];
+                c.recv(&mut x, 0).err()
+            }
+        });
+        let e = got[1].as_ref().expect("the receive fails");
+        match e {
+            Error::Mismatch { peer, field, .. } => {
+                assert_eq!((*peer, *field), (0, "collective"), "{kind:?}: {e}")
+            }
+            other => panic!("{kind:?}: expected a mismatch, got {other}"),
+        }
+        assert!(got[0].is_some(), "{kind:?}: the all_reduce must fail too");
+    }
+}
+
+#[test]
+fn a_raw_call_naming_point_to_point_is_refused_on_its_rank_alone() {
+    let got = run_local(2, &quick(), |c| {
+        let mut buf = [0u8; 4];
+        let refused = if c.rank() == 0 {
+            let call = tutti::RawCall {
+                collective: tutti::Collective::Send,
+                dtype: tutti::DType::U8,
+                count: 4,
+                op: tutti::ReduceOp::Sum,
+                root: 1,
+                input: buf.as_ptr(),
+                output: buf.as_mut_ptr(),
+                counts: &[],
+                recv_counts: &[],
+            };
+            // SAFETY: the buffer outlives the call.
+            Some(unsafe { c.run_raw(&call) }.unwrap_err())
+        } else {
+            None
+        };
+        // The collectives' numbers are unchanged on both ranks.
+        let mut v = [1u32];
+        c.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+        (refused, v[0])
+    })
+    .unwrap();
+    let e = got[0].0.as_ref().unwrap();
+    assert!(e.to_string().contains("point-to-point"), "{e}");
+    assert_eq!((got[0].1, got[1].1), (2, 2));
+}

@@ -720,6 +720,11 @@ impl Communicator {
     /// The addresses hold the bytes `c` describes on this rank's device, and nothing else
     /// touches them during the call.
     pub unsafe fn run_raw(&self, c: &RawCall<'_>) -> Result<()> {
+        if c.collective.is_point_to_point() {
+            return self
+                .progress
+                .run_blocking(&*self.raw_point_to_point(c.collective));
+        }
         let call = self.on_stream(self.raw_call(c));
         if call.on_stream() {
             return self.run_on_stream(call).wait();
@@ -734,6 +739,10 @@ impl Communicator {
     /// As [`Communicator::run_raw`], until the call has completed (even if the `Work` is
     /// dropped first).
     pub unsafe fn issue_raw(&self, c: &RawCall<'_>) -> Work {
+        if c.collective.is_point_to_point() {
+            let refused = self.raw_point_to_point(c.collective);
+            return self.progress.issue(refused, Box::new(Owned::new(())));
+        }
         let call = self.on_stream(self.raw_call(c));
         if call.on_stream() {
             return self.run_on_stream(call);
@@ -755,6 +764,11 @@ impl Communicator {
         c: &RawCall<'_>,
         before: Box<dyn FnOnce() + Send>,
     ) -> Result<()> {
+        if c.collective.is_point_to_point() {
+            return self
+                .progress
+                .run_blocking(&*self.raw_point_to_point(c.collective));
+        }
         let call = self.on_stream(self.raw_call(c));
         if call.on_stream() {
             before();
@@ -781,6 +795,10 @@ impl Communicator {
         before: Box<dyn FnOnce() + Send>,
         keep: Box<dyn std::any::Any + Send>,
     ) -> Work {
+        if c.collective.is_point_to_point() {
+            let refused = self.raw_point_to_point(c.collective);
+            return self.progress.issue(refused, Box::new(Owned::new(keep)));
+        }
         let call = self.on_stream(self.raw_call(c));
         if call.on_stream() {
             before();

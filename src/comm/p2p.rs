@@ -54,10 +54,11 @@ impl<'a> PeerOp<'a> {
         }
     }
 
-    fn raw(&self) -> RawPeerOp {
-        let (send, ptr, len) = match &self.op.data {
+    /// By address (a receive's from its exclusive borrow: the call writes through it).
+    fn raw(&mut self) -> RawPeerOp {
+        let (send, ptr, len) = match &mut self.op.data {
             PairData::Send(d) => (true, d.as_ptr() as *mut u8, d.len()),
-            PairData::Recv(d) => (false, d.as_ptr() as *mut u8, d.len()),
+            PairData::Recv(d) => (false, d.as_mut_ptr(), d.len()),
         };
         RawPeerOp {
             send,
@@ -213,10 +214,12 @@ impl Runnable for PairCall {
         let transport = &*shared.transport;
         let result = transport.pair_exchange(site, &mut others);
         if let Err(e) = &result {
-            // A peer may be mid-message: the communicator cannot go on.
+            // A peer may be mid-message: the communicator cannot go on. `end` tells the peers
+            // (an abort from another thread while this call ran could not: it held the link).
             if transport.aborted().is_none() {
                 transport.abort(&e.to_string());
             }
+            transport.end(Some(e));
         }
         result
     }
@@ -254,6 +257,20 @@ impl PairCall {
 }
 
 impl Communicator {
+    /// A [`crate::RawCall`] naming a point-to-point call: refused on this rank alone, with no
+    /// call number and no other rank involved.
+    pub(super) fn raw_point_to_point(&self, collective: Collective) -> Box<dyn Runnable + Sync> {
+        Box::new(PairCall {
+            collective,
+            rank: self.rank(),
+            ops: Vec::new(),
+            check: Err(format!(
+                "{collective} is point-to-point, not a collective: run it with \
+                 Communicator::send, recv or send_recv"
+            )),
+        })
+    }
+
     /// Send `buf` to rank `peer`, which receives it with [`Communicator::recv`] (or in a
     /// [`Communicator::send_recv`] group). Matched with that rank's receives from this one in
     /// issue order; both state the same count and dtype. Returns once the bytes are handed over
@@ -283,7 +300,7 @@ impl Communicator {
     /// receives, or two ranks each sending to the other first, cannot deadlock. Each peer's
     /// operations in one direction keep their order.
     pub fn send_recv(&self, ops: &mut [PeerOp<'_>]) -> Result<()> {
-        let call = PairCall::new(self, ops.iter().map(PeerOp::raw).collect());
+        let call = PairCall::new(self, ops.iter_mut().map(PeerOp::raw).collect());
         self.progress.run_blocking(&call)
     }
 
@@ -296,7 +313,13 @@ impl Communicator {
         let mut buf = Owned::new(buf);
         let held = buf.get();
         let bytes: &[u8] = bytemuck::cast_slice(held.as_ref());
-        let op = PeerOp::send_raw(T::DTYPE, bytes, peer).raw();
+        let op = RawPeerOp {
+            send: true,
+            peer,
+            dtype: T::DTYPE,
+            ptr: bytes.as_ptr() as *mut u8,
+            len: bytes.len(),
+        };
         let call = PairCall::new(self, vec![op]);
         self.progress.issue(Box::new(call), Box::new(buf))
     }
@@ -309,7 +332,13 @@ impl Communicator {
     {
         let mut buf = Owned::new(buf);
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf.get().as_mut());
-        let op = PeerOp::recv_raw(T::DTYPE, bytes, peer).raw();
+        let op = RawPeerOp {
+            send: false,
+            peer,
+            dtype: T::DTYPE,
+            ptr: bytes.as_mut_ptr(),
+            len: bytes.len(),
+        };
         let call = PairCall::new(self, vec![op]);
         self.progress.issue(Box::new(call), Box::new(buf))
     }
