@@ -1,0 +1,157 @@
+//! Recursive doubling all-reduce, for small buffers between processes: log2 P steps, in each of
+//! which a rank exchanges its whole buffer with one partner (rank ^ 1, ^ 2, ^ 4, ...) and
+//! reduces, so a rank sends log2 P messages where the one-step all-to-all sends P - 1.
+//!
+//! A world that is not a power of two folds first (MPICH's way): of the first 2·rem ranks (rem =
+//! P minus the largest power of two below it), each even rank hands its buffer to the odd rank
+//! after it and sits the doubling out, and gets the result back at the end.
+//!
+//! Each pair reduces the lower rank's value first, the partner's second, on both sides, so that
+//! every rank ends with the same bits whatever the op (`min`/`max` of signed zeros and NaN
+//! payloads included); `Mean` divides once, at the end, on every rank alike.
+
+use super::{flat, Ctx};
+use crate::dtype::kernels::{self, Init};
+use crate::dtype::ReduceOp;
+use crate::error::Result;
+use crate::transport::{RecvMode, RecvOp, SendOp};
+
+/// All-reduce in place in `buf`.
+pub(crate) fn all_reduce(ctx: &Ctx<'_>, buf: &mut [u8]) -> Result<()> {
+    let (p, r) = (ctx.world(), ctx.rank());
+    if buf.is_empty() || p == 1 {
+        return Ok(());
+    }
+    let pof2 = 1usize << (usize::BITS - 1 - p.leading_zeros());
+    let rem = p - pof2;
+    let op = ctx.op.combining();
+    let mut theirs = ctx.plan.scratch(buf.len());
+    let theirs = &mut theirs[..buf.len()];
+    // The rank's place among the pof2 ranks that double, if it has one.
+    let place = if r < 2 * rem {
+        if r % 2 == 0 {
+            flat::send(ctx, r + 1, buf)?;
+            None
+        } else {
+            flat::recv_copy(ctx, r - 1, theirs)?;
+            combine(ctx, op, buf, theirs, true);
+            Some(r / 2)
+        }
+    } else {
+        Some(r - rem)
+    };
+    if let Some(v) = place {
+        let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
+        let mut mask = 1;
+        while mask < pof2 {
+            let peer = real(v ^ mask);
+            ctx.t.exchange(
+                ctx.site,
+                &[SendOp { peer, data: &*buf }],
+                &mut [RecvOp {
+                    peer,
+                    dst: &mut *theirs,
+                    mode: RecvMode::Copy,
+                }],
+            )?;
+            combine(ctx, op, buf, theirs, peer < r);
+            mask <<= 1;
+        }
+    }
+    if r < 2 * rem {
+        if r % 2 == 1 {
+            flat::send(ctx, r - 1, buf)?;
+        } else {
+            flat::recv_copy(ctx, r + 1, buf)?;
+        }
+    }
+    ctx.finish_mean(buf);
+    Ok(())
+}
+
+/// `buf` = the lower rank's value ⊕ the higher's, where `theirs` (the partner's) is the lower
+/// when `theirs_lower`.
+fn combine(ctx: &Ctx<'_>, op: ReduceOp, buf: &mut [u8], theirs: &mut [u8], theirs_lower: bool) {
+    if theirs_lower {
+        kernels::reduce(ctx.dtype, op, theirs, &[&*buf], Init::Accumulate, None);
+        buf.copy_from_slice(theirs);
+    } else {
+        kernels::reduce(ctx.dtype, op, buf, &[&*theirs], Init::Accumulate, None);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::Plan;
+    use crate::dtype::DType;
+    use crate::error::{Collective, Site};
+    use crate::transport::local::LocalTransport;
+
+    /// Every world size up to 9 (powers of two and the folds between), every op: the
+    /// reference's values, and the same bits on every rank.
+    #[test]
+    fn every_world_size_and_op_gives_the_reference_on_every_rank() {
+        for p in 1..=9 {
+            for op in [
+                ReduceOp::Sum,
+                ReduceOp::Prod,
+                ReduceOp::Min,
+                ReduceOp::Max,
+                ReduceOp::Mean,
+            ] {
+                let transports = LocalTransport::group(p, std::time::Duration::from_secs(20));
+                let n = 37;
+                let input = |r: usize| -> Vec<f32> {
+                    (0..n)
+                        .map(|i| ((i * 7 + r * 3) % 11) as f32 * 0.3 - 1.1)
+                        .collect()
+                };
+                let outs: Vec<Vec<f32>> = std::thread::scope(|s| {
+                    let hs: Vec<_> = transports
+                        .iter()
+                        .enumerate()
+                        .map(|(r, t)| {
+                            s.spawn(move || {
+                                let plan = Plan::default();
+                                let ctx = Ctx {
+                                    t,
+                                    site: Site {
+                                        collective: Collective::AllReduce,
+                                        rank: r,
+                                        call: 0,
+                                    },
+                                    dtype: DType::F32,
+                                    op,
+                                    chunk_bytes: 1 << 20,
+                                    deterministic: false,
+                                    plan: &plan,
+                                };
+                                let mut buf = input(r);
+                                all_reduce(&ctx, bytemuck::cast_slice_mut(&mut buf)).unwrap();
+                                buf
+                            })
+                        })
+                        .collect();
+                    hs.into_iter().map(|h| h.join().unwrap()).collect()
+                });
+                let ins: Vec<Vec<f32>> = (0..p).map(input).collect();
+                let refs: Vec<&[f32]> = ins.iter().map(|v| v.as_slice()).collect();
+                let want = crate::reference::reduce(&refs, op);
+                let tol = crate::reference::tolerance(DType::F32, op, p, 2.0);
+                assert_eq!(
+                    crate::reference::count_errors(&outs[0], &want, tol),
+                    0,
+                    "p={p} {op}"
+                );
+                for (r, o) in outs.iter().enumerate() {
+                    let same = o
+                        .iter()
+                        .zip(&outs[0])
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "p={p} {op}: rank {r} differs from rank 0");
+                }
+            }
+        }
+    }
+}
