@@ -1389,7 +1389,7 @@ impl NetTransport {
             let spin_until = *spin_until.get_or_insert(now + self.spin.max(YIELD_FOR));
             if now < spin_until {
                 if !self.spin.is_zero() {
-                    for _ in 0..64 {
+                    for _ in 0..4 {
                         std::hint::spin_loop();
                     }
                 }
