@@ -1,4 +1,5 @@
-//! Recursive doubling all-reduce, for small buffers between processes: log2 P steps, in each of
+//! The algorithms whose steps grow like log2 P, for small buffers between processes: a binomial
+//! tree broadcast ([`broadcast`]), and the recursive doubling all-reduce: log2 P steps, in each of
 //! which a rank exchanges its whole buffer with one partner (rank ^ 1, ^ 2, ^ 4, ...) and
 //! reduces, so a rank sends log2 P messages where the one-step all-to-all sends P - 1.
 //!
@@ -69,6 +70,30 @@ pub(crate) fn all_reduce(ctx: &Ctx<'_>, buf: &mut [u8]) -> Result<()> {
     Ok(())
 }
 
+/// Binomial-tree broadcast from `root`: in round k (k = 0, 1, ...) every rank that has the
+/// buffer sends it to the rank 2^k places after it (counted from the root), so the buffer
+/// reaches every rank in ceil(log2 P) rounds where the ring takes P - 1 hops.
+pub(crate) fn broadcast(ctx: &Ctx<'_>, root: usize, buf: &mut [u8]) -> Result<()> {
+    let (p, r) = (ctx.world(), ctx.rank());
+    if buf.is_empty() || p == 1 {
+        return Ok(());
+    }
+    let v = (r + p - root) % p;
+    let real = |v: usize| (v + root) % p;
+    let mut mask = 1;
+    while mask < p {
+        if v < mask {
+            if v + mask < p {
+                flat::send(ctx, real(v + mask), buf)?;
+            }
+        } else if v < 2 * mask {
+            flat::recv_copy(ctx, real(v - mask), buf)?;
+        }
+        mask <<= 1;
+    }
+    Ok(())
+}
+
 /// `buf` = the lower rank's value ⊕ the higher's, where `theirs` (the partner's) is the lower
 /// when `theirs_lower`.
 fn combine(ctx: &Ctx<'_>, op: ReduceOp, buf: &mut [u8], theirs: &mut [u8], theirs_lower: bool) {
@@ -87,6 +112,47 @@ mod tests {
     use crate::dtype::DType;
     use crate::error::{Collective, Site};
     use crate::transport::local::LocalTransport;
+
+    /// Every world size up to 9 and every root: every rank ends with the root's bytes.
+    #[test]
+    fn broadcast_reaches_every_rank_from_every_root() {
+        for p in 1..=9 {
+            for root in 0..p {
+                let transports = LocalTransport::group(p, std::time::Duration::from_secs(20));
+                let outs: Vec<Vec<u8>> = std::thread::scope(|s| {
+                    let hs: Vec<_> = transports
+                        .iter()
+                        .enumerate()
+                        .map(|(r, t)| {
+                            s.spawn(move || {
+                                let plan = Plan::default();
+                                let ctx = Ctx {
+                                    t,
+                                    site: Site {
+                                        collective: Collective::Broadcast,
+                                        rank: r,
+                                        call: 0,
+                                    },
+                                    dtype: DType::U8,
+                                    op: ReduceOp::Sum,
+                                    chunk_bytes: 1 << 20,
+                                    deterministic: false,
+                                    plan: &plan,
+                                };
+                                let mut buf = vec![r as u8; 13];
+                                broadcast(&ctx, root, &mut buf).unwrap();
+                                buf
+                            })
+                        })
+                        .collect();
+                    hs.into_iter().map(|h| h.join().unwrap()).collect()
+                });
+                for (r, o) in outs.iter().enumerate() {
+                    assert_eq!(o, &vec![root as u8; 13], "p={p} root={root}: rank {r}");
+                }
+            }
+        }
+    }
 
     /// Every world size up to 9 (powers of two and the folds between), every op: the
     /// reference's values, and the same bits on every rank.

@@ -206,6 +206,21 @@ const ALL_TO_ALL_SENT: usize = 160 << 10;
 /// each way): measured 1.6-2x faster at 4 and 8 processes over loopback up to 4 KiB.
 const DOUBLING_MIN_RANKS: usize = 4;
 
+/// The largest broadcast `auto` sends down a binomial tree (ceil(log2 P) rounds of the whole
+/// buffer) rather than the ring (P - 1 hops, pipelined in chunks).
+const TREE_MAX_BYTES: usize = 64 << 10;
+
+/// From this many ranks `auto` broadcasts small buffers down the tree: measured 1.2-1.4x
+/// faster than the ring at 8 processes (TCP and shared memory, 8 B to 32 KiB), even at 4 (a
+/// rooted call's check round already sends P - 1 headers per rank).
+const TREE_MIN_RANKS: usize = 8;
+
+/// Whether `auto` broadcasts `len` bytes down a binomial tree: from [`TREE_MIN_RANKS`], up to
+/// [`TREE_MAX_BYTES`]. Every rank decides alike.
+fn tree_pays(ctx: &Ctx<'_>, len: usize) -> bool {
+    ctx.world() >= TREE_MIN_RANKS && len <= TREE_MAX_BYTES
+}
+
 /// Whether `auto`'s small all-reduce doubles: from [`DOUBLING_MIN_RANKS`], where some peer is
 /// reached over TCP (over shared memory alone the one step measured as fast or faster: a step
 /// costs a wake-up of the partner where ranks outnumber cores). Every rank decides alike.
@@ -273,6 +288,9 @@ pub(crate) fn all_reduce(
 pub(crate) fn broadcast(ctx: &Ctx<'_>, algo: Algorithm, root: usize, buf: &mut [u8]) -> Result<()> {
     match resolve_other(ctx, algo, Collective::Broadcast) {
         Algorithm::Direct => direct::broadcast(ctx, root, buf),
+        Algorithm::Ring if algo == Algorithm::Auto && tree_pays(ctx, buf.len()) => {
+            doubling::broadcast(ctx, root, buf)
+        }
         Algorithm::Ring => ring::broadcast(ctx, root, buf),
         _ => flat::broadcast(ctx, root, buf),
     }
