@@ -126,6 +126,87 @@ impl FromStr for Algorithm {
     }
 }
 
+/// A compressed wire for f32 reductions between hosts (`TUTTI_COMPRESSION=bf16|f16|none`,
+/// `Config::with_compression`), as Horovod's `Compression.fp16` and PyTorch's
+/// `bf16_compress_hook` offer: the ring of an f32 all-reduce or reduce-scatter sends every
+/// piece as 16-bit floats, halving the bytes on the network, while every step still reduces in
+/// f32: each partial sum is rounded once per hop, as it leaves a rank. An all-reduce's pieces
+/// are rounded to the 16-bit type once more, by the rank that finished each, so that every
+/// rank ends with the same bits (a mean across hosts is then divided in f32).
+///
+/// It applies on communicators where some peer is reached over TCP, on the host algorithms
+/// (not device engines), to f32 only:
+/// * all-reduce: the ring, forced or `auto`'s above its small sizes (up to 128 KiB `auto` runs
+///   one all-to-all step or recursive doubling, whose time is latency, not bytes), and the
+///   ring among hosts' leaders when `auto` reduces within each host first (then shared memory
+///   carries f32 within a host). A ring forced across hosts narrows on every link.
+///   `hierarchical-copy` and `reduce-to-one` send f32.
+/// * reduce-scatter and reduce-scatter-v: every size and algorithm but `direct`.
+///
+/// `Bf16` keeps f32's range with 8 significant bits (relative error up to 2^-9 per rounding);
+/// `F16` keeps 11 bits (2^-12) but overflows past 65504 to infinity: for values known to be
+/// small, such as normalised gradients. It cannot be combined with deterministic mode, whose
+/// promise is the bits of the f32 reduction.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Compression {
+    /// f32 travels as f32.
+    #[default]
+    None,
+    /// f32 travels as bfloat16.
+    Bf16,
+    /// f32 travels as IEEE half precision.
+    F16,
+}
+
+impl Compression {
+    /// The element type f32 travels as, when compressed.
+    pub fn wire_dtype(self) -> Option<DType> {
+        match self {
+            Compression::None => None,
+            Compression::Bf16 => Some(DType::BF16),
+            Compression::F16 => Some(DType::F16),
+        }
+    }
+    /// The code that call headers carry between ranks.
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            Compression::None => 0,
+            Compression::Bf16 => 1,
+            Compression::F16 => 2,
+        }
+    }
+    /// The compression of a code, `None` for a code that names none.
+    pub(crate) fn from_code(code: u8) -> Option<Compression> {
+        [Compression::None, Compression::Bf16, Compression::F16]
+            .into_iter()
+            .find(|c| c.code() == code)
+    }
+}
+
+impl std::fmt::Display for Compression {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Compression::None => "none",
+            Compression::Bf16 => "bf16",
+            Compression::F16 => "f16",
+        })
+    }
+}
+
+impl std::str::FromStr for Compression {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Compression, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "none" | "off" | "f32" => Ok(Compression::None),
+            "bf16" | "bfloat16" => Ok(Compression::Bf16),
+            "f16" | "fp16" | "float16" | "half" => Ok(Compression::F16),
+            _ => Err(format!(
+                "unknown compression '{s}' (expected none, bf16 or f16)"
+            )),
+        }
+    }
+}
+
 /// What every rank states about a call before it runs; compared field by field across ranks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CallHeader {
@@ -152,6 +233,8 @@ pub struct CallHeader {
     pub full_check: bool,
     /// Whether reductions are bitwise-deterministic (`TUTTI_DETERMINISTIC=1`).
     pub deterministic: bool,
+    /// How f32 travels between hosts in reductions (`TUTTI_COMPRESSION`).
+    pub compression: Compression,
     /// Set when this rank rejected its own arguments: peers fail the call at once.
     pub rejected: Option<String>,
 }
@@ -205,6 +288,11 @@ impl CallHeader {
                 "deterministic mode (TUTTI_DETERMINISTIC)",
                 on_off(self.deterministic).to_string(),
                 on_off(other.deterministic).to_string(),
+            ),
+            (
+                "wire compression (TUTTI_COMPRESSION)",
+                self.compression.to_string(),
+                other.compression.to_string(),
             ),
         ];
         fields.into_iter().find(|(_, a, b)| a != b)

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use crate::algorithm::{self, Algorithm};
+pub use crate::call::Compression;
 use crate::error::{Error, Result};
 use crate::sync::{default_timeout, timeout_from_env, MAX_TIMEOUT};
 
@@ -34,6 +35,19 @@ pub struct Config {
     /// the ring's, with every rank's slices arriving in one step. Device engines (CUDA groups,
     /// XLA) do not offer it: their reducing calls are refused.
     pub deterministic: bool,
+    /// How f32 travels between hosts in all-reduce and reduce-scatter (`TUTTI_COMPRESSION`;
+    /// default [`Compression::None`]): see [`Compression`].
+    pub compression: Compression,
+}
+
+/// `TUTTI_COMPRESSION`: `none` (the default when unset), `bf16` or `f16` ([`Compression`]).
+pub fn compression_from_env() -> Result<Compression> {
+    match std::env::var("TUTTI_COMPRESSION") {
+        Err(_) => Ok(Compression::None),
+        Ok(v) => v
+            .parse()
+            .map_err(|e| Error::config(format!("TUTTI_COMPRESSION: {e}"))),
+    }
 }
 
 /// `TUTTI_DETERMINISTIC`: `1`/`true`/`on` or `0`/`false`/`off` (the default when unset).
@@ -74,6 +88,7 @@ impl Default for Config {
             chunk_bytes: 256 * 1024,
             full_check: full_check_from_env().unwrap_or(false),
             deterministic: deterministic_from_env().unwrap_or(false),
+            compression: compression_from_env().unwrap_or_default(),
         }
     }
 }
@@ -105,6 +120,11 @@ impl Config {
         self.deterministic = deterministic;
         self
     }
+    /// This config with another wire for f32 between hosts (see [`Compression`]).
+    pub fn with_compression(mut self, compression: Compression) -> Config {
+        self.compression = compression;
+        self
+    }
     /// This config with another chunk size (checked, with the rest, when a communicator is
     /// made: see [`Config::check`]).
     pub fn with_chunk_bytes(mut self, chunk_bytes: usize) -> Config {
@@ -112,13 +132,22 @@ impl Config {
         self
     }
     /// The error creating a group of `world` ranks with this config would give, if any: its
-    /// environment (`TUTTI_TIMEOUT`, `TUTTI_CHECK`, `TUTTI_DETERMINISTIC`), world size, timeout, chunk size and
+    /// environment (`TUTTI_TIMEOUT`, `TUTTI_CHECK`, `TUTTI_DETERMINISTIC`,
+    /// `TUTTI_COMPRESSION`), world size, timeout, chunk size and
     /// algorithm parameters (a root or group size the world cannot have). Every communicator,
     /// group and strategy is made through this check, from Rust, C, Python or the environment.
     pub fn check(&self, world: usize) -> Result<()> {
         timeout_from_env()?;
         full_check_from_env()?;
         deterministic_from_env()?;
+        compression_from_env()?;
+        if self.deterministic && self.compression != Compression::None {
+            return Err(Error::config(format!(
+                "compression {} cannot be combined with deterministic mode, which promises the \
+                 bits of the f32 reduction: turn one of them off",
+                self.compression
+            )));
+        }
         if world == 0 {
             return Err(Error::config("a group needs at least one rank"));
         }

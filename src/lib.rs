@@ -81,9 +81,9 @@ pub use cluster::{
     TASK_TYPES,
 };
 pub use comm::{
-    deterministic_from_env, device_group, full_check_from_env, local_group, run_local,
-    timeout_from_env, AbortHandle, Communicator, Config, PeerOp, RawCall, RawPeerOp, Replicas,
-    SharedBuffer, Work, MAX_LOCAL_RANKS, MAX_TIMEOUT,
+    compression_from_env, deterministic_from_env, device_group, full_check_from_env, local_group,
+    run_local, timeout_from_env, AbortHandle, Communicator, Compression, Config, PeerOp, RawCall,
+    RawPeerOp, Replicas, SharedBuffer, Work, MAX_LOCAL_RANKS, MAX_TIMEOUT,
 };
 pub use device::{
     discover as discover_devices, host as host_info, logical_cpus, parse_spec as parse_device,

@@ -137,6 +137,7 @@ mod tests {
                                     op: ReduceOp::Sum,
                                     chunk_bytes: 1 << 20,
                                     deterministic: false,
+                                    wire: None,
                                     plan: &plan,
                                 };
                                 let mut buf = vec![r as u8; 13];
@@ -191,6 +192,7 @@ mod tests {
                                     op,
                                     chunk_bytes: 1 << 20,
                                     deterministic: false,
+                                    wire: None,
                                     plan: &plan,
                                 };
                                 let mut buf = input(r);

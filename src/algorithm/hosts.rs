@@ -45,6 +45,7 @@ pub(crate) fn all_reduce(
         op: ctx.op.combining(),
         chunk_bytes: ctx.chunk_bytes,
         deterministic: ctx.deterministic,
+        wire: ctx.wire,
         plan: ctx.plan,
     };
     ring::all_reduce(&across, None, buf)?;

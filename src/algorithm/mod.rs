@@ -16,6 +16,7 @@
 //! among the hosts' leaders, and a broadcast within each host. Each
 //! module documents its steps; the README gives the full cost table.
 
+mod compressed;
 mod copies;
 mod direct;
 mod doubling;
@@ -50,6 +51,9 @@ pub(crate) struct Ctx<'a> {
     pub chunk_bytes: usize,
     /// Reductions in rank order, whatever the algorithm (see `Config::deterministic`).
     pub deterministic: bool,
+    /// The 16-bit float type an f32 reduction's ring carries on the wire (see
+    /// `Config::compression`); `None`: the element type itself.
+    pub wire: Option<DType>,
     /// Scratch and lists reused from the communicator's earlier calls.
     pub plan: &'a Plan,
 }

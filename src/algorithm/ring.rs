@@ -22,7 +22,7 @@ use crate::error::Result;
 use crate::transport::{RecvMode, RecvOp, SendOp};
 
 /// Piece `g` of slice `k`, as a byte range of the whole buffer (empty when the slice is shorter).
-fn piece(ctx: &Ctx<'_>, blocks: Blocks<'_>, k: usize, g: usize) -> Range<usize> {
+pub(super) fn piece(ctx: &Ctx<'_>, blocks: Blocks<'_>, k: usize, g: usize) -> Range<usize> {
     let s = blocks.get(ctx.world(), k);
     let ce = ctx.chunk_elems();
     // Saturating: a chunk may be far larger than the buffer (one piece per slice).
@@ -32,7 +32,7 @@ fn piece(ctx: &Ctx<'_>, blocks: Blocks<'_>, k: usize, g: usize) -> Range<usize> 
 }
 
 /// Rounds of pieces needed to cover the largest slice.
-fn rounds(ctx: &Ctx<'_>, blocks: Blocks<'_>) -> usize {
+pub(super) fn rounds(ctx: &Ctx<'_>, blocks: Blocks<'_>) -> usize {
     blocks.largest(ctx.world()).div_ceil(ctx.chunk_elems())
 }
 
@@ -63,6 +63,9 @@ pub(crate) fn all_reduce(ctx: &Ctx<'_>, input: Option<&[u8]>, buf: &mut [u8]) ->
         }
         ctx.finish_mean(buf);
         return Ok(());
+    }
+    if let Some(wire) = ctx.wire {
+        return super::compressed::all_reduce(ctx, wire, input, buf);
     }
     let (dtype, op) = (ctx.dtype, ctx.op.combining());
     let (right, left) = ((r + 1) % p, (r + p - 1) % p);
@@ -114,6 +117,9 @@ pub(crate) fn reduce_scatter(
     count: Blocks<'_>,
 ) -> Result<()> {
     let (p, r) = (ctx.world(), ctx.rank());
+    if let Some(wire) = ctx.wire.filter(|_| p > 1) {
+        return super::compressed::reduce_scatter(ctx, wire, input, output, count);
+    }
     let esize = ctx.dtype.size();
     let slice_start = count.get(p, r).start * esize;
     // Slices may differ (reduce cuts uneven ones; reduce_scatter_v has a count per rank): size
@@ -153,7 +159,7 @@ pub(crate) fn reduce_scatter(
 
 /// Send `send` to `to` and receive into `dst` from `from`, leaving out an empty side (a piece is
 /// empty on both ends of a link or on neither).
-fn exchange_nonempty(
+pub(super) fn exchange_nonempty(
     ctx: &Ctx<'_>,
     to: usize,
     send: &[u8],

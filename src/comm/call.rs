@@ -57,6 +57,21 @@ pub(super) struct Call {
 }
 
 impl Call {
+    /// The 16-bit type this call's f32 ring carries on the wire ([`crate::Compression`]): only
+    /// for all-reduce and reduce-scatter of f32, on the host algorithms, where some peer is
+    /// over TCP. Every rank decides alike (the header check compares the setting).
+    fn wire(&self, shared: &Shared) -> Option<DType> {
+        let reduction = matches!(
+            self.collective,
+            Collective::AllReduce | Collective::ReduceScatter | Collective::ReduceScatterV
+        );
+        let carried = reduction
+            && self.dtype == DType::F32
+            && shared.engine.is_none()
+            && shared.transport.over_network();
+        shared.compression.wire_dtype().filter(|_| carried)
+    }
+
     /// The call with another algorithm (for calls a communicator makes for itself, which must
     /// not depend on the algorithm its user chose).
     pub(super) fn with_algorithm(mut self, algorithm: Algorithm) -> Call {
@@ -359,6 +374,7 @@ impl Runnable for Call {
             chunk_bytes: shared.chunk_bytes as u64,
             full_check: shared.full_check,
             deterministic: shared.deterministic,
+            compression: shared.compression,
             rejected: self.check.clone().err(),
         };
         let buffers = if self.check.is_ok() {
@@ -387,6 +403,7 @@ impl Runnable for Call {
                     op: self.op.unwrap_or(ReduceOp::Sum),
                     chunk_bytes: shared.chunk_bytes,
                     deterministic: shared.deterministic,
+                    wire: self.wire(shared),
                     plan,
                 };
                 match &shared.engine {

@@ -27,7 +27,9 @@ pub use replicas::Replicas;
 pub use shared::SharedBuffer;
 pub use work::Work;
 
-pub use crate::config::{deterministic_from_env, full_check_from_env, Config};
+pub use crate::config::{
+    compression_from_env, deterministic_from_env, full_check_from_env, Compression, Config,
+};
 pub use crate::sync::{timeout_from_env, MAX_TIMEOUT};
 
 use call::{Bytes, BytesMut, Call};
@@ -121,6 +123,7 @@ impl Communicator {
             config.chunk_bytes,
             full_check,
             config.deterministic,
+            config.compression,
             engine,
         ));
         Communicator {
@@ -339,6 +342,18 @@ impl Communicator {
             .engine
             .as_ref()
             .is_none_or(|e| e.runs(collective))
+    }
+
+    /// The wire this communicator's f32 all-reduce and reduce-scatter travel on (see
+    /// [`Compression`]): the configured compression where some peer is reached over TCP and
+    /// the host algorithms run, else [`Compression::None`].
+    pub fn compression(&self) -> Compression {
+        let shared = self.progress.shared();
+        if shared.engine.is_none() && shared.transport.over_network() {
+            shared.compression
+        } else {
+            Compression::None
+        }
     }
 
     /// Whether this communicator's reductions are bitwise-deterministic (see

@@ -81,6 +81,7 @@ impl Communicator {
             chunk_bytes: shared.chunk_bytes,
             full_check: shared.full_check,
             deterministic: shared.deterministic,
+            compression: shared.compression,
         };
         // Every member of a group sees the same size: a setting that does not fit it fails
         // the whole group alike (and no other).

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::algorithm::Plan;
+use crate::config::Compression;
 use crate::engine::GroupEngine;
 use crate::error::{Error, Result, Site};
 use crate::transport::Transport;
@@ -154,6 +155,8 @@ pub(crate) struct Shared {
     pub(crate) full_check: bool,
     /// Reductions are bitwise-deterministic (see `Config::deterministic`).
     pub(crate) deterministic: bool,
+    /// How f32 travels between hosts in reductions (see `Config::compression`).
+    pub(crate) compression: Compression,
     /// Runs calls for a group of this process's devices; `None`: the host algorithms.
     pub(crate) engine: Option<Arc<dyn GroupEngine>>,
     queue: Mutex<Queue>,
@@ -167,6 +170,7 @@ impl Shared {
         chunk_bytes: usize,
         full_check: bool,
         deterministic: bool,
+        compression: Compression,
         engine: Option<Arc<dyn GroupEngine>>,
     ) -> Shared {
         Shared {
@@ -174,6 +178,7 @@ impl Shared {
             chunk_bytes,
             full_check,
             deterministic,
+            compression,
             engine,
             queue: Mutex::new(Queue::default()),
             cv: Condvar::new(),

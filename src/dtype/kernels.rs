@@ -458,6 +458,63 @@ fn reduce_half_body<H: Half>(
     }
 }
 
+/// Narrow the f32 elements of `src` into `wire` (`F16` or `BF16`) elements in `dst` (half its
+/// length), rounding to nearest even: what a compressed wire carries (`crate::Compression`).
+pub fn narrow_f32(wire: DType, src: &[u8], dst: &mut [u8]) {
+    assert_eq!(src.len(), 2 * dst.len(), "narrow_f32: lengths differ");
+    let src: &[f32] = bytemuck::cast_slice(src);
+    match wire {
+        DType::F16 => narrow_all::<f16>(src, bytemuck::cast_slice_mut(dst)),
+        DType::BF16 => narrow_all::<bf16>(src, bytemuck::cast_slice_mut(dst)),
+        other => panic!("narrow_f32: {other} is not a 16-bit float type"),
+    }
+}
+
+/// Widen the `wire` elements of `incoming` to f32 and combine them into the f32 elements of
+/// `dst` (twice its length): `dst = base ⊕ incoming` with a base (as long as `dst`), else
+/// `dst = dst ⊕ incoming`; with no op, `dst = incoming`. One pass, in f32.
+pub fn widen_f32(
+    wire: DType,
+    op: Option<ReduceOp>,
+    dst: &mut [u8],
+    base: Option<&[u8]>,
+    incoming: &[u8],
+) {
+    assert_eq!(dst.len(), 2 * incoming.len(), "widen_f32: lengths differ");
+    let d: &mut [f32] = bytemuck::cast_slice_mut(dst);
+    let b: Option<&[f32]> = base.map(|b| {
+        assert_eq!(b.len(), 4 * d.len(), "widen_f32: base length differs");
+        bytemuck::cast_slice(b)
+    });
+    let op = op.map(ReduceOp::combining);
+    match wire {
+        DType::F16 => widen_all::<f16>(op, d, b, bytemuck::cast_slice(incoming)),
+        DType::BF16 => widen_all::<bf16>(op, d, b, bytemuck::cast_slice(incoming)),
+        other => panic!("widen_f32: {other} is not a 16-bit float type"),
+    }
+}
+
+dispatch!(narrow_all<H: Half>(src: &[f32], dst: &mut [H]) {
+    H::narrow(src, dst)
+});
+
+dispatch!(widen_all<H: Half>(op: Option<ReduceOp>, d: &mut [f32], base: Option<&[f32]>, incoming: &[H]) {
+    let mut tmp = [0f32; BLOCK];
+    for (i, d) in d.chunks_mut(BLOCK).enumerate() {
+        let (lo, n) = (i * BLOCK, d.len());
+        let Some(op) = op else {
+            H::widen(&incoming[lo..lo + n], d);
+            continue;
+        };
+        let tmp = &mut tmp[..n];
+        H::widen(&incoming[lo..lo + n], tmp);
+        match base {
+            Some(b) => combine3(op, d, &b[lo..lo + n], tmp),
+            None => combine2(op, d, tmp),
+        }
+    }
+});
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -217,6 +217,14 @@ pub trait Transport: Send + Sync {
         false
     }
 
+    /// Some peer is reached over a network link (TCP), where a compressed wire pays
+    /// (`Config::compression`). The same on every rank of a world: links are TCP for every
+    /// pair, or for the pairs on different hosts, and a world on several hosts gives every
+    /// rank such a peer.
+    fn over_network(&self) -> bool {
+        false
+    }
+
     /// The host of every rank (equal numbers: the same host), when ranks can be on several;
     /// hosts are numbered from 0 in the order of their first rank.
     fn hosts(&self) -> Option<&[usize]> {

@@ -687,6 +687,7 @@ fn pair_ident() -> Ident {
         chunk_bytes: 0,
         full_check: false,
         deterministic: false,
+        compression: crate::call::Compression::None,
         rejected: None,
     }
     .ident()
@@ -1759,6 +1760,10 @@ impl Transport for NetTransport {
 
     fn all_shared_memory(&self) -> bool {
         self.links.iter().flatten().all(|l| l.shm.is_some())
+    }
+
+    fn over_network(&self) -> bool {
+        self.links.iter().flatten().any(|l| l.shm.is_none())
     }
 
     fn peer_memory(&self) -> Option<&dyn PeerMemory> {

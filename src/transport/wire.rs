@@ -67,6 +67,7 @@ impl CallHeader {
         v[43] = algo;
         v[44] = u8::from(self.full_check);
         v[45] = u8::from(self.deterministic);
+        v[46] = self.compression.code();
         v
     }
 
@@ -94,6 +95,7 @@ impl CallHeader {
             algorithm: crate::call::Algorithm::from_code(v[43], u64_(32..40))?,
             full_check: v[44] != 0,
             deterministic: v[45] != 0,
+            compression: crate::call::Compression::from_code(v[46])?,
             rejected: None,
         })
     }
@@ -172,6 +174,7 @@ mod fuzz {
                 chunk_bytes: param << 10,
                 full_check: call % 2 == 0,
                 deterministic: call % 3 == 0,
+                compression: crate::call::Compression::from_code((call % 3) as u8).unwrap_or_default(),
                 rejected: None,
             };
             let mut b = frame(FRAME_DATA, 7, count as u64, &c.ident());
