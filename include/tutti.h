@@ -19,7 +19,7 @@
 
 /** A `tutti_config` with every default: set `struct_size` and leave the rest 0. */
 #define TUTTI_CONFIG_INIT \
-    { sizeof(tutti_config), 0, 0, TUTTI_ALGORITHM_AUTO, 0, TUTTI_TRANSPORT_AUTO, 0 }
+    { sizeof(tutti_config), 0, 0, TUTTI_ALGORITHM_AUTO, 0, TUTTI_TRANSPORT_AUTO, 0, TUTTI_COMPRESSION_ENV, 0 }
 
 /** A `tutti_device_info` ready for `tutti_device_get`. */
 #define TUTTI_DEVICE_INFO_INIT \
@@ -442,6 +442,39 @@ typedef uint32_t tutti_log_level;
 #endif // __cplusplus
 
 /**
+ * How f32 all-reduce and reduce-scatter travel between hosts (`tutti_config.compression`).
+ */
+enum tutti_compression
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+    /**
+     * The `TUTTI_COMPRESSION` environment variable (`none`, `bf16`, `f16`); none when unset.
+     */
+    TUTTI_COMPRESSION_ENV = 0,
+    /**
+     * As f32.
+     */
+    TUTTI_COMPRESSION_NONE = 1,
+    /**
+     * As bfloat16 (f32's range, 8 significant bits), reduced in f32.
+     */
+    TUTTI_COMPRESSION_BF16 = 2,
+    /**
+     * As IEEE half precision (11 significant bits, overflows past 65504), reduced in f32.
+     */
+    TUTTI_COMPRESSION_F16 = 3,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum tutti_compression tutti_compression;
+#else
+typedef uint32_t tutti_compression;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * One rank's handle on a group of ranks (opaque). Created by `tutti_comm_create_group`,
  * released by `tutti_comm_destroy`.
  */
@@ -530,6 +563,18 @@ typedef struct tutti_config {
      * 2: off.
      */
     uint32_t deterministic;
+    /**
+     * How f32 all-reduce and reduce-scatter travel between hosts, reducing in f32 at every
+     * step (README, "Compressed wire"): `TUTTI_COMPRESSION_ENV` (0, the `TUTTI_COMPRESSION`
+     * environment variable, none when unset), `_NONE`, `_BF16` or `_F16`. A program built
+     * against a `tutti_config` without this field gets 0.
+     */
+    tutti_compression compression;
+    /**
+     * Must be 0 (it keeps the struct free of padding, so that every byte a caller passes is a
+     * field's).
+     */
+    uint32_t reserved;
 } tutti_config;
 
 /**

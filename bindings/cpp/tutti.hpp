@@ -154,6 +154,12 @@ public:
         c_.deterministic = on ? 1u : 2u;
         return *this;
     }
+    /// How f32 all-reduce and reduce-scatter travel between hosts: `TUTTI_COMPRESSION_BF16`
+    /// or `_F16` (reduced in f32), `_NONE` (default: `TUTTI_COMPRESSION`).
+    config &compression(tutti_compression c) {
+        c_.compression = c;
+        return *this;
+    }
     const tutti_config *get() const noexcept { return &c_; }
 
 private:

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tutti::Config;
 
 use crate::error::Failure;
-use crate::types::{self, tutti_algorithm, tutti_transport};
+use crate::types::{self, tutti_algorithm, tutti_compression, tutti_transport};
 
 /// Settings of a new group. Start from `TUTTI_CONFIG_INIT`, which sets `struct_size` and the
 /// defaults, then change the fields you need:
@@ -45,6 +45,14 @@ pub struct tutti_config {
     /// transport. 0: the `TUTTI_DETERMINISTIC` environment variable (off when unset); 1: on;
     /// 2: off.
     pub deterministic: u32,
+    /// How f32 all-reduce and reduce-scatter travel between hosts, reducing in f32 at every
+    /// step (README, "Compressed wire"): `TUTTI_COMPRESSION_ENV` (0, the `TUTTI_COMPRESSION`
+    /// environment variable, none when unset), `_NONE`, `_BF16` or `_F16`. A program built
+    /// against a `tutti_config` without this field gets 0.
+    pub compression: tutti_compression,
+    /// Must be 0 (it keeps the struct free of padding, so that every byte a caller passes is a
+    /// field's).
+    pub reserved: u32,
 }
 
 /// A caller's config, read and checked.
@@ -56,16 +64,22 @@ pub(crate) struct Settings {
     pub transport: Option<tutti::TransportKind>,
 }
 
-/// The size of the first version of `tutti_config`; a smaller `struct_size` is an error.
-const FIRST_SIZE: usize = size_of::<tutti_config>();
+/// The size of the first version of `tutti_config` (up to `deterministic`); a smaller
+/// `struct_size` is an error, and the fields a caller's shorter struct lacks take defaults.
+const FIRST_SIZE: usize = std::mem::offset_of!(tutti_config, compression);
+
+/// The size of the `tutti_config` this library knows: bytes past it must be zero. The struct
+/// has no padding (`reserved` fills what would be), so every byte up to here is a field's.
+const KNOWN_SIZE: usize = size_of::<tutti_config>();
+const _: () = assert!(KNOWN_SIZE == std::mem::offset_of!(tutti_config, reserved) + 4);
 
 /// A `struct_size` beyond this is garbage (an uninitialized struct), not a newer version.
 pub(crate) const MAX_STRUCT_SIZE: usize = 4096;
 
 /// Check the `struct_size` of a versioned struct the caller passes as `arg` (of C type `ty`):
-/// at least the `first` bytes this libtutti knows, no more than [`MAX_STRUCT_SIZE`], and every
-/// byte past `first` zero (fields of a newer libtutti, which this one would ignore). `fix`
-/// says how the caller sets it right.
+/// at least `first` bytes (its first version), no more than [`MAX_STRUCT_SIZE`], and every
+/// byte past the `known` bytes this libtutti knows zero (fields of a newer libtutti, which
+/// this one would ignore). `fix` says how the caller sets it right.
 ///
 /// # Safety
 ///
@@ -74,6 +88,7 @@ pub(crate) unsafe fn check_struct_size(
     ptr: *const u8,
     size: usize,
     first: usize,
+    known: usize,
     arg: &str,
     ty: &str,
     fix: &str,
@@ -83,20 +98,25 @@ pub(crate) unsafe fn check_struct_size(
             "{arg}->struct_size is {size}, smaller than any {ty} ({first} bytes); {fix}"
         )));
     }
+    if size % std::mem::align_of::<usize>() != 0 {
+        return Err(Failure::invalid(format!(
+            "{arg}->struct_size is {size}, which is no sizeof({ty}); {fix}"
+        )));
+    }
     if size > MAX_STRUCT_SIZE {
         return Err(Failure::invalid(format!(
             "{arg}->struct_size is {size}, more than any {ty} will ever need; {fix}"
         )));
     }
-    if size > first {
+    if size > known {
         // SAFETY: the caller promises `size` readable bytes.
-        let extra = unsafe { std::slice::from_raw_parts(ptr.add(first), size - first) };
+        let extra = unsafe { std::slice::from_raw_parts(ptr.add(known), size - known) };
         if let Some(i) = extra.iter().position(|&b| b != 0) {
             return Err(Failure::invalid(format!(
                 "{arg}->struct_size is {size} and byte {} is set, but this libtutti ({}) knows \
-                 only the first {first} bytes of {ty}; leave newer fields zero or use a newer \
+                 only the first {known} bytes of {ty}; leave newer fields zero or use a newer \
                  libtutti",
-                first + i,
+                known + i,
                 env!("CARGO_PKG_VERSION"),
             )));
         }
@@ -125,13 +145,35 @@ pub(crate) unsafe fn read(config: *const tutti_config) -> Result<Settings, Failu
             config.cast(),
             size,
             FIRST_SIZE,
+            KNOWN_SIZE,
             "config",
             "tutti_config",
             "initialize the config with TUTTI_CONFIG_INIT",
         )
     }?;
-    // SAFETY: at least FIRST_SIZE bytes are readable; the struct may be under-aligned.
-    let c = unsafe { config.read_unaligned() };
+    // The caller's bytes, as many as it has of this version; an older, shorter struct's
+    // missing fields stay zero (their defaults).
+    let mut c = tutti_config {
+        struct_size: 0,
+        timeout_ms: 0,
+        chunk_bytes: 0,
+        algorithm: 0,
+        algorithm_arg: 0,
+        transport: 0,
+        deterministic: 0,
+        compression: 0,
+        reserved: 0,
+    };
+    // SAFETY: `size.min(KNOWN_SIZE)` bytes are readable at `config` and writable at `c`,
+    // a plain struct of integers for which any bytes are valid; the source may be
+    // under-aligned, which a byte copy does not mind.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            config.cast::<u8>(),
+            std::ptr::addr_of_mut!(c).cast::<u8>(),
+            size.min(KNOWN_SIZE),
+        )
+    };
     if c.timeout_ms != 0 {
         out.timeout = Duration::from_millis(c.timeout_ms);
     }
@@ -152,6 +194,24 @@ pub(crate) unsafe fn read(config: *const tutti_config) -> Result<Settings, Failu
         )))
         }
     }
+    if c.reserved != 0 {
+        return Err(Failure::invalid(format!(
+            "config->reserved is {}; it must be 0",
+            c.reserved
+        )));
+    }
+    out.compression = match c.compression {
+        0 => out.compression,
+        1 => tutti::Compression::None,
+        2 => tutti::Compression::Bf16,
+        3 => tutti::Compression::F16,
+        v => {
+            return Err(Failure::invalid(format!(
+                "config->compression is {v}; it must be 0 (TUTTI_COMPRESSION), 1 (none), \
+                 2 (bf16) or 3 (f16)"
+            )))
+        }
+    };
     Ok(Settings {
         core: out,
         transport,
@@ -183,6 +243,8 @@ mod tests {
             algorithm_arg: 0,
             transport: 0,
             deterministic: 0,
+            compression: 0,
+            reserved: 0,
         }
     }
 
@@ -211,6 +273,49 @@ mod tests {
             .unwrap_err()
             .message
             .contains("config->deterministic is 3"));
+        cfg.deterministic = 0;
+        for (v, want) in [
+            (1, tutti::Compression::None),
+            (2, tutti::Compression::Bf16),
+            (3, tutti::Compression::F16),
+        ] {
+            cfg.compression = v;
+            assert_eq!(unsafe { read(&cfg) }.unwrap().core.compression, want);
+        }
+        cfg.compression = 4;
+        assert!(unsafe { read(&cfg) }
+            .unwrap_err()
+            .message
+            .contains("config->compression is 4"));
+    }
+
+    /// A program built against the first `tutti_config` (up to `deterministic`) passes a
+    /// shorter struct: accepted, the newer fields at their defaults, bytes past it unread.
+    #[test]
+    fn an_older_shorter_config_gets_the_defaults_for_newer_fields() {
+        let mut cfg = init();
+        cfg.struct_size = FIRST_SIZE;
+        cfg.deterministic = 1;
+        // What lies past the caller's struct is not its own: never read.
+        cfg.compression = 99;
+        let s = unsafe { read(&cfg) }.unwrap();
+        assert!(s.core.deterministic);
+        assert_eq!(s.core.compression, Config::default().compression);
+        cfg.struct_size = FIRST_SIZE - 4;
+        assert!(unsafe { read(&cfg) }.is_err());
+        // A size that ends inside a field is no version's.
+        cfg.struct_size = FIRST_SIZE + 4;
+        let e = unsafe { read(&cfg) }.unwrap_err();
+        assert!(
+            e.message.contains("no sizeof(tutti_config)"),
+            "{}",
+            e.message
+        );
+        cfg.struct_size = KNOWN_SIZE;
+        cfg.compression = 0;
+        cfg.reserved = 1;
+        let e = unsafe { read(&cfg) }.unwrap_err();
+        assert!(e.message.contains("config->reserved is 1"), "{}", e.message);
     }
 
     #[test]
@@ -253,18 +358,24 @@ mod fuzz {
     fn buffer(c: &tutti_config, extra: &[u8]) -> Vec<u64> {
         let mut buf = vec![0u64; MAX_STRUCT_SIZE / 8 + 1];
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut buf);
-        // SAFETY: tutti_config is plain old data of FIRST_SIZE bytes.
+        // SAFETY: tutti_config is plain old data of KNOWN_SIZE bytes, with no padding.
         let raw = unsafe {
-            std::slice::from_raw_parts((c as *const tutti_config).cast::<u8>(), FIRST_SIZE)
+            std::slice::from_raw_parts((c as *const tutti_config).cast::<u8>(), KNOWN_SIZE)
         };
-        bytes[..FIRST_SIZE].copy_from_slice(raw);
-        let n = extra.len().min(bytes.len() - FIRST_SIZE);
-        bytes[FIRST_SIZE..FIRST_SIZE + n].copy_from_slice(&extra[..n]);
+        bytes[..KNOWN_SIZE].copy_from_slice(raw);
+        // Then a newer caller's trailing bytes.
+        let n = extra.len().min(bytes.len() - KNOWN_SIZE);
+        bytes[KNOWN_SIZE..KNOWN_SIZE + n].copy_from_slice(&extra[..n]);
         buf
     }
 
     fn size() -> impl Strategy<Value = usize> {
-        prop_oneof![Just(FIRST_SIZE), 0..=MAX_STRUCT_SIZE + 64, any::<usize>(),]
+        prop_oneof![
+            Just(FIRST_SIZE),
+            Just(KNOWN_SIZE),
+            0..=MAX_STRUCT_SIZE + 64,
+            any::<usize>(),
+        ]
     }
 
     proptest! {
@@ -279,6 +390,7 @@ mod fuzz {
             algorithm_arg in prop_oneof![0u32..4, any::<u32>()],
             transport in prop_oneof![0u32..4, any::<u32>()],
             deterministic in prop_oneof![0u32..3, any::<u32>()],
+            compression in prop_oneof![0u32..5, any::<u32>()],
             extra in prop_oneof![Just(Vec::new()), proptest::collection::vec(any::<u8>(), 0..64)],
         ) {
             let c = tutti_config {
@@ -289,6 +401,8 @@ mod fuzz {
                 algorithm_arg,
                 transport,
                 deterministic,
+                compression,
+                reserved: 0,
             };
             let buf = buffer(&c, &extra);
             // SAFETY: the buffer holds MAX_STRUCT_SIZE readable bytes (plus some), and larger
@@ -299,6 +413,11 @@ mod fuzz {
                     prop_assert!(deterministic < 3);
                     if deterministic != 0 {
                         prop_assert_eq!(s.core.deterministic, deterministic == 1);
+                    }
+                    if struct_size >= KNOWN_SIZE && compression != 0 {
+                        prop_assert!(compression < 4);
+                        let all = [tutti::Compression::None, tutti::Compression::Bf16, tutti::Compression::F16];
+                        prop_assert_eq!(s.core.compression, all[compression as usize - 1]);
                     }
                     if timeout_ms != 0 {
                         prop_assert_eq!(s.core.timeout, Duration::from_millis(timeout_ms));

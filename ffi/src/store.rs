@@ -113,6 +113,7 @@ unsafe fn read(store: *const tutti_store) -> Result<Callbacks, Failure> {
             store.cast(),
             size,
             FIRST_SIZE,
+            FIRST_SIZE,
             "store",
             "tutti_store",
             "set it to sizeof(tutti_store)",

@@ -108,6 +108,24 @@ pub enum TuttiTransport {
 /// A `tutti_transport` as it crosses the C boundary: one of the `TUTTI_TRANSPORT_*` values.
 pub type tutti_transport = u32;
 
+/// How f32 all-reduce and reduce-scatter travel between hosts (`tutti_config.compression`).
+#[repr(u32)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[allow(dead_code)] // Named for C in the header; values arrive here as integers.
+pub enum TuttiCompression {
+    /// The `TUTTI_COMPRESSION` environment variable (`none`, `bf16`, `f16`); none when unset.
+    TUTTI_COMPRESSION_ENV = 0,
+    /// As f32.
+    TUTTI_COMPRESSION_NONE = 1,
+    /// As bfloat16 (f32's range, 8 significant bits), reduced in f32.
+    TUTTI_COMPRESSION_BF16 = 2,
+    /// As IEEE half precision (11 significant bits, overflows past 65504), reduced in f32.
+    TUTTI_COMPRESSION_F16 = 3,
+}
+
+/// A `tutti_compression` as it crosses the C boundary: one of the `TUTTI_COMPRESSION_*` values.
+pub type tutti_compression = u32;
+
 /// Device kinds.
 #[repr(u32)]
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

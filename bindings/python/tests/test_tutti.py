@@ -542,6 +542,36 @@ def test_ranks_meet_through_the_callers_store():
         c.close()
 
 
+def test_compression_carries_f32_over_tcp_as_bf16():
+    """compression="bf16": an f32 all-reduce between processes over TCP travels as bfloat16 and
+    sums in f32: every rank ends with the same values, each one a bfloat16, close to the sum;
+    an unknown name is refused."""
+    store = _DictStore()
+    token = "0123456789abcdef0123"
+    rng = np.random.default_rng(3)
+    xs = [rng.uniform(-1, 1, 70001).astype(np.float32) for _ in range(3)]
+    comms = [None] * 3
+
+    def rank(r):
+        comms[r] = tutti.from_store(r, 3, store, token, timeout=30, transport="tcp",
+                                    algorithm="ring", compression="bf16")
+        return comms[r].all_reduce(xs[r].copy())
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        out = list(pool.map(rank, range(3)))
+    for c in comms:
+        c.close()
+    exact = sum(x.astype(np.float64) for x in xs)
+    magnitude = sum(np.abs(x.astype(np.float64)) for x in xs)
+    for got in out:
+        assert got.tobytes() == out[0].tobytes()
+        # A bfloat16 is an f32 whose low 16 bits are zero.
+        assert not (got.view(np.uint32) & 0xFFFF).any()
+        assert (np.abs(got - exact) <= magnitude * 2.0 ** -8 * 4).all()
+    with pytest.raises(ValueError, match="unknown compression 'int8'"):
+        tutti.join(0, 1, "127.0.0.1:1", compression="int8")
+
+
 def test_a_store_that_fails_is_named_with_its_error():
     store = _DictStore()
     store.fail_set = True

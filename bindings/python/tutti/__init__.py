@@ -133,6 +133,8 @@ class _Config(ctypes.Structure):
         ("algorithm_arg", ctypes.c_uint32),
         ("transport", ctypes.c_uint32),
         ("deterministic", ctypes.c_uint32),
+        ("compression", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
     ]
 
 
@@ -422,7 +424,12 @@ def devices():
 # ----- arguments -----
 
 
-def _config(timeout=None, algorithm="auto", chunk_bytes=None, transport="auto", deterministic=None):
+# How f32 all-reduce and reduce-scatter travel between hosts (tutti_config.compression).
+COMPRESSIONS = {None: 0, "none": 1, "bf16": 2, "f16": 3}
+
+
+def _config(timeout=None, algorithm="auto", chunk_bytes=None, transport="auto", deterministic=None,
+            compression=None):
     c = _Config()
     c.struct_size = ctypes.sizeof(_Config)
     if timeout is not None:
@@ -446,6 +453,12 @@ def _config(timeout=None, algorithm="auto", chunk_bytes=None, transport="auto", 
     if deterministic is not None and not isinstance(deterministic, bool):
         raise ValueError(f"deterministic must be True, False or None, not {deterministic!r}")
     c.deterministic = {None: 0, True: 1, False: 2}[deterministic]
+    # None: the TUTTI_COMPRESSION environment variable (none when unset).
+    if isinstance(compression, str):
+        compression = compression.lower()
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"unknown compression {compression!r} (expected None, 'none', 'bf16' or 'f16')")
+    c.compression = COMPRESSIONS[compression]
     return c
 
 
@@ -1329,12 +1342,14 @@ def device_group(devices, timeout=None, algorithm="auto", chunk_bytes=None, dete
 
 
 def join(rank, world_size, master_addr, timeout=None, algorithm="auto", chunk_bytes=None, transport="auto",
-         deterministic=None):
+         deterministic=None, compression=None):
     """Join a job of separate processes as ``rank`` of ``world_size``, meeting the others at
     ``master_addr`` ("host:port", served by rank 0); ``TUTTI_JOB_TOKEN``, when set, is the
-    secret every connection proves. Blocks until every rank has joined."""
+    secret every connection proves. Blocks until every rank has joined. ``compression``
+    ("bf16" or "f16"; None: ``TUTTI_COMPRESSION``) carries f32 all-reduce and reduce-scatter
+    between hosts as 16-bit floats, reducing in f32."""
     lib = _library()
-    config = _config(timeout, algorithm, chunk_bytes, transport, deterministic)
+    config = _config(timeout, algorithm, chunk_bytes, transport, deterministic, compression)
     handle = ctypes.c_void_p()
     _check(lib.tutti_comm_create_rank(rank, world_size, master_addr.encode(), ctypes.byref(config), ctypes.byref(handle)))
     return Communicator(handle)
@@ -1392,16 +1407,17 @@ class _StoreCallbacks:
 
 
 def from_store(rank, world_size, store, token, listen_host=None, timeout=None, algorithm="auto",
-               chunk_bytes=None, transport="auto", deterministic=None):
+               chunk_bytes=None, transport="auto", deterministic=None, compression=None):
     """Join a job of separate processes as ``rank`` of ``world_size``, the ranks meeting
     through ``store``, a key-value store of the caller's: an object with ``set(key, value:
     bytes)``, ``get(key, timeout_s) -> bytes`` (waiting for the key; ``TimeoutError`` past the
     bound) and ``add(key, delta) -> int`` (torch.distributed's backend uses the store torch hands
     it). Each rank listens on ``listen_host`` (None: 127.0.0.1) at a port the OS picks and
     publishes it there; every connection proves ``token``, the job's secret (at least 16
-    bytes, the same on every rank). Blocks until every rank has joined."""
+    bytes, the same on every rank). Blocks until every rank has joined. ``compression`` as for
+    ``join``."""
     lib = _library()
-    config = _config(timeout, algorithm, chunk_bytes, transport, deterministic)
+    config = _config(timeout, algorithm, chunk_bytes, transport, deterministic, compression)
     callbacks = _StoreCallbacks(store)
     s = callbacks.struct()
     handle = ctypes.c_void_p()
@@ -1425,11 +1441,13 @@ def from_store(rank, world_size, store, token, listen_host=None, timeout=None, a
     return Communicator(handle)
 
 
-def from_env(timeout=None, algorithm="auto", chunk_bytes=None, transport="auto", deterministic=None):
+def from_env(timeout=None, algorithm="auto", chunk_bytes=None, transport="auto", deterministic=None,
+             compression=None):
     """Join the job this process's environment describes (tutti launch, torchrun, mpirun, srun,
-    TF_CONFIG, or TUTTI_RANK, TUTTI_WORLD_SIZE and TUTTI_MASTER_ADDR)."""
+    TF_CONFIG, or TUTTI_RANK, TUTTI_WORLD_SIZE and TUTTI_MASTER_ADDR). ``compression`` as for
+    ``join``."""
     lib = _library()
-    config = _config(timeout, algorithm, chunk_bytes, transport, deterministic)
+    config = _config(timeout, algorithm, chunk_bytes, transport, deterministic, compression)
     handle = ctypes.c_void_p()
     _check(lib.tutti_comm_create_from_env(ctypes.byref(config), ctypes.byref(handle)))
     return Communicator(handle, os.environ.get("TUTTI_DEVICE", "cpu"))

@@ -13,6 +13,7 @@ Array = Any
 Op = Any
 Algorithm = str  # "auto", "direct", "ring", "hierarchical-copy[:GROUP]", "reduce-to-one[:ROOT]"
 Transport = Literal["auto", "tcp", "shm"]
+Compression = Literal["none", "bf16", "f16"]
 
 A = TypeVar("A")
 
@@ -107,9 +108,12 @@ def local_group(n: int, timeout: Optional[float] = ..., algorithm: Algorithm = .
 def device_group(devices: Iterable[str], timeout: Optional[float] = ..., algorithm: Algorithm = ...,
                  chunk_bytes: Optional[int] = ..., deterministic: Optional[bool] = ...) -> Group: ...
 def join(rank: int, world_size: int, master_addr: str, timeout: Optional[float] = ..., algorithm: Algorithm = ...,
-         chunk_bytes: Optional[int] = ..., transport: Transport = ..., deterministic: Optional[bool] = ...) -> Communicator: ...
+         chunk_bytes: Optional[int] = ..., transport: Transport = ..., deterministic: Optional[bool] = ...,
+         compression: Optional[Compression] = ...) -> Communicator: ...
 def from_store(rank: int, world_size: int, store: Store, token: str, listen_host: Optional[str] = ...,
                timeout: Optional[float] = ..., algorithm: Algorithm = ..., chunk_bytes: Optional[int] = ...,
-               transport: Transport = ..., deterministic: Optional[bool] = ...) -> Communicator: ...
+               transport: Transport = ..., deterministic: Optional[bool] = ...,
+               compression: Optional[Compression] = ...) -> Communicator: ...
 def from_env(timeout: Optional[float] = ..., algorithm: Algorithm = ..., chunk_bytes: Optional[int] = ...,
-             transport: Transport = ..., deterministic: Optional[bool] = ...) -> Communicator: ...
+             transport: Transport = ..., deterministic: Optional[bool] = ...,
+             compression: Optional[Compression] = ...) -> Communicator: ...
