@@ -125,6 +125,9 @@ pub(crate) fn run(a: PerfArgs) -> Result<(), tutti::Error> {
     if a.deterministic {
         config = config.with_deterministic(true);
     }
+    if let Some(c) = a.compression {
+        config = config.with_compression(c);
+    }
     if a.min_bytes > a.max_bytes {
         return Err(tutti::Error::config(format!(
             "-b {} is larger than -e {}: nothing to measure",
@@ -178,6 +181,9 @@ pub(crate) fn run(a: PerfArgs) -> Result<(), tutti::Error> {
                 c.set_algorithm(algo.core)?;
             }
             let rows = sweep(&a, comm.as_ref(), algo, transport, &config, &mut machine)?;
+            if config.compression != tutti::Compression::None && !a.json {
+                compression_footer(comm.as_mut(), &config, lead)?;
+            }
             let label = match (algos.len() > 1, transports.len() > 1, transport) {
                 (true, true, Some(t)) => format!("{}, {t}", algo.name),
                 (false, true, Some(t)) => t.to_string(),
@@ -195,6 +201,47 @@ pub(crate) fn run(a: PerfArgs) -> Result<(), tutti::Error> {
             what: "perf".into(),
             message: format!("{wrong} elements differed from the reference"),
         });
+    }
+    Ok(())
+}
+
+/// Under `--compression`: the error the wire adds to an f32 all-reduce of random values, and
+/// whether every rank holds the same bits (or why nothing was compressed).
+fn compression_footer(
+    comm: Option<&mut Communicator>,
+    config: &Config,
+    lead: bool,
+) -> Result<(), tutti::Error> {
+    let Some(comm) = comm.filter(|c| c.compression() != tutti::Compression::None) else {
+        if lead {
+            say!(
+                "# compression {}: not applied on these ranks (no peer over TCP, or a device \
+                 engine's)",
+                config.compression
+            );
+        }
+        return Ok(());
+    };
+    // Measured on the ring, which carries the wire whatever algorithm the sweep forced.
+    let swept = comm.algorithm();
+    comm.set_algorithm(tutti::Algorithm::Ring)?;
+    let e = tutti::perf::compression_error(comm, 1 << 18);
+    comm.set_algorithm(swept)?;
+    let e = e?;
+    if lead {
+        say!(
+            "# compression {}: f32 ring all-reduce of {} random values in [-1, 1) per rank: largest \
+             error {:.2e}, RMS {:.2e} (relative to the sum of magnitudes); ranks {}",
+            config.compression,
+            e.count,
+            e.max,
+            e.rms,
+            if e.agree {
+                "hold the same bits"
+            } else {
+                "DIFFER"
+            }
+        );
     }
     Ok(())
 }
@@ -492,7 +539,7 @@ fn sweep(
         say!("{}", serde_json::json!({ "machine": machine }));
     } else if lead {
         say!(
-            "# tutti perf: {} algo {} on {} ranks ({carrier}), {}{}{}, {}, device {}{}{}",
+            "# tutti perf: {} algo {} on {} ranks ({carrier}), {}{}{}, {}, device {}{}{}{}",
             opts.collective.cli_name(),
             algo.name,
             opts.ranks,
@@ -520,6 +567,10 @@ fn sweep(
                 ", deterministic"
             } else {
                 ""
+            },
+            match opts.config.compression {
+                tutti::Compression::None => String::new(),
+                c => format!(", f32 between hosts as {c}"),
             }
         );
         let tcp = machine.tcp_gbps.map_or(String::new(), |t| {

@@ -47,6 +47,9 @@ pub fn check(comm: &mut Communicator, counts: &[usize]) -> Result<usize> {
         }
         comm.set_algorithm(Algorithm::Auto)?;
     }
+    if comm.compression() != crate::Compression::None {
+        calls += check_compression(comm, counts)?;
+    }
     if comm.can_share_buffers() {
         for &count in counts {
             calls += check_shared::<f32>(comm, count)?;
@@ -102,7 +105,7 @@ fn check_shared<T: Element>(comm: &mut Communicator, count: usize) -> Result<usi
         };
         let (sum, tol) = (
             reference::reduce(&refs, ReduceOp::Sum),
-            reference::tolerance(T::DTYPE, ReduceOp::Sum, p, 2.0),
+            reference::tolerance(super::rounded_in(comm, T::DTYPE), ReduceOp::Sum, p, 2.0),
         );
         inb.as_mut_slice::<T>()[..count].copy_from_slice(&inputs[r]);
         comm.all_reduce_into(
@@ -192,7 +195,7 @@ fn check_one<T: Element>(comm: &Communicator, algo: Algorithm, count: usize) -> 
         .filter(|o| o.check(T::DTYPE).is_ok())
     {
         let want = reference::reduce(&refs, op);
-        let tol = reference::tolerance(T::DTYPE, op, p, 2.0);
+        let tol = reference::tolerance(super::rounded_in(comm, T::DTYPE), op, p, 2.0);
         let mut buf = inputs[r].clone();
         comm.all_reduce(&mut buf, op)?;
         let mut out = vec![T::from_f64(0.0); count];
@@ -272,7 +275,7 @@ fn check_in_flight<T: Element>(
     {
         let work = comm.all_reduce_async(inputs[r].clone(), op);
         let want = reference::reduce(&refs, op);
-        let tol = reference::tolerance(T::DTYPE, op, p, 2.0);
+        let tol = reference::tolerance(super::rounded_in(comm, T::DTYPE), op, p, 2.0);
         pending.push(Box::new(move || {
             let got = work.wait().map_err(|e| e.to_string())?;
             match reference::count_errors(&got, &want, tol) {
@@ -470,13 +473,96 @@ fn check_personal<T: Element>(comm: &Communicator, algo: Algorithm, count: usize
 /// Element i of rank r's random input: magnitudes from 2^-10 to 2^10 and both signs, so that
 /// the order of a float sum shows in its bits.
 fn random<T: Element>(r: usize, i: usize) -> T {
+    let h = hash(r, i);
+    let unit = (h >> 11) as f64 / (1u64 << 53) as f64 - 0.5;
+    T::from_f64(unit * f64::powi(2.0, (h % 21) as i32 - 10))
+}
+
+/// 64 random bits for element `i` of rank `r`.
+fn hash(r: usize, i: usize) -> u64 {
     let mut h = (r as u64) << 32 ^ i as u64;
     h = h.wrapping_mul(0x9e37_79b9_7f4a_7c15);
     h ^= h >> 29;
     h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    h ^= h >> 32;
-    let unit = (h >> 11) as f64 / (1u64 << 53) as f64 - 0.5;
-    T::from_f64(unit * f64::powi(2.0, (h % 21) as i32 - 10))
+    h ^ h >> 32
+}
+
+/// What a compressed wire ([`crate::Compression`]) did to one f32 all-reduce of random values
+/// in [-1, 1): errors against the exact sum, relative to the sum of the magnitudes.
+#[derive(Copy, Clone, Debug)]
+pub struct CompressionError {
+    /// Values reduced per rank.
+    pub count: usize,
+    /// The largest error of any element.
+    pub max: f64,
+    /// The root mean square of the errors.
+    pub rms: f64,
+    /// Every rank ended with the same bits.
+    pub agree: bool,
+}
+
+/// All-reduce `count` random f32 in [-1, 1) per rank (sum, in place) and measure the error
+/// against the exact sum (every rank computes every rank's input) and whether the ranks agree.
+/// Every rank calls it.
+pub fn compression_error(comm: &Communicator, count: usize) -> Result<CompressionError> {
+    let (p, r) = (comm.world_size(), comm.rank());
+    let input = |k: usize| -> Vec<f32> {
+        (0..count)
+            .map(|i| (hash(k + 3, i) >> 40) as f32 / (1u32 << 23) as f32 - 1.0)
+            .collect()
+    };
+    let inputs: Vec<Vec<f32>> = (0..p).map(input).collect();
+    let mut buf = inputs[r].clone();
+    comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+    let (mut max, mut squares) = (0f64, 0f64);
+    for (i, got) in buf.iter().enumerate() {
+        let exact: f64 = inputs.iter().map(|v| f64::from(v[i])).sum();
+        let magnitude: f64 = inputs.iter().map(|v| f64::from(v[i]).abs()).sum();
+        let e = (f64::from(*got) - exact).abs() / magnitude.max(f64::MIN_POSITIVE);
+        max = max.max(e);
+        squares += e * e;
+    }
+    // FNV-1a of the result's bits, gathered: equal on every rank when the ranks agree.
+    let digest = buf.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, x| {
+        (h ^ u64::from(x.to_bits())).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    let mut all = vec![0u64; p];
+    comm.all_gather(&[digest], &mut all)?;
+    Ok(CompressionError {
+        count,
+        max,
+        rms: (squares / count.max(1) as f64).sqrt(),
+        agree: all.iter().all(|&d| d == all[0]),
+    })
+}
+
+/// On a compressed wire: every f32 all-reduce (the ring and `auto`) lands within the bound of
+/// one rounding to the wire type per hop, plus the final one, and every rank has the same bits.
+fn check_compression(comm: &mut Communicator, counts: &[usize]) -> Result<usize> {
+    let unit = match comm.compression() {
+        crate::Compression::F16 => 2f64.powi(-11),
+        _ => 2f64.powi(-8),
+    };
+    let bound = unit * (comm.world_size() as f64 + 1.0);
+    let mut calls = 0;
+    for algo in [Algorithm::Ring, Algorithm::Auto] {
+        comm.set_algorithm(algo)?;
+        for &count in counts {
+            let e = compression_error(comm, count)?;
+            if !(e.agree && e.max <= bound) {
+                return Err(Error::System {
+                    what: format!("check compression {} {algo} n={count}", comm.compression()),
+                    message: format!(
+                        "largest relative error {:.3e} (bound {bound:.3e}); ranks agree: {}",
+                        e.max, e.agree
+                    ),
+                });
+            }
+            calls += 2;
+        }
+    }
+    comm.set_algorithm(Algorithm::Auto)?;
+    Ok(calls)
 }
 
 /// The reduction in rank order that deterministic mode promises: one kernel pass over every

@@ -33,7 +33,7 @@ pub mod gpu;
 mod overlap;
 #[cfg(feature = "xla")]
 mod xla;
-pub use check::check;
+pub use check::{check, compression_error, CompressionError};
 pub use overlap::{overlap_one, OverlapRow};
 
 use std::time::{Duration, Instant};
@@ -908,15 +908,8 @@ impl<T: Element> Bench for CpuBench<'_, T> {
         self.call()?;
         let (comm, opts) = (self.comm, self.opts);
         let (p, r) = (comm.world_size(), comm.rank());
-        let mine = wrong_elements(
-            opts.collective,
-            opts.op,
-            opts.root,
-            p,
-            r,
-            self.count,
-            &self.output,
-        );
+        let shape = (opts.collective, opts.op, opts.root, p, r, self.count);
+        let mine = wrong_elements_rounded(shape, rounded_in(comm, T::DTYPE), &self.output);
         let mut errors = [mine as u64];
         comm.all_reduce_auto(&mut errors, ReduceOp::Sum)?;
         Ok(errors[0])
@@ -1053,6 +1046,25 @@ pub fn wrong_elements<T: Element>(
     count: usize,
     output: &[T],
 ) -> usize {
+    let shape = (collective, op, root, ranks, rank, count);
+    wrong_elements_rounded(shape, T::DTYPE, output)
+}
+
+/// The type a reduction of `dtype` elements is rounded in on `comm`: the wire's for f32 on a
+/// compressed wire ([`crate::Compression`]), else `dtype` itself.
+pub(crate) fn rounded_in(comm: &Communicator, dtype: DType) -> DType {
+    match comm.compression().wire_dtype() {
+        Some(wire) if dtype == DType::F32 => wire,
+        _ => dtype,
+    }
+}
+
+/// [`wrong_elements`] with the tolerance of results rounded in `rounded` (see [`rounded_in`]).
+fn wrong_elements_rounded<T: Element>(
+    (collective, op, root, ranks, rank, count): (Collective, ReduceOp, usize, usize, usize, usize),
+    rounded: DType,
+    output: &[T],
+) -> usize {
     let p = ranks.max(1);
     // The reduction of the pattern over every rank, for the five residues of i.
     let reduced: Vec<T> = (0..5)
@@ -1062,7 +1074,7 @@ pub fn wrong_elements<T: Element>(
             reference::reduce(&refs, op)[0]
         })
         .collect();
-    let tol = reference::tolerance(T::DTYPE, op, p, 2.0);
+    let tol = reference::tolerance(rounded, op, p, 2.0);
     let bad = |got: T, want: T| reference::count_errors(&[got], &[want], tol);
     // Every element against `want(i)`, and a length other than `len` counted as wrong.
     let check = |len: usize, want: &dyn Fn(usize) -> T| -> usize {
