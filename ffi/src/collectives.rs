@@ -6,7 +6,9 @@ use std::ffi::c_void;
 
 use tutti::{Collective, DType, DeviceKind, RawCall, ReduceOp};
 
-use crate::buffers::{byte_len, check, counts_len, overlap, read_counts, AlignedCopy};
+use crate::buffers::{
+    byte_len, check, counts_len, overlap, read_counts, slice, slice_mut, AlignedCopy,
+};
 use crate::comm::{comm_ref, tutti_comm};
 use crate::error::{boundary, tutti_result};
 use crate::types::{self, tutti_dtype, tutti_op};
@@ -1146,7 +1148,7 @@ pub unsafe extern "C" fn tutti_reduce_scatter_premul_sum(
         })();
         let (dtype, n_in, n_out) = checked.map_err(|m| c.reject(F, m))?;
         // SAFETY: checked above; the caller keeps them untouched for the call.
-        let (input, output) = unsafe { (host_slice(input, n_in), host_slice_mut(output, n_out)) };
+        let (input, output) = unsafe { (slice(input, n_in), slice_mut(output, n_out)) };
         let result = c
             .read()
             .reduce_scatter_premul_sum_raw(dtype, input, output, factor);
@@ -1166,39 +1168,13 @@ fn host_ranks_only(device: DeviceKind) -> Result<(), String> {
     }
 }
 
-/// `n` bytes at `p` (any address when `n` is 0).
-///
-/// # Safety
-///
-/// `p` points to `n` readable bytes when `n > 0`, untouched by others while the slice lives.
-unsafe fn host_slice<'a>(p: *const c_void, n: usize) -> &'a [u8] {
-    if n == 0 {
-        return &[];
-    }
-    // SAFETY: as the caller promises.
-    unsafe { std::slice::from_raw_parts(p.cast(), n) }
-}
-
-/// `n` writable bytes at `p` (any address when `n` is 0).
-///
-/// # Safety
-///
-/// `p` points to `n` writable bytes when `n > 0`, used by nothing else while the slice lives.
-unsafe fn host_slice_mut<'a>(p: *mut c_void, n: usize) -> &'a mut [u8] {
-    if n == 0 {
-        return &mut [];
-    }
-    // SAFETY: as the caller promises.
-    unsafe { std::slice::from_raw_parts_mut(p.cast(), n) }
-}
-
 /// The input and output of a call over `n` bytes each; the input slice is empty when the two
 /// are the same buffer (in place: only the output is formed).
 ///
 /// # Safety
 ///
-/// As [`host_slice`] and [`host_slice_mut`]; `input` and `output` are the same pointer or do
-/// not overlap.
+/// As [`slice`] and [`slice_mut`]; `input` and `output` are the same pointer or do not
+/// overlap.
 unsafe fn host_slices<'a>(
     input: *const c_void,
     output: *mut c_void,
@@ -1209,8 +1185,8 @@ unsafe fn host_slices<'a>(
         let i = if std::ptr::eq(input, output) {
             &[][..]
         } else {
-            host_slice(input, n)
+            slice(input, n)
         };
-        (i, host_slice_mut(output, n))
+        (i, slice_mut(output, n))
     }
 }
