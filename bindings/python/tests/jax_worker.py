@@ -1,0 +1,105 @@
+"""One rank of a tutti.jax scenario (test_jax.py starts them as torchrun would: RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Prints ``RESULT <json>`` at the end."""
+
+import json
+import sys
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+import tutti.jax as tj
+
+
+def collectives():
+    comm = tj.default_comm()
+    r, p = comm.rank, comm.world_size
+    out = {}
+    for dtype in ["float32", "int32", "bfloat16", "float64"]:
+        if dtype == "float64" and not jax.config.jax_enable_x64:
+            continue
+        x = (jnp.arange(6) + 10 * r).astype(dtype).reshape(2, 3)
+
+        @jax.jit
+        def f(x):
+            return (tj.all_reduce(x, op="sum"), tj.all_reduce(x, op="max"), tj.all_gather(x),
+                    tj.reduce_scatter(jnp.concatenate([x] * p), op="sum"),
+                    tj.broadcast(x + 1, root=p - 1))
+
+        out[dtype] = [np.asarray(v, np.float64).tolist() for v in f(x)]
+    return out
+
+
+def ordered():
+    """Independent collectives of one program, and one whose result is unused: XLA keeps each
+    and runs them in program order. Rank 0 runs them jitted, the others eagerly: a dropped or
+    reordered call would be a mismatch between the ranks."""
+    comm = tj.default_comm()
+    r = comm.rank
+    a, b = jnp.full(3, r + 1.0), jnp.arange(5) + r
+
+    def program(a, b):
+        tj.all_reduce(a * 100)  # unused
+        s = tj.all_reduce(a)
+        g = tj.all_gather(b)
+        m = tj.all_reduce(b, op="min")
+        return s, g, m
+
+    run = jax.jit(program) if r == 0 else program
+    s, g, m = run(a, b)
+    return [np.asarray(v).tolist() for v in (s, g, m)]
+
+
+def grad():
+    comm = tj.default_comm()
+    x = jnp.arange(3.0) * (comm.rank + 1)
+    g = jax.jit(jax.grad(lambda v: (tj.all_reduce(v) ** 2).sum()))(x)
+    return np.asarray(g).tolist()
+
+
+def vmapped():
+    comm = tj.default_comm()
+    r = comm.rank
+    x = jnp.arange(3.0)[None, :] + 10.0 * jnp.arange(2.0)[:, None] + 100 * r
+    gathered = jax.jit(jax.vmap(tj.all_gather))(x)
+    y = (jnp.arange(4.0)[None, :] + jnp.arange(2.0)[:, None]) * (r + 1)
+    scattered = jax.jit(jax.vmap(tj.reduce_scatter))(y)
+    return [np.asarray(gathered).tolist(), np.asarray(scattered).tolist()]
+
+
+def train():
+    """Data-parallel least squares: each rank its shard of the batch, gradients averaged
+    across ranks inside the jitted step."""
+    comm = tj.default_comm()
+    r, p = comm.rank, comm.world_size
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((64, 4)).astype(np.float32)
+    y = X @ np.array([1.0, -2.0, 3.0, 0.5], np.float32)
+    shard = slice(r * 64 // p, (r + 1) * 64 // p)
+    Xs, ys = jnp.asarray(X[shard]), jnp.asarray(y[shard])
+
+    @jax.jit
+    def step(w):
+        g = jax.grad(lambda w: ((Xs @ w - ys) ** 2).mean())(w)
+        return w - 0.1 * tj.all_reduce(g, op="mean")
+
+    w = jnp.zeros(4, jnp.float32)
+    for _ in range(50):
+        w = step(w)
+    return np.asarray(w).tolist()
+
+
+def mismatch():
+    comm = tj.default_comm()
+    x = jnp.ones(4 + comm.rank, jnp.float32)
+    try:
+        jax.jit(lambda v: tj.all_reduce(v))(x).block_until_ready()
+    except Exception as e:  # noqa: BLE001 - JAX's runtime error carries tutti's message
+        return str(e)
+    return "no error"
+
+
+if __name__ == "__main__":
+    result = globals()[sys.argv[1]]()
+    print("RESULT " + json.dumps(result), flush=True)

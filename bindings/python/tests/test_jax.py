@@ -1,0 +1,122 @@
+"""tutti.jax: collectives inside jax.jit through XLA's FFI, in jobs of separate processes
+started as torchrun starts them. Skipped where jax is not installed, unless
+TUTTI_REQUIRE_JAX=1 (CI), which fails."""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+try:
+    import jax  # noqa: F401
+except ImportError:
+    if os.environ.get("TUTTI_REQUIRE_JAX") == "1":
+        raise
+    pytest.skip("jax is not installed (TUTTI_REQUIRE_JAX=1 makes this a failure)", allow_module_level=True)
+
+WORKER = pathlib.Path(__file__).with_name("jax_worker.py")
+PACKAGE = str(pathlib.Path(__file__).resolve().parents[1])
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(scenario, world, timeout=180, env=None):
+    """Every rank's RESULT of ``scenario`` on ``world`` processes."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TUTTI_TIMEOUT="60",
+                 JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
+        e["PYTHONPATH"] = PACKAGE + os.pathsep + e.get("PYTHONPATH", "")
+        e.update(env or {})
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario], env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    try:
+        for rank, p in enumerate(procs):
+            out, err = p.communicate(timeout=timeout)
+            lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+            assert p.returncode == 0 and lines, f"rank {rank} of {scenario} failed ({p.returncode}):\n{out}\n{err}"
+            results.append(json.loads(lines[-1][len("RESULT "):]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_inside_jit_give_the_reference(world):
+    results = run("collectives", world, env={"JAX_ENABLE_X64": "1"})
+    for dtype in ["float32", "int32", "bfloat16", "float64"]:
+        xs = [(np.arange(6) + 10 * r).reshape(2, 3).astype(np.float64) for r in range(world)]
+        total = sum(xs)
+        for r, res in enumerate(results):
+            s, mx, g, rs, b = (np.array(v) for v in res[dtype])
+            assert (s == total).all(), (dtype, r, s)
+            assert (mx == xs[-1]).all(), (dtype, r, mx)
+            assert g.shape == (world, 2, 3) and all((g[k] == xs[k]).all() for k in range(world)), (dtype, r)
+            # reduce_scatter of [x] * world: rank r's slice is the sum of every rank's x.
+            assert (rs == total).all(), (dtype, r, rs)
+            assert (b == xs[-1] + 1).all(), (dtype, r, b)
+
+
+def test_every_collective_runs_in_program_order_even_when_unused():
+    results = run("ordered", 2)
+    for s, g, m in results:
+        assert s == [3.0] * 3
+        assert g == [list(range(5)), list(range(1, 6))]
+        assert m == list(range(5))
+
+
+def test_gradient_of_a_sum_across_ranks():
+    # d/dx_r sum((sum_k x_k)^2) = 2 S on rank r (S = 3 * arange(3)): the transpose hands each
+    # rank's cotangent back unchanged, as mpi4jax's does.
+    results = run("grad", 2)
+    want = (2 * 3 * np.arange(3.0)).tolist()
+    assert results == [want, want]
+
+
+def test_vmap_runs_the_batch_in_one_call():
+    results = run("vmapped", 2)
+    for r, (gathered, scattered) in enumerate(results):
+        # x[b] = b * 10 + arange(3) + 100 r: all_gather per batch row, batch axis first.
+        assert np.array(gathered).shape == (2, 2, 3)
+        for b in range(2):
+            for k in range(2):
+                assert gathered[b][k] == [b * 10 + i + 100 * k for i in range(3)], (r, b, k)
+        # y[b] = (arange(4) + b) * (r + 1): rank r's half of the sum over ranks, per batch row.
+        assert np.array(scattered).shape == (2, 2)
+        for b in range(2):
+            assert scattered[b] == [3 * (2 * r + i + b) for i in range(2)], (r, b)
+
+
+def test_data_parallel_training_matches_the_full_batch():
+    results = run("train", 2)
+    # The same 50 steps on the whole batch in one process.
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((64, 4)).astype(np.float32)
+    y = X @ np.array([1.0, -2.0, 3.0, 0.5], np.float32)
+    w = np.zeros(4, np.float32)
+    for _ in range(50):
+        w = w - 0.1 * (2 * X.T @ (X @ w - y) / 64)
+    assert results[0] == results[1]
+    assert np.allclose(results[0], w, rtol=1e-4, atol=1e-5), (results[0], w)
+
+
+def test_a_mismatched_call_is_an_error_naming_both_ranks():
+    results = run("mismatch", 2)
+    for r, message in enumerate(results):
+        assert "tutti all_reduce failed" in message and "count" in message, message
+        assert f"rank {1 - r}" in message, message

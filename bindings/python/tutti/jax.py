@@ -1,0 +1,313 @@
+"""tutti's collectives inside ``jax.jit``: ``all_reduce``, ``all_gather``, ``reduce_scatter`` and
+``broadcast`` over the ranks of a job of processes, as XLA custom calls (XLA's FFI), each rank
+one process with its own JAX::
+
+    import jax, jax.numpy as jnp, tutti.jax as tj
+
+    @jax.jit
+    def step(grads):
+        return tj.all_reduce(grads, op="mean")      # every rank's grads, averaged
+
+    print(step(jnp.ones(4) * jax.process_index()))
+
+Run under ``tutti launch -n 2 -- python train.py`` (or torchrun, mpirun, srun, TF_CONFIG):
+``comm=None`` is the job's communicator, joined once from the environment (``tutti.from_env()``)
+the first time a collective is traced. Pass ``comm=`` (a ``tutti.Communicator`` of the job,
+e.g. from ``tutti.join`` or a ``split``) to use another; keep it open while compiled functions
+that use it may run.
+
+How: each function binds a JAX primitive with an ordered effect, lowered to an XLA custom call
+(``jax.ffi``) whose handler runs libtutti's collective on the arrays' host buffers, without a
+copy. The ordered effect threads a token through every tutti call of a program, so XLA neither
+drops, merges nor reorders them: every rank runs its collectives in program order, as tutti's
+checked calls require (a rank whose program differs gets tutti's mismatch error naming both
+ranks, raised by JAX). The handlers are compiled on first use against the installed jaxlib's
+FFI headers (``jax.ffi.include_dir()``) with the system C++ compiler (``CXX``, else ``c++``),
+into ``~/.cache/tutti/jax-ffi`` (``TUTTI_JAX_CACHE``), keyed by the source and jaxlib's version.
+
+On CPU (JAX's ``cpu`` platform). ``all_reduce`` with ``op="sum"`` is differentiable, with
+mpi4jax's convention: its tangent is the all-reduce of the tangents, and its transpose hands
+each rank's cotangent back unchanged (no communication), so ``jax.grad`` of a loss computed
+from an all-reduced value gives each rank the gradient of that loss with respect to its own
+input. The others are not differentiable. Under ``jax.vmap`` the batch travels as one call.
+
+JAX runs compiled code asynchronously: before calling the same communicator's own methods
+(``tutti.Communicator.all_reduce`` and so on) outside JAX, wait for the compiled functions that
+use it (``block_until_ready()``), or every rank may not issue its calls in the same order.
+"""
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import subprocess
+import tempfile
+import threading
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.interpreters import ad, batching, mlir
+
+import tutti
+
+if not hasattr(jax, "ffi"):
+    raise ImportError(f"tutti.jax needs jax 0.4.31 or newer (jax.ffi); this is jax {jax.__version__}")
+
+# jax's primitives, effects and abstract values (jax.extend where it has them).
+from jax._src import core as _core
+from jax._src import dispatch as _dispatch
+from jax._src import effects as _effects
+
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "default_comm"]
+
+_SOURCE = pathlib.Path(__file__).with_name("_jax_ffi.cc")
+_TARGETS = {
+    "all_reduce": "tutti_jax_all_reduce",
+    "broadcast": "tutti_jax_broadcast",
+    "all_gather": "tutti_jax_all_gather",
+    "reduce_scatter": "tutti_jax_reduce_scatter",
+}
+
+
+class _TuttiEffect(_effects.Effect):
+    """tutti's collectives: ordered among themselves, kept even when their result is unused."""
+
+    def __str__(self):
+        return "tutti"
+
+
+_EFFECT = _TuttiEffect()
+_effects.lowerable_effects.add_type(_TuttiEffect)
+_effects.control_flow_allowed_effects.add_type(_TuttiEffect)
+_effects.ordered_effects.add_type(_TuttiEffect)
+_effects.custom_derivatives_allowed_effects.add_type(_TuttiEffect)
+_effects.remat_allowed_effects.add_type(_TuttiEffect)
+
+_lock = threading.Lock()
+_handlers = None  # the compiled library, once registered
+_default = None  # the job's communicator (comm=None)
+# Every communicator a traced call named, kept alive: compiled programs hold its address, which
+# must not be freed and reused by another communicator while they may run.
+_named = {}
+
+
+def _compile():
+    """The handlers' shared library: compiled once per source and jaxlib, then cached."""
+    import jaxlib
+
+    include = jax.ffi.include_dir()
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + jaxlib.__version__.encode() + include.encode()).hexdigest()[:16]
+    cache = pathlib.Path(os.environ.get("TUTTI_JAX_CACHE") or pathlib.Path.home() / ".cache" / "tutti" / "jax-ffi")
+    lib = cache / f"tutti_jax_ffi-{key}.so"
+    if lib.exists():
+        return lib
+    cache.mkdir(parents=True, exist_ok=True)
+    cxx = os.environ.get("CXX", "c++")
+    # Several ranks may compile at once: each into its own file, renamed into place.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-isystem", include, str(_SOURCE), "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    except FileNotFoundError:
+        os.unlink(tmp)
+        raise RuntimeError(
+            f"tutti.jax compiles its XLA handlers on first use and needs a C++ compiler: {cxx} "
+            "was not found (install g++ or clang++, or set CXX)"
+        ) from None
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"tutti.jax: compiling its XLA handlers failed ({' '.join(cmd)}):\n{done.stderr}")
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, lib)
+    return lib
+
+
+def _register():
+    """Compile, bind to the loaded libtutti and register the handlers with XLA, once."""
+    global _handlers
+    with _lock:
+        if _handlers is not None:
+            return
+        lib = ctypes.CDLL(str(_compile()))
+        tutti_lib = tutti._library()
+        addr = lambda f: ctypes.cast(f, ctypes.c_void_p)
+        lib.tutti_jax_bind.argtypes = [ctypes.c_void_p] * 5
+        lib.tutti_jax_bind.restype = ctypes.c_int
+        if lib.tutti_jax_bind(
+            addr(tutti_lib.tutti_all_reduce),
+            addr(tutti_lib.tutti_broadcast),
+            addr(tutti_lib.tutti_all_gather),
+            addr(tutti_lib.tutti_reduce_scatter),
+            addr(tutti_lib.tutti_last_error),
+        ) != 0:
+            raise RuntimeError("tutti.jax: binding the XLA handlers to libtutti failed")
+        for target in _TARGETS.values():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
+        _handlers = lib
+
+
+def default_comm():
+    """The job's communicator (``tutti.from_env()``), joined on first use and kept open."""
+    global _default
+    with _lock:
+        if _default is None:
+            _default = tutti.from_env()
+        return _default
+
+
+def _comm(comm):
+    comm = default_comm() if comm is None else comm
+    if not isinstance(comm, tutti.Communicator):
+        raise TypeError(f"comm must be a tutti.Communicator or None, not {type(comm).__name__}")
+    handle = comm._h.h
+    if not handle:
+        raise ValueError("this communicator is closed")
+    if not comm.device.startswith("cpu"):
+        raise ValueError(f"tutti.jax runs on CPU communicators; this one is on {comm.device}")
+    address = int(handle.value if isinstance(handle, ctypes.c_void_p) else handle)
+    with _lock:
+        _named[address] = comm
+    return comm, address
+
+
+def _dtype_ok(x, what, op=None):
+    name = np.dtype(x.dtype).name
+    if name not in tutti.DTYPES:
+        raise TypeError(f"tutti.jax.{what}: dtype {name} is not one tutti reduces (expected one of {', '.join(tutti.DTYPES)})")
+    # Refused here, where the communicator stays usable, rather than by every rank's call.
+    bitwise = {tutti.OPS[k] for k in ("band", "bor", "bxor")}
+    if op in bitwise and not np.issubdtype(np.dtype(x.dtype), np.integer):
+        raise TypeError(f"tutti.jax.{what}: bitwise ops are for integer types, not {name}")
+
+
+# ----- the primitive: one for every collective, its kind a parameter -----
+
+_p = _core.Primitive("tutti_collective")
+
+
+def _out_aval(x, *, kind, world, **_):
+    if kind == "all_gather":
+        return _core.ShapedArray((world,) + tuple(x.shape), x.dtype)
+    if kind == "reduce_scatter":
+        return _core.ShapedArray((x.shape[0] // world,) + tuple(x.shape[1:]), x.dtype)
+    return _core.ShapedArray(x.shape, x.dtype)
+
+
+def _abstract_eval(x, **params):
+    return _out_aval(x, **params), {_EFFECT}
+
+
+_p.def_effectful_abstract_eval(_abstract_eval)
+
+
+def _impl(x, **params):
+    # Outside jit: the one-primitive program, compiled once per parameters and cached.
+    return _dispatch.apply_primitive(_p, x, **params)
+
+
+_p.def_impl(_impl)
+
+
+def _lowering(ctx, x, *, kind, comm, op, root, world):
+    token = ctx.tokens_in.get(_EFFECT)
+    sub = ctx.replace(
+        avals_in=[_core.abstract_token, *ctx.avals_in],
+        avals_out=[*ctx.avals_out, _core.abstract_token],
+    )
+    attrs = {"comm": np.uint64(comm)}
+    if kind in ("all_reduce", "reduce_scatter"):
+        attrs["op"] = np.int32(op)
+    if kind == "broadcast":
+        attrs["root"] = np.int64(root)
+    out, token = jax.ffi.ffi_lowering(_TARGETS[kind], has_side_effect=True)(sub, token, x, **attrs)
+    ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({_EFFECT: token})))
+    return [out]
+
+
+mlir.register_lowering(_p, _lowering, platform="cpu")
+
+
+def _batch(args, dims, **params):
+    # The whole batch in one call. An all-reduce or a broadcast is element by element: the batch
+    # axis stays where it is. all_gather adds a leading axis (the batch's moves one place on);
+    # reduce_scatter cuts the leading axis, so the batch goes second and stays there.
+    (x,), (d,) = args, dims
+    kind = params["kind"]
+    if kind in ("all_reduce", "broadcast"):
+        return _p.bind(x, **params), d
+    if kind == "all_gather":
+        return _p.bind(x, **params), d + 1
+    x = jnp.moveaxis(x, d, 1)
+    return _p.bind(x, **params), 1
+
+
+batching.primitive_batchers[_p] = _batch
+
+
+def _jvp(primals, tangents, **params):
+    (x,), (t,) = primals, tangents
+    if params["kind"] != "all_reduce" or params["op"] != tutti.OPS["sum"]:
+        raise NotImplementedError(
+            f"tutti.jax.{params['kind']} is differentiable only as all_reduce with op='sum'"
+        )
+    return _p.bind(x, **params), _p.bind(ad.instantiate_zeros(t), **params)
+
+
+def _transpose(ct, x, **params):
+    # mpi4jax's convention: each rank's cotangent comes back as it is (see the module docs).
+    if type(ct) is ad.Zero:
+        return (ad.Zero(x.aval),)
+    return (ct,)
+
+
+ad.primitive_jvps[_p] = _jvp
+ad.primitive_transposes[_p] = _transpose
+
+
+def _bind(x, kind, comm, op=0, root=0):
+    _register()
+    comm, handle = _comm(comm)
+    x = jnp.asarray(x)
+    _dtype_ok(x, kind, op if kind in ("all_reduce", "reduce_scatter") else None)
+    return _p.bind(x, kind=kind, comm=handle, op=op, root=root, world=comm.world_size)
+
+
+# ----- the API -----
+
+
+def all_reduce(x, op="sum", comm=None):
+    """Every rank's ``x`` combined element by element with ``op`` ("sum", "avg"/"mean", "prod",
+    "min", "max", and on integers "band", "bor", "bxor"), on every rank."""
+    return _bind(x, "all_reduce", comm, op=tutti._op(op))
+
+
+def all_gather(x, comm=None):
+    """Every rank's ``x``, in rank order along a new leading axis: shape ``(world_size, *x.shape)``."""
+    return _bind(x, "all_gather", comm)
+
+
+def reduce_scatter(x, op="sum", comm=None):
+    """This rank's slice of the leading axis of the element-wise ``op`` of every rank's ``x``:
+    ``x.shape[0]`` must be a multiple of the world size; rank r gets rows ``r*n .. (r+1)*n``
+    of the reduction, ``n = x.shape[0] // world_size``."""
+    c, _ = _comm(comm)
+    x = jnp.asarray(x)
+    if x.ndim == 0 or x.shape[0] % c.world_size != 0:
+        raise ValueError(
+            f"tutti.jax.reduce_scatter: the leading axis ({x.shape[0] if x.ndim else 'none'}) "
+            f"must be a multiple of the world size ({c.world_size})"
+        )
+    return _bind(x, "reduce_scatter", comm, op=tutti._op(op))
+
+
+def broadcast(x, root=0, comm=None):
+    """The ``root`` rank's ``x`` on every rank."""
+    c, _ = _comm(comm)
+    if not 0 <= int(root) < c.world_size:
+        raise ValueError(f"tutti.jax.broadcast: root {root} is out of range for a world of {c.world_size} ranks")
+    return _bind(x, "broadcast", comm, root=int(root))
+
