@@ -262,6 +262,16 @@ enum tutti_algorithm
      * TensorFlow's ReductionToOneDevice; the argument is the root rank.
      */
     TUTTI_ALGORITHM_REDUCE_TO_ONE = 4,
+    /**
+     * Recursive doubling: log2 P whole-buffer exchanges (all-reduce; the other collectives
+     * run `auto`).
+     */
+    TUTTI_ALGORITHM_RECURSIVE_DOUBLING = 5,
+    /**
+     * Rabenseifner's: recursive-halving reduce-scatter, recursive-doubling all-gather
+     * (all-reduce; the other collectives run `auto`).
+     */
+    TUTTI_ALGORITHM_RABENSEIFNER = 6,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

@@ -11,7 +11,7 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::Collective;
 
 /// An algorithm, chosen by name (`auto`, `direct`, `ring`, `hierarchical-copy[:G]`,
-/// `reduce-to-one[:ROOT]`).
+/// `reduce-to-one[:ROOT]`, `recursive-doubling`, `rabenseifner`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Algorithm {
     /// The fastest for the transport: `direct` with peer memory, `ring` otherwise.
@@ -32,6 +32,12 @@ pub enum Algorithm {
         /// The rank that reduces.
         root: usize,
     },
+    /// Recursive doubling: log2 P steps, each exchanging the whole buffer with one partner
+    /// (what `auto` runs for small buffers from 4 processes over TCP). All-reduce only.
+    RecursiveDoubling,
+    /// Rabenseifner's: a reduce-scatter by recursive halving, then an all-gather by recursive
+    /// doubling; the ring's bytes in 2·log2 P steps. All-reduce only.
+    Rabenseifner,
 }
 
 impl Algorithm {
@@ -54,6 +60,8 @@ impl Algorithm {
             Algorithm::Ring => (2, 0),
             Algorithm::HierarchicalCopy { group_size } => (3, group_size as u64),
             Algorithm::ReduceToOne { root } => (4, root as u64),
+            Algorithm::RecursiveDoubling => (5, 0),
+            Algorithm::Rabenseifner => (6, 0),
         }
     }
 
@@ -66,6 +74,8 @@ impl Algorithm {
             2 => Algorithm::Ring,
             3 => Algorithm::HierarchicalCopy { group_size: param? },
             4 => Algorithm::ReduceToOne { root: param? },
+            5 => Algorithm::RecursiveDoubling,
+            6 => Algorithm::Rabenseifner,
             _ => return None,
         })
     }
@@ -83,6 +93,8 @@ impl fmt::Display for Algorithm {
             }
             Algorithm::ReduceToOne { root: 0 } => f.write_str("reduce-to-one"),
             Algorithm::ReduceToOne { root } => write!(f, "reduce-to-one:{root}"),
+            Algorithm::RecursiveDoubling => f.write_str("recursive-doubling"),
+            Algorithm::Rabenseifner => f.write_str("rabenseifner"),
         }
     }
 }
@@ -113,13 +125,24 @@ impl FromStr for Algorithm {
                 Algorithm::HierarchicalCopy { group_size }
             }
             "reduce-to-one" | "reduction-to-one-device" => Algorithm::ReduceToOne { root: num(0)? },
+            "recursive-doubling" | "doubling" => Algorithm::RecursiveDoubling,
+            "rabenseifner" => Algorithm::Rabenseifner,
             _ => {
                 return Err(format!(
-                    "unknown algorithm '{s}' (expected auto, direct, ring, hierarchical-copy[:GROUP] or reduce-to-one[:ROOT])"
+                    "unknown algorithm '{s}' (expected auto, direct, ring, hierarchical-copy[:GROUP], reduce-to-one[:ROOT], recursive-doubling or rabenseifner)"
                 ))
             }
         };
-        if arg.is_some() && matches!(algo, Algorithm::Auto | Algorithm::Direct | Algorithm::Ring) {
+        if arg.is_some()
+            && matches!(
+                algo,
+                Algorithm::Auto
+                    | Algorithm::Direct
+                    | Algorithm::Ring
+                    | Algorithm::RecursiveDoubling
+                    | Algorithm::Rabenseifner
+            )
+        {
             return Err(format!("algorithm '{name}' takes no ':' argument"));
         }
         Ok(algo)
@@ -140,7 +163,7 @@ impl FromStr for Algorithm {
 ///   one all-to-all step or recursive doubling, whose time is latency, not bytes), and the
 ///   ring among hosts' leaders when `auto` reduces within each host first (then shared memory
 ///   carries f32 within a host). A ring forced across hosts narrows on every link.
-///   `hierarchical-copy` and `reduce-to-one` send f32.
+///   `hierarchical-copy`, `reduce-to-one`, `recursive-doubling` and `rabenseifner` send f32.
 /// * reduce-scatter and reduce-scatter-v: every size and algorithm but `direct`.
 ///
 /// `Bf16` keeps f32's range with 8 significant bits (relative error up to 2^-9 per rounding);

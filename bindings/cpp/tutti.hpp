@@ -123,6 +123,8 @@ struct algorithm {
     static algorithm reduce_to_one(std::uint32_t root = 0) {
         return {TUTTI_ALGORITHM_REDUCE_TO_ONE, root};
     }
+    static algorithm recursive_doubling() { return {TUTTI_ALGORITHM_RECURSIVE_DOUBLING, 0}; }
+    static algorithm rabenseifner() { return {TUTTI_ALGORITHM_RABENSEIFNER, 0}; }
     bool operator==(const algorithm &o) const { return kind == o.kind && arg == o.arg; }
     bool operator!=(const algorithm &o) const { return !(*this == o); }
 };

@@ -139,7 +139,8 @@ struct PerfArgs {
     /// Collective: all-reduce, broadcast, all-gather, reduce, reduce-scatter.
     #[arg(short = 'c', long, default_value = "all-reduce", value_parser = parse::<Collective>)]
     collective: Collective,
-    /// Algorithm: auto, direct, ring, hierarchical-copy[:GROUP], reduce-to-one[:ROOT]; with
+    /// Algorithm: auto, direct, ring, hierarchical-copy[:GROUP], reduce-to-one[:ROOT],
+    /// recursive-doubling, rabenseifner; with
     /// --device gpu: auto, nccl, hierarchical-copy[:GROUP], reduce-to-one[:ROOT]. Several
     /// (comma-separated) are measured one after the other.
     #[arg(short = 'a', long, default_value = "auto")]

@@ -386,7 +386,7 @@ mod fuzz {
             struct_size in size(),
             timeout_ms in prop_oneof![Just(0u64), any::<u64>()],
             chunk_bytes in prop_oneof![Just(0usize), any::<usize>()],
-            algorithm in prop_oneof![0u32..6, any::<u32>()],
+            algorithm in prop_oneof![0u32..8, any::<u32>()],
             algorithm_arg in prop_oneof![0u32..4, any::<u32>()],
             transport in prop_oneof![0u32..4, any::<u32>()],
             deterministic in prop_oneof![0u32..3, any::<u32>()],

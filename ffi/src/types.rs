@@ -86,6 +86,12 @@ pub enum TuttiAlgorithm {
     TUTTI_ALGORITHM_HIERARCHICAL_COPY = 3,
     /// TensorFlow's ReductionToOneDevice; the argument is the root rank.
     TUTTI_ALGORITHM_REDUCE_TO_ONE = 4,
+    /// Recursive doubling: log2 P whole-buffer exchanges (all-reduce; the other collectives
+    /// run `auto`).
+    TUTTI_ALGORITHM_RECURSIVE_DOUBLING = 5,
+    /// Rabenseifner's: recursive-halving reduce-scatter, recursive-doubling all-gather
+    /// (all-reduce; the other collectives run `auto`).
+    TUTTI_ALGORITHM_RABENSEIFNER = 6,
 }
 
 /// A `tutti_algorithm` as it crosses the C boundary: one of the `TUTTI_ALGORITHM_*` values.
@@ -180,8 +186,10 @@ pub(crate) fn algorithm(v: tutti_algorithm, arg: u32) -> Result<Algorithm, Failu
             group_size: if arg == 0 { 2 } else { arg as usize },
         }),
         4 => Ok(Algorithm::ReduceToOne { root: arg as usize }),
+        5 => no_arg("recursive-doubling", Algorithm::RecursiveDoubling),
+        6 => no_arg("rabenseifner", Algorithm::Rabenseifner),
         _ => Err(Failure::invalid(format!(
-            "algorithm {v} is not a tutti_algorithm (valid: 0..=4, TUTTI_ALGORITHM_AUTO .. TUTTI_ALGORITHM_REDUCE_TO_ONE)"
+            "algorithm {v} is not a tutti_algorithm (valid: 0..=6, TUTTI_ALGORITHM_AUTO .. TUTTI_ALGORITHM_RABENSEIFNER)"
         ))),
     }
 }
@@ -204,6 +212,8 @@ pub(crate) fn algorithm_to_c(a: Algorithm) -> Result<(tutti_algorithm, u32), Fai
             (TUTTI_ALGORITHM_HIERARCHICAL_COPY as u32, arg(group_size)?)
         }
         Algorithm::ReduceToOne { root } => (TUTTI_ALGORITHM_REDUCE_TO_ONE as u32, arg(root)?),
+        Algorithm::RecursiveDoubling => (TUTTI_ALGORITHM_RECURSIVE_DOUBLING as u32, 0),
+        Algorithm::Rabenseifner => (TUTTI_ALGORITHM_RABENSEIFNER as u32, 0),
     })
 }
 
@@ -252,7 +262,15 @@ mod tests {
             Algorithm::HierarchicalCopy { group_size: 2 }
         );
         assert!(algorithm(2, 1).unwrap_err().message.contains("ring"));
-        assert!(algorithm(5, 0).unwrap_err().message.contains("algorithm 5"));
+        for a in [Algorithm::RecursiveDoubling, Algorithm::Rabenseifner] {
+            let (v, arg) = algorithm_to_c(a).unwrap();
+            assert_eq!(algorithm(v, arg).unwrap(), a);
+        }
+        assert!(algorithm(6, 1)
+            .unwrap_err()
+            .message
+            .contains("rabenseifner"));
+        assert!(algorithm(7, 0).unwrap_err().message.contains("algorithm 7"));
         assert_eq!(transport(0), Ok(None));
         assert_eq!(transport(2), Ok(Some(tutti::TransportKind::Shm)));
         assert!(transport(3).unwrap_err().contains("transport 3"));

@@ -70,6 +70,120 @@ pub(crate) fn all_reduce(ctx: &Ctx<'_>, buf: &mut [u8]) -> Result<()> {
     Ok(())
 }
 
+/// Rabenseifner's all-reduce in place in `buf`: a reduce-scatter by recursive halving (log2 P
+/// steps; at each, a rank sends the half of its current segment that its partner keeps and
+/// reduces the partner's copy of the half it keeps into its own), then an all-gather by
+/// recursive doubling (the same steps backwards, copying). Each rank sends 2(P-1)/P of the
+/// buffer, as the ring does, in 2·log2 P steps instead of the ring's 2(P-1): the mid-size
+/// algorithm between doubling's whole-buffer steps and the ring's pipeline. Worlds that are not
+/// a power of two fold first, as [`all_reduce`] does. Each element is reduced along one path
+/// and then copied, so every rank ends with the same bits.
+pub(crate) fn rabenseifner(ctx: &Ctx<'_>, buf: &mut [u8]) -> Result<()> {
+    let (p, r) = (ctx.world(), ctx.rank());
+    let esize = ctx.dtype.size();
+    let count = buf.len() / esize;
+    if count == 0 || p == 1 {
+        return Ok(());
+    }
+    let pof2 = 1usize << (usize::BITS - 1 - p.leading_zeros());
+    let rem = p - pof2;
+    let op = ctx.op.combining();
+    let place = if r < 2 * rem {
+        if r % 2 == 0 {
+            flat::send(ctx, r + 1, buf)?;
+            None
+        } else {
+            let mut theirs = ctx.plan.scratch(buf.len());
+            let theirs = &mut theirs[..buf.len()];
+            flat::recv_copy(ctx, r - 1, theirs)?;
+            combine(ctx, op, buf, theirs, true);
+            Some(r / 2)
+        }
+    } else {
+        Some(r - rem)
+    };
+    if let Some(v) = place {
+        let real = |v: usize| if v < rem { 2 * v + 1 } else { v + rem };
+        // The segment (in elements) this rank keeps after each halving step, outermost first.
+        let steps = pof2.trailing_zeros() as usize;
+        let mut kept = ctx.plan.list::<usize>();
+        let (mut lo, mut hi) = (0, count);
+        let mut mask = pof2 >> 1;
+        while mask > 0 {
+            let peer = real(v ^ mask);
+            let mid = lo + (hi - lo) / 2;
+            let (keep, give) = if v & mask == 0 {
+                (lo..mid, mid..hi)
+            } else {
+                (mid..hi, lo..mid)
+            };
+            let (send, dst) = super::split_pair(
+                buf,
+                super::bytes(give, esize),
+                super::bytes(keep.clone(), esize),
+            );
+            exchange_nonempty(ctx, peer, send, dst, RecvMode::Reduce(ctx.dtype, op))?;
+            kept.extend([lo, hi]);
+            (lo, hi) = (keep.start, keep.end);
+            mask >>= 1;
+        }
+        debug_assert_eq!(kept.len(), 2 * steps);
+        // Backwards: the partner of each step sends the half this rank gave away, reduced.
+        let mut mask = 1;
+        for k in (0..steps).rev() {
+            let peer = real(v ^ mask);
+            let (plo, phi) = (kept[2 * k], kept[2 * k + 1]);
+            let mid = plo + (phi - plo) / 2;
+            let theirs = if v & mask == 0 { mid..phi } else { plo..mid };
+            let (send, dst) = super::split_pair(
+                buf,
+                super::bytes(lo..hi, esize),
+                super::bytes(theirs, esize),
+            );
+            exchange_nonempty(ctx, peer, send, dst, RecvMode::Copy)?;
+            (lo, hi) = (plo, phi);
+            mask <<= 1;
+        }
+    }
+    if r < 2 * rem {
+        if r % 2 == 1 {
+            flat::send(ctx, r - 1, buf)?;
+        } else {
+            flat::recv_copy(ctx, r + 1, buf)?;
+        }
+    }
+    ctx.finish_mean(buf);
+    Ok(())
+}
+
+/// Send `send` to `peer` and receive into `dst` from it, leaving out an empty side (a half
+/// empty here is empty at the partner too: it skips the matching receive or send).
+fn exchange_nonempty(
+    ctx: &Ctx<'_>,
+    peer: usize,
+    send: &[u8],
+    dst: &mut [u8],
+    mode: RecvMode<'_>,
+) -> Result<()> {
+    let sends = [SendOp { peer, data: send }];
+    let nonempty = !dst.is_empty();
+    let mut recvs = [RecvOp { peer, dst, mode }];
+    let sends = if send.is_empty() {
+        &sends[..0]
+    } else {
+        &sends[..]
+    };
+    let recvs = if nonempty {
+        &mut recvs[..]
+    } else {
+        &mut recvs[..0]
+    };
+    if sends.is_empty() && recvs.is_empty() {
+        return Ok(());
+    }
+    ctx.t.exchange(ctx.site, sends, recvs)
+}
+
 /// Binomial-tree broadcast from `root`: in round k (k = 0, 1, ...) every rank that has the
 /// buffer sends it to the rank 2^k places after it (counted from the root), so the buffer
 /// reaches every rank in ceil(log2 P) rounds where the ring takes P - 1 hops.

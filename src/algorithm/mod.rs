@@ -159,16 +159,21 @@ fn resolve(ctx: &Ctx<'_>, algo: Algorithm) -> Algorithm {
     }
 }
 
-/// The algorithm for a collective other than all-reduce. `hierarchical-copy` is an all-reduce
-/// algorithm: a communicator configured with it runs its other collectives with `auto`;
+/// The algorithm for a collective other than all-reduce. `hierarchical-copy`,
+/// `recursive-doubling` and `rabenseifner` are all-reduce algorithms: a communicator configured
+/// with one runs its other collectives with `auto`;
 /// `reduce-to-one` runs broadcast and reduce flat (root to all, all to root) and the rest with
 /// `auto`.
 fn resolve_other(ctx: &Ctx<'_>, algo: Algorithm, collective: Collective) -> Algorithm {
     match (algo, collective) {
         (Algorithm::ReduceToOne { .. }, Collective::Broadcast | Collective::Reduce) => algo,
-        (Algorithm::HierarchicalCopy { .. } | Algorithm::ReduceToOne { .. }, _) => {
-            resolve(ctx, Algorithm::Auto)
-        }
+        (
+            Algorithm::HierarchicalCopy { .. }
+            | Algorithm::ReduceToOne { .. }
+            | Algorithm::RecursiveDoubling
+            | Algorithm::Rabenseifner,
+            _,
+        ) => resolve(ctx, Algorithm::Auto),
         _ => resolve(ctx, algo),
     }
 }
@@ -278,6 +283,8 @@ pub(crate) fn all_reduce(
     match algo {
         Algorithm::Ring if doubling_pays(ctx) => doubling::all_reduce(ctx, output),
         Algorithm::Ring => flat::all_to_all_reduce(ctx, output),
+        Algorithm::RecursiveDoubling => doubling::all_reduce(ctx, output),
+        Algorithm::Rabenseifner => doubling::rabenseifner(ctx, output),
         Algorithm::HierarchicalCopy { group_size } => {
             copies::all_reduce(ctx, CopyAlgorithm::HierarchicalCopy { group_size }, output)
         }

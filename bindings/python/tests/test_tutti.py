@@ -834,6 +834,17 @@ def test_deterministic_groups_sum_in_rank_order():
         tutti.local_group(2, deterministic="yes")
 
 
+def test_log_p_algorithms_by_name():
+    """recursive-doubling and rabenseifner are all-reduce algorithms a group can be made with."""
+    xs = [np.arange(1001, dtype=np.float32) * (r + 1) for r in range(5)]
+    for algorithm in ["recursive-doubling", "rabenseifner"]:
+        got = {}
+        with tutti.local_group(5, algorithm=algorithm) as comms:
+            run_ranks(comms, lambda c: got.__setitem__(c.rank, c.all_reduce(xs[c.rank].copy())))
+        for g in got.values():
+            assert (g == np.arange(1001, dtype=np.float32) * 15).all(), algorithm
+
+
 def test_split_groups_by_color_ordered_by_key():
     """split(color, key): the ranks of one color form a group ranked by key; None gets None;
     each group's all-reduce sums its own ranks; a split of a split works the same."""

@@ -121,6 +121,8 @@ ALGORITHMS = {
     "ring": 2,
     "hierarchical-copy": 3,
     "reduce-to-one": 4,
+    "recursive-doubling": 5,
+    "rabenseifner": 6,
 }
 
 
@@ -467,7 +469,7 @@ def _algorithm(name):
     if base not in ALGORITHMS:
         raise ValueError(
             f"unknown algorithm {name!r} (expected auto, direct, ring, "
-            "hierarchical-copy[:GROUP] or reduce-to-one[:ROOT])"
+            "hierarchical-copy[:GROUP], reduce-to-one[:ROOT], recursive-doubling or rabenseifner)"
         )
     if not arg:
         return ALGORITHMS[base], 0

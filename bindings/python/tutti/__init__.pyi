@@ -11,7 +11,8 @@ __version__: str
 Array = Any
 #: An op: "sum", "avg"/"mean", "prod", "min", "max" (any case), or torch's ReduceOp.
 Op = Any
-Algorithm = str  # "auto", "direct", "ring", "hierarchical-copy[:GROUP]", "reduce-to-one[:ROOT]"
+Algorithm = str  # "auto", "direct", "ring", "hierarchical-copy[:GROUP]", "reduce-to-one[:ROOT]",
+# "recursive-doubling", "rabenseifner"
 Transport = Literal["auto", "tcp", "shm"]
 Compression = Literal["none", "bf16", "f16"]
 
