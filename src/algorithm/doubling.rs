@@ -11,7 +11,7 @@
 //! every rank ends with the same bits whatever the op (`min`/`max` of signed zeros and NaN
 //! payloads included); `Mean` divides once, at the end, on every rank alike.
 
-use super::{flat, Ctx};
+use super::{flat, ring, Ctx};
 use crate::dtype::kernels::{self, Init};
 use crate::dtype::ReduceOp;
 use crate::error::Result;
@@ -122,7 +122,8 @@ pub(crate) fn rabenseifner(ctx: &Ctx<'_>, buf: &mut [u8]) -> Result<()> {
                 super::bytes(give, esize),
                 super::bytes(keep.clone(), esize),
             );
-            exchange_nonempty(ctx, peer, send, dst, RecvMode::Reduce(ctx.dtype, op))?;
+            // A half empty here is empty at the partner too: it skips the matching side.
+            ring::exchange_nonempty(ctx, peer, send, peer, dst, RecvMode::Reduce(ctx.dtype, op))?;
             kept.extend([lo, hi]);
             (lo, hi) = (keep.start, keep.end);
             mask >>= 1;
@@ -140,7 +141,7 @@ pub(crate) fn rabenseifner(ctx: &Ctx<'_>, buf: &mut [u8]) -> Result<()> {
                 super::bytes(lo..hi, esize),
                 super::bytes(theirs, esize),
             );
-            exchange_nonempty(ctx, peer, send, dst, RecvMode::Copy)?;
+            ring::exchange_nonempty(ctx, peer, send, peer, dst, RecvMode::Copy)?;
             (lo, hi) = (plo, phi);
             mask <<= 1;
         }
@@ -154,34 +155,6 @@ pub(crate) fn rabenseifner(ctx: &Ctx<'_>, buf: &mut [u8]) -> Result<()> {
     }
     ctx.finish_mean(buf);
     Ok(())
-}
-
-/// Send `send` to `peer` and receive into `dst` from it, leaving out an empty side (a half
-/// empty here is empty at the partner too: it skips the matching receive or send).
-fn exchange_nonempty(
-    ctx: &Ctx<'_>,
-    peer: usize,
-    send: &[u8],
-    dst: &mut [u8],
-    mode: RecvMode<'_>,
-) -> Result<()> {
-    let sends = [SendOp { peer, data: send }];
-    let nonempty = !dst.is_empty();
-    let mut recvs = [RecvOp { peer, dst, mode }];
-    let sends = if send.is_empty() {
-        &sends[..0]
-    } else {
-        &sends[..]
-    };
-    let recvs = if nonempty {
-        &mut recvs[..]
-    } else {
-        &mut recvs[..0]
-    };
-    if sends.is_empty() && recvs.is_empty() {
-        return Ok(());
-    }
-    ctx.t.exchange(ctx.site, sends, recvs)
 }
 
 /// Binomial-tree broadcast from `root`: in round k (k = 0, 1, ...) every rank that has the
