@@ -37,11 +37,7 @@ use it (``block_until_ready()``), or every rank may not issue its calls in the s
 """
 
 import ctypes
-import hashlib
-import os
 import pathlib
-import subprocess
-import tempfile
 import threading
 
 import numpy as np
@@ -51,6 +47,7 @@ import jax.numpy as jnp
 from jax.interpreters import ad, batching, mlir
 
 import tutti
+from tutti import _ext
 
 if not hasattr(jax, "ffi"):
     raise ImportError(f"tutti.jax needs jax 0.4.31 or newer (jax.ffi); this is jax {jax.__version__}")
@@ -87,10 +84,6 @@ _effects.remat_allowed_effects.add_type(_TuttiEffect)
 
 _lock = threading.Lock()
 _handlers = None  # the compiled library, once registered
-_default = None  # the job's communicator (comm=None)
-# Every communicator a traced call named, kept alive: compiled programs hold its address, which
-# must not be freed and reused by another communicator while they may run.
-_named = {}
 
 
 def _compile():
@@ -98,32 +91,10 @@ def _compile():
     import jaxlib
 
     include = jax.ffi.include_dir()
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + jaxlib.__version__.encode() + include.encode()).hexdigest()[:16]
-    cache = pathlib.Path(os.environ.get("TUTTI_JAX_CACHE") or pathlib.Path.home() / ".cache" / "tutti" / "jax-ffi")
-    lib = cache / f"tutti_jax_ffi-{key}.so"
-    if lib.exists():
-        return lib
-    cache.mkdir(parents=True, exist_ok=True)
-    cxx = os.environ.get("CXX", "c++")
-    # Several ranks may compile at once: each into its own file, renamed into place.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-    os.close(fd)
-    cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-isystem", include, str(_SOURCE), "-o", tmp]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
-    except FileNotFoundError:
-        os.unlink(tmp)
-        raise RuntimeError(
-            f"tutti.jax compiles its XLA handlers on first use and needs a C++ compiler: {cxx} "
-            "was not found (install g++ or clang++, or set CXX)"
-        ) from None
-    if done.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"tutti.jax: compiling its XLA handlers failed ({' '.join(cmd)}):\n{done.stderr}")
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, lib)
-    return lib
+    return _ext.compile_library(
+        "tutti.jax", _SOURCE, "tutti_jax_ffi", "TUTTI_JAX_CACHE", "jax-ffi",
+        ["-isystem", include], key_extra=jaxlib.__version__.encode(),
+    )
 
 
 def _register():
@@ -134,7 +105,7 @@ def _register():
             return
         lib = ctypes.CDLL(str(_compile()))
         tutti_lib = tutti._library()
-        addr = lambda f: ctypes.cast(f, ctypes.c_void_p)
+        addr = _ext.function_address
         lib.tutti_jax_bind.argtypes = [ctypes.c_void_p] * 5
         lib.tutti_jax_bind.restype = ctypes.c_int
         if lib.tutti_jax_bind(
@@ -152,26 +123,11 @@ def _register():
 
 def default_comm():
     """The job's communicator (``tutti.from_env()``), joined on first use and kept open."""
-    global _default
-    with _lock:
-        if _default is None:
-            _default = tutti.from_env()
-        return _default
+    return _ext.default_comm()
 
 
 def _comm(comm):
-    comm = default_comm() if comm is None else comm
-    if not isinstance(comm, tutti.Communicator):
-        raise TypeError(f"comm must be a tutti.Communicator or None, not {type(comm).__name__}")
-    handle = comm._h.h
-    if not handle:
-        raise ValueError("this communicator is closed")
-    if not comm.device.startswith("cpu"):
-        raise ValueError(f"tutti.jax runs on CPU communicators; this one is on {comm.device}")
-    address = int(handle.value if isinstance(handle, ctypes.c_void_p) else handle)
-    with _lock:
-        _named[address] = comm
-    return comm, address
+    return _ext.handle(comm, "tutti.jax")
 
 
 def _dtype_ok(x, what, op=None):
