@@ -18,8 +18,10 @@ that use it may run.
 
 How: each function binds a JAX primitive with an ordered effect, lowered to an XLA custom call
 (``jax.ffi``) whose handler runs libtutti's collective on the arrays' host buffers, without a
-copy. The ordered effect threads a token through every tutti call of a program, so XLA neither
-drops, merges nor reorders them: every rank runs its collectives in program order, as tutti's
+copy (``all_reduce`` and ``broadcast`` write over their input's buffer where XLA can give it
+up: an intermediate, or an argument donated with ``donate_argnums``). The ordered effect
+threads a token through every tutti call of a program, so XLA neither drops, merges nor
+reorders them: every rank runs its collectives in program order, as tutti's
 checked calls require (a rank whose program differs gets tutti's mismatch error naming both
 ranks, raised by JAX). The handlers are compiled on first use against the installed jaxlib's
 FFI headers (``jax.ffi.include_dir()``) with the system C++ compiler (``CXX``, else ``c++``),
@@ -179,7 +181,12 @@ def _lowering(ctx, x, *, kind, comm, op, root, world):
         attrs["op"] = np.int32(op)
     if kind == "broadcast":
         attrs["root"] = np.int64(root)
-    out, token = jax.ffi.ffi_lowering(_TARGETS[kind], has_side_effect=True)(sub, token, x, **attrs)
+    # An all-reduce or a broadcast writes its result over its input (operand 1, after the token):
+    # in place, where XLA can give up the input's buffer, without a copy.
+    aliases = {1: 0} if kind in ("all_reduce", "broadcast") else None
+    out, token = jax.ffi.ffi_lowering(_TARGETS[kind], has_side_effect=True, operand_output_aliases=aliases)(
+        sub, token, x, **attrs
+    )
     ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({_EFFECT: token})))
     return [out]
 
