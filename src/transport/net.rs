@@ -316,6 +316,14 @@ impl NetTransport {
         // Accept the higher ones; strangers and wrong tokens are logged and dropped.
         accept_peers(listener, rank, world, token, deadline, &mut socks)?;
 
+        // What processes killed mid-setup left under /dev/shm goes, once for every link (a
+        // sweep reads the whole directory: once per link would cost O(P^2) a rank).
+        if kind != TransportKind::Tcp && same_host.iter().filter(|&&s| s).count() > 1 {
+            super::shm::sweep_dead();
+        }
+        // Many ranks on this host: smaller rings, within the host's budget.
+        let ring_chunk =
+            super::shm::ring_chunk(chunk_bytes, same_host.iter().filter(|&&s| s).count());
         let mut links = Vec::with_capacity(world);
         for (r, s) in socks.into_iter().enumerate() {
             let Some(sock) = s else {
@@ -334,7 +342,7 @@ impl NetTransport {
                     &sock,
                     rank,
                     r,
-                    chunk_bytes,
+                    ring_chunk,
                     deadline.saturating_duration_since(Instant::now()),
                 )?)
             } else {

@@ -10,7 +10,8 @@
 //! memory cannot say: a peer that died (its hang-up) and why a peer gave up (`ABORT` frames).
 //!
 //! Slots are a chunk each (the communicator's `chunk_bytes`), so a chunk just written by one core
-//! is read from the shared cache by the other.
+//! is read from the shared cache by the other; on a host of many ranks they are smaller, so that
+//! the host's rings fit a budget ([`ring_chunk`]).
 //!
 //! A link's segments are sealed memfds (`memfd_create`, then `F_SEAL_SHRINK | F_SEAL_GROW |
 //! F_SEAL_SEAL` once sized and its pages reserved): no process, the creator included, can shrink
@@ -50,6 +51,22 @@ const HEAD: usize = 192;
 /// Bytes before a slot's payload: the piece's length, then (first piece of a frame) the frame
 /// header; payloads stay 64-byte aligned.
 const SLOT_HEAD: usize = 64 + HDR;
+
+/// Bytes of the shared-memory rings of one host, every ordered pair of its ranks together
+/// (each rank sends to every other through a ring of its own): past it, rings take smaller
+/// slots, down to 4 KiB, so that many ranks on one host do not exhaust its memory (128 ranks
+/// with full rings would hold 32 GiB). At the 4 KiB floor the rings pass it from about 180
+/// ranks a host (2.2 GB at 256, 8.6 GB at 512).
+const HOST_RING_BUDGET: usize = 2 << 30;
+
+/// The slot size to ask of [`ShmLink::open`] where `local` ranks share this host: `chunk_bytes`,
+/// or less where the host's rings would pass [`HOST_RING_BUDGET`]. Every rank of the host
+/// computes the same.
+pub(crate) fn ring_chunk(chunk_bytes: usize, local: usize) -> usize {
+    let rings = local.saturating_mul(local.saturating_sub(1)).max(1);
+    let fit = (HOST_RING_BUDGET / rings / SLOTS).saturating_sub(SLOT_HEAD);
+    chunk_bytes.min(fit.max(4096))
+}
 
 /// A ring's counters. The sender writes `head` (slots published), the receiver `tail` (slots
 /// freed). `bell` and `sleeping` belong to the process that created the segment: it sleeps on
@@ -827,7 +844,6 @@ impl ShmLink {
             )),
             _ => Error::io(format!("setting up shared memory with rank {peer}"), e),
         };
-        sweep_dead();
         let (tx, tx_fd) = Segment::create_sealed(len)?;
         // The lower rank binds the socket that hands the segments over.
         let lower = rank < peer;
@@ -1186,6 +1202,26 @@ impl ShmLink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_host_of_many_ranks_keeps_its_rings_within_the_budget() {
+        // Up to 32 ranks a host, rings have the chunk size asked for.
+        assert_eq!(ring_chunk(256 << 10, 2), 256 << 10);
+        assert_eq!(ring_chunk(256 << 10, 32), 256 << 10);
+        for local in [64usize, 128] {
+            let slot = ring_chunk(256 << 10, local);
+            assert!(slot < 256 << 10, "{local}: {slot}");
+            let rings = local * (local - 1) * (HEAD + SLOTS * (SLOT_HEAD + slot));
+            assert!(
+                rings <= HOST_RING_BUDGET + local * local * HEAD,
+                "{local}: {rings}"
+            );
+        }
+        // Never below one page (256 ranks: 2.2 GB of rings in all).
+        assert_eq!(ring_chunk(256 << 10, 256), 4096);
+        assert_eq!(ring_chunk(256 << 10, 4096), 4096);
+        assert_eq!(ring_chunk(1024, 2), 1024);
+    }
     use crate::error::Collective;
     use std::net::TcpListener;
 
