@@ -324,7 +324,7 @@ pub(crate) fn log_rejected(what: &str, e: &Error) {
 
 /// Where a connection comes from, for the bound per source: its IPv4 address, or the /64 of its
 /// IPv6 address (one host may hold a whole /64).
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 enum Source {
     V4(u32),
     V6(u64),
@@ -477,6 +477,16 @@ impl Acceptor {
     /// Each handshake must be over within `limit` (default [`HANDSHAKE_LIMIT`]).
     pub(crate) fn with_limit(mut self, limit: Duration) -> Acceptor {
         self.limit = limit;
+        self
+    }
+
+    /// Expect `n` clients of the job joining at once (its ranks, perhaps all from one host):
+    /// the bounds on handshakes under way grow to hold them, so that they never push each other
+    /// out (at 256 ranks on a host they did, and joining took half a minute of retries);
+    /// strangers past them still make room as before.
+    pub(crate) fn expecting(mut self, n: usize) -> Acceptor {
+        self.per_source = self.per_source.max(n);
+        self.max_pending = self.max_pending.max(n.saturating_add(MAX_PER_SOURCE));
         self
     }
 
@@ -655,16 +665,19 @@ impl Acceptor {
                 .min_by_key(|(_, p)| p.seq)
                 .map(|(i, _)| i)
         };
-        let same = self.pending.iter().filter(|p| p.source == source).count();
+        // Handshakes under way by source, counted once (a bound as large as a whole job's must
+        // not cost a scan of the pending for each of them).
+        let mut by_source: std::collections::HashMap<Source, usize> =
+            std::collections::HashMap::new();
+        for p in &self.pending {
+            *by_source.entry(p.source).or_default() += 1;
+        }
+        let same = by_source.get(&source).copied().unwrap_or(0);
         let evict = if same >= self.per_source {
             oldest_of(&self.pending, source)
         } else if self.pending.len() >= self.max_pending {
             // The source with the most under way makes room.
-            let busiest = self
-                .pending
-                .iter()
-                .map(|p| p.source)
-                .max_by_key(|s| self.pending.iter().filter(|p| p.source == *s).count());
+            let busiest = by_source.iter().max_by_key(|(_, n)| **n).map(|(s, _)| *s);
             busiest.and_then(|s| oldest_of(&self.pending, s))
         } else {
             None

@@ -14,6 +14,41 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// The variable naming the descriptor of the listening socket a launcher handed this process.
 pub const LISTEN_FD_VAR: &str = "TUTTI_LISTEN_FD";
 
+/// Connections a listener queues before it accepts them. A job's ranks connect at once: past
+/// the 128 that a plain bind asks for, the kernel drops a connection's first packet and the
+/// rank waits a second for its retry (256 ranks took 24 s to meet). The kernel holds it to
+/// `net.core.somaxconn`.
+pub(crate) const BACKLOG: libc::c_int = 4096;
+
+/// A new TCP listener on the first of `addr`'s addresses that binds, queueing [`BACKLOG`]
+/// connections (address reuse on, close-on-exec, as a plain bind).
+pub(crate) fn listen_tcp<A: ToSocketAddrs>(addr: A) -> std::io::Result<TcpListener> {
+    let mut last = None;
+    for a in addr.to_socket_addrs()? {
+        let attempt = (|| {
+            let s = socket2::Socket::new(
+                socket2::Domain::for_address(a),
+                socket2::Type::STREAM,
+                Some(socket2::Protocol::TCP),
+            )?;
+            s.set_reuse_address(true)?;
+            s.bind(&a.into())?;
+            s.listen(BACKLOG)?;
+            Ok(TcpListener::from(s))
+        })();
+        match attempt {
+            Ok(l) => return Ok(l),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "the address resolves to nothing",
+        )
+    }))
+}
+
 /// A listener on `addr`: the inherited socket (see the module documentation) when it is bound
 /// to exactly that address, taken once; otherwise a new one.
 pub(crate) fn bind<A: ToSocketAddrs>(addr: A) -> std::io::Result<TcpListener> {
@@ -29,7 +64,7 @@ pub(crate) fn bind<A: ToSocketAddrs>(addr: A) -> std::io::Result<TcpListener> {
             }
         }
     }
-    TcpListener::bind(&addrs[..])
+    listen_tcp(&addrs[..])
 }
 
 /// Whether `fd` is a listening TCP socket bound to one of `addrs` (never port 0: that asks for
@@ -72,6 +107,8 @@ fn adopt(fd: RawFd) -> TcpListener {
     // taken once (the caller's flag).
     unsafe {
         libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+        // The launcher's bind queued 128: listening again takes the longer queue.
+        libc::listen(fd, BACKLOG);
         TcpListener::from_raw_fd(fd)
     }
 }
@@ -80,6 +117,35 @@ fn adopt(fd: RawFd) -> TcpListener {
 mod tests {
     use super::*;
     use std::os::fd::{AsRawFd, IntoRawFd};
+
+    #[test]
+    fn a_listener_queues_a_whole_job_connecting_at_once() {
+        // 300 connections before any accept: past a queue of 128 the kernel drops the first
+        // packet of the rest, whose connect then waits a second for its retry. The kernel holds
+        // the queue to net.core.somaxconn (4096 from Linux 5.4; 128 before).
+        let somaxconn = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(0);
+        if somaxconn < 300 {
+            eprintln!("skipped: net.core.somaxconn is {somaxconn}, below the 300 this test queues");
+            return;
+        }
+        let l = listen_tcp("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap();
+        let queued: Vec<_> = (0..300)
+            .map(|i| {
+                std::net::TcpStream::connect_timeout(&at, std::time::Duration::from_millis(500))
+                    .unwrap_or_else(|e| panic!("connection {i} was not queued: {e}"))
+            })
+            .collect();
+        let mut accepted = 0;
+        l.set_nonblocking(true).unwrap();
+        while l.accept().is_ok() {
+            accepted += 1;
+        }
+        assert_eq!(accepted, queued.len());
+    }
 
     #[test]
     fn only_a_listening_socket_at_the_address_is_taken() {

@@ -340,16 +340,18 @@ impl TcpStoreServer {
     /// Listen on `addr` (`host:port`; port 0 picks one) for clients that prove `token`; it holds
     /// at most 64 MiB.
     pub fn start(addr: &str, token: &str) -> Result<TcpStoreServer> {
-        Self::start_bounded(addr, token, MAX_STORE_BYTES, HANDSHAKE_LIMIT)
+        Self::start_bounded(addr, token, MAX_STORE_BYTES, HANDSHAKE_LIMIT, 0)
     }
 
     /// [`TcpStoreServer::start`], holding at most `limit` bytes of keys and values, each
-    /// client proving the token within `handshake`.
+    /// client proving the token within `handshake`, `clients` of them (the job's ranks) expected
+    /// to connect at once.
     fn start_bounded(
         addr: &str,
         token: &str,
         limit: usize,
         handshake: Duration,
+        clients: usize,
     ) -> Result<TcpStoreServer> {
         let listener = super::listen::bind(addr)
             .map_err(|e| Error::io(format!("rendezvous store: listening on {addr}"), e))?;
@@ -359,7 +361,8 @@ impl TcpStoreServer {
         // One thread drives every handshake under way; a client that proved the token (a rank
         // of the job) gets a thread of its own.
         let mut acceptor = Acceptor::new(listener, token, Purpose::Store, "rendezvous store")?
-            .with_limit(handshake);
+            .with_limit(handshake)
+            .expecting(clients);
         let stop = Arc::new(AtomicBool::new(false));
         let table = Arc::new(Table::new(limit));
         let stop2 = stop.clone();
@@ -645,7 +648,13 @@ pub(crate) fn store_for(
         let mut servers = SERVERS.lock();
         if !servers.iter().any(|(a, _)| a == &spec.rendezvous) {
             let limit = MAX_STORE_BYTES.max(spec.world_size.saturating_mul(64 << 10));
-            let s = TcpStoreServer::start_bounded(&spec.rendezvous, token, limit, HANDSHAKE_LIMIT)?;
+            let s = TcpStoreServer::start_bounded(
+                &spec.rendezvous,
+                token,
+                limit,
+                HANDSHAKE_LIMIT,
+                spec.world_size,
+            )?;
             servers.push((spec.rendezvous.clone(), s));
         }
     }
@@ -684,7 +693,7 @@ mod tests {
     #[test]
     fn the_store_holds_no_more_than_its_bound() {
         let server =
-            TcpStoreServer::start_bounded("127.0.0.1:0", "tok", 4096 + 192, HANDSHAKE_LIMIT)
+            TcpStoreServer::start_bounded("127.0.0.1:0", "tok", 4096 + 192, HANDSHAKE_LIMIT, 0)
                 .unwrap();
         let addr = server.addr().to_string();
         let a = TcpStore::connect(&addr, "tok", Duration::from_secs(5)).unwrap();
@@ -754,7 +763,8 @@ mod tests {
     #[test]
     fn a_trickling_stranger_cannot_outlive_the_store_handshake_deadline() {
         let limit = Duration::from_millis(400);
-        let server = TcpStoreServer::start_bounded("127.0.0.1:0", "tok", 1 << 20, limit).unwrap();
+        let server =
+            TcpStoreServer::start_bounded("127.0.0.1:0", "tok", 1 << 20, limit, 0).unwrap();
         // A byte every 100 ms: each read is quick, the whole would take 5.8 s.
         let lived = trickle_until_closed(server.addr(), Duration::from_millis(100));
         assert!(

@@ -243,7 +243,7 @@ impl NetTransport {
         let generation = store.add(&format!("tutti/generation/{rank}"), 1)?;
         let key = |what: &str, r: usize| format!("tutti/{generation}/{what}/{r}");
 
-        let listener = TcpListener::bind((listen_host, 0))
+        let listener = crate::cluster::listen::listen_tcp((listen_host, 0))
             .map_err(|e| Error::io(format!("listening on {listen_host}"), e))?;
         let port = listener
             .local_addr()
@@ -564,7 +564,8 @@ fn accept_peers(
     if missing.is_empty() {
         return Ok(());
     }
-    let mut acceptor = wire::Acceptor::new(listener, token, Purpose::Data, "peer")?;
+    let mut acceptor =
+        wire::Acceptor::new(listener, token, Purpose::Data, "peer")?.expecting(missing.len());
     while !missing.is_empty() {
         let Some((s, peer)) = acceptor.next(deadline)? else {
             return Err(Error::config(format!(
