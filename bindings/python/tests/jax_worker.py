@@ -100,6 +100,25 @@ def mismatch():
     return "no error"
 
 
+def closed():
+    """A function jitted for a communicator that was then closed fails, saying so, even once
+    another communicator may sit at its address."""
+    import tutti
+
+    c = tutti.local_group(1)[0]
+    f = jax.jit(lambda x: tj.all_reduce(x, comm=c))
+    first = np.asarray(f(jnp.ones(3))).tolist()
+    c.close()
+    others = [tutti.local_group(1)[0] for _ in range(4)]
+    try:
+        f(jnp.ones(3)).block_until_ready()
+        error = None
+    except Exception as e:  # noqa: BLE001 - JAX's runtime error carries the glue's message
+        error = str(e)
+    again = np.asarray(jax.jit(lambda x: tj.all_reduce(x, comm=others[0]))(jnp.ones(2))).tolist()
+    return {"first": first, "error": error, "again": again}
+
+
 if __name__ == "__main__":
     result = globals()[sys.argv[1]]()
     print("RESULT " + json.dumps(result), flush=True)

@@ -120,3 +120,9 @@ def test_a_mismatched_call_is_an_error_naming_both_ranks():
     for r, message in enumerate(results):
         assert "tutti all_reduce failed" in message and "count" in message, message
         assert f"rank {1 - r}" in message, message
+
+
+def test_a_function_jitted_for_a_closed_communicator_fails_saying_so():
+    (r,) = run("closed", 1)
+    assert r["first"] == [1.0] * 3 and r["again"] == [1.0] * 2
+    assert r["error"] and "closed" in r["error"], r["error"]

@@ -133,6 +133,12 @@ def test_a_lost_peer_is_an_error_naming_it_within_the_timeout():
     assert r0["seconds"] < 30, r0
 
 
+def test_a_function_traced_for_a_closed_communicator_fails_saying_so():
+    (r,) = run("closed")
+    assert r["first"] == [1.0] * 3 and r["again"] == [1.0] * 2
+    assert r["error"] and "closed" in r["error"], r["error"]
+
+
 def test_the_op_library_builds_ahead_of_time(tmp_path):
     env = dict(os.environ, TUTTI_TF_CACHE=str(tmp_path), TF_CPP_MIN_LOG_LEVEL="2")
     env["PYTHONPATH"] = PACKAGE + os.pathsep + env.get("PYTHONPATH", "")

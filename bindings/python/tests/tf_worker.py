@@ -251,6 +251,23 @@ def peer_lost():
     return {"error": None, "seconds": time.monotonic() - start}
 
 
+def closed():
+    """A function traced for a communicator that was then closed fails, saying so, even once
+    another communicator may sit at its address."""
+    c = tutti.local_group(1)[0]
+    f = tf.function(lambda x: ttf.all_reduce(x, comm=c))
+    first = f(tf.ones(3)).numpy().tolist()
+    c.close()
+    others = [tutti.local_group(1)[0] for _ in range(4)]
+    try:
+        f(tf.ones(3))
+        error = None
+    except tf.errors.OpError as e:
+        error = e.message
+    again = ttf.all_reduce(tf.ones(2), comm=others[0]).numpy().tolist()
+    return {"first": first, "error": error, "again": again}
+
+
 if __name__ == "__main__":
     result = globals()[sys.argv[1]]()
     print("RESULT " + json.dumps(result), flush=True)

@@ -843,6 +843,11 @@ def _collective(method):
     return checked
 
 
+# Called with a communicator just before it is closed: tutti.jax and tutti.tensorflow clear
+# the slot by which their compiled programs name it (tutti/_ext.py).
+_close_hooks = []
+
+
 class Communicator:
     """One rank's handle on a group. Every collective takes ``async_op``: True returns a
     ``Work`` at once (``work.wait()`` gives the result), as torch.distributed does. Calls from
@@ -885,6 +890,9 @@ class Communicator:
                 f"{len(self._shared)} shared arrays of this communicator are still alive: delete them first"
             )
         if life and _lib is not None:  # at interpreter exit the library may already be gone
+            if not sys.is_finalizing():  # at interpreter exit no program runs any more
+                for hook in list(_close_hooks):
+                    hook(self)
             life.close(_lib.tutti_comm_destroy, _lib.tutti_comm_abort, self._timeout)
 
     def shared_array(self, shape, dtype=np.float32):

@@ -1,8 +1,17 @@
 """What tutti.jax and tutti.tensorflow share: compiling their C++ glue against the installed
-framework on first use, and the job's communicator that their collectives use by default."""
+framework on first use, the job's communicator that their collectives use by default, and the
+slots by which compiled programs name communicators.
+
+A compiled program (a jitted function, a TensorFlow graph) names a communicator by a slot: a
+number given to it once and never again, which each loaded glue library maps to the
+communicator's handle. Closing the communicator clears its slot in every glue (waiting for the
+calls in flight, up to its timeout, then aborting it), so a program compiled for it fails,
+saying the communicator is closed, instead of reaching another communicator allocated at the
+same address later."""
 
 import ctypes
 import hashlib
+import itertools
 import os
 import pathlib
 import subprocess
@@ -11,17 +20,23 @@ import threading
 
 import tutti
 
-_lock = threading.Lock()
+# Re-entrant: a communicator freed by the garbage collector while this thread holds it closes
+# (and runs this module's hook) on this very thread.
+_lock = threading.RLock()
+_joining = threading.Lock()  # held while the job's communicator is joined, apart from _lock
 _default = None  # the job's communicator (comm=None)
-# Every communicator a framework's graph or program named, kept alive: a compiled function holds
-# its address, which must not be freed and reused by another communicator while it may run.
-_named = {}
+_GLUE_HEADER = pathlib.Path(__file__).with_name("_glue.h")
+_slots = {}  # id of a communicator's lifetime -> its slot
+_by_slot = {}  # slot -> the communicator, kept alive until it is closed
+_numbers = itertools.count(1)
+_glues = []  # each loaded glue library's (set_comm, close_comm)
+_kept = {}  # other handles a graph names (TuttiAllReduce's replica groups), kept for good
 
 
 def compile_library(what, source, stem, cache_env, cache_name, flags, link_flags=(), key_extra=b""):
     """``source`` compiled into a shared library, once per source, flags and ``key_extra`` (the
     framework's version), cached in ``$cache_env`` or ``~/.cache/tutti/<cache_name>``."""
-    text = source.read_bytes()
+    text = source.read_bytes() + _GLUE_HEADER.read_bytes()
     key = hashlib.sha256(text + key_extra + "\0".join([*flags, *link_flags]).encode()).hexdigest()[:16]
     cache = pathlib.Path(os.environ.get(cache_env) or pathlib.Path.home() / ".cache" / "tutti" / cache_name)
     lib = cache / f"{stem}-{key}.so"
@@ -32,7 +47,8 @@ def compile_library(what, source, stem, cache_env, cache_name, flags, link_flags
     # Several ranks may compile at once: each into its own file, renamed into place.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
-    cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", *flags, str(source), "-o", tmp, *link_flags]
+    include = ["-I", str(_GLUE_HEADER.parent)]
+    cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", *include, *flags, str(source), "-o", tmp, *link_flags]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
     except FileNotFoundError:
@@ -57,30 +73,92 @@ def function_address(f):
 def default_comm():
     """The job's communicator (``tutti.from_env()``), joined on first use and kept open."""
     global _default
-    with _lock:
+    with _joining:
         if _default is None:
             _default = tutti.from_env()
         return _default
 
 
+def _address(comm):
+    h = comm._h.h
+    return int(h.value if isinstance(h, ctypes.c_void_p) else h)
+
+
+def add_glue(set_comm, close_comm):
+    """A loaded glue library's ``set_comm(slot, handle)`` and ``close_comm(slot, wait_ms) ->
+    calls left`` (its ctypes functions): told every communicator's slot, now and from now on."""
+    set_comm.argtypes = [ctypes.c_uint64, ctypes.c_void_p]
+    set_comm.restype = None
+    close_comm.argtypes = [ctypes.c_uint64, ctypes.c_int64]
+    close_comm.restype = ctypes.c_int
+    with _lock:
+        _glues.append((set_comm, close_comm))
+        for slot, comm in _by_slot.items():
+            set_comm(slot, _address(comm))
+
+
 def handle(comm, what):
     """``comm`` (None: the job's communicator), checked to be an open CPU communicator, and its
-    address, which is kept valid for as long as the process lives."""
+    slot (see the module documentation); the communicator is kept alive until it is closed."""
     comm = default_comm() if comm is None else comm
     if not isinstance(comm, tutti.Communicator):
         raise TypeError(f"comm must be a tutti.Communicator or None, not {type(comm).__name__}")
-    h = comm._h.h
-    if not h:
+    if not comm._h.h:
         raise ValueError("this communicator is closed")
     if not comm.device.startswith("cpu"):
         raise ValueError(f"{what} runs on CPU communicators; this one is on {comm.device}")
-    address = int(h.value if isinstance(h, ctypes.c_void_p) else h)
     with _lock:
-        _named[address] = comm
-    return comm, address
+        slot = _slots.get(id(comm._h))
+        if slot is None:
+            # Refused while it closes (another thread may be closing it now), and registered
+            # whole or not at all.
+            if getattr(comm._h, "glue_closing", False) or not comm._h.h:
+                raise ValueError("this communicator is closed")
+            address = _address(comm)
+            slot = next(_numbers)
+            for set_comm, _ in _glues:
+                set_comm(slot, address)
+            _slots[id(comm._h)] = slot
+            _by_slot[slot] = comm
+    return comm, slot
 
 
-def keep(obj, address):
-    """Keep ``obj`` (a communicator or replicas whose address a graph holds) alive."""
+def _closing(comm):
+    """Before ``comm`` is closed: no new slot is given to it, its slot goes from every glue, and
+    its calls in flight are waited for (up to its timeout, then it is aborted, which ends them;
+    should any still be inside, TimeoutError, and the handle stays allocated)."""
+    life = comm._h
     with _lock:
-        _named[address] = obj
+        life.glue_closing = True
+        slot = _slots.pop(id(life), None)
+        _by_slot.pop(slot, None)
+        glues = list(_glues)
+    if slot is None:
+        return
+    wait_ms = int(comm._timeout * 1000)
+    for _, close_comm in glues:
+        if close_comm(slot, wait_ms) > 0:
+            comm.abort("closed while a compiled program's collective was in flight")
+            if close_comm(slot, wait_ms) > 0:
+                raise TimeoutError(
+                    "a compiled program's collective was still inside this communicator after its "
+                    "timeout and an abort: it is left open rather than freed under it"
+                )
+
+
+tutti._close_hooks.append(_closing)
+
+
+def check_dtype(name, is_integer, what, op=None):
+    """Refuse, here where the communicator stays usable, a dtype tutti does not carry and a
+    bitwise op on floats (rather than by every rank's call)."""
+    if name not in tutti.DTYPES:
+        raise TypeError(f"{what}: dtype {name} is not one tutti reduces (expected one of {', '.join(tutti.DTYPES)})")
+    if op in {tutti.OPS[k] for k in ("band", "bor", "bxor")} and not is_integer:
+        raise TypeError(f"{what}: bitwise ops are for integer types, not {name}")
+
+
+def keep(obj):
+    """Keep ``obj`` (a handle whose address a graph holds) alive for good."""
+    with _lock:
+        _kept[id(obj)] = obj

@@ -8,8 +8,9 @@
 //
 // Every handler takes an ordering token and returns one (tutti.jax threads them through an
 // ordered effect, so XLA runs the collectives of a program in program order on every rank),
-// and the communicator (a tutti_comm pointer, as an integer attribute). A failed call is an
-// error naming the collective with libtutti's own message; JAX raises it.
+// and the communicator's slot (an integer attribute; tutti.jax sets and clears the slots, see
+// _glue.h). A failed call is an error naming the collective with libtutti's own message; JAX
+// raises it, as it does a call on a communicator that was closed.
 
 #include <cstddef>
 #include <cstdint>
@@ -17,6 +18,8 @@
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
+
+#include "_glue.h"
 
 namespace ffi = xla::ffi;
 
@@ -60,17 +63,27 @@ ffi::Error unbound() {
 
 // libtutti's message for the calling thread's last failure, with the collective's name.
 ffi::Error failed(const char *what, uint32_t code) {
-  std::string message = std::string("tutti ") + what + " failed";
-  size_t n = last_error_fn(nullptr, 0);
-  if (n > 0) {
-    std::string text(n + 1, '\0');
-    last_error_fn(&text[0], text.size());
-    text.resize(n);
-    message += ": " + text;
-  } else {
-    message += " (code " + std::to_string(code) + ")";
+  return ffi::Error::Internal(tutti_glue::Failure(last_error_fn, what, code));
+}
+
+// The communicator of a slot, in use while this lives.
+class Use {
+ public:
+  explicit Use(uint64_t slot) : slot_(slot), comm_(tutti_glue::slots().Enter(slot)) {}
+  ~Use() {
+    if (comm_ != nullptr) tutti_glue::slots().Leave(slot_);
   }
-  return ffi::Error::Internal(message);
+  Use(const Use &) = delete;
+  Use &operator=(const Use &) = delete;
+  void *comm() const { return comm_; }
+
+ private:
+  uint64_t slot_;
+  void *comm_;
+};
+
+ffi::Error closed(const char *what) {
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, tutti_glue::Closed(what));
 }
 
 ffi::Error dtype_of(const char *what, ffi::AnyBuffer x, uint32_t *dtype) {
@@ -86,7 +99,9 @@ ffi::Error AllReduce(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y
   if (!all_reduce_fn) return unbound();
   uint32_t dtype;
   if (ffi::Error e = dtype_of("all_reduce", x, &dtype); e.failure()) return e;
-  uint32_t r = all_reduce_fn(reinterpret_cast<void *>(comm), x.element_count(), dtype,
+  Use use(comm);
+  if (use.comm() == nullptr) return closed("all_reduce");
+  uint32_t r = all_reduce_fn(use.comm(), x.element_count(), dtype,
                              static_cast<uint32_t>(op), x.untyped_data(), y->untyped_data());
   return r == 0 ? ffi::Error::Success() : failed("all_reduce", r);
 }
@@ -100,7 +115,9 @@ ffi::Error Broadcast(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y
     std::memcpy(y->untyped_data(), x.untyped_data(), x.size_bytes());
   }
   if (root < 0) return ffi::Error::InvalidArgument("tutti broadcast: the root is negative");
-  uint32_t r = broadcast_fn(reinterpret_cast<void *>(comm), x.element_count(), dtype,
+  Use use(comm);
+  if (use.comm() == nullptr) return closed("broadcast");
+  uint32_t r = broadcast_fn(use.comm(), x.element_count(), dtype,
                             static_cast<size_t>(root), y->untyped_data());
   return r == 0 ? ffi::Error::Success() : failed("broadcast", r);
 }
@@ -110,7 +127,9 @@ ffi::Error AllGather(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y
   if (!all_gather_fn) return unbound();
   uint32_t dtype;
   if (ffi::Error e = dtype_of("all_gather", x, &dtype); e.failure()) return e;
-  uint32_t r = all_gather_fn(reinterpret_cast<void *>(comm), x.element_count(), dtype,
+  Use use(comm);
+  if (use.comm() == nullptr) return closed("all_gather");
+  uint32_t r = all_gather_fn(use.comm(), x.element_count(), dtype,
                              x.untyped_data(), y->untyped_data());
   return r == 0 ? ffi::Error::Success() : failed("all_gather", r);
 }
@@ -120,7 +139,9 @@ ffi::Error ReduceScatter(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffe
   if (!reduce_scatter_fn) return unbound();
   uint32_t dtype;
   if (ffi::Error e = dtype_of("reduce_scatter", x, &dtype); e.failure()) return e;
-  uint32_t r = reduce_scatter_fn(reinterpret_cast<void *>(comm), y->element_count(), dtype,
+  Use use(comm);
+  if (use.comm() == nullptr) return closed("reduce_scatter");
+  uint32_t r = reduce_scatter_fn(use.comm(), y->element_count(), dtype,
                                  static_cast<uint32_t>(op), x.untyped_data(), y->untyped_data());
   return r == 0 ? ffi::Error::Success() : failed("reduce_scatter", r);
 }
@@ -136,6 +157,16 @@ extern "C" int tutti_jax_bind(void *all_reduce, void *broadcast, void *all_gathe
   reduce_scatter_fn = reinterpret_cast<tutti_reduce_scatter_fn>(reduce_scatter);
   last_error_fn = reinterpret_cast<tutti_last_error_fn>(last_error);
   return 0;
+}
+
+// The communicator of `slot` (tutti.jax gives each communicator one, never reused).
+extern "C" void tutti_jax_set_comm(uint64_t slot, void *comm) {
+  tutti_glue::slots().Set(slot, comm);
+}
+
+// Forget `slot`; wait up to `wait_ms` for its calls in flight; how many are left.
+extern "C" int tutti_jax_close_comm(uint64_t slot, int64_t wait_ms) {
+  return tutti_glue::slots().Close(slot, wait_ms);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tutti_jax_all_reduce, AllReduce,

@@ -38,6 +38,8 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
+#include "_glue.h"
+
 using tensorflow::AsyncOpKernel;
 using tensorflow::DataType;
 using tensorflow::DataTypeVector;
@@ -96,22 +98,13 @@ bool tutti_dtype(DataType t, uint32_t *out) {
 
 // libtutti's message for the calling thread's last failure, with the collective's name.
 absl::Status failed(const std::string &what, uint32_t code) {
-  std::string message = "tutti " + what + " failed";
-  size_t n = lib.last_error(nullptr, 0);
-  if (n > 0) {
-    std::string text(n + 1, '\0');
-    lib.last_error(&text[0], text.size());
-    text.resize(n);
-    message += ": " + text;
-  } else {
-    message += " (code " + std::to_string(code) + ")";
-  }
-  return absl::InternalError(message);
+  return absl::InternalError(tutti_glue::Failure(lib.last_error, what, code));
 }
 
-// One thread per handle, running the calls handed to it in the order they were handed over.
-// Workers live as long as the process (a handle's address may be reused by a later handle,
-// which then shares the worker: calls stay in order either way).
+// One thread per communicator or replica group (by address), running the calls handed to it in
+// the order they were handed over. Workers live as long as the process (an address may be reused
+// by a later communicator, which then shares the worker: calls stay in order, and a process that
+// opens many communicators one after another keeps few threads).
 class Worker {
  public:
   Worker() { std::thread([this] { Run(); }).detach(); }
@@ -143,9 +136,9 @@ class Worker {
   std::deque<std::function<void()>> queue_;
 };
 
-Worker *WorkerFor(int64_t handle) {
+Worker *WorkerFor(const void *handle) {
   static std::mutex mu;
-  static auto *workers = new std::unordered_map<int64_t, Worker *>();
+  static auto *workers = new std::unordered_map<const void *, Worker *>();
   std::lock_guard<std::mutex> guard(mu);
   Worker *&w = (*workers)[handle];
   if (w == nullptr) w = new Worker();
@@ -221,7 +214,7 @@ class ReplicasAllReduceOp : public AsyncOpKernel {
     }
     void *replicas = reinterpret_cast<void *>(replicas_);
     const int n = n_, op = op_;
-    WorkerFor(replicas_)->Push([ctx, done, outs, dtypes, replicas, n, k, op] {
+    WorkerFor(replicas)->Push([ctx, done, outs, dtypes, replicas, n, k, op] {
       std::vector<void *> buffers(n);
       for (int j = 0; j < k; ++j) {
         for (int r = 0; r < n; ++r) buffers[r] = outs[r * k + j]->data();
@@ -270,7 +263,7 @@ class ReplicasReduceOp : public AsyncOpKernel {
     for (int r = 0; r < n; ++r) inputs[r] = ctx->input(r).data();
     void *replicas = reinterpret_cast<void *>(replicas_);
     const int op = op_;
-    WorkerFor(replicas_)->Push([ctx, done, out, inputs, replicas, n, dtype, op] {
+    WorkerFor(replicas)->Push([ctx, done, out, inputs, replicas, n, dtype, op] {
       uint32_t code = lib.replicas_reduce(replicas, out->NumElements(), dtype,
                                           static_cast<uint32_t>(op), n, inputs.data(),
                                           out->data());
@@ -290,7 +283,9 @@ class ReplicasReduceOp : public AsyncOpKernel {
 class AllReduceOp : public AsyncOpKernel {
  public:
   explicit AllReduceOp(OpKernelConstruction *c) : AsyncOpKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
+    int64_t slot = 0;
+    OP_REQUIRES_OK(c, c->GetAttr("comm", &slot));
+    slot_ = static_cast<uint64_t>(slot);
     OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op_));
   }
 
@@ -303,9 +298,12 @@ class AllReduceOp : public AsyncOpKernel {
       OP_REQUIRES_OK_ASYNC(ctx, DtypeOf("all_reduce", ctx->input(j).dtype(), &dtypes[j]), done);
       OP_REQUIRES_OK_ASYNC(ctx, InPlaceOutput(ctx, j, &outs[j]), done);
     }
-    void *comm = reinterpret_cast<void *>(comm_);
+    void *comm = tutti_glue::slots().Enter(slot_);
+    OP_REQUIRES_ASYNC(ctx, comm != nullptr,
+                      absl::FailedPreconditionError(tutti_glue::Closed("all_reduce")), done);
     const int op = op_;
-    WorkerFor(comm_)->Push([ctx, done, outs, dtypes, comm, k, op] {
+    const uint64_t slot = slot_;
+    WorkerFor(comm)->Push([ctx, done, outs, dtypes, comm, k, op, slot] {
       for (int j = 0; j < k; ++j) {
         void *data = outs[j]->data();
         uint32_t code = lib.all_reduce(comm, outs[j]->NumElements(), dtypes[j],
@@ -315,19 +313,22 @@ class AllReduceOp : public AsyncOpKernel {
           break;
         }
       }
+      tutti_glue::slots().Leave(slot);
       done();
     });
   }
 
  private:
-  int64_t comm_ = 0;
+  uint64_t slot_ = 0;  // the communicator's slot (tutti_glue::Slots)
   int op_ = 0;
 };
 
 class BroadcastOp : public AsyncOpKernel {
  public:
   explicit BroadcastOp(OpKernelConstruction *c) : AsyncOpKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
+    int64_t slot = 0;
+    OP_REQUIRES_OK(c, c->GetAttr("comm", &slot));
+    slot_ = static_cast<uint64_t>(slot);
     OP_REQUIRES_OK(c, c->GetAttr("root", &root_));
   }
 
@@ -340,9 +341,12 @@ class BroadcastOp : public AsyncOpKernel {
       OP_REQUIRES_OK_ASYNC(ctx, DtypeOf("broadcast", ctx->input(j).dtype(), &dtypes[j]), done);
       OP_REQUIRES_OK_ASYNC(ctx, InPlaceOutput(ctx, j, &outs[j]), done);
     }
-    void *comm = reinterpret_cast<void *>(comm_);
+    void *comm = tutti_glue::slots().Enter(slot_);
+    OP_REQUIRES_ASYNC(ctx, comm != nullptr,
+                      absl::FailedPreconditionError(tutti_glue::Closed("broadcast")), done);
     const size_t root = static_cast<size_t>(root_);
-    WorkerFor(comm_)->Push([ctx, done, outs, dtypes, comm, k, root] {
+    const uint64_t slot = slot_;
+    WorkerFor(comm)->Push([ctx, done, outs, dtypes, comm, k, root, slot] {
       for (int j = 0; j < k; ++j) {
         uint32_t code = lib.broadcast(comm, outs[j]->NumElements(), dtypes[j], root,
                                       outs[j]->data());
@@ -351,12 +355,13 @@ class BroadcastOp : public AsyncOpKernel {
           break;
         }
       }
+      tutti_glue::slots().Leave(slot);
       done();
     });
   }
 
  private:
-  int64_t comm_ = 0;
+  uint64_t slot_ = 0;  // the communicator's slot (tutti_glue::Slots)
   int64_t root_ = 0;
 };
 
@@ -366,7 +371,9 @@ class BroadcastOp : public AsyncOpKernel {
 class AllGatherOp : public AsyncOpKernel {
  public:
   explicit AllGatherOp(OpKernelConstruction *c) : AsyncOpKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
+    int64_t slot = 0;
+    OP_REQUIRES_OK(c, c->GetAttr("comm", &slot));
+    slot_ = static_cast<uint64_t>(slot);
   }
 
   void ComputeAsync(OpKernelContext *ctx, DoneCallback done) override {
@@ -378,12 +385,19 @@ class AllGatherOp : public AsyncOpKernel {
                       absl::InvalidArgumentError(
                           "tutti all_gather: a scalar has no first axis to concatenate along"),
                       done);
-    void *comm = reinterpret_cast<void *>(comm_);
-    size_t world = 0;
-    uint32_t code = lib.world_size(comm, &world);
-    OP_REQUIRES_ASYNC(ctx, code == 0, failed("all_gather", code), done);
-    WorkerFor(comm_)->Push([ctx, done, comm, world, dtype] {
-      Gather(ctx, comm, world, dtype);
+    void *comm = tutti_glue::slots().Enter(slot_);
+    OP_REQUIRES_ASYNC(ctx, comm != nullptr,
+                      absl::FailedPreconditionError(tutti_glue::Closed("all_gather")), done);
+    const uint64_t slot = slot_;
+    WorkerFor(comm)->Push([ctx, done, comm, dtype, slot] {
+      size_t world = 0;
+      uint32_t code = lib.world_size(comm, &world);
+      if (code != 0) {
+        ctx->SetStatus(failed("all_gather", code));
+      } else {
+        Gather(ctx, comm, world, dtype);
+      }
+      tutti_glue::slots().Leave(slot);
       done();
     });
   }
@@ -452,7 +466,7 @@ class AllGatherOp : public AsyncOpKernel {
     return absl::InvalidArgumentError("tutti all_gather: " + why);
   }
 
-  int64_t comm_ = 0;
+  uint64_t slot_ = 0;  // the communicator's slot (tutti_glue::Slots)
 };
 
 }  // namespace
@@ -474,6 +488,14 @@ extern "C" int TuttiTfBind(void *all_reduce, void *broadcast, void *all_gather,
   lib.last_error = reinterpret_cast<last_error_fn>(last_error);
   lib.all_reduce = reinterpret_cast<all_reduce_fn>(all_reduce);  // last: Bound() checks it
   return 0;
+}
+
+// The communicator of `slot` (tutti.tensorflow gives each communicator one, never reused).
+extern "C" void TuttiTfSetComm(uint64_t slot, void *comm) { tutti_glue::slots().Set(slot, comm); }
+
+// Forget `slot`; wait up to `wait_ms` for its calls in flight; how many are left.
+extern "C" int TuttiTfCloseComm(uint64_t slot, int64_t wait_ms) {
+  return tutti_glue::slots().Close(slot, wait_ms);
 }
 
 #define TUTTI_TYPES "{float, double, half, bfloat16, int8, uint8, int32, uint32, int64, uint64}"

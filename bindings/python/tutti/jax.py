@@ -13,8 +13,9 @@ one process with its own JAX::
 Run under ``tutti launch -n 2 -- python train.py`` (or torchrun, mpirun, srun, TF_CONFIG):
 ``comm=None`` is the job's communicator, joined once from the environment (``tutti.from_env()``)
 the first time a collective is traced. Pass ``comm=`` (a ``tutti.Communicator`` of the job,
-e.g. from ``tutti.join`` or a ``split``) to use another; keep it open while compiled functions
-that use it may run.
+e.g. from ``tutti.join`` or a ``split``) to use another. Once that communicator is closed, the
+functions compiled for it fail, saying so (they name it by a number never given again, not by
+its address).
 
 How: each function binds a JAX primitive with an ordered effect, lowered to an XLA custom call
 (``jax.ffi``) whose handler runs libtutti's collective on the arrays' host buffers, without a
@@ -118,6 +119,7 @@ def _register():
             addr(tutti_lib.tutti_last_error),
         ) != 0:
             raise RuntimeError("tutti.jax: binding the XLA handlers to libtutti failed")
+        _ext.add_glue(lib.tutti_jax_set_comm, lib.tutti_jax_close_comm)
         for target in _TARGETS.values():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
         _handlers = lib
@@ -130,16 +132,6 @@ def default_comm():
 
 def _comm(comm):
     return _ext.handle(comm, "tutti.jax")
-
-
-def _dtype_ok(x, what, op=None):
-    name = np.dtype(x.dtype).name
-    if name not in tutti.DTYPES:
-        raise TypeError(f"tutti.jax.{what}: dtype {name} is not one tutti reduces (expected one of {', '.join(tutti.DTYPES)})")
-    # Refused here, where the communicator stays usable, rather than by every rank's call.
-    bitwise = {tutti.OPS[k] for k in ("band", "bor", "bxor")}
-    if op in bitwise and not np.issubdtype(np.dtype(x.dtype), np.integer):
-        raise TypeError(f"tutti.jax.{what}: bitwise ops are for integer types, not {name}")
 
 
 # ----- the primitive: one for every collective, its kind a parameter -----
@@ -233,10 +225,12 @@ ad.primitive_transposes[_p] = _transpose
 
 def _bind(x, kind, comm, op=0, root=0):
     _register()
-    comm, handle = _comm(comm)
+    comm, slot = _comm(comm)
     x = jnp.asarray(x)
-    _dtype_ok(x, kind, op if kind in ("all_reduce", "reduce_scatter") else None)
-    return _p.bind(x, kind=kind, comm=handle, op=op, root=root, world=comm.world_size)
+    name = np.dtype(x.dtype).name
+    op = op if kind in ("all_reduce", "reduce_scatter") else None
+    _ext.check_dtype(name, np.issubdtype(np.dtype(x.dtype), np.integer), f"tutti.jax.{kind}", op)
+    return _p.bind(x, kind=kind, comm=slot, op=op or 0, root=root, world=comm.world_size)
 
 
 # ----- the API -----

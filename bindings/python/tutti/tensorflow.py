@@ -125,6 +125,7 @@ def _ops():
             addr(lib.tutti_last_error),
         ) != 0:
             raise RuntimeError("tutti.tensorflow: binding the ops to libtutti failed")
+        _ext.add_glue(glue.TuttiTfSetComm, glue.TuttiTfCloseComm)
         _module = module
         return module
 
@@ -134,19 +135,20 @@ def default_comm():
     return _ext.default_comm()
 
 
-_orders = {}  # communicator address -> its ordering resource
+_orders = {}  # communicator slot -> its ordering resource
 
 
 def _comm(comm):
-    """The communicator's address and its ordering resource: a resource handle that every op of
-    the communicator takes (and never reads), so that tf.function's automatic control
+    """The communicator's slot (tutti/_ext.py) and its ordering resource: a resource handle that
+    every op of the communicator takes (and never reads), so that tf.function's automatic control
     dependencies run them in program order, through nested functions and conditionals too."""
+    _ops()  # the glue knows every slot once loaded
     _, h = _ext.handle(comm, "tutti.tensorflow")
     with _lock:
         order = _orders.get(h)
         if order is None:
             with tf.init_scope():
-                order = tf.raw_ops.VarHandleOp(dtype=tf.int32, shape=[], shared_name=f"tutti_order_{h:x}")
+                order = tf.raw_ops.VarHandleOp(dtype=tf.int32, shape=[], shared_name=f"tutti_order_{h}")
             _orders[h] = order
     return h, order
 
@@ -165,15 +167,8 @@ def _supported(dtype):
 
 
 def _check_dtype(x, what, op=None):
-    name = tf.as_dtype(x.dtype).name
-    if name not in tutti.DTYPES:
-        raise TypeError(
-            f"tutti.tensorflow.{what}: dtype {name} is not one tutti reduces "
-            f"(expected one of {', '.join(tutti.DTYPES)})"
-        )
-    bitwise = {tutti.OPS[k] for k in ("band", "bor", "bxor")}
-    if op in bitwise and not tf.as_dtype(x.dtype).is_integer:
-        raise TypeError(f"tutti.tensorflow.{what}: bitwise ops are for integer types, not {name}")
+    dtype = tf.as_dtype(x.dtype)
+    _ext.check_dtype(dtype.name, dtype.is_integer, f"tutti.tensorflow.{what}", op)
 
 
 # ----- several processes: the job's communicator -----
@@ -429,10 +424,9 @@ class TuttiAllReduce(_cdo.CrossDeviceOps):
             if group is None:
                 group = tutti.Replicas(n, timeout=self._timeout, algorithm=self._algorithm)
                 self._groups[n] = group
+                _ext.keep(group)
         h = group._h.h
-        address = int(h.value if hasattr(h, "value") else h)
-        _ext.keep(group, address)
-        return address
+        return int(h.value if hasattr(h, "value") else h)
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
         if isinstance(per_replica_value, _values.DistributedValues) and _cdo._devices_match(
