@@ -1048,8 +1048,14 @@ tutti_result tutti_comm_create_devices(size_t n,
  * rank, and write the communicator to `*comm`: under `tutti launch`, torchrun, mpirun or srun,
  * or with `TF_CONFIG`, or `TUTTI_RANK`, `TUTTI_WORLD_SIZE` and `TUTTI_MASTER_ADDR` (`host:port`
  * of rank 0's rendezvous) set; `TUTTI_JOB_TOKEN` is the secret every connection proves.
- * Blocks until every rank has joined or the timeout runs out. `config` may be NULL for every
- * default. Released with `tutti_comm_destroy`.
+ * `TUTTI_DEVICE` places the rank: `cpu` (the default: host memory), or `cuda` (this process's
+ * local rank's GPU) / `cuda:N` in a build with CUDA (one NCCL rank per process; buffers are
+ * device memory). Blocks until every rank has joined or the timeout runs out. `config` may be
+ * NULL for every default. Released with `tutti_comm_destroy`.
+ *
+ * Errors: `TUTTI_ERROR_INVALID_ARGUMENT` naming what to set when the environment describes no
+ * job, or naming `TUTTI_DEVICE` when it is no device a process joins as;
+ * `TUTTI_ERROR_UNAVAILABLE` when this build or machine lacks that device.
  *
  * Thread-safety: callable from any thread.
  *

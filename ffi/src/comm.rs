@@ -231,8 +231,14 @@ pub(crate) fn transport_for(settings: &Settings) -> Result<TransportKind, Failur
 /// rank, and write the communicator to `*comm`: under `tutti launch`, torchrun, mpirun or srun,
 /// or with `TF_CONFIG`, or `TUTTI_RANK`, `TUTTI_WORLD_SIZE` and `TUTTI_MASTER_ADDR` (`host:port`
 /// of rank 0's rendezvous) set; `TUTTI_JOB_TOKEN` is the secret every connection proves.
-/// Blocks until every rank has joined or the timeout runs out. `config` may be NULL for every
-/// default. Released with `tutti_comm_destroy`.
+/// `TUTTI_DEVICE` places the rank: `cpu` (the default: host memory), or `cuda` (this process's
+/// local rank's GPU) / `cuda:N` in a build with CUDA (one NCCL rank per process; buffers are
+/// device memory). Blocks until every rank has joined or the timeout runs out. `config` may be
+/// NULL for every default. Released with `tutti_comm_destroy`.
+///
+/// Errors: `TUTTI_ERROR_INVALID_ARGUMENT` naming what to set when the environment describes no
+/// job, or naming `TUTTI_DEVICE` when it is no device a process joins as;
+/// `TUTTI_ERROR_UNAVAILABLE` when this build or machine lacks that device.
 ///
 /// Thread-safety: callable from any thread.
 ///
@@ -257,7 +263,7 @@ pub unsafe extern "C" fn tutti_comm_create_from_env(
                  (or call tutti_comm_create_rank)",
             )
         })?;
-        let c = Communicator::from_cluster(&spec, kind, &settings.core)?;
+        let c = Communicator::from_cluster_on_env_device(&spec, kind, &settings.core)?;
         // SAFETY: checked non-NULL; the caller promises it is writable.
         unsafe { out.write(tutti_comm::into_raw(c)) };
         Ok(())

@@ -173,10 +173,25 @@ impl Communicator {
                 .map_err(|e| Error::config(format!("TUTTI_TRANSPORT: {e}")))?,
             Err(_) => TransportKind::Auto,
         };
-        match std::env::var("TUTTI_DEVICE") {
-            Ok(device) => Communicator::from_cluster_on(&spec, kind, &device, config),
-            Err(_) => Communicator::from_cluster(&spec, kind, config),
-        }
+        Communicator::from_cluster_on_env_device(&spec, kind, config)
+    }
+
+    /// Join the job `spec` describes on the device `TUTTI_DEVICE` names
+    /// ([`Communicator::from_cluster_on`]; host memory when it is unset).
+    pub fn from_cluster_on_env_device(
+        spec: &ClusterSpec,
+        kind: TransportKind,
+        config: &Config,
+    ) -> Result<Communicator> {
+        let Ok(device) = std::env::var("TUTTI_DEVICE") else {
+            return Communicator::from_cluster(spec, kind, config);
+        };
+        let known = match device.split_once(':') {
+            None => device.parse::<DeviceKind>().map(|_| ()),
+            Some(_) => crate::device::parse_spec(&device).map(|_| ()),
+        };
+        known.map_err(|e| Error::config(format!("TUTTI_DEVICE={device}: {e}")))?;
+        Communicator::from_cluster_on(spec, kind, &device, config)
     }
 
     /// Join the job `spec` describes over `kind` of transport: rendezvous through the store that

@@ -420,6 +420,39 @@ def test_joining_without_a_cluster_says_what_to_set(monkeypatch):
         tutti.join(0, 2, "127.0.0.1:1", transport="udp")
 
 
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_from_env_joins_where_tutti_device_says(monkeypatch):
+    """TUTTI_DEVICE places the rank (cuda: a GPU rank), or is an error naming it: never a
+    rank on host memory labelled as another device."""
+    for v in ["TF_CONFIG", "RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"]:
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("TUTTI_RANK", "0")
+    monkeypatch.setenv("TUTTI_WORLD_SIZE", "1")
+    for device, error in [("bogus", "TUTTI_DEVICE=bogus"), ("cuda:x", "TUTTI_DEVICE=cuda:x"),
+                          ("xla:0", "XLA devices form groups within one process")]:
+        monkeypatch.setenv("TUTTI_MASTER_ADDR", f"127.0.0.1:{_free_port()}")
+        monkeypatch.setenv("TUTTI_DEVICE", device)
+        with pytest.raises(tutti.TuttiError, match=error):
+            tutti.from_env(timeout=10)
+    monkeypatch.setenv("TUTTI_DEVICE", "cpu")
+    monkeypatch.setenv("TUTTI_MASTER_ADDR", f"127.0.0.1:{_free_port()}")
+    with tutti.from_env(timeout=10) as c:
+        assert c.device == "cpu"
+        assert c.all_reduce(np.ones(3, np.float32)).tolist() == [1.0] * 3
+    if not any(d.kind == "gpu" for d in tutti.devices()):
+        # A build without CUDA, or no GPU: unavailable, saying so.
+        monkeypatch.setenv("TUTTI_DEVICE", "cuda:0")
+        monkeypatch.setenv("TUTTI_MASTER_ADDR", f"127.0.0.1:{_free_port()}")
+        with pytest.raises(tutti.TuttiError) as e:
+            tutti.from_env(timeout=10)
+        assert e.value.code == "TUTTI_ERROR_UNAVAILABLE", e.value
+
+
 def test_a_watchdog_aborts_and_closes_while_ranks_are_inside_calls():
     """Close from another thread while calls are inside: they are waited for (the abort makes
     them leave at once), later calls raise a clear error, and closing twice (or from two
