@@ -29,7 +29,7 @@ for l in sys.stdin:
 fi
 LOGS=$(mkdir -p "${3:?LOGS}" && cd "$3" && pwd)
 PART=${4:-all}
-export TUTTI_TEST_BIN=$B/tutti TUTTI_REQUIRE_GPU=1 RUST_BACKTRACE=1 TUTTI_TIMEOUT=60
+export TUTTI_TEST_BIN=$B/tutti TUTTI_REQUIRE_GPU=1 RUST_BACKTRACE=1 TUTTI_TIMEOUT=${TUTTI_TIMEOUT:-60}
 PY=$(command -v python3)
 SP=$($PY -c 'import site; print(site.getsitepackages()[0])')
 PJRT=$(find "$SP" -name 'xla_cuda_plugin.so' 2>/dev/null | head -1)
@@ -44,26 +44,26 @@ step() { # name seconds command...
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "python3: $PY; CUDA PJRT plugin: ${PJRT:-none}"
 want devices && "$B/tutti" devices 2>&1 | head -30
-want gpu && step gpu 300 "$B/gpu" --test-threads=1 --nocapture
+want gpu && step gpu 240 "$B/gpu" --test-threads=1 --nocapture
 if want perf; then
     for a in "-n 1 -a nccl" "-n 2 -a hierarchical-copy" "-n 4 -a reduce-to-one"; do
         for c in all-reduce all-gather; do
             echo "--- perf --device gpu $a -c $c"
-            timeout 60 "$B/tutti" perf --device gpu $a -c $c -b 1K -e 256M -f 16 2>&1
+            timeout 25 "$B/tutti" perf --device gpu $a -c $c -b 1K -e 256M -f 16 2>&1
         done
     done >"$LOGS/perf.log"
     echo "=== perf"
     grep -vE "^\s*$" "$LOGS/perf.log"
 fi
 want devices && step devices 60 "$B/devices" --test-threads=1
-want python && (cd bindings/python && TUTTI_LIBRARY=$B/libtutti.so PYTHONPATH=$PWD step python 300 \
-    "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py)
+want python && (cd bindings/python && TUTTI_LIBRARY=$B/libtutti.so PYTHONPATH=$PWD step python 240 \
+    "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_jax.py)
 if want xla; then
     if [ -z "$PJRT" ]; then
         echo "=== xla: no CUDA PJRT plugin in $SP"
     else
         export TUTTI_PJRT_PLUGIN=$PJRT TPU_SKIP_MDS_QUERY=1
-        TUTTI_REQUIRE_XLA=1 step xla 300 "$B/xla" --test-threads=1
+        TUTTI_REQUIRE_XLA=1 step xla 120 "$B/xla" --test-threads=1
         timeout 60 "$B/tutti" perf --device xla -n 1 -b 1K -e 64M -f 64 2>&1 | grep -v "^I[0-9]"
     fi
 fi

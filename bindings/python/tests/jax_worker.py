@@ -2,7 +2,12 @@
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Prints ``RESULT <json>`` at the end."""
 
 import json
+import os
 import sys
+
+# One GPU per process where the test asks (before JAX or libtutti look at the GPUs).
+if os.environ.get("TEST_GPU_PER_RANK"):
+    os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["LOCAL_RANK"]
 
 import numpy as np
 
@@ -117,6 +122,58 @@ def closed():
         error = str(e)
     again = np.asarray(jax.jit(lambda x: tj.all_reduce(x, comm=others[0]))(jnp.ones(2))).tolist()
     return {"first": first, "error": error, "again": again}
+
+
+def gpu():
+    """On JAX's CUDA platform, over the job's cuda:0 communicator: each collective reads what
+    the program's kernels wrote just before it on XLA's stream, and the kernels after it read
+    its result (16 MiB, long enough that an unordered read would see memory not yet written)."""
+    import tutti
+
+    try:
+        if not jax.devices("cuda"):
+            raise RuntimeError("no CUDA device")
+    except Exception as e:  # noqa: BLE001 - JAX says so by RuntimeError or AssertionError
+        return {"skip": f"JAX has no CUDA GPU: {e}"}
+    if not any(d.kind == "gpu" for d in tutti.devices()):
+        return {"skip": "this libtutti sees no GPU (a build without --features cuda?)"}
+    comm = tj.default_comm()
+    r, p = comm.rank, comm.world_size
+    n = 1 << 22
+    x = jnp.arange(n, dtype=jnp.float32) / n
+
+    @jax.jit
+    def collectives(x):
+        y = jnp.sin(x) * 2 + r
+        head = y[:8]
+        return (tj.all_reduce(y) * 3, tj.all_reduce(y.astype(jnp.bfloat16), op="max"),
+                tj.all_reduce(jnp.arange(n, dtype=jnp.int32) % 1000 - r, op="min"), tj.all_gather(head),
+                tj.broadcast(head + 1, root=p - 1), tj.reduce_scatter(jnp.tile(head, p)))
+
+    ys = [np.sin(np.arange(n, dtype=np.float32) / n).astype(np.float32) * 2 + k for k in range(p)]
+    want = [sum(ys) * 3, max(ys), np.arange(n, dtype=np.int32) % 1000 - (p - 1),
+            np.stack([y[:8] for y in ys]), ys[p - 1][:8] + 1, sum(y[:8] for y in ys)]
+    got = [np.asarray(v) for v in collectives(x)]
+    errors = [float(np.max(np.abs(g.astype(np.float64) - w.astype(np.float64)))) for g, w in zip(got, want)]
+    shapes = [list(g.shape) for g in got]
+
+    # 100 steps, each on the last one's result, its input donated (in place on the GPU).
+    step = jax.jit(lambda v: tj.all_reduce(v) / p + 1, donate_argnums=0)
+    v = jnp.zeros(1 << 20, jnp.float32) + r
+    for _ in range(100):
+        v = step(v)
+    loop = np.asarray(v)
+    loop_error = float(np.max(np.abs(loop - ((p - 1) / 2 + 100))))
+
+    # A communicator on the host cannot take the GPU's buffers: said when the function is traced.
+    host = tutti.local_group(1)[0]
+    try:
+        jax.jit(lambda v: tj.all_reduce(v, comm=host))(x).block_until_ready()
+        host_error = None
+    except ValueError as e:
+        host_error = str(e)
+    return {"device": comm.device, "errors": errors, "shapes": shapes, "loop_error": loop_error,
+            "host_error": host_error}
 
 
 if __name__ == "__main__":

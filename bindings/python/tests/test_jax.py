@@ -126,3 +126,43 @@ def test_a_function_jitted_for_a_closed_communicator_fails_saying_so():
     (r,) = run("closed", 1)
     assert r["first"] == [1.0] * 3 and r["again"] == [1.0] * 2
     assert r["error"] and "closed" in r["error"], r["error"]
+
+
+def _required_gpus():
+    v = os.environ.get("TUTTI_REQUIRE_GPU", "").strip()
+    if v in ("", "0"):
+        return 0
+    return int(v) if v.isdigit() else 1
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_on_gpus_collectives_run_on_xlas_stream(world):
+    """JAX's CUDA platform, one GPU per process: skipped without GPUs for ``world`` processes
+    (TUTTI_REQUIRE_GPU=N fails instead when N >= world)."""
+    env = {"JAX_PLATFORMS": "cuda", "TUTTI_DEVICE": "cuda:0", "XLA_FLAGS": "",
+           "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "TEST_GPU_PER_RANK": "1"}
+    if world > 1:
+        # Rank r sees GPU r alone: the job needs as many GPUs as ranks.
+        import tutti
+
+        gpus = sum(d.kind == "gpu" for d in tutti.devices())
+        if gpus < world:
+            why = f"{world} processes need {world} GPUs; tutti sees {gpus}"
+            if _required_gpus() >= world:
+                pytest.fail(f"TUTTI_REQUIRE_GPU={_required_gpus()} but {why}")
+            pytest.skip(why)
+    r = run("gpu", world, env=env)
+    if "skip" in r[0]:
+        if _required_gpus() >= world:
+            pytest.fail(f"TUTTI_REQUIRE_GPU is set but {r[0]['skip']}")
+        pytest.skip(r[0]["skip"])
+    for x in r:
+        assert x["device"] == "cuda:0"
+        assert x["shapes"] == [[1 << 22], [1 << 22], [1 << 22], [world, 8], [8], [8]], x["shapes"]
+        # f32 sums to rounding; bf16's max rounds the inputs alike on every rank (8 bits of
+        # mantissa: within 2**-7 of values below 2 + world); the rest exact.
+        ar, mx, mn, ag, bc, rs = x["errors"]
+        assert ar < 1e-4 * world and mx <= (2.0 + world) * 2 ** -7 and mn == 0, x["errors"]
+        assert ag == 0 and bc == 0 and rs < 1e-5 * world, x["errors"]
+        assert x["loop_error"] < 1e-3, x["loop_error"]
+        assert "TUTTI_DEVICE=cuda" in x["host_error"], x["host_error"]

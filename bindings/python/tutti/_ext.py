@@ -97,16 +97,18 @@ def add_glue(set_comm, close_comm):
             set_comm(slot, _address(comm))
 
 
-def handle(comm, what):
-    """``comm`` (None: the job's communicator), checked to be an open CPU communicator, and its
-    slot (see the module documentation); the communicator is kept alive until it is closed."""
+def handle(comm, what, devices=("cpu",)):
+    """``comm`` (None: the job's communicator), checked to be an open communicator on one of
+    ``devices`` ("cpu", "cuda"), and its slot (see the module documentation); the communicator
+    is kept alive until it is closed."""
     comm = default_comm() if comm is None else comm
     if not isinstance(comm, tutti.Communicator):
         raise TypeError(f"comm must be a tutti.Communicator or None, not {type(comm).__name__}")
     if not comm._h.h:
         raise ValueError("this communicator is closed")
-    if not comm.device.startswith("cpu"):
-        raise ValueError(f"{what} runs on CPU communicators; this one is on {comm.device}")
+    if not comm.device.startswith(tuple(devices)):
+        kinds = " and ".join(d.upper() for d in devices)
+        raise ValueError(f"{what} runs on {kinds} communicators; this one is on {comm.device}")
     with _lock:
         slot = _slots.get(id(comm._h))
         if slot is None:
@@ -121,6 +123,13 @@ def handle(comm, what):
             _slots[id(comm._h)] = slot
             _by_slot[slot] = comm
     return comm, slot
+
+
+def slot_device(slot):
+    """The device of the communicator of ``slot`` ("cpu", "cuda:0", ...), or None once closed."""
+    with _lock:
+        comm = _by_slot.get(slot)
+        return None if comm is None else comm.device
 
 
 def _closing(comm):

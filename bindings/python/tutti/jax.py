@@ -18,17 +18,24 @@ functions compiled for it fail, saying so (they name it by a number never given 
 its address).
 
 How: each function binds a JAX primitive with an ordered effect, lowered to an XLA custom call
-(``jax.ffi``) whose handler runs libtutti's collective on the arrays' host buffers, without a
-copy (``all_reduce`` and ``broadcast`` write over their input's buffer where XLA can give it
-up: an intermediate, or an argument donated with ``donate_argnums``). The ordered effect
-threads a token through every tutti call of a program, so XLA neither drops, merges nor
-reorders them: every rank runs its collectives in program order, as tutti's
+(``jax.ffi``) whose handler runs libtutti's collective on the arrays' own buffers (host or GPU
+memory), without a copy (``all_reduce`` and ``broadcast`` write over their input's buffer where
+XLA can give it up: an intermediate, or an argument donated with ``donate_argnums``). The
+ordered effect threads a token through every tutti call of a program, so XLA neither drops,
+merges nor reorders them: every rank runs its collectives in program order, as tutti's
 checked calls require (a rank whose program differs gets tutti's mismatch error naming both
 ranks, raised by JAX). The handlers are compiled on first use against the installed jaxlib's
 FFI headers (``jax.ffi.include_dir()``) with the system C++ compiler (``CXX``, else ``c++``),
 into ``~/.cache/tutti/jax-ffi`` (``TUTTI_JAX_CACHE``), keyed by the source and jaxlib's version.
 
-On CPU (JAX's ``cpu`` platform). ``all_reduce`` with ``op="sum"`` is differentiable, with
+On JAX's ``cpu`` platform with a CPU communicator, and on its ``cuda`` platform with a
+communicator of GPU ranks (``TUTTI_DEVICE=cuda`` or ``cuda:N`` when joining, one GPU per
+process; a libtutti built with CUDA): there the handlers issue NCCL's calls on the stream XLA
+runs the program on, ordered after the kernels before them and before the kernels after them,
+without a host wait (a failure of that GPU work is raised by the process's next tutti.jax
+call). A program whose platform differs from its communicator's device is refused when traced.
+
+``all_reduce`` with ``op="sum"`` is differentiable, with
 mpi4jax's convention: its tangent is the all-reduce of the tangents, and its transpose hands
 each rank's cotangent back unchanged (no communication), so ``jax.grad`` of a loss computed
 from an all-reduced value gives each rank the gradient of that loss with respect to its own
@@ -96,7 +103,7 @@ def _compile():
     include = jax.ffi.include_dir()
     return _ext.compile_library(
         "tutti.jax", _SOURCE, "tutti_jax_ffi", "TUTTI_JAX_CACHE", "jax-ffi",
-        ["-isystem", include], key_extra=jaxlib.__version__.encode(),
+        ["-isystem", include], link_flags=["-ldl", "-pthread"], key_extra=jaxlib.__version__.encode(),
     )
 
 
@@ -122,7 +129,32 @@ def _register():
         _ext.add_glue(lib.tutti_jax_set_comm, lib.tutti_jax_close_comm)
         for target in _TARGETS.values():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
+        if _has_gpu():
+            lib.tutti_jax_bind_gpu.argtypes = [ctypes.c_void_p] * 8
+            lib.tutti_jax_bind_gpu.restype = ctypes.c_int
+            if lib.tutti_jax_bind_gpu(
+                addr(tutti_lib.tutti_comm_set_cuda_stream),
+                addr(tutti_lib.tutti_comm_unset_cuda_stream),
+                addr(tutti_lib.tutti_all_reduce_async),
+                addr(tutti_lib.tutti_broadcast_async),
+                addr(tutti_lib.tutti_all_gather_async),
+                addr(tutti_lib.tutti_reduce_scatter_async),
+                addr(tutti_lib.tutti_work_wait),
+                addr(tutti_lib.tutti_work_destroy),
+            ) != 0:
+                raise RuntimeError("tutti.jax: binding the GPU handlers to libtutti failed")
+            for target in _TARGETS.values():
+                capsule = jax.ffi.pycapsule(getattr(lib, target + "_gpu"))
+                jax.ffi.register_ffi_target(target, capsule, platform="CUDA")
         _handlers = lib
+
+
+def _has_gpu():
+    """Whether this JAX runs on CUDA GPUs."""
+    try:
+        return bool(jax.devices("cuda"))
+    except Exception:  # noqa: BLE001 - no CUDA backend: RuntimeError, or AssertionError
+        return False
 
 
 def default_comm():
@@ -131,7 +163,7 @@ def default_comm():
 
 
 def _comm(comm):
-    return _ext.handle(comm, "tutti.jax")
+    return _ext.handle(comm, "tutti.jax", devices=("cpu", "cuda"))
 
 
 # ----- the primitive: one for every collective, its kind a parameter -----
@@ -163,6 +195,22 @@ _p.def_impl(_impl)
 
 
 def _lowering(ctx, x, *, kind, comm, op, root, world):
+    # The communicator's buffers must be where the program's are: host memory for the cpu
+    # platform, the GPU for cuda (a communicator closed meanwhile fails when called, saying so).
+    platform = ctx.module_context.platforms[0]
+    device = _ext.slot_device(comm)
+    want = "cuda" if platform == "cuda" else "cpu"
+    if device is not None and not device.startswith(want):
+        how = (
+            "join the job with TUTTI_DEVICE=cuda (each process's local-rank GPU) or cuda:N, or pass "
+            "comm= a communicator made so"
+            if want == "cuda"
+            else "pass comm= a CPU communicator"
+        )
+        raise ValueError(
+            f"tutti.jax.{kind}: this program runs on {platform}, but its communicator's buffers are "
+            f"on {device}: {how}"
+        )
     token = ctx.tokens_in.get(_EFFECT)
     sub = ctx.replace(
         avals_in=[_core.abstract_token, *ctx.avals_in],
@@ -184,6 +232,7 @@ def _lowering(ctx, x, *, kind, comm, op, root, world):
 
 
 mlir.register_lowering(_p, _lowering, platform="cpu")
+mlir.register_lowering(_p, _lowering, platform="cuda")
 
 
 def _batch(args, dims, **params):
