@@ -4,6 +4,12 @@ calls per size, printed by rank 0. Run each under tutti launch, in turn:
 
     tutti launch -n 2 -- python scripts/jax_bench.py tutti
     tutti launch -n 2 -- python scripts/jax_bench.py gloo --port 29877
+
+On GPUs (one per process, TUTTI_DEVICE=cuda), what a jitted all-reduce costs beside a jitted
+kernel over the same donated buffer, alone and with JAX's own ordered effect (an ordered
+``jax.debug.callback``), per call waited for and per call in a stream of 100:
+
+    JAX_PLATFORMS=cuda,cpu TUTTI_DEVICE=cuda tutti launch -n 1 -- python scripts/jax_bench.py gpu
 """
 
 import argparse
@@ -30,11 +36,44 @@ def median_us(fn, x, iters=30):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["tutti", "gloo"])
+    ap.add_argument("mode", choices=["tutti", "gloo", "gpu"])
     ap.add_argument("--port", type=int, default=29877, help="jax.distributed's coordinator port (gloo)")
     a = ap.parse_args()
     rank, world = int(os.environ["TUTTI_RANK"]), int(os.environ["TUTTI_WORLD_SIZE"])
-    if a.mode == "tutti":
+    if a.mode == "gpu":
+        import tutti.jax as tj
+
+        comm = tj.default_comm()
+        kernel = jax.jit(lambda x: x * 1.0 + 1.0, donate_argnums=0)
+
+        def ordered_callback(x):
+            # JAX's own ordered effect, for what ordering alone costs a dispatch.
+            jax.debug.callback(lambda: None, ordered=True)
+            return x * 1.0 + 1.0
+
+        ordered = jax.jit(ordered_callback, donate_argnums=0)
+        reduce = jax.jit(lambda x: tj.all_reduce(x), donate_argnums=0)
+        for size in SIZES:
+            row = []
+            for fn in (kernel, ordered, reduce):
+                x = fn(jnp.zeros(size // 4, jnp.float32)).block_until_ready()
+                waited, streamed = [], []
+                for _ in range(30):
+                    t = time.perf_counter()
+                    x = fn(x).block_until_ready()
+                    waited.append(time.perf_counter() - t)
+                for _ in range(5):
+                    t = time.perf_counter()
+                    for _ in range(100):
+                        x = fn(x)
+                    x.block_until_ready()
+                    streamed.append((time.perf_counter() - t) / 100)
+                row += [np.median(waited) * 1e6, np.median(streamed) * 1e6]
+            if rank == 0:
+                print(f"{size:>10} B  {comm.device} x{world} (waited, streamed): kernel {row[0]:6.1f} "
+                      f"{row[1]:6.1f} us | kernel + ordered jax.debug.callback {row[2]:6.1f} {row[3]:6.1f} us "
+                      f"| tutti.jax all_reduce {row[4]:6.1f} {row[5]:6.1f} us", flush=True)
+    elif a.mode == "tutti":
         import tutti.jax as tj
 
         comm = tj.default_comm()
