@@ -854,6 +854,7 @@ fn perf_on_shared_buffers_runs_direct_between_processes() {
             assert_eq!(row["errors"], 0, "{row}");
             assert_eq!(row["shared_buffers"], true, "{row}");
             assert_eq!(row["algo"], "direct", "{row}");
+            assert_eq!(row["ran"], "direct", "{row}");
         }
     }
 }
@@ -1366,7 +1367,8 @@ fn perf_checks_its_arguments_first() {
         lines[2].contains("out of place") && lines[2].contains("in place"),
         "{out}"
     );
-    // bytes, count, root, then time, algbw, busbw, mem_ratio, errors twice.
+    // bytes, count, root, then time, algbw, busbw, mem_ratio, errors twice, then what the
+    // calls ran as (threads read each other's memory: direct).
     let rows: Vec<Vec<&str>> = lines
         .iter()
         .filter(|l| !l.starts_with('#'))
@@ -1374,8 +1376,12 @@ fn perf_checks_its_arguments_first() {
         .collect();
     assert_eq!(rows.len(), 2, "{out}");
     for r in &rows {
-        assert_eq!(r.len(), 13, "{out}");
-        assert_eq!((r[2], r[7], r[12]), ("1", "0", "0"), "{out}");
+        assert_eq!(r.len(), 14, "{out}");
+        assert_eq!(
+            (r[2], r[7], r[12], r[13]),
+            ("1", "0", "0", "direct"),
+            "{out}"
+        );
     }
     assert!(
         lines
@@ -1418,6 +1424,66 @@ fn perf_checks_its_arguments_first() {
         ),
         "{out}"
     );
+}
+
+/// `tutti perf -a auto` says what `auto` chose for each size: between 4 processes over TCP, a
+/// small all-reduce doubles and a large one runs the ring; a named algorithm runs as named.
+#[test]
+fn perf_prints_what_auto_chose() {
+    let perf = |algo: &str| {
+        let o = run(
+            &[
+                "launch",
+                "-n",
+                "4",
+                "--",
+                "tutti",
+                "perf",
+                "--transport",
+                "tcp",
+                "-b",
+                "8",
+                "-e",
+                "1M",
+                "-f",
+                "131072",
+                "--iters",
+                "3",
+                "--out-of-place",
+                "--json",
+                "-a",
+                algo,
+            ],
+            &[],
+            Duration::from_secs(120),
+        );
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{out}\n{err}");
+        let rows: Vec<serde_json::Value> = out
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .filter(|v: &serde_json::Value| v.get("bytes").is_some())
+            .collect();
+        let ran: Vec<(u64, String)> = rows
+            .iter()
+            .map(|r| {
+                (
+                    r["bytes"].as_u64().unwrap(),
+                    r["ran"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        assert!(rows.iter().all(|r| r["errors"] == 0), "{out}");
+        ran
+    };
+    let auto = perf("auto");
+    assert_eq!(
+        auto,
+        [(8, "recursive-doubling".into()), (1 << 20, "ring".into())],
+        "{auto:?}"
+    );
+    let named = perf("rabenseifner");
+    assert!(named.iter().all(|(_, r)| r == "rabenseifner"), "{named:?}");
 }
 
 /// Rendezvous honours a short timeout: a missing peer is reported after the configured 2 s,

@@ -596,12 +596,18 @@ fn sweep(
             .map(|&p| format!("{:>52}", if p { "in place" } else { "out of place" }))
             .collect();
         say!("# {:>12} {:>12} {:>5}{}", "", "", "", titles.join(" "));
+        // Then, on CPU ranks, what the calls ran as (the algorithm `auto` chose).
         say!(
-            "# {:>12} {:>12} {:>5} {}",
+            "# {:>12} {:>12} {:>5} {}{}",
             "bytes",
             "count",
             "root",
-            vec![group; runs.len()].join(" ")
+            vec![group; runs.len()].join(" "),
+            if opts.device == DeviceKind::Cpu {
+                "  ran"
+            } else {
+                ""
+            }
         );
     }
     let json = a.json;
@@ -626,11 +632,12 @@ fn sweep(
         };
         let groups: Vec<String> = held.take().iter().chain([row]).map(group).collect();
         say!(
-            "  {:>12} {:>12} {:>5} {}",
+            "  {:>12} {:>12} {:>5} {}{}",
             row.bytes,
             row.count,
             row.root.map_or(-1, |r| r as i64),
-            groups.join(" ")
+            groups.join(" "),
+            row.ran.as_ref().map_or(String::new(), |r| format!("  {r}"))
         );
     };
     let rows = match comm {

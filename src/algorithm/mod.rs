@@ -69,6 +69,10 @@ impl Ctx<'_> {
     pub fn chunk_elems(&self) -> usize {
         (self.chunk_bytes / self.dtype.size()).max(1)
     }
+    /// Record what this call runs as (see [`Plan::note`]); `ran` as tutti perf prints it.
+    pub fn ran(&self, ran: &'static str) {
+        self.plan.note(ran)
+    }
     /// Peer memory, or an error naming the algorithm that needs it.
     pub fn peer_memory(&self, algo: &str) -> Result<&dyn PeerMemory> {
         self.t.peer_memory().ok_or_else(|| {
@@ -259,36 +263,60 @@ pub(crate) fn all_reduce(
         // Rank order whatever the algorithm: direct reduces in it; without peer memory, the
         // ordered reduce-scatter and an all-gather.
         return match ctx.t.peer_memory() {
-            Some(_) => direct::all_reduce(ctx, input.is_none(), output.len()),
-            None => ordered::all_reduce(ctx, input, output),
+            Some(_) => {
+                ctx.ran("direct");
+                direct::all_reduce(ctx, input.is_none(), output.len())
+            }
+            None => {
+                ctx.ran("ordered");
+                ordered::all_reduce(ctx, input, output)
+            }
         };
     }
     let auto = algo == Algorithm::Auto;
     let algo = resolve(ctx, algo);
     if algo == Algorithm::Direct {
+        ctx.ran("direct");
         return direct::all_reduce(ctx, input.is_none(), output.len());
     }
     let small = small_all_to_all(ctx, output.len());
     if auto && !small {
         if let Some(hosts) = ctx.t.hosts().filter(|h| spans_hosts_with_neighbours(h)) {
+            ctx.ran("hosts");
             return hosts::all_reduce(ctx, hosts, input, output);
         }
     }
     if algo == Algorithm::Ring && !(auto && small) {
+        ctx.ran("ring");
         return ring::all_reduce(ctx, input, output);
     }
     if let Some(i) = input {
         output.copy_from_slice(i);
     }
+    // Noted before it runs: an algorithm may run steps through another.
     match algo {
-        Algorithm::Ring if doubling_pays(ctx) => doubling::all_reduce(ctx, output),
-        Algorithm::Ring => flat::all_to_all_reduce(ctx, output),
-        Algorithm::RecursiveDoubling => doubling::all_reduce(ctx, output),
-        Algorithm::Rabenseifner => doubling::rabenseifner(ctx, output),
+        Algorithm::Ring if doubling_pays(ctx) => {
+            ctx.ran("recursive-doubling");
+            doubling::all_reduce(ctx, output)
+        }
+        Algorithm::Ring => {
+            ctx.ran("all-to-all");
+            flat::all_to_all_reduce(ctx, output)
+        }
+        Algorithm::RecursiveDoubling => {
+            ctx.ran("recursive-doubling");
+            doubling::all_reduce(ctx, output)
+        }
+        Algorithm::Rabenseifner => {
+            ctx.ran("rabenseifner");
+            doubling::rabenseifner(ctx, output)
+        }
         Algorithm::HierarchicalCopy { group_size } => {
+            ctx.ran("hierarchical-copy");
             copies::all_reduce(ctx, CopyAlgorithm::HierarchicalCopy { group_size }, output)
         }
         Algorithm::ReduceToOne { root } => {
+            ctx.ran("reduce-to-one");
             copies::all_reduce(ctx, CopyAlgorithm::ReduceToOne { root }, output)
         }
         Algorithm::Auto | Algorithm::Direct => unreachable!("resolved above"),
@@ -298,12 +326,22 @@ pub(crate) fn all_reduce(
 /// Broadcast `buf` from `root` to every rank.
 pub(crate) fn broadcast(ctx: &Ctx<'_>, algo: Algorithm, root: usize, buf: &mut [u8]) -> Result<()> {
     match resolve_other(ctx, algo, Collective::Broadcast) {
-        Algorithm::Direct => direct::broadcast(ctx, root, buf),
+        Algorithm::Direct => {
+            ctx.ran("direct");
+            direct::broadcast(ctx, root, buf)
+        }
         Algorithm::Ring if algo == Algorithm::Auto && tree_pays(ctx, buf.len()) => {
+            ctx.ran("binomial-tree");
             doubling::broadcast(ctx, root, buf)
         }
-        Algorithm::Ring => ring::broadcast(ctx, root, buf),
-        _ => flat::broadcast(ctx, root, buf),
+        Algorithm::Ring => {
+            ctx.ran("ring");
+            ring::broadcast(ctx, root, buf)
+        }
+        _ => {
+            ctx.ran("flat");
+            flat::broadcast(ctx, root, buf)
+        }
     }
 }
 
@@ -317,11 +355,13 @@ pub(crate) fn all_gather(
     blocks: Blocks<'_>,
 ) -> Result<()> {
     if resolve_other(ctx, algo, Collective::AllGather) == Algorithm::Direct {
+        ctx.ran("direct");
         return direct::all_gather(ctx, input.is_none(), output, blocks);
     }
     if let Some(i) = input {
         output[bytes(blocks.get(ctx.world(), ctx.rank()), ctx.dtype.size())].copy_from_slice(i);
     }
+    ctx.ran("ring");
     ring::all_gather(ctx, output, blocks)
 }
 
@@ -337,13 +377,25 @@ pub(crate) fn reduce_scatter(
     if ctx.deterministic {
         // direct reduces every input in rank order into the (separate) output already.
         return match ctx.t.peer_memory() {
-            Some(_) => direct::reduce_scatter(ctx, output, blocks),
-            None => ordered::reduce_scatter(ctx, input, output, blocks),
+            Some(_) => {
+                ctx.ran("direct");
+                direct::reduce_scatter(ctx, output, blocks)
+            }
+            None => {
+                ctx.ran("ordered");
+                ordered::reduce_scatter(ctx, input, output, blocks)
+            }
         };
     }
     match resolve_other(ctx, algo, Collective::ReduceScatter) {
-        Algorithm::Direct => direct::reduce_scatter(ctx, output, blocks),
-        _ => ring::reduce_scatter(ctx, input, output, blocks),
+        Algorithm::Direct => {
+            ctx.ran("direct");
+            direct::reduce_scatter(ctx, output, blocks)
+        }
+        _ => {
+            ctx.ran("ring");
+            ring::reduce_scatter(ctx, input, output, blocks)
+        }
     }
 }
 
@@ -360,8 +412,14 @@ pub(crate) fn all_to_all(
     match (resolve_other(ctx, algo, Collective::AllToAll), send) {
         // A peer's block for this rank is where this rank can compute it only when every
         // rank cuts its input alike.
-        (Algorithm::Direct, Blocks::Even(_)) => direct::all_to_all(ctx, output, send),
-        _ => personal::all_to_all(ctx, input, send, output, recv),
+        (Algorithm::Direct, Blocks::Even(_)) => {
+            ctx.ran("direct");
+            direct::all_to_all(ctx, output, send)
+        }
+        _ => {
+            ctx.ran("flat");
+            personal::all_to_all(ctx, input, send, output, recv)
+        }
     }
 }
 
@@ -374,8 +432,14 @@ pub(crate) fn gather(
     output: Option<&mut [u8]>,
 ) -> Result<()> {
     match resolve_other(ctx, algo, Collective::Gather) {
-        Algorithm::Direct => direct::gather(ctx, root, input.len(), output),
-        _ => personal::gather(ctx, root, input, output),
+        Algorithm::Direct => {
+            ctx.ran("direct");
+            direct::gather(ctx, root, input.len(), output)
+        }
+        _ => {
+            ctx.ran("flat");
+            personal::gather(ctx, root, input, output)
+        }
     }
 }
 
@@ -389,8 +453,14 @@ pub(crate) fn scatter(
     output: &mut [u8],
 ) -> Result<()> {
     match resolve_other(ctx, algo, Collective::Scatter) {
-        Algorithm::Direct => direct::scatter(ctx, root, output),
-        _ => personal::scatter(ctx, root, input, output),
+        Algorithm::Direct => {
+            ctx.ran("direct");
+            direct::scatter(ctx, root, output)
+        }
+        _ => {
+            ctx.ran("flat");
+            personal::scatter(ctx, root, input, output)
+        }
     }
 }
 
@@ -406,14 +476,29 @@ pub(crate) fn reduce(
 ) -> Result<()> {
     if ctx.deterministic {
         return match ctx.t.peer_memory() {
-            Some(_) => direct::reduce(ctx, root, len),
-            None => ordered::reduce(ctx, root, input, output, len),
+            Some(_) => {
+                ctx.ran("direct");
+                direct::reduce(ctx, root, len)
+            }
+            None => {
+                ctx.ran("ordered");
+                ordered::reduce(ctx, root, input, output, len)
+            }
         };
     }
     match resolve_other(ctx, algo, Collective::Reduce) {
-        Algorithm::Direct => direct::reduce(ctx, root, len),
-        Algorithm::Ring => ring::reduce(ctx, root, input, output, len),
-        _ => flat::reduce(ctx, root, input, output),
+        Algorithm::Direct => {
+            ctx.ran("direct");
+            direct::reduce(ctx, root, len)
+        }
+        Algorithm::Ring => {
+            ctx.ran("ring");
+            ring::reduce(ctx, root, input, output, len)
+        }
+        _ => {
+            ctx.ran("flat");
+            flat::reduce(ctx, root, input, output)
+        }
     }
 }
 

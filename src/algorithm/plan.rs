@@ -4,7 +4,7 @@
 //! calls of that shape or smaller reuse them. A communicator runs one call at a time and hands
 //! its plan to the running call, so nothing here is locked.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ops::{Deref, DerefMut};
 
 use crate::reuse::recycle;
@@ -18,7 +18,7 @@ const KEEP_SCRATCH: usize = 4 << 20;
 /// The reusable parts of a communicator's calls (see the module documentation), owned by the
 /// running call.
 #[derive(Default)]
-pub(crate) struct Plan(RefCell<Parts>);
+pub(crate) struct Plan(RefCell<Parts>, Cell<Option<&'static str>>);
 
 #[derive(Default)]
 pub(crate) struct Parts {
@@ -74,6 +74,20 @@ impl Listed for usize {
 }
 
 impl Plan {
+    /// Record what the running call runs as (the algorithm `auto` became, or the path a named
+    /// algorithm takes), once: the first note of a call stands, so that the steps an algorithm
+    /// runs through another (the ring among hosts' leaders) do not replace it.
+    pub(crate) fn note(&self, ran: &'static str) {
+        if self.1.get().is_none() {
+            self.1.set(Some(ran));
+        }
+    }
+
+    /// What the call noted, cleared for the next.
+    pub(crate) fn take_ran(&self) -> Option<&'static str> {
+        self.1.take()
+    }
+
     /// An empty list of `T` with the capacity an earlier call left; handed back when dropped.
     pub(crate) fn list<T: Listed>(&self) -> List<'_, T> {
         let v = std::mem::take(T::slot(&mut self.0.borrow_mut()));

@@ -407,7 +407,14 @@ impl Runnable for Call {
                     plan,
                 };
                 match &shared.engine {
-                    None => self.body(&ctx),
+                    None => {
+                        plan.take_ran();
+                        let done = self.body(&ctx);
+                        if let (Ok(()), Some(ran)) = (&done, plan.take_ran()) {
+                            *shared.ran.lock() = Some((self.collective, ran));
+                        }
+                        done
+                    }
                     Some(engine) => self.group_body(&ctx, &**engine),
                 }
             }

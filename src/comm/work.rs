@@ -21,7 +21,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::algorithm::Plan;
 use crate::config::Compression;
 use crate::engine::GroupEngine;
-use crate::error::{Error, Result, Site};
+use crate::error::{Collective, Error, Result, Site};
 use crate::transport::Transport;
 
 /// What a queued call owns until it completes (the buffers of a safe non-blocking call).
@@ -159,6 +159,8 @@ pub(crate) struct Shared {
     pub(crate) compression: Compression,
     /// Runs calls for a group of this process's devices; `None`: the host algorithms.
     pub(crate) engine: Option<Arc<dyn GroupEngine>>,
+    /// What the last host call that succeeded ran as (see `Communicator::last_algorithm`).
+    pub(crate) ran: Mutex<Option<(Collective, &'static str)>>,
     queue: Mutex<Queue>,
     /// Rung when a job is queued, a call ends or the communicator closes.
     cv: Condvar,
@@ -180,6 +182,7 @@ impl Shared {
             deterministic,
             compression,
             engine,
+            ran: Mutex::new(None),
             queue: Mutex::new(Queue::default()),
             cv: Condvar::new(),
         }

@@ -316,6 +316,10 @@ pub struct Row {
     pub collective: String,
     /// Algorithm asked for.
     pub algo: String,
+    /// What the timed calls ran as: the algorithm `auto` became, or the path a named one took
+    /// (`Communicator::last_algorithm`); CPU ranks only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ran: Option<String>,
     /// Ranks.
     pub ranks: usize,
     /// Element type.
@@ -767,6 +771,10 @@ trait Bench {
     fn all_copied(&mut self, copied: usize, ranks: usize) -> Result<usize> {
         Ok(copied * ranks)
     }
+    /// What the last call ran as (see [`Row::ran`]).
+    fn ran(&self) -> Option<String> {
+        None
+    }
 }
 
 /// What a row says besides its time.
@@ -807,7 +815,9 @@ fn measure(bench: &mut dyn Bench, row: RowOf<'_>) -> Result<Row> {
     for _ in 0..iters {
         bench.call()?;
     }
-    let time = bench.slowest(t.elapsed().as_secs_f64())? / iters as f64;
+    let elapsed = t.elapsed().as_secs_f64();
+    let ran = bench.ran();
+    let time = bench.slowest(elapsed)? / iters as f64;
     let copy_gbps = match row.bandwidth {
         Some(b) => b,
         None => {
@@ -829,6 +839,7 @@ fn measure(bench: &mut dyn Bench, row: RowOf<'_>) -> Result<Row> {
     Ok(Row {
         collective: c.cli_name().into(),
         algo: row.algo,
+        ran,
         ranks: row.ranks,
         dtype: row.dtype.name().into(),
         op: if reduces(c) {
@@ -941,6 +952,15 @@ impl<T: Element> Bench for CpuBench<'_, T> {
         let mut v = [copied as u64];
         self.comm.all_reduce_auto(&mut v, ReduceOp::Sum)?;
         Ok(v[0] as usize)
+    }
+    fn ran(&self) -> Option<String> {
+        // The bench's own calls (agreeing on the iterations) run too: only the measured
+        // collective's counts (point-to-point notes none).
+        let c = self.opts.collective;
+        self.comm
+            .last_algorithm()
+            .filter(|&(ran, _)| ran == c)
+            .map(|(_, ran)| ran.to_string())
     }
 }
 
