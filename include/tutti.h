@@ -1183,6 +1183,22 @@ tutti_result tutti_comm_split(struct tutti_comm *comm,
                               struct tutti_comm **newcomm);
 
 /**
+ * Write where this rank's buffers live: the kind of device to `*kind` (`TUTTI_DEVICE_CPU` for
+ * host memory, `TUTTI_DEVICE_GPU`, `TUTTI_DEVICE_XLA`) and its index among this process's
+ * devices of that kind to `*index` (the `N` of `cuda:N`, whether `TUTTI_DEVICE` or
+ * `tutti_comm_create_devices` placed it; 0 for host ranks of processes).
+ *
+ * Thread-safety: callable from any thread, during a collective too.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle; `kind` and `index` are NULL or writable.
+ */
+tutti_result tutti_comm_device(const struct tutti_comm *comm,
+                               tutti_device_kind *kind,
+                               size_t *index);
+
+/**
  * Write this communicator's rank (in `0 .. world_size - 1`) to `*rank`.
  *
  * Thread-safety: callable from any thread, during a collective too.

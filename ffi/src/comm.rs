@@ -532,6 +532,40 @@ pub unsafe extern "C" fn tutti_comm_split(
     })
 }
 
+/// Write where this rank's buffers live: the kind of device to `*kind` (`TUTTI_DEVICE_CPU` for
+/// host memory, `TUTTI_DEVICE_GPU`, `TUTTI_DEVICE_XLA`) and its index among this process's
+/// devices of that kind to `*index` (the `N` of `cuda:N`, whether `TUTTI_DEVICE` or
+/// `tutti_comm_create_devices` placed it; 0 for host ranks of processes).
+///
+/// Thread-safety: callable from any thread, during a collective too.
+///
+/// # Safety
+///
+/// `comm` is NULL or a live handle; `kind` and `index` are NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_comm_device(
+    comm: *const tutti_comm,
+    kind: *mut types::tutti_device_kind,
+    index: *mut usize,
+) -> tutti_result {
+    boundary("tutti_comm_device", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { comm_ref(comm) }?;
+        let kind = out_ptr(kind, "kind")?;
+        let index = out_ptr(index, "index")?;
+        let (k, i) = {
+            let comm = c.read();
+            (comm.device_kind(), comm.device_index())
+        };
+        // SAFETY: checked non-NULL; the caller promises they are writable.
+        unsafe {
+            kind.write(types::device_kind_to_c(k));
+            index.write(i);
+        }
+        Ok(())
+    })
+}
+
 /// Write this communicator's rank (in `0 .. world_size - 1`) to `*rank`.
 ///
 /// Thread-safety: callable from any thread, during a collective too.

@@ -141,6 +141,12 @@ impl Communicator {
         self.device.0
     }
 
+    /// This rank's device's index among the process's devices of its kind (the `N` of
+    /// `cuda:N`).
+    pub fn device_index(&self) -> usize {
+        self.device.1
+    }
+
     /// This rank's device, as a spec (`cpu:1`, `xla:2`, `gpu:0`).
     pub fn device_spec(&self) -> String {
         format!("{}:{}", self.device.0, self.device.1)

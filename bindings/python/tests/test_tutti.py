@@ -439,11 +439,12 @@ def test_from_env_joins_where_tutti_device_says(monkeypatch):
         monkeypatch.setenv("TUTTI_DEVICE", device)
         with pytest.raises(tutti.TuttiError, match=error):
             tutti.from_env(timeout=10)
-    monkeypatch.setenv("TUTTI_DEVICE", "cpu")
-    monkeypatch.setenv("TUTTI_MASTER_ADDR", f"127.0.0.1:{_free_port()}")
-    with tutti.from_env(timeout=10) as c:
-        assert c.device == "cpu"
-        assert c.all_reduce(np.ones(3, np.float32)).tolist() == [1.0] * 3
+    for device in ["cpu", "CPU:0"]:
+        monkeypatch.setenv("TUTTI_DEVICE", device)
+        monkeypatch.setenv("TUTTI_MASTER_ADDR", f"127.0.0.1:{_free_port()}")
+        with tutti.from_env(timeout=10) as c:
+            assert c.device == "cpu"
+            assert c.all_reduce(np.ones(3, np.float32)).tolist() == [1.0] * 3
     if not any(d.kind == "gpu" for d in tutti.devices()):
         # A build without CUDA, or no GPU: unavailable, saying so.
         monkeypatch.setenv("TUTTI_DEVICE", "cuda:0")

@@ -197,6 +197,7 @@ _PROTOTYPES = {
     "tutti_comm_create_rank": (_u32, [_size, _size, ctypes.c_char_p, ctypes.POINTER(_Config), _pp]),
     "tutti_comm_destroy": (None, [_ptr]),
     "tutti_comm_rank": (_u32, [_ptr, ctypes.POINTER(_size)]),
+    "tutti_comm_device": (_u32, [_ptr, ctypes.POINTER(_u32), ctypes.POINTER(_size)]),
     "tutti_comm_world_size": (_u32, [_ptr, ctypes.POINTER(_size)]),
     "tutti_comm_timeout_ms": (_u32, [_ptr, ctypes.POINTER(ctypes.c_uint64)]),
     "tutti_comm_split": (_u32, [_ptr, ctypes.c_int64, ctypes.c_int64, _pp]),
@@ -1460,4 +1461,13 @@ def from_env(timeout=None, algorithm="auto", chunk_bytes=None, transport="auto",
     config = _config(timeout, algorithm, chunk_bytes, transport, deterministic, compression)
     handle = ctypes.c_void_p()
     _check(lib.tutti_comm_create_from_env(ctypes.byref(config), ctypes.byref(handle)))
-    return Communicator(handle, os.environ.get("TUTTI_DEVICE", "cpu"))
+    # Where TUTTI_DEVICE placed the rank, as the library resolved it ("gpu", "cuda", "CUDA:1"
+    # alike), labelled as torch names devices.
+    kind, index = _u32(), _size()
+    try:
+        _check(lib.tutti_comm_device(handle, ctypes.byref(kind), ctypes.byref(index)))
+    except BaseException:
+        lib.tutti_comm_destroy(handle)
+        raise
+    device = {1: f"cuda:{index.value}", 2: f"xla:{index.value}"}.get(kind.value, "cpu")
+    return Communicator(handle, device)

@@ -28,9 +28,11 @@
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -56,6 +58,7 @@ typedef uint32_t (*tutti_reduce_scatter_async_fn)(void *, size_t, uint32_t, uint
                                                   const void *, void *, void **);
 typedef uint32_t (*tutti_work_wait_fn)(void *, uint64_t);
 typedef void (*tutti_work_destroy_fn)(void *);
+typedef uint32_t (*tutti_comm_abort_fn)(void *, const char *);
 // The CUDA driver's cuMemcpyDtoDAsync (CUdeviceptr is 64 bits wide).
 typedef int (*cu_memcpy_dtod_async_fn)(uint64_t, uint64_t, size_t, void *);
 }
@@ -75,6 +78,7 @@ tutti_all_gather_async_fn all_gather_async_fn = nullptr;
 tutti_reduce_scatter_async_fn reduce_scatter_async_fn = nullptr;
 tutti_work_wait_fn work_wait_fn = nullptr;
 tutti_work_destroy_fn work_destroy_fn = nullptr;
+tutti_comm_abort_fn abort_fn = nullptr;
 
 // The C API's dtype numbers (tutti_dtype).
 bool tutti_dtype(ffi::DataType t, uint32_t *out) {
@@ -125,25 +129,43 @@ ffi::Error closed(const char *what) {
 }
 
 // Waits for the calls issued on GPU streams, in issue order, and releases their work handles
-// and their slots' uses. A failed one's message is kept for the next call to return.
+// and their slots' uses. A failed one's message is kept for its communicator's next call.
 class Reaper {
  public:
-  void Push(void *work, uint64_t slot, const char *what) {
-    std::lock_guard<std::mutex> guard(mu_);
-    if (!started_) {
-      std::thread([this] { Loop(); }).detach();
-      started_ = true;
+  // False where the thread or the queue could not be had (the caller then waits itself).
+  bool Push(void *work, uint64_t slot, const char *what) {
+    try {
+      std::lock_guard<std::mutex> guard(mu_);
+      if (!started_) {
+        std::thread([this] { Loop(); }).detach();
+        started_ = true;
+      }
+      queue_.push_back({work, slot, what});
+    } catch (...) {
+      return false;
     }
-    queue_.push_back({work, slot, what});
     cv_.notify_one();
+    return true;
   }
 
-  // The error of a call that failed after its handler returned, once.
-  std::string TakeError() {
+  // The error of a call on `slot` that failed after its handler returned, once.
+  std::string TakeError(uint64_t slot) {
     std::lock_guard<std::mutex> guard(mu_);
-    std::string e;
-    e.swap(error_);
+    auto it = errors_.find(slot);
+    if (it == errors_.end()) return std::string();
+    std::string e = std::move(it->second);
+    errors_.erase(it);
     return e;
+  }
+
+  // Wait for `work` and release it and the use of `slot`; its error, if it failed.
+  static std::string Finish(void *work, uint64_t slot, const char *what) {
+    // Bounded: a call is bounded by its communicator's timeout once it starts.
+    uint32_t r = work_wait_fn(work, 0);
+    std::string message = r == 0 ? std::string() : tutti_glue::Failure(last_error_fn, what, r);
+    work_destroy_fn(work);
+    tutti_glue::slots().Leave(slot);
+    return message;
   }
 
  private:
@@ -162,12 +184,13 @@ class Reaper {
         item = queue_.front();
         queue_.pop_front();
       }
-      // Bounded: a call is bounded by its communicator's timeout once it starts.
+      // Kept before the use is left: a communicator closed after its last call's Leave finds
+      // no error of that call left behind (tutti_jax_close_comm clears them).
       uint32_t r = work_wait_fn(item.work, 0);
       if (r != 0) {
         std::string message = tutti_glue::Failure(last_error_fn, item.what, r);
         std::lock_guard<std::mutex> guard(mu_);
-        if (error_.empty()) error_ = message;
+        errors_.emplace(item.slot, std::move(message));
       }
       work_destroy_fn(item.work);
       tutti_glue::slots().Leave(item.slot);
@@ -177,7 +200,7 @@ class Reaper {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Item> queue_;
-  std::string error_;
+  std::unordered_map<uint64_t, std::string> errors_;
   bool started_ = false;
 };
 
@@ -186,10 +209,13 @@ Reaper &reaper() {
   return *r;
 }
 
-// Issues calls on GPU streams one at a time: setting a communicator's stream, the call and
-// unsetting it go together.
-std::mutex &stream_mu() {
-  static std::mutex *m = new std::mutex();
+// One lock per communicator's slot: setting its stream, the call and unsetting it go together.
+std::mutex &stream_mu(uint64_t slot) {
+  static std::mutex *table = new std::mutex();
+  static auto *locks = new std::unordered_map<uint64_t, std::unique_ptr<std::mutex>>();
+  std::lock_guard<std::mutex> guard(*table);
+  std::unique_ptr<std::mutex> &m = (*locks)[slot];
+  if (!m) m.reset(new std::mutex());
   return *m;
 }
 
@@ -207,19 +233,29 @@ ffi::Error Run(const char *what, uint64_t slot, void *stream, Blocking blocking,
     uint32_t r = blocking(use.comm());
     return r == 0 ? ffi::Error::Success() : failed(what, r);
   }
-  std::string earlier = reaper().TakeError();
+  std::string earlier = reaper().TakeError(slot);
   if (!earlier.empty()) return ffi::Error::Internal(earlier + " (an earlier call, on the GPU)");
-  std::lock_guard<std::mutex> guard(stream_mu());
+  std::lock_guard<std::mutex> guard(stream_mu(slot));
   uint32_t r = set_stream_fn(use.comm(), stream);
   if (r != 0) return failed(what, r);
   void *work = nullptr;
   r = async(use.comm(), &work);
   // Read this thread's message before another call of libtutti replaces it.
   ffi::Error error = r == 0 ? ffi::Error::Success() : failed(what, r);
-  unset_stream_fn(use.comm());
+  if (unset_stream_fn(use.comm()) != 0) {
+    // Another thread's collective runs on this communicator (outside the compiled programs,
+    // against tutti.jax's rule): XLA's stream would stay set for later calls, which may outlive
+    // it. Abort the communicator rather than leave it so.
+    std::string why = tutti_glue::Failure(last_error_fn, std::string(what) + ": unsetting XLA's stream", 1);
+    abort_fn(use.comm(), why.c_str());
+    if (r == 0) error = ffi::Error::Internal(why);
+  }
   if (r == 0) {
     use.Keep();
-    reaper().Push(work, slot, what);
+    if (!reaper().Push(work, slot, what)) {
+      std::string late = Reaper::Finish(work, slot, what);
+      if (!late.empty() && error.success()) error = ffi::Error::Internal(late);
+    }
   }
   return error;
 }
@@ -256,8 +292,12 @@ ffi::Error BroadcastOn(void *stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffe
     if (stream == nullptr) {
       std::memcpy(out, x.untyped_data(), x.size_bytes());
     } else {
-      static auto copy = reinterpret_cast<cu_memcpy_dtod_async_fn>(
-          dlsym(RTLD_DEFAULT, "cuMemcpyDtoDAsync_v2"));
+      // The driver XLA loaded (RTLD_NOLOAD: found, never loaded here).
+      void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+      auto copy = driver == nullptr ? nullptr
+                                    : reinterpret_cast<cu_memcpy_dtod_async_fn>(
+                                          dlsym(driver, "cuMemcpyDtoDAsync_v2"));
+      if (driver != nullptr) dlclose(driver);  // XLA's own reference keeps it loaded
       if (copy == nullptr) {
         return ffi::Error::Internal(
             "tutti broadcast: the CUDA driver's cuMemcpyDtoDAsync_v2 was not found in the "
@@ -355,11 +395,12 @@ extern "C" int tutti_jax_bind(void *all_reduce, void *broadcast, void *all_gathe
 // The calls on GPU streams: libtutti's stream setters, _async calls and work handles.
 extern "C" int tutti_jax_bind_gpu(void *set_stream, void *unset_stream, void *all_reduce,
                                   void *broadcast, void *all_gather, void *reduce_scatter,
-                                  void *work_wait, void *work_destroy) {
+                                  void *work_wait, void *work_destroy, void *abort) {
   if (!set_stream || !unset_stream || !all_reduce || !broadcast || !all_gather ||
-      !reduce_scatter || !work_wait || !work_destroy) {
+      !reduce_scatter || !work_wait || !work_destroy || !abort) {
     return 1;
   }
+  abort_fn = reinterpret_cast<tutti_comm_abort_fn>(abort);
   set_stream_fn = reinterpret_cast<tutti_set_stream_fn>(set_stream);
   unset_stream_fn = reinterpret_cast<tutti_unset_stream_fn>(unset_stream);
   all_reduce_async_fn = reinterpret_cast<tutti_all_reduce_async_fn>(all_reduce);
@@ -376,9 +417,12 @@ extern "C" void tutti_jax_set_comm(uint64_t slot, void *comm) {
   tutti_glue::slots().Set(slot, comm);
 }
 
-// Forget `slot`; wait up to `wait_ms` for its calls in flight; how many are left.
+// Forget `slot`; wait up to `wait_ms` for its calls in flight; how many are left. The errors of
+// its calls on GPU streams that no call reported go with it.
 extern "C" int tutti_jax_close_comm(uint64_t slot, int64_t wait_ms) {
-  return tutti_glue::slots().Close(slot, wait_ms);
+  int left = tutti_glue::slots().Close(slot, wait_ms);
+  reaper().TakeError(slot);
+  return left;
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(tutti_jax_all_reduce, AllReduce,

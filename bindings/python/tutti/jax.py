@@ -29,11 +29,12 @@ FFI headers (``jax.ffi.include_dir()``) with the system C++ compiler (``CXX``, e
 into ``~/.cache/tutti/jax-ffi`` (``TUTTI_JAX_CACHE``), keyed by the source and jaxlib's version.
 
 On JAX's ``cpu`` platform with a CPU communicator, and on its ``cuda`` platform with a
-communicator of GPU ranks (``TUTTI_DEVICE=cuda`` or ``cuda:N`` when joining, one GPU per
-process; a libtutti built with CUDA): there the handlers issue NCCL's calls on the stream XLA
-runs the program on, ordered after the kernels before them and before the kernels after them,
-without a host wait (a failure of that GPU work is raised by the process's next tutti.jax
-call). A program whose platform differs from its communicator's device is refused when traced.
+communicator of GPU ranks (one GPU per process, e.g. ``CUDA_VISIBLE_DEVICES=<local rank>`` and
+``TUTTI_DEVICE=cuda:0`` when joining; a libtutti built with CUDA): there the handlers issue
+NCCL's calls on the stream XLA runs the program on, ordered after the kernels before them and
+before the kernels after them, without a host wait (a failure of that GPU work is raised by the
+next tutti.jax call on that communicator). A program whose platform differs from its
+communicator's device is refused when it is lowered.
 
 ``all_reduce`` with ``op="sum"`` is differentiable, with
 mpi4jax's convention: its tangent is the all-reduce of the tangents, and its transpose hands
@@ -130,7 +131,7 @@ def _register():
         for target in _TARGETS.values():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
         if _has_gpu():
-            lib.tutti_jax_bind_gpu.argtypes = [ctypes.c_void_p] * 8
+            lib.tutti_jax_bind_gpu.argtypes = [ctypes.c_void_p] * 9
             lib.tutti_jax_bind_gpu.restype = ctypes.c_int
             if lib.tutti_jax_bind_gpu(
                 addr(tutti_lib.tutti_comm_set_cuda_stream),
@@ -141,6 +142,7 @@ def _register():
                 addr(tutti_lib.tutti_reduce_scatter_async),
                 addr(tutti_lib.tutti_work_wait),
                 addr(tutti_lib.tutti_work_destroy),
+                addr(tutti_lib.tutti_comm_abort),
             ) != 0:
                 raise RuntimeError("tutti.jax: binding the GPU handlers to libtutti failed")
             for target in _TARGETS.values():
