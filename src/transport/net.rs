@@ -1352,9 +1352,14 @@ impl NetTransport {
     ) -> Result<()> {
         let mine = self.ident();
         let mut held = sends.iter().any(|s| s.held) || recvs.iter().any(|r| r.held);
-        let mut deadline = Instant::now() + self.timeout;
+        // The deadline is the timeout from the last move, read from the clock once a wait
+        // begins (`None`: moved since), not at every move.
+        let mut deadline: Option<Instant> = None;
         let mut pause = Duration::from_micros(20);
         let mut spin_until: Option<Instant> = None;
+        // Spinning without yielding, as of the last clock read (see below).
+        let mut spinning = false;
+        let mut looks = 0u32;
         loop {
             if self.aborted.load(Ordering::Acquire) {
                 return Err(self.aborted_error());
@@ -1374,12 +1379,24 @@ impl NetTransport {
                 held = sends.iter().any(|s| s.held) || recvs.iter().any(|r| r.held);
             }
             if moved {
-                deadline = Instant::now() + self.timeout;
+                deadline = None;
                 pause = Duration::from_micros(20);
                 spin_until = None;
+                spinning = false;
+                looks = 0;
+                continue;
+            }
+            // While spinning with a core of its own (the first microseconds of a wait, before
+            // it yields between looks), a rank looks again at once, reading the clock (for the
+            // deadline and the end of the spin) every 16th look only: a reply is then noticed
+            // within a look, not a look plus a clock read.
+            looks = looks.wrapping_add(1);
+            if spinning && looks % 16 != 0 {
+                std::hint::spin_loop();
                 continue;
             }
             let now = Instant::now();
+            let deadline = *deadline.get_or_insert(now + self.timeout);
             if now >= deadline {
                 return Err(Error::Timeout {
                     site,
@@ -1397,6 +1414,7 @@ impl NetTransport {
             // ranks outnumber cores a rank only yields, for as long: the ranks it waits for get
             // the core at once, and none of them pays a sleep and a wake-up per message.
             let spin_until = *spin_until.get_or_insert(now + self.spin.max(YIELD_FOR));
+            spinning = false;
             if now < spin_until {
                 if !self.spin.is_zero() {
                     for _ in 0..4 {
@@ -1407,6 +1425,8 @@ impl NetTransport {
                     || spin_until - now < self.spin.saturating_sub(Duration::from_micros(3))
                 {
                     std::thread::yield_now();
+                } else {
+                    spinning = true;
                 }
                 continue;
             }
