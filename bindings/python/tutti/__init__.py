@@ -19,7 +19,8 @@ Arrays are numpy arrays, torch tensors (CPU; CUDA ones on a ``cuda:N`` communica
 tensor's current stream), or anything with ``__array_interface__`` or ``__dlpack__``, used in
 place without a copy; bfloat16 comes from torch or ``ml_dtypes``. Outputs a call makes are of
 the input's kind (a torch tensor for a torch tensor, else a numpy array). ``import tutti.torch``
-registers the torch.distributed backend ``"tutti"``.
+registers the torch.distributed backend ``"tutti"``; ``tutti.distribute`` has tf.distribute's
+strategies (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``, ...).
 
 libtutti is found through ``TUTTI_LIBRARY`` (a path to libtutti.so), else the copy installed
 inside this package (``pip install ./bindings/python``), else in this repository's

@@ -1,0 +1,227 @@
+"""tutti.distribute: tf.distribute's strategies from Python, over libtutti's strategies."""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import tutti.distribute as td
+
+PACKAGE = str(pathlib.Path(__file__).resolve().parents[1])
+
+
+def cpus(n):
+    return [f"cpu:{i}" for i in range(n)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_run_gives_each_replica_its_value_and_all_reduce_combines_them(n):
+    s = td.MirroredStrategy(cpus(n))
+    assert s.num_replicas_in_sync == n
+    per = td.PerReplica([np.full(3, float(i + 1), np.float32) for i in range(n)])
+
+    def step(x, scale):
+        ctx = td.get_replica_context()
+        assert td.get_strategy() is s and not td.in_cross_replica_context()
+        mine = x * scale + ctx.replica_id_in_sync_group
+        return ctx.all_reduce(td.ReduceOp.SUM, mine), ctx.all_reduce("mean", mine)
+
+    with s.scope():
+        out = s.run(step, args=(per,), kwargs={"scale": 2.0})
+    results = s.experimental_local_results(out)
+    assert len(results) == n
+    mine = [np.full(3, 2.0 * (i + 1) + i, np.float32) for i in range(n)]
+    for total, mean in results:
+        np.testing.assert_allclose(total, sum(mine))
+        np.testing.assert_allclose(mean, sum(mine) / n, rtol=1e-6)
+
+
+def test_reduce_with_and_without_an_axis():
+    s = td.MirroredStrategy(cpus(3))
+    values = [np.arange(6, dtype=np.float64).reshape(2, 3) * (i + 1) for i in range(3)]
+    per = td.PerReplica(values)
+    np.testing.assert_allclose(s.reduce("SUM", per), sum(values))
+    np.testing.assert_allclose(s.reduce(td.ReduceOp.MEAN, per), sum(values) / 3)
+    np.testing.assert_allclose(s.reduce("SUM", per, axis=0), sum(v.sum(axis=0) for v in values))
+    # MEAN along an axis averages every element along it, across the replicas.
+    np.testing.assert_allclose(s.reduce("MEAN", per, axis=0), np.concatenate(values).mean(axis=0))
+    scalar = s.reduce("SUM", per, axis=(0, 1))
+    assert np.shape(scalar) == () and float(scalar) == sum(v.sum() for v in values)
+    np.testing.assert_allclose(s.reduce("MEAN", per, axis=(0, 1)), np.concatenate(values).mean())
+    # A value that is not per replica is the same on every replica.
+    np.testing.assert_allclose(s.reduce("SUM", np.ones(2)), [3.0, 3.0])
+    np.testing.assert_allclose(s.reduce("MEAN", np.ones(2)), [1.0, 1.0])
+
+
+def linear_regression(strategy, steps=30):
+    """The guides' custom training loop: the global batch split across the replicas, each
+    replica's gradient summed across replicas and divided by the global batch size."""
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((48, 4)).astype(np.float32)
+    y = X @ np.array([1.0, -2.0, 3.0, 0.5], np.float32)
+    n = strategy.num_local_replicas
+    shards = td.PerReplica([(X[i::n], y[i::n]) for i in range(n)])
+    w = np.zeros(4, np.float32)
+
+    def step(shard, w):
+        xs, ys = shard
+        ctx = td.get_replica_context()
+        grad = 2 * xs.T @ (xs @ w - ys)  # summed over this replica's examples
+        return ctx.all_reduce(td.ReduceOp.SUM, grad) / len(X)
+
+    with strategy.scope():
+        for _ in range(steps):
+            grads = strategy.experimental_local_results(strategy.run(step, args=(shards, w)))
+            for g in grads[1:]:
+                np.testing.assert_array_equal(g, grads[0])
+            w = w - 0.05 * grads[0]
+    ref = np.zeros(4, np.float32)
+    for _ in range(steps):
+        ref = ref - 0.05 * (2 * X.T @ (X @ ref - y) / len(X))
+    return w, ref
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: td.MirroredStrategy(cpus(4)),
+        lambda: td.MirroredStrategy(cpus(2), cross_device_ops=td.HierarchicalCopyAllReduce()),
+        lambda: td.MirroredStrategy(cpus(3), cross_device_ops=td.ReductionToOneDevice()),
+        lambda: td.OneDeviceStrategy("/cpu:0"),
+        lambda: td.CentralStorageStrategy(cpus(2)),
+        lambda: td.MultiWorkerMirroredStrategy(),
+    ],
+)
+def test_a_custom_training_loop_ends_with_the_full_batch_weights(make):
+    w, ref = linear_regression(make())
+    np.testing.assert_allclose(w, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_raising_replica_raises_from_run_and_the_strategy_goes_on():
+    s = td.MirroredStrategy(cpus(3))
+
+    def step():
+        ctx = td.get_replica_context()
+        if ctx.replica_id_in_sync_group == 1:
+            raise KeyError("replica 1 failed")
+        return ctx.all_reduce("SUM", np.ones(2))
+
+    with pytest.raises(KeyError, match="replica 1 failed"):
+        s.run(step)
+    out = s.run(lambda: td.get_replica_context().all_reduce("SUM", 1.0))
+    assert s.experimental_local_results(out) == (3.0, 3.0, 3.0)
+
+
+def test_scopes_and_the_default_strategy():
+    default = td.get_strategy()
+    assert default is td.get_strategy() and not td.has_strategy()
+    assert default.num_replicas_in_sync == 1
+    assert td.get_replica_context().all_reduce("SUM", np.arange(3)).tolist() == [0, 1, 2]
+    a, b = td.MirroredStrategy(cpus(2)), td.MirroredStrategy(cpus(2))
+    with a.scope():
+        assert td.get_strategy() is a and td.has_strategy() and td.in_cross_replica_context()
+        assert td.get_replica_context() is None
+        with a.scope():
+            pass
+        with pytest.raises(ValueError, match="Mixing different"):
+            with b.scope():
+                pass
+        with pytest.raises(RuntimeError, match="inside a replica function"):
+            a.run(lambda: a.run(lambda: None))
+    assert td.get_strategy() is default
+
+
+def test_wrong_arguments_name_what_is_wrong():
+    with pytest.raises(ValueError, match="'gpu:0'"):
+        td.MirroredStrategy(["gpu:0"])
+    with pytest.raises(ValueError, match="twice"):
+        td.MirroredStrategy(["cpu:0", "/cpu:0"])
+    with pytest.raises(ValueError, match="num_packs"):
+        td.HierarchicalCopyAllReduce(num_packs=2)
+    with pytest.raises(ValueError, match="AUTO"):
+        td.CommunicationOptions(implementation=td.CommunicationImplementation.NCCL)
+    s = td.MirroredStrategy(cpus(2))
+    with pytest.raises(ValueError, match="neither SUM nor MEAN"):
+        s.reduce("MAX", td.PerReplica([np.ones(1)] * 2))
+    with pytest.raises(ValueError, match="3 values for 2 local replicas"):
+        s.run(lambda x: x, args=(td.PerReplica([1, 2, 3]),))
+    with pytest.raises(ValueError, match="differ in shape or dtype"):
+        s.reduce("SUM", td.PerReplica([np.ones(2), np.ones(3)]))
+    s.close()
+    with pytest.raises(ValueError, match="closed"):
+        s.reduce("SUM", td.PerReplica([np.ones(2)] * 2))
+
+
+WORKER = textwrap.dedent(
+    """
+    import json, numpy as np, tutti.distribute as td
+    s = td.MultiWorkerMirroredStrategy()
+    with s.scope():
+        out = s.run(lambda: (td.get_replica_context().replica_id_in_sync_group,
+                             td.get_replica_context().all_reduce("SUM", np.float32(1.0) + td.get_replica_context().replica_id_in_sync_group)))
+    rid, total = s.experimental_local_results(out)[0]
+    mean = s.reduce("MEAN", np.full(2, float(rid)))
+    print("RESULT " + json.dumps({"sync": s.num_replicas_in_sync, "id": int(rid), "total": float(total),
+                                 "mean": mean.tolist()}), flush=True)
+    """
+)
+
+
+def test_multi_worker_mirrored_strategy_across_processes():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, TUTTI_RANK=str(rank), TUTTI_WORLD_SIZE="2", TUTTI_MASTER_ADDR=f"127.0.0.1:{port}",
+                   TUTTI_TIMEOUT="60")
+        env["PYTHONPATH"] = PACKAGE + os.pathsep + env.get("PYTHONPATH", "")
+        env.pop("TF_CONFIG", None)
+        procs.append(subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        assert p.returncode == 0 and lines, err
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    assert sorted(r["id"] for r in results) == [0, 1]
+    for r in results:
+        assert r["sync"] == 2 and r["total"] == 3.0 and r["mean"] == [0.5, 0.5], r
+
+
+@pytest.mark.parametrize("make", [lambda: td.OneDeviceStrategy(), lambda: td.MirroredStrategy(cpus(2))])
+def test_run_leaves_the_callers_scope_as_it_was(make):
+    """One local replica runs on the caller's own thread: its scope is the same after."""
+    s = make()
+    with s.scope():
+        s.run(lambda: td.get_replica_context().all_reduce("SUM", 1.0))
+        assert td.get_strategy() is s and td.has_strategy() and td.in_cross_replica_context()
+    assert not td.has_strategy()
+
+
+def test_cross_replica_calls_inside_a_replica_function_are_errors_not_hangs():
+    s = td.MirroredStrategy(cpus(2))
+    for call in [lambda: s.reduce("SUM", np.ones(2)), s.close]:
+        with pytest.raises(RuntimeError, match="inside a replica function"):
+            s.run(call)
+    assert s.reduce("SUM", np.ones(2)).tolist() == [2.0, 2.0]
+
+
+def test_reduce_along_an_axis_takes_uneven_batches_and_keeps_the_dtype():
+    s = td.MirroredStrategy(cpus(2))
+    a, b = np.arange(6, dtype=np.int32).reshape(2, 3), np.arange(9, dtype=np.int32).reshape(3, 3)
+    total = s.reduce("SUM", td.PerReplica([a, b]), axis=0)
+    assert total.dtype == np.int32 and total.tolist() == (a.sum(0) + b.sum(0)).tolist()
+    f = [x.astype(np.float32) for x in (a, b)]
+    mean = s.reduce("MEAN", td.PerReplica(f), axis=0)
+    assert mean.dtype == np.float32
+    np.testing.assert_allclose(mean, np.concatenate(f).mean(axis=0))
+    with pytest.raises(TypeError, match="byte order"):
+        s.reduce("SUM", td.PerReplica([np.ones(2, ">f4")] * 2))

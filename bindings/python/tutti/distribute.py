@@ -1,0 +1,517 @@
+"""tf.distribute's strategies from Python, over tutti's own (libtutti's C strategy API).
+
+The names and habits of TensorFlow's distributed-training guides, on numpy arrays::
+
+    import numpy as np, tutti.distribute as td
+
+    strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])      # two replicas on logical CPUs
+    with strategy.scope():
+        def step(x):
+            ctx = td.get_replica_context()
+            g = x * (ctx.replica_id_in_sync_group + 1)
+            return ctx.all_reduce(td.ReduceOp.SUM, g)        # every replica's g, summed
+        per_replica = strategy.run(step, args=(np.ones(3, np.float32),))
+        total = strategy.reduce(td.ReduceOp.MEAN, per_replica, axis=None)
+
+* Strategies: ``MirroredStrategy(devices=None, cross_device_ops=None)``,
+  ``OneDeviceStrategy(device)``, ``CentralStorageStrategy(compute_devices=None)``,
+  ``MultiWorkerMirroredStrategy(communication_options=None)`` (the job of ``tutti launch``,
+  torchrun or ``TF_CONFIG``; one worker on the local devices where the environment describes no
+  job), and ``get_strategy()`` (the default strategy outside any scope: one replica, the
+  caller). Devices are the host's logical CPUs (``"cpu:N"``, ``"/cpu:N"``,
+  ``"/job:localhost/replica:0/task:0/device:CPU:N"``); ``devices=None`` is every GPU, else the
+  CPU, as in TensorFlow.
+* Cross-device ops: ``NcclAllReduce()``, ``HierarchicalCopyAllReduce(num_packs=1)``,
+  ``ReductionToOneDevice()`` (onto the first device).
+* On a strategy: ``scope()``, ``run(fn, args=(), kwargs=None)`` (``fn`` once per local replica,
+  in parallel, each on a thread of its own (one replica: the caller's); ``PerReplica`` arguments give each replica its own value;
+  the result is a ``PerReplica``, or the value itself with one replica),
+  ``reduce(reduce_op, value, axis=None)``, ``experimental_local_results(value)``,
+  ``num_replicas_in_sync``.
+* Inside ``run``: ``get_replica_context()`` with ``replica_id_in_sync_group``,
+  ``num_replicas_in_sync`` and ``all_reduce(reduce_op, value)`` across every replica in sync
+  (every worker's too).
+
+A replica whose function raises makes ``run`` raise that exception (its siblings' collectives
+fail at once instead of waiting for the timeout), and the strategy stays usable.
+"""
+
+import contextlib
+import ctypes
+import re
+import sys
+import threading
+
+import numpy as np
+
+import tutti
+from tutti import _check, _library
+
+__all__ = [
+    "ReduceOp",
+    "CrossDeviceOps",
+    "NcclAllReduce",
+    "HierarchicalCopyAllReduce",
+    "ReductionToOneDevice",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "PerReplica",
+    "ReplicaContext",
+    "Strategy",
+    "MirroredStrategy",
+    "OneDeviceStrategy",
+    "CentralStorageStrategy",
+    "MultiWorkerMirroredStrategy",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "get_replica_context",
+]
+
+# tutti_strategy_kind and tutti_cross_device_ops (include/tutti.h).
+_DEFAULT, _ONE_DEVICE, _MIRRORED, _CENTRAL_STORAGE, _MULTI_WORKER = range(5)
+_REPLICA_FN = ctypes.CFUNCTYPE(ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p)
+_FAILED = 7  # TUTTI_ERROR_SYSTEM: what a replica whose function raised returns
+
+_PROTOTYPES = {
+    "tutti_strategy_create": (ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_size_t, ctypes.c_uint32,
+                                                ctypes.POINTER(ctypes.c_void_p)]),
+    "tutti_strategy_destroy": (None, [ctypes.c_void_p]),
+    "tutti_strategy_num_replicas": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                                      ctypes.POINTER(ctypes.c_size_t)]),
+    "tutti_strategy_run": (ctypes.c_uint32, [ctypes.c_void_p, _REPLICA_FN, ctypes.c_void_p]),
+    "tutti_strategy_reduce": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
+                                                ctypes.c_uint32, ctypes.POINTER(ctypes.c_void_p),
+                                                ctypes.c_void_p]),
+    "tutti_replica_id": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                           ctypes.POINTER(ctypes.c_size_t)]),
+    "tutti_replica_all_reduce": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
+                                                   ctypes.c_uint32, ctypes.c_void_p]),
+}
+_bound = None
+_bind_lock = threading.Lock()
+
+
+def _lib():
+    global _bound
+    with _bind_lock:
+        if _bound is None:
+            lib = _library()
+            for name, (restype, argtypes) in _PROTOTYPES.items():
+                f = getattr(lib, name)
+                f.restype, f.argtypes = restype, argtypes
+            _bound = lib
+    return _bound
+
+
+class ReduceOp:
+    """How values of the replicas combine: ``SUM`` or ``MEAN`` (TensorFlow's names; the strings
+    "SUM"/"MEAN", any case, and ``tf.distribute.ReduceOp`` values are taken too)."""
+
+    SUM = "SUM"
+    MEAN = "MEAN"
+
+
+def _reduce_op(op):
+    name = getattr(op, "value", op)  # tf.distribute.ReduceOp.SUM.value == "SUM"
+    key = str(name).upper().rpartition(".")[2]
+    if key not in ("SUM", "MEAN"):
+        raise ValueError(f"reduce_op {op!r} is neither SUM nor MEAN")
+    return key
+
+
+class CrossDeviceOps:
+    """How a ``MirroredStrategy`` combines its replicas' values (TensorFlow's cross-device ops)."""
+
+    _code = 0
+
+
+class NcclAllReduce(CrossDeviceOps):
+    """NCCL's all-reduce across GPUs (where replicas are not GPUs, tutti says so, at warning
+    level, and uses its own algorithms)."""
+
+    _code = 1
+
+    def __init__(self, num_packs=1):
+        if num_packs != 1:
+            raise ValueError(f"num_packs={num_packs}: tutti's strategies pack each batch as one (num_packs=1)")
+
+
+class HierarchicalCopyAllReduce(CrossDeviceOps):
+    """Reduce onto group leaders, across leaders, and back (TensorFlow's hierarchical copy)."""
+
+    _code = 2
+
+    def __init__(self, num_packs=1):
+        if num_packs != 1:
+            raise ValueError(f"num_packs={num_packs}: tutti's strategies pack each batch as one (num_packs=1)")
+
+
+class ReductionToOneDevice(CrossDeviceOps):
+    """Reduce onto the first device, then copy the result to every replica."""
+
+    _code = 3
+
+    def __init__(self, reduce_to_device=None, accumulation_fn=None):
+        if reduce_to_device is not None or accumulation_fn is not None:
+            raise ValueError(
+                "ReductionToOneDevice: tutti's strategies reduce onto the first device with their own "
+                "accumulation (reduce_to_device and accumulation_fn must be None)"
+            )
+
+
+class CommunicationImplementation:
+    """The collectives a ``MultiWorkerMirroredStrategy`` runs across workers."""
+
+    AUTO = "AUTO"
+    RING = "RING"
+    NCCL = "NCCL"
+
+
+class CommunicationOptions:
+    """Options of the collectives across workers (``implementation``: ``AUTO``; tutti chooses by
+    the devices, as TensorFlow's AUTO does)."""
+
+    def __init__(self, bytes_per_pack=0, timeout_seconds=None, implementation=CommunicationImplementation.AUTO):
+        if str(getattr(implementation, "value", implementation)).upper().rpartition(".")[2] != "AUTO":
+            raise ValueError(
+                f"implementation={implementation!r}: from Python tutti's multi-worker strategy chooses "
+                "its collectives itself (AUTO)"
+            )
+        self.bytes_per_pack = bytes_per_pack
+        self.timeout_seconds = timeout_seconds
+        self.implementation = CommunicationImplementation.AUTO
+
+
+class PerReplica:
+    """One value per local replica (``values``), as ``run`` returns them."""
+
+    def __init__(self, values):
+        self.values = tuple(values)
+
+    def __repr__(self):
+        return f"PerReplica({list(self.values)!r})"
+
+
+_state = threading.local()  # .stack: the scopes entered on this thread; .replica: run's context
+
+
+def _stack():
+    s = getattr(_state, "stack", None)
+    if s is None:
+        s = _state.stack = []
+    return s
+
+
+class ReplicaContext:
+    """What a replica's function sees inside ``run``."""
+
+    def __init__(self, strategy, ctx, replica_id):
+        self._strategy, self._ctx, self._id = strategy, ctx, replica_id
+
+    @property
+    def strategy(self):
+        """The strategy running this replica."""
+        return self._strategy
+
+    @property
+    def replica_id_in_sync_group(self):
+        """This replica's index among every replica in sync (every worker's)."""
+        return self._id
+
+    @property
+    def num_replicas_in_sync(self):
+        """How many replicas run in sync across the job."""
+        return self._strategy.num_replicas_in_sync
+
+    def all_reduce(self, reduce_op, value):
+        """``value`` (an array, or a number) combined across every replica in sync; every
+        replica must call it, in the same order, with the same shape and dtype. A new array."""
+        op = tutti.OPS["sum" if _reduce_op(reduce_op) == "SUM" else "mean"]
+        scalar = np.isscalar(value)
+        a = np.array(value, copy=True, order="C")
+        _check_dtype(a.dtype, "all_reduce")
+        if self._ctx is None:  # the default strategy's one replica
+            out = a
+        else:
+            _check(_lib().tutti_replica_all_reduce(self._ctx, a.size, tutti.DTYPES[a.dtype.name], op,
+                                                   a.ctypes.data_as(ctypes.c_void_p)))
+            out = a
+        return out[()] if scalar else out
+
+
+def _check_dtype(dtype, what):
+    if dtype.name not in tutti.DTYPES:
+        raise TypeError(f"{what}: dtype {dtype} is not one tutti reduces (expected one of {', '.join(tutti.DTYPES)})")
+    if not dtype.isnative:
+        raise TypeError(f"{what}: dtype {dtype} is not in native byte order")
+
+
+def _lock_wait():
+    """How long a cross-replica call waits for another thread's: the library's timeout."""
+    return tutti._default_timeout() or 300.0
+
+
+def _device_index(device):
+    """The N of a CPU device name, else an error naming it."""
+    m = re.fullmatch(r"(?:.*/)?(?:device:)?cpu:(\d+)", str(device).strip().lower())
+    if not m:
+        raise ValueError(
+            f"device {device!r}: tutti.distribute places replicas on the host's logical CPUs "
+            "('cpu:N'); devices=None uses every GPU (else the CPU)"
+        )
+    return int(m.group(1))
+
+
+def _replicas(devices, what):
+    if devices is None:
+        return 0
+    devices = list(devices)
+    if not devices:
+        raise ValueError(f"{what}: devices is empty")
+    idx = [_device_index(d) for d in devices]
+    if len(set(idx)) != len(idx):
+        raise ValueError(f"{what}: devices {devices} name a device twice")
+    return len(idx)
+
+
+class Strategy:
+    """A strategy: replicas and how their values combine. Made by its subclasses."""
+
+    def __init__(self, kind, num_local_replicas=0, cross_device_ops=None):
+        if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
+            raise TypeError(f"cross_device_ops must be a tutti.distribute.CrossDeviceOps, not {type(cross_device_ops).__name__}")
+        code = 0 if cross_device_ops is None else cross_device_ops._code
+        h = ctypes.c_void_p()
+        _check(_lib().tutti_strategy_create(kind, num_local_replicas, code, ctypes.byref(h)))
+        self._h = h
+        self._lock = threading.Lock()  # one run or reduce at a time
+        total, local = ctypes.c_size_t(), ctypes.c_size_t()
+        _check(_lib().tutti_strategy_num_replicas(h, ctypes.byref(total), ctypes.byref(local)))
+        self._total, self._local = total.value, local.value
+
+    @property
+    def num_replicas_in_sync(self):
+        """How many replicas run in sync across the job (every worker's)."""
+        return self._total
+
+    @property
+    def num_local_replicas(self):
+        """How many replicas this process runs."""
+        return self._local
+
+    @contextlib.contextmanager
+    def scope(self):
+        """Make this the current strategy (``get_strategy()``) inside the ``with`` block."""
+        stack = _stack()
+        if stack and stack[-1] is not self:
+            raise ValueError("Mixing different tf.distribute.Strategy objects: a scope of another strategy is open")
+        stack.append(self)
+        try:
+            yield self
+        finally:
+            stack.pop()
+
+    def run(self, fn, args=(), kwargs=None):
+        """``fn(*args, **kwargs)`` once per local replica, in parallel; ``PerReplica``
+        arguments give each replica its own value. Their results as a ``PerReplica`` (the
+        value itself with one local replica)."""
+        if getattr(_state, "replica", None) is not None:
+            raise RuntimeError("strategy.run inside a replica function: call run from the cross-replica context")
+        kwargs = kwargs or {}
+        n = self._local
+        results, errors = [None] * n, [None] * n
+
+        def pick(v, i):
+            if isinstance(v, PerReplica):
+                if len(v.values) != n:
+                    raise ValueError(f"a PerReplica of {len(v.values)} values for {n} local replicas")
+                return v.values[i]
+            return v
+
+        def step(ctx, _user):
+            replica, local = ctypes.c_size_t(), ctypes.c_size_t()
+            try:
+                _check(_lib().tutti_replica_id(ctx, ctypes.byref(replica), ctypes.byref(local)))
+                # One local replica runs on the caller's own thread: its state comes back after.
+                saved = getattr(_state, "replica", None), _stack()
+                _state.replica = ReplicaContext(self, ctx, replica.value)
+                _state.stack = [self]
+                try:
+                    a = [pick(v, local.value) for v in args]
+                    kw = {k: pick(v, local.value) for k, v in kwargs.items()}
+                    results[local.value] = fn(*a, **kw)
+                finally:
+                    _state.replica, _state.stack = saved
+                return 0
+            except BaseException as e:  # noqa: BLE001 - handed to the caller of run
+                errors[local.value if local.value < n else 0] = e
+                return _FAILED
+
+        callback = _REPLICA_FN(step)
+        with self._cross_replica("run"):
+            result = _lib().tutti_strategy_run(self._handle(), callback, None)
+        raised = [e for e in errors if e is not None]
+        if raised:
+            # The replica whose own function raised, rather than a sibling woken by it.
+            own = [e for e in raised if not isinstance(e, tutti.TuttiError)]
+            raise (own or raised)[0]
+        _check(result)
+        return results[0] if n == 1 else PerReplica(results)
+
+    def experimental_local_results(self, value):
+        """The values of this process's replicas, as a tuple."""
+        return value.values if isinstance(value, PerReplica) else (value,)
+
+    def reduce(self, reduce_op, value, axis=None):
+        """``value`` combined across every replica in sync: a ``PerReplica`` (or one value the
+        same on every replica) reduced with ``SUM`` or ``MEAN``; with ``axis``, each replica's
+        value is reduced along that axis first (``MEAN`` then averages over every element along
+        it, across the replicas)."""
+        op = _reduce_op(reduce_op)
+        if getattr(_state, "replica", None) is not None:
+            raise RuntimeError("strategy.reduce inside a replica function: use the replica context's all_reduce")
+        parts = [np.asarray(v) for v in self.experimental_local_results(value)]
+        if not isinstance(value, PerReplica):
+            parts = parts * self._local
+        if len(parts) != self._local:
+            raise ValueError(f"reduce: {len(parts)} values for {self._local} local replicas")
+        if axis is None:
+            return self._reduce(op, parts)
+        # Each replica's part first, along the axis: the parts may differ in length there (an
+        # uneven last batch), not in what is left.
+        summed = [np.asarray(np.sum(p, axis=axis, dtype=p.dtype)) for p in parts]
+        total = self._reduce("SUM", summed)
+        if op == "SUM":
+            return total
+        axes = np.atleast_1d(axis).tolist()
+        along = self._reduce("SUM", [np.asarray(np.prod([p.shape[a] for a in axes]), np.float64) for p in parts])
+        mean = total / along
+        return np.asarray(mean.astype(total.dtype) if total.dtype.kind == "f" else mean)
+
+    def _reduce(self, op, parts):
+        parts = [np.require(p, requirements="C") for p in parts]  # 0-d stays 0-d
+        first = parts[0]
+        if any(p.shape != first.shape or p.dtype != first.dtype for p in parts):
+            raise ValueError(
+                "reduce: the replicas' values differ in shape or dtype: "
+                + ", ".join(f"{p.shape} {p.dtype}" for p in parts)
+            )
+        _check_dtype(first.dtype, "reduce")
+        out = np.empty_like(first)
+        ptrs = (ctypes.c_void_p * len(parts))(*[p.ctypes.data for p in parts])
+        code = tutti.OPS["sum" if op == "SUM" else "mean"]
+        with self._cross_replica("reduce"):
+            _check(_lib().tutti_strategy_reduce(self._handle(), out.size, tutti.DTYPES[first.dtype.name], code,
+                                                ptrs, out.ctypes.data_as(ctypes.c_void_p)))
+        return out
+
+    @contextlib.contextmanager
+    def _cross_replica(self, what):
+        """Hold the strategy for a call of the cross-replica context (one at a time); from a
+        replica function, or while another thread's call holds it, an error rather than a wait
+        that would never end."""
+        if getattr(_state, "replica", None) is not None:
+            raise RuntimeError(f"strategy.{what} inside a replica function: call it from the cross-replica context")
+        if not self._lock.acquire(timeout=_lock_wait()):
+            raise RuntimeError(f"strategy.{what}: another thread's run or reduce holds this strategy")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _handle(self):
+        if not self._h:
+            raise ValueError("this strategy is closed")
+        return self._h
+
+    def close(self):
+        """Stop the replicas and release the strategy (also when it is garbage)."""
+        with self._cross_replica("close"):
+            h, self._h = self._h, None
+            if h:
+                _lib().tutti_strategy_destroy(h)
+
+    def __del__(self):
+        if sys.is_finalizing():
+            return  # the library may be gone; the process ends anyway
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+
+class MirroredStrategy(Strategy):
+    """A replica per device of this process, values combined by ``cross_device_ops``."""
+
+    def __init__(self, devices=None, cross_device_ops=None):
+        super().__init__(_MIRRORED, _replicas(devices, "MirroredStrategy"), cross_device_ops)
+
+
+class OneDeviceStrategy(Strategy):
+    """One replica, on ``device``."""
+
+    def __init__(self, device="cpu:0"):
+        _device_index(device)
+        super().__init__(_ONE_DEVICE, 1)
+
+
+class CentralStorageStrategy(Strategy):
+    """A replica per device, variables kept once on the CPU."""
+
+    def __init__(self, compute_devices=None, parameter_device=None):
+        if parameter_device is not None:
+            _device_index(parameter_device)
+        super().__init__(_CENTRAL_STORAGE, _replicas(compute_devices, "CentralStorageStrategy"))
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """Replicas on the local devices of every worker of the job in the environment (``tutti
+    launch``, torchrun, mpirun, srun, ``TF_CONFIG``); one worker where it describes none."""
+
+    def __init__(self, cluster_resolver=None, communication_options=None):
+        if cluster_resolver is not None:
+            raise ValueError("MultiWorkerMirroredStrategy: tutti reads the cluster from the environment "
+                             "(TF_CONFIG, tutti launch, torchrun); cluster_resolver must be None")
+        if communication_options is not None and not isinstance(communication_options, CommunicationOptions):
+            raise TypeError("communication_options must be a tutti.distribute.CommunicationOptions")
+        super().__init__(_MULTI_WORKER, 0)
+
+
+_default = None
+_default_lock = threading.Lock()
+
+
+def get_strategy():
+    """The strategy of the innermost open scope (or of the running replica), else the default
+    strategy: one object, one replica, the caller."""
+    stack = _stack()
+    if stack:
+        return stack[-1]
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Strategy(_DEFAULT)
+        return _default
+
+
+def has_strategy():
+    """Whether a strategy other than the default is current."""
+    stack = _stack()
+    return bool(stack) and stack[-1] is not _default
+
+
+def in_cross_replica_context():
+    """Whether this is the cross-replica context: inside a scope, not inside ``run``."""
+    return bool(_stack()) and getattr(_state, "replica", None) is None
+
+
+def get_replica_context():
+    """The running replica's context inside ``run``; ``None`` in a cross-replica context; outside
+    any scope, the default strategy's one replica."""
+    replica = getattr(_state, "replica", None)
+    if replica is not None:
+        return replica
+    if _stack():
+        return None
+    return ReplicaContext(get_strategy(), None, 0)
