@@ -1,6 +1,7 @@
 """The Python bindings: collectives over numpy arrays through libtutti, values checked."""
 
 import concurrent.futures
+import ctypes
 import os
 import pathlib
 import re
@@ -1080,3 +1081,21 @@ def test_premul_sum_refuses_a_fraction_on_integers_on_every_rank():
     assert errors[0][0] == "TUTTI_ERROR_PEER_REJECTED"
     for r in range(2):
         np.testing.assert_array_equal(errors[r][2], [5] * 4)
+
+
+def test_framework_glue_compiles_once_and_within_its_time(tmp_path, monkeypatch):
+    """The C++ glue of tutti.jax and tutti.tensorflow: compiled into the cache once, and a
+    compiler that outlives TUTTI_COMPILE_TIMEOUT is stopped with an error saying so."""
+    from tutti import _ext
+
+    src = tmp_path / "glue.cc"
+    src.write_text('#include "_glue.h"\nextern "C" int glue_answer() { return 42; }\n')
+    monkeypatch.setenv("TUTTI_TEST_GLUE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TUTTI_COMPILE_TIMEOUT", "0.001")
+    with pytest.raises(RuntimeError, match="TUTTI_COMPILE_TIMEOUT"):
+        _ext.compile_library("test glue", src, "glue", "TUTTI_TEST_GLUE_CACHE", "test-glue", [])
+    assert not list((tmp_path / "cache").glob("*.so"))
+    monkeypatch.delenv("TUTTI_COMPILE_TIMEOUT")
+    lib = _ext.compile_library("test glue", src, "glue", "TUTTI_TEST_GLUE_CACHE", "test-glue", [])
+    assert ctypes.CDLL(str(lib)).glue_answer() == 42
+    assert _ext.compile_library("test glue", src, "glue", "TUTTI_TEST_GLUE_CACHE", "test-glue", []) == lib

@@ -49,13 +49,20 @@ def compile_library(what, source, stem, cache_env, cache_name, flags, link_flags
     os.close(fd)
     include = ["-I", str(_GLUE_HEADER.parent)]
     cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", *include, *flags, str(source), "-o", tmp, *link_flags]
+    limit = float(os.environ.get("TUTTI_COMPILE_TIMEOUT", "900"))
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
     except FileNotFoundError:
         os.unlink(tmp)
         raise RuntimeError(
             f"{what} compiles its C++ glue on first use and needs a C++ compiler: {cxx} "
             "was not found (install g++ or clang++, or set CXX)"
+        ) from None
+    except subprocess.TimeoutExpired:
+        os.unlink(tmp)
+        raise RuntimeError(
+            f"{what}: compiling its C++ glue took more than {limit:g} s (TUTTI_COMPILE_TIMEOUT) and was "
+            f"stopped: {' '.join(cmd)}"
         ) from None
     if done.returncode != 0:
         os.unlink(tmp)
