@@ -47,7 +47,7 @@ want devices && "$B/tutti" devices 2>&1 | head -30
 want gpu && step gpu 240 "$B/gpu" --test-threads=1 --nocapture
 if want perf; then
     for a in "-n 1 -a nccl" "-n 2 -a hierarchical-copy" "-n 4 -a reduce-to-one"; do
-        for c in all-reduce all-gather; do
+        for c in all-reduce all-gather all-to-all; do
             echo "--- perf --device gpu $a -c $c"
             timeout 25 "$B/tutti" perf --device gpu $a -c $c -b 1K -e 256M -f 16 2>&1
         done

@@ -1690,3 +1690,183 @@ fn work_queued_on_the_stream_after_a_call_waits_for_it() {
         assert_eq!(sys::cuDevicePrimaryCtxRelease_v2(dev), CUDA_SUCCESS);
     }
 }
+
+/// The inputs of a personalized call: rank r's element i, distinct across ranks and blocks.
+fn personal_inputs(p: usize, len: usize) -> Vec<Vec<i32>> {
+    (0..p)
+        .map(|r| (0..len).map(|i| (r * 1_000_003 + i) as i32).collect())
+        .collect()
+}
+
+/// All-to-all, gather and scatter of equal blocks on `group`: every rank's output against the
+/// reference, for each count and root.
+fn personalized_sweep(group: &GpuGroup, label: &str) {
+    let devs = group.devices().to_vec();
+    let p = devs.len();
+    let ptrs = |bufs: &[GpuBuffer<i32>]| -> Vec<DevicePtr> {
+        bufs.iter()
+            .enumerate()
+            .map(|(device, b)| DevicePtr {
+                device,
+                ptr: b.device_ptr(),
+            })
+            .collect()
+    };
+    let up = |v: &[Vec<i32>]| -> Vec<GpuBuffer<i32>> {
+        v.iter()
+            .zip(&devs)
+            .map(|(x, d)| GpuBuffer::from_host(d, x).unwrap())
+            .collect()
+    };
+    let zeros = |len: usize| -> Vec<GpuBuffer<i32>> {
+        devs.iter()
+            .map(|d| GpuBuffer::zeros(d, len).unwrap())
+            .collect()
+    };
+    for n in [0usize, 1, 7, 70001] {
+        let block = |v: &[i32], k: usize| v[k * n..(k + 1) * n].to_vec();
+        // all_to_all: rank k's block j is rank j's block k.
+        let inputs = personal_inputs(p, p * n);
+        let (send, recv) = (up(&inputs), zeros(p * n));
+        group
+            .collective_raw(
+                Collective::AllToAll,
+                DType::I32,
+                n,
+                ReduceOp::Sum,
+                0,
+                &ptrs(&send),
+                &ptrs(&recv),
+            )
+            .unwrap();
+        for (k, got) in host(&recv).iter().enumerate() {
+            let want: Vec<i32> = (0..p).flat_map(|j| block(&inputs[j], k)).collect();
+            assert!(got == &want, "{label}: all_to_all n={n}, rank {k}");
+        }
+        for root in [0, p - 1] {
+            // gather: the root's block j is rank j's input; the others receive nothing.
+            let inputs = personal_inputs(p, n);
+            let (send, recv) = (up(&inputs), zeros(p * n));
+            let mut at = ptrs(&recv);
+            for (k, d) in at.iter_mut().enumerate() {
+                if k != root {
+                    d.ptr = 0;
+                }
+            }
+            group
+                .collective_raw(
+                    Collective::Gather,
+                    DType::I32,
+                    n,
+                    ReduceOp::Sum,
+                    root,
+                    &ptrs(&send),
+                    &at,
+                )
+                .unwrap();
+            let got = host(&recv);
+            assert_eq!(
+                got[root],
+                inputs.concat(),
+                "{label}: gather n={n} root {root}"
+            );
+            for (k, g) in got.iter().enumerate().filter(|(k, _)| *k != root) {
+                assert!(
+                    g.iter().all(|&x| x == 0),
+                    "{label}: gather wrote to rank {k}"
+                );
+            }
+            // scatter: rank k gets block k of the root's input; the others send nothing.
+            let inputs = personal_inputs(p, p * n);
+            let (send, recv) = (up(&inputs), zeros(n));
+            let mut from = ptrs(&send);
+            for (k, d) in from.iter_mut().enumerate() {
+                if k != root {
+                    d.ptr = 0;
+                }
+            }
+            group
+                .collective_raw(
+                    Collective::Scatter,
+                    DType::I32,
+                    n,
+                    ReduceOp::Sum,
+                    root,
+                    &from,
+                    &ptrs(&recv),
+                )
+                .unwrap();
+            for (k, got) in host(&recv).iter().enumerate() {
+                assert_eq!(
+                    got,
+                    &block(&inputs[root], k),
+                    "{label}: scatter n={n} root {root}, rank {k}"
+                );
+            }
+        }
+        // A root without its buffer is an argument error, before anything is queued.
+        if n > 0 {
+            let (send, recv) = (up(&personal_inputs(p, n)), zeros(p * n));
+            let mut at = ptrs(&recv);
+            at[0].ptr = 0;
+            let e = group
+                .collective_raw(
+                    Collective::Gather,
+                    DType::I32,
+                    n,
+                    ReduceOp::Sum,
+                    0,
+                    &ptrs(&send),
+                    &at,
+                )
+                .unwrap_err();
+            assert!(
+                e.to_string().contains("receive address is null"),
+                "{label}: {e}"
+            );
+        }
+    }
+    println!("{label}: all_to_all, gather and scatter correct");
+}
+
+#[test]
+fn personalized_calls_on_gpus() {
+    let Some((_gpu, gpus)) = gpus_or_skip("personalized_calls_on_gpus") else {
+        return;
+    };
+    if nvrtc_or_skip("personalized_calls_on_gpus (copies between logical GPUs)") {
+        for n in [2, 3] {
+            let devs = virtual_gpus(&gpus, n);
+            let algo = GpuAlgorithm::ReductionToOneDevice { root: 0 };
+            let group = GpuGroup::new(&devs, algo, &config()).unwrap();
+            personalized_sweep(&group, &format!("{n} virtual GPUs, copies"));
+        }
+    }
+    if nccl_or_skip("personalized_calls_on_gpus (NCCL)") {
+        let devs = whole_gpus(&gpus);
+        let group = GpuGroup::new(&devs, GpuAlgorithm::Nccl, &config()).unwrap();
+        personalized_sweep(&group, &format!("{} whole GPU(s), NCCL", devs.len()));
+        // Through a communicator of the devices: the call is checked, then the engine runs it.
+        let comms = tutti::device_group(&["cuda:0"], &config()).unwrap();
+        let input = GpuBuffer::from_host(&devs[0], &[5i32, 6, 7]).unwrap();
+        let output = GpuBuffer::<i32>::zeros(&devs[0], 3).unwrap();
+        assert!(comms[0].runs(Collective::AllToAll) && !comms[0].runs(Collective::AllToAllV));
+        // SAFETY: both addresses are live device memory of 3 i32 on the group's GPU, held
+        // until the call has returned.
+        unsafe {
+            comms[0].run_raw(&RawCall {
+                collective: Collective::AllToAll,
+                dtype: DType::I32,
+                count: 3,
+                op: ReduceOp::Sum,
+                root: 0,
+                input: input.device_ptr() as *const u8,
+                output: output.device_ptr() as *mut u8,
+                counts: &[],
+                recv_counts: &[],
+            })
+        }
+        .unwrap();
+        assert_eq!(output.to_host().unwrap(), vec![5, 6, 7]);
+    }
+}

@@ -565,10 +565,10 @@ impl Communicator {
         if let Some(engine) = shared.engine.as_ref() {
             if call.check.is_ok() && !engine.runs(call.collective) {
                 call.check = Err(format!(
-                    "{} is not available on {}: its device engine runs all_reduce, \
-                     broadcast, all_gather, reduce, reduce_scatter and barrier",
+                    "{} is not available on {}: its device engine runs {}",
                     call.collective,
-                    self.device_spec()
+                    self.device_spec(),
+                    engine.runs_list()
                 ));
             }
             if call.check.is_ok() && shared.deterministic && call.op.is_some() {

@@ -69,6 +69,11 @@ pub(crate) trait GroupEngine: Send + Sync {
         (c as usize) <= Collective::Barrier as usize
     }
 
+    /// The collectives [`GroupEngine::runs`] takes, as an error message lists them.
+    fn runs_list(&self) -> &'static str {
+        "all_reduce, broadcast, all_gather, reduce, reduce_scatter and barrier"
+    }
+
     /// Why this engine cannot run the reduce op `op` (on a type it is defined on), if it
     /// cannot: NCCL has no bitwise ops. The communicator makes it an argument error of the
     /// call, raised before the ranks meet, like its own checks.

@@ -32,8 +32,7 @@ pub fn run(
             "perf measures data collectives; barrier moves no bytes",
         ));
     }
-    // Before any device is touched: all-to-all, gather, scatter and the `-v` forms are not
-    // there on GPU ranks.
+    // Before any device is touched: the `-v` forms are not there on GPU ranks.
     device_measures(DeviceKind::Gpu, opts.collective)?;
     if opts.ranks == 0 {
         return Err(Error::config("perf needs at least one GPU (-n)"));
@@ -106,7 +105,7 @@ impl<'a, T: Element> GpuBench<'a, T> {
             .into_iter()
             .enumerate()
             .map(|(r, o)| {
-                if c == Collective::Reduce && r != opts.root {
+                if matches!(c, Collective::Reduce | Collective::Gather) && r != opts.root {
                     0
                 } else {
                     o
@@ -115,7 +114,10 @@ impl<'a, T: Element> GpuBench<'a, T> {
             .collect();
         let n = match c {
             Collective::AllGather => shape.in_len(0),
-            Collective::ReduceScatter => shape.count / p,
+            Collective::ReduceScatter
+            | Collective::AllToAll
+            | Collective::Gather
+            | Collective::Scatter => shape.count / p,
             _ => shape.count,
         };
         GpuBench {

@@ -145,6 +145,8 @@ pub(crate) struct Api {
         ncclComm_t,
         Stream_,
     ) -> c_int,
+    send: unsafe extern "C" fn(*const c_void, usize, c_int, c_int, ncclComm_t, Stream_) -> c_int,
+    recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, ncclComm_t, Stream_) -> c_int,
     reduce_scatter: unsafe extern "C" fn(
         *const c_void,
         *mut c_void,
@@ -223,6 +225,8 @@ impl Api {
                 reduce: sym!("ncclReduce"),
                 all_gather: sym!("ncclAllGather"),
                 reduce_scatter: sym!("ncclReduceScatter"),
+                send: sym!("ncclSend"),
+                recv: sym!("ncclRecv"),
                 _lib: lib,
                 path,
                 version,
@@ -366,11 +370,30 @@ pub(crate) fn unique_id() -> Result<[u8; 128]> {
 /// One collective for [`Comms::run`]: what to call with which addresses on each device.
 #[derive(Clone, Debug)]
 pub(crate) enum Call {
-    AllReduce { op: ReduceOp },
-    Broadcast { root: usize },
-    Reduce { op: ReduceOp, root: usize },
+    AllReduce {
+        op: ReduceOp,
+    },
+    Broadcast {
+        root: usize,
+    },
+    Reduce {
+        op: ReduceOp,
+        root: usize,
+    },
     AllGather,
-    ReduceScatter { op: ReduceOp },
+    ReduceScatter {
+        op: ReduceOp,
+    },
+    /// Block j of each rank's send buffer to rank j, as grouped sends and receives.
+    AllToAll,
+    /// Every rank's send buffer into block k of the root's receive buffer.
+    Gather {
+        root: usize,
+    },
+    /// Block k of the root's send buffer to rank k.
+    Scatter {
+        root: usize,
+    },
 }
 
 /// The NCCL communicators of this process's devices in one group.
@@ -544,8 +567,18 @@ impl Comms {
         // them before a call reaches here; this keeps a stray one an error, never a bad code).
         let op = match *call {
             Call::AllReduce { op } | Call::Reduce { op, .. } | Call::ReduceScatter { op } => op,
-            Call::Broadcast { .. } | Call::AllGather => ReduceOp::Sum,
+            Call::Broadcast { .. }
+            | Call::AllGather
+            | Call::AllToAll
+            | Call::Gather { .. }
+            | Call::Scatter { .. } => ReduceOp::Sum,
         };
+        // A block of `count` elements, and the address of block `k` of a buffer.
+        let block = count * dtype.size();
+        let at = |base: u64, k: usize| (base + (k * block) as u64) as *mut c_void;
+        let peers = self.world as c_int;
+        // Inside a group a non-blocking communicator may answer "in progress" for each call.
+        let fine = |r: c_int| r == NCCL_SUCCESS || r == NCCL_IN_PROGRESS;
         let red_op = nccl_op(one_rank_op(self.world, op)).ok_or_else(|| Error::Unavailable {
             what: format!("{op} on NCCL"),
             why: format!("NCCL has no bitwise reduce ops ({what})"),
@@ -576,6 +609,49 @@ impl Comms {
                     Call::AllGather => (api.all_gather)(send, recv, count, dt, c, s),
                     Call::ReduceScatter { .. } => {
                         (api.reduce_scatter)(send, recv, count, dt, red_op, c, s)
+                    }
+                    // NCCL's own all-to-all, gather and scatter are grouped sends and receives
+                    // (a rank's block to itself too), queued inside this group.
+                    Call::AllToAll => {
+                        let mut r = NCCL_SUCCESS;
+                        for peer in 0..peers {
+                            let k = peer as usize;
+                            r = (api.send)(at(sends[i], k), count, dt, peer, c, s);
+                            if fine(r) {
+                                r = (api.recv)(at(recvs[i], k), count, dt, peer, c, s);
+                            }
+                            if !fine(r) {
+                                break;
+                            }
+                        }
+                        r
+                    }
+                    Call::Gather { root } => {
+                        let mut r = (api.send)(send, count, dt, root as c_int, c, s);
+                        if self.ranks[i] == root {
+                            for peer in 0..peers {
+                                if !fine(r) {
+                                    break;
+                                }
+                                r = (api.recv)(at(recvs[i], peer as usize), count, dt, peer, c, s);
+                            }
+                        }
+                        r
+                    }
+                    Call::Scatter { root } => {
+                        let mut r = NCCL_SUCCESS;
+                        if self.ranks[i] == root {
+                            for peer in 0..peers {
+                                r = (api.send)(at(sends[i], peer as usize), count, dt, peer, c, s);
+                                if !fine(r) {
+                                    break;
+                                }
+                            }
+                        }
+                        if fine(r) {
+                            r = (api.recv)(recv, count, dt, root as c_int, c, s);
+                        }
+                        r
                     }
                 }
             };

@@ -854,8 +854,9 @@ impl GpuGroup {
                 )
             })?;
         let (send_len, recv_len) = match c {
-            Collective::AllGather => (count, whole),
-            Collective::ReduceScatter => (whole, count),
+            Collective::AllGather | Collective::Gather => (count, whole),
+            Collective::ReduceScatter | Collective::Scatter => (whole, count),
+            Collective::AllToAll => (whole, whole),
             _ => (count, count),
         };
         let check = |what: &str,
@@ -928,13 +929,35 @@ impl GpuGroup {
             }
             Ok(out)
         };
-        let s = check("send", send, send_len, c == Collective::Broadcast)?;
-        let r = check("receive", recv, recv_len, c == Collective::Reduce)?;
+        // Off the root a broadcast and a scatter send nothing, a reduce and a gather receive
+        // nothing: those addresses may be null.
+        let s = check(
+            "send",
+            send,
+            send_len,
+            matches!(c, Collective::Broadcast | Collective::Scatter),
+        )?;
+        let r = check(
+            "receive",
+            recv,
+            recv_len,
+            matches!(c, Collective::Reduce | Collective::Gather),
+        )?;
         if let Some(i) = root.checked_sub(self.first_rank) {
-            if c == Collective::Reduce && i < r.len() && r[i] == 0 && count > 0 {
+            let null = match c {
+                Collective::Reduce | Collective::Gather => r.get(i) == Some(&0),
+                Collective::Scatter => s.get(i) == Some(&0),
+                _ => false,
+            };
+            if null && count > 0 {
+                let which = if c == Collective::Scatter {
+                    "send"
+                } else {
+                    "receive"
+                };
                 return Err(self.invalid(
                     c,
-                    format!("device {i} holds the root (rank {root}): its receive address is null"),
+                    format!("device {i} holds the root (rank {root}): its {which} address is null"),
                 ));
             }
         }
@@ -1068,7 +1091,11 @@ impl GpuGroup {
                 "another call is running on this GPU group; a group runs one call at a time".into(),
             ));
         };
-        if matches!(c, Collective::Broadcast | Collective::Reduce) && root >= self.world {
+        if matches!(
+            c,
+            Collective::Broadcast | Collective::Reduce | Collective::Gather | Collective::Scatter
+        ) && root >= self.world
+        {
             return Err(self.invalid(
                 c,
                 format!(
@@ -1189,6 +1216,9 @@ impl GpuGroup {
             Collective::Reduce => Call::Reduce { op, root },
             Collective::AllGather => Call::AllGather,
             Collective::ReduceScatter => Call::ReduceScatter { op },
+            Collective::AllToAll => Call::AllToAll,
+            Collective::Gather => Call::Gather { root },
+            Collective::Scatter => Call::Scatter { root },
             Collective::Barrier => {
                 return Err(self.invalid(site.collective, "a GPU group has no barrier".into()))
             }
@@ -1199,11 +1229,14 @@ impl GpuGroup {
             return Ok(());
         }
         // NCCL's broadcast reads `send` on the root only; elsewhere pass the receive buffer.
-        let send: Vec<u64> = send
-            .iter()
-            .zip(recv)
-            .map(|(&s, &r)| if s == 0 { r } else { s })
-            .collect();
+        let send: Vec<u64> = if site.collective == Collective::Broadcast {
+            send.iter()
+                .zip(recv)
+                .map(|(&s, &r)| if s == 0 { r } else { s })
+                .collect()
+        } else {
+            send.to_vec()
+        };
         let inner: Vec<&DeviceInner> = self.devices.iter().map(|d| &*d.inner).collect();
         comms.enqueue(
             &call,
@@ -1467,6 +1500,28 @@ impl GpuGroup {
                     }
                     Ok(())
                 }
+                // Personalized moves: one copy per block, each on its destination's stream.
+                Collective::AllToAll => {
+                    for (k, &r) in recv.iter().enumerate() {
+                        for (j, &s) in send.iter().enumerate() {
+                            let (d, s) = (r + (j * bytes) as u64, s + (k * bytes) as u64);
+                            self.copy(k, d, j, s, bytes, false)?;
+                        }
+                    }
+                    Ok(())
+                }
+                Collective::Gather => {
+                    for (j, &s) in send.iter().enumerate() {
+                        self.copy(root, recv[root] + (j * bytes) as u64, j, s, bytes, false)?;
+                    }
+                    Ok(())
+                }
+                Collective::Scatter => {
+                    for (k, &r) in recv.iter().enumerate() {
+                        self.copy(k, r, root, send[root] + (k * bytes) as u64, bytes, false)?;
+                    }
+                    Ok(())
+                }
                 Collective::Barrier => Ok(()),
                 c => Err(not_run(c)),
             }
@@ -1547,14 +1602,34 @@ fn overlaps(a: &Region, b: &Region, es: usize) -> bool {
     a.len > 0 && b.len > 0 && a0 < b1 && b0 < a1
 }
 
+/// What [`runs`] takes, as an error message lists it.
+pub(crate) const RUNS: &str =
+    "all_reduce, broadcast, all_gather, reduce, reduce_scatter, all_to_all, gather, scatter \
+     and barrier";
+
 /// A collective this engine does not run (the communicator refuses it before the ranks meet).
 fn not_run(c: Collective) -> Error {
     Error::Unavailable {
         what: format!("{c} on a CUDA device group"),
-        why: "its engine runs all_reduce, broadcast, all_gather, reduce, reduce_scatter and \
-              barrier"
-            .into(),
+        why: format!("its engine runs {RUNS}"),
     }
+}
+
+/// The collectives a CUDA group runs: every device library's, and the personalized ones of
+/// equal blocks (NCCL's grouped sends and receives; copies between logical GPUs).
+pub(crate) fn runs(c: Collective) -> bool {
+    matches!(
+        c,
+        Collective::AllReduce
+            | Collective::Broadcast
+            | Collective::AllGather
+            | Collective::Reduce
+            | Collective::ReduceScatter
+            | Collective::Barrier
+            | Collective::AllToAll
+            | Collective::Gather
+            | Collective::Scatter
+    )
 }
 
 #[cfg(test)]

@@ -78,6 +78,14 @@ impl GroupEngine for Cuda {
         )
     }
 
+    fn runs(&self, c: Collective) -> bool {
+        group::runs(c)
+    }
+
+    fn runs_list(&self) -> &'static str {
+        group::RUNS
+    }
+
     fn op_unavailable(&self, op: crate::ReduceOp) -> Option<String> {
         self.group.op_unavailable(op)
     }
