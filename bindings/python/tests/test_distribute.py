@@ -173,24 +173,36 @@ WORKER = textwrap.dedent(
 )
 
 
-def test_multi_worker_mirrored_strategy_across_processes():
+def run_workers(code, world):
+    """Every worker's RESULT of ``code`` run by ``world`` processes of one job."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     procs = []
-    for rank in range(2):
-        env = dict(os.environ, TUTTI_RANK=str(rank), TUTTI_WORLD_SIZE="2", TUTTI_MASTER_ADDR=f"127.0.0.1:{port}",
+    for rank in range(world):
+        env = dict(os.environ, TUTTI_RANK=str(rank), TUTTI_WORLD_SIZE=str(world), TUTTI_MASTER_ADDR=f"127.0.0.1:{port}",
                    TUTTI_TIMEOUT="60")
         env["PYTHONPATH"] = PACKAGE + os.pathsep + env.get("PYTHONPATH", "")
         env.pop("TF_CONFIG", None)
-        procs.append(subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     results = []
-    for p in procs:
-        out, err = p.communicate(timeout=120)
-        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-        assert p.returncode == 0 and lines, err
-        results.append(json.loads(lines[-1][len("RESULT "):]))
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            assert p.returncode == 0 and lines, err
+            results.append(json.loads(lines[-1][len("RESULT "):]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return results
+
+
+def test_multi_worker_mirrored_strategy_across_processes():
+    results = run_workers(WORKER, 2)
     assert sorted(r["id"] for r in results) == [0, 1]
     for r in results:
         assert r["sync"] == 2 and r["total"] == 3.0 and r["mean"] == [0.5, 0.5], r
@@ -225,3 +237,104 @@ def test_reduce_along_an_axis_takes_uneven_batches_and_keeps_the_dtype():
     np.testing.assert_allclose(mean, np.concatenate(f).mean(axis=0))
     with pytest.raises(TypeError, match="byte order"):
         s.reduce("SUM", td.PerReplica([np.ones(2, ">f4")] * 2))
+
+
+def test_variables_of_each_strategy_train_to_the_full_batch_weights():
+    """The guides' loop with a strategy's variable: each replica's gradient summed across
+    replicas into the update, every copy kept alike."""
+    rng = np.random.default_rng(1)
+    X = rng.standard_normal((24, 3)).astype(np.float32)
+    y = X @ np.array([0.5, -1.0, 2.0], np.float32)
+    ref = np.zeros(3, np.float32)
+    for _ in range(20):
+        ref = ref - 0.05 * (2 * X.T @ (X @ ref - y) / len(X))
+    for s in [td.MirroredStrategy(cpus(3)), td.CentralStorageStrategy(cpus(2)), td.OneDeviceStrategy()]:
+        n = s.num_local_replicas
+        shards = td.PerReplica([(X[i::n], y[i::n]) for i in range(n)])
+        with s.scope():
+            w = td.Variable(np.zeros(3, np.float32), aggregation=td.VariableAggregation.SUM)
+
+            def step(shard):
+                xs, ys = shard
+                grad = 2 * xs.T @ (xs @ w.numpy() - ys) / len(X)
+                w.assign_sub(0.05 * grad)
+                return w.numpy()
+
+            for _ in range(20):
+                copies = s.experimental_local_results(s.run(step, args=(shards,)))
+                for c in copies[1:]:
+                    np.testing.assert_array_equal(c, copies[0])
+        np.testing.assert_allclose(w.numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_variable_updates_follow_their_aggregation():
+    s = td.MirroredStrategy(cpus(2))
+    with s.scope():
+        mean = td.Variable(np.zeros(2), aggregation="mean")
+        first = td.Variable(np.zeros(2), aggregation=td.VariableAggregation.ONLY_FIRST_REPLICA)
+        plain = td.Variable(np.zeros(2))
+
+        def step():
+            r = td.get_replica_context().replica_id_in_sync_group
+            mean.assign_add(np.full(2, r + 1.0))
+            first.assign(np.full(2, 10.0 + r))
+            with pytest.raises(ValueError, match="needs an aggregation"):
+                plain.assign(np.ones(2))
+
+        s.run(step)
+        copies = s.experimental_local_results(s.run(lambda: (mean.numpy(), first.numpy())))
+        assert [(m.tolist(), f.tolist()) for m, f in copies] == [([1.5, 1.5], [10.0, 10.0])] * 2
+        plain.assign(np.full(2, 7.0))  # the cross-replica context: every copy
+        got = s.experimental_local_results(s.run(lambda: plain.numpy()))
+        assert [g.tolist() for g in got] == [[7.0, 7.0]] * 2
+        counts = td.Variable(np.zeros(2, np.int32), aggregation="mean")
+        with pytest.raises(ValueError, match="would truncate"):
+            s.run(lambda: counts.assign_add(np.ones(2, np.int32)))
+        with pytest.raises(TypeError, match="does not fit"):
+            counts.assign(np.full(2, 0.5))
+        empty = td.Variable(np.zeros((0, 3), np.float32), aggregation="sum")
+        s.run(lambda: empty.assign_add(np.zeros((0, 3), np.float32)))
+        assert empty.shape == (0, 3)
+    other = td.MirroredStrategy(cpus(2))
+    with pytest.raises(ValueError, match="other than the one it was made under"):
+        other.run(lambda: mean.assign_add(np.ones(2)))
+    outside = td.Variable([1, 2, 3])
+    assert outside.assign_add([1, 1, 1]).numpy().tolist() == [2, 3, 4]
+    assert s.reduce("SUM", td.PerReplica([np.zeros(0, np.float32)] * 2)).shape == (0,)
+
+
+VARIABLE_WORKER = textwrap.dedent(
+    """
+    import json, os, numpy as np, tutti.distribute as td
+    rank = int(os.environ["TUTTI_RANK"])
+    s = td.MultiWorkerMirroredStrategy()
+    with s.scope():
+        v = td.Variable(np.full(3, 10.0 * (rank + 1), np.float32), aggregation="mean")
+        start = v.numpy().tolist()
+        s.run(lambda: v.assign_add(np.full(3, float(td.get_replica_context().replica_id_in_sync_group))))
+        after = v.numpy().tolist()
+        errors = []
+        for bad in [np.zeros(2 + rank, np.float32), np.zeros(3, [np.float32, np.int32][rank]),
+                    np.zeros((1,) * 8 + ((2, 3) if rank == 0 else (3, 2)), np.float32)]:
+            try:
+                td.Variable(bad)
+                errors.append(None)
+            except ValueError as e:
+                errors.append(str(e))
+        scalar = td.Variable(np.float64(rank + 5)).numpy().tolist()
+    print("RESULT " + json.dumps({"start": start, "after": after, "errors": errors, "scalar": scalar}),
+          flush=True)
+    """
+)
+
+
+def test_workers_start_every_variable_from_the_chiefs_value():
+    results = run_workers(VARIABLE_WORKER, 2)
+    for r in results:
+        assert r["start"] == [10.0] * 3 and r["after"] == [10.5] * 3 and r["scalar"] == 5.0, r
+        assert all(e and "differs between workers" in e for e in r["errors"]), r
+    size, dtype, shape = results[1]["errors"]
+    assert "this worker's has 1 dimensions, 3 elements of float32" in size, size
+    assert "chief's has 1 dimensions, 2 elements of float32" in size, size
+    assert "this worker's has 1 dimensions, 3 elements of int32" in dtype, dtype
+    assert "this worker's shape (1, 1, 1, 1, 1, 1, 1, 1, 3, 2)" in shape, shape

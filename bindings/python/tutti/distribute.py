@@ -31,6 +31,8 @@ The names and habits of TensorFlow's distributed-training guides, on numpy array
 * Inside ``run``: ``get_replica_context()`` with ``replica_id_in_sync_group``,
   ``num_replicas_in_sync`` and ``all_reduce(reduce_op, value)`` across every replica in sync
   (every worker's too).
+* ``Variable(initial_value, aggregation=...)``: the strategy's kind of variable, starting from
+  the chief's value on every worker, updated alike on every copy (see ``Variable``).
 
 A replica whose function raises makes ``run`` raise that exception (its siblings' collectives
 fail at once instead of waiting for the timeout), and the strategy stays usable.
@@ -57,6 +59,8 @@ __all__ = [
     "CommunicationOptions",
     "PerReplica",
     "ReplicaContext",
+    "VariableAggregation",
+    "Variable",
     "Strategy",
     "MirroredStrategy",
     "OneDeviceStrategy",
@@ -87,6 +91,8 @@ _PROTOTYPES = {
                                            ctypes.POINTER(ctypes.c_size_t)]),
     "tutti_replica_all_reduce": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
                                                    ctypes.c_uint32, ctypes.c_void_p]),
+    "tutti_replica_broadcast": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
+                                                  ctypes.c_size_t, ctypes.c_void_p]),
 }
 _bound = None
 _bind_lock = threading.Lock()
@@ -206,8 +212,8 @@ def _stack():
 class ReplicaContext:
     """What a replica's function sees inside ``run``."""
 
-    def __init__(self, strategy, ctx, replica_id):
-        self._strategy, self._ctx, self._id = strategy, ctx, replica_id
+    def __init__(self, strategy, ctx, replica_id, local=0):
+        self._strategy, self._ctx, self._id, self._local = strategy, ctx, replica_id, local
 
     @property
     def strategy(self):
@@ -238,6 +244,15 @@ class ReplicaContext:
                                                    a.ctypes.data_as(ctypes.c_void_p)))
             out = a
         return out[()] if scalar else out
+
+    def _broadcast(self, value, root=0):
+        """Replica ``root``'s ``value`` (an index in sync) on every replica: a new array."""
+        a = np.array(value, copy=True, order="C")
+        _check_dtype(a.dtype, "broadcast")
+        if self._ctx is not None:
+            _check(_lib().tutti_replica_broadcast(self._ctx, a.size, tutti.DTYPES[a.dtype.name], root,
+                                                  a.ctypes.data_as(ctypes.c_void_p)))
+        return a
 
 
 def _check_dtype(dtype, what):
@@ -285,6 +300,7 @@ class Strategy:
         h = ctypes.c_void_p()
         _check(_lib().tutti_strategy_create(kind, num_local_replicas, code, ctypes.byref(h)))
         self._h = h
+        self._kind = kind
         self._lock = threading.Lock()  # one run or reduce at a time
         total, local = ctypes.c_size_t(), ctypes.c_size_t()
         _check(_lib().tutti_strategy_num_replicas(h, ctypes.byref(total), ctypes.byref(local)))
@@ -335,7 +351,7 @@ class Strategy:
                 _check(_lib().tutti_replica_id(ctx, ctypes.byref(replica), ctypes.byref(local)))
                 # One local replica runs on the caller's own thread: its state comes back after.
                 saved = getattr(_state, "replica", None), _stack()
-                _state.replica = ReplicaContext(self, ctx, replica.value)
+                _state.replica = ReplicaContext(self, ctx, replica.value, local.value)
                 _state.stack = [self]
                 try:
                     a = [pick(v, local.value) for v in args]
@@ -476,6 +492,177 @@ class MultiWorkerMirroredStrategy(Strategy):
         if communication_options is not None and not isinstance(communication_options, CommunicationOptions):
             raise TypeError("communication_options must be a tutti.distribute.CommunicationOptions")
         super().__init__(_MULTI_WORKER, 0)
+
+
+class VariableAggregation:
+    """How the replicas' updates of a ``Variable`` combine inside ``run`` (TensorFlow's names)."""
+
+    NONE = "NONE"
+    SUM = "SUM"
+    MEAN = "MEAN"
+    ONLY_FIRST_REPLICA = "ONLY_FIRST_REPLICA"
+
+
+def _aggregation(a):
+    key = str(getattr(a, "value", a) if a is not None else "NONE").upper().rpartition(".")[2]
+    if key not in ("NONE", "SUM", "MEAN", "ONLY_FIRST_REPLICA"):
+        raise ValueError(f"aggregation {a!r} is not NONE, SUM, MEAN or ONLY_FIRST_REPLICA")
+    return key
+
+
+class Variable:
+    """A variable of the current strategy (``get_strategy()`` when it is made): under a
+    ``MirroredStrategy`` or ``MultiWorkerMirroredStrategy`` one copy per local replica, under
+    ``CentralStorageStrategy`` one copy, elsewhere one plain copy. Every worker starts from the
+    chief's ``initial_value`` (worker 0's, broadcast when the variable is made, as TensorFlow,
+    Horovod's broadcast and DDP do), so workers seeded differently train alike; a shape or dtype
+    that differs from the chief's is an error.
+
+    Inside ``run``, ``assign``, ``assign_add`` and ``assign_sub`` combine every replica's update
+    by ``aggregation`` (``SUM``, ``MEAN``, ``ONLY_FIRST_REPLICA``; ``NONE`` refuses updates
+    there) and apply the result to every copy alike; outside ``run`` the value given is applied
+    to every copy. ``numpy()`` / ``read_value()`` give this replica's copy inside ``run``, the
+    variable's value outside."""
+
+    def __init__(self, initial_value, aggregation=VariableAggregation.NONE, dtype=None, name=None):
+        self.name = name
+        self.aggregation = _aggregation(aggregation)
+        value = np.array(initial_value, dtype=dtype, copy=True, order="C")
+        _check_dtype(value.dtype, "Variable")
+        if getattr(_state, "replica", None) is not None:
+            raise RuntimeError("Variable: make variables in the cross-replica context (under scope(), not inside run)")
+        strategy = get_strategy()
+        self._strategy = strategy
+        self._central = strategy._kind == _CENTRAL_STORAGE
+        self._lock = threading.Lock()
+        if strategy._total > strategy._local:
+            value = self._chiefs(strategy, value)
+        copies = 1 if self._central else strategy._local
+        self._values = [value.copy() for _ in range(copies)]
+
+    @staticmethod
+    def _chiefs(strategy, value):
+        """``value`` as the chief holds it, broadcast from replica 0 once every replica agrees
+        with the chief's rank, size and dtype, then its shape: a difference is an error on every
+        replica (each learns of it), never a collective that the others do not make."""
+        header = np.array([value.ndim, value.size, tutti.DTYPES[value.dtype.name]], np.int64)
+
+        def agree(ctx, mine, what):
+            theirs = ctx._broadcast(mine, 0)
+            differs = not np.array_equal(theirs, mine)
+            if ctx.all_reduce("SUM", np.int32(differs)):
+                raise ValueError(
+                    f"Variable: the initial value differs between workers: the chief's {what(theirs)}"
+                    + (f", this worker's {what(mine)}" if differs else "")
+                )
+
+        def step():
+            ctx = get_replica_context()
+            agree(ctx, header, lambda h: f"has {h[0]} dimensions, {h[1]} elements of {_dtype_name(h[2])}")
+            agree(ctx, np.array(value.shape, np.int64), lambda d: f"shape {tuple(int(x) for x in d)}")
+            return ctx._broadcast(value, 0)
+
+        return strategy.experimental_local_results(strategy.run(step))[0]
+
+    def _replica(self):
+        """The running replica's context, if this is a replica of this variable's strategy; an
+        error inside another strategy's run."""
+        replica = getattr(_state, "replica", None)
+        if replica is None or replica._ctx is None:
+            return None
+        if replica.strategy is not self._strategy:
+            raise ValueError("Variable: used inside the run of a strategy other than the one it was made under")
+        return replica
+
+    def _index(self):
+        replica = self._replica()
+        return 0 if replica is None or self._central else replica._local
+
+    def numpy(self):
+        """This replica's copy inside ``run``, else the variable's value (a new array)."""
+        return self._values[self._index()].copy()
+
+    def read_value(self):
+        """As ``numpy()``."""
+        return self.numpy()
+
+    value = read_value
+
+    def __array__(self, dtype=None, copy=None):
+        return self.numpy() if dtype is None else self.numpy().astype(dtype)
+
+    @property
+    def shape(self):
+        return self._values[0].shape
+
+    @property
+    def dtype(self):
+        return self._values[0].dtype
+
+    def assign(self, value):
+        """Set the variable (see the class documentation); returns it."""
+        return self._update(value, "set")
+
+    def assign_add(self, delta):
+        """Add to the variable (see the class documentation); returns it."""
+        return self._update(delta, "add")
+
+    def assign_sub(self, delta):
+        """Subtract from the variable (see the class documentation); returns it."""
+        return self._update(delta, "sub")
+
+    def _update(self, value, how):
+        given = np.asarray(value)
+        if not np.can_cast(given.dtype, self.dtype, "same_kind"):
+            raise TypeError(f"Variable.assign: an update of {given.dtype} does not fit a variable of {self.dtype}")
+        u = given.astype(self.dtype)
+        if u.shape != self.shape:
+            raise ValueError(f"Variable.assign: the update has shape {u.shape}, the variable {self.shape}")
+        replica = self._replica()
+        if replica is not None:
+            if self.aggregation == "MEAN" and self.dtype.kind != "f":
+                raise ValueError(
+                    f"Variable: MEAN aggregation of a {self.dtype} variable would truncate; use a float "
+                    "variable or SUM"
+                )
+            if self.aggregation == "NONE":
+                raise ValueError(
+                    "Variable: an update inside run needs an aggregation (SUM, MEAN or ONLY_FIRST_REPLICA); "
+                    "this variable has NONE"
+                )
+            if self.aggregation == "ONLY_FIRST_REPLICA":
+                u = replica._broadcast(u, 0)
+            else:
+                u = replica.all_reduce(self.aggregation, u)
+            if self._central:
+                # One copy: the first local replica applies the combined update, and every
+                # replica waits for it before reading on.
+                if replica._local == 0:
+                    self._apply(0, u, how)
+                replica.all_reduce("SUM", np.zeros(1, np.float32))
+            else:
+                self._apply(replica._local, u, how)
+            return self
+        for i in range(len(self._values)):
+            self._apply(i, u, how)
+        return self
+
+    def _apply(self, i, u, how):
+        with self._lock:
+            v = self._values[i]
+            if how == "set":
+                v[...] = u
+            elif how == "add":
+                v += u
+            else:
+                v -= u
+
+    def __repr__(self):
+        return f"<tutti.distribute.Variable {self.name or ''} shape={self.shape} dtype={self.dtype} value={self.numpy()!r}>"
+
+
+def _dtype_name(code):
+    return {v: k for k, v in tutti.DTYPES.items()}.get(int(code), f"dtype {code}")
 
 
 _default = None
