@@ -308,8 +308,21 @@ pub unsafe extern "C" fn tutti_replica_id(
     })
 }
 
+/// `b` as elements. An empty slice's dangling address need not be aligned for `T`: it is
+/// none of `T`'s to cast.
 fn typed<T: Element>(b: &mut [u8]) -> &mut [T] {
+    if b.is_empty() {
+        return &mut [];
+    }
     bytemuck::cast_slice_mut(b)
+}
+
+/// As [`typed`], read only.
+fn typed_ref<T: Element>(b: &[u8]) -> &[T] {
+    if b.is_empty() {
+        return &[];
+    }
+    bytemuck::cast_slice(b)
 }
 
 /// All-reduce `count` elements of `buf` in place across every replica in sync. `op` may be any
@@ -417,13 +430,11 @@ pub unsafe extern "C" fn tutti_strategy_reduce(
             let parts: Vec<Tensor<T>> = ptrs
                 .iter()
                 .map(|p| {
-                    Tensor::vector(
-                        bytemuck::cast_slice::<u8, T>(unsafe { buffers::slice(*p, len) }).to_vec(),
-                    )
+                    Tensor::vector(typed_ref::<T>(unsafe { buffers::slice(*p, len) }).to_vec())
                 })
                 .collect();
             let r = s.reduce(op, &PerReplica(parts), None)?;
-            let out: &mut [T] = bytemuck::cast_slice_mut(unsafe { buffers::slice_mut(out, len) });
+            let out: &mut [T] = typed(unsafe { buffers::slice_mut(out, len) });
             out.copy_from_slice(&r.data);
             Ok(())
         }
