@@ -24,6 +24,30 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::{Collective, Result, Site};
 use crate::transport::CallBuffers;
 
+/// The collectives a CUDA group runs (feature `cuda`): every device library's, and the
+/// personalized ones of equal blocks (NCCL's grouped sends and receives; copies between logical
+/// GPUs). Here, not in `cuda`, so that a build without CUDA says the same (`tutti perf`).
+pub(crate) fn cuda_runs(c: Collective) -> bool {
+    matches!(
+        c,
+        Collective::AllReduce
+            | Collective::Broadcast
+            | Collective::AllGather
+            | Collective::Reduce
+            | Collective::ReduceScatter
+            | Collective::Barrier
+            | Collective::AllToAll
+            | Collective::Gather
+            | Collective::Scatter
+    )
+}
+
+/// What [`cuda_runs`] takes, as an error message lists it.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) const CUDA_RUNS: &str =
+    "all_reduce, broadcast, all_gather, reduce, reduce_scatter, all_to_all, gather, scatter \
+     and barrier";
+
 /// A checked call, as a group engine sees it. Counts as in [`crate::RawCall`].
 #[derive(Copy, Clone, Debug)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]

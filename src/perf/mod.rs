@@ -212,11 +212,7 @@ pub fn device_measures(device: DeviceKind, c: Collective) -> Result<()> {
     let (ok, list, what) = match device {
         DeviceKind::Cpu => return Ok(()),
         DeviceKind::Gpu => (
-            has_in_place(c)
-                || matches!(
-                    c,
-                    Collective::AllToAll | Collective::Gather | Collective::Scatter
-                ),
+            crate::engine::cuda_runs(c),
             "all-reduce, broadcast, all-gather, reduce, reduce-scatter, all-to-all, gather and \
              scatter",
             "GPU ranks",
@@ -1333,12 +1329,7 @@ mod tests {
     fn what_perf_cannot_measure_is_refused_before_it_runs() {
         for c in NEW {
             for device in [DeviceKind::Gpu, DeviceKind::Xla] {
-                if device == DeviceKind::Gpu
-                    && matches!(
-                        c,
-                        Collective::AllToAll | Collective::Gather | Collective::Scatter
-                    )
-                {
+                if device == DeviceKind::Gpu && crate::engine::cuda_runs(c) {
                     // Measured on GPU ranks (tests/gpu.rs runs them there).
                     assert!(device_measures(device, c).is_ok(), "{c}");
                     continue;

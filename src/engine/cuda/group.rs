@@ -1602,34 +1602,12 @@ fn overlaps(a: &Region, b: &Region, es: usize) -> bool {
     a.len > 0 && b.len > 0 && a0 < b1 && b0 < a1
 }
 
-/// What [`runs`] takes, as an error message lists it.
-pub(crate) const RUNS: &str =
-    "all_reduce, broadcast, all_gather, reduce, reduce_scatter, all_to_all, gather, scatter \
-     and barrier";
-
 /// A collective this engine does not run (the communicator refuses it before the ranks meet).
 fn not_run(c: Collective) -> Error {
     Error::Unavailable {
         what: format!("{c} on a CUDA device group"),
-        why: format!("its engine runs {RUNS}"),
+        why: format!("its engine runs {}", crate::engine::CUDA_RUNS),
     }
-}
-
-/// The collectives a CUDA group runs: every device library's, and the personalized ones of
-/// equal blocks (NCCL's grouped sends and receives; copies between logical GPUs).
-pub(crate) fn runs(c: Collective) -> bool {
-    matches!(
-        c,
-        Collective::AllReduce
-            | Collective::Broadcast
-            | Collective::AllGather
-            | Collective::Reduce
-            | Collective::ReduceScatter
-            | Collective::Barrier
-            | Collective::AllToAll
-            | Collective::Gather
-            | Collective::Scatter
-    )
 }
 
 #[cfg(test)]

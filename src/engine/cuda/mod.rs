@@ -79,11 +79,11 @@ impl GroupEngine for Cuda {
     }
 
     fn runs(&self, c: Collective) -> bool {
-        group::runs(c)
+        super::cuda_runs(c)
     }
 
     fn runs_list(&self) -> &'static str {
-        group::RUNS
+        super::CUDA_RUNS
     }
 
     fn op_unavailable(&self, op: crate::ReduceOp) -> Option<String> {
