@@ -290,8 +290,9 @@ enum tutti_transport
 #endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
  {
     /**
-     * The `TUTTI_TRANSPORT` environment variable (`auto`, `tcp`, `shm`) when set; otherwise
-     * shared memory for peers on this host and TCP for the others.
+     * The `TUTTI_TRANSPORT` environment variable (`auto`, `tcp`, `shm`, `mpi`) when set;
+     * otherwise MPI under an MPI launcher in a build with the `mpi` feature, else shared
+     * memory for peers on this host and TCP for the others.
      */
     TUTTI_TRANSPORT_AUTO = 0,
     /**
@@ -302,6 +303,12 @@ enum tutti_transport
      * Shared memory to every peer (every rank on this host).
      */
     TUTTI_TRANSPORT_SHM = 2,
+    /**
+     * MPI point-to-point to every peer, the ranks those of the MPI job (`mpirun`, `srun`):
+     * only `tutti_comm_create_from_env` joins over it, and only in a build with the `mpi`
+     * feature (else `TUTTI_ERROR_UNAVAILABLE`).
+     */
+    TUTTI_TRANSPORT_MPI = 3,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

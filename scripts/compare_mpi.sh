@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tutti against Open MPI, side by side in one run: f32 sum all-reduce, time per call.
 #
-#   bash scripts/compare_mpi.sh [shm|tcp] [ranks] [sizes...]
+#   bash scripts/compare_mpi.sh [shm|tcp|mpi] [ranks] [sizes...]
 #
 # Needs Open MPI and mpi4py (apt-get install openmpi-bin libopenmpi-dev; pip install mpi4py
 # numpy) and a release build of tutti (cargo build --release). Prints bytes, Open MPI's time,
@@ -9,7 +9,9 @@
 # tutti's shared-memory transport with Open MPI's vader; tcp both over loopback TCP. More ranks
 # than cores run Open MPI with --oversubscribe. Both run ROUNDS times in turn (default 3) and
 # each side's best time per size is printed. SHARED=1 runs tutti on shared buffers
-# (--shared-buffers, over shm: zero-copy between the processes).
+# (--shared-buffers, over shm: zero-copy between the processes). mpi runs tutti under mpirun
+# over its MPI transport (tutti's algorithms on MPI's point-to-point, MPI's vader BTL beneath
+# both sides); it builds tutti with `--features mpi`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 transport=${1:-shm}
@@ -18,12 +20,16 @@ shift 2 || true
 sizes=("$@")
 [ ${#sizes[@]} -gt 0 ] || sizes=(8 1024 4096 16384 65536 1048576 67108864)
 tutti=target/release/tutti
-[ -x "$tutti" ] || cargo build --release -q -p tutti-cli
+if [ "$transport" = mpi ]; then
+    cargo build --release -q -p tutti-cli --features mpi
+else
+    [ -x "$tutti" ] || cargo build --release -q -p tutti-cli
+fi
 
 case $transport in
-shm) btl=self,vader ;;
+shm | mpi) btl=self,vader ;;
 tcp) btl=self,tcp ;;
-*) echo "transport: shm or tcp" >&2; exit 2 ;;
+*) echo "transport: shm, tcp or mpi" >&2; exit 2 ;;
 esac
 mpi_flags=(--allow-run-as-root --bind-to none --mca btl "$btl" -np "$ranks")
 [ "$ranks" -le "$(nproc)" ] || mpi_flags+=(--oversubscribe)
@@ -48,7 +54,11 @@ for ((round = 0; round < rounds; round++)); do
     while read -r b us; do keep_best mpi "$b" "$us"; done < <(
         OMPI_MCA_btl_tcp_if_include=lo mpirun "${mpi_flags[@]}" python3 scripts/mpi_allreduce.py "${sizes[@]}")
     while read -r b us; do keep_best tut "$b" "$us"; done < <(
-        "$tutti" launch -n "$ranks" -- "$tutti" perf -b "$lo" -e "$hi" -f 2 --out-of-place --transport "$transport" "${shared[@]}" --json |
+        if [ "$transport" = mpi ]; then
+            mpirun "${mpi_flags[@]}" "$tutti" perf -b "$lo" -e "$hi" -f 2 --out-of-place --transport mpi --json
+        else
+            "$tutti" launch -n "$ranks" -- "$tutti" perf -b "$lo" -e "$hi" -f 2 --out-of-place --transport "$transport" "${shared[@]}" --json
+        fi |
             python3 -c 'import sys, json
 for l in sys.stdin:
     r = json.loads(l) if l.startswith("{") else {}

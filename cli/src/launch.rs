@@ -128,6 +128,12 @@ type Plan = (String, Vec<(String, String)>, Option<TcpListener>);
 
 /// The environment of each process, with its label.
 fn plan(l: &Launch) -> Result<Vec<Plan>> {
+    if l.transport == Some(TransportKind::Mpi) {
+        return Err(Error::config(
+            "--transport mpi: an MPI job is started by an MPI launcher (mpirun -np N \
+             tutti perf --transport mpi), not by tutti launch",
+        ));
+    }
     let token = random_token()?;
     let transport = l
         .transport

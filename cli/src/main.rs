@@ -111,7 +111,7 @@ struct CheckArgs {
     /// Ranks (threads), when not under a launcher.
     #[arg(short = 'n', long)]
     ranks: Option<usize>,
-    /// Transport under a launcher: auto, tcp, shm.
+    /// Transport under a launcher: auto, tcp, shm, mpi (under mpirun, with the `mpi` feature).
     #[arg(long, value_parser = parse::<TransportKind>)]
     transport: Option<TransportKind>,
     /// Element counts to check (comma-separated).
@@ -185,7 +185,8 @@ struct PerfArgs {
     /// Timeout of every wait, in seconds.
     #[arg(long)]
     timeout: Option<f64>,
-    /// Transport under a launcher: auto, tcp, shm; several (comma-separated) measure each.
+    /// Transport under a launcher: auto, tcp, shm, mpi (under mpirun, in a build with the `mpi`
+    /// feature); several (comma-separated) measure each.
     #[arg(long, value_parser = parse::<TransportKind>, value_delimiter = ',')]
     transport: Vec<TransportKind>,
     /// Print JSON Lines: a machine line, then a line per size.
@@ -233,9 +234,6 @@ fn launched_comm(
     transport: Option<TransportKind>,
     config: &Config,
 ) -> Result<Option<Communicator>, tutti::Error> {
-    let Some(spec) = ClusterSpec::from_env()? else {
-        return Ok(None);
-    };
     let kind = match transport {
         Some(k) => k,
         None => match std::env::var("TUTTI_TRANSPORT") {
@@ -244,6 +242,13 @@ fn launched_comm(
                 .map_err(|e: String| tutti::Error::config(format!("TUTTI_TRANSPORT: {e}")))?,
             Err(_) => TransportKind::Auto,
         },
+    };
+    if kind.is_mpi_here() {
+        // The ranks are the MPI job's (mpirun gives no meeting point of tutti's).
+        return Communicator::from_env_over(kind, config).map(Some);
+    }
+    let Some(spec) = ClusterSpec::from_env()? else {
+        return Ok(None);
     };
     Communicator::from_cluster(&spec, kind, config).map(Some)
 }

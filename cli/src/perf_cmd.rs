@@ -524,13 +524,20 @@ fn sweep(
     };
     *machine_out = Some(machine.clone());
     let carrier = match comm {
-        Some(_) => format!(
-            "processes, transport {}",
-            transport.map_or_else(
+        Some(_) => {
+            let named = transport.map_or_else(
                 || std::env::var("TUTTI_TRANSPORT").unwrap_or_else(|_| "auto".into()),
-                |t| t.to_string()
+                |t| t.to_string(),
+            );
+            // `auto` under an MPI launcher, in a build with MPI, is the MPI transport.
+            let mpi = named
+                .parse::<TransportKind>()
+                .is_ok_and(|k| k == TransportKind::Auto && k.is_mpi_here());
+            format!(
+                "processes, transport {named}{}",
+                if mpi { " (mpi)" } else { "" }
             )
-        ),
+        }
         None if a.device == DeviceKind::Xla => "XLA devices through PJRT".to_string(),
         None if gpu => "GPUs of this process".to_string(),
         None => "threads".to_string(),

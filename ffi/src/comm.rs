@@ -256,14 +256,18 @@ pub unsafe extern "C" fn tutti_comm_create_from_env(
         let settings = unsafe { config::read(config) }?;
         let out = out_ptr(comm, "comm")?;
         let kind = transport_for(&settings)?;
-        let spec = ClusterSpec::from_env()?.ok_or_else(|| {
-            Failure::invalid(
-                "no cluster in the environment: run under tutti launch, torchrun, mpirun or \
-                 srun, or set TF_CONFIG, or TUTTI_RANK, TUTTI_WORLD_SIZE and TUTTI_MASTER_ADDR \
-                 (or call tutti_comm_create_rank)",
-            )
-        })?;
-        let c = Communicator::from_cluster_on_env_device(&spec, kind, &settings.core)?;
+        let c = if kind.is_mpi_here() {
+            Communicator::from_env_over(kind, &settings.core)?
+        } else {
+            let spec = ClusterSpec::from_env()?.ok_or_else(|| {
+                Failure::invalid(
+                    "no cluster in the environment: run under tutti launch, torchrun, mpirun or \
+                     srun, or set TF_CONFIG, or TUTTI_RANK, TUTTI_WORLD_SIZE and \
+                     TUTTI_MASTER_ADDR (or call tutti_comm_create_rank)",
+                )
+            })?;
+            Communicator::from_cluster_on_env_device(&spec, kind, &settings.core)?
+        };
         // SAFETY: checked non-NULL; the caller promises it is writable.
         unsafe { out.write(tutti_comm::into_raw(c)) };
         Ok(())

@@ -102,13 +102,18 @@ pub type tutti_algorithm = u32;
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 #[allow(dead_code)] // Named for C in the header; values arrive here as integers.
 pub enum TuttiTransport {
-    /// The `TUTTI_TRANSPORT` environment variable (`auto`, `tcp`, `shm`) when set; otherwise
-    /// shared memory for peers on this host and TCP for the others.
+    /// The `TUTTI_TRANSPORT` environment variable (`auto`, `tcp`, `shm`, `mpi`) when set;
+    /// otherwise MPI under an MPI launcher in a build with the `mpi` feature, else shared
+    /// memory for peers on this host and TCP for the others.
     TUTTI_TRANSPORT_AUTO = 0,
     /// TCP to every peer.
     TUTTI_TRANSPORT_TCP = 1,
     /// Shared memory to every peer (every rank on this host).
     TUTTI_TRANSPORT_SHM = 2,
+    /// MPI point-to-point to every peer, the ranks those of the MPI job (`mpirun`, `srun`):
+    /// only `tutti_comm_create_from_env` joins over it, and only in a build with the `mpi`
+    /// feature (else `TUTTI_ERROR_UNAVAILABLE`).
+    TUTTI_TRANSPORT_MPI = 3,
 }
 
 /// A `tutti_transport` as it crosses the C boundary: one of the `TUTTI_TRANSPORT_*` values.
@@ -223,8 +228,9 @@ pub(crate) fn transport(v: tutti_transport) -> Result<Option<tutti::TransportKin
         0 => Ok(None),
         1 => Ok(Some(tutti::TransportKind::Tcp)),
         2 => Ok(Some(tutti::TransportKind::Shm)),
+        3 => Ok(Some(tutti::TransportKind::Mpi)),
         _ => Err(format!(
-            "transport {v} is not a tutti_transport (valid: 0..=2, TUTTI_TRANSPORT_AUTO .. TUTTI_TRANSPORT_SHM)"
+            "transport {v} is not a tutti_transport (valid: 0..=3, TUTTI_TRANSPORT_AUTO .. TUTTI_TRANSPORT_MPI)"
         )),
     }
 }
@@ -273,6 +279,7 @@ mod tests {
         assert!(algorithm(7, 0).unwrap_err().message.contains("algorithm 7"));
         assert_eq!(transport(0), Ok(None));
         assert_eq!(transport(2), Ok(Some(tutti::TransportKind::Shm)));
-        assert!(transport(3).unwrap_err().contains("transport 3"));
+        assert_eq!(transport(3), Ok(Some(tutti::TransportKind::Mpi)));
+        assert!(transport(4).unwrap_err().contains("transport 4"));
     }
 }

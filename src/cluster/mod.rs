@@ -36,7 +36,7 @@ pub const TASK_TYPES: [&str; 4] = ["chief", "worker", "ps", "evaluator"];
 ///
 /// mpirun gives ranks but no meeting point: `MASTER_ADDR` and `MASTER_PORT` (or
 /// `TUTTI_MASTER_ADDR`) name it. Under srun they may too; without them the ranks meet on the first
-/// host of the step's node list. `TUTTI_TRANSPORT` (`auto`, `tcp`, `shm`) chooses the transport.
+/// host of the step's node list. `TUTTI_TRANSPORT` (`auto`, `tcp`, `shm`, `mpi`) chooses the transport.
 ///
 /// Every connection of a job proves its secret: `token`, else `TUTTI_JOB_TOKEN`, else this
 /// user's own secret on one host; a job across hosts without one is refused unless
@@ -94,6 +94,22 @@ impl ClusterSpec {
         ]
         .iter()
         .any(|v| std::env::var_os(v).is_some())
+    }
+
+    /// True when an MPI launcher (`mpirun`, `srun`, MPICH's Hydra) started this process and
+    /// no variables that [`ClusterSpec::from_env`] reads first (tutti's, `TF_CONFIG`,
+    /// torchrun's) are set: where `auto` means the MPI transport in a build that has it.
+    pub fn launched_by_mpi() -> bool {
+        let first = [
+            "TUTTI_RANK",
+            "TUTTI_WORLD_SIZE",
+            "TF_CONFIG",
+            "RANK",
+            "WORLD_SIZE",
+        ];
+        let mpi = ["OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"];
+        !first.iter().any(|v| std::env::var_os(v).is_some())
+            && mpi.iter().any(|v| std::env::var_os(v).is_some())
     }
 
     /// Resolve from a set of variables (the environment, or a test's).

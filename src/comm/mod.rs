@@ -168,18 +168,87 @@ impl Communicator {
     /// comm.all_reduce(&mut grad, tutti::ReduceOp::Mean).unwrap();
     /// ```
     pub fn from_env(config: &Config) -> Result<Communicator> {
-        let spec = ClusterSpec::from_env()?.ok_or_else(|| {
-            Error::config(
-                "no cluster in the environment: run under tutti launch, torchrun, mpirun or srun, or set TF_CONFIG or TUTTI_RANK, TUTTI_WORLD_SIZE and TUTTI_MASTER_ADDR",
-            )
-        })?;
         let kind = match std::env::var("TUTTI_TRANSPORT") {
             Ok(v) => v
                 .parse::<TransportKind>()
                 .map_err(|e| Error::config(format!("TUTTI_TRANSPORT: {e}")))?,
             Err(_) => TransportKind::Auto,
         };
+        Communicator::from_env_over(kind, config)
+    }
+
+    /// [`Communicator::from_env`] over the transport `kind` (rather than `TUTTI_TRANSPORT`'s).
+    /// Under an MPI launcher (`mpirun`, `srun`), a build with the `mpi` feature takes `auto`
+    /// for `mpi`: the ranks come from the MPI job and the bytes travel on MPI.
+    pub fn from_env_over(kind: TransportKind, config: &Config) -> Result<Communicator> {
+        if kind.is_mpi_here() {
+            // A job another launcher started (`tutti launch`, torchrun, TF_CONFIG) is not an
+            // MPI job: each of its processes would be an MPI world of one.
+            if let Ok(Some(spec)) = ClusterSpec::from_env() {
+                if !matches!(spec.source, "mpirun" | "srun") {
+                    return Err(Error::config(format!(
+                        "the MPI transport needs a job started by an MPI launcher (mpirun, \
+                         srun), and this process was started by {} (choose TUTTI_TRANSPORT=auto, \
+                         tcp or shm, or launch with mpirun)",
+                        spec.source
+                    )));
+                }
+            }
+            if let Ok(device) = std::env::var("TUTTI_DEVICE") {
+                if !device.eq_ignore_ascii_case("cpu") && device != "cpu:0" {
+                    return Err(Error::config(format!(
+                        "TUTTI_DEVICE={device}: the MPI transport carries host memory only; \
+                         leave TUTTI_DEVICE unset or cpu, or choose TUTTI_TRANSPORT=auto"
+                    )));
+                }
+            }
+            return Communicator::from_mpi(config);
+        }
+        let spec = ClusterSpec::from_env()?.ok_or_else(|| {
+            Error::config(
+                "no cluster in the environment: run under tutti launch, torchrun, mpirun or srun, or set TF_CONFIG or TUTTI_RANK, TUTTI_WORLD_SIZE and TUTTI_MASTER_ADDR",
+            )
+        })?;
         Communicator::from_cluster_on_env_device(&spec, kind, config)
+    }
+
+    /// Join the MPI job this process belongs to (launched by `mpirun`, `srun` or any MPI
+    /// launcher) as its rank in `MPI_COMM_WORLD`, every byte carried by MPI's point-to-point
+    /// calls (feature `mpi`): each tutti algorithm runs over it, with tutti's checks, timeouts
+    /// and errors. MPI is initialized with `MPI_THREAD_MULTIPLE` if the program has not done so
+    /// (and finalized at exit); a program that initialized it must have asked for that level.
+    /// Collective over the MPI job; bounded by `config.timeout`. Without the feature, or with
+    /// an MPI library that lacks `MPI_THREAD_MULTIPLE`, an `Unavailable` error says so.
+    ///
+    /// ```no_run
+    /// // mpirun -np 4 ./trainer
+    /// let comm = tutti::Communicator::from_mpi(&tutti::Config::default()).unwrap();
+    /// let mut grad = vec![1.0f32; 1024];
+    /// comm.all_reduce(&mut grad, tutti::ReduceOp::Sum).unwrap();
+    /// ```
+    pub fn from_mpi(config: &Config) -> Result<Communicator> {
+        #[cfg(feature = "mpi")]
+        {
+            let t = crate::transport::mpi::MpiTransport::world(config.timeout)?;
+            config.check(t.world_size())?;
+            Ok(Communicator::with_engine(
+                Arc::new(t),
+                config,
+                None,
+                (DeviceKind::Cpu, 0),
+            ))
+        }
+        #[cfg(not(feature = "mpi"))]
+        {
+            let _ = config;
+            Err(Error::Unavailable {
+                what: "the MPI transport".into(),
+                why: "this build of tutti has no MPI: build it with `--features mpi` (needs an \
+                      MPI library with its headers, such as Debian's libopenmpi-dev, and \
+                      libclang-dev)"
+                    .into(),
+            })
+        }
     }
 
     /// Join the job `spec` describes on the device `TUTTI_DEVICE` names
@@ -207,6 +276,18 @@ impl Communicator {
         kind: TransportKind,
         config: &Config,
     ) -> Result<Communicator> {
+        if kind == TransportKind::Mpi {
+            let c = Communicator::from_mpi(config)?;
+            if c.world_size() != spec.world_size {
+                return Err(Error::config(format!(
+                    "the MPI job has {} ranks where the cluster spec ({}) has {}",
+                    c.world_size(),
+                    spec.source,
+                    spec.world_size
+                )));
+            }
+            return Ok(c);
+        }
         config.check(spec.world_size)?;
         let t = NetTransport::connect(spec, kind, config.timeout, config.chunk_bytes)?;
         Ok(Communicator::with_engine(

@@ -146,6 +146,18 @@ impl Communicator {
                 }
                 Arc::new(t?)
             }
+            #[cfg(feature = "mpi")]
+            Regroup::Mpi(parent) => {
+                // Every rank of the parent takes part (a rank of no group, or of a group whose
+                // settings fail their check, makes no communicator).
+                let group = (new_rank.is_some() && check.is_ok()).then_some(&members[..]);
+                let t = parent.split(group, config.timeout)?;
+                check?;
+                match t {
+                    Some(t) => Arc::new(t),
+                    None => return Ok(None),
+                }
+            }
         };
         Ok(Some(Communicator::new(transport, &config)))
     }

@@ -15,6 +15,8 @@
 //! one process.
 
 pub mod local;
+#[cfg(feature = "mpi")]
+pub(crate) mod mpi;
 pub mod net;
 pub(crate) mod shared;
 pub(crate) mod shm;
@@ -305,6 +307,9 @@ pub(crate) enum Regroup {
         /// TCP, shared memory or either.
         kind: TransportKind,
     },
+    /// MPI: `MPI_Comm_split` of the parent's MPI communicator.
+    #[cfg(feature = "mpi")]
+    Mpi(mpi::Parent),
 }
 
 /// The error of a point-to-point receive whose sender stated another dtype or length: it

@@ -57,6 +57,8 @@ pub enum TransportKind {
     Tcp,
     /// Shared memory for every peer (all on one host).
     Shm,
+    /// MPI point-to-point for every peer (feature `mpi`; ranks and world from the MPI job).
+    Mpi,
 }
 
 impl FromStr for TransportKind {
@@ -66,9 +68,22 @@ impl FromStr for TransportKind {
             "auto" => Ok(TransportKind::Auto),
             "tcp" => Ok(TransportKind::Tcp),
             "shm" => Ok(TransportKind::Shm),
+            "mpi" => Ok(TransportKind::Mpi),
             _ => Err(format!(
-                "unknown transport '{s}' (expected auto, tcp or shm)"
+                "unknown transport '{s}' (expected auto, tcp, shm or mpi)"
             )),
+        }
+    }
+}
+
+impl TransportKind {
+    /// Whether this choice means the MPI transport here: `mpi`, or `auto` in a build with the
+    /// `mpi` feature under an MPI launcher ([`ClusterSpec::launched_by_mpi`]).
+    pub fn is_mpi_here(self) -> bool {
+        match self {
+            TransportKind::Mpi => true,
+            TransportKind::Auto => cfg!(feature = "mpi") && ClusterSpec::launched_by_mpi(),
+            TransportKind::Tcp | TransportKind::Shm => false,
         }
     }
 }
@@ -79,6 +94,7 @@ impl std::fmt::Display for TransportKind {
             TransportKind::Auto => "auto",
             TransportKind::Tcp => "tcp",
             TransportKind::Shm => "shm",
+            TransportKind::Mpi => "mpi",
         })
     }
 }
@@ -236,6 +252,12 @@ impl NetTransport {
         timeout: Duration,
         chunk_bytes: usize,
     ) -> Result<NetTransport> {
+        if kind == TransportKind::Mpi {
+            return Err(Error::config(
+                "the MPI transport takes its ranks from the MPI job, not from a store \
+                 (Communicator::from_mpi, or TUTTI_TRANSPORT=mpi under mpirun)",
+            ));
+        }
         let call_timeout = timeout;
         let (rank, world, token, deadline) = (meet.rank, meet.world, meet.token, meet.deadline);
         let listen_host = meet.listen_host;
@@ -335,7 +357,7 @@ impl NetTransport {
             let use_shm = match kind {
                 TransportKind::Tcp => false,
                 TransportKind::Shm => true,
-                TransportKind::Auto => same_host[r],
+                TransportKind::Auto | TransportKind::Mpi => same_host[r],
             };
             let shm = if use_shm {
                 Some(ShmLink::open(
@@ -673,7 +695,7 @@ struct RecvState<'a> {
 }
 
 /// The aux of a point-to-point data frame: a marker and the dtype both sides must state.
-fn pair_aux(dtype: crate::dtype::DType) -> u32 {
+pub(crate) fn pair_aux(dtype: crate::dtype::DType) -> u32 {
     PAIR_MARK | dtype as u32
 }
 
@@ -683,7 +705,7 @@ const PAIR_MARK: u32 = 0x5050_0000;
 /// The identity every point-to-point frame carries: no call number (point-to-point calls are
 /// not numbered with the collectives), so that a collective's frame where a point-to-point one
 /// is due, or the reverse, is a `Mismatch` naming the collective.
-fn pair_ident() -> Ident {
+pub(crate) fn pair_ident() -> Ident {
     CallHeader {
         call: u64::MAX,
         collective: crate::error::Collective::SendRecv,
@@ -919,23 +941,7 @@ impl NetTransport {
     /// A frame whose call identity differs from this rank's call: a `Mismatch` naming the
     /// first field that differs.
     fn mismatch(&self, site: Site, peer: usize, theirs: &Ident, mine: &Ident) -> Error {
-        let (Some(t), Some(m)) = (CallHeader::from_ident(theirs), CallHeader::from_ident(mine))
-        else {
-            return Error::invalid(
-                site,
-                format!("rank {peer} sent a frame whose call this rank cannot read"),
-            );
-        };
-        match m.first_difference(&t) {
-            Some((field, mine, theirs)) => Error::Mismatch {
-                site,
-                peer,
-                field,
-                mine,
-                theirs,
-            },
-            None => Error::invalid(site, format!("rank {peer} is out of step with this rank")),
-        }
+        super::wire::mismatch(site, peer, theirs, mine)
     }
 
     /// Check the header of an arriving frame against this rank's call and the receive it

@@ -101,6 +101,34 @@ impl CallHeader {
     }
 }
 
+/// The error for a frame whose call identity differs from this rank's call: a `Mismatch` naming
+/// the first field that differs.
+pub(crate) fn mismatch(
+    site: crate::error::Site,
+    peer: usize,
+    theirs: &Ident,
+    mine: &Ident,
+) -> crate::error::Error {
+    let (Some(t), Some(m)) = (CallHeader::from_ident(theirs), CallHeader::from_ident(mine)) else {
+        return crate::error::Error::invalid(
+            site,
+            format!("rank {peer} sent a frame whose call this rank cannot read"),
+        );
+    };
+    match m.first_difference(&t) {
+        Some((field, mine, theirs)) => crate::error::Error::Mismatch {
+            site,
+            peer,
+            field,
+            mine,
+            theirs,
+        },
+        None => {
+            crate::error::Error::invalid(site, format!("rank {peer} is out of step with this rank"))
+        }
+    }
+}
+
 #[cfg(test)]
 mod fuzz {
     use super::*;

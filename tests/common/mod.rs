@@ -54,6 +54,9 @@ pub fn tutti_bin() -> std::path::PathBuf {
         if cfg!(feature = "cuda") {
             features.push("cuda");
         }
+        if cfg!(feature = "mpi") {
+            features.push("mpi");
+        }
         build(&["-p", "tutti-cli", "--bin", "tutti"], &features, "tutti")
     })
     .clone()

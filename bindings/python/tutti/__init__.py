@@ -114,7 +114,7 @@ _TORCH_DTYPES = {
     "torch.uint64": 9,
 }
 
-TRANSPORTS = {"auto": 0, "tcp": 1, "shm": 2}
+TRANSPORTS = {"auto": 0, "tcp": 1, "shm": 2, "mpi": 3}
 
 ALGORITHMS = {
     "auto": 0,
@@ -451,7 +451,7 @@ def _config(timeout=None, algorithm="auto", chunk_bytes=None, transport="auto", 
     c.chunk_bytes = chunk
     c.algorithm, c.algorithm_arg = _algorithm(algorithm)
     if transport not in TRANSPORTS:
-        raise ValueError(f"unknown transport {transport!r} (expected auto, tcp or shm)")
+        raise ValueError(f"unknown transport {transport!r} (expected auto, tcp, shm or mpi)")
     c.transport = TRANSPORTS[transport]
     # None: the TUTTI_DETERMINISTIC environment variable (off when unset).
     if deterministic is not None and not isinstance(deterministic, bool):

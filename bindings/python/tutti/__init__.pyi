@@ -13,7 +13,7 @@ Array = Any
 Op = Any
 Algorithm = str  # "auto", "direct", "ring", "hierarchical-copy[:GROUP]", "reduce-to-one[:ROOT]",
 # "recursive-doubling", "rabenseifner"
-Transport = Literal["auto", "tcp", "shm"]
+Transport = Literal["auto", "tcp", "shm", "mpi"]
 Compression = Literal["none", "bf16", "f16"]
 
 A = TypeVar("A")
