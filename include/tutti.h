@@ -272,6 +272,11 @@ enum tutti_algorithm
      * (all-reduce; the other collectives run `auto`).
      */
     TUTTI_ALGORITHM_RABENSEIFNER = 6,
+    /**
+     * MPI's own collective (`MPI_Iallreduce`, ...) on the MPI transport, where MPI has the
+     * collective, dtype and op; the others (and every call elsewhere) run `AUTO`.
+     */
+    TUTTI_ALGORITHM_MPI = 7,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

@@ -11,7 +11,8 @@
 # each side's best time per size is printed. SHARED=1 runs tutti on shared buffers
 # (--shared-buffers, over shm: zero-copy between the processes). mpi runs tutti under mpirun
 # over its MPI transport (tutti's algorithms on MPI's point-to-point, MPI's vader BTL beneath
-# both sides); it builds tutti with `--features mpi`.
+# both sides); it builds tutti with `--features mpi`. ALGO=NAME passes `-a NAME` to tutti perf
+# (ALGO=mpi with mpi: MPI's own all-reduce behind tutti's checks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 transport=${1:-shm}
@@ -39,6 +40,8 @@ mpi_flags=(--allow-run-as-root --bind-to none --mca btl "$btl" -np "$ranks")
 rounds=${ROUNDS:-3}
 shared=()
 [ "${SHARED:-0}" = 1 ] && shared=(--shared-buffers)
+algo=()
+[ -n "${ALGO:-}" ] && algo=(-a "$ALGO")
 declare -A mpi tut
 keep_best() { # keep_best ARRAY BYTES US
     local -n arr=$1
@@ -55,9 +58,9 @@ for ((round = 0; round < rounds; round++)); do
         OMPI_MCA_btl_tcp_if_include=lo mpirun "${mpi_flags[@]}" python3 scripts/mpi_allreduce.py "${sizes[@]}")
     while read -r b us; do keep_best tut "$b" "$us"; done < <(
         if [ "$transport" = mpi ]; then
-            mpirun "${mpi_flags[@]}" "$tutti" perf -b "$lo" -e "$hi" -f 2 --out-of-place --transport mpi --json
+            mpirun "${mpi_flags[@]}" "$tutti" perf -b "$lo" -e "$hi" -f 2 --out-of-place --transport mpi "${algo[@]}" --json
         else
-            "$tutti" launch -n "$ranks" -- "$tutti" perf -b "$lo" -e "$hi" -f 2 --out-of-place --transport "$transport" "${shared[@]}" --json
+            "$tutti" launch -n "$ranks" -- "$tutti" perf -b "$lo" -e "$hi" -f 2 --out-of-place --transport "$transport" "${shared[@]}" "${algo[@]}" --json
         fi |
             python3 -c 'import sys, json
 for l in sys.stdin:
@@ -65,7 +68,7 @@ for l in sys.stdin:
     if "bytes" in r:
         print(r["bytes"], r["time_us"])')
 done
-echo "# f32 all-reduce, $ranks ranks over $transport${shared:+ (tutti on shared buffers)}, best of $rounds rounds each: Open MPI ($btl) against tutti; ratio = Open MPI time / tutti time (>1: tutti faster)"
+echo "# f32 all-reduce, $ranks ranks over $transport${shared:+ (tutti on shared buffers)}${algo:+ (tutti -a $ALGO)}, best of $rounds rounds each: Open MPI ($btl) against tutti; ratio = Open MPI time / tutti time (>1: tutti faster)"
 printf "%12s %14s %12s %8s\n" bytes "openmpi(us)" "tutti(us)" ratio
 for b in "${sizes[@]}"; do
     python3 -c "import sys; b, m, t = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]); print('%12s %14.2f %12.2f %8.2f' % (b, m, t, m / t))" "$b" "${mpi[$b]}" "${tut[$b]}"

@@ -38,6 +38,10 @@ pub enum Algorithm {
     /// Rabenseifner's: a reduce-scatter by recursive halving, then an all-gather by recursive
     /// doubling; the ring's bytes in 2·log2 P steps. All-reduce only.
     Rabenseifner,
+    /// MPI's own collective (`MPI_Iallreduce`, `MPI_Ibcast`, ...) on the MPI transport (feature
+    /// `mpi`), for the collectives, element types and ops MPI has; the others run `auto`. Every
+    /// call has a check round first (MPI's collective carries no tutti header).
+    Mpi,
 }
 
 impl Algorithm {
@@ -62,6 +66,7 @@ impl Algorithm {
             Algorithm::ReduceToOne { root } => (4, root as u64),
             Algorithm::RecursiveDoubling => (5, 0),
             Algorithm::Rabenseifner => (6, 0),
+            Algorithm::Mpi => (7, 0),
         }
     }
 
@@ -76,6 +81,7 @@ impl Algorithm {
             4 => Algorithm::ReduceToOne { root: param? },
             5 => Algorithm::RecursiveDoubling,
             6 => Algorithm::Rabenseifner,
+            7 => Algorithm::Mpi,
             _ => return None,
         })
     }
@@ -95,6 +101,7 @@ impl fmt::Display for Algorithm {
             Algorithm::ReduceToOne { root } => write!(f, "reduce-to-one:{root}"),
             Algorithm::RecursiveDoubling => f.write_str("recursive-doubling"),
             Algorithm::Rabenseifner => f.write_str("rabenseifner"),
+            Algorithm::Mpi => f.write_str("mpi"),
         }
     }
 }
@@ -127,9 +134,10 @@ impl FromStr for Algorithm {
             "reduce-to-one" | "reduction-to-one-device" => Algorithm::ReduceToOne { root: num(0)? },
             "recursive-doubling" | "doubling" => Algorithm::RecursiveDoubling,
             "rabenseifner" => Algorithm::Rabenseifner,
+            "mpi" => Algorithm::Mpi,
             _ => {
                 return Err(format!(
-                    "unknown algorithm '{s}' (expected auto, direct, ring, hierarchical-copy[:GROUP], reduce-to-one[:ROOT], recursive-doubling or rabenseifner)"
+                    "unknown algorithm '{s}' (expected auto, direct, ring, hierarchical-copy[:GROUP], reduce-to-one[:ROOT], recursive-doubling, rabenseifner or mpi)"
                 ))
             }
         };
@@ -141,6 +149,7 @@ impl FromStr for Algorithm {
                     | Algorithm::Ring
                     | Algorithm::RecursiveDoubling
                     | Algorithm::Rabenseifner
+                    | Algorithm::Mpi
             )
         {
             return Err(format!("algorithm '{name}' takes no ':' argument"));

@@ -149,6 +149,61 @@ fn auto_under_mpirun_is_mpi_and_perf_has_no_errors() {
 }
 
 #[test]
+fn mpis_own_collectives_under_the_algorithm_mpi() {
+    if mpirun().is_none() {
+        return;
+    }
+    let bin = common::tutti_bin();
+    let rows = |args: &[&str]| -> Vec<serde_json::Value> {
+        let mut all = vec![
+            "perf",
+            "--transport",
+            "mpi",
+            "-a",
+            "mpi",
+            "--iters",
+            "3",
+            "--json",
+        ];
+        all.extend_from_slice(args);
+        let o = run_mpi(3, &bin, &all, &[]);
+        assert!(o.status.success(), "{args:?}:\n{}", text(&o));
+        let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v.get("bytes").is_some())
+            .collect();
+        assert!(!rows.is_empty(), "{args:?}:\n{}", text(&o));
+        for r in &rows {
+            assert_eq!(r["errors"].as_u64(), Some(0), "{args:?}: {r}");
+        }
+        rows
+    };
+    for c in [
+        "all-reduce",
+        "broadcast",
+        "all-gather",
+        "reduce",
+        "reduce-scatter",
+        "all-to-all",
+        "gather",
+        "scatter",
+    ] {
+        for r in rows(&["-c", c, "-b", "1K", "-e", "4M", "-f", "64"]) {
+            assert_eq!(r["ran"], "mpi", "{c}: MPI's own collective ran: {r}");
+        }
+    }
+    // MPI has no f16 and no mean: those run tutti's algorithms.
+    for args in [["-d", "f16"], ["-o", "mean"]] {
+        let mut a = vec!["-c", "all-reduce", "-b", "1K", "-e", "1K"];
+        a.extend_from_slice(&args);
+        for r in rows(&a) {
+            assert_ne!(r["ran"], "mpi", "{args:?}: {r}");
+        }
+    }
+}
+
+#[test]
 fn a_mismatch_over_mpi_is_named_on_both_ranks() {
     if mpirun().is_none() {
         return;
@@ -261,6 +316,54 @@ fn scenario() {
     let mut v = [1u64];
     half.all_reduce(&mut v, ReduceOp::Sum).unwrap();
     assert_eq!(v[0], 2, "the group is usable after the mismatch");
+
+    // Under MPI's own collectives a mismatch is found by the check round before MPI runs
+    // anything: the communicator stays usable.
+    let mut native = Communicator::from_mpi(&config).unwrap();
+    native.set_algorithm(tutti::Algorithm::Mpi).unwrap();
+    let mut w = vec![1f32; if r == 3 { 5 } else { 4 }];
+    let e = native
+        .all_reduce(&mut w, ReduceOp::Sum)
+        .expect_err("rank 3's count differs");
+    assert!(matches!(e, Error::Mismatch { .. }), "rank {r}: {e}");
+    let mut w = vec![r as f64; 1 << 20];
+    native.all_reduce(&mut w, ReduceOp::Max).unwrap();
+    assert!(w.iter().all(|&x| x == 3.0));
+    assert_eq!(
+        native.last_algorithm(),
+        Some((tutti::Collective::AllReduce, "mpi"))
+    );
+    // The calls with counts are tutti's, even where one rank moves nothing at all (its
+    // lengths alone would not tell it so).
+    let counts: Vec<usize> = (0..p)
+        .map(|k| if r == 3 || k == 3 { 0 } else { 2 })
+        .collect();
+    let send = vec![r as u32; counts.iter().sum()];
+    let mut recv = vec![0u32; counts.iter().sum()];
+    native
+        .all_to_all_v(&send, &counts, &mut recv, &counts)
+        .unwrap();
+    let want: Vec<u32> = (0..p).flat_map(|k| vec![k as u32; counts[k]]).collect();
+    assert_eq!(recv, want);
+    native.barrier().unwrap();
+
+    // A group of a split shares its MPI communicator with the other groups: MPI's own
+    // collectives would span them, so the group runs tutti's; a split into one group of
+    // every rank hands them to MPI again.
+    for (color, key, whole) in [
+        ((r % 2) as u32, 0, false),
+        (0, 0, true),
+        (0, -(r as i64), false),
+    ] {
+        let mut g = comm.split(Some(color), key).unwrap().unwrap();
+        g.set_algorithm(tutti::Algorithm::Mpi).unwrap();
+        let mut v = vec![0u32; 3 * g.world_size()];
+        g.all_gather(&[g.rank() as u32; 3], &mut v).unwrap();
+        let want: Vec<u32> = (0..g.world_size() as u32).flat_map(|k| [k; 3]).collect();
+        assert_eq!(v, want, "rank {r}: blocks in the group's rank order");
+        let ran = g.last_algorithm().map(|(_, a)| a);
+        assert_eq!(ran == Some("mpi"), whole, "rank {r}: {ran:?}");
+    }
 
     // Point-to-point: a ring of grouped sends and receives, then every rank to every rank.
     let send = [r as i32; 5];

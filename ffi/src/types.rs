@@ -92,6 +92,9 @@ pub enum TuttiAlgorithm {
     /// Rabenseifner's: recursive-halving reduce-scatter, recursive-doubling all-gather
     /// (all-reduce; the other collectives run `auto`).
     TUTTI_ALGORITHM_RABENSEIFNER = 6,
+    /// MPI's own collective (`MPI_Iallreduce`, ...) on the MPI transport, where MPI has the
+    /// collective, dtype and op; the others (and every call elsewhere) run `AUTO`.
+    TUTTI_ALGORITHM_MPI = 7,
 }
 
 /// A `tutti_algorithm` as it crosses the C boundary: one of the `TUTTI_ALGORITHM_*` values.
@@ -193,8 +196,9 @@ pub(crate) fn algorithm(v: tutti_algorithm, arg: u32) -> Result<Algorithm, Failu
         4 => Ok(Algorithm::ReduceToOne { root: arg as usize }),
         5 => no_arg("recursive-doubling", Algorithm::RecursiveDoubling),
         6 => no_arg("rabenseifner", Algorithm::Rabenseifner),
+        7 => no_arg("mpi", Algorithm::Mpi),
         _ => Err(Failure::invalid(format!(
-            "algorithm {v} is not a tutti_algorithm (valid: 0..=6, TUTTI_ALGORITHM_AUTO .. TUTTI_ALGORITHM_RABENSEIFNER)"
+            "algorithm {v} is not a tutti_algorithm (valid: 0..=7, TUTTI_ALGORITHM_AUTO .. TUTTI_ALGORITHM_MPI)"
         ))),
     }
 }
@@ -219,6 +223,7 @@ pub(crate) fn algorithm_to_c(a: Algorithm) -> Result<(tutti_algorithm, u32), Fai
         Algorithm::ReduceToOne { root } => (TUTTI_ALGORITHM_REDUCE_TO_ONE as u32, arg(root)?),
         Algorithm::RecursiveDoubling => (TUTTI_ALGORITHM_RECURSIVE_DOUBLING as u32, 0),
         Algorithm::Rabenseifner => (TUTTI_ALGORITHM_RABENSEIFNER as u32, 0),
+        Algorithm::Mpi => (TUTTI_ALGORITHM_MPI as u32, 0),
     })
 }
 
@@ -276,7 +281,8 @@ mod tests {
             .unwrap_err()
             .message
             .contains("rabenseifner"));
-        assert!(algorithm(7, 0).unwrap_err().message.contains("algorithm 7"));
+        assert_eq!(algorithm(7, 0).unwrap(), Algorithm::Mpi);
+        assert!(algorithm(8, 0).unwrap_err().message.contains("algorithm 8"));
         assert_eq!(transport(0), Ok(None));
         assert_eq!(transport(2), Ok(Some(tutti::TransportKind::Shm)));
         assert_eq!(transport(3), Ok(Some(tutti::TransportKind::Mpi)));

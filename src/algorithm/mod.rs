@@ -154,6 +154,11 @@ pub(crate) fn split_pair(buf: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&
 
 /// The algorithm that `auto` becomes on this transport.
 fn resolve(ctx: &Ctx<'_>, algo: Algorithm) -> Algorithm {
+    // `mpi` reaches the algorithms only where MPI's own collective does not apply: `auto`.
+    let algo = match algo {
+        Algorithm::Mpi => Algorithm::Auto,
+        a => a,
+    };
     match algo {
         Algorithm::Auto if ctx.t.peer_memory().is_some() => Algorithm::Direct,
         Algorithm::Auto => Algorithm::Ring,
@@ -319,7 +324,7 @@ pub(crate) fn all_reduce(
             ctx.ran("reduce-to-one");
             copies::all_reduce(ctx, CopyAlgorithm::ReduceToOne { root }, output)
         }
-        Algorithm::Auto | Algorithm::Direct => unreachable!("resolved above"),
+        Algorithm::Auto | Algorithm::Direct | Algorithm::Mpi => unreachable!("resolved above"),
     }
 }
 

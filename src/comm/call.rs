@@ -8,7 +8,7 @@ use crate::algorithm::{self, Algorithm, Ctx, Plan};
 use crate::dtype::{DType, ReduceOp};
 use crate::engine::{GroupCall, GroupEngine, StreamMark};
 use crate::error::{Collective, Error, Result, Site};
-use crate::transport::{CallBuffers, CallHeader, Transport};
+use crate::transport::{CallBuffers, CallHeader, NativeCall, Transport};
 
 /// Leaves the call on every exit, a panic included, so that peers never read freed memory.
 struct CallGuard<'a> {
@@ -208,7 +208,31 @@ impl Call {
     /// The algorithm's part of the call, over the buffers the issuer published.
     fn body(&self, ctx: &Ctx<'_>) -> Result<()> {
         let b = self.buffers;
-        let algo = self.algorithm;
+        if self.algorithm == Algorithm::Mpi {
+            // MPI's own collective where it has this one (reductions in rank order are tutti's
+            // promise alone: deterministic calls run the algorithms).
+            let reduces = matches!(
+                self.collective,
+                Collective::AllReduce | Collective::Reduce | Collective::ReduceScatter
+            );
+            if !(ctx.deterministic && reduces) {
+                let call = NativeCall {
+                    collective: self.collective,
+                    dtype: self.dtype,
+                    op: self.op,
+                    root: self.root.unwrap_or(0),
+                    buffers: b,
+                };
+                if let Some(done) = ctx.t.native(ctx.site, &call) {
+                    ctx.ran("mpi");
+                    return done;
+                }
+            }
+        }
+        let algo = match self.algorithm {
+            Algorithm::Mpi => Algorithm::Auto,
+            a => a,
+        };
         // SAFETY: the buffers are valid and untouched by the caller until the call completes
         // (see `Call`); input and output are distinct unless the call is in place, when the
         // input is not formed.

@@ -496,6 +496,11 @@ impl Communicator {
         *self.progress.shared().ran.lock()
     }
 
+    /// Whether the carrier has collectives of its own (MPI's, under the algorithm `mpi`).
+    pub(crate) fn has_native(&self) -> bool {
+        self.transport().has_native()
+    }
+
     /// The algorithm used by the collectives.
     pub fn algorithm(&self) -> Algorithm {
         self.algorithm

@@ -17,7 +17,9 @@ use crate::reference;
 /// of calls checked, or an error naming the algorithm, collective, dtype and count that failed.
 pub fn check(comm: &mut Communicator, counts: &[usize]) -> Result<usize> {
     let mut calls = 0;
-    for algo in Algorithm::ALL_REDUCE {
+    // MPI's own collectives too, where the carrier is MPI.
+    let native = comm.has_native().then_some(Algorithm::Mpi);
+    for algo in Algorithm::ALL_REDUCE.into_iter().chain(native) {
         if algo == Algorithm::Direct && !comm.has_peer_memory() {
             continue;
         }

@@ -83,6 +83,19 @@ impl CallBuffers {
     };
 }
 
+/// A whole collective as a carrier's own implementation takes it ([`Transport::native`]):
+/// this rank's buffers of a checked call (in place, the input lies in the output: this
+/// rank's choice alone, not checked across ranks).
+#[derive(Copy, Clone, Debug)]
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) struct NativeCall {
+    pub collective: crate::error::Collective,
+    pub dtype: DType,
+    pub op: Option<ReduceOp>,
+    pub root: usize,
+    pub buffers: CallBuffers,
+}
+
 /// A send in an [`Transport::exchange`].
 pub struct SendOp<'a> {
     /// Destination rank.
@@ -202,6 +215,20 @@ pub trait Transport: Send + Sync {
             what: format!("{} on this transport", site.collective),
             why: "it moves the bytes of collectives only".into(),
         })
+    }
+
+    /// Run a whole collective (begun, checked) with the carrier's own implementation: MPI's
+    /// collectives under the algorithm `mpi`. `None` where the carrier has none for this call
+    /// (its collective, element type, op, or in place), which the algorithms then run; every
+    /// rank decides alike from the checked call.
+    fn native(&self, site: Site, call: &NativeCall) -> Option<Result<()>> {
+        let _ = (site, call);
+        None
+    }
+
+    /// Whether [`Transport::native`] runs any call (the MPI transport).
+    fn has_native(&self) -> bool {
+        false
     }
 
     /// Leave the current call. `failed` is the call's error, if any: an error found by every

@@ -41,7 +41,10 @@ use mpi::ffi as m;
 use parking_lot::Mutex;
 
 use super::wire::{frame, frame_ident, parse_frame, Ident, FRAME_DATA, FRAME_HEADER, HDR, IDENT};
-use super::{CallBuffers, CallHeader, PairData, PairOp, RecvMode, RecvOp, SendOp, Transport};
+use super::{
+    CallBuffers, CallHeader, NativeCall, PairData, PairOp, RecvMode, RecvOp, SendOp, Transport,
+};
+use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result, Site};
 use crate::reuse::recycle;
 
@@ -512,6 +515,8 @@ pub(crate) struct MpiTransport {
     /// Every rank's rank in `comm` (a split's group shares its communicator with the parent's
     /// other groups).
     peers: Vec<c_int>,
+    /// The ranks are all of `comm`'s, in its order: MPI's collectives on it are this group's.
+    whole: bool,
     hosts: Vec<usize>,
     aborted: AtomicBool,
     reason: Mutex<Option<String>>,
@@ -525,6 +530,8 @@ pub(crate) struct MpiTransport {
     ident: [AtomicU64; IDENT / 8],
     /// The current call has moved data: a failure now leaves peers mid-step.
     data_started: AtomicBool,
+    /// An in-place all-reduce's input, for MPI's own collective.
+    stage: Mutex<Vec<u8>>,
     /// A thread takes what peers send this rank after it gave up (see
     /// [`MpiTransport::sweep_after_abort`]); then `comm` is never freed.
     sweeping: AtomicBool,
@@ -579,12 +586,25 @@ impl MpiTransport {
             Error::config(format!("MPI rank {me} is not a member of its own group"))
         })?;
         let world = peers.len();
+        let mut size: c_int = 0;
+        // SAFETY: a valid communicator of ours.
+        check(
+            unsafe { m::MPI_Comm_size(comm, &mut size) },
+            "MPI_Comm_size",
+        )?;
+        // And in their order: MPI's collectives order blocks by rank in `comm`.
+        let whole = usize::try_from(size).ok() == Some(world)
+            && peers
+                .iter()
+                .enumerate()
+                .all(|(k, &p)| usize::try_from(p).ok() == Some(k));
         let t = MpiTransport {
             comm: Shared(comm),
             rank,
             world,
             timeout,
             peers,
+            whole,
             hosts,
             aborted: AtomicBool::new(false),
             reason: Mutex::new(None),
@@ -594,6 +614,7 @@ impl MpiTransport {
             ident: Default::default(),
             data_started: AtomicBool::new(false),
             sweeping: AtomicBool::new(false),
+            stage: Mutex::new(Vec::new()),
         };
         {
             let mut a = t.abort_in.lock();
@@ -1399,6 +1420,182 @@ fn piece_len(len: usize, off: usize) -> usize {
     (len - off.min(len)).min(PIECE)
 }
 
+/// MPI's datatype for elements of `d` in a reduction (`None`: MPI has none: f16, bf16).
+fn mpi_dtype(d: DType) -> Option<m::MPI_Datatype> {
+    // SAFETY: reading constants of the binding.
+    unsafe {
+        Some(match d {
+            DType::F32 => m::RSMPI_FLOAT,
+            DType::F64 => m::RSMPI_DOUBLE,
+            DType::I8 => m::RSMPI_INT8_T,
+            DType::U8 => m::RSMPI_UINT8_T,
+            DType::I32 => m::RSMPI_INT32_T,
+            DType::U32 => m::RSMPI_UINT32_T,
+            DType::I64 => m::RSMPI_INT64_T,
+            DType::U64 => m::RSMPI_UINT64_T,
+            DType::F16 | DType::BF16 => return None,
+        })
+    }
+}
+
+/// MPI's op for `op` (`None`: MPI has no mean).
+fn mpi_op(op: ReduceOp) -> Option<m::MPI_Op> {
+    // SAFETY: reading constants of the binding.
+    unsafe {
+        Some(match op {
+            ReduceOp::Sum => m::RSMPI_SUM,
+            ReduceOp::Prod => m::RSMPI_PROD,
+            ReduceOp::Min => m::RSMPI_MIN,
+            ReduceOp::Max => m::RSMPI_MAX,
+            ReduceOp::BAnd => m::RSMPI_BAND,
+            ReduceOp::BOr => m::RSMPI_BOR,
+            ReduceOp::BXor => m::RSMPI_BXOR,
+            ReduceOp::Mean => return None,
+        })
+    }
+}
+
+impl MpiTransport {
+    /// Post MPI's own collective for `call` (see [`Transport::native`]); `None` where MPI has
+    /// no such call for it (every rank decides alike: from the collective, dtype, op and
+    /// sizes the call checked). `stage` holds an in-place call's input.
+    fn post_native(
+        &self,
+        call: &NativeCall,
+        stage: &mut Vec<u8>,
+    ) -> Option<Result<m::MPI_Request>> {
+        use crate::error::Collective as C;
+        let b = call.buffers;
+        let reduces = matches!(call.collective, C::AllReduce | C::Reduce | C::ReduceScatter);
+        // Element type and count unit: the reductions need MPI's type of the elements; the
+        // others move bytes, whatever the type.
+        let (dt, unit) = if reduces {
+            (mpi_dtype(call.dtype)?, call.dtype.size())
+        } else {
+            (byte(), 1)
+        };
+        let op = if reduces {
+            mpi_op(call.op?)?
+        } else {
+            // SAFETY: reading a constant of the binding (unused by these collectives).
+            unsafe { m::RSMPI_SUM }
+        };
+        let p = self.world.max(1);
+        // The count MPI takes, from a length every rank states alike for this collective
+        // (checked by the call's round): the decision to hand the call to MPI is the same on
+        // every rank. The calls with counts (whose lengths are each rank's own) are not MPI's
+        // here.
+        let bytes = match call.collective {
+            C::AllReduce | C::Broadcast | C::ReduceScatter | C::Scatter => b.output_len,
+            C::Reduce | C::AllGather | C::Gather => b.input_len,
+            C::AllToAll => b.input_len / p,
+            _ => return None,
+        };
+        let count = c_int::try_from(bytes / unit).ok()?;
+        let root = self.peers.get(call.root).copied().unwrap_or(0);
+        // Nothing moves: done, without MPI, which may refuse the null buffers of empty calls.
+        if count == 0 {
+            return Some(Ok(request_null()));
+        }
+        let comm = self.comm.0;
+        let mut req = request_null();
+        let out = b.output.cast::<c_void>();
+        // In place, the input lies in the output, which MPI forbids without MPI_IN_PLACE
+        // (whose value differs between MPI libraries; Open MPI ends the job on an aliased
+        // buffer whatever the error handler): it is sent from a copy. Whether a call is in
+        // place is each rank's own choice, so it never decides the path.
+        let (i0, o0) = (b.input as usize, b.output as usize);
+        let overlap = i0 < o0.saturating_add(b.output_len) && o0 < i0.saturating_add(b.input_len);
+        let inp: *const c_void = if call.collective != C::Broadcast
+            && !b.input.is_null()
+            && !b.output.is_null()
+            && overlap
+        {
+            stage.clear();
+            // SAFETY: the call's input, valid for its length.
+            stage.extend_from_slice(unsafe { std::slice::from_raw_parts(b.input, b.input_len) });
+            stage.as_ptr().cast()
+        } else {
+            b.input.cast()
+        };
+        // SAFETY: the buffers are the call's (or the stage), valid until it completes, which
+        // `wait_native` waits for (or ends the job); counts are those the checked call states.
+        let code = unsafe {
+            match call.collective {
+                C::AllReduce => m::MPI_Iallreduce(inp, out, count, dt, op, comm, &mut req),
+                C::Broadcast => m::MPI_Ibcast(out, count, dt, root, comm, &mut req),
+                C::Reduce => m::MPI_Ireduce(inp, out, count, dt, op, root, comm, &mut req),
+                C::ReduceScatter => {
+                    m::MPI_Ireduce_scatter_block(inp, out, count, dt, op, comm, &mut req)
+                }
+                C::AllGather => m::MPI_Iallgather(inp, count, dt, out, count, dt, comm, &mut req),
+                C::AllToAll => m::MPI_Ialltoall(inp, count, dt, out, count, dt, comm, &mut req),
+                C::Gather => m::MPI_Igather(inp, count, dt, out, count, dt, root, comm, &mut req),
+                C::Scatter => m::MPI_Iscatter(inp, count, dt, out, count, dt, root, comm, &mut req),
+                _ => return None,
+            }
+        };
+        Some(check(code, "posting MPI's collective").map(|()| req))
+    }
+
+    /// Wait for MPI's collective `req` (the timeout, aborts); on a failure the peers hear why,
+    /// and the request, which MPI cannot cancel, is waited for one more timeout before the job
+    /// ends (see the module's notes).
+    fn wait_native(&self, site: Site, req: &mut m::MPI_Request) -> Result<()> {
+        let deadline = Instant::now() + self.timeout;
+        let mut idle = Idle::default();
+        let mut looks = 0u32;
+        let failed = loop {
+            let mut flag: c_int = 0;
+            let mut st = empty_status();
+            // SAFETY: our request, tested in place.
+            let code = unsafe { m::MPI_Test(req, &mut flag, &mut st) };
+            if code != 0 {
+                break lost(site, None, check(code, "MPI's collective").unwrap_err());
+            }
+            if flag != 0 {
+                return Ok(());
+            }
+            if self.aborted.load(Ordering::Acquire) {
+                break self.aborted_error();
+            }
+            looks = looks.wrapping_add(1);
+            if looks % 16 == 0 {
+                if let Some(e) = self.abort_notice() {
+                    break e;
+                }
+                if Instant::now() >= deadline {
+                    break Error::Timeout {
+                        site,
+                        waiting_for: Vec::new(),
+                        phase: "finish MPI's collective",
+                        timeout: self.timeout,
+                        stalled_on: Vec::new(),
+                    };
+                }
+            }
+            idle.pause();
+        };
+        self.data_started.store(true, Ordering::Release);
+        self.give_up(&failed);
+        if *req != request_null() && !wait_until(req, Instant::now() + self.timeout) {
+            log::error!(
+                "{site}: MPI's collective still holds this rank's buffers one timeout ({:?}) \
+                 after the call failed ({failed}); ending the job (MPI_Abort), since MPI cannot \
+                 cancel a collective",
+                self.timeout
+            );
+            eprintln!(
+                "tutti: {site}: MPI's collective still holds this rank's buffers after the call \
+                 failed; ending the job with MPI_Abort"
+            );
+            // SAFETY: ends every process of the job.
+            unsafe { m::MPI_Abort(m::RSMPI_COMM_WORLD, 70) };
+        }
+        Err(failed)
+    }
+}
+
 impl Transport for MpiTransport {
     fn rank(&self) -> usize {
         self.rank
@@ -1433,7 +1630,9 @@ impl Transport for MpiTransport {
             || matches!(header.collective, Barrier | Broadcast | Reduce)
             || header.root.is_some()
             || header.counts.is_some()
-            || header.rejected.is_some();
+            || header.rejected.is_some()
+            // MPI's own collective carries no tutti header.
+            || header.algorithm == crate::call::Algorithm::Mpi;
         if !round {
             return Ok(());
         }
@@ -1596,6 +1795,31 @@ impl Transport for MpiTransport {
         let result = self.exchange_all(site, "point-to-point", r, &ss, &mut rs, &ident);
         Self::keep(r, rs);
         result
+    }
+
+    fn has_native(&self) -> bool {
+        true
+    }
+
+    fn native(&self, site: Site, call: &NativeCall) -> Option<Result<()>> {
+        // One rank: the algorithms' copy is all there is to do. A split's group shares its
+        // MPI communicator with the parent's other groups, so MPI's collectives on it would
+        // be theirs too: the group runs the algorithms (the same for every member).
+        if self.world == 1 || !self.whole {
+            return None;
+        }
+        let mut stage = self.stage.lock();
+        let mut req = match self.post_native(call, &mut stage)? {
+            Ok(req) => req,
+            Err(e) => return Some(Err(e)),
+        };
+        self.data_started.store(true, Ordering::Release);
+        let done = self.wait_native(site, &mut req);
+        if stage.capacity() > 4 << 20 {
+            // An in-place call's copy is not kept for the communicator's life.
+            *stage = Vec::new();
+        }
+        Some(done)
     }
 
     fn end(&self, failed: Option<&Error>) {

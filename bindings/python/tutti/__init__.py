@@ -124,6 +124,7 @@ ALGORITHMS = {
     "reduce-to-one": 4,
     "recursive-doubling": 5,
     "rabenseifner": 6,
+    "mpi": 7,
 }
 
 
@@ -471,7 +472,7 @@ def _algorithm(name):
     if base not in ALGORITHMS:
         raise ValueError(
             f"unknown algorithm {name!r} (expected auto, direct, ring, "
-            "hierarchical-copy[:GROUP], reduce-to-one[:ROOT], recursive-doubling or rabenseifner)"
+            "hierarchical-copy[:GROUP], reduce-to-one[:ROOT], recursive-doubling, rabenseifner or mpi)"
         )
     if not arg:
         return ALGORITHMS[base], 0

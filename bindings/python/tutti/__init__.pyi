@@ -12,7 +12,7 @@ Array = Any
 #: An op: "sum", "avg"/"mean", "prod", "min", "max" (any case), or torch's ReduceOp.
 Op = Any
 Algorithm = str  # "auto", "direct", "ring", "hierarchical-copy[:GROUP]", "reduce-to-one[:ROOT]",
-# "recursive-doubling", "rabenseifner"
+# "recursive-doubling", "rabenseifner", "mpi"
 Transport = Literal["auto", "tcp", "shm", "mpi"]
 Compression = Literal["none", "bf16", "f16"]
 
