@@ -168,8 +168,9 @@ impl FromStr for Algorithm {
 ///
 /// It applies on communicators where some peer is reached over TCP, on the host algorithms
 /// (not device engines), to f32 only:
-/// * all-reduce: the ring, forced or `auto`'s above its small sizes (up to 128 KiB `auto` runs
-///   one all-to-all step or recursive doubling, whose time is latency, not bytes), and the
+/// * all-reduce: the ring, forced or `auto`'s above its small sizes (up to 128 KiB `auto` may
+///   run one all-to-all step or recursive doubling, whose time is latency, not bytes; above,
+///   with compression on, its cost model chooses only the ring or the hierarchy), and the
 ///   ring among hosts' leaders when `auto` reduces within each host first (then shared memory
 ///   carries f32 within a host). A ring forced across hosts narrows on every link.
 ///   `hierarchical-copy`, `reduce-to-one`, `recursive-doubling` and `rabenseifner` send f32.
@@ -267,6 +268,8 @@ pub struct CallHeader {
     pub deterministic: bool,
     /// How f32 travels between hosts in reductions (`TUTTI_COMPRESSION`).
     pub compression: Compression,
+    /// The digest of the cost model's figures (`TUTTI_TUNING`), by which `auto` chooses.
+    pub tuning: u16,
     /// Set when this rank rejected its own arguments: peers fail the call at once.
     pub rejected: Option<String>,
 }
@@ -281,6 +284,18 @@ impl CallHeader {
         fn opt<T: std::fmt::Display>(v: &Option<T>) -> String {
             v.as_ref()
                 .map_or_else(|| "none".to_string(), |x| x.to_string())
+        }
+        let tuning = (
+            "cost model (TUTTI_TUNING)",
+            format!("figures {:04x}", self.tuning),
+            format!("figures {:04x}", other.tuning),
+        );
+        // First between collectives: ranks whose figures differ are set up apart, whatever
+        // else their calls then differ in (a rank measuring them runs calls of its own
+        // meanwhile). Point-to-point frames carry no figures.
+        let p2p = [self.collective, other.collective].contains(&Collective::SendRecv);
+        if self.tuning != other.tuning && !p2p {
+            return Some(tuning);
         }
         let fields = [
             (
@@ -326,6 +341,7 @@ impl CallHeader {
                 self.compression.to_string(),
                 other.compression.to_string(),
             ),
+            tuning,
         ];
         fields.into_iter().find(|(_, a, b)| a != b)
     }

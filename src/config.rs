@@ -7,6 +7,7 @@ use crate::algorithm::{self, Algorithm};
 pub use crate::call::Compression;
 use crate::error::{Error, Result};
 use crate::sync::{default_timeout, timeout_from_env, MAX_TIMEOUT};
+pub use crate::tuning::{cost_model_from_env, CostModel};
 
 /// Settings of a communicator.
 #[derive(Clone, Debug, PartialEq)]
@@ -38,6 +39,9 @@ pub struct Config {
     /// How f32 travels between hosts in all-reduce and reduce-scatter (`TUTTI_COMPRESSION`;
     /// default [`Compression::None`]): see [`Compression`].
     pub compression: Compression,
+    /// Where the figures of the cost model by which `auto` chooses between processes come from
+    /// (`TUTTI_TUNING`; default [`CostModel::BuiltIn`]): see [`crate::tuning`].
+    pub cost_model: CostModel,
 }
 
 /// `TUTTI_COMPRESSION`: `none` (the default when unset), `bf16` or `f16` ([`Compression`]).
@@ -89,6 +93,7 @@ impl Default for Config {
             full_check: full_check_from_env().unwrap_or(false),
             deterministic: deterministic_from_env().unwrap_or(false),
             compression: compression_from_env().unwrap_or_default(),
+            cost_model: cost_model_from_env().unwrap_or_default(),
         }
     }
 }
@@ -125,6 +130,11 @@ impl Config {
         self.compression = compression;
         self
     }
+    /// This config with the cost model's figures from elsewhere (see [`CostModel`]).
+    pub fn with_cost_model(mut self, cost_model: CostModel) -> Config {
+        self.cost_model = cost_model;
+        self
+    }
     /// This config with another chunk size (checked, with the rest, when a communicator is
     /// made: see [`Config::check`]).
     pub fn with_chunk_bytes(mut self, chunk_bytes: usize) -> Config {
@@ -141,6 +151,15 @@ impl Config {
         full_check_from_env()?;
         deterministic_from_env()?;
         compression_from_env()?;
+        match &self.cost_model {
+            // Figures given (a split's, its parent's): the file is not read again.
+            CostModel::Figures(t) => t
+                .check()
+                .map_err(|e| Error::config(format!("cost model figures: {e}")))?,
+            CostModel::BuiltIn | CostModel::Measure => {
+                cost_model_from_env()?;
+            }
+        }
         if self.deterministic && self.compression != Compression::None {
             return Err(Error::config(format!(
                 "compression {} cannot be combined with deterministic mode, which promises the \

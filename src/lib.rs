@@ -68,6 +68,7 @@ pub mod strategy;
 mod sync;
 mod trace;
 mod transport;
+pub mod tuning;
 #[cfg(feature = "xla")]
 pub mod xla;
 

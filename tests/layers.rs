@@ -13,7 +13,7 @@ const LAYERS: &[&[&str]] = &[
     &["error"],
     &["sync", "dtype", "reuse"],
     &["call", "cluster", "reference"],
-    &["transport"],
+    &["transport", "tuning"],
     &["algorithm"],
     &["config", "trace"],
     // CPU, CUDA and PJRT devices: discovery, libraries, buffers.

@@ -1427,63 +1427,75 @@ fn perf_checks_its_arguments_first() {
 }
 
 /// `tutti perf -a auto` says what `auto` chose for each size: between 4 processes over TCP, a
-/// small all-reduce doubles and a large one runs the ring; a named algorithm runs as named.
+/// small all-reduce doubles and a large one halves and doubles (Rabenseifner); a named
+/// algorithm runs as named.
 #[test]
 fn perf_prints_what_auto_chose() {
-    let perf = |algo: &str| {
-        let o = run(
-            &[
-                "launch",
-                "-n",
-                "4",
-                "--",
-                "tutti",
-                "perf",
-                "--transport",
-                "tcp",
-                "-b",
-                "8",
-                "-e",
-                "1M",
-                "-f",
-                "131072",
-                "--iters",
-                "3",
-                "--out-of-place",
-                "--json",
-                "-a",
-                algo,
-            ],
-            &[],
-            Duration::from_secs(120),
-        );
-        let (out, err) = text(&o);
-        assert!(o.status.success(), "{out}\n{err}");
-        let rows: Vec<serde_json::Value> = out
-            .lines()
-            .filter_map(|l| serde_json::from_str(l).ok())
-            .filter(|v: &serde_json::Value| v.get("bytes").is_some())
-            .collect();
-        let ran: Vec<(u64, String)> = rows
-            .iter()
-            .map(|r| {
-                (
-                    r["bytes"].as_u64().unwrap(),
-                    r["ran"].as_str().unwrap().to_string(),
-                )
-            })
-            .collect();
-        assert!(rows.iter().all(|r| r["errors"] == 0), "{out}");
-        ran
-    };
+    let perf = |algo: &str| perf_ran(algo, &[]);
     let auto = perf("auto");
+    // The cost model's choices with the built-in figures (src/tuning.rs): log2 P steps for
+    // the smallest, Rabenseifner's halving and doubling for 1 MiB.
     assert_eq!(
         auto,
-        [(8, "recursive-doubling".into()), (1 << 20, "ring".into())],
+        [
+            (8, "recursive-doubling".into()),
+            (1 << 20, "rabenseifner".into())
+        ],
         "{auto:?}"
     );
     let named = perf("rabenseifner");
     assert!(named.iter().all(|(_, r)| r == "rabenseifner"), "{named:?}");
+    // With a compressed wire only the ring narrows f32: `auto` keeps to it for large buffers.
+    let compressed = perf_ran("auto", &[("TUTTI_COMPRESSION", "bf16")]);
+    assert_eq!(compressed[1], (1 << 20, "ring".into()), "{compressed:?}");
+}
+
+/// What `tutti perf -a ALGO` ran at 8 B and 1 MiB, between 4 processes over TCP.
+fn perf_ran(algo: &str, env: &[(&str, &str)]) -> Vec<(u64, String)> {
+    let o = run(
+        &[
+            "launch",
+            "-n",
+            "4",
+            "--",
+            "tutti",
+            "perf",
+            "--transport",
+            "tcp",
+            "-b",
+            "8",
+            "-e",
+            "1M",
+            "-f",
+            "131072",
+            "--iters",
+            "3",
+            "--out-of-place",
+            "--json",
+            "-a",
+            algo,
+        ],
+        env,
+        Duration::from_secs(120),
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    let rows: Vec<serde_json::Value> = out
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .filter(|v: &serde_json::Value| v.get("bytes").is_some())
+        .collect();
+    let ran: Vec<(u64, String)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["bytes"].as_u64().unwrap(),
+                r["ran"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert!(rows.iter().all(|r| r["errors"] == 0), "{out}");
+    ran
 }
 
 /// Rendezvous honours a short timeout: a missing peer is reported after the configured 2 s,
@@ -1989,4 +2001,109 @@ fn shared_buffers_on_a_full_dev_shm_are_an_error() {
         err.matches("is /dev/shm full?").count() >= 1 && !err.contains("signal"),
         "{err}"
     );
+}
+
+/// The cost model's figures: `tutti tune` writes a file every rank can choose by
+/// (`TUTTI_TUNING=PATH`), `TUTTI_TUNING=measure` measures them when the communicator is made,
+/// and ranks whose figures differ (so that they might choose different algorithms) fail their
+/// first call with an error naming the cost model, on every rank, rather than run apart.
+#[test]
+fn cost_model_figures_are_measured_read_and_must_agree() {
+    let dir = std::env::temp_dir().join(format!("tutti-tuning-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("tuning.json");
+    let file_s = file.to_str().unwrap();
+    let limit = Duration::from_secs(120);
+    let o = run(
+        &[
+            "launch",
+            "-n",
+            "3",
+            "--",
+            "tutti",
+            "tune",
+            "--transport",
+            "tcp",
+            "-o",
+            file_s,
+        ],
+        &[],
+        limit,
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(out.contains("what auto runs"), "{out}");
+    let figures: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(figures["tutti_tuning"], 1, "{figures}");
+    assert_eq!(figures["measured_on"]["world"], 3, "{figures}");
+    for tuning in [file_s, "measure"] {
+        let o = run(
+            &[
+                "launch",
+                "-n",
+                "3",
+                "--",
+                "tutti",
+                "check",
+                "--transport",
+                "tcp",
+                "--counts",
+                "0,7,70001",
+            ],
+            &[("TUTTI_TUNING", tuning)],
+            limit,
+        );
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "TUTTI_TUNING={tuning}: {out}\n{err}");
+        assert_eq!(out.matches("all correct").count(), 3, "{out}");
+    }
+    // A file that is not one is a config error naming it.
+    std::fs::write(dir.join("bad.json"), "{\"tutti_tuning\": 1}").unwrap();
+    let bad = dir.join("bad.json");
+    let o = run(
+        &["launch", "-n", "2", "--", "tutti", "check"],
+        &[("TUTTI_TUNING", bad.to_str().unwrap())],
+        limit,
+    );
+    let (out, err) = text(&o);
+    assert!(!o.status.success(), "{out}\n{err}");
+    assert!(
+        err.contains("TUTTI_TUNING") && err.contains("bad.json"),
+        "{err}"
+    );
+    // Rank 2 without the file, or without measuring: every rank's first call names the cost
+    // model.
+    for tuning in [file_s, "measure"] {
+        let master = format!("127.0.0.1:{}", free_port());
+        let children: Vec<Child> = (0..3)
+            .map(|r| {
+                let mut c = check_rank(
+                    &["--counts", "7", "--timeout", "20"],
+                    r,
+                    3,
+                    &master,
+                    "tuning-test-job-token",
+                );
+                c.env("TUTTI_TRANSPORT", "tcp");
+                if r < 2 {
+                    c.env("TUTTI_TUNING", tuning);
+                } else {
+                    c.env_remove("TUTTI_TUNING");
+                }
+                c.spawn().unwrap()
+            })
+            .collect();
+        for (r, mut c) in children.into_iter().enumerate() {
+            wait_bounded(&mut c, limit);
+            let o = c.wait_with_output().unwrap();
+            let (out, err) = text(&o);
+            assert!(!o.status.success(), "{tuning}, rank {r}: {out}\n{err}");
+            assert!(
+                err.contains("cost model (TUTTI_TUNING)"),
+                "{tuning}, rank {r}: {err}"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -1,7 +1,7 @@
 //! The simulated cluster (`scripts/sim_cluster.sh`): ranks in network namespaces as hosts,
 //! joined through a bridge by links shaped with `tc tbf`. Two hosts of two ranks: every
-//! collective is right, and `auto` runs the hierarchy across the hosts (the bytes on the links
-//! show it). Needs root and iproute2; says so and passes where they are absent, unless
+//! collective is right, `tutti tune` measures the links' bandwidth, and with its figures
+//! `auto` runs the hierarchy across the hosts (the bytes on the links show it). Needs root and iproute2; says so and passes where they are absent, unless
 //! `TUTTI_REQUIRE_NAMESPACES` is set (CI as root).
 
 mod common;
@@ -30,15 +30,30 @@ fn available() -> bool {
     false
 }
 
+/// One simulated cluster at a time: two at once share the 2 cores, and what `tutti tune`
+/// measures is then the other cluster's load.
+fn one_cluster_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// `scripts/sim_cluster.sh ARGS`, bounded to 5 minutes.
 fn sim(args: &[&str]) -> Output {
+    sim_tuned(args, None)
+}
+
+/// `scripts/sim_cluster.sh ARGS` with `TUTTI_TUNING=tuning` for every rank.
+fn sim_tuned(args: &[&str], tuning: Option<&str>) -> Output {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/sim_cluster.sh");
-    Command::new("timeout")
-        .args(["-k", "10", "300", script])
+    let mut c = Command::new("timeout");
+    c.args(["-k", "10", "300", script])
         .args(args)
         .env("TUTTI_BIN", common::tutti_bin())
-        .output()
-        .unwrap()
+        .env_remove("TUTTI_TUNING");
+    if let Some(t) = tuning {
+        c.env("TUTTI_TUNING", t);
+    }
+    c.output().unwrap()
 }
 
 fn text(o: &Output) -> String {
@@ -54,6 +69,7 @@ fn every_collective_is_right_on_two_simulated_hosts() {
     if !available() {
         return;
     }
+    let _one = one_cluster_at_a_time();
     let o = sim(&[
         "--hosts",
         "2",
@@ -80,29 +96,33 @@ fn every_collective_is_right_on_two_simulated_hosts() {
     }
 }
 
-/// Host 0's bytes sent on its link during a 16 MiB all-reduce sweep with algorithm `algo`.
-fn bytes_sent(algo: &str) -> u64 {
-    let o = sim(&[
-        "--hosts",
-        "2",
-        "--ranks",
-        "2",
-        "--rate",
-        "4gbit",
-        "--stats",
-        "--",
-        "tutti",
-        "perf",
-        "-a",
-        algo,
-        "-b",
-        "16M",
-        "-e",
-        "16M",
-        "--iters",
-        "4",
-        "--out-of-place",
-    ]);
+/// Host 0's bytes sent on its link during a 16 MiB all-reduce sweep with algorithm `algo`
+/// (and the cost model's figures from `tuning`, a file).
+fn bytes_sent(algo: &str, tuning: Option<&str>) -> u64 {
+    let o = sim_tuned(
+        &[
+            "--hosts",
+            "2",
+            "--ranks",
+            "2",
+            "--rate",
+            "4gbit",
+            "--stats",
+            "--",
+            "tutti",
+            "perf",
+            "-a",
+            algo,
+            "-b",
+            "16M",
+            "-e",
+            "16M",
+            "--iters",
+            "4",
+            "--out-of-place",
+        ],
+        tuning,
+    );
     let out = text(&o);
     assert!(o.status.success(), "{algo}: {out}");
     out.lines()
@@ -113,14 +133,41 @@ fn bytes_sent(algo: &str) -> u64 {
 }
 
 #[test]
-fn auto_runs_the_hierarchy_across_simulated_hosts() {
+fn tune_measures_the_links_and_auto_runs_the_hierarchy_across_simulated_hosts() {
     if !available() {
         return;
     }
+    let _one = one_cluster_at_a_time();
+    // `tutti tune` on two hosts of two ranks joined by 4 Gbit/s links (0.5 GB/s): the
+    // network's bandwidth it fits is that of the links, not of loopback.
+    let dir = std::env::temp_dir().join(format!("tutti-sim-tune-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("tuning.json");
+    let file_s = file.to_str().unwrap();
+    let o = sim(&[
+        "--hosts", "2", "--ranks", "2", "--rate", "4gbit", "--", "tutti", "tune", "-o", file_s,
+    ]);
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    let figures: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let net = figures["net"]["gbytes_per_s"].as_f64().unwrap();
+    assert!(
+        (0.2..1.2).contains(&net),
+        "tutti tune fitted the 4 Gbit/s links at {net} GB/s: {out}"
+    );
+    assert_eq!(figures["ranks_per_host"], 2, "{figures}");
+    assert!(
+        out.lines()
+            .any(|l| l.contains("16777216") && l.contains("hosts")),
+        "with links this slow the model should run the hierarchy for 16 MiB: {out}"
+    );
     // Two hosts of two ranks: the flat ring crosses between hosts on two of its four links,
     // each carrying 2(P-1)/P = 1.5 buffers a call; the hierarchy runs the ring between the two
-    // hosts' leaders only, 2(H-1)/H = 1 buffer a call: two thirds of the ring's bytes.
-    let (auto, ring) = (bytes_sent("auto"), bytes_sent("ring"));
+    // hosts' leaders only, 2(H-1)/H = 1 buffer a call: two thirds of the ring's bytes. With
+    // the figures measured, `auto` runs the hierarchy.
+    let (auto, ring) = (bytes_sent("auto", Some(file_s)), bytes_sent("ring", None));
+    std::fs::remove_dir_all(&dir).ok();
     let ratio = auto as f64 / ring as f64;
     assert!(
         (0.55..0.8).contains(&ratio),

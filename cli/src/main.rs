@@ -63,6 +63,22 @@ enum Command {
     /// Start N processes of a program with the job's environment set (--tag-output prefixes
     /// each line with its rank).
     Launch(LaunchArgs),
+    /// Measure the cost model's figures on a launched world (each carrier's latency and
+    /// bandwidth, the rate of reduction) and write them for TUTTI_TUNING (rank 0 writes).
+    Tune(TuneArgs),
+}
+
+#[derive(clap::Args)]
+struct TuneArgs {
+    /// Transport: auto, tcp, shm, mpi (under mpirun, with the `mpi` feature).
+    #[arg(long, value_parser = parse::<TransportKind>)]
+    transport: Option<TransportKind>,
+    /// The file rank 0 writes (JSON), for TUTTI_TUNING=PATH.
+    #[arg(short = 'o', long, default_value = "tutti-tuning.json")]
+    output: std::path::PathBuf,
+    /// Timeout of every wait, in seconds.
+    #[arg(long)]
+    timeout: Option<f64>,
 }
 
 #[derive(clap::Args)]
@@ -227,6 +243,83 @@ fn config_with_timeout(timeout: Option<f64>) -> Result<Config, tutti::Error> {
             })?;
     }
     Ok(config)
+}
+
+/// `tutti tune`: measure the figures on this world, write them, and show what `auto` would run.
+fn tune_cmd(a: TuneArgs) -> Result<(), tutti::Error> {
+    // Measured from the built-in figures, whatever TUTTI_TUNING names (perhaps the very file
+    // being replaced).
+    std::env::remove_var("TUTTI_TUNING");
+    let config = config_with_timeout(a.timeout)?;
+    let comm = launched_comm(a.transport, &config)?.ok_or_else(|| {
+        tutti::Error::config(
+            "tutti tune measures the ranks of a launched job: run it under a launcher (tutti \
+             launch -n 4 -- tutti tune, mpirun, scripts/sim_cluster.sh)",
+        )
+    })?;
+    if comm.world_size() < 2 {
+        return Err(tutti::Error::config(
+            "tutti tune needs at least 2 ranks: there is nothing between one rank's peers to measure",
+        ));
+    }
+    let figures = comm.measure_tuning()?;
+    if comm.rank() != 0 {
+        return Ok(());
+    }
+    let mut json = serde_json::to_value(figures)
+        .map_err(|e| tutti::Error::config(format!("cannot write the figures: {e}")))?;
+    json["measured_on"] = serde_json::json!({
+        "world": comm.world_size(),
+        "hosts": comm.num_hosts(),
+        "transport": a.transport.map_or_else(|| "auto".to_string(), |k| k.to_string()),
+    });
+    let text = serde_json::to_string_pretty(&json)
+        .map_err(|e| tutti::Error::config(format!("cannot write the figures: {e}")))?;
+    // Written beside and renamed into place: a job starting meanwhile reads the old file or
+    // the new one, never half of one.
+    let mut part = a.output.clone().into_os_string();
+    part.push(format!(".{}.part", std::process::id()));
+    let part = std::path::PathBuf::from(part);
+    std::fs::write(&part, text + "\n")
+        .and_then(|_| std::fs::rename(&part, &a.output))
+        .map_err(|e| {
+            std::fs::remove_file(&part).ok();
+            tutti::Error::config(format!("cannot write {}: {e}", a.output.display()))
+        })?;
+    say!(
+        "# tutti tune: {} ranks on {} host(s), at most {} per host, {} cores",
+        comm.world_size(),
+        comm.num_hosts(),
+        figures.ranks_per_host,
+        figures.cores
+    );
+    say!("#   carrier  latency_us  per_message_us  GB/s");
+    for (name, l) in [("shm", figures.shm), ("net", figures.net)] {
+        say!(
+            "#   {name:<7} {:>11.2} {:>15.2} {:>5.2}",
+            l.latency_us,
+            l.per_message_us,
+            l.gbytes_per_s
+        );
+    }
+    say!("#   reduce: {:.2} GB/s", figures.reduce_gbytes_per_s);
+    say!("# what auto runs for an all-reduce on these ranks with these figures:");
+    say!("#        bytes  algorithm           predicted_us");
+    let mut bytes = 8usize;
+    while bytes <= 64 << 20 {
+        let (algo, time) = comm.predict_all_reduce(&figures, bytes);
+        say!(
+            "  {bytes:>12}  {algo:<18}  {}",
+            time.map_or_else(|| "-".to_string(), |t| format!("{t:.1}"))
+        );
+        bytes *= 8;
+    }
+    say!(
+        "# wrote {} (use it with TUTTI_TUNING={})",
+        a.output.display(),
+        a.output.display()
+    );
+    Ok(())
 }
 
 /// The communicator of this process when it runs under a launcher, else `None`.
@@ -472,6 +565,7 @@ fn main() -> ExitCode {
         Command::Perf(a) => ("perf", perf_cmd::run(a).map(|_| 0)),
         Command::Check(a) => ("check", check_cmd(a).map(|_| 0)),
         Command::Launch(a) => ("launch", launch_cmd(a)),
+        Command::Tune(a) => ("tune", tune_cmd(a).map(|_| 0)),
     };
     // The trace's last events (how the last call ended) are written before the process goes.
     tutti::flush_trace();

@@ -225,6 +225,8 @@ mod tests {
                                     chunk_bytes: 1 << 20,
                                     deterministic: false,
                                     wire: None,
+                                    tuning: crate::tuning::Tuning::BUILT_IN,
+                                    layout: crate::tuning::Layout::default(),
                                     plan: &plan,
                                 };
                                 let mut buf = vec![r as u8; 13];
@@ -280,6 +282,8 @@ mod tests {
                                     chunk_bytes: 1 << 20,
                                     deterministic: false,
                                     wire: None,
+                                    tuning: crate::tuning::Tuning::BUILT_IN,
+                                    layout: crate::tuning::Layout::default(),
                                     plan: &plan,
                                 };
                                 let mut buf = input(r);

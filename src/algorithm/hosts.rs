@@ -46,6 +46,12 @@ pub(crate) fn all_reduce(
         chunk_bytes: ctx.chunk_bytes,
         deterministic: ctx.deterministic,
         wire: ctx.wire,
+        tuning: ctx.tuning,
+        // One leader a host; the leaders' ring runs as named, without the model.
+        layout: crate::tuning::Layout {
+            hosts: leaders.len(),
+            most: 1,
+        },
         plan: ctx.plan,
     };
     ring::all_reduce(&across, None, buf)?;

@@ -8,12 +8,12 @@
 //! | `reduce-to-one` | every rank sends to the root, the root reduces and sends back | S (root: receives and sends (P-1)S) |
 //!
 //! `auto` picks `direct` where the transport exposes peer memory (threads of one process; a
-//! call on shared buffers between processes); elsewhere, for small buffers (up to 48 KiB over
-//! shared memory, 128 KiB over TCP, and at most 160 KiB sent per rank: the measured
-//! crossovers), a one-step all-to-all, or recursive doubling from 4 ranks where some peer is
-//! over TCP (`doubling.rs`), and `ring` above, except when the ranks
-//! span several hosts with more than one rank on some: then a reduce within each host, the ring
-//! among the hosts' leaders, and a broadcast within each host. Each
+//! call on shared buffers between processes). Elsewhere it all-reduces with what the cost
+//! model of [`crate::tuning`] predicts fastest for the buffer's size, the ranks, the ranks per
+//! host and the hosts: the one-step all-to-all, recursive doubling, Rabenseifner, the ring,
+//! or, where the ranks span several hosts with more than one rank on some, a reduce within
+//! each host, the ring among the hosts' leaders and a broadcast within each host; it
+//! broadcasts down a binomial tree or around the ring by the same model. Each
 //! module documents its steps; the README gives the full cost table.
 
 mod compressed;
@@ -40,6 +40,7 @@ use crate::dtype::kernels;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Collective, Error, Result, Site};
 use crate::transport::{PeerMemory, Transport};
+use crate::tuning::{AllReduce, Layout, Shape, Tuning};
 
 /// Everything an algorithm needs about the call.
 pub(crate) struct Ctx<'a> {
@@ -54,6 +55,10 @@ pub(crate) struct Ctx<'a> {
     /// The 16-bit float type an f32 reduction's ring carries on the wire (see
     /// `Config::compression`); `None`: the element type itself.
     pub wire: Option<DType>,
+    /// The figures `auto` chooses by (see [`crate::tuning`]).
+    pub tuning: Tuning,
+    /// How the ranks lie on hosts, for the cost model.
+    pub layout: Layout,
     /// Scratch and lists reused from the communicator's earlier calls.
     pub plan: &'a Plan,
 }
@@ -201,60 +206,13 @@ pub(crate) fn check(algo: Algorithm, world: usize) -> Result<(), String> {
     }
 }
 
-/// True when the ranks are on several hosts and some host holds more than one: then `auto`
-/// reduces within each host before going across.
-fn spans_hosts_with_neighbours(hosts: &[usize]) -> bool {
-    // Hosts are numbered from 0 in the order of their first rank (see `Transport::hosts`).
-    let distinct = hosts.iter().max().map_or(0, |&h| h + 1);
-    distinct > 1 && distinct < hosts.len()
-}
-
-/// The largest buffer that `auto` without peer memory all-reduces in one all-to-all step
-/// instead of 2(P-1) ring steps, where every peer is reached through shared memory: the measured
-/// crossover (2-4 processes; README, "Across processes and hosts").
-const ALL_TO_ALL_SHM: usize = 48 << 10;
-/// The same over TCP (or a mix): more latency per step, so the crossover is larger.
-const ALL_TO_ALL_NET: usize = 128 << 10;
-/// And at most this many bytes sent per rank ((P-1)·S): worlds larger than those measured send
-/// P-1 copies of the buffer where the ring sends two.
-const ALL_TO_ALL_SENT: usize = 160 << 10;
-
-/// From this many ranks `auto` all-reduces a small buffer over TCP by recursive doubling
-/// (log2 P steps of one message each way) instead of the one-step all-to-all (P - 1 messages
-/// each way): measured 1.6-2x faster at 4 and 8 processes over loopback up to 4 KiB.
-const DOUBLING_MIN_RANKS: usize = 4;
-
-/// The largest broadcast `auto` sends down a binomial tree (ceil(log2 P) rounds of the whole
-/// buffer) rather than the ring (P - 1 hops, pipelined in chunks).
-const TREE_MAX_BYTES: usize = 64 << 10;
-
-/// From this many ranks `auto` broadcasts small buffers down the tree: measured 1.2-1.4x
-/// faster than the ring at 8 processes (TCP and shared memory, 8 B to 32 KiB), even at 4 (a
-/// rooted call's check round already sends P - 1 headers per rank).
-const TREE_MIN_RANKS: usize = 8;
-
-/// Whether `auto` broadcasts `len` bytes down a binomial tree: from [`TREE_MIN_RANKS`], up to
-/// [`TREE_MAX_BYTES`]. Every rank decides alike.
-fn tree_pays(ctx: &Ctx<'_>, len: usize) -> bool {
-    ctx.world() >= TREE_MIN_RANKS && len <= TREE_MAX_BYTES
-}
-
-/// Whether `auto`'s small all-reduce doubles: from [`DOUBLING_MIN_RANKS`], where some peer is
-/// reached over TCP (over shared memory alone the one step measured as fast or faster: a step
-/// costs a wake-up of the partner where ranks outnumber cores). Every rank decides alike.
-fn doubling_pays(ctx: &Ctx<'_>) -> bool {
-    ctx.world() >= DOUBLING_MIN_RANKS && !ctx.t.all_shared_memory()
-}
-
-/// Whether `auto` all-reduces `len` bytes in one all-to-all step (every rank decides alike: the
-/// kind of link is the same for every rank of a world).
-fn small_all_to_all(ctx: &Ctx<'_>, len: usize) -> bool {
-    let limit = if ctx.t.all_shared_memory() {
-        ALL_TO_ALL_SHM
-    } else {
-        ALL_TO_ALL_NET
-    };
-    len <= limit && len.saturating_mul(ctx.world() - 1) <= ALL_TO_ALL_SENT
+/// The world as the cost model sees it (the same on every rank).
+fn shape(ctx: &Ctx<'_>) -> Shape {
+    Shape {
+        world: ctx.world(),
+        layout: ctx.layout,
+        all_shm: ctx.t.all_shared_memory(),
+    }
 }
 
 /// All-reduce: `output = ⊕ over ranks of input` (`input = None`: in place in `output`).
@@ -284,37 +242,45 @@ pub(crate) fn all_reduce(
         ctx.ran("direct");
         return direct::all_reduce(ctx, input.is_none(), output.len());
     }
-    let small = small_all_to_all(ctx, output.len());
-    if auto && !small {
-        if let Some(hosts) = ctx.t.hosts().filter(|h| spans_hosts_with_neighbours(h)) {
+    // Between processes `auto` runs what the cost model predicts fastest; every rank decides
+    // alike (the same figures, checked in every call's identity, and the same world).
+    let pick = if auto {
+        ctx.tuning
+            .all_reduce(&shape(ctx), output.len(), ctx.wire.is_some())
+    } else {
+        match algo {
+            Algorithm::Ring => AllReduce::Ring,
+            Algorithm::RecursiveDoubling => AllReduce::Doubling,
+            Algorithm::Rabenseifner => AllReduce::Rabenseifner,
+            _ => AllReduce::Ring, // the copy schedules below
+        }
+    };
+    match (algo, pick) {
+        (Algorithm::Ring, AllReduce::Hosts) => {
+            let hosts = ctx.t.hosts().ok_or_else(|| {
+                Error::invalid(ctx.site, "the cost model chose the hierarchy without hosts")
+            })?;
             ctx.ran("hosts");
             return hosts::all_reduce(ctx, hosts, input, output);
         }
-    }
-    if algo == Algorithm::Ring && !(auto && small) {
-        ctx.ran("ring");
-        return ring::all_reduce(ctx, input, output);
+        (Algorithm::Ring, AllReduce::Ring) => {
+            ctx.ran("ring");
+            return ring::all_reduce(ctx, input, output);
+        }
+        _ => {}
     }
     if let Some(i) = input {
         output.copy_from_slice(i);
     }
     // Noted before it runs: an algorithm may run steps through another.
     match algo {
-        Algorithm::Ring if doubling_pays(ctx) => {
-            ctx.ran("recursive-doubling");
-            doubling::all_reduce(ctx, output)
-        }
-        Algorithm::Ring => {
-            ctx.ran("all-to-all");
-            flat::all_to_all_reduce(ctx, output)
-        }
-        Algorithm::RecursiveDoubling => {
-            ctx.ran("recursive-doubling");
-            doubling::all_reduce(ctx, output)
-        }
-        Algorithm::Rabenseifner => {
-            ctx.ran("rabenseifner");
-            doubling::rabenseifner(ctx, output)
+        Algorithm::Ring | Algorithm::RecursiveDoubling | Algorithm::Rabenseifner => {
+            ctx.ran(pick.name());
+            match pick {
+                AllReduce::AllToAll => flat::all_to_all_reduce(ctx, output),
+                AllReduce::Doubling => doubling::all_reduce(ctx, output),
+                _ => doubling::rabenseifner(ctx, output),
+            }
         }
         Algorithm::HierarchicalCopy { group_size } => {
             ctx.ran("hierarchical-copy");
@@ -335,7 +301,12 @@ pub(crate) fn broadcast(ctx: &Ctx<'_>, algo: Algorithm, root: usize, buf: &mut [
             ctx.ran("direct");
             direct::broadcast(ctx, root, buf)
         }
-        Algorithm::Ring if algo == Algorithm::Auto && tree_pays(ctx, buf.len()) => {
+        Algorithm::Ring
+            if algo == Algorithm::Auto
+                && ctx
+                    .tuning
+                    .tree_broadcast(&shape(ctx), buf.len(), ctx.chunk_bytes) =>
+        {
             ctx.ran("binomial-tree");
             doubling::broadcast(ctx, root, buf)
         }

@@ -386,6 +386,7 @@ impl Runnable for Call {
             failed: None,
             finished: false,
         };
+        let (tuning, digest) = *shared.tuning.lock();
         let header = CallHeader {
             call: number,
             collective: self.collective,
@@ -399,6 +400,7 @@ impl Runnable for Call {
             full_check: shared.full_check,
             deterministic: shared.deterministic,
             compression: shared.compression,
+            tuning: digest,
             rejected: self.check.clone().err(),
         };
         let buffers = if self.check.is_ok() {
@@ -428,6 +430,8 @@ impl Runnable for Call {
                     chunk_bytes: shared.chunk_bytes,
                     deterministic: shared.deterministic,
                     wire: self.wire(shared),
+                    tuning,
+                    layout: shared.layout,
                     plan,
                 };
                 match &shared.engine {

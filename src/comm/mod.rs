@@ -18,6 +18,7 @@ mod premul;
 mod replicas;
 mod shared;
 mod split;
+mod tune;
 mod work;
 
 pub(crate) use group::engine_group;
@@ -124,6 +125,7 @@ impl Communicator {
             full_check,
             config.deterministic,
             config.compression,
+            config.cost_model.figures(),
             engine,
         ));
         Communicator {
@@ -133,6 +135,58 @@ impl Communicator {
             cuda_stream: None,
             splits: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// With `TUTTI_TUNING=measure` ([`CostModel::Measure`](crate::tuning::CostModel)), this
+    /// new communicator with the cost model's figures measured on its ranks (collective, before
+    /// any call of the caller's); else as it is.
+    fn tuned(self, config: &Config) -> Result<Communicator> {
+        if config.cost_model == crate::tuning::CostModel::Measure
+            && self.world_size() > 1
+            && !config.deterministic
+            && self.progress.shared().engine.is_none()
+        {
+            let figures = self.measure_tuning()?;
+            self.set_tuning(figures);
+        }
+        Ok(self)
+    }
+
+    /// The figures `auto` chooses by between processes (see [`crate::tuning`]).
+    pub fn tuning(&self) -> crate::tuning::Tuning {
+        self.progress.shared().tuning.lock().0
+    }
+
+    /// Measure the cost model's figures on this communicator's ranks (collective: every rank
+    /// calls it, as `tutti tune` does and a communicator made with `TUTTI_TUNING=measure`
+    /// does): all-reduces of each algorithm the model chooses among (the one-step all-to-all,
+    /// recursive doubling, Rabenseifner, the ring) are timed at 8 B to 1 MiB, all ranks at
+    /// once, and the carrier's latency, per-message cost and bandwidth fitted to them by least
+    /// squares, less what a call that moves nothing costs and the reduction (timed on its own).
+    /// On several hosts the network's figures come from the whole world and shared memory's
+    /// from each host's ranks (a split per host, every host at once, their figures averaged).
+    /// A carrier the world does not use keeps this communicator's figures. Every rank returns
+    /// the same figures (fitted from rank 0's times). The communicator's own figures are not
+    /// changed; pass the result to `TUTTI_TUNING` through a file (`tutti tune -o`).
+    pub fn measure_tuning(&self) -> Result<crate::tuning::Tuning> {
+        tune::measure(self, &self.tuning())
+    }
+
+    /// What `auto` runs for an all-reduce of `bytes` on this communicator's ranks with
+    /// `figures`, and the time the model predicts for it in µs (`None` where the ranks read
+    /// each other's memory: `direct`, with no choice to make).
+    pub fn predict_all_reduce(
+        &self,
+        figures: &crate::tuning::Tuning,
+        bytes: usize,
+    ) -> (&'static str, Option<f64>) {
+        tune::predict_all_reduce(self, figures, bytes)
+    }
+
+    /// Replace the figures, between calls. Every rank must hold the same: a call made while
+    /// ranks hold different figures fails with a `Mismatch` naming the cost model.
+    pub(crate) fn set_tuning(&self, figures: crate::tuning::Tuning) {
+        *self.progress.shared().tuning.lock() = (figures, figures.digest());
     }
 
     /// The kind of device this rank's buffers live on: `cpu` for host groups (threads,
@@ -152,7 +206,7 @@ impl Communicator {
         format!("{}:{}", self.device.0, self.device.1)
     }
 
-    fn transport(&self) -> &Arc<dyn Transport> {
+    pub(crate) fn transport(&self) -> &Arc<dyn Transport> {
         &self.progress.shared().transport
     }
 
@@ -231,12 +285,7 @@ impl Communicator {
         {
             let t = crate::transport::mpi::MpiTransport::world(config.timeout)?;
             config.check(t.world_size())?;
-            Ok(Communicator::with_engine(
-                Arc::new(t),
-                config,
-                None,
-                (DeviceKind::Cpu, 0),
-            ))
+            Communicator::with_engine(Arc::new(t), config, None, (DeviceKind::Cpu, 0)).tuned(config)
         }
         #[cfg(not(feature = "mpi"))]
         {
@@ -290,12 +339,7 @@ impl Communicator {
         }
         config.check(spec.world_size)?;
         let t = NetTransport::connect(spec, kind, config.timeout, config.chunk_bytes)?;
-        Ok(Communicator::with_engine(
-            Arc::new(t),
-            config,
-            None,
-            (DeviceKind::Cpu, 0),
-        ))
+        Communicator::with_engine(Arc::new(t), config, None, (DeviceKind::Cpu, 0)).tuned(config)
     }
 
     /// Join a job whose ranks meet through `store`, a key-value store the caller provides (a
@@ -364,12 +408,7 @@ impl Communicator {
             served_by: "the server of the store the caller provided",
         };
         let t = NetTransport::meet(store, &meet, kind, config.timeout, config.chunk_bytes)?;
-        Ok(Communicator::with_engine(
-            Arc::new(t),
-            config,
-            None,
-            (DeviceKind::Cpu, 0),
-        ))
+        Communicator::with_engine(Arc::new(t), config, None, (DeviceKind::Cpu, 0)).tuned(config)
     }
 
     /// Join the job `spec` describes as this process's rank on `device` (`from_env` reads it
@@ -619,6 +658,18 @@ impl Communicator {
         op: ReduceOp,
     ) -> Result<()> {
         self.blocking(self.all_reduce_call(dtype, input.map(Bytes::of), BytesMut::of(output), op))
+    }
+
+    /// An f32 sum in place with `algorithm` rather than this communicator's (the cost model's
+    /// measurements: every rank calls it alike).
+    pub(crate) fn all_reduce_with(&self, algorithm: Algorithm, buf: &mut [f32]) -> Result<()> {
+        let call = self.all_reduce_call(
+            DType::F32,
+            None,
+            BytesMut::of(bytemuck::cast_slice_mut(buf)),
+            ReduceOp::Sum,
+        );
+        self.blocking(call.with_algorithm(algorithm))
     }
 
     /// Broadcast raw bytes from `root` into every rank's `buf`.

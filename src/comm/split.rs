@@ -82,6 +82,7 @@ impl Communicator {
             full_check: shared.full_check,
             deterministic: shared.deterministic,
             compression: shared.compression,
+            cost_model: crate::tuning::CostModel::Figures(shared.tuning.lock().0),
         };
         // Every member of a group sees the same size: a setting that does not fit it fails
         // the whole group alike (and no other).

@@ -23,6 +23,7 @@ use crate::config::Compression;
 use crate::engine::GroupEngine;
 use crate::error::{Collective, Error, Result, Site};
 use crate::transport::Transport;
+use crate::tuning::{Layout, Tuning};
 
 /// What a queued call owns until it completes (the buffers of a safe non-blocking call).
 pub(crate) type Keep = Box<dyn Any + Send>;
@@ -157,6 +158,11 @@ pub(crate) struct Shared {
     pub(crate) deterministic: bool,
     /// How f32 travels between hosts in reductions (see `Config::compression`).
     pub(crate) compression: Compression,
+    /// The figures `auto` chooses by between processes (see [`crate::tuning`]), and their
+    /// digest; replaced between calls, where they are measured when the communicator is made.
+    pub(crate) tuning: Mutex<(Tuning, u16)>,
+    /// How the ranks lie on hosts, for the cost model (computed once).
+    pub(crate) layout: Layout,
     /// Runs calls for a group of this process's devices; `None`: the host algorithms.
     pub(crate) engine: Option<Arc<dyn GroupEngine>>,
     /// What the last host call that succeeded ran as (see `Communicator::last_algorithm`).
@@ -173,14 +179,18 @@ impl Shared {
         full_check: bool,
         deterministic: bool,
         compression: Compression,
+        tuning: Tuning,
         engine: Option<Arc<dyn GroupEngine>>,
     ) -> Shared {
+        let layout = Layout::of(transport.world_size(), transport.hosts());
         Shared {
             transport,
             chunk_bytes,
             full_check,
             deterministic,
             compression,
+            tuning: Mutex::new((tuning, tuning.digest())),
+            layout,
             engine,
             ran: Mutex::new(None),
             queue: Mutex::new(Queue::default()),

@@ -719,6 +719,7 @@ pub(crate) fn pair_ident() -> Ident {
         full_check: false,
         deterministic: false,
         compression: crate::call::Compression::None,
+        tuning: 0,
         rejected: None,
     }
     .ident()

@@ -65,9 +65,9 @@ impl CallHeader {
         v[41] = self.dtype as u8;
         v[42] = self.op.map_or(u8::MAX, |o| o as u8);
         v[43] = algo;
-        v[44] = u8::from(self.full_check);
-        v[45] = u8::from(self.deterministic);
-        v[46] = self.compression.code();
+        v[44] = u8::from(self.full_check) | u8::from(self.deterministic) << 1;
+        v[45] = self.compression.code();
+        v[46..48].copy_from_slice(&self.tuning.to_le_bytes());
         v
     }
 
@@ -93,9 +93,13 @@ impl CallHeader {
                 o => Some(crate::dtype::ReduceOp::from_u32(o.into())?),
             },
             algorithm: crate::call::Algorithm::from_code(v[43], u64_(32..40))?,
-            full_check: v[44] != 0,
-            deterministic: v[45] != 0,
-            compression: crate::call::Compression::from_code(v[46])?,
+            full_check: match v[44] {
+                f @ 0..=3 => f & 1 != 0,
+                _ => return None,
+            },
+            deterministic: v[44] & 2 != 0,
+            compression: crate::call::Compression::from_code(v[45])?,
+            tuning: u16::from_le_bytes([v[46], v[47]]),
             rejected: None,
         })
     }
@@ -203,6 +207,7 @@ mod fuzz {
                 full_check: call % 2 == 0,
                 deterministic: call % 3 == 0,
                 compression: crate::call::Compression::from_code((call % 3) as u8).unwrap_or_default(),
+                tuning: (call >> 7) as u16,
                 rejected: None,
             };
             let mut b = frame(FRAME_DATA, 7, count as u64, &c.ident());

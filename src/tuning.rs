@@ -1,0 +1,683 @@
+//! The cost model by which `auto` chooses an algorithm between processes, and the figures it
+//! runs on.
+//!
+//! Each carrier (shared memory within a host, the network between hosts or over TCP) is
+//! described by three figures: the latency of one message ([`Link::latency_us`]), what each
+//! further message a rank sends and receives in the same step adds ([`Link::per_message_us`]),
+//! and its bandwidth ([`Link::gbytes_per_s`]); a fourth, [`Tuning::reduce_gbytes_per_s`], is
+//! how fast a rank reduces. From them the model predicts each candidate algorithm's time for a
+//! call of S bytes on P ranks (H hosts of up to L ranks each), with a = latency, o = per
+//! message, b = 1/bandwidth, g = 1/reduce rate:
+//!
+//! | algorithm | predicted time |
+//! |---|---|
+//! | all-to-all (one step) | a + (P-2)·o + (P-1)·S·(b+g) |
+//! | recursive doubling | log2 P'·(a + S·(b+2g)), plus 2a + 2S·b + S·g for the fold (P' the largest power of two ≤ P; each step receives into scratch, then reduces) |
+//! | Rabenseifner | 2·log2 P'·a + 2(P'-1)/P'·S·b + (P'-1)/P'·S·g, plus the fold |
+//! | ring | 2(P-1)·a + 2(P-1)/P·S·b + (P-1)/P·S·g |
+//! | hosts (reduce within, ring among leaders, copy back) | 2·(a_s + (L-2)·o_s) + (L-1)·S·(2b_s + g) + the leaders' ring on the network's figures with H ranks |
+//! | broadcast down a binomial tree | ceil(log2 P)·(a + S·b) |
+//! | broadcast around the ring in k chunks | (P-2+k)·(a + S/k·b) |
+//!
+//! Ranks that outnumber their host's cores share them: figures measured with n ranks per host on
+//! c cores are scaled by max(1, L/c) / max(1, n/c) for a job with L (every term alike: the
+//! predicted times change, not the choice). A compressed call (f32 narrowed on the network)
+//! keeps to the ring and the hierarchy above 128 KiB: only they narrow it.
+//!
+//! The figures come from `TUTTI_TUNING` ([`CostModel`]): unset, the built-in ones (measured on
+//! tutti's development machine: see [`Tuning::BUILT_IN`]); a path, a file that `tutti tune`
+//! wrote; `measure`, measured when each communicator is made by joining the job (a split keeps
+//! its parent's: [`Communicator::measure_tuning`](crate::Communicator::measure_tuning)). Every
+//! rank must hold the same figures so that every rank chooses alike: a 16-bit digest of them
+//! travels in every call's identity, and a rank whose figures differ fails the call with a
+//! `Mismatch` naming the field `cost model (TUTTI_TUNING)`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// The figures of one carrier.
+#[derive(Copy, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Link {
+    /// One message's latency (a step of an algorithm), in µs, beyond what every call costs.
+    pub latency_us: f64,
+    /// What each further message a rank sends and receives in the same step adds, in µs.
+    pub per_message_us: f64,
+    /// Bandwidth one way, in GB/s (10^9 bytes per second).
+    pub gbytes_per_s: f64,
+}
+
+/// The figures the cost model runs on (see the module documentation); what `tutti tune`
+/// writes, as JSON, and `TUTTI_TUNING` names.
+#[derive(Copy, Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Tuning {
+    /// The format's version: [`Tuning::VERSION`].
+    pub tutti_tuning: u32,
+    /// Shared memory between ranks of one host.
+    pub shm: Link,
+    /// The network: TCP, or MPI's carrier.
+    pub net: Link,
+    /// How fast one rank sums f32 into a buffer, in GB/s of input.
+    pub reduce_gbytes_per_s: f64,
+    /// The most ranks on one host when the figures were measured.
+    pub ranks_per_host: usize,
+    /// The cores of that host.
+    pub cores: usize,
+}
+
+/// Where `auto`'s figures come from (`TUTTI_TUNING`; see the module documentation).
+#[derive(Copy, Clone, Debug, PartialEq, Default)]
+pub enum CostModel {
+    /// The figures built into tutti ([`Tuning::BUILT_IN`]): `TUTTI_TUNING` unset.
+    #[default]
+    BuiltIn,
+    /// Figures given (a file `tutti tune` wrote: `TUTTI_TUNING=PATH`).
+    Figures(Tuning),
+    /// Measured when a job's communicator is made (`TUTTI_TUNING=measure`): a few hundred
+    /// small and a few dozen 1 MiB messages per rank, agreed by every rank.
+    Measure,
+}
+
+impl CostModel {
+    /// The figures to start from: those given, else the built-in ones.
+    pub fn figures(&self) -> Tuning {
+        match self {
+            CostModel::Figures(t) => *t,
+            CostModel::BuiltIn | CostModel::Measure => Tuning::BUILT_IN,
+        }
+    }
+}
+
+/// The largest tuning file tutti reads.
+const MAX_FILE_BYTES: u64 = 64 << 10;
+
+/// `TUTTI_TUNING`: unset (the built-in figures), `measure`, or the path of a file `tutti tune`
+/// wrote.
+pub fn cost_model_from_env() -> Result<CostModel> {
+    match std::env::var("TUTTI_TUNING") {
+        Err(_) => Ok(CostModel::BuiltIn),
+        Ok(v) if v.trim().is_empty() => Ok(CostModel::BuiltIn),
+        Ok(v) if v.trim().eq_ignore_ascii_case("measure") => Ok(CostModel::Measure),
+        Ok(path) => Tuning::load(std::path::Path::new(&path))
+            .map(CostModel::Figures)
+            .map_err(|e| Error::config(format!("TUTTI_TUNING: {e}"))),
+    }
+}
+
+impl Tuning {
+    /// The file format's version.
+    pub const VERSION: u32 = 1;
+
+    /// Figures measured with `tutti launch -n 4 -- tutti tune` on tutti's development machine
+    /// (2 cores, 4 ranks: shared memory, then `--transport tcp` over loopback).
+    pub const BUILT_IN: Tuning = Tuning {
+        tutti_tuning: Tuning::VERSION,
+        shm: Link {
+            latency_us: 1.45,
+            per_message_us: 2.6,
+            gbytes_per_s: 4.4,
+        },
+        net: Link {
+            latency_us: 8.4,
+            per_message_us: 17.0,
+            gbytes_per_s: 2.1,
+        },
+        reduce_gbytes_per_s: 12.0,
+        ranks_per_host: 4,
+        cores: 2,
+    };
+
+    /// Read and check a file `tutti tune` wrote.
+    pub fn load(path: &std::path::Path) -> std::result::Result<Tuning, String> {
+        use std::io::Read;
+        let file = std::fs::File::open(path)
+            .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        let mut text = String::new();
+        file.take(MAX_FILE_BYTES + 1)
+            .read_to_string(&mut text)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        if text.len() as u64 > MAX_FILE_BYTES {
+            return Err(format!(
+                "{} is larger than a tuning file ({MAX_FILE_BYTES} bytes at most)",
+                path.display()
+            ));
+        }
+        Tuning::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// Parse and check a tuning file's text.
+    pub fn parse(text: &str) -> std::result::Result<Tuning, String> {
+        let t: Tuning = serde_json::from_str(text)
+            .map_err(|e| format!("not a tuning file written by tutti tune: {e}"))?;
+        t.check()?;
+        Ok(t)
+    }
+
+    /// The error these figures give, if any: each one named.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        if self.tutti_tuning != Tuning::VERSION {
+            return Err(format!(
+                "tutti_tuning is {}, and this tutti reads version {}: run tutti tune again",
+                self.tutti_tuning,
+                Tuning::VERSION
+            ));
+        }
+        let positive = |name: &str, v: f64, max: f64| {
+            if v.is_finite() && (1e-6..=max).contains(&v) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{name} is {v}: expected a number from 1e-6 to {max}"
+                ))
+            }
+        };
+        for (carrier, l) in [("shm", &self.shm), ("net", &self.net)] {
+            positive(&format!("{carrier}.latency_us"), l.latency_us, 1e6)?;
+            positive(&format!("{carrier}.gbytes_per_s"), l.gbytes_per_s, 1e4)?;
+            if !(l.per_message_us.is_finite() && (0.0..=1e6).contains(&l.per_message_us)) {
+                return Err(format!(
+                    "{carrier}.per_message_us is {}: expected a number from 0 to 1e6",
+                    l.per_message_us
+                ));
+            }
+        }
+        positive("reduce_gbytes_per_s", self.reduce_gbytes_per_s, 1e4)?;
+        if self.ranks_per_host == 0 || self.ranks_per_host > crate::cluster::MAX_WORLD_SIZE {
+            return Err(format!(
+                "ranks_per_host is {}: expected 1 to {}",
+                self.ranks_per_host,
+                crate::cluster::MAX_WORLD_SIZE
+            ));
+        }
+        if self.cores == 0 || self.cores > 1 << 16 {
+            return Err(format!("cores is {}: expected 1 to 65536", self.cores));
+        }
+        Ok(())
+    }
+
+    /// A 16-bit digest of the figures, carried in every call's identity so that ranks whose
+    /// figures differ (and so might choose differently) fail with a `Mismatch`.
+    pub(crate) fn digest(&self) -> u16 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut eat = |x: u64| {
+            for b in x.to_le_bytes() {
+                h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        };
+        eat(u64::from(self.tutti_tuning));
+        for l in [&self.shm, &self.net] {
+            eat(l.latency_us.to_bits());
+            eat(l.per_message_us.to_bits());
+            eat(l.gbytes_per_s.to_bits());
+        }
+        eat(self.reduce_gbytes_per_s.to_bits());
+        eat(self.ranks_per_host as u64);
+        eat(self.cores as u64);
+        (h ^ (h >> 16) ^ (h >> 32) ^ (h >> 48)) as u16
+    }
+}
+
+/// The largest all-reduce a compressed call runs uncompressed in one all-to-all step or by
+/// recursive doubling (its time is latency, not bytes).
+pub(crate) const COMPRESSED_SMALL: usize = 128 << 10;
+
+/// How a world's ranks lie on hosts: computed once per communicator (calls allocate nothing).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Layout {
+    /// Hosts.
+    pub hosts: usize,
+    /// The most ranks on one host.
+    pub most: usize,
+}
+
+impl Layout {
+    /// The layout of `world` ranks on `hosts` (every rank's host, numbered from 0; `None`: one
+    /// host).
+    pub(crate) fn of(world: usize, hosts: Option<&[usize]>) -> Layout {
+        match hosts {
+            Some(h) if !h.is_empty() => {
+                let n = h.iter().max().map_or(0, |&m| m + 1);
+                let mut per = vec![0usize; n];
+                h.iter().for_each(|&x| per[x] += 1);
+                Layout {
+                    hosts: n.max(1),
+                    most: per.into_iter().max().unwrap_or(1).max(1),
+                }
+            }
+            _ => Layout {
+                hosts: 1,
+                most: world.max(1),
+            },
+        }
+    }
+}
+
+/// A world as the model sees it (the same on every rank).
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Shape {
+    pub world: usize,
+    pub layout: Layout,
+    /// Every link is shared memory (else some, or all, are the network).
+    pub all_shm: bool,
+}
+
+/// The all-reduce algorithms `auto` chooses among between processes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum AllReduce {
+    AllToAll,
+    Doubling,
+    Rabenseifner,
+    Ring,
+    Hosts,
+}
+
+impl AllReduce {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            AllReduce::AllToAll => "all-to-all",
+            AllReduce::Doubling => "recursive-doubling",
+            AllReduce::Rabenseifner => "rabenseifner",
+            AllReduce::Ring => "ring",
+            AllReduce::Hosts => "hosts",
+        }
+    }
+}
+
+/// One carrier's figures in µs and µs per byte, scaled for the ranks sharing a host's cores.
+#[derive(Copy, Clone, Debug)]
+struct Costs {
+    a: f64,
+    o: f64,
+    b: f64,
+    g: f64,
+}
+
+impl Tuning {
+    fn costs(&self, link: &Link, ranks_per_host: usize) -> Costs {
+        let share = |n: usize| (n as f64 / self.cores as f64).max(1.0);
+        let s = share(ranks_per_host) / share(self.ranks_per_host);
+        Costs {
+            a: link.latency_us * s,
+            o: link.per_message_us * s,
+            b: s / (link.gbytes_per_s * 1e3),
+            g: s / (self.reduce_gbytes_per_s * 1e3),
+        }
+    }
+
+    /// The predicted time, in µs, of each all-reduce algorithm `auto` may run for `bytes` on
+    /// `shape` (the hierarchy infinite unless the ranks span several hosts with more than one
+    /// rank on some).
+    pub(crate) fn all_reduce_times(&self, shape: &Shape, bytes: usize) -> [(AllReduce, f64); 5] {
+        let p = shape.world.max(1);
+        let s = bytes as f64;
+        let Layout { hosts, most } = shape.layout;
+        let most = most.max(1);
+        let link = if shape.all_shm { &self.shm } else { &self.net };
+        let c = self.costs(link, most);
+        let pf = p as f64;
+        let pof2 = 1usize << (usize::BITS - 1 - p.max(1).leading_zeros());
+        let steps = pof2.trailing_zeros() as f64;
+        let q = pof2 as f64;
+        let fold = if pof2 < p {
+            2.0 * c.a + 2.0 * s * c.b + s * c.g
+        } else {
+            0.0
+        };
+        let ring = |c: &Costs, n: f64| {
+            2.0 * (n - 1.0) * c.a + 2.0 * (n - 1.0) / n * s * c.b + (n - 1.0) / n * s * c.g
+        };
+        let mut out = [
+            (
+                AllReduce::AllToAll,
+                c.a + (pf - 2.0).max(0.0) * c.o + (pf - 1.0) * s * (c.b + c.g),
+            ),
+            (
+                AllReduce::Doubling,
+                steps * (c.a + s * (c.b + 2.0 * c.g)) + fold,
+            ),
+            (
+                AllReduce::Rabenseifner,
+                2.0 * steps * c.a + 2.0 * (q - 1.0) / q * s * c.b + (q - 1.0) / q * s * c.g + fold,
+            ),
+            (AllReduce::Ring, ring(&c, pf)),
+            (AllReduce::Hosts, f64::INFINITY),
+        ];
+        if hosts > 1 && hosts < p {
+            let sh = self.costs(&self.shm, most);
+            let net = self.costs(&self.net, most);
+            let l = most as f64;
+            let within = if most > 1 {
+                2.0 * (sh.a + (l - 2.0).max(0.0) * sh.o) + (l - 1.0) * s * (2.0 * sh.b + sh.g)
+            } else {
+                0.0
+            };
+            out[4].1 = within + ring(&net, hosts as f64);
+        }
+        out
+    }
+
+    /// The all-reduce algorithm the model predicts fastest (ties to the earlier in
+    /// [`Tuning::all_reduce_times`]' order). A `compressed` call (f32 narrowed on the network,
+    /// which only the ring does) keeps to the ring and the hierarchy above
+    /// [`COMPRESSED_SMALL`], where its time is bytes, and never runs Rabenseifner.
+    pub(crate) fn all_reduce(&self, shape: &Shape, bytes: usize, compressed: bool) -> AllReduce {
+        let mut best = (AllReduce::Ring, f64::INFINITY);
+        for (a, t) in self.all_reduce_times(shape, bytes) {
+            let narrows = matches!(a, AllReduce::Ring | AllReduce::Hosts);
+            let latency_bound =
+                matches!(a, AllReduce::AllToAll | AllReduce::Doubling) && bytes <= COMPRESSED_SMALL;
+            if compressed && !narrows && !latency_bound {
+                continue;
+            }
+            if t < best.1 {
+                best = (a, t);
+            }
+        }
+        best.0
+    }
+
+    /// Whether a broadcast of `bytes` is predicted faster down a binomial tree than around the
+    /// ring in pieces of `chunk` bytes.
+    pub(crate) fn tree_broadcast(&self, shape: &Shape, bytes: usize, chunk: usize) -> bool {
+        let p = shape.world;
+        if p < 3 {
+            return false; // the same one message either way
+        }
+        let most = shape.layout.most.max(1);
+        let link = if shape.all_shm { &self.shm } else { &self.net };
+        let c = self.costs(link, most);
+        let s = bytes as f64;
+        let rounds = (usize::BITS - (p - 1).leading_zeros()) as f64;
+        let tree = rounds * (c.a + s * c.b);
+        let k = bytes.div_ceil(chunk.max(1)).max(1) as f64;
+        let ring = (p as f64 - 2.0 + k) * (c.a + s / k * c.b);
+        tree < ring
+    }
+}
+
+/// The all-reduces a fit times: bytes, and repetitions (the median is kept).
+pub(crate) const FIT_SIZES: [(usize, usize); 5] = [
+    (8, 40),
+    (4 << 10, 30),
+    (32 << 10, 20),
+    (256 << 10, 10),
+    (1 << 20, 6),
+];
+
+/// The figures that make `auto` run the one-step all-to-all at every size (to time it).
+pub(crate) const ALL_TO_ALL: Tuning = Tuning {
+    shm: Link {
+        latency_us: 1e5,
+        per_message_us: 0.0,
+        gbytes_per_s: 1e4,
+    },
+    net: Link {
+        latency_us: 1e5,
+        per_message_us: 0.0,
+        gbytes_per_s: 1e4,
+    },
+    reduce_gbytes_per_s: 1e4,
+    ..Tuning::BUILT_IN
+};
+
+/// The most bytes a rank sends in a timed all-to-all ((P-1)·S): larger worlds time it at the
+/// smaller sizes only.
+pub(crate) const FIT_ALL_TO_ALL_SENT: usize = 8 << 20;
+
+/// What one timed all-reduce contributes to the fit: its coefficients for (call, a, o, b, g)
+/// in the model of the module documentation, for `bytes` on `p` ranks.
+pub(crate) fn coefficients(algo: AllReduce, p: usize, bytes: usize) -> [f64; 5] {
+    let (pf, s) = (p as f64, bytes as f64);
+    let pof2 = 1usize << (usize::BITS - 1 - p.leading_zeros());
+    let (steps, q) = (pof2.trailing_zeros() as f64, pof2 as f64);
+    let fold = if pof2 < p {
+        [0.0, 2.0, 0.0, 2.0 * s, s]
+    } else {
+        [0.0; 5]
+    };
+    let x = match algo {
+        AllReduce::AllToAll => [1.0, 1.0, pf - 2.0, (pf - 1.0) * s, (pf - 1.0) * s],
+        AllReduce::Doubling => [1.0, steps, 0.0, steps * s, 2.0 * steps * s],
+        AllReduce::Rabenseifner => [
+            1.0,
+            2.0 * steps,
+            0.0,
+            2.0 * (q - 1.0) / q * s,
+            (q - 1.0) / q * s,
+        ],
+        AllReduce::Ring | AllReduce::Hosts => [
+            1.0,
+            2.0 * (pf - 1.0),
+            0.0,
+            2.0 * (pf - 1.0) / pf * s,
+            (pf - 1.0) / pf * s,
+        ],
+    };
+    let extra = if matches!(algo, AllReduce::Doubling | AllReduce::Rabenseifner) {
+        fold
+    } else {
+        [0.0; 5]
+    };
+    std::array::from_fn(|i| x[i] + extra[i])
+}
+
+/// The least-squares fit of `rows` (coefficients, time, the time each row's error is relative
+/// to: so that 8 bytes weighs as much as 1 MiB), with every figure kept at or above zero (a figure the fit
+/// drives below zero is fixed at zero and the rest fitted again).
+pub(crate) fn fit(rows: &[([f64; 5], f64, f64)]) -> [f64; 5] {
+    let mut free = [true; 5];
+    loop {
+        let idx: Vec<usize> = (0..5).filter(|&i| free[i]).collect();
+        let n = idx.len();
+        // The normal equations, each row weighted by 1/t.
+        let mut m = vec![vec![0.0f64; n + 1]; n];
+        for (x, t, weight) in rows {
+            let w = 1.0 / (weight * weight);
+            for (i, &ii) in idx.iter().enumerate() {
+                for (j, &jj) in idx.iter().enumerate() {
+                    m[i][j] += w * x[ii] * x[jj];
+                }
+                m[i][n] += w * x[ii] * t;
+            }
+        }
+        // Gaussian elimination with partial pivoting; a singular column is left at zero.
+        let mut sol = vec![0.0f64; n];
+        for c in 0..n {
+            let piv = (c..n)
+                .max_by(|&a, &b| m[a][c].abs().total_cmp(&m[b][c].abs()))
+                .unwrap_or(c);
+            m.swap(c, piv);
+            if m[c][c].abs() < 1e-30 {
+                continue;
+            }
+            let pivot = m[c].clone();
+            for (r, row) in m.iter_mut().enumerate() {
+                if r != c {
+                    let f = row[c] / pivot[c];
+                    row.iter_mut()
+                        .zip(&pivot)
+                        .skip(c)
+                        .for_each(|(x, p)| *x -= f * p);
+                }
+            }
+        }
+        for c in 0..n {
+            if m[c][c].abs() >= 1e-30 {
+                sol[c] = m[c][n] / m[c][c];
+            }
+        }
+        let mut out = [0.0f64; 5];
+        idx.iter().zip(&sol).for_each(|(&i, &v)| out[i] = v);
+        match idx
+            .iter()
+            .zip(&sol)
+            .find(|(_, &v)| v < 0.0 || !v.is_finite())
+        {
+            Some((&i, _)) => free[i] = false,
+            None => return out,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(world: usize, all_shm: bool) -> Shape {
+        Shape {
+            world,
+            layout: Layout::of(world, None),
+            all_shm,
+        }
+    }
+
+    #[test]
+    fn the_built_in_figures_are_valid_and_round_trip() {
+        Tuning::BUILT_IN.check().unwrap();
+        let text = serde_json::to_string(&Tuning::BUILT_IN).unwrap();
+        assert_eq!(Tuning::parse(&text).unwrap(), Tuning::BUILT_IN);
+    }
+
+    #[test]
+    fn bad_files_name_the_field() {
+        let mut t = Tuning::BUILT_IN;
+        t.net.gbytes_per_s = -1.0;
+        let e = Tuning::parse(&serde_json::to_string(&t).unwrap()).unwrap_err();
+        assert!(e.contains("net.gbytes_per_s"), "{e}");
+        let mut t = Tuning::BUILT_IN;
+        t.tutti_tuning = 9;
+        let e = Tuning::parse(&serde_json::to_string(&t).unwrap()).unwrap_err();
+        assert!(e.contains("tutti_tuning is 9"), "{e}");
+        let e = Tuning::parse("{\"shm\": 1}").unwrap_err();
+        assert!(e.contains("not a tuning file"), "{e}");
+        let mut t = Tuning::BUILT_IN;
+        t.cores = 0;
+        assert!(Tuning::parse(&serde_json::to_string(&t).unwrap())
+            .unwrap_err()
+            .contains("cores is 0"));
+    }
+
+    #[test]
+    fn the_digest_tells_figures_apart() {
+        let mut t = Tuning::BUILT_IN;
+        assert_eq!(t.digest(), Tuning::BUILT_IN.digest());
+        t.shm.latency_us += 0.5;
+        assert_ne!(t.digest(), Tuning::BUILT_IN.digest());
+    }
+
+    /// The fit recovers figures from times the model itself predicts.
+    #[test]
+    fn the_fit_recovers_the_figures() {
+        let truth = [3.0, 2.0, 1.5, 2e-4, 1e-4];
+        let mut rows = Vec::new();
+        for p in [4, 5] {
+            for algo in [
+                AllReduce::AllToAll,
+                AllReduce::Doubling,
+                AllReduce::Rabenseifner,
+                AllReduce::Ring,
+            ] {
+                for (bytes, _) in FIT_SIZES {
+                    let x = coefficients(algo, p, bytes);
+                    let t: f64 = x.iter().zip(truth).map(|(x, v)| x * v).sum();
+                    rows.push((x, t, t));
+                }
+            }
+        }
+        let got = fit(&rows);
+        for (g, t) in got.iter().zip(truth) {
+            assert!(
+                (g - t).abs() <= 1e-6 * t.max(1.0),
+                "{got:?} against {truth:?}"
+            );
+        }
+        // A figure the times cannot support comes out as zero, not below.
+        let rows: Vec<_> = rows
+            .iter()
+            .map(|(x, t, _)| (*x, t * 0.5 - 5.0, *t))
+            .collect();
+        assert!(fit(&rows).iter().all(|v| *v >= 0.0));
+    }
+
+    /// The built-in figures reproduce the crossovers measured on the development machine
+    /// (README, "Where auto changes algorithm"): where one algorithm was clearly the faster,
+    /// the model chooses it.
+    #[test]
+    fn the_built_in_model_chooses_what_was_measured_fastest() {
+        let t = Tuning::BUILT_IN;
+        let k = 1024;
+        // (all shared memory, ranks, bytes, the algorithms measured fastest: within the
+        // noise of one another), from `tutti launch -n P -- tutti perf -a ALGO` (4 processes
+        // on 2 cores, µs, two runs each: README, "Where auto changes algorithm").
+        use AllReduce::*;
+        let cases: [(bool, usize, usize, &[AllReduce]); 10] = [
+            // shm 8 B: doubling 5.4-6.8, all-to-all 6.1, Rabenseifner 8.4-9.6, ring 8.8-9.6
+            (true, 4, 8, &[Doubling, AllToAll]),
+            // shm 4 KiB: doubling 6.5-6.7, Rabenseifner 9.1-14.7, all-to-all 9.1-10.4, ring 12-16
+            (true, 4, 4 * k, &[Doubling]),
+            // shm 256 KiB: Rabenseifner 103-107, ring 123-131, doubling 210-218, all-to-all 330-400
+            (true, 4, 256 * k, &[Rabenseifner]),
+            // tcp 8 B: doubling 21, all-to-all 29-32, Rabenseifner 32-40, ring 38-53
+            (false, 4, 8, &[Doubling]),
+            // tcp 4 KiB: doubling 20-24, all-to-all 35-39, Rabenseifner 38-41, ring 76-101
+            (false, 4, 4 * k, &[Doubling]),
+            // tcp 32 KiB: doubling 42-50, Rabenseifner 54-56, all-to-all 79-80, ring 99-124
+            (false, 4, 32 * k, &[Doubling, Rabenseifner]),
+            // tcp 256 KiB: Rabenseifner 212-224, doubling 238-250, ring 355-376, all-to-all 440-529
+            (false, 4, 256 * k, &[Rabenseifner, Doubling]),
+            // 2 processes over shared memory (README table): all-to-all 1.9 against the
+            // ring's 2.9 at 16 KiB; the ring 10 against 16 at 256 KiB
+            (true, 2, 16 * k, &[AllToAll, Doubling]),
+            (true, 2, 256 * k, &[Ring, Rabenseifner]),
+            // 8 processes over TCP, 8 B: doubling 125-183 against the all-to-all's 210-279
+            (false, 8, 8, &[Doubling]),
+        ];
+        for (shm, p, bytes, want) in cases {
+            let got = t.all_reduce(&shape(p, shm), bytes, false);
+            let times = t.all_reduce_times(&shape(p, shm), bytes);
+            assert!(
+                want.contains(&got),
+                "{} P={p} {bytes} B: chose {}, measured fastest {want:?} ({times:?})",
+                if shm { "shm" } else { "tcp" },
+                got.name(),
+            );
+        }
+        // Broadcast: the tree at 8 ranks for small buffers, the ring's pipeline for large.
+        assert!(t.tree_broadcast(&shape(8, false), 8, 256 * k));
+        assert!(t.tree_broadcast(&shape(8, true), 32 * k, 256 * k));
+        assert!(!t.tree_broadcast(&shape(8, false), 64 << 20, 256 * k));
+        assert!(!t.tree_broadcast(&shape(2, true), 8, 256 * k));
+    }
+
+    /// Across hosts over a slow network the hierarchy pays for large buffers; over a network
+    /// as fast as memory it need not.
+    #[test]
+    fn the_hierarchy_wins_where_the_network_is_the_bottleneck() {
+        let hosts = [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3];
+        let shape = Shape {
+            world: 16,
+            layout: Layout::of(16, Some(&hosts)),
+            all_shm: false,
+        };
+        let mut t = Tuning::BUILT_IN;
+        t.cores = 16;
+        t.net.gbytes_per_s = 0.125; // 1 Gbit/s
+        assert_eq!(t.all_reduce(&shape, 64 << 20, false), AllReduce::Hosts);
+        assert_eq!(t.all_reduce(&shape, 8, false), AllReduce::Doubling);
+        // Compressed: never Rabenseifner (which sends f32); the ring or the hierarchy for
+        // large buffers.
+        let one_per_host: Vec<usize> = (0..8).collect();
+        let flat = Shape {
+            world: 8,
+            layout: Layout::of(8, Some(&one_per_host)),
+            all_shm: false,
+        };
+        assert_eq!(
+            t.all_reduce(&flat, 64 << 20, false),
+            AllReduce::Rabenseifner
+        );
+        assert_eq!(t.all_reduce(&flat, 64 << 20, true), AllReduce::Ring);
+        assert_eq!(t.all_reduce(&flat, 8, true), AllReduce::Doubling);
+    }
+}
