@@ -11,6 +11,9 @@
 //! (parameter-server: the chief runs steps × workers steps, each on one worker's shard)
 //! tutti launch -n 2 -- target/debug/examples/train --strategy multi-worker --replicas 2 --json
 //! tutti launch --workers 2 --ps 2 -- target/debug/examples/train --strategy parameter-server --json
+//! # a worker lost at step 10; the other three shrink and go on (Strategy::shrink)
+//! tutti launch --elastic -n 4 -- target/debug/examples/train --strategy multi-worker \
+//!     --replicas 1 --steps 30 --elastic --kill-worker 2 --kill-step 10 --json
 //! ```
 //!
 //! With `--json` the last line is
@@ -44,6 +47,18 @@ struct Args {
     /// Parameter-server workers sleep this long in each step (to watch rescheduling).
     #[arg(long, default_value_t = 0)]
     step_delay_ms: u64,
+    /// multi-worker: when a step fails because a worker was lost, shrink to the survivors,
+    /// restore the weights and the step from the new chief, and go on.
+    #[arg(long)]
+    elastic: bool,
+    /// multi-worker: this worker kills itself (SIGKILL) before step --kill-step (a drill).
+    #[arg(long)]
+    kill_worker: Option<usize>,
+    #[arg(long, default_value_t = 0)]
+    kill_step: usize,
+    /// multi-worker: start from these weights (comma-separated, as the JSON prints them).
+    #[arg(long, value_delimiter = ',', allow_hyphen_values = true)]
+    resume: Option<Vec<f32>>,
 }
 
 const SAMPLES: usize = 96;
@@ -125,6 +140,54 @@ fn train_mirrored(strategy: &Strategy, steps: usize) -> Result<(Vec<f32>, f32)> 
     }
     assert!(w.in_sync(), "mirrored copies diverged");
     Ok((w.value(), loss))
+}
+
+/// What a multi-worker run that lost a worker went on from: the step it repeated and the
+/// weights the new chief broadcast.
+type Resumed = Option<(usize, Vec<f32>)>;
+
+/// Multi-worker training that can lose a worker (`--elastic`): a step that fails shrinks the
+/// strategy to the survivors, which take the new chief's weights and step and go on.
+fn train_multi_worker(strategy: &mut Strategy, args: &Args) -> Result<((Vec<f32>, f32), Resumed)> {
+    let initial = args
+        .resume
+        .clone()
+        .unwrap_or_else(|| vec![0f32; FEATURES + 1]);
+    let mut shards = strategy.distribute_batch(&data(), ROW)?;
+    let mut w = strategy.mirrored_variable(&initial)?;
+    let (mut step, mut loss, mut resumed) = (0, 0.0, None);
+    while step < args.steps {
+        let me = strategy.cluster_resolver().task_id;
+        if resumed.is_none() && args.kill_worker == Some(me) && step == args.kill_step {
+            // SAFETY: plain syscall; the process ends here.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        let r = strategy.run(|ctx| {
+            let (g, l) = grad_sum(&w.read_in(ctx), &shards.0[ctx.local_replica_id()]);
+            ctx.assign_sub(&w, &scaled(&g), Aggregation::Sum)?;
+            let mut l = [l / SAMPLES as f32];
+            ctx.all_reduce(ReduceOp::Sum, &mut l)?;
+            Ok(l[0])
+        });
+        match r {
+            Ok(losses) => {
+                loss = losses.0[0];
+                step += 1;
+            }
+            Err(e) if args.elastic => {
+                eprintln!("train: step {step} failed ({e}); going on with the survivors");
+                strategy.shrink()?;
+                shards = strategy.distribute_batch(&data(), ROW)?;
+                // The chief's weights and step: the failed step may have completed elsewhere.
+                w = strategy.mirrored_variable(&w.value())?;
+                step = strategy.broadcast_from_chief(&[step as u64])?[0] as usize;
+                resumed = Some((step, w.value()));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    assert!(w.in_sync(), "mirrored copies diverged");
+    Ok(((w.value(), loss), resumed))
 }
 
 /// Central storage: one copy of the weights; the replicas' updates are reduced onto it.
@@ -229,6 +292,7 @@ fn main() -> std::process::ExitCode {
 
 fn run(args: &Args) -> Result<()> {
     let devices = logical_cpus(args.replicas.max(1))?;
+    let mut resumed: Resumed = None;
     let (result, replicas) = match args.strategy.as_str() {
         "default" => {
             let s = Strategy::default_strategy();
@@ -254,8 +318,10 @@ fn run(args: &Args) -> Result<()> {
             (train_central(&s, args.steps)?, s.num_replicas_in_sync())
         }
         "multi-worker" => {
-            let s = Strategy::multi_worker_mirrored(CommunicationImplementation::Auto, None, &devices)?;
-            (train_mirrored(&s, args.steps)?, s.num_replicas_in_sync())
+            let mut s = Strategy::multi_worker_mirrored(CommunicationImplementation::Auto, None, &devices)?;
+            let (r, at) = train_multi_worker(&mut s, args)?;
+            resumed = at;
+            (r, s.num_replicas_in_sync())
         }
         "tpu" => {
             let s = tpu_strategy()?;
@@ -280,6 +346,8 @@ fn run(args: &Args) -> Result<()> {
             "loss": loss,
             "weights": weights,
             "reference_weights": reference_weights,
+            "resumed_at": resumed.as_ref().map(|r| r.0),
+            "resumed_weights": resumed.as_ref().map(|r| r.1.clone()),
         });
         println!("{line}");
     } else {

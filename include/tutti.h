@@ -1195,6 +1195,34 @@ tutti_result tutti_comm_split(struct tutti_comm *comm,
                               struct tutti_comm **newcomm);
 
 /**
+ * After a rank was lost (a call failed with `TUTTI_ERROR_PEER_LOST`, or `TUTTI_ERROR_ABORTED`
+ * or `TUTTI_ERROR_TIMEOUT` because of one), make a new communicator of the ranks of `comm`
+ * that are still alive, renumbered in `comm`'s rank order, and set `*newcomm` to it; the
+ * processes go on without restarting. Every surviving rank calls it. `comm` is aborted first
+ * (so that every survivor's calls fail and it shrinks too); the survivors then find each other
+ * on the ports they listened on when they joined and agree on who they are within `comm`'s
+ * timeout. A rank that is alive but does not call it in time is left out, and its own later
+ * call fails rather than go on alone. The new communicator has `comm`'s settings; destroy it
+ * with `tutti_comm_destroy`, and `comm` too.
+ *
+ * The state of the training is the survivors' to restore: broadcast it (weights, optimizer
+ * state, step) from the new rank 0 and repeat the step that failed.
+ *
+ * Errors (`*newcomm` is then NULL): `TUTTI_ERROR_INVALID_ARGUMENT` (NULL `newcomm`; survivors
+ * that found different sets of live ranks, each named; a rank too late for the others, or too
+ * few answering to outnumber the silent ones), `TUTTI_ERROR_UNAVAILABLE` for groups of threads,
+ * device groups, GPU ranks and the MPI transport, `TUTTI_ERROR_SYSTEM` when a connection fails
+ * during the shrink.
+ *
+ * Thread-safety: callable from any thread; the calls still running on `comm` fail.
+ *
+ * # Safety
+ *
+ * `comm` is NULL or a live handle; `newcomm` is NULL or writable.
+ */
+tutti_result tutti_comm_shrink(struct tutti_comm *comm, struct tutti_comm **newcomm);
+
+/**
  * Write where this rank's buffers live: the kind of device to `*kind` (`TUTTI_DEVICE_CPU` for
  * host memory, `TUTTI_DEVICE_GPU`, `TUTTI_DEVICE_XLA`) and its index among this process's
  * devices of that kind to `*index` (the `N` of `cuda:N`, whether `TUTTI_DEVICE` or

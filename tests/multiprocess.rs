@@ -455,6 +455,69 @@ fn a_killed_rank_is_named_by_every_survivor() {
 }
 
 #[test]
+fn survivors_of_a_killed_rank_shrink_and_every_collective_is_correct_on_them() {
+    // Rank 0 too: it served the store the ranks first met through, which the survivors do
+    // without.
+    for (transport, victim) in [("tcp", 0), ("shm", 2), ("shm shared", 1)] {
+        let n = 4;
+        let master = format!("127.0.0.1:{}", free_port());
+        let mut children: Vec<Child> = (0..n)
+            .map(|r| {
+                let args = [
+                    "--counts",
+                    "0,1,7,1000",
+                    "--busy-secs",
+                    "60",
+                    "--timeout",
+                    "20",
+                ];
+                check_rank(&args, r, n, &master, "shrink-test-job-token")
+                    .args(["--transport", &transport[..3], "--shrink"])
+                    .args(transport.ends_with("shared").then_some("--busy-shared"))
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let _out = wait_busy(&mut children[victim]);
+        std::thread::sleep(Duration::from_millis(300));
+        children[victim].kill().unwrap();
+        let t = Instant::now();
+        for (r, c) in children.into_iter().enumerate() {
+            if r == victim {
+                let _ = c.wait_with_output();
+                continue;
+            }
+            let mut c = c;
+            wait_bounded(&mut c, Duration::from_secs(40));
+            let o = c.wait_with_output().unwrap();
+            let (out, err) = text(&o);
+            let new_rank = r - usize::from(r > victim);
+            assert!(o.status.success(), "{transport}: rank {r}: {out}\n{err}");
+            assert!(
+                out.contains(&format!("rank {r} of 4: shrank to rank {new_rank} of 3")),
+                "{transport}: rank {r}: {out}"
+            );
+            assert!(
+                out.contains(&format!("rank {new_rank} of 3, hosts 1:"))
+                    && out.contains("all correct"),
+                "{transport}: rank {r}: {out}"
+            );
+        }
+        // Found at once: the lost rank's port refuses, nobody waits for the timeout.
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "{transport}: the survivors took {:?}",
+            t.elapsed()
+        );
+    }
+    assert_eq!(
+        tutti_segments(),
+        0,
+        "shared-memory segments were left in /dev/shm"
+    );
+}
+
+#[test]
 fn strangers_wrong_tokens_and_garbage_are_rejected_and_the_job_finishes() {
     let port = free_port();
     let master = format!("127.0.0.1:{port}");

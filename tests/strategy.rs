@@ -140,6 +140,100 @@ fn multi_worker_across_processes_trains_to_the_reference() {
 }
 
 #[test]
+fn multi_worker_survivors_of_a_killed_worker_shrink_and_train_on() {
+    // 4 workers; worker 2 kills itself (SIGKILL) before step 10; the other 3 shrink, take
+    // the new chief's weights and step, and train the remaining 20 steps.
+    let t = train();
+    let (ok, out, err) = bounded(
+        Command::new(common::tutti_bin())
+            .args(["launch", "--elastic", "--tag-output", "-n", "4", "--"])
+            .arg(&t)
+            .args([
+                "--strategy",
+                "multi-worker",
+                "--replicas",
+                "1",
+                "--steps",
+                "30",
+            ])
+            .args([
+                "--elastic",
+                "--kill-worker",
+                "2",
+                "--kill-step",
+                "10",
+                "--json",
+            ]),
+        Duration::from_secs(120),
+    );
+    assert!(ok, "{out}\n{err}");
+    assert!(err.contains("rank 2 was killed by signal 9"), "{err}");
+    let survivors: Vec<serde_json::Value> = [0, 1, 3]
+        .iter()
+        .map(|w| {
+            let line = out
+                .lines()
+                .find(|l| l.starts_with(&format!("[{w}] {{")))
+                .unwrap_or_else(|| panic!("worker {w}: {out}\n{err}"));
+            last_json(line)
+        })
+        .collect();
+    for j in &survivors {
+        assert_eq!(j["replicas"], 3, "{j}");
+        assert_eq!(j["resumed_at"], 10, "{j}");
+        assert_eq!(
+            j["weights"], survivors[0]["weights"],
+            "the survivors differ"
+        );
+    }
+    // The same 20 steps on 3 workers resumed from the state the survivors went on from.
+    let resume: Vec<String> = survivors[0]["resumed_weights"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
+    let (ok, out, err) = bounded(
+        Command::new(common::tutti_bin())
+            .args(["launch", "--tag-output", "-n", "3", "--"])
+            .arg(&t)
+            .args([
+                "--strategy",
+                "multi-worker",
+                "--replicas",
+                "1",
+                "--steps",
+                "20",
+            ])
+            .args(["--json", "--resume", &resume.join(",")]),
+        Duration::from_secs(120),
+    );
+    assert!(ok, "{out}\n{err}");
+    let line = out.lines().find(|l| l.starts_with("[0] {")).unwrap();
+    let fresh = last_json(line);
+    let (a, b) = (
+        survivors[0]["weights"].as_array().unwrap(),
+        fresh["weights"].as_array().unwrap(),
+    );
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(b) {
+        assert!(
+            (x.as_f64().unwrap() - y.as_f64().unwrap()).abs() < 1e-6,
+            "{a:?} vs {b:?}"
+        );
+    }
+}
+
+#[test]
+fn only_a_multi_worker_strategy_shrinks() {
+    let mut s = Strategy::mirrored(&logical_cpus(2).unwrap(), None).unwrap();
+    match s.shrink() {
+        Err(Error::Unavailable { why, .. }) => assert!(why.contains("MultiWorker"), "{why}"),
+        r => panic!("{:?}", r.err()),
+    }
+}
+
+#[test]
 fn parameter_servers_converge_and_survive_a_lost_worker() {
     let t = train();
     let (ok, out, err) = bounded(

@@ -349,6 +349,14 @@ public:
         return c == nullptr ? nullptr : std::unique_ptr<comm>(new comm(c));
     }
 
+    /// After a rank was lost: a new communicator of the ranks still alive, renumbered
+    /// (every survivor calls it; as `tutti_comm_shrink`). This one is aborted.
+    comm shrink() {
+        tutti_comm *c = nullptr;
+        detail::check(tutti_comm_shrink(h_.get(), &c));
+        return comm(c);
+    }
+
     /// Takes ownership of a handle from the C API.
     explicit comm(tutti_comm *handle) : h_(handle, detail::comm_deleter()) {}
     comm(comm &&) noexcept = default;

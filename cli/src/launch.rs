@@ -13,7 +13,9 @@
 //! line with its rank (or task). When a process fails, the others are stopped (SIGTERM, then
 //! SIGKILL after a grace period), every process that failed is named with its exit status or
 //! signal, and the launch fails with the status of the one that failed first (a process killed
-//! by a signal before the peers that saw it go).
+//! by a signal before the peers that saw it go). With `--elastic` a failed process stops nobody
+//! (the others may shrink their communicators and go on) and the launch succeeds when at least
+//! one process succeeded.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Write};
@@ -54,6 +56,8 @@ pub struct Launch {
     /// Where rank 0 serves the rendezvous (`--master-addr`, `--master-port`): required with
     /// several hosts; on one host a free loopback port by default.
     pub master: Option<(String, u16)>,
+    /// A failed process does not stop the others; the launch succeeds when one succeeded.
+    pub elastic: bool,
 }
 
 /// `n` listeners on distinct free loopback ports, with their addresses. The launcher holds
@@ -410,7 +414,7 @@ pub fn run(l: &Launch) -> Result<i32> {
                 }
             }
         }
-        if before == 0 && !failed.is_empty() {
+        if before == 0 && !failed.is_empty() && !l.elastic {
             stop_at = Some(Instant::now() + l.grace.min(SETTLE));
         }
         if !stopping && stop_at.is_some_and(|t| Instant::now() >= t) {
@@ -452,7 +456,13 @@ pub fn run(l: &Launch) -> Result<i32> {
     }
     // A process killed while it set up shared memory may have left a segment behind.
     tutti::sweep_dead_segments();
+    // Elastic: the survivors that finished are the job's result.
+    let survived = l.elastic && children.iter().any(|x| x.2.is_some_and(|s| s.success()));
     Ok(match (first, interrupted) {
+        (Some(_), None) if survived => {
+            eprintln!("tutti launch: the others went on without the failed processes (--elastic) and succeeded");
+            0
+        }
         (Some((_, s)), _) => exit_code(s),
         (None, Some(sig)) => 128 + sig,
         (None, None) => 0,

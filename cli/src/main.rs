@@ -117,6 +117,11 @@ struct LaunchArgs {
     /// most the moment the others get to end on their own, 2 s by default).
     #[arg(long, default_value_t = 3.0)]
     grace: f64,
+    /// A process that fails does not stop the others (they may shrink and go on without it:
+    /// Communicator::shrink); the launch succeeds when at least one process succeeds, and
+    /// names every one that failed.
+    #[arg(long)]
+    elastic: bool,
     /// The program and its arguments (`tutti` means this executable).
     #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
     program: Vec<OsString>,
@@ -142,6 +147,10 @@ struct CheckArgs {
     /// The busy all-reduces on a shared buffer (Communicator::alloc_shared).
     #[arg(long, hide = true)]
     busy_shared: bool,
+    /// When a busy all-reduce fails (a rank was lost), shrink to the survivors and check the
+    /// collectives on them.
+    #[arg(long, hide = true)]
+    shrink: bool,
     /// Before checking, make one call on rank --inject-rank differ (count, dtype, op or
     /// collective) and require every rank to see the error.
     #[arg(long, hide = true)]
@@ -422,7 +431,21 @@ fn check_one_rank(comm: &mut Communicator, a: &CheckArgs) -> Result<usize, tutti
                 None => &mut heap[..],
             };
             buf.fill(1.0);
-            comm.all_reduce(buf, ReduceOp::Sum)?;
+            match comm.all_reduce(buf, ReduceOp::Sum) {
+                Err(e) if a.shrink => {
+                    say!("rank {}: {e}", comm.rank());
+                    drop(shared);
+                    let (rank, world) = (comm.rank(), comm.world_size());
+                    *comm = comm.shrink()?;
+                    say!(
+                        "rank {rank} of {world}: shrank to rank {} of {}",
+                        comm.rank(),
+                        comm.world_size()
+                    );
+                    return Ok(calls + perf::check(comm, &a.counts)?);
+                }
+                r => r?,
+            }
         }
     }
     Ok(calls)
@@ -503,6 +526,7 @@ fn launch_cmd(a: LaunchArgs) -> Result<i32, tutti::Error> {
         transport: a.transport,
         program: a.program,
         grace: Duration::from_secs_f64(a.grace),
+        elastic: a.elastic,
     })
 }
 

@@ -57,6 +57,8 @@ const REFUSAL: &[u8; ANSWER] = b"TUTTI: the job tokens differ....";
 pub(crate) enum Purpose {
     Store = 1,
     Data = 2,
+    /// The survivors of a communicator finding each other (`Communicator::shrink`).
+    Shrink = 3,
 }
 
 /// 16 random bytes from the kernel.

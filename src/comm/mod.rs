@@ -17,6 +17,7 @@ mod p2p;
 mod premul;
 mod replicas;
 mod shared;
+mod shrink;
 mod split;
 mod tune;
 mod work;

@@ -75,15 +75,7 @@ impl Communicator {
             }
             None => Vec::new(),
         };
-        let config = Config {
-            timeout: self.timeout(),
-            algorithm: self.algorithm,
-            chunk_bytes: shared.chunk_bytes,
-            full_check: shared.full_check,
-            deterministic: shared.deterministic,
-            compression: shared.compression,
-            cost_model: crate::tuning::CostModel::Figures(shared.tuning.lock().0),
-        };
+        let config = self.settings();
         // Every member of a group sees the same size: a setting that does not fit it fails
         // the whole group alike (and no other).
         let check = match color {
@@ -161,6 +153,23 @@ impl Communicator {
             }
         };
         Ok(Some(Communicator::new(transport, &config)))
+    }
+}
+
+impl Communicator {
+    /// This communicator's settings, for one made from it (a split, the survivors of a
+    /// shrink): its timeout, algorithm, chunk size, modes and cost-model figures.
+    pub(super) fn settings(&self) -> Config {
+        let shared = self.progress.shared();
+        Config {
+            timeout: self.timeout(),
+            algorithm: self.algorithm,
+            chunk_bytes: shared.chunk_bytes,
+            full_check: shared.full_check,
+            deterministic: shared.deterministic,
+            compression: shared.compression,
+            cost_model: crate::tuning::CostModel::Figures(shared.tuning.lock().0),
+        }
     }
 }
 

@@ -620,6 +620,48 @@ impl Strategy {
         &self.resolver
     }
 
+    /// Multi-worker: go on with the workers still alive after one was lost (a `run`, `reduce`
+    /// or variable update failed with [`Error::PeerLost`], or with [`Error::Aborted`] or
+    /// [`Error::Timeout`] because of it), without restarting. Every surviving worker calls it:
+    /// the communicator across workers shrinks to the survivors ([`Communicator::shrink`]),
+    /// they are renumbered in their old order (the lowest is the chief), and
+    /// [`Strategy::num_replicas_in_sync`] and [`Strategy::cluster_resolver`] follow (its
+    /// `task_id` becomes the worker's new index, `is_chief` true on the new chief, whatever
+    /// its task type). Split
+    /// the data again for the new number of replicas ([`Strategy::distribute_batch`]).
+    ///
+    /// The state to restore, from the new chief, before the next step: every variable
+    /// (`mirrored_variable(&v.value())` makes one from the chief's value), the optimizer's
+    /// state and the step counter ([`Strategy::broadcast_from_chief`]). The step that failed
+    /// is then repeated: it may have completed on some survivors and not on others, so
+    /// their variables may differ by it until the chief's are broadcast.
+    ///
+    /// Other strategies: [`Error::Unavailable`] (their replicas live and fail in one process);
+    /// so does a multi-worker strategy whose workers run NCCL (`CommunicationImplementation::Nccl`
+    /// on GPUs).
+    pub fn shrink(&mut self) -> Result<()> {
+        let Some(workers) = &self.workers else {
+            return Err(Error::Unavailable {
+                what: format!("shrink of {}", self.kind.name()),
+                why: "only MultiWorkerMirroredStrategy across processes has workers to lose".into(),
+            });
+        };
+        let survivors = workers.shrink()?;
+        self.resolver.task_id = survivors.rank();
+        self.resolver.is_chief = survivors.rank() == 0;
+        self.resolver.num_workers = survivors.world_size();
+        self.workers = Some(Arc::new(survivors));
+        Ok(())
+    }
+
+    /// `value` as the chief (worker 0) holds it, on every worker of a multi-worker strategy
+    /// (a broadcast; this worker's own value elsewhere): the step, an optimizer's state, what
+    /// the workers must agree on. Collective across workers: every worker calls it, with the
+    /// same length and element type (else an error naming both workers).
+    pub fn broadcast_from_chief<T: Element>(&self, value: &[T]) -> Result<Vec<T>> {
+        self.chiefs_value(value, "broadcast_from_chief")
+    }
+
     /// Set the fusion threshold of batch reduces (TensorFlow's `bytes_per_pack`, Horovod's
     /// fusion threshold): small tensors are packed into buffers of about this size. 0 disables
     /// fusion.

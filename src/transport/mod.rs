@@ -20,6 +20,7 @@ pub(crate) mod mpi;
 pub mod net;
 pub(crate) mod shared;
 pub(crate) mod shm;
+pub(crate) mod shrink;
 pub(crate) mod sub;
 pub(crate) mod wire;
 
@@ -305,6 +306,16 @@ pub trait Transport: Send + Sync {
     /// Give up allocation `id` on this rank.
     fn share_free(&self, id: u64) {
         let _ = id;
+    }
+
+    /// The transport of the survivors after ranks were lost (`Communicator::shrink`), agreed
+    /// by `deadline`; `None` where this transport cannot shrink.
+    fn shrink(
+        &self,
+        deadline: std::time::Instant,
+    ) -> Option<Result<std::sync::Arc<dyn Transport>>> {
+        let _ = deadline;
+        None
     }
 
     /// How a split of this transport's communicator finds its members again

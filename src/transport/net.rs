@@ -30,6 +30,7 @@ use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -130,6 +131,25 @@ pub(crate) struct Meeting<'a> {
     pub served_by: &'a str,
 }
 
+/// What [`NetTransport::assemble`] builds a transport from.
+struct Assembly<'a> {
+    rank: usize,
+    socks: Vec<Option<TcpStream>>,
+    /// The host of every rank (numbered in order of first appearance).
+    hosts: Vec<usize>,
+    /// Every rank's listening address.
+    addrs: Vec<String>,
+    listener: TcpListener,
+    kind: TransportKind,
+    timeout: Duration,
+    chunk_bytes: usize,
+    token: &'a str,
+    listen_host: &'a str,
+    deadline: Instant,
+    /// Shrinks that made this communicator.
+    generation: u32,
+}
+
 /// One rank's end of a multi-process communicator.
 pub struct NetTransport {
     rank: usize,
@@ -154,6 +174,15 @@ pub struct NetTransport {
     regroup: (String, String, TransportKind),
     /// The host of every rank.
     hosts: Vec<usize>,
+    /// This rank's listening socket, open for the communicator's life, and every rank's
+    /// address: where the survivors of a shrink meet ([`super::shrink`]).
+    /// (Handed to the survivors' transport once a shrink succeeds.)
+    standby: Mutex<Option<TcpListener>>,
+    addrs: Vec<String>,
+    /// Shrinks that made this communicator (0: made by joining).
+    generation: u32,
+    /// A shrink of this communicator runs.
+    shrinking: AtomicBool,
     /// The peers have been told why this rank stopped (they are told once).
     notified: AtomicBool,
     /// The rank this rank was waiting for when its call failed, plus one (0: none): every
@@ -335,9 +364,48 @@ impl NetTransport {
         for (r, (addr, _)) in infos.iter().enumerate().take(rank) {
             socks[r] = Some(connect_peer(addr, r, rank, token, deadline)?);
         }
-        // Accept the higher ones; strangers and wrong tokens are logged and dropped.
-        accept_peers(listener, rank, world, token, deadline, &mut socks)?;
+        // Accept the higher ones; strangers and wrong tokens are logged and dropped. The
+        // listener stays open for the communicator's life: a shrink's survivors meet on it.
+        let accepting = listener
+            .try_clone()
+            .map_err(|e| Error::io("listening", e))?;
+        accept_peers(accepting, rank, world, token, deadline, &mut socks)?;
+        NetTransport::assemble(Assembly {
+            rank,
+            socks,
+            hosts,
+            addrs: infos.into_iter().map(|(a, _)| a).collect(),
+            listener,
+            kind,
+            timeout: call_timeout,
+            chunk_bytes,
+            token,
+            listen_host,
+            deadline,
+            generation: 0,
+        })
+    }
 
+    /// The transport over connections already made to every peer (`socks[r]`, `None` for this
+    /// rank): shared-memory rings set up over them with the peers on this host where `kind`
+    /// asks for them.
+    fn assemble(a: Assembly<'_>) -> Result<NetTransport> {
+        let Assembly {
+            rank,
+            socks,
+            hosts,
+            addrs,
+            listener,
+            kind,
+            timeout: call_timeout,
+            chunk_bytes,
+            token,
+            listen_host,
+            deadline,
+            generation,
+        } = a;
+        let world = socks.len();
+        let same_host: Vec<bool> = hosts.iter().map(|&h| h == hosts[rank]).collect();
         // What processes killed mid-setup left under /dev/shm goes, once for every link (a
         // sweep reads the whole directory: once per link would cost O(P^2) a rank).
         if kind != TransportKind::Tcp && same_host.iter().filter(|&&s| s).count() > 1 {
@@ -404,6 +472,10 @@ impl NetTransport {
                 .0,
             hosts,
             regroup: (token.to_string(), listen_host.to_string(), kind),
+            standby: Mutex::new(Some(listener)),
+            addrs,
+            generation,
+            shrinking: AtomicBool::new(false),
             notified: AtomicBool::new(false),
             waiting_for: AtomicU32::new(0),
             aborted_by: AtomicU32::new(0),
@@ -412,6 +484,89 @@ impl NetTransport {
             direct: AtomicBool::new(false),
             claimed: AtomicBool::new(false),
         })
+    }
+
+    /// The survivors' transport ([`super::shrink`]): the ranks that are alive and reach their
+    /// own shrink by `deadline`, renumbered in this transport's rank order.
+    fn survivors(&self, deadline: Instant) -> Result<NetTransport> {
+        if self.shrinking.swap(true, Ordering::AcqRel) {
+            return Err(Error::config(
+                "shrink: another thread is shrinking this communicator already",
+            ));
+        }
+        let r = self.survivors_once(deadline);
+        self.shrinking.store(false, Ordering::Release);
+        r
+    }
+
+    fn survivors_once(&self, deadline: Instant) -> Result<NetTransport> {
+        let generation = self.generation;
+        let listener = self
+            .standby
+            .lock()
+            .as_ref()
+            .ok_or_else(|| {
+                Error::config("shrink: this communicator was shrunk already; shrink the new one")
+            })?
+            .try_clone()
+            .map_err(|e| Error::io("shrink: the listening socket", e))?;
+        let (token, listen_host, kind) = &self.regroup;
+        let probe = super::shrink::Probe {
+            rank: self.rank,
+            addrs: &self.addrs,
+            token,
+            generation,
+            deadline,
+            timeout: self.timeout,
+        };
+        let found = super::shrink::survivors(&probe, listener)?;
+        let rank = found
+            .members
+            .iter()
+            .position(|&r| r == self.rank)
+            .expect("a rank counts itself alive");
+        // Hosts numbered again in order of their first rank.
+        let mut seen: Vec<usize> = Vec::new();
+        let hosts = found
+            .members
+            .iter()
+            .map(|&r| {
+                let h = self.hosts[r];
+                seen.iter().position(|&x| x == h).unwrap_or_else(|| {
+                    seen.push(h);
+                    seen.len() - 1
+                })
+            })
+            .collect();
+        let child = NetTransport::assemble(Assembly {
+            rank,
+            socks: found.socks,
+            hosts,
+            addrs: found
+                .members
+                .iter()
+                .map(|&r| self.addrs[r].clone())
+                .collect(),
+            listener: self
+                .standby
+                .lock()
+                .as_ref()
+                .map(TcpListener::try_clone)
+                .transpose()
+                .map_err(|e| Error::io("shrink: the listening socket", e))?
+                .ok_or_else(|| Error::config("shrink: this communicator was shrunk already"))?,
+            kind: *kind,
+            timeout: self.timeout,
+            chunk_bytes: self.chunk_bytes,
+            token,
+            listen_host,
+            // The probing may have used the whole timeout; the new links get their own.
+            deadline: Instant::now() + self.timeout,
+            generation: generation.wrapping_add(1),
+        })?;
+        // Its port is the survivors' now: a later shrink of this one is refused.
+        self.standby.lock().take();
+        Ok(child)
     }
 
     fn link(&self, peer: usize) -> &Link {
@@ -1783,6 +1938,13 @@ impl Transport for NetTransport {
 
     fn hosts(&self) -> Option<&[usize]> {
         Some(&self.hosts)
+    }
+
+    fn shrink(&self, deadline: Instant) -> Option<Result<Arc<dyn Transport>>> {
+        Some(
+            self.survivors(deadline)
+                .map(|t| Arc::new(t) as Arc<dyn Transport>),
+        )
     }
 
     fn regroup(&self) -> Option<super::Regroup> {

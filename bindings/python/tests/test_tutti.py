@@ -905,6 +905,14 @@ def test_split_groups_by_color_ordered_by_key():
             comms[0].split("red")
 
 
+def test_shrink_of_threads_is_unavailable_saying_why():
+    """shrink() goes on without lost processes; threads of one process fail together."""
+    with tutti.local_group(2) as comms:
+        with pytest.raises(tutti.TuttiError, match="group of threads") as e:
+            comms[0].shrink()
+        assert e.value.code == "TUTTI_ERROR_UNAVAILABLE"
+
+
 # ----- point-to-point: send, recv, send_recv -----
 
 

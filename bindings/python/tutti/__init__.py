@@ -203,6 +203,7 @@ _PROTOTYPES = {
     "tutti_comm_world_size": (_u32, [_ptr, ctypes.POINTER(_size)]),
     "tutti_comm_timeout_ms": (_u32, [_ptr, ctypes.POINTER(ctypes.c_uint64)]),
     "tutti_comm_split": (_u32, [_ptr, ctypes.c_int64, ctypes.c_int64, _pp]),
+    "tutti_comm_shrink": (_u32, [_ptr, _pp]),
     "tutti_comm_abort": (_u32, [_ptr, ctypes.c_char_p]),
     "tutti_comm_set_cuda_stream": (_u32, [_ptr, _ptr]),
     "tutti_comm_unset_cuda_stream": (_u32, [_ptr]),
@@ -928,6 +929,19 @@ class Communicator:
         with self._h.use() as h:
             _check(_library().tutti_comm_split(h, c, key, ctypes.byref(out)))
         return Communicator(out, self.device) if out.value else None
+
+    def shrink(self):
+        """After a rank was lost (a call raised ``TuttiError`` with code
+        ``TUTTI_ERROR_PEER_LOST``, or aborted because of one): a new ``Communicator`` of the
+        ranks still alive, renumbered in this one's rank order, with this one's settings. Every
+        surviving rank calls it; this one is aborted first, and the survivors agree on who they
+        are within the timeout (a rank too late for the others gets an error). Restore the
+        training's state from the new rank 0 (broadcast the weights, the optimizer's state and
+        the step) and repeat the step that failed. Processes over tcp and shm only."""
+        out = ctypes.c_void_p()
+        with self._h.use() as h:
+            _check(_library().tutti_comm_shrink(h, ctypes.byref(out)))
+        return Communicator(out, self.device)
 
     def abort(self, reason=None):
         """Fail the calls running on every rank of the group, and every later one, with

@@ -588,6 +588,9 @@ int main(void) {
     CHECK(tutti_comm_create_group(1, &config, comms));
     EXPECT_ERROR(tutti_comm_split(comms[0], 0, 0, NULL), TUTTI_ERROR_INVALID_ARGUMENT,
                  "tutti_comm_split", "newcomm is NULL");
+    /* Threads of one process fail together: there are no survivors to shrink to. */
+    EXPECT_ERROR(tutti_comm_shrink(comms[0], comms + 1), TUTTI_ERROR_UNAVAILABLE,
+                 "tutti_comm_shrink", "group of threads");
     tutti_comm_destroy(comms[0]);
 
     /* One rank: every count from the communicator, zeros everywhere are fine. */

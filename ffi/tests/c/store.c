@@ -313,10 +313,66 @@ static void errors(void) {
     store_free(&s);
 }
 
+/* tutti_comm_shrink: rank 1 of 3 leaves (its communicator destroyed, its port closed); the
+ * others' next call fails, and they go on as ranks 0 and 1 of 2. */
+static void *lose_one_and_shrink(void *arg) {
+    job *j = arg;
+    tutti_store t = callbacks(j->store);
+    tutti_config c = TUTTI_CONFIG_INIT;
+    tutti_comm *comm = NULL, *survivors = NULL;
+    size_t rank = 99, world = 99;
+    float v;
+    c.timeout_ms = j->timeout_ms;
+    CHECK(tutti_comm_create_store(j->rank, j->world, &t, TOKEN, NULL, &c, &comm));
+    CHECK(tutti_barrier(comm));
+    if (j->rank == 1) {
+        tutti_comm_destroy(comm);
+        return NULL;
+    }
+    EXPECT(tutti_barrier(comm) != TUTTI_SUCCESS);
+    EXPECT_ERROR(tutti_comm_shrink(comm, NULL), TUTTI_ERROR_INVALID_ARGUMENT, "tutti_comm_shrink",
+                 "newcomm is NULL");
+    CHECK(tutti_comm_shrink(comm, &survivors));
+    CHECK(tutti_comm_rank(survivors, &rank));
+    CHECK(tutti_comm_world_size(survivors, &world));
+    EXPECT(world == 2 && rank == (j->rank == 0 ? 0u : 1u));
+    v = (float)rank + 1.0f;
+    CHECK(tutti_all_reduce(survivors, 1, TUTTI_DTYPE_F32, TUTTI_OP_SUM, &v, &v));
+    EXPECT(v == 3.0f);
+    /* The parent stays aborted, with its first reason. */
+    EXPECT_ERROR(tutti_barrier(comm), TUTTI_ERROR_ABORTED, "lost rank 1");
+    tutti_comm_destroy(survivors);
+    tutti_comm_destroy(comm);
+    return NULL;
+}
+
+static void survivors_shrink(void) {
+    mem_store s;
+    job jobs[3];
+    pthread_t threads[3];
+    size_t k;
+    store_init(&s);
+    for (k = 0; k < 3; k++) {
+        memset(&jobs[k], 0, sizeof jobs[k]);
+        jobs[k].store = &s;
+        jobs[k].world = 3;
+        jobs[k].rank = k;
+        jobs[k].timeout_ms = 20000;
+        if (pthread_create(&threads[k], NULL, lose_one_and_shrink, &jobs[k]) != 0) {
+            FAIL("pthread_create failed");
+        }
+    }
+    for (k = 0; k < 3; k++) {
+        pthread_join(threads[k], NULL);
+    }
+    store_free(&s);
+}
+
 int main(void) {
     errors();
     three_ranks_all_reduce();
     a_missing_rank_is_a_timeout_naming_it();
+    survivors_shrink();
     printf("store: ok\n");
     return 0;
 }
