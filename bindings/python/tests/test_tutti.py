@@ -410,6 +410,49 @@ def test_separate_processes_join_one_job(transport):
             assert "shared refused: True" in out, out
 
 
+SHRINK_SCRIPT = r"""
+import os, signal, sys
+import numpy as np
+import tutti
+rank, world, master, transport = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+comm = tutti.join(rank, world, master, timeout=30, transport=transport)
+comm.barrier()
+if rank == 2:
+    os.kill(os.getpid(), signal.SIGKILL)
+try:
+    while True:
+        comm.all_reduce(np.ones(1 << 16, dtype=np.float32))
+except tutti.TuttiError as e:
+    print("lost:", e.code)
+new = comm.shrink()
+print("shrank", new.rank, new.world_size, float(new.all_reduce(np.array([new.rank + 1.0]))[0]))
+new.close()
+comm.close()
+"""
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_survivors_of_a_killed_process_shrink(transport):
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(tutti.__file__).resolve().parents[1]))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SHRINK_SCRIPT, str(r), "3", f"127.0.0.1:{port}", transport],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in range(3)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert procs[2].returncode == -9
+    for r, (p, (out, err)) in enumerate(zip(procs[:2], outs)):
+        assert p.returncode == 0, err
+        assert "lost: TUTTI_ERROR_" in out, out
+        assert f"shrank {r} 2 3.0" in out, out
+
+
 def test_joining_without_a_cluster_says_what_to_set(monkeypatch):
     for v in ["TUTTI_RANK", "TF_CONFIG", "RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"]:
         monkeypatch.delenv(v, raising=False)
