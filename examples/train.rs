@@ -23,7 +23,8 @@ use clap::Parser;
 use tutti::logical_cpus;
 use tutti::strategy::ps::{ParameterServerStrategy, Partitioner, Role};
 use tutti::strategy::{
-    Aggregation, CommunicationImplementation, CrossDeviceOps, PerReplica, Strategy, Tensor,
+    Aggregation, CommunicationImplementation, CrossDeviceOps, MirroredVariable, PerReplica,
+    Strategy, Tensor,
 };
 use tutti::{ReduceOp, Result};
 
@@ -129,17 +130,26 @@ fn train_mirrored(strategy: &Strategy, steps: usize) -> Result<(Vec<f32>, f32)> 
     let w = strategy.mirrored_variable(&[0f32; FEATURES + 1])?;
     let mut loss = 0.0;
     for _ in 0..steps {
-        let losses = strategy.run(|ctx| {
-            let (g, l) = grad_sum(&w.read_in(ctx), &shards.0[ctx.local_replica_id()]);
-            ctx.assign_sub(&w, &scaled(&g), Aggregation::Sum)?;
-            let mut l = [l / SAMPLES as f32];
-            ctx.all_reduce(ReduceOp::Sum, &mut l)?;
-            Ok(l[0])
-        })?;
-        loss = losses.0[0];
+        loss = mirrored_step(strategy, &shards, &w)?;
     }
     assert!(w.in_sync(), "mirrored copies diverged");
     Ok((w.value(), loss))
+}
+
+/// One step on mirrored weights: each replica's update from its shard, summed; the loss.
+fn mirrored_step(
+    strategy: &Strategy,
+    shards: &PerReplica<Vec<f32>>,
+    w: &MirroredVariable<f32>,
+) -> Result<f32> {
+    let losses = strategy.run(|ctx| {
+        let (g, l) = grad_sum(&w.read_in(ctx), &shards.0[ctx.local_replica_id()]);
+        ctx.assign_sub(w, &scaled(&g), Aggregation::Sum)?;
+        let mut l = [l / SAMPLES as f32];
+        ctx.all_reduce(ReduceOp::Sum, &mut l)?;
+        Ok(l[0])
+    })?;
+    Ok(losses.0[0])
 }
 
 /// What a multi-worker run that lost a worker went on from: the step it repeated and the
@@ -162,16 +172,9 @@ fn train_multi_worker(strategy: &mut Strategy, args: &Args) -> Result<((Vec<f32>
             // SAFETY: plain syscall; the process ends here.
             unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
         }
-        let r = strategy.run(|ctx| {
-            let (g, l) = grad_sum(&w.read_in(ctx), &shards.0[ctx.local_replica_id()]);
-            ctx.assign_sub(&w, &scaled(&g), Aggregation::Sum)?;
-            let mut l = [l / SAMPLES as f32];
-            ctx.all_reduce(ReduceOp::Sum, &mut l)?;
-            Ok(l[0])
-        });
-        match r {
-            Ok(losses) => {
-                loss = losses.0[0];
+        match mirrored_step(strategy, &shards, &w) {
+            Ok(l) => {
+                loss = l;
                 step += 1;
             }
             Err(e) if args.elastic => {

@@ -32,10 +32,21 @@ fn ranks(world: usize, kind: TransportKind, timeout: Duration) -> Vec<Communicat
 
 /// Shrink every communicator of `comms` at once, each on its own thread.
 fn shrink_all(comms: Vec<Communicator>) -> Vec<(Communicator, tutti::Result<Communicator>)> {
+    shrink_staggered(comms, Duration::ZERO)
+}
+
+/// Shrink every communicator of `comms`, each on its own thread, the `i`th `i × stagger`
+/// after the first.
+fn shrink_staggered(
+    comms: Vec<Communicator>,
+    stagger: Duration,
+) -> Vec<(Communicator, tutti::Result<Communicator>)> {
     let handles: Vec<_> = comms
         .into_iter()
-        .map(|c| {
+        .enumerate()
+        .map(|(i, c)| {
             std::thread::spawn(move || {
+                std::thread::sleep(stagger * i as u32);
                 let s = c.shrink();
                 (c, s)
             })
@@ -167,19 +178,9 @@ fn survivors_coming_at_different_times_leave_a_silent_rank_out_over_shared_memor
     let timeout = Duration::from_secs(2);
     let mut comms = ranks(4, TransportKind::Auto, timeout);
     let _silent = comms.pop().unwrap();
-    let handles: Vec<_> = comms
+    let survivors: Vec<Communicator> = shrink_staggered(comms, Duration::from_millis(600))
         .into_iter()
-        .enumerate()
-        .map(|(i, c)| {
-            std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_millis(600 * i as u64));
-                c.shrink()
-            })
-        })
-        .collect();
-    let survivors: Vec<Communicator> = handles
-        .into_iter()
-        .map(|h| h.join().unwrap().unwrap())
+        .map(|(_, s)| s.unwrap())
         .collect();
     assert!(survivors.iter().all(|c| c.world_size() == 3));
     for (sum, ranks) in sums(survivors, |r| (r + 1) as f64) {

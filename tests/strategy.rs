@@ -31,6 +31,15 @@ fn last_json(out: &str) -> serde_json::Value {
     serde_json::from_str(json).unwrap()
 }
 
+/// The JSON line worker `w` printed under `tutti launch --tag-output`.
+fn worker_json(out: &str, w: usize) -> serde_json::Value {
+    let line = out
+        .lines()
+        .find(|l| l.starts_with(&format!("[{w}] {{")))
+        .unwrap_or_else(|| panic!("no JSON line from worker {w}: {out}"));
+    last_json(line)
+}
+
 fn max_diff(j: &serde_json::Value) -> f64 {
     let w = j["weights"].as_array().unwrap();
     let r = j["reference_weights"].as_array().unwrap();
@@ -129,11 +138,7 @@ fn multi_worker_across_processes_trains_to_the_reference() {
     );
     assert!(ok, "{out}\n{err}");
     for w in 0..2 {
-        let line = out
-            .lines()
-            .find(|l| l.starts_with(&format!("[{w}] {{")))
-            .unwrap_or_else(|| panic!("{out}"));
-        let j = last_json(line);
+        let j = worker_json(&out, w);
         assert_eq!(j["replicas"], 4);
         assert!(max_diff(&j) < 1e-5, "worker {w}: {j}");
     }
@@ -168,16 +173,8 @@ fn multi_worker_survivors_of_a_killed_worker_shrink_and_train_on() {
     );
     assert!(ok, "{out}\n{err}");
     assert!(err.contains("rank 2 was killed by signal 9"), "{err}");
-    let survivors: Vec<serde_json::Value> = [0, 1, 3]
-        .iter()
-        .map(|w| {
-            let line = out
-                .lines()
-                .find(|l| l.starts_with(&format!("[{w}] {{")))
-                .unwrap_or_else(|| panic!("worker {w}: {out}\n{err}"));
-            last_json(line)
-        })
-        .collect();
+    let survivors: Vec<serde_json::Value> =
+        [0, 1, 3].iter().map(|&w| worker_json(&out, w)).collect();
     for j in &survivors {
         assert_eq!(j["replicas"], 3, "{j}");
         assert_eq!(j["resumed_at"], 10, "{j}");
@@ -209,8 +206,7 @@ fn multi_worker_survivors_of_a_killed_worker_shrink_and_train_on() {
         Duration::from_secs(120),
     );
     assert!(ok, "{out}\n{err}");
-    let line = out.lines().find(|l| l.starts_with("[0] {")).unwrap();
-    let fresh = last_json(line);
+    let fresh = worker_json(&out, 0);
     let (a, b) = (
         survivors[0]["weights"].as_array().unwrap(),
         fresh["weights"].as_array().unwrap(),

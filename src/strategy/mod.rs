@@ -627,8 +627,8 @@ impl Strategy {
     /// they are renumbered in their old order (the lowest is the chief), and
     /// [`Strategy::num_replicas_in_sync`] and [`Strategy::cluster_resolver`] follow (its
     /// `task_id` becomes the worker's new index, `is_chief` true on the new chief, whatever
-    /// its task type). Split
-    /// the data again for the new number of replicas ([`Strategy::distribute_batch`]).
+    /// its task type). Split the data again for the new number of replicas
+    /// ([`Strategy::distribute_batch`]).
     ///
     /// The state to restore, from the new chief, before the next step: every variable
     /// (`mirrored_variable(&v.value())` makes one from the chief's value), the optimizer's

@@ -501,15 +501,20 @@ impl NetTransport {
 
     fn survivors_once(&self, deadline: Instant) -> Result<NetTransport> {
         let generation = self.generation;
-        let listener = self
-            .standby
-            .lock()
-            .as_ref()
-            .ok_or_else(|| {
-                Error::config("shrink: this communicator was shrunk already; shrink the new one")
-            })?
-            .try_clone()
-            .map_err(|e| Error::io("shrink: the listening socket", e))?;
+        // One for the probing, one for the survivors' transport.
+        let standby = || {
+            self.standby
+                .lock()
+                .as_ref()
+                .ok_or_else(|| {
+                    Error::config(
+                        "shrink: this communicator was shrunk already; shrink the new one",
+                    )
+                })?
+                .try_clone()
+                .map_err(|e| Error::io("shrink: the listening socket", e))
+        };
+        let (listener, kept) = (standby()?, standby()?);
         let (token, listen_host, kind) = &self.regroup;
         let probe = super::shrink::Probe {
             rank: self.rank,
@@ -547,14 +552,7 @@ impl NetTransport {
                 .iter()
                 .map(|&r| self.addrs[r].clone())
                 .collect(),
-            listener: self
-                .standby
-                .lock()
-                .as_ref()
-                .map(TcpListener::try_clone)
-                .transpose()
-                .map_err(|e| Error::io("shrink: the listening socket", e))?
-                .ok_or_else(|| Error::config("shrink: this communicator was shrunk already"))?,
+            listener: kept,
             kind: *kind,
             timeout: self.timeout,
             chunk_bytes: self.chunk_bytes,

@@ -384,15 +384,16 @@ else:
 """
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_separate_processes_join_one_job(transport):
+def _three_ranks(script, transport):
+    """``script`` run as ranks 0..2 of a job meeting on a free loopback port: the processes
+    and their (stdout, stderr)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=str(pathlib.Path(tutti.__file__).resolve().parents[1]))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT, str(r), "3", f"127.0.0.1:{port}", transport],
+            [sys.executable, "-c", script, str(r), "3", f"127.0.0.1:{port}", transport],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -400,7 +401,12 @@ def test_separate_processes_join_one_job(transport):
         )
         for r in range(3)
     ]
-    outs = [p.communicate(timeout=120) for p in procs]
+    return procs, [p.communicate(timeout=120) for p in procs]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_separate_processes_join_one_job(transport):
+    procs, outs = _three_ranks(RANK_SCRIPT, transport)
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err
         assert "result [0.0, 6.0, 12.0, 18.0, 24.0, 30.0] [0, 10, 20]" in out, out
@@ -433,19 +439,7 @@ comm.close()
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_survivors_of_a_killed_process_shrink(transport):
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(tutti.__file__).resolve().parents[1]))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", SHRINK_SCRIPT, str(r), "3", f"127.0.0.1:{port}", transport],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r in range(3)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
+    procs, outs = _three_ranks(SHRINK_SCRIPT, transport)
     assert procs[2].returncode == -9
     for r, (p, (out, err)) in enumerate(zip(procs[:2], outs)):
         assert p.returncode == 0, err
