@@ -51,6 +51,7 @@ pub(crate) fn all_reduce(
         layout: crate::tuning::Layout {
             hosts: leaders.len(),
             most: 1,
+            ..Default::default()
         },
         plan: ctx.plan,
     };

@@ -164,8 +164,10 @@ impl Communicator {
     /// recursive doubling, Rabenseifner, the ring) are timed at 8 B to 1 MiB, all ranks at
     /// once, and the carrier's latency, per-message cost and bandwidth fitted to them by least
     /// squares, less what a call that moves nothing costs and the reduction (timed on its own).
-    /// On several hosts the network's figures come from the whole world and shared memory's
-    /// from each host's ranks (a split per host, every host at once, their figures averaged).
+    /// On several hosts shared memory's figures come first, from each host's ranks (a split per
+    /// host, every host at once, their figures averaged; not where the links within a host are
+    /// TCP), then the network's from the whole world, less what its steps within hosts cost at
+    /// shared memory's figures (see [`crate::tuning`]).
     /// A carrier the world does not use keeps this communicator's figures. Every rank returns
     /// the same figures (fitted from rank 0's times). The communicator's own figures are not
     /// changed; pass the result to `TUTTI_TUNING` through a file (`tutti tune -o`).

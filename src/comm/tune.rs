@@ -9,8 +9,7 @@ use crate::dtype::kernels::{self, Init};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::tuning::{
-    coefficients, fit, AllReduce, Layout, Link, Shape, Tuning, ALL_TO_ALL, FIT_ALL_TO_ALL_SENT,
-    FIT_SIZES,
+    fit, terms, AllReduce, Link, Shape, Tuning, ALL_TO_ALL, FIT_ALL_TO_ALL_SENT, FIT_SIZES,
 };
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -18,12 +17,25 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// `comm`'s world as the cost model sees it.
+fn shape(comm: &Communicator) -> Shape {
+    let t = comm.transport();
+    Shape {
+        world: comm.world_size(),
+        layout: super::work::layout(&**t),
+        all_shm: t.all_shared_memory(),
+    }
+}
+
 /// Time `comm`'s all-reduces of every algorithm the model chooses among, at [`FIT_SIZES`],
-/// and fit the figures of its carrier to what remains of them without `call_us` (a call that
-/// moves nothing) and the reduction (`g` µs per byte): (latency, per message, µs per byte).
-/// Collective over `comm`.
-fn fit_carrier(comm: &Communicator, call_us: f64, g: f64) -> Result<[f64; 3]> {
+/// and fit the figures of one carrier to what remains of them without `call_us` (a call that
+/// moves nothing), the reduction (`g` µs per byte) and the other carrier's share at its
+/// figures in `known`: (latency, per message, µs per byte). The carrier fitted is the
+/// network, unless every link is shared memory. Collective over `comm`.
+fn fit_carrier(comm: &Communicator, call_us: f64, g: f64, known: &Tuning) -> Result<[f64; 3]> {
     let p = comm.world_size();
+    let shape = shape(comm);
+    let fit_net = !(shape.layout.hosts == 1 && shape.all_shm);
     let saved = comm.tuning();
     let mut rows = Vec::new();
     let mut buf = vec![0f32; (1 << 20) / 4];
@@ -55,11 +67,19 @@ fn fit_carrier(comm: &Communicator, call_us: f64, g: f64) -> Result<[f64; 3]> {
                 comm.broadcast(&mut m, 0)?;
                 // Less what every call costs and the reduction (measured on their own): the
                 // carrier's figures are what remains.
-                let mut x = coefficients(which, p, bytes);
-                let t = m[0] - call_us - x[4] * g;
-                x[0] = 0.0;
-                x[4] = 0.0;
-                rows.push((x, t, m[0].max(0.01)));
+                let Some(x) = terms(which, &shape, bytes) else {
+                    continue;
+                };
+                let (mine, other, link) = if fit_net {
+                    (x.net, x.shm, &known.shm)
+                } else {
+                    (x.shm, x.net, &known.net)
+                };
+                let other = other[0] * link.latency_us
+                    + other[1] * link.per_message_us
+                    + other[2] / (link.gbytes_per_s * 1e3);
+                let t = m[0] - call_us - x.g * g - other;
+                rows.push(([0.0, mine[0], mine[1], mine[2], 0.0], t, m[0].max(0.01)));
             }
         }
         Ok(())
@@ -141,22 +161,15 @@ fn measure_figures(comm: &Communicator, start: &Tuning) -> Result<Tuning> {
         gbytes_per_s: (1e-3 / f[2].max(1e-7)).clamp(1e-6, 1e4),
     };
     let (call_us, g) = call_and_reduce(comm)?;
-    if p > 1 {
-        let f = fit_carrier(comm, call_us, g)?;
-        if all_shm {
-            shm = as_link(f);
-        } else {
-            net = as_link(f);
-        }
-    }
-    if per_host.len() > 1 && ranks_per_host > 1 {
-        // Shared memory: each host's ranks on their own, every host at once; the hosts'
-        // figures averaged (over the hosts with more than one rank).
+    if per_host.len() > 1 && ranks_per_host > 1 && shape(comm).layout.shm_within {
+        // Shared memory first: each host's ranks on their own, every host at once (as the
+        // hierarchy runs them); the hosts' figures averaged (over the hosts with more than
+        // one rank).
         let host = hosts[comm.rank()];
         let group = comm.split(Some(host as u32), comm.rank() as i64)?;
         let mut sums = [0f64; 4];
         if let Some(group) = group.filter(|g| g.world_size() > 1) {
-            let f = fit_carrier(&group, call_us, g)?;
+            let f = fit_carrier(&group, call_us, g, start)?;
             if group.rank() == 0 {
                 sums = [f[0], f[1], f[2], 1.0];
             }
@@ -165,6 +178,17 @@ fn measure_figures(comm: &Communicator, start: &Tuning) -> Result<Tuning> {
         comm.broadcast(&mut sums, 0)?;
         if sums[3] > 0.0 {
             shm = as_link([sums[0] / sums[3], sums[1] / sums[3], sums[2] / sums[3]]);
+        }
+    }
+    if p > 1 {
+        // Then the whole world: its steps within hosts cost what shared memory was just
+        // measured at, and the rest is the network's.
+        let known = Tuning { shm, ..*start };
+        let f = fit_carrier(comm, call_us, g, &known)?;
+        if all_shm && per_host.len() == 1 {
+            shm = as_link(f);
+        } else {
+            net = as_link(f);
         }
     }
     let mut cores = [crate::sync::cores() as f64];
@@ -195,11 +219,7 @@ pub(crate) fn predict_all_reduce(
     if t.peer_memory().is_some() || comm.world_size() < 2 {
         return ("direct", None);
     }
-    let shape = Shape {
-        world: comm.world_size(),
-        layout: Layout::of(comm.world_size(), t.hosts()),
-        all_shm: t.all_shared_memory(),
-    };
+    let shape = shape(comm);
     let compressed = comm.compression() != crate::config::Compression::None;
     let pick = figures.all_reduce(&shape, bytes, compressed);
     let time = figures

@@ -172,6 +172,14 @@ pub(crate) struct Shared {
     cv: Condvar,
 }
 
+/// How a transport's ranks lie on hosts, for the cost model.
+pub(super) fn layout(t: &dyn Transport) -> Layout {
+    Layout {
+        shm_within: t.shm_within_hosts(),
+        ..Layout::of(t.world_size(), t.hosts())
+    }
+}
+
 impl Shared {
     pub(crate) fn new(
         transport: Arc<dyn Transport>,
@@ -182,7 +190,7 @@ impl Shared {
         tuning: Tuning,
         engine: Option<Arc<dyn GroupEngine>>,
     ) -> Shared {
-        let layout = Layout::of(transport.world_size(), transport.hosts());
+        let layout = layout(&*transport);
         Shared {
             transport,
             chunk_bytes,

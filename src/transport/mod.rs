@@ -255,6 +255,13 @@ pub trait Transport: Send + Sync {
         false
     }
 
+    /// The links between ranks of one host are shared memory (the same on every rank: it
+    /// follows from the transport's kind), as the cost model prices a step between them. By
+    /// default, where every link is.
+    fn shm_within_hosts(&self) -> bool {
+        self.all_shared_memory()
+    }
+
     /// The host of every rank (equal numbers: the same host), when ranks can be on several;
     /// hosts are numbered from 0 in the order of their first rank.
     fn hosts(&self) -> Option<&[usize]> {

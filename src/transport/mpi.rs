@@ -1838,6 +1838,11 @@ impl Transport for MpiTransport {
         Some(&self.hosts)
     }
 
+    /// MPI carries the messages between ranks of one node through its own shared memory.
+    fn shm_within_hosts(&self) -> bool {
+        true
+    }
+
     fn regroup(&self) -> Option<super::Regroup> {
         Some(super::Regroup::Mpi(self.parent()))
     }

@@ -1962,6 +1962,12 @@ impl Transport for NetTransport {
         self.links.iter().flatten().any(|l| l.shm.is_none())
     }
 
+    fn shm_within_hosts(&self) -> bool {
+        // From the kind, which every rank shares (a rank alone on its host has no such link
+        // to look at).
+        self.regroup.2 != TransportKind::Tcp
+    }
+
     fn peer_memory(&self) -> Option<&dyn PeerMemory> {
         self.direct
             .load(Ordering::Acquire)
