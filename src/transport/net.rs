@@ -678,6 +678,35 @@ fn peer_record(
     Ok((addr.to_string(), hid.to_string()))
 }
 
+/// `addr` ("host:port") as a socket address, by `deadline`: an address given as numbers at
+/// once; a name is looked up on a thread of its own, which this rank stops waiting for at the
+/// deadline (a lookup cannot be cancelled: the thread then ends on its own, holding nothing of
+/// the caller's).
+pub(super) fn resolve_by(addr: &str, deadline: Instant) -> std::io::Result<std::net::SocketAddr> {
+    if let Ok(sa) = addr.parse::<std::net::SocketAddr>() {
+        return Ok(sa);
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let name = addr.to_string();
+    std::thread::Builder::new()
+        .name("tutti-resolve".into())
+        .spawn(move || {
+            let found = name.to_socket_addrs().and_then(|mut a| {
+                a.next().ok_or_else(|| {
+                    std::io::Error::new(ErrorKind::NotFound, "the name resolves to nothing")
+                })
+            });
+            let _ = tx.send(found);
+        })?;
+    rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        .unwrap_or_else(|_| {
+            Err(std::io::Error::new(
+                ErrorKind::TimedOut,
+                "looking the name up took past the timeout",
+            ))
+        })
+}
+
 fn connect_peer(
     addr: &str,
     peer: usize,
@@ -688,13 +717,8 @@ fn connect_peer(
     let mut pause = Duration::from_millis(2);
     loop {
         let attempt = (|| -> Result<TcpStream> {
-            let sa = addr
-                .to_socket_addrs()
-                .map_err(|e| Error::io(format!("resolving rank {peer}'s address {addr}"), e))?
-                .next()
-                .ok_or_else(|| {
-                    Error::config(format!("rank {peer}'s address {addr} resolves to nothing"))
-                })?;
+            let sa = resolve_by(addr, deadline)
+                .map_err(|e| Error::io(format!("resolving rank {peer}'s address {addr}"), e))?;
             // Both bounded by the deadline of the whole setup too.
             let left = deadline.saturating_duration_since(Instant::now());
             let mut s = TcpStream::connect_timeout(
@@ -2214,6 +2238,26 @@ impl PeerMemory for NetTransport {
 mod tests {
     use super::*;
     use crate::cluster::auth::testing::{alone, idle_strangers, threads};
+
+    /// Addresses in numbers need no lookup; a name is looked up by the deadline, and one that
+    /// names nothing is an error, not a hang.
+    #[test]
+    fn addresses_resolve_by_the_deadline() {
+        let soon = Instant::now() + Duration::from_secs(5);
+        assert_eq!(
+            resolve_by("127.0.0.1:7", soon).unwrap(),
+            "127.0.0.1:7".parse().unwrap()
+        );
+        assert_eq!(resolve_by("[::1]:7", soon).unwrap().port(), 7);
+        assert!(resolve_by("localhost:7", soon).unwrap().ip().is_loopback());
+        let t = Instant::now();
+        assert!(resolve_by("no-such-host.invalid:7", soon).is_err());
+        assert!(t.elapsed() < Duration::from_secs(6));
+        // A deadline already past: no wait for the lookup, whatever it gives.
+        let t = Instant::now();
+        let _ = resolve_by("localhost:7", Instant::now());
+        assert!(t.elapsed() < Duration::from_secs(1));
+    }
 
     /// Rank 1 connects to rank 0 while `strangers` idle connections sit on rank 0's listener;
     /// rank 0 accepts it. The threads of this process before and after.

@@ -29,7 +29,7 @@
 //! long again to agree and set up the new links.
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -255,11 +255,8 @@ fn probe_peer(
 ) -> std::result::Result<TcpStream, (Fate, String)> {
     // Only a refusal, or an answer that is no peer of this job's, says the process is gone; a
     // peer that cannot be reached (its host down, or cut off from this one) may still run.
-    let sa = addr
-        .to_socket_addrs()
-        .map_err(|e| (Fate::Silent, format!("resolving {addr}: {e}")))?
-        .next()
-        .ok_or_else(|| (Fate::Silent, format!("{addr} resolves to nothing")))?;
+    let sa = super::net::resolve_by(addr, deadline)
+        .map_err(|e| (Fate::Silent, format!("resolving {addr}: {e}")))?;
     let mut pause = Duration::from_millis(5);
     loop {
         let attempt =
