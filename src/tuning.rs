@@ -59,6 +59,13 @@ pub struct Link {
     pub gbytes_per_s: f64,
 }
 
+impl Link {
+    /// What `x` (latencies, further messages, bytes) costs at these figures, in µs, unscaled.
+    pub(crate) fn time(&self, x: &[f64; 3]) -> f64 {
+        x[0] * self.latency_us + x[1] * self.per_message_us + x[2] / (self.gbytes_per_s * 1e3)
+    }
+}
+
 /// The figures the cost model runs on (see the module documentation); what `tutti tune`
 /// writes, as JSON, and `TUTTI_TUNING` names.
 #[derive(Copy, Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -27,6 +27,11 @@ fn shape(comm: &Communicator) -> Shape {
     }
 }
 
+/// Whether a fit on `shape`'s world fits the network (else shared memory: every link is).
+fn fits_network(shape: &Shape) -> bool {
+    !(shape.layout.hosts == 1 && shape.all_shm)
+}
+
 /// Time `comm`'s all-reduces of every algorithm the model chooses among, at [`FIT_SIZES`],
 /// and fit the figures of one carrier to what remains of them without `call_us` (a call that
 /// moves nothing), the reduction (`g` µs per byte) and the other carrier's share at its
@@ -35,7 +40,7 @@ fn shape(comm: &Communicator) -> Shape {
 fn fit_carrier(comm: &Communicator, call_us: f64, g: f64, known: &Tuning) -> Result<[f64; 3]> {
     let p = comm.world_size();
     let shape = shape(comm);
-    let fit_net = !(shape.layout.hosts == 1 && shape.all_shm);
+    let fit_net = fits_network(&shape);
     let saved = comm.tuning();
     let mut rows = Vec::new();
     let mut buf = vec![0f32; (1 << 20) / 4];
@@ -75,10 +80,7 @@ fn fit_carrier(comm: &Communicator, call_us: f64, g: f64, known: &Tuning) -> Res
                 } else {
                     (x.shm, x.net, &known.net)
                 };
-                let other = other[0] * link.latency_us
-                    + other[1] * link.per_message_us
-                    + other[2] / (link.gbytes_per_s * 1e3);
-                let t = m[0] - call_us - x.g * g - other;
+                let t = m[0] - call_us - x.g * g - link.time(&other);
                 rows.push(([0.0, mine[0], mine[1], mine[2], 0.0], t, m[0].max(0.01)));
             }
         }
@@ -145,15 +147,8 @@ pub(crate) fn measure(comm: &Communicator, start: &Tuning) -> Result<Tuning> {
 }
 
 fn measure_figures(comm: &Communicator, start: &Tuning) -> Result<Tuning> {
-    let p = comm.world_size();
-    let hosts: Vec<usize> = comm
-        .transport()
-        .hosts()
-        .map_or_else(|| vec![0; p], <[usize]>::to_vec);
-    let all_shm = comm.transport().all_shared_memory();
-    let mut per_host = vec![0usize; hosts.iter().max().map_or(1, |m| m + 1)];
-    hosts.iter().for_each(|&h| per_host[h] += 1);
-    let ranks_per_host = per_host.iter().copied().max().unwrap_or(1);
+    let world = shape(comm);
+    let layout = world.layout;
     let (mut shm, mut net) = (start.shm, start.net);
     let as_link = |f: [f64; 3]| Link {
         latency_us: f[0].clamp(0.01, 1e6),
@@ -161,11 +156,11 @@ fn measure_figures(comm: &Communicator, start: &Tuning) -> Result<Tuning> {
         gbytes_per_s: (1e-3 / f[2].max(1e-7)).clamp(1e-6, 1e4),
     };
     let (call_us, g) = call_and_reduce(comm)?;
-    if per_host.len() > 1 && ranks_per_host > 1 && shape(comm).layout.shm_within {
+    if layout.hosts > 1 && layout.most > 1 && layout.shm_within {
         // Shared memory first: each host's ranks on their own, every host at once (as the
         // hierarchy runs them); the hosts' figures averaged (over the hosts with more than
         // one rank).
-        let host = hosts[comm.rank()];
+        let host = comm.transport().hosts().map_or(0, |h| h[comm.rank()]);
         let group = comm.split(Some(host as u32), comm.rank() as i64)?;
         let mut sums = [0f64; 4];
         if let Some(group) = group.filter(|g| g.world_size() > 1) {
@@ -180,12 +175,12 @@ fn measure_figures(comm: &Communicator, start: &Tuning) -> Result<Tuning> {
             shm = as_link([sums[0] / sums[3], sums[1] / sums[3], sums[2] / sums[3]]);
         }
     }
-    if p > 1 {
+    if world.world > 1 {
         // Then the whole world: its steps within hosts cost what shared memory was just
         // measured at, and the rest is the network's.
         let known = Tuning { shm, ..*start };
         let f = fit_carrier(comm, call_us, g, &known)?;
-        if all_shm && per_host.len() == 1 {
+        if !fits_network(&world) {
             shm = as_link(f);
         } else {
             net = as_link(f);
@@ -198,7 +193,7 @@ fn measure_figures(comm: &Communicator, start: &Tuning) -> Result<Tuning> {
         shm,
         net,
         reduce_gbytes_per_s: (1e-3 / g.max(1e-7)).clamp(1e-6, 1e4),
-        ranks_per_host,
+        ranks_per_host: layout.most,
         cores: cores[0] as usize,
     };
     t.check().map_err(|e| {
