@@ -79,9 +79,26 @@ trap cleanup EXIT
 ip netns add "$switch"
 ip -n "$switch" link add br0 type bridge
 ip -n "$switch" link set br0 up
-# tbf: a burst of at least one rate-interval's bytes (a 10 ms tick) and a queue of 50 ms.
+# RATE in bytes per second, from tc's units: bit (or none), kbit, mbit, gbit, tbit, the IEC
+# kibit ... tibit, and the same with bps for bytes.
+rate_bytes() {
+    awk -v r="$1" 'BEGIN {
+        if (!match(r, /^[0-9]*\.?[0-9]+/)) exit 1
+        n = substr(r, 1, RLENGTH) + 0; u = tolower(substr(r, RLENGTH + 1))
+        if (n <= 0 || u !~ /^([kmgt]i?)?(bit|bps)?$/) exit 1
+        p = index("kmgt", substr(u, 1, 1)); k = 1
+        if (p > 0) k = (substr(u, 2, 1) == "i") ? 1024 ^ p : 1000 ^ p
+        b = (u ~ /bps$/) ? 1 : 1 / 8
+        printf "%d", n * k * b
+    }'
+}
+rate_b=$(rate_bytes "$rate") || { echo "sim_cluster: --rate $rate: expected tc's units (e.g. 100mbit, 4gbit)" >&2; exit 2; }
+# tbf: a bucket of 250 us of the rate (at least 128 KiB, so the kernel's timers keep the link at
+# its rate), and a queue of 50 ms. A larger bucket lets each burst after an idle gap cross at
+# memory speed, and what `tutti tune` fits from calls of up to 1 MiB is then faster than the link.
+burst=$((rate_b / 4000 > 131072 ? rate_b / 4000 : 131072))
 shape() { # namespace device
-    tc -n "$1" qdisc add dev "$2" root tbf rate "$rate" burst 1mb latency 50ms
+    tc -n "$1" qdisc add dev "$2" root tbf rate "$rate" burst "$burst" latency 50ms
 }
 for k in $(seq 0 $((hosts - 1))); do
     ns=$(host_ns "$k")

@@ -106,7 +106,7 @@ fn bytes_sent(algo: &str, tuning: Option<&str>) -> u64 {
             "--ranks",
             "2",
             "--rate",
-            "4gbit",
+            "2gbit",
             "--stats",
             "--",
             "tutti",
@@ -138,19 +138,20 @@ fn tune_measures_the_links_and_auto_runs_the_hierarchy_across_simulated_hosts() 
         return;
     }
     let _one = one_cluster_at_a_time();
-    // `tutti tune` on two hosts of two ranks joined by 4 Gbit/s links (0.5 GB/s): the
-    // network's bandwidth it fits is that of the links, not of loopback.
+    // `tutti tune` on two hosts of two ranks joined by 2 Gbit/s links (0.25 GB/s): the
+    // network's bandwidth it fits is that of the links (within a factor of two), not of
+    // loopback, nor of the bursts a shaper's bucket lets through at memory speed.
     let dir = std::env::temp_dir().join(format!("tutti-sim-tune-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("tuning.json");
     let file_s = file.to_str().unwrap();
-    // At 16 MiB the hierarchy's prediction is within a few percent of Rabenseifner's when the
-    // shared-memory and reduction rates fit low on this loaded 2-core machine: a fit that
-    // tips the other way is measured once more.
+    // At 16 MiB the hierarchy's prediction is below the ring's by the time its one buffer
+    // fewer takes on the link, less its two copies within each host; a fit of shared memory
+    // low enough on this loaded 2-core machine to tip it the other way is measured once more.
     let mut tries = Vec::new();
     let out = loop {
         let o = sim(&[
-            "--hosts", "2", "--ranks", "2", "--rate", "4gbit", "--", "tutti", "tune", "-o", file_s,
+            "--hosts", "2", "--ranks", "2", "--rate", "2gbit", "--", "tutti", "tune", "-o", file_s,
         ]);
         let out = text(&o);
         assert!(o.status.success(), "{out}");
@@ -166,8 +167,8 @@ fn tune_measures_the_links_and_auto_runs_the_hierarchy_across_simulated_hosts() 
         serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
     let net = figures["net"]["gbytes_per_s"].as_f64().unwrap();
     assert!(
-        (0.2..1.2).contains(&net),
-        "tutti tune fitted the 4 Gbit/s links at {net} GB/s: {out}"
+        (0.125..0.5).contains(&net),
+        "tutti tune fitted the 2 Gbit/s links at {net} GB/s: {out}"
     );
     assert_eq!(figures["ranks_per_host"], 2, "{figures}");
     assert!(
