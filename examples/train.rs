@@ -16,15 +16,26 @@
 //!     --replicas 1 --steps 30 --elastic --kill-worker 2 --kill-step 10 --json
 //! ```
 //!
+//! `--checkpoint-dir DIR` saves the weights and the step there at the end (and every
+//! `--checkpoint-every` steps; the chief writes, the last 3 are kept); with `--resume` the run
+//! first restores the latest and trains `--steps` more, to the reference of all the steps:
+//!
+//! ```text
+//! cargo run --example train -- --steps 50 --checkpoint-dir /tmp/ck
+//! cargo run --example train -- --steps 50 --checkpoint-dir /tmp/ck --resume   # = 100 steps
+//! ```
+//!
 //! With `--json` the last line is
-//! `{"strategy", "replicas", "steps", "loss", "weights": [...], "reference_weights": [...]}`.
+//! `{"strategy", "replicas", "steps", "loss", "weights": [...], "reference_weights": [...],
+//! "device", "restored_step", "resumed_at", "resumed_weights"}` (`restored_step`: the
+//! checkpoint's step with `--resume`, else null; `reference_weights`: after it plus `steps`).
 
 use clap::Parser;
 use tutti::logical_cpus;
 use tutti::strategy::ps::{ParameterServerStrategy, Partitioner, Role};
 use tutti::strategy::{
-    Aggregation, CommunicationImplementation, CrossDeviceOps, MirroredVariable, PerReplica,
-    Strategy, Tensor,
+    Aggregation, Checkpoint, CheckpointManager, CommunicationImplementation, CrossDeviceOps,
+    MirroredVariable, PerReplica, Strategy, Tensor,
 };
 use tutti::{ReduceOp, Result};
 
@@ -59,7 +70,106 @@ struct Args {
     kill_step: usize,
     /// multi-worker: start from these weights (comma-separated, as the JSON prints them).
     #[arg(long, value_delimiter = ',', allow_hyphen_values = true)]
-    resume: Option<Vec<f32>>,
+    initial_weights: Option<Vec<f32>>,
+    /// Save the weights and the step here at the end (the chief writes; the last 3 are kept).
+    #[arg(long)]
+    checkpoint_dir: Option<std::path::PathBuf>,
+    /// Also save at every multiple of this many steps (0: at the end only).
+    #[arg(long, default_value_t = 0)]
+    checkpoint_every: usize,
+    /// Restore the latest checkpoint of --checkpoint-dir first, then train --steps more.
+    #[arg(long, requires = "checkpoint_dir")]
+    resume: bool,
+}
+
+/// Checkpoints kept in --checkpoint-dir.
+const KEEP: usize = 3;
+
+/// Where a run starts and saves: the step and weights it starts from (restored with
+/// `--resume`), and the checkpoint directory.
+struct Start {
+    step: usize,
+    weights: Vec<f32>,
+    restored: bool,
+    manager: Option<CheckpointManager>,
+}
+
+impl Start {
+    /// Restore through `strategy` (the chief reads, every worker receives), else from the
+    /// directory here (the parameter servers' coordinator).
+    fn new(strategy: Option<&Strategy>, args: &Args) -> Result<Start> {
+        let manager = args
+            .checkpoint_dir
+            .as_ref()
+            .map(|d| CheckpointManager::new(d, KEEP))
+            .transpose()?;
+        let mut start = Start {
+            step: 0,
+            weights: args
+                .initial_weights
+                .clone()
+                .unwrap_or_else(|| vec![0f32; FEATURES + 1]),
+            restored: false,
+            manager,
+        };
+        if let (true, Some(m)) = (args.resume, &start.manager) {
+            let ckpt = match strategy {
+                Some(s) => s.restore_checkpoint(m)?,
+                None => m.restore_latest()?,
+            }
+            .ok_or_else(|| {
+                tutti::Error::config(format!(
+                    "--resume: no checkpoint in {}",
+                    m.directory().display()
+                ))
+            })?;
+            start.weights = ckpt.get::<f32>("weights")?.data;
+            if start.weights.len() != FEATURES + 1 {
+                return Err(tutti::Error::config(format!(
+                    "--resume: the checkpoint's weights have {} values, this model {}",
+                    start.weights.len(),
+                    FEATURES + 1
+                )));
+            }
+            start.step = usize::try_from(ckpt.step())
+                .ok()
+                .filter(|s| s.checked_add(args.steps).is_some())
+                .ok_or_else(|| {
+                    tutti::Error::config(format!(
+                        "--resume: the checkpoint's step {} is past counting",
+                        ckpt.step()
+                    ))
+                })?;
+            start.restored = true;
+        }
+        Ok(start)
+    }
+
+    /// After `step` (counted from the start of training, across resumes): save where
+    /// --checkpoint-dir is given, at the end of the run and at every multiple of
+    /// --checkpoint-every.
+    fn save(
+        &self,
+        strategy: Option<&Strategy>,
+        args: &Args,
+        step: usize,
+        weights: &[f32],
+    ) -> Result<()> {
+        let Some(m) = &self.manager else {
+            return Ok(());
+        };
+        let last = step == self.step + args.steps;
+        let periodic = args.checkpoint_every > 0 && step % args.checkpoint_every == 0;
+        if !(last || periodic) {
+            return Ok(());
+        }
+        let mut ckpt = Checkpoint::new(step as u64);
+        ckpt.insert("weights", &Tensor::vector(weights.to_vec()))?;
+        match strategy {
+            Some(s) => s.save_checkpoint(m, &ckpt).map(drop),
+            None => m.save(&ckpt).map(drop),
+        }
+    }
 }
 
 const SAMPLES: usize = 96;
@@ -125,15 +235,17 @@ fn scaled(g: &[f32]) -> Vec<f32> {
 }
 
 /// Mirrored variables: every replica updates its copy with the SUM of the replicas' updates.
-fn train_mirrored(strategy: &Strategy, steps: usize) -> Result<(Vec<f32>, f32)> {
+fn train_mirrored(strategy: &Strategy, args: &Args) -> Result<((Vec<f32>, f32), Start)> {
+    let start = Start::new(Some(strategy), args)?;
     let shards = strategy.distribute_batch(&data(), ROW)?;
-    let w = strategy.mirrored_variable(&[0f32; FEATURES + 1])?;
+    let w = strategy.mirrored_variable(&start.weights)?;
     let mut loss = 0.0;
-    for _ in 0..steps {
+    for step in start.step + 1..=start.step + args.steps {
         loss = mirrored_step(strategy, &shards, &w)?;
+        start.save(Some(strategy), args, step, &w.value())?;
     }
     assert!(w.in_sync(), "mirrored copies diverged");
-    Ok((w.value(), loss))
+    Ok(((w.value(), loss), start))
 }
 
 /// One step on mirrored weights: each replica's update from its shard, summed; the loss.
@@ -158,25 +270,30 @@ type Resumed = Option<(usize, Vec<f32>)>;
 
 /// Multi-worker training that can lose a worker (`--elastic`): a step that fails shrinks the
 /// strategy to the survivors, which take the new chief's weights and step and go on.
-fn train_multi_worker(strategy: &mut Strategy, args: &Args) -> Result<((Vec<f32>, f32), Resumed)> {
-    let initial = args
-        .resume
-        .clone()
-        .unwrap_or_else(|| vec![0f32; FEATURES + 1]);
+fn train_multi_worker(
+    strategy: &mut Strategy,
+    args: &Args,
+) -> Result<((Vec<f32>, f32), Start, Resumed)> {
+    let start = Start::new(Some(strategy), args)?;
     let mut shards = strategy.distribute_batch(&data(), ROW)?;
-    let mut w = strategy.mirrored_variable(&initial)?;
-    let (mut step, mut loss, mut resumed) = (0, 0.0, None);
-    while step < args.steps {
+    let mut w = strategy.mirrored_variable(&start.weights)?;
+    let (mut step, mut loss, mut resumed) = (start.step, 0.0, None);
+    while step < start.step + args.steps {
         let me = strategy.cluster_resolver().task_id;
         if resumed.is_none() && args.kill_worker == Some(me) && step == args.kill_step {
             // SAFETY: plain syscall; the process ends here.
             unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
         }
-        match mirrored_step(strategy, &shards, &w) {
-            Ok(l) => {
-                loss = l;
-                step += 1;
-            }
+        // A step, then its checkpoint (a collective too): either fails when a worker is lost.
+        // A step that completed here counts even where its save failed: the chief's step and
+        // weights, broadcast after the shrink, agree.
+        let done = mirrored_step(strategy, &shards, &w).and_then(|l| {
+            loss = l;
+            step += 1;
+            start.save(Some(strategy), args, step, &w.value())
+        });
+        match done {
+            Ok(()) => {}
             Err(e) if args.elastic => {
                 eprintln!("train: step {step} failed ({e}); going on with the survivors");
                 strategy.shrink()?;
@@ -190,15 +307,16 @@ fn train_multi_worker(strategy: &mut Strategy, args: &Args) -> Result<((Vec<f32>
         }
     }
     assert!(w.in_sync(), "mirrored copies diverged");
-    Ok(((w.value(), loss), resumed))
+    Ok(((w.value(), loss), start, resumed))
 }
 
 /// Central storage: one copy of the weights; the replicas' updates are reduced onto it.
-fn train_central(strategy: &Strategy, steps: usize) -> Result<(Vec<f32>, f32)> {
+fn train_central(strategy: &Strategy, args: &Args) -> Result<((Vec<f32>, f32), Start)> {
+    let start = Start::new(Some(strategy), args)?;
     let shards = strategy.distribute_batch(&data(), ROW)?;
-    let w = strategy.central_variable(&[0f32; FEATURES + 1])?;
+    let w = strategy.central_variable(&start.weights)?;
     let mut loss = 0.0;
-    for _ in 0..steps {
+    for step in start.step + 1..=start.step + args.steps {
         let weights = w.value();
         let out = strategy.run(|ctx| {
             let (g, l) = grad_sum(&weights, &shards.0[ctx.local_replica_id()]);
@@ -213,15 +331,18 @@ fn train_central(strategy: &Strategy, steps: usize) -> Result<(Vec<f32>, f32)> {
                 .collect(),
         );
         loss = strategy.reduce(ReduceOp::Sum, &losses, None)?.data[0];
+        start.save(Some(strategy), args, step, &w.value())?;
     }
-    Ok((w.value(), loss))
+    Ok(((w.value(), loss), start))
 }
 
-/// Final weights and loss, and the number of replicas (workers) that trained them.
-type Trained = ((Vec<f32>, f32), usize);
+/// Final weights and loss, the number of replicas (workers) that trained them, and where the
+/// run started.
+type Trained = ((Vec<f32>, f32), usize, Start);
 
 /// Parameter servers: the chief schedules steps; workers pull the weights, push gradients.
-fn train_ps(steps: usize, step_delay: std::time::Duration) -> Result<Option<Trained>> {
+fn train_ps(args: &Args) -> Result<Option<Trained>> {
+    let step_delay = std::time::Duration::from_millis(args.step_delay_ms);
     let strategy = ParameterServerStrategy::from_env(Partitioner::MaxShards(2))?;
     let rows = data();
     let role = strategy.run_role(move |ctx| {
@@ -238,12 +359,26 @@ fn train_ps(steps: usize, step_delay: std::time::Duration) -> Result<Option<Trai
     })?;
     match role {
         Role::Chief(coord) => {
-            let w = coord.create_variable("weights", &[0f32; FEATURES + 1], LR)?;
+            // The coordinator alone holds the variables: it restores and saves them, whole,
+            // so a checkpoint restores onto any number of parameter servers.
+            let start = Start::new(None, args)?;
+            let w = coord.create_variable("weights", &start.weights, LR)?;
             let workers = coord.num_workers();
-            let losses = coord.run_steps(steps * workers)?;
+            // A step here is one pass over every worker's shard: `workers` scheduled steps.
+            let (mut step, mut loss, end) = (start.step, 0.0, start.step + args.steps);
+            while step < end {
+                // Up to the next multiple of --checkpoint-every, or the end.
+                let n = match args.checkpoint_every {
+                    0 => end - step,
+                    k => (k - step % k).min(end - step),
+                };
+                loss = *coord.run_steps(n * workers)?.last().unwrap_or(&loss);
+                step += n;
+                start.save(None, args, step, &coord.read_variable(w)?)?;
+            }
             let weights = coord.read_variable(w)?;
             coord.shutdown()?;
-            Ok(Some(((weights, *losses.last().unwrap_or(&0.0)), workers)))
+            Ok(Some(((weights, loss), workers, start)))
         }
         Role::Done => Ok(None),
     }
@@ -296,14 +431,16 @@ fn main() -> std::process::ExitCode {
 fn run(args: &Args) -> Result<()> {
     let devices = logical_cpus(args.replicas.max(1))?;
     let mut resumed: Resumed = None;
-    let (result, replicas) = match args.strategy.as_str() {
+    let (result, replicas, start) = match args.strategy.as_str() {
         "default" => {
             let s = Strategy::default_strategy();
-            (train_mirrored(&s, args.steps)?, s.num_replicas_in_sync())
+            let (r, start) = train_mirrored(&s, args)?;
+            (r, s.num_replicas_in_sync(), start)
         }
         "one-device" => {
             let s = Strategy::one_device(devices[0].clone())?;
-            (train_mirrored(&s, args.steps)?, s.num_replicas_in_sync())
+            let (r, start) = train_mirrored(&s, args)?;
+            (r, s.num_replicas_in_sync(), start)
         }
         "mirrored" => {
             let ops = match args.cross_device_ops.as_deref() {
@@ -314,23 +451,26 @@ fn run(args: &Args) -> Result<()> {
                 Some(o) => return Err(tutti::Error::config(format!("--cross-device-ops {o}: unknown"))),
             };
             let s = Strategy::mirrored(&devices, ops)?;
-            (train_mirrored(&s, args.steps)?, s.num_replicas_in_sync())
+            let (r, start) = train_mirrored(&s, args)?;
+            (r, s.num_replicas_in_sync(), start)
         }
         "central-storage" => {
             let s = Strategy::central_storage(&devices)?;
-            (train_central(&s, args.steps)?, s.num_replicas_in_sync())
+            let (r, start) = train_central(&s, args)?;
+            (r, s.num_replicas_in_sync(), start)
         }
         "multi-worker" => {
             let mut s = Strategy::multi_worker_mirrored(CommunicationImplementation::Auto, None, &devices)?;
-            let (r, at) = train_multi_worker(&mut s, args)?;
+            let (r, start, at) = train_multi_worker(&mut s, args)?;
             resumed = at;
-            (r, s.num_replicas_in_sync())
+            (r, s.num_replicas_in_sync(), start)
         }
         "tpu" => {
             let s = tpu_strategy()?;
-            (train_mirrored(&s, args.steps)?, s.num_replicas_in_sync())
+            let (r, start) = train_mirrored(&s, args)?;
+            (r, s.num_replicas_in_sync(), start)
         }
-        "parameter-server" => match train_ps(args.steps, std::time::Duration::from_millis(args.step_delay_ms))? {
+        "parameter-server" => match train_ps(args)? {
             Some(r) => r,
             None => return Ok(()),
         },
@@ -340,7 +480,8 @@ fn run(args: &Args) -> Result<()> {
             )))
         }
     };
-    let ((weights, loss), (reference_weights, _)) = (result, reference(args.steps));
+    let ((weights, loss), (reference_weights, _)) = (result, reference(start.step + args.steps));
+    let device = if args.strategy == "tpu" { "xla" } else { "cpu" };
     if args.json {
         let line = serde_json::json!({
             "strategy": args.strategy,
@@ -349,6 +490,8 @@ fn run(args: &Args) -> Result<()> {
             "loss": loss,
             "weights": weights,
             "reference_weights": reference_weights,
+            "device": device,
+            "restored_step": start.restored.then_some(start.step),
             "resumed_at": resumed.as_ref().map(|r| r.0),
             "resumed_weights": resumed.as_ref().map(|r| r.1.clone()),
         });

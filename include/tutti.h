@@ -497,6 +497,12 @@ typedef uint32_t tutti_compression;
 #endif // __cplusplus
 
 /**
+ * A checkpoint (opaque): a step and named tensors. Created by `tutti_checkpoint_create` or
+ * `tutti_checkpoint_restore`, released by `tutti_checkpoint_destroy`.
+ */
+typedef struct tutti_checkpoint tutti_checkpoint;
+
+/**
  * One rank's handle on a group of ranks (opaque). Created by `tutti_comm_create_group`,
  * released by `tutti_comm_destroy`.
  */
@@ -716,6 +722,130 @@ const char *tutti_version_string(void);
  * `major`, `minor` and `patch` are NULL or writable.
  */
 tutti_result tutti_version(uint32_t *major, uint32_t *minor, uint32_t *patch);
+
+/**
+ * Create an empty checkpoint of `step` (the steps trained so far) and write it to
+ * `*checkpoint`.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `checkpoint` is NULL or writable.
+ */
+tutti_result tutti_checkpoint_create(uint64_t step, struct tutti_checkpoint **checkpoint);
+
+/**
+ * Release a checkpoint. NULL is accepted and ignored.
+ *
+ * Thread-safety: no other call may be using `checkpoint`, nor use it afterwards.
+ *
+ * # Safety
+ *
+ * `checkpoint` is NULL or a live handle, not used again.
+ */
+void tutti_checkpoint_destroy(struct tutti_checkpoint *checkpoint);
+
+/**
+ * Write the step the checkpoint was made or saved at to `*step`.
+ *
+ * Thread-safety: callable from any thread while no call modifies `checkpoint`.
+ *
+ * # Safety
+ *
+ * `checkpoint` is NULL or a live handle; `step` is NULL or writable.
+ */
+tutti_result tutti_checkpoint_step(const struct tutti_checkpoint *checkpoint, uint64_t *step);
+
+/**
+ * Add the variable `name`: `ndim` dimensions `shape[0..ndim]` of `dtype` elements at `data`
+ * (row-major; copied). A name already present is an error.
+ *
+ * Thread-safety: one call at a time per checkpoint.
+ *
+ * # Safety
+ *
+ * `checkpoint` is NULL or a live handle; `name` is NULL or NUL-terminated; `shape` is NULL or
+ * holds `ndim` values; `data` is NULL or holds the product of the shape's elements of `dtype`.
+ */
+tutti_result tutti_checkpoint_insert(struct tutti_checkpoint *checkpoint,
+                                     const char *name,
+                                     tutti_dtype dtype,
+                                     size_t ndim,
+                                     const size_t *shape,
+                                     const void *data);
+
+/**
+ * Describe the variable `name`: write its element type to `*dtype`, its number of dimensions
+ * to `*ndim`, and its first `min(*ndim, max_ndim)` dimensions to `shape` (call with
+ * `max_ndim` 0 to learn `ndim` first). An absent name is an error listing those present.
+ * `dtype` and `ndim` may be NULL, and `shape` where `max_ndim` is 0.
+ *
+ * Thread-safety: callable from any thread while no call modifies `checkpoint`.
+ *
+ * # Safety
+ *
+ * `checkpoint` is NULL or a live handle; `name` is NULL or NUL-terminated; `dtype` and `ndim`
+ * are NULL or writable; `shape` is NULL or holds `max_ndim` writable values.
+ */
+tutti_result tutti_checkpoint_variable(const struct tutti_checkpoint *checkpoint,
+                                       const char *name,
+                                       tutti_dtype *dtype,
+                                       size_t *ndim,
+                                       size_t *shape,
+                                       size_t max_ndim);
+
+/**
+ * Copy the variable `name` into `out`, which holds `count` elements of `dtype`: the
+ * variable's element type and element count, else an error naming both.
+ *
+ * Thread-safety: callable from any thread while no call modifies `checkpoint`.
+ *
+ * # Safety
+ *
+ * `checkpoint` is NULL or a live handle; `name` is NULL or NUL-terminated; `out` is NULL or
+ * holds `count` writable elements of `dtype`.
+ */
+tutti_result tutti_checkpoint_read(const struct tutti_checkpoint *checkpoint,
+                                   const char *name,
+                                   tutti_dtype dtype,
+                                   size_t count,
+                                   void *out);
+
+/**
+ * Save `checkpoint` in `directory` (created if missing) as `ckpt-<step>.tutti`, keeping the
+ * last `max_to_keep` (at least 1) by step. With a multi-worker `strategy` the chief writes
+ * and every worker calls this and returns the chief's outcome; with any other strategy, or
+ * NULL, this process writes.
+ *
+ * Thread-safety: one call at a time per strategy; not during `tutti_strategy_run`.
+ *
+ * # Safety
+ *
+ * `strategy` is NULL or a live handle; `directory` is NULL or NUL-terminated; `checkpoint` is
+ * NULL or a live handle.
+ */
+tutti_result tutti_checkpoint_save(const struct tutti_strategy *strategy,
+                                   const char *directory,
+                                   size_t max_to_keep,
+                                   const struct tutti_checkpoint *checkpoint);
+
+/**
+ * Restore the latest checkpoint of `directory` into a new handle written to `*checkpoint`, or
+ * write NULL there where the directory has none. With a multi-worker `strategy` the chief
+ * reads and every worker receives it (no shared file system needed); a damaged file is the
+ * same error on every worker, naming it.
+ *
+ * Thread-safety: one call at a time per strategy; not during `tutti_strategy_run`.
+ *
+ * # Safety
+ *
+ * `strategy` is NULL or a live handle; `directory` is NULL or NUL-terminated; `checkpoint` is
+ * NULL or writable.
+ */
+tutti_result tutti_checkpoint_restore(const struct tutti_strategy *strategy,
+                                      const char *directory,
+                                      struct tutti_checkpoint **checkpoint);
 
 /**
  * All-reduce: every rank's `output` (`count` elements) becomes the element-wise `op` of every

@@ -202,7 +202,7 @@ fn multi_worker_survivors_of_a_killed_worker_shrink_and_train_on() {
                 "--steps",
                 "20",
             ])
-            .args(["--json", "--resume", &resume.join(",")]),
+            .args(["--json", "--initial-weights", &resume.join(",")]),
         Duration::from_secs(120),
     );
     assert!(ok, "{out}\n{err}");
@@ -832,4 +832,247 @@ fn a_lost_parameter_server_is_named_by_every_task() {
         assert!(!c.wait().unwrap().success(), "{name} succeeded: {err}");
         assert!(err.contains("lost ps task 0"), "{name}: {err}");
     }
+}
+
+/// `cmd`, which must succeed within two minutes; its output.
+fn run_ok(cmd: &mut Command) -> String {
+    let (ok, out, err) = bounded(cmd, Duration::from_secs(120));
+    assert!(ok, "{out}\n{err}");
+    out
+}
+
+fn checkpoint_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("tutti-ckpt-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// The steps of the checkpoints in `dir`, in order.
+fn saved_steps(dir: &std::path::Path) -> Vec<u64> {
+    let mut steps: Vec<u64> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            name.strip_prefix("ckpt-")?
+                .strip_suffix(".tutti")?
+                .parse()
+                .ok()
+        })
+        .collect();
+    steps.sort();
+    steps
+}
+
+#[test]
+fn every_strategy_resumes_from_its_checkpoint_as_if_never_stopped() {
+    let t = train();
+    for (strategy, replicas) in [
+        ("default", 1),
+        ("one-device", 1),
+        ("mirrored", 3),
+        ("central-storage", 2),
+    ] {
+        let dir = checkpoint_dir(strategy);
+        let base = |steps: &str| {
+            let mut c = Command::new(&t);
+            c.args(["--strategy", strategy, "--replicas", &replicas.to_string()])
+                .args(["--steps", steps, "--json"]);
+            c
+        };
+        let whole = last_json(&run_ok(&mut base("60")));
+        let first = last_json(&run_ok(
+            base("30")
+                .arg("--checkpoint-dir")
+                .arg(&dir)
+                .args(["--checkpoint-every", "10"]),
+        ));
+        assert_eq!(first["restored_step"], serde_json::Value::Null);
+        assert_eq!(saved_steps(&dir), [10, 20, 30], "{strategy}");
+        let resumed = last_json(&run_ok(
+            base("30").arg("--checkpoint-dir").arg(&dir).args([
+                "--checkpoint-every",
+                "10",
+                "--resume",
+            ]),
+        ));
+        // Restored at 30, trained to 60: the same bits as 60 steps in one run; the last 3 kept.
+        assert_eq!(resumed["restored_step"], 30, "{strategy}: {resumed}");
+        assert_eq!(resumed["weights"], whole["weights"], "{strategy}");
+        assert_eq!(resumed["reference_weights"], whole["reference_weights"]);
+        assert_eq!(saved_steps(&dir), [40, 50, 60], "{strategy}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+    // Nothing to resume from, and a damaged checkpoint: errors naming the directory or file.
+    let dir = checkpoint_dir("none");
+    let (ok, _, err) = bounded(
+        Command::new(&t)
+            .arg("--checkpoint-dir")
+            .arg(&dir)
+            .arg("--resume"),
+        Duration::from_secs(60),
+    );
+    assert!(!ok && err.contains("no checkpoint in"), "{err}");
+    assert!(
+        !dir.exists(),
+        "a run that found nothing to resume made the directory"
+    );
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("ckpt-7.tutti"),
+        [&b"TUTTICKP"[..], &1u32.to_le_bytes(), &[0; 88]].concat(),
+    )
+    .unwrap();
+    let (ok, _, err) = bounded(
+        Command::new(&t)
+            .arg("--checkpoint-dir")
+            .arg(&dir)
+            .arg("--resume"),
+        Duration::from_secs(60),
+    );
+    assert!(
+        !ok && err.contains("ckpt-7.tutti") && err.contains("checksum"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn workers_restore_the_chiefs_checkpoint_and_train_on() {
+    let t = train();
+    let dir = checkpoint_dir("multi-worker");
+    let job = |n: &str, steps: &str, extra: &[&str]| {
+        let mut c = Command::new(common::tutti_bin());
+        c.args(["launch", "--tag-output", "-n", n, "--"])
+            .arg(&t)
+            .args([
+                "--strategy",
+                "multi-worker",
+                "--replicas",
+                "2",
+                "--steps",
+                steps,
+            ])
+            .arg("--checkpoint-dir")
+            .arg(&dir)
+            .args(["--json"])
+            .args(extra);
+        run_ok(&mut c)
+    };
+    let whole = worker_json(&job("2", "40", &[]), 0);
+    std::fs::remove_dir_all(&dir).unwrap();
+    job("2", "20", &[]);
+    // The chief alone wrote.
+    assert_eq!(saved_steps(&dir), [20]);
+    let out = job("2", "20", &["--resume"]);
+    for w in 0..2 {
+        let j = worker_json(&out, w);
+        assert_eq!(j["restored_step"], 20, "{j}");
+        assert_eq!(j["weights"], whole["weights"], "worker {w}");
+    }
+    // Three workers go on from the two's checkpoint: the weights are the model's, whoever
+    // trained them (the data split three ways sums to the same gradient, to rounding).
+    let out = job("3", "20", &["--resume"]);
+    for w in 0..3 {
+        let j = worker_json(&out, w);
+        assert_eq!(j["restored_step"], 40, "{j}");
+        assert_eq!(j["replicas"], 6);
+        assert!(max_diff(&j) < 1e-5, "worker {w}: {j}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn parameter_servers_restore_onto_a_different_number_of_them() {
+    let t = train();
+    let dir = checkpoint_dir("ps");
+    let job = |ps: &str, extra: &[&str]| {
+        let mut c = Command::new(common::tutti_bin());
+        c.args(["launch", "--tag-output", "--workers", "2", "--ps", ps, "--"])
+            .arg(&t)
+            .args(["--strategy", "parameter-server", "--steps", "50", "--json"])
+            .arg("--checkpoint-dir")
+            .arg(&dir)
+            .args(extra);
+        let out = run_ok(&mut c);
+        last_json(
+            out.lines()
+                .find(|l| l.starts_with("[chief:0] {"))
+                .unwrap_or_else(|| panic!("{out}")),
+        )
+    };
+    let first = job("2", &["--checkpoint-every", "10"]);
+    assert_eq!(saved_steps(&dir), [30, 40, 50], "{first}");
+    // Saved from two parameter servers' shards, restored onto one: 50 more steps land where
+    // 100 do (asynchronous steps: within the tolerance of the uninterrupted run's test).
+    let j = job("1", &["--resume"]);
+    assert_eq!(j["restored_step"], 50, "{j}");
+    assert!(j["loss"].as_f64().unwrap() < 1e-3, "{j}");
+    assert!(max_diff(&j) < 0.05, "{j}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The chief reads the checkpoint and every worker receives it: a worker whose directory is
+/// empty (no shared file system) restores the chief's. A chief that cannot write makes the
+/// save fail on every worker, naming the chief.
+#[test]
+fn workers_need_no_shared_file_system_for_checkpoints() {
+    use tutti::strategy::{Checkpoint, CheckpointManager, CommunicationImplementation};
+    let cluster = serde_json::json!({ "worker": free_addrs(2) });
+    let dirs = [checkpoint_dir("chief"), checkpoint_dir("worker")];
+    let mut saved = Checkpoint::new(12);
+    saved
+        .insert(
+            "w",
+            &Tensor::new(vec![1.0f32, 2.0, 3.0, 4.0], vec![2, 2]).unwrap(),
+        )
+        .unwrap();
+    CheckpointManager::new(&dirs[0], 2)
+        .unwrap()
+        .save(&saved)
+        .unwrap();
+    let out = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|w| {
+                let (spec, dir) = (spec_of(&cluster, "worker", w), &dirs[w]);
+                s.spawn(move || -> tutti::Result<_> {
+                    let strategy = Strategy::multi_worker_mirrored(
+                        CommunicationImplementation::Ring,
+                        Some(spec),
+                        &logical_cpus(1)?,
+                    )?;
+                    let m = CheckpointManager::new(dir, 2)?;
+                    let c = strategy
+                        .restore_checkpoint(&m)?
+                        .expect("the chief's checkpoint");
+                    let w_saved = c.get::<f32>("w")?;
+                    if w == 0 {
+                        // The chief's directory becomes a file: it cannot write there.
+                        std::fs::remove_dir_all(dir).unwrap();
+                        std::fs::write(dir, b"").unwrap();
+                    }
+                    let failed = strategy.save_checkpoint(&m, &Checkpoint::new(13)).err();
+                    Ok((c.step(), w_saved, failed))
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap().unwrap())
+            .collect::<Vec<_>>()
+    });
+    for (w, (step, t, failed)) in out.into_iter().enumerate() {
+        assert_eq!(
+            (step, t.data, t.shape),
+            (12, vec![1.0, 2.0, 3.0, 4.0], vec![2, 2])
+        );
+        let e = failed.unwrap_or_else(|| panic!("worker {w}: the chief could not write"));
+        assert!(e.to_string().contains("checkpoint"), "worker {w}: {e}");
+        if w == 1 {
+            assert!(e.to_string().contains("on the chief (worker 0)"), "{e}");
+        }
+    }
+    assert!(
+        !dirs[1].exists(),
+        "the worker, which never writes, made its directory"
+    );
+    std::fs::remove_file(&dirs[0]).ok();
 }

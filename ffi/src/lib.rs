@@ -10,6 +10,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod buffers;
+mod checkpoint;
 mod collectives;
 mod comm;
 mod config;

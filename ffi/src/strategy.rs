@@ -176,6 +176,16 @@ unsafe fn strategy_ref<'a>(strategy: *const tutti_strategy) -> Result<&'a Strate
         .ok_or_else(|| Failure::invalid("strategy is NULL"))
 }
 
+/// The strategy behind `strategy`, or `None` for NULL.
+///
+/// # Safety
+///
+/// `strategy` is NULL or a live handle.
+pub(crate) unsafe fn strategy_opt<'a>(strategy: *const tutti_strategy) -> Option<&'a Strategy> {
+    // SAFETY: as the caller promises.
+    unsafe { strategy.as_ref() }.map(|s| &s.inner)
+}
+
 /// Write the number of replicas in sync across the job to `*num_replicas` (TensorFlow's
 /// `num_replicas_in_sync`), and the number on this process to `*num_local_replicas`.
 /// Either output may be NULL.

@@ -171,6 +171,21 @@ fn c_strategies() {
 }
 
 #[test]
+fn c_checkpoints() {
+    let exe = compile(
+        Lang::C,
+        "checkpoint",
+        &["ffi/tests/c/checkpoint.c"],
+        &["ffi/tests/c"],
+    );
+    let dir = std::env::temp_dir().join(format!("tutti-c-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = run(&exe, &[("CHECKPOINT_DIR", dir.to_str().unwrap())], LIMIT);
+    assert!(out.contains("checkpoint: ok"), "{out}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn c_trainer_with_mirrored_strategy() {
     let exe = compile(
         Lang::C,

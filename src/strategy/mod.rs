@@ -19,11 +19,13 @@
 //! (Why one long file: every strategy is the one `Strategy` type and its replica context;
 //! variables, fusion, tensors and parameter servers have files of their own.)
 
+pub mod checkpoint;
 mod fusion;
 pub mod ps;
 mod tensor;
 mod variables;
 
+pub use checkpoint::{Checkpoint, CheckpointManager};
 pub use fusion::pack_plan;
 pub use tensor::Tensor;
 pub use variables::{Aggregation, CentralVariable, MirroredVariable};
@@ -660,6 +662,109 @@ impl Strategy {
     /// same length and element type (else an error naming both workers).
     pub fn broadcast_from_chief<T: Element>(&self, value: &[T]) -> Result<Vec<T>> {
         self.chiefs_value(value, "broadcast_from_chief")
+    }
+
+    /// Save `ckpt` with `manager` on the chief (worker 0; this worker elsewhere), as
+    /// TensorFlow's multi-worker guides have the chief write. Collective across workers: every
+    /// worker calls it, and every worker returns the chief's error where the chief could not
+    /// write. The path written on the chief, `None` on the other workers.
+    pub fn save_checkpoint(
+        &self,
+        manager: &CheckpointManager,
+        ckpt: &Checkpoint,
+    ) -> Result<Option<std::path::PathBuf>> {
+        let mut path = None;
+        self.chiefs_outcome("save_checkpoint", || {
+            path = Some(manager.save(ckpt)?);
+            Ok(Some(Vec::new()))
+        })?;
+        Ok(path)
+    }
+
+    /// The latest checkpoint in the chief's `manager` directory, read by the chief (worker 0;
+    /// this worker elsewhere) and received by every worker, so the workers need no shared file
+    /// system; `None` where there is none. Collective across workers; an unreadable or damaged
+    /// checkpoint is an error on every worker naming the chief's file.
+    pub fn restore_checkpoint(&self, manager: &CheckpointManager) -> Result<Option<Checkpoint>> {
+        // The payload: the file's name (its length first, 8 bytes little-endian), its bytes.
+        let payload = self.chiefs_outcome("restore_checkpoint", || {
+            let Some(path) = manager.latest()? else {
+                return Ok(None);
+            };
+            let name = path.display().to_string();
+            let bytes = std::fs::read(&path)
+                .map_err(|e| Error::io(format!("reading checkpoint {name}"), e))?;
+            let mut out = Vec::with_capacity(8 + name.len() + bytes.len());
+            out.extend_from_slice(&(name.len() as u64).to_le_bytes());
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(&bytes);
+            Ok(Some(out))
+        })?;
+        let Some(payload) = payload else {
+            return Ok(None);
+        };
+        let (len, rest) = payload.split_at(8.min(payload.len()));
+        let len = len
+            .try_into()
+            .map(u64::from_le_bytes)
+            .ok()
+            .and_then(|l| usize::try_from(l).ok())
+            .filter(|&l| l <= rest.len())
+            .ok_or_else(|| Error::config("restore_checkpoint: the chief's reply is cut short"))?;
+        let (name, bytes) = rest.split_at(len);
+        Checkpoint::from_bytes(bytes, &String::from_utf8_lossy(name)).map(Some)
+    }
+
+    /// What `chief` gives on the chief (worker 0), received by every worker of a multi-worker
+    /// strategy: bytes, none, or the chief's error (on every worker: a system error stays one,
+    /// named as the chief's). Elsewhere `chief` runs here.
+    fn chiefs_outcome(
+        &self,
+        what: &str,
+        chief: impl FnOnce() -> Result<Option<Vec<u8>>>,
+    ) -> Result<Option<Vec<u8>>> {
+        let Some(w) = &self.workers else {
+            return chief();
+        };
+        const BYTES: u64 = 0;
+        const NONE: u64 = 1;
+        const FAILED: u64 = 2;
+        const FAILED_SYSTEM: u64 = 3;
+        let mine = (w.rank() == 0).then(chief);
+        let (code, mut payload) = match &mine {
+            Some(Ok(Some(b))) => (BYTES, b.clone()),
+            Some(Ok(None)) => (NONE, Vec::new()),
+            Some(Err(e @ Error::System { .. })) => (FAILED_SYSTEM, e.to_string().into_bytes()),
+            Some(Err(e)) => (FAILED, e.to_string().into_bytes()),
+            None => (BYTES, Vec::new()),
+        };
+        let mut head = [code, payload.len() as u64];
+        w.broadcast(&mut head, 0)?;
+        if w.rank() != 0 {
+            // The chief holds these bytes in memory of the same width as this worker's.
+            let len = usize::try_from(head[1]).map_err(|_| {
+                Error::config(format!(
+                    "{what}: the chief's {} bytes do not fit here",
+                    head[1]
+                ))
+            })?;
+            payload = vec![0u8; len];
+        }
+        w.broadcast(&mut payload, 0)?;
+        let theirs = || String::from_utf8_lossy(&payload).into_owned();
+        match (head[0], mine) {
+            (_, Some(Err(e))) => Err(e),
+            (FAILED_SYSTEM, _) => Err(Error::System {
+                what: format!("{what} on the chief (worker 0)"),
+                message: theirs(),
+            }),
+            (FAILED, _) => Err(Error::config(format!(
+                "{what}: failed on the chief (worker 0): {}",
+                theirs()
+            ))),
+            (NONE, _) => Ok(None),
+            _ => Ok(Some(payload)),
+        }
     }
 
     /// Set the fusion threshold of batch reduces (TensorFlow's `bytes_per_pack`, Horovod's

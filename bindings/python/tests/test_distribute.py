@@ -11,6 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 
+import tutti
 import tutti.distribute as td
 
 PACKAGE = str(pathlib.Path(__file__).resolve().parents[1])
@@ -338,3 +339,94 @@ def test_workers_start_every_variable_from_the_chiefs_value():
     assert "chief's has 1 dimensions, 2 elements of float32" in size, size
     assert "this worker's has 1 dimensions, 3 elements of int32" in dtype, dtype
     assert "this worker's shape (1, 1, 1, 1, 1, 1, 1, 1, 3, 2)" in shape, shape
+
+
+def test_a_checkpoint_restores_variables_and_arrays_as_saved(tmp_path):
+    s = td.MirroredStrategy(cpus(2))
+    with s.scope():
+        w = td.Variable(np.arange(6, dtype=np.float32).reshape(2, 3), aggregation="SUM")
+        counts = np.array([1, 2, 3], np.int64)
+        ckpt = td.Checkpoint(weights=w, counts=counts)
+        manager = td.CheckpointManager(ckpt, tmp_path, max_to_keep=2)
+        assert manager.restore_or_initialize() is None and manager.latest_checkpoint is None
+        for step in (10, 20, 30):
+            w.assign(np.full((2, 3), float(step), np.float32))
+            counts[...] = step
+            path = manager.save(checkpoint_number=step)
+        assert path == str(tmp_path / "ckpt-30.tutti") and manager.latest_checkpoint == path
+        assert [pathlib.Path(p).name for p in manager.checkpoints] == ["ckpt-20.tutti", "ckpt-30.tutti"]
+        assert manager.save() == str(tmp_path / "ckpt-31.tutti")  # one past the last step
+
+        # A fresh job's objects, restored: every copy of the variable, the array in place.
+        w2 = td.Variable(np.zeros((2, 3), np.float32), aggregation="SUM")
+        counts2 = np.zeros(3, np.int64)
+        restored = td.Checkpoint(weights=w2, counts=counts2)
+        assert td.CheckpointManager(restored, tmp_path).restore_or_initialize() == 31
+        assert restored.step == 31 and counts2.tolist() == [30, 30, 30]
+        copies = s.experimental_local_results(s.run(lambda: w2.numpy()))
+        assert all((c == 30.0).all() for c in copies) and len(copies) == 2
+
+        # Another shape, a missing name, the wrong kind of object: errors, nothing assigned.
+        other = np.zeros(4, np.float32)
+        with pytest.raises(ValueError, match="weights was saved as float32 of shape \\(2, 3\\)"):
+            td.CheckpointManager(td.Checkpoint(counts=counts2, weights=other), tmp_path).restore_or_initialize()
+        with pytest.raises(tutti.TuttiError, match="no such variable"):
+            td.CheckpointManager(td.Checkpoint(bias=other), tmp_path).restore_or_initialize()
+        with pytest.raises(TypeError, match="numpy arrays"):
+            td.Checkpoint(x=[1, 2])
+        with pytest.raises(ValueError, match="max_to_keep"):
+            td.CheckpointManager(ckpt, tmp_path, max_to_keep=0)
+        frozen = np.zeros(3, np.int64)
+        frozen.flags.writeable = False
+        with pytest.raises(ValueError, match="read-only"):
+            td.CheckpointManager(td.Checkpoint(counts=frozen), tmp_path).restore_or_initialize()
+        with pytest.raises(ValueError, match="not a step"):
+            manager.save(checkpoint_number=2**64)
+        # An earlier step than the latest there is refused: keeping the last by step would
+        # drop it.
+        with pytest.raises(tutti.TuttiError, match="holds a later one"):
+            manager.save(checkpoint_number=5)
+        # A big-endian array restores the values, not their bytes swapped.
+        swapped = np.zeros(3, ">i8")
+        td.CheckpointManager(td.Checkpoint(counts=swapped), tmp_path).restore_or_initialize()
+        assert swapped.tolist() == [30, 30, 30]
+    (tmp_path / "ckpt-99.tutti").write_bytes(b"TUTTICKP" + bytes(100))
+    with pytest.raises(tutti.TuttiError, match="ckpt-99.tutti.*version"):
+        manager.restore_or_initialize()
+
+
+CHECKPOINT_WORKER = textwrap.dedent(
+    """
+    import json, os, sys, numpy as np, tutti.distribute as td
+    rank = int(os.environ["TUTTI_RANK"])
+    directory = os.environ["CKPT_DIRS"].split(os.pathsep)[rank]  # no shared file system
+    s = td.MultiWorkerMirroredStrategy()
+    with s.scope():
+        w = td.Variable(np.full(3, 100.0 * (rank + 1), np.float32), aggregation="MEAN")
+        ckpt = td.Checkpoint(w=w)
+        manager = td.CheckpointManager(ckpt, directory, max_to_keep=3)
+        first = manager.restore_or_initialize()
+        s.run(lambda: w.assign_add(np.full(3, td.get_replica_context().replica_id_in_sync_group, np.float32)))
+        manager.save()
+    print("RESULT " + json.dumps({"first": first, "w": w.numpy().tolist(), "files": sorted(os.listdir(directory)) if os.path.isdir(directory) else None}),
+          flush=True)
+    """
+)
+
+
+def test_workers_save_through_the_chief_and_restore_its_checkpoint(tmp_path):
+    dirs = [tmp_path / "chief", tmp_path / "worker"]
+    os.environ["CKPT_DIRS"] = os.pathsep.join(map(str, dirs))
+    try:
+        first = run_workers(CHECKPOINT_WORKER, 2)
+        second = run_workers(CHECKPOINT_WORKER, 2)
+    finally:
+        del os.environ["CKPT_DIRS"]
+    # Both start from the chief's 100 and add the mean of the replica ids (0.5); the chief alone
+    # writes, and the second job restores the chief's checkpoint on both workers.
+    for r in first:
+        assert r["first"] is None and r["w"] == [100.5] * 3, r
+    for r in second:
+        assert r["first"] == 1 and r["w"] == [101.0] * 3, r
+    assert first[0]["files"] == ["ckpt-1.tutti"] and second[0]["files"] == ["ckpt-1.tutti", "ckpt-2.tutti"]
+    assert first[1]["files"] is None and second[1]["files"] is None  # no directory made there

@@ -33,6 +33,10 @@ The names and habits of TensorFlow's distributed-training guides, on numpy array
   (every worker's too).
 * ``Variable(initial_value, aggregation=...)``: the strategy's kind of variable, starting from
   the chief's value on every worker, updated alike on every copy (see ``Variable``).
+* ``Checkpoint(**objects)`` and ``CheckpointManager(checkpoint, directory, max_to_keep=5)``,
+  as ``tf.train``'s: ``manager.save()`` (the chief writes), ``manager.restore_or_initialize()``
+  (the chief reads, every worker receives), ``latest_checkpoint``, ``checkpoints``; tutti's
+  versioned file format, the same files Rust and C read and write.
 
 A replica whose function raises makes ``run`` raise that exception (its siblings' collectives
 fail at once instead of waiting for the timeout), and the strategy stays usable.
@@ -40,6 +44,7 @@ fail at once instead of waiting for the timeout), and the strategy stays usable.
 
 import contextlib
 import ctypes
+import os
 import re
 import sys
 import threading
@@ -61,6 +66,8 @@ __all__ = [
     "ReplicaContext",
     "VariableAggregation",
     "Variable",
+    "Checkpoint",
+    "CheckpointManager",
     "Strategy",
     "MirroredStrategy",
     "OneDeviceStrategy",
@@ -93,6 +100,22 @@ _PROTOTYPES = {
                                                    ctypes.c_uint32, ctypes.c_void_p]),
     "tutti_replica_broadcast": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
                                                   ctypes.c_size_t, ctypes.c_void_p]),
+    "tutti_checkpoint_create": (ctypes.c_uint32, [ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p)]),
+    "tutti_checkpoint_destroy": (None, [ctypes.c_void_p]),
+    "tutti_checkpoint_step": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]),
+    "tutti_checkpoint_insert": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint32,
+                                                  ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t),
+                                                  ctypes.c_void_p]),
+    "tutti_checkpoint_variable": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_char_p,
+                                                    ctypes.POINTER(ctypes.c_uint32),
+                                                    ctypes.POINTER(ctypes.c_size_t),
+                                                    ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t]),
+    "tutti_checkpoint_read": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint32,
+                                                ctypes.c_size_t, ctypes.c_void_p]),
+    "tutti_checkpoint_save": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
+                                                ctypes.c_void_p]),
+    "tutti_checkpoint_restore": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_char_p,
+                                                   ctypes.POINTER(ctypes.c_void_p)]),
 }
 _bound = None
 _bind_lock = threading.Lock()
@@ -659,6 +682,145 @@ class Variable:
 
     def __repr__(self):
         return f"<tutti.distribute.Variable {self.name or ''} shape={self.shape} dtype={self.dtype} value={self.numpy()!r}>"
+
+
+class Checkpoint:
+    """TensorFlow's ``tf.train.Checkpoint``: the named objects to save and restore together,
+    each a ``Variable`` or a numpy array (restored in place), in tutti's versioned checkpoint
+    format (the README's "Checkpoints"). Save and restore through a ``CheckpointManager``.
+    ``step`` is the step of the checkpoint last saved or restored (0 before)."""
+
+    def __init__(self, **objects):
+        for name, obj in objects.items():
+            if not isinstance(obj, (Variable, np.ndarray)):
+                raise TypeError(
+                    f"Checkpoint: {name} is a {type(obj).__name__}; checkpoint Variables and numpy arrays"
+                )
+        self._objects = objects
+        self.step = 0
+
+    def _strategy(self):
+        """The strategy the variables were made under (whose chief writes and reads)."""
+        for obj in self._objects.values():
+            if isinstance(obj, Variable):
+                return obj._strategy
+        return get_strategy()
+
+    def _build(self, step):
+        h = ctypes.c_void_p()
+        _check(_lib().tutti_checkpoint_create(step, ctypes.byref(h)))
+        try:
+            for name, obj in self._objects.items():
+                value = np.ascontiguousarray(obj.numpy() if isinstance(obj, Variable) else obj)
+                _check_dtype(value.dtype, f"Checkpoint: {name}")
+                shape = (ctypes.c_size_t * max(value.ndim, 1))(*value.shape)
+                _check(_lib().tutti_checkpoint_insert(h, name.encode(), tutti.DTYPES[value.dtype.name],
+                                                      value.ndim, shape, value.ctypes.data_as(ctypes.c_void_p)))
+        except BaseException:
+            _lib().tutti_checkpoint_destroy(h)
+            raise
+        return h
+
+    def _load(self, h):
+        """Every object's value from the checkpoint at ``h``, checked, then assigned: an object
+        the checkpoint lacks or holds at another shape or dtype is an error and nothing is
+        assigned."""
+        values = {}
+        for name, obj in self._objects.items():
+            if isinstance(obj, np.ndarray) and not obj.flags.writeable:
+                raise ValueError(f"Checkpoint: {name} is a read-only array; restore needs to write into it")
+            code, ndim = ctypes.c_uint32(), ctypes.c_size_t()
+            _check(_lib().tutti_checkpoint_variable(h, name.encode(), ctypes.byref(code), ctypes.byref(ndim), None, 0))
+            dims = (ctypes.c_size_t * max(ndim.value, 1))()
+            _check(_lib().tutti_checkpoint_variable(h, name.encode(), None, None, dims, ndim.value))
+            shape = tuple(dims[i] for i in range(ndim.value))
+            saved = _dtype_name(code.value)
+            if shape != tuple(obj.shape) or saved != np.dtype(obj.dtype).name:
+                raise ValueError(
+                    f"Checkpoint: {name} was saved as {saved} of shape {shape}; here it is "
+                    f"{np.dtype(obj.dtype).name} of shape {tuple(obj.shape)}"
+                )
+            out = np.empty(shape, np.dtype(obj.dtype).newbyteorder("="))  # the file's order
+            _check(_lib().tutti_checkpoint_read(h, name.encode(), code.value, out.size,
+                                                out.ctypes.data_as(ctypes.c_void_p)))
+            values[name] = out
+        for name, obj in self._objects.items():
+            if isinstance(obj, Variable):
+                obj.assign(values[name])
+            else:
+                obj[...] = values[name]
+        step = ctypes.c_uint64()
+        _check(_lib().tutti_checkpoint_step(h, ctypes.byref(step)))
+        self.step = step.value
+
+
+class CheckpointManager:
+    """TensorFlow's ``tf.train.CheckpointManager``: ``checkpoint`` saved in ``directory`` as
+    ``ckpt-<step>.tutti``, the last ``max_to_keep`` by step kept. Under a multi-worker strategy
+    every worker calls ``save`` and ``restore_or_initialize``: the chief writes (every worker
+    raises its error if it could not) and the chief reads (every worker receives what it read,
+    so the workers need no shared file system)."""
+
+    def __init__(self, checkpoint, directory, max_to_keep=5):
+        if not isinstance(checkpoint, Checkpoint):
+            raise TypeError("CheckpointManager: checkpoint must be a tutti.distribute.Checkpoint")
+        if max_to_keep is None or int(max_to_keep) < 1:
+            raise ValueError(f"CheckpointManager: max_to_keep {max_to_keep!r}: keep at least 1")
+        self._checkpoint = checkpoint
+        self.directory = str(directory)
+        self._max = int(max_to_keep)
+
+    @property
+    def checkpoints(self):
+        """The checkpoints in the directory, oldest (lowest step) first."""
+        found = []
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        for n in names:
+            # Only the names written: the step in ASCII decimal, no sign or leading zeros.
+            m = re.fullmatch(r"ckpt-(0|[1-9][0-9]*)\.tutti", n, re.ASCII)
+            if m and int(m.group(1)) < 2**64:
+                found.append((int(m.group(1)), os.path.join(self.directory, n)))
+        return [p for _, p in sorted(found)]
+
+    @property
+    def latest_checkpoint(self):
+        """The latest checkpoint's path (highest step), or None."""
+        c = self.checkpoints
+        return c[-1] if c else None
+
+    def save(self, checkpoint_number=None):
+        """Save every object of the checkpoint at step ``checkpoint_number`` (default: one past
+        the checkpoint's ``step``); returns the path written (by the chief)."""
+        step = self._checkpoint.step + 1 if checkpoint_number is None else int(checkpoint_number)
+        if not 0 <= step < 2**64:
+            raise ValueError(f"CheckpointManager.save: checkpoint_number {step} is not a step (0 to 2**64 - 1)")
+        strategy = self._checkpoint._strategy()
+        h = self._checkpoint._build(step)
+        try:
+            with strategy._cross_replica("save"):
+                _check(_lib().tutti_checkpoint_save(strategy._handle(), self.directory.encode(), self._max, h))
+        finally:
+            _lib().tutti_checkpoint_destroy(h)
+        self._checkpoint.step = step
+        return os.path.join(self.directory, f"ckpt-{step}.tutti")
+
+    def restore_or_initialize(self):
+        """Restore the latest checkpoint into the objects and return its step; where there is
+        none, leave them as they are and return None."""
+        strategy = self._checkpoint._strategy()
+        h = ctypes.c_void_p()
+        with strategy._cross_replica("restore"):
+            _check(_lib().tutti_checkpoint_restore(strategy._handle(), self.directory.encode(), ctypes.byref(h)))
+        if not h.value:
+            return None
+        try:
+            self._checkpoint._load(h)
+        finally:
+            _lib().tutti_checkpoint_destroy(h)
+        return self._checkpoint.step
 
 
 def _dtype_name(code):
