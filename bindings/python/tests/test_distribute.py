@@ -430,3 +430,123 @@ def test_workers_save_through_the_chief_and_restore_its_checkpoint(tmp_path):
         assert r["first"] == 1 and r["w"] == [101.0] * 3, r
     assert first[0]["files"] == ["ckpt-1.tutti"] and second[0]["files"] == ["ckpt-1.tutti", "ckpt-2.tutti"]
     assert first[1]["files"] is None and second[1]["files"] is None  # no directory made there
+
+
+def _ids(batches):
+    """The example ids of per-replica batches (features: a column of ids), per local replica."""
+    out = []
+    for b in batches:
+        values = b.values if isinstance(b, td.PerReplica) else (b,)
+        out.append([v[0][:, 0].astype(int).tolist() for v in values])
+    return out
+
+
+def _examples(n):
+    """Examples (features, label) whose first feature is the example's id."""
+    return [(np.array([i, i * 0.5], np.float32), np.int64(i % 3)) for i in range(n)]
+
+
+def test_gather_concatenates_uneven_values_in_replica_order():
+    s = td.MirroredStrategy(cpus(3))
+    parts = [np.arange(k * 2, dtype=np.int32).reshape(k, 2) + 100 * k for k in (1, 3, 0)]
+    out = s.gather(td.PerReplica(parts), axis=0)
+    assert out.tolist() == np.concatenate(parts).tolist()
+    assert s.gather(td.PerReplica([p.T for p in parts]), axis=-1).shape == (2, 4)
+    with pytest.raises(ValueError, match="differ other than in length"):
+        s.gather(td.PerReplica([np.zeros((1, 2)), np.zeros((1, 3)), np.zeros((1, 2))]), axis=0)
+    with pytest.raises(ValueError, match="axis 2 is out of range"):
+        s.gather(np.zeros((2, 2)), axis=2)
+
+
+def test_values_from_a_function_and_datasets_split_across_the_replicas():
+    s = td.MirroredStrategy(cpus(2))
+    v = s.experimental_distribute_values_from_function(lambda c: (c.replica_id_in_sync_group, c.num_replicas_in_sync))
+    assert v.values == ((0, 2), (1, 2))
+    global_batches = [_stack(_examples(25)[i : i + 8]) for i in range(0, 25, 8)]
+    for policy in ["AUTO", "DATA", "OFF"]:
+        seen = _ids(s.experimental_distribute_dataset(global_batches, td.InputOptions(policy)))
+        # 8 rows: 4 and 4; the last batch of 1: 1 and none.
+        assert [[len(r) for r in step] for step in seen] == [[4, 4]] * 3 + [[1, 0]], policy
+        assert sorted(i for step in seen for r in step for i in r) == list(range(25)), policy
+    files = FILES(5)
+    seen = _ids(s.experimental_distribute_dataset(td.FileDataset(files, read_file, 8), td.InputOptions("FILE")))
+    assert sorted(i for step in seen for r in step for i in r) == list(range(25))
+    with pytest.raises(ValueError, match="needs a tutti.distribute.FileDataset"):
+        s.experimental_distribute_dataset(global_batches, td.InputOptions("FILE"))
+
+    def dataset_fn(ctx):
+        assert (ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync) == (1, 0, 2)
+        per_replica = ctx.get_per_replica_batch_size(8)
+        ex = _examples(25)[ctx.input_pipeline_id :: ctx.num_input_pipelines]
+        return [_stack(ex[i : i + per_replica]) for i in range(0, len(ex), per_replica)]
+
+    seen = _ids(s.distribute_datasets_from_function(dataset_fn))
+    assert [[len(r) for r in step] for step in seen] == [[4, 4]] * 3 + [[1, 0]]
+    assert sorted(i for step in seen for r in step for i in r) == list(range(25))
+    with pytest.raises(ValueError, match="not divisible"):
+        td.InputContext(1, 0, 3).get_per_replica_batch_size(8)
+    with s.scope():
+        for batch in s.experimental_distribute_dataset(global_batches):
+            total = s.reduce("SUM", s.run(lambda b: np.float32(len(b[0])), args=(batch,)))
+        assert total == 1.0  # the last step's rows
+
+
+def _stack(examples):
+    return (np.stack([e[0] for e in examples]), np.stack([e[1] for e in examples]))
+
+
+def FILES(n):  # noqa: N802 - a table of file names
+    return [f"part-{k}" for k in range(n)]
+
+
+def read_file(name):
+    """File part-k holds examples 5k .. 5k+4."""
+    k = int(name.rpartition("-")[2])
+    return _examples(25)[5 * k : 5 * k + 5]
+
+
+INPUT_WORKER = textwrap.dedent(
+    """
+    import json, os, numpy as np, tutti.distribute as td, warnings
+    s = td.MultiWorkerMirroredStrategy()
+    examples = [(np.array([i, i * 0.5], np.float32), np.int64(i % 3)) for i in range(25)]
+    stack = lambda ex: (np.stack([e[0] for e in ex]), np.stack([e[1] for e in ex]))
+    batches = [stack(examples[i : i + 8]) for i in range(0, 25, 8)]
+    read = lambda name: examples[5 * int(name[5:]) : 5 * int(name[5:]) + 5]
+    ids = lambda ds: sorted(int(i) for b in ds for i in b[0][:, 0])
+    seen = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seen["AUTO_DATA"] = ids(s.experimental_distribute_dataset(batches))
+    seen["warned"] = any("sharding by DATA" in str(w.message) for w in caught)
+    for p in ["DATA", "OFF"]:
+        seen[p] = ids(s.experimental_distribute_dataset(batches, td.InputOptions(p)))
+    files = td.FileDataset([f"part-{k}" for k in range(5)], read, 8)
+    seen["FILE"] = ids(s.experimental_distribute_dataset(files, td.InputOptions("FILE")))
+    seen["AUTO_FILE"] = ids(s.experimental_distribute_dataset(files))
+    def fn(ctx):
+        mine = examples[ctx.input_pipeline_id :: ctx.num_input_pipelines]
+        k = ctx.get_per_replica_batch_size(8)
+        return [stack(mine[i : i + k]) for i in range(0, len(mine), k)]
+    seen["FUNCTION"] = ids(s.distribute_datasets_from_function(fn))
+    rank = s.experimental_distribute_values_from_function(lambda c: c.replica_id_in_sync_group)
+    # Uneven parts along axis 1: worker 0 has 1 column, worker 1 has 2.
+    part = np.full((2, rank + 1), rank + 1.5, np.float64)
+    seen["gather"] = s.gather(part, axis=1).tolist()
+    seen["rank"] = rank
+    print("RESULT " + json.dumps(seen), flush=True)
+    """
+)
+
+
+def test_every_auto_shard_policy_sees_every_example_once_across_workers():
+    results = run_workers(INPUT_WORKER, 2)
+    for policy in ["AUTO_DATA", "DATA", "FILE", "AUTO_FILE", "FUNCTION"]:
+        together = sorted(results[0][policy] + results[1][policy])
+        assert together == list(range(25)), (policy, results[0][policy], results[1][policy])
+        assert results[0][policy] and results[1][policy], policy  # both workers had a share
+    for r in results:
+        assert r["OFF"] == list(range(25)), r  # OFF: every worker reads everything
+        assert r["warned"], r
+        assert r["gather"] == [[1.5, 2.5, 2.5], [1.5, 2.5, 2.5]], r
+    assert sorted(r["rank"] for r in results) == [0, 1]

@@ -33,6 +33,11 @@ The names and habits of TensorFlow's distributed-training guides, on numpy array
   (every worker's too).
 * ``Variable(initial_value, aggregation=...)``: the strategy's kind of variable, starting from
   the chief's value on every worker, updated alike on every copy (see ``Variable``).
+* Input: ``experimental_distribute_dataset(dataset, options=None)`` (global batches split
+  across every replica; ``InputOptions(auto_shard_policy=AUTO|FILE|DATA|OFF)``, ``FileDataset``
+  for FILE), ``distribute_datasets_from_function(dataset_fn)`` (``InputContext``),
+  ``experimental_distribute_values_from_function(value_fn)`` (``ValueContext``), and
+  ``gather(value, axis)``.
 * ``Checkpoint(**objects)`` and ``CheckpointManager(checkpoint, directory, max_to_keep=5)``,
   as ``tf.train``'s: ``manager.save()`` (the chief writes), ``manager.restore_or_initialize()``
   (the chief reads, every worker receives), ``latest_checkpoint``, ``checkpoints``; tutti's
@@ -48,6 +53,7 @@ import os
 import re
 import sys
 import threading
+import warnings
 
 import numpy as np
 
@@ -68,6 +74,12 @@ __all__ = [
     "Variable",
     "Checkpoint",
     "CheckpointManager",
+    "AutoShardPolicy",
+    "InputOptions",
+    "InputContext",
+    "ValueContext",
+    "FileDataset",
+    "DistributedDataset",
     "Strategy",
     "MirroredStrategy",
     "OneDeviceStrategy",
@@ -268,6 +280,18 @@ class ReplicaContext:
             out = a
         return out[()] if scalar else out
 
+    def _gather_rows(self, part, lengths):
+        """Every replica's ``part`` (rows along axis 0; replica r's has ``lengths[r]``),
+        concatenated in replica order: the bits exactly, by a bitwise OR over zeros."""
+        out = np.zeros((int(lengths.sum()),) + part.shape[1:], part.dtype)
+        at = int(lengths[: self._id].sum())
+        out[at : at + len(part)] = part
+        if self._ctx is not None and out.nbytes:
+            raw = out.view(np.uint8).reshape(-1)
+            _check(_lib().tutti_replica_all_reduce(self._ctx, raw.size, tutti.DTYPES["uint8"], tutti.OPS["bor"],
+                                                   raw.ctypes.data_as(ctypes.c_void_p)))
+        return out
+
     def _broadcast(self, value, root=0):
         """Replica ``root``'s ``value`` (an index in sync) on every replica: a new array."""
         a = np.array(value, copy=True, order="C")
@@ -276,6 +300,17 @@ class ReplicaContext:
             _check(_lib().tutti_replica_broadcast(self._ctx, a.size, tutti.DTYPES[a.dtype.name], root,
                                                   a.ctypes.data_as(ctypes.c_void_p)))
         return a
+
+
+def _agree(ctx, mine, what, describe):
+    """Every replica's ``mine`` (an int64 header) is replica 0's, else ``what`` is raised on
+    every replica (each learns of it): never a collective that the others do not make."""
+    theirs = ctx._broadcast(mine, 0)
+    differs = not np.array_equal(theirs, mine)
+    if ctx.all_reduce("SUM", np.int32(differs)):
+        raise ValueError(
+            f"{what}: the chief's {describe(theirs)}" + (f", this worker's {describe(mine)}" if differs else "")
+        )
 
 
 def _check_dtype(dtype, what):
@@ -311,6 +346,187 @@ def _replicas(devices, what):
     if len(set(idx)) != len(idx):
         raise ValueError(f"{what}: devices {devices} name a device twice")
     return len(idx)
+
+
+class AutoShardPolicy:
+    """How ``experimental_distribute_dataset`` shares a dataset among the workers (TensorFlow's
+    ``tf.data.experimental.AutoShardPolicy``): ``FILE``, each worker reads its share of a
+    ``FileDataset``'s files (``files[worker::workers]``), batched to its share of the global
+    batch; ``DATA``, every worker reads every global batch and keeps its replicas' rows; ``OFF``,
+    no sharding: every worker's replicas split every global batch among themselves (each worker
+    sees every element); ``AUTO`` (the default), FILE where the dataset has at least as many
+    files as there are workers, else DATA with a warning. Within a worker the batch is split
+    across the local replicas. Under FILE, workers whose files hold different numbers of
+    examples get different numbers of batches, and a step's collectives then wait for a worker
+    that has run out (as in TensorFlow): give the workers even files, or repeat the dataset and
+    bound the steps."""
+
+    AUTO = "AUTO"
+    FILE = "FILE"
+    DATA = "DATA"
+    OFF = "OFF"
+
+
+def _policy(p):
+    key = str(getattr(p, "name", p)).upper().rpartition(".")[2]
+    if key not in ("AUTO", "FILE", "DATA", "OFF"):
+        raise ValueError(f"auto_shard_policy {p!r} is not AUTO, FILE, DATA or OFF")
+    return key
+
+
+class InputOptions:
+    """Options of ``experimental_distribute_dataset``: ``auto_shard_policy`` (TensorFlow sets it
+    on the dataset's options; here it is given with the call)."""
+
+    def __init__(self, auto_shard_policy=AutoShardPolicy.AUTO):
+        self.auto_shard_policy = _policy(auto_shard_policy)
+
+
+class InputContext:
+    """What ``distribute_datasets_from_function`` hands the dataset function: the number of
+    input pipelines (workers), this one's id, and the replicas in sync."""
+
+    def __init__(self, num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1):
+        self.num_input_pipelines = num_input_pipelines
+        self.input_pipeline_id = input_pipeline_id
+        self.num_replicas_in_sync = num_replicas_in_sync
+
+    def get_per_replica_batch_size(self, global_batch_size):
+        """The global batch over the replicas in sync; it must divide evenly."""
+        if global_batch_size % self.num_replicas_in_sync:
+            raise ValueError(
+                f"the global batch size ({global_batch_size}) is not divisible by the number of replicas in "
+                f"sync ({self.num_replicas_in_sync})"
+            )
+        return global_batch_size // self.num_replicas_in_sync
+
+
+class ValueContext:
+    """What ``experimental_distribute_values_from_function`` hands the value function."""
+
+    def __init__(self, replica_id_in_sync_group=0, num_replicas_in_sync=1):
+        self.replica_id_in_sync_group = replica_id_in_sync_group
+        self.num_replicas_in_sync = num_replicas_in_sync
+
+
+def _rows(batch):
+    """The rows of a batch (its leaves' first dimension, which must agree)."""
+    leaves = _leaves(batch)
+    if not leaves:
+        raise ValueError("a batch needs at least one array")
+    n = {len(x) for x in leaves}
+    if len(n) != 1:
+        raise ValueError(f"a batch's arrays differ in rows: {sorted(n)}")
+    return n.pop()
+
+
+def _leaves(batch):
+    if isinstance(batch, dict):
+        return [x for v in batch.values() for x in _leaves(v)]
+    if isinstance(batch, (tuple, list)):
+        return [x for v in batch for x in _leaves(v)]
+    a = np.asarray(batch)
+    if a.ndim == 0:
+        raise ValueError("a batch's arrays need a first dimension (rows)")
+    return [a]
+
+
+def _take(batch, start, stop):
+    """Rows ``start:stop`` of every array of a batch, in its structure."""
+    if isinstance(batch, dict):
+        return {k: _take(v, start, stop) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_take(v, start, stop) for v in batch)
+    return np.asarray(batch)[start:stop]
+
+
+def _stack_examples(examples):
+    """Examples (arrays, or tuples, lists or dicts of them) stacked into a batch."""
+    first = examples[0]
+    if isinstance(first, dict):
+        return {k: _stack_examples([e[k] for e in examples]) for k in first}
+    if isinstance(first, (tuple, list)):
+        return type(first)(_stack_examples([e[i] for e in examples]) for i in range(len(first)))
+    return np.stack([np.asarray(e) for e in examples])
+
+
+def _part(n, parts, i):
+    """Rows of part ``i`` of ``n`` cut into ``parts`` contiguous pieces, the first ``n % parts``
+    one row longer (tutti's ``partition``)."""
+    base, extra = divmod(n, parts)
+    start = i * base + min(i, extra)
+    return start, start + base + (i < extra)
+
+
+class FileDataset:
+    """A dataset read from files: ``read_fn(path)`` yields a file's examples (an array, or a
+    tuple, list or dict of arrays, each one example), which are batched in order into global
+    batches of ``batch_size`` rows (the last may be short). Under FILE sharding each worker
+    reads only its files."""
+
+    def __init__(self, files, read_fn, batch_size):
+        self.files = [str(f) for f in files]
+        if int(batch_size) < 1:
+            raise ValueError(f"FileDataset: batch_size {batch_size} must be at least 1")
+        self.read_fn, self.batch_size = read_fn, int(batch_size)
+
+    def _batches(self, files, batch_size):
+        pending = []
+        for f in files:
+            for example in self.read_fn(f):
+                pending.append(example)
+                if len(pending) == batch_size:
+                    yield _stack_examples(pending)
+                    pending = []
+        if pending:
+            yield _stack_examples(pending)
+
+    def __iter__(self):
+        return self._batches(self.files, self.batch_size)
+
+
+class DistributedDataset:
+    """What ``experimental_distribute_dataset`` and ``distribute_datasets_from_function``
+    return: iterate it for per-replica batches (a ``PerReplica``, or the batch itself with one
+    local replica), to pass to ``strategy.run``. A replica may get no rows of an uneven last
+    batch (an empty slice)."""
+
+    def __init__(self, strategy, dataset, policy, worker, workers):
+        self._strategy, self._dataset, self._policy = strategy, dataset, policy
+        self._worker, self._workers = worker, workers
+
+    def _local(self, batch, n, first, total):
+        """This worker's replicas' rows of a batch of ``n`` rows cut into ``total`` parts,
+        the worker's starting at part ``first``."""
+        local = self._strategy._local
+        values = [_take(batch, *_part(n, total, first + i)) for i in range(local)]
+        return values[0] if local == 1 else PerReplica(values)
+
+    def __iter__(self):
+        local, total = self._strategy._local, self._strategy._total
+        if self._policy is None:  # from a function: each replica takes the pipeline's next batch
+            it = iter(self._dataset)
+            while True:
+                got = [b for _, b in zip(range(local), it)]
+                if not got:
+                    return
+                short = len(got) < local
+                # A short final group: the missing replicas get no rows.
+                got += [_take(got[-1], 0, 0)] * (local - len(got))
+                yield got[0] if local == 1 else PerReplica(got)
+                if short:
+                    return
+        elif self._policy == AutoShardPolicy.FILE:
+            mine = self._dataset.files[self._worker :: self._workers]
+            start, stop = _part(self._dataset.batch_size, self._workers, self._worker)
+            for batch in self._dataset._batches(mine, max(stop - start, 1)):
+                yield self._local(batch, _rows(batch), 0, local)
+        elif self._policy == AutoShardPolicy.DATA:
+            for batch in self._dataset:
+                yield self._local(batch, _rows(batch), self._worker * local, total)
+        else:  # OFF
+            for batch in self._dataset:
+                yield self._local(batch, _rows(batch), 0, local)
 
 
 class Strategy:
@@ -427,6 +643,99 @@ class Strategy:
         along = self._reduce("SUM", [np.asarray(np.prod([p.shape[a] for a in axes]), np.float64) for p in parts])
         mean = total / along
         return np.asarray(mean.astype(total.dtype) if total.dtype.kind == "f" else mean)
+
+    def gather(self, value, axis):
+        """``value`` (a ``PerReplica``, or one value the same on every replica) concatenated
+        along ``axis`` across every replica in sync, in replica order (every worker's): the
+        replicas' values may differ in length along ``axis`` only (an uneven last batch)."""
+        if getattr(_state, "replica", None) is not None:
+            raise RuntimeError("strategy.gather inside a replica function: call it from the cross-replica context")
+        parts = [np.require(np.asarray(v), requirements="C") for v in self.experimental_local_results(value)]
+        if not isinstance(value, PerReplica):
+            parts = parts * self._local
+        if len(parts) != self._local:
+            raise ValueError(f"gather: {len(parts)} values for {self._local} local replicas")
+        first = parts[0]
+        if first.ndim == 0 or not -first.ndim <= axis < first.ndim:
+            raise ValueError(f"gather: axis {axis} is out of range for values of shape {first.shape}")
+        axis %= first.ndim
+        rest = lambda p: p.shape[:axis] + p.shape[axis + 1 :]  # noqa: E731
+        if any(p.dtype != first.dtype or rest(p) != rest(first) for p in parts):
+            raise ValueError(
+                f"gather: the replicas' values differ other than in length along axis {axis}: "
+                + ", ".join(f"{p.shape} {p.dtype}" for p in parts)
+            )
+        _check_dtype(first.dtype, "gather")
+        if self._total == self._local:
+            return np.concatenate(parts, axis=axis)
+        header = np.array([first.ndim, tutti.DTYPES[first.dtype.name], *rest(first)], np.int64)
+
+        def step(part):
+            ctx = get_replica_context()
+            _agree(ctx, header, "gather: the values differ between workers",
+                   lambda h: f"have {h[0]} dimensions of {_dtype_name(h[1])}, {tuple(int(x) for x in h[2:])} "
+                             f"besides axis {axis}")
+            lengths = np.zeros(ctx.num_replicas_in_sync, np.int64)
+            lengths[ctx.replica_id_in_sync_group] = part.shape[axis]
+            lengths = ctx.all_reduce("SUM", lengths)
+            rows = ctx._gather_rows(np.ascontiguousarray(np.moveaxis(part, axis, 0)), lengths)
+            return np.moveaxis(rows, 0, axis)
+
+        out = self.run(step, args=(PerReplica(parts),))
+        return np.ascontiguousarray(self.experimental_local_results(out)[0])
+
+    def _worker(self):
+        """This worker's index and the number of workers (replicas are numbered worker by
+        worker: this worker's first replica id over its local count)."""
+        if self._total == self._local:
+            return 0, 1
+        if getattr(self, "_worker_index", None) is None:
+            ids = self.run(lambda: get_replica_context().replica_id_in_sync_group)
+            self._worker_index = min(self.experimental_local_results(ids)) // self._local
+        return self._worker_index, self._total // self._local
+
+    def experimental_distribute_values_from_function(self, value_fn):
+        """``value_fn(ValueContext)`` for each local replica, as a ``PerReplica`` (the value
+        itself with one local replica)."""
+        worker, _ = self._worker()
+        values = [value_fn(ValueContext(worker * self._local + i, self._total)) for i in range(self._local)]
+        return values[0] if self._local == 1 else PerReplica(values)
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """``dataset`` (an iterable of global batches: numpy arrays, or tuples, lists or dicts
+        of them, rows first; or a ``FileDataset``) split across every replica in sync, as a
+        ``DistributedDataset`` whose elements are per-replica batches. How the workers share
+        it follows ``options.auto_shard_policy`` (see ``AutoShardPolicy``)."""
+        worker, workers = self._worker()
+        policy = _policy((options or InputOptions()).auto_shard_policy)
+        if policy == AutoShardPolicy.AUTO:
+            files = isinstance(dataset, FileDataset) and len(dataset.files) >= workers
+            policy = AutoShardPolicy.FILE if files else AutoShardPolicy.DATA
+            if not files and workers > 1:
+                warnings.warn(
+                    "experimental_distribute_dataset: AUTO sharding found no files to shard (a FileDataset "
+                    f"with at least {workers} files): sharding by DATA, every worker reads every element and "
+                    "keeps its share",
+                    stacklevel=2,
+                )
+        if policy == AutoShardPolicy.FILE:
+            if not isinstance(dataset, FileDataset):
+                raise ValueError("experimental_distribute_dataset: FILE sharding needs a tutti.distribute.FileDataset")
+            if len(dataset.files) < workers:
+                raise ValueError(
+                    f"experimental_distribute_dataset: FILE sharding of {len(dataset.files)} files over {workers} "
+                    "workers leaves a worker none; use DATA or more files"
+                )
+        return DistributedDataset(self, dataset, policy, worker, workers)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """``dataset_fn(InputContext)`` once on this worker (its input pipeline), an iterable of
+        per-replica batches; each step hands the next one to each local replica, as a
+        ``DistributedDataset``. Shard inside ``dataset_fn`` by ``input_pipeline_id``; size the
+        batches with ``get_per_replica_batch_size``."""
+        worker, workers = self._worker()
+        ctx = InputContext(workers, worker, self._total)
+        return DistributedDataset(self, dataset_fn(ctx), None, worker, workers)
 
     def _reduce(self, op, parts):
         parts = [np.require(p, requirements="C") for p in parts]  # 0-d stays 0-d
@@ -569,20 +878,12 @@ class Variable:
         with the chief's rank, size and dtype, then its shape: a difference is an error on every
         replica (each learns of it), never a collective that the others do not make."""
         header = np.array([value.ndim, value.size, tutti.DTYPES[value.dtype.name]], np.int64)
-
-        def agree(ctx, mine, what):
-            theirs = ctx._broadcast(mine, 0)
-            differs = not np.array_equal(theirs, mine)
-            if ctx.all_reduce("SUM", np.int32(differs)):
-                raise ValueError(
-                    f"Variable: the initial value differs between workers: the chief's {what(theirs)}"
-                    + (f", this worker's {what(mine)}" if differs else "")
-                )
+        what = "Variable: the initial value differs between workers"
 
         def step():
             ctx = get_replica_context()
-            agree(ctx, header, lambda h: f"has {h[0]} dimensions, {h[1]} elements of {_dtype_name(h[2])}")
-            agree(ctx, np.array(value.shape, np.int64), lambda d: f"shape {tuple(int(x) for x in d)}")
+            _agree(ctx, header, what, lambda h: f"has {h[0]} dimensions, {h[1]} elements of {_dtype_name(h[2])}")
+            _agree(ctx, np.array(value.shape, np.int64), what, lambda d: f"shape {tuple(int(x) for x in d)}")
             return ctx._broadcast(value, 0)
 
         return strategy.experimental_local_results(strategy.run(step))[0]
