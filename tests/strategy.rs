@@ -1076,3 +1076,184 @@ fn workers_need_no_shared_file_system_for_checkpoints() {
     );
     std::fs::remove_file(&dirs[0]).ok();
 }
+
+/// Examples 0..n as (features, label) batches: each row's first feature is its id.
+fn examples(ids: std::ops::Range<usize>) -> (Tensor<f32>, Tensor<i64>) {
+    let n = ids.len();
+    let x = ids
+        .clone()
+        .flat_map(|i| [i as f32, i as f32 * 0.5])
+        .collect();
+    let y = ids.map(|i| (i % 3) as i64).collect();
+    (
+        Tensor::new(x, vec![n, 2]).unwrap(),
+        Tensor::new(y, vec![n]).unwrap(),
+    )
+}
+
+/// The ids each local replica got, step by step.
+fn ids_of(
+    ds: impl Iterator<Item = tutti::Result<PerReplica<(Tensor<f32>, Tensor<i64>)>>>,
+) -> Vec<Vec<Vec<usize>>> {
+    ds.map(|step| {
+        step.unwrap()
+            .0
+            .iter()
+            .map(|(x, y)| {
+                assert_eq!(x.shape[0], y.shape[0]);
+                x.data.chunks(2).map(|r| r[0] as usize).collect()
+            })
+            .collect()
+    })
+    .collect()
+}
+
+/// Global batches of 8 over 25 examples, and the same examples in 5 files of 5.
+fn global_batches() -> tutti::strategy::Dataset<(Tensor<f32>, Tensor<i64>)> {
+    tutti::strategy::Dataset::from_batches((0..25).step_by(8).map(|i| examples(i..(i + 8).min(25))))
+}
+
+fn five_files() -> tutti::strategy::Dataset<(Tensor<f32>, Tensor<i64>)> {
+    let files = (0..5).map(|k| PathBuf::from(format!("part-{k}"))).collect();
+    tutti::strategy::Dataset::Files(
+        tutti::strategy::FileDataset::new(files, 8, |p| {
+            let k: usize = p.to_str().unwrap()[5..].parse().unwrap();
+            Ok(examples(5 * k..5 * k + 5))
+        })
+        .unwrap(),
+    )
+}
+
+#[test]
+fn datasets_split_across_the_replicas_by_every_policy() {
+    use tutti::strategy::AutoShardPolicy as P;
+    let s = Strategy::mirrored(&logical_cpus(2).unwrap(), None).unwrap();
+    for policy in [P::Auto, P::Data, P::Off] {
+        let seen = ids_of(
+            s.experimental_distribute_dataset(global_batches(), policy)
+                .unwrap(),
+        );
+        let sizes: Vec<Vec<usize>> = seen
+            .iter()
+            .map(|s| s.iter().map(Vec::len).collect())
+            .collect();
+        assert_eq!(sizes, [[4, 4], [4, 4], [4, 4], [1, 0]], "{policy:?}");
+        let mut all: Vec<usize> = seen.into_iter().flatten().flatten().collect();
+        all.sort();
+        assert_eq!(all, (0..25).collect::<Vec<_>>(), "{policy:?}");
+    }
+    let seen = ids_of(
+        s.experimental_distribute_dataset(five_files(), P::File)
+            .unwrap(),
+    );
+    assert_eq!(seen.concat().concat(), (0..25).collect::<Vec<_>>());
+    let e = s
+        .experimental_distribute_dataset(global_batches(), P::File)
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("FILE sharding needs"), "{e}");
+    let seen = ids_of(s.distribute_datasets_from_function(|ctx| {
+        assert_eq!(
+            (
+                ctx.num_input_pipelines,
+                ctx.input_pipeline_id,
+                ctx.num_replicas_in_sync
+            ),
+            (1, 0, 2)
+        );
+        let k = ctx.get_per_replica_batch_size(8).unwrap();
+        (0..25)
+            .step_by(k)
+            .map(move |i| examples(i..(i + k).min(25)))
+    }));
+    let sizes: Vec<Vec<usize>> = seen
+        .iter()
+        .map(|s| s.iter().map(Vec::len).collect())
+        .collect();
+    assert_eq!(sizes, [[4, 4], [4, 4], [4, 4], [1, 0]]);
+    let v = s.experimental_distribute_values_from_function(|c| {
+        (c.replica_id_in_sync_group, c.num_replicas_in_sync)
+    });
+    assert_eq!(v.0, [(0, 2), (1, 2)]);
+}
+
+/// Two workers of two replicas each: under DATA, FILE, AUTO and from a function the job sees
+/// each example once per epoch; under OFF each worker sees every one.
+#[test]
+fn every_auto_shard_policy_sees_each_example_once_across_workers() {
+    use tutti::strategy::{AutoShardPolicy as P, CommunicationImplementation};
+    let cluster = serde_json::json!({ "worker": free_addrs(2) });
+    let per_worker = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|w| {
+                let spec = spec_of(&cluster, "worker", w);
+                s.spawn(move || -> tutti::Result<Vec<Vec<usize>>> {
+                    let strategy = Strategy::multi_worker_mirrored(
+                        CommunicationImplementation::Ring,
+                        Some(spec),
+                        &logical_cpus(2)?,
+                    )?;
+                    let flat = |d: Vec<Vec<Vec<usize>>>| -> Vec<usize> {
+                        let mut v: Vec<usize> = d.into_iter().flatten().flatten().collect();
+                        v.sort();
+                        v
+                    };
+                    let mut out = Vec::new();
+                    for policy in [P::Auto, P::Data, P::Off] {
+                        let ds =
+                            strategy.experimental_distribute_dataset(global_batches(), policy)?;
+                        out.push(flat(ids_of(ds)));
+                    }
+                    for policy in [P::File, P::Auto] {
+                        let ds = strategy.experimental_distribute_dataset(five_files(), policy)?;
+                        out.push(flat(ids_of(ds)));
+                    }
+                    out.push(flat(ids_of(strategy.distribute_datasets_from_function(
+                        |ctx| {
+                            let k = ctx.get_per_replica_batch_size(8).unwrap();
+                            let mine: Vec<usize> = (0..25)
+                                .filter(|i| i % ctx.num_input_pipelines == ctx.input_pipeline_id)
+                                .collect();
+                            // Each of this pipeline's examples (every other one), k a batch.
+                            mine.chunks(k)
+                                .map(|c| {
+                                    let x = c.iter().flat_map(|&i| [i as f32, 0.0]).collect();
+                                    let y = c.iter().map(|&i| i as i64).collect();
+                                    (
+                                        Tensor::new(x, vec![c.len(), 2]).unwrap(),
+                                        Tensor::new(y, vec![c.len()]).unwrap(),
+                                    )
+                                })
+                                .collect::<Vec<_>>()
+                        },
+                    ))));
+                    let ids = strategy.experimental_distribute_values_from_function(|c| {
+                        c.replica_id_in_sync_group
+                    });
+                    out.push(ids.0);
+                    Ok(out)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap().unwrap())
+            .collect::<Vec<_>>()
+    });
+    let everything: Vec<usize> = (0..25).collect();
+    for (k, name) in ["AUTO", "DATA", "OFF", "FILE", "AUTO (files)", "function"]
+        .iter()
+        .enumerate()
+    {
+        let (a, b) = (&per_worker[0][k], &per_worker[1][k]);
+        if *name == "OFF" {
+            assert_eq!((a, b), (&everything, &everything), "{name}");
+            continue;
+        }
+        assert!(!a.is_empty() && !b.is_empty(), "{name}: {a:?} {b:?}");
+        let mut both = [a.clone(), b.clone()].concat();
+        both.sort();
+        assert_eq!(both, everything, "{name}: {a:?} {b:?}");
+    }
+    assert_eq!(per_worker[0][6], [0, 1]);
+    assert_eq!(per_worker[1][6], [2, 3]);
+}

@@ -21,12 +21,16 @@
 
 pub mod checkpoint;
 mod fusion;
+mod input;
 pub mod ps;
 mod tensor;
 mod variables;
 
 pub use checkpoint::{Checkpoint, CheckpointManager};
 pub use fusion::pack_plan;
+pub use input::{
+    AutoShardPolicy, Batch, Dataset, DistributedDataset, FileDataset, InputContext, ValueContext,
+};
 pub use tensor::Tensor;
 pub use variables::{Aggregation, CentralVariable, MirroredVariable};
 

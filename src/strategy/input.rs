@@ -1,0 +1,401 @@
+//! Input, as tf.distribute has it: a dataset of global batches split across every replica in
+//! sync and shared among the workers by an auto-shard policy
+//! ([`Strategy::experimental_distribute_dataset`]), a per-worker input function given an
+//! [`InputContext`] ([`Strategy::distribute_datasets_from_function`]), and per-replica values
+//! from a function ([`Strategy::experimental_distribute_values_from_function`]).
+
+use std::ops::Range;
+use std::path::PathBuf;
+
+use super::{PerReplica, Strategy, Tensor};
+use crate::algorithm::partition;
+use crate::dtype::Element;
+use crate::error::{Error, Result};
+
+/// How [`Strategy::experimental_distribute_dataset`] shares a dataset among the workers
+/// (TensorFlow's `tf.data.experimental.AutoShardPolicy`). Within a worker each batch is split
+/// across the local replicas.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+pub enum AutoShardPolicy {
+    /// FILE where the dataset is read from at least as many files as there are workers, else
+    /// DATA with a warning.
+    #[default]
+    Auto,
+    /// Each worker reads only its files (`files[worker::workers]`), batched to its share of
+    /// the global batch. Workers whose files hold different numbers of examples get different
+    /// numbers of batches, and a step's collectives then wait for the one that ran out (as in
+    /// TensorFlow): give the workers even files.
+    File,
+    /// Every worker reads every global batch and keeps its replicas' rows.
+    Data,
+    /// No sharding: every worker's replicas split every global batch among themselves (each
+    /// worker sees every element).
+    Off,
+}
+
+/// What [`Strategy::distribute_datasets_from_function`] hands the dataset function (TensorFlow's
+/// `tf.distribute.InputContext`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct InputContext {
+    /// Input pipelines: one per worker.
+    pub num_input_pipelines: usize,
+    /// This worker's pipeline.
+    pub input_pipeline_id: usize,
+    /// Replicas in sync across the job.
+    pub num_replicas_in_sync: usize,
+}
+
+impl InputContext {
+    /// The global batch over the replicas in sync; it must divide evenly.
+    pub fn get_per_replica_batch_size(&self, global_batch_size: usize) -> Result<usize> {
+        if global_batch_size % self.num_replicas_in_sync != 0 {
+            return Err(Error::config(format!(
+                "the global batch size ({global_batch_size}) is not divisible by the number of \
+                 replicas in sync ({})",
+                self.num_replicas_in_sync
+            )));
+        }
+        Ok(global_batch_size / self.num_replicas_in_sync)
+    }
+}
+
+/// What [`Strategy::experimental_distribute_values_from_function`] hands the value function.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct ValueContext {
+    /// The replica's index among every replica in sync.
+    pub replica_id_in_sync_group: usize,
+    /// Replicas in sync across the job.
+    pub num_replicas_in_sync: usize,
+}
+
+/// A batch: rows along the first axis of each of its tensors.
+pub trait Batch: Clone + Send + 'static {
+    /// The rows (every tensor's first dimension, which must agree).
+    fn rows(&self) -> Result<usize>;
+    /// Rows `rows` of every tensor.
+    fn take(&self, rows: Range<usize>) -> Self;
+    /// The batches one after the other.
+    fn concat(parts: &[Self]) -> Result<Self>;
+}
+
+impl<T: Element> Batch for Tensor<T> {
+    fn rows(&self) -> Result<usize> {
+        self.shape
+            .first()
+            .copied()
+            .ok_or_else(|| Error::config("a batch's tensors need a first dimension (rows)"))
+    }
+
+    fn take(&self, rows: Range<usize>) -> Self {
+        let row: usize = self.shape[1..].iter().product();
+        let mut shape = self.shape.clone();
+        shape[0] = rows.len();
+        Tensor {
+            data: self.data[rows.start * row..rows.end * row].to_vec(),
+            shape,
+        }
+    }
+
+    fn concat(parts: &[Self]) -> Result<Self> {
+        Tensor::concat(parts, 0)
+    }
+}
+
+impl<A: Batch, B: Batch> Batch for (A, B) {
+    fn rows(&self) -> Result<usize> {
+        let (a, b) = (self.0.rows()?, self.1.rows()?);
+        if a != b {
+            return Err(Error::config(format!(
+                "a batch's tensors differ in rows: {a} and {b}"
+            )));
+        }
+        Ok(a)
+    }
+
+    fn take(&self, rows: Range<usize>) -> Self {
+        (self.0.take(rows.clone()), self.1.take(rows))
+    }
+
+    fn concat(parts: &[Self]) -> Result<Self> {
+        let (a, b): (Vec<A>, Vec<B>) = parts.iter().cloned().unzip();
+        Ok((A::concat(&a)?, B::concat(&b)?))
+    }
+}
+
+/// What reads a file's examples.
+type Reader<B> = dyn Fn(&std::path::Path) -> Result<B> + Send;
+
+/// A dataset read from files: `read(path)` gives a file's examples as one batch (a row per
+/// example), which are cut in order into global batches of `batch_size` rows (the last may be
+/// short). Under [`AutoShardPolicy::File`] each worker reads only its files.
+pub struct FileDataset<B> {
+    files: Vec<PathBuf>,
+    read: Box<Reader<B>>,
+    batch_size: usize,
+}
+
+impl<B: Batch> FileDataset<B> {
+    /// A dataset of `files`, read by `read`, in global batches of `batch_size` rows.
+    pub fn new(
+        files: Vec<PathBuf>,
+        batch_size: usize,
+        read: impl Fn(&std::path::Path) -> Result<B> + Send + 'static,
+    ) -> Result<FileDataset<B>> {
+        if batch_size == 0 {
+            return Err(Error::config("FileDataset: batch_size must be at least 1"));
+        }
+        Ok(FileDataset {
+            files,
+            read: Box::new(read),
+            batch_size,
+        })
+    }
+
+    /// The files.
+    pub fn files(&self) -> &[PathBuf] {
+        &self.files
+    }
+
+    /// The files picked by `pick`, read in order and cut into batches of `rows` rows.
+    fn batches(self, pick: impl Fn(usize) -> bool + Send + 'static, rows: usize) -> Batches<B> {
+        let FileDataset { files, read, .. } = self;
+        let mut files = files
+            .into_iter()
+            .enumerate()
+            .filter(move |(i, _)| pick(*i))
+            .map(|(_, f)| f);
+        let (mut pending, mut have): (Vec<B>, usize) = (Vec::new(), 0);
+        let (mut read_all, mut failed) = (false, false);
+        Box::new(std::iter::from_fn(move || loop {
+            if failed {
+                return None;
+            }
+            if have >= rows || (read_all && have > 0) {
+                // The next batch: `rows` rows, or what is left at the end.
+                let all = match B::concat(&pending) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        failed = true;
+                        return Some(Err(e));
+                    }
+                };
+                let n = have.min(rows);
+                pending = vec![all.take(n..have)];
+                have -= n;
+                return Some(Ok(all.take(0..n)));
+            }
+            if read_all {
+                return None;
+            }
+            let Some(f) = files.next() else {
+                read_all = true;
+                continue;
+            };
+            match (read)(&f).and_then(|b| Ok((b.rows()?, b))) {
+                Ok((n, b)) => {
+                    have += n;
+                    pending.push(b);
+                }
+                Err(e) => {
+                    failed = true;
+                    return Some(Err(Error::config(format!(
+                        "FileDataset: reading {}: {e}",
+                        f.display()
+                    ))));
+                }
+            }
+        }))
+    }
+}
+
+/// What a dataset is read from: global batches from any iterator, or files.
+pub enum Dataset<B> {
+    /// Global batches.
+    Batches(Box<dyn Iterator<Item = B> + Send>),
+    /// Files, read into global batches.
+    Files(FileDataset<B>),
+}
+
+impl<B: Batch> Dataset<B> {
+    /// Global batches from any iterator.
+    pub fn from_batches(batches: impl IntoIterator<Item = B, IntoIter: Send + 'static>) -> Self {
+        Dataset::Batches(Box::new(batches.into_iter()))
+    }
+}
+
+type Batches<B> = Box<dyn Iterator<Item = Result<B>> + Send>;
+
+/// Per-replica batches, as [`Strategy::experimental_distribute_dataset`] and
+/// [`Strategy::distribute_datasets_from_function`] give them: iterate for one
+/// [`PerReplica`] per step (a replica may get no rows of a short last batch), to hand to
+/// [`Strategy::run`].
+pub struct DistributedDataset<B> {
+    batches: Batches<B>,
+    /// Each batch is cut into `parts`, this worker's replicas taking `first..first + local`;
+    /// `None`: each local replica takes a whole batch of its own.
+    cut: Option<(usize, usize)>,
+    local: usize,
+    done: bool,
+}
+
+impl<B: Batch> Iterator for DistributedDataset<B> {
+    type Item = Result<PerReplica<B>>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.done {
+            return None;
+        }
+        let step = (|| -> Result<Option<PerReplica<B>>> {
+            match self.cut {
+                Some((parts, first)) => {
+                    let Some(batch) = self.batches.next().transpose()? else {
+                        return Ok(None);
+                    };
+                    let n = batch.rows()?;
+                    Ok(Some(PerReplica(
+                        (first..first + self.local)
+                            .map(|g| batch.take(partition(n, parts, g)))
+                            .collect(),
+                    )))
+                }
+                None => {
+                    let mut got = Vec::with_capacity(self.local);
+                    for b in self.batches.by_ref().take(self.local) {
+                        got.push(b?);
+                    }
+                    let Some(last) = got.last() else {
+                        return Ok(None);
+                    };
+                    last.rows()?;
+                    // A short final group: the missing replicas get no rows.
+                    let empty = last.take(0..0);
+                    if got.len() < self.local {
+                        self.done = true;
+                        got.resize_with(self.local, || empty.take(0..0));
+                    }
+                    Ok(Some(PerReplica(got)))
+                }
+            }
+        })();
+        match step {
+            Ok(Some(p)) => Some(Ok(p)),
+            Ok(None) => {
+                self.done = true;
+                None
+            }
+            Err(e) => {
+                self.done = true;
+                Some(Err(e))
+            }
+        }
+    }
+}
+
+impl Strategy {
+    /// `dataset`'s global batches split across every replica in sync (the first `rows %
+    /// replicas` replicas get a row more), the workers sharing it by `policy`; each element is
+    /// one step's [`PerReplica`] batches.
+    pub fn experimental_distribute_dataset<B: Batch>(
+        &self,
+        dataset: Dataset<B>,
+        policy: AutoShardPolicy,
+    ) -> Result<DistributedDataset<B>> {
+        let (worker, workers) = (self.worker_index(), self.resolver.num_workers);
+        let local = self.num_local_replicas();
+        let policy = match (policy, &dataset) {
+            (AutoShardPolicy::Auto, Dataset::Files(f)) if f.files.len() >= workers => {
+                AutoShardPolicy::File
+            }
+            (AutoShardPolicy::Auto, _) => {
+                if workers > 1 {
+                    log::warn!(
+                        "experimental_distribute_dataset: AUTO sharding found no files to shard (a \
+                         FileDataset with at least {workers} files): sharding by DATA, every \
+                         worker reads every element and keeps its share"
+                    );
+                }
+                AutoShardPolicy::Data
+            }
+            (p, _) => p,
+        };
+        let all = |d: Dataset<B>| -> Batches<B> {
+            match d {
+                Dataset::Batches(b) => Box::new(b.map(Ok)),
+                Dataset::Files(f) => {
+                    let rows = f.batch_size;
+                    f.batches(|_| true, rows)
+                }
+            }
+        };
+        let (batches, cut) = match policy {
+            AutoShardPolicy::File => {
+                let Dataset::Files(f) = dataset else {
+                    return Err(Error::config(
+                        "experimental_distribute_dataset: FILE sharding needs a Dataset::Files",
+                    ));
+                };
+                if f.files.len() < workers {
+                    return Err(Error::config(format!(
+                        "experimental_distribute_dataset: FILE sharding of {} files over \
+                         {workers} workers leaves a worker none; use DATA or more files",
+                        f.files.len()
+                    )));
+                }
+                let rows = partition(f.batch_size, workers, worker).len().max(1);
+                let batches = f.batches(move |i| i % workers == worker, rows);
+                (batches, (local, 0))
+            }
+            AutoShardPolicy::Data => (all(dataset), (local * workers, worker * local)),
+            _ => (all(dataset), (local, 0)),
+        };
+        Ok(DistributedDataset {
+            batches,
+            cut: Some(cut),
+            local,
+            done: false,
+        })
+    }
+
+    /// `dataset_fn(&InputContext)` once on this worker (its input pipeline): batches of one
+    /// replica each, handed to the local replicas in turn, one [`PerReplica`] per step. Shard
+    /// inside `dataset_fn` by `input_pipeline_id`; size the batches with
+    /// [`InputContext::get_per_replica_batch_size`].
+    pub fn distribute_datasets_from_function<B: Batch, I>(
+        &self,
+        dataset_fn: impl FnOnce(&InputContext) -> I,
+    ) -> DistributedDataset<B>
+    where
+        I: IntoIterator<Item = B>,
+        I::IntoIter: Send + 'static,
+    {
+        let ctx = InputContext {
+            num_input_pipelines: self.resolver.num_workers,
+            input_pipeline_id: self.worker_index(),
+            num_replicas_in_sync: self.num_replicas_in_sync(),
+        };
+        DistributedDataset {
+            batches: Box::new(dataset_fn(&ctx).into_iter().map(Ok)),
+            cut: None,
+            local: self.num_local_replicas(),
+            done: false,
+        }
+    }
+
+    /// `value_fn(&ValueContext)` for each local replica.
+    pub fn experimental_distribute_values_from_function<T>(
+        &self,
+        value_fn: impl Fn(&ValueContext) -> T,
+    ) -> PerReplica<T> {
+        let first = self.worker_index() * self.num_local_replicas();
+        PerReplica(
+            (first..first + self.num_local_replicas())
+                .map(|g| {
+                    value_fn(&ValueContext {
+                        replica_id_in_sync_group: g,
+                        num_replicas_in_sync: self.num_replicas_in_sync(),
+                    })
+                })
+                .collect(),
+        )
+    }
+}
