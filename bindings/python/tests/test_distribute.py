@@ -550,3 +550,130 @@ def test_every_auto_shard_policy_sees_every_example_once_across_workers():
         assert r["warned"], r
         assert r["gather"] == [[1.5, 2.5, 2.5], [1.5, 2.5, 2.5]], r
     assert sorted(r["rank"] for r in results) == [0, 1]
+
+
+def _regression(n=24, features=3, seed=7):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, features)).astype(np.float32)
+    y = (x @ np.array([0.5, -1.0, 2.0], np.float32)[:features] + 0.25).astype(np.float32)
+    return x, y
+
+
+def _numpy_reference(opt_name, steps, x, y):
+    """The same optimizer in numpy on the whole batch, one replica."""
+    w, b = np.zeros(x.shape[1], np.float32), np.zeros((), np.float32)
+    state = {}
+    for t in range(1, steps + 1):
+        err = x @ w + b - y
+        grads = [2 * x.T @ err / len(x), np.float32(2 * err.sum() / len(x))]
+        for k, (p, g) in enumerate(zip((w, b), grads)):
+            if opt_name == "sgd":
+                p -= np.float32(0.05) * g
+            elif opt_name == "momentum":
+                v = state.setdefault(k, np.zeros_like(p))
+                v[...] = 0.9 * v - 0.05 * g
+                p += v
+            else:
+                m, s2 = state.setdefault((k, "m"), np.zeros_like(p)), state.setdefault((k, "v"), np.zeros_like(p))
+                m[...] = 0.9 * m + 0.1 * g
+                s2[...] = 0.999 * s2 + 0.001 * g * g
+                lr = 0.05 * np.sqrt(1 - 0.999**t) / (1 - 0.9**t)
+                p -= (lr * m / (np.sqrt(s2) + 1e-7)).astype(np.float32)
+    return w, b
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "momentum", "adam"])
+@pytest.mark.parametrize("make", [lambda: td.MirroredStrategy(cpus(3)), lambda: td.CentralStorageStrategy(cpus(2)),
+                                  lambda: td.get_strategy()])
+def test_optimizers_step_every_copy_with_the_global_batchs_gradient(opt_name, make):
+    s = make()
+    x, y = _regression()
+    make_opt = {"sgd": lambda: td.optimizers.SGD(0.05), "momentum": lambda: td.optimizers.SGD(0.05, momentum=0.9),
+                "adam": lambda: td.optimizers.Adam(0.05)}[opt_name]
+    with s.scope():
+        w = td.Variable(np.zeros(3, np.float32), name="w")
+        b = td.Variable(np.zeros((), np.float32), name="b")
+        opt = make_opt()
+        loss_metric = td.metrics.Mean()
+        batches = s.experimental_distribute_dataset([(x, y)], td.InputOptions("OFF"))
+        (batch,) = list(batches)
+
+        def step(batch):
+            xs, ys = batch
+            err = xs @ w.numpy() + b.numpy() - ys
+            per_example = err**2
+            loss_metric.update_state(per_example)
+            loss = td.compute_average_loss(per_example, global_batch_size=len(x))
+            n = len(x)
+            opt.apply_gradients([(2 * xs.T @ err / n, w), (np.float32(2 * err.sum() / n), b)])
+            return loss
+
+        for _ in range(20):
+            losses = s.run(step, args=(batch,))
+        total_loss = s.reduce("SUM", losses)
+    ref_w, ref_b = _numpy_reference(opt_name, 20, x, y)
+    np.testing.assert_allclose(w.numpy(), ref_w, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(b.numpy(), ref_b, rtol=1e-4, atol=1e-5)
+    assert opt.iterations == 20
+    copies = s.experimental_local_results(s.run(lambda: w.numpy()))
+    assert all(np.array_equal(c, copies[0]) for c in copies)
+    # The metric read across replicas: the mean squared error over all 20 steps' examples.
+    assert float(loss_metric.result()) > float(total_loss) > 0
+    loss_metric.reset_state()
+    assert float(loss_metric.result()) == 0.0
+
+
+def test_metrics_read_across_replicas():
+    s = td.MirroredStrategy(cpus(2))
+    with s.scope():
+        acc, total = td.metrics.SparseCategoricalAccuracy(), td.metrics.Sum()
+
+        def step(i):
+            # Replica 0 gets 2 of 2 right, replica 1 gets 1 of 2.
+            pred = np.array([[0.9, 0.1], [0.2, 0.8]]) if i == 0 else np.array([[0.9, 0.1], [0.9, 0.1]])
+            acc.update_state(np.array([0, 1]), pred)
+            total.update_state(np.array([i + 1.0]))
+
+        s.run(step, args=(td.PerReplica([0, 1]),))
+    assert float(acc.result()) == 0.75 and float(total.result()) == 3.0
+    with pytest.raises(RuntimeError, match="cross-replica context"):
+        s.run(acc.result)
+    with pytest.raises(TypeError, match="float variables"):
+        td.optimizers.SGD(0.1).apply_gradients([(np.ones(2), td.Variable(np.zeros(2, np.int32)))])
+
+
+TRAIN_WORKER = textwrap.dedent(
+    """
+    import json, numpy as np, tutti.distribute as td
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((24, 3)).astype(np.float32)
+    y = (x @ np.array([0.5, -1.0, 2.0], np.float32) + 0.25).astype(np.float32)
+    s = td.MultiWorkerMirroredStrategy()
+    with s.scope():
+        w = td.Variable(np.zeros(3, np.float32))
+        b = td.Variable(np.zeros((), np.float32))
+        opt = td.optimizers.Adam(0.05)
+        mse = td.metrics.Mean()
+        (batch,) = list(s.experimental_distribute_dataset([(x, y)], td.InputOptions("DATA")))
+        def step(batch):
+            xs, ys = batch
+            err = xs @ w.numpy() + b.numpy() - ys
+            mse.update_state(err**2)
+            opt.apply_gradients([(2 * xs.T @ err / 24, w), (np.float32(2 * err.sum() / 24), b)])
+        for _ in range(20):
+            s.run(step, args=(batch,))
+    print("RESULT " + json.dumps({"w": w.numpy().tolist(), "b": float(b.numpy()), "mse": float(mse.result()),
+                                 "rows": len(batch[0])}), flush=True)
+    """
+)
+
+
+def test_workers_train_with_an_optimizer_to_the_one_replica_weights():
+    results = run_workers(TRAIN_WORKER, 2)
+    x, y = _regression()
+    ref_w, ref_b = _numpy_reference("adam", 20, x, y)
+    assert [r["rows"] for r in results] == [12, 12]
+    assert results[0]["w"] == results[1]["w"] and results[0]["b"] == results[1]["b"]
+    assert results[0]["mse"] == results[1]["mse"] > 0  # read across both workers
+    np.testing.assert_allclose(results[0]["w"], ref_w, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(results[0]["b"], ref_b, rtol=1e-4, atol=1e-5)

@@ -33,6 +33,10 @@ The names and habits of TensorFlow's distributed-training guides, on numpy array
   (every worker's too).
 * ``Variable(initial_value, aggregation=...)``: the strategy's kind of variable, starting from
   the chief's value on every worker, updated alike on every copy (see ``Variable``).
+* Training: ``compute_average_loss(per_example_loss, global_batch_size=None)``,
+  ``optimizers.SGD(learning_rate, momentum=0, nesterov=False)`` and ``optimizers.Adam(...)``
+  whose ``apply_gradients`` inside ``run`` sums the gradients across every replica, and
+  ``metrics.Mean``, ``Sum`` and ``SparseCategoricalAccuracy`` read across replicas (sync on read).
 * Input: ``experimental_distribute_dataset(dataset, options=None)`` (global batches split
   across every replica; ``InputOptions(auto_shard_policy=AUTO|FILE|DATA|OFF)``, ``FileDataset``
   for FILE), ``distribute_datasets_from_function(dataset_fn)`` (``InputContext``),
@@ -74,6 +78,9 @@ __all__ = [
     "Variable",
     "Checkpoint",
     "CheckpointManager",
+    "compute_average_loss",
+    "optimizers",
+    "metrics",
     "AutoShardPolicy",
     "InputOptions",
     "InputContext",
@@ -958,18 +965,22 @@ class Variable:
                 u = replica._broadcast(u, 0)
             else:
                 u = replica.all_reduce(self.aggregation, u)
-            if self._central:
-                # One copy: the first local replica applies the combined update, and every
-                # replica waits for it before reading on.
-                if replica._local == 0:
-                    self._apply(0, u, how)
-                replica.all_reduce("SUM", np.zeros(1, np.float32))
-            else:
-                self._apply(replica._local, u, how)
-            return self
-        for i in range(len(self._values)):
-            self._apply(i, u, how)
+        self._apply_combined(replica, lambda i: u, how)
         return self
+
+    def _apply_combined(self, replica, update_of, how):
+        """Apply ``update_of(i)`` to copy ``i``, the replicas' updates already combined: inside
+        ``run`` each replica to its own copy (central storage: the first local replica to the
+        one copy, every replica waiting for it before reading on); outside, to every copy."""
+        if replica is None:
+            for i in range(len(self._values)):
+                self._apply(i, update_of(i), how)
+        elif self._central:
+            if replica._local == 0:
+                self._apply(0, update_of(0), how)
+            replica.all_reduce("SUM", np.zeros(1, np.float32))
+        else:
+            self._apply(replica._local, update_of(replica._local), how)
 
     def _apply(self, i, u, how):
         with self._lock:
@@ -1122,6 +1133,183 @@ class CheckpointManager:
         finally:
             _lib().tutti_checkpoint_destroy(h)
         return self._checkpoint.step
+
+
+def compute_average_loss(per_example_loss, global_batch_size=None):
+    """TensorFlow's ``tf.nn.compute_average_loss``: the sum of this replica's per-example losses
+    over the global batch size (default: this replica's examples times the replicas in sync),
+    so that the gradients summed across replicas are those of the global batch's mean loss."""
+    losses = np.asarray(per_example_loss)
+    if global_batch_size is None:
+        replica = get_replica_context()
+        n = replica.num_replicas_in_sync if replica is not None else 1
+        global_batch_size = (losses.shape[0] if losses.ndim else 1) * n
+    if global_batch_size <= 0:
+        raise ValueError(f"compute_average_loss: global_batch_size {global_batch_size} must be positive")
+    return losses.sum(dtype=losses.dtype if losses.dtype.kind == "f" else np.float64) / global_batch_size
+
+
+class Optimizer:
+    """A strategy-aware optimizer (Keras's habits): ``apply_gradients([(grad, variable), ...])``
+    inside ``run`` sums each gradient across every replica in sync (compute the loss with
+    ``compute_average_loss`` so the sum is the global batch's gradient), then takes the same step
+    on every copy of each ``Variable``; outside ``run`` it applies the gradients as given. Each
+    copy keeps its own slots (momentum, moments), updated alike, so the copies stay identical."""
+
+    def __init__(self, learning_rate):
+        if not learning_rate > 0:
+            raise ValueError(f"{type(self).__name__}: learning_rate {learning_rate} must be positive")
+        self.learning_rate = float(learning_rate)
+        self.iterations = 0
+        self._slots = {}
+        self._lock = threading.Lock()
+
+    def _slot(self, var, i, name):
+        key = (id(var), i, name)
+        with self._lock:
+            if key not in self._slots:
+                self._slots[key] = np.zeros(var.shape, var.dtype)
+            return self._slots[key]
+
+    def apply_gradients(self, grads_and_vars):
+        """Apply the gradients (see the class documentation); returns the iteration count."""
+        pairs = list(grads_and_vars)
+        replica = getattr(_state, "replica", None)
+        if replica is not None and replica._ctx is None:
+            replica = None  # the default strategy's one replica: nothing to combine
+        for g, v in pairs:
+            if not isinstance(v, Variable):
+                raise TypeError(f"apply_gradients: {type(v).__name__} is not a tutti.distribute.Variable")
+            if v.dtype.kind != "f":
+                raise TypeError(f"apply_gradients: variable {v.name or ''} is {v.dtype}; optimizers step float variables")
+            if np.shape(g) != v.shape:
+                raise ValueError(f"apply_gradients: a gradient of shape {np.shape(g)} for a variable of shape {v.shape}")
+        if replica is not None:
+            pairs = [(replica.all_reduce("SUM", np.asarray(g, v.dtype)), v) for g, v in pairs]
+        for g, v in pairs:
+            g = np.asarray(g, v.dtype)
+            v._apply_combined(replica, lambda i, g=g, v=v: self._step(v, i, g), "sub")
+        if replica is None or replica._local == 0:
+            self.iterations += 1
+        return self.iterations
+
+    def _step(self, var, i, g):
+        """What copy ``i`` of ``var`` loses this step, from the combined gradient ``g``."""
+        raise NotImplementedError
+
+
+class SGD(Optimizer):
+    """Keras's SGD: ``w -= lr * g``; with ``momentum``, ``v = momentum * v - lr * g; w += v``
+    (``nesterov``: ``w += momentum * v - lr * g``)."""
+
+    def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False):
+        super().__init__(learning_rate)
+        self.momentum, self.nesterov = float(momentum), bool(nesterov)
+
+    def _step(self, var, i, g):
+        if not self.momentum:
+            return self.learning_rate * g
+        v = self._slot(var, i, "momentum")
+        v[...] = self.momentum * v - self.learning_rate * g
+        return -(self.momentum * v - self.learning_rate * g) if self.nesterov else -v
+
+
+class Adam(Optimizer):
+    """Keras's Adam: moments ``m``, ``v`` per copy, the step ``lr * sqrt(1 - b2^t) / (1 - b1^t) *
+    m / (sqrt(v) + epsilon)``."""
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+        super().__init__(learning_rate)
+        self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
+        self._steps = {}
+
+    def _step(self, var, i, g):
+        m, v = self._slot(var, i, "m"), self._slot(var, i, "v")
+        with self._lock:  # the copy's own step count
+            step = self._steps[(id(var), i)] = self._steps.get((id(var), i), 0) + 1
+        m[...] = self.beta_1 * m + (1 - self.beta_1) * g
+        v[...] = self.beta_2 * v + (1 - self.beta_2) * g * g
+        lr = self.learning_rate * np.sqrt(1 - self.beta_2**step) / (1 - self.beta_1**step)
+        return (lr * m / (np.sqrt(v) + self.epsilon)).astype(var.dtype)
+
+
+class Metric:
+    """A metric whose value is read across replicas (TensorFlow's sync on read): each local
+    replica accumulates its own state inside ``run`` (or the first outside it), and ``result()``,
+    in the cross-replica context, sums the states of every replica in sync, every worker's."""
+
+    _width = 2  # total, count
+
+    def __init__(self, name=None):
+        self.name = name
+        self._strategy = get_strategy()
+        self._lock = threading.Lock()
+        self.reset_state()
+
+    def _index(self):
+        replica = getattr(_state, "replica", None)
+        if replica is None or replica._ctx is None:
+            return 0
+        if replica.strategy is not self._strategy:
+            raise ValueError("Metric: updated inside the run of a strategy other than the one it was made under")
+        return replica._local
+
+    def _add(self, *values):
+        i = self._index()
+        with self._lock:
+            self._states[i] += np.asarray(values, np.float64)
+
+    def reset_state(self):
+        """Back to no observations."""
+        self._states = [np.zeros(self._width, np.float64) for _ in range(self._strategy._local)]
+
+    def result(self):
+        """The metric over every replica's observations (call it outside ``run``)."""
+        if getattr(_state, "replica", None) is not None:
+            raise RuntimeError("Metric.result inside a replica function: read metrics in the cross-replica context")
+        states = self._states
+        total = self._strategy.reduce("SUM", PerReplica(states) if len(states) > 1 else states[0])
+        return self._finish(total)
+
+    def _finish(self, total):
+        return np.float64(total[0] / total[1]) if total[1] else np.float64(0.0)
+
+
+class Mean(Metric):
+    """The (weighted) mean of every value observed."""
+
+    def update_state(self, values, sample_weight=None):
+        v = np.asarray(values, np.float64)
+        w = np.ones_like(v) if sample_weight is None else np.broadcast_to(np.asarray(sample_weight, np.float64), v.shape)
+        self._add((v * w).sum(), w.sum())
+
+
+class Sum(Metric):
+    """The sum of every value observed."""
+
+    def update_state(self, values):
+        self._add(np.asarray(values, np.float64).sum(), 0.0)
+
+    def _finish(self, total):
+        return np.float64(total[0])
+
+
+class SparseCategoricalAccuracy(Metric):
+    """How often the largest of ``y_pred``'s last axis is at the label ``y_true``."""
+
+    def update_state(self, y_true, y_pred):
+        labels = np.asarray(y_true).reshape(-1)
+        guess = np.asarray(y_pred).reshape(len(labels), -1).argmax(axis=-1)
+        self._add(float((guess == labels).sum()), float(len(labels)))
+
+
+class _Namespace:
+    def __init__(self, **members):
+        self.__dict__.update(members)
+
+
+optimizers = _Namespace(Optimizer=Optimizer, SGD=SGD, Adam=Adam)
+metrics = _Namespace(Metric=Metric, Mean=Mean, Sum=Sum, SparseCategoricalAccuracy=SparseCategoricalAccuracy)
 
 
 def _dtype_name(code):
