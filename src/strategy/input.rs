@@ -28,8 +28,9 @@ pub enum AutoShardPolicy {
     File,
     /// Every worker reads every global batch and keeps its replicas' rows.
     Data,
-    /// No sharding: every worker's replicas split every global batch among themselves (each
-    /// worker sees every element).
+    /// No sharding: every worker reads every element, in batches of its share of the global
+    /// batch (each global batch makes as many steps as there are workers), so each replica's
+    /// batch is the global batch over the replicas in sync, as under the other policies.
     Off,
 }
 
@@ -72,7 +73,7 @@ pub struct ValueContext {
 pub trait Batch: Clone + Send + 'static {
     /// The rows (every tensor's first dimension, which must agree).
     fn rows(&self) -> Result<usize>;
-    /// Rows `rows` of every tensor.
+    /// Rows `rows` of every tensor (within [`Batch::rows`], which is checked first).
     fn take(&self, rows: Range<usize>) -> Self;
     /// The batches one after the other.
     fn concat(parts: &[Self]) -> Result<Self>;
@@ -80,6 +81,14 @@ pub trait Batch: Clone + Send + 'static {
 
 impl<T: Element> Batch for Tensor<T> {
     fn rows(&self) -> Result<usize> {
+        let n: Option<usize> = self.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        if n != Some(self.data.len()) {
+            return Err(Error::config(format!(
+                "a batch's tensor of shape {:?} holds {} elements",
+                self.shape,
+                self.data.len()
+            )));
+        }
         self.shape
             .first()
             .copied()
@@ -164,25 +173,38 @@ impl<B: Batch> FileDataset<B> {
             .enumerate()
             .filter(move |(i, _)| pick(*i))
             .map(|(_, f)| f);
-        let (mut pending, mut have): (Vec<B>, usize) = (Vec::new(), 0);
-        let (mut read_all, mut failed) = (false, false);
+        // The files' rows not yet handed out: whole chunks, the first from row `at`.
+        let mut pending: std::collections::VecDeque<(B, usize)> = Default::default();
+        let (mut at, mut have, mut read_all, mut failed) = (0usize, 0usize, false, false);
         Box::new(std::iter::from_fn(move || loop {
             if failed {
                 return None;
             }
             if have >= rows || (read_all && have > 0) {
-                // The next batch: `rows` rows, or what is left at the end.
-                let all = match B::concat(&pending) {
-                    Ok(b) => b,
-                    Err(e) => {
-                        failed = true;
-                        return Some(Err(e));
-                    }
-                };
+                // The next batch: `rows` rows, or what is left at the end; only the chunks it
+                // spans are copied.
                 let n = have.min(rows);
-                pending = vec![all.take(n..have)];
+                let mut pieces = Vec::new();
+                let mut need = n;
+                while need > 0 {
+                    let Some((chunk, len)) = pending.front() else {
+                        break;
+                    };
+                    let take = (len - at).min(need);
+                    pieces.push(chunk.take(at..at + take));
+                    (at, need) = (at + take, need - take);
+                    if at == *len {
+                        pending.pop_front();
+                        at = 0;
+                    }
+                }
                 have -= n;
-                return Some(Ok(all.take(0..n)));
+                let batch = match pieces.len() {
+                    1 => Ok(pieces.pop().expect("one piece")),
+                    _ => B::concat(&pieces),
+                };
+                failed = batch.is_err();
+                return Some(batch);
             }
             if read_all {
                 return None;
@@ -192,9 +214,10 @@ impl<B: Batch> FileDataset<B> {
                 continue;
             };
             match (read)(&f).and_then(|b| Ok((b.rows()?, b))) {
+                Ok((0, _)) => {}
                 Ok((n, b)) => {
                     have += n;
-                    pending.push(b);
+                    pending.push_back((b, n));
                 }
                 Err(e) => {
                     failed = true;
@@ -229,6 +252,9 @@ type Batches<B> = Box<dyn Iterator<Item = Result<B>> + Send>;
 /// [`Strategy::distribute_datasets_from_function`] give them: iterate for one
 /// [`PerReplica`] per step (a replica may get no rows of a short last batch), to hand to
 /// [`Strategy::run`].
+///
+/// A dataset describes the workers as they were when it was made: after
+/// [`Strategy::shrink`] make it again.
 pub struct DistributedDataset<B> {
     batches: Batches<B>,
     /// Each batch is cut into `parts`, this worker's replicas taking `first..first + local`;
@@ -304,6 +330,14 @@ impl Strategy {
         let local = self.num_local_replicas();
         let policy = match (policy, &dataset) {
             (AutoShardPolicy::Auto, Dataset::Files(f)) if f.files.len() >= workers => {
+                if f.files.len() % workers != 0 {
+                    log::warn!(
+                        "experimental_distribute_dataset: AUTO shards {} files by FILE over \
+                         {workers} workers, some reading one more: workers whose files hold \
+                         more examples run more steps, and a step then waits for the others",
+                        f.files.len()
+                    );
+                }
                 AutoShardPolicy::File
             }
             (AutoShardPolicy::Auto, _) => {
@@ -341,12 +375,30 @@ impl Strategy {
                         f.files.len()
                     )));
                 }
-                let rows = partition(f.batch_size, workers, worker).len().max(1);
+                if f.batch_size < workers {
+                    return Err(Error::config(format!(
+                        "experimental_distribute_dataset: a global batch of {} rows cannot be \
+                         shared by FILE among {workers} workers",
+                        f.batch_size
+                    )));
+                }
+                let rows = partition(f.batch_size, workers, worker).len();
                 let batches = f.batches(move |i| i % workers == worker, rows);
                 (batches, (local, 0))
             }
             AutoShardPolicy::Data => (all(dataset), (local * workers, worker * local)),
-            _ => (all(dataset), (local, 0)),
+            _ => {
+                // Off: each global batch cut into one piece per worker, each a step here.
+                let pieces = all(dataset).flat_map(move |b| -> Vec<Result<B>> {
+                    match b.and_then(|b| Ok((b.rows()?, b))) {
+                        Err(e) => vec![Err(e)],
+                        Ok((n, b)) => (0..workers)
+                            .map(|k| Ok(b.take(partition(n, workers, k))))
+                            .collect(),
+                    }
+                });
+                (Box::new(pieces) as Batches<B>, (local, 0))
+            }
         };
         Ok(DistributedDataset {
             batches,

@@ -534,6 +534,16 @@ INPUT_WORKER = textwrap.dedent(
     part = np.full((2, rank + 1), rank + 1.5, np.float64)
     seen["gather"] = s.gather(part, axis=1).tolist()
     seen["rank"] = rank
+    # Values the workers disagree on: an error on both, not a wait for the timeout.
+    seen["refused"] = []
+    for mine, axis in [(np.zeros((2, 2)) if rank == 0 else np.zeros(3), 1),
+                       (np.zeros((2, 2)) if rank == 0 else np.zeros((2, 2, 1)), 0)]:
+        try:
+            s.gather(mine, axis=axis)
+            seen["refused"].append(None)
+        except ValueError as e:
+            seen["refused"].append(str(e))
+    seen["after"] = s.gather(part, axis=1).tolist()  # and the strategy goes on
     print("RESULT " + json.dumps(seen), flush=True)
     """
 )
@@ -548,7 +558,11 @@ def test_every_auto_shard_policy_sees_every_example_once_across_workers():
     for r in results:
         assert r["OFF"] == list(range(25)), r  # OFF: every worker reads everything
         assert r["warned"], r
-        assert r["gather"] == [[1.5, 2.5, 2.5], [1.5, 2.5, 2.5]], r
+        assert r["gather"] == r["after"] == [[1.5, 2.5, 2.5], [1.5, 2.5, 2.5]], r
+        assert all(r["refused"]), r
+        assert "differ between workers" in r["refused"][1], r
+    assert "axis 1 is out of range" in results[1]["refused"][0]
+    assert "another worker's values were refused" in results[0]["refused"][0]
     assert sorted(r["rank"] for r in results) == [0, 1]
 
 

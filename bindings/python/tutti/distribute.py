@@ -320,6 +320,11 @@ def _agree(ctx, mine, what, describe):
         )
 
 
+def _besides(a, axis):
+    """``a``'s shape without ``axis``."""
+    return a.shape[:axis] + a.shape[axis + 1 :]
+
+
 def _check_dtype(dtype, what):
     if dtype.name not in tutti.DTYPES:
         raise TypeError(f"{what}: dtype {dtype} is not one tutti reduces (expected one of {', '.join(tutti.DTYPES)})")
@@ -360,8 +365,8 @@ class AutoShardPolicy:
     ``tf.data.experimental.AutoShardPolicy``): ``FILE``, each worker reads its share of a
     ``FileDataset``'s files (``files[worker::workers]``), batched to its share of the global
     batch; ``DATA``, every worker reads every global batch and keeps its replicas' rows; ``OFF``,
-    no sharding: every worker's replicas split every global batch among themselves (each worker
-    sees every element); ``AUTO`` (the default), FILE where the dataset has at least as many
+    no sharding: every worker reads every element, in batches of its share of the global batch
+    (each global batch makes as many steps as there are workers); ``AUTO`` (the default), FILE where the dataset has at least as many
     files as there are workers, else DATA with a warning. Within a worker the batch is split
     across the local replicas. Under FILE, workers whose files hold different numbers of
     examples get different numbers of batches, and a step's collectives then wait for a worker
@@ -443,8 +448,13 @@ def _take(batch, start, stop):
     if isinstance(batch, dict):
         return {k: _take(v, start, stop) for k, v in batch.items()}
     if isinstance(batch, (tuple, list)):
-        return type(batch)(_take(v, start, stop) for v in batch)
+        return _rebuild(batch, [_take(v, start, stop) for v in batch])
     return np.asarray(batch)[start:stop]
+
+
+def _rebuild(like, items):
+    """A tuple, list or named tuple of ``like``'s kind holding ``items``."""
+    return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
 
 
 def _stack_examples(examples):
@@ -453,7 +463,7 @@ def _stack_examples(examples):
     if isinstance(first, dict):
         return {k: _stack_examples([e[k] for e in examples]) for k in first}
     if isinstance(first, (tuple, list)):
-        return type(first)(_stack_examples([e[i] for e in examples]) for i in range(len(first)))
+        return _rebuild(first, [_stack_examples([e[i] for e in examples]) for i in range(len(first))])
     return np.stack([np.asarray(e) for e in examples])
 
 
@@ -518,6 +528,7 @@ class DistributedDataset:
                 if not got:
                     return
                 short = len(got) < local
+                _rows(got[-1])
                 # A short final group: the missing replicas get no rows.
                 got += [_take(got[-1], 0, 0)] * (local - len(got))
                 yield got[0] if local == 1 else PerReplica(got)
@@ -526,14 +537,17 @@ class DistributedDataset:
         elif self._policy == AutoShardPolicy.FILE:
             mine = self._dataset.files[self._worker :: self._workers]
             start, stop = _part(self._dataset.batch_size, self._workers, self._worker)
-            for batch in self._dataset._batches(mine, max(stop - start, 1)):
+            for batch in self._dataset._batches(mine, stop - start):
                 yield self._local(batch, _rows(batch), 0, local)
         elif self._policy == AutoShardPolicy.DATA:
             for batch in self._dataset:
                 yield self._local(batch, _rows(batch), self._worker * local, total)
-        else:  # OFF
+        else:  # OFF: each global batch in one piece per worker, each a step here
             for batch in self._dataset:
-                yield self._local(batch, _rows(batch), 0, local)
+                n = _rows(batch)
+                for k in range(self._workers):
+                    piece = _take(batch, *_part(n, self._workers, k))
+                    yield self._local(piece, _rows(piece), 0, local)
 
 
 class Strategy:
@@ -660,28 +674,42 @@ class Strategy:
         parts = [np.require(np.asarray(v), requirements="C") for v in self.experimental_local_results(value)]
         if not isinstance(value, PerReplica):
             parts = parts * self._local
+        first = parts[0] if parts else np.zeros(0)
+        problem = None
         if len(parts) != self._local:
-            raise ValueError(f"gather: {len(parts)} values for {self._local} local replicas")
-        first = parts[0]
-        if first.ndim == 0 or not -first.ndim <= axis < first.ndim:
-            raise ValueError(f"gather: axis {axis} is out of range for values of shape {first.shape}")
-        axis %= first.ndim
-        rest = lambda p: p.shape[:axis] + p.shape[axis + 1 :]  # noqa: E731
-        if any(p.dtype != first.dtype or rest(p) != rest(first) for p in parts):
-            raise ValueError(
-                f"gather: the replicas' values differ other than in length along axis {axis}: "
-                + ", ".join(f"{p.shape} {p.dtype}" for p in parts)
-            )
-        _check_dtype(first.dtype, "gather")
+            problem = f"gather: {len(parts)} values for {self._local} local replicas"
+        elif first.ndim == 0 or not -first.ndim <= axis < first.ndim:
+            problem = f"gather: axis {axis} is out of range for values of shape {first.shape}"
+        else:
+            axis %= first.ndim
+            if any(p.ndim != first.ndim or p.dtype != first.dtype or _besides(p, axis) != _besides(first, axis)
+                   for p in parts):
+                problem = (
+                    f"gather: the replicas' values differ other than in length along axis {axis}: "
+                    + ", ".join(f"{p.shape} {p.dtype}" for p in parts)
+                )
+            elif first.dtype.name not in tutti.DTYPES or not first.dtype.isnative:
+                problem = f"gather: dtype {first.dtype} is not one tutti moves (expected one of {', '.join(tutti.DTYPES)})"
         if self._total == self._local:
+            if problem:
+                raise ValueError(problem)
             return np.concatenate(parts, axis=axis)
-        header = np.array([first.ndim, tutti.DTYPES[first.dtype.name], *rest(first)], np.int64)
+        if problem:
+            # Only to tell every worker, below: this worker's values are not gathered.
+            parts, axis = [np.zeros(1, np.uint8)] * self._local, 0
+        code = tutti.DTYPES[parts[0].dtype.name]
 
         def step(part):
             ctx = get_replica_context()
-            _agree(ctx, header, "gather: the values differ between workers",
-                   lambda h: f"have {h[0]} dimensions of {_dtype_name(h[1])}, {tuple(int(x) for x in h[2:])} "
-                             f"besides axis {axis}")
+            # Whether any worker refused its values: then every worker raises (never a
+            # collective the others do not make).
+            if ctx.all_reduce("SUM", np.int32(problem is not None)):
+                raise ValueError(problem or "gather: another worker's values were refused (its error says why)")
+            what = "gather: the values differ between workers"
+            _agree(ctx, np.array([part.ndim, code], np.int64), what,
+                   lambda h: f"have {h[0]} dimensions of {_dtype_name(h[1])}")
+            _agree(ctx, np.array(_besides(part, axis), np.int64), what,
+                   lambda d: f"are {tuple(int(x) for x in d)} besides axis {axis}")
             lengths = np.zeros(ctx.num_replicas_in_sync, np.int64)
             lengths[ctx.replica_id_in_sync_group] = part.shape[axis]
             lengths = ctx.all_reduce("SUM", lengths)
@@ -732,6 +760,18 @@ class Strategy:
                 raise ValueError(
                     f"experimental_distribute_dataset: FILE sharding of {len(dataset.files)} files over {workers} "
                     "workers leaves a worker none; use DATA or more files"
+                )
+            if dataset.batch_size < workers:
+                raise ValueError(
+                    f"experimental_distribute_dataset: a global batch of {dataset.batch_size} rows cannot be "
+                    f"shared by FILE among {workers} workers"
+                )
+            if len(dataset.files) % workers:
+                warnings.warn(
+                    f"experimental_distribute_dataset: {len(dataset.files)} files sharded by FILE over {workers} "
+                    "workers, some reading one more: workers whose files hold more examples run more steps, "
+                    "and a step then waits for the others",
+                    stacklevel=2,
                 )
         return DistributedDataset(self, dataset, policy, worker, workers)
 
