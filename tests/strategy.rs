@@ -1257,3 +1257,87 @@ fn every_auto_shard_policy_sees_each_example_once_across_workers() {
     assert_eq!(per_worker[0][6], [0, 1]);
     assert_eq!(per_worker[1][6], [2, 3]);
 }
+
+/// Linear regression with `optimizer` on `strategy`: each replica's gradient of its shard,
+/// scaled by the global batch, summed by `apply_gradients`; the weights and the metric's mean
+/// squared error over every step.
+fn fit(strategy: &Strategy, rule: tutti::strategy::Rule, steps: usize) -> (Vec<f32>, u64, f64) {
+    use tutti::strategy::{compute_average_loss, Mean, Optimizer};
+    let n = 24;
+    let rows: Vec<f32> = (0..n)
+        .flat_map(|i| {
+            let (a, b) = ((i as f32 * 0.37).sin(), (i as f32 * 0.73).cos());
+            [a, b, 0.5 * a - b + 0.25]
+        })
+        .collect();
+    let shards = strategy.distribute_batch(&rows, 3).unwrap();
+    let w = strategy.mirrored_variable(&[0f32; 3]).unwrap();
+    let opt = Optimizer::new(rule).unwrap();
+    let mse = Mean::new(strategy);
+    for _ in 0..steps {
+        strategy
+            .run(|ctx| {
+                let wv = w.read_in(ctx);
+                let mut g = [0f32; 3];
+                let mut errs = Vec::new();
+                for r in shards.0[ctx.local_replica_id()].chunks(3) {
+                    let e = wv[0] * r[0] + wv[1] * r[1] + wv[2] - r[2];
+                    g[0] += 2.0 * e * r[0] / n as f32;
+                    g[1] += 2.0 * e * r[1] / n as f32;
+                    g[2] += 2.0 * e / n as f32;
+                    errs.push(e * e);
+                }
+                mse.update_state(ctx, &errs);
+                compute_average_loss(&errs, n)?;
+                opt.apply_gradients(ctx, &[(&g, &w)])
+            })
+            .unwrap();
+    }
+    assert!(w.in_sync());
+    (w.value(), opt.iterations(), mse.result(strategy).unwrap())
+}
+
+#[test]
+fn optimizers_train_every_copy_to_the_one_replica_weights() {
+    use tutti::strategy::Rule;
+    let rules = [
+        Rule::Sgd {
+            learning_rate: 0.1,
+            momentum: 0.0,
+            nesterov: false,
+        },
+        Rule::Sgd {
+            learning_rate: 0.05,
+            momentum: 0.9,
+            nesterov: true,
+        },
+        Rule::Adam {
+            learning_rate: 0.05,
+            beta_1: 0.9,
+            beta_2: 0.999,
+            epsilon: 1e-7,
+        },
+    ];
+    let one = Strategy::default_strategy();
+    let three = Strategy::mirrored(&logical_cpus(3).unwrap(), None).unwrap();
+    for rule in rules {
+        let (reference, _, ref_mse) = fit(&one, rule, 30);
+        let (w, iterations, mse) = fit(&three, rule, 30);
+        assert_eq!(iterations, 30, "{rule:?}");
+        for (a, b) in w.iter().zip(&reference) {
+            assert!((a - b).abs() < 1e-5, "{rule:?}: {w:?} vs {reference:?}");
+        }
+        assert!(
+            (mse - ref_mse).abs() < 1e-5 * ref_mse.max(1.0),
+            "{mse} vs {ref_mse}"
+        );
+    }
+    // The model is learnt: Adam's weights near (0.5, -1, 0.25) after enough steps.
+    let (w, _, _) = fit(&three, rules[2], 400);
+    assert!(
+        (w[0] - 0.5).abs() < 0.05 && (w[1] + 1.0).abs() < 0.05,
+        "{w:?}"
+    );
+    assert!(tutti::strategy::Optimizer::sgd(0.0).is_err());
+    assert!(tutti::strategy::compute_average_loss(&[1.0], 0).is_err());
+}

@@ -24,6 +24,7 @@ mod fusion;
 mod input;
 pub mod ps;
 mod tensor;
+mod training;
 mod variables;
 
 pub use checkpoint::{Checkpoint, CheckpointManager};
@@ -32,6 +33,7 @@ pub use input::{
     AutoShardPolicy, Batch, Dataset, DistributedDataset, FileDataset, InputContext, ValueContext,
 };
 pub use tensor::Tensor;
+pub use training::{compute_average_loss, Mean, Optimizer, Rule};
 pub use variables::{Aggregation, CentralVariable, MirroredVariable};
 
 use std::sync::Arc;

@@ -58,15 +58,38 @@ fn apply<T: Element>(v: &mut [T], u: &[T], how: Update) -> Result<()> {
 /// A variable with one copy per local replica, kept identical.
 pub struct MirroredVariable<T> {
     values: Vec<RwLock<Vec<T>>>,
+    /// Which variable this is, for state kept beside it (an optimizer's slots).
+    id: u64,
 }
 
 impl<T: Element> MirroredVariable<T> {
     pub(crate) fn new(initial: &[T], replicas: usize) -> MirroredVariable<T> {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         MirroredVariable {
             values: (0..replicas)
                 .map(|_| RwLock::new(initial.to_vec()))
                 .collect(),
+            id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         }
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Change local replica `replica`'s copy in place.
+    pub(crate) fn update_copy<R>(&self, replica: usize, f: impl FnOnce(&mut [T]) -> R) -> R {
+        f(&mut self.values[replica].write())
+    }
+
+    /// Elements in each copy.
+    pub fn len(&self) -> usize {
+        self.values[0].read().len()
+    }
+
+    /// True for a variable of no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// The copy of local replica `replica`.
