@@ -544,6 +544,8 @@ INPUT_WORKER = textwrap.dedent(
         except ValueError as e:
             seen["refused"].append(str(e))
     seen["after"] = s.gather(part, axis=1).tolist()  # and the strategy goes on
+    r = s.cluster_resolver
+    seen["resolver"] = [r.task_type, r.task_id, r.cluster_spec().num_tasks("worker")]
     print("RESULT " + json.dumps(seen), flush=True)
     """
 )
@@ -561,6 +563,7 @@ def test_every_auto_shard_policy_sees_every_example_once_across_workers():
         assert r["gather"] == r["after"] == [[1.5, 2.5, 2.5], [1.5, 2.5, 2.5]], r
         assert all(r["refused"]), r
         assert "differ between workers" in r["refused"][1], r
+    assert sorted(r["resolver"] for r in results) == [["worker", 0, 2], ["worker", 1, 2]]
     assert "axis 1 is out of range" in results[1]["refused"][0]
     assert "another worker's values were refused" in results[0]["refused"][0]
     assert sorted(r["rank"] for r in results) == [0, 1]
@@ -691,3 +694,26 @@ def test_workers_train_with_an_optimizer_to_the_one_replica_weights():
     assert results[0]["mse"] == results[1]["mse"] > 0  # read across both workers
     np.testing.assert_allclose(results[0]["w"], ref_w, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(results[0]["b"], ref_b, rtol=1e-4, atol=1e-5)
+
+
+def test_tf_config_cluster_resolver_reads_the_environment(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    empty = td.cluster_resolver.TFConfigClusterResolver()
+    assert empty.cluster_spec().as_dict() == {} and empty.task_type is None and empty.master() == ""
+    config = {"cluster": {"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"], "ps": ["host3:2222"]},
+              "task": {"type": "worker", "index": 1}, "rpc_layer": "grpc"}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(config))
+    r = td.cluster_resolver.TFConfigClusterResolver()
+    assert (r.task_type, r.task_id, r.rpc_layer) == ("worker", 1, "grpc")
+    assert r.cluster_spec() == td.ClusterSpec(config["cluster"]) and r.cluster_spec().num_tasks("worker") == 2
+    assert r.master() == "grpc://host2:2222" and r.master("ps", 0, rpc_layer="http") == "http://host3:2222"
+    assert td.cluster_resolver.TFConfigClusterResolver(task_type="chief", task_id=0).master() == "grpc://host0:2222"
+    with pytest.raises(ValueError, match="no job 'evaluator'"):
+        r.cluster_spec().num_tasks("evaluator")
+    assert isinstance(r.num_accelerators(), dict)
+    assert td.MirroredStrategy(cpus(2)).cluster_resolver is None
+    monkeypatch.setenv("TF_CONFIG", "{not json")
+    with pytest.raises(ValueError, match="TF_CONFIG is not valid JSON"):
+        td.cluster_resolver.TFConfigClusterResolver()
+    with pytest.raises(ValueError, match="TFConfigClusterResolver"):
+        td.MultiWorkerMirroredStrategy(cluster_resolver=td.SimpleClusterResolver({}))

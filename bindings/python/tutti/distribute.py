@@ -33,6 +33,9 @@ The names and habits of TensorFlow's distributed-training guides, on numpy array
   (every worker's too).
 * ``Variable(initial_value, aggregation=...)``: the strategy's kind of variable, starting from
   the chief's value on every worker, updated alike on every copy (see ``Variable``).
+* Clusters: ``cluster_resolver.TFConfigClusterResolver()`` (``cluster_spec()``, ``task_type``,
+  ``task_id``, ``master()``, ``num_accelerators()``), ``SimpleClusterResolver``, ``ClusterSpec``;
+  ``strategy.cluster_resolver`` on a multi-worker strategy.
 * Training: ``compute_average_loss(per_example_loss, global_batch_size=None)``,
   ``optimizers.SGD(learning_rate, momentum=0, nesterov=False)`` and ``optimizers.Adam(...)``
   whose ``apply_gradients`` inside ``run`` sums the gradients across every replica, and
@@ -53,6 +56,7 @@ fail at once instead of waiting for the timeout), and the strategy stays usable.
 
 import contextlib
 import ctypes
+import json
 import os
 import re
 import sys
@@ -78,6 +82,10 @@ __all__ = [
     "Variable",
     "Checkpoint",
     "CheckpointManager",
+    "ClusterSpec",
+    "SimpleClusterResolver",
+    "TFConfigClusterResolver",
+    "cluster_resolver",
     "compute_average_loss",
     "optimizers",
     "metrics",
@@ -358,6 +366,97 @@ def _replicas(devices, what):
     if len(set(idx)) != len(idx):
         raise ValueError(f"{what}: devices {devices} name a device twice")
     return len(idx)
+
+
+class ClusterSpec:
+    """TensorFlow's ``tf.train.ClusterSpec``: each job's task addresses."""
+
+    def __init__(self, cluster):
+        if isinstance(cluster, ClusterSpec):
+            cluster = cluster.as_dict()
+        self._jobs = {str(job): list(tasks) for job, tasks in dict(cluster).items()}
+
+    @property
+    def jobs(self):
+        """The job names."""
+        return list(self._jobs)
+
+    def as_dict(self):
+        """``{job: [address, ...]}``."""
+        return {job: list(tasks) for job, tasks in self._jobs.items()}
+
+    def num_tasks(self, job_name):
+        """How many tasks ``job_name`` has (an error naming the jobs where it has none)."""
+        return len(self.job_tasks(job_name))
+
+    def job_tasks(self, job_name):
+        """The addresses of ``job_name``'s tasks."""
+        if job_name not in self._jobs:
+            raise ValueError(f"ClusterSpec: no job {job_name!r} (jobs: {', '.join(self._jobs) or 'none'})")
+        return list(self._jobs[job_name])
+
+    def __eq__(self, other):
+        return isinstance(other, ClusterSpec) and self._jobs == other._jobs
+
+    def __repr__(self):
+        return f"ClusterSpec({self._jobs!r})"
+
+
+class SimpleClusterResolver:
+    """TensorFlow's ``SimpleClusterResolver``: a cluster spec and this task, as given."""
+
+    def __init__(self, cluster_spec, task_type=None, task_id=None, rpc_layer=None, environment=""):
+        self._spec = ClusterSpec(cluster_spec)
+        self.task_type, self.task_id = task_type, task_id
+        self.rpc_layer, self.environment = rpc_layer, environment
+
+    def cluster_spec(self):
+        """The cluster."""
+        return self._spec
+
+    def master(self, task_type=None, task_id=None, rpc_layer=None):
+        """The address of task ``task_type``:``task_id`` (default: this task), prefixed with
+        ``rpc_layer://`` where there is one; "" where the cluster does not say."""
+        task_type = self.task_type if task_type is None else task_type
+        task_id = self.task_id if task_id is None else task_id
+        if task_type is None or task_id is None:
+            return ""
+        try:
+            address = self._spec.job_tasks(task_type)[task_id]
+        except (ValueError, IndexError):
+            return ""
+        layer = rpc_layer or self.rpc_layer
+        return f"{layer}://{address}" if layer and address else address
+
+    def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
+        """Accelerators of this task by kind: ``{"GPU": n}`` where tutti sees GPUs, else ``{}``."""
+        gpus = sum(1 for d in tutti.devices() if d.kind == "gpu")
+        return {"GPU": gpus} if gpus else {}
+
+
+class TFConfigClusterResolver(SimpleClusterResolver):
+    """TensorFlow's ``TFConfigClusterResolver``: the cluster and this task from the ``TF_CONFIG``
+    environment variable (``{"cluster": {...}, "task": {"type", "index"}, "rpc_layer",
+    "environment"}``), each overridable by the arguments; no TF_CONFIG is an empty cluster."""
+
+    def __init__(self, task_type=None, task_id=None, rpc_layer=None, environment=None):
+        text = os.environ.get("TF_CONFIG", "")
+        try:
+            config = json.loads(text) if text.strip() else {}
+        except ValueError as e:
+            raise ValueError(f"TF_CONFIG is not valid JSON: {e}") from None
+        task = config.get("task", {}) or {}
+        super().__init__(
+            config.get("cluster", {}) or {},
+            task.get("type") if task_type is None else task_type,
+            (int(task["index"]) if "index" in task else None) if task_id is None else int(task_id),
+            config.get("rpc_layer") if rpc_layer is None else rpc_layer,
+            config.get("environment", "") if environment is None else environment,
+        )
+        self._overridden = any(x is not None for x in (task_type, task_id, rpc_layer, environment))
+
+
+cluster_resolver = None  # the namespace, set below (a module of TensorFlow's)
 
 
 class AutoShardPolicy:
@@ -665,6 +764,19 @@ class Strategy:
         mean = total / along
         return np.asarray(mean.astype(total.dtype) if total.dtype.kind == "f" else mean)
 
+    @property
+    def cluster_resolver(self):
+        """The cluster this strategy's workers form, as TensorFlow's strategies report it: under
+        ``TF_CONFIG`` a ``TFConfigClusterResolver``; under another launcher a
+        ``SimpleClusterResolver`` of ``worker`` tasks (their addresses unknown here: "") with
+        this worker's ``task_id``; ``None`` for a strategy of one worker's replicas."""
+        if self._kind != _MULTI_WORKER:
+            return None
+        if os.environ.get("TF_CONFIG", "").strip():
+            return TFConfigClusterResolver()
+        worker, workers = self._worker()
+        return SimpleClusterResolver({"worker": [""] * workers}, "worker", worker)
+
     def gather(self, value, axis):
         """``value`` (a ``PerReplica``, or one value the same on every replica) concatenated
         along ``axis`` across every replica in sync, in replica order (every worker's): the
@@ -865,9 +977,12 @@ class MultiWorkerMirroredStrategy(Strategy):
     launch``, torchrun, mpirun, srun, ``TF_CONFIG``); one worker where it describes none."""
 
     def __init__(self, cluster_resolver=None, communication_options=None):
-        if cluster_resolver is not None:
+        if cluster_resolver is not None and (
+            not isinstance(cluster_resolver, TFConfigClusterResolver) or cluster_resolver._overridden
+        ):
             raise ValueError("MultiWorkerMirroredStrategy: tutti reads the cluster from the environment "
-                             "(TF_CONFIG, tutti launch, torchrun); cluster_resolver must be None")
+                             "(TF_CONFIG, tutti launch, torchrun); cluster_resolver must be None or a "
+                             "TFConfigClusterResolver() of that TF_CONFIG")
         if communication_options is not None and not isinstance(communication_options, CommunicationOptions):
             raise TypeError("communication_options must be a tutti.distribute.CommunicationOptions")
         super().__init__(_MULTI_WORKER, 0)
@@ -1349,6 +1464,9 @@ class _Namespace:
 
 
 optimizers = _Namespace(Optimizer=Optimizer, SGD=SGD, Adam=Adam)
+cluster_resolver = _Namespace(  # noqa: F811 - TensorFlow's module of the same name
+    ClusterSpec=ClusterSpec, SimpleClusterResolver=SimpleClusterResolver, TFConfigClusterResolver=TFConfigClusterResolver
+)
 metrics = _Namespace(Metric=Metric, Mean=Mean, Sum=Sum, SparseCategoricalAccuracy=SparseCategoricalAccuracy)
 
 
