@@ -59,6 +59,8 @@ struct Slots {
     steps: i32,
 }
 
+type SharedSlots = std::sync::Arc<Mutex<Slots>>;
+
 /// A strategy-aware optimizer for f32 [`MirroredVariable`]s. Inside [`Strategy::run`],
 /// [`Optimizer::apply_gradients`] sums each gradient across every replica in sync (one fused
 /// all-reduce: compute the loss with [`compute_average_loss`] so the sum is the global batch's
@@ -66,7 +68,8 @@ struct Slots {
 /// updated alike, so the copies stay identical.
 pub struct Optimizer {
     rule: Rule,
-    slots: Mutex<HashMap<(u64, usize), Slots>>,
+    /// Per variable and copy; each its own lock, so the replicas step their copies at once.
+    slots: Mutex<HashMap<(u64, usize), SharedSlots>>,
     iterations: AtomicU64,
 }
 
@@ -107,7 +110,7 @@ impl Optimizer {
         })
     }
 
-    /// Steps taken (one per `apply_gradients` of the whole job).
+    /// Steps taken (one per `apply_gradients` of the replicas in sync), on every worker.
     pub fn iterations(&self) -> u64 {
         self.iterations.load(Ordering::Relaxed)
     }
@@ -135,11 +138,11 @@ impl Optimizer {
         ctx.all_reduce_batch(ReduceOp::Sum, &mut bufs)?;
         let me = ctx.local_replica_id();
         for (g, (_, var)) in sums.iter().zip(grads_and_vars) {
-            let mut slots = self.slots.lock();
-            let s = slots.entry((var.id(), me)).or_default();
-            var.update_copy(me, |w| self.step(s, w, g));
+            let slots = self.slots.lock().entry((var.id(), me)).or_default().clone();
+            var.update_copy(me, |w| self.step(&mut slots.lock(), w, g));
         }
-        if ctx.replica_id_in_sync_group() == 0 {
+        if me == 0 {
+            // Once per step on every worker (its first local replica).
             self.iterations.fetch_add(1, Ordering::Relaxed);
         }
         Ok(())
@@ -183,7 +186,7 @@ impl Optimizer {
     }
 }
 
-/// The (weighted) mean of values observed by every replica, read across replicas (TensorFlow's
+/// The mean of values observed by every replica, read across replicas (TensorFlow's
 /// sync on read): each local replica accumulates its own total and count inside
 /// [`Strategy::run`], and [`Mean::result`] sums them over every replica in sync.
 pub struct Mean {

@@ -708,7 +708,7 @@ def test_tf_config_cluster_resolver_reads_the_environment(monkeypatch):
     assert r.cluster_spec() == td.ClusterSpec(config["cluster"]) and r.cluster_spec().num_tasks("worker") == 2
     assert r.master() == "grpc://host2:2222" and r.master("ps", 0, rpc_layer="http") == "http://host3:2222"
     assert td.cluster_resolver.TFConfigClusterResolver(task_type="chief", task_id=0).master() == "grpc://host0:2222"
-    with pytest.raises(ValueError, match="no job 'evaluator'"):
+    with pytest.raises(ValueError, match="no such job 'evaluator'"):
         r.cluster_spec().num_tasks("evaluator")
     assert isinstance(r.num_accelerators(), dict)
     assert td.MirroredStrategy(cpus(2)).cluster_resolver is None
@@ -717,3 +717,26 @@ def test_tf_config_cluster_resolver_reads_the_environment(monkeypatch):
         td.cluster_resolver.TFConfigClusterResolver()
     with pytest.raises(ValueError, match="TFConfigClusterResolver"):
         td.MultiWorkerMirroredStrategy(cluster_resolver=td.SimpleClusterResolver({}))
+
+
+def test_resolvers_and_training_pieces_take_edge_cases_as_tensorflow_does():
+    spec = td.ClusterSpec({"worker": {0: "a:1", 2: "c:3"}, "ps": ["p:1"]})
+    assert spec.task_indices("worker") == [0, 2] and spec.job_tasks("worker") == ["a:1", None, "c:3"]
+    assert spec.task_address("worker", 2) == "c:3" and spec.as_dict()["worker"] == {0: "a:1", 2: "c:3"}
+    assert not td.ClusterSpec({}) and spec
+    r = td.SimpleClusterResolver(spec, "grpc://m:1", "worker", 2, rpc_layer="grpc")
+    assert r.master() == "grpc://m:1" and r.master("ps", 0) == "grpc://p:1"
+    with pytest.raises(ValueError, match="has no task 1"):
+        r.master("worker", 1)
+    # A replica's empty share of a short last batch: a loss of 0 and no observation.
+    assert td.compute_average_loss(np.zeros(0, np.float32), global_batch_size=0) == 0
+    with td.MirroredStrategy(cpus(2)).scope():
+        with pytest.raises(ValueError, match="pass global_batch_size"):
+            td.compute_average_loss(np.ones(3))
+    acc = td.metrics.SparseCategoricalAccuracy()
+    acc.update_state(np.zeros(0, np.int64), np.zeros((0, 3)))
+    assert float(acc.result()) == 0.0
+    opt = td.optimizers.SGD(0.5)
+    v = td.Variable(np.ones(2, np.float32))
+    opt.apply_gradients([(None, v), (np.ones(2, np.float32), v)])  # a None gradient is skipped
+    assert v.numpy().tolist() == [0.5, 0.5] and opt.iterations == 1

@@ -369,67 +369,97 @@ def _replicas(devices, what):
 
 
 class ClusterSpec:
-    """TensorFlow's ``tf.train.ClusterSpec``: each job's task addresses."""
+    """TensorFlow's ``tf.train.ClusterSpec``: each job's task addresses, a list (task i at
+    index i) or a dict ``{index: address}`` (sparse)."""
 
     def __init__(self, cluster):
         if isinstance(cluster, ClusterSpec):
             cluster = cluster.as_dict()
-        self._jobs = {str(job): list(tasks) for job, tasks in dict(cluster).items()}
+        self._jobs = {}
+        for job, tasks in dict(cluster).items():
+            if isinstance(tasks, dict):
+                self._jobs[str(job)] = {int(i): str(a) for i, a in tasks.items()}
+            else:
+                self._jobs[str(job)] = dict(enumerate(str(a) for a in tasks))
+
+    def __bool__(self):
+        return bool(self._jobs)
 
     @property
     def jobs(self):
         """The job names."""
         return list(self._jobs)
 
+    def _job(self, job_name):
+        if job_name not in self._jobs:
+            raise ValueError(f"ClusterSpec: no such job {job_name!r} (jobs: {', '.join(self._jobs) or 'none'})")
+        return self._jobs[job_name]
+
     def as_dict(self):
-        """``{job: [address, ...]}``."""
-        return {job: list(tasks) for job, tasks in self._jobs.items()}
+        """``{job: [address, ...]}``, or ``{job: {index: address}}`` for a sparse job."""
+        out = {}
+        for job, tasks in self._jobs.items():
+            dense = sorted(tasks) == list(range(len(tasks)))
+            out[job] = [tasks[i] for i in range(len(tasks))] if dense else dict(tasks)
+        return out
 
     def num_tasks(self, job_name):
-        """How many tasks ``job_name`` has (an error naming the jobs where it has none)."""
-        return len(self.job_tasks(job_name))
+        """How many tasks ``job_name`` has."""
+        return len(self._job(job_name))
+
+    def task_indices(self, job_name):
+        """The indices of ``job_name``'s tasks, in order."""
+        return sorted(self._job(job_name))
+
+    def task_address(self, job_name, task_index):
+        """The address of task ``task_index`` of ``job_name``."""
+        tasks = self._job(job_name)
+        if task_index not in tasks:
+            raise ValueError(f"ClusterSpec: job {job_name!r} has no task {task_index}")
+        return tasks[task_index]
 
     def job_tasks(self, job_name):
-        """The addresses of ``job_name``'s tasks."""
-        if job_name not in self._jobs:
-            raise ValueError(f"ClusterSpec: no job {job_name!r} (jobs: {', '.join(self._jobs) or 'none'})")
-        return list(self._jobs[job_name])
+        """The addresses of ``job_name``'s tasks, by index (None where a sparse job has none)."""
+        tasks = self._job(job_name)
+        return [tasks.get(i) for i in range(max(tasks) + 1)] if tasks else []
 
     def __eq__(self, other):
         return isinstance(other, ClusterSpec) and self._jobs == other._jobs
 
     def __repr__(self):
-        return f"ClusterSpec({self._jobs!r})"
+        return f"ClusterSpec({self.as_dict()!r})"
 
 
 class SimpleClusterResolver:
-    """TensorFlow's ``SimpleClusterResolver``: a cluster spec and this task, as given."""
+    """TensorFlow's ``SimpleClusterResolver``: a cluster spec, a master and this task, as given
+    (TensorFlow's argument order)."""
 
-    def __init__(self, cluster_spec, task_type=None, task_id=None, rpc_layer=None, environment=""):
+    def __init__(self, cluster_spec, master="", task_type=None, task_id=None, environment="",
+                 num_accelerators=None, rpc_layer=None):
         self._spec = ClusterSpec(cluster_spec)
+        self._master = master
         self.task_type, self.task_id = task_type, task_id
-        self.rpc_layer, self.environment = rpc_layer, environment
+        self.environment, self.rpc_layer = environment, rpc_layer
+        self._accelerators = num_accelerators
 
     def cluster_spec(self):
         """The cluster."""
         return self._spec
 
     def master(self, task_type=None, task_id=None, rpc_layer=None):
-        """The address of task ``task_type``:``task_id`` (default: this task), prefixed with
-        ``rpc_layer://`` where there is one; "" where the cluster does not say."""
-        task_type = self.task_type if task_type is None else task_type
-        task_id = self.task_id if task_id is None else task_id
+        """The address of task ``task_type``:``task_id`` where both are given (prefixed with
+        ``rpc_layer://`` where there is one), else the master given."""
         if task_type is None or task_id is None:
-            return ""
-        try:
-            address = self._spec.job_tasks(task_type)[task_id]
-        except (ValueError, IndexError):
-            return ""
+            return self._master
+        address = self._spec.task_address(task_type, task_id)
         layer = rpc_layer or self.rpc_layer
-        return f"{layer}://{address}" if layer and address else address
+        return f"{layer}://{address}" if layer else address
 
     def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
-        """Accelerators of this task by kind: ``{"GPU": n}`` where tutti sees GPUs, else ``{}``."""
+        """Accelerators by kind: those given, else ``{"GPU": n}`` where tutti sees GPUs, else
+        ``{}``."""
+        if self._accelerators is not None:
+            return dict(self._accelerators)
         gpus = sum(1 for d in tutti.devices() if d.kind == "gpu")
         return {"GPU": gpus} if gpus else {}
 
@@ -448,12 +478,24 @@ class TFConfigClusterResolver(SimpleClusterResolver):
         task = config.get("task", {}) or {}
         super().__init__(
             config.get("cluster", {}) or {},
+            "",
             task.get("type") if task_type is None else task_type,
-            (int(task["index"]) if "index" in task else None) if task_id is None else int(task_id),
-            config.get("rpc_layer") if rpc_layer is None else rpc_layer,
+            int(task.get("index", 0)) if task_id is None else int(task_id),
             config.get("environment", "") if environment is None else environment,
+            None,
+            config.get("rpc_layer") if rpc_layer is None else rpc_layer,
         )
         self._overridden = any(x is not None for x in (task_type, task_id, rpc_layer, environment))
+
+    def master(self, task_type=None, task_id=None, rpc_layer=None):
+        """TensorFlow's: the address of task ``task_type``:``task_id`` (default: this task),
+        prefixed with ``rpc_layer://`` where there is one; "" where the cluster does not have
+        it."""
+        task_type = self.task_type if task_type is None else task_type
+        task_id = self.task_id if task_id is None else task_id
+        if task_type is None or task_id is None or task_type not in self._spec.jobs:
+            return ""
+        return super().master(task_type, task_id, rpc_layer)
 
 
 cluster_resolver = None  # the namespace, set below (a module of TensorFlow's)
@@ -772,10 +814,11 @@ class Strategy:
         this worker's ``task_id``; ``None`` for a strategy of one worker's replicas."""
         if self._kind != _MULTI_WORKER:
             return None
-        if os.environ.get("TF_CONFIG", "").strip():
+        tutti_job = "TUTTI_RANK" in os.environ or "TUTTI_WORLD_SIZE" in os.environ  # the runtime's order
+        if not tutti_job and os.environ.get("TF_CONFIG", "").strip():
             return TFConfigClusterResolver()
-        worker, workers = self._worker()
-        return SimpleClusterResolver({"worker": [""] * workers}, "worker", worker)
+        worker, workers = self._worker()  # learnt when the strategy was made: no collective here
+        return SimpleClusterResolver({"worker": [""] * workers}, task_type="worker", task_id=worker)
 
     def gather(self, value, axis):
         """``value`` (a ``PerReplica``, or one value the same on every replica) concatenated
@@ -986,6 +1029,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         if communication_options is not None and not isinstance(communication_options, CommunicationOptions):
             raise TypeError("communication_options must be a tutti.distribute.CommunicationOptions")
         super().__init__(_MULTI_WORKER, 0)
+        self._worker()  # every worker makes the strategy: learn this one's index now, together
 
 
 class VariableAggregation:
@@ -1292,16 +1336,21 @@ class CheckpointManager:
 
 def compute_average_loss(per_example_loss, global_batch_size=None):
     """TensorFlow's ``tf.nn.compute_average_loss``: the sum of this replica's per-example losses
-    over the global batch size (default: this replica's examples times the replicas in sync),
-    so that the gradients summed across replicas are those of the global batch's mean loss."""
+    over the global batch size, so that the gradients summed across replicas are those of the
+    global batch's mean loss. Without ``global_batch_size``, this replica's examples times the
+    replicas in sync (right only where every replica has as many: pass it for an uneven last
+    batch); a size of 0 gives 0. Inside a scope but outside ``run``, ``global_batch_size`` is
+    required, as in TensorFlow."""
     losses = np.asarray(per_example_loss)
     if global_batch_size is None:
         replica = get_replica_context()
-        n = replica.num_replicas_in_sync if replica is not None else 1
-        global_batch_size = (losses.shape[0] if losses.ndim else 1) * n
-    if global_batch_size <= 0:
-        raise ValueError(f"compute_average_loss: global_batch_size {global_batch_size} must be positive")
-    return losses.sum(dtype=losses.dtype if losses.dtype.kind == "f" else np.float64) / global_batch_size
+        if replica is None:
+            raise ValueError("compute_average_loss: pass global_batch_size in the cross-replica context")
+        global_batch_size = (losses.shape[0] if losses.ndim else 1) * replica.num_replicas_in_sync
+    if global_batch_size < 0:
+        raise ValueError(f"compute_average_loss: global_batch_size {global_batch_size} is negative")
+    total = losses.sum(dtype=losses.dtype if losses.dtype.kind == "f" else np.float64)
+    return total / global_batch_size if global_batch_size else total * 0
 
 
 class Optimizer:
@@ -1320,7 +1369,7 @@ class Optimizer:
         self._lock = threading.Lock()
 
     def _slot(self, var, i, name):
-        key = (id(var), i, name)
+        key = (var, i, name)  # the variable itself: an id could be reused by a later one
         with self._lock:
             if key not in self._slots:
                 self._slots[key] = np.zeros(var.shape, var.dtype)
@@ -1328,13 +1377,15 @@ class Optimizer:
 
     def apply_gradients(self, grads_and_vars):
         """Apply the gradients (see the class documentation); returns the iteration count."""
-        pairs = list(grads_and_vars)
+        pairs = [(g, v) for g, v in grads_and_vars if g is not None]  # Keras skips a None gradient
+        for g, v in pairs:
+            if not isinstance(v, Variable):
+                raise TypeError(f"apply_gradients: {type(v).__name__} is not a tutti.distribute.Variable")
+            replica = v._replica()  # an error inside another strategy's run
         replica = getattr(_state, "replica", None)
         if replica is not None and replica._ctx is None:
             replica = None  # the default strategy's one replica: nothing to combine
         for g, v in pairs:
-            if not isinstance(v, Variable):
-                raise TypeError(f"apply_gradients: {type(v).__name__} is not a tutti.distribute.Variable")
             if v.dtype.kind != "f":
                 raise TypeError(f"apply_gradients: variable {v.name or ''} is {v.dtype}; optimizers step float variables")
             if np.shape(g) != v.shape:
@@ -1344,9 +1395,10 @@ class Optimizer:
         for g, v in pairs:
             g = np.asarray(g, v.dtype)
             v._apply_combined(replica, lambda i, g=g, v=v: self._step(v, i, g), "sub")
-        if replica is None or replica._local == 0:
-            self.iterations += 1
-        return self.iterations
+        with self._lock:
+            if replica is None or replica._local == 0:
+                self.iterations += 1
+            return self.iterations
 
     def _step(self, var, i, g):
         """What copy ``i`` of ``var`` loses this step, from the combined gradient ``g``."""
@@ -1381,7 +1433,7 @@ class Adam(Optimizer):
     def _step(self, var, i, g):
         m, v = self._slot(var, i, "m"), self._slot(var, i, "v")
         with self._lock:  # the copy's own step count
-            step = self._steps[(id(var), i)] = self._steps.get((id(var), i), 0) + 1
+            step = self._steps[(var, i)] = self._steps.get((var, i), 0) + 1
         m[...] = self.beta_1 * m + (1 - self.beta_1) * g
         v[...] = self.beta_2 * v + (1 - self.beta_2) * g * g
         lr = self.learning_rate * np.sqrt(1 - self.beta_2**step) / (1 - self.beta_1**step)
@@ -1419,7 +1471,8 @@ class Metric:
         self._states = [np.zeros(self._width, np.float64) for _ in range(self._strategy._local)]
 
     def result(self):
-        """The metric over every replica's observations (call it outside ``run``)."""
+        """The metric over every replica's observations: outside ``run``, and, being a reduce
+        across workers, on every worker."""
         if getattr(_state, "replica", None) is not None:
             raise RuntimeError("Metric.result inside a replica function: read metrics in the cross-replica context")
         states = self._states
@@ -1454,6 +1507,8 @@ class SparseCategoricalAccuracy(Metric):
 
     def update_state(self, y_true, y_pred):
         labels = np.asarray(y_true).reshape(-1)
+        if not len(labels):
+            return  # a replica's empty share of a short last batch
         guess = np.asarray(y_pred).reshape(len(labels), -1).argmax(axis=-1)
         self._add(float((guess == labels).sum()), float(len(labels)))
 
