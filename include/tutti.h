@@ -1918,6 +1918,46 @@ tutti_result tutti_strategy_num_replicas(const struct tutti_strategy *strategy,
                                          size_t *num_local_replicas);
 
 /**
+ * Which rows of a global batch of `rows` rows each of this process's replicas takes: replica
+ * `i` (local) takes rows `starts[i]` to `starts[i + 1]` (contiguous, the first `rows %
+ * replicas in sync` replicas of the whole job one row more; a replica may get none). `starts`
+ * holds `num_local_replicas + 1` values.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `strategy` is NULL or a live handle; `starts` is NULL or holds `num_local_replicas + 1`
+ * writable values.
+ */
+tutti_result tutti_strategy_batch_rows(const struct tutti_strategy *strategy,
+                                       size_t rows,
+                                       size_t *starts,
+                                       size_t num_starts);
+
+/**
+ * This process's place in the job (TensorFlow's `strategy.cluster_resolver`): its task type
+ * (`worker`, `chief`, ...) written NUL-terminated into `task_type` (cut to fit
+ * `task_type_len` bytes; NULL with 0 to skip it), its index among the workers to
+ * `*task_id`, the number of workers to `*num_workers`, and whether it is the chief to
+ * `*is_chief`. A strategy of one process's replicas is one worker, the chief. Any output may
+ * be NULL.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `strategy` is NULL or a live handle; `task_type` is NULL or holds `task_type_len` writable
+ * bytes; the other outputs are NULL or writable.
+ */
+tutti_result tutti_strategy_cluster(const struct tutti_strategy *strategy,
+                                    char *task_type,
+                                    size_t task_type_len,
+                                    size_t *task_id,
+                                    size_t *num_workers,
+                                    bool *is_chief);
+
+/**
  * Call `step(ctx, user_data)` once per local replica, in parallel, and return when every call
  * has returned. A replica whose call fails makes this fail with its code and message (its
  * siblings' collectives are woken rather than left to time out); the strategy stays usable.

@@ -5,7 +5,7 @@
 //! replica, in parallel, each with a `tutti_replica_context` whose collectives span every
 //! replica in sync.
 
-use std::ffi::c_void;
+use std::ffi::{c_char, c_void};
 
 use tutti::logical_cpus;
 use tutti::strategy::{
@@ -211,6 +211,98 @@ pub unsafe extern "C" fn tutti_strategy_num_replicas(
             }
             if !num_local_replicas.is_null() {
                 num_local_replicas.write(s.num_local_replicas());
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Which rows of a global batch of `rows` rows each of this process's replicas takes: replica
+/// `i` (local) takes rows `starts[i]` to `starts[i + 1]` (contiguous, the first `rows %
+/// replicas in sync` replicas of the whole job one row more; a replica may get none). `starts`
+/// holds `num_local_replicas + 1` values.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `strategy` is NULL or a live handle; `starts` is NULL or holds `num_local_replicas + 1`
+/// writable values.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_strategy_batch_rows(
+    strategy: *const tutti_strategy,
+    rows: usize,
+    starts: *mut usize,
+    num_starts: usize,
+) -> tutti_result {
+    boundary("tutti_strategy_batch_rows", || {
+        // SAFETY: as the caller promises.
+        let s = unsafe { strategy_ref(strategy) }?;
+        let ranges = s.batch_rows(rows);
+        if num_starts != ranges.len() + 1 {
+            return Err(Failure::invalid(format!(
+                "num_starts is {num_starts}; this process has {} replicas, so {} starts",
+                ranges.len(),
+                ranges.len() + 1
+            )));
+        }
+        if starts.is_null() || (starts as usize) % std::mem::align_of::<usize>() != 0 {
+            return Err(Failure::invalid("starts is NULL or not aligned for size_t"));
+        }
+        let mut out: Vec<usize> = ranges.iter().map(|r| r.start).collect();
+        out.push(ranges.last().map_or(0, |r| r.end));
+        // SAFETY: non-NULL, aligned; the caller promises `num_starts` writable values.
+        unsafe { std::ptr::copy_nonoverlapping(out.as_ptr(), starts, out.len()) };
+        Ok(())
+    })
+}
+
+/// This process's place in the job (TensorFlow's `strategy.cluster_resolver`): its task type
+/// (`worker`, `chief`, ...) written NUL-terminated into `task_type` (cut to fit
+/// `task_type_len` bytes; NULL with 0 to skip it), its index among the workers to
+/// `*task_id`, the number of workers to `*num_workers`, and whether it is the chief to
+/// `*is_chief`. A strategy of one process's replicas is one worker, the chief. Any output may
+/// be NULL.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `strategy` is NULL or a live handle; `task_type` is NULL or holds `task_type_len` writable
+/// bytes; the other outputs are NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_strategy_cluster(
+    strategy: *const tutti_strategy,
+    task_type: *mut c_char,
+    task_type_len: usize,
+    task_id: *mut usize,
+    num_workers: *mut usize,
+    is_chief: *mut bool,
+) -> tutti_result {
+    boundary("tutti_strategy_cluster", || {
+        // SAFETY: as the caller promises.
+        let s = unsafe { strategy_ref(strategy) }?;
+        let r = s.cluster_resolver();
+        if task_type.is_null() && task_type_len > 0 {
+            return Err(Failure::invalid(format!(
+                "task_type is NULL but task_type_len is {task_type_len}"
+            )));
+        }
+        // SAFETY: NULL-checked; the caller promises they are writable (task_type: its length).
+        unsafe {
+            if task_type_len > 0 {
+                let n = crate::error::floor_char_boundary(&r.task_type, task_type_len - 1);
+                std::ptr::copy_nonoverlapping(r.task_type.as_ptr(), task_type.cast::<u8>(), n);
+                task_type.add(n).write(0);
+            }
+            if !task_id.is_null() {
+                task_id.write(r.task_id);
+            }
+            if !num_workers.is_null() {
+                num_workers.write(r.num_workers);
+            }
+            if !is_chief.is_null() {
+                is_chief.write(r.is_chief);
             }
         }
         Ok(())

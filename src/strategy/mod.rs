@@ -960,6 +960,17 @@ impl Strategy {
         Tensor::concat(&parts, axis)
     }
 
+    /// Which rows of a global batch of `rows` rows each of this worker's replicas takes, as
+    /// [`Strategy::distribute_batch`] splits it: contiguous, the first `rows % replicas`
+    /// replicas in sync one row more.
+    pub fn batch_rows(&self, rows: usize) -> Vec<std::ops::Range<usize>> {
+        let n = self.num_replicas_in_sync();
+        let first = self.worker_index() * self.devices.len();
+        (first..first + self.devices.len())
+            .map(|g| crate::algorithm::partition(rows, n, g))
+            .collect()
+    }
+
     /// Split a global batch of `rows` rows (each `row_len` elements) across every replica in
     /// sync and return this worker's replicas' shards. Shards are contiguous; when the rows do not
     /// divide evenly, the first `rows % replicas` replicas get one row more (a replica may get
@@ -975,15 +986,10 @@ impl Strategy {
                 batch.len()
             )));
         }
-        let rows = batch.len() / row_len;
-        let n = self.num_replicas_in_sync();
-        let first = self.worker_index() * self.devices.len();
         Ok(PerReplica(
-            (first..first + self.devices.len())
-                .map(|g| {
-                    let r = crate::algorithm::partition(rows, n, g);
-                    batch[r.start * row_len..r.end * row_len].to_vec()
-                })
+            self.batch_rows(batch.len() / row_len)
+                .into_iter()
+                .map(|r| batch[r.start * row_len..r.end * row_len].to_vec())
                 .collect(),
         ))
     }

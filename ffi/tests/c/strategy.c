@@ -96,6 +96,22 @@ int main(void) {
     EXPECT_ERROR(tutti_strategy_reduce(s, 2, TUTTI_DTYPE_F32, TUTTI_OP_MAX, (const void *const *)ptrs, out),
                  TUTTI_ERROR_INVALID_ARGUMENT, "SUM or MEAN");
     EXPECT_ERROR(tutti_replica_id(NULL, &n, NULL), TUTTI_ERROR_INVALID_ARGUMENT, "ctx is NULL");
+    /* Which rows of a global batch each replica takes, and where this process stands. */
+    {
+        size_t starts[5] = {0}, task_id = 9, workers = 0;
+        bool chief = false;
+        char type[16];
+        CHECK(tutti_strategy_batch_rows(s, 10, starts, 5));
+        EXPECT(starts[0] == 0 && starts[1] == 3 && starts[2] == 6 && starts[3] == 8 && starts[4] == 10);
+        EXPECT_ERROR(tutti_strategy_batch_rows(s, 10, starts, 4), TUTTI_ERROR_INVALID_ARGUMENT,
+                     "num_starts is 4", "so 5 starts");
+        CHECK(tutti_strategy_cluster(s, type, sizeof type, &task_id, &workers, &chief));
+        EXPECT(strcmp(type, "worker") == 0 && task_id == 0 && workers == 1 && chief);
+        CHECK(tutti_strategy_cluster(s, type, 3, NULL, NULL, NULL));
+        EXPECT(strcmp(type, "wo") == 0);
+        EXPECT_ERROR(tutti_strategy_cluster(s, NULL, 4, NULL, NULL, NULL),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "task_type is NULL");
+    }
     tutti_strategy_destroy(s);
     tutti_strategy_destroy(NULL);
 
