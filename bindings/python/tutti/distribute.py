@@ -1222,7 +1222,8 @@ class Checkpoint:
         _check(_lib().tutti_checkpoint_create(step, ctypes.byref(h)))
         try:
             for name, obj in self._objects.items():
-                value = np.ascontiguousarray(obj.numpy() if isinstance(obj, Variable) else obj)
+                # np.require keeps a 0-d value 0-d (np.ascontiguousarray makes it 1-d).
+                value = np.require(obj.numpy() if isinstance(obj, Variable) else obj, requirements="C")
                 _check_dtype(value.dtype, f"Checkpoint: {name}")
                 shape = (ctypes.c_size_t * max(value.ndim, 1))(*value.shape)
                 _check(_lib().tutti_checkpoint_insert(h, name.encode(), tutti.DTYPES[value.dtype.name],

@@ -1,0 +1,138 @@
+"""The guides' custom training loop under tutti.distribute: the Rust example's linear regression
+(examples/train.rs: the same data, steps and learning rate), written as TensorFlow's
+distributed-training guide writes it: a strategy, variables made under its scope, a distributed
+dataset, a step run on every replica, gradients summed by the optimizer, a loss reduced across
+replicas, a metric read across them, and checkpoints.
+
+    python bindings/python/examples/train.py --strategy mirrored --replicas 4 --steps 100 --json
+    tutti launch -n 2 -- python bindings/python/examples/train.py --strategy multi-worker --json
+    python bindings/python/examples/train.py --steps 50 --checkpoint-dir /tmp/ck
+    python bindings/python/examples/train.py --steps 50 --checkpoint-dir /tmp/ck --resume
+
+With ``--json`` the last line is the Rust example's: ``{"strategy", "replicas", "steps",
+"loss", "weights", "reference_weights", "device", "restored_step"}``; the weights are those
+of ``cargo run --example train`` with the same flags, to float rounding.
+"""
+
+import argparse
+import json
+
+import numpy as np
+
+import tutti.distribute as td
+
+SAMPLES, FEATURES, LR = 96, 6, 0.1
+
+
+def data():
+    """The Rust example's data set: rows of features then target, y = x.w + b +
+    noise, from the same xorshift generator, summed in the same order in f32."""
+    seed = 0x9E3779B97F4A7C15
+    mask = (1 << 64) - 1
+
+    def next_value():
+        nonlocal seed
+        seed ^= (seed << 13) & mask
+        seed ^= seed >> 7
+        seed ^= (seed << 17) & mask
+        return np.float32(seed >> 40) / np.float32(1 << 24) * np.float32(2.0) - np.float32(1.0)
+
+    w_true = [np.float32(0.5 + i * 0.25) for i in range(FEATURES)]
+    rows = []
+    for _ in range(SAMPLES):
+        x = [next_value() for _ in range(FEATURES)]
+        y = np.float32(0.0)
+        for a, b in zip(x, w_true):
+            y = np.float32(y + a * b)
+        y = np.float32(y - np.float32(0.75) + np.float32(0.01) * next_value())
+        rows.append(x + [y])
+    return np.array(rows, np.float32)
+
+
+def reference(steps, rows):
+    """Single-device training on the full batch, as the Rust example's reference."""
+    w = np.zeros(FEATURES + 1, np.float32)
+    for _ in range(steps):
+        x, y = rows[:, :FEATURES], rows[:, FEATURES]
+        err = x @ w[:FEATURES] + w[FEATURES] - y
+        g = np.concatenate([2 * x.T @ err, [2 * err.sum()]]).astype(np.float32)
+        w -= np.float32(LR) * g / np.float32(SAMPLES)
+    return w
+
+
+def make_strategy(name, replicas):
+    devices = [f"cpu:{i}" for i in range(replicas)]
+    return {
+        "default": lambda: td.get_strategy(),
+        "one-device": lambda: td.OneDeviceStrategy("cpu:0"),
+        "mirrored": lambda: td.MirroredStrategy(devices),
+        "central-storage": lambda: td.CentralStorageStrategy(devices),
+        "multi-worker": lambda: td.MultiWorkerMirroredStrategy(),
+    }[name]()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--strategy", default="mirrored",
+                   choices=["default", "one-device", "mirrored", "central-storage", "multi-worker"])
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--checkpoint-dir")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    if args.resume and not args.checkpoint_dir:
+        p.error("--resume needs --checkpoint-dir")
+
+    strategy = make_strategy(args.strategy, args.replicas)
+    rows = data()
+    with strategy.scope():
+        weights = td.Variable(np.zeros(FEATURES, np.float32), name="weights")
+        bias = td.Variable(np.zeros((), np.float32), name="bias")
+        optimizer = td.optimizers.SGD(LR)
+        mse = td.metrics.Mean()
+        step_count = np.zeros((), np.int64)
+        ckpt = td.Checkpoint(weights=weights, bias=bias, step=step_count)
+        manager = td.CheckpointManager(ckpt, args.checkpoint_dir, max_to_keep=3) if args.checkpoint_dir else None
+        restored = manager.restore_or_initialize() if (manager and args.resume) else None
+        if args.resume and restored is None:
+            raise SystemExit(f"train.py: --resume: no checkpoint in {args.checkpoint_dir}")
+        # The whole data set is the global batch, split across every replica in sync.
+        dataset = strategy.experimental_distribute_dataset([(rows[:, :FEATURES], rows[:, FEATURES])])
+
+        def train_step(batch):
+            x, y = batch
+            err = x @ weights.numpy() + bias.numpy() - y
+            mse.update_state(err * err)
+            loss = td.compute_average_loss(err * err, global_batch_size=SAMPLES)
+            optimizer.apply_gradients([
+                (2 * x.T @ err / np.float32(SAMPLES), weights),
+                (np.float32(2 * err.sum() / SAMPLES), bias),
+            ])
+            return loss
+
+        loss = 0.0
+        for _ in range(args.steps):
+            for batch in dataset:
+                per_replica = strategy.run(train_step, args=(batch,))
+                loss = float(strategy.reduce("SUM", per_replica, axis=None))
+            step_count += 1
+        if manager:
+            manager.save(checkpoint_number=int(step_count))
+
+    w = np.concatenate([weights.numpy(), [bias.numpy()]])
+    ref = reference(int(step_count), rows)
+    if args.json:
+        print(json.dumps({
+            "strategy": args.strategy, "replicas": strategy.num_replicas_in_sync, "steps": args.steps,
+            "loss": loss, "weights": w.tolist(), "reference_weights": ref.tolist(), "device": "cpu",
+            "restored_step": restored, "mse": float(mse.result()),
+        }))
+    else:
+        print(f"{args.strategy} with {strategy.num_replicas_in_sync} replicas, {args.steps} steps: loss {loss:.6f}")
+        print("weights  ", w.tolist())
+        print("reference", ref.tolist())
+
+
+if __name__ == "__main__":
+    main()
