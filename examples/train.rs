@@ -16,6 +16,10 @@
 //!     --replicas 1 --steps 30 --elastic --kill-worker 2 --kill-step 10 --json
 //! ```
 //!
+//! `--device cpu|gpu|xla` puts the replicas on logical CPU devices (the default), on the GPUs
+//! (`--replicas` at most those present; a build with `--features cuda`), or on the PJRT
+//! plugin's devices (`--features xla`; mirrored only, as TPUStrategy).
+//!
 //! `--checkpoint-dir DIR` saves the weights and the step there at the end (and every
 //! `--checkpoint-every` steps; the chief writes, the last 3 are kept); with `--resume` the run
 //! first restores the latest and trains `--steps` more, to the reference of all the steps:
@@ -44,9 +48,14 @@ struct Args {
     /// default, one-device, mirrored, central-storage, multi-worker, parameter-server, tpu.
     #[arg(long, default_value = "mirrored")]
     strategy: String,
-    /// Local replicas (logical CPU devices).
+    /// Local replicas: logical CPU devices, or GPUs (at most those present).
     #[arg(long, default_value_t = 2)]
     replicas: usize,
+    /// Where the replicas run: cpu (logical CPU devices), gpu (the GPUs tutti sees; a build
+    /// with the cuda feature), xla (the PJRT plugin's devices, as TPUStrategy: mirrored or tpu
+    /// only, every device of the plugin).
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// Training steps.
     #[arg(long, default_value_t = 100)]
     steps: usize,
@@ -428,8 +437,54 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+/// The devices `--device` and `--replicas` ask for (XLA's are the plugin's, found by
+/// [`tpu_strategy`]).
+fn local_devices(args: &Args) -> Result<Vec<tutti::Device>> {
+    match args.device.as_str() {
+        "cpu" | "xla" => logical_cpus(args.replicas.max(1)),
+        "gpu" => {
+            let gpus: Vec<tutti::Device> = tutti::discover_devices()
+                .into_iter()
+                .filter(|d| d.kind == tutti::DeviceKind::Gpu)
+                .collect();
+            if gpus.is_empty() {
+                return Err(tutti::Error::Unavailable {
+                    what: "--device gpu".into(),
+                    why: "tutti sees no GPU here (no CUDA driver or GPU, or a build without the \
+                          cuda feature: cargo build --features cuda --example train)"
+                        .into(),
+                });
+            }
+            if args.replicas > gpus.len() {
+                return Err(tutti::Error::config(format!(
+                    "--device gpu --replicas {}: {} GPU(s) here",
+                    args.replicas,
+                    gpus.len()
+                )));
+            }
+            Ok(gpus.into_iter().take(args.replicas.max(1)).collect())
+        }
+        other => Err(tutti::Error::config(format!(
+            "--device {other}: expected cpu, gpu or xla"
+        ))),
+    }
+}
+
 fn run(args: &Args) -> Result<()> {
-    let devices = logical_cpus(args.replicas.max(1))?;
+    let devices = local_devices(args)?;
+    let xla = args.device == "xla" || args.strategy == "tpu";
+    if xla && !matches!(args.strategy.as_str(), "mirrored" | "tpu") {
+        return Err(tutti::Error::config(format!(
+            "--device xla runs MirroredStrategy over the plugin's devices (TPUStrategy); \
+             --strategy {} has no XLA form here",
+            args.strategy
+        )));
+    }
+    if args.device == "gpu" && args.strategy == "parameter-server" {
+        return Err(tutti::Error::config(
+            "--device gpu: the parameter servers here keep their variables in host memory",
+        ));
+    }
     let mut resumed: Resumed = None;
     let (result, replicas, start) = match args.strategy.as_str() {
         "default" => {
@@ -439,6 +494,11 @@ fn run(args: &Args) -> Result<()> {
         }
         "one-device" => {
             let s = Strategy::one_device(devices[0].clone())?;
+            let (r, start) = train_mirrored(&s, args)?;
+            (r, s.num_replicas_in_sync(), start)
+        }
+        "mirrored" | "tpu" if xla => {
+            let s = tpu_strategy()?;
             let (r, start) = train_mirrored(&s, args)?;
             (r, s.num_replicas_in_sync(), start)
         }
@@ -465,11 +525,6 @@ fn run(args: &Args) -> Result<()> {
             resumed = at;
             (r, s.num_replicas_in_sync(), start)
         }
-        "tpu" => {
-            let s = tpu_strategy()?;
-            let (r, start) = train_mirrored(&s, args)?;
-            (r, s.num_replicas_in_sync(), start)
-        }
         "parameter-server" => match train_ps(args)? {
             Some(r) => r,
             None => return Ok(()),
@@ -481,7 +536,7 @@ fn run(args: &Args) -> Result<()> {
         }
     };
     let ((weights, loss), (reference_weights, _)) = (result, reference(start.step + args.steps));
-    let device = if args.strategy == "tpu" { "xla" } else { "cpu" };
+    let device = if xla { "xla" } else { args.device.as_str() };
     if args.json {
         let line = serde_json::json!({
             "strategy": args.strategy,

@@ -1341,3 +1341,35 @@ fn optimizers_train_every_copy_to_the_one_replica_weights() {
     assert!(tutti::strategy::Optimizer::sgd(0.0).is_err());
     assert!(tutti::strategy::compute_average_loss(&[1.0], 0).is_err());
 }
+
+/// `--device gpu` trains on the GPUs where tutti sees them, and where it does not says so.
+#[test]
+fn the_example_puts_its_replicas_on_the_device_asked_for() {
+    let t = train();
+    let (ok, out, err) = bounded(
+        Command::new(&t).args([
+            "--device",
+            "gpu",
+            "--replicas",
+            "1",
+            "--steps",
+            "20",
+            "--json",
+        ]),
+        Duration::from_secs(120),
+    );
+    if ok {
+        let j = last_json(&out);
+        assert_eq!(j["device"], "gpu");
+        assert!(max_diff(&j) < 1e-5, "{j}");
+    } else {
+        assert!(err.contains("--device gpu not available"), "{err}");
+    }
+    let (ok, _, err) = bounded(
+        Command::new(&t).args(["--device", "xla", "--strategy", "central-storage"]),
+        Duration::from_secs(60),
+    );
+    assert!(!ok && err.contains("no XLA form"), "{err}");
+    let j = last_json(&run_ok(Command::new(&t).args(["--steps", "5", "--json"])));
+    assert_eq!(j["device"], "cpu");
+}

@@ -74,12 +74,60 @@ fn tpu_strategy_collectives_and_training() {
     );
     let j: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     assert_eq!(j["replicas"], 4);
+    assert_eq!(j["device"], "xla");
     let w = j["weights"].as_array().unwrap();
     let r = j["reference_weights"].as_array().unwrap();
     for (a, b) in w.iter().zip(r) {
         assert!(
             (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-4,
             "{j}"
+        );
+    }
+
+    // MirroredStrategy on the XLA devices, 20 steps, a checkpoint, 20 more: the 40 steps'
+    // weights.
+    let dir = std::env::temp_dir().join(format!("tutti-xla-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let out = Command::new(&train)
+            .args([
+                "--strategy",
+                "mirrored",
+                "--device",
+                "xla",
+                "--steps",
+                "20",
+                "--json",
+            ])
+            .arg("--checkpoint-dir")
+            .arg(&dir)
+            .args(extra)
+            .env("TUTTI_PJRT_OPTIONS", "cpu_device_count=4")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+    };
+    run(&[]);
+    let resumed = run(&["--resume"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(
+        (
+            resumed["device"].as_str(),
+            resumed["restored_step"].as_u64()
+        ),
+        (Some("xla"), Some(20))
+    );
+    assert_eq!(resumed["reference_weights"], j["reference_weights"]);
+    for (a, b) in resumed["weights"].as_array().unwrap().iter().zip(w) {
+        assert!(
+            (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-6,
+            "{resumed} vs {j}"
         );
     }
 }
