@@ -570,38 +570,47 @@ fn spec_of(cluster: &serde_json::Value, ty: &str, index: usize) -> tutti::Cluste
     spec
 }
 
+/// `f(worker, strategy)` on each of two workers of a multi-worker strategy (the ring across
+/// them, `local` logical CPU replicas each), in threads; their results in worker order.
+fn on_two_workers<R: Send>(
+    local: usize,
+    f: impl Fn(usize, Strategy) -> tutti::Result<R> + Sync,
+) -> Vec<R> {
+    use tutti::strategy::CommunicationImplementation;
+    let cluster = serde_json::json!({ "worker": free_addrs(2) });
+    let f = &f;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|w| {
+                let spec = spec_of(&cluster, "worker", w);
+                s.spawn(move || -> tutti::Result<R> {
+                    let strategy = Strategy::multi_worker_mirrored(
+                        CommunicationImplementation::Ring,
+                        Some(spec),
+                        &logical_cpus(local)?,
+                    )?;
+                    f(w, strategy)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    })
+}
+
 /// Two workers that each compute their own initial value (as workers seeded differently do)
 /// start from the chief's, and stay identical; a worker whose variable differs in length from
 /// the chief's gets an error naming both, and so does the chief.
 #[test]
 fn workers_start_from_the_chiefs_initial_value() {
-    use tutti::strategy::CommunicationImplementation;
-    let cluster = serde_json::json!({ "worker": free_addrs(2) });
-    let out = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2)
-            .map(|w| {
-                let spec = spec_of(&cluster, "worker", w);
-                s.spawn(move || -> tutti::Result<_> {
-                    let cpus = logical_cpus(1)?;
-                    let strategy = Strategy::multi_worker_mirrored(
-                        CommunicationImplementation::Ring,
-                        Some(spec),
-                        &cpus,
-                    )?;
-                    let mine = 10.0 * (w + 1) as f32; // 10 on worker 0, 20 on worker 1
-                    let v = strategy.mirrored_variable(&[mine])?;
-                    let before = v.value();
-                    v.assign_add(&strategy, &PerReplica(vec![vec![1.0]]), Aggregation::Mean)?;
-                    let c = strategy.central_variable(&[mine, mine])?;
-                    // A variable whose shape differs between the workers.
-                    let odd = strategy.mirrored_variable(&vec![0.0f32; 3 + w]);
-                    Ok((before, v.value(), c.value(), odd.err()))
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().unwrap().unwrap())
-            .collect::<Vec<_>>()
+    let out = on_two_workers(1, |w, strategy| {
+        let mine = 10.0 * (w + 1) as f32; // 10 on worker 0, 20 on worker 1
+        let v = strategy.mirrored_variable(&[mine])?;
+        let before = v.value();
+        v.assign_add(&strategy, &PerReplica(vec![vec![1.0]]), Aggregation::Mean)?;
+        let c = strategy.central_variable(&[mine, mine])?;
+        // A variable whose shape differs between the workers.
+        let odd = strategy.mirrored_variable(&vec![0.0f32; 3 + w]);
+        Ok((before, v.value(), c.value(), odd.err()))
     });
     for (w, (before, after, central, odd)) in out.into_iter().enumerate() {
         assert_eq!(
@@ -1016,8 +1025,7 @@ fn parameter_servers_restore_onto_a_different_number_of_them() {
 /// save fail on every worker, naming the chief.
 #[test]
 fn workers_need_no_shared_file_system_for_checkpoints() {
-    use tutti::strategy::{Checkpoint, CheckpointManager, CommunicationImplementation};
-    let cluster = serde_json::json!({ "worker": free_addrs(2) });
+    use tutti::strategy::{Checkpoint, CheckpointManager};
     let dirs = [checkpoint_dir("chief"), checkpoint_dir("worker")];
     let mut saved = Checkpoint::new(12);
     saved
@@ -1030,34 +1038,20 @@ fn workers_need_no_shared_file_system_for_checkpoints() {
         .unwrap()
         .save(&saved)
         .unwrap();
-    let out = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2)
-            .map(|w| {
-                let (spec, dir) = (spec_of(&cluster, "worker", w), &dirs[w]);
-                s.spawn(move || -> tutti::Result<_> {
-                    let strategy = Strategy::multi_worker_mirrored(
-                        CommunicationImplementation::Ring,
-                        Some(spec),
-                        &logical_cpus(1)?,
-                    )?;
-                    let m = CheckpointManager::new(dir, 2)?;
-                    let c = strategy
-                        .restore_checkpoint(&m)?
-                        .expect("the chief's checkpoint");
-                    let w_saved = c.get::<f32>("w")?;
-                    if w == 0 {
-                        // The chief's directory becomes a file: it cannot write there.
-                        std::fs::remove_dir_all(dir).unwrap();
-                        std::fs::write(dir, b"").unwrap();
-                    }
-                    let failed = strategy.save_checkpoint(&m, &Checkpoint::new(13)).err();
-                    Ok((c.step(), w_saved, failed))
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().unwrap().unwrap())
-            .collect::<Vec<_>>()
+    let out = on_two_workers(1, |w, strategy| {
+        let dir = &dirs[w];
+        let m = CheckpointManager::new(dir, 2)?;
+        let c = strategy
+            .restore_checkpoint(&m)?
+            .expect("the chief's checkpoint");
+        let w_saved = c.get::<f32>("w")?;
+        if w == 0 {
+            // The chief's directory becomes a file: it cannot write there.
+            std::fs::remove_dir_all(dir).unwrap();
+            std::fs::write(dir, b"").unwrap();
+        }
+        let failed = strategy.save_checkpoint(&m, &Checkpoint::new(13)).err();
+        Ok((c.step(), w_saved, failed))
     });
     for (w, (step, t, failed)) in out.into_iter().enumerate() {
         assert_eq!(
@@ -1181,63 +1175,45 @@ fn datasets_split_across_the_replicas_by_every_policy() {
 /// each example once per epoch; under OFF each worker sees every one.
 #[test]
 fn every_auto_shard_policy_sees_each_example_once_across_workers() {
-    use tutti::strategy::{AutoShardPolicy as P, CommunicationImplementation};
-    let cluster = serde_json::json!({ "worker": free_addrs(2) });
-    let per_worker = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2)
-            .map(|w| {
-                let spec = spec_of(&cluster, "worker", w);
-                s.spawn(move || -> tutti::Result<Vec<Vec<usize>>> {
-                    let strategy = Strategy::multi_worker_mirrored(
-                        CommunicationImplementation::Ring,
-                        Some(spec),
-                        &logical_cpus(2)?,
-                    )?;
-                    let flat = |d: Vec<Vec<Vec<usize>>>| -> Vec<usize> {
-                        let mut v: Vec<usize> = d.into_iter().flatten().flatten().collect();
-                        v.sort();
-                        v
-                    };
-                    let mut out = Vec::new();
-                    for policy in [P::Auto, P::Data, P::Off] {
-                        let ds =
-                            strategy.experimental_distribute_dataset(global_batches(), policy)?;
-                        out.push(flat(ids_of(ds)));
-                    }
-                    for policy in [P::File, P::Auto] {
-                        let ds = strategy.experimental_distribute_dataset(five_files(), policy)?;
-                        out.push(flat(ids_of(ds)));
-                    }
-                    out.push(flat(ids_of(strategy.distribute_datasets_from_function(
-                        |ctx| {
-                            let k = ctx.get_per_replica_batch_size(8).unwrap();
-                            let mine: Vec<usize> = (0..25)
-                                .filter(|i| i % ctx.num_input_pipelines == ctx.input_pipeline_id)
-                                .collect();
-                            // Each of this pipeline's examples (every other one), k a batch.
-                            mine.chunks(k)
-                                .map(|c| {
-                                    let x = c.iter().flat_map(|&i| [i as f32, 0.0]).collect();
-                                    let y = c.iter().map(|&i| i as i64).collect();
-                                    (
-                                        Tensor::new(x, vec![c.len(), 2]).unwrap(),
-                                        Tensor::new(y, vec![c.len()]).unwrap(),
-                                    )
-                                })
-                                .collect::<Vec<_>>()
-                        },
-                    ))));
-                    let ids = strategy.experimental_distribute_values_from_function(|c| {
-                        c.replica_id_in_sync_group
-                    });
-                    out.push(ids.0);
-                    Ok(out)
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().unwrap().unwrap())
-            .collect::<Vec<_>>()
+    use tutti::strategy::AutoShardPolicy as P;
+    let per_worker = on_two_workers(2, |_, strategy| {
+        let flat = |d: Vec<Vec<Vec<usize>>>| -> Vec<usize> {
+            let mut v: Vec<usize> = d.into_iter().flatten().flatten().collect();
+            v.sort();
+            v
+        };
+        let mut out = Vec::new();
+        for policy in [P::Auto, P::Data, P::Off] {
+            let ds = strategy.experimental_distribute_dataset(global_batches(), policy)?;
+            out.push(flat(ids_of(ds)));
+        }
+        for policy in [P::File, P::Auto] {
+            let ds = strategy.experimental_distribute_dataset(five_files(), policy)?;
+            out.push(flat(ids_of(ds)));
+        }
+        out.push(flat(ids_of(strategy.distribute_datasets_from_function(
+            |ctx| {
+                let k = ctx.get_per_replica_batch_size(8).unwrap();
+                let mine: Vec<usize> = (0..25)
+                    .filter(|i| i % ctx.num_input_pipelines == ctx.input_pipeline_id)
+                    .collect();
+                // Each of this pipeline's examples (every other one), k a batch.
+                mine.chunks(k)
+                    .map(|c| {
+                        let x = c.iter().flat_map(|&i| [i as f32, 0.0]).collect();
+                        let y = c.iter().map(|&i| i as i64).collect();
+                        (
+                            Tensor::new(x, vec![c.len(), 2]).unwrap(),
+                            Tensor::new(y, vec![c.len()]).unwrap(),
+                        )
+                    })
+                    .collect::<Vec<_>>()
+            },
+        ))));
+        let ids =
+            strategy.experimental_distribute_values_from_function(|c| c.replica_id_in_sync_group);
+        out.push(ids.0);
+        Ok(out)
     });
     let everything: Vec<usize> = (0..25).collect();
     for (k, name) in ["AUTO", "DATA", "OFF", "FILE", "AUTO (files)", "function"]

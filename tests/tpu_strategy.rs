@@ -61,18 +61,22 @@ fn tpu_strategy_collectives_and_training() {
 
     // The training example on TPUStrategy lands on the reference weights.
     let train = common::example("train", &["xla"]);
-    let out = Command::new(&train)
-        .args(["--strategy", "tpu", "--steps", "40", "--json"])
-        .env("TUTTI_PJRT_OPTIONS", "cpu_device_count=4")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let j: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let run = |args: &[&str]| -> serde_json::Value {
+        let out = Command::new(&train)
+            .args(args)
+            .arg("--json")
+            .env("TUTTI_PJRT_OPTIONS", "cpu_device_count=4")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+    };
+    let j = run(&["--strategy", "tpu", "--steps", "40"]);
     assert_eq!(j["replicas"], 4);
     assert_eq!(j["device"], "xla");
     let w = j["weights"].as_array().unwrap();
@@ -88,33 +92,10 @@ fn tpu_strategy_collectives_and_training() {
     // weights.
     let dir = std::env::temp_dir().join(format!("tutti-xla-ckpt-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let run = |extra: &[&str]| -> serde_json::Value {
-        let out = Command::new(&train)
-            .args([
-                "--strategy",
-                "mirrored",
-                "--device",
-                "xla",
-                "--steps",
-                "20",
-                "--json",
-            ])
-            .arg("--checkpoint-dir")
-            .arg(&dir)
-            .args(extra)
-            .env("TUTTI_PJRT_OPTIONS", "cpu_device_count=4")
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "{stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
-    };
-    run(&[]);
-    let resumed = run(&["--resume"]);
+    let dir_s = dir.to_str().unwrap();
+    let twenty = ["--strategy", "mirrored", "--device", "xla", "--steps", "20"];
+    run(&[&twenty[..], &["--checkpoint-dir", dir_s]].concat());
+    let resumed = run(&[&twenty[..], &["--checkpoint-dir", dir_s, "--resume"]].concat());
     std::fs::remove_dir_all(&dir).unwrap();
     assert_eq!(
         (
