@@ -330,14 +330,6 @@ impl Strategy {
         let local = self.num_local_replicas();
         let policy = match (policy, &dataset) {
             (AutoShardPolicy::Auto, Dataset::Files(f)) if f.files.len() >= workers => {
-                if f.files.len() % workers != 0 {
-                    log::warn!(
-                        "experimental_distribute_dataset: AUTO shards {} files by FILE over \
-                         {workers} workers, some reading one more: workers whose files hold \
-                         more examples run more steps, and a step then waits for the others",
-                        f.files.len()
-                    );
-                }
                 AutoShardPolicy::File
             }
             (AutoShardPolicy::Auto, _) => {
@@ -381,6 +373,14 @@ impl Strategy {
                          shared by FILE among {workers} workers",
                         f.batch_size
                     )));
+                }
+                if f.files.len() % workers != 0 {
+                    log::warn!(
+                        "experimental_distribute_dataset: {} files sharded by FILE over \
+                         {workers} workers, some reading one more: workers whose files hold \
+                         more examples run more steps, and a step then waits for the others",
+                        f.files.len()
+                    );
                 }
                 let rows = partition(f.batch_size, workers, worker).len();
                 let batches = f.batches(move |i| i % workers == worker, rows);
