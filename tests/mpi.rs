@@ -32,9 +32,35 @@ fn mpirun() -> Option<&'static str> {
 }
 
 /// `mpirun -np N PROGRAM ARGS` (as root, oversubscribing the cores), killed past `limit`.
+/// Each job's Open MPI session files go in a directory of its own: jobs started at once by
+/// the tests running in parallel otherwise race to make the one under /tmp, and the loser
+/// fails to start ("A call to mkdir was unable to create the desired directory").
 fn run_mpi(np: usize, program: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    static JOBS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let limit = Duration::from_secs(240);
+    let session = std::env::temp_dir().join(format!(
+        "tutti-mpi-{}-{}",
+        std::process::id(),
+        JOBS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&session).expect("a session directory for mpirun");
+    let out = run_mpi_in(np, program, args, env, &session, limit);
+    let _ = std::fs::remove_dir_all(&session);
+    out
+}
+
+fn run_mpi_in(
+    np: usize,
+    program: &std::path::Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+    session: &std::path::Path,
+    limit: Duration,
+) -> Output {
     let mut child = Command::new(mpirun().expect("checked by the caller"))
+        // Open MPI 4 (orte) and 5 (prte) name the setting differently.
+        .env("OMPI_MCA_orte_tmpdir_base", session)
+        .env("PRTE_MCA_prte_tmpdir_base", session)
         .args(["--allow-run-as-root", "--oversubscribe", "-np"])
         .arg(np.to_string())
         .arg(program)
