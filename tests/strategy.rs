@@ -789,6 +789,114 @@ fn a_failing_step_is_returned_and_the_workers_stay() {
     });
 }
 
+/// `ClusterCoordinator.schedule` and `join`: scheduled steps carry their arguments and send a
+/// value back; a step that raises fails `join` with its error, and its value and the values it
+/// cancelled say so; a worker lost to the timeout is replaced, then rejoins at the next run;
+/// the three partitioner kinds shard as TensorFlow's do.
+#[test]
+fn scheduled_steps_return_values_and_a_lost_worker_rejoins() {
+    use tutti::strategy::ps::{ParameterServerStrategy, Partitioner, Role, StepContext};
+    let addrs = free_addrs(5);
+    let cluster = serde_json::json!({
+        "chief": [addrs[0]], "worker": [addrs[1], addrs[2]], "ps": [addrs[3], addrs[4]]
+    });
+    let task = |ty: &str, i: usize, secs: u64| {
+        ParameterServerStrategy::new(spec_of(&cluster, ty, i), Partitioner::FixedShards(3))
+            .unwrap()
+            .with_timeout(Duration::from_secs(secs))
+    };
+    // The payload is a command; the output: the worker, then the variable's first element.
+    let step_fn = |ctx: &StepContext| {
+        let w = ctx.worker() as u8;
+        match ctx.payload() {
+            b"raise" => return Err(Error::config("raised by the step function")),
+            // Worker 0 outlives the coordinator's 2 s timeout; worker 1 is slow enough that
+            // worker 0 surely takes one of the two.
+            b"slow" => std::thread::sleep(Duration::from_millis(if w == 0 { 3500 } else { 300 })),
+            b"read" => {
+                ctx.set_output(vec![w, ctx.variables()[0][0] as u8]);
+                return Ok((vec![], 0.0));
+            }
+            _ => {}
+        }
+        ctx.set_output(vec![w]);
+        Ok((vec![vec![1.0f32; 6]], ctx.step() as f32))
+    };
+    std::thread::scope(|s| {
+        let servers: Vec<_> = [("ps", 0), ("ps", 1), ("worker", 0), ("worker", 1)]
+            .into_iter()
+            .map(|(ty, i)| {
+                let t = task(ty, i, 30);
+                s.spawn(move || t.run_role(step_fn).map(|r| matches!(r, Role::Done)))
+            })
+            .collect();
+        let Role::Chief(coord) = task("chief", 0, 2).run_role(step_fn).unwrap() else {
+            panic!("the chief got no coordinator")
+        };
+        let w = coord.create_variable("w", &[100.0; 6], 1.0).unwrap();
+        // Three fixed shards over two ps tasks.
+        assert_eq!(coord.shards(), vec![3]);
+
+        let ok: Vec<_> = (0..4).map(|_| coord.schedule(vec![]).unwrap()).collect();
+        assert!(!ok[0].is_ready(), "scheduled steps ran before join");
+        coord.join().unwrap();
+        for (i, v) in ok.iter().enumerate() {
+            let out = coord.fetch(v).unwrap();
+            assert_eq!(out.loss, i as f32);
+            assert!(out.output[0] < 2, "{out:?}");
+        }
+        assert_eq!(coord.read_variable(w).unwrap(), vec![96.0; 6]);
+        // A read-only step pushes nothing; fetch runs what is scheduled.
+        let read = coord.schedule(b"read".to_vec()).unwrap();
+        assert_eq!(coord.fetch(&read).unwrap().output[1], 96);
+
+        // One step raises: join returns its error, the workers stay.
+        let mut vals = vec![coord.schedule(b"raise".to_vec()).unwrap()];
+        vals.extend((0..40).map(|_| coord.schedule(vec![]).unwrap()));
+        let e = coord.join().unwrap_err();
+        assert!(
+            matches!(&e, Error::StepFailed { message, .. } if message.contains("raised by the step function")),
+            "{e}"
+        );
+        let raised = coord.fetch(&vals[0]).unwrap_err();
+        assert_eq!(raised, e);
+        let cancelled = vals[1..].iter().filter_map(|v| coord.fetch(v).err());
+        for c in cancelled {
+            assert!(c.to_string().contains("cancelled, not run: step"), "{c}");
+        }
+        assert_eq!(coord.num_workers(), 2);
+
+        // Worker 0 outlives the timeout: dropped, its step run by worker 1.
+        let slow: Vec<_> = (0..2)
+            .map(|_| coord.schedule(b"slow".to_vec()).unwrap())
+            .collect();
+        coord.join().unwrap();
+        assert_eq!(coord.num_workers(), 1);
+        for v in &slow {
+            assert_eq!(coord.fetch(v).unwrap().output, vec![1]);
+        }
+        // Once it is free again, it rejoins at the next run and takes steps.
+        std::thread::sleep(Duration::from_millis(2000));
+        let vals: Vec<_> = (0..30)
+            .map(|_| coord.schedule(b"read".to_vec()).unwrap())
+            .collect();
+        coord.join().unwrap();
+        assert_eq!(coord.num_workers(), 2, "worker 0 did not rejoin");
+        let by: Vec<u8> = vals
+            .iter()
+            .map(|v| coord.fetch(v).unwrap().output[0])
+            .collect();
+        assert!(by.contains(&0) && by.contains(&1), "{by:?}");
+        coord.shutdown().unwrap();
+        for h in servers {
+            assert!(
+                h.join().unwrap().unwrap(),
+                "a task did not end with the job"
+            );
+        }
+    });
+}
+
 /// A parameter server that dies is named by the coordinator and by every worker, each within
 /// the timeout, instead of the workers being dropped one by one.
 #[test]

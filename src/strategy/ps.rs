@@ -28,23 +28,33 @@ use crate::cluster::auth::{handshake_client, Acceptor, Purpose, HANDSHAKE_LIMIT}
 use crate::cluster::{split_addr, ClusterSpec};
 use crate::error::{Error, Result};
 
-/// How a variable is cut into shards across the ps tasks.
+/// How a variable is cut into shards across the ps tasks. Shards go to the ps tasks in turn,
+/// so a task may hold several shards of one variable; no variable has more shards than
+/// elements, nor fewer than one.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Partitioner {
-    /// At most this many shards (and no more than there are ps tasks or elements).
+    /// At most this many shards, and no more than there are ps tasks.
     MaxShards(usize),
-    /// Shards of at least this many bytes (TensorFlow's `MinSizePartitioner`).
+    /// Exactly this many shards (TensorFlow's `FixedShardsPartitioner`).
+    FixedShards(usize),
+    /// Shards of at least this many bytes, no more than there are ps tasks (TensorFlow's
+    /// `MinSizePartitioner` with `max_shards` the ps tasks).
     MinShardBytes(usize),
+    /// Shards of at most this many bytes, as few as that allows (TensorFlow's
+    /// `MaxSizePartitioner`).
+    MaxShardBytes(usize),
 }
 
 impl Partitioner {
     /// Shard count for a variable of `len` f32 elements over `ps` tasks.
     pub fn shards(self, len: usize, ps: usize) -> usize {
         let n = match self {
-            Partitioner::MaxShards(k) => k,
-            Partitioner::MinShardBytes(b) => (len * 4) / b.max(1),
+            Partitioner::MaxShards(k) => k.min(ps.max(1)),
+            Partitioner::FixedShards(k) => k,
+            Partitioner::MinShardBytes(b) => ((len * 4) / b.max(1)).min(ps.max(1)),
+            Partitioner::MaxShardBytes(b) => (len * 4).div_ceil(b.max(4)),
         };
-        n.clamp(1, ps.max(1)).min(len.max(1))
+        n.max(1).min(len.max(1))
     }
 }
 
@@ -72,6 +82,11 @@ const MAX_ERROR: u64 = 64 << 10;
 const MAX_LAYOUT: u64 = 16 << 20;
 /// The most elements of one shard: a layout carries its length as a `u32`.
 const MAX_SHARD: u64 = u32::MAX as u64;
+/// The most shards of one variable (a layout holds at most a million in all).
+const MAX_VARIABLE_SHARDS: usize = 1 << 16;
+/// The most bytes of what a scheduled step carries to its worker ([`Coordinator::schedule`]),
+/// and of what it sends back ([`StepContext::set_output`]).
+pub const MAX_STEP_BYTES: usize = 256 << 20;
 /// Bytes of a message's header: its op and its payload's length.
 const HEADER: usize = 12;
 
@@ -120,13 +135,13 @@ fn recv(
 
 /// Request and answer. A broken connection (or no answer within the timeout) is
 /// [`Error::TaskLost`] naming `who`; an answer this request cannot have (of an unknown kind,
-/// or an `OP_OK` whose length is not `want`) is an error naming `who` too.
+/// or an `OP_OK` whose length is outside `want`) is an error naming `who` too.
 fn exchange(
     s: &mut TcpStream,
     op: u32,
     payload: &[u8],
     who: &str,
-    want: usize,
+    want: std::ops::RangeInclusive<usize>,
 ) -> Result<(u32, Vec<u8>)> {
     let failed = |e: std::io::Error| match e.kind() {
         std::io::ErrorKind::InvalidData => Error::System {
@@ -140,14 +155,19 @@ fn exchange(
     };
     send(s, op, payload).map_err(failed)?;
     let (r, p) = recv(s, |r| match r {
-        OP_OK => Ok(want as u64),
+        OP_OK => Ok(*want.end() as u64),
         OP_ERR | OP_STEP_FAILED | OP_TASK_LOST => Ok(MAX_ERROR),
         r => Err(format!("an answer of unknown kind {r}")),
     })
     .map_err(failed)?;
-    if r == OP_OK && p.len() != want {
+    if r == OP_OK && !want.contains(&p.len()) {
+        let due = if want.start() == want.end() {
+            want.start().to_string()
+        } else {
+            format!("{} to {}", want.start(), want.end())
+        };
         return Err(failed(invalid(format!(
-            "an answer of {} bytes where {want} were due",
+            "an answer of {} bytes where {due} were due",
             p.len()
         ))));
     }
@@ -155,11 +175,17 @@ fn exchange(
 }
 
 /// Request and answer; an `OP_ERR` answer becomes an error carrying the peer's message. An
-/// `OP_OK` answer has the length the request's op calls for (the loss of a step; nothing
-/// else), or the error says what came.
+/// `OP_OK` answer has the length the request's op calls for (a step: the loss, then what the
+/// step sent back; nothing else), or the error says what came.
 fn call(s: &mut TcpStream, op: u32, payload: &[u8], who: &str) -> Result<Vec<u8>> {
-    call_sized(s, op, payload, who, if op == OP_STEP { 4 } else { 0 })
+    match op {
+        OP_STEP => call_within(s, op, payload, who, STEP_ANSWER),
+        _ => call_sized(s, op, payload, who, 0),
+    }
 }
+
+/// What a step's `OP_OK` answer may hold: its loss, then at most [`MAX_STEP_BYTES`].
+const STEP_ANSWER: std::ops::RangeInclusive<usize> = 4..=4 + MAX_STEP_BYTES;
 
 /// [`call`], whose `OP_OK` answer has `want` bytes.
 fn call_sized(
@@ -168,6 +194,17 @@ fn call_sized(
     payload: &[u8],
     who: &str,
     want: usize,
+) -> Result<Vec<u8>> {
+    call_within(s, op, payload, who, want..=want)
+}
+
+/// [`call`], whose `OP_OK` answer's length is within `want`.
+fn call_within(
+    s: &mut TcpStream,
+    op: u32,
+    payload: &[u8],
+    who: &str,
+    want: std::ops::RangeInclusive<usize>,
 ) -> Result<Vec<u8>> {
     match exchange(s, op, payload, who, want)? {
         (OP_OK, p) => Ok(p),
@@ -233,7 +270,11 @@ enum Request {
         grad: Vec<f32>,
     },
     Setup(Vec<Vec<Shard>>),
-    Step(u64),
+    /// Run a step: its number, and what the coordinator scheduled it with.
+    Step {
+        step: u64,
+        payload: Vec<u8>,
+    },
     Shutdown,
     /// The job ends because this task was lost.
     Abort(Error),
@@ -245,7 +286,8 @@ fn request_bound(op: u32, largest: usize) -> std::result::Result<u64, String> {
     Ok(match op {
         OP_SHUTDOWN => 0,
         OP_ABORT => MAX_ERROR,
-        OP_PULL | OP_STEP => 8,
+        OP_PULL => 8,
+        OP_STEP => 8 + MAX_STEP_BYTES as u64,
         OP_PUSH => 8 + 4 * largest as u64,
         OP_CREATE => 12 + 4 * MAX_SHARD,
         OP_SETUP => MAX_LAYOUT,
@@ -298,8 +340,13 @@ impl Request {
             }
             OP_SETUP => Request::Setup(decode_layout(p)?),
             OP_STEP => {
-                exact("STEP", 8)?;
-                Request::Step(u64::from_le_bytes(p.try_into().expect("8 bytes")))
+                if p.len() < 8 {
+                    return Err(format!("a STEP request of {} bytes, under 8", p.len()));
+                }
+                Request::Step {
+                    step: u64::from_le_bytes(p[..8].try_into().expect("8 bytes")),
+                    payload: p[8..].to_vec(),
+                }
             }
             OP_SHUTDOWN => {
                 exact("SHUTDOWN", 0)?;
@@ -326,6 +373,8 @@ pub struct StepContext {
     worker: usize,
     num_workers: usize,
     variables: Vec<Vec<f32>>,
+    payload: Vec<u8>,
+    output: Mutex<Vec<u8>>,
 }
 
 impl StepContext {
@@ -345,9 +394,20 @@ impl StepContext {
     pub fn variables(&self) -> &[Vec<f32>] {
         &self.variables
     }
+    /// What the coordinator scheduled this step with ([`Coordinator::schedule`]); empty for
+    /// the steps of [`Coordinator::run_steps`].
+    pub fn payload(&self) -> &[u8] {
+        &self.payload
+    }
+    /// Send `bytes` back with the step's loss: the coordinator's [`RemoteValue`] holds them.
+    /// At most [`MAX_STEP_BYTES`]; more fails the step.
+    pub fn set_output(&self, bytes: Vec<u8>) {
+        *self.output.lock() = bytes;
+    }
 }
 
-/// A worker's step: one gradient per variable, and the loss.
+/// A worker's step: a gradient per variable, and the loss. An empty gradient leaves its
+/// variable alone, and so does an empty list (a step that only reads, such as an evaluation).
 pub type StepResult = Result<(Vec<Vec<f32>>, f32)>;
 
 /// What [`ParameterServerStrategy::run_role`] leaves this process to do.
@@ -652,8 +712,8 @@ fn handle(
                 }
                 None => Err("SETUP sent to a ps task".into()),
             },
-            Request::Step(step) => match worker {
-                Some(w) => match w.step(step) {
+            Request::Step { step, payload } => match worker {
+                Some(w) => match w.step(step, payload) {
                     Ok(b) => Ok(b),
                     Err(e @ Error::TaskLost { .. }) => {
                         // Without that ps task this worker cannot run any step: it leaves the
@@ -778,8 +838,9 @@ impl WorkerState {
         r
     }
 
-    /// Pull every variable, run the step function, push the gradients; the loss.
-    fn step(&self, step: u64) -> Result<Vec<u8>> {
+    /// Pull every variable, run the step function, push the gradients; the loss and what the
+    /// step sent back.
+    fn step(&self, step: u64, payload: Vec<u8>) -> Result<Vec<u8>> {
         let layout = self.layout.lock().clone();
         let mut variables = Vec::with_capacity(layout.len());
         for shards in &layout {
@@ -798,6 +859,8 @@ impl WorkerState {
             worker: self.index,
             num_workers: self.num_workers,
             variables,
+            payload,
+            output: Mutex::new(Vec::new()),
         };
         let failed = |message: String| Error::StepFailed {
             worker: self.index,
@@ -805,7 +868,14 @@ impl WorkerState {
             message,
         };
         let (grads, loss) = (self.step_fn)(&ctx).map_err(|e| failed(e.to_string()))?;
-        if grads.len() != layout.len() {
+        let output = ctx.output.into_inner();
+        if output.len() > MAX_STEP_BYTES {
+            return Err(failed(format!(
+                "the step sent back {} bytes, more than the {MAX_STEP_BYTES} a step may",
+                output.len()
+            )));
+        }
+        if !grads.is_empty() && grads.len() != layout.len() {
             return Err(failed(format!(
                 "the step returned {} gradients for {} variables",
                 grads.len(),
@@ -814,6 +884,9 @@ impl WorkerState {
         }
         for (g, shards) in grads.iter().zip(&layout) {
             let total: usize = shards.iter().map(|s| s.len).sum();
+            if g.is_empty() {
+                continue;
+            }
             if g.len() != total {
                 return Err(failed(format!(
                     "a gradient of {} elements for a variable of {total}",
@@ -831,7 +904,9 @@ impl WorkerState {
                 })?;
             }
         }
-        Ok(loss.to_le_bytes().to_vec())
+        let mut answer = loss.to_le_bytes().to_vec();
+        answer.extend(output);
+        Ok(answer)
     }
 }
 
@@ -839,12 +914,64 @@ impl WorkerState {
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct VariableId(usize);
 
+impl VariableId {
+    /// Its place in creation order (the index of its value in [`StepContext::variables`]).
+    pub fn index(self) -> usize {
+        self.0
+    }
+}
+
+/// What a step sent back: its loss, and the bytes it set ([`StepContext::set_output`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepOutput {
+    /// The loss the step function returned.
+    pub loss: f32,
+    /// What the step function set with [`StepContext::set_output`] (empty if nothing).
+    pub output: Vec<u8>,
+}
+
+type Slot = Arc<Mutex<Option<Result<StepOutput>>>>;
+
+/// The result of a scheduled step ([`Coordinator::schedule`]), TensorFlow's `RemoteValue`:
+/// read it with [`Coordinator::fetch`]. Clones share the result; it is freed with the last.
+#[derive(Clone)]
+pub struct RemoteValue {
+    step: u64,
+    slot: Slot,
+}
+
+impl RemoteValue {
+    /// The step number the step function sees ([`StepContext::step`]).
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Whether the step has run (or will not: an earlier failure cancelled it).
+    pub fn is_ready(&self) -> bool {
+        self.slot.lock().is_some()
+    }
+}
+
+/// Steps scheduled and not yet run.
+#[derive(Default)]
+struct Schedule {
+    next: u64,
+    pending: Vec<(u64, Vec<u8>, Slot)>,
+}
+
+/// How long the coordinator tries a lost worker's address before each run, to let it rejoin.
+const REJOIN_WAIT: Duration = Duration::from_millis(200);
+
 /// The chief's side: creates variables, schedules steps, reads results, shuts the job down.
 pub struct Coordinator {
     workers: Vec<Mutex<Option<TcpStream>>>,
+    worker_addrs: Vec<String>,
     ps: Vec<Mutex<TcpStream>>,
     layout: Mutex<Vec<Vec<Shard>>>,
     partitioner: Partitioner,
+    token: String,
+    timeout: Duration,
+    schedule: Mutex<Schedule>,
 }
 
 impl Coordinator {
@@ -854,15 +981,20 @@ impl Coordinator {
             .iter()
             .map(|a| connect(a, &token, s.timeout).map(Mutex::new))
             .collect::<Result<Vec<_>>>()?;
-        let workers = s.spec.cluster["worker"]
+        let worker_addrs = s.spec.cluster["worker"].clone();
+        let workers = worker_addrs
             .iter()
             .map(|a| connect(a, &token, s.timeout).map(|c| Mutex::new(Some(c))))
             .collect::<Result<Vec<_>>>()?;
         Ok(Coordinator {
             workers,
+            worker_addrs,
             ps,
             layout: Mutex::new(Vec::new()),
             partitioner: s.partitioner,
+            token,
+            timeout: s.timeout,
+            schedule: Mutex::new(Schedule::default()),
         })
     }
 
@@ -877,6 +1009,12 @@ impl Coordinator {
         let mut layout = self.layout.lock();
         let var = layout.len() as u32;
         let n = self.partitioner.shards(initial.len(), self.ps.len());
+        if n > MAX_VARIABLE_SHARDS {
+            return Err(Error::config(format!(
+                "variable '{name}': {n} shards, more than the {MAX_VARIABLE_SHARDS} a variable \
+                 may have; use a partitioner that makes fewer"
+            )));
+        }
         let mut shards = Vec::with_capacity(n);
         for i in 0..n {
             let r = crate::algorithm::partition(initial.len(), n, i);
@@ -948,6 +1086,7 @@ impl Coordinator {
     ///
     /// - A worker that is lost (its connection breaks, or a step outlives the timeout) is
     ///   dropped and its step given to another; the call fails only when every worker is lost.
+    ///   A lost worker that comes back (restarted on its address) rejoins at the next call.
     /// - A step whose step function fails is the caller's error: no further step is
     ///   scheduled, the steps already running finish, and the call returns
     ///   [`Error::StepFailed`] with the step function's message and the worker that raised it.
@@ -955,17 +1094,127 @@ impl Coordinator {
     /// - A ps task that is gone ends the job: every task still reachable is told, each
     ///   returns [`Error::TaskLost`] naming it from `run_role`, and so does this call.
     pub fn run_steps(&self, n: usize) -> Result<Vec<f32>> {
-        let queue = Mutex::new((0..n as u64).collect::<VecDeque<u64>>());
-        let losses = Mutex::new(vec![f32::NAN; n]);
+        let (results, outcome) = self.run((0..n as u64).map(|s| (s, Vec::new())).collect());
+        outcome?;
+        Ok(results
+            .into_iter()
+            .map(|r| match r {
+                Some(Ok(o)) => o.loss,
+                _ => f32::NAN,
+            })
+            .collect())
+    }
+
+    /// Schedule a step with `payload` (what its step function reads from
+    /// [`StepContext::payload`]) and return at once, TensorFlow's `ClusterCoordinator.schedule`.
+    /// Scheduled steps run, each on whichever worker is free, at the next [`Coordinator::join`]
+    /// or [`Coordinator::fetch`]; their step numbers count from 0, apart from `run_steps`'.
+    pub fn schedule(&self, payload: Vec<u8>) -> Result<RemoteValue> {
+        if payload.len() > MAX_STEP_BYTES {
+            return Err(Error::config(format!(
+                "schedule: a payload of {} bytes, more than the {MAX_STEP_BYTES} a step may carry",
+                payload.len()
+            )));
+        }
+        let mut s = self.schedule.lock();
+        let step = s.next;
+        s.next += 1;
+        let slot: Slot = Arc::default();
+        s.pending.push((step, payload, slot.clone()));
+        Ok(RemoteValue { step, slot })
+    }
+
+    /// Run every step scheduled so far, and wait for them, TensorFlow's
+    /// `ClusterCoordinator.join`. Failures are as in [`Coordinator::run_steps`]: the first
+    /// step function's error (or lost ps task) stops the run and is returned; the steps it
+    /// stopped are not run, and their values hold an error saying so.
+    pub fn join(&self) -> Result<()> {
+        let pending = std::mem::take(&mut self.schedule.lock().pending);
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let (steps, slots): (Vec<_>, Vec<_>) = pending
+            .into_iter()
+            .map(|(step, payload, slot)| ((step, payload), slot))
+            .unzip();
+        let ids: Vec<u64> = steps.iter().map(|s| s.0).collect();
+        let (results, outcome) = self.run(steps);
+        for ((r, slot), step) in results.into_iter().zip(slots).zip(ids) {
+            *slot.lock() = Some(r.unwrap_or_else(|| {
+                let why = match &outcome {
+                    Err(e) => e.to_string(),
+                    Ok(()) => "the run ended first".into(),
+                };
+                Err(Error::System {
+                    what: format!("scheduled step {step}"),
+                    message: format!("cancelled, not run: {why}"),
+                })
+            }));
+        }
+        outcome
+    }
+
+    /// The result of a scheduled step, running what is scheduled first if it has not run
+    /// (TensorFlow's `RemoteValue.fetch`): its output, or the error that failed or cancelled it.
+    pub fn fetch(&self, value: &RemoteValue) -> Result<StepOutput> {
+        if !value.is_ready() {
+            // This value's own result is what is returned, whatever stopped the run.
+            let _ = self.join();
+        }
+        value.slot.lock().clone().unwrap_or_else(|| {
+            Err(Error::config(format!(
+                "scheduled step {} was not scheduled on this coordinator",
+                value.step
+            )))
+        })
+    }
+
+    /// Reconnect the lost workers that are back (restarted on their address): they get the
+    /// variables' layout and take steps again.
+    fn rejoin(&self) {
+        let mut setup = None;
+        for (i, w) in self.workers.iter().enumerate() {
+            let mut w = w.lock();
+            if w.is_some() {
+                continue;
+            }
+            let Ok(mut c) = connect(&self.worker_addrs[i], &self.token, REJOIN_WAIT) else {
+                continue;
+            };
+            let setup = setup.get_or_insert_with(|| encode_layout(&self.layout.lock()));
+            let joined = c
+                .set_read_timeout(Some(self.timeout))
+                .map_err(|e| Error::io("configuring a connection", e))
+                .and_then(|_| call(&mut c, OP_SETUP, setup, &format!("worker {i}")));
+            match joined {
+                Ok(_) => {
+                    log::info!("parameter-server job: worker {i} is back and rejoins");
+                    *w = Some(c);
+                }
+                Err(e) => {
+                    log::warn!("parameter-server job: worker {i} answered but did not rejoin: {e}")
+                }
+            }
+        }
+    }
+
+    /// Run `steps` (number and payload), each on whichever worker is free: what each gave, in
+    /// order (`None`: not run, because the run stopped first), and what stopped the run.
+    fn run(&self, steps: Vec<(u64, Vec<u8>)>) -> (Vec<Option<Result<StepOutput>>>, Result<()>) {
+        self.rejoin();
+        let n = steps.len();
+        let queue = Mutex::new((0..n).collect::<VecDeque<usize>>());
+        let results: Mutex<Vec<Option<Result<StepOutput>>>> = Mutex::new(vec![None; n]);
         let remaining = std::sync::atomic::AtomicUsize::new(n);
         let lost = Mutex::new(Vec::new());
         // The first step failure or lost ps task; once set, no step is handed out.
         let failure: Mutex<Option<Error>> = Mutex::new(None);
         let stop = AtomicBool::new(false);
+        let steps = &steps;
         std::thread::scope(|sc| {
             for (i, w) in self.workers.iter().enumerate() {
-                let (queue, losses, remaining, lost, failure, stop) =
-                    (&queue, &losses, &remaining, &lost, &failure, &stop);
+                let (queue, results, remaining, lost, failure, stop) =
+                    (&queue, &results, &remaining, &lost, &failure, &stop);
                 sc.spawn(move || {
                     let mut conn = w.lock();
                     let fail = |e: Error| {
@@ -978,23 +1227,36 @@ impl Coordinator {
                     };
                     while remaining.load(Ordering::Acquire) > 0 && !stop.load(Ordering::Acquire) {
                         let Some(c) = conn.as_mut() else { return };
-                        let Some(step) = queue.lock().pop_front() else {
+                        let Some(at) = queue.lock().pop_front() else {
                             std::thread::sleep(Duration::from_millis(1));
                             continue;
                         };
+                        let (step, payload) = &steps[at];
+                        let step = *step;
                         let who = format!("worker {i}");
-                        match exchange(c, OP_STEP, &step.to_le_bytes(), &who, 4) {
+                        let mut req = step.to_le_bytes().to_vec();
+                        req.extend_from_slice(payload);
+                        let done = |r: Result<StepOutput>| {
+                            results.lock()[at] = Some(r);
+                            remaining.fetch_sub(1, Ordering::AcqRel);
+                        };
+                        match exchange(c, OP_STEP, &req, &who, STEP_ANSWER) {
                             Ok((OP_OK, b)) => {
-                                let loss = b.get(..4).and_then(|b| b.try_into().ok());
-                                losses.lock()[step as usize] =
-                                    f32::from_le_bytes(loss.unwrap_or([0; 4]));
-                                remaining.fetch_sub(1, Ordering::AcqRel);
+                                let loss = b[..4].try_into().expect("4 bytes at least");
+                                done(Ok(StepOutput {
+                                    loss: f32::from_le_bytes(loss),
+                                    output: b[4..].to_vec(),
+                                }));
                             }
-                            Ok((OP_STEP_FAILED, m)) => fail(Error::StepFailed {
-                                worker: i,
-                                step,
-                                message: String::from_utf8_lossy(&m).into_owned(),
-                            }),
+                            Ok((OP_STEP_FAILED, m)) => {
+                                let e = Error::StepFailed {
+                                    worker: i,
+                                    step,
+                                    message: String::from_utf8_lossy(&m).into_owned(),
+                                };
+                                done(Err(e.clone()));
+                                fail(e);
+                            }
                             Ok((OP_TASK_LOST, m)) => {
                                 // The worker left the job with this error.
                                 *conn = None;
@@ -1009,7 +1271,7 @@ impl Coordinator {
                                 log::warn!(
                                     "worker {i} lost during step {step} ({e}); rescheduling the step"
                                 );
-                                queue.lock().push_front(step);
+                                queue.lock().push_front(at);
                                 lost.lock().push((i, e));
                                 *conn = None;
                                 return;
@@ -1019,11 +1281,12 @@ impl Coordinator {
                 });
             }
         });
+        let results = results.into_inner();
         if let Some(e) = failure.into_inner() {
             if matches!(e, Error::TaskLost { .. }) {
                 self.abort(&e);
             }
-            return Err(e);
+            return (results, Err(e));
         }
         let left = remaining.load(Ordering::Acquire);
         if left > 0 {
@@ -1032,12 +1295,15 @@ impl Coordinator {
                 .iter()
                 .map(|(i, e)| format!("worker {i}: {e}"))
                 .collect();
-            return Err(Error::TaskLost {
-                task: "every worker".into(),
-                detail: format!("{} steps left; {}", left, why.join("; ")),
-            });
+            return (
+                results,
+                Err(Error::TaskLost {
+                    task: "every worker".into(),
+                    detail: format!("{} steps left; {}", left, why.join("; ")),
+                }),
+            );
         }
-        Ok(losses.into_inner())
+        (results, Ok(()))
     }
 
     /// End the job because of `lost`: every task still reachable returns it from `run_role`.
@@ -1045,11 +1311,17 @@ impl Coordinator {
         let reason = encode_lost(lost);
         for (i, w) in self.workers.iter().enumerate() {
             if let Some(c) = w.lock().as_mut() {
-                let _ = exchange(c, OP_ABORT, &reason, &format!("worker {i}"), 0);
+                let _ = exchange(c, OP_ABORT, &reason, &format!("worker {i}"), 0..=0);
             }
         }
         for (i, p) in self.ps.iter().enumerate() {
-            let _ = exchange(&mut p.lock(), OP_ABORT, &reason, &format!("ps task {i}"), 0);
+            let _ = exchange(
+                &mut p.lock(),
+                OP_ABORT,
+                &reason,
+                &format!("ps task {i}"),
+                0..=0,
+            );
         }
     }
 
@@ -1078,6 +1350,13 @@ mod tests {
         assert_eq!(Partitioner::MaxShards(8).shards(2, 3), 2);
         assert_eq!(Partitioner::MinShardBytes(100).shards(100, 8), 4);
         assert_eq!(Partitioner::MinShardBytes(1 << 20).shards(100, 8), 1);
+        // Fixed and max-size shards may outnumber the ps tasks, never the elements.
+        assert_eq!(Partitioner::FixedShards(5).shards(100, 2), 5);
+        assert_eq!(Partitioner::FixedShards(5).shards(3, 2), 3);
+        assert_eq!(Partitioner::FixedShards(0).shards(3, 2), 1);
+        assert_eq!(Partitioner::MaxShardBytes(100).shards(100, 2), 4);
+        assert_eq!(Partitioner::MaxShardBytes(400).shards(100, 2), 1);
+        assert_eq!(Partitioner::MaxShardBytes(1).shards(3, 2), 3);
         let layout = vec![vec![
             Shard {
                 ps: 1,
@@ -1185,7 +1464,7 @@ mod tests {
         let mut c = connect(&addr, "tok", Duration::from_secs(5)).unwrap();
         let e = call(&mut c, OP_STEP, &0u64.to_le_bytes(), "worker 3").unwrap_err();
         assert!(
-            e.to_string().contains("worker 3") && e.to_string().contains("0 bytes where 4"),
+            e.to_string().contains("worker 3") && e.to_string().contains("0 bytes where 4 to"),
             "{e}"
         );
         worker.join().unwrap();
@@ -1249,7 +1528,11 @@ mod tests {
                     (OP_PUSH, b)
                 }
                 Request::Setup(l) => (OP_SETUP, encode_layout(l)),
-                Request::Step(s) => (OP_STEP, s.to_le_bytes().to_vec()),
+                Request::Step { step, payload } => {
+                    let mut b = step.to_le_bytes().to_vec();
+                    b.extend_from_slice(payload);
+                    (OP_STEP, b)
+                }
                 Request::Shutdown => (OP_SHUTDOWN, Vec::new()),
                 Request::Abort(e) => (OP_ABORT, encode_lost(e)),
             }
@@ -1285,7 +1568,8 @@ mod tests {
                 }),
                 proptest::collection::vec(proptest::collection::vec(shard(), 0..4), 0..4)
                     .prop_map(Request::Setup),
-                any::<u64>().prop_map(Request::Step),
+                (any::<u64>(), proptest::collection::vec(any::<u8>(), 0..16))
+                    .prop_map(|(step, payload)| Request::Step { step, payload }),
                 Just(Request::Shutdown),
             ]
         }
