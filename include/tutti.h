@@ -112,6 +112,16 @@ enum tutti_result
      * `tutti_work_test`) sees it complete. Not an abort, unlike `TUTTI_ERROR_TIMEOUT`.
      */
     TUTTI_ERROR_WAIT_TIMEOUT = 10,
+    /**
+     * A task of a parameter-server job (a ps task, a worker) is gone: it exited, crashed or
+     * was killed, or did not answer within the timeout (`tutti_last_error` names it).
+     */
+    TUTTI_ERROR_TASK_LOST = 11,
+    /**
+     * A step function failed on a worker of a parameter-server job: the trainer's own error,
+     * with the worker and step that raised it. The job goes on.
+     */
+    TUTTI_ERROR_STEP_FAILED = 12,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -509,6 +519,31 @@ typedef struct tutti_checkpoint tutti_checkpoint;
 typedef struct tutti_comm tutti_comm;
 
 /**
+ * The chief's coordinator (opaque). Written by `tutti_ps_run_role` on the chief, released by
+ * `tutti_ps_coordinator_shutdown` or `tutti_ps_coordinator_destroy`.
+ */
+typedef struct tutti_ps_coordinator tutti_ps_coordinator;
+
+/**
+ * A scheduled step's result (opaque; TensorFlow's `RemoteValue`). Written by
+ * `tutti_ps_coordinator_schedule`, read by `tutti_ps_coordinator_fetch`, released by
+ * `tutti_ps_remote_value_destroy`.
+ */
+typedef struct tutti_ps_remote_value tutti_ps_remote_value;
+
+/**
+ * What a step function gets on a worker (opaque): valid only during that call. It reads the
+ * variables and the step's payload and sets the gradients, the loss and what goes back.
+ */
+typedef struct tutti_ps_step tutti_ps_step;
+
+/**
+ * A parameter-server strategy (opaque): this task's part of the job. Created by
+ * `tutti_ps_strategy_create`, released by `tutti_ps_strategy_destroy`.
+ */
+typedef struct tutti_ps_strategy tutti_ps_strategy;
+
+/**
  * What a replica function gets (opaque): valid only during that call, on that thread.
  */
 typedef struct tutti_replica_context tutti_replica_context;
@@ -647,6 +682,19 @@ typedef struct tutti_device_info {
  * called from any thread, several at once.
  */
 typedef void (*tutti_log_fn)(tutti_log_level level, const char *message, void *user);
+
+/**
+ * A `tutti_partitioner` as it crosses the C boundary: one of the `TUTTI_PARTITIONER_*` values.
+ */
+typedef uint32_t tutti_partitioner;
+
+/**
+ * A worker's step. Return `TUTTI_SUCCESS`, or a failure code after
+ * `tutti_ps_step_set_error` (the step then fails with that message, the worker stays in the
+ * job, and the coordinator's `join` or `fetch` returns `TUTTI_ERROR_STEP_FAILED`). It runs on
+ * a thread of tutti's, and may run on two threads at once after a worker rejoined.
+ */
+typedef tutti_result (*tutti_ps_step_fn)(struct tutti_ps_step *step, void *user_data);
 
 /**
  * A key-value store the caller provides, through which the ranks of
@@ -1674,6 +1722,305 @@ tutti_result tutti_group_start(void);
  * Thread-safety: closes the calling thread's group only.
  */
 tutti_result tutti_group_end(void);
+
+/**
+ * Create this task's parameter-server strategy and write it to `*strategy`. `tf_config` is a
+ * TF_CONFIG text (`{"cluster": {"chief": [...], "worker": [...], "ps": [...]}, "task":
+ * {...}}`), or NULL for this process's environment (TF_CONFIG, `tutti launch --workers N --ps
+ * M`). The job's secret comes from the environment (`TUTTI_JOB_TOKEN`), as for every way of
+ * joining. `partitioner` and `partitioner_value` shard the variables; `timeout_ms` bounds every
+ * wait (0: the default, `TUTTI_TIMEOUT`).
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `tf_config` is NULL or a NUL-terminated string; `strategy` is NULL or writable.
+ */
+tutti_result tutti_ps_strategy_create(const char *tf_config,
+                                      tutti_partitioner partitioner_kind,
+                                      size_t partitioner_value,
+                                      uint64_t timeout_ms,
+                                      struct tutti_ps_strategy **strategy);
+
+/**
+ * Release a strategy. NULL is accepted and ignored.
+ *
+ * Thread-safety: no other call may be using `strategy`, nor use it afterwards.
+ *
+ * # Safety
+ *
+ * `strategy` is NULL or a live handle, not used again.
+ */
+void tutti_ps_strategy_destroy(struct tutti_ps_strategy *strategy);
+
+/**
+ * Take this task's role in the job. On the chief, connect to every task and write the
+ * coordinator to `*coordinator`. On a ps task or a worker, serve (a worker runs `step` for
+ * every step it is sent) until the coordinator shuts the job down, then write NULL to
+ * `*coordinator`; a lost ps task ends the job with `TUTTI_ERROR_TASK_LOST` naming it.
+ *
+ * Thread-safety: callable from any thread; `step` is called from tutti's threads.
+ *
+ * # Safety
+ *
+ * `strategy` is NULL or a live handle; `step` is NULL or a function safe to call from any
+ * thread, several at once, with `user_data` for as long as this call lasts; `coordinator` is
+ * NULL or writable.
+ */
+tutti_result tutti_ps_run_role(const struct tutti_ps_strategy *strategy,
+                               tutti_ps_step_fn step,
+                               void *user_data,
+                               struct tutti_ps_coordinator **coordinator);
+
+/**
+ * Write the step's number to `*step_number`, this worker's index to `*worker`, the workers in
+ * the job to `*num_workers` and the variables to `*num_variables`. Any output may be NULL.
+ *
+ * Thread-safety: only inside the step function that was given `step`.
+ *
+ * # Safety
+ *
+ * `step` is NULL or the handle of the running step function; outputs NULL or writable.
+ */
+tutti_result tutti_ps_step_info(struct tutti_ps_step *step,
+                                uint64_t *step_number,
+                                size_t *worker,
+                                size_t *num_workers,
+                                size_t *num_variables);
+
+/**
+ * Point `*data` at variable `index`'s value as pulled for this step (float32, valid until the
+ * step function returns) and write its length to `*len`.
+ *
+ * Thread-safety: only inside the step function that was given `step`.
+ *
+ * # Safety
+ *
+ * `step` is NULL or the handle of the running step function; `data` and `len` NULL or
+ * writable.
+ */
+tutti_result tutti_ps_step_variable(struct tutti_ps_step *step,
+                                    size_t index,
+                                    const float **data,
+                                    size_t *len);
+
+/**
+ * Point `*data` at what the coordinator scheduled this step with (valid until the step
+ * function returns; empty for `tutti_ps_coordinator_run_steps`) and write its length to
+ * `*len`.
+ *
+ * Thread-safety: only inside the step function that was given `step`.
+ *
+ * # Safety
+ *
+ * `step` is NULL or the handle of the running step function; `data` and `len` NULL or
+ * writable.
+ */
+tutti_result tutti_ps_step_payload(struct tutti_ps_step *step, const void **data, size_t *len);
+
+/**
+ * Set variable `index`'s gradient for this step: `len` float32 values, copied, as long as the
+ * variable. The ps tasks apply `w -= lr * gradient` when the step function returns. A
+ * variable given no gradient is left alone.
+ *
+ * Thread-safety: only inside the step function that was given `step`.
+ *
+ * # Safety
+ *
+ * `step` is NULL or the handle of the running step function; `gradient` holds `len` floats.
+ */
+tutti_result tutti_ps_step_set_gradient(struct tutti_ps_step *step,
+                                        size_t index,
+                                        const float *gradient,
+                                        size_t len);
+
+/**
+ * Set the step's loss (what `tutti_ps_coordinator_run_steps` and `_fetch` return).
+ *
+ * Thread-safety: only inside the step function that was given `step`.
+ *
+ * # Safety
+ *
+ * `step` is NULL or the handle of the running step function.
+ */
+tutti_result tutti_ps_step_set_loss(struct tutti_ps_step *step, float loss);
+
+/**
+ * Send `len` bytes at `data` (copied; at most 256 MiB) back to the coordinator with the
+ * step: `tutti_ps_coordinator_fetch` returns them.
+ *
+ * Thread-safety: only inside the step function that was given `step`.
+ *
+ * # Safety
+ *
+ * `step` is NULL or the handle of the running step function; `data` holds `len` bytes.
+ */
+tutti_result tutti_ps_step_set_output(struct tutti_ps_step *step, const void *data, size_t len);
+
+/**
+ * Set the message the step fails with when the step function returns a failure code (the
+ * coordinator's `tutti_last_error` shows it, with the worker and the step).
+ *
+ * Thread-safety: only inside the step function that was given `step`.
+ *
+ * # Safety
+ *
+ * `step` is NULL or the handle of the running step function; `message` is NULL or a
+ * NUL-terminated string.
+ */
+tutti_result tutti_ps_step_set_error(struct tutti_ps_step *step, const char *message);
+
+/**
+ * Write the workers still in the job to `*num_workers`.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `coordinator` is NULL or a live handle; `num_workers` NULL or writable.
+ */
+tutti_result tutti_ps_coordinator_num_workers(const struct tutti_ps_coordinator *coordinator,
+                                              size_t *num_workers);
+
+/**
+ * Create a variable named `name` from `len` float32 values at `initial`, in `num_shards`
+ * shards across the ps tasks (0: as the strategy's partitioner says) and updated by SGD at
+ * `learning_rate` as gradients arrive. Write its index (its place in the step's variables) to `*index` and its shard count
+ * to `*shards` (either may be NULL).
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `coordinator` is NULL or a live handle; `name` a NUL-terminated string; `initial` holds
+ * `len` floats; `index` and `shards` NULL or writable.
+ */
+tutti_result tutti_ps_coordinator_create_variable(const struct tutti_ps_coordinator *coordinator,
+                                                  const char *name,
+                                                  const float *initial,
+                                                  size_t len,
+                                                  size_t num_shards,
+                                                  float learning_rate,
+                                                  size_t *index,
+                                                  size_t *shards);
+
+/**
+ * Read variable `index`'s current value from its ps tasks into `out`, `len` float32 values
+ * (its length exactly).
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `coordinator` is NULL or a live handle; `out` holds `len` writable floats.
+ */
+tutti_result tutti_ps_coordinator_read_variable(const struct tutti_ps_coordinator *coordinator,
+                                                size_t index,
+                                                float *out,
+                                                size_t len);
+
+/**
+ * Run steps `0..n` on the workers (each step on whichever worker is free) and write their
+ * losses to `losses` (`n` floats; NULL to drop them). A failing step function returns
+ * `TUTTI_ERROR_STEP_FAILED` (the workers stay); a lost ps task `TUTTI_ERROR_TASK_LOST`.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `coordinator` is NULL or a live handle; `losses` NULL or `n` writable floats.
+ */
+tutti_result tutti_ps_coordinator_run_steps(const struct tutti_ps_coordinator *coordinator,
+                                            size_t n,
+                                            float *losses);
+
+/**
+ * Schedule a step carrying `len` bytes at `payload` (copied; at most 256 MiB; the step
+ * function reads them with `tutti_ps_step_payload`) and write its result's handle to
+ * `*value`. Returns at once: scheduled steps run at the next `tutti_ps_coordinator_join` or
+ * `_fetch`.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `coordinator` is NULL or a live handle; `payload` holds `len` bytes (NULL if 0); `value`
+ * NULL or writable.
+ */
+tutti_result tutti_ps_coordinator_schedule(const struct tutti_ps_coordinator *coordinator,
+                                           const void *payload,
+                                           size_t len,
+                                           struct tutti_ps_remote_value **value);
+
+/**
+ * Run every step scheduled so far and wait for them. The first failing step function's error
+ * (`TUTTI_ERROR_STEP_FAILED`) or lost ps task stops the run; the steps it stopped are not run,
+ * and fetching them says so.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `coordinator` is NULL or a live handle.
+ */
+tutti_result tutti_ps_coordinator_join(const struct tutti_ps_coordinator *coordinator);
+
+/**
+ * The result of a scheduled step, running what is scheduled first if it has not run: write
+ * its loss to `*loss` (may be NULL), copy up to `capacity` bytes of what it sent back to
+ * `output` (NULL if `capacity` is 0) and write their full length to `*output_len` (may be
+ * NULL): call again with a larger buffer when it did not fit. A step that failed returns its
+ * error (`TUTTI_ERROR_STEP_FAILED`, or why it was not run).
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `coordinator` and `value` are NULL or live handles; `loss` and `output_len` NULL or
+ * writable; `output` holds `capacity` writable bytes.
+ */
+tutti_result tutti_ps_coordinator_fetch(const struct tutti_ps_coordinator *coordinator,
+                                        const struct tutti_ps_remote_value *value,
+                                        float *loss,
+                                        void *output,
+                                        size_t capacity,
+                                        size_t *output_len);
+
+/**
+ * Release a scheduled step's handle (the step still runs). NULL is accepted and ignored.
+ *
+ * Thread-safety: no other call may be using `value`, nor use it afterwards.
+ *
+ * # Safety
+ *
+ * `value` is NULL or a live handle, not used again.
+ */
+void tutti_ps_remote_value_destroy(struct tutti_ps_remote_value *value);
+
+/**
+ * Tell every task the job is over (their `tutti_ps_run_role` returns) and release the
+ * coordinator, whatever the outcome.
+ *
+ * Thread-safety: no other call may be using `coordinator`, nor use it afterwards.
+ *
+ * # Safety
+ *
+ * `coordinator` is NULL or a live handle, not used again.
+ */
+tutti_result tutti_ps_coordinator_shutdown(struct tutti_ps_coordinator *coordinator);
+
+/**
+ * `tutti_ps_coordinator_shutdown` without its result (a failure is logged). NULL is accepted
+ * and ignored.
+ *
+ * Thread-safety: no other call may be using `coordinator`, nor use it afterwards.
+ *
+ * # Safety
+ *
+ * `coordinator` is NULL or a live handle, not used again.
+ */
+void tutti_ps_coordinator_destroy(struct tutti_ps_coordinator *coordinator);
 
 /**
  * Create `num_replicas` replicas (threads of this process) and write the handle to

@@ -44,6 +44,12 @@ pub enum TuttiResult {
     /// failed: the call goes on, the handle stays valid, and waiting again (or
     /// `tutti_work_test`) sees it complete. Not an abort, unlike `TUTTI_ERROR_TIMEOUT`.
     TUTTI_ERROR_WAIT_TIMEOUT = 10,
+    /// A task of a parameter-server job (a ps task, a worker) is gone: it exited, crashed or
+    /// was killed, or did not answer within the timeout (`tutti_last_error` names it).
+    TUTTI_ERROR_TASK_LOST = 11,
+    /// A step function failed on a worker of a parameter-server job: the trainer's own error,
+    /// with the worker and step that raised it. The job goes on.
+    TUTTI_ERROR_STEP_FAILED = 12,
 }
 
 /// A `tutti_result` as it crosses the C boundary: one of the `TUTTI_*` codes above.
@@ -52,7 +58,7 @@ pub type tutti_result = u32;
 use TuttiResult::*;
 
 /// Every code with its sentence, in code order.
-const RESULT_STRINGS: [(TuttiResult, &CStr); 11] = [
+const RESULT_STRINGS: [(TuttiResult, &CStr); 13] = [
     (TUTTI_SUCCESS, c"success"),
     (
         TUTTI_ERROR_INVALID_ARGUMENT,
@@ -94,6 +100,14 @@ const RESULT_STRINGS: [(TuttiResult, &CStr); 11] = [
         TUTTI_ERROR_WAIT_TIMEOUT,
         c"the wait's own bound passed before the call completed: nothing failed, the call goes on and the work handle stays valid; wait for it again or test it later",
     ),
+    (
+        TUTTI_ERROR_TASK_LOST,
+        c"a task of the parameter-server job was lost (it exited, crashed or was killed; tutti_last_error names it)",
+    ),
+    (
+        TUTTI_ERROR_STEP_FAILED,
+        c"a step function failed on a worker: its own error (tutti_last_error has its message, the worker and the step); the job goes on",
+    ),
 ];
 
 /// A failure on its way to the C caller: the code and what went wrong.
@@ -125,6 +139,8 @@ impl From<tutti::Error> for Failure {
             E::Unavailable { .. } => TUTTI_ERROR_UNAVAILABLE,
             E::System { .. } => TUTTI_ERROR_SYSTEM,
             E::PeerLost { .. } => TUTTI_ERROR_PEER_LOST,
+            E::TaskLost { .. } => TUTTI_ERROR_TASK_LOST,
+            E::StepFailed { .. } => TUTTI_ERROR_STEP_FAILED,
             // A kind of error this C ABI has no code for yet: still a failure, with its message.
             _ => TUTTI_ERROR_INTERNAL,
         };
@@ -391,12 +407,21 @@ mod tests {
                 peer: 2,
                 detail: "x".into(),
             },
+            tutti::Error::TaskLost {
+                task: "ps task 0".into(),
+                detail: "x".into(),
+            },
+            tutti::Error::StepFailed {
+                worker: 1,
+                step: 3,
+                message: "x".into(),
+            },
         ];
         let codes: Vec<u32> = errors
             .into_iter()
             .map(|e| Failure::from(e).code as u32)
             .collect();
-        assert_eq!(codes, [1, 2, 3, 4, 5, 6, 7, 9]);
+        assert_eq!(codes, [1, 2, 3, 4, 5, 6, 7, 9, 11, 12]);
         let setup = tutti::Error::JoinTimeout {
             message: "x".into(),
             timeout: std::time::Duration::from_secs(1),

@@ -19,6 +19,7 @@ mod error;
 mod handle;
 mod log;
 mod p2p;
+mod ps;
 mod replicas;
 mod store;
 mod strategy;

@@ -919,6 +919,12 @@ impl VariableId {
     pub fn index(self) -> usize {
         self.0
     }
+
+    /// The variable at `index` in creation order (a variable the coordinator has not made is
+    /// an error where it is used).
+    pub fn from_index(index: usize) -> VariableId {
+        VariableId(index)
+    }
 }
 
 /// What a step sent back: its loss, and the bytes it set ([`StepContext::set_output`]).
@@ -1006,9 +1012,28 @@ impl Coordinator {
     /// Create a variable, sharded across the ps tasks by the partitioner, updated with SGD at
     /// learning rate `lr` as gradients arrive.
     pub fn create_variable(&self, name: &str, initial: &[f32], lr: f32) -> Result<VariableId> {
+        let n = self.partitioner.shards(initial.len(), self.ps.len());
+        self.create_variable_sharded(name, initial, lr, n)
+    }
+
+    /// [`Coordinator::create_variable`] in `shards` shards (1 to its elements; a partitioner
+    /// of the caller's own, such as TensorFlow's callables).
+    pub fn create_variable_sharded(
+        &self,
+        name: &str,
+        initial: &[f32],
+        lr: f32,
+        shards: usize,
+    ) -> Result<VariableId> {
+        let n = shards;
+        if n == 0 || n > initial.len().max(1) {
+            return Err(Error::config(format!(
+                "variable '{name}': {n} shards for {} elements (1 to the elements)",
+                initial.len()
+            )));
+        }
         let mut layout = self.layout.lock();
         let var = layout.len() as u32;
-        let n = self.partitioner.shards(initial.len(), self.ps.len());
         if n > MAX_VARIABLE_SHARDS {
             return Err(Error::config(format!(
                 "variable '{name}': {n} shards, more than the {MAX_VARIABLE_SHARDS} a variable \

@@ -28,7 +28,8 @@ static void result_strings_and_last_error(void) {
                             TUTTI_ERROR_TIMEOUT,    TUTTI_ERROR_ABORTED,
                             TUTTI_ERROR_UNAVAILABLE, TUTTI_ERROR_SYSTEM,
                             TUTTI_ERROR_INTERNAL,   TUTTI_ERROR_PEER_LOST,
-                            TUTTI_ERROR_WAIT_TIMEOUT};
+                            TUTTI_ERROR_WAIT_TIMEOUT, TUTTI_ERROR_TASK_LOST,
+                            TUTTI_ERROR_STEP_FAILED};
     size_t i, j, n;
     char small[8], big[256];
     EXPECT(TUTTI_SUCCESS == 0);

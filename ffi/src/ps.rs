@@ -1,0 +1,835 @@
+//! `tutti_ps_*`: TensorFlow's `ParameterServerStrategy` and `ClusterCoordinator` for C trainers
+//! (and the Python package's). Every task of the job creates the strategy and calls
+//! `tutti_ps_run_role` with the same step function: a `ps` task serves its variables' shards, a
+//! `worker` runs the steps it is sent, each until the coordinator shuts the job down; the
+//! `chief` gets a `tutti_ps_coordinator`, which creates the variables, schedules steps
+//! (`tutti_ps_coordinator_schedule`, `_join`, `_fetch`) and reads the variables back.
+
+use std::ffi::{c_char, c_void, CStr};
+use std::time::Duration;
+
+use tutti::strategy::ps::{
+    Coordinator, ParameterServerStrategy, Partitioner, RemoteValue, Role, StepContext,
+    MAX_STEP_BYTES,
+};
+
+use crate::error::{boundary, boundary_void, tutti_result, Failure, TuttiResult};
+
+/// How variables are cut into shards across the ps tasks (TensorFlow's partitioners).
+#[repr(u32)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum TuttiPartitioner {
+    /// At most `value` shards, and no more than there are ps tasks.
+    TUTTI_PARTITIONER_MAX_SHARDS = 0,
+    /// Exactly `value` shards (TensorFlow's `FixedShardsPartitioner`).
+    TUTTI_PARTITIONER_FIXED_SHARDS = 1,
+    /// Shards of at least `value` bytes, no more than there are ps tasks
+    /// (`MinSizePartitioner`).
+    TUTTI_PARTITIONER_MIN_SHARD_BYTES = 2,
+    /// Shards of at most `value` bytes (`MaxSizePartitioner`).
+    TUTTI_PARTITIONER_MAX_SHARD_BYTES = 3,
+}
+
+/// A `tutti_partitioner` as it crosses the C boundary: one of the `TUTTI_PARTITIONER_*` values.
+pub type tutti_partitioner = u32;
+
+/// A parameter-server strategy (opaque): this task's part of the job. Created by
+/// `tutti_ps_strategy_create`, released by `tutti_ps_strategy_destroy`.
+pub struct tutti_ps_strategy {
+    inner: ParameterServerStrategy,
+}
+
+/// The chief's coordinator (opaque). Written by `tutti_ps_run_role` on the chief, released by
+/// `tutti_ps_coordinator_shutdown` or `tutti_ps_coordinator_destroy`.
+pub struct tutti_ps_coordinator {
+    inner: Coordinator,
+}
+
+/// A scheduled step's result (opaque; TensorFlow's `RemoteValue`). Written by
+/// `tutti_ps_coordinator_schedule`, read by `tutti_ps_coordinator_fetch`, released by
+/// `tutti_ps_remote_value_destroy`.
+pub struct tutti_ps_remote_value {
+    inner: RemoteValue,
+}
+
+/// What a step function gets on a worker (opaque): valid only during that call. It reads the
+/// variables and the step's payload and sets the gradients, the loss and what goes back.
+pub struct tutti_ps_step {
+    ctx: *const StepContext,
+    gradients: Vec<Vec<f32>>,
+    loss: f32,
+    error: Option<String>,
+}
+
+/// A worker's step. Return `TUTTI_SUCCESS`, or a failure code after
+/// `tutti_ps_step_set_error` (the step then fails with that message, the worker stays in the
+/// job, and the coordinator's `join` or `fetch` returns `TUTTI_ERROR_STEP_FAILED`). It runs on
+/// a thread of tutti's, and may run on two threads at once after a worker rejoined.
+pub type tutti_ps_step_fn =
+    Option<unsafe extern "C" fn(step: *mut tutti_ps_step, user_data: *mut c_void) -> tutti_result>;
+
+/// The step function and its data, as the worker's threads share them.
+struct StepFn {
+    f: unsafe extern "C" fn(*mut tutti_ps_step, *mut c_void) -> tutti_result,
+    user: *mut c_void,
+}
+
+impl StepFn {
+    /// # Safety
+    ///
+    /// As the trainer promised of the function (see `tutti_ps_run_role`).
+    unsafe fn call(&self, st: &mut tutti_ps_step) -> tutti_result {
+        // SAFETY: as the caller promises.
+        unsafe { (self.f)(st, self.user) }
+    }
+}
+
+// SAFETY: the trainer promises the function may be called from any thread with `user_data`
+// (see `tutti_ps_run_role`).
+unsafe impl Send for StepFn {}
+// SAFETY: as above.
+unsafe impl Sync for StepFn {}
+
+/// `len` floats at `ptr`, named `name`: not NULL unless `len` is 0, aligned.
+fn floats_ok(ptr: *const f32, len: usize, name: &str) -> Result<(), Failure> {
+    len.checked_mul(4)
+        .ok_or_else(|| Failure::invalid(format!("{name}: {len} elements is too many")))?;
+    if len > 0 && ptr.is_null() {
+        return Err(Failure::invalid(format!(
+            "{name} is NULL but must hold {len} float32 elements"
+        )));
+    }
+    if (ptr as usize) % 4 != 0 {
+        return Err(Failure::invalid(format!(
+            "{name} ({ptr:p}) is not aligned to 4 bytes, the size of a float32 element"
+        )));
+    }
+    Ok(())
+}
+
+/// The `len` floats at `ptr`.
+///
+/// # Safety
+///
+/// `ptr` passed [`floats_ok`] and holds `len` readable floats.
+unsafe fn floats<'a>(ptr: *const f32, len: usize, name: &str) -> Result<&'a [f32], Failure> {
+    floats_ok(ptr, len, name)?;
+    if len == 0 {
+        return Ok(&[]);
+    }
+    // SAFETY: checked non-NULL and aligned; the caller promises `len` readable floats.
+    Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
+}
+
+/// The `len` bytes at `ptr` (not NULL unless `len` is 0).
+///
+/// # Safety
+///
+/// `ptr` is NULL or holds `len` readable bytes.
+unsafe fn bytes_at<'a>(ptr: *const c_void, len: usize, name: &str) -> Result<&'a [u8], Failure> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    if ptr.is_null() {
+        return Err(Failure::invalid(format!("{name} is NULL but len is {len}")));
+    }
+    // SAFETY: non-NULL; the caller promises `len` readable bytes.
+    Ok(unsafe { std::slice::from_raw_parts(ptr.cast::<u8>(), len) })
+}
+
+fn partitioner(kind: tutti_partitioner, value: usize) -> Result<Partitioner, Failure> {
+    use TuttiPartitioner as K;
+    Ok(match kind {
+        k if k == K::TUTTI_PARTITIONER_MAX_SHARDS as u32 => Partitioner::MaxShards(value),
+        k if k == K::TUTTI_PARTITIONER_FIXED_SHARDS as u32 => Partitioner::FixedShards(value),
+        k if k == K::TUTTI_PARTITIONER_MIN_SHARD_BYTES as u32 => Partitioner::MinShardBytes(value),
+        k if k == K::TUTTI_PARTITIONER_MAX_SHARD_BYTES as u32 => Partitioner::MaxShardBytes(value),
+        other => {
+            return Err(Failure::invalid(format!(
+                "partitioner {other} is not a tutti_partitioner (valid: 0..=3)"
+            )))
+        }
+    })
+}
+
+/// Create this task's parameter-server strategy and write it to `*strategy`. `tf_config` is a
+/// TF_CONFIG text (`{"cluster": {"chief": [...], "worker": [...], "ps": [...]}, "task":
+/// {...}}`), or NULL for this process's environment (TF_CONFIG, `tutti launch --workers N --ps
+/// M`). The job's secret comes from the environment (`TUTTI_JOB_TOKEN`), as for every way of
+/// joining. `partitioner` and `partitioner_value` shard the variables; `timeout_ms` bounds every
+/// wait (0: the default, `TUTTI_TIMEOUT`).
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `tf_config` is NULL or a NUL-terminated string; `strategy` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_strategy_create(
+    tf_config: *const c_char,
+    partitioner_kind: tutti_partitioner,
+    partitioner_value: usize,
+    timeout_ms: u64,
+    strategy: *mut *mut tutti_ps_strategy,
+) -> tutti_result {
+    boundary("tutti_ps_strategy_create", || {
+        if strategy.is_null() {
+            return Err(Failure::invalid("strategy is NULL"));
+        }
+        let p = partitioner(partitioner_kind, partitioner_value)?;
+        let inner = if tf_config.is_null() {
+            ParameterServerStrategy::from_env(p)?
+        } else {
+            // SAFETY: non-NULL; the caller promises a NUL-terminated string.
+            let text = unsafe { CStr::from_ptr(tf_config) }
+                .to_str()
+                .map_err(|_| Failure::invalid("tf_config is not UTF-8"))?;
+            ParameterServerStrategy::new(tutti::from_tf_config(text)?, p)?
+        };
+        let inner = match timeout_ms {
+            0 => inner,
+            ms => inner.with_timeout(Duration::from_millis(ms)),
+        };
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { strategy.write(Box::into_raw(Box::new(tutti_ps_strategy { inner }))) };
+        Ok(())
+    })
+}
+
+/// Release a strategy. NULL is accepted and ignored.
+///
+/// Thread-safety: no other call may be using `strategy`, nor use it afterwards.
+///
+/// # Safety
+///
+/// `strategy` is NULL or a live handle, not used again.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_strategy_destroy(strategy: *mut tutti_ps_strategy) {
+    boundary_void("tutti_ps_strategy_destroy", || {
+        if !strategy.is_null() {
+            // SAFETY: a live handle from Box::into_raw, released once.
+            drop(unsafe { Box::from_raw(strategy) });
+        }
+    })
+}
+
+/// Take this task's role in the job. On the chief, connect to every task and write the
+/// coordinator to `*coordinator`. On a ps task or a worker, serve (a worker runs `step` for
+/// every step it is sent) until the coordinator shuts the job down, then write NULL to
+/// `*coordinator`; a lost ps task ends the job with `TUTTI_ERROR_TASK_LOST` naming it.
+///
+/// Thread-safety: callable from any thread; `step` is called from tutti's threads.
+///
+/// # Safety
+///
+/// `strategy` is NULL or a live handle; `step` is NULL or a function safe to call from any
+/// thread, several at once, with `user_data` for as long as this call lasts; `coordinator` is
+/// NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_run_role(
+    strategy: *const tutti_ps_strategy,
+    step: tutti_ps_step_fn,
+    user_data: *mut c_void,
+    coordinator: *mut *mut tutti_ps_coordinator,
+) -> tutti_result {
+    boundary("tutti_ps_run_role", || {
+        // SAFETY: as the caller promises.
+        let s = unsafe { strategy.as_ref() }.ok_or_else(|| Failure::invalid("strategy is NULL"))?;
+        let f = step.ok_or_else(|| Failure::invalid("step is NULL"))?;
+        if coordinator.is_null() {
+            return Err(Failure::invalid("coordinator is NULL"));
+        }
+        let step = StepFn { f, user: user_data };
+        let role = s.inner.run_role(move |ctx: &StepContext| {
+            let mut st = tutti_ps_step {
+                ctx,
+                gradients: Vec::new(),
+                loss: 0.0,
+                error: None,
+            };
+            // SAFETY: the trainer's function, called as it promised it can be.
+            let code = unsafe { step.call(&mut st) };
+            if code == TuttiResult::TUTTI_SUCCESS as u32 {
+                return Ok((st.gradients, st.loss));
+            }
+            let why = st.error.unwrap_or_else(|| {
+                let last = crate::error::last_error_text();
+                format!(
+                    "the step function returned {code} ({}){}",
+                    crate::error::result_text(code),
+                    if last.is_empty() {
+                        String::new()
+                    } else {
+                        format!(": {last}")
+                    }
+                )
+            });
+            Err(tutti::Error::System {
+                what: "the step function".into(),
+                message: why,
+            })
+        })?;
+        let out = match role {
+            Role::Chief(inner) => Box::into_raw(Box::new(tutti_ps_coordinator { inner })),
+            Role::Done => std::ptr::null_mut(),
+        };
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { coordinator.write(out) };
+        Ok(())
+    })
+}
+
+/// # Safety
+///
+/// `step` is NULL or the handle a step function was given, during that call.
+unsafe fn step_mut<'a>(step: *mut tutti_ps_step) -> Result<&'a mut tutti_ps_step, Failure> {
+    // SAFETY: as the caller promises.
+    unsafe { step.as_mut() }.ok_or_else(|| Failure::invalid("step is NULL"))
+}
+
+/// # Safety
+///
+/// `st` is the handle of a running step function: its context is alive.
+unsafe fn step_ctx(st: &tutti_ps_step) -> &StepContext {
+    // SAFETY: the context outlives the step function's call, as the caller promises.
+    unsafe { &*st.ctx }
+}
+
+/// Write the step's number to `*step_number`, this worker's index to `*worker`, the workers in
+/// the job to `*num_workers` and the variables to `*num_variables`. Any output may be NULL.
+///
+/// Thread-safety: only inside the step function that was given `step`.
+///
+/// # Safety
+///
+/// `step` is NULL or the handle of the running step function; outputs NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_step_info(
+    step: *mut tutti_ps_step,
+    step_number: *mut u64,
+    worker: *mut usize,
+    num_workers: *mut usize,
+    num_variables: *mut usize,
+) -> tutti_result {
+    boundary("tutti_ps_step_info", || {
+        // SAFETY: as the caller promises.
+        let st = unsafe { step_mut(step) }?;
+        // SAFETY: the step function is running.
+        let c = unsafe { step_ctx(st) };
+        // SAFETY: NULL-checked; the caller promises they are writable.
+        unsafe {
+            if !step_number.is_null() {
+                step_number.write(c.step());
+            }
+            if !worker.is_null() {
+                worker.write(c.worker());
+            }
+            if !num_workers.is_null() {
+                num_workers.write(c.num_workers());
+            }
+            if !num_variables.is_null() {
+                num_variables.write(c.variables().len());
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Point `*data` at variable `index`'s value as pulled for this step (float32, valid until the
+/// step function returns) and write its length to `*len`.
+///
+/// Thread-safety: only inside the step function that was given `step`.
+///
+/// # Safety
+///
+/// `step` is NULL or the handle of the running step function; `data` and `len` NULL or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_step_variable(
+    step: *mut tutti_ps_step,
+    index: usize,
+    data: *mut *const f32,
+    len: *mut usize,
+) -> tutti_result {
+    boundary("tutti_ps_step_variable", || {
+        // SAFETY: as the caller promises.
+        let st = unsafe { step_mut(step) }?;
+        if data.is_null() || len.is_null() {
+            return Err(Failure::invalid("data or len is NULL"));
+        }
+        // SAFETY: the step function is running.
+        let vars = unsafe { step_ctx(st) }.variables();
+        let v = vars.get(index).ok_or_else(|| {
+            Failure::invalid(format!("variable {index}: the job has {}", vars.len()))
+        })?;
+        // SAFETY: checked non-NULL; the caller promises they are writable.
+        unsafe {
+            data.write(v.as_ptr());
+            len.write(v.len());
+        }
+        Ok(())
+    })
+}
+
+/// Point `*data` at what the coordinator scheduled this step with (valid until the step
+/// function returns; empty for `tutti_ps_coordinator_run_steps`) and write its length to
+/// `*len`.
+///
+/// Thread-safety: only inside the step function that was given `step`.
+///
+/// # Safety
+///
+/// `step` is NULL or the handle of the running step function; `data` and `len` NULL or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_step_payload(
+    step: *mut tutti_ps_step,
+    data: *mut *const c_void,
+    len: *mut usize,
+) -> tutti_result {
+    boundary("tutti_ps_step_payload", || {
+        // SAFETY: as the caller promises.
+        let st = unsafe { step_mut(step) }?;
+        if data.is_null() || len.is_null() {
+            return Err(Failure::invalid("data or len is NULL"));
+        }
+        // SAFETY: the step function is running.
+        let p = unsafe { step_ctx(st) }.payload();
+        // SAFETY: checked non-NULL; the caller promises they are writable.
+        unsafe {
+            data.write(p.as_ptr().cast());
+            len.write(p.len());
+        }
+        Ok(())
+    })
+}
+
+/// Set variable `index`'s gradient for this step: `len` float32 values, copied, as long as the
+/// variable. The ps tasks apply `w -= lr * gradient` when the step function returns. A
+/// variable given no gradient is left alone.
+///
+/// Thread-safety: only inside the step function that was given `step`.
+///
+/// # Safety
+///
+/// `step` is NULL or the handle of the running step function; `gradient` holds `len` floats.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_step_set_gradient(
+    step: *mut tutti_ps_step,
+    index: usize,
+    gradient: *const f32,
+    len: usize,
+) -> tutti_result {
+    boundary("tutti_ps_step_set_gradient", || {
+        // SAFETY: as the caller promises.
+        let st = unsafe { step_mut(step) }?;
+        // SAFETY: the step function is running.
+        let vars = unsafe { step_ctx(st) }.variables();
+        let v = vars.get(index).ok_or_else(|| {
+            Failure::invalid(format!("variable {index}: the job has {}", vars.len()))
+        })?;
+        if len != v.len() {
+            return Err(Failure::invalid(format!(
+                "a gradient of {len} elements for variable {index}, of {}",
+                v.len()
+            )));
+        }
+        // SAFETY: the caller promises `len` readable floats.
+        let g = unsafe { floats(gradient, len, "gradient") }?;
+        let n = vars.len();
+        st.gradients.resize(n, Vec::new());
+        st.gradients[index] = g.to_vec();
+        Ok(())
+    })
+}
+
+/// Set the step's loss (what `tutti_ps_coordinator_run_steps` and `_fetch` return).
+///
+/// Thread-safety: only inside the step function that was given `step`.
+///
+/// # Safety
+///
+/// `step` is NULL or the handle of the running step function.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_step_set_loss(
+    step: *mut tutti_ps_step,
+    loss: f32,
+) -> tutti_result {
+    boundary("tutti_ps_step_set_loss", || {
+        // SAFETY: as the caller promises.
+        unsafe { step_mut(step) }?.loss = loss;
+        Ok(())
+    })
+}
+
+/// Send `len` bytes at `data` (copied; at most 256 MiB) back to the coordinator with the
+/// step: `tutti_ps_coordinator_fetch` returns them.
+///
+/// Thread-safety: only inside the step function that was given `step`.
+///
+/// # Safety
+///
+/// `step` is NULL or the handle of the running step function; `data` holds `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_step_set_output(
+    step: *mut tutti_ps_step,
+    data: *const c_void,
+    len: usize,
+) -> tutti_result {
+    boundary("tutti_ps_step_set_output", || {
+        // SAFETY: as the caller promises.
+        let st = unsafe { step_mut(step) }?;
+        if len > MAX_STEP_BYTES {
+            return Err(Failure::invalid(format!(
+                "an output of {len} bytes, more than the {MAX_STEP_BYTES} a step may send back"
+            )));
+        }
+        // SAFETY: the caller promises `len` readable bytes.
+        let b = unsafe { bytes_at(data, len, "data") }?;
+        // SAFETY: the step function is running.
+        unsafe { step_ctx(st) }.set_output(b.to_vec());
+        Ok(())
+    })
+}
+
+/// Set the message the step fails with when the step function returns a failure code (the
+/// coordinator's `tutti_last_error` shows it, with the worker and the step).
+///
+/// Thread-safety: only inside the step function that was given `step`.
+///
+/// # Safety
+///
+/// `step` is NULL or the handle of the running step function; `message` is NULL or a
+/// NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_step_set_error(
+    step: *mut tutti_ps_step,
+    message: *const c_char,
+) -> tutti_result {
+    boundary("tutti_ps_step_set_error", || {
+        // SAFETY: as the caller promises.
+        let st = unsafe { step_mut(step) }?;
+        if message.is_null() {
+            return Err(Failure::invalid("message is NULL"));
+        }
+        // SAFETY: non-NULL; the caller promises a NUL-terminated string.
+        let m = unsafe { CStr::from_ptr(message) }.to_string_lossy();
+        st.error = Some(m.into_owned());
+        Ok(())
+    })
+}
+
+/// # Safety
+///
+/// `c` is NULL or a live handle.
+unsafe fn coord<'a>(c: *const tutti_ps_coordinator) -> Result<&'a Coordinator, Failure> {
+    // SAFETY: as the caller promises.
+    unsafe { c.as_ref() }
+        .map(|c| &c.inner)
+        .ok_or_else(|| Failure::invalid("coordinator is NULL"))
+}
+
+/// Write the workers still in the job to `*num_workers`.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `coordinator` is NULL or a live handle; `num_workers` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_coordinator_num_workers(
+    coordinator: *const tutti_ps_coordinator,
+    num_workers: *mut usize,
+) -> tutti_result {
+    boundary("tutti_ps_coordinator_num_workers", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { coord(coordinator) }?;
+        if num_workers.is_null() {
+            return Err(Failure::invalid("num_workers is NULL"));
+        }
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { num_workers.write(c.num_workers()) };
+        Ok(())
+    })
+}
+
+/// Create a variable named `name` from `len` float32 values at `initial`, in `num_shards`
+/// shards across the ps tasks (0: as the strategy's partitioner says) and updated by SGD at
+/// `learning_rate` as gradients arrive. Write its index (its place in the step's variables) to `*index` and its shard count
+/// to `*shards` (either may be NULL).
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `coordinator` is NULL or a live handle; `name` a NUL-terminated string; `initial` holds
+/// `len` floats; `index` and `shards` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_coordinator_create_variable(
+    coordinator: *const tutti_ps_coordinator,
+    name: *const c_char,
+    initial: *const f32,
+    len: usize,
+    num_shards: usize,
+    learning_rate: f32,
+    index: *mut usize,
+    shards: *mut usize,
+) -> tutti_result {
+    boundary("tutti_ps_coordinator_create_variable", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { coord(coordinator) }?;
+        if name.is_null() {
+            return Err(Failure::invalid("name is NULL"));
+        }
+        // SAFETY: non-NULL; the caller promises a NUL-terminated string.
+        let name = unsafe { CStr::from_ptr(name) }.to_string_lossy();
+        // SAFETY: the caller promises `len` readable floats.
+        let v = unsafe { floats(initial, len, "initial") }?;
+        let id = match num_shards {
+            0 => c.create_variable(&name, v, learning_rate)?,
+            n => c.create_variable_sharded(&name, v, learning_rate, n)?,
+        };
+        let n = c.shards()[id.index()];
+        // SAFETY: NULL-checked; the caller promises they are writable.
+        unsafe {
+            if !index.is_null() {
+                index.write(id.index());
+            }
+            if !shards.is_null() {
+                shards.write(n);
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Read variable `index`'s current value from its ps tasks into `out`, `len` float32 values
+/// (its length exactly).
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `coordinator` is NULL or a live handle; `out` holds `len` writable floats.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_coordinator_read_variable(
+    coordinator: *const tutti_ps_coordinator,
+    index: usize,
+    out: *mut f32,
+    len: usize,
+) -> tutti_result {
+    boundary("tutti_ps_coordinator_read_variable", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { coord(coordinator) }?;
+        let known = c.shards().len();
+        if index >= known {
+            return Err(Failure::invalid(format!(
+                "variable {index}: the coordinator created {known}"
+            )));
+        }
+        let v = c.read_variable(tutti::strategy::ps::VariableId::from_index(index))?;
+        if v.len() != len {
+            return Err(Failure::invalid(format!(
+                "len {len}, but variable {index} has {} elements",
+                v.len()
+            )));
+        }
+        floats_ok(out, len, "out")?;
+        // SAFETY: checked above; the caller promises `len` writable floats.
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), out, len) };
+        Ok(())
+    })
+}
+
+/// Run steps `0..n` on the workers (each step on whichever worker is free) and write their
+/// losses to `losses` (`n` floats; NULL to drop them). A failing step function returns
+/// `TUTTI_ERROR_STEP_FAILED` (the workers stay); a lost ps task `TUTTI_ERROR_TASK_LOST`.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `coordinator` is NULL or a live handle; `losses` NULL or `n` writable floats.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_coordinator_run_steps(
+    coordinator: *const tutti_ps_coordinator,
+    n: usize,
+    losses: *mut f32,
+) -> tutti_result {
+    boundary("tutti_ps_coordinator_run_steps", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { coord(coordinator) }?;
+        if !losses.is_null() {
+            floats_ok(losses, n, "losses")?;
+        }
+        let l = c.run_steps(n)?;
+        if !losses.is_null() {
+            // SAFETY: checked above; the caller promises `n` writable floats.
+            unsafe { std::ptr::copy_nonoverlapping(l.as_ptr(), losses, n) };
+        }
+        Ok(())
+    })
+}
+
+/// Schedule a step carrying `len` bytes at `payload` (copied; at most 256 MiB; the step
+/// function reads them with `tutti_ps_step_payload`) and write its result's handle to
+/// `*value`. Returns at once: scheduled steps run at the next `tutti_ps_coordinator_join` or
+/// `_fetch`.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `coordinator` is NULL or a live handle; `payload` holds `len` bytes (NULL if 0); `value`
+/// NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_coordinator_schedule(
+    coordinator: *const tutti_ps_coordinator,
+    payload: *const c_void,
+    len: usize,
+    value: *mut *mut tutti_ps_remote_value,
+) -> tutti_result {
+    boundary("tutti_ps_coordinator_schedule", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { coord(coordinator) }?;
+        if value.is_null() {
+            return Err(Failure::invalid("value is NULL"));
+        }
+        // SAFETY: the caller promises `len` readable bytes.
+        let p = unsafe { bytes_at(payload, len, "payload") }?.to_vec();
+        let inner = c.schedule(p)?;
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { value.write(Box::into_raw(Box::new(tutti_ps_remote_value { inner }))) };
+        Ok(())
+    })
+}
+
+/// Run every step scheduled so far and wait for them. The first failing step function's error
+/// (`TUTTI_ERROR_STEP_FAILED`) or lost ps task stops the run; the steps it stopped are not run,
+/// and fetching them says so.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `coordinator` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_coordinator_join(
+    coordinator: *const tutti_ps_coordinator,
+) -> tutti_result {
+    boundary("tutti_ps_coordinator_join", || {
+        // SAFETY: as the caller promises.
+        unsafe { coord(coordinator) }?.join()?;
+        Ok(())
+    })
+}
+
+/// The result of a scheduled step, running what is scheduled first if it has not run: write
+/// its loss to `*loss` (may be NULL), copy up to `capacity` bytes of what it sent back to
+/// `output` (NULL if `capacity` is 0) and write their full length to `*output_len` (may be
+/// NULL): call again with a larger buffer when it did not fit. A step that failed returns its
+/// error (`TUTTI_ERROR_STEP_FAILED`, or why it was not run).
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `coordinator` and `value` are NULL or live handles; `loss` and `output_len` NULL or
+/// writable; `output` holds `capacity` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_coordinator_fetch(
+    coordinator: *const tutti_ps_coordinator,
+    value: *const tutti_ps_remote_value,
+    loss: *mut f32,
+    output: *mut c_void,
+    capacity: usize,
+    output_len: *mut usize,
+) -> tutti_result {
+    boundary("tutti_ps_coordinator_fetch", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { coord(coordinator) }?;
+        // SAFETY: as the caller promises.
+        let v = unsafe { value.as_ref() }.ok_or_else(|| Failure::invalid("value is NULL"))?;
+        if capacity > 0 && output.is_null() {
+            return Err(Failure::invalid(format!(
+                "output is NULL but capacity is {capacity}"
+            )));
+        }
+        let out = c.fetch(&v.inner)?;
+        // SAFETY: NULL-checked or checked above; the caller promises they are writable.
+        unsafe {
+            if !loss.is_null() {
+                loss.write(out.loss);
+            }
+            if capacity > 0 {
+                let n = capacity.min(out.output.len());
+                std::ptr::copy_nonoverlapping(out.output.as_ptr(), output.cast::<u8>(), n);
+            }
+            if !output_len.is_null() {
+                output_len.write(out.output.len());
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Release a scheduled step's handle (the step still runs). NULL is accepted and ignored.
+///
+/// Thread-safety: no other call may be using `value`, nor use it afterwards.
+///
+/// # Safety
+///
+/// `value` is NULL or a live handle, not used again.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_remote_value_destroy(value: *mut tutti_ps_remote_value) {
+    boundary_void("tutti_ps_remote_value_destroy", || {
+        if !value.is_null() {
+            // SAFETY: a live handle from Box::into_raw, released once.
+            drop(unsafe { Box::from_raw(value) });
+        }
+    })
+}
+
+/// Tell every task the job is over (their `tutti_ps_run_role` returns) and release the
+/// coordinator, whatever the outcome.
+///
+/// Thread-safety: no other call may be using `coordinator`, nor use it afterwards.
+///
+/// # Safety
+///
+/// `coordinator` is NULL or a live handle, not used again.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_coordinator_shutdown(
+    coordinator: *mut tutti_ps_coordinator,
+) -> tutti_result {
+    boundary("tutti_ps_coordinator_shutdown", || {
+        if coordinator.is_null() {
+            return Err(Failure::invalid("coordinator is NULL"));
+        }
+        // SAFETY: a live handle from Box::into_raw, released once.
+        let c = unsafe { Box::from_raw(coordinator) };
+        c.inner.shutdown()?;
+        Ok(())
+    })
+}
+
+/// `tutti_ps_coordinator_shutdown` without its result (a failure is logged). NULL is accepted
+/// and ignored.
+///
+/// Thread-safety: no other call may be using `coordinator`, nor use it afterwards.
+///
+/// # Safety
+///
+/// `coordinator` is NULL or a live handle, not used again.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_coordinator_destroy(coordinator: *mut tutti_ps_coordinator) {
+    boundary_void("tutti_ps_coordinator_destroy", || {
+        if !coordinator.is_null() {
+            // SAFETY: a live handle from Box::into_raw, released once.
+            let c = unsafe { Box::from_raw(coordinator) };
+            if let Err(e) = c.inner.shutdown() {
+                log::warn!("tutti_ps_coordinator_destroy: shutting the job down: {e}");
+            }
+        }
+    })
+}
