@@ -781,3 +781,127 @@ def test_the_guides_custom_loop_across_workers():
     results = run_workers(code, 2)
     assert results[0]["weights"] == results[1]["weights"] and results[0]["replicas"] == 2
     np.testing.assert_allclose(results[0]["weights"], results[0]["reference_weights"], atol=1e-5)
+
+
+PS_JOB = textwrap.dedent(
+    """
+    import json, os, numpy as np, tutti, tutti.distribute as td
+
+    resolver = td.cluster_resolver.TFConfigClusterResolver()
+    if resolver.task_type in ("worker", "ps"):
+        td.Server(resolver.cluster_spec(), job_name=resolver.task_type, task_index=resolver.task_id,
+                  protocol=resolver.rpc_layer or "grpc", start=True).join()
+        print("RESULT " + json.dumps({"task": resolver.task_type}), flush=True)
+        raise SystemExit(0)
+
+    partitioners = td.experimental.partitioners
+    strategy = td.ParameterServerStrategy(resolver, variable_partitioner=partitioners.FixedShardsPartitioner(3))
+    with strategy.scope():
+        w = td.Variable(np.zeros((6, 1), np.float32), name="w")
+        b = td.Variable(np.zeros((), np.float32), name="b")
+    assert td.get_strategy() is not strategy
+    shards = {"fixed": w.num_shards, "scalar": b.num_shards,
+              "max_size": partitioners.MaxSizePartitioner(max_shard_bytes=8)((6, 1), np.float32),
+              "min_size": partitioners.MinSizePartitioner(min_shard_bytes=8, max_shards=4)((6, 1), np.float32)}
+    true_w = np.arange(6, dtype=np.float32).reshape(6, 1) / 6
+    optimizer = td.optimizers.SGD(0.1)
+
+    def dataset_fn(input_context):
+        rng = np.random.default_rng(input_context.input_pipeline_id)
+        while True:
+            x = rng.standard_normal((32, 6)).astype(np.float32)
+            yield x, x @ true_w + 0.5
+
+    coordinator = td.coordinator.ClusterCoordinator(strategy)
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+    def step_fn(iterator):
+        def replica_fn(x, y):
+            err = x @ w.numpy() + b.numpy() - y
+            optimizer.apply_gradients([(2 * x.T @ err / len(x), w), (np.float32(2 * np.mean(err)), b)])
+            return np.float32(np.mean(err ** 2))
+        x, y = next(iterator)
+        return strategy.reduce("SUM", strategy.run(replica_fn, args=(x, y)), axis=None)
+
+    losses = [coordinator.schedule(step_fn, args=(iterator,)) for _ in range(150)]
+    coordinator.join()
+
+    def raises(n):
+        if n == 3:
+            raise ValueError("a bad batch at 3")
+        return n
+
+    values = [coordinator.schedule(raises, args=(n,)) for n in range(6)]
+    try:
+        coordinator.join()
+        raised = None
+    except tutti.TuttiError as e:
+        raised = [e.code, str(e)]
+    try:
+        values[3].fetch()
+        fetched = None
+    except tutti.TuttiError as e:
+        fetched = e.code
+    after = coordinator.schedule(lambda: "still here")
+    adam = None
+    try:
+        coordinator.schedule(lambda: td.optimizers.Adam().apply_gradients([(np.zeros((6, 1), np.float32), w)])).fetch()
+    except tutti.TuttiError as e:
+        adam = str(e)
+    print("RESULT " + json.dumps({
+        "shards": shards, "first": float(losses[0].fetch()), "last": float(losses[-1].fetch()),
+        "w": w.numpy().ravel().tolist(), "b": float(b.numpy()), "raised": raised, "fetched": fetched,
+        "after": after.fetch(), "workers": strategy.num_workers, "adam": adam}), flush=True)
+    """
+)
+
+
+def test_parameter_server_strategy_trains_through_the_cluster_coordinator():
+    """The guide's parameter-server training: workers and a ps task serve, the chief's
+    coordinator schedules steps over per-worker datasets; a step that raises fails join with its
+    message, and the workers stay."""
+    pytest.importorskip("cloudpickle")
+    ports = []
+    socks = []
+    for _ in range(4):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    addr = [f"127.0.0.1:{p}" for p in ports]
+    cluster = {"chief": [addr[0]], "worker": addr[1:3], "ps": [addr[3]]}
+    tasks = [("ps", 0), ("worker", 0), ("worker", 1), ("chief", 0)]
+    procs = []
+    for ty, i in tasks:
+        env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": ty, "index": i}}),
+                   TUTTI_TIMEOUT="60", TUTTI_JOB_TOKEN="ps-python-test-token")
+        env["PYTHONPATH"] = PACKAGE + os.pathsep + env.get("PYTHONPATH", "")
+        for k in ("TUTTI_RANK", "TUTTI_WORLD_SIZE"):
+            env.pop(k, None)
+        procs.append(subprocess.Popen([sys.executable, "-c", PS_JOB], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = []
+    try:
+        for p in reversed(procs):
+            out, err = p.communicate(timeout=150)
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            assert p.returncode == 0 and lines, err
+            results.append(json.loads(lines[-1][len("RESULT "):]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    chief = results[0]
+    assert [r.get("task") for r in results[1:]] == ["worker", "worker", "ps"]
+    assert chief["shards"] == {"fixed": 3, "scalar": 1, "max_size": [3, 1], "min_size": [3, 1]}, chief
+    assert chief["last"] < 1e-4 < chief["first"], chief
+    np.testing.assert_allclose(chief["w"], np.arange(6) / 6, atol=1e-3)
+    assert abs(chief["b"] - 0.5) < 1e-3
+    code, message = chief["raised"]
+    assert code == "TUTTI_ERROR_STEP_FAILED" and "ValueError: a bad batch at 3" in message, message
+    assert chief["fetched"] == "TUTTI_ERROR_STEP_FAILED"
+    assert chief["after"] == "still here" and chief["workers"] == 2
+    assert "plain SGD" in chief["adam"], chief["adam"]

@@ -1062,6 +1062,11 @@ class Variable:
     to every copy. ``numpy()`` / ``read_value()`` give this replica's copy inside ``run``, the
     variable's value outside."""
 
+    def __new__(cls, *args, **kwargs):
+        if cls is Variable and isinstance(get_strategy(), ParameterServerStrategy):
+            return object.__new__(_PsVariable)
+        return object.__new__(cls)
+
     def __init__(self, initial_value, aggregation=VariableAggregation.NONE, dtype=None, name=None):
         self.name = name
         self.aggregation = _aggregation(aggregation)
@@ -1369,6 +1374,14 @@ class Optimizer:
         self._slots = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self):
+        # A copy sent to a worker with a scheduled function: everything but the lock.
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def _slot(self, var, i, name):
         key = (var, i, name)  # the variable itself: an id could be reused by a later one
         with self._lock:
@@ -1387,6 +1400,9 @@ class Optimizer:
         if replica is not None and replica._ctx is None:
             replica = None  # the default strategy's one replica: nothing to combine
         for g, v in pairs:
+            if isinstance(v, _PsVariable) and not (type(self) is SGD and not self.momentum):
+                raise ValueError(f"apply_gradients: under ParameterServerStrategy the ps tasks take plain SGD steps; "
+                                 f"{type(self).__name__} with its slots is not available there")
             if v.dtype.kind != "f":
                 raise TypeError(f"apply_gradients: variable {v.name or ''} is {v.dtype}; optimizers step float variables")
             if np.shape(g) != v.shape:
@@ -1567,3 +1583,518 @@ def get_replica_context():
     if _stack():
         return None
     return ReplicaContext(get_strategy(), None, 0)
+
+
+# ----- ParameterServerStrategy -----
+#
+# Every task runs the same script. Workers and ps tasks serve (``Server(...).join()``); the chief
+# makes the strategy, its variables (held on the ps tasks, in shards) and a ``ClusterCoordinator``
+# that schedules functions on the workers. A scheduled function travels to a worker by value
+# (cloudpickle), over connections that proved the job's token; there it reads the variables as
+# pulled for its step, and its ``assign_sub`` (an optimizer's step) goes back to the ps tasks as
+# that step's update. Its return value comes back as the ``RemoteValue``.
+
+_PS_STEP_FN = ctypes.CFUNCTYPE(ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p)
+_size_p = ctypes.POINTER(ctypes.c_size_t)
+_PROTOTYPES.update({
+    "tutti_ps_strategy_create": (ctypes.c_uint32, [ctypes.c_char_p, ctypes.c_uint32, ctypes.c_size_t,
+                                                   ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p)]),
+    "tutti_ps_strategy_destroy": (None, [ctypes.c_void_p]),
+    "tutti_ps_run_role": (ctypes.c_uint32, [ctypes.c_void_p, _PS_STEP_FN, ctypes.c_void_p,
+                                            ctypes.POINTER(ctypes.c_void_p)]),
+    "tutti_ps_step_info": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64), _size_p,
+                                             _size_p, _size_p]),
+    "tutti_ps_step_variable": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t,
+                                                 ctypes.POINTER(ctypes.c_void_p), _size_p]),
+    "tutti_ps_step_payload": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), _size_p]),
+    "tutti_ps_step_set_gradient": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                                                     ctypes.c_size_t]),
+    "tutti_ps_step_set_output": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]),
+    "tutti_ps_step_set_error": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_char_p]),
+    "tutti_ps_coordinator_num_workers": (ctypes.c_uint32, [ctypes.c_void_p, _size_p]),
+    "tutti_ps_coordinator_create_variable": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p,
+                                                               ctypes.c_size_t, ctypes.c_size_t, ctypes.c_float,
+                                                               _size_p, _size_p]),
+    "tutti_ps_coordinator_read_variable": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                                                             ctypes.c_size_t]),
+    "tutti_ps_coordinator_schedule": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                                        ctypes.POINTER(ctypes.c_void_p)]),
+    "tutti_ps_coordinator_join": (ctypes.c_uint32, [ctypes.c_void_p]),
+    "tutti_ps_coordinator_fetch": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_void_p,
+                                                     ctypes.POINTER(ctypes.c_float), ctypes.c_void_p,
+                                                     ctypes.c_size_t, _size_p]),
+    "tutti_ps_remote_value_destroy": (None, [ctypes.c_void_p]),
+    "tutti_ps_coordinator_shutdown": (ctypes.c_uint32, [ctypes.c_void_p]),
+})
+__all__ += ["ParameterServerStrategy", "ClusterCoordinator", "RemoteValue", "Server", "experimental",
+            "coordinator"]
+
+
+def _pickler():
+    try:
+        import cloudpickle
+    except ImportError:
+        raise ImportError("ParameterServerStrategy sends scheduled functions to the workers with cloudpickle: "
+                          "pip install cloudpickle (a dependency of the tutti package)") from None
+    return cloudpickle
+
+
+def _tf_config(spec, task_type, task_id):
+    """The TF_CONFIG text of ``task_type``:``task_id`` in the cluster ``spec``."""
+    cluster = spec.as_dict() if isinstance(spec, ClusterSpec) else ClusterSpec(spec).as_dict()
+    return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": int(task_id)}})
+
+
+class FixedShardsPartitioner:
+    """TensorFlow's: ``num_shards`` shards (no more than the first dimension)."""
+
+    def __init__(self, num_shards):
+        if int(num_shards) < 1:
+            raise ValueError(f"FixedShardsPartitioner: num_shards {num_shards} must be at least 1")
+        self._num_shards = int(num_shards)
+
+    def __call__(self, shape, dtype, axis=0):
+        return _partitions(shape, axis, min(self._num_shards, shape[axis]))
+
+
+class MinSizePartitioner:
+    """TensorFlow's: shards of at least ``min_shard_bytes``, at most ``max_shards``."""
+
+    def __init__(self, min_shard_bytes=256 << 10, max_shards=1, bytes_per_string=16):
+        if int(min_shard_bytes) < 1 or int(max_shards) < 1:
+            raise ValueError("MinSizePartitioner: min_shard_bytes and max_shards must be at least 1")
+        self._min, self._max = int(min_shard_bytes), int(max_shards)
+
+    def __call__(self, shape, dtype, axis=0):
+        total = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return _partitions(shape, axis, max(1, min(self._max, shape[axis], total // self._min)))
+
+
+class MaxSizePartitioner:
+    """TensorFlow's: as few shards as keep each within ``max_shard_bytes``, at most
+    ``max_shards`` (when given)."""
+
+    def __init__(self, max_shard_bytes, max_shards=None, bytes_per_string=16):
+        if int(max_shard_bytes) < 1 or (max_shards is not None and int(max_shards) < 1):
+            raise ValueError("MaxSizePartitioner: max_shard_bytes and max_shards must be at least 1")
+        self._max_bytes, self._max = int(max_shard_bytes), max_shards
+
+    def __call__(self, shape, dtype, axis=0):
+        row = int(np.prod(shape[axis + 1:])) * np.dtype(dtype).itemsize
+        rows_per_shard = max(1, self._max_bytes // max(row, 1))
+        n = -(-shape[axis] // rows_per_shard)
+        if self._max is not None:
+            n = min(n, int(self._max))
+        return _partitions(shape, axis, max(1, n))
+
+
+def _partitions(shape, axis, n):
+    out = [1] * len(shape)
+    out[axis] = n
+    return out
+
+
+class _Namespace:
+    def __init__(self, **names):
+        self.__dict__.update(names)
+
+
+experimental = _Namespace(partitioners=_Namespace(FixedShardsPartitioner=FixedShardsPartitioner,
+                                                  MinSizePartitioner=MinSizePartitioner,
+                                                  MaxSizePartitioner=MaxSizePartitioner),
+                          ParameterServerStrategy=None, coordinator=None)
+
+_ps_state = threading.local()  # .step: the step a worker is running on this thread
+_ps_iterators = {}  # a worker's iterators of per-worker datasets, by id
+_ps_iterators_lock = threading.Lock()
+
+
+class _PsStep:
+    """A step running on a worker: its variables as pulled, and the updates it makes."""
+
+    def __init__(self, handle):
+        self._h = handle
+        number, worker, workers, nvars = ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_size_t()
+        _check(_lib().tutti_ps_step_info(handle, ctypes.byref(number), ctypes.byref(worker), ctypes.byref(workers),
+                                         ctypes.byref(nvars)))
+        self.step, self.worker, self.num_workers = number.value, worker.value, workers.value
+        self._nvars = nvars.value
+        self.updates = {}
+
+    def value(self, index, shape):
+        if index >= self._nvars:
+            raise ValueError(f"variable {index}: the job has {self._nvars} (made after this worker joined?)")
+        ptr, n = ctypes.c_void_p(), ctypes.c_size_t()
+        _check(_lib().tutti_ps_step_variable(self._h, index, ctypes.byref(ptr), ctypes.byref(n)))
+        if n.value == 0:
+            return np.zeros(shape, np.float32)
+        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), (n.value,)).reshape(shape).copy()
+
+    def subtract(self, index, delta):
+        """What this step takes from variable ``index``, summed over its updates."""
+        self.updates[index] = self.updates.get(index, 0) + np.asarray(delta, np.float32)
+
+
+def _ps_run_step(handle, _user):
+    """A worker's step: run the scheduled function on this step's variables, send its updates
+    and its return value back; an exception becomes the step's error (the worker stays)."""
+    import traceback
+    try:
+        step = _PsStep(handle)
+        ptr, n = ctypes.c_void_p(), ctypes.c_size_t()
+        _check(_lib().tutti_ps_step_payload(handle, ctypes.byref(ptr), ctypes.byref(n)))
+        if n.value == 0:
+            raise ValueError("a step without a scheduled function (the coordinator is not tutti.distribute's)")
+        fn, args, kwargs = _pickler().loads(ctypes.string_at(ptr, n.value))
+        _ps_state.step = step
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            _ps_state.step = None
+        for index, delta in step.updates.items():
+            g = np.ascontiguousarray(delta, np.float32).reshape(-1)
+            _check(_lib().tutti_ps_step_set_gradient(handle, index, g.ctypes.data_as(ctypes.c_void_p), g.size))
+        out = _pickler().dumps(_fetched(result))
+        _check(_lib().tutti_ps_step_set_output(handle, out, len(out)))
+        return 0
+    except BaseException as e:  # noqa: BLE001 - the step's error, sent to the coordinator
+        text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        _lib().tutti_ps_step_set_error(handle, text.encode("utf-8", "replace"))
+        return _FAILED
+
+
+def _fetched(value):
+    """A step's return value as the coordinator gets it: variables read, structures kept."""
+    if isinstance(value, Variable):
+        return value.numpy()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fetched(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _fetched(v) for k, v in value.items()}
+    return value
+
+
+def _ps_role(tf_config, partitioner=0, value=0):
+    """Create this task's parameter-server strategy and take its role: the coordinator's handle
+    on the chief (and the strategy's), ``None`` once a ps task's or worker's job is over."""
+    s = ctypes.c_void_p()
+    _check(_lib().tutti_ps_strategy_create(tf_config.encode(), partitioner, value, 0, ctypes.byref(s)))
+    callback = _PS_STEP_FN(_ps_run_step)
+    coordinator = ctypes.c_void_p()
+    try:
+        _check(_lib().tutti_ps_run_role(s, callback, None, ctypes.byref(coordinator)))
+    finally:
+        _lib().tutti_ps_strategy_destroy(s)
+    return coordinator if coordinator.value else None
+
+
+class Server:
+    """TensorFlow's ``tf.distribute.Server`` for the ``worker`` and ``ps`` tasks of a
+    ``ParameterServerStrategy`` job: ``join()`` serves (a worker runs the functions the
+    coordinator schedules; a ps task holds variables' shards) until the coordinator shuts the job
+    down, and returns then. A lost ps task ends it with a ``TuttiError`` naming that task."""
+
+    def __init__(self, server_or_cluster_def, job_name=None, task_index=None, protocol=None, config=None,
+                 start=True):
+        if job_name not in ("worker", "ps"):
+            raise ValueError(f"Server: job_name {job_name!r}: tutti serves the 'worker' and 'ps' tasks "
+                             "(the chief makes a ParameterServerStrategy)")
+        self._tf_config = _tf_config(server_or_cluster_def, job_name, task_index or 0)
+
+    def join(self):
+        """Serve until the coordinator shuts the job down."""
+        _ps_role(self._tf_config)
+
+
+class ParameterServerStrategy(Strategy):
+    """TensorFlow's ``ParameterServerStrategy`` on the chief (the coordinator): ``Variable``s made
+    under ``scope()`` live on the ps tasks, in shards (``variable_partitioner``: one of
+    ``experimental.partitioners`` or any ``(shape, dtype) -> shards per axis`` callable; ``None``:
+    one shard). A ``ClusterCoordinator`` schedules functions on the workers, which run
+    ``Server(...).join()``; the job ends when the strategy is closed (also at exit). Variables are
+    float32; updates are plain SGD's (``SGD()`` without momentum, or ``assign_sub``)."""
+
+    def __init__(self, cluster_resolver=None, variable_partitioner=None):
+        resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
+        if resolver.task_type != "chief":
+            raise ValueError(f"ParameterServerStrategy: made on the chief (this task is {resolver.task_type!r}); "
+                             "workers and ps tasks run tutti.distribute.Server(...).join()")
+        if variable_partitioner is not None and not callable(variable_partitioner):
+            raise TypeError("variable_partitioner must be a partitioner (a callable of shape and dtype)")
+        self._resolver = resolver
+        self._partitioner = variable_partitioner
+        self._kind = "ps"
+        self._total = self._local = 1
+        self._lock = threading.Lock()
+        self._h = _ps_role(_tf_config(resolver.cluster_spec(), "chief", resolver.task_id or 0))
+        self._variables = 0
+        import atexit
+        import weakref
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().close())
+
+    @property
+    def cluster_resolver(self):
+        return self._resolver
+
+    @property
+    def num_workers(self):
+        n = ctypes.c_size_t()
+        _check(_lib().tutti_ps_coordinator_num_workers(self._handle(), ctypes.byref(n)))
+        return n.value
+
+    def run(self, fn, args=(), kwargs=None):
+        if getattr(_ps_state, "step", None) is None:
+            raise RuntimeError("ParameterServerStrategy.run runs inside a function scheduled with "
+                               "ClusterCoordinator.schedule, on a worker")
+        return fn(*args, **(kwargs or {}))
+
+    def reduce(self, reduce_op, value, axis=None):
+        op = _reduce_op(reduce_op)
+        if axis is None:
+            return value
+        v = np.asarray(value)
+        return np.sum(v, axis=axis) if op == "SUM" else np.mean(v, axis=axis).astype(v.dtype)
+
+    def experimental_local_results(self, value):
+        return tuple(value.values) if isinstance(value, PerReplica) else (value,)
+
+    def __reduce__(self):
+        # A scheduled function that uses the strategy uses the worker's side of it.
+        return (_worker_strategy, ())
+
+    def _create_variable(self, name, value):
+        shards = 0
+        if self._partitioner is not None and value.ndim > 0:
+            parts = list(self._partitioner(value.shape, value.dtype))
+            if len(parts) != value.ndim or any(int(p) < 1 for p in parts) or sum(int(p) > 1 for p in parts) > 1:
+                raise ValueError(f"variable_partitioner gave {parts} for shape {value.shape}: one count per "
+                                 "axis, at least 1, more than 1 on one axis at most")
+            shards = int(np.prod(parts))
+        shards = min(shards, value.size) if shards else (1 if self._partitioner is None else 0)
+        index, n = ctypes.c_size_t(), ctypes.c_size_t()
+        with self._lock:
+            _check(_lib().tutti_ps_coordinator_create_variable(
+                self._handle(), (name or f"Variable:{self._variables}").encode(),
+                value.ctypes.data_as(ctypes.c_void_p), value.size, shards, 1.0, ctypes.byref(index), ctypes.byref(n)))
+            self._variables += 1
+        return index.value, n.value
+
+    def _read_variable(self, index, shape):
+        out = np.empty(shape, np.float32)
+        _check(_lib().tutti_ps_coordinator_read_variable(self._handle(), index, out.ctypes.data_as(ctypes.c_void_p),
+                                                         out.size))
+        return out
+
+    def close(self):
+        """Shut the job down (every worker's and ps task's ``join()`` returns)."""
+        with self._lock:
+            h, self._h = self._h, None
+        if h:
+            _check(_lib().tutti_ps_coordinator_shutdown(h))
+
+
+class _WorkerStrategy:
+    """The strategy as a scheduled function sees it on a worker: one replica, the worker."""
+
+    num_replicas_in_sync = 1
+    run = ParameterServerStrategy.run
+    reduce = ParameterServerStrategy.reduce
+    experimental_local_results = ParameterServerStrategy.experimental_local_results
+
+    def scope(self):
+        return contextlib.nullcontext(self)
+
+
+def _worker_strategy():
+    return _WorkerStrategy()
+
+
+def _ps_variable(index, shape, name):
+    v = object.__new__(_PsVariable)
+    v.name, v.aggregation, v._strategy, v._ps_index, v._shape = name, "SUM", None, index, tuple(shape)
+    v.num_shards = None
+    return v
+
+
+class _PsVariable(Variable):
+    """A ``Variable`` made under a ``ParameterServerStrategy``: held on the ps tasks; a
+    scheduled function reads it as pulled for its step and updates it with ``assign_sub``
+    (``assign_add``, and ``assign`` as the difference from that value), sent back with the step."""
+
+    def __init__(self, initial_value, aggregation=VariableAggregation.NONE, dtype=None, name=None):
+        value = np.array(initial_value, dtype=dtype, copy=True, order="C")
+        if value.dtype != np.float32:
+            raise TypeError(f"ParameterServerStrategy holds float32 variables; this one is {value.dtype} "
+                            "(pass a float32 value or dtype=np.float32)")
+        self.name, self.aggregation = name, _aggregation(aggregation)
+        self._strategy = get_strategy()
+        self._shape = value.shape
+        self._ps_index, self.num_shards = self._strategy._create_variable(name, value)
+
+    def __reduce__(self):
+        return (_ps_variable, (self._ps_index, self._shape, self.name))
+
+    def _step(self, what):
+        step = getattr(_ps_state, "step", None)
+        if step is None:
+            raise RuntimeError(f"Variable.{what} under ParameterServerStrategy: update variables inside a function "
+                               "scheduled with ClusterCoordinator.schedule")
+        return step
+
+    def _replica(self):
+        return None
+
+    def numpy(self):
+        step = getattr(_ps_state, "step", None)
+        if step is not None:
+            return step.value(self._ps_index, self._shape) - step.updates.get(self._ps_index, 0)
+        if self._strategy is None:
+            raise RuntimeError("Variable: read on a worker outside a scheduled function")
+        return self._strategy._read_variable(self._ps_index, self._shape)
+
+    @property
+    def shape(self):
+        return self._shape
+
+    @property
+    def dtype(self):
+        return np.dtype(np.float32)
+
+    def _apply_combined(self, replica, update_of, how):
+        u = np.asarray(update_of(0), np.float32)
+        if u.shape != self._shape:
+            raise ValueError(f"Variable: an update of shape {u.shape} for a variable of shape {self._shape}")
+        step = self._step("assign" if how == "set" else f"assign_{how}")
+        if how == "set":
+            u = self.numpy() - u
+        elif how == "add":
+            u = -u
+        step.subtract(self._ps_index, u)
+
+    def __repr__(self):
+        return f"<tutti.distribute.Variable {self.name or ''} shape={self.shape} dtype=float32 on ps tasks>"
+
+
+class RemoteValue:
+    """TensorFlow's ``RemoteValue``: what a scheduled function returned, once it has run."""
+
+    def __init__(self, coordinator, handle):
+        self._coordinator, self._h = coordinator, handle
+
+    def fetch(self):
+        """The function's return value (running what is scheduled, if it has not run); its
+        error (``TuttiError``, code ``TUTTI_ERROR_STEP_FAILED``) if it raised."""
+        return self._coordinator._fetch(self)
+
+    def get(self):
+        """As ``fetch()``."""
+        return self.fetch()
+
+    def __del__(self):
+        h, self._h = getattr(self, "_h", None), None
+        if h and not sys.is_finalizing():
+            _lib().tutti_ps_remote_value_destroy(h)
+
+
+class PerWorkerValues:
+    """One value per worker (TensorFlow's): what ``create_per_worker_dataset`` gives."""
+
+    def __init__(self, values):
+        self._values = tuple(values)
+
+
+class _PerWorkerIterator:
+    """An iterator of a per-worker dataset: each worker iterates its own copy."""
+
+    def __init__(self, key, dataset_fn):
+        self._key, self._fn = key, dataset_fn
+
+    def __reduce__(self):
+        return (_worker_iterator, (self._key, self._fn))
+
+    def __next__(self):
+        raise RuntimeError("a per-worker iterator is read inside a scheduled function, on a worker")
+
+
+def _worker_iterator(key, dataset_fn):
+    step = getattr(_ps_state, "step", None)
+    with _ps_iterators_lock:
+        if key not in _ps_iterators:
+            import inspect
+            try:
+                takes_context = len(inspect.signature(dataset_fn).parameters) > 0
+            except (TypeError, ValueError):
+                takes_context = False
+            workers, worker = (step.num_workers, step.worker) if step is not None else (1, 0)
+            ctx = InputContext(num_input_pipelines=workers, input_pipeline_id=worker)
+            _ps_iterators[key] = iter(dataset_fn(ctx) if takes_context else dataset_fn())
+        return _ps_iterators[key]
+
+
+class _PerWorkerDataset:
+    def __init__(self, dataset_fn):
+        import uuid
+        self._fn, self._key = dataset_fn, uuid.uuid4().hex
+
+    def __iter__(self):
+        return _PerWorkerIterator(self._key, self._fn)
+
+
+class ClusterCoordinator:
+    """TensorFlow's ``ClusterCoordinator`` over a ``ParameterServerStrategy``: ``schedule(fn,
+    args, kwargs)`` queues ``fn`` for a worker and returns a ``RemoteValue`` at once; queued
+    functions run, each on whichever worker is free, at ``join()`` (or a ``fetch``). A function
+    that raises makes ``join`` raise its error (the worker stays; functions it stopped are not run
+    and say so when fetched). A lost worker's function runs on another (at least once), and a
+    worker that comes back rejoins."""
+
+    def __init__(self, strategy):
+        if not isinstance(strategy, ParameterServerStrategy):
+            raise TypeError("ClusterCoordinator takes a ParameterServerStrategy")
+        self.strategy = strategy
+
+    def schedule(self, fn, args=None, kwargs=None):
+        payload = _pickler().dumps((fn, tuple(args or ()), dict(kwargs or {})))
+        h = ctypes.c_void_p()
+        _check(_lib().tutti_ps_coordinator_schedule(self.strategy._handle(), payload, len(payload), ctypes.byref(h)))
+        return RemoteValue(self, h)
+
+    def join(self):
+        """Run everything scheduled and wait for it."""
+        _check(_lib().tutti_ps_coordinator_join(self.strategy._handle()))
+
+    def done(self):
+        """Whether everything scheduled has run (running it first: tutti runs at join)."""
+        self.join()
+        return True
+
+    def fetch(self, val):
+        """``val``'s values: a ``RemoteValue`` fetched, structures of them fetched inside."""
+        if isinstance(val, RemoteValue):
+            return val.fetch()
+        if isinstance(val, (list, tuple)):
+            return type(val)(self.fetch(v) for v in val)
+        if isinstance(val, dict):
+            return {k: self.fetch(v) for k, v in val.items()}
+        return val
+
+    def _fetch(self, value):
+        lib, h = _lib(), self.strategy._handle()
+        n = ctypes.c_size_t()
+        _check(lib.tutti_ps_coordinator_fetch(h, value._h, None, None, 0, ctypes.byref(n)))
+        buf = ctypes.create_string_buffer(max(n.value, 1))
+        _check(lib.tutti_ps_coordinator_fetch(h, value._h, None, buf, n.value, ctypes.byref(n)))
+        import pickle
+        return pickle.loads(buf.raw[:n.value])
+
+    def create_per_worker_dataset(self, dataset_fn):
+        """A dataset each worker makes for itself with ``dataset_fn()`` (or
+        ``dataset_fn(input_context)``) the first time a scheduled function reads it; iterate it
+        (``iter(...)``) and pass the iterator to the functions you schedule."""
+        return _PerWorkerDataset(dataset_fn)
+
+
+experimental.ParameterServerStrategy = ParameterServerStrategy
+experimental.coordinator = _Namespace(ClusterCoordinator=ClusterCoordinator, RemoteValue=RemoteValue)
+coordinator = experimental.coordinator
