@@ -185,6 +185,15 @@ fn c_checkpoints() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Parameter servers: a ps task, two workers and the chief on threads; scheduled steps with
+/// payloads and outputs, a failing step, run_steps, and the argument errors.
+#[test]
+fn c_parameter_servers() {
+    let exe = compile(Lang::C, "ps", &["ffi/tests/c/ps.c"], &["ffi/tests/c"]);
+    let out = run(&exe, &[], LIMIT);
+    assert!(out.contains("ps: ok"), "{out}");
+}
+
 #[test]
 fn c_trainer_with_mirrored_strategy() {
     let exe = compile(

@@ -5,13 +5,17 @@
 
 #define _POSIX_C_SOURCE 200809L
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "tutti.h"
 
@@ -106,6 +110,22 @@ static inline void run_ranks(size_t world, tutti_comm **comms, void *(*fn)(void 
     for (r = 0; r < world; r++) {
         pthread_join(threads[r], NULL);
     }
+}
+
+/* A TCP port on 127.0.0.1 that nothing listens on right now. */
+static inline int free_port(void) {
+    struct sockaddr_in a;
+    socklen_t len = sizeof a;
+    int s = socket(AF_INET, SOCK_STREAM, 0), port;
+    EXPECT(s >= 0);
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT(bind(s, (struct sockaddr *)&a, sizeof a) == 0);
+    EXPECT(getsockname(s, (struct sockaddr *)&a, &len) == 0);
+    port = ntohs(a.sin_port);
+    close(s);
+    return port;
 }
 
 static inline double now_seconds(void) {

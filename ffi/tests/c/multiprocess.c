@@ -13,22 +13,6 @@
 
 #define WORLD 3
 
-/* A TCP port nothing listens on right now. */
-static int free_port(void) {
-    struct sockaddr_in a;
-    socklen_t len = sizeof a;
-    int s = socket(AF_INET, SOCK_STREAM, 0), port;
-    EXPECT(s >= 0);
-    memset(&a, 0, sizeof a);
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT(bind(s, (struct sockaddr *)&a, sizeof a) == 0);
-    EXPECT(getsockname(s, (struct sockaddr *)&a, &len) == 0);
-    port = ntohs(a.sin_port);
-    close(s);
-    return port;
-}
-
 static void unset_launcher_env(void) {
     const char *vars[] = {"TUTTI_RANK", "TUTTI_WORLD_SIZE", "TUTTI_MASTER_ADDR", "TF_CONFIG",
                           "RANK",       "WORLD_SIZE",       "OMPI_COMM_WORLD_RANK",

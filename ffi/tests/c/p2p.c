@@ -276,21 +276,6 @@ static void group_misuse(void) {
 
 /* ----- ranks in separate processes ----- */
 
-static int free_port(void) {
-    struct sockaddr_in a;
-    socklen_t len = sizeof a;
-    int s = socket(AF_INET, SOCK_STREAM, 0), port;
-    EXPECT(s >= 0);
-    memset(&a, 0, sizeof a);
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT(bind(s, (struct sockaddr *)&a, sizeof a) == 0);
-    EXPECT(getsockname(s, (struct sockaddr *)&a, &len) == 0);
-    port = ntohs(a.sin_port);
-    close(s);
-    return port;
-}
-
 static int child(size_t rank, size_t world, int port) {
     tutti_config config = TUTTI_CONFIG_INIT;
     tutti_comm *comm = NULL;
