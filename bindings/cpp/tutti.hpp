@@ -16,9 +16,11 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -809,6 +811,455 @@ private:
     }
 
     std::unique_ptr<tutti_replicas, detail::replicas_deleter> h_;
+};
+
+// ----- tf.distribute strategies (tutti_strategy), checkpoints, parameter servers -----
+
+/// A strategy's kind (TensorFlow's strategies).
+enum class strategy_kind : std::uint32_t {
+    default_strategy = TUTTI_STRATEGY_DEFAULT,
+    one_device = TUTTI_STRATEGY_ONE_DEVICE,
+    mirrored = TUTTI_STRATEGY_MIRRORED,
+    central_storage = TUTTI_STRATEGY_CENTRAL_STORAGE,
+    multi_worker_mirrored = TUTTI_STRATEGY_MULTI_WORKER_MIRRORED,
+};
+
+/// How a mirrored strategy combines its replicas' values (TensorFlow's cross-device ops).
+enum class cross_device_ops : std::uint32_t {
+    default_ops = TUTTI_CROSS_DEVICE_OPS_DEFAULT,
+    nccl_all_reduce = TUTTI_CROSS_DEVICE_OPS_NCCL_ALL_REDUCE,
+    hierarchical_copy = TUTTI_CROSS_DEVICE_OPS_HIERARCHICAL_COPY,
+    reduction_to_one_device = TUTTI_CROSS_DEVICE_OPS_REDUCTION_TO_ONE_DEVICE,
+    ring = TUTTI_CROSS_DEVICE_OPS_RING,
+};
+
+namespace detail {
+struct strategy_deleter {
+    void operator()(tutti_strategy *s) const noexcept { tutti_strategy_destroy(s); }
+};
+struct checkpoint_deleter {
+    void operator()(tutti_checkpoint *c) const noexcept { tutti_checkpoint_destroy(c); }
+};
+struct ps_strategy_deleter {
+    void operator()(tutti_ps_strategy *s) const noexcept { tutti_ps_strategy_destroy(s); }
+};
+struct ps_coordinator_deleter {
+    void operator()(tutti_ps_coordinator *c) const noexcept { tutti_ps_coordinator_destroy(c); }
+};
+struct ps_remote_value_deleter {
+    void operator()(tutti_ps_remote_value *v) const noexcept { tutti_ps_remote_value_destroy(v); }
+};
+
+/// The exception to rethrow of those the replicas' functions threw: the first that is not a
+/// tutti::error (a sibling woken by a failure throws one), else the first.
+inline std::exception_ptr first_own(const std::vector<std::exception_ptr> &errors) {
+    std::exception_ptr any;
+    for (const auto &e : errors) {
+        if (!e) {
+            continue;
+        }
+        try {
+            std::rethrow_exception(e);
+        } catch (const error &) {
+            if (!any) {
+                any = e;
+            }
+        } catch (...) {
+            return e;
+        }
+    }
+    return any;
+}
+} // namespace detail
+
+/// What a replica function gets: its ids and the collectives across every replica in sync.
+/// Valid only during that call, on that thread.
+class replica_context {
+public:
+    /// This replica's index among every replica in sync (TensorFlow's replica_id_in_sync_group).
+    std::size_t replica_id() const {
+        std::size_t id = 0;
+        detail::check(tutti_replica_id(c_, &id, nullptr));
+        return id;
+    }
+    /// This replica's index on this process.
+    std::size_t local_replica_id() const {
+        std::size_t id = 0;
+        detail::check(tutti_replica_id(c_, nullptr, &id));
+        return id;
+    }
+    /// buf becomes op over every replica's buf.
+    template <typename T> void all_reduce(std::vector<T> &buf, op o) const {
+        detail::check(tutti_replica_all_reduce(c_, buf.size(), dtype_of<T>::value,
+                                               static_cast<tutti_op>(o), buf.data()));
+    }
+    /// buf becomes replica root's buf.
+    template <typename T> void broadcast(std::vector<T> &buf, std::size_t root) const {
+        detail::check(
+            tutti_replica_broadcast(c_, buf.size(), dtype_of<T>::value, root, buf.data()));
+    }
+    const tutti_replica_context *get() const noexcept { return c_; }
+
+private:
+    friend class strategy;
+    explicit replica_context(const tutti_replica_context *c) : c_(c) {}
+    const tutti_replica_context *c_;
+};
+
+/// A tf.distribute strategy (tutti_strategy). Move-only.
+///
+///     tutti::strategy s(tutti::strategy_kind::mirrored, 4);
+///     s.run([&](const tutti::replica_context &ctx) { ctx.all_reduce(grad[ctx.local_replica_id()], tutti::op::sum); });
+class strategy {
+public:
+    /// `num_local_replicas` logical CPU devices (0: every GPU, else the CPU);
+    /// multi_worker_mirrored joins the job its environment describes.
+    explicit strategy(strategy_kind kind, std::size_t num_local_replicas = 0,
+                      cross_device_ops ops = cross_device_ops::default_ops) {
+        tutti_strategy *s = nullptr;
+        detail::check(tutti_strategy_create(static_cast<tutti_strategy_kind>(kind),
+                                            num_local_replicas,
+                                            static_cast<tutti_cross_device_ops>(ops), &s));
+        h_.reset(s);
+    }
+    /// Replicas in sync across the job (TensorFlow's num_replicas_in_sync).
+    std::size_t num_replicas_in_sync() const {
+        std::size_t n = 0;
+        detail::check(tutti_strategy_num_replicas(h_.get(), &n, nullptr));
+        return n;
+    }
+    /// Replicas on this process.
+    std::size_t num_local_replicas() const {
+        std::size_t n = 0;
+        detail::check(tutti_strategy_num_replicas(h_.get(), nullptr, &n));
+        return n;
+    }
+    /// fn(const replica_context &) once per local replica, in parallel. An exception fn throws
+    /// is rethrown here (the replica's own, rather than a sibling's woken by it); the strategy
+    /// stays usable.
+    template <typename F> void run(F &&fn) {
+        struct call {
+            std::remove_reference_t<F> *fn;
+            std::vector<std::exception_ptr> errors;
+        } c{&fn, std::vector<std::exception_ptr>(num_local_replicas())};
+        tutti_result r = tutti_strategy_run(
+            h_.get(),
+            [](const tutti_replica_context *ctx, void *user) -> tutti_result {
+                auto *c = static_cast<call *>(user);
+                std::size_t local = 0;
+                if (tutti_replica_id(ctx, nullptr, &local) != TUTTI_SUCCESS ||
+                    local >= c->errors.size()) {
+                    return TUTTI_ERROR_INTERNAL;
+                }
+                try {
+                    (*c->fn)(replica_context(ctx));
+                    return TUTTI_SUCCESS;
+                } catch (...) {
+                    c->errors[local] = std::current_exception();
+                    return TUTTI_ERROR_SYSTEM;
+                }
+            },
+            &c);
+        if (std::exception_ptr e = detail::first_own(c.errors)) {
+            std::rethrow_exception(e);
+        }
+        detail::check(r);
+    }
+    /// op (sum or mean) of one value per local replica, across every replica in sync
+    /// (TensorFlow's strategy.reduce with no axis). The values must be equally long.
+    template <typename T> std::vector<T> reduce(const std::vector<std::vector<T>> &per_replica, op o) {
+        std::vector<const void *> in;
+        for (const auto &v : per_replica) {
+            if (v.size() != per_replica.at(0).size()) {
+                throw error(TUTTI_ERROR_INVALID_ARGUMENT,
+                            "tutti::strategy::reduce: the replicas' values differ in length");
+            }
+            in.push_back(v.data());
+        }
+        std::vector<T> out(per_replica.empty() ? 0 : per_replica[0].size());
+        detail::check(tutti_strategy_reduce(h_.get(), out.size(), dtype_of<T>::value,
+                                            static_cast<tutti_op>(o),
+                                            in.empty() ? nullptr : in.data(), out.data()));
+        return out;
+    }
+    /// The rows [first, second) of a global batch of `rows` rows each local replica takes.
+    std::vector<std::pair<std::size_t, std::size_t>> batch_rows(std::size_t rows) const {
+        std::vector<std::size_t> starts(num_local_replicas() + 1);
+        detail::check(tutti_strategy_batch_rows(h_.get(), rows, starts.data(), starts.size()));
+        std::vector<std::pair<std::size_t, std::size_t>> out;
+        for (std::size_t i = 0; i + 1 < starts.size(); i++) {
+            out.emplace_back(starts[i], starts[i + 1]);
+        }
+        return out;
+    }
+    /// This process's place in the job (TensorFlow's strategy.cluster_resolver).
+    struct cluster_info {
+        std::string task_type;
+        std::size_t task_id;
+        std::size_t num_workers;
+        bool is_chief;
+    };
+    cluster_info cluster() const {
+        char type[64] = {0};
+        cluster_info info{std::string(), 0, 0, false};
+        detail::check(tutti_strategy_cluster(h_.get(), type, sizeof type, &info.task_id,
+                                             &info.num_workers, &info.is_chief));
+        info.task_type = type;
+        return info;
+    }
+    tutti_strategy *get() const noexcept { return h_.get(); }
+
+private:
+    std::unique_ptr<tutti_strategy, detail::strategy_deleter> h_;
+};
+
+/// A step and named tensors, saved to and restored from a directory in tutti's checkpoint
+/// format (tutti_checkpoint; TensorFlow's tf.train.Checkpoint and CheckpointManager).
+class checkpoint {
+public:
+    explicit checkpoint(std::uint64_t step) {
+        tutti_checkpoint *c = nullptr;
+        detail::check(tutti_checkpoint_create(step, &c));
+        h_.reset(c);
+    }
+    /// The steps trained when it was made.
+    std::uint64_t step() const {
+        std::uint64_t s = 0;
+        detail::check(tutti_checkpoint_step(h_.get(), &s));
+        return s;
+    }
+    /// Add (a copy of) the tensor `name` of `shape` at `data`.
+    template <typename T>
+    void insert(const std::string &name, const std::vector<std::size_t> &shape, const T *data) {
+        detail::check(tutti_checkpoint_insert(h_.get(), name.c_str(), dtype_of<T>::value,
+                                              shape.size(), shape.data(), data));
+    }
+    /// Add (a copy of) the vector `name`.
+    template <typename T> void insert(const std::string &name, const std::vector<T> &data) {
+        insert(name, std::vector<std::size_t>{data.size()}, data.data());
+    }
+    /// The shape of tensor `name` (an error naming what the checkpoint holds when absent).
+    std::vector<std::size_t> shape(const std::string &name) const {
+        tutti_dtype d;
+        std::size_t ndim = 0;
+        std::vector<std::size_t> dims(64);
+        detail::check(tutti_checkpoint_variable(h_.get(), name.c_str(), &d, &ndim, dims.data(),
+                                                dims.size()));
+        dims.resize(ndim);
+        return dims;
+    }
+    /// The values of tensor `name`, of element type T (an error if it holds another).
+    template <typename T> std::vector<T> read(const std::string &name) const {
+        std::size_t n = 1;
+        for (std::size_t d : shape(name)) {
+            n *= d;
+        }
+        std::vector<T> out(n);
+        detail::check(
+            tutti_checkpoint_read(h_.get(), name.c_str(), dtype_of<T>::value, n, out.data()));
+        return out;
+    }
+    /// Save into `directory` as ckpt-STEP.tutti, keeping the last `max_to_keep` (0: all). With
+    /// a multi-worker strategy the chief writes and every worker learns the outcome.
+    void save(const std::string &directory, std::size_t max_to_keep,
+              const strategy *s = nullptr) const {
+        detail::check(tutti_checkpoint_save(s ? s->get() : nullptr, directory.c_str(),
+                                            max_to_keep, h_.get()));
+    }
+    /// The latest checkpoint in `directory`, or none where there is none.
+    static std::unique_ptr<checkpoint> restore(const std::string &directory,
+                                               const strategy *s = nullptr) {
+        tutti_checkpoint *c = nullptr;
+        detail::check(tutti_checkpoint_restore(s ? s->get() : nullptr, directory.c_str(), &c));
+        if (!c) {
+            return nullptr;
+        }
+        return std::unique_ptr<checkpoint>(new checkpoint(c));
+    }
+    tutti_checkpoint *get() const noexcept { return h_.get(); }
+
+private:
+    explicit checkpoint(tutti_checkpoint *c) : h_(c) {}
+    std::unique_ptr<tutti_checkpoint, detail::checkpoint_deleter> h_;
+};
+
+/// How variables are cut into shards across the ps tasks (TensorFlow's partitioners).
+enum class partitioner : std::uint32_t {
+    max_shards = TUTTI_PARTITIONER_MAX_SHARDS,
+    fixed_shards = TUTTI_PARTITIONER_FIXED_SHARDS,
+    min_shard_bytes = TUTTI_PARTITIONER_MIN_SHARD_BYTES,
+    max_shard_bytes = TUTTI_PARTITIONER_MAX_SHARD_BYTES,
+};
+
+/// What a parameter-server step function gets on a worker: valid only during that call.
+class ps_step {
+public:
+    std::uint64_t step() const {
+        std::uint64_t s = 0;
+        detail::check(tutti_ps_step_info(s_, &s, nullptr, nullptr, nullptr));
+        return s;
+    }
+    std::size_t worker() const {
+        std::size_t w = 0;
+        detail::check(tutti_ps_step_info(s_, nullptr, &w, nullptr, nullptr));
+        return w;
+    }
+    std::size_t num_workers() const {
+        std::size_t n = 0;
+        detail::check(tutti_ps_step_info(s_, nullptr, nullptr, &n, nullptr));
+        return n;
+    }
+    std::size_t num_variables() const {
+        std::size_t n = 0;
+        detail::check(tutti_ps_step_info(s_, nullptr, nullptr, nullptr, &n));
+        return n;
+    }
+    /// Variable `index` as pulled for this step.
+    std::vector<float> variable(std::size_t index) const {
+        const float *p = nullptr;
+        std::size_t n = 0;
+        detail::check(tutti_ps_step_variable(s_, index, &p, &n));
+        return std::vector<float>(p, p + n);
+    }
+    /// What the coordinator scheduled this step with.
+    std::string payload() const {
+        const void *p = nullptr;
+        std::size_t n = 0;
+        detail::check(tutti_ps_step_payload(s_, &p, &n));
+        return std::string(static_cast<const char *>(p), n);
+    }
+    /// Variable `index`'s gradient (the ps tasks apply w -= lr * gradient).
+    void set_gradient(std::size_t index, const std::vector<float> &g) {
+        detail::check(tutti_ps_step_set_gradient(s_, index, g.data(), g.size()));
+    }
+    void set_loss(float loss) { detail::check(tutti_ps_step_set_loss(s_, loss)); }
+    /// What goes back to the coordinator with the step.
+    void set_output(const std::string &bytes) {
+        detail::check(tutti_ps_step_set_output(s_, bytes.data(), bytes.size()));
+    }
+
+private:
+    friend class ps_strategy;
+    explicit ps_step(tutti_ps_step *s) : s_(s) {}
+    tutti_ps_step *s_;
+};
+
+/// A scheduled step's result (TensorFlow's RemoteValue). Move-only.
+class ps_remote_value {
+public:
+    tutti_ps_remote_value *get() const noexcept { return h_.get(); }
+
+private:
+    friend class ps_coordinator;
+    explicit ps_remote_value(tutti_ps_remote_value *v) : h_(v) {}
+    std::unique_ptr<tutti_ps_remote_value, detail::ps_remote_value_deleter> h_;
+};
+
+/// The chief's coordinator. Move-only; destroying it shuts the job down.
+class ps_coordinator {
+public:
+    std::size_t num_workers() const {
+        std::size_t n = 0;
+        detail::check(tutti_ps_coordinator_num_workers(h_.get(), &n));
+        return n;
+    }
+    /// A variable on the ps tasks, updated by SGD at `learning_rate`, in `num_shards` shards
+    /// (0: as the strategy's partitioner says); its index.
+    std::size_t create_variable(const std::string &name, const std::vector<float> &initial,
+                                float learning_rate, std::size_t num_shards = 0) {
+        std::size_t index = 0;
+        detail::check(tutti_ps_coordinator_create_variable(h_.get(), name.c_str(), initial.data(),
+                                                           initial.size(), num_shards,
+                                                           learning_rate, &index, nullptr));
+        return index;
+    }
+    /// Variable `index`, `len` elements, as the ps tasks hold it now.
+    std::vector<float> read_variable(std::size_t index, std::size_t len) const {
+        std::vector<float> out(len);
+        detail::check(tutti_ps_coordinator_read_variable(h_.get(), index, out.data(), len));
+        return out;
+    }
+    /// Steps 0..n on the workers; their losses.
+    std::vector<float> run_steps(std::size_t n) {
+        std::vector<float> losses(n);
+        detail::check(tutti_ps_coordinator_run_steps(h_.get(), n, losses.data()));
+        return losses;
+    }
+    /// Queue a step carrying `payload`; it runs at the next join or fetch.
+    ps_remote_value schedule(const std::string &payload) {
+        tutti_ps_remote_value *v = nullptr;
+        detail::check(
+            tutti_ps_coordinator_schedule(h_.get(), payload.data(), payload.size(), &v));
+        return ps_remote_value(v);
+    }
+    /// Run everything scheduled and wait for it.
+    void join() { detail::check(tutti_ps_coordinator_join(h_.get())); }
+    /// A scheduled step's loss and what it sent back.
+    struct output {
+        float loss;
+        std::string bytes;
+    };
+    output fetch(const ps_remote_value &v) {
+        output out{0.0f, std::string()};
+        std::size_t n = 0;
+        detail::check(tutti_ps_coordinator_fetch(h_.get(), v.get(), &out.loss, nullptr, 0, &n));
+        out.bytes.resize(n);
+        detail::check(tutti_ps_coordinator_fetch(h_.get(), v.get(), nullptr,
+                                                 n ? &out.bytes[0] : nullptr, n, &n));
+        return out;
+    }
+    /// Tell every task the job is over; the coordinator is released.
+    void shutdown() { detail::check(tutti_ps_coordinator_shutdown(h_.release())); }
+    tutti_ps_coordinator *get() const noexcept { return h_.get(); }
+
+private:
+    friend class ps_strategy;
+    explicit ps_coordinator(tutti_ps_coordinator *c) : h_(c) {}
+    std::unique_ptr<tutti_ps_coordinator, detail::ps_coordinator_deleter> h_;
+};
+
+/// This task's part of a parameter-server job (tutti_ps_strategy). Move-only.
+class ps_strategy {
+public:
+    /// `tf_config` a TF_CONFIG text, or empty for the environment's.
+    explicit ps_strategy(const std::string &tf_config = std::string(),
+                         partitioner p = partitioner::max_shards, std::size_t value = 1,
+                         std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) {
+        tutti_ps_strategy *s = nullptr;
+        detail::check(tutti_ps_strategy_create(tf_config.empty() ? nullptr : tf_config.c_str(),
+                                               static_cast<tutti_partitioner>(p), value,
+                                               static_cast<std::uint64_t>(timeout.count()), &s));
+        h_.reset(s);
+    }
+    /// Take this task's role: the chief gets its coordinator; a ps task or a worker serves
+    /// (a worker calls step_fn(ps_step &) for each step; what it throws fails that step, with
+    /// its what()) until the job is shut down, and gets none.
+    template <typename F> std::unique_ptr<ps_coordinator> run_role(F &&step_fn) {
+        tutti_ps_coordinator *c = nullptr;
+        detail::check(tutti_ps_run_role(
+            h_.get(),
+            [](tutti_ps_step *st, void *user) -> tutti_result {
+                try {
+                    ps_step s(st);
+                    (*static_cast<std::remove_reference_t<F> *>(user))(s);
+                    return TUTTI_SUCCESS;
+                } catch (const std::exception &e) {
+                    tutti_ps_step_set_error(st, e.what());
+                } catch (...) {
+                    tutti_ps_step_set_error(st, "the step function threw");
+                }
+                return TUTTI_ERROR_SYSTEM;
+            },
+            const_cast<void *>(static_cast<const void *>(&step_fn)), &c));
+        if (!c) {
+            return nullptr;
+        }
+        return std::unique_ptr<ps_coordinator>(new ps_coordinator(c));
+    }
+    tutti_ps_strategy *get() const noexcept { return h_.get(); }
+
+private:
+    std::unique_ptr<tutti_ps_strategy, detail::ps_strategy_deleter> h_;
 };
 
 /// One device this build can see.

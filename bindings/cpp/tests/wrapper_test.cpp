@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -453,6 +454,144 @@ static void point_to_point() {
     });
 }
 
+// Strategies: run with replica collectives, reduce, batch rows, the cluster, an exception
+// thrown by one replica rethrown by run; checkpoints saved through the strategy and restored.
+static void strategies_and_checkpoints() {
+    tutti::strategy s(tutti::strategy_kind::mirrored, 3, tutti::cross_device_ops::ring);
+    EXPECT(s.num_replicas_in_sync() == 3 && s.num_local_replicas() == 3);
+    std::vector<std::vector<float>> grads(3);
+    s.run([&](const tutti::replica_context &ctx) {
+        std::size_t i = ctx.local_replica_id();
+        grads[i] = std::vector<float>(4, static_cast<float>(ctx.replica_id() + 1));
+        ctx.all_reduce(grads[i], tutti::op::sum);
+        std::vector<double> b(2, static_cast<double>(i));
+        ctx.broadcast(b, 2);
+        EXPECT(b[0] == 2.0);
+    });
+    for (const auto &g : grads) {
+        EXPECT(g == std::vector<float>(4, 6.0f));
+    }
+    std::vector<float> mean = s.reduce(std::vector<std::vector<float>>{{1, 2}, {3, 4}, {5, 6}},
+                                       tutti::op::mean);
+    EXPECT(mean[0] == 3.0f && mean[1] == 4.0f);
+    auto rows = s.batch_rows(10);
+    EXPECT(rows.size() == 3 && rows[0].first == 0 && rows[0].second == 4 && rows[2].second == 10);
+    auto cluster = s.cluster();
+    EXPECT(cluster.task_id == 0 && cluster.num_workers == 1 && cluster.is_chief);
+    try {
+        s.run([](const tutti::replica_context &ctx) {
+            if (ctx.local_replica_id() == 1) {
+                throw std::runtime_error("replica 1 gave up");
+            }
+            std::vector<float> x(1, 1.0f);
+            ctx.all_reduce(x, tutti::op::sum);
+        });
+        EXPECT(false);
+    } catch (const std::runtime_error &e) {
+        EXPECT(std::string(e.what()) == "replica 1 gave up");
+    }
+    // Still usable.
+    s.run([](const tutti::replica_context &ctx) {
+        std::vector<int> x(1, 1);
+        ctx.all_reduce(x, tutti::op::sum);
+        EXPECT(x[0] == 3);
+    });
+
+    char dir[] = "/tmp/tutti-cpp-ckpt-XXXXXX";
+    EXPECT(mkdtemp(dir) != nullptr);
+    EXPECT(tutti::checkpoint::restore(dir, &s) == nullptr);
+    for (std::uint64_t step = 10; step <= 30; step += 10) {
+        tutti::checkpoint c(step);
+        c.insert("w", std::vector<std::size_t>{2, 2}, grads[0].data());
+        c.insert("counter", std::vector<std::int64_t>{static_cast<std::int64_t>(step)});
+        c.save(dir, 2, &s);
+    }
+    auto back = tutti::checkpoint::restore(dir);
+    EXPECT(back && back->step() == 30);
+    EXPECT(back->shape("w") == (std::vector<std::size_t>{2, 2}));
+    EXPECT(back->read<float>("w") == grads[0]);
+    EXPECT(back->read<std::int64_t>("counter")[0] == 30);
+    tutti::error e = expect_throw([&] { back->read<double>("w"); });
+    EXPECT(e.code() == TUTTI_ERROR_INVALID_ARGUMENT);
+    e = expect_throw([&] { back->shape("bias"); });
+    EXPECT(std::string(e.what()).find("bias") != std::string::npos);
+    std::string ckpt = std::string(dir) + "/ckpt-";
+    EXPECT(access((ckpt + "10.tutti").c_str(), F_OK) != 0);
+    for (const char *step : {"20", "30"}) {
+        EXPECT(std::remove((ckpt + step + ".tutti").c_str()) == 0);
+    }
+    EXPECT(rmdir(dir) == 0);
+}
+
+// Parameter servers: a ps task and two workers on threads, the chief's coordinator scheduling
+// steps with payloads; a step whose function throws fails join with its what().
+static void parameter_servers() {
+    int ports[4];
+    for (int &p : ports) {
+        p = free_port();
+    }
+    char cluster[512];
+    std::snprintf(cluster, sizeof cluster,
+                  "{\"chief\": [\"127.0.0.1:%d\"], \"ps\": [\"127.0.0.1:%d\"], "
+                  "\"worker\": [\"127.0.0.1:%d\", \"127.0.0.1:%d\"]}",
+                  ports[0], ports[1], ports[2], ports[3]);
+    auto config = [&](const char *type, int index) {
+        return std::string("{\"cluster\": ") + cluster + ", \"task\": {\"type\": \"" + type +
+               "\", \"index\": " + std::to_string(index) + "}}";
+    };
+    setenv("TUTTI_JOB_TOKEN", "cpp-parameter-server-test-token", 1);
+    auto step_fn = [](tutti::ps_step &st) {
+        std::string p = st.payload();
+        if (p == "throw") {
+            throw std::runtime_error("thrown by the C++ step");
+        }
+        EXPECT(st.num_workers() == 2 && st.num_variables() == 1);
+        std::vector<float> w = st.variable(0);
+        st.set_gradient(0, std::vector<float>(w.size(), 1.0f));
+        st.set_loss(static_cast<float>(st.step()));
+        st.set_output(p + ":" + std::to_string(st.worker()));
+    };
+    std::vector<std::thread> tasks;
+    std::atomic<int> served{0};
+    for (auto t : {std::make_pair("ps", 0), std::make_pair("worker", 0), std::make_pair("worker", 1)}) {
+        std::string c = config(t.first, t.second);
+        tasks.emplace_back([c, step_fn, &served] {
+            tutti::ps_strategy s(c, tutti::partitioner::fixed_shards, 2, std::chrono::seconds(30));
+            auto coordinator = s.run_role(step_fn);
+            EXPECT(coordinator == nullptr);
+            served++;
+        });
+    }
+    tutti::ps_strategy chief(config("chief", 0), tutti::partitioner::fixed_shards, 2,
+                             std::chrono::seconds(30));
+    auto coordinator = chief.run_role(step_fn);
+    EXPECT(coordinator != nullptr && coordinator->num_workers() == 2);
+    std::size_t w = coordinator->create_variable("w", std::vector<float>(4, 10.0f), 0.5f);
+    std::vector<tutti::ps_remote_value> values;
+    for (int i = 0; i < 4; i++) {
+        values.push_back(coordinator->schedule("step" + std::to_string(i)));
+    }
+    coordinator->join();
+    for (int i = 0; i < 4; i++) {
+        auto out = coordinator->fetch(values[i]);
+        EXPECT(out.loss == static_cast<float>(i));
+        EXPECT(out.bytes.rfind("step" + std::to_string(i) + ":", 0) == 0);
+    }
+    EXPECT(coordinator->read_variable(w, 4) == std::vector<float>(4, 8.0f));
+    auto thrown = coordinator->schedule("throw");
+    tutti::error e = expect_throw([&] { coordinator->join(); });
+    EXPECT(e.code() == TUTTI_ERROR_STEP_FAILED);
+    EXPECT(std::string(e.what()).find("thrown by the C++ step") != std::string::npos);
+    e = expect_throw([&] { coordinator->fetch(thrown); });
+    EXPECT(e.code() == TUTTI_ERROR_STEP_FAILED);
+    EXPECT(coordinator->run_steps(2) == (std::vector<float>{0.0f, 1.0f}));
+    coordinator->shutdown();
+    for (auto &t : tasks) {
+        t.join();
+    }
+    EXPECT(served == 3);
+}
+
 int main() {
     EXPECT(tutti::version() == TUTTI_VERSION_STRING);
     auto devs = tutti::devices();
@@ -468,6 +607,8 @@ int main() {
     moves_and_ownership();
     replicas_form();
     multi_process_errors();
+    strategies_and_checkpoints();
+    parameter_servers();
     std::printf("tutti.hpp: ok\n");
     return 0;
 }
