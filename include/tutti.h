@@ -507,6 +507,40 @@ typedef uint32_t tutti_compression;
 #endif // __cplusplus
 
 /**
+ * How variables are cut into shards across the ps tasks (TensorFlow's partitioners).
+ */
+enum tutti_partitioner
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+    /**
+     * At most `value` shards, and no more than there are ps tasks.
+     */
+    TUTTI_PARTITIONER_MAX_SHARDS = 0,
+    /**
+     * Exactly `value` shards (TensorFlow's `FixedShardsPartitioner`).
+     */
+    TUTTI_PARTITIONER_FIXED_SHARDS = 1,
+    /**
+     * Shards of at least `value` bytes, no more than there are ps tasks
+     * (`MinSizePartitioner`).
+     */
+    TUTTI_PARTITIONER_MIN_SHARD_BYTES = 2,
+    /**
+     * Shards of at most `value` bytes (`MaxSizePartitioner`).
+     */
+    TUTTI_PARTITIONER_MAX_SHARD_BYTES = 3,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum tutti_partitioner tutti_partitioner;
+#else
+typedef uint32_t tutti_partitioner;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A checkpoint (opaque): a step and named tensors. Created by `tutti_checkpoint_create` or
  * `tutti_checkpoint_restore`, released by `tutti_checkpoint_destroy`.
  */
@@ -682,11 +716,6 @@ typedef struct tutti_device_info {
  * called from any thread, several at once.
  */
 typedef void (*tutti_log_fn)(tutti_log_level level, const char *message, void *user);
-
-/**
- * A `tutti_partitioner` as it crosses the C boundary: one of the `TUTTI_PARTITIONER_*` values.
- */
-typedef uint32_t tutti_partitioner;
 
 /**
  * A worker's step. Return `TUTTI_SUCCESS`, or a failure code after
@@ -1728,8 +1757,8 @@ tutti_result tutti_group_end(void);
  * TF_CONFIG text (`{"cluster": {"chief": [...], "worker": [...], "ps": [...]}, "task":
  * {...}}`), or NULL for this process's environment (TF_CONFIG, `tutti launch --workers N --ps
  * M`). The job's secret comes from the environment (`TUTTI_JOB_TOKEN`), as for every way of
- * joining. `partitioner` and `partitioner_value` shard the variables; `timeout_ms` bounds every
- * wait (0: the default, `TUTTI_TIMEOUT`).
+ * joining. `partitioner` and `partitioner_value` (at least 1) shard the variables;
+ * `timeout_ms` bounds every wait (0: the default, `TUTTI_TIMEOUT`).
  *
  * Thread-safety: callable from any thread.
  *

@@ -165,7 +165,7 @@ pub(crate) fn set_last_error(message: String) {
     });
 }
 
-fn clear_last_error() {
+pub(crate) fn clear_last_error() {
     let _ = LAST_ERROR.try_with(|m| {
         if let Ok(mut m) = m.try_borrow_mut() {
             m.clear();

@@ -139,6 +139,11 @@ unsafe fn bytes_at<'a>(ptr: *const c_void, len: usize, name: &str) -> Result<&'a
 
 fn partitioner(kind: tutti_partitioner, value: usize) -> Result<Partitioner, Failure> {
     use TuttiPartitioner as K;
+    if value == 0 && kind <= K::TUTTI_PARTITIONER_MAX_SHARD_BYTES as u32 {
+        return Err(Failure::invalid(
+            "partitioner_value 0: a shard count or size is at least 1",
+        ));
+    }
     Ok(match kind {
         k if k == K::TUTTI_PARTITIONER_MAX_SHARDS as u32 => Partitioner::MaxShards(value),
         k if k == K::TUTTI_PARTITIONER_FIXED_SHARDS as u32 => Partitioner::FixedShards(value),
@@ -156,8 +161,8 @@ fn partitioner(kind: tutti_partitioner, value: usize) -> Result<Partitioner, Fai
 /// TF_CONFIG text (`{"cluster": {"chief": [...], "worker": [...], "ps": [...]}, "task":
 /// {...}}`), or NULL for this process's environment (TF_CONFIG, `tutti launch --workers N --ps
 /// M`). The job's secret comes from the environment (`TUTTI_JOB_TOKEN`), as for every way of
-/// joining. `partitioner` and `partitioner_value` shard the variables; `timeout_ms` bounds every
-/// wait (0: the default, `TUTTI_TIMEOUT`).
+/// joining. `partitioner` and `partitioner_value` (at least 1) shard the variables;
+/// `timeout_ms` bounds every wait (0: the default, `TUTTI_TIMEOUT`).
 ///
 /// Thread-safety: callable from any thread.
 ///
@@ -247,6 +252,8 @@ pub unsafe extern "C" fn tutti_ps_run_role(
                 loss: 0.0,
                 error: None,
             };
+            // A failure's message is the one this step function left, not an earlier one's.
+            crate::error::clear_last_error();
             // SAFETY: the trainer's function, called as it promised it can be.
             let code = unsafe { step.call(&mut st) };
             if code == TuttiResult::TUTTI_SUCCESS as u32 {

@@ -35,13 +35,14 @@ use crate::error::{Error, Result};
 pub enum Partitioner {
     /// At most this many shards, and no more than there are ps tasks.
     MaxShards(usize),
-    /// Exactly this many shards (TensorFlow's `FixedShardsPartitioner`).
+    /// Exactly this many shards (TensorFlow's `FixedShardsPartitioner`); at least 1, no more
+    /// than the variable's elements.
     FixedShards(usize),
     /// Shards of at least this many bytes, no more than there are ps tasks (TensorFlow's
     /// `MinSizePartitioner` with `max_shards` the ps tasks).
     MinShardBytes(usize),
-    /// Shards of at most this many bytes, as few as that allows (TensorFlow's
-    /// `MaxSizePartitioner`).
+    /// Shards of at most this many bytes (but one element, 4 bytes, at least), as few as that
+    /// allows (TensorFlow's `MaxSizePartitioner`).
     MaxShardBytes(usize),
 }
 
@@ -411,6 +412,8 @@ impl StepContext {
 pub type StepResult = Result<(Vec<Vec<f32>>, f32)>;
 
 /// What [`ParameterServerStrategy::run_role`] leaves this process to do.
+// One per task, made once: its size does not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum Role {
     /// This is the chief: drive the training.
     Chief(Coordinator),
@@ -497,6 +500,8 @@ impl ParameterServerStrategy {
                     layout: Mutex::new(Vec::new()),
                     conns: Mutex::new(HashMap::new()),
                     step_fn: Box::new(step_fn),
+                    running: Mutex::new((false, 0)),
+                    idle: parking_lot::Condvar::new(),
                 };
                 serve(
                     &own,
@@ -536,6 +541,10 @@ struct WorkerState {
     layout: Mutex<Vec<Vec<Shard>>>,
     conns: Mutex<HashMap<usize, TcpStream>>,
     step_fn: Box<dyn Fn(&StepContext) -> StepResult + Send + Sync>,
+    /// Whether the role has ended, and the step functions running: `run_role` returns only
+    /// once none runs (a C or Python step function must not be called after it returns).
+    running: Mutex<(bool, usize)>,
+    idle: parking_lot::Condvar,
 }
 
 fn connect(addr: &str, token: &str, timeout: Duration) -> Result<TcpStream> {
@@ -561,6 +570,7 @@ fn connect(addr: &str, token: &str, timeout: Duration) -> Result<TcpStream> {
                 left.clamp(Duration::from_millis(1), HANDSHAKE_LIMIT),
             )?;
             s.set_read_timeout(Some(timeout))
+                .and_then(|_| s.set_write_timeout(Some(timeout)))
                 .map_err(|e| Error::io("configuring a connection", e))?;
             let _ = s.set_nodelay(true);
             Ok(s)
@@ -572,6 +582,30 @@ fn connect(addr: &str, token: &str, timeout: Duration) -> Result<TcpStream> {
             Err(_) => std::thread::sleep(Duration::from_millis(20)),
         }
     }
+}
+
+/// One attempt to connect to `addr` and prove the token within `wait`; the connection's reads
+/// and writes then wait up to `timeout`.
+fn connect_once(addr: &str, token: &str, wait: Duration, timeout: Duration) -> Result<TcpStream> {
+    let sa = addr
+        .to_socket_addrs()
+        .map_err(|e| Error::io(format!("resolving {addr}"), e))?
+        .next()
+        .ok_or_else(|| Error::config(format!("{addr} resolves to nothing")))?;
+    let mut s = TcpStream::connect_timeout(&sa, wait)
+        .map_err(|e| Error::io(format!("connecting to {addr}"), e))?;
+    handshake_client(
+        &mut s,
+        token,
+        Purpose::Data,
+        u32::MAX,
+        wait.min(HANDSHAKE_LIMIT),
+    )?;
+    s.set_read_timeout(Some(timeout))
+        .and_then(|_| s.set_write_timeout(Some(timeout)))
+        .map_err(|e| Error::io("configuring a connection", e))?;
+    let _ = s.set_nodelay(true);
+    Ok(s)
 }
 
 /// Serve connections on `addr` until a SHUTDOWN arrives (or no one connects within `timeout`).
@@ -597,6 +631,26 @@ fn serve_on(
     timeout: Duration,
     ps: Arc<PsState>,
     worker: Option<Arc<WorkerState>>,
+) -> Result<()> {
+    let served = serve_until_done(listener, addr, token, timeout, &ps, &worker);
+    // However serving ended, no step function runs once this returns.
+    if let Some(w) = &worker {
+        w.close();
+    }
+    served?;
+    match ps.failure.lock().take() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+fn serve_until_done(
+    listener: TcpListener,
+    addr: &str,
+    token: &str,
+    timeout: Duration,
+    ps: &Arc<PsState>,
+    worker: &Option<Arc<WorkerState>>,
 ) -> Result<()> {
     let mut acceptor = Acceptor::new(listener, token, Purpose::Data, "parameter-server")?;
     let done = Arc::new(AtomicBool::new(false));
@@ -634,10 +688,7 @@ fn serve_on(
             }
         }
     }
-    match ps.failure.lock().take() {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
+    Ok(())
 }
 
 fn handle(
@@ -838,9 +889,53 @@ impl WorkerState {
         r
     }
 
+    /// Refuse steps from now on, and wait for the running step functions to return (they are
+    /// the trainer's code: waited for without a bound, with a warning each timeout).
+    fn close(&self) {
+        let mut running = self.running.lock();
+        running.0 = true;
+        while running.1 > 0 {
+            if self.idle.wait_for(&mut running, self.timeout).timed_out() && running.1 > 0 {
+                log::warn!(
+                    "parameter-server worker {}: the job is over, waiting for {} step \
+                     function(s) still running",
+                    self.index,
+                    running.1
+                );
+            }
+        }
+    }
+
     /// Pull every variable, run the step function, push the gradients; the loss and what the
-    /// step sent back.
+    /// step sent back. Refused once the role has ended.
     fn step(&self, step: u64, payload: Vec<u8>) -> Result<Vec<u8>> {
+        {
+            let mut running = self.running.lock();
+            if running.0 {
+                return Err(Error::StepFailed {
+                    worker: self.index,
+                    step,
+                    message: "this worker's part of the job has ended".into(),
+                });
+            }
+            running.1 += 1;
+        }
+        /// Counts the step out however it ends (a panicking step function too).
+        struct Out<'a>(&'a WorkerState);
+        impl Drop for Out<'_> {
+            fn drop(&mut self) {
+                let mut running = self.0.running.lock();
+                running.1 -= 1;
+                if running.1 == 0 {
+                    self.0.idle.notify_all();
+                }
+            }
+        }
+        let _out = Out(self);
+        self.step_inner(step, payload)
+    }
+
+    fn step_inner(&self, step: u64, payload: Vec<u8>) -> Result<Vec<u8>> {
         let layout = self.layout.lock().clone();
         let mut variables = Vec::with_capacity(layout.len());
         for shards in &layout {
@@ -965,8 +1060,11 @@ struct Schedule {
     pending: Vec<(u64, Vec<u8>, Slot)>,
 }
 
-/// How long the coordinator tries a lost worker's address before each run, to let it rejoin.
-const REJOIN_WAIT: Duration = Duration::from_millis(200);
+/// The longest the coordinator waits, before a run, for a lost worker's address to answer (one
+/// attempt, every lost worker at once), and the least time between two tries of one worker.
+const REJOIN_WAIT: Duration = Duration::from_secs(1);
+/// The most steps one `run_steps` call may run.
+const MAX_RUN_STEPS: usize = 1 << 24;
 
 /// The chief's side: creates variables, schedules steps, reads results, shuts the job down.
 pub struct Coordinator {
@@ -978,6 +1076,11 @@ pub struct Coordinator {
     token: String,
     timeout: Duration,
     schedule: Mutex<Schedule>,
+    /// Held by a run of scheduled steps (`join`) and by `run_steps`: one at a time, so a second
+    /// `join` waits for the steps the first took.
+    runs: Mutex<()>,
+    /// When each lost worker was last tried ([`Coordinator::rejoin`]).
+    tried: Mutex<HashMap<usize, Instant>>,
 }
 
 impl Coordinator {
@@ -1001,6 +1104,8 @@ impl Coordinator {
             token,
             timeout: s.timeout,
             schedule: Mutex::new(Schedule::default()),
+            runs: Mutex::new(()),
+            tried: Mutex::new(HashMap::new()),
         })
     }
 
@@ -1034,6 +1139,13 @@ impl Coordinator {
         }
         let mut layout = self.layout.lock();
         let var = layout.len() as u32;
+        let words: usize = layout.iter().map(|v| 1 + 4 * v.len()).sum();
+        if n <= MAX_VARIABLE_SHARDS && 4 * (1 + words + 1 + 4 * n) as u64 > MAX_LAYOUT {
+            return Err(Error::config(format!(
+                "variable '{name}': {n} more shards would take the job's layout past the \
+                 {MAX_LAYOUT} bytes a worker takes; use a partitioner that makes fewer"
+            )));
+        }
         if n > MAX_VARIABLE_SHARDS {
             return Err(Error::config(format!(
                 "variable '{name}': {n} shards, more than the {MAX_VARIABLE_SHARDS} a variable \
@@ -1073,8 +1185,16 @@ impl Coordinator {
         layout.push(shards);
         let setup = encode_layout(&layout);
         for (i, w) in self.workers.iter().enumerate() {
-            if let Some(c) = w.lock().as_mut() {
-                call(c, OP_SETUP, &setup, &format!("worker {i}"))?;
+            let mut w = w.lock();
+            if let Some(c) = w.as_mut() {
+                if let Err(e) = call(c, OP_SETUP, &setup, &format!("worker {i}")) {
+                    // Like a worker lost during a step: it rejoins, with the whole layout, when
+                    // it answers again.
+                    log::warn!(
+                        "parameter-server job: worker {i} lost ({e}); it rejoins when it is back"
+                    );
+                    *w = None;
+                }
             }
         }
         Ok(VariableId(var as usize))
@@ -1119,6 +1239,12 @@ impl Coordinator {
     /// - A ps task that is gone ends the job: every task still reachable is told, each
     ///   returns [`Error::TaskLost`] naming it from `run_role`, and so does this call.
     pub fn run_steps(&self, n: usize) -> Result<Vec<f32>> {
+        if n > MAX_RUN_STEPS {
+            return Err(Error::config(format!(
+                "run_steps: {n} steps, more than the {MAX_RUN_STEPS} one call may run"
+            )));
+        }
+        let _run = self.runs.lock();
         let (results, outcome) = self.run((0..n as u64).map(|s| (s, Vec::new())).collect());
         outcome?;
         Ok(results
@@ -1154,6 +1280,7 @@ impl Coordinator {
     /// step function's error (or lost ps task) stops the run and is returned; the steps it
     /// stopped are not run, and their values hold an error saying so.
     pub fn join(&self) -> Result<()> {
+        let _run = self.runs.lock();
         let pending = std::mem::take(&mut self.schedule.lock().pending);
         if pending.is_empty() {
             return Ok(());
@@ -1194,26 +1321,57 @@ impl Coordinator {
         })
     }
 
-    /// Reconnect the lost workers that are back (restarted on their address): they get the
-    /// variables' layout and take steps again.
+    /// Reconnect the lost workers that are back (restarted on their address, or answering
+    /// again): they get the variables' layout and take steps again. Every lost worker not tried
+    /// within [`REJOIN_WAIT`] is tried once, all at once, for at most that long.
     fn rejoin(&self) {
-        let mut setup = None;
-        for (i, w) in self.workers.iter().enumerate() {
-            let mut w = w.lock();
+        let due: Vec<usize> = {
+            let mut tried = self.tried.lock();
+            let due: Vec<usize> = (0..self.workers.len())
+                .filter(|&i| self.workers[i].lock().is_none())
+                .filter(|i| tried.get(i).is_none_or(|t| t.elapsed() >= REJOIN_WAIT))
+                .collect();
+            for &i in &due {
+                tried.insert(i, Instant::now());
+            }
+            due
+        };
+        if due.is_empty() {
+            return;
+        }
+        let answered: Vec<(usize, TcpStream)> = std::thread::scope(|sc| {
+            let probes: Vec<_> = due
+                .iter()
+                .map(|&i| {
+                    sc.spawn(move || {
+                        connect_once(
+                            &self.worker_addrs[i],
+                            &self.token,
+                            REJOIN_WAIT,
+                            self.timeout,
+                        )
+                        .ok()
+                        .map(|c| (i, c))
+                    })
+                })
+                .collect();
+            probes
+                .into_iter()
+                .filter_map(|p| p.join().ok().flatten())
+                .collect()
+        });
+        // The layout first, then each worker, as `create_variable` takes them.
+        let layout = self.layout.lock();
+        let setup = encode_layout(&layout);
+        for (i, mut c) in answered {
+            let mut w = self.workers[i].lock();
             if w.is_some() {
                 continue;
             }
-            let Ok(mut c) = connect(&self.worker_addrs[i], &self.token, REJOIN_WAIT) else {
-                continue;
-            };
-            let setup = setup.get_or_insert_with(|| encode_layout(&self.layout.lock()));
-            let joined = c
-                .set_read_timeout(Some(self.timeout))
-                .map_err(|e| Error::io("configuring a connection", e))
-                .and_then(|_| call(&mut c, OP_SETUP, setup, &format!("worker {i}")));
-            match joined {
+            match call(&mut c, OP_SETUP, &setup, &format!("worker {i}")) {
                 Ok(_) => {
                     log::info!("parameter-server job: worker {i} is back and rejoins");
+                    self.tried.lock().remove(&i);
                     *w = Some(c);
                 }
                 Err(e) => {
@@ -1315,11 +1473,16 @@ impl Coordinator {
         }
         let left = remaining.load(Ordering::Acquire);
         if left > 0 {
-            let why: Vec<String> = lost
+            let mut why: Vec<String> = lost
                 .into_inner()
                 .iter()
                 .map(|(i, e)| format!("worker {i}: {e}"))
                 .collect();
+            if why.is_empty() {
+                why.push(
+                    "no worker is in the job: each was lost earlier and has not come back".into(),
+                );
+            }
             return (
                 results,
                 Err(Error::TaskLost {
@@ -1351,16 +1514,38 @@ impl Coordinator {
     }
 
     /// Tell every task the job is over.
+    /// Workers lost earlier are told too where they answer (one attempt each, all at once).
+    /// The first ps task that could not be told is the error, once every task was tried.
     pub fn shutdown(self) -> Result<()> {
-        for w in self.workers.iter() {
-            if let Some(c) = w.lock().as_mut() {
-                let _ = call(c, OP_SHUTDOWN, &[], "worker");
+        let this = &self;
+        std::thread::scope(|sc| {
+            for (i, w) in this.workers.iter().enumerate() {
+                sc.spawn(move || {
+                    let mut w = w.lock();
+                    let who = format!("worker {i}");
+                    match w.as_mut() {
+                        Some(c) => {
+                            let _ = call(c, OP_SHUTDOWN, &[], &who);
+                        }
+                        None => {
+                            let addr = &this.worker_addrs[i];
+                            if let Ok(mut c) =
+                                connect_once(addr, &this.token, REJOIN_WAIT, this.timeout)
+                            {
+                                let _ = call(&mut c, OP_SHUTDOWN, &[], &who);
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        let mut first = None;
+        for (i, p) in self.ps.iter().enumerate() {
+            if let Err(e) = call(&mut p.lock(), OP_SHUTDOWN, &[], &format!("ps task {i}")) {
+                first.get_or_insert(e);
             }
         }
-        for p in &self.ps {
-            call(&mut p.lock(), OP_SHUTDOWN, &[], "ps task")?;
-        }
-        Ok(())
+        first.map_or(Ok(()), Err)
     }
 }
 

@@ -848,7 +848,25 @@ PS_JOB = textwrap.dedent(
         coordinator.schedule(lambda: td.optimizers.Adam().apply_gradients([(np.zeros((6, 1), np.float32), w)])).fetch()
     except tutti.TuttiError as e:
         adam = str(e)
+    def pipelines(input_context):
+        while True:
+            yield input_context.input_pipeline_id, input_context.num_input_pipelines
+
+    ids = iter(coordinator.create_per_worker_dataset(pipelines))
+
+    def pipeline(ids):
+        import time
+        time.sleep(0.02)
+        return next(ids)
+
+    seen = sorted({tuple(v.fetch()) for v in [coordinator.schedule(pipeline, args=(ids,)) for _ in range(20)]})
+    try:
+        td.CheckpointManager(td.Checkpoint(w=w), "/nonexistent").save()
+        checkpoint = None
+    except ValueError as e:
+        checkpoint = str(e)
     print("RESULT " + json.dumps({
+        "seen": seen, "checkpoint": checkpoint,
         "shards": shards, "first": float(losses[0].fetch()), "last": float(losses[-1].fetch()),
         "w": w.numpy().ravel().tolist(), "b": float(b.numpy()), "raised": raised, "fetched": fetched,
         "after": after.fetch(), "workers": strategy.num_workers, "adam": adam}), flush=True)
@@ -905,3 +923,6 @@ def test_parameter_server_strategy_trains_through_the_cluster_coordinator():
     assert chief["fetched"] == "TUTTI_ERROR_STEP_FAILED"
     assert chief["after"] == "still here" and chief["workers"] == 2
     assert "plain SGD" in chief["adam"], chief["adam"]
+    # Each worker made its own pipeline of the per-worker dataset.
+    assert chief["seen"] == [[0, 2], [1, 2]], chief["seen"]
+    assert "not available under ParameterServerStrategy" in chief["checkpoint"], chief["checkpoint"]

@@ -1063,7 +1063,8 @@ class Variable:
     variable's value outside."""
 
     def __new__(cls, *args, **kwargs):
-        if cls is Variable and isinstance(get_strategy(), ParameterServerStrategy):
+        # Made with an initial value (not copied or unpickled) under a ParameterServerStrategy.
+        if cls is Variable and (args or kwargs) and isinstance(get_strategy(), ParameterServerStrategy):
             return object.__new__(_PsVariable)
         return object.__new__(cls)
 
@@ -1654,7 +1655,7 @@ class FixedShardsPartitioner:
         self._num_shards = int(num_shards)
 
     def __call__(self, shape, dtype, axis=0):
-        return _partitions(shape, axis, min(self._num_shards, shape[axis]))
+        return _partitions(shape, axis, max(1, min(self._num_shards, shape[axis])))
 
 
 class MinSizePartitioner:
@@ -1685,7 +1686,7 @@ class MaxSizePartitioner:
         n = -(-shape[axis] // rows_per_shard)
         if self._max is not None:
             n = min(n, int(self._max))
-        return _partitions(shape, axis, max(1, n))
+        return _partitions(shape, axis, max(1, n))  # 1 for an empty axis too
 
 
 def _partitions(shape, axis, n):
@@ -1745,9 +1746,10 @@ def _ps_run_step(handle, _user):
         _check(_lib().tutti_ps_step_payload(handle, ctypes.byref(ptr), ctypes.byref(n)))
         if n.value == 0:
             raise ValueError("a step without a scheduled function (the coordinator is not tutti.distribute's)")
-        fn, args, kwargs = _pickler().loads(ctypes.string_at(ptr, n.value))
+        # Set before unpickling: a per-worker iterator is made there, for this worker.
         _ps_state.step = step
         try:
+            fn, args, kwargs = _pickler().loads(ctypes.string_at(ptr, n.value))
             result = fn(*args, **kwargs)
         finally:
             _ps_state.step = None
@@ -1774,7 +1776,7 @@ def _fetched(value):
     return value
 
 
-def _ps_role(tf_config, partitioner=0, value=0):
+def _ps_role(tf_config, partitioner=0, value=1):
     """Create this task's parameter-server strategy and take its role: the coordinator's handle
     on the chief (and the strategy's), ``None`` once a ps task's or worker's job is over."""
     s = ctypes.c_void_p()
@@ -1812,7 +1814,9 @@ class ParameterServerStrategy(Strategy):
     ``experimental.partitioners`` or any ``(shape, dtype) -> shards per axis`` callable; ``None``:
     one shard). A ``ClusterCoordinator`` schedules functions on the workers, which run
     ``Server(...).join()``; the job ends when the strategy is closed (also at exit). Variables are
-    float32; updates are plain SGD's (``SGD()`` without momentum, or ``assign_sub``)."""
+    float32; updates are plain SGD's (``SGD()`` without momentum, or ``assign_sub``). A scheduled
+    function carries a copy of what it uses: an optimizer's ``iterations`` counts on that copy,
+    not on the chief's."""
 
     def __init__(self, cluster_resolver=None, variable_partitioner=None):
         resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
@@ -1826,7 +1830,10 @@ class ParameterServerStrategy(Strategy):
         self._kind = "ps"
         self._total = self._local = 1
         self._lock = threading.Lock()
-        self._h = _ps_role(_tf_config(resolver.cluster_spec(), "chief", resolver.task_id or 0))
+        self._h = None  # no tutti_strategy: the coordinator's handle is _coordinator's
+        self._calls = threading.Condition()
+        self._in_flight = 0
+        self._coordinator = _ps_role(_tf_config(resolver.cluster_spec(), "chief", resolver.task_id or 0))
         self._variables = 0
         import atexit
         import weakref
@@ -1837,10 +1844,31 @@ class ParameterServerStrategy(Strategy):
     def cluster_resolver(self):
         return self._resolver
 
+    def _handle(self):
+        raise ValueError("not available under ParameterServerStrategy: its replicas are the functions the "
+                         "ClusterCoordinator schedules on the workers (and Checkpoint cannot save its variables "
+                         "yet: read them with numpy() and save those)")
+
+    @contextlib.contextmanager
+    def _coordinator_handle(self):
+        """The coordinator's handle, for one call: ``close`` waits for the calls in flight."""
+        with self._calls:
+            if not self._coordinator:
+                raise ValueError("this ParameterServerStrategy is closed")
+            self._in_flight += 1
+        try:
+            yield self._coordinator
+        finally:
+            with self._calls:
+                self._in_flight -= 1
+                self._calls.notify_all()
+
     @property
     def num_workers(self):
+        """The workers in the job now."""
         n = ctypes.c_size_t()
-        _check(_lib().tutti_ps_coordinator_num_workers(self._handle(), ctypes.byref(n)))
+        with self._coordinator_handle() as h:
+            _check(_lib().tutti_ps_coordinator_num_workers(h, ctypes.byref(n)))
         return n.value
 
     def run(self, fn, args=(), kwargs=None):
@@ -1873,23 +1901,26 @@ class ParameterServerStrategy(Strategy):
             shards = int(np.prod(parts))
         shards = min(shards, value.size) if shards else (1 if self._partitioner is None else 0)
         index, n = ctypes.c_size_t(), ctypes.c_size_t()
-        with self._lock:
+        with self._lock, self._coordinator_handle() as h:
             _check(_lib().tutti_ps_coordinator_create_variable(
-                self._handle(), (name or f"Variable:{self._variables}").encode(),
+                h, (name or f"Variable:{self._variables}").encode(),
                 value.ctypes.data_as(ctypes.c_void_p), value.size, shards, 1.0, ctypes.byref(index), ctypes.byref(n)))
             self._variables += 1
         return index.value, n.value
 
     def _read_variable(self, index, shape):
         out = np.empty(shape, np.float32)
-        _check(_lib().tutti_ps_coordinator_read_variable(self._handle(), index, out.ctypes.data_as(ctypes.c_void_p),
-                                                         out.size))
+        with self._coordinator_handle() as h:
+            _check(_lib().tutti_ps_coordinator_read_variable(h, index, out.ctypes.data_as(ctypes.c_void_p), out.size))
         return out
 
     def close(self):
-        """Shut the job down (every worker's and ps task's ``join()`` returns)."""
-        with self._lock:
-            h, self._h = self._h, None
+        """Shut the job down (every worker's and ps task's ``join()`` returns), once the calls
+        other threads are making have returned."""
+        with self._calls:
+            h, self._coordinator = self._coordinator, None
+            while self._in_flight:
+                self._calls.wait()
         if h:
             _check(_lib().tutti_ps_coordinator_shutdown(h))
 
@@ -1997,13 +2028,6 @@ class RemoteValue:
             _lib().tutti_ps_remote_value_destroy(h)
 
 
-class PerWorkerValues:
-    """One value per worker (TensorFlow's): what ``create_per_worker_dataset`` gives."""
-
-    def __init__(self, values):
-        self._values = tuple(values)
-
-
 class _PerWorkerIterator:
     """An iterator of a per-worker dataset: each worker iterates its own copy."""
 
@@ -2034,11 +2058,11 @@ def _worker_iterator(key, dataset_fn):
 
 class _PerWorkerDataset:
     def __init__(self, dataset_fn):
-        import uuid
-        self._fn, self._key = dataset_fn, uuid.uuid4().hex
+        self._fn = dataset_fn
 
     def __iter__(self):
-        return _PerWorkerIterator(self._key, self._fn)
+        import uuid
+        return _PerWorkerIterator(uuid.uuid4().hex, self._fn)  # each iter() starts over, on each worker
 
 
 class ClusterCoordinator:
@@ -2055,14 +2079,17 @@ class ClusterCoordinator:
         self.strategy = strategy
 
     def schedule(self, fn, args=None, kwargs=None):
+        """Queue ``fn(*args, **kwargs)`` for a worker; its ``RemoteValue``, at once."""
         payload = _pickler().dumps((fn, tuple(args or ()), dict(kwargs or {})))
-        h = ctypes.c_void_p()
-        _check(_lib().tutti_ps_coordinator_schedule(self.strategy._handle(), payload, len(payload), ctypes.byref(h)))
-        return RemoteValue(self, h)
+        v = ctypes.c_void_p()
+        with self.strategy._coordinator_handle() as h:
+            _check(_lib().tutti_ps_coordinator_schedule(h, payload, len(payload), ctypes.byref(v)))
+        return RemoteValue(self, v)
 
     def join(self):
         """Run everything scheduled and wait for it."""
-        _check(_lib().tutti_ps_coordinator_join(self.strategy._handle()))
+        with self.strategy._coordinator_handle() as h:
+            _check(_lib().tutti_ps_coordinator_join(h))
 
     def done(self):
         """Whether everything scheduled has run (running it first: tutti runs at join)."""
@@ -2080,11 +2107,12 @@ class ClusterCoordinator:
         return val
 
     def _fetch(self, value):
-        lib, h = _lib(), self.strategy._handle()
+        lib = _lib()
         n = ctypes.c_size_t()
-        _check(lib.tutti_ps_coordinator_fetch(h, value._h, None, None, 0, ctypes.byref(n)))
-        buf = ctypes.create_string_buffer(max(n.value, 1))
-        _check(lib.tutti_ps_coordinator_fetch(h, value._h, None, buf, n.value, ctypes.byref(n)))
+        with self.strategy._coordinator_handle() as h:
+            _check(lib.tutti_ps_coordinator_fetch(h, value._h, None, None, 0, ctypes.byref(n)))
+            buf = ctypes.create_string_buffer(max(n.value, 1))
+            _check(lib.tutti_ps_coordinator_fetch(h, value._h, None, buf, n.value, ctypes.byref(n)))
         import pickle
         return pickle.loads(buf.raw[:n.value])
 
