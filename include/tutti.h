@@ -1950,6 +1950,21 @@ tutti_result tutti_ps_coordinator_read_variable(const struct tutti_ps_coordinato
                                                 size_t len);
 
 /**
+ * Set variable `index` to the `len` float32 values at `values` (its length exactly) on its ps
+ * tasks: a restored checkpoint, or a value of the trainer's.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `coordinator` is NULL or a live handle; `values` holds `len` readable floats.
+ */
+tutti_result tutti_ps_coordinator_assign_variable(const struct tutti_ps_coordinator *coordinator,
+                                                  size_t index,
+                                                  const float *values,
+                                                  size_t len);
+
+/**
  * Run steps `0..n` on the workers (each step on whichever worker is free) and write their
  * losses to `losses` (`n` floats; NULL to drop them). A failing step function returns
  * `TUTTI_ERROR_STEP_FAILED` (the workers stay); a lost ps task `TUTTI_ERROR_TASK_LOST`.

@@ -846,6 +846,12 @@ fn scheduled_steps_return_values_and_a_lost_worker_rejoins() {
             assert!(out.output[0] < 2, "{out:?}");
         }
         assert_eq!(coord.read_variable(w).unwrap(), vec![96.0; 6]);
+        // Set from the coordinator (a restored checkpoint), across the three shards.
+        let set = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        coord.assign_variable(w, &set).unwrap();
+        assert_eq!(coord.read_variable(w).unwrap(), set);
+        assert!(coord.assign_variable(w, &set[..5]).is_err());
+        coord.assign_variable(w, &[96.0; 6]).unwrap();
         // A read-only step pushes nothing; fetch runs what is scheduled.
         let read = coord.schedule(b"read".to_vec()).unwrap();
         assert_eq!(coord.fetch(&read).unwrap().output[1], 96);

@@ -1179,6 +1179,11 @@ public:
         detail::check(tutti_ps_coordinator_read_variable(h_.get(), index, out.data(), len));
         return out;
     }
+    /// Set variable `index` on its ps tasks (a restored checkpoint, a value of the caller's).
+    void assign_variable(std::size_t index, const std::vector<float> &values) {
+        detail::check(tutti_ps_coordinator_assign_variable(h_.get(), index, values.data(),
+                                                           values.size()));
+    }
     /// Steps 0..n on the workers; their losses.
     std::vector<float> run_steps(std::size_t n) {
         std::vector<float> losses(n);

@@ -648,6 +648,37 @@ pub unsafe extern "C" fn tutti_ps_coordinator_read_variable(
     })
 }
 
+/// Set variable `index` to the `len` float32 values at `values` (its length exactly) on its ps
+/// tasks: a restored checkpoint, or a value of the trainer's.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `coordinator` is NULL or a live handle; `values` holds `len` readable floats.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_coordinator_assign_variable(
+    coordinator: *const tutti_ps_coordinator,
+    index: usize,
+    values: *const f32,
+    len: usize,
+) -> tutti_result {
+    boundary("tutti_ps_coordinator_assign_variable", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { coord(coordinator) }?;
+        let known = c.shards().len();
+        if index >= known {
+            return Err(Failure::invalid(format!(
+                "variable {index}: the coordinator created {known}"
+            )));
+        }
+        // SAFETY: the caller promises `len` readable floats.
+        let v = unsafe { floats(values, len, "values") }?;
+        c.assign_variable(tutti::strategy::ps::VariableId::from_index(index), v)?;
+        Ok(())
+    })
+}
+
 /// Run steps `0..n` on the workers (each step on whichever worker is free) and write their
 /// losses to `losses` (`n` floats; NULL to drop them). A failing step function returns
 /// `TUTTI_ERROR_STEP_FAILED` (the workers stay); a lost ps task `TUTTI_ERROR_TASK_LOST`.

@@ -1072,6 +1072,9 @@ pub struct Coordinator {
     worker_addrs: Vec<String>,
     ps: Vec<Mutex<TcpStream>>,
     layout: Mutex<Vec<Vec<Shard>>>,
+    /// Each variable's learning rate, in creation order (what `assign_variable` re-creates
+    /// its shards with).
+    rates: Mutex<Vec<f32>>,
     partitioner: Partitioner,
     token: String,
     timeout: Duration,
@@ -1100,6 +1103,7 @@ impl Coordinator {
             worker_addrs,
             ps,
             layout: Mutex::new(Vec::new()),
+            rates: Mutex::new(Vec::new()),
             partitioner: s.partitioner,
             token,
             timeout: s.timeout,
@@ -1183,6 +1187,7 @@ impl Coordinator {
             });
         }
         layout.push(shards);
+        self.rates.lock().push(lr);
         let setup = encode_layout(&layout);
         for (i, w) in self.workers.iter().enumerate() {
             let mut w = w.lock();
@@ -1198,6 +1203,40 @@ impl Coordinator {
             }
         }
         Ok(VariableId(var as usize))
+    }
+
+    /// Set a variable to `values` on its ps tasks (as long as it is): a restored checkpoint, or
+    /// a value of the caller's. Steps running meanwhile may push onto the old or the new value.
+    pub fn assign_variable(&self, id: VariableId, values: &[f32]) -> Result<()> {
+        let layout = self.layout.lock();
+        let shards = layout
+            .get(id.0)
+            .ok_or_else(|| Error::config(format!("no variable {}", id.0)))?;
+        let total: usize = shards.iter().map(|s| s.len).sum();
+        if values.len() != total {
+            return Err(Error::config(format!(
+                "assign_variable: {} values for variable {} of {total} elements",
+                values.len(),
+                id.0
+            )));
+        }
+        let lr = self.rates.lock()[id.0];
+        let mut at = 0;
+        for s in shards {
+            let mut req = Vec::with_capacity(12 + 4 * s.len);
+            for v in [s.var, s.index, lr.to_bits()] {
+                req.extend_from_slice(&v.to_le_bytes());
+            }
+            req.extend(bytes(&values[at..at + s.len]));
+            at += s.len;
+            call(
+                &mut self.ps[s.ps].lock(),
+                OP_CREATE,
+                &req,
+                &format!("ps task {}", s.ps),
+            )?;
+        }
+        Ok(())
     }
 
     /// The shard count of each variable.

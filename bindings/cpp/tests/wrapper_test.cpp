@@ -578,6 +578,8 @@ static void parameter_servers() {
         EXPECT(out.bytes.rfind("step" + std::to_string(i) + ":", 0) == 0);
     }
     EXPECT(coordinator->read_variable(w, 4) == std::vector<float>(4, 8.0f));
+    coordinator->assign_variable(w, std::vector<float>{1, 2, 3, 4});
+    EXPECT(coordinator->read_variable(w, 4) == (std::vector<float>{1, 2, 3, 4}));
     auto thrown = coordinator->schedule("throw");
     tutti::error e = expect_throw([&] { coordinator->join(); });
     EXPECT(e.code() == TUTTI_ERROR_STEP_FAILED);

@@ -1272,6 +1272,12 @@ class Checkpoint:
         self.step = step.value
 
 
+def _writer(strategy):
+    """The strategy whose chief writes and reads checkpoints: none (this process alone) under a
+    ParameterServerStrategy, whose coordinator alone holds the variables."""
+    return None if isinstance(strategy, ParameterServerStrategy) else strategy._handle()
+
+
 class CheckpointManager:
     """TensorFlow's ``tf.train.CheckpointManager``: ``checkpoint`` saved in ``directory`` as
     ``ckpt-<step>.tutti``, the last ``max_to_keep`` by step kept. Under a multi-worker strategy
@@ -1319,7 +1325,7 @@ class CheckpointManager:
         h = self._checkpoint._build(step)
         try:
             with strategy._cross_replica("save"):
-                _check(_lib().tutti_checkpoint_save(strategy._handle(), self.directory.encode(), self._max, h))
+                _check(_lib().tutti_checkpoint_save(_writer(strategy), self.directory.encode(), self._max, h))
         finally:
             _lib().tutti_checkpoint_destroy(h)
         self._checkpoint.step = step
@@ -1331,7 +1337,7 @@ class CheckpointManager:
         strategy = self._checkpoint._strategy()
         h = ctypes.c_void_p()
         with strategy._cross_replica("restore"):
-            _check(_lib().tutti_checkpoint_restore(strategy._handle(), self.directory.encode(), ctypes.byref(h)))
+            _check(_lib().tutti_checkpoint_restore(_writer(strategy), self.directory.encode(), ctypes.byref(h)))
         if not h.value:
             return None
         try:
@@ -1618,6 +1624,8 @@ _PROTOTYPES.update({
                                                                _size_p, _size_p]),
     "tutti_ps_coordinator_read_variable": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
                                                              ctypes.c_size_t]),
+    "tutti_ps_coordinator_assign_variable": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                                                               ctypes.c_size_t]),
     "tutti_ps_coordinator_schedule": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                                         ctypes.POINTER(ctypes.c_void_p)]),
     "tutti_ps_coordinator_join": (ctypes.c_uint32, [ctypes.c_void_p]),
@@ -1846,8 +1854,7 @@ class ParameterServerStrategy(Strategy):
 
     def _handle(self):
         raise ValueError("not available under ParameterServerStrategy: its replicas are the functions the "
-                         "ClusterCoordinator schedules on the workers (and Checkpoint cannot save its variables "
-                         "yet: read them with numpy() and save those)")
+                         "ClusterCoordinator schedules on the workers")
 
     @contextlib.contextmanager
     def _coordinator_handle(self):
@@ -1908,6 +1915,11 @@ class ParameterServerStrategy(Strategy):
             self._variables += 1
         return index.value, n.value
 
+    def _assign_variable(self, index, value):
+        v = np.ascontiguousarray(value, np.float32)
+        with self._coordinator_handle() as h:
+            _check(_lib().tutti_ps_coordinator_assign_variable(h, index, v.ctypes.data_as(ctypes.c_void_p), v.size))
+
     def _read_variable(self, index, shape):
         out = np.empty(shape, np.float32)
         with self._coordinator_handle() as h:
@@ -1951,7 +1963,8 @@ def _ps_variable(index, shape, name):
 class _PsVariable(Variable):
     """A ``Variable`` made under a ``ParameterServerStrategy``: held on the ps tasks; a
     scheduled function reads it as pulled for its step and updates it with ``assign_sub``
-    (``assign_add``, and ``assign`` as the difference from that value), sent back with the step."""
+    (``assign_add``, and ``assign`` as the difference from that value), sent back with the step;
+    on the coordinator ``assign*`` set it on the ps tasks (a ``Checkpoint`` restores so)."""
 
     def __init__(self, initial_value, aggregation=VariableAggregation.NONE, dtype=None, name=None):
         value = np.array(initial_value, dtype=dtype, copy=True, order="C")
@@ -1996,6 +2009,12 @@ class _PsVariable(Variable):
         u = np.asarray(update_of(0), np.float32)
         if u.shape != self._shape:
             raise ValueError(f"Variable: an update of shape {u.shape} for a variable of shape {self._shape}")
+        if getattr(_ps_state, "step", None) is None and self._strategy is not None:
+            # On the coordinator (a restored checkpoint, a value of the caller's): set on the
+            # ps tasks; steps running meanwhile may push onto the old value or the new.
+            new = u if how == "set" else self.numpy() + (u if how == "add" else -u)
+            self._strategy._assign_variable(self._ps_index, new)
+            return
         step = self._step("assign" if how == "set" else f"assign_{how}")
         if how == "set":
             u = self.numpy() - u

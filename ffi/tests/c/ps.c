@@ -145,6 +145,12 @@ int main(void) {
     EXPECT(losses[0] == 0.0f && losses[1] == 1.0f && losses[2] == 2.0f);
     EXPECT_ERROR(tutti_ps_coordinator_read_variable(c, 0, w, 5), TUTTI_ERROR_INVALID_ARGUMENT,
                  "len 5", "6 elements");
+    /* Set from the coordinator (a restored checkpoint), across the three shards. */
+    CHECK(tutti_ps_coordinator_assign_variable(c, 0, init, 6));
+    CHECK(tutti_ps_coordinator_read_variable(c, 0, w, 6));
+    EXPECT(memcmp(w, init, sizeof w) == 0);
+    EXPECT_ERROR(tutti_ps_coordinator_assign_variable(c, 0, init, 4),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "4 values", "6 elements");
     EXPECT_ERROR(tutti_ps_coordinator_read_variable(c, 1, w, 6), TUTTI_ERROR_INVALID_ARGUMENT,
                  "variable 1");
     EXPECT_ERROR(tutti_ps_coordinator_create_variable(c, "v", init, 6, 7, 0.5f, NULL, NULL),
