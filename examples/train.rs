@@ -29,6 +29,16 @@
 //! cargo run --example train -- --steps 50 --checkpoint-dir /tmp/ck --resume   # = 100 steps
 //! ```
 //!
+//! The `evaluator` task of a TF_CONFIG job runs beside the training as a side-car: it evaluates
+//! each checkpoint the chief saves in `--checkpoint-dir` as it appears (the loss on the whole
+//! data set), up to the one of step `--steps`, a JSON line (`evaluated_step`, `loss`,
+//! `weights`) per evaluation and `evaluations` on the last:
+//!
+//! ```text
+//! TF_CONFIG='{"cluster": {"chief": ["localhost:1"], "evaluator": ["localhost:2"]},
+//!   "task": {"type": "evaluator", "index": 0}}' train --checkpoint-dir /tmp/ck --steps 100 --json
+//! ```
+//!
 //! With `--json` the last line is
 //! `{"strategy", "replicas", "steps", "loss", "weights": [...], "reference_weights": [...],
 //! "device", "restored_step", "resumed_at", "resumed_weights"}` (`restored_step`: the
@@ -39,7 +49,7 @@ use tutti::logical_cpus;
 use tutti::strategy::ps::{ParameterServerStrategy, Partitioner, Role};
 use tutti::strategy::{
     Aggregation, Checkpoint, CheckpointManager, CommunicationImplementation, CrossDeviceOps,
-    MirroredVariable, PerReplica, Strategy, Tensor,
+    MirroredVariable, PerReplica, SidecarEvaluator, Strategy, Tensor,
 };
 use tutti::{ReduceOp, Result};
 
@@ -65,7 +75,8 @@ struct Args {
     /// Print the result as JSON on the last line.
     #[arg(long)]
     json: bool,
-    /// Parameter-server workers sleep this long in each step (to watch rescheduling).
+    /// Every step sleeps this long (parameter servers: in the worker's step; to watch
+    /// rescheduling, or a side-car evaluator follow the checkpoints).
     #[arg(long, default_value_t = 0)]
     step_delay_ms: u64,
     /// multi-worker: when a step fails because a worker was lost, shrink to the survivors,
@@ -250,6 +261,7 @@ fn train_mirrored(strategy: &Strategy, args: &Args) -> Result<((Vec<f32>, f32), 
     let w = strategy.mirrored_variable(&start.weights)?;
     let mut loss = 0.0;
     for step in start.step + 1..=start.step + args.steps {
+        std::thread::sleep(std::time::Duration::from_millis(args.step_delay_ms));
         loss = mirrored_step(strategy, &shards, &w)?;
         start.save(Some(strategy), args, step, &w.value())?;
     }
@@ -470,7 +482,52 @@ fn local_devices(args: &Args) -> Result<Vec<tutti::Device>> {
     }
 }
 
+/// The `evaluator` task of TF_CONFIG: a side-car that evaluates each checkpoint the chief
+/// saves in --checkpoint-dir (its loss on the whole data set), up to the one of step --steps;
+/// a JSON line per evaluation, the last with the count.
+fn evaluate(args: &Args) -> Result<()> {
+    let dir = args.checkpoint_dir.as_ref().ok_or_else(|| {
+        tutti::Error::config(
+            "the evaluator task evaluates the checkpoints of --checkpoint-dir: give it",
+        )
+    })?;
+    let rows = data();
+    let mut last = None;
+    let count = SidecarEvaluator::new(dir)
+        .last_step(args.steps as u64)
+        .run(|ckpt| {
+            let weights = ckpt.get::<f32>("weights")?.data;
+            if weights.len() != FEATURES + 1 {
+                return Err(tutti::Error::config(format!(
+                    "checkpoint of step {}: {} weights, this model {}",
+                    ckpt.step(),
+                    weights.len(),
+                    FEATURES + 1
+                )));
+            }
+            let loss = grad_sum(&weights, &rows).1 / SAMPLES as f32;
+            let line = serde_json::json!({
+                "evaluated_step": ckpt.step(), "loss": loss, "weights": weights,
+            });
+            if args.json {
+                println!("{line}");
+            } else {
+                println!("step {}: loss {loss:.6}", ckpt.step());
+            }
+            last = Some(line);
+            Ok(())
+        })?;
+    if let (true, Some(mut line)) = (args.json, last) {
+        line["evaluations"] = count.into();
+        println!("{line}");
+    }
+    Ok(())
+}
+
 fn run(args: &Args) -> Result<()> {
+    if tutti::ClusterSpec::from_env()?.is_some_and(|s| s.task_type == "evaluator") {
+        return evaluate(args);
+    }
     let devices = local_devices(args)?;
     let xla = args.device == "xla" || args.strategy == "tpu";
     if xla && !matches!(args.strategy.as_str(), "mirrored" | "tpu") {

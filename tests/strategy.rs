@@ -1059,6 +1059,58 @@ fn every_strategy_resumes_from_its_checkpoint_as_if_never_stopped() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The `evaluator` task of TF_CONFIG: a side-car that evaluates each checkpoint the chief saves
+/// as it appears, in step order, up to the training's last, whose weights are the trainer's.
+#[test]
+fn the_evaluator_task_follows_the_chiefs_checkpoints() {
+    let t = train();
+    let dir = checkpoint_dir("evaluator");
+    let tf = serde_json::json!({
+        "cluster": {"chief": ["127.0.0.1:1"], "evaluator": ["127.0.0.1:2"]},
+        "task": {"type": "evaluator", "index": 0}
+    });
+    let mut evaluator = Command::new(&t);
+    evaluator
+        .arg("--checkpoint-dir")
+        .arg(&dir)
+        .args(["--steps", "40", "--json"])
+        .env("TF_CONFIG", tf.to_string())
+        .env("TUTTI_TIMEOUT", "60")
+        .env_remove("TUTTI_RANK");
+    let side = std::thread::spawn(move || bounded(&mut evaluator, Duration::from_secs(120)));
+    let trained = last_json(&run_ok(
+        Command::new(&t)
+            .args([
+                "--strategy",
+                "default",
+                "--steps",
+                "40",
+                "--step-delay-ms",
+                "25",
+            ])
+            .args(["--checkpoint-every", "5", "--json", "--checkpoint-dir"])
+            .arg(&dir)
+            .env_remove("TF_CONFIG"),
+    ));
+    let (ok, out, err) = side.join().unwrap();
+    assert!(ok, "{out}\n{err}");
+    let evaluated: Vec<serde_json::Value> = out
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let steps: Vec<u64> = evaluated[..evaluated.len() - 1]
+        .iter()
+        .map(|e| e["evaluated_step"].as_u64().unwrap())
+        .collect();
+    assert!(steps.windows(2).all(|w| w[0] < w[1]), "{steps:?}");
+    assert!(steps.len() >= 2, "the evaluator saw only {steps:?}");
+    let last = evaluated.last().unwrap();
+    assert_eq!(last["evaluated_step"], 40);
+    assert_eq!(last["evaluations"], steps.len());
+    assert_eq!(last["weights"], trained["weights"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn workers_restore_the_chiefs_checkpoint_and_train_on() {
     let t = train();

@@ -468,9 +468,165 @@ impl CheckpointManager {
     }
 }
 
+/// TensorFlow's `SidecarEvaluator`: the `evaluator` task of a TF_CONFIG job, beside the
+/// training, evaluates the checkpoints the chief saves into a directory as they appear.
+pub struct SidecarEvaluator {
+    manager: CheckpointManager,
+    max_evaluations: Option<usize>,
+    last_step: Option<u64>,
+    timeout: std::time::Duration,
+    poll: std::time::Duration,
+}
+
+impl SidecarEvaluator {
+    /// Evaluate the checkpoints of `dir` (a [`CheckpointManager`]'s), waiting for new ones up
+    /// to the communicator default timeout, polling every 100 ms.
+    pub fn new(dir: impl Into<PathBuf>) -> SidecarEvaluator {
+        SidecarEvaluator {
+            manager: CheckpointManager {
+                dir: dir.into(),
+                max_to_keep: usize::MAX,
+            },
+            max_evaluations: None,
+            last_step: None,
+            timeout: crate::sync::default_timeout(),
+            poll: std::time::Duration::from_millis(100),
+        }
+    }
+
+    /// End after `n` evaluations.
+    pub fn max_evaluations(mut self, n: usize) -> SidecarEvaluator {
+        self.max_evaluations = Some(n);
+        self
+    }
+
+    /// End once a checkpoint of `step` or later has been evaluated (the training's last).
+    pub fn last_step(mut self, step: u64) -> SidecarEvaluator {
+        self.last_step = Some(step);
+        self
+    }
+
+    /// Wait at most `timeout` for a new checkpoint.
+    pub fn timeout(mut self, timeout: std::time::Duration) -> SidecarEvaluator {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Look for a new checkpoint every `interval`.
+    pub fn poll_interval(mut self, interval: std::time::Duration) -> SidecarEvaluator {
+        self.poll = interval;
+        self
+    }
+
+    /// Call `evaluate` with each new checkpoint: the latest in the directory whenever it is
+    /// newer (by step) than the last evaluated; those saved and superseded between two looks
+    /// are skipped, as in TensorFlow. Returns the number evaluated once `max_evaluations` are
+    /// done or a checkpoint of `last_step` or later was evaluated. No new checkpoint within
+    /// the timeout ends the loop: without either bound that is its end (`Ok`), with one it is
+    /// an error naming the directory and the last step evaluated. `evaluate`'s error ends it.
+    pub fn run(&self, mut evaluate: impl FnMut(&Checkpoint) -> Result<()>) -> Result<usize> {
+        let (mut last, mut count) = (None::<u64>, 0usize);
+        let mut since = std::time::Instant::now();
+        loop {
+            let done_evaluating = self.max_evaluations.is_some_and(|m| count >= m);
+            let reached = matches!((self.last_step, last), (Some(l), Some(s)) if s >= l);
+            if done_evaluating || reached {
+                return Ok(count);
+            }
+            if let Some((step, path)) = self.manager.checkpoints()?.pop() {
+                if last.is_none_or(|l| step > l) {
+                    match Checkpoint::read(&path) {
+                        Ok(c) => {
+                            evaluate(&c)?;
+                            last = Some(step);
+                            count += 1;
+                            since = std::time::Instant::now();
+                            continue;
+                        }
+                        // Removed by the trainer's manager between the listing and the read
+                        // (a newer one was saved): look again.
+                        Err(_) if !path.exists() => continue,
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+            if since.elapsed() >= self.timeout {
+                if self.max_evaluations.is_none() && self.last_step.is_none() {
+                    return Ok(count);
+                }
+                let seen = last.map_or("none yet".to_string(), |s| format!("step {s}"));
+                return Err(Error::config(format!(
+                    "SidecarEvaluator: no new checkpoint in {} within {:?} (evaluated: {seen}); \
+                     is the chief still training and saving there?",
+                    self.manager.dir.display(),
+                    self.timeout
+                )));
+            }
+            std::thread::sleep(self.poll);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sidecar_evaluator_follows_the_checkpoints_until_the_last_step() {
+        use std::time::Duration;
+        let dir = std::env::temp_dir().join(format!("tutti-sidecar-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let writer = {
+            let dir = dir.clone();
+            std::thread::spawn(move || {
+                let m = CheckpointManager::new(&dir, 2).unwrap();
+                for step in [10u64, 20, 30, 40] {
+                    std::thread::sleep(Duration::from_millis(150));
+                    let mut c = Checkpoint::new(step);
+                    c.insert("w", &Tensor::vector(vec![step as f32; 3]))
+                        .unwrap();
+                    m.save(&c).unwrap();
+                }
+            })
+        };
+        let mut seen = Vec::new();
+        let n = SidecarEvaluator::new(&dir)
+            .last_step(40)
+            .timeout(Duration::from_secs(20))
+            .poll_interval(Duration::from_millis(10))
+            .run(|c| {
+                assert_eq!(c.get::<f32>("w")?.data, vec![c.step() as f32; 3]);
+                seen.push(c.step());
+                Ok(())
+            })
+            .unwrap();
+        writer.join().unwrap();
+        assert_eq!(n, seen.len());
+        assert_eq!(seen.last(), Some(&40), "{seen:?}");
+        assert!(seen.windows(2).all(|w| w[0] < w[1]), "{seen:?}");
+        // Nothing newer within the timeout: with a bound, an error naming the directory and
+        // the last step; without one, the end.
+        let e = SidecarEvaluator::new(&dir)
+            .max_evaluations(2)
+            .timeout(Duration::from_millis(200))
+            .run(|_| Ok(()))
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("evaluated: step 40") && e.to_string().contains("tutti-sidecar"),
+            "{e}"
+        );
+        let n = SidecarEvaluator::new(&dir)
+            .timeout(Duration::from_millis(200))
+            .run(|_| Ok(()))
+            .unwrap();
+        assert_eq!(n, 1);
+        // The evaluation's own error ends it.
+        let e = SidecarEvaluator::new(&dir)
+            .run(|_| Err(Error::config("the evaluation failed")))
+            .unwrap_err();
+        assert!(e.to_string().contains("the evaluation failed"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     fn sample() -> Checkpoint {
         let mut c = Checkpoint::new(50);

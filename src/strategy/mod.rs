@@ -27,7 +27,7 @@ mod tensor;
 mod training;
 mod variables;
 
-pub use checkpoint::{Checkpoint, CheckpointManager};
+pub use checkpoint::{Checkpoint, CheckpointManager, SidecarEvaluator};
 pub use fusion::pack_plan;
 pub use input::{
     AutoShardPolicy, Batch, Dataset, DistributedDataset, FileDataset, InputContext, ValueContext,

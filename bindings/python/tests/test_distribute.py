@@ -932,3 +932,35 @@ def test_parameter_server_strategy_trains_through_the_cluster_coordinator():
     # Each worker made its own pipeline of the per-worker dataset.
     assert chief["seen"] == [[0, 2], [1, 2]], chief["seen"]
     assert chief["checkpoint"] == [150, 0.0, True, True], chief["checkpoint"]
+
+
+def test_a_sidecar_evaluator_follows_the_checkpoints(tmp_path):
+    """The evaluator task's loop: each new checkpoint restored and evaluated, in step order, up
+    to the training's last; no new one within the timeout is an error with a bound set."""
+    import threading
+    import time
+
+    w = np.zeros(3, np.float32)
+
+    def trainer():
+        own = np.zeros(3, np.float32)
+        manager = td.CheckpointManager(td.Checkpoint(w=own), tmp_path, max_to_keep=2)
+        for step in (10, 20, 30, 40):
+            time.sleep(0.15)
+            own[...] = step
+            manager.save(checkpoint_number=step)
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    seen = []
+
+    def evaluate(step):
+        assert (w == step).all(), (w, step)
+        seen.append(step)
+
+    n = td.SidecarEvaluator(td.Checkpoint(w=w), tmp_path, evaluate, last_step=40, timeout=30).start()
+    t.join()
+    assert n == len(seen) and seen[-1] == 40 and seen == sorted(set(seen)), seen
+    with pytest.raises(TimeoutError, match="evaluated: step 40"):
+        td.SidecarEvaluator(td.Checkpoint(w=w), tmp_path, evaluate, max_evaluations=2, timeout=0.3).start()
+    assert [p.endswith("ckpt-40.tutti") for p in td.checkpoints_iterator(tmp_path, timeout=0.2)] == [True]

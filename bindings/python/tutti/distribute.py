@@ -82,6 +82,8 @@ __all__ = [
     "Variable",
     "Checkpoint",
     "CheckpointManager",
+    "SidecarEvaluator",
+    "checkpoints_iterator",
     "ClusterSpec",
     "SimpleClusterResolver",
     "TFConfigClusterResolver",
@@ -1272,6 +1274,78 @@ class Checkpoint:
         self.step = step.value
 
 
+def _checkpoints_in(directory):
+    """(step, path) of each checkpoint in ``directory``, by step."""
+    found = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    for n in names:
+        # Only the names written: the step in ASCII decimal, no sign or leading zeros.
+        m = re.fullmatch(r"ckpt-(0|[1-9][0-9]*)\.tutti", n, re.ASCII)
+        if m and int(m.group(1)) < 2**64:
+            found.append((int(m.group(1)), os.path.join(directory, n)))
+    return sorted(found)
+
+
+def checkpoints_iterator(checkpoint_dir, min_interval_secs=0, timeout=None, timeout_fn=None):
+    """TensorFlow's ``tf.train.checkpoints_iterator``: the path of each new checkpoint of
+    ``checkpoint_dir`` (the latest whenever it is newer, by step, than the last yielded), at
+    least ``min_interval_secs`` apart. After ``timeout`` seconds without one, it ends, unless
+    ``timeout_fn()`` returns false (then it waits again)."""
+    import time
+    last, since = None, time.monotonic()
+    while True:
+        found = _checkpoints_in(checkpoint_dir)
+        if found and (last is None or found[-1][0] > last):
+            last = found[-1][0]
+            yielded = time.monotonic()
+            yield found[-1][1]
+            time.sleep(max(0.0, min_interval_secs - (time.monotonic() - yielded)))
+            since = time.monotonic()
+            continue
+        if timeout is not None and time.monotonic() - since >= timeout:
+            if timeout_fn is None or timeout_fn():
+                return
+            since = time.monotonic()
+        time.sleep(0.05)
+
+
+class SidecarEvaluator:
+    """TensorFlow's ``SidecarEvaluator`` for the ``evaluator`` task of a TF_CONFIG job: beside
+    the training, restores each new checkpoint the chief saves in ``checkpoint_dir`` into
+    ``checkpoint``'s objects and calls ``evaluate(step)``. ``start()`` returns the number of
+    evaluations once ``max_evaluations`` are done or a checkpoint of ``last_step`` or later was
+    evaluated; waiting ``timeout`` seconds (default ``TUTTI_TIMEOUT``, else 300) for a new one is
+    then a ``TimeoutError``, and the end where neither bound is given."""
+
+    def __init__(self, checkpoint, checkpoint_dir, evaluate, max_evaluations=None, last_step=None, timeout=None):
+        if not isinstance(checkpoint, Checkpoint):
+            raise TypeError("SidecarEvaluator: checkpoint must be a tutti.distribute.Checkpoint")
+        self._manager = CheckpointManager(checkpoint, checkpoint_dir)
+        self._evaluate, self._max, self._last_step = evaluate, max_evaluations, last_step
+        self._timeout = float(timeout if timeout is not None else os.environ.get("TUTTI_TIMEOUT", 300))
+
+    def start(self):
+        """Evaluate the checkpoints as they come (see the class documentation)."""
+        count, last = 0, None
+        for _ in checkpoints_iterator(self._manager.directory, timeout=self._timeout):
+            step = self._manager.restore_or_initialize()  # the latest: perhaps newer still
+            if step is None or (last is not None and step <= last):
+                continue
+            self._evaluate(step)
+            count, last = count + 1, step
+            if (self._max is not None and count >= self._max) or (
+                    self._last_step is not None and step >= self._last_step):
+                return count
+        if self._max is None and self._last_step is None:
+            return count
+        raise TimeoutError(f"SidecarEvaluator: no new checkpoint in {self._manager.directory} within "
+                           f"{self._timeout} s (evaluated: {'step ' + str(last) if last is not None else 'none yet'}); "
+                           "is the chief still training and saving there?")
+
+
 def _writer(strategy):
     """The strategy whose chief writes and reads checkpoints: none (this process alone) under a
     ParameterServerStrategy, whose coordinator alone holds the variables."""
@@ -1297,17 +1371,7 @@ class CheckpointManager:
     @property
     def checkpoints(self):
         """The checkpoints in the directory, oldest (lowest step) first."""
-        found = []
-        try:
-            names = os.listdir(self.directory)
-        except FileNotFoundError:
-            return []
-        for n in names:
-            # Only the names written: the step in ASCII decimal, no sign or leading zeros.
-            m = re.fullmatch(r"ckpt-(0|[1-9][0-9]*)\.tutti", n, re.ASCII)
-            if m and int(m.group(1)) < 2**64:
-                found.append((int(m.group(1)), os.path.join(self.directory, n)))
-        return [p for _, p in sorted(found)]
+        return [p for _, p in _checkpoints_in(self.directory)]
 
     @property
     def latest_checkpoint(self):
