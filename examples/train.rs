@@ -563,7 +563,7 @@ fn run(args: &Args) -> Result<()> {
             let ops = match args.cross_device_ops.as_deref() {
                 None => None,
                 Some("reduction-to-one") => Some(CrossDeviceOps::ReductionToOneDevice { reduce_to_device: None }),
-                Some("hierarchical-copy") => Some(CrossDeviceOps::HierarchicalCopyAllReduce { num_packs: 1 }),
+                Some("hierarchical-copy") => Some(CrossDeviceOps::HierarchicalCopyAllReduce { num_packs: 1, group_size: 2 }),
                 Some("ring") => Some(CrossDeviceOps::Ring),
                 Some(o) => return Err(tutti::Error::config(format!("--cross-device-ops {o}: unknown"))),
             };

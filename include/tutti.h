@@ -21,6 +21,11 @@
 #define TUTTI_CONFIG_INIT \
     { sizeof(tutti_config), 0, 0, TUTTI_ALGORITHM_AUTO, 0, TUTTI_TRANSPORT_AUTO, 0, TUTTI_COMPRESSION_ENV, 0 }
 
+/** A `tutti_cross_device_ops_config` of TensorFlow's default choice: set `struct_size`, then
+ * `kind` and the fields it uses. */
+#define TUTTI_CROSS_DEVICE_OPS_CONFIG_INIT \
+    { sizeof(tutti_cross_device_ops_config), TUTTI_CROSS_DEVICE_OPS_DEFAULT, 0, 0, 0, 0, 0, 0 }
+
 /** A `tutti_device_info` ready for `tutti_device_get`. */
 #define TUTTI_DEVICE_INFO_INIT \
     { sizeof(tutti_device_info), 0, 0, 0, TUTTI_DEVICE_CPU, { 0 }, { 0 } }
@@ -427,6 +432,10 @@ enum tutti_cross_device_ops
      * The ring.
      */
     TUTTI_CROSS_DEVICE_OPS_RING = 4,
+    /**
+     * The trainer's own (`tutti_cross_device_ops_config`'s `all_reduce`).
+     */
+    TUTTI_CROSS_DEVICE_OPS_CUSTOM = 5,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -768,6 +777,59 @@ typedef struct tutti_store {
      */
     int (*add)(void *ctx, const char *key, int64_t delta, int64_t *value);
 } tutti_store;
+
+/**
+ * A trainer's cross-device op: leave `op` over every replica's value in every one of the
+ * `num_values` buffers (`values[i]`: local replica `i`'s, `count` elements of `dtype`; a MEAN
+ * included: the op divides). Called once per all-reduce, on one replica's thread, while the
+ * others wait. Return `TUTTI_SUCCESS`, or a failure code (its `tutti_last_error`, if
+ * it set one through a tutti call, goes with it).
+ */
+typedef tutti_result (*tutti_cross_device_op_fn)(void *user_data,
+                                                 tutti_op op,
+                                                 tutti_dtype dtype,
+                                                 size_t count,
+                                                 void *const *values,
+                                                 size_t num_values);
+
+/**
+ * How a mirrored strategy's replicas combine their values: TensorFlow's cross-device ops and
+ * their settings, or the trainer's own. Start from `TUTTI_CROSS_DEVICE_OPS_CONFIG_INIT`.
+ */
+typedef struct tutti_cross_device_ops_config {
+    /**
+     * `sizeof(tutti_cross_device_ops_config)` as the caller compiled it.
+     */
+    size_t struct_size;
+    /**
+     * Which: a `TUTTI_CROSS_DEVICE_OPS_*` value.
+     */
+    tutti_cross_device_ops kind;
+    /**
+     * HIERARCHICAL_COPY: the packs a batch of values is fused into (0: the default fusion).
+     */
+    size_t num_packs;
+    /**
+     * HIERARCHICAL_COPY: replicas per group (0: 2).
+     */
+    size_t group_size;
+    /**
+     * REDUCTION_TO_ONE_DEVICE: the local replica whose device the values are reduced onto.
+     */
+    size_t reduce_to_device;
+    /**
+     * CUSTOM: a name for logs and errors (NULL: "custom"; copied).
+     */
+    const char *name;
+    /**
+     * CUSTOM: the op; called while the strategy lives.
+     */
+    tutti_cross_device_op_fn all_reduce;
+    /**
+     * CUSTOM: passed to `all_reduce`; it must stay valid while the strategy lives.
+     */
+    void *user_data;
+} tutti_cross_device_ops_config;
 
 /**
  * A step run once per local replica by `tutti_strategy_run`, on the replica's own thread, at
@@ -2263,6 +2325,24 @@ tutti_result tutti_comm_create_store(size_t rank,
                                      const char *listen_host,
                                      const struct tutti_config *config,
                                      struct tutti_comm **comm);
+
+/**
+ * Create a MirroredStrategy of `num_local_replicas` replicas (logical CPU devices; 0: the
+ * default devices) whose replicas combine their values as `ops` says (NULL: as TensorFlow
+ * chooses), and write it to `*strategy`. A CUSTOM op's function and data must stay valid
+ * until the strategy is destroyed.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `ops` is NULL or points to a `tutti_cross_device_ops_config` whose `struct_size` is set (its
+ * `name` NULL or a NUL-terminated string; `all_reduce` safe to call from any thread with
+ * `user_data` while the strategy lives); `strategy` is NULL or writable.
+ */
+tutti_result tutti_strategy_create_mirrored(size_t num_local_replicas,
+                                            const struct tutti_cross_device_ops_config *ops,
+                                            struct tutti_strategy **strategy);
 
 /**
  * Create a strategy of `kind` with `num_local_replicas` replicas on this host (logical CPU

@@ -347,7 +347,10 @@ fn fusion_gives_the_same_values_as_one_all_reduce_per_tensor() {
     for ops in [
         None,
         Some(CrossDeviceOps::Ring),
-        Some(CrossDeviceOps::HierarchicalCopyAllReduce { num_packs: 3 }),
+        Some(CrossDeviceOps::HierarchicalCopyAllReduce {
+            num_packs: 3,
+            group_size: 2,
+        }),
     ] {
         let mut s = Strategy::mirrored(&devices, ops.clone()).unwrap();
         let lens = [1usize, 7, 300, 2, 5000, 64, 3];
@@ -787,6 +790,110 @@ fn a_failing_step_is_returned_and_the_workers_stay() {
             );
         }
     });
+}
+
+/// A cross-device op of the caller's: the replica context's all-reduce (SUM, MEAN, MAX) and
+/// `strategy.reduce` run through it, its error is the step's, and values of different lengths
+/// are an error naming it.
+#[test]
+fn a_user_defined_cross_device_op_combines_the_replicas() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tutti::strategy::{CrossDeviceOp, CustomOps};
+    struct Elementwise {
+        calls: AtomicUsize,
+    }
+    impl CrossDeviceOp for Elementwise {
+        fn name(&self) -> &str {
+            "elementwise"
+        }
+        fn all_reduce(
+            &self,
+            op: ReduceOp,
+            dtype: tutti::DType,
+            values: &mut [&mut [u8]],
+        ) -> tutti::Result<()> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            if dtype != tutti::DType::F32 {
+                return Err(Error::config(format!("elementwise: f32 only, not {dtype}")));
+            }
+            let read = |b: &[u8]| -> Vec<f32> {
+                b.chunks_exact(4)
+                    .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
+                    .collect()
+            };
+            let mut acc = read(values[0]);
+            for v in values[1..].iter() {
+                for (a, x) in acc.iter_mut().zip(read(v)) {
+                    *a = match op {
+                        ReduceOp::Sum | ReduceOp::Mean => *a + x,
+                        ReduceOp::Max => a.max(x),
+                        other => return Err(Error::config(format!("elementwise: no {other}"))),
+                    };
+                }
+            }
+            if op == ReduceOp::Mean {
+                acc.iter_mut().for_each(|a| *a /= values.len() as f32);
+            }
+            for v in values.iter_mut() {
+                for (c, a) in v.chunks_exact_mut(4).zip(&acc) {
+                    c.copy_from_slice(&a.to_ne_bytes());
+                }
+            }
+            Ok(())
+        }
+    }
+    let op = std::sync::Arc::new(Elementwise {
+        calls: AtomicUsize::new(0),
+    });
+    let s = Strategy::mirrored(
+        &logical_cpus(3).unwrap(),
+        Some(CrossDeviceOps::Custom(CustomOps(op.clone()))),
+    )
+    .unwrap();
+    let out = s
+        .run(|ctx| {
+            let id = ctx.replica_id_in_sync_group() as f32;
+            let (mut sum, mut mean, mut max) = ([id + 1.0, 10.0], [id], [id * 2.0]);
+            ctx.all_reduce(ReduceOp::Sum, &mut sum)?;
+            ctx.all_reduce(ReduceOp::Mean, &mut mean)?;
+            ctx.all_reduce(ReduceOp::Max, &mut max)?;
+            Ok((sum, mean[0], max[0]))
+        })
+        .unwrap();
+    for r in out.local_results() {
+        assert_eq!(*r, ([6.0, 30.0], 1.0, 4.0));
+    }
+    assert_eq!(op.calls.load(Ordering::SeqCst), 3);
+    let per = PerReplica((0..3).map(|i| Tensor::vector(vec![i as f32; 2])).collect());
+    assert_eq!(
+        s.reduce(ReduceOp::Sum, &per, None).unwrap().data,
+        vec![3.0, 3.0]
+    );
+    let mean = s.reduce(ReduceOp::Mean, &per, None).unwrap();
+    assert_eq!(mean.data, vec![1.0, 1.0]);
+    assert_eq!(op.calls.load(Ordering::SeqCst), 5);
+    // The op's own error, on every replica; then the strategy goes on.
+    let e = s
+        .run(|ctx| ctx.all_reduce(ReduceOp::Prod, &mut [1.0f32]))
+        .unwrap_err();
+    assert!(e.to_string().contains("elementwise: no"), "{e}");
+    let e = s
+        .run(|ctx| {
+            let mut v = vec![1.0f32; 1 + ctx.local_replica_id()];
+            ctx.all_reduce(ReduceOp::Sum, &mut v)
+        })
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("elementwise: the replicas' values differ in length"),
+        "{e}"
+    );
+    let ok = s.run(|ctx| {
+        let mut v = [1.0f32];
+        ctx.all_reduce(ReduceOp::Sum, &mut v)?;
+        Ok(v[0])
+    });
+    assert_eq!(ok.unwrap().local_results(), &[3.0; 3]);
 }
 
 /// `ClusterCoordinator.schedule` and `join`: scheduled steps carry their arguments and send a

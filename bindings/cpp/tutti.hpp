@@ -922,6 +922,14 @@ public:
                                             static_cast<tutti_cross_device_ops>(ops), &s));
         h_.reset(s);
     }
+    /// A MirroredStrategy whose replicas combine their values as `ops` says (hierarchical
+    /// copy's num_packs and group_size, reduce_to_device, or a CUSTOM op of the caller's, whose
+    /// function and data must outlive the strategy).
+    strategy(std::size_t num_local_replicas, const tutti_cross_device_ops_config &ops) {
+        tutti_strategy *s = nullptr;
+        detail::check(tutti_strategy_create_mirrored(num_local_replicas, &ops, &s));
+        h_.reset(s);
+    }
     /// Replicas in sync across the job (TensorFlow's num_replicas_in_sync).
     std::size_t num_replicas_in_sync() const {
         std::size_t n = 0;

@@ -50,6 +50,8 @@ pub enum TuttiCrossDeviceOps {
     TUTTI_CROSS_DEVICE_OPS_REDUCTION_TO_ONE_DEVICE = 3,
     /// The ring.
     TUTTI_CROSS_DEVICE_OPS_RING = 4,
+    /// The trainer's own (`tutti_cross_device_ops_config`'s `all_reduce`).
+    TUTTI_CROSS_DEVICE_OPS_CUSTOM = 5,
 }
 
 /// A `tutti_cross_device_ops` as it crosses the C boundary.
@@ -74,13 +76,228 @@ pub type tutti_replica_fn = Option<
     unsafe extern "C" fn(ctx: *const tutti_replica_context, user_data: *mut c_void) -> tutti_result,
 >;
 
+/// A trainer's cross-device op: leave `op` over every replica's value in every one of the
+/// `num_values` buffers (`values[i]`: local replica `i`'s, `count` elements of `dtype`; a MEAN
+/// included: the op divides). Called once per all-reduce, on one replica's thread, while the
+/// others wait. Return `TUTTI_SUCCESS`, or a failure code (its `tutti_last_error`, if
+/// it set one through a tutti call, goes with it).
+pub type tutti_cross_device_op_fn = Option<
+    unsafe extern "C" fn(
+        user_data: *mut c_void,
+        op: tutti_op,
+        dtype: tutti_dtype,
+        count: usize,
+        values: *const *mut c_void,
+        num_values: usize,
+    ) -> tutti_result,
+>;
+
+/// How a mirrored strategy's replicas combine their values: TensorFlow's cross-device ops and
+/// their settings, or the trainer's own. Start from `TUTTI_CROSS_DEVICE_OPS_CONFIG_INIT`.
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct tutti_cross_device_ops_config {
+    /// `sizeof(tutti_cross_device_ops_config)` as the caller compiled it.
+    pub struct_size: usize,
+    /// Which: a `TUTTI_CROSS_DEVICE_OPS_*` value.
+    pub kind: tutti_cross_device_ops,
+    /// HIERARCHICAL_COPY: the packs a batch of values is fused into (0: the default fusion).
+    pub num_packs: usize,
+    /// HIERARCHICAL_COPY: replicas per group (0: 2).
+    pub group_size: usize,
+    /// REDUCTION_TO_ONE_DEVICE: the local replica whose device the values are reduced onto.
+    pub reduce_to_device: usize,
+    /// CUSTOM: a name for logs and errors (NULL: "custom"; copied).
+    pub name: *const c_char,
+    /// CUSTOM: the op; called while the strategy lives.
+    pub all_reduce: tutti_cross_device_op_fn,
+    /// CUSTOM: passed to `all_reduce`; it must stay valid while the strategy lives.
+    pub user_data: *mut c_void,
+}
+
+/// A trainer's cross-device op, as the strategy calls it.
+struct COps {
+    name: String,
+    f: unsafe extern "C" fn(
+        *mut c_void,
+        tutti_op,
+        tutti_dtype,
+        usize,
+        *const *mut c_void,
+        usize,
+    ) -> tutti_result,
+    user: *mut c_void,
+}
+
+// SAFETY: the trainer promises the function may be called from the replicas' threads with
+// `user_data` while the strategy lives (see `tutti_strategy_create_mirrored`).
+unsafe impl Send for COps {}
+// SAFETY: as above; it is called from one thread at a time.
+unsafe impl Sync for COps {}
+
+impl tutti::strategy::CrossDeviceOp for COps {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn all_reduce(
+        &self,
+        op: ReduceOp,
+        dtype: DType,
+        values: &mut [&mut [u8]],
+    ) -> tutti::Result<()> {
+        let count = values.first().map_or(0, |v| v.len() / dtype.size());
+        let ptrs: Vec<*mut c_void> = values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
+        crate::error::clear_last_error();
+        // SAFETY: the trainer's function, called as it promised it can be, with buffers that
+        // hold `count` elements each for the length of the call.
+        let code = unsafe {
+            (self.f)(
+                self.user,
+                types::op_code(op),
+                types::dtype_code(dtype),
+                count,
+                ptrs.as_ptr(),
+                ptrs.len(),
+            )
+        };
+        if code == TuttiResult::TUTTI_SUCCESS as u32 {
+            return Ok(());
+        }
+        let last = crate::error::last_error_text();
+        Err(tutti::Error::System {
+            what: format!("cross-device op {}", self.name),
+            message: format!(
+                "returned {code} ({}){}",
+                crate::error::result_text(code),
+                if last.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {last}")
+                }
+            ),
+        })
+    }
+}
+
+/// The cross-device ops `c` describes, on the local replicas `devices`.
+///
+/// # Safety
+///
+/// `c.name` is NULL or a NUL-terminated string.
+unsafe fn ops_of(
+    c: &tutti_cross_device_ops_config,
+    devices: &[tutti::Device],
+) -> Result<Option<CrossDeviceOps>, Failure> {
+    use TuttiCrossDeviceOps as K;
+    Ok(Some(match c.kind {
+        k if k == K::TUTTI_CROSS_DEVICE_OPS_HIERARCHICAL_COPY as u32 => {
+            CrossDeviceOps::HierarchicalCopyAllReduce {
+                num_packs: c.num_packs,
+                group_size: c.group_size,
+            }
+        }
+        k if k == K::TUTTI_CROSS_DEVICE_OPS_REDUCTION_TO_ONE_DEVICE as u32 => {
+            let d = devices.get(c.reduce_to_device).ok_or_else(|| {
+                Failure::invalid(format!(
+                    "reduce_to_device {}: the strategy has {} local replicas",
+                    c.reduce_to_device,
+                    devices.len()
+                ))
+            })?;
+            CrossDeviceOps::ReductionToOneDevice {
+                reduce_to_device: Some(d.clone()),
+            }
+        }
+        k if k == K::TUTTI_CROSS_DEVICE_OPS_CUSTOM as u32 => {
+            let f = c
+                .all_reduce
+                .ok_or_else(|| Failure::invalid("kind is CUSTOM but all_reduce is NULL"))?;
+            let name = if c.name.is_null() {
+                "custom".to_string()
+            } else {
+                // SAFETY: the caller promises a NUL-terminated string.
+                unsafe { std::ffi::CStr::from_ptr(c.name) }
+                    .to_string_lossy()
+                    .into_owned()
+            };
+            CrossDeviceOps::Custom(tutti::strategy::CustomOps(std::sync::Arc::new(COps {
+                name,
+                f,
+                user: c.user_data,
+            })))
+        }
+        other => return cross_ops(other),
+    }))
+}
+
+/// Create a MirroredStrategy of `num_local_replicas` replicas (logical CPU devices; 0: the
+/// default devices) whose replicas combine their values as `ops` says (NULL: as TensorFlow
+/// chooses), and write it to `*strategy`. A CUSTOM op's function and data must stay valid
+/// until the strategy is destroyed.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `ops` is NULL or points to a `tutti_cross_device_ops_config` whose `struct_size` is set (its
+/// `name` NULL or a NUL-terminated string; `all_reduce` safe to call from any thread with
+/// `user_data` while the strategy lives); `strategy` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_strategy_create_mirrored(
+    num_local_replicas: usize,
+    ops: *const tutti_cross_device_ops_config,
+    strategy: *mut *mut tutti_strategy,
+) -> tutti_result {
+    boundary("tutti_strategy_create_mirrored", || {
+        if strategy.is_null() {
+            return Err(Failure::invalid("strategy is NULL"));
+        }
+        let devices = if num_local_replicas == 0 {
+            Vec::new()
+        } else {
+            logical_cpus(num_local_replicas)?
+        };
+        // SAFETY: NULL or readable, as the caller promises.
+        let chosen = match unsafe { ops.as_ref() } {
+            None => None,
+            Some(c) => {
+                if c.struct_size < std::mem::size_of::<tutti_cross_device_ops_config>() {
+                    return Err(Failure::invalid(format!(
+                        "ops->struct_size is {}, not sizeof(tutti_cross_device_ops_config) ({}); \
+                         start from TUTTI_CROSS_DEVICE_OPS_CONFIG_INIT",
+                        c.struct_size,
+                        std::mem::size_of::<tutti_cross_device_ops_config>()
+                    )));
+                }
+                let default_devices;
+                let on = if devices.is_empty() {
+                    default_devices = vec![tutti::discover_devices().remove(0)];
+                    &default_devices
+                } else {
+                    &devices
+                };
+                // SAFETY: as the caller promises of `name`.
+                unsafe { ops_of(c, on) }?
+            }
+        };
+        let inner = Strategy::mirrored(&devices, chosen)?;
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { strategy.write(Box::into_raw(Box::new(tutti_strategy { inner }))) };
+        Ok(())
+    })
+}
+
 fn cross_ops(v: tutti_cross_device_ops) -> Result<Option<CrossDeviceOps>, Failure> {
     use TuttiCrossDeviceOps as K;
     Ok(Some(match v {
         x if x == K::TUTTI_CROSS_DEVICE_OPS_DEFAULT as u32 => return Ok(None),
         x if x == K::TUTTI_CROSS_DEVICE_OPS_NCCL_ALL_REDUCE as u32 => CrossDeviceOps::NcclAllReduce,
         x if x == K::TUTTI_CROSS_DEVICE_OPS_HIERARCHICAL_COPY as u32 => {
-            CrossDeviceOps::HierarchicalCopyAllReduce { num_packs: 1 }
+            CrossDeviceOps::HierarchicalCopyAllReduce {
+                num_packs: 1,
+                group_size: 2,
+            }
         }
         x if x == K::TUTTI_CROSS_DEVICE_OPS_REDUCTION_TO_ONE_DEVICE as u32 => {
             CrossDeviceOps::ReductionToOneDevice {
@@ -88,9 +305,14 @@ fn cross_ops(v: tutti_cross_device_ops) -> Result<Option<CrossDeviceOps>, Failur
             }
         }
         x if x == K::TUTTI_CROSS_DEVICE_OPS_RING as u32 => CrossDeviceOps::Ring,
+        x if x == K::TUTTI_CROSS_DEVICE_OPS_CUSTOM as u32 => {
+            return Err(Failure::invalid(
+                "cross_device_ops CUSTOM takes its function from tutti_strategy_create_mirrored",
+            ))
+        }
         other => {
             return Err(Failure::invalid(format!(
-                "cross_device_ops {other} is not a tutti_cross_device_ops (valid: 0..=4)"
+                "cross_device_ops {other} is not a tutti_cross_device_ops (valid: 0..=5)"
             )))
         }
     }))

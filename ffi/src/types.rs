@@ -175,6 +175,16 @@ pub(crate) fn op(v: tutti_op) -> Result<ReduceOp, String> {
     })
 }
 
+/// The C value of a reduce op (its place in `ReduceOp::ALL`, as `op` reads it).
+pub(crate) fn op_code(op: ReduceOp) -> tutti_op {
+    ReduceOp::ALL.iter().position(|o| *o == op).unwrap_or(0) as tutti_op
+}
+
+/// The C value of an element type (its place in `DType::ALL`, as `dtype` reads it).
+pub(crate) fn dtype_code(d: DType) -> tutti_dtype {
+    DType::ALL.iter().position(|x| *x == d).unwrap_or(0) as tutti_dtype
+}
+
 /// The algorithm for a C value and its argument.
 pub(crate) fn algorithm(v: tutti_algorithm, arg: u32) -> Result<Algorithm, Failure> {
     let no_arg = |name: &str, a: Algorithm| {

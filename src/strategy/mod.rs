@@ -49,6 +49,38 @@ use crate::engine::GroupEngine;
 use crate::error::{Error, Result};
 use crate::transport::TransportKind;
 
+/// A cross-device op of the caller's (TensorFlow's `CrossDeviceOps` subclasses): how a
+/// worker's replicas combine their values, in the replica context's `all_reduce` (and what is
+/// built on it: variables' aggregation, optimizers) and in `Strategy::reduce`.
+pub trait CrossDeviceOp: Send + Sync {
+    /// A name for logs and errors.
+    fn name(&self) -> &str;
+    /// Leave `op` over every replica's value in every buffer: `values[i]` is local replica
+    /// `i`'s, elements of `dtype` as their native bytes, all as long (`Mean` included: the op
+    /// divides). Called once per all-reduce, on one replica's thread, while the others wait.
+    fn all_reduce(&self, op: ReduceOp, dtype: crate::DType, values: &mut [&mut [u8]])
+        -> Result<()>;
+}
+
+/// A user-defined cross-device op, as [`CrossDeviceOps::Custom`] holds it (equal when it is
+/// the same object).
+#[derive(Clone)]
+pub struct CustomOps(pub Arc<dyn CrossDeviceOp>);
+
+impl std::fmt::Debug for CustomOps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CustomOps({})", self.0.name())
+    }
+}
+
+impl PartialEq for CustomOps {
+    fn eq(&self, other: &CustomOps) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for CustomOps {}
+
 /// TensorFlow's cross-device ops: how the replicas of one worker combine their values.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CrossDeviceOps {
@@ -59,6 +91,9 @@ pub enum CrossDeviceOps {
     HierarchicalCopyAllReduce {
         /// Packs the values of a batch reduce are fused into (0: no fusion).
         num_packs: usize,
+        /// Replicas per group: each group reduces onto its first, the firsts across groups,
+        /// and back (0: 2).
+        group_size: usize,
     },
     /// TensorFlow's ReductionToOneDevice: reduce onto one device, broadcast back.
     ReductionToOneDevice {
@@ -67,6 +102,8 @@ pub enum CrossDeviceOps {
     },
     /// The ring: reduce-scatter then all-gather.
     Ring,
+    /// The caller's own ([`CrossDeviceOp`]): MirroredStrategy only.
+    Custom(CustomOps),
 }
 
 impl CrossDeviceOps {
@@ -77,6 +114,7 @@ impl CrossDeviceOps {
             CrossDeviceOps::HierarchicalCopyAllReduce { .. } => "HierarchicalCopyAllReduce",
             CrossDeviceOps::ReductionToOneDevice { .. } => "ReductionToOneDevice",
             CrossDeviceOps::Ring => "Ring",
+            CrossDeviceOps::Custom(_) => "Custom",
         }
     }
 }
@@ -192,6 +230,133 @@ pub struct Strategy {
     /// (TPUStrategy), NCCL over staged copies (MirroredStrategy with NcclAllReduce). The
     /// replicas' communicators carry it; nothing else here knows the device.
     engine: Option<(DeviceKind, Arc<dyn GroupEngine>)>,
+    /// Where the replicas meet for a custom cross-device op.
+    meet: Meet,
+}
+
+/// Where a worker's replicas meet for a custom cross-device op: each leaves its buffer, the
+/// last to come runs the op over them all, and each leaves once it has run. A replica that
+/// waits past the timeout (or finds its group aborted) withdraws before the op starts.
+#[derive(Default)]
+struct Meet {
+    state: Mutex<MeetState>,
+    ended: parking_lot::Condvar,
+}
+
+#[derive(Default)]
+struct MeetState {
+    round: u64,
+    /// Each replica's buffer (address, bytes) while it waits in this round.
+    slots: Vec<Option<(usize, usize)>>,
+    arrived: usize,
+    running: bool,
+    /// How the last round ended.
+    outcome: Option<Result<()>>,
+}
+
+impl Meet {
+    /// Run `ops` over the `n` local replicas' `buf`s, as replica `local`.
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce(
+        &self,
+        local: usize,
+        n: usize,
+        ops: &dyn CrossDeviceOp,
+        op: ReduceOp,
+        dtype: crate::DType,
+        buf: &mut [u8],
+        timeout: std::time::Duration,
+        comm: &Communicator,
+    ) -> Result<()> {
+        use std::time::{Duration, Instant};
+        let mut st = self.state.lock();
+        if st.slots.len() != n {
+            st.slots = vec![None; n];
+        }
+        let round = st.round;
+        st.slots[local] = Some((buf.as_mut_ptr() as usize, buf.len()));
+        st.arrived += 1;
+        if st.arrived == n {
+            st.running = true;
+            let slots: Vec<(usize, usize)> = st.slots.iter_mut().filter_map(|s| s.take()).collect();
+            let outcome = parking_lot::MutexGuard::unlocked(&mut st, || {
+                if let Some(&(_, len)) = slots.iter().find(|s| s.1 != slots[0].1) {
+                    return Err(Error::config(format!(
+                        "cross-device op {}: the replicas' values differ in length ({} and \
+                         {len} bytes)",
+                        ops.name(),
+                        slots[0].1
+                    )));
+                }
+                let mut views: Vec<&mut [u8]> = slots
+                    .iter()
+                    // SAFETY: each buffer is its replica's `&mut [u8]`, borrowed by that
+                    // replica's call, which does not return before this round has ended (it
+                    // may withdraw only while no op runs); the replicas' buffers are distinct.
+                    .map(|&(p, l)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, l) })
+                    .collect();
+                let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    ops.all_reduce(op, dtype, &mut views)
+                }));
+                run.unwrap_or_else(|p| {
+                    Err(Error::System {
+                        what: format!("cross-device op {}", ops.name()),
+                        message: format!(
+                            "panicked: {}",
+                            p.downcast_ref::<&str>()
+                                .map(|s| s.to_string())
+                                .or_else(|| p.downcast_ref::<String>().cloned())
+                                .unwrap_or_default()
+                        ),
+                    })
+                })
+            });
+            st.outcome = Some(outcome.clone());
+            st.arrived = 0;
+            st.running = false;
+            st.round += 1;
+            self.ended.notify_all();
+            return outcome;
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            if st.round != round {
+                return st.outcome.clone().unwrap_or(Ok(()));
+            }
+            let until = (Instant::now() + Duration::from_millis(20)).min(deadline);
+            self.ended.wait_until(&mut st, until);
+            if st.round != round || st.running {
+                // Ended, or the op runs on this buffer: wait for it whatever the clock says.
+                continue;
+            }
+            let aborted = comm.aborted();
+            if aborted.is_some() || Instant::now() >= deadline {
+                // No op has started: nothing holds this buffer; leave the round.
+                st.slots[local] = None;
+                st.arrived -= 1;
+                let missing: Vec<usize> = (0..n)
+                    .filter(|&i| st.slots[i].is_none() && i != local)
+                    .collect();
+                return Err(match aborted {
+                    Some(reason) => Error::Aborted {
+                        rank: local,
+                        reason,
+                    },
+                    None => Error::Timeout {
+                        site: crate::error::Site {
+                            collective: crate::error::Collective::AllReduce,
+                            rank: local,
+                            call: round,
+                        },
+                        waiting_for: missing,
+                        phase: "arrive",
+                        timeout,
+                        stalled_on: Vec::new(),
+                    },
+                });
+            }
+        }
+    }
 }
 
 fn log(msg: &str) {
@@ -210,9 +375,15 @@ fn local_resolver() -> ClusterResolver {
 /// The algorithm that carries a cross-device op over an in-process group of these devices.
 fn algorithm_for(ops: &CrossDeviceOps, devices: &[Device]) -> Result<Algorithm> {
     Ok(match ops {
-        CrossDeviceOps::Ring => Algorithm::Ring,
-        CrossDeviceOps::HierarchicalCopyAllReduce { .. } => {
-            Algorithm::HierarchicalCopy { group_size: 2 }
+        // A custom op's strategy runs its other collectives (broadcast) on the ring.
+        CrossDeviceOps::Ring | CrossDeviceOps::Custom(_) => Algorithm::Ring,
+        CrossDeviceOps::HierarchicalCopyAllReduce { group_size, .. } => {
+            Algorithm::HierarchicalCopy {
+                group_size: match group_size {
+                    0 => 2,
+                    g => *g,
+                },
+            }
         }
         CrossDeviceOps::ReductionToOneDevice { reduce_to_device } => {
             let root = match reduce_to_device {
@@ -317,6 +488,7 @@ impl Strategy {
             resolver,
             bytes_per_pack,
             engine,
+            meet: Meet::default(),
         };
         s.rebuild()?;
         Ok(s)
@@ -876,6 +1048,16 @@ impl Strategy {
         }
         let inputs: Vec<&[T]> = parts.iter().map(|t| t.data.as_slice()).collect();
         let mut out = vec![T::from_f64(0.0); shape.iter().product()];
+        if let (Some(CrossDeviceOps::Custom(c)), None, None, true) = (
+            &self.cross_device_ops,
+            &self.workers,
+            axis,
+            inputs.len() > 1,
+        ) {
+            // The caller's op takes the op itself (it divides a MEAN).
+            custom_reduce(c, op, &inputs, &mut out)?;
+            return Ok(Tensor { data: out, shape });
+        }
         self.local_reduce(&inputs, &mut out)?;
         if let Some(w) = &self.workers {
             w.all_reduce(&mut out, ReduceOp::Sum)?;
@@ -898,6 +1080,10 @@ impl Strategy {
                 "strategy.reduce called inside run: use the replica context's all_reduce there",
             )
         })?;
+        if let (Some(CrossDeviceOps::Custom(c)), true) = (&self.cross_device_ops, inputs.len() > 1)
+        {
+            return custom_reduce(c, ReduceOp::Sum, inputs, out);
+        }
         match &local.replicas {
             Some(reps) => reps.reduce(inputs, out, ReduceOp::Sum),
             None => {
@@ -1074,12 +1260,30 @@ impl Strategy {
     /// `num_packs` splits the batch into that many packs, else `bytes_per_pack`.
     fn pack_bytes(&self, total: usize) -> usize {
         match &self.cross_device_ops {
-            Some(CrossDeviceOps::HierarchicalCopyAllReduce { num_packs }) if *num_packs > 0 => {
+            Some(CrossDeviceOps::HierarchicalCopyAllReduce { num_packs, .. }) if *num_packs > 0 => {
                 total.div_ceil(*num_packs).max(1)
             }
             _ => self.bytes_per_pack,
         }
     }
+}
+
+/// `op` over `inputs` (one per local replica) into `out`, through the caller's cross-device op.
+fn custom_reduce<T: Element>(
+    c: &CustomOps,
+    op: ReduceOp,
+    inputs: &[&[T]],
+    out: &mut [T],
+) -> Result<()> {
+    // Copies as the elements (aligned as they are), seen as bytes.
+    let mut values: Vec<Vec<T>> = inputs.iter().map(|v| v.to_vec()).collect();
+    let mut views: Vec<&mut [u8]> = values
+        .iter_mut()
+        .map(|v| bytemuck::cast_slice_mut::<T, u8>(v))
+        .collect();
+    c.0.all_reduce(op, T::DTYPE, &mut views)?;
+    out.copy_from_slice(&values[0]);
+    Ok(())
 }
 
 fn check_sum_or_mean(op: ReduceOp, what: &str) -> Result<()> {
@@ -1175,11 +1379,21 @@ impl ReplicaContext<'_> {
     /// All-reduce across every replica in sync: local reduce, cross-worker all-reduce (from local
     /// replica 0), local broadcast. `Mean` divides by the number of replicas in sync.
     pub fn all_reduce<T: Element>(&self, op: ReduceOp, buf: &mut [T]) -> Result<()> {
+        let custom = match &self.strategy.cross_device_ops {
+            Some(CrossDeviceOps::Custom(c)) if self.strategy.devices.len() > 1 => Some(c),
+            _ => None,
+        };
         let Some(workers) = &self.strategy.workers else {
-            return self.comm.all_reduce(buf, op);
+            return match custom {
+                Some(c) => self.custom_all_reduce(c, op, buf),
+                None => self.comm.all_reduce(buf, op),
+            };
         };
         let combine = op.combining();
-        self.comm.all_reduce(buf, combine)?;
+        match custom {
+            Some(c) => self.custom_all_reduce(c, combine, buf)?,
+            None => self.comm.all_reduce(buf, combine)?,
+        }
         if self.local_id == 0 {
             workers.all_reduce(buf, combine)?;
         }
@@ -1192,6 +1406,25 @@ impl ReplicaContext<'_> {
             );
         }
         Ok(())
+    }
+
+    /// The local replicas' all-reduce through the caller's cross-device op.
+    fn custom_all_reduce<T: Element>(
+        &self,
+        c: &CustomOps,
+        op: ReduceOp,
+        buf: &mut [T],
+    ) -> Result<()> {
+        self.strategy.meet.all_reduce(
+            self.local_id,
+            self.strategy.devices.len(),
+            &*c.0,
+            op,
+            T::DTYPE,
+            bytemuck::cast_slice_mut(buf),
+            self.strategy.config.timeout,
+            self.comm,
+        )
     }
 
     /// All-reduce many tensors at once, packed into buffers of the strategy's `bytes_per_pack`.

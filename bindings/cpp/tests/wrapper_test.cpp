@@ -474,6 +474,15 @@ static void strategies_and_checkpoints() {
     std::vector<float> mean = s.reduce(std::vector<std::vector<float>>{{1, 2}, {3, 4}, {5, 6}},
                                        tutti::op::mean);
     EXPECT(mean[0] == 3.0f && mean[1] == 4.0f);
+    tutti_cross_device_ops_config hc = TUTTI_CROSS_DEVICE_OPS_CONFIG_INIT;
+    hc.kind = TUTTI_CROSS_DEVICE_OPS_HIERARCHICAL_COPY;
+    hc.group_size = 3;
+    tutti::strategy grouped(3, hc);
+    grouped.run([](const tutti::replica_context &ctx) {
+        std::vector<double> x(1, static_cast<double>(ctx.replica_id()));
+        ctx.all_reduce(x, tutti::op::sum);
+        EXPECT(x[0] == 3.0);
+    });
     auto rows = s.batch_rows(10);
     EXPECT(rows.size() == 3 && rows[0].first == 0 && rows[0].second == 4 && rows[2].second == 10);
     auto cluster = s.cluster();

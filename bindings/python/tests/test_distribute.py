@@ -144,7 +144,9 @@ def test_wrong_arguments_name_what_is_wrong():
     with pytest.raises(ValueError, match="twice"):
         td.MirroredStrategy(["cpu:0", "/cpu:0"])
     with pytest.raises(ValueError, match="num_packs"):
-        td.HierarchicalCopyAllReduce(num_packs=2)
+        td.HierarchicalCopyAllReduce(num_packs=-1)
+    with pytest.raises(ValueError, match="num_packs"):
+        td.NcclAllReduce(num_packs=2)
     with pytest.raises(ValueError, match="AUTO"):
         td.CommunicationOptions(implementation=td.CommunicationImplementation.NCCL)
     s = td.MirroredStrategy(cpus(2))
@@ -964,3 +966,57 @@ def test_a_sidecar_evaluator_follows_the_checkpoints(tmp_path):
     with pytest.raises(TimeoutError, match="evaluated: step 40"):
         td.SidecarEvaluator(td.Checkpoint(w=w), tmp_path, evaluate, max_evaluations=2, timeout=0.3).start()
     assert [p.endswith("ckpt-40.tutti") for p in td.checkpoints_iterator(tmp_path, timeout=0.2)] == [True]
+
+
+def test_cross_device_ops_of_your_own_and_their_settings():
+    """A CrossDeviceOps subclass combines the replicas' values in all_reduce, in variables'
+    aggregation and in strategy.reduce; what it raises, run raises. HierarchicalCopyAllReduce's
+    num_packs and group_size and ReductionToOneDevice's reduce_to_device are taken."""
+
+    class Median(td.CrossDeviceOps):
+        def __init__(self):
+            self.calls, self.fail = [], False
+
+        def reduce_implementation(self, reduce_op, per_replica_value, destinations=None, options=None):
+            self.calls.append(reduce_op)
+            if self.fail:
+                raise ArithmeticError("Median gave up")
+            return np.median(np.stack(per_replica_value.values), axis=0)
+
+    ops = Median()
+    s = td.MirroredStrategy(cpus(3), cross_device_ops=ops)
+    with s.scope():
+        v = td.Variable(np.zeros(2, np.float32), aggregation="SUM")
+
+        def step():
+            ctx = td.get_replica_context()
+            i = ctx.replica_id_in_sync_group
+            x = ctx.all_reduce("SUM", np.array([i, 10.0 * i * i], np.float32))
+            v.assign_add(np.array([1.0, i], np.float32))
+            return x
+
+        out = s.experimental_local_results(s.run(step))
+    for x in out:
+        np.testing.assert_array_equal(x, [1.0, 10.0])  # the medians of (0, 1, 2) and (0, 10, 40)
+    np.testing.assert_array_equal(v.numpy(), [1.0, 1.0])
+    assert ops.calls == ["SUM", "SUM"]
+    np.testing.assert_array_equal(s.reduce("SUM", td.PerReplica([np.float32(i) for i in (5, 1, 3)])), 3.0)
+    ops.fail = True
+    with pytest.raises(ArithmeticError, match="Median gave up"):
+        s.run(step)
+    with pytest.raises(ArithmeticError, match="Median gave up"):
+        s.reduce("SUM", td.PerReplica([np.float32(i) for i in (5, 1, 3)]))
+    ops.fail = False
+    assert s.experimental_local_results(s.run(lambda: td.get_replica_context().all_reduce("MEAN", np.float32(3))))[0] == 3.0
+
+    class Nothing(td.CrossDeviceOps):
+        pass
+
+    with pytest.raises(TypeError, match="reduce_implementation"):
+        td.MirroredStrategy(cpus(2), cross_device_ops=Nothing())
+    for ops in (td.HierarchicalCopyAllReduce(num_packs=2, group_size=3), td.ReductionToOneDevice("cpu:1")):
+        s = td.MirroredStrategy(cpus(4), cross_device_ops=ops)
+        out = s.run(lambda: td.get_replica_context().all_reduce("SUM", np.float32(td.get_replica_context().replica_id_in_sync_group)))
+        assert s.experimental_local_results(out) == (6.0,) * 4
+    with pytest.raises(ValueError, match="is not one of the strategy's devices"):
+        td.MirroredStrategy(cpus(2), cross_device_ops=td.ReductionToOneDevice("cpu:3"))

@@ -146,6 +146,18 @@ _PROTOTYPES = {
     "tutti_checkpoint_restore": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_char_p,
                                                    ctypes.POINTER(ctypes.c_void_p)]),
 }
+_CROSS_DEVICE_OP_FN = ctypes.CFUNCTYPE(ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32,
+                                       ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t)
+
+
+class _CrossDeviceOpsConfig(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("kind", ctypes.c_uint32), ("num_packs", ctypes.c_size_t),
+                ("group_size", ctypes.c_size_t), ("reduce_to_device", ctypes.c_size_t), ("name", ctypes.c_char_p),
+                ("all_reduce", _CROSS_DEVICE_OP_FN), ("user_data", ctypes.c_void_p)]
+
+
+_PROTOTYPES["tutti_strategy_create_mirrored"] = (ctypes.c_uint32, [ctypes.c_size_t, ctypes.POINTER(_CrossDeviceOpsConfig),
+                                                                   ctypes.POINTER(ctypes.c_void_p)])
 _bound = None
 _bind_lock = threading.Lock()
 
@@ -179,9 +191,23 @@ def _reduce_op(op):
 
 
 class CrossDeviceOps:
-    """How a ``MirroredStrategy`` combines its replicas' values (TensorFlow's cross-device ops)."""
+    """How a ``MirroredStrategy`` combines its replicas' values (TensorFlow's cross-device ops).
+    A subclass of the caller's implements ``reduce_implementation(reduce_op, per_replica_value,
+    destinations=None, options=None)``: given a ``PerReplica`` of the local replicas' numpy
+    values, it returns the combined value (``reduce_op`` is ``"SUM"``, ``"MEAN"``...), which every
+    replica then holds. It runs on one replica's thread
+    while the others wait, for the replica context's ``all_reduce`` (and what is built on it:
+    variables' aggregation, optimizers) and ``strategy.reduce``; what it raises, ``run`` raises."""
 
-    _code = 0
+    _code = None  # the caller's own
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations=None, options=None):
+        raise NotImplementedError(f"{type(self).__name__}: a CrossDeviceOps of your own implements "
+                                  "reduce_implementation(reduce_op, per_replica_value, ...)")
+
+    def _config(self):
+        """(kind, num_packs, group_size, reduce_to_device) of tutti_cross_device_ops_config."""
+        return self._code, 0, 0, 0
 
 
 class NcclAllReduce(CrossDeviceOps):
@@ -192,30 +218,39 @@ class NcclAllReduce(CrossDeviceOps):
 
     def __init__(self, num_packs=1):
         if num_packs != 1:
-            raise ValueError(f"num_packs={num_packs}: tutti's strategies pack each batch as one (num_packs=1)")
+            raise ValueError(f"num_packs={num_packs}: NCCL reduces each batch as one pack (num_packs=1)")
 
 
 class HierarchicalCopyAllReduce(CrossDeviceOps):
-    """Reduce onto group leaders, across leaders, and back (TensorFlow's hierarchical copy)."""
+    """Reduce onto group leaders (groups of ``group_size`` replicas), across leaders, and back
+    (TensorFlow's hierarchical copy); a batch of values fused into ``num_packs`` packs."""
 
     _code = 2
 
-    def __init__(self, num_packs=1):
-        if num_packs != 1:
-            raise ValueError(f"num_packs={num_packs}: tutti's strategies pack each batch as one (num_packs=1)")
+    def __init__(self, num_packs=1, group_size=2):
+        if int(num_packs) < 0 or int(group_size) < 1:
+            raise ValueError(f"HierarchicalCopyAllReduce: num_packs {num_packs} (0 or more), group_size "
+                             f"{group_size} (1 or more)")
+        self.num_packs, self.group_size = int(num_packs), int(group_size)
+
+    def _config(self):
+        return self._code, self.num_packs, self.group_size, 0
 
 
 class ReductionToOneDevice(CrossDeviceOps):
-    """Reduce onto the first device, then copy the result to every replica."""
+    """Reduce onto one device (``reduce_to_device``, one of the strategy's; default: the
+    first), then copy the result to every replica."""
 
     _code = 3
 
     def __init__(self, reduce_to_device=None, accumulation_fn=None):
-        if reduce_to_device is not None or accumulation_fn is not None:
-            raise ValueError(
-                "ReductionToOneDevice: tutti's strategies reduce onto the first device with their own "
-                "accumulation (reduce_to_device and accumulation_fn must be None)"
-            )
+        if accumulation_fn is not None:
+            raise ValueError("ReductionToOneDevice: tutti's strategies accumulate with their own kernels "
+                             "(accumulation_fn must be None)")
+        self.reduce_to_device = reduce_to_device
+
+    def _config(self):
+        return self._code, 0, 0, 0
 
 
 class CommunicationImplementation:
@@ -696,18 +731,62 @@ class DistributedDataset:
 class Strategy:
     """A strategy: replicas and how their values combine. Made by its subclasses."""
 
-    def __init__(self, kind, num_local_replicas=0, cross_device_ops=None):
+    def __init__(self, kind, num_local_replicas=0, cross_device_ops=None, devices=None):
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(f"cross_device_ops must be a tutti.distribute.CrossDeviceOps, not {type(cross_device_ops).__name__}")
-        code = 0 if cross_device_ops is None else cross_device_ops._code
+        self._ops = cross_device_ops
         h = ctypes.c_void_p()
-        _check(_lib().tutti_strategy_create(kind, num_local_replicas, code, ctypes.byref(h)))
+        if kind == _MIRRORED and cross_device_ops is not None:
+            self._op_error = None
+            config, self._op_callback = self._ops_config(cross_device_ops, devices)
+            _check(_lib().tutti_strategy_create_mirrored(num_local_replicas, ctypes.byref(config), ctypes.byref(h)))
+        else:
+            _check(_lib().tutti_strategy_create(kind, num_local_replicas, 0, ctypes.byref(h)))
         self._h = h
         self._kind = kind
         self._lock = threading.Lock()  # one run or reduce at a time
         total, local = ctypes.c_size_t(), ctypes.c_size_t()
         _check(_lib().tutti_strategy_num_replicas(h, ctypes.byref(total), ctypes.byref(local)))
         self._total, self._local = total.value, local.value
+
+    def _ops_config(self, ops, devices):
+        """The tutti_cross_device_ops_config of ``ops``, and the callback to keep alive."""
+        kind, packs, group, to = ops._config()
+        callback = None
+        if kind is None:
+            if type(ops).reduce_implementation is CrossDeviceOps.reduce_implementation:
+                raise TypeError(f"{type(ops).__name__}: a CrossDeviceOps of your own implements "
+                                "reduce_implementation(reduce_op, per_replica_value, ...)")
+            kind, callback = 5, _CROSS_DEVICE_OP_FN(self._custom_all_reduce)
+        if isinstance(ops, ReductionToOneDevice) and ops.reduce_to_device is not None:
+            want = _device_index(ops.reduce_to_device)
+            listed = [_device_index(d) for d in devices] if devices else list(range(want + 1))
+            if want not in listed:
+                raise ValueError(f"ReductionToOneDevice: {ops.reduce_to_device!r} is not one of the strategy's "
+                                 f"devices {devices}")
+            to = listed.index(want)
+        config = _CrossDeviceOpsConfig(ctypes.sizeof(_CrossDeviceOpsConfig), kind, packs, group, to,
+                                       type(ops).__name__.encode(), callback or _CROSS_DEVICE_OP_FN(), None)
+        return config, callback
+
+    def _custom_all_reduce(self, _user, op, dtype, count, values, num_values):
+        """tutti_cross_device_op_fn over the caller's ``reduce_implementation``."""
+        try:
+            names = {v: k.upper() for k, v in tutti.OPS.items()}
+            dt = np.dtype(_dtype_name(dtype))
+            arrays = [np.ctypeslib.as_array(ctypes.cast(values[i], ctypes.POINTER(ctypes.c_uint8)),
+                                            (count * dt.itemsize,)).view(dt) for i in range(num_values)]
+            out = self._ops.reduce_implementation(names.get(op, str(op)), PerReplica([a.copy() for a in arrays]))
+            out = np.asarray(out)
+            if out.size != count:
+                raise ValueError(f"{type(self._ops).__name__}.reduce_implementation returned {out.size} values "
+                                 f"for {count}")
+            for a in arrays:
+                a[...] = out.reshape(-1).astype(dt)
+            return 0
+        except BaseException as e:  # noqa: BLE001 - raised again by run
+            self._op_error = e
+            return _FAILED
 
     @property
     def num_replicas_in_sync(self):
@@ -771,6 +850,9 @@ class Strategy:
         with self._cross_replica("run"):
             result = _lib().tutti_strategy_run(self._handle(), callback, None)
         raised = [e for e in errors if e is not None]
+        op_error, self._op_error = getattr(self, "_op_error", None), None
+        if op_error is not None:
+            raise op_error  # the caller's cross-device op raised it, on some replica's thread
         if raised:
             # The replica whose own function raised, rather than a sibling woken by it.
             own = [e for e in raised if not isinstance(e, tutti.TuttiError)]
@@ -954,8 +1036,12 @@ class Strategy:
         ptrs = (ctypes.c_void_p * len(parts))(*[p.ctypes.data for p in parts])
         code = tutti.OPS["sum" if op == "SUM" else "mean"]
         with self._cross_replica("reduce"):
-            _check(_lib().tutti_strategy_reduce(self._handle(), out.size, tutti.DTYPES[first.dtype.name], code,
-                                                ptrs, out.ctypes.data_as(ctypes.c_void_p)))
+            result = _lib().tutti_strategy_reduce(self._handle(), out.size, tutti.DTYPES[first.dtype.name], code,
+                                                  ptrs, out.ctypes.data_as(ctypes.c_void_p))
+        op_error, self._op_error = getattr(self, "_op_error", None), None
+        if op_error is not None:
+            raise op_error  # the caller's cross-device op raised it
+        _check(result)
         return out
 
     @contextlib.contextmanager
@@ -997,7 +1083,7 @@ class MirroredStrategy(Strategy):
     """A replica per device of this process, values combined by ``cross_device_ops``."""
 
     def __init__(self, devices=None, cross_device_ops=None):
-        super().__init__(_MIRRORED, _replicas(devices, "MirroredStrategy"), cross_device_ops)
+        super().__init__(_MIRRORED, _replicas(devices, "MirroredStrategy"), cross_device_ops, devices)
 
 
 class OneDeviceStrategy(Strategy):

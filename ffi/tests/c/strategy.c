@@ -56,6 +56,109 @@ static void on_log(tutti_log_level level, const char *message, void *user) {
     }
 }
 
+/* A cross-device op of the trainer's: the element-wise max of float values (whatever op is
+ * asked: the test asks for SUM and sees the max), counting its calls; "fail" makes it fail. */
+typedef struct max_op {
+    int calls;
+    int fail;
+} max_op;
+
+static tutti_result max_all_reduce(void *user, tutti_op op, tutti_dtype dtype, size_t count,
+                                   void *const *values, size_t num_values) {
+    max_op *m = user;
+    size_t i, j;
+    (void)op;
+    m->calls++;
+    if (m->fail || dtype != TUTTI_DTYPE_F32) {
+        return TUTTI_ERROR_INVALID_ARGUMENT;
+    }
+    for (j = 0; j < count; j++) {
+        float best = ((float *)values[0])[j];
+        for (i = 1; i < num_values; i++) {
+            float x = ((float *)values[i])[j];
+            best = x > best ? x : best;
+        }
+        for (i = 0; i < num_values; i++) {
+            ((float *)values[i])[j] = best;
+        }
+    }
+    return TUTTI_SUCCESS;
+}
+
+static tutti_result max_step(const tutti_replica_context *ctx, void *user) {
+    shared *s = user;
+    size_t id = 0, local = 0;
+    float v[2];
+    tutti_result r = tutti_replica_id(ctx, &id, &local);
+    if (r != TUTTI_SUCCESS) {
+        return r;
+    }
+    v[0] = (float)id;
+    v[1] = -(float)id;
+    r = tutti_replica_all_reduce(ctx, 2, TUTTI_DTYPE_F32, TUTTI_OP_SUM, v);
+    s->gathered[local] = v[0] + 10.0f * v[1];
+    return r;
+}
+
+/* tutti_strategy_create_mirrored: the trainer's op, hierarchical copy's settings,
+ * reduce_to_device, and their errors. */
+static void cross_device_ops_settings(void) {
+    tutti_cross_device_ops_config c = TUTTI_CROSS_DEVICE_OPS_CONFIG_INIT;
+    tutti_strategy *s = NULL;
+    max_op m = {0, 0};
+    shared sh;
+    size_t i;
+
+    c.kind = TUTTI_CROSS_DEVICE_OPS_CUSTOM;
+    c.name = "max";
+    c.all_reduce = max_all_reduce;
+    c.user_data = &m;
+    CHECK(tutti_strategy_create_mirrored(3, &c, &s));
+    memset(&sh, 0, sizeof sh);
+    CHECK(tutti_strategy_run(s, max_step, &sh));
+    for (i = 0; i < 3; i++) {
+        EXPECT(sh.gathered[i] == 2.0f + 10.0f * 0.0f); /* max(0,1,2), max(0,-1,-2) */
+    }
+    EXPECT(m.calls == 1);
+    m.fail = 1;
+    EXPECT_ERROR(tutti_strategy_run(s, max_step, &sh), TUTTI_ERROR_SYSTEM, "cross-device op max");
+    tutti_strategy_destroy(s);
+
+    c = (tutti_cross_device_ops_config)TUTTI_CROSS_DEVICE_OPS_CONFIG_INIT;
+    c.kind = TUTTI_CROSS_DEVICE_OPS_HIERARCHICAL_COPY;
+    c.group_size = 3;
+    c.num_packs = 2;
+    CHECK(tutti_strategy_create_mirrored(4, &c, &s));
+    memset(&sh, 0, sizeof sh);
+    CHECK(tutti_strategy_run(s, step, &sh));
+    EXPECT(sh.gathered[3] == 6.0f + 40.0f + 1400.0f);
+    tutti_strategy_destroy(s);
+
+    c.kind = TUTTI_CROSS_DEVICE_OPS_REDUCTION_TO_ONE_DEVICE;
+    c.reduce_to_device = 1;
+    CHECK(tutti_strategy_create_mirrored(2, &c, &s));
+    memset(&sh, 0, sizeof sh);
+    CHECK(tutti_strategy_run(s, step, &sh));
+    EXPECT(sh.gathered[0] == 1.0f + 20.0f + 100.0f);
+    tutti_strategy_destroy(s);
+    c.reduce_to_device = 2;
+    EXPECT_ERROR(tutti_strategy_create_mirrored(2, &c, &s), TUTTI_ERROR_INVALID_ARGUMENT,
+                 "reduce_to_device 2");
+
+    c.kind = TUTTI_CROSS_DEVICE_OPS_CUSTOM;
+    c.all_reduce = NULL;
+    EXPECT_ERROR(tutti_strategy_create_mirrored(2, &c, &s), TUTTI_ERROR_INVALID_ARGUMENT,
+                 "all_reduce is NULL");
+    c.struct_size = 8;
+    EXPECT_ERROR(tutti_strategy_create_mirrored(2, &c, &s), TUTTI_ERROR_INVALID_ARGUMENT,
+                 "struct_size is 8");
+    EXPECT_ERROR(tutti_strategy_create(TUTTI_STRATEGY_MIRRORED, 2, TUTTI_CROSS_DEVICE_OPS_CUSTOM, &s),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "tutti_strategy_create_mirrored");
+    /* NULL: TensorFlow's choice. */
+    CHECK(tutti_strategy_create_mirrored(2, NULL, &s));
+    tutti_strategy_destroy(s);
+}
+
 int main(void) {
     tutti_strategy *s = NULL;
     shared sh;
@@ -146,6 +249,7 @@ int main(void) {
         }
         tutti_strategy_destroy(s);
     }
+    cross_device_ops_settings();
     printf("strategy: ok\n");
     return 0;
 }
