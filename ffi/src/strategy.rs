@@ -78,8 +78,9 @@ pub type tutti_replica_fn = Option<
 
 /// A trainer's cross-device op: leave `op` over every replica's value in every one of the
 /// `num_values` buffers (`values[i]`: local replica `i`'s, `count` elements of `dtype`; a MEAN
-/// included: the op divides). Called once per all-reduce, on one replica's thread, while the
-/// others wait. Return `TUTTI_SUCCESS`, or a failure code (its `tutti_last_error`, if
+/// included: the op divides). It gets SUM and MEAN of floating-point values; other ops and
+/// integers run on tutti's algorithms. Called once per all-reduce, on one replica's thread,
+/// while the others wait. Return `TUTTI_SUCCESS`, or a failure code (its `tutti_last_error`, if
 /// it set one through a tutti call, goes with it).
 pub type tutti_cross_device_op_fn = Option<
     unsafe extern "C" fn(

@@ -51,7 +51,9 @@ use crate::transport::TransportKind;
 
 /// A cross-device op of the caller's (TensorFlow's `CrossDeviceOps` subclasses): how a
 /// worker's replicas combine their values, in the replica context's `all_reduce` (and what is
-/// built on it: variables' aggregation, optimizers) and in `Strategy::reduce`.
+/// built on it: variables' aggregation, optimizers) and in `Strategy::reduce`. It takes
+/// TensorFlow's ops, SUM and MEAN, of floating-point values; other ops and integer values run
+/// on tutti's algorithms.
 pub trait CrossDeviceOp: Send + Sync {
     /// A name for logs and errors.
     fn name(&self) -> &str;
@@ -1048,12 +1050,7 @@ impl Strategy {
         }
         let inputs: Vec<&[T]> = parts.iter().map(|t| t.data.as_slice()).collect();
         let mut out = vec![T::from_f64(0.0); shape.iter().product()];
-        if let (Some(CrossDeviceOps::Custom(c)), None, None, true) = (
-            &self.cross_device_ops,
-            &self.workers,
-            axis,
-            inputs.len() > 1,
-        ) {
+        if let (Some(c), None, None) = (self.custom_ops(op, T::DTYPE), &self.workers, axis) {
             // The caller's op takes the op itself (it divides a MEAN).
             custom_reduce(c, op, &inputs, &mut out)?;
             return Ok(Tensor { data: out, shape });
@@ -1080,8 +1077,7 @@ impl Strategy {
                 "strategy.reduce called inside run: use the replica context's all_reduce there",
             )
         })?;
-        if let (Some(CrossDeviceOps::Custom(c)), true) = (&self.cross_device_ops, inputs.len() > 1)
-        {
+        if let Some(c) = self.custom_ops(ReduceOp::Sum, T::DTYPE) {
             return custom_reduce(c, ReduceOp::Sum, inputs, out);
         }
         match &local.replicas {
@@ -1256,6 +1252,23 @@ impl Strategy {
         Ok(out.0.into_iter().next().unwrap_or_default())
     }
 
+    /// The caller's cross-device op, where it combines `op` of `dtype` values: TensorFlow's
+    /// ops (SUM, MEAN) of floating-point values across several local replicas. Other ops and
+    /// integers (tutti's own bookkeeping: lengths, agreement, bit-exact gathers) run on the
+    /// strategy's algorithms.
+    fn custom_ops(&self, op: ReduceOp, dtype: crate::DType) -> Option<&CustomOps> {
+        match &self.cross_device_ops {
+            Some(CrossDeviceOps::Custom(c))
+                if self.devices.len() > 1
+                    && matches!(op, ReduceOp::Sum | ReduceOp::Mean)
+                    && dtype.is_float() =>
+            {
+                Some(c)
+            }
+            _ => None,
+        }
+    }
+
     /// The fusion threshold for a batch of `total` bytes: HierarchicalCopyAllReduce's
     /// `num_packs` splits the batch into that many packs, else `bytes_per_pack`.
     fn pack_bytes(&self, total: usize) -> usize {
@@ -1379,10 +1392,7 @@ impl ReplicaContext<'_> {
     /// All-reduce across every replica in sync: local reduce, cross-worker all-reduce (from local
     /// replica 0), local broadcast. `Mean` divides by the number of replicas in sync.
     pub fn all_reduce<T: Element>(&self, op: ReduceOp, buf: &mut [T]) -> Result<()> {
-        let custom = match &self.strategy.cross_device_ops {
-            Some(CrossDeviceOps::Custom(c)) if self.strategy.devices.len() > 1 => Some(c),
-            _ => None,
-        };
+        let custom = self.strategy.custom_ops(op, T::DTYPE);
         let Some(workers) = &self.strategy.workers else {
             return match custom {
                 Some(c) => self.custom_all_reduce(c, op, buf),

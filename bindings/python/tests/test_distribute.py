@@ -1001,6 +1001,11 @@ def test_cross_device_ops_of_your_own_and_their_settings():
     np.testing.assert_array_equal(v.numpy(), [1.0, 1.0])
     assert ops.calls == ["SUM", "SUM"]
     np.testing.assert_array_equal(s.reduce("SUM", td.PerReplica([np.float32(i) for i in (5, 1, 3)])), 3.0)
+    # gather's bookkeeping (integer lengths, bit-exact rows) is not the op's.
+    calls = len(ops.calls)
+    got = s.gather(td.PerReplica([np.full((i + 1, 2), i, np.float32) for i in range(3)]), axis=0)
+    np.testing.assert_array_equal(got[:, 0], [0, 1, 1, 2, 2, 2])
+    assert len(ops.calls) == calls
     ops.fail = True
     with pytest.raises(ArithmeticError, match="Median gave up"):
         s.run(step)

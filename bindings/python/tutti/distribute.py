@@ -194,8 +194,9 @@ class CrossDeviceOps:
     """How a ``MirroredStrategy`` combines its replicas' values (TensorFlow's cross-device ops).
     A subclass of the caller's implements ``reduce_implementation(reduce_op, per_replica_value,
     destinations=None, options=None)``: given a ``PerReplica`` of the local replicas' numpy
-    values, it returns the combined value (``reduce_op`` is ``"SUM"``, ``"MEAN"``...), which every
-    replica then holds. It runs on one replica's thread
+    values, it returns the combined value (``reduce_op`` is ``"SUM"`` or ``"MEAN"``; values are
+    floating-point: other ops and integers run on tutti's algorithms), which every replica then
+    holds. It runs on one replica's thread
     while the others wait, for the replica context's ``all_reduce`` (and what is built on it:
     variables' aggregation, optimizers) and ``strategy.reduce``; what it raises, ``run`` raises."""
 
