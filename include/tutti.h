@@ -395,6 +395,12 @@ enum tutti_strategy_kind
      * Replicas on the local devices of every worker of the job in the environment.
      */
     TUTTI_STRATEGY_MULTI_WORKER_MIRRORED = 4,
+    /**
+     * TPUStrategy: a replica per device of this host's PJRT plugin (TPU cores through libtpu,
+     * else the plugin `TUTTI_PJRT_PLUGIN` names, with `TUTTI_PJRT_OPTIONS`); a build with the
+     * `xla` feature.
+     */
+    TUTTI_STRATEGY_TPU = 5,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -2362,6 +2368,22 @@ tutti_result tutti_strategy_create(tutti_strategy_kind kind,
                                    size_t num_local_replicas,
                                    tutti_cross_device_ops cross_device_ops,
                                    struct tutti_strategy **strategy);
+
+/**
+ * The topology of this host's TPU (TensorFlow's `initialize_tpu_system`): open its devices
+ * through the PJRT plugin (TPU cores through libtpu, else the plugin `TUTTI_PJRT_PLUGIN`
+ * names, with `TUTTI_PJRT_OPTIONS`) and write the cores to `*num_cores`, the tasks (hosts) to
+ * `*num_tasks` and the cores per task to `*num_cores_per_task` (any may be NULL). A second
+ * call warns that initializing again loses what the devices hold. UNAVAILABLE without a
+ * plugin, or in a build without the `xla` feature.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * The outputs are NULL or writable.
+ */
+tutti_result tutti_tpu_initialize(size_t *num_cores, size_t *num_tasks, size_t *num_cores_per_task);
 
 /**
  * Release a strategy and stop its replicas. NULL is accepted and ignored.

@@ -112,3 +112,39 @@ fn tpu_strategy_collectives_and_training() {
         );
     }
 }
+
+/// TPU setup as the guides write it: a resolver of this host's TPU (a remote one refused, saying
+/// why), `initialize_tpu_system` reporting the topology, then TPUStrategy over its devices.
+#[test]
+fn tpu_setup_resolves_initializes_and_reports_the_topology() {
+    use tutti::strategy::tpu::{initialize_tpu_system_with, TpuClusterResolver};
+    let e = TpuClusterResolver::new("grpc://10.1.2.3:8470").unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("TPU 'grpc://10.1.2.3:8470' not available")
+            && e.to_string().contains("run on the TPU VM"),
+        "{e}"
+    );
+    let resolver = TpuClusterResolver::new("").unwrap();
+    assert_eq!(resolver.master(), "local");
+    if client().is_none() {
+        return;
+    }
+    let opts = ClientOptions::parse("cpu_device_count=4").unwrap();
+    let (c, topology) = initialize_tpu_system_with(&resolver, &opts).unwrap();
+    assert_eq!(
+        (
+            topology.num_cores,
+            topology.num_tasks,
+            topology.num_cores_per_task
+        ),
+        (4, 1, 4),
+        "{topology:?}"
+    );
+    assert_eq!(topology.platform, c.platform_name());
+    let s = Strategy::tpu(c).unwrap();
+    assert_eq!(s.num_replicas_in_sync(), topology.num_cores);
+    // Again: a warning that it loses what the devices hold, and a working client.
+    let (_, again) = initialize_tpu_system_with(&resolver, &opts).unwrap();
+    assert_eq!(again, topology);
+}

@@ -31,6 +31,10 @@ pub enum TuttiStrategyKind {
     TUTTI_STRATEGY_CENTRAL_STORAGE = 3,
     /// Replicas on the local devices of every worker of the job in the environment.
     TUTTI_STRATEGY_MULTI_WORKER_MIRRORED = 4,
+    /// TPUStrategy: a replica per device of this host's PJRT plugin (TPU cores through libtpu,
+    /// else the plugin `TUTTI_PJRT_PLUGIN` names, with `TUTTI_PJRT_OPTIONS`); a build with the
+    /// `xla` feature.
+    TUTTI_STRATEGY_TPU = 5,
 }
 
 /// A `tutti_strategy_kind` as it crosses the C boundary: one of the `TUTTI_STRATEGY_*` values.
@@ -360,15 +364,96 @@ pub unsafe extern "C" fn tutti_strategy_create(
             k if k == K::TUTTI_STRATEGY_MULTI_WORKER_MIRRORED as u32 => {
                 Strategy::multi_worker_mirrored(CommunicationImplementation::Auto, None, &devices)?
             }
+            k if k == K::TUTTI_STRATEGY_TPU as u32 => tpu_strategy(num_local_replicas)?,
             other => {
                 return Err(Failure::invalid(format!(
-                    "kind {other} is not a tutti_strategy_kind (valid: 0..=4)"
+                    "kind {other} is not a tutti_strategy_kind (valid: 0..=5)"
                 )))
             }
         };
         // SAFETY: checked non-NULL; the caller promises it is writable.
         unsafe { strategy.write(Box::into_raw(Box::new(tutti_strategy { inner }))) };
         Ok(())
+    })
+}
+
+/// TPUStrategy over this host's PJRT devices (every one: `num_local_replicas` must be 0 or
+/// their number).
+#[cfg(feature = "xla")]
+fn tpu_strategy(num_local_replicas: usize) -> Result<Strategy, Failure> {
+    let (client, topology) = tutti::strategy::tpu::initialize_tpu_system(
+        &tutti::strategy::tpu::TpuClusterResolver::new("")?,
+    )?;
+    if num_local_replicas != 0 && num_local_replicas != topology.num_cores {
+        return Err(Failure::invalid(format!(
+            "num_local_replicas {num_local_replicas}: TPUStrategy runs a replica on each of the \
+             {} devices (pass 0)",
+            topology.num_cores
+        )));
+    }
+    Ok(Strategy::tpu(client)?)
+}
+
+#[cfg(not(feature = "xla"))]
+fn tpu_strategy(_num_local_replicas: usize) -> Result<Strategy, Failure> {
+    Err(tutti::Error::Unavailable {
+        what: "TPUStrategy".into(),
+        why: "this libtutti was built without the xla feature (cargo build -p tutti-ffi \
+              --features xla)"
+            .into(),
+    }
+    .into())
+}
+
+/// The topology of this host's TPU (TensorFlow's `initialize_tpu_system`): open its devices
+/// through the PJRT plugin (TPU cores through libtpu, else the plugin `TUTTI_PJRT_PLUGIN`
+/// names, with `TUTTI_PJRT_OPTIONS`) and write the cores to `*num_cores`, the tasks (hosts) to
+/// `*num_tasks` and the cores per task to `*num_cores_per_task` (any may be NULL). A second
+/// call warns that initializing again loses what the devices hold. UNAVAILABLE without a
+/// plugin, or in a build without the `xla` feature.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// The outputs are NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_tpu_initialize(
+    num_cores: *mut usize,
+    num_tasks: *mut usize,
+    num_cores_per_task: *mut usize,
+) -> tutti_result {
+    boundary("tutti_tpu_initialize", || {
+        #[cfg(feature = "xla")]
+        {
+            let (_, t) = tutti::strategy::tpu::initialize_tpu_system(
+                &tutti::strategy::tpu::TpuClusterResolver::new("")?,
+            )?;
+            // SAFETY: NULL-checked; the caller promises they are writable.
+            unsafe {
+                for (p, v) in [
+                    (num_cores, t.num_cores),
+                    (num_tasks, t.num_tasks),
+                    (num_cores_per_task, t.num_cores_per_task),
+                ] {
+                    if !p.is_null() {
+                        p.write(v);
+                    }
+                }
+            }
+            Ok(())
+        }
+        #[cfg(not(feature = "xla"))]
+        {
+            let _ = (num_cores, num_tasks, num_cores_per_task);
+            Err(tutti::Error::Unavailable {
+                what: "TPU".into(),
+                why: "this libtutti was built without the xla feature (cargo build -p \
+                      tutti-ffi --features xla)"
+                    .into(),
+            }
+            .into())
+        }
     })
 }
 

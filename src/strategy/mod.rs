@@ -24,6 +24,8 @@ mod fusion;
 mod input;
 pub mod ps;
 mod tensor;
+#[cfg(feature = "xla")]
+pub mod tpu;
 mod training;
 mod variables;
 
