@@ -31,8 +31,9 @@
 //!
 //! The `evaluator` task of a TF_CONFIG job runs beside the training as a side-car: it evaluates
 //! each checkpoint the chief saves in `--checkpoint-dir` as it appears (the loss on the whole
-//! data set), up to the one of step `--steps`, a JSON line (`evaluated_step`, `loss`,
-//! `weights`) per evaluation and `evaluations` on the last:
+//! data set), up to the one of step `--steps` (the chief's last step, counted from the start of
+//! training), a JSON line (`evaluated_step`, `loss`, `weights`) per evaluation and
+//! `evaluations` on the last; each wait for a new checkpoint is bounded by `TUTTI_TIMEOUT`:
 //!
 //! ```text
 //! TF_CONFIG='{"cluster": {"chief": ["localhost:1"], "evaluator": ["localhost:2"]},
@@ -300,6 +301,7 @@ fn train_multi_worker(
     let mut w = strategy.mirrored_variable(&start.weights)?;
     let (mut step, mut loss, mut resumed) = (start.step, 0.0, None);
     while step < start.step + args.steps {
+        std::thread::sleep(std::time::Duration::from_millis(args.step_delay_ms));
         let me = strategy.cluster_resolver().task_id;
         if resumed.is_none() && args.kill_worker == Some(me) && step == args.kill_step {
             // SAFETY: plain syscall; the process ends here.
@@ -338,6 +340,7 @@ fn train_central(strategy: &Strategy, args: &Args) -> Result<((Vec<f32>, f32), S
     let w = strategy.central_variable(&start.weights)?;
     let mut loss = 0.0;
     for step in start.step + 1..=start.step + args.steps {
+        std::thread::sleep(std::time::Duration::from_millis(args.step_delay_ms));
         let weights = w.value();
         let out = strategy.run(|ctx| {
             let (g, l) = grad_sum(&weights, &shards.0[ctx.local_replica_id()]);
@@ -483,8 +486,10 @@ fn local_devices(args: &Args) -> Result<Vec<tutti::Device>> {
 }
 
 /// The `evaluator` task of TF_CONFIG: a side-car that evaluates each checkpoint the chief
-/// saves in --checkpoint-dir (its loss on the whole data set), up to the one of step --steps;
-/// a JSON line per evaluation, the last with the count.
+/// saves in --checkpoint-dir (its loss on the whole data set), up to the one of step --steps
+/// (the chief's last: with --resume, the restored step plus its --steps); a JSON line per
+/// evaluation, the last with the count. Each wait for a new checkpoint is bounded by
+/// TUTTI_TIMEOUT: save often enough (--checkpoint-every).
 fn evaluate(args: &Args) -> Result<()> {
     let dir = args.checkpoint_dir.as_ref().ok_or_else(|| {
         tutti::Error::config(

@@ -888,9 +888,18 @@ fn a_user_defined_cross_device_op_combines_the_replicas() {
         .unwrap_err();
     assert!(
         e.to_string()
-            .contains("elementwise: the replicas' values differ in length"),
+            .contains("elementwise: the replicas' calls differ")
+            && e.to_string().contains("replica 1 sum of 8 bytes of f32"),
         "{e}"
     );
+    // A SUM meeting a MEAN of as many bytes is no less an error.
+    let e = s
+        .run(|ctx| {
+            let op = [ReduceOp::Sum, ReduceOp::Mean][ctx.local_replica_id() % 2];
+            ctx.all_reduce(op, &mut [1.0f32])
+        })
+        .unwrap_err();
+    assert!(e.to_string().contains("the replicas' calls differ"), "{e}");
     let ok = s.run(|ctx| {
         let mut v = [1.0f32];
         ctx.all_reduce(ReduceOp::Sum, &mut v)?;

@@ -277,7 +277,7 @@ pub unsafe extern "C" fn tutti_strategy_create_mirrored(
                 }
                 let default_devices;
                 let on = if devices.is_empty() {
-                    default_devices = vec![tutti::discover_devices().remove(0)];
+                    default_devices = tutti::strategy::default_devices();
                     &default_devices
                 } else {
                     &devices

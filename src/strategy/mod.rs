@@ -61,7 +61,8 @@ pub trait CrossDeviceOp: Send + Sync {
     fn name(&self) -> &str;
     /// Leave `op` over every replica's value in every buffer: `values[i]` is local replica
     /// `i`'s, elements of `dtype` as their native bytes, all as long (`Mean` included: the op
-    /// divides). Called once per all-reduce, on one replica's thread, while the others wait.
+    /// divides). Called once per all-reduce, on one replica's thread, while the others wait;
+    /// it must not call the strategy's collectives (that is an error).
     fn all_reduce(&self, op: ReduceOp, dtype: crate::DType, values: &mut [&mut [u8]])
         -> Result<()>;
 }
@@ -250,8 +251,9 @@ struct Meet {
 #[derive(Default)]
 struct MeetState {
     round: u64,
-    /// Each replica's buffer (address, bytes) while it waits in this round.
-    slots: Vec<Option<(usize, usize)>>,
+    /// Each replica's buffer (address, bytes) and call (op, dtype) while it waits in this
+    /// round.
+    slots: Vec<Option<(usize, usize, ReduceOp, crate::DType)>>,
     arrived: usize,
     running: bool,
     /// How the last round ended.
@@ -273,23 +275,41 @@ impl Meet {
         comm: &Communicator,
     ) -> Result<()> {
         use std::time::{Duration, Instant};
+        thread_local! {
+            static IN_OP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+        }
+        if IN_OP.with(|f| f.get()) {
+            return Err(Error::config(format!(
+                "cross-device op {}: it called an all-reduce of the strategy; an op combines the \
+                 buffers it is given, without tutti's collectives",
+                ops.name()
+            )));
+        }
         let mut st = self.state.lock();
         if st.slots.len() != n {
             st.slots = vec![None; n];
         }
         let round = st.round;
-        st.slots[local] = Some((buf.as_mut_ptr() as usize, buf.len()));
+        st.slots[local] = Some((buf.as_mut_ptr() as usize, buf.len(), op, dtype));
         st.arrived += 1;
         if st.arrived == n {
             st.running = true;
-            let slots: Vec<(usize, usize)> = st.slots.iter_mut().filter_map(|s| s.take()).collect();
+            let slots: Vec<(usize, usize, ReduceOp, crate::DType)> =
+                st.slots.iter_mut().filter_map(|s| s.take()).collect();
             let outcome = parking_lot::MutexGuard::unlocked(&mut st, || {
-                if let Some(&(_, len)) = slots.iter().find(|s| s.1 != slots[0].1) {
+                let first = slots[0];
+                if let Some((i, &(_, len, o, d))) = slots
+                    .iter()
+                    .enumerate()
+                    .find(|(_, s)| (s.1, s.2, s.3) != (first.1, first.2, first.3))
+                {
                     return Err(Error::config(format!(
-                        "cross-device op {}: the replicas' values differ in length ({} and \
-                         {len} bytes)",
+                        "cross-device op {}: the replicas' calls differ: replica 0 all-reduces \
+                         {} of {} bytes of {}, replica {i} {o} of {len} bytes of {d}",
                         ops.name(),
-                        slots[0].1
+                        first.2,
+                        first.1,
+                        first.3
                     )));
                 }
                 let mut views: Vec<&mut [u8]> = slots
@@ -297,11 +317,13 @@ impl Meet {
                     // SAFETY: each buffer is its replica's `&mut [u8]`, borrowed by that
                     // replica's call, which does not return before this round has ended (it
                     // may withdraw only while no op runs); the replicas' buffers are distinct.
-                    .map(|&(p, l)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, l) })
+                    .map(|&(p, l, _, _)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, l) })
                     .collect();
+                IN_OP.with(|f| f.set(true));
                 let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     ops.all_reduce(op, dtype, &mut views)
                 }));
+                IN_OP.with(|f| f.set(false));
                 run.unwrap_or_else(|p| {
                     Err(Error::System {
                         what: format!("cross-device op {}", ops.name()),
@@ -335,9 +357,16 @@ impl Meet {
             }
             let aborted = comm.aborted();
             if aborted.is_some() || Instant::now() >= deadline {
-                // No op has started: nothing holds this buffer; leave the round.
+                // No op has started: nothing holds this buffer; leave the round, and the group
+                // with it (a later call must not meet its siblings' calls of this round).
                 st.slots[local] = None;
                 st.arrived -= 1;
+                if aborted.is_none() {
+                    comm.abort(&format!(
+                        "replica {local} timed out waiting for its siblings in cross-device op {}",
+                        ops.name()
+                    ));
+                }
                 let missing: Vec<usize> = (0..n)
                     .filter(|&i| st.slots[i].is_none() && i != local)
                     .collect();
@@ -1053,6 +1082,8 @@ impl Strategy {
         let inputs: Vec<&[T]> = parts.iter().map(|t| t.data.as_slice()).collect();
         let mut out = vec![T::from_f64(0.0); shape.iter().product()];
         if let (Some(c), None, None) = (self.custom_ops(op, T::DTYPE), &self.workers, axis) {
+            // Not inside a run (where the op may be running), and one reduce at a time.
+            let _outside_run = self.outside_run()?;
             // The caller's op takes the op itself (it divides a MEAN).
             custom_reduce(c, op, &inputs, &mut out)?;
             return Ok(Tensor { data: out, shape });
@@ -1074,11 +1105,7 @@ impl Strategy {
 
     /// Sum the local replicas' values into `out`.
     fn local_reduce<T: Element>(&self, inputs: &[&[T]], out: &mut [T]) -> Result<()> {
-        let local = self.local.try_lock().ok_or_else(|| {
-            Error::config(
-                "strategy.reduce called inside run: use the replica context's all_reduce there",
-            )
-        })?;
+        let local = self.outside_run()?;
         if let Some(c) = self.custom_ops(ReduceOp::Sum, T::DTYPE) {
             return custom_reduce(c, ReduceOp::Sum, inputs, out);
         }
@@ -1089,6 +1116,15 @@ impl Strategy {
                 Ok(())
             }
         }
+    }
+
+    /// The replicas, for a cross-replica call: an error inside a run (or while one goes on).
+    fn outside_run(&self) -> Result<parking_lot::MutexGuard<'_, Local>> {
+        self.local.try_lock().ok_or_else(|| {
+            Error::config(
+                "strategy.reduce called inside run: use the replica context's all_reduce there",
+            )
+        })
     }
 
     /// Concatenate the replicas' values along `axis`, in replica order across the whole job
@@ -1310,8 +1346,8 @@ fn check_sum_or_mean(op: ReduceOp, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// All GPUs, else the CPU.
-fn default_devices() -> Vec<Device> {
+/// The devices a strategy given none runs on: every GPU, else the CPU.
+pub fn default_devices() -> Vec<Device> {
     let all = device::discover();
     let gpus: Vec<Device> = all
         .iter()

@@ -1014,6 +1014,14 @@ def test_cross_device_ops_of_your_own_and_their_settings():
     ops.fail = False
     assert s.experimental_local_results(s.run(lambda: td.get_replica_context().all_reduce("MEAN", np.float32(3))))[0] == 3.0
 
+    class Reentrant(td.CrossDeviceOps):
+        def reduce_implementation(self, reduce_op, per_replica_value, destinations=None, options=None):
+            return td.get_replica_context().all_reduce("SUM", per_replica_value.values[0])
+
+    s = td.MirroredStrategy(cpus(2), cross_device_ops=Reentrant())
+    with pytest.raises(tutti.TuttiError, match="it called an all-reduce of the strategy"):
+        s.run(lambda: td.get_replica_context().all_reduce("SUM", np.float32(1)))
+
     class Nothing(td.CrossDeviceOps):
         pass
 

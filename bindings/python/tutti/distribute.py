@@ -736,9 +736,9 @@ class Strategy:
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(f"cross_device_ops must be a tutti.distribute.CrossDeviceOps, not {type(cross_device_ops).__name__}")
         self._ops = cross_device_ops
+        self._op_error = None
         h = ctypes.c_void_p()
         if kind == _MIRRORED and cross_device_ops is not None:
-            self._op_error = None
             config, self._op_callback = self._ops_config(cross_device_ops, devices)
             _check(_lib().tutti_strategy_create_mirrored(num_local_replicas, ctypes.byref(config), ctypes.byref(h)))
         else:
@@ -758,7 +758,14 @@ class Strategy:
             if type(ops).reduce_implementation is CrossDeviceOps.reduce_implementation:
                 raise TypeError(f"{type(ops).__name__}: a CrossDeviceOps of your own implements "
                                 "reduce_implementation(reduce_op, per_replica_value, ...)")
-            kind, callback = 5, _CROSS_DEVICE_OP_FN(self._custom_all_reduce)
+            import weakref
+            me = weakref.ref(self)  # the strategy owns the callback: no cycle back to it
+
+            def call(*args):
+                s = me()
+                return _FAILED if s is None else s._custom_all_reduce(*args)
+
+            kind, callback = 5, _CROSS_DEVICE_OP_FN(call)
         if isinstance(ops, ReductionToOneDevice) and ops.reduce_to_device is not None:
             want = _device_index(ops.reduce_to_device)
             listed = [_device_index(d) for d in devices] if devices else list(range(want + 1))
@@ -786,6 +793,11 @@ class Strategy:
                 a[...] = out.reshape(-1).astype(dt)
             return 0
         except BaseException as e:  # noqa: BLE001 - raised again by run
+            import traceback
+            # The traceback keeps this frame's locals: drop the views of the replicas' buffers
+            # (freed after the call), and the frames the op ran in.
+            arrays = a = None  # noqa: F841
+            traceback.clear_frames(e.__traceback__)
             self._op_error = e
             return _FAILED
 
@@ -849,9 +861,10 @@ class Strategy:
 
         callback = _REPLICA_FN(step)
         with self._cross_replica("run"):
+            self._op_error = None
             result = _lib().tutti_strategy_run(self._handle(), callback, None)
+            op_error, self._op_error = self._op_error, None
         raised = [e for e in errors if e is not None]
-        op_error, self._op_error = getattr(self, "_op_error", None), None
         if op_error is not None:
             raise op_error  # the caller's cross-device op raised it, on some replica's thread
         if raised:
@@ -887,7 +900,8 @@ class Strategy:
         if op == "SUM":
             return total
         axes = np.atleast_1d(axis).tolist()
-        along = self._reduce("SUM", [np.asarray(np.prod([p.shape[a] for a in axes]), np.float64) for p in parts])
+        # A count: integers (never a cross-device op of the caller's, which takes floats).
+        along = self._reduce("SUM", [np.asarray(np.prod([p.shape[a] for a in axes]), np.int64) for p in parts])
         mean = total / along
         return np.asarray(mean.astype(total.dtype) if total.dtype.kind == "f" else mean)
 
@@ -1037,9 +1051,10 @@ class Strategy:
         ptrs = (ctypes.c_void_p * len(parts))(*[p.ctypes.data for p in parts])
         code = tutti.OPS["sum" if op == "SUM" else "mean"]
         with self._cross_replica("reduce"):
+            self._op_error = None
             result = _lib().tutti_strategy_reduce(self._handle(), out.size, tutti.DTYPES[first.dtype.name], code,
                                                   ptrs, out.ctypes.data_as(ctypes.c_void_p))
-        op_error, self._op_error = getattr(self, "_op_error", None), None
+            op_error, self._op_error = self._op_error, None
         if op_error is not None:
             raise op_error  # the caller's cross-device op raised it
         _check(result)
@@ -1417,8 +1432,15 @@ class SidecarEvaluator:
     def start(self):
         """Evaluate the checkpoints as they come (see the class documentation)."""
         count, last = 0, None
-        for _ in checkpoints_iterator(self._manager.directory, timeout=self._timeout):
-            step = self._manager.restore_or_initialize()  # the latest: perhaps newer still
+        if self._max is not None and self._max <= 0:
+            return 0
+        for path in checkpoints_iterator(self._manager.directory, timeout=self._timeout):
+            try:
+                step = self._manager.restore_or_initialize()  # the latest: perhaps newer still
+            except tutti.TuttiError:
+                if os.path.exists(path) and self._manager.latest_checkpoint == path:
+                    raise
+                continue  # removed by the chief's manager meanwhile: a newer one is there
             if step is None or (last is not None and step <= last):
                 continue
             self._evaluate(step)
@@ -2115,7 +2137,9 @@ class _PsVariable(Variable):
     """A ``Variable`` made under a ``ParameterServerStrategy``: held on the ps tasks; a
     scheduled function reads it as pulled for its step and updates it with ``assign_sub``
     (``assign_add``, and ``assign`` as the difference from that value), sent back with the step;
-    on the coordinator ``assign*`` set it on the ps tasks (a ``Checkpoint`` restores so)."""
+    on the coordinator ``assign*`` set it on the ps tasks (a ``Checkpoint`` restores so: use them
+    while no ``join`` runs, as steps pushed meanwhile may be overwritten; a restore that fails
+    part-way may have set some shards)."""
 
     def __init__(self, initial_value, aggregation=VariableAggregation.NONE, dtype=None, name=None):
         value = np.array(initial_value, dtype=dtype, copy=True, order="C")
