@@ -381,9 +381,10 @@ pub unsafe extern "C" fn tutti_strategy_create(
 /// their number).
 #[cfg(feature = "xla")]
 fn tpu_strategy(num_local_replicas: usize) -> Result<Strategy, Failure> {
-    let (client, topology) = tutti::strategy::tpu::initialize_tpu_system(
-        &tutti::strategy::tpu::TpuClusterResolver::new("")?,
-    )?;
+    // The system may have been initialized already (tutti_tpu_initialize): this opens the
+    // devices without initializing it again.
+    let client = tutti::xla::Client::from_env()?;
+    let topology = tutti::strategy::tpu::topology(&client);
     if num_local_replicas != 0 && num_local_replicas != topology.num_cores {
         return Err(Failure::invalid(format!(
             "num_local_replicas {num_local_replicas}: TPUStrategy runs a replica on each of the \

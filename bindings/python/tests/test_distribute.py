@@ -1033,3 +1033,25 @@ def test_cross_device_ops_of_your_own_and_their_settings():
         assert s.experimental_local_results(out) == (6.0,) * 4
     with pytest.raises(ValueError, match="is not one of the strategy's devices"):
         td.MirroredStrategy(cpus(2), cross_device_ops=td.ReductionToOneDevice("cpu:3"))
+
+
+def test_tpu_setup_as_the_guides_write_it():
+    """TPUClusterResolver of this host (a remote TPU refused, saying why), initialize_tpu_system's
+    topology and TPUStrategy over its devices; where the library has no XLA or there is no
+    plugin, an UNAVAILABLE error saying so (never a crash)."""
+    with pytest.raises(ValueError, match="run on the TPU VM"):
+        td.cluster_resolver.TPUClusterResolver(tpu="grpc://10.1.2.3:8470")
+    resolver = td.cluster_resolver.TPUClusterResolver(tpu="")
+    assert resolver.master() == "local" and resolver.task_type == "worker"
+    try:
+        topology = td.tpu.experimental.initialize_tpu_system(resolver)
+    except tutti.TuttiError as e:
+        assert e.code == "TUTTI_ERROR_UNAVAILABLE" and ("xla feature" in str(e) or "plugin" in str(e)), e
+        with pytest.raises(tutti.TuttiError, match="not available"):
+            td.TPUStrategy(resolver)
+        return
+    assert topology.num_cores == topology.num_tasks * topology.num_tpus_per_task > 0, topology
+    s = td.TPUStrategy(resolver)
+    assert s.num_replicas_in_sync == topology.num_cores
+    out = s.run(lambda: td.get_replica_context().all_reduce("SUM", np.float32(1)))
+    assert s.experimental_local_results(out) == (float(topology.num_cores),) * topology.num_cores

@@ -102,6 +102,8 @@ __all__ = [
     "OneDeviceStrategy",
     "CentralStorageStrategy",
     "MultiWorkerMirroredStrategy",
+    "TPUStrategy",
+    "tpu",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
@@ -109,7 +111,7 @@ __all__ = [
 ]
 
 # tutti_strategy_kind and tutti_cross_device_ops (include/tutti.h).
-_DEFAULT, _ONE_DEVICE, _MIRRORED, _CENTRAL_STORAGE, _MULTI_WORKER = range(5)
+_DEFAULT, _ONE_DEVICE, _MIRRORED, _CENTRAL_STORAGE, _MULTI_WORKER, _TPU = range(6)
 _REPLICA_FN = ctypes.CFUNCTYPE(ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p)
 _FAILED = 7  # TUTTI_ERROR_SYSTEM: what a replica whose function raised returns
 
@@ -117,6 +119,7 @@ _PROTOTYPES = {
     "tutti_strategy_create": (ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_size_t, ctypes.c_uint32,
                                                 ctypes.POINTER(ctypes.c_void_p)]),
     "tutti_strategy_destroy": (None, [ctypes.c_void_p]),
+    "tutti_tpu_initialize": (ctypes.c_uint32, [ctypes.POINTER(ctypes.c_size_t)] * 3),
     "tutti_strategy_num_replicas": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
                                                       ctypes.POINTER(ctypes.c_size_t)]),
     "tutti_strategy_run": (ctypes.c_uint32, [ctypes.c_void_p, _REPLICA_FN, ctypes.c_void_p]),
@@ -1716,9 +1719,67 @@ class _Namespace:
 
 
 optimizers = _Namespace(Optimizer=Optimizer, SGD=SGD, Adam=Adam)
+class TPUClusterResolver(SimpleClusterResolver):
+    """TensorFlow's ``TPUClusterResolver``: which TPU. ``None``, ``""``, ``"local"`` are this
+    host's, reached through its PJRT plugin (libtpu on a TPU VM; else the plugin
+    ``TUTTI_PJRT_PLUGIN`` names, with ``TUTTI_PJRT_OPTIONS``). A remote TPU (a name a cloud API
+    resolves, ``grpc://host:port``) is refused, saying why: run on the TPU VM itself."""
+
+    def __init__(self, tpu=None, zone=None, project=None, job_name="worker", coordinator_name=None,
+                 coordinator_address=None, credentials="default", service=None, discovery_url=None):
+        t = (tpu or "").strip() if isinstance(tpu, (str, type(None))) else str(tpu)
+        if t not in ("", "local", "localhost"):
+            raise ValueError(f"TPU {t!r} not available: tutti reaches TPUs through this host's PJRT plugin "
+                             "(libtpu on a TPU VM), not over the network: run on the TPU VM with tpu='' "
+                             "(or 'local')")
+        super().__init__({}, "local", job_name, 0)
+
+    def master(self, task_type=None, task_id=None, rpc_layer=None):
+        return "local"
+
+
+class Topology:
+    """TensorFlow's ``tf.tpu.experimental.Topology``, as ``initialize_tpu_system`` found it."""
+
+    def __init__(self, num_cores, num_tasks, num_tpus_per_task):
+        self.num_cores, self.num_tasks, self.num_tpus_per_task = num_cores, num_tasks, num_tpus_per_task
+
+    def __repr__(self):
+        return (f"Topology(num_cores={self.num_cores}, num_tasks={self.num_tasks}, "
+                f"num_tpus_per_task={self.num_tpus_per_task})")
+
+
+def initialize_tpu_system(cluster_resolver=None):
+    """TensorFlow's ``tf.tpu.experimental.initialize_tpu_system``: open this host's TPU (or PJRT
+    plugin) devices and return their ``Topology``; initializing again warns that it loses what
+    the devices hold. A ``TuttiError`` (``TUTTI_ERROR_UNAVAILABLE``) where there is no plugin, or
+    the library was built without XLA."""
+    if cluster_resolver is not None and not isinstance(cluster_resolver, TPUClusterResolver):
+        raise TypeError("initialize_tpu_system takes a TPUClusterResolver")
+    cores, tasks, per = ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_size_t()
+    _check(_lib().tutti_tpu_initialize(ctypes.byref(cores), ctypes.byref(tasks), ctypes.byref(per)))
+    return Topology(cores.value, tasks.value, per.value)
+
+
+class TPUStrategy(Strategy):
+    """TensorFlow's ``TPUStrategy``: a replica per device of this host's TPU (or PJRT plugin),
+    the replica context's collectives compiled as XLA programs on every device at once."""
+
+    def __init__(self, tpu_cluster_resolver=None, experimental_device_assignment=None,
+                 experimental_spmd_xla_partitioning=False):
+        if tpu_cluster_resolver is not None and not isinstance(tpu_cluster_resolver, TPUClusterResolver):
+            raise TypeError("TPUStrategy takes a TPUClusterResolver")
+        if experimental_device_assignment is not None or experimental_spmd_xla_partitioning:
+            raise ValueError("TPUStrategy: tutti runs a replica on every device (no device assignment or SPMD "
+                             "partitioning)")
+        super().__init__(_TPU, 0)
+
+
 cluster_resolver = _Namespace(  # noqa: F811 - TensorFlow's module of the same name
-    ClusterSpec=ClusterSpec, SimpleClusterResolver=SimpleClusterResolver, TFConfigClusterResolver=TFConfigClusterResolver
+    ClusterSpec=ClusterSpec, SimpleClusterResolver=SimpleClusterResolver, TFConfigClusterResolver=TFConfigClusterResolver,
+    TPUClusterResolver=TPUClusterResolver,
 )
+tpu = _Namespace(experimental=_Namespace(initialize_tpu_system=initialize_tpu_system, Topology=Topology))
 metrics = _Namespace(Metric=Metric, Mean=Mean, Sum=Sum, SparseCategoricalAccuracy=SparseCategoricalAccuracy)
 
 
@@ -1874,11 +1935,6 @@ def _partitions(shape, axis, n):
     out = [1] * len(shape)
     out[axis] = n
     return out
-
-
-class _Namespace:
-    def __init__(self, **names):
-        self.__dict__.update(names)
 
 
 experimental = _Namespace(partitioners=_Namespace(FixedShardsPartitioner=FixedShardsPartitioner,
