@@ -276,6 +276,21 @@ pub unsafe extern "C" fn tutti_last_error(buf: *mut c_char, len: usize) -> usize
 }
 
 /// This thread's last error message ("" when the last call succeeded).
+/// What a trainer's callback that returned `code` failed with: the code's meaning, and the
+/// last error it left on this thread (through a tutti call), if any.
+pub(crate) fn callback_failure(code: tutti_result) -> String {
+    let last = last_error_text();
+    format!(
+        "returned {code} ({}){}",
+        result_text(code),
+        if last.is_empty() {
+            String::new()
+        } else {
+            format!(": {last}")
+        }
+    )
+}
+
 pub(crate) fn last_error_text() -> String {
     LAST_ERROR
         .try_with(|m| m.try_borrow().map(|m| m.clone()).unwrap_or_default())

@@ -259,18 +259,9 @@ pub unsafe extern "C" fn tutti_ps_run_role(
             if code == TuttiResult::TUTTI_SUCCESS as u32 {
                 return Ok((st.gradients, st.loss));
             }
-            let why = st.error.unwrap_or_else(|| {
-                let last = crate::error::last_error_text();
-                format!(
-                    "the step function returned {code} ({}){}",
-                    crate::error::result_text(code),
-                    if last.is_empty() {
-                        String::new()
-                    } else {
-                        format!(": {last}")
-                    }
-                )
-            });
+            let why = st
+                .error
+                .unwrap_or_else(|| crate::error::callback_failure(code));
             Err(tutti::Error::System {
                 what: "the step function".into(),
                 message: why,

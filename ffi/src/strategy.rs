@@ -169,18 +169,9 @@ impl tutti::strategy::CrossDeviceOp for COps {
         if code == TuttiResult::TUTTI_SUCCESS as u32 {
             return Ok(());
         }
-        let last = crate::error::last_error_text();
         Err(tutti::Error::System {
             what: format!("cross-device op {}", self.name),
-            message: format!(
-                "returned {code} ({}){}",
-                crate::error::result_text(code),
-                if last.is_empty() {
-                    String::new()
-                } else {
-                    format!(": {last}")
-                }
-            ),
+            message: crate::error::callback_failure(code),
         })
     }
 }
@@ -659,18 +650,9 @@ pub unsafe extern "C" fn tutti_strategy_run(
             if code == TuttiResult::TUTTI_SUCCESS as u32 {
                 return Ok(());
             }
-            let last = crate::error::last_error_text();
             Err(tutti::Error::System {
                 what: format!("the step of replica {}", ctx.replica_id_in_sync_group()),
-                message: format!(
-                    "returned {code} ({}){}",
-                    crate::error::result_text(code),
-                    if last.is_empty() {
-                        String::new()
-                    } else {
-                        format!(": {last}")
-                    }
-                ),
+                message: crate::error::callback_failure(code),
             })
         })?;
         Ok(())

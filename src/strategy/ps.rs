@@ -550,32 +550,9 @@ struct WorkerState {
 fn connect(addr: &str, token: &str, timeout: Duration) -> Result<TcpStream> {
     let deadline = Instant::now() + timeout;
     loop {
-        let attempt = (|| -> Result<TcpStream> {
-            let sa = addr
-                .to_socket_addrs()
-                .map_err(|e| Error::io(format!("resolving {addr}"), e))?
-                .next()
-                .ok_or_else(|| Error::config(format!("{addr} resolves to nothing")))?;
-            let left = deadline.saturating_duration_since(Instant::now());
-            let mut s = TcpStream::connect_timeout(
-                &sa,
-                left.clamp(Duration::from_millis(1), Duration::from_secs(5)),
-            )
-            .map_err(|e| Error::io(format!("connecting to {addr}"), e))?;
-            handshake_client(
-                &mut s,
-                token,
-                Purpose::Data,
-                u32::MAX,
-                left.clamp(Duration::from_millis(1), HANDSHAKE_LIMIT),
-            )?;
-            s.set_read_timeout(Some(timeout))
-                .and_then(|_| s.set_write_timeout(Some(timeout)))
-                .map_err(|e| Error::io("configuring a connection", e))?;
-            let _ = s.set_nodelay(true);
-            Ok(s)
-        })();
-        match attempt {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let wait = left.clamp(Duration::from_millis(1), Duration::from_secs(5));
+        match connect_once(addr, token, wait, timeout) {
             Ok(s) => return Ok(s),
             Err(e @ Error::InvalidArgument { .. }) => return Err(e),
             Err(e) if Instant::now() >= deadline => return Err(e),

@@ -189,10 +189,16 @@ def run_workers(code, world):
         env.pop("TF_CONFIG", None)
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
+    return _results(procs, 120)
+
+
+def _results(procs, timeout):
+    """Each process's last RESULT line, in order; each must succeed within ``timeout`` (the
+    others are killed if one does not)."""
     results = []
     try:
         for p in procs:
-            out, err = p.communicate(timeout=120)
+            out, err = p.communicate(timeout=timeout)
             lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
             assert p.returncode == 0 and lines, err
             results.append(json.loads(lines[-1][len("RESULT "):]))
@@ -908,18 +914,7 @@ def test_parameter_server_strategy_trains_through_the_cluster_coordinator():
             env.pop(k, None)
         procs.append(subprocess.Popen([sys.executable, "-c", PS_JOB], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
-    results = []
-    try:
-        for p in reversed(procs):
-            out, err = p.communicate(timeout=150)
-            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-            assert p.returncode == 0 and lines, err
-            results.append(json.loads(lines[-1][len("RESULT "):]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    results = _results(procs[::-1], 150)  # the chief first: it ends the job
     chief = results[0]
     assert [r.get("task") for r in results[1:]] == ["worker", "worker", "ps"]
     assert chief["shards"] == {"fixed": 3, "scalar": 1, "max_size": [3, 1], "min_size": [3, 1]}, chief
