@@ -930,7 +930,7 @@ fn scheduled_steps_return_values_and_a_lost_worker_rejoins() {
         match ctx.payload() {
             b"raise" => return Err(Error::config("raised by the step function")),
             // Worker 0 outlives the coordinator's 2 s timeout; worker 1 is slow enough that
-            // worker 0 surely takes one of the two.
+            // worker 0 surely takes one of the six (worker 1 alone would need 1.8 s).
             b"slow" => std::thread::sleep(Duration::from_millis(if w == 0 { 3500 } else { 300 })),
             b"read" => {
                 ctx.set_output(vec![w, ctx.variables()[0][0] as u8]);
@@ -992,7 +992,7 @@ fn scheduled_steps_return_values_and_a_lost_worker_rejoins() {
         assert_eq!(coord.num_workers(), 2);
 
         // Worker 0 outlives the timeout: dropped, its step run by worker 1.
-        let slow: Vec<_> = (0..2)
+        let slow: Vec<_> = (0..6)
             .map(|_| coord.schedule(b"slow".to_vec()).unwrap())
             .collect();
         coord.join().unwrap();
@@ -1205,7 +1205,7 @@ fn the_evaluator_task_follows_the_chiefs_checkpoints() {
                 "--steps",
                 "40",
                 "--step-delay-ms",
-                "25",
+                "40",
             ])
             .args(["--checkpoint-every", "5", "--json", "--checkpoint-dir"])
             .arg(&dir)

@@ -864,7 +864,7 @@ PS_JOB = textwrap.dedent(
 
     def pipeline(ids):
         import time
-        time.sleep(0.02)
+        time.sleep(0.05)  # 20 of them: each worker surely takes one
         return next(ids)
 
     seen = sorted({tuple(v.fetch()) for v in [coordinator.schedule(pipeline, args=(ids,)) for _ in range(20)]})
