@@ -374,12 +374,15 @@ fn train_ps(args: &Args) -> Result<Option<Trained>> {
         // Each step uses the worker's shard of the batch for this step (round-robin).
         let workers = ctx.num_workers();
         let shard = tutti::partition(SAMPLES, workers, (ctx.step() as usize) % workers);
-        let (g, l) = grad_sum(
-            &ctx.variables()[0],
-            &rows[shard.start * ROW..shard.end * ROW],
-        );
+        let w = ctx.variables()[0]
+            .as_f32()
+            .ok_or_else(|| tutti::Error::config("the weights are f32"))?;
+        let (g, l) = grad_sum(w, &rows[shard.start * ROW..shard.end * ROW]);
         let n = shard.len().max(1) as f32;
-        Ok((vec![g.iter().map(|x| x / n).collect()], l / n))
+        Ok((
+            vec![g.iter().map(|x| x / n).collect::<Vec<f32>>().into()],
+            l / n,
+        ))
     })?;
     match role {
         Role::Chief(coord) => {

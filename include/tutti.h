@@ -26,6 +26,11 @@
 #define TUTTI_CROSS_DEVICE_OPS_CONFIG_INIT \
     { sizeof(tutti_cross_device_ops_config), TUTTI_CROSS_DEVICE_OPS_DEFAULT, 0, 0, 0, 0, 0, 0 }
 
+/** A `tutti_ps_update` of plain SGD at 0.01 (Adam's fields at Keras's defaults): set `rule`
+ * and the fields it uses. */
+#define TUTTI_PS_UPDATE_INIT \
+    { sizeof(tutti_ps_update), TUTTI_PS_RULE_SGD, 0.01f, 0.0f, 0, 0.9f, 0.999f, 1e-7f, 0, 0 }
+
 /** A `tutti_device_info` ready for `tutti_device_get`. */
 #define TUTTI_DEVICE_INFO_INIT \
     { sizeof(tutti_device_info), 0, 0, 0, TUTTI_DEVICE_CPU, { 0 }, { 0 } }
@@ -556,6 +561,34 @@ typedef uint32_t tutti_partitioner;
 #endif // __cplusplus
 
 /**
+ * How the ps tasks step a variable by a gradient (Keras's optimizers, applied where the
+ * variable lives).
+ */
+enum tutti_ps_rule
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+    /**
+     * `w -= lr * g`; with `momentum`, `v = momentum * v - lr * g; w += v` (`nesterov`:
+     * `w += momentum * v - lr * g`).
+     */
+    TUTTI_PS_RULE_SGD = 0,
+    /**
+     * Adam: `lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + epsilon)`, `t` the pushes the
+     * shard has taken with these slots.
+     */
+    TUTTI_PS_RULE_ADAM = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum tutti_ps_rule tutti_ps_rule;
+#else
+typedef uint32_t tutti_ps_rule;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A checkpoint (opaque): a step and named tensors. Created by `tutti_checkpoint_create` or
  * `tutti_checkpoint_restore`, released by `tutti_checkpoint_destroy`.
  */
@@ -739,6 +772,57 @@ typedef void (*tutti_log_fn)(tutti_log_level level, const char *message, void *u
  * a thread of tutti's, and may run on two threads at once after a worker rejoined.
  */
 typedef tutti_result (*tutti_ps_step_fn)(struct tutti_ps_step *step, void *user_data);
+
+/**
+ * An update rule for parameter-server variables. Start from `TUTTI_PS_UPDATE_INIT` (plain SGD
+ * at 0.01, Adam's hyper-parameters at Keras's defaults), then set `rule` and the fields it
+ * uses. The rule's state (momentum, Adam's moments) lives beside each shard on its ps task,
+ * under the key `slots`: one key per optimizer, so that two optimizers stepping one variable
+ * keep apart. Hyper-parameters are float32 whatever the variable's dtype; f16 and bf16
+ * variables are stepped in float32 arithmetic.
+ */
+typedef struct tutti_ps_update {
+    /**
+     * `sizeof(tutti_ps_update)` as the caller compiled it.
+     */
+    size_t struct_size;
+    /**
+     * A `TUTTI_PS_RULE_*` value.
+     */
+    tutti_ps_rule rule;
+    /**
+     * The learning rate (positive).
+     */
+    float learning_rate;
+    /**
+     * SGD: momentum (0: none).
+     */
+    float momentum;
+    /**
+     * SGD: nonzero for Nesterov momentum.
+     */
+    uint32_t nesterov;
+    /**
+     * Adam: the first moment's decay.
+     */
+    float beta_1;
+    /**
+     * Adam: the second moment's decay.
+     */
+    float beta_2;
+    /**
+     * Adam: added to the root of the second moment.
+     */
+    float epsilon;
+    /**
+     * Zero.
+     */
+    uint32_t reserved;
+    /**
+     * The key of the rule's state on the ps tasks.
+     */
+    uint64_t slots;
+} tutti_ps_update;
 
 /**
  * A key-value store the caller provides, through which the ranks of
@@ -1888,20 +1972,22 @@ tutti_result tutti_ps_step_info(struct tutti_ps_step *step,
                                 size_t *num_variables);
 
 /**
- * Point `*data` at variable `index`'s value as pulled for this step (float32, valid until the
- * step function returns) and write its length to `*len`.
+ * Point `*data` at variable `index`'s value as pulled for this step (valid until the step
+ * function returns), and write its dtype to `*dtype` (NULL: not wanted) and its elements to
+ * `*count`.
  *
  * Thread-safety: only inside the step function that was given `step`.
  *
  * # Safety
  *
- * `step` is NULL or the handle of the running step function; `data` and `len` NULL or
- * writable.
+ * `step` is NULL or the handle of the running step function; `dtype` NULL or writable;
+ * `data` and `count` NULL or writable.
  */
 tutti_result tutti_ps_step_variable(struct tutti_ps_step *step,
                                     size_t index,
-                                    const float **data,
-                                    size_t *len);
+                                    tutti_dtype *dtype,
+                                    const void **data,
+                                    size_t *count);
 
 /**
  * Point `*data` at what the coordinator scheduled this step with (valid until the step
@@ -1918,20 +2004,43 @@ tutti_result tutti_ps_step_variable(struct tutti_ps_step *step,
 tutti_result tutti_ps_step_payload(struct tutti_ps_step *step, const void **data, size_t *len);
 
 /**
- * Set variable `index`'s gradient for this step: `len` float32 values, copied, as long as the
- * variable. The ps tasks apply `w -= lr * gradient` when the step function returns. A
- * variable given no gradient is left alone.
+ * Set variable `index`'s gradient for this step: `count` elements of `dtype` (the
+ * variable's dtype and length), copied. The ps tasks step the variable by it with the rule it
+ * was created with when the step function returns. A variable given no gradient is left
+ * alone.
  *
  * Thread-safety: only inside the step function that was given `step`.
  *
  * # Safety
  *
- * `step` is NULL or the handle of the running step function; `gradient` holds `len` floats.
+ * `step` is NULL or the handle of the running step function; `gradient` holds `count`
+ * elements of `dtype`.
  */
 tutti_result tutti_ps_step_set_gradient(struct tutti_ps_step *step,
                                         size_t index,
-                                        const float *gradient,
-                                        size_t len);
+                                        tutti_dtype dtype,
+                                        const void *gradient,
+                                        size_t count);
+
+/**
+ * Push a gradient to variable `index` with a rule of its own, `update` (NULL: `w -=
+ * gradient`), not the variable's: `count` elements of `dtype` (the variable's dtype and
+ * length), copied, pushed when the step function returns (after the gradients set with
+ * `tutti_ps_step_set_gradient`). A step may push to one variable several times.
+ *
+ * Thread-safety: only inside the step function that was given `step`.
+ *
+ * # Safety
+ *
+ * `step` is NULL or the handle of the running step function; `gradient` holds `count`
+ * elements of `dtype`; `update` is NULL or points to `update->struct_size` readable bytes.
+ */
+tutti_result tutti_ps_step_push(struct tutti_ps_step *step,
+                                size_t index,
+                                tutti_dtype dtype,
+                                const void *gradient,
+                                size_t count,
+                                const struct tutti_ps_update *update);
 
 /**
  * Set the step's loss (what `tutti_ps_coordinator_run_steps` and `_fetch` return).
@@ -1982,9 +2091,10 @@ tutti_result tutti_ps_coordinator_num_workers(const struct tutti_ps_coordinator 
                                               size_t *num_workers);
 
 /**
- * Create a variable named `name` from `len` float32 values at `initial`, in `num_shards`
- * shards across the ps tasks (0: as the strategy's partitioner says) and updated by SGD at
- * `learning_rate` as gradients arrive. Write its index (its place in the step's variables) to `*index` and its shard count
+ * Create a variable named `name` from `count` elements of `dtype` at `initial` (a float
+ * dtype: f32, f64, f16, bf16), in `num_shards` shards across the ps tasks (0: as the
+ * strategy's partitioner says), stepped by `update` (NULL: `w -= gradient`) as gradients
+ * arrive. Write its index (its place in the step's variables) to `*index` and its shard count
  * to `*shards` (either may be NULL).
  *
  * Thread-safety: callable from any thread.
@@ -1992,46 +2102,51 @@ tutti_result tutti_ps_coordinator_num_workers(const struct tutti_ps_coordinator 
  * # Safety
  *
  * `coordinator` is NULL or a live handle; `name` a NUL-terminated string; `initial` holds
- * `len` floats; `index` and `shards` NULL or writable.
+ * `count` elements of `dtype`; `update` is NULL or points to `update->struct_size` readable
+ * bytes; `index` and `shards` NULL or writable.
  */
 tutti_result tutti_ps_coordinator_create_variable(const struct tutti_ps_coordinator *coordinator,
                                                   const char *name,
-                                                  const float *initial,
-                                                  size_t len,
+                                                  tutti_dtype dtype,
+                                                  const void *initial,
+                                                  size_t count,
                                                   size_t num_shards,
-                                                  float learning_rate,
+                                                  const struct tutti_ps_update *update,
                                                   size_t *index,
                                                   size_t *shards);
 
 /**
- * Read variable `index`'s current value from its ps tasks into `out`, `len` float32 values
- * (its length exactly).
+ * Read variable `index`'s current value from its ps tasks into `out`: `count` elements of
+ * `dtype` (its dtype and length exactly).
  *
  * Thread-safety: callable from any thread.
  *
  * # Safety
  *
- * `coordinator` is NULL or a live handle; `out` holds `len` writable floats.
+ * `coordinator` is NULL or a live handle; `out` holds `count` writable elements of `dtype`.
  */
 tutti_result tutti_ps_coordinator_read_variable(const struct tutti_ps_coordinator *coordinator,
                                                 size_t index,
-                                                float *out,
-                                                size_t len);
+                                                tutti_dtype dtype,
+                                                void *out,
+                                                size_t count);
 
 /**
- * Set variable `index` to the `len` float32 values at `values` (its length exactly) on its ps
- * tasks: a restored checkpoint, or a value of the trainer's.
+ * Set variable `index` to the `count` elements of `dtype` at `values` (its dtype and length
+ * exactly) on its ps tasks: a restored checkpoint, or a value of the trainer's. The state of
+ * its update rules (momentum, moments) stays.
  *
  * Thread-safety: callable from any thread.
  *
  * # Safety
  *
- * `coordinator` is NULL or a live handle; `values` holds `len` readable floats.
+ * `coordinator` is NULL or a live handle; `values` holds `count` readable elements of `dtype`.
  */
 tutti_result tutti_ps_coordinator_assign_variable(const struct tutti_ps_coordinator *coordinator,
                                                   size_t index,
-                                                  const float *values,
-                                                  size_t len);
+                                                  tutti_dtype dtype,
+                                                  const void *values,
+                                                  size_t count);
 
 /**
  * Run steps `0..n` on the workers (each step on whichever worker is free) and write their

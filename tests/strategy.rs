@@ -731,6 +731,133 @@ fn nccl_across_workers_that_cannot_have_it_is_a_warning_once() {
     );
 }
 
+/// Parameter-server variables of every float dtype, stepped on the ps tasks by their own rule
+/// or by the one a step pushes with, whose slots (momentum, moments) the ps tasks keep per key
+/// and keep through an assign.
+#[test]
+fn ps_variables_of_every_float_dtype_step_by_rules_the_ps_tasks_keep() {
+    use half::{bf16, f16};
+    use tutti::strategy::ps::{ParameterServerStrategy, Partitioner, Role, StepContext, Values};
+    use tutti::strategy::Rule;
+    use tutti::DType;
+    let addrs = free_addrs(4);
+    let cluster = serde_json::json!({
+        "chief": [addrs[0]], "worker": [addrs[1]], "ps": [addrs[2], addrs[3]]
+    });
+    let task = |ty: &str, i: usize| {
+        ParameterServerStrategy::new(spec_of(&cluster, ty, i), Partitioner::FixedShards(2))
+            .unwrap()
+            .with_timeout(Duration::from_secs(20))
+    };
+    let momentum = Rule::Sgd {
+        learning_rate: 0.1,
+        momentum: 0.9,
+        nesterov: false,
+    };
+    let step_fn = move |ctx: &StepContext| {
+        let v = ctx.variables();
+        if ctx.payload() == b"wrong dtype" {
+            let none = || Values::F32(Vec::new());
+            return Ok((vec![vec![1.0f32; 5].into(), none(), none(), none()], 0.0));
+        }
+        // Two optimizers step variable 2: each with its own momentum.
+        for key in [7, 8] {
+            ctx.push(2, vec![1.0f32; 4].into(), momentum, key);
+        }
+        Ok((
+            vec![
+                vec![0.5f64; 5].into(),
+                vec![f16::from_f32(1.0); 3].into(),
+                Values::F32(Vec::new()),
+                vec![bf16::from_f32(0.25); 2].into(),
+            ],
+            v[1].get::<f16>().unwrap()[0].to_f32(),
+        ))
+    };
+    std::thread::scope(|s| {
+        let servers: Vec<_> = [("ps", 0), ("ps", 1), ("worker", 0)]
+            .into_iter()
+            .map(|(ty, i)| {
+                let t = task(ty, i);
+                s.spawn(move || t.run_role(step_fn).map(|r| matches!(r, Role::Done)))
+            })
+            .collect();
+        let Role::Chief(coord) = task("chief", 0).run_role(step_fn).unwrap() else {
+            panic!("the chief got no coordinator")
+        };
+        let adam = Rule::Adam {
+            learning_rate: 0.1,
+            beta_1: 0.9,
+            beta_2: 0.999,
+            epsilon: 1e-7,
+        };
+        let sgd = |lr| Rule::Sgd {
+            learning_rate: lr,
+            momentum: 0.0,
+            nesterov: false,
+        };
+        let ids = [
+            coord.create_variable_with("a", vec![1.0f64; 5].into(), adam, None),
+            coord.create_variable_with("b", vec![f16::from_f32(2.0); 3].into(), sgd(0.5), None),
+            coord.create_variable_with("c", vec![0.0f32; 4].into(), sgd(1.0), Some(1)),
+            coord.create_variable_with("d", vec![bf16::from_f32(1.0); 2].into(), sgd(1.0), None),
+        ]
+        .map(Result::unwrap);
+        assert_eq!(coord.shards(), [2, 2, 1, 2]);
+        let losses = coord.run_steps(3).unwrap();
+        // The loss each step read: variable b as pulled.
+        assert_eq!(losses, [2.0, 1.5, 1.0]);
+        // Adam's step on a constant gradient is the learning rate (but for epsilon).
+        let a = coord.read_values(ids[0]).unwrap();
+        assert_eq!(a.dtype(), DType::F64);
+        for w in a.get::<f64>().unwrap() {
+            assert!((w - 0.7).abs() < 1e-5, "{a:?}");
+        }
+        let e = coord.read_variable(ids[0]).unwrap_err().to_string();
+        assert!(e.contains("is f64") && e.contains("read_values"), "{e}");
+        assert_eq!(
+            coord.read_values(ids[1]).unwrap(),
+            vec![f16::from_f32(0.5); 3].into()
+        );
+        assert_eq!(
+            coord.read_values(ids[3]).unwrap(),
+            vec![bf16::from_f32(0.25); 2].into()
+        );
+        // Momentum by key: v = -0.1, -0.19, -0.271; w = -0.1, -0.29, -0.561 for each.
+        for w in coord.read_variable(ids[2]).unwrap() {
+            assert!((w + 2.0 * 0.561).abs() < 1e-5, "{w}");
+        }
+        // An assign keeps the slots: the next step goes on from v = -0.271.
+        coord.assign_variable(ids[2], &[0.0; 4]).unwrap();
+        coord.run_steps(1).unwrap();
+        for w in coord.read_variable(ids[2]).unwrap() {
+            assert!((w + 2.0 * 0.3439).abs() < 1e-5, "{w}");
+        }
+        // A gradient of another dtype fails its step, naming both; the job goes on.
+        coord.schedule(b"wrong dtype".to_vec()).unwrap();
+        let e = coord.join().unwrap_err().to_string();
+        assert!(e.contains("5 f32 elements for variable 0 of 5 f64"), "{e}");
+        let e = coord
+            .assign_values(ids[1], vec![1.0f32; 3].into())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("3 f32 values for variable 1 of 3 f16"), "{e}");
+        let e = coord
+            .create_variable_with("e", vec![1.0f32].into(), sgd(0.0), None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("learning rate 0 must be positive"), "{e}");
+        assert!(Values::zeros(DType::I32, 3)
+            .unwrap_err()
+            .to_string()
+            .contains("not i32"));
+        coord.shutdown().unwrap();
+        for h in servers {
+            assert!(h.join().unwrap().unwrap());
+        }
+    });
+}
+
 /// A step function that fails is the user's error: `run_steps` returns it with its message and
 /// the worker that raised it, and the workers stay in the job (the next `run_steps` uses them).
 #[test]
@@ -749,7 +876,7 @@ fn a_failing_step_is_returned_and_the_workers_stay() {
         if ctx.step() == 3 {
             return Err(Error::config("the loss is NaN at step 3"));
         }
-        Ok((vec![vec![1.0f32; 4]], ctx.step() as f32))
+        Ok((vec![vec![1.0f32; 4].into()], ctx.step() as f32))
     };
     std::thread::scope(|s| {
         let servers: Vec<_> = [("ps", 0), ("worker", 0), ("worker", 1)]
@@ -933,13 +1060,13 @@ fn scheduled_steps_return_values_and_a_lost_worker_rejoins() {
             // worker 0 surely takes one of the six (worker 1 alone would need 1.8 s).
             b"slow" => std::thread::sleep(Duration::from_millis(if w == 0 { 3500 } else { 300 })),
             b"read" => {
-                ctx.set_output(vec![w, ctx.variables()[0][0] as u8]);
+                ctx.set_output(vec![w, ctx.variables()[0].as_f32().unwrap()[0] as u8]);
                 return Ok((vec![], 0.0));
             }
             _ => {}
         }
         ctx.set_output(vec![w]);
-        Ok((vec![vec![1.0f32; 6]], ctx.step() as f32))
+        Ok((vec![vec![1.0f32; 6].into()], ctx.step() as f32))
     };
     std::thread::scope(|s| {
         let servers: Vec<_> = [("ps", 0), ("ps", 1), ("worker", 0), ("worker", 1)]
@@ -1601,6 +1728,39 @@ fn optimizers_train_every_copy_to_the_one_replica_weights() {
     );
     assert!(tutti::strategy::Optimizer::sgd(0.0).is_err());
     assert!(tutti::strategy::compute_average_loss(&[1.0], 0).is_err());
+}
+
+/// The optimizer steps f64 and bf16 variables too (bf16 in f32 arithmetic), every copy alike.
+#[test]
+fn optimizers_step_f64_and_bf16_variables() {
+    use half::bf16;
+    use tutti::strategy::{Optimizer, Rule};
+    let three = Strategy::mirrored(&logical_cpus(3).unwrap(), None).unwrap();
+    let w = three.mirrored_variable(&[0f64; 2]).unwrap();
+    let h = three.mirrored_variable(&[bf16::ZERO; 2]).unwrap();
+    let opt = Optimizer::new(Rule::Sgd {
+        learning_rate: 0.1,
+        momentum: 0.9,
+        nesterov: false,
+    })
+    .unwrap();
+    for _ in 0..4 {
+        three
+            .run(|ctx| {
+                // Summed over the three replicas: 1.5 for each.
+                opt.apply_gradients(ctx, &[(&[0.5f64; 2], &w)])?;
+                opt.apply_gradients(ctx, &[(&[bf16::from_f32(0.5); 2], &h)])
+            })
+            .unwrap();
+    }
+    assert!(w.in_sync() && h.in_sync());
+    // v = -0.15, -0.285, -0.4065, -0.51585: their sum (the hyper-parameters are f32s).
+    for x in w.value() {
+        assert!((x + 1.35735).abs() < 1e-7, "{x}");
+    }
+    for x in h.value() {
+        assert!((x.to_f32() + 1.35735).abs() < 0.02, "{x}");
+    }
 }
 
 /// `--device gpu` trains on the GPUs where tutti sees them, and where it does not says so.

@@ -1099,6 +1099,35 @@ enum class partitioner : std::uint32_t {
     max_shard_bytes = TUTTI_PARTITIONER_MAX_SHARD_BYTES,
 };
 
+/// How the ps tasks step a variable by a gradient (tutti_ps_update): plain SGD at 0.01 unless
+/// set otherwise.
+struct ps_update {
+    tutti_ps_update u = TUTTI_PS_UPDATE_INIT;
+    /// SGD at `learning_rate`, with `momentum` (0: none), Nesterov's if `nesterov`.
+    static ps_update sgd(float learning_rate, float momentum = 0.0f, bool nesterov = false,
+                         std::uint64_t slots = 0) {
+        ps_update p;
+        p.u.rule = TUTTI_PS_RULE_SGD;
+        p.u.learning_rate = learning_rate;
+        p.u.momentum = momentum;
+        p.u.nesterov = nesterov ? 1u : 0u;
+        p.u.slots = slots;
+        return p;
+    }
+    /// Adam at `learning_rate` (Keras's other defaults).
+    static ps_update adam(float learning_rate, float beta_1 = 0.9f, float beta_2 = 0.999f,
+                          float epsilon = 1e-7f, std::uint64_t slots = 0) {
+        ps_update p;
+        p.u.rule = TUTTI_PS_RULE_ADAM;
+        p.u.learning_rate = learning_rate;
+        p.u.beta_1 = beta_1;
+        p.u.beta_2 = beta_2;
+        p.u.epsilon = epsilon;
+        p.u.slots = slots;
+        return p;
+    }
+};
+
 /// What a parameter-server step function gets on a worker: valid only during that call.
 class ps_step {
 public:
@@ -1122,12 +1151,19 @@ public:
         detail::check(tutti_ps_step_info(s_, nullptr, nullptr, nullptr, &n));
         return n;
     }
-    /// Variable `index` as pulled for this step.
-    std::vector<float> variable(std::size_t index) const {
-        const float *p = nullptr;
+    /// Variable `index` as pulled for this step (T: its element type, float by default).
+    template <typename T = float> std::vector<T> variable(std::size_t index) const {
+        const void *p = nullptr;
         std::size_t n = 0;
-        detail::check(tutti_ps_step_variable(s_, index, &p, &n));
-        return std::vector<float>(p, p + n);
+        tutti_dtype d = TUTTI_DTYPE_F32;
+        detail::check(tutti_ps_step_variable(s_, index, &d, &p, &n));
+        if (d != dtype_of<T>::value) {
+            throw error(TUTTI_ERROR_INVALID_ARGUMENT,
+                        "ps_step::variable: variable " + std::to_string(index) +
+                            " is of another dtype than the one asked for");
+        }
+        const T *t = static_cast<const T *>(p);
+        return std::vector<T>(t, t + n);
     }
     /// What the coordinator scheduled this step with.
     std::string payload() const {
@@ -1136,9 +1172,16 @@ public:
         detail::check(tutti_ps_step_payload(s_, &p, &n));
         return std::string(static_cast<const char *>(p), n);
     }
-    /// Variable `index`'s gradient (the ps tasks apply w -= lr * gradient).
-    void set_gradient(std::size_t index, const std::vector<float> &g) {
-        detail::check(tutti_ps_step_set_gradient(s_, index, g.data(), g.size()));
+    /// Variable `index`'s gradient, of its dtype (the ps tasks step it by the variable's rule).
+    template <typename T> void set_gradient(std::size_t index, const std::vector<T> &g) {
+        detail::check(tutti_ps_step_set_gradient(s_, index, dtype_of<T>::value, g.data(),
+                                                 g.size()));
+    }
+    /// A gradient for variable `index` stepped by `update` (not the variable's own rule).
+    template <typename T>
+    void push(std::size_t index, const std::vector<T> &g, const ps_update &update) {
+        detail::check(tutti_ps_step_push(s_, index, dtype_of<T>::value, g.data(),
+                                         g.size(), &update.u));
     }
     void set_loss(float loss) { detail::check(tutti_ps_step_set_loss(s_, loss)); }
     /// What goes back to the coordinator with the step.
@@ -1171,26 +1214,35 @@ public:
         detail::check(tutti_ps_coordinator_num_workers(h_.get(), &n));
         return n;
     }
-    /// A variable on the ps tasks, updated by SGD at `learning_rate`, in `num_shards` shards
-    /// (0: as the strategy's partitioner says); its index.
+    /// An f32 variable on the ps tasks, updated by SGD at `learning_rate`, in `num_shards`
+    /// shards (0: as the strategy's partitioner says); its index.
     std::size_t create_variable(const std::string &name, const std::vector<float> &initial,
                                 float learning_rate, std::size_t num_shards = 0) {
+        return create_variable(name, initial, ps_update::sgd(learning_rate), num_shards);
+    }
+    /// A variable of T (float, double, f16, bf16) on the ps tasks, stepped by `update`.
+    template <typename T>
+    std::size_t create_variable(const std::string &name, const std::vector<T> &initial,
+                                const ps_update &update, std::size_t num_shards = 0) {
         std::size_t index = 0;
-        detail::check(tutti_ps_coordinator_create_variable(h_.get(), name.c_str(), initial.data(),
-                                                           initial.size(), num_shards,
-                                                           learning_rate, &index, nullptr));
+        detail::check(tutti_ps_coordinator_create_variable(
+            h_.get(), name.c_str(), dtype_of<T>::value, initial.data(), initial.size(),
+            num_shards, &update.u, &index, nullptr));
         return index;
     }
-    /// Variable `index`, `len` elements, as the ps tasks hold it now.
-    std::vector<float> read_variable(std::size_t index, std::size_t len) const {
-        std::vector<float> out(len);
-        detail::check(tutti_ps_coordinator_read_variable(h_.get(), index, out.data(), len));
+    /// Variable `index`, `len` elements of T, as the ps tasks hold it now.
+    template <typename T = float>
+    std::vector<T> read_variable(std::size_t index, std::size_t len) const {
+        std::vector<T> out(len);
+        detail::check(tutti_ps_coordinator_read_variable(h_.get(), index,
+                                                         dtype_of<T>::value, out.data(),
+                                                         len));
         return out;
     }
     /// Set variable `index` on its ps tasks (a restored checkpoint, a value of the caller's).
-    void assign_variable(std::size_t index, const std::vector<float> &values) {
-        detail::check(tutti_ps_coordinator_assign_variable(h_.get(), index, values.data(),
-                                                           values.size()));
+    template <typename T> void assign_variable(std::size_t index, const std::vector<T> &values) {
+        detail::check(tutti_ps_coordinator_assign_variable(
+            h_.get(), index, dtype_of<T>::value, values.data(), values.size()));
     }
     /// Steps 0..n on the workers; their losses.
     std::vector<float> run_steps(std::size_t n) {

@@ -9,11 +9,13 @@ use std::ffi::{c_char, c_void, CStr};
 use std::time::Duration;
 
 use tutti::strategy::ps::{
-    Coordinator, ParameterServerStrategy, Partitioner, RemoteValue, Role, StepContext,
-    MAX_STEP_BYTES,
+    Coordinator, ParameterServerStrategy, Partitioner, RemoteValue, Role, StepContext, Values,
+    VariableId, MAX_STEP_BYTES,
 };
+use tutti::strategy::Rule;
 
 use crate::error::{boundary, boundary_void, tutti_result, Failure, TuttiResult};
+use crate::types::tutti_dtype;
 
 /// How variables are cut into shards across the ps tasks (TensorFlow's partitioners).
 #[repr(u32)]
@@ -32,6 +34,129 @@ pub enum TuttiPartitioner {
 
 /// A `tutti_partitioner` as it crosses the C boundary: one of the `TUTTI_PARTITIONER_*` values.
 pub type tutti_partitioner = u32;
+
+/// How the ps tasks step a variable by a gradient (Keras's optimizers, applied where the
+/// variable lives).
+#[repr(u32)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum TuttiPsRule {
+    /// `w -= lr * g`; with `momentum`, `v = momentum * v - lr * g; w += v` (`nesterov`:
+    /// `w += momentum * v - lr * g`).
+    TUTTI_PS_RULE_SGD = 0,
+    /// Adam: `lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + epsilon)`, `t` the pushes the
+    /// shard has taken with these slots.
+    TUTTI_PS_RULE_ADAM = 1,
+}
+
+/// A `tutti_ps_rule` as it crosses the C boundary: one of the `TUTTI_PS_RULE_*` values.
+pub type tutti_ps_rule = u32;
+
+/// An update rule for parameter-server variables. Start from `TUTTI_PS_UPDATE_INIT` (plain SGD
+/// at 0.01, Adam's hyper-parameters at Keras's defaults), then set `rule` and the fields it
+/// uses. The rule's state (momentum, Adam's moments) lives beside each shard on its ps task,
+/// under the key `slots`: one key per optimizer, so that two optimizers stepping one variable
+/// keep apart. Hyper-parameters are float32 whatever the variable's dtype; f16 and bf16
+/// variables are stepped in float32 arithmetic.
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct tutti_ps_update {
+    /// `sizeof(tutti_ps_update)` as the caller compiled it.
+    pub struct_size: usize,
+    /// A `TUTTI_PS_RULE_*` value.
+    pub rule: tutti_ps_rule,
+    /// The learning rate (positive).
+    pub learning_rate: f32,
+    /// SGD: momentum (0: none).
+    pub momentum: f32,
+    /// SGD: nonzero for Nesterov momentum.
+    pub nesterov: u32,
+    /// Adam: the first moment's decay.
+    pub beta_1: f32,
+    /// Adam: the second moment's decay.
+    pub beta_2: f32,
+    /// Adam: added to the root of the second moment.
+    pub epsilon: f32,
+    /// Zero.
+    pub reserved: u32,
+    /// The key of the rule's state on the ps tasks.
+    pub slots: u64,
+}
+
+/// Read the caller's update rule (NULL: `w -= gradient`, SGD at learning rate 1).
+///
+/// # Safety
+///
+/// `u` is NULL or points to at least `u->struct_size` readable bytes.
+unsafe fn read_update(u: *const tutti_ps_update, arg: &str) -> Result<(Rule, u64), Failure> {
+    let Some(size) = (!u.is_null())
+        // SAFETY: the first field is always there.
+        .then(|| unsafe { std::ptr::addr_of!((*u).struct_size).read_unaligned() })
+    else {
+        return Ok((
+            Rule::Sgd {
+                learning_rate: 1.0,
+                momentum: 0.0,
+                nesterov: false,
+            },
+            0,
+        ));
+    };
+    let known = std::mem::size_of::<tutti_ps_update>();
+    // SAFETY: the caller promises `size` readable bytes.
+    unsafe {
+        crate::config::check_struct_size(
+            u.cast(),
+            size,
+            known,
+            known,
+            arg,
+            "tutti_ps_update",
+            "initialize it with TUTTI_PS_UPDATE_INIT",
+        )
+    }?;
+    // SAFETY: checked to hold a whole struct.
+    let u = unsafe { u.read_unaligned() };
+    let rule = match u.rule {
+        r if r == TuttiPsRule::TUTTI_PS_RULE_SGD as u32 => Rule::Sgd {
+            learning_rate: u.learning_rate,
+            momentum: u.momentum,
+            nesterov: u.nesterov != 0,
+        },
+        r if r == TuttiPsRule::TUTTI_PS_RULE_ADAM as u32 => Rule::Adam {
+            learning_rate: u.learning_rate,
+            beta_1: u.beta_1,
+            beta_2: u.beta_2,
+            epsilon: u.epsilon,
+        },
+        other => {
+            return Err(Failure::invalid(format!(
+                "{arg}->rule {other} is not a tutti_ps_rule (valid: 0..=1)"
+            )))
+        }
+    };
+    Ok((rule, u.slots))
+}
+
+/// `count` elements of `dtype` at `ptr`, named `name`, copied: a float dtype, not NULL unless
+/// `count` is 0, aligned.
+///
+/// # Safety
+///
+/// `ptr` is NULL or holds `count` readable elements of `dtype`.
+unsafe fn values_at(
+    dtype: tutti_dtype,
+    ptr: *const c_void,
+    count: usize,
+    name: &str,
+) -> Result<Values, Failure> {
+    let d = crate::types::dtype(dtype).map_err(Failure::invalid)?;
+    Values::zeros(d, 0)?;
+    let len = crate::buffers::byte_len(count, 1, d).map_err(Failure::invalid)?;
+    crate::buffers::check(ptr, len, d, name).map_err(Failure::invalid)?;
+    // SAFETY: checked; the caller promises `count` readable elements.
+    let b = unsafe { crate::buffers::slice(ptr, len) };
+    Values::from_bytes(d, b).map_err(Failure::invalid)
+}
 
 /// A parameter-server strategy (opaque): this task's part of the job. Created by
 /// `tutti_ps_strategy_create`, released by `tutti_ps_strategy_destroy`.
@@ -56,7 +181,7 @@ pub struct tutti_ps_remote_value {
 /// variables and the step's payload and sets the gradients, the loss and what goes back.
 pub struct tutti_ps_step {
     ctx: *const StepContext,
-    gradients: Vec<Vec<f32>>,
+    gradients: Vec<Values>,
     loss: f32,
     error: Option<String>,
 }
@@ -105,20 +230,6 @@ fn floats_ok(ptr: *const f32, len: usize, name: &str) -> Result<(), Failure> {
         )));
     }
     Ok(())
-}
-
-/// The `len` floats at `ptr`.
-///
-/// # Safety
-///
-/// `ptr` passed [`floats_ok`] and holds `len` readable floats.
-unsafe fn floats<'a>(ptr: *const f32, len: usize, name: &str) -> Result<&'a [f32], Failure> {
-    floats_ok(ptr, len, name)?;
-    if len == 0 {
-        return Ok(&[]);
-    }
-    // SAFETY: checked non-NULL and aligned; the caller promises `len` readable floats.
-    Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
 }
 
 /// The `len` bytes at `ptr` (not NULL unless `len` is 0).
@@ -333,40 +444,76 @@ pub unsafe extern "C" fn tutti_ps_step_info(
     })
 }
 
-/// Point `*data` at variable `index`'s value as pulled for this step (float32, valid until the
-/// step function returns) and write its length to `*len`.
+/// Point `*data` at variable `index`'s value as pulled for this step (valid until the step
+/// function returns), and write its dtype to `*dtype` (NULL: not wanted) and its elements to
+/// `*count`.
 ///
 /// Thread-safety: only inside the step function that was given `step`.
 ///
 /// # Safety
 ///
-/// `step` is NULL or the handle of the running step function; `data` and `len` NULL or
-/// writable.
+/// `step` is NULL or the handle of the running step function; `dtype` NULL or writable;
+/// `data` and `count` NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn tutti_ps_step_variable(
     step: *mut tutti_ps_step,
     index: usize,
-    data: *mut *const f32,
-    len: *mut usize,
+    dtype: *mut tutti_dtype,
+    data: *mut *const c_void,
+    count: *mut usize,
 ) -> tutti_result {
     boundary("tutti_ps_step_variable", || {
         // SAFETY: as the caller promises.
         let st = unsafe { step_mut(step) }?;
-        if data.is_null() || len.is_null() {
-            return Err(Failure::invalid("data or len is NULL"));
+        if data.is_null() || count.is_null() {
+            return Err(Failure::invalid("data or count is NULL"));
         }
         // SAFETY: the step function is running.
-        let vars = unsafe { step_ctx(st) }.variables();
-        let v = vars.get(index).ok_or_else(|| {
-            Failure::invalid(format!("variable {index}: the job has {}", vars.len()))
-        })?;
-        // SAFETY: checked non-NULL; the caller promises they are writable.
+        let v = step_variable(unsafe { step_ctx(st) }, index)?;
+        // SAFETY: checked non-NULL (dtype: NULL-checked); the caller promises they are writable.
         unsafe {
-            data.write(v.as_ptr());
-            len.write(v.len());
+            if !dtype.is_null() {
+                dtype.write(crate::types::dtype_code(v.dtype()));
+            }
+            data.write(v.as_bytes().as_ptr().cast());
+            count.write(v.len());
         }
         Ok(())
     })
+}
+
+/// Variable `index` of a step, or an error naming it.
+fn step_variable(c: &StepContext, index: usize) -> Result<&Values, Failure> {
+    let vars = c.variables();
+    vars.get(index)
+        .ok_or_else(|| Failure::invalid(format!("variable {index}: the job has {}", vars.len())))
+}
+
+/// A step's gradient for variable `index`: `count` elements of `dtype` at `gradient`, which
+/// must be the variable's dtype and length.
+///
+/// # Safety
+///
+/// `gradient` is NULL or holds `count` readable elements of `dtype`.
+unsafe fn gradient_for(
+    c: &StepContext,
+    index: usize,
+    dtype: tutti_dtype,
+    gradient: *const c_void,
+    count: usize,
+) -> Result<Values, Failure> {
+    let v = step_variable(c, index)?;
+    // SAFETY: as the caller promises.
+    let g = unsafe { values_at(dtype, gradient, count, "gradient") }?;
+    if g.len() != v.len() || g.dtype() != v.dtype() {
+        return Err(Failure::invalid(format!(
+            "a gradient of {count} {} elements for variable {index}, of {} {}",
+            g.dtype(),
+            v.len(),
+            v.dtype()
+        )));
+    }
+    Ok(g)
 }
 
 /// Point `*data` at what the coordinator scheduled this step with (valid until the step
@@ -402,41 +549,71 @@ pub unsafe extern "C" fn tutti_ps_step_payload(
     })
 }
 
-/// Set variable `index`'s gradient for this step: `len` float32 values, copied, as long as the
-/// variable. The ps tasks apply `w -= lr * gradient` when the step function returns. A
-/// variable given no gradient is left alone.
+/// Set variable `index`'s gradient for this step: `count` elements of `dtype` (the
+/// variable's dtype and length), copied. The ps tasks step the variable by it with the rule it
+/// was created with when the step function returns. A variable given no gradient is left
+/// alone.
 ///
 /// Thread-safety: only inside the step function that was given `step`.
 ///
 /// # Safety
 ///
-/// `step` is NULL or the handle of the running step function; `gradient` holds `len` floats.
+/// `step` is NULL or the handle of the running step function; `gradient` holds `count`
+/// elements of `dtype`.
 #[no_mangle]
 pub unsafe extern "C" fn tutti_ps_step_set_gradient(
     step: *mut tutti_ps_step,
     index: usize,
-    gradient: *const f32,
-    len: usize,
+    dtype: tutti_dtype,
+    gradient: *const c_void,
+    count: usize,
 ) -> tutti_result {
     boundary("tutti_ps_step_set_gradient", || {
         // SAFETY: as the caller promises.
         let st = unsafe { step_mut(step) }?;
         // SAFETY: the step function is running.
-        let vars = unsafe { step_ctx(st) }.variables();
-        let v = vars.get(index).ok_or_else(|| {
-            Failure::invalid(format!("variable {index}: the job has {}", vars.len()))
-        })?;
-        if len != v.len() {
-            return Err(Failure::invalid(format!(
-                "a gradient of {len} elements for variable {index}, of {}",
-                v.len()
-            )));
-        }
-        // SAFETY: the caller promises `len` readable floats.
-        let g = unsafe { floats(gradient, len, "gradient") }?;
-        let n = vars.len();
-        st.gradients.resize(n, Vec::new());
-        st.gradients[index] = g.to_vec();
+        let c = unsafe { step_ctx(st) };
+        // SAFETY: as the caller promises.
+        let g = unsafe { gradient_for(c, index, dtype, gradient, count) }?;
+        let n = c.variables().len();
+        st.gradients.resize(n, Values::F32(Vec::new()));
+        st.gradients[index] = g;
+        Ok(())
+    })
+}
+
+/// Push a gradient to variable `index` with a rule of its own, `update` (NULL: `w -=
+/// gradient`), not the variable's: `count` elements of `dtype` (the variable's dtype and
+/// length), copied, pushed when the step function returns (after the gradients set with
+/// `tutti_ps_step_set_gradient`). A step may push to one variable several times.
+///
+/// Thread-safety: only inside the step function that was given `step`.
+///
+/// # Safety
+///
+/// `step` is NULL or the handle of the running step function; `gradient` holds `count`
+/// elements of `dtype`; `update` is NULL or points to `update->struct_size` readable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_step_push(
+    step: *mut tutti_ps_step,
+    index: usize,
+    dtype: tutti_dtype,
+    gradient: *const c_void,
+    count: usize,
+    update: *const tutti_ps_update,
+) -> tutti_result {
+    boundary("tutti_ps_step_push", || {
+        // SAFETY: as the caller promises.
+        let st = unsafe { step_mut(step) }?;
+        // SAFETY: as the caller promises.
+        let (rule, slots) = unsafe { read_update(update, "update") }?;
+        rule.check()
+            .map_err(|why| Failure::invalid(format!("update: {why}")))?;
+        // SAFETY: the step function is running.
+        let c = unsafe { step_ctx(st) };
+        // SAFETY: as the caller promises.
+        let g = unsafe { gradient_for(c, index, dtype, gradient, count) }?;
+        c.push(index, g, rule, slots);
         Ok(())
     })
 }
@@ -551,9 +728,10 @@ pub unsafe extern "C" fn tutti_ps_coordinator_num_workers(
     })
 }
 
-/// Create a variable named `name` from `len` float32 values at `initial`, in `num_shards`
-/// shards across the ps tasks (0: as the strategy's partitioner says) and updated by SGD at
-/// `learning_rate` as gradients arrive. Write its index (its place in the step's variables) to `*index` and its shard count
+/// Create a variable named `name` from `count` elements of `dtype` at `initial` (a float
+/// dtype: f32, f64, f16, bf16), in `num_shards` shards across the ps tasks (0: as the
+/// strategy's partitioner says), stepped by `update` (NULL: `w -= gradient`) as gradients
+/// arrive. Write its index (its place in the step's variables) to `*index` and its shard count
 /// to `*shards` (either may be NULL).
 ///
 /// Thread-safety: callable from any thread.
@@ -561,15 +739,17 @@ pub unsafe extern "C" fn tutti_ps_coordinator_num_workers(
 /// # Safety
 ///
 /// `coordinator` is NULL or a live handle; `name` a NUL-terminated string; `initial` holds
-/// `len` floats; `index` and `shards` NULL or writable.
+/// `count` elements of `dtype`; `update` is NULL or points to `update->struct_size` readable
+/// bytes; `index` and `shards` NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn tutti_ps_coordinator_create_variable(
     coordinator: *const tutti_ps_coordinator,
     name: *const c_char,
-    initial: *const f32,
-    len: usize,
+    dtype: tutti_dtype,
+    initial: *const c_void,
+    count: usize,
     num_shards: usize,
-    learning_rate: f32,
+    update: *const tutti_ps_update,
     index: *mut usize,
     shards: *mut usize,
 ) -> tutti_result {
@@ -581,12 +761,12 @@ pub unsafe extern "C" fn tutti_ps_coordinator_create_variable(
         }
         // SAFETY: non-NULL; the caller promises a NUL-terminated string.
         let name = unsafe { CStr::from_ptr(name) }.to_string_lossy();
-        // SAFETY: the caller promises `len` readable floats.
-        let v = unsafe { floats(initial, len, "initial") }?;
-        let id = match num_shards {
-            0 => c.create_variable(&name, v, learning_rate)?,
-            n => c.create_variable_sharded(&name, v, learning_rate, n)?,
-        };
+        // SAFETY: the caller promises `count` readable elements.
+        let v = unsafe { values_at(dtype, initial, count, "initial") }?;
+        // SAFETY: as the caller promises.
+        let (rule, _) = unsafe { read_update(update, "update") }?;
+        let shards_wanted = (num_shards > 0).then_some(num_shards);
+        let id = c.create_variable_with(&name, v, rule, shards_wanted)?;
         let n = c.shards()[id.index()];
         // SAFETY: NULL-checked; the caller promises they are writable.
         unsafe {
@@ -601,20 +781,21 @@ pub unsafe extern "C" fn tutti_ps_coordinator_create_variable(
     })
 }
 
-/// Read variable `index`'s current value from its ps tasks into `out`, `len` float32 values
-/// (its length exactly).
+/// Read variable `index`'s current value from its ps tasks into `out`: `count` elements of
+/// `dtype` (its dtype and length exactly).
 ///
 /// Thread-safety: callable from any thread.
 ///
 /// # Safety
 ///
-/// `coordinator` is NULL or a live handle; `out` holds `len` writable floats.
+/// `coordinator` is NULL or a live handle; `out` holds `count` writable elements of `dtype`.
 #[no_mangle]
 pub unsafe extern "C" fn tutti_ps_coordinator_read_variable(
     coordinator: *const tutti_ps_coordinator,
     index: usize,
-    out: *mut f32,
-    len: usize,
+    dtype: tutti_dtype,
+    out: *mut c_void,
+    count: usize,
 ) -> tutti_result {
     boundary("tutti_ps_coordinator_read_variable", || {
         // SAFETY: as the caller promises.
@@ -625,34 +806,39 @@ pub unsafe extern "C" fn tutti_ps_coordinator_read_variable(
                 "variable {index}: the coordinator created {known}"
             )));
         }
-        let v = c.read_variable(tutti::strategy::ps::VariableId::from_index(index))?;
-        if v.len() != len {
+        let d = crate::types::dtype(dtype).map_err(Failure::invalid)?;
+        let len = crate::buffers::byte_len(count, 1, d).map_err(Failure::invalid)?;
+        crate::buffers::check(out, len, d, "out").map_err(Failure::invalid)?;
+        let v = c.read_values(VariableId::from_index(index))?;
+        if v.len() != count || v.dtype() != d {
             return Err(Failure::invalid(format!(
-                "len {len}, but variable {index} has {} elements",
-                v.len()
+                "{count} {d} elements, but variable {index} has {} {}",
+                v.len(),
+                v.dtype()
             )));
         }
-        floats_ok(out, len, "out")?;
-        // SAFETY: checked above; the caller promises `len` writable floats.
-        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), out, len) };
+        // SAFETY: checked above; the caller promises `count` writable elements.
+        unsafe { crate::buffers::slice_mut(out, len) }.copy_from_slice(v.as_bytes());
         Ok(())
     })
 }
 
-/// Set variable `index` to the `len` float32 values at `values` (its length exactly) on its ps
-/// tasks: a restored checkpoint, or a value of the trainer's.
+/// Set variable `index` to the `count` elements of `dtype` at `values` (its dtype and length
+/// exactly) on its ps tasks: a restored checkpoint, or a value of the trainer's. The state of
+/// its update rules (momentum, moments) stays.
 ///
 /// Thread-safety: callable from any thread.
 ///
 /// # Safety
 ///
-/// `coordinator` is NULL or a live handle; `values` holds `len` readable floats.
+/// `coordinator` is NULL or a live handle; `values` holds `count` readable elements of `dtype`.
 #[no_mangle]
 pub unsafe extern "C" fn tutti_ps_coordinator_assign_variable(
     coordinator: *const tutti_ps_coordinator,
     index: usize,
-    values: *const f32,
-    len: usize,
+    dtype: tutti_dtype,
+    values: *const c_void,
+    count: usize,
 ) -> tutti_result {
     boundary("tutti_ps_coordinator_assign_variable", || {
         // SAFETY: as the caller promises.
@@ -663,9 +849,9 @@ pub unsafe extern "C" fn tutti_ps_coordinator_assign_variable(
                 "variable {index}: the coordinator created {known}"
             )));
         }
-        // SAFETY: the caller promises `len` readable floats.
-        let v = unsafe { floats(values, len, "values") }?;
-        c.assign_variable(tutti::strategy::ps::VariableId::from_index(index), v)?;
+        // SAFETY: the caller promises `count` readable elements.
+        let v = unsafe { values_at(dtype, values, count, "values") }?;
+        c.assign_values(VariableId::from_index(index), v)?;
         Ok(())
     })
 }

@@ -35,7 +35,9 @@ pub use input::{
     AutoShardPolicy, Batch, Dataset, DistributedDataset, FileDataset, InputContext, ValueContext,
 };
 pub use tensor::Tensor;
-pub use training::{compute_average_loss, Mean, Optimizer, Rule};
+pub use training::{compute_average_loss, Compute, Mean, Optimizer, Param, Rule};
+#[doc(hidden)]
+pub use training::{AnySlots, Slots};
 pub use variables::{Aggregation, CentralVariable, MirroredVariable};
 
 use std::sync::Arc;

@@ -12,7 +12,12 @@
 //! error (the worker stays in the job); a lost ps task ends the job on every task, each naming
 //! it.
 //!
-//! Updates are plain SGD applied by the ps task on each push: `w -= lr * g`.
+//! Variables are floats ([`Values`]: f32, f64, f16, bf16). The ps task holding a shard applies
+//! each gradient pushed to it with an update [`Rule`] (SGD, with or without momentum, or Adam),
+//! keeping the rule's slots (momentum, moments) beside the shard, as TensorFlow keeps slot
+//! variables on the ps tasks: by default the rule the variable was created with, or the one a
+//! step pushes with ([`StepContext::push`]). Adam's step count is the shard's: the pushes it
+//! has taken with those slots.
 //! Every connection proves the job token (the same handshake as the collectives).
 
 use std::collections::{HashMap, VecDeque};
@@ -26,7 +31,10 @@ use parking_lot::Mutex;
 
 use crate::cluster::auth::{handshake_client, Acceptor, Purpose, HANDSHAKE_LIMIT};
 use crate::cluster::{split_addr, ClusterSpec};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::strategy::training::{AnySlots, Param};
+use crate::strategy::Rule;
 
 /// How a variable is cut into shards across the ps tasks. Shards go to the ps tasks in turn,
 /// so a task may hold several shards of one variable; no variable has more shards than
@@ -41,22 +49,256 @@ pub enum Partitioner {
     /// Shards of at least this many bytes, no more than there are ps tasks (TensorFlow's
     /// `MinSizePartitioner` with `max_shards` the ps tasks).
     MinShardBytes(usize),
-    /// Shards of at most this many bytes (but one element, 4 bytes, at least), as few as that
-    /// allows (TensorFlow's `MaxSizePartitioner`).
+    /// Shards of at most this many bytes (but one element at least), as few as that allows
+    /// (TensorFlow's `MaxSizePartitioner`).
     MaxShardBytes(usize),
 }
 
 impl Partitioner {
     /// Shard count for a variable of `len` f32 elements over `ps` tasks.
     pub fn shards(self, len: usize, ps: usize) -> usize {
+        self.shards_of(len, 4, ps)
+    }
+
+    /// Shard count for a variable of `len` elements of `size` bytes over `ps` tasks.
+    pub fn shards_of(self, len: usize, size: usize, ps: usize) -> usize {
+        let bytes = len.saturating_mul(size);
         let n = match self {
             Partitioner::MaxShards(k) => k.min(ps.max(1)),
             Partitioner::FixedShards(k) => k,
-            Partitioner::MinShardBytes(b) => ((len * 4) / b.max(1)).min(ps.max(1)),
-            Partitioner::MaxShardBytes(b) => (len * 4).div_ceil(b.max(4)),
+            Partitioner::MinShardBytes(b) => (bytes / b.max(1)).min(ps.max(1)),
+            Partitioner::MaxShardBytes(b) => bytes.div_ceil(b.max(size).max(1)),
         };
         n.max(1).min(len.max(1))
     }
+}
+
+/// A variable's elements (or a gradient's), in its dtype: the ps tasks hold floats.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Values {
+    /// IEEE 754 binary32.
+    F32(Vec<f32>),
+    /// IEEE 754 binary64.
+    F64(Vec<f64>),
+    /// IEEE 754 binary16 (updates computed in f32).
+    F16(Vec<half::f16>),
+    /// bfloat16 (updates computed in f32).
+    BF16(Vec<half::bf16>),
+}
+
+/// The element types a parameter-server variable may hold (those of [`Values`]).
+pub trait PsElement: Param {
+    /// `v` as [`Values`].
+    fn wrap(v: Vec<Self>) -> Values;
+    /// The elements of `v`, if they are of this type.
+    fn unwrap(v: &Values) -> Option<&[Self]>;
+}
+
+macro_rules! ps_element {
+    ($t:ty, $variant:ident) => {
+        impl PsElement for $t {
+            fn wrap(v: Vec<$t>) -> Values {
+                Values::$variant(v)
+            }
+            fn unwrap(v: &Values) -> Option<&[$t]> {
+                match v {
+                    Values::$variant(x) => Some(x),
+                    _ => None,
+                }
+            }
+        }
+        impl From<Vec<$t>> for Values {
+            fn from(v: Vec<$t>) -> Values {
+                Values::$variant(v)
+            }
+        }
+    };
+}
+ps_element!(f32, F32);
+ps_element!(f64, F64);
+ps_element!(half::f16, F16);
+ps_element!(half::bf16, BF16);
+
+/// Run `$body` with `$x` bound to the elements of `$v` (whichever type they are).
+macro_rules! with_values {
+    ($v:expr, $x:ident => $body:expr) => {
+        match $v {
+            Values::F32($x) => $body,
+            Values::F64($x) => $body,
+            Values::F16($x) => $body,
+            Values::BF16($x) => $body,
+        }
+    };
+}
+
+impl Values {
+    /// Its dtype.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Values::F32(_) => DType::F32,
+            Values::F64(_) => DType::F64,
+            Values::F16(_) => DType::F16,
+            Values::BF16(_) => DType::BF16,
+        }
+    }
+
+    /// Its elements.
+    pub fn len(&self) -> usize {
+        with_values!(self, x => x.len())
+    }
+
+    /// Whether it has no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Its elements, if they are `T`s.
+    pub fn get<T: PsElement>(&self) -> Option<&[T]> {
+        T::unwrap(self)
+    }
+
+    /// Its elements, if they are f32s.
+    pub fn as_f32(&self) -> Option<&[f32]> {
+        self.get()
+    }
+
+    /// Its elements' little-endian bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        with_values!(self, x => bytemuck::cast_slice(x))
+    }
+
+    /// `n` zeros of `dtype` (a dtype the ps tasks do not hold is an error).
+    pub fn zeros(dtype: DType, n: usize) -> Result<Values> {
+        Values::from_bytes(dtype, &vec![0; n * dtype.size()]).map_err(Error::config)
+    }
+
+    /// Elements of `dtype` from their little-endian bytes; an error says why they are not.
+    pub fn from_bytes(dtype: DType, b: &[u8]) -> std::result::Result<Values, String> {
+        if b.len() % dtype.size() != 0 {
+            return Err(format!("{} bytes are not whole {dtype} elements", b.len()));
+        }
+        Ok(match dtype {
+            DType::F32 => Values::F32(collect(b)),
+            DType::F64 => Values::F64(collect(b)),
+            DType::F16 => Values::F16(collect(b)),
+            DType::BF16 => Values::BF16(collect(b)),
+            other => return Err(unheld(other)),
+        })
+    }
+}
+
+/// The elements whose little-endian bytes are `b` (whole elements: checked by the caller).
+fn collect<T: bytemuck::Pod>(b: &[u8]) -> Vec<T> {
+    let mut v = vec![T::zeroed(); b.len() / std::mem::size_of::<T>()];
+    bytemuck::cast_slice_mut(&mut v).copy_from_slice(b);
+    v
+}
+
+/// Why a ps task cannot hold `dtype`.
+fn unheld(dtype: DType) -> String {
+    format!("parameter-server variables are floats (f32, f64, f16, bf16), not {dtype}")
+}
+
+/// A dtype as a layout or request carries it.
+fn dtype_of(word: u32) -> std::result::Result<DType, String> {
+    let d = DType::from_u32(word).ok_or_else(|| format!("unknown dtype {word}"))?;
+    Values::from_bytes(d, &[]).map(|_| d)
+}
+
+/// Step `w` by `g` with `rule` (both of one dtype and length: checked by the caller).
+fn apply(
+    rule: &Rule,
+    slots: &mut AnySlots,
+    w: &mut Values,
+    g: &Values,
+) -> std::result::Result<(), String> {
+    fn go<T: PsElement>(
+        rule: &Rule,
+        slots: &mut AnySlots,
+        w: &mut [T],
+        g: &Values,
+    ) -> std::result::Result<(), String> {
+        let g = g
+            .get::<T>()
+            .ok_or_else(|| format!("a {} gradient for a {} variable", g.dtype(), T::DTYPE))?;
+        if g.len() != w.len() {
+            return Err(format!(
+                "gradient of {} elements for a shard of {}",
+                g.len(),
+                w.len()
+            ));
+        }
+        rule.step(slots, w, g);
+        Ok(())
+    }
+    with_values!(w, x => go(rule, slots, x, g))
+}
+
+/// Plain SGD at rate `lr`.
+fn sgd(lr: f32) -> Rule {
+    Rule::Sgd {
+        learning_rate: lr,
+        momentum: 0.0,
+        nesterov: false,
+    }
+}
+
+/// What a push that names no rule carries in its place (the ps task ignores it).
+const PLAIN: Rule = Rule::Sgd {
+    learning_rate: 1.0,
+    momentum: 0.0,
+    nesterov: false,
+};
+
+/// A rule a push names and the key of its slots; `None`: the shard's own rule.
+type KeyedRule = Option<(Rule, u64)>;
+
+/// Bytes of an update rule as a request carries it: kind, learning rate, three
+/// hyper-parameters, then the slots' key.
+const RULE_BYTES: usize = 28;
+
+fn encode_rule(rule: &Rule, slots: u64, b: &mut Vec<u8>) {
+    let (kind, p) = match *rule {
+        Rule::Sgd {
+            learning_rate,
+            momentum,
+            nesterov,
+        } => (0u32, [learning_rate, momentum, nesterov as u32 as f32, 0.0]),
+        Rule::Adam {
+            learning_rate,
+            beta_1,
+            beta_2,
+            epsilon,
+        } => (1, [learning_rate, beta_1, beta_2, epsilon]),
+    };
+    b.extend_from_slice(&kind.to_le_bytes());
+    for x in p {
+        b.extend_from_slice(&x.to_le_bytes());
+    }
+    b.extend_from_slice(&slots.to_le_bytes());
+}
+
+/// An update rule and its slots' key from [`RULE_BYTES`] bytes; a rule that cannot step a
+/// variable is an error saying why.
+fn decode_rule(b: &[u8]) -> std::result::Result<(Rule, u64), String> {
+    let f = |i: usize| f32::from_bits(u32_at(b, i));
+    let rule = match u32_at(b, 0) {
+        0 => Rule::Sgd {
+            learning_rate: f(1),
+            momentum: f(2),
+            nesterov: f(3) != 0.0,
+        },
+        1 => Rule::Adam {
+            learning_rate: f(1),
+            beta_1: f(2),
+            beta_2: f(3),
+            epsilon: f(4),
+        },
+        k => return Err(format!("unknown update rule {k}")),
+    };
+    rule.check()?;
+    let slots = u64::from_le_bytes(b[20..28].try_into().expect("8 bytes"));
+    Ok((rule, slots))
 }
 
 const OP_CREATE: u32 = 1;
@@ -79,11 +321,11 @@ const OP_TASK_LOST: u32 = 103;
 
 /// The most bytes of an error message a task takes from a peer.
 const MAX_ERROR: u64 = 64 << 10;
-/// The most bytes of a layout (SETUP): a million shards.
+/// The most bytes of a layout (SETUP): some 800,000 shards (20 bytes each).
 const MAX_LAYOUT: u64 = 16 << 20;
 /// The most elements of one shard: a layout carries its length as a `u32`.
 const MAX_SHARD: u64 = u32::MAX as u64;
-/// The most shards of one variable (a layout holds at most a million in all).
+/// The most shards of one variable (a layout holds some 800,000 in all).
 const MAX_VARIABLE_SHARDS: usize = 1 << 16;
 /// The most bytes of what a scheduled step carries to its worker ([`Coordinator::schedule`]),
 /// and of what it sends back ([`StepContext::set_output`]).
@@ -237,16 +479,6 @@ fn decode_lost(p: &[u8]) -> Error {
     }
 }
 
-fn f32s(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-        .collect()
-}
-
-fn bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
 fn u32_at(b: &[u8], i: usize) -> u32 {
     b.get(i * 4..i * 4 + 4)
         .map_or(0, |c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
@@ -255,20 +487,24 @@ fn u32_at(b: &[u8], i: usize) -> u32 {
 /// A request to a ps or worker task, read.
 #[derive(Clone, Debug, PartialEq)]
 enum Request {
+    /// Hold a shard (or set the values of one held, keeping its slots).
     Create {
         var: u32,
         shard: u32,
-        lr: f32,
-        values: Vec<f32>,
+        rule: Rule,
+        values: Values,
     },
     Pull {
         var: u32,
         shard: u32,
     },
+    /// Step a shard by a gradient of its dtype, with a rule and its slots' key (`None`: the
+    /// shard's own rule).
     Push {
         var: u32,
         shard: u32,
-        grad: Vec<f32>,
+        rule: KeyedRule,
+        grad: Vec<u8>,
     },
     Setup(Vec<Vec<Shard>>),
     /// Run a step: its number, and what the coordinator scheduled it with.
@@ -281,16 +517,21 @@ enum Request {
     Abort(Error),
 }
 
+/// Bytes before a CREATE's values: variable, shard, dtype, rule.
+const CREATE_FIXED: usize = 12 + RULE_BYTES;
+/// Bytes before a PUSH's gradient: variable, shard, whether a rule follows, rule.
+const PUSH_FIXED: usize = 12 + RULE_BYTES;
+
 /// The most payload bytes a request of `op` may have, on a task whose largest shard has
-/// `largest` elements.
+/// `largest` bytes.
 fn request_bound(op: u32, largest: usize) -> std::result::Result<u64, String> {
     Ok(match op {
         OP_SHUTDOWN => 0,
         OP_ABORT => MAX_ERROR,
         OP_PULL => 8,
         OP_STEP => 8 + MAX_STEP_BYTES as u64,
-        OP_PUSH => 8 + 4 * largest as u64,
-        OP_CREATE => 12 + 4 * MAX_SHARD,
+        OP_PUSH => (PUSH_FIXED + largest) as u64,
+        OP_CREATE => CREATE_FIXED as u64 + 8 * MAX_SHARD,
         OP_SETUP => MAX_LAYOUT,
         other => return Err(format!("unknown request {other}")),
     })
@@ -299,14 +540,11 @@ fn request_bound(op: u32, largest: usize) -> std::result::Result<u64, String> {
 impl Request {
     /// Read the payload `p` of a request of `op`.
     fn decode(op: u32, p: &[u8]) -> std::result::Result<Request, String> {
-        let sized = |what: &str, fixed: usize| {
-            if p.len() < fixed || (p.len() - fixed) % 4 != 0 {
-                return Err(format!(
-                    "a {what} request of {} bytes (not {fixed} and whole f32s)",
-                    p.len()
-                ));
+        let fixed = |what: &str, n: usize| {
+            if p.len() < n {
+                return Err(format!("a {what} request of {} bytes, under {n}", p.len()));
             }
-            Ok(f32s(&p[fixed..]))
+            Ok(())
         };
         let exact = |what: &str, n: usize| {
             if p.len() != n {
@@ -316,11 +554,13 @@ impl Request {
         };
         Ok(match op {
             OP_CREATE => {
-                let values = sized("CREATE", 12)?;
+                fixed("CREATE", CREATE_FIXED)?;
+                let (rule, _) = decode_rule(&p[12..CREATE_FIXED])?;
+                let values = Values::from_bytes(dtype_of(u32_at(p, 2))?, &p[CREATE_FIXED..])?;
                 Request::Create {
                     var: u32_at(p, 0),
                     shard: u32_at(p, 1),
-                    lr: f32::from_bits(u32_at(p, 2)),
+                    rule,
                     values,
                 }
             }
@@ -332,11 +572,16 @@ impl Request {
                 }
             }
             OP_PUSH => {
-                let grad = sized("PUSH", 8)?;
+                fixed("PUSH", PUSH_FIXED)?;
+                let rule = match u32_at(p, 2) {
+                    0 => None,
+                    _ => Some(decode_rule(&p[12..PUSH_FIXED])?),
+                };
                 Request::Push {
                     var: u32_at(p, 0),
                     shard: u32_at(p, 1),
-                    grad,
+                    rule,
+                    grad: p[PUSH_FIXED..].to_vec(),
                 }
             }
             OP_SETUP => Request::Setup(decode_layout(p)?),
@@ -366,6 +611,7 @@ struct Shard {
     var: u32,
     index: u32,
     len: usize,
+    dtype: DType,
 }
 
 /// What a worker's step function sees.
@@ -373,9 +619,18 @@ pub struct StepContext {
     step: u64,
     worker: usize,
     num_workers: usize,
-    variables: Vec<Vec<f32>>,
+    variables: Vec<Values>,
     payload: Vec<u8>,
     output: Mutex<Vec<u8>>,
+    pushes: Mutex<Vec<Push>>,
+}
+
+/// A gradient a step pushes with a rule of its own ([`StepContext::push`]).
+struct Push {
+    variable: usize,
+    grad: Values,
+    rule: Rule,
+    slots: u64,
 }
 
 impl StepContext {
@@ -391,8 +646,8 @@ impl StepContext {
     pub fn num_workers(&self) -> usize {
         self.num_workers
     }
-    /// Every variable's current value, in creation order.
-    pub fn variables(&self) -> &[Vec<f32>] {
+    /// Every variable's value as pulled for this step, in creation order.
+    pub fn variables(&self) -> &[Values] {
         &self.variables
     }
     /// What the coordinator scheduled this step with ([`Coordinator::schedule`]); empty for
@@ -405,11 +660,27 @@ impl StepContext {
     pub fn set_output(&self, bytes: Vec<u8>) {
         *self.output.lock() = bytes;
     }
+
+    /// Push `grad` to variable `variable` with `rule` (not the variable's own), once the step
+    /// function has returned: the ps tasks step each shard by it with the slots `slots` keys
+    /// (one key per optimizer: two optimizers stepping one variable keep apart). What the
+    /// step function returns is pushed too. A gradient of another dtype or length than its
+    /// variable's, or a rule that cannot step (a learning rate that is not positive), fails
+    /// the step before anything is pushed.
+    pub fn push(&self, variable: usize, grad: Values, rule: Rule, slots: u64) {
+        self.pushes.lock().push(Push {
+            variable,
+            grad,
+            rule,
+            slots,
+        });
+    }
 }
 
-/// A worker's step: a gradient per variable, and the loss. An empty gradient leaves its
-/// variable alone, and so does an empty list (a step that only reads, such as an evaluation).
-pub type StepResult = Result<(Vec<Vec<f32>>, f32)>;
+/// A worker's step: a gradient per variable (in its dtype, stepped by its rule), and the loss.
+/// An empty gradient leaves its variable alone, and so does an empty list (a step that only
+/// reads, such as an evaluation).
+pub type StepResult = Result<(Vec<Values>, f32)>;
 
 /// What [`ParameterServerStrategy::run_role`] leaves this process to do.
 // One per task, made once: its size does not matter.
@@ -519,14 +790,19 @@ impl ParameterServerStrategy {
     }
 }
 
-/// A shard held by a ps task: its values and learning rate.
-type HeldShard = (Vec<f32>, f32);
+/// A shard held by a ps task: its values, its own update rule, and the slots of each rule it
+/// has been stepped with (by the key a push names).
+struct HeldShard {
+    values: Values,
+    rule: Rule,
+    slots: HashMap<u64, AnySlots>,
+}
 
 /// A ps task's shards by (variable, shard), and why the task's job ended early, if it did.
 #[derive(Default)]
 struct PsState {
     shards: Mutex<HashMap<(u32, u32), HeldShard>>,
-    /// The elements of the largest shard held: what a PUSH may carry.
+    /// The bytes of the largest shard held: what a PUSH may carry.
     largest: std::sync::atomic::AtomicUsize,
     /// A lost task that ended this task's part of the job: `serve` returns it.
     failure: Mutex<Option<Error>>,
@@ -707,30 +983,48 @@ fn handle(
             Request::Create {
                 var,
                 shard,
-                lr,
+                rule,
                 values,
             } => {
-                ps.largest.fetch_max(values.len(), Ordering::AcqRel);
-                ps.shards.lock().insert((var, shard), (values, lr));
+                ps.largest
+                    .fetch_max(values.as_bytes().len(), Ordering::AcqRel);
+                let mut shards = ps.shards.lock();
+                match shards.get_mut(&(var, shard)) {
+                    // Set (a restored checkpoint): the slots stay.
+                    Some(h)
+                        if h.values.dtype() == values.dtype() && h.values.len() == values.len() =>
+                    {
+                        (h.values, h.rule) = (values, rule);
+                    }
+                    _ => {
+                        shards.insert(
+                            (var, shard),
+                            HeldShard {
+                                values,
+                                rule,
+                                slots: HashMap::new(),
+                            },
+                        );
+                    }
+                }
                 Ok(Vec::new())
             }
             Request::Pull { var, shard } => match ps.shards.lock().get(&(var, shard)) {
-                Some((v, _)) => Ok(bytes(v)),
+                Some(h) => Ok(h.values.as_bytes().to_vec()),
                 None => Err(no_shard(var, shard)),
             },
-            Request::Push { var, shard, grad } => match ps.shards.lock().get_mut(&(var, shard)) {
-                Some((v, lr)) => {
-                    if grad.len() != v.len() {
-                        Err(format!(
-                            "gradient of {} elements for a shard of {}",
-                            grad.len(),
-                            v.len()
-                        ))
-                    } else {
-                        v.iter_mut().zip(&grad).for_each(|(w, g)| *w -= *lr * g);
-                        Ok(Vec::new())
-                    }
-                }
+            Request::Push {
+                var,
+                shard,
+                rule,
+                grad,
+            } => match ps.shards.lock().get_mut(&(var, shard)) {
+                Some(h) => Values::from_bytes(h.values.dtype(), &grad).and_then(|g| {
+                    // The shard's own rule keeps its slots under a key no push names.
+                    let (rule, key) = rule.unwrap_or((h.rule, u64::MAX));
+                    let slots = h.slots.entry(key).or_default();
+                    apply(&rule, slots, &mut h.values, &g).map(|_| Vec::new())
+                }),
                 None => Err(no_shard(var, shard)),
             },
             Request::Setup(layout) => match worker {
@@ -784,7 +1078,7 @@ fn encode_layout(layout: &[Vec<Shard>]) -> Vec<u8> {
     for shards in layout {
         b.extend_from_slice(&(shards.len() as u32).to_le_bytes());
         for s in shards {
-            for v in [s.ps as u32, s.var, s.index, s.len as u32] {
+            for v in [s.ps as u32, s.var, s.index, s.len as u32, s.dtype as u32] {
                 b.extend_from_slice(&v.to_le_bytes());
             }
         }
@@ -818,20 +1112,21 @@ fn decode_layout(b: &[u8]) -> std::result::Result<Vec<Vec<Shard>>, String> {
         }
         let n = next() as usize;
         left -= 1;
-        if n > left / 4 {
+        if n > left / 5 {
             return Err(short());
         }
-        left -= 4 * n;
-        layout.push(
-            (0..n)
-                .map(|_| Shard {
-                    ps: next() as usize,
-                    var: next(),
-                    index: next(),
-                    len: next() as usize,
-                })
-                .collect(),
-        );
+        left -= 5 * n;
+        let mut shards = Vec::with_capacity(n);
+        for _ in 0..n {
+            shards.push(Shard {
+                ps: next() as usize,
+                var: next(),
+                index: next(),
+                len: next() as usize,
+                dtype: dtype_of(next())?,
+            });
+        }
+        layout.push(shards);
     }
     if left != 0 {
         return Err(format!("a layout with {} bytes after its end", 4 * left));
@@ -916,15 +1211,11 @@ impl WorkerState {
         let layout = self.layout.lock().clone();
         let mut variables = Vec::with_capacity(layout.len());
         for shards in &layout {
-            let mut v = Vec::new();
-            for s in shards {
-                let mut req = s.var.to_le_bytes().to_vec();
-                req.extend_from_slice(&s.index.to_le_bytes());
-                v.extend(f32s(&self.with_ps(s.ps, |c| {
-                    call_sized(c, OP_PULL, &req, &format!("ps task {}", s.ps), 4 * s.len)
-                })?));
-            }
-            variables.push(v);
+            variables.push(pull(shards, |ps, req, want| {
+                self.with_ps(ps, |c| {
+                    call_sized(c, OP_PULL, req, &format!("ps task {ps}"), want)
+                })
+            })?);
         }
         let ctx = StepContext {
             step,
@@ -933,6 +1224,7 @@ impl WorkerState {
             variables,
             payload,
             output: Mutex::new(Vec::new()),
+            pushes: Mutex::new(Vec::new()),
         };
         let failed = |message: String| Error::StepFailed {
             worker: self.index,
@@ -941,6 +1233,7 @@ impl WorkerState {
         };
         let (grads, loss) = (self.step_fn)(&ctx).map_err(|e| failed(e.to_string()))?;
         let output = ctx.output.into_inner();
+        let pushes = ctx.pushes.into_inner();
         if output.len() > MAX_STEP_BYTES {
             return Err(failed(format!(
                 "the step sent back {} bytes, more than the {MAX_STEP_BYTES} a step may",
@@ -954,22 +1247,50 @@ impl WorkerState {
                 layout.len()
             )));
         }
-        for (g, shards) in grads.iter().zip(&layout) {
-            let total: usize = shards.iter().map(|s| s.len).sum();
-            if g.is_empty() {
-                continue;
-            }
-            if g.len() != total {
+        // Every gradient is checked before any is pushed.
+        let all: Vec<(usize, &Values, KeyedRule)> = grads
+            .iter()
+            .enumerate()
+            .filter(|(_, g)| !g.is_empty())
+            .map(|(i, g)| (i, g, None))
+            .chain(
+                pushes
+                    .iter()
+                    .map(|p| (p.variable, &p.grad, Some((p.rule, p.slots)))),
+            )
+            .collect();
+        for &(i, g, rule) in &all {
+            let Some(shards) = layout.get(i) else {
                 return Err(failed(format!(
-                    "a gradient of {} elements for a variable of {total}",
-                    g.len()
+                    "a gradient for variable {i}; the job has {}",
+                    layout.len()
+                )));
+            };
+            let total: usize = shards.iter().map(|s| s.len).sum();
+            let dtype = shards.first().map_or(DType::F32, |s| s.dtype);
+            if g.len() != total || g.dtype() != dtype {
+                return Err(failed(format!(
+                    "a gradient of {} {} elements for variable {i} of {total} {dtype}",
+                    g.len(),
+                    g.dtype()
                 )));
             }
+            if let Some((r, _)) = rule {
+                r.check()
+                    .map_err(|why| failed(format!("a push to variable {i}: {why}")))?;
+            }
+        }
+        for (i, g, rule) in all {
+            let size = g.dtype().size();
             let mut at = 0;
-            for s in shards {
-                let mut req = s.var.to_le_bytes().to_vec();
+            for s in &layout[i] {
+                let mut req = Vec::with_capacity(PUSH_FIXED + s.len * size);
+                req.extend_from_slice(&s.var.to_le_bytes());
                 req.extend_from_slice(&s.index.to_le_bytes());
-                req.extend(bytes(&g[at..at + s.len]));
+                req.extend_from_slice(&(rule.is_some() as u32).to_le_bytes());
+                let (r, key) = rule.unwrap_or((PLAIN, 0));
+                encode_rule(&r, key, &mut req);
+                req.extend_from_slice(&g.as_bytes()[at * size..(at + s.len) * size]);
                 at += s.len;
                 self.with_ps(s.ps, |c| {
                     call(c, OP_PUSH, &req, &format!("ps task {}", s.ps))
@@ -980,6 +1301,21 @@ impl WorkerState {
         answer.extend(output);
         Ok(answer)
     }
+}
+
+/// A variable's value from its shards, each pulled by `pull_one(ps task, request, bytes due)`.
+fn pull(
+    shards: &[Shard],
+    mut pull_one: impl FnMut(usize, &[u8], usize) -> Result<Vec<u8>>,
+) -> Result<Values> {
+    let dtype = shards.first().map_or(DType::F32, |s| s.dtype);
+    let mut b = Vec::with_capacity(shards.iter().map(|s| s.len).sum::<usize>() * dtype.size());
+    for s in shards {
+        let mut req = s.var.to_le_bytes().to_vec();
+        req.extend_from_slice(&s.index.to_le_bytes());
+        b.extend(pull_one(s.ps, &req, s.len * dtype.size())?);
+    }
+    Values::from_bytes(dtype, &b).map_err(Error::config)
 }
 
 /// A handle on a variable created by the coordinator.
@@ -1049,9 +1385,9 @@ pub struct Coordinator {
     worker_addrs: Vec<String>,
     ps: Vec<Mutex<TcpStream>>,
     layout: Mutex<Vec<Vec<Shard>>>,
-    /// Each variable's learning rate, in creation order (what `assign_variable` re-creates
-    /// its shards with).
-    rates: Mutex<Vec<f32>>,
+    /// Each variable's update rule, in creation order (what `assign_variable` sets its
+    /// shards with).
+    rules: Mutex<Vec<Rule>>,
     partitioner: Partitioner,
     token: String,
     timeout: Duration,
@@ -1080,7 +1416,7 @@ impl Coordinator {
             worker_addrs,
             ps,
             layout: Mutex::new(Vec::new()),
-            rates: Mutex::new(Vec::new()),
+            rules: Mutex::new(Vec::new()),
             partitioner: s.partitioner,
             token,
             timeout: s.timeout,
@@ -1095,11 +1431,10 @@ impl Coordinator {
         self.workers.iter().filter(|w| w.lock().is_some()).count()
     }
 
-    /// Create a variable, sharded across the ps tasks by the partitioner, updated with SGD at
-    /// learning rate `lr` as gradients arrive.
+    /// Create an f32 variable, sharded across the ps tasks by the partitioner, updated with SGD
+    /// at learning rate `lr` as gradients arrive.
     pub fn create_variable(&self, name: &str, initial: &[f32], lr: f32) -> Result<VariableId> {
-        let n = self.partitioner.shards(initial.len(), self.ps.len());
-        self.create_variable_sharded(name, initial, lr, n)
+        self.create_variable_with(name, initial.to_vec().into(), sgd(lr), None)
     }
 
     /// [`Coordinator::create_variable`] in `shards` shards (1 to its elements; a partitioner
@@ -1111,7 +1446,26 @@ impl Coordinator {
         lr: f32,
         shards: usize,
     ) -> Result<VariableId> {
-        let n = shards;
+        self.create_variable_with(name, initial.to_vec().into(), sgd(lr), Some(shards))
+    }
+
+    /// Create a variable of `initial`'s dtype, updated with `rule` as gradients arrive (but
+    /// those a step pushes with a rule of its own, [`StepContext::push`]); in `shards` shards
+    /// (1 to its elements), or as many as the partitioner makes for its bytes.
+    pub fn create_variable_with(
+        &self,
+        name: &str,
+        initial: Values,
+        rule: Rule,
+        shards: Option<usize>,
+    ) -> Result<VariableId> {
+        rule.check()
+            .map_err(|why| Error::config(format!("variable '{name}': {why}")))?;
+        let dtype = initial.dtype();
+        let n = shards.unwrap_or_else(|| {
+            self.partitioner
+                .shards_of(initial.len(), dtype.size(), self.ps.len())
+        });
         if n == 0 || n > initial.len().max(1) {
             return Err(Error::config(format!(
                 "variable '{name}': {n} shards for {} elements (1 to the elements)",
@@ -1120,8 +1474,8 @@ impl Coordinator {
         }
         let mut layout = self.layout.lock();
         let var = layout.len() as u32;
-        let words: usize = layout.iter().map(|v| 1 + 4 * v.len()).sum();
-        if n <= MAX_VARIABLE_SHARDS && 4 * (1 + words + 1 + 4 * n) as u64 > MAX_LAYOUT {
+        let words: usize = layout.iter().map(|v| 1 + 5 * v.len()).sum();
+        if n <= MAX_VARIABLE_SHARDS && 4 * (1 + words + 1 + 5 * n) as u64 > MAX_LAYOUT {
             return Err(Error::config(format!(
                 "variable '{name}': {n} more shards would take the job's layout past the \
                  {MAX_LAYOUT} bytes a worker takes; use a partitioner that makes fewer"
@@ -1144,27 +1498,17 @@ impl Coordinator {
                     r.len()
                 )));
             }
-            let ps = (var as usize + i) % self.ps.len();
-            let mut req = Vec::new();
-            for v in [var, i as u32, lr.to_bits()] {
-                req.extend_from_slice(&v.to_le_bytes());
-            }
-            req.extend(bytes(&initial[r.clone()]));
-            call(
-                &mut self.ps[ps].lock(),
-                OP_CREATE,
-                &req,
-                &format!("ps task {ps} (creating '{name}')"),
-            )?;
             shards.push(Shard {
-                ps,
+                ps: (var as usize + i) % self.ps.len(),
                 var,
                 index: i as u32,
                 len: r.len(),
+                dtype,
             });
         }
+        self.set_shards(&shards, &rule, &initial, &format!(" (creating '{name}')"))?;
         layout.push(shards);
-        self.rates.lock().push(lr);
+        self.rules.lock().push(rule);
         let setup = encode_layout(&layout);
         for (i, w) in self.workers.iter().enumerate() {
             let mut w = w.lock();
@@ -1182,38 +1526,54 @@ impl Coordinator {
         Ok(VariableId(var as usize))
     }
 
-    /// Set a variable to `values` on its ps tasks (as long as it is): a restored checkpoint, or
-    /// a value of the caller's. Steps running meanwhile may push onto the old or the new value.
-    pub fn assign_variable(&self, id: VariableId, values: &[f32]) -> Result<()> {
-        let layout = self.layout.lock();
-        let shards = layout
-            .get(id.0)
-            .ok_or_else(|| Error::config(format!("no variable {}", id.0)))?;
-        let total: usize = shards.iter().map(|s| s.len).sum();
-        if values.len() != total {
-            return Err(Error::config(format!(
-                "assign_variable: {} values for variable {} of {total} elements",
-                values.len(),
-                id.0
-            )));
-        }
-        let lr = self.rates.lock()[id.0];
+    /// Send each shard its part of `values` (with `rule`): CREATE holds a new shard, or sets one
+    /// held, keeping its slots.
+    fn set_shards(&self, shards: &[Shard], rule: &Rule, values: &Values, what: &str) -> Result<()> {
+        let size = values.dtype().size();
         let mut at = 0;
         for s in shards {
-            let mut req = Vec::with_capacity(12 + 4 * s.len);
-            for v in [s.var, s.index, lr.to_bits()] {
+            let mut req = Vec::with_capacity(CREATE_FIXED + s.len * size);
+            for v in [s.var, s.index, values.dtype() as u32] {
                 req.extend_from_slice(&v.to_le_bytes());
             }
-            req.extend(bytes(&values[at..at + s.len]));
+            encode_rule(rule, 0, &mut req);
+            req.extend_from_slice(&values.as_bytes()[at * size..(at + s.len) * size]);
             at += s.len;
             call(
                 &mut self.ps[s.ps].lock(),
                 OP_CREATE,
                 &req,
-                &format!("ps task {}", s.ps),
+                &format!("ps task {}{what}", s.ps),
             )?;
         }
         Ok(())
+    }
+
+    /// Set an f32 variable to `values`: [`Coordinator::assign_values`].
+    pub fn assign_variable(&self, id: VariableId, values: &[f32]) -> Result<()> {
+        self.assign_values(id, values.to_vec().into())
+    }
+
+    /// Set a variable to `values` (of its dtype and length) on its ps tasks: a restored
+    /// checkpoint, or a value of the caller's. Its rule's slots stay. Steps running meanwhile
+    /// may push onto the old or the new value.
+    pub fn assign_values(&self, id: VariableId, values: Values) -> Result<()> {
+        let layout = self.layout.lock();
+        let shards = layout
+            .get(id.0)
+            .ok_or_else(|| Error::config(format!("no variable {}", id.0)))?;
+        let total: usize = shards.iter().map(|s| s.len).sum();
+        let dtype = shards.first().map_or(DType::F32, |s| s.dtype);
+        if values.len() != total || values.dtype() != dtype {
+            return Err(Error::config(format!(
+                "assign_variable: {} {} values for variable {} of {total} {dtype} elements",
+                values.len(),
+                values.dtype(),
+                id.0
+            )));
+        }
+        let rule = self.rules.lock()[id.0];
+        self.set_shards(shards, &rule, &values, "")
     }
 
     /// The shard count of each variable.
@@ -1221,25 +1581,34 @@ impl Coordinator {
         self.layout.lock().iter().map(|s| s.len()).collect()
     }
 
-    /// Read a variable's current value from its ps tasks.
+    /// Read an f32 variable's current value from its ps tasks (another dtype is an error:
+    /// read it with [`Coordinator::read_values`]).
     pub fn read_variable(&self, id: VariableId) -> Result<Vec<f32>> {
+        match self.read_values(id)? {
+            Values::F32(v) => Ok(v),
+            v => Err(Error::config(format!(
+                "read_variable: variable {} is {}, not f32 (read it with read_values)",
+                id.0,
+                v.dtype()
+            ))),
+        }
+    }
+
+    /// Read a variable's current value from its ps tasks.
+    pub fn read_values(&self, id: VariableId) -> Result<Values> {
         let layout = self.layout.lock();
         let shards = layout
             .get(id.0)
             .ok_or_else(|| Error::config(format!("no variable {}", id.0)))?;
-        let mut v = Vec::new();
-        for s in shards {
-            let mut req = s.var.to_le_bytes().to_vec();
-            req.extend_from_slice(&s.index.to_le_bytes());
-            v.extend(f32s(&call_sized(
-                &mut self.ps[s.ps].lock(),
+        pull(shards, |ps, req, want| {
+            call_sized(
+                &mut self.ps[ps].lock(),
                 OP_PULL,
-                &req,
-                &format!("ps task {}", s.ps),
-                4 * s.len,
-            )?));
-        }
-        Ok(v)
+                req,
+                &format!("ps task {ps}"),
+                want,
+            )
+        })
     }
 
     /// Run steps `0..n` on the workers, each step on whichever worker is free, and return the
@@ -1589,17 +1958,26 @@ mod tests {
                 var: 0,
                 index: 0,
                 len: 5,
+                dtype: DType::F64,
             },
             Shard {
                 ps: 0,
                 var: 0,
                 index: 1,
                 len: 4,
+                dtype: DType::F64,
             },
         ]];
         let d = decode_layout(&encode_layout(&layout)).unwrap();
-        assert_eq!(d[0][1].len, 4);
-        assert_eq!(d[0][0].ps, 1);
+        assert_eq!(d, layout);
+        // A shard of a dtype the ps tasks do not hold is refused.
+        let mut b = encode_layout(&layout);
+        let last = b.len() - 4;
+        b[last..].copy_from_slice(&(DType::I32 as u32).to_le_bytes());
+        assert!(decode_layout(&b).unwrap_err().contains("not i32"));
+        // The partitioners count bytes of the dtype.
+        assert_eq!(Partitioner::MaxShardBytes(400).shards_of(100, 8, 2), 2);
+        assert_eq!(Partitioner::MinShardBytes(100).shards_of(100, 2, 8), 2);
     }
 
     /// A ps task served on a thread, and its address.
@@ -1649,19 +2027,23 @@ mod tests {
         assert_eq!(op, OP_ERR, "{why}");
         assert!(why.contains("more than the 8"), "{why}");
         // A PUSH larger than any shard held.
-        let (op, why) = raw(&addr, OP_PUSH, 8 + 4 * 1000, &[]).unwrap();
+        let (op, why) = raw(&addr, OP_PUSH, (PUSH_FIXED + 4 * 1000) as u64, &[]).unwrap();
         assert_eq!(op, OP_ERR);
-        assert!(String::from_utf8_lossy(&why).contains("more than the 8 it may hold"));
+        assert!(String::from_utf8_lossy(&why).contains("more than the 40 it may hold"));
         // The task still serves.
         let mut c = connect(&addr, "tok", Duration::from_secs(5)).unwrap();
-        let mut req = Vec::new();
-        for v in [0u32, 0, 1.0f32.to_bits()] {
-            req.extend_from_slice(&v.to_le_bytes());
-        }
-        req.extend(bytes(&[1.0, 2.0]));
-        call(&mut c, OP_CREATE, &req, "ps task 0").unwrap();
+        let (op, req) = fuzz::encode(&Request::Create {
+            var: 0,
+            shard: 0,
+            rule: PLAIN,
+            values: vec![1.0f32, 2.0].into(),
+        });
+        call(&mut c, op, &req, "ps task 0").unwrap();
         let v = call_sized(&mut c, OP_PULL, &[0; 8], "ps task 0", 8).unwrap();
-        assert_eq!(f32s(&v), [1.0, 2.0]);
+        assert_eq!(
+            Values::from_bytes(DType::F32, &v),
+            Ok(vec![1.0f32, 2.0].into())
+        );
         // A pull answered with another length than the shard's is an error naming the task.
         let e = call_sized(&mut c, OP_PULL, &[0; 8], "ps task 0", 12).unwrap_err();
         assert!(
@@ -1730,27 +2112,35 @@ mod tests {
         t.join().unwrap().unwrap();
     }
 
-    mod fuzz {
+    pub(super) mod fuzz {
         use super::super::*;
         use proptest::prelude::*;
 
-        fn encode(r: &Request) -> (u32, Vec<u8>) {
+        pub(in crate::strategy::ps) fn encode(r: &Request) -> (u32, Vec<u8>) {
             let words = |w: &[u32]| w.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
             match r {
                 Request::Create {
                     var,
                     shard,
-                    lr,
+                    rule,
                     values,
                 } => {
-                    let mut b = words(&[*var, *shard, lr.to_bits()]);
-                    b.extend(bytes(values));
+                    let mut b = words(&[*var, *shard, values.dtype() as u32]);
+                    encode_rule(rule, 0, &mut b);
+                    b.extend_from_slice(values.as_bytes());
                     (OP_CREATE, b)
                 }
                 Request::Pull { var, shard } => (OP_PULL, words(&[*var, *shard])),
-                Request::Push { var, shard, grad } => {
-                    let mut b = words(&[*var, *shard]);
-                    b.extend(bytes(grad));
+                Request::Push {
+                    var,
+                    shard,
+                    rule,
+                    grad,
+                } => {
+                    let mut b = words(&[*var, *shard, rule.is_some() as u32]);
+                    let (r, key) = rule.unwrap_or((PLAIN, 0));
+                    encode_rule(&r, key, &mut b);
+                    b.extend_from_slice(grad);
                     (OP_PUSH, b)
                 }
                 Request::Setup(l) => (OP_SETUP, encode_layout(l)),
@@ -1771,27 +2161,56 @@ mod tests {
                     var,
                     index,
                     len,
+                    dtype: DType::BF16,
                 },
             )
         }
 
         fn request() -> impl Strategy<Value = Request> {
-            let vals = proptest::collection::vec(-1e6f32..1e6, 0..16);
+            let vals = proptest::collection::vec(-1e6f64..1e6, 0..16);
+            let rule = prop_oneof![
+                (1e-3f32..1.0, 0f32..1.0, any::<bool>()).prop_map(|(l, m, n)| Rule::Sgd {
+                    learning_rate: l,
+                    momentum: m,
+                    nesterov: n
+                }),
+                (1e-3f32..1.0, 0f32..1.0, 0f32..1.0, 0f32..1.0).prop_map(|(l, a, b, e)| {
+                    Rule::Adam {
+                        learning_rate: l,
+                        beta_1: a,
+                        beta_2: b,
+                        epsilon: e,
+                    }
+                }),
+            ];
+            let values = (vals.clone(), 0usize..4).prop_map(|(v, d)| match d {
+                0 => Values::F32(v.iter().map(|&x| x as f32).collect()),
+                1 => Values::F64(v),
+                2 => Values::F16(v.iter().map(|&x| half::f16::from_f64(x)).collect()),
+                _ => Values::BF16(v.iter().map(|&x| half::bf16::from_f64(x)).collect()),
+            });
             prop_oneof![
-                (any::<u32>(), any::<u32>(), -1f32..1.0, vals.clone()).prop_map(
-                    |(var, shard, lr, values)| Request::Create {
+                (any::<u32>(), any::<u32>(), rule.clone(), values).prop_map(
+                    |(var, shard, rule, values)| Request::Create {
                         var,
                         shard,
-                        lr,
+                        rule,
                         values
                     }
                 ),
                 (any::<u32>(), any::<u32>()).prop_map(|(var, shard)| Request::Pull { var, shard }),
-                (any::<u32>(), any::<u32>(), vals).prop_map(|(var, shard, grad)| Request::Push {
-                    var,
-                    shard,
-                    grad
-                }),
+                (
+                    any::<u32>(),
+                    any::<u32>(),
+                    proptest::option::of((rule, any::<u64>())),
+                    proptest::collection::vec(any::<u8>(), 0..16)
+                )
+                    .prop_map(|(var, shard, rule, grad)| Request::Push {
+                        var,
+                        shard,
+                        rule,
+                        grad
+                    }),
                 proptest::collection::vec(proptest::collection::vec(shard(), 0..4), 0..4)
                     .prop_map(Request::Setup),
                 (any::<u64>(), proptest::collection::vec(any::<u8>(), 0..16))

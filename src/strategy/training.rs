@@ -51,17 +51,224 @@ pub enum Rule {
     },
 }
 
-/// One copy's slots.
-#[derive(Default)]
-struct Slots {
-    a: Vec<f32>,
-    b: Vec<f32>,
+/// The arithmetic an update [`Rule`] runs in: f32 for f32, f16 and bf16 variables (their slots
+/// are f32, as in mixed precision), f64 for f64 ones.
+pub trait Compute:
+    Copy
+    + Default
+    + PartialEq
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+    + Send
+    + 'static
+{
+    /// A rule's hyper-parameter (an f32) in this arithmetic.
+    fn of(x: f32) -> Self;
+    /// The square root.
+    fn sqrt(self) -> Self;
+    /// `self` to the power `n`.
+    fn powi(self, n: i32) -> Self;
+}
+
+impl Compute for f32 {
+    fn of(x: f32) -> f32 {
+        x
+    }
+    fn sqrt(self) -> f32 {
+        f32::sqrt(self)
+    }
+    fn powi(self, n: i32) -> f32 {
+        f32::powi(self, n)
+    }
+}
+
+impl Compute for f64 {
+    fn of(x: f32) -> f64 {
+        x as f64
+    }
+    fn sqrt(self) -> f64 {
+        f64::sqrt(self)
+    }
+    fn powi(self, n: i32) -> f64 {
+        f64::powi(self, n)
+    }
+}
+
+/// An element type an update [`Rule`] steps: the floats (f32, f64, f16, bf16).
+pub trait Param: crate::dtype::Element {
+    /// What the rule computes in.
+    type C: Compute;
+    /// The element in the rule's arithmetic.
+    fn load(self) -> Self::C;
+    /// The nearest element to a result of the rule's arithmetic.
+    fn store(c: Self::C) -> Self;
+    /// The slots of this arithmetic among a copy's.
+    #[doc(hidden)]
+    fn slots(s: &mut AnySlots) -> &mut Slots<Self::C>;
+}
+
+impl Param for f32 {
+    type C = f32;
+    fn load(self) -> f32 {
+        self
+    }
+    fn store(c: f32) -> f32 {
+        c
+    }
+    fn slots(s: &mut AnySlots) -> &mut Slots<f32> {
+        &mut s.f32
+    }
+}
+
+impl Param for f64 {
+    type C = f64;
+    fn load(self) -> f64 {
+        self
+    }
+    fn store(c: f64) -> f64 {
+        c
+    }
+    fn slots(s: &mut AnySlots) -> &mut Slots<f64> {
+        &mut s.f64
+    }
+}
+
+impl Param for half::f16 {
+    type C = f32;
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
+    fn store(c: f32) -> half::f16 {
+        half::f16::from_f32(c)
+    }
+    fn slots(s: &mut AnySlots) -> &mut Slots<f32> {
+        &mut s.f32
+    }
+}
+
+impl Param for half::bf16 {
+    type C = f32;
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
+    fn store(c: f32) -> half::bf16 {
+        half::bf16::from_f32(c)
+    }
+    fn slots(s: &mut AnySlots) -> &mut Slots<f32> {
+        &mut s.f32
+    }
+}
+
+/// One copy's slots (momentum, or Adam's moments and step count), in the rule's arithmetic.
+#[doc(hidden)]
+pub struct Slots<C> {
+    a: Vec<C>,
+    b: Vec<C>,
     steps: i32,
 }
 
-type SharedSlots = std::sync::Arc<Mutex<Slots>>;
+impl<C> Default for Slots<C> {
+    fn default() -> Slots<C> {
+        Slots {
+            a: Vec::new(),
+            b: Vec::new(),
+            steps: 0,
+        }
+    }
+}
 
-/// A strategy-aware optimizer for f32 [`MirroredVariable`]s. Inside [`Strategy::run`],
+/// A copy's slots, whichever arithmetic its variable's dtype uses.
+#[doc(hidden)]
+#[derive(Default)]
+pub struct AnySlots {
+    f32: Slots<f32>,
+    f64: Slots<f64>,
+}
+
+type SharedSlots = std::sync::Arc<Mutex<AnySlots>>;
+
+impl Rule {
+    /// Its learning rate.
+    pub fn learning_rate(&self) -> f32 {
+        match *self {
+            Rule::Sgd { learning_rate, .. } | Rule::Adam { learning_rate, .. } => learning_rate,
+        }
+    }
+
+    /// Step `w` by the gradient `g` (as long as `w`), keeping the rule's state in `slots`.
+    pub(crate) fn step<S: Param>(&self, slots: &mut AnySlots, w: &mut [S], g: &[S]) {
+        let s = S::slots(slots);
+        if s.a.len() != w.len() {
+            (s.a, s.b) = (
+                vec![S::C::default(); w.len()],
+                vec![S::C::default(); w.len()],
+            );
+        }
+        let of = S::C::of;
+        match *self {
+            Rule::Sgd {
+                learning_rate,
+                momentum,
+                nesterov,
+            } => {
+                let (lr, mu) = (of(learning_rate), of(momentum));
+                for ((w, &g), v) in w.iter_mut().zip(g).zip(&mut s.a) {
+                    let g = g.load();
+                    if momentum == 0.0 {
+                        *w = S::store(w.load() - lr * g);
+                        continue;
+                    }
+                    *v = mu * *v - lr * g;
+                    *w = S::store(w.load() + if nesterov { mu * *v - lr * g } else { *v });
+                }
+            }
+            Rule::Adam {
+                learning_rate,
+                beta_1,
+                beta_2,
+                epsilon,
+            } => {
+                s.steps = s.steps.saturating_add(1);
+                let t = s.steps;
+                let (b1, b2, eps, one) = (of(beta_1), of(beta_2), of(epsilon), of(1.0));
+                let lr_t = of(learning_rate) * (one - b2.powi(t)).sqrt() / (one - b1.powi(t));
+                for (((w, &g), m), v) in w.iter_mut().zip(g).zip(&mut s.a).zip(&mut s.b) {
+                    let g = g.load();
+                    *m = b1 * *m + (one - b1) * g;
+                    *v = b2 * *v + (one - b2) * g * g;
+                    *w = S::store(w.load() - lr_t * *m / (v.sqrt() + eps));
+                }
+            }
+        }
+    }
+
+    /// Why the rule cannot step a variable (a learning rate that is not positive, a
+    /// hyper-parameter that is not finite), if it cannot.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let lr = self.learning_rate();
+        if lr.is_nan() || lr <= 0.0 || lr.is_infinite() {
+            return Err(format!("learning rate {lr} must be positive and finite"));
+        }
+        let finite = match *self {
+            Rule::Sgd { momentum, .. } => momentum.is_finite(),
+            Rule::Adam {
+                beta_1,
+                beta_2,
+                epsilon,
+                ..
+            } => beta_1.is_finite() && beta_2.is_finite() && epsilon.is_finite(),
+        };
+        if !finite {
+            return Err(format!("{self:?}: a hyper-parameter is not finite"));
+        }
+        Ok(())
+    }
+}
+
+/// A strategy-aware optimizer for float [`MirroredVariable`]s (f32, f64, f16, bf16: see
+/// [`Param`]). Inside [`Strategy::run`],
 /// [`Optimizer::apply_gradients`] sums each gradient across every replica in sync (one fused
 /// all-reduce: compute the loss with [`compute_average_loss`] so the sum is the global batch's
 /// gradient), then steps the replica's copy of each variable; every copy keeps its own slots,
@@ -74,16 +281,11 @@ pub struct Optimizer {
 }
 
 impl Optimizer {
-    /// An optimizer with `rule`; a learning rate that is not positive is an error.
+    /// An optimizer with `rule`; a learning rate that is not positive, or a hyper-parameter
+    /// that is not finite, is an error.
     pub fn new(rule: Rule) -> Result<Optimizer> {
-        let lr = match rule {
-            Rule::Sgd { learning_rate, .. } | Rule::Adam { learning_rate, .. } => learning_rate,
-        };
-        if lr.is_nan() || lr <= 0.0 {
-            return Err(Error::config(format!(
-                "optimizer: learning rate {lr} must be positive"
-            )));
-        }
+        rule.check()
+            .map_err(|why| Error::config(format!("optimizer: {why}")))?;
         Ok(Optimizer {
             rule,
             slots: Mutex::new(HashMap::new()),
@@ -119,10 +321,10 @@ impl Optimizer {
     /// copy of each variable by them. Collective: every replica calls it with the same
     /// variables in the same order. A gradient whose length differs from its variable's is an
     /// error before anything is summed.
-    pub fn apply_gradients(
+    pub fn apply_gradients<T: Param>(
         &self,
         ctx: &ReplicaContext<'_>,
-        grads_and_vars: &[(&[f32], &MirroredVariable<f32>)],
+        grads_and_vars: &[(&[T], &MirroredVariable<T>)],
     ) -> Result<()> {
         for (k, (g, v)) in grads_and_vars.iter().enumerate() {
             if g.len() != v.len() {
@@ -133,56 +335,19 @@ impl Optimizer {
                 )));
             }
         }
-        let mut sums: Vec<Vec<f32>> = grads_and_vars.iter().map(|(g, _)| g.to_vec()).collect();
-        let mut bufs: Vec<&mut [f32]> = sums.iter_mut().map(|g| g.as_mut_slice()).collect();
+        let mut sums: Vec<Vec<T>> = grads_and_vars.iter().map(|(g, _)| g.to_vec()).collect();
+        let mut bufs: Vec<&mut [T]> = sums.iter_mut().map(|g| g.as_mut_slice()).collect();
         ctx.all_reduce_batch(ReduceOp::Sum, &mut bufs)?;
         let me = ctx.local_replica_id();
         for (g, (_, var)) in sums.iter().zip(grads_and_vars) {
             let slots = self.slots.lock().entry((var.id(), me)).or_default().clone();
-            var.update_copy(me, |w| self.step(&mut slots.lock(), w, g));
+            var.update_copy(me, |w| self.rule.step(&mut slots.lock(), w, g));
         }
         if me == 0 {
             // Once per step on every worker (its first local replica).
             self.iterations.fetch_add(1, Ordering::Relaxed);
         }
         Ok(())
-    }
-
-    fn step(&self, s: &mut Slots, w: &mut [f32], g: &[f32]) {
-        if s.a.len() != w.len() {
-            (s.a, s.b) = (vec![0.0; w.len()], vec![0.0; w.len()]);
-        }
-        match self.rule {
-            Rule::Sgd {
-                learning_rate: lr,
-                momentum,
-                nesterov,
-            } => {
-                for ((w, &g), v) in w.iter_mut().zip(g).zip(&mut s.a) {
-                    if momentum == 0.0 {
-                        *w -= lr * g;
-                        continue;
-                    }
-                    *v = momentum * *v - lr * g;
-                    *w += if nesterov { momentum * *v - lr * g } else { *v };
-                }
-            }
-            Rule::Adam {
-                learning_rate: lr,
-                beta_1,
-                beta_2,
-                epsilon,
-            } => {
-                s.steps = s.steps.saturating_add(1);
-                let t = s.steps;
-                let lr_t = lr * (1.0 - beta_2.powi(t)).sqrt() / (1.0 - beta_1.powi(t));
-                for (((w, &g), m), v) in w.iter_mut().zip(g).zip(&mut s.a).zip(&mut s.b) {
-                    *m = beta_1 * *m + (1.0 - beta_1) * g;
-                    *v = beta_2 * *v + (1.0 - beta_2) * g * g;
-                    *w -= lr_t * *m / (v.sqrt() + epsilon);
-                }
-            }
-        }
     }
 }
 

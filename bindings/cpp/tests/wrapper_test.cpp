@@ -554,9 +554,12 @@ static void parameter_servers() {
         if (p == "throw") {
             throw std::runtime_error("thrown by the C++ step");
         }
-        EXPECT(st.num_workers() == 2 && st.num_variables() == 1);
+        EXPECT(st.num_workers() == 2 && st.num_variables() == 2);
         std::vector<float> w = st.variable(0);
         st.set_gradient(0, std::vector<float>(w.size(), 1.0f));
+        // Momentum on the ps task, for a float64 variable.
+        EXPECT(st.variable<double>(1).size() == 2);
+        st.push(1, std::vector<double>(2, 1.0), tutti::ps_update::sgd(0.1f, 0.9f, false, 5));
         st.set_loss(static_cast<float>(st.step()));
         st.set_output(p + ":" + std::to_string(st.worker()));
     };
@@ -576,6 +579,9 @@ static void parameter_servers() {
     auto coordinator = chief.run_role(step_fn);
     EXPECT(coordinator != nullptr && coordinator->num_workers() == 2);
     std::size_t w = coordinator->create_variable("w", std::vector<float>(4, 10.0f), 0.5f);
+    std::size_t m = coordinator->create_variable("m", std::vector<double>(2, 0.0),
+                                                 tutti::ps_update::sgd(1.0f), 1);
+    EXPECT(m == 1);
     std::vector<tutti::ps_remote_value> values;
     for (int i = 0; i < 4; i++) {
         values.push_back(coordinator->schedule("step" + std::to_string(i)));
@@ -587,6 +593,11 @@ static void parameter_servers() {
         EXPECT(out.bytes.rfind("step" + std::to_string(i) + ":", 0) == 0);
     }
     EXPECT(coordinator->read_variable(w, 4) == std::vector<float>(4, 8.0f));
+    // v = -0.1, -0.19, -0.271, -0.3439: their sum.
+    double m0 = coordinator->read_variable<double>(m, 2)[0];
+    EXPECT(m0 + 0.9049 < 1e-5 && m0 + 0.9049 > -1e-5);
+    tutti::error e0 = expect_throw([&] { coordinator->read_variable<float>(m, 2); });
+    EXPECT(std::string(e0.what()).find("has 2 f64") != std::string::npos);
     coordinator->assign_variable(w, std::vector<float>{1, 2, 3, 4});
     EXPECT(coordinator->read_variable(w, 4) == (std::vector<float>{1, 2, 3, 4}));
     auto thrown = coordinator->schedule("throw");

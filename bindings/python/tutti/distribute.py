@@ -1556,6 +1556,9 @@ class Optimizer:
         self.iterations = 0
         self._slots = {}
         self._lock = threading.Lock()
+        import secrets
+        # The key of its slots on the ps tasks: made here, so every copy sent to a worker has it.
+        self._ps_slots = secrets.randbits(63)
 
     def __getstate__(self):
         # A copy sent to a worker with a scheduled function: everything but the lock.
@@ -1583,9 +1586,6 @@ class Optimizer:
         if replica is not None and replica._ctx is None:
             replica = None  # the default strategy's one replica: nothing to combine
         for g, v in pairs:
-            if isinstance(v, _PsVariable) and not (type(self) is SGD and not self.momentum):
-                raise ValueError(f"apply_gradients: under ParameterServerStrategy the ps tasks take plain SGD steps; "
-                                 f"{type(self).__name__} with its slots is not available there")
             if v.dtype.kind != "f":
                 raise TypeError(f"apply_gradients: variable {v.name or ''} is {v.dtype}; optimizers step float variables")
             if np.shape(g) != v.shape:
@@ -1594,6 +1594,9 @@ class Optimizer:
             pairs = [(replica.all_reduce("SUM", np.asarray(g, v.dtype)), v) for g, v in pairs]
         for g, v in pairs:
             g = np.asarray(g, v.dtype)
+            if isinstance(v, _PsVariable):
+                v._push(g, self._ps_update())  # stepped on the ps tasks, with the slots kept there
+                continue
             v._apply_combined(replica, lambda i, g=g, v=v: self._step(v, i, g), "sub")
         with self._lock:
             if replica is None or replica._local == 0:
@@ -1604,6 +1607,12 @@ class Optimizer:
         """What copy ``i`` of ``var`` loses this step, from the combined gradient ``g``."""
         raise NotImplementedError
 
+    def _ps_update(self):
+        """The rule the ps tasks step a ``ParameterServerStrategy`` variable by, keyed by this
+        optimizer (its copies on the workers share the key, and so the slots)."""
+        raise TypeError(f"apply_gradients: {type(self).__name__} has no update rule the ps tasks run "
+                        "(SGD, with or without momentum, and Adam have)")
+
 
 class SGD(Optimizer):
     """Keras's SGD: ``w -= lr * g``; with ``momentum``, ``v = momentum * v - lr * g; w += v``
@@ -1612,6 +1621,10 @@ class SGD(Optimizer):
     def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False):
         super().__init__(learning_rate)
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
+
+    def _ps_update(self):
+        return _PsUpdate(rule=0, learning_rate=self.learning_rate, momentum=self.momentum,
+                         nesterov=int(self.nesterov), slots=self._ps_slots)
 
     def _step(self, var, i, g):
         if not self.momentum:
@@ -1629,6 +1642,10 @@ class Adam(Optimizer):
         super().__init__(learning_rate)
         self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
         self._steps = {}
+
+    def _ps_update(self):
+        return _PsUpdate(rule=1, learning_rate=self.learning_rate, beta_1=self.beta_1, beta_2=self.beta_2,
+                         epsilon=self.epsilon, slots=self._ps_slots)
 
     def _step(self, var, i, g):
         m, v = self._slot(var, i, "m"), self._slot(var, i, "v")
@@ -1845,21 +1862,23 @@ _PROTOTYPES.update({
                                             ctypes.POINTER(ctypes.c_void_p)]),
     "tutti_ps_step_info": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64), _size_p,
                                              _size_p, _size_p]),
-    "tutti_ps_step_variable": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t,
+    "tutti_ps_step_variable": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint32),
                                                  ctypes.POINTER(ctypes.c_void_p), _size_p]),
     "tutti_ps_step_payload": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), _size_p]),
-    "tutti_ps_step_set_gradient": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
-                                                     ctypes.c_size_t]),
+    "tutti_ps_step_set_gradient": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
+                                                     ctypes.c_void_p, ctypes.c_size_t]),
+    "tutti_ps_step_push": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p,
+                                             ctypes.c_size_t, ctypes.c_void_p]),
     "tutti_ps_step_set_output": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]),
     "tutti_ps_step_set_error": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_char_p]),
     "tutti_ps_coordinator_num_workers": (ctypes.c_uint32, [ctypes.c_void_p, _size_p]),
-    "tutti_ps_coordinator_create_variable": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p,
-                                                               ctypes.c_size_t, ctypes.c_size_t, ctypes.c_float,
-                                                               _size_p, _size_p]),
-    "tutti_ps_coordinator_read_variable": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
-                                                             ctypes.c_size_t]),
-    "tutti_ps_coordinator_assign_variable": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
-                                                               ctypes.c_size_t]),
+    "tutti_ps_coordinator_create_variable": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint32,
+                                                               ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                                                               ctypes.c_void_p, _size_p, _size_p]),
+    "tutti_ps_coordinator_read_variable": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
+                                                             ctypes.c_void_p, ctypes.c_size_t]),
+    "tutti_ps_coordinator_assign_variable": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
+                                                               ctypes.c_void_p, ctypes.c_size_t]),
     "tutti_ps_coordinator_schedule": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                                         ctypes.POINTER(ctypes.c_void_p)]),
     "tutti_ps_coordinator_join": (ctypes.c_uint32, [ctypes.c_void_p]),
@@ -1943,6 +1962,20 @@ experimental = _Namespace(partitioners=_Namespace(FixedShardsPartitioner=FixedSh
                           ParameterServerStrategy=None, coordinator=None)
 
 _ps_state = threading.local()  # .step: the step a worker is running on this thread
+# The dtypes parameter-server variables hold, by their tutti_dtype codes (numpy has no bfloat16).
+_PS_DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.float16): 2}
+
+
+class _PsUpdate(ctypes.Structure):
+    """``tutti_ps_update``: how the ps tasks step a variable (rule 0: SGD, 1: Adam)."""
+    _fields_ = [("struct_size", ctypes.c_size_t), ("rule", ctypes.c_uint32), ("learning_rate", ctypes.c_float),
+                ("momentum", ctypes.c_float), ("nesterov", ctypes.c_uint32), ("beta_1", ctypes.c_float),
+                ("beta_2", ctypes.c_float), ("epsilon", ctypes.c_float), ("reserved", ctypes.c_uint32),
+                ("slots", ctypes.c_uint64)]
+
+    def __init__(self, **fields):
+        super().__init__(struct_size=ctypes.sizeof(_PsUpdate), **fields)
+
 _ps_iterators = {}  # a worker's iterators of per-worker datasets, by id
 _ps_iterators_lock = threading.Lock()
 
@@ -1957,20 +1990,26 @@ class _PsStep:
                                          ctypes.byref(nvars)))
         self.step, self.worker, self.num_workers = number.value, worker.value, workers.value
         self._nvars = nvars.value
-        self.updates = {}
+        self.updates = {}  # index -> (dtype, what assign* took from it)
+        self.pushes = []  # (index, gradient, _PsUpdate) of apply_gradients
 
-    def value(self, index, shape):
+    def value(self, index, shape, dtype):
         if index >= self._nvars:
             raise ValueError(f"variable {index}: the job has {self._nvars} (made after this worker joined?)")
-        ptr, n = ctypes.c_void_p(), ctypes.c_size_t()
-        _check(_lib().tutti_ps_step_variable(self._h, index, ctypes.byref(ptr), ctypes.byref(n)))
-        if n.value == 0:
-            return np.zeros(shape, np.float32)
-        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), (n.value,)).reshape(shape).copy()
+        code, ptr, n = ctypes.c_uint32(), ctypes.c_void_p(), ctypes.c_size_t()
+        _check(_lib().tutti_ps_step_variable(self._h, index, ctypes.byref(code), ctypes.byref(ptr),
+                                             ctypes.byref(n)))
+        if code.value != _PS_DTYPES[np.dtype(dtype)]:
+            raise TypeError(f"variable {index}: the ps tasks hold dtype code {code.value}, not {dtype}")
+        return np.frombuffer(ctypes.string_at(ptr, n.value * np.dtype(dtype).itemsize), dtype).reshape(shape).copy()
 
     def subtract(self, index, delta):
         """What this step takes from variable ``index``, summed over its updates."""
-        self.updates[index] = self.updates.get(index, 0) + np.asarray(delta, np.float32)
+        self.updates[index] = self.updates.get(index, 0) + np.asarray(delta)
+
+    def push(self, index, gradient, update):
+        """A gradient the ps tasks step variable ``index`` by with ``update`` (a ``_PsUpdate``)."""
+        self.pushes.append((index, gradient, update))
 
 
 def _ps_run_step(handle, _user):
@@ -1991,8 +2030,13 @@ def _ps_run_step(handle, _user):
         finally:
             _ps_state.step = None
         for index, delta in step.updates.items():
-            g = np.ascontiguousarray(delta, np.float32).reshape(-1)
-            _check(_lib().tutti_ps_step_set_gradient(handle, index, g.ctypes.data_as(ctypes.c_void_p), g.size))
+            g = np.ascontiguousarray(delta).reshape(-1)
+            _check(_lib().tutti_ps_step_set_gradient(handle, index, _PS_DTYPES[g.dtype],
+                                                     g.ctypes.data_as(ctypes.c_void_p), g.size))
+        for index, gradient, update in step.pushes:
+            g = np.ascontiguousarray(gradient).reshape(-1)
+            _check(_lib().tutti_ps_step_push(handle, index, _PS_DTYPES[g.dtype], g.ctypes.data_as(ctypes.c_void_p),
+                                             g.size, ctypes.byref(update)))
         out = _pickler().dumps(_fetched(result))
         _check(_lib().tutti_ps_step_set_output(handle, out, len(out)))
         return 0
@@ -2051,9 +2095,11 @@ class ParameterServerStrategy(Strategy):
     ``experimental.partitioners`` or any ``(shape, dtype) -> shards per axis`` callable; ``None``:
     one shard). A ``ClusterCoordinator`` schedules functions on the workers, which run
     ``Server(...).join()``; the job ends when the strategy is closed (also at exit). Variables are
-    float32; updates are plain SGD's (``SGD()`` without momentum, or ``assign_sub``). A scheduled
-    function carries a copy of what it uses: an optimizer's ``iterations`` counts on that copy,
-    not on the chief's."""
+    float32, float64 or float16. An optimizer's ``apply_gradients`` (``SGD``, with or without
+    momentum, and ``Adam``) runs on the ps tasks, which keep its slots beside each shard (Adam
+    counts its steps per shard); a scheduled function sees those steps from its next run on. A
+    scheduled function carries a copy of what it uses: an optimizer's ``iterations`` counts on
+    that copy, not on the chief's."""
 
     def __init__(self, cluster_resolver=None, variable_partitioner=None):
         resolver = cluster_resolver if cluster_resolver is not None else TFConfigClusterResolver()
@@ -2138,21 +2184,25 @@ class ParameterServerStrategy(Strategy):
         shards = min(shards, value.size) if shards else (1 if self._partitioner is None else 0)
         index, n = ctypes.c_size_t(), ctypes.c_size_t()
         with self._lock, self._coordinator_handle() as h:
+            # No rule of its own: a step's assign* deltas are subtracted as they come.
             _check(_lib().tutti_ps_coordinator_create_variable(
-                h, (name or f"Variable:{self._variables}").encode(),
-                value.ctypes.data_as(ctypes.c_void_p), value.size, shards, 1.0, ctypes.byref(index), ctypes.byref(n)))
+                h, (name or f"Variable:{self._variables}").encode(), _PS_DTYPES[value.dtype],
+                value.ctypes.data_as(ctypes.c_void_p), value.size, shards, None, ctypes.byref(index),
+                ctypes.byref(n)))
             self._variables += 1
         return index.value, n.value
 
-    def _assign_variable(self, index, value):
-        v = np.ascontiguousarray(value, np.float32)
+    def _assign_variable(self, index, value, dtype):
+        v = np.ascontiguousarray(value, dtype)
         with self._coordinator_handle() as h:
-            _check(_lib().tutti_ps_coordinator_assign_variable(h, index, v.ctypes.data_as(ctypes.c_void_p), v.size))
+            _check(_lib().tutti_ps_coordinator_assign_variable(h, index, _PS_DTYPES[v.dtype],
+                                                               v.ctypes.data_as(ctypes.c_void_p), v.size))
 
-    def _read_variable(self, index, shape):
-        out = np.empty(shape, np.float32)
+    def _read_variable(self, index, shape, dtype):
+        out = np.empty(shape, dtype)
         with self._coordinator_handle() as h:
-            _check(_lib().tutti_ps_coordinator_read_variable(h, index, out.ctypes.data_as(ctypes.c_void_p), out.size))
+            _check(_lib().tutti_ps_coordinator_read_variable(h, index, _PS_DTYPES[out.dtype],
+                                                             out.ctypes.data_as(ctypes.c_void_p), out.size))
         return out
 
     def close(self):
@@ -2182,33 +2232,34 @@ def _worker_strategy():
     return _WorkerStrategy()
 
 
-def _ps_variable(index, shape, name):
+def _ps_variable(index, shape, name, dtype="float32"):
     v = object.__new__(_PsVariable)
     v.name, v.aggregation, v._strategy, v._ps_index, v._shape = name, "SUM", None, index, tuple(shape)
-    v.num_shards = None
+    v.num_shards, v._dtype = None, np.dtype(dtype)
     return v
 
 
 class _PsVariable(Variable):
     """A ``Variable`` made under a ``ParameterServerStrategy``: held on the ps tasks; a
     scheduled function reads it as pulled for its step and updates it with ``assign_sub``
-    (``assign_add``, and ``assign`` as the difference from that value), sent back with the step;
+    (``assign_add``, and ``assign`` as the difference from that value), sent back with the step,
+    or with an optimizer's ``apply_gradients``, which the ps tasks run;
     on the coordinator ``assign*`` set it on the ps tasks (a ``Checkpoint`` restores so: use them
     while no ``join`` runs, as steps pushed meanwhile may be overwritten; a restore that fails
     part-way may have set some shards)."""
 
     def __init__(self, initial_value, aggregation=VariableAggregation.NONE, dtype=None, name=None):
         value = np.array(initial_value, dtype=dtype, copy=True, order="C")
-        if value.dtype != np.float32:
-            raise TypeError(f"ParameterServerStrategy holds float32 variables; this one is {value.dtype} "
-                            "(pass a float32 value or dtype=np.float32)")
+        if value.dtype not in _PS_DTYPES:
+            raise TypeError(f"ParameterServerStrategy holds float32, float64 and float16 variables; this one is "
+                            f"{value.dtype} (pass dtype=np.float32)")
         self.name, self.aggregation = name, _aggregation(aggregation)
         self._strategy = get_strategy()
-        self._shape = value.shape
+        self._shape, self._dtype = value.shape, value.dtype
         self._ps_index, self.num_shards = self._strategy._create_variable(name, value)
 
     def __reduce__(self):
-        return (_ps_variable, (self._ps_index, self._shape, self.name))
+        return (_ps_variable, (self._ps_index, self._shape, self.name, self._dtype.str))
 
     def _step(self, what):
         step = getattr(_ps_state, "step", None)
@@ -2223,10 +2274,11 @@ class _PsVariable(Variable):
     def numpy(self):
         step = getattr(_ps_state, "step", None)
         if step is not None:
-            return step.value(self._ps_index, self._shape) - step.updates.get(self._ps_index, 0)
+            pulled = step.value(self._ps_index, self._shape, self._dtype)
+            return (pulled - step.updates.get(self._ps_index, 0)).astype(self._dtype)
         if self._strategy is None:
             raise RuntimeError("Variable: read on a worker outside a scheduled function")
-        return self._strategy._read_variable(self._ps_index, self._shape)
+        return self._strategy._read_variable(self._ps_index, self._shape, self._dtype)
 
     @property
     def shape(self):
@@ -2234,17 +2286,22 @@ class _PsVariable(Variable):
 
     @property
     def dtype(self):
-        return np.dtype(np.float32)
+        return self._dtype
+
+    def _push(self, gradient, update):
+        if gradient.shape != self._shape:
+            raise ValueError(f"Variable: a gradient of shape {gradient.shape} for a variable of shape {self._shape}")
+        self._step("apply_gradients").push(self._ps_index, np.asarray(gradient, self._dtype), update)
 
     def _apply_combined(self, replica, update_of, how):
-        u = np.asarray(update_of(0), np.float32)
+        u = np.asarray(update_of(0), self._dtype)
         if u.shape != self._shape:
             raise ValueError(f"Variable: an update of shape {u.shape} for a variable of shape {self._shape}")
         if getattr(_ps_state, "step", None) is None and self._strategy is not None:
             # On the coordinator (a restored checkpoint, a value of the caller's): set on the
             # ps tasks; steps running meanwhile may push onto the old value or the new.
             new = u if how == "set" else self.numpy() + (u if how == "add" else -u)
-            self._strategy._assign_variable(self._ps_index, new)
+            self._strategy._assign_variable(self._ps_index, new, self._dtype)
             return
         step = self._step("assign" if how == "set" else f"assign_{how}")
         if how == "set":
@@ -2254,7 +2311,7 @@ class _PsVariable(Variable):
         step.subtract(self._ps_index, u)
 
     def __repr__(self):
-        return f"<tutti.distribute.Variable {self.name or ''} shape={self.shape} dtype=float32 on ps tasks>"
+        return f"<tutti.distribute.Variable {self.name or ''} shape={self.shape} dtype={self._dtype} on ps tasks>"
 
 
 class RemoteValue:

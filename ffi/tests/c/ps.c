@@ -1,7 +1,8 @@
 /* Parameter servers from C: a ps task, two workers and the chief on threads of one process.
  * The chief creates a sharded variable, schedules steps carrying payloads and fetches what they
  * sent back, runs steps, reads the variable; a step function that fails is the step's error
- * (TUTTI_ERROR_STEP_FAILED, the workers stay); and the argument errors. */
+ * (TUTTI_ERROR_STEP_FAILED, the workers stay); a float64 variable the steps push to with momentum,
+ * which the ps task applies; and the argument errors. */
 #include "check.h"
 
 static char cluster[512];
@@ -12,32 +13,56 @@ static void tf_config(char *buf, size_t len, const char *type, int index) {
              type, index);
 }
 
-/* A wrong gradient length was refused inside a step, as it should be. */
-static int refused_gradient = 0;
+/* A wrong gradient length, a wrong dtype and a bad update were refused inside a step, as they
+ * should be. */
+static int refused_gradient = 0, refused_dtype = 0, refused_update = 0;
 
 /* The payload is a command. The output: this worker's index, then the variable's first element
  * as pulled. */
 static tutti_result step_fn(tutti_ps_step *step, void *user_data) {
-    const void *payload = NULL;
+    const void *payload = NULL, *data = NULL;
     const float *w = NULL;
     size_t len = 0, n = 0, worker = 0, workers = 0, vars = 0;
     uint64_t number = 0;
     float ones[6] = {1, 1, 1, 1, 1, 1}, out[2];
+    double twos[2] = {1, 1};
+    tutti_dtype dtype = 99;
+    tutti_ps_update momentum = TUTTI_PS_UPDATE_INIT, bad = TUTTI_PS_UPDATE_INIT;
+    char why[512];
     (void)user_data;
+    momentum.learning_rate = 0.1f;
+    momentum.momentum = 0.9f;
+    momentum.slots = 3;
+    bad.struct_size = 8;
     CHECK(tutti_ps_step_info(step, &number, &worker, &workers, &vars));
-    EXPECT(workers == 2 && vars == 1);
+    EXPECT(workers == 2 && vars == 2);
     CHECK(tutti_ps_step_payload(step, &payload, &len));
-    CHECK(tutti_ps_step_variable(step, 0, &w, &n));
-    EXPECT(n == 6);
+    CHECK(tutti_ps_step_variable(step, 0, &dtype, &data, &n));
+    EXPECT(n == 6 && dtype == TUTTI_DTYPE_F32);
+    w = data;
+    CHECK(tutti_ps_step_variable(step, 1, &dtype, &data, &n));
+    EXPECT(n == 2 && dtype == TUTTI_DTYPE_F64);
     if (len == 5 && memcmp(payload, "raise", 5) == 0) {
         CHECK(tutti_ps_step_set_error(step, "raised by the C step"));
         return TUTTI_ERROR_INVALID_ARGUMENT;
     }
-    if (tutti_ps_step_set_gradient(step, 0, ones, 5) == TUTTI_ERROR_INVALID_ARGUMENT) {
+    if (tutti_ps_step_set_gradient(step, 0, TUTTI_DTYPE_F32, ones, 5) ==
+        TUTTI_ERROR_INVALID_ARGUMENT) {
         refused_gradient = 1;
     }
-    if (!(len == 4 && memcmp(payload, "read", 4) == 0)) {
-        CHECK(tutti_ps_step_set_gradient(step, 0, ones, 6));
+    if (tutti_ps_step_push(step, 1, TUTTI_DTYPE_F32, ones, 2, &momentum) ==
+            TUTTI_ERROR_INVALID_ARGUMENT &&
+        (last_error(why, sizeof why), strstr(why, "2 f32 elements for variable 1, of 2 f64"))) {
+        refused_dtype = 1;
+    }
+    if (tutti_ps_step_push(step, 1, TUTTI_DTYPE_F64, twos, 2, &bad) ==
+            TUTTI_ERROR_INVALID_ARGUMENT &&
+        (last_error(why, sizeof why), strstr(why, "struct_size is 8"))) {
+        refused_update = 1;
+    }
+    if (len == 4 && memcmp(payload, "step", 4) == 0) {
+        CHECK(tutti_ps_step_set_gradient(step, 0, TUTTI_DTYPE_F32, ones, 6));
+        CHECK(tutti_ps_step_push(step, 1, TUTTI_DTYPE_F64, twos, 2, &momentum));
     }
     out[0] = (float)worker;
     out[1] = w[0];
@@ -74,7 +99,9 @@ int main(void) {
     tutti_ps_coordinator *c = NULL;
     tutti_ps_remote_value *values[4] = {NULL}, *raised = NULL, *read = NULL;
     float init[6] = {100, 100, 100, 100, 100, 100}, w[6], loss = -1, out[2], losses[3];
+    double zeros[2] = {0, 0}, m[2];
     size_t index = 9, shards = 0, workers = 0, out_len = 0, i;
+    tutti_ps_update sgd = TUTTI_PS_UPDATE_INIT;
     char small[3];
 
     snprintf(cluster, sizeof cluster,
@@ -106,8 +133,14 @@ int main(void) {
     EXPECT(c != NULL);
     CHECK(tutti_ps_coordinator_num_workers(c, &workers));
     EXPECT(workers == 2);
-    CHECK(tutti_ps_coordinator_create_variable(c, "w", init, 6, 0, 0.5f, &index, &shards));
+    sgd.learning_rate = 0.5f;
+    CHECK(tutti_ps_coordinator_create_variable(c, "w", TUTTI_DTYPE_F32, init, 6, 0, &sgd, &index,
+                                               &shards));
     EXPECT(index == 0 && shards == 3);
+    /* Stepped by the rule each step pushes with (NULL here: w -= gradient). */
+    CHECK(tutti_ps_coordinator_create_variable(c, "m", TUTTI_DTYPE_F64, zeros, 2, 1, NULL, &index,
+                                               &shards));
+    EXPECT(index == 1 && shards == 1);
 
     /* Four scheduled steps: each sends back its worker and the value it pulled. */
     for (i = 0; i < 4; i++) {
@@ -121,11 +154,14 @@ int main(void) {
     /* A buffer too small: what fits, and the full length. */
     CHECK(tutti_ps_coordinator_fetch(c, values[0], NULL, small, sizeof small, &out_len));
     EXPECT(out_len == sizeof out);
-    CHECK(tutti_ps_coordinator_read_variable(c, 0, w, 6));
+    CHECK(tutti_ps_coordinator_read_variable(c, 0, TUTTI_DTYPE_F32, w, 6));
     for (i = 0; i < 6; i++) {
         EXPECT(w[i] == 98.0f); /* 100 - 4 steps x 0.5 x 1 */
     }
-    EXPECT(refused_gradient);
+    /* Momentum kept on the ps task: v = -0.1, -0.19, -0.271, -0.3439; their sum. */
+    CHECK(tutti_ps_coordinator_read_variable(c, 1, TUTTI_DTYPE_F64, m, 2));
+    EXPECT(m[0] + 0.9049 < 1e-5 && m[0] + 0.9049 > -1e-5 && m[0] == m[1]);
+    EXPECT(refused_gradient && refused_dtype && refused_update);
 
     /* A read-only step, run by fetch. */
     CHECK(tutti_ps_coordinator_schedule(c, "read", 4, &read));
@@ -143,18 +179,28 @@ int main(void) {
 
     CHECK(tutti_ps_coordinator_run_steps(c, 3, losses));
     EXPECT(losses[0] == 0.0f && losses[1] == 1.0f && losses[2] == 2.0f);
-    EXPECT_ERROR(tutti_ps_coordinator_read_variable(c, 0, w, 5), TUTTI_ERROR_INVALID_ARGUMENT,
-                 "len 5", "6 elements");
+    EXPECT_ERROR(tutti_ps_coordinator_read_variable(c, 0, TUTTI_DTYPE_F32, w, 5),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "5 f32 elements", "has 6 f32");
+    EXPECT_ERROR(tutti_ps_coordinator_read_variable(c, 1, TUTTI_DTYPE_F32, w, 2),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "2 f32 elements", "has 2 f64");
     /* Set from the coordinator (a restored checkpoint), across the three shards. */
-    CHECK(tutti_ps_coordinator_assign_variable(c, 0, init, 6));
-    CHECK(tutti_ps_coordinator_read_variable(c, 0, w, 6));
+    CHECK(tutti_ps_coordinator_assign_variable(c, 0, TUTTI_DTYPE_F32, init, 6));
+    CHECK(tutti_ps_coordinator_read_variable(c, 0, TUTTI_DTYPE_F32, w, 6));
     EXPECT(memcmp(w, init, sizeof w) == 0);
-    EXPECT_ERROR(tutti_ps_coordinator_assign_variable(c, 0, init, 4),
-                 TUTTI_ERROR_INVALID_ARGUMENT, "4 values", "6 elements");
-    EXPECT_ERROR(tutti_ps_coordinator_read_variable(c, 1, w, 6), TUTTI_ERROR_INVALID_ARGUMENT,
-                 "variable 1");
-    EXPECT_ERROR(tutti_ps_coordinator_create_variable(c, "v", init, 6, 7, 0.5f, NULL, NULL),
+    EXPECT_ERROR(tutti_ps_coordinator_assign_variable(c, 0, TUTTI_DTYPE_F32, init, 4),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "4 f32 values", "6 f32 elements");
+    EXPECT_ERROR(tutti_ps_coordinator_read_variable(c, 2, TUTTI_DTYPE_F32, w, 6),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "variable 2");
+    EXPECT_ERROR(tutti_ps_coordinator_create_variable(c, "v", TUTTI_DTYPE_F32, init, 6, 7, NULL,
+                                                      NULL, NULL),
                  TUTTI_ERROR_INVALID_ARGUMENT, "7 shards for 6 elements");
+    EXPECT_ERROR(tutti_ps_coordinator_create_variable(c, "i", TUTTI_DTYPE_I32, init, 6, 0, NULL,
+                                                      NULL, NULL),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "floats (f32, f64, f16, bf16), not i32");
+    sgd.learning_rate = -1.0f;
+    EXPECT_ERROR(tutti_ps_coordinator_create_variable(c, "v", TUTTI_DTYPE_F32, init, 6, 0, &sgd,
+                                                      NULL, NULL),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "learning rate -1 must be positive");
     EXPECT_ERROR(tutti_ps_coordinator_fetch(c, read, NULL, NULL, 8, NULL),
                  TUTTI_ERROR_INVALID_ARGUMENT, "output is NULL");
 
