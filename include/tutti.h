@@ -2631,6 +2631,33 @@ tutti_result tutti_replica_broadcast(const struct tutti_replica_context *ctx,
                                      void *buf);
 
 /**
+ * Concatenate the rows of every replica in sync, in replica order across the whole job
+ * (TensorFlow's `strategy.gather` along axis 0): local replica `i` gives `rows[i]` rows of
+ * `row_len` elements of `dtype` at `per_replica[i]` (the replicas may differ in rows, not in
+ * `row_len`). The rows gathered go to `output`, which holds `capacity_rows` rows, and their
+ * number to `*total_rows` (NULL: not wanted). Every worker calls it (a collective); one whose
+ * `output` is too small gets `TUTTI_ERROR_INVALID_ARGUMENT` with `*total_rows` set and nothing
+ * written, once the rows have been gathered (the others are not held up).
+ *
+ * Thread-safety: not inside a replica function; one call at a time per strategy.
+ *
+ * # Safety
+ *
+ * `strategy` is NULL or a live handle; `per_replica` and `rows` are NULL or hold one entry
+ * per local replica, `per_replica[i]` pointing to `rows[i] * row_len` readable elements;
+ * `output` is NULL or holds `capacity_rows * row_len` writable ones; `total_rows` is NULL or
+ * writable.
+ */
+tutti_result tutti_strategy_gather(struct tutti_strategy *strategy,
+                                   tutti_dtype dtype,
+                                   size_t row_len,
+                                   const void *const *per_replica,
+                                   const size_t *rows,
+                                   void *output,
+                                   size_t capacity_rows,
+                                   size_t *total_rows);
+
+/**
  * Reduce one value per local replica (`per_replica[i]`: `count` elements of `dtype`) across
  * every replica in sync into `output` (TensorFlow's `strategy.reduce` with no axis). `op` is
  * SUM or MEAN.

@@ -990,6 +990,31 @@ public:
                                             in.empty() ? nullptr : in.data(), out.data()));
         return out;
     }
+    /// The rows of every replica in sync, in replica order across the job (TensorFlow's
+    /// strategy.gather along axis 0): local replica i gives per_replica[i], whole rows of
+    /// `row_len` elements; `max_rows` bounds the rows of the whole job (a global batch's, say).
+    template <typename T>
+    std::vector<T> gather(const std::vector<std::vector<T>> &per_replica, std::size_t row_len,
+                          std::size_t max_rows) {
+        std::vector<const void *> in;
+        std::vector<std::size_t> rows;
+        for (const auto &v : per_replica) {
+            if (row_len == 0 || v.size() % row_len != 0) {
+                throw error(TUTTI_ERROR_INVALID_ARGUMENT,
+                            "tutti::strategy::gather: a replica's value is not whole rows");
+            }
+            in.push_back(v.data());
+            rows.push_back(v.size() / row_len);
+        }
+        std::vector<T> out(max_rows * row_len);
+        std::size_t total = 0;
+        detail::check(tutti_strategy_gather(h_.get(), dtype_of<T>::value, row_len,
+                                            in.empty() ? nullptr : in.data(),
+                                            rows.empty() ? nullptr : rows.data(), out.data(),
+                                            max_rows, &total));
+        out.resize(total * row_len);
+        return out;
+    }
     /// The rows [first, second) of a global batch of `rows` rows each local replica takes.
     std::vector<std::pair<std::size_t, std::size_t>> batch_rows(std::size_t rows) const {
         std::vector<std::size_t> starts(num_local_replicas() + 1);

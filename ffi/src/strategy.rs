@@ -778,6 +778,105 @@ pub unsafe extern "C" fn tutti_replica_broadcast(
     })
 }
 
+/// Concatenate the rows of every replica in sync, in replica order across the whole job
+/// (TensorFlow's `strategy.gather` along axis 0): local replica `i` gives `rows[i]` rows of
+/// `row_len` elements of `dtype` at `per_replica[i]` (the replicas may differ in rows, not in
+/// `row_len`). The rows gathered go to `output`, which holds `capacity_rows` rows, and their
+/// number to `*total_rows` (NULL: not wanted). Every worker calls it (a collective); one whose
+/// `output` is too small gets `TUTTI_ERROR_INVALID_ARGUMENT` with `*total_rows` set and nothing
+/// written, once the rows have been gathered (the others are not held up).
+///
+/// Thread-safety: not inside a replica function; one call at a time per strategy.
+///
+/// # Safety
+///
+/// `strategy` is NULL or a live handle; `per_replica` and `rows` are NULL or hold one entry
+/// per local replica, `per_replica[i]` pointing to `rows[i] * row_len` readable elements;
+/// `output` is NULL or holds `capacity_rows * row_len` writable ones; `total_rows` is NULL or
+/// writable.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn tutti_strategy_gather(
+    strategy: *mut tutti_strategy,
+    dtype: tutti_dtype,
+    row_len: usize,
+    per_replica: *const *const c_void,
+    rows: *const usize,
+    output: *mut c_void,
+    capacity_rows: usize,
+    total_rows: *mut usize,
+) -> tutti_result {
+    boundary("tutti_strategy_gather", || {
+        // SAFETY: as the caller promises.
+        let s = unsafe { strategy_ref(strategy) }?;
+        let dtype = types::dtype(dtype).map_err(Failure::invalid)?;
+        if row_len == 0 {
+            return Err(Failure::invalid(
+                "row_len is 0: a row holds one element at least",
+            ));
+        }
+        if per_replica.is_null() {
+            return Err(Failure::invalid("per_replica is NULL"));
+        }
+        let local = s.num_local_replicas();
+        // SAFETY: the caller promises one count per local replica.
+        let rows =
+            unsafe { buffers::read_counts(rows, local, "rows") }.map_err(Failure::invalid)?;
+        // SAFETY: the caller promises one pointer per local replica.
+        let ptrs = unsafe { std::slice::from_raw_parts(per_replica, local) };
+        let mut lens = Vec::with_capacity(local);
+        for (i, (p, r)) in ptrs.iter().zip(&rows).enumerate() {
+            let len = byte_len(*r, row_len, dtype).map_err(Failure::invalid)?;
+            check(*p, len, dtype, &format!("per_replica[{i}]")).map_err(Failure::invalid)?;
+            lens.push(len);
+        }
+        let out_len = byte_len(capacity_rows, row_len, dtype).map_err(Failure::invalid)?;
+        check(output, out_len, dtype, "output").map_err(Failure::invalid)?;
+        /// Gather, then write the rows to `output` if they fit.
+        #[allow(clippy::too_many_arguments)]
+        fn run<T: Element>(
+            s: &Strategy,
+            row_len: usize,
+            ptrs: &[*const c_void],
+            lens: &[usize],
+            rows: &[usize],
+            output: *mut c_void,
+            capacity_rows: usize,
+            total_rows: *mut usize,
+        ) -> Result<(), Failure> {
+            let parts = ptrs
+                .iter()
+                .zip(lens)
+                .zip(rows)
+                .map(|((p, &len), &r)| {
+                    // SAFETY: checked by the caller; the trainer promises the lengths.
+                    let data = typed_ref::<T>(unsafe { buffers::slice(*p, len) }).to_vec();
+                    Tensor::new(data, vec![r, row_len])
+                })
+                .collect::<tutti::Result<Vec<_>>>()?;
+            let all = s.gather(&PerReplica(parts), 0)?.data;
+            let total = all.len() / row_len;
+            if !total_rows.is_null() {
+                // SAFETY: NULL-checked; the trainer promises it is writable.
+                unsafe { total_rows.write(total) };
+            }
+            if total > capacity_rows {
+                return Err(Failure::invalid(format!(
+                    "output holds {capacity_rows} rows, but the replicas gathered {total}"
+                )));
+            }
+            let bytes: &[u8] = bytemuck::cast_slice(&all);
+            // SAFETY: checked by the caller for `capacity_rows` rows; `total` fit.
+            unsafe { buffers::slice_mut(output, bytes.len()) }.copy_from_slice(bytes);
+            Ok(())
+        }
+        tutti::for_each_dtype!(dtype, T => {
+            run::<T>(s, row_len, ptrs, &lens, &rows, output, capacity_rows, total_rows)?
+        });
+        Ok(())
+    })
+}
+
 /// Reduce one value per local replica (`per_replica[i]`: `count` elements of `dtype`) across
 /// every replica in sync into `output` (TensorFlow's `strategy.reduce` with no axis). `op` is
 /// SUM or MEAN.

@@ -474,6 +474,9 @@ static void strategies_and_checkpoints() {
     std::vector<float> mean = s.reduce(std::vector<std::vector<float>>{{1, 2}, {3, 4}, {5, 6}},
                                        tutti::op::mean);
     EXPECT(mean[0] == 3.0f && mean[1] == 4.0f);
+    // Gather: uneven rows, in replica order.
+    std::vector<double> all = s.gather(std::vector<std::vector<double>>{{1, 2}, {}, {3, 4, 5, 6}}, 2, 10);
+    EXPECT(all == (std::vector<double>{1, 2, 3, 4, 5, 6}));
     tutti_cross_device_ops_config hc = TUTTI_CROSS_DEVICE_OPS_CONFIG_INIT;
     hc.kind = TUTTI_CROSS_DEVICE_OPS_HIERARCHICAL_COPY;
     hc.group_size = 3;

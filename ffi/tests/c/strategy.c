@@ -184,6 +184,32 @@ int main(void) {
     CHECK(tutti_strategy_reduce(s, 2, TUTTI_DTYPE_F32, TUTTI_OP_MEAN, (const void *const *)ptrs, out));
     EXPECT(out[0] == 1.5f && out[1] == 2.0f);
 
+    /* Gather: the replicas' rows (0, 1, 2 and 3 rows of two elements) in replica order. */
+    {
+        float rows_of[4][6], g[12];
+        const void *gp[4];
+        size_t rows[4] = {0, 1, 2, 3}, total = 0, j;
+        for (i = 0; i < 4; i++) {
+            for (j = 0; j < 6; j++) {
+                rows_of[i][j] = (float)(10 * i + j);
+            }
+            gp[i] = rows_of[i];
+        }
+        CHECK(tutti_strategy_gather(s, TUTTI_DTYPE_F32, 2, gp, rows, g, 6, &total));
+        EXPECT(total == 6 && g[0] == 10.0f && g[1] == 11.0f && g[2] == 20.0f && g[5] == 23.0f &&
+               g[6] == 30.0f && g[11] == 35.0f);
+        total = 0;
+        EXPECT_ERROR(tutti_strategy_gather(s, TUTTI_DTYPE_F32, 2, gp, rows, g, 5, &total),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "output holds 5 rows", "gathered 6");
+        EXPECT(total == 6);
+        EXPECT_ERROR(tutti_strategy_gather(s, TUTTI_DTYPE_F32, 0, gp, rows, g, 6, NULL),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "row_len is 0");
+        EXPECT_ERROR(tutti_strategy_gather(s, TUTTI_DTYPE_F32, 2, gp, NULL, g, 6, NULL),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "rows is NULL");
+        EXPECT_ERROR(tutti_strategy_gather(s, TUTTI_DTYPE_F32, 2, gp, rows, NULL, 6, NULL),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "output is NULL");
+    }
+
     /* A failing replica: run fails with its code and says which replica and why. */
     EXPECT_ERROR(tutti_strategy_run(s, failing_step, NULL), TUTTI_ERROR_SYSTEM, "replica 2",
                  "returned 1", "dtype 99 is not a tutti_dtype");
