@@ -1,5 +1,12 @@
 """Builds libtutti from the workspace's ffi crate (release, debug info stripped) into the
-package as tutti/libtutti*.so; everything else is in pyproject.toml."""
+package as tutti/libtutti*.so; everything else is in pyproject.toml.
+
+Cargo features: ``xla`` by default (XLA devices through a PJRT plugin, loaded at run time: a
+machine without one answers UNAVAILABLE); ``TUTTI_FEATURES`` (comma-separated, such as
+``xla,cuda,mpi``) sets them instead: ``cuda`` loads the CUDA driver and NCCL at run time, ``mpi``
+links the system's MPI."""
+
+import os
 
 from setuptools import setup
 from setuptools_rust import Binding, RustExtension, Strip
@@ -26,6 +33,7 @@ setup(
             "tutti.libtutti",
             path="../../ffi/Cargo.toml",
             binding=Binding.NoBinding,
+            features=[f for f in os.environ.get("TUTTI_FEATURES", "xla").replace(" ", "").split(",") if f],
             strip=Strip.Debug,
             py_limited_api=False,
         )

@@ -390,9 +390,7 @@ fn tpu_strategy(num_local_replicas: usize) -> Result<Strategy, Failure> {
 fn tpu_strategy(_num_local_replicas: usize) -> Result<Strategy, Failure> {
     Err(tutti::Error::Unavailable {
         what: "TPUStrategy".into(),
-        why: "this libtutti was built without the xla feature (cargo build -p tutti-ffi \
-              --features xla)"
-            .into(),
+        why: crate::xla::NO_XLA.into(),
     }
     .into())
 }
@@ -440,9 +438,7 @@ pub unsafe extern "C" fn tutti_tpu_initialize(
             let _ = (num_cores, num_tasks, num_cores_per_task);
             Err(tutti::Error::Unavailable {
                 what: "TPU".into(),
-                why: "this libtutti was built without the xla feature (cargo build -p \
-                      tutti-ffi --features xla)"
-                    .into(),
+                why: crate::xla::NO_XLA.into(),
             }
             .into())
         }

@@ -29,12 +29,17 @@ unsafe fn text<'a>(s: *const c_char, name: &str) -> Result<Option<&'a str>, Fail
         .map_err(|_| Failure::invalid(format!("{name} is not UTF-8")))
 }
 
+/// Why a libtutti without the `xla` feature has no XLA devices, and how to get one that has.
+#[cfg(not(feature = "xla"))]
+pub(crate) const NO_XLA: &str = "this libtutti was built without the xla feature (the Python \
+    package's has it: pip install ./bindings/python, with TUTTI_FEATURES unset or naming xla; \
+    for C: cargo build --release -p tutti-ffi --features xla)";
+
 #[cfg(not(feature = "xla"))]
 fn unavailable() -> Failure {
     Failure::from(tutti::Error::Unavailable {
         what: "XLA".into(),
-        why: "this build of libtutti has no PJRT support (build the ffi crate with --features xla)"
-            .into(),
+        why: NO_XLA.into(),
     })
 }
 
