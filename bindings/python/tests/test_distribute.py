@@ -1064,3 +1064,32 @@ def test_tpu_setup_as_the_guides_write_it():
     assert s.num_replicas_in_sync == topology.num_cores
     out = s.run(lambda: td.get_replica_context().all_reduce("SUM", np.float32(1)))
     assert s.experimental_local_results(out) == (float(topology.num_cores),) * topology.num_cores
+
+
+def test_a_per_worker_iterator_is_read_by_one_step_at_a_time():
+    """Two steps on one worker (after it rejoined) read its per-worker iterator in turn: a
+    generator read by two threads at once would raise."""
+    import threading
+    import time
+
+    def slow():
+        for i in range(6):
+            time.sleep(0.05)
+            yield i
+
+    it = td._worker_iterator("test-one-at-a-time", slow)
+    got, errors = [], []
+
+    def read():
+        try:
+            for _ in range(3):
+                got.append(next(it))
+        except Exception as e:  # noqa: BLE001 - collected for the assertion
+            errors.append(e)
+
+    threads = [threading.Thread(target=read) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and sorted(got) == list(range(6)), (errors, got)

@@ -2359,8 +2359,23 @@ def _worker_iterator(key, dataset_fn):
                 takes_context = False
             workers, worker = (step.num_workers, step.worker) if step is not None else (1, 0)
             ctx = InputContext(num_input_pipelines=workers, input_pipeline_id=worker)
-            _ps_iterators[key] = iter(dataset_fn(ctx) if takes_context else dataset_fn())
+            _ps_iterators[key] = _LockedIterator(iter(dataset_fn(ctx) if takes_context else dataset_fn()))
         return _ps_iterators[key]
+
+
+class _LockedIterator:
+    """A worker's iterator of a per-worker dataset, read by one step at a time (a worker may run
+    two steps at once after it rejoins, and a generator read by two threads raises)."""
+
+    def __init__(self, it):
+        self._it, self._lock = it, threading.Lock()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        with self._lock:
+            return next(self._it)
 
 
 class _PerWorkerDataset:
