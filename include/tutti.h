@@ -2149,6 +2149,26 @@ tutti_result tutti_ps_coordinator_assign_variable(const struct tutti_ps_coordina
                                                   size_t count);
 
 /**
+ * Step variable `index` on its ps tasks by the `count` elements of `dtype` at `gradient` (its
+ * dtype and length exactly) with `update` (NULL: `w -= gradient`), from the coordinator, as a
+ * step's `tutti_ps_step_push` does: an optimizer applied on the chief, or an `assign_sub` that
+ * loses none of the steps pushed meanwhile.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `coordinator` is NULL or a live handle; `gradient` holds `count` readable elements of
+ * `dtype`; `update` is NULL or points to `update->struct_size` readable bytes.
+ */
+tutti_result tutti_ps_coordinator_push(const struct tutti_ps_coordinator *coordinator,
+                                       size_t index,
+                                       tutti_dtype dtype,
+                                       const void *gradient,
+                                       size_t count,
+                                       const struct tutti_ps_update *update);
+
+/**
  * Run steps `0..n` on the workers (each step on whichever worker is free) and write their
  * losses to `losses` (`n` floats; NULL to drop them). A failing step function returns
  * `TUTTI_ERROR_STEP_FAILED` (the workers stay); a lost ps task `TUTTI_ERROR_TASK_LOST`.

@@ -833,6 +833,51 @@ fn ps_variables_of_every_float_dtype_step_by_rules_the_ps_tasks_keep() {
         for w in coord.read_variable(ids[2]).unwrap() {
             assert!((w + 2.0 * 0.3439).abs() < 1e-5, "{w}");
         }
+        // From the coordinator: the variable's own rule (SGD at 0.5; b is 0 after 4 steps)...
+        coord
+            .push_values(ids[1], vec![f16::from_f32(1.0); 3].into(), None)
+            .unwrap();
+        assert_eq!(
+            coord.read_values(ids[1]).unwrap(),
+            vec![f16::from_f32(-0.5); 3].into()
+        );
+        // ... and a step's rule and key, with the step's slots: momentum 7 goes on from -0.3439.
+        coord
+            .push_values(ids[2], vec![0.0f32; 4].into(), Some((momentum, 7)))
+            .unwrap();
+        for w in coord.read_variable(ids[2]).unwrap() {
+            let v = 0.9 * -0.3439;
+            assert!((w - (-2.0 * 0.3439 + v)).abs() < 1e-5, "{w}");
+        }
+        let e = coord
+            .push_values(
+                ids[2],
+                vec![0.0f32; 4].into(),
+                Some((
+                    Rule::Sgd {
+                        learning_rate: 0.1,
+                        momentum: 1.5,
+                        nesterov: false,
+                    },
+                    7,
+                )),
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("momentum 1.5 must be in [0, 1]"), "{e}");
+        // A shard keeps the slots of a bounded number of optimizers.
+        let e = (0..100)
+            .find_map(|key| {
+                coord
+                    .push_values(ids[2], vec![0.0f32; 4].into(), Some((momentum, 1000 + key)))
+                    .err()
+            })
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("more than 64 optimizers' slots on one shard"),
+            "{e}"
+        );
         // A gradient of another dtype fails its step, naming both; the job goes on.
         coord.schedule(b"wrong dtype".to_vec()).unwrap();
         let e = coord.join().unwrap_err().to_string();

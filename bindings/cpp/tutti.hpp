@@ -1197,6 +1197,10 @@ public:
         detail::check(tutti_ps_step_payload(s_, &p, &n));
         return std::string(static_cast<const char *>(p), n);
     }
+    /// Variable `index`'s gradient (float32; see the template for other dtypes).
+    void set_gradient(std::size_t index, const std::vector<float> &g) {
+        set_gradient<float>(index, g);
+    }
     /// Variable `index`'s gradient, of its dtype (the ps tasks step it by the variable's rule).
     template <typename T> void set_gradient(std::size_t index, const std::vector<T> &g) {
         detail::check(tutti_ps_step_set_gradient(s_, index, dtype_of<T>::value, g.data(),
@@ -1263,6 +1267,13 @@ public:
                                                          dtype_of<T>::value, out.data(),
                                                          len));
         return out;
+    }
+    /// Step variable `index` on its ps tasks by `g` from here, with `update` (an optimizer
+    /// applied on the chief; ps_update::sgd(1) subtracts).
+    template <typename T>
+    void push(std::size_t index, const std::vector<T> &g, const ps_update &update) {
+        detail::check(tutti_ps_coordinator_push(h_.get(), index, dtype_of<T>::value, g.data(),
+                                                g.size(), &update.u));
     }
     /// Set variable `index` on its ps tasks (a restored checkpoint, a value of the caller's).
     template <typename T> void assign_variable(std::size_t index, const std::vector<T> &values) {

@@ -116,6 +116,12 @@ unsafe fn read_update(u: *const tutti_ps_update, arg: &str) -> Result<(Rule, u64
     }?;
     // SAFETY: checked to hold a whole struct.
     let u = unsafe { u.read_unaligned() };
+    if u.reserved != 0 {
+        return Err(Failure::invalid(format!(
+            "{arg}->reserved is {}; leave it 0 (TUTTI_PS_UPDATE_INIT does)",
+            u.reserved
+        )));
+    }
     let rule = match u.rule {
         r if r == TuttiPsRule::TUTTI_PS_RULE_SGD as u32 => Rule::Sgd {
             learning_rate: u.learning_rate,
@@ -852,6 +858,44 @@ pub unsafe extern "C" fn tutti_ps_coordinator_assign_variable(
         // SAFETY: the caller promises `count` readable elements.
         let v = unsafe { values_at(dtype, values, count, "values") }?;
         c.assign_values(VariableId::from_index(index), v)?;
+        Ok(())
+    })
+}
+
+/// Step variable `index` on its ps tasks by the `count` elements of `dtype` at `gradient` (its
+/// dtype and length exactly) with `update` (NULL: `w -= gradient`), from the coordinator, as a
+/// step's `tutti_ps_step_push` does: an optimizer applied on the chief, or an `assign_sub` that
+/// loses none of the steps pushed meanwhile.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `coordinator` is NULL or a live handle; `gradient` holds `count` readable elements of
+/// `dtype`; `update` is NULL or points to `update->struct_size` readable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_coordinator_push(
+    coordinator: *const tutti_ps_coordinator,
+    index: usize,
+    dtype: tutti_dtype,
+    gradient: *const c_void,
+    count: usize,
+    update: *const tutti_ps_update,
+) -> tutti_result {
+    boundary("tutti_ps_coordinator_push", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { coord(coordinator) }?;
+        let known = c.shards().len();
+        if index >= known {
+            return Err(Failure::invalid(format!(
+                "variable {index}: the coordinator created {known}"
+            )));
+        }
+        // SAFETY: as the caller promises.
+        let rule = unsafe { read_update(update, "update") }?;
+        // SAFETY: the caller promises `count` readable elements.
+        let g = unsafe { values_at(dtype, gradient, count, "gradient") }?;
+        c.push_values(VariableId::from_index(index), g, Some(rule))?;
         Ok(())
     })
 }

@@ -67,7 +67,8 @@ impl Partitioner {
             Partitioner::MaxShards(k) => k.min(ps.max(1)),
             Partitioner::FixedShards(k) => k,
             Partitioner::MinShardBytes(b) => (bytes / b.max(1)).min(ps.max(1)),
-            Partitioner::MaxShardBytes(b) => bytes.div_ceil(b.max(size).max(1)),
+            // Whole elements per shard: no shard past `b` bytes (but one element).
+            Partitioner::MaxShardBytes(b) => len.div_ceil((b / size.max(1)).max(1)),
         };
         n.max(1).min(len.max(1))
     }
@@ -162,14 +163,19 @@ impl Values {
         self.get()
     }
 
-    /// Its elements' little-endian bytes.
+    /// Its elements' bytes as they lie in memory: little-endian, as on the wire, on every
+    /// machine tutti runs on (x86-64, AArch64).
     pub fn as_bytes(&self) -> &[u8] {
         with_values!(self, x => bytemuck::cast_slice(x))
     }
 
     /// `n` zeros of `dtype` (a dtype the ps tasks do not hold is an error).
     pub fn zeros(dtype: DType, n: usize) -> Result<Values> {
-        Values::from_bytes(dtype, &vec![0; n * dtype.size()]).map_err(Error::config)
+        Values::from_bytes(dtype, &[]).map_err(Error::config)?;
+        let bytes = n
+            .checked_mul(dtype.size())
+            .ok_or_else(|| Error::config(format!("{n} elements of {dtype}: too many")))?;
+        Values::from_bytes(dtype, &vec![0; bytes]).map_err(Error::config)
     }
 
     /// Elements of `dtype` from their little-endian bytes; an error says why they are not.
@@ -234,6 +240,14 @@ fn apply(
     with_values!(w, x => go(rule, slots, x, g))
 }
 
+/// The kind of a rule, as a request carries it (and as the slots are kept apart by).
+fn rule_kind(rule: &Rule) -> u32 {
+    match rule {
+        Rule::Sgd { .. } => 0,
+        Rule::Adam { .. } => 1,
+    }
+}
+
 /// Plain SGD at rate `lr`.
 fn sgd(lr: f32) -> Rule {
     Rule::Sgd {
@@ -258,18 +272,19 @@ type KeyedRule = Option<(Rule, u64)>;
 const RULE_BYTES: usize = 28;
 
 fn encode_rule(rule: &Rule, slots: u64, b: &mut Vec<u8>) {
-    let (kind, p) = match *rule {
+    let kind = rule_kind(rule);
+    let p = match *rule {
         Rule::Sgd {
             learning_rate,
             momentum,
             nesterov,
-        } => (0u32, [learning_rate, momentum, nesterov as u32 as f32, 0.0]),
+        } => [learning_rate, momentum, nesterov as u32 as f32, 0.0],
         Rule::Adam {
             learning_rate,
             beta_1,
             beta_2,
             epsilon,
-        } => (1, [learning_rate, beta_1, beta_2, epsilon]),
+        } => [learning_rate, beta_1, beta_2, epsilon],
     };
     b.extend_from_slice(&kind.to_le_bytes());
     for x in p {
@@ -503,6 +518,7 @@ enum Request {
     Push {
         var: u32,
         shard: u32,
+        dtype: DType,
         rule: KeyedRule,
         grad: Vec<u8>,
     },
@@ -519,8 +535,8 @@ enum Request {
 
 /// Bytes before a CREATE's values: variable, shard, dtype, rule.
 const CREATE_FIXED: usize = 12 + RULE_BYTES;
-/// Bytes before a PUSH's gradient: variable, shard, whether a rule follows, rule.
-const PUSH_FIXED: usize = 12 + RULE_BYTES;
+/// Bytes before a PUSH's gradient: variable, shard, dtype, whether a rule follows, rule.
+const PUSH_FIXED: usize = 16 + RULE_BYTES;
 
 /// The most payload bytes a request of `op` may have, on a task whose largest shard has
 /// `largest` bytes.
@@ -573,13 +589,14 @@ impl Request {
             }
             OP_PUSH => {
                 fixed("PUSH", PUSH_FIXED)?;
-                let rule = match u32_at(p, 2) {
+                let rule = match u32_at(p, 3) {
                     0 => None,
-                    _ => Some(decode_rule(&p[12..PUSH_FIXED])?),
+                    _ => Some(decode_rule(&p[16..PUSH_FIXED])?),
                 };
                 Request::Push {
                     var: u32_at(p, 0),
                     shard: u32_at(p, 1),
+                    dtype: dtype_of(u32_at(p, 2))?,
                     rule,
                     grad: p[PUSH_FIXED..].to_vec(),
                 }
@@ -790,12 +807,44 @@ impl ParameterServerStrategy {
     }
 }
 
-/// A shard held by a ps task: its values, its own update rule, and the slots of each rule it
-/// has been stepped with (by the key a push names).
+/// A shard held by a ps task: its values, its own update rule and that rule's slots, and the
+/// slots of each rule a push named, by the rule's kind and the push's key.
 struct HeldShard {
     values: Values,
     rule: Rule,
-    slots: HashMap<u64, AnySlots>,
+    own: AnySlots,
+    slots: HashMap<(u32, u64), AnySlots>,
+}
+
+/// The most optimizers' slots one shard keeps (beside its own rule's): more is a caller's
+/// mistake (an optimizer made anew in every step, whose state would never carry over).
+const MAX_SLOT_KEYS: usize = 64;
+
+impl HeldShard {
+    /// Step the shard by the gradient `g` (bytes of `dtype`) with `rule` (`None`: its own).
+    fn step(&mut self, dtype: DType, g: &[u8], rule: KeyedRule) -> std::result::Result<(), String> {
+        if dtype != self.values.dtype() {
+            return Err(format!(
+                "a {dtype} gradient for a shard of {}",
+                self.values.dtype()
+            ));
+        }
+        let g = Values::from_bytes(dtype, g)?;
+        let (rule, slots) = match rule {
+            None => (self.rule, &mut self.own),
+            Some((rule, key)) => {
+                let k = (rule_kind(&rule), key);
+                if !self.slots.contains_key(&k) && self.slots.len() >= MAX_SLOT_KEYS {
+                    return Err(format!(
+                        "more than {MAX_SLOT_KEYS} optimizers' slots on one shard (an optimizer \
+                         made anew in each step? make it once, outside the step)"
+                    ));
+                }
+                (rule, self.slots.entry(k).or_default())
+            }
+        };
+        apply(&rule, slots, &mut self.values, &g)
+    }
 }
 
 /// A ps task's shards by (variable, shard), and why the task's job ended early, if it did.
@@ -1002,6 +1051,7 @@ fn handle(
                             HeldShard {
                                 values,
                                 rule,
+                                own: AnySlots::default(),
                                 slots: HashMap::new(),
                             },
                         );
@@ -1016,15 +1066,11 @@ fn handle(
             Request::Push {
                 var,
                 shard,
+                dtype,
                 rule,
                 grad,
             } => match ps.shards.lock().get_mut(&(var, shard)) {
-                Some(h) => Values::from_bytes(h.values.dtype(), &grad).and_then(|g| {
-                    // The shard's own rule keeps its slots under a key no push names.
-                    let (rule, key) = rule.unwrap_or((h.rule, u64::MAX));
-                    let slots = h.slots.entry(key).or_default();
-                    apply(&rule, slots, &mut h.values, &g).map(|_| Vec::new())
-                }),
+                Some(h) => h.step(dtype, &grad, rule).map(|_| Vec::new()),
                 None => Err(no_shard(var, shard)),
             },
             Request::Setup(layout) => match worker {
@@ -1284,13 +1330,7 @@ impl WorkerState {
             let size = g.dtype().size();
             let mut at = 0;
             for s in &layout[i] {
-                let mut req = Vec::with_capacity(PUSH_FIXED + s.len * size);
-                req.extend_from_slice(&s.var.to_le_bytes());
-                req.extend_from_slice(&s.index.to_le_bytes());
-                req.extend_from_slice(&(rule.is_some() as u32).to_le_bytes());
-                let (r, key) = rule.unwrap_or((PLAIN, 0));
-                encode_rule(&r, key, &mut req);
-                req.extend_from_slice(&g.as_bytes()[at * size..(at + s.len) * size]);
+                let req = push_request(s, rule, &g.as_bytes()[at * size..(at + s.len) * size]);
                 at += s.len;
                 self.with_ps(s.ps, |c| {
                     call(c, OP_PUSH, &req, &format!("ps task {}", s.ps))
@@ -1303,13 +1343,26 @@ impl WorkerState {
     }
 }
 
+/// A PUSH of `grad` (the shard's part, bytes of its dtype) to shard `s` with `rule`.
+fn push_request(s: &Shard, rule: KeyedRule, grad: &[u8]) -> Vec<u8> {
+    let mut req = Vec::with_capacity(PUSH_FIXED + grad.len());
+    for w in [s.var, s.index, s.dtype as u32, rule.is_some() as u32] {
+        req.extend_from_slice(&w.to_le_bytes());
+    }
+    let (r, key) = rule.unwrap_or((PLAIN, 0));
+    encode_rule(&r, key, &mut req);
+    req.extend_from_slice(grad);
+    req
+}
+
 /// A variable's value from its shards, each pulled by `pull_one(ps task, request, bytes due)`.
 fn pull(
     shards: &[Shard],
     mut pull_one: impl FnMut(usize, &[u8], usize) -> Result<Vec<u8>>,
 ) -> Result<Values> {
     let dtype = shards.first().map_or(DType::F32, |s| s.dtype);
-    let mut b = Vec::with_capacity(shards.iter().map(|s| s.len).sum::<usize>() * dtype.size());
+    // Grown as the shards arrive (each checked against its length): not sized by the layout.
+    let mut b = Vec::new();
     for s in shards {
         let mut req = s.var.to_le_bytes().to_vec();
         req.extend_from_slice(&s.index.to_le_bytes());
@@ -1574,6 +1627,49 @@ impl Coordinator {
         }
         let rule = self.rules.lock()[id.0];
         self.set_shards(shards, &rule, &values, "")
+    }
+
+    /// Step a variable on its ps tasks by `grad` (of its dtype and length) from the
+    /// coordinator, with a rule and the key of its slots (`None`: the variable's own rule), as
+    /// a step's push does: an optimizer applied there, or an `assign_sub` that loses none of
+    /// the steps pushed meanwhile (each shard takes it as it takes theirs).
+    pub fn push_values(
+        &self,
+        id: VariableId,
+        grad: Values,
+        rule: Option<(Rule, u64)>,
+    ) -> Result<()> {
+        if let Some((r, _)) = &rule {
+            r.check()
+                .map_err(|why| Error::config(format!("push to variable {}: {why}", id.0)))?;
+        }
+        let layout = self.layout.lock();
+        let shards = layout
+            .get(id.0)
+            .ok_or_else(|| Error::config(format!("no variable {}", id.0)))?;
+        let total: usize = shards.iter().map(|s| s.len).sum();
+        let dtype = shards.first().map_or(DType::F32, |s| s.dtype);
+        if grad.len() != total || grad.dtype() != dtype {
+            return Err(Error::config(format!(
+                "push: {} {} values for variable {} of {total} {dtype} elements",
+                grad.len(),
+                grad.dtype(),
+                id.0
+            )));
+        }
+        let size = dtype.size();
+        let mut at = 0;
+        for s in shards {
+            let req = push_request(s, rule, &grad.as_bytes()[at * size..(at + s.len) * size]);
+            at += s.len;
+            call(
+                &mut self.ps[s.ps].lock(),
+                OP_PUSH,
+                &req,
+                &format!("ps task {}", s.ps),
+            )?;
+        }
+        Ok(())
     }
 
     /// The shard count of each variable.
@@ -1978,6 +2074,9 @@ mod tests {
         // The partitioners count bytes of the dtype.
         assert_eq!(Partitioner::MaxShardBytes(400).shards_of(100, 8, 2), 2);
         assert_eq!(Partitioner::MinShardBytes(100).shards_of(100, 2, 8), 2);
+        // No shard past the bytes (but one element), in whole elements.
+        assert_eq!(Partitioner::MaxShardBytes(12).shards_of(3, 8, 2), 3);
+        assert_eq!(Partitioner::MaxShardBytes(4).shards_of(3, 8, 2), 3);
     }
 
     /// A ps task served on a thread, and its address.
@@ -2029,7 +2128,7 @@ mod tests {
         // A PUSH larger than any shard held.
         let (op, why) = raw(&addr, OP_PUSH, (PUSH_FIXED + 4 * 1000) as u64, &[]).unwrap();
         assert_eq!(op, OP_ERR);
-        assert!(String::from_utf8_lossy(&why).contains("more than the 40 it may hold"));
+        assert!(String::from_utf8_lossy(&why).contains("more than the 44 it may hold"));
         // The task still serves.
         let mut c = connect(&addr, "tok", Duration::from_secs(5)).unwrap();
         let (op, req) = fuzz::encode(&Request::Create {
@@ -2134,14 +2233,18 @@ mod tests {
                 Request::Push {
                     var,
                     shard,
+                    dtype,
                     rule,
                     grad,
                 } => {
-                    let mut b = words(&[*var, *shard, rule.is_some() as u32]);
-                    let (r, key) = rule.unwrap_or((PLAIN, 0));
-                    encode_rule(&r, key, &mut b);
-                    b.extend_from_slice(grad);
-                    (OP_PUSH, b)
+                    let s = Shard {
+                        ps: 0,
+                        var: *var,
+                        index: *shard,
+                        len: 0,
+                        dtype: *dtype,
+                    };
+                    (OP_PUSH, push_request(&s, *rule, grad))
                 }
                 Request::Setup(l) => (OP_SETUP, encode_layout(l)),
                 Request::Step { step, payload } => {
@@ -2208,6 +2311,7 @@ mod tests {
                     .prop_map(|(var, shard, rule, grad)| Request::Push {
                         var,
                         shard,
+                        dtype: DType::F16,
                         rule,
                         grad
                     }),

@@ -200,11 +200,16 @@ impl Rule {
     /// Step `w` by the gradient `g` (as long as `w`), keeping the rule's state in `slots`.
     pub(crate) fn step<S: Param>(&self, slots: &mut AnySlots, w: &mut [S], g: &[S]) {
         let s = S::slots(slots);
-        if s.a.len() != w.len() {
-            (s.a, s.b) = (
-                vec![S::C::default(); w.len()],
-                vec![S::C::default(); w.len()],
-            );
+        // The slots the rule uses, and no more: none for plain SGD, one for momentum.
+        let (a, b) = match *self {
+            Rule::Sgd { momentum, .. } => (momentum != 0.0, false),
+            Rule::Adam { .. } => (true, true),
+        };
+        if a && s.a.len() != w.len() {
+            s.a = vec![S::C::default(); w.len()];
+        }
+        if b && s.b.len() != w.len() {
+            s.b = vec![S::C::default(); w.len()];
         }
         let of = S::C::of;
         match *self {
@@ -214,12 +219,14 @@ impl Rule {
                 nesterov,
             } => {
                 let (lr, mu) = (of(learning_rate), of(momentum));
+                if momentum == 0.0 {
+                    for (w, &g) in w.iter_mut().zip(g) {
+                        *w = S::store(w.load() - lr * g.load());
+                    }
+                    return;
+                }
                 for ((w, &g), v) in w.iter_mut().zip(g).zip(&mut s.a) {
                     let g = g.load();
-                    if momentum == 0.0 {
-                        *w = S::store(w.load() - lr * g);
-                        continue;
-                    }
                     *v = mu * *v - lr * g;
                     *w = S::store(w.load() + if nesterov { mu * *v - lr * g } else { *v });
                 }
@@ -244,26 +251,28 @@ impl Rule {
         }
     }
 
-    /// Why the rule cannot step a variable (a learning rate that is not positive, a
-    /// hyper-parameter that is not finite), if it cannot.
+    /// Why the rule cannot step a variable, if it cannot: a learning rate that is not positive
+    /// and finite, a momentum outside [0, 1], a beta outside [0, 1), a negative epsilon.
     pub fn check(&self) -> std::result::Result<(), String> {
         let lr = self.learning_rate();
         if lr.is_nan() || lr <= 0.0 || lr.is_infinite() {
             return Err(format!("learning rate {lr} must be positive and finite"));
         }
-        let finite = match *self {
-            Rule::Sgd { momentum, .. } => momentum.is_finite(),
-            Rule::Adam {
-                beta_1,
-                beta_2,
-                epsilon,
-                ..
-            } => beta_1.is_finite() && beta_2.is_finite() && epsilon.is_finite(),
-        };
-        if !finite {
-            return Err(format!("{self:?}: a hyper-parameter is not finite"));
+        match *self {
+            Rule::Sgd { momentum, .. } if !(0.0..=1.0).contains(&momentum) => {
+                Err(format!("momentum {momentum} must be in [0, 1]"))
+            }
+            Rule::Adam { beta_1, .. } if !(0.0..1.0).contains(&beta_1) => {
+                Err(format!("beta_1 {beta_1} must be in [0, 1)"))
+            }
+            Rule::Adam { beta_2, .. } if !(0.0..1.0).contains(&beta_2) => {
+                Err(format!("beta_2 {beta_2} must be in [0, 1)"))
+            }
+            Rule::Adam { epsilon, .. } if !(epsilon >= 0.0 && epsilon.is_finite()) => {
+                Err(format!("epsilon {epsilon} must be finite and not negative"))
+            }
+            _ => Ok(()),
         }
-        Ok(())
     }
 }
 

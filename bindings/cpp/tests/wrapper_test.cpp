@@ -599,6 +599,9 @@ static void parameter_servers() {
     // v = -0.1, -0.19, -0.271, -0.3439: their sum.
     double m0 = coordinator->read_variable<double>(m, 2)[0];
     EXPECT(m0 + 0.9049 < 1e-5 && m0 + 0.9049 > -1e-5);
+    coordinator->push(m, std::vector<double>(2, 1.0), tutti::ps_update::sgd(1.0f));
+    m0 = coordinator->read_variable<double>(m, 2)[0];
+    EXPECT(m0 + 1.9049 < 1e-5 && m0 + 1.9049 > -1e-5);
     tutti::error e0 = expect_throw([&] { coordinator->read_variable<float>(m, 2); });
     EXPECT(std::string(e0.what()).find("has 2 f64") != std::string::npos);
     coordinator->assign_variable(w, std::vector<float>{1, 2, 3, 4});

@@ -866,6 +866,9 @@ PS_JOB = textwrap.dedent(
     coordinator.join()
     ps_steps = {"v64": v64.numpy().tolist(), "v64_dtype": str(v64.numpy().dtype),
                 "h16": h16.numpy().astype(float).tolist(), "h16_dtype": str(h16.dtype)}
+    # On the chief too, with the same slots: the momentum goes on.
+    heavy.apply_gradients([(np.ones(2, np.float16), h16)])
+    ps_steps["h16_after"] = h16.numpy().astype(float).tolist()
     def pipelines(input_context):
         while True:
             yield input_context.input_pipeline_id, input_context.num_input_pipelines
@@ -940,6 +943,7 @@ def test_parameter_server_strategy_trains_through_the_cluster_coordinator():
     assert ps_steps["v64_dtype"] == "float64" and ps_steps["h16_dtype"] == "float16", ps_steps
     np.testing.assert_allclose(ps_steps["v64"], [-0.4] * 3, atol=1e-4)
     np.testing.assert_allclose(ps_steps["h16"], [-0.9049] * 2, atol=3e-3)
+    np.testing.assert_allclose(ps_steps["h16_after"], [-0.9049 - 0.40951] * 2, atol=3e-3)
     # Each worker made its own pipeline of the per-worker dataset.
     assert chief["seen"] == [[0, 2], [1, 2]], chief["seen"]
     assert chief["checkpoint"] == [150, 0.0, True, True], chief["checkpoint"]

@@ -1879,6 +1879,8 @@ _PROTOTYPES.update({
                                                              ctypes.c_void_p, ctypes.c_size_t]),
     "tutti_ps_coordinator_assign_variable": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
                                                                ctypes.c_void_p, ctypes.c_size_t]),
+    "tutti_ps_coordinator_push": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
+                                                    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]),
     "tutti_ps_coordinator_schedule": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                                         ctypes.POINTER(ctypes.c_void_p)]),
     "tutti_ps_coordinator_join": (ctypes.c_uint32, [ctypes.c_void_p]),
@@ -2198,6 +2200,14 @@ class ParameterServerStrategy(Strategy):
             _check(_lib().tutti_ps_coordinator_assign_variable(h, index, _PS_DTYPES[v.dtype],
                                                                v.ctypes.data_as(ctypes.c_void_p), v.size))
 
+    def _push_variable(self, index, gradient, update):
+        """Step variable ``index`` on the ps tasks by ``gradient`` with ``update`` (``None``:
+        subtract it), as a step's push does."""
+        g = np.ascontiguousarray(gradient)
+        with self._coordinator_handle() as h:
+            _check(_lib().tutti_ps_coordinator_push(h, index, _PS_DTYPES[g.dtype], g.ctypes.data_as(ctypes.c_void_p),
+                                                    g.size, None if update is None else ctypes.byref(update)))
+
     def _read_variable(self, index, shape, dtype):
         out = np.empty(shape, dtype)
         with self._coordinator_handle() as h:
@@ -2244,9 +2254,10 @@ class _PsVariable(Variable):
     scheduled function reads it as pulled for its step and updates it with ``assign_sub``
     (``assign_add``, and ``assign`` as the difference from that value), sent back with the step,
     or with an optimizer's ``apply_gradients``, which the ps tasks run;
-    on the coordinator ``assign*`` set it on the ps tasks (a ``Checkpoint`` restores so: use them
+    on the coordinator ``assign`` sets it on the ps tasks (a ``Checkpoint`` restores so: use it
     while no ``join`` runs, as steps pushed meanwhile may be overwritten; a restore that fails
-    part-way may have set some shards)."""
+    part-way may have set some shards), while ``assign_add``, ``assign_sub`` and an optimizer's
+    ``apply_gradients`` step it there as the workers' steps do, losing none of theirs."""
 
     def __init__(self, initial_value, aggregation=VariableAggregation.NONE, dtype=None, name=None):
         value = np.array(initial_value, dtype=dtype, copy=True, order="C")
@@ -2291,17 +2302,24 @@ class _PsVariable(Variable):
     def _push(self, gradient, update):
         if gradient.shape != self._shape:
             raise ValueError(f"Variable: a gradient of shape {gradient.shape} for a variable of shape {self._shape}")
-        self._step("apply_gradients").push(self._ps_index, np.asarray(gradient, self._dtype), update)
+        gradient = np.asarray(gradient, self._dtype)
+        if getattr(_ps_state, "step", None) is None and self._strategy is not None:
+            self._strategy._push_variable(self._ps_index, gradient, update)  # on the coordinator
+            return
+        self._step("apply_gradients").push(self._ps_index, gradient, update)
 
     def _apply_combined(self, replica, update_of, how):
         u = np.asarray(update_of(0), self._dtype)
         if u.shape != self._shape:
             raise ValueError(f"Variable: an update of shape {u.shape} for a variable of shape {self._shape}")
         if getattr(_ps_state, "step", None) is None and self._strategy is not None:
-            # On the coordinator (a restored checkpoint, a value of the caller's): set on the
-            # ps tasks; steps running meanwhile may push onto the old value or the new.
-            new = u if how == "set" else self.numpy() + (u if how == "add" else -u)
-            self._strategy._assign_variable(self._ps_index, new, self._dtype)
+            # On the coordinator: assign sets the value on the ps tasks (a restored checkpoint;
+            # steps running meanwhile may push onto the old value or the new); assign_add and
+            # assign_sub step it there, as the steps' pushes do, losing none of theirs.
+            if how == "set":
+                self._strategy._assign_variable(self._ps_index, u, self._dtype)
+            else:
+                self._strategy._push_variable(self._ps_index, -u if how == "add" else u, None)
             return
         step = self._step("assign" if how == "set" else f"assign_{how}")
         if how == "set":

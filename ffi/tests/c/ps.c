@@ -161,6 +161,23 @@ int main(void) {
     /* Momentum kept on the ps task: v = -0.1, -0.19, -0.271, -0.3439; their sum. */
     CHECK(tutti_ps_coordinator_read_variable(c, 1, TUTTI_DTYPE_F64, m, 2));
     EXPECT(m[0] + 0.9049 < 1e-5 && m[0] + 0.9049 > -1e-5 && m[0] == m[1]);
+    /* From the coordinator, at once on the ps task: m -= 1 (NULL update). */
+    {
+        double ones64[2] = {1, 1};
+        tutti_ps_update bad = TUTTI_PS_UPDATE_INIT;
+        CHECK(tutti_ps_coordinator_push(c, 1, TUTTI_DTYPE_F64, ones64, 2, NULL));
+        CHECK(tutti_ps_coordinator_read_variable(c, 1, TUTTI_DTYPE_F64, m, 2));
+        EXPECT(m[0] + 1.9049 < 1e-5 && m[0] + 1.9049 > -1e-5);
+        bad.momentum = 1.5f;
+        EXPECT_ERROR(tutti_ps_coordinator_push(c, 1, TUTTI_DTYPE_F64, ones64, 2, &bad),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "momentum 1.5 must be in [0, 1]");
+        bad.momentum = 0.0f;
+        bad.reserved = 7;
+        EXPECT_ERROR(tutti_ps_coordinator_push(c, 1, TUTTI_DTYPE_F64, ones64, 2, &bad),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "reserved is 7");
+        EXPECT_ERROR(tutti_ps_coordinator_push(c, 1, TUTTI_DTYPE_F32, ones64, 2, NULL),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "2 f32 values for variable 1 of 2 f64");
+    }
     EXPECT(refused_gradient && refused_dtype && refused_update);
 
     /* A read-only step, run by fetch. */
