@@ -589,6 +589,64 @@ typedef uint32_t tutti_ps_rule;
 #endif // __cplusplus
 
 /**
+ * How the replicas' updates of a variable are combined (TensorFlow's `VariableAggregation`).
+ */
+enum tutti_aggregation
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+    /**
+     * The first replica's update (TensorFlow's NONE and ONLY_FIRST_REPLICA).
+     */
+    TUTTI_AGGREGATION_ONLY_FIRST_REPLICA = 0,
+    /**
+     * The sum of every replica's update.
+     */
+    TUTTI_AGGREGATION_SUM = 1,
+    /**
+     * The mean of every replica's update.
+     */
+    TUTTI_AGGREGATION_MEAN = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum tutti_aggregation tutti_aggregation;
+#else
+typedef uint32_t tutti_aggregation;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * How `tutti_variable_update` changes the variable.
+ */
+enum tutti_assign
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+    /**
+     * `assign`: set it to the combined value.
+     */
+    TUTTI_ASSIGN = 0,
+    /**
+     * `assign_add`: add the combined update.
+     */
+    TUTTI_ASSIGN_ADD = 1,
+    /**
+     * `assign_sub`: subtract the combined update.
+     */
+    TUTTI_ASSIGN_SUB = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum tutti_assign tutti_assign;
+#else
+typedef uint32_t tutti_assign;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A checkpoint (opaque): a step and named tensors. Created by `tutti_checkpoint_create` or
  * `tutti_checkpoint_restore`, released by `tutti_checkpoint_destroy`.
  */
@@ -644,6 +702,12 @@ typedef struct tutti_replicas tutti_replicas;
  * `tutti_strategy_destroy`.
  */
 typedef struct tutti_strategy tutti_strategy;
+
+/**
+ * A variable (opaque). Created by `tutti_variable_create`, released by
+ * `tutti_variable_destroy`.
+ */
+typedef struct tutti_variable tutti_variable;
 
 /**
  * The handle of one non-blocking collective (opaque). Written by the `tutti_*_async`
@@ -2695,6 +2759,101 @@ tutti_result tutti_strategy_reduce(struct tutti_strategy *strategy,
                                    tutti_op op,
                                    const void *const *per_replica,
                                    void *output);
+
+/**
+ * Enter `strategy`'s scope on this thread (TensorFlow's `with strategy.scope():`): until
+ * `tutti_strategy_scope_end`, `tutti_variable_create` on this thread makes this strategy's
+ * kind of variable. Scopes of one strategy nest; another strategy's scope inside it is
+ * `TUTTI_ERROR_INVALID_ARGUMENT`. The scope keeps the strategy alive until it ends.
+ *
+ * Thread-safety: callable from any thread; the scope is that thread's.
+ *
+ * # Safety
+ *
+ * `strategy` is NULL or a live handle.
+ */
+tutti_result tutti_strategy_scope_begin(const struct tutti_strategy *strategy);
+
+/**
+ * Leave `strategy`'s innermost scope on this thread; `TUTTI_ERROR_INVALID_ARGUMENT` where this
+ * thread is not in its scope.
+ *
+ * Thread-safety: on the thread that began the scope.
+ *
+ * # Safety
+ *
+ * `strategy` is NULL or a live handle.
+ */
+tutti_result tutti_strategy_scope_end(const struct tutti_strategy *strategy);
+
+/**
+ * Create a variable of `count` elements of `dtype` from `initial`, in the scope this thread
+ * is in (see `tutti_strategy_scope_begin`; outside any, one plain copy), its cross-replica
+ * updates combined by `aggregation`, and write it to `*variable`. Under a multi-worker strategy
+ * every worker creates the same variables in the same order, and each starts from the chief's
+ * `initial`.
+ *
+ * Thread-safety: callable from any thread (the scope is the calling thread's).
+ *
+ * # Safety
+ *
+ * `initial` holds `count` readable elements of `dtype`; `variable` is NULL or writable.
+ */
+tutti_result tutti_variable_create(tutti_dtype dtype,
+                                   size_t count,
+                                   const void *initial,
+                                   tutti_aggregation aggregation,
+                                   struct tutti_variable **variable);
+
+/**
+ * Release a variable. NULL is accepted and ignored.
+ *
+ * Thread-safety: no other call may be using `variable`, nor use it afterwards.
+ *
+ * # Safety
+ *
+ * `variable` is NULL or a live handle, not used again.
+ */
+void tutti_variable_destroy(struct tutti_variable *variable);
+
+/**
+ * Read the variable's value into `out`: `count` elements of `dtype`, its dtype and length.
+ * Inside a replica function, pass its `ctx` to read that replica's copy; NULL reads the
+ * value outside `tutti_strategy_run` (every copy holds it).
+ *
+ * Thread-safety: callable from any thread; with `ctx`, only inside the replica function that
+ * was handed it.
+ *
+ * # Safety
+ *
+ * `variable` is NULL or a live handle; `ctx` is NULL or a live replica context; `out` holds
+ * `count` writable elements of `dtype`.
+ */
+tutti_result tutti_variable_read(const struct tutti_variable *variable,
+                                 const struct tutti_replica_context *ctx,
+                                 tutti_dtype dtype,
+                                 size_t count,
+                                 void *out);
+
+/**
+ * From outside `tutti_strategy_run`: combine the local replicas' updates (`per_replica[i]`:
+ * `count` elements of `dtype` from local replica `i`, across every replica in sync) by the
+ * variable's aggregation, and `assign`, `assign_add` or `assign_sub` the result (TensorFlow's
+ * cross-replica `variable.assign*`). Every copy changes alike.
+ *
+ * Thread-safety: not inside a replica function; one call at a time per strategy.
+ *
+ * # Safety
+ *
+ * `strategy` and `variable` are NULL or live handles; `per_replica` is NULL or holds one
+ * pointer per local replica, each to `count` readable elements of `dtype`.
+ */
+tutti_result tutti_variable_update(const struct tutti_strategy *strategy,
+                                   const struct tutti_variable *variable,
+                                   tutti_assign how,
+                                   tutti_dtype dtype,
+                                   size_t count,
+                                   const void *const *per_replica);
 
 /**
  * Wait for the call of `work` and return its result: `TUTTI_OK`, or the call's error

@@ -1839,3 +1839,54 @@ fn the_example_puts_its_replicas_on_the_device_asked_for() {
     let j = last_json(&run_ok(Command::new(&t).args(["--steps", "5", "--json"])));
     assert_eq!(j["device"], "cpu");
 }
+
+/// `strategy.scope()`: code that makes variables without knowing the strategy (a model's
+/// constructor) makes the scope's kind; outside any scope, the default strategy's; a second
+/// strategy's scope cannot be entered inside a first's; a scope is its thread's.
+#[test]
+fn a_scope_makes_its_strategys_variables() {
+    use std::sync::Arc;
+    use tutti::strategy::{current_strategy, Aggregation, PerReplica, Variable};
+    fn model() -> tutti::Result<Variable<f32>> {
+        Variable::with_aggregation(&[0.0; 2], Aggregation::Mean)
+    }
+    let plain = Variable::new(&[1.0f32, 2.0]).unwrap();
+    assert!(current_strategy().is_none());
+    assert_eq!(plain.as_mirrored().unwrap().value(), [1.0, 2.0]);
+    let mirrored = Arc::new(Strategy::mirrored(&logical_cpus(3).unwrap(), None).unwrap());
+    let central = Arc::new(Strategy::central_storage(&logical_cpus(2).unwrap()).unwrap());
+    {
+        let _scope = mirrored.scope().unwrap();
+        assert!(Arc::ptr_eq(&current_strategy().unwrap(), &mirrored));
+        let w = model().unwrap();
+        assert_eq!(w.as_mirrored().unwrap().read(2), [0.0, 0.0]);
+        // The mean of the replicas' updates, on every copy.
+        let updates = PerReplica(vec![vec![1.0; 2], vec![2.0; 2], vec![3.0; 2]]);
+        w.assign_add(&mirrored, &updates).unwrap();
+        assert_eq!(w.value(), [2.0, 2.0]);
+        assert!(w.as_mirrored().unwrap().in_sync());
+        {
+            let _again = mirrored.scope().unwrap();
+        }
+        let e = central.scope().err().unwrap().to_string();
+        assert!(
+            e.contains("inside a MirroredStrategy's scope")
+                && e.contains("a CentralStorageStrategy's cannot"),
+            "{e}"
+        );
+        assert!(Arc::ptr_eq(&current_strategy().unwrap(), &mirrored));
+    }
+    assert!(current_strategy().is_none());
+    {
+        let _scope = central.scope().unwrap();
+        let w = model().unwrap();
+        assert!(w.as_central().is_some() && w.as_mirrored().is_none());
+        w.assign_add(&central, &PerReplica(vec![vec![1.0; 2], vec![3.0; 2]]))
+            .unwrap();
+        assert_eq!(w.value(), [2.0, 2.0]);
+    }
+    let _scope = mirrored.scope().unwrap();
+    std::thread::spawn(|| assert!(current_strategy().is_none()))
+        .join()
+        .unwrap();
+}

@@ -840,6 +840,9 @@ struct strategy_deleter {
 struct checkpoint_deleter {
     void operator()(tutti_checkpoint *c) const noexcept { tutti_checkpoint_destroy(c); }
 };
+struct variable_deleter {
+    void operator()(tutti_variable *v) const noexcept { tutti_variable_destroy(v); }
+};
 struct ps_strategy_deleter {
     void operator()(tutti_ps_strategy *s) const noexcept { tutti_ps_strategy_destroy(s); }
 };
@@ -1042,8 +1045,93 @@ public:
     }
     tutti_strategy *get() const noexcept { return h_.get(); }
 
+    /// This strategy's scope on this thread (TensorFlow's `with strategy.scope():`), until the
+    /// guard is destroyed: tutti::variable made meanwhile is this strategy's kind.
+    class scope_guard {
+    public:
+        scope_guard(const scope_guard &) = delete;
+        scope_guard &operator=(const scope_guard &) = delete;
+        ~scope_guard() { tutti_strategy_scope_end(s_); }
+
+    private:
+        friend class strategy;
+        explicit scope_guard(tutti_strategy *s) : s_(s) {
+            detail::check(tutti_strategy_scope_begin(s_));
+        }
+        tutti_strategy *s_;
+    };
+    /// Enter the scope (an error inside another strategy's scope).
+    scope_guard scope() const { return scope_guard(h_.get()); }
+
 private:
     std::unique_ptr<tutti_strategy, detail::strategy_deleter> h_;
+};
+
+/// How the replicas' updates of a variable combine (TensorFlow's VariableAggregation).
+enum class aggregation : std::uint32_t {
+    only_first_replica = TUTTI_AGGREGATION_ONLY_FIRST_REPLICA,
+    sum = TUTTI_AGGREGATION_SUM,
+    mean = TUTTI_AGGREGATION_MEAN,
+};
+
+/// A variable (tutti_variable; TensorFlow's tf.Variable): made inside a strategy's scope, that
+/// strategy's kind (a copy per replica, or one under CentralStorageStrategy) with the chief's
+/// initial value; outside any scope, one plain copy. Move-only.
+template <typename T> class variable {
+public:
+    explicit variable(const std::vector<T> &initial,
+                      aggregation agg = aggregation::only_first_replica)
+        : n_(initial.size()) {
+        tutti_variable *v = nullptr;
+        detail::check(tutti_variable_create(dtype_of<T>::value, initial.size(), initial.data(),
+                                            static_cast<tutti_aggregation>(agg), &v));
+        h_.reset(v);
+    }
+    /// The value (outside strategy::run).
+    std::vector<T> value() const {
+        std::vector<T> out(n_);
+        detail::check(tutti_variable_read(h_.get(), nullptr, dtype_of<T>::value, n_, out.data()));
+        return out;
+    }
+    /// The copy of the replica running `ctx`.
+    std::vector<T> read(const replica_context &ctx) const {
+        std::vector<T> out(n_);
+        detail::check(
+            tutti_variable_read(h_.get(), ctx.get(), dtype_of<T>::value, n_, out.data()));
+        return out;
+    }
+    /// From outside run: combine one update per local replica by the variable's aggregation
+    /// and add it (assign_sub, assign alike).
+    void assign_add(strategy &s, const std::vector<std::vector<T>> &per_replica) {
+        update(s, TUTTI_ASSIGN_ADD, per_replica);
+    }
+    void assign_sub(strategy &s, const std::vector<std::vector<T>> &per_replica) {
+        update(s, TUTTI_ASSIGN_SUB, per_replica);
+    }
+    void assign(strategy &s, const std::vector<std::vector<T>> &per_replica) {
+        update(s, TUTTI_ASSIGN, per_replica);
+    }
+    tutti_variable *get() const noexcept { return h_.get(); }
+
+private:
+    void update(strategy &s, tutti_assign how, const std::vector<std::vector<T>> &per_replica) {
+        std::vector<const void *> in;
+        for (const auto &v : per_replica) {
+            if (v.size() != n_) {
+                throw error(TUTTI_ERROR_INVALID_ARGUMENT,
+                            "tutti::variable: an update of another length than the variable");
+            }
+            in.push_back(v.data());
+        }
+        if (in.size() != s.num_local_replicas()) {
+            throw error(TUTTI_ERROR_INVALID_ARGUMENT,
+                        "tutti::variable: one update per local replica");
+        }
+        detail::check(tutti_variable_update(s.get(), h_.get(), how, dtype_of<T>::value, n_,
+                                            in.empty() ? nullptr : in.data()));
+    }
+    std::size_t n_;
+    std::unique_ptr<tutti_variable, detail::variable_deleter> h_;
 };
 
 /// A step and named tensors, saved to and restored from a directory in tutti's checkpoint

@@ -24,6 +24,7 @@ mod replicas;
 mod store;
 mod strategy;
 mod types;
+mod variables;
 mod work;
 mod xla;
 

@@ -64,7 +64,8 @@ pub type tutti_cross_device_ops = u32;
 /// A strategy (opaque). Created by `tutti_strategy_create`, released by
 /// `tutti_strategy_destroy`.
 pub struct tutti_strategy {
-    inner: Strategy,
+    /// Shared with the scopes entered on it (`tutti_strategy_scope_begin`).
+    pub(crate) inner: std::sync::Arc<Strategy>,
 }
 
 /// What a replica function gets (opaque): valid only during that call, on that thread.
@@ -279,7 +280,11 @@ pub unsafe extern "C" fn tutti_strategy_create_mirrored(
         };
         let inner = Strategy::mirrored(&devices, chosen)?;
         // SAFETY: checked non-NULL; the caller promises it is writable.
-        unsafe { strategy.write(Box::into_raw(Box::new(tutti_strategy { inner }))) };
+        unsafe {
+            strategy.write(Box::into_raw(Box::new(tutti_strategy {
+                inner: std::sync::Arc::new(inner),
+            })))
+        };
         Ok(())
     })
 }
@@ -363,7 +368,11 @@ pub unsafe extern "C" fn tutti_strategy_create(
             }
         };
         // SAFETY: checked non-NULL; the caller promises it is writable.
-        unsafe { strategy.write(Box::into_raw(Box::new(tutti_strategy { inner }))) };
+        unsafe {
+            strategy.write(Box::into_raw(Box::new(tutti_strategy {
+                inner: std::sync::Arc::new(inner),
+            })))
+        };
         Ok(())
     })
 }
@@ -465,10 +474,12 @@ pub unsafe extern "C" fn tutti_strategy_destroy(strategy: *mut tutti_strategy) {
 /// # Safety
 ///
 /// `strategy` is NULL or a live handle.
-unsafe fn strategy_ref<'a>(strategy: *const tutti_strategy) -> Result<&'a Strategy, Failure> {
+pub(crate) unsafe fn strategy_ref<'a>(
+    strategy: *const tutti_strategy,
+) -> Result<&'a Strategy, Failure> {
     // SAFETY: as the caller promises.
     unsafe { strategy.as_ref() }
-        .map(|s| &s.inner)
+        .map(|s| &*s.inner)
         .ok_or_else(|| Failure::invalid("strategy is NULL"))
 }
 
@@ -479,7 +490,7 @@ unsafe fn strategy_ref<'a>(strategy: *const tutti_strategy) -> Result<&'a Strate
 /// `strategy` is NULL or a live handle.
 pub(crate) unsafe fn strategy_opt<'a>(strategy: *const tutti_strategy) -> Option<&'a Strategy> {
     // SAFETY: as the caller promises.
-    unsafe { strategy.as_ref() }.map(|s| &s.inner)
+    unsafe { strategy.as_ref() }.map(|s| &*s.inner)
 }
 
 /// Write the number of replicas in sync across the job to `*num_replicas` (TensorFlow's
@@ -658,7 +669,7 @@ pub unsafe extern "C" fn tutti_strategy_run(
 /// # Safety
 ///
 /// `ctx` is NULL or the context a replica function was handed, during that call.
-unsafe fn ctx_ref<'a>(
+pub(crate) unsafe fn ctx_ref<'a>(
     ctx: *const tutti_replica_context,
 ) -> Result<&'a ReplicaContext<'a>, Failure> {
     // SAFETY: as the caller promises: it points at a live ReplicaContext.
@@ -699,7 +710,7 @@ pub unsafe extern "C" fn tutti_replica_id(
 
 /// `b` as elements. An empty slice's dangling address need not be aligned for `T`: it is
 /// none of `T`'s to cast.
-fn typed<T: Element>(b: &mut [u8]) -> &mut [T] {
+pub(crate) fn typed<T: Element>(b: &mut [u8]) -> &mut [T] {
     if b.is_empty() {
         return &mut [];
     }
@@ -707,7 +718,7 @@ fn typed<T: Element>(b: &mut [u8]) -> &mut [T] {
 }
 
 /// As [`typed`], read only.
-fn typed_ref<T: Element>(b: &[u8]) -> &[T] {
+pub(crate) fn typed_ref<T: Element>(b: &[u8]) -> &[T] {
     if b.is_empty() {
         return &[];
     }

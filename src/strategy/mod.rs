@@ -23,6 +23,7 @@ pub mod checkpoint;
 mod fusion;
 mod input;
 pub mod ps;
+mod scope;
 mod tensor;
 #[cfg(feature = "xla")]
 pub mod tpu;
@@ -34,6 +35,7 @@ pub use fusion::pack_plan;
 pub use input::{
     AutoShardPolicy, Batch, Dataset, DistributedDataset, FileDataset, InputContext, ValueContext,
 };
+pub use scope::{current_strategy, enter_scope, exit_scope, Scope, Variable};
 pub use tensor::Tensor;
 pub use training::{compute_average_loss, Compute, Mean, Optimizer, Param, Rule};
 #[doc(hidden)]

@@ -336,6 +336,7 @@ impl Optimizer {
         grads_and_vars: &[(&[T], &MirroredVariable<T>)],
     ) -> Result<()> {
         for (k, (g, v)) in grads_and_vars.iter().enumerate() {
+            v.copy_in(ctx)?;
             if g.len() != v.len() {
                 return Err(Error::config(format!(
                     "apply_gradients: gradient {k} holds {} elements, its variable {}",

@@ -102,9 +102,24 @@ impl<T: Element> MirroredVariable<T> {
         self.read(0)
     }
 
-    /// The copy of the replica running `ctx`.
+    /// The copy of the replica running `ctx` (a variable of one copy, made outside any scope,
+    /// reads the same on every replica).
     pub fn read_in(&self, ctx: &ReplicaContext<'_>) -> Vec<T> {
-        self.read(ctx.local_replica_id())
+        self.read(ctx.local_replica_id().min(self.values.len() - 1))
+    }
+
+    /// The copy the replica running `ctx` updates: an error for a variable made for another
+    /// number of replicas (under another strategy).
+    pub(crate) fn copy_in(&self, ctx: &ReplicaContext<'_>) -> Result<usize> {
+        let (me, n) = (ctx.local_replica_id(), ctx.strategy().num_local_replicas());
+        if self.values.len() != n {
+            return Err(Error::config(format!(
+                "a variable of {} copies updated in a run of {n} local replicas (made under \
+                 another strategy's scope, or outside any?)",
+                self.values.len()
+            )));
+        }
+        Ok(me)
     }
 
     /// True when every copy is identical.
@@ -126,7 +141,7 @@ impl<T: Element> MirroredVariable<T> {
             Aggregation::Mean => ctx.all_reduce(ReduceOp::Mean, &mut u)?,
             Aggregation::OnlyFirstReplica => ctx.broadcast(&mut u, 0)?,
         }
-        apply(&mut self.values[ctx.local_replica_id()].write(), &u, how)
+        apply(&mut self.values[self.copy_in(ctx)?].write(), &u, how)
     }
 
     /// From outside `run`: aggregate `updates` (one per local replica) and add the result to

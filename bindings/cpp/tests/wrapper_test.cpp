@@ -474,6 +474,21 @@ static void strategies_and_checkpoints() {
     std::vector<float> mean = s.reduce(std::vector<std::vector<float>>{{1, 2}, {3, 4}, {5, 6}},
                                        tutti::op::mean);
     EXPECT(mean[0] == 3.0f && mean[1] == 4.0f);
+    // Scope and variables: made in the scope, a copy per replica; the mean of the updates.
+    {
+        auto guard = s.scope();
+        tutti::variable<float> v(std::vector<float>{1, 2}, tutti::aggregation::mean);
+        v.assign_add(s, {{0, 1}, {1, 1}, {2, 1}});
+        EXPECT(v.value() == (std::vector<float>{2, 3}));
+        s.run([&](const tutti::replica_context &ctx) {
+            EXPECT(v.read(ctx) == (std::vector<float>{2, 3}));
+        });
+    }
+    {
+        tutti::variable<double> plain(std::vector<double>{1});
+        tutti::error e0 = expect_throw([&] { plain.assign(s, {{1}, {2}, {3}}); });
+        EXPECT(std::string(e0.what()).find("3 updates for 1 replicas") != std::string::npos);
+    }
     // Gather: uneven rows, in replica order.
     std::vector<double> all = s.gather(std::vector<std::vector<double>>{{1, 2}, {}, {3, 4, 5, 6}}, 2, 10);
     EXPECT(all == (std::vector<double>{1, 2, 3, 4, 5, 6}));

@@ -45,6 +45,16 @@ static tutti_result failing_step(const tutti_replica_context *ctx, void *user) {
 }
 
 /* The log records the callback received. */
+/* Each replica reads its copy of the variable `user` and checks it holds {2.5, 3}. */
+static tutti_result read_variable_step(const tutti_replica_context *ctx, void *user) {
+    float got[2] = {0, 0};
+    tutti_result r = tutti_variable_read((const tutti_variable *)user, ctx, TUTTI_DTYPE_F32, 2, got);
+    if (r != TUTTI_SUCCESS) {
+        return r;
+    }
+    return got[0] == 2.5f && got[1] == 3.0f ? TUTTI_SUCCESS : TUTTI_ERROR_INTERNAL;
+}
+
 static int log_records;
 static char log_last[512];
 
@@ -208,6 +218,48 @@ int main(void) {
                      TUTTI_ERROR_INVALID_ARGUMENT, "rows is NULL");
         EXPECT_ERROR(tutti_strategy_gather(s, TUTTI_DTYPE_F32, 2, gp, rows, NULL, 6, NULL),
                      TUTTI_ERROR_INVALID_ARGUMENT, "output is NULL");
+    }
+
+    /* A scope and its variables: made inside, the strategy's kind (a copy per replica). */
+    {
+        tutti_variable *v = NULL, *plain = NULL;
+        tutti_strategy *other = NULL;
+        float init[2] = {1, 2}, got[2], upd[4][2];
+        double got64[2];
+        const void *up[4];
+        CHECK(tutti_variable_create(TUTTI_DTYPE_F32, 2, init, TUTTI_AGGREGATION_MEAN, &plain));
+        CHECK(tutti_strategy_scope_begin(s));
+        CHECK(tutti_variable_create(TUTTI_DTYPE_F32, 2, init, TUTTI_AGGREGATION_MEAN, &v));
+        CHECK(tutti_strategy_create(TUTTI_STRATEGY_CENTRAL_STORAGE, 2,
+                                    TUTTI_CROSS_DEVICE_OPS_DEFAULT, &other));
+        EXPECT_ERROR(tutti_strategy_scope_begin(other), TUTTI_ERROR_INVALID_ARGUMENT,
+                     "inside a MirroredStrategy's scope", "CentralStorageStrategy's cannot");
+        CHECK(tutti_strategy_scope_end(s));
+        EXPECT_ERROR(tutti_strategy_scope_end(s), TUTTI_ERROR_INVALID_ARGUMENT,
+                     "not the one this thread is in");
+        for (i = 0; i < 4; i++) {
+            upd[i][0] = (float)i;
+            upd[i][1] = 1.0f;
+            up[i] = upd[i];
+        }
+        /* 1 + mean(0, 1, 2, 3), 2 + 1, on every copy. */
+        CHECK(tutti_variable_update(s, v, TUTTI_ASSIGN_ADD, TUTTI_DTYPE_F32, 2, up));
+        CHECK(tutti_variable_read(v, NULL, TUTTI_DTYPE_F32, 2, got));
+        EXPECT(got[0] == 2.5f && got[1] == 3.0f);
+        CHECK(tutti_strategy_run(s, read_variable_step, v));
+        /* The plain variable has one copy: not this strategy's four. */
+        EXPECT_ERROR(tutti_variable_update(s, plain, TUTTI_ASSIGN, TUTTI_DTYPE_F32, 2, up),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "4 updates for 1 replicas");
+        EXPECT_ERROR(tutti_variable_read(v, NULL, TUTTI_DTYPE_F64, 2, got64),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "the variable is f32, not f64");
+        EXPECT_ERROR(tutti_variable_read(v, NULL, TUTTI_DTYPE_F32, 3, got),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "count 3", "holds 2");
+        EXPECT_ERROR(tutti_variable_create(TUTTI_DTYPE_F32, 2, init, 7, &plain),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "aggregation 7");
+        tutti_variable_destroy(v);
+        tutti_variable_destroy(plain);
+        tutti_variable_destroy(NULL);
+        tutti_strategy_destroy(other);
     }
 
     /* A failing replica: run fails with its code and says which replica and why. */
