@@ -647,6 +647,37 @@ typedef uint32_t tutti_assign;
 #endif // __cplusplus
 
 /**
+ * The collectives a multi-worker strategy runs across workers (TensorFlow's
+ * `CommunicationImplementation`).
+ */
+enum tutti_communication
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+    /**
+     * tutti chooses (shared memory on one host, TCP across hosts).
+     */
+    TUTTI_COMMUNICATION_AUTO = 0,
+    /**
+     * The ring over TCP.
+     */
+    TUTTI_COMMUNICATION_RING = 1,
+    /**
+     * NCCL where every local device is a GPU and NCCL loads; elsewhere the ring, said once at
+     * warn level with the reason.
+     */
+    TUTTI_COMMUNICATION_NCCL = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum tutti_communication tutti_communication;
+#else
+typedef uint32_t tutti_communication;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A checkpoint (opaque): a step and named tensors. Created by `tutti_checkpoint_create` or
  * `tutti_checkpoint_restore`, released by `tutti_checkpoint_destroy`.
  */
@@ -2549,6 +2580,24 @@ tutti_result tutti_comm_create_store(size_t rank,
 tutti_result tutti_strategy_create_mirrored(size_t num_local_replicas,
                                             const struct tutti_cross_device_ops_config *ops,
                                             struct tutti_strategy **strategy);
+
+/**
+ * Create a MultiWorkerMirroredStrategy and write it to `*strategy`: `num_local_replicas`
+ * replicas on this host (logical CPU devices; 0: every GPU, else the CPU) on every worker of
+ * the cluster `tf_config` describes (a TF_CONFIG text; NULL: this process's environment, as
+ * `tutti_strategy_create` reads it; no cluster at all runs one worker), its collectives across
+ * workers as `communication` says. Every worker calls it (it joins the job).
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `tf_config` is NULL or a NUL-terminated string; `strategy` is NULL or writable.
+ */
+tutti_result tutti_strategy_create_multi_worker(const char *tf_config,
+                                                tutti_communication communication,
+                                                size_t num_local_replicas,
+                                                struct tutti_strategy **strategy);
 
 /**
  * Create a strategy of `kind` with `num_local_replicas` replicas on this host (logical CPU

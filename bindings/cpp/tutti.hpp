@@ -909,6 +909,13 @@ private:
     const tutti_replica_context *c_;
 };
 
+/// The collectives a multi-worker strategy runs across workers (CommunicationImplementation).
+enum class communication : std::uint32_t {
+    automatic = TUTTI_COMMUNICATION_AUTO,
+    ring = TUTTI_COMMUNICATION_RING,
+    nccl = TUTTI_COMMUNICATION_NCCL,
+};
+
 /// A tf.distribute strategy (tutti_strategy). Move-only.
 ///
 ///     tutti::strategy s(tutti::strategy_kind::mirrored, 4);
@@ -932,6 +939,17 @@ public:
         tutti_strategy *s = nullptr;
         detail::check(tutti_strategy_create_mirrored(num_local_replicas, &ops, &s));
         h_.reset(s);
+    }
+    /// A MultiWorkerMirroredStrategy: `num_local_replicas` logical CPU devices (0: every GPU,
+    /// else the CPU) on every worker of the cluster `tf_config` describes (nullptr: the
+    /// environment's), its collectives across workers as `c` says.
+    static strategy multi_worker(communication c = communication::automatic,
+                                 const char *tf_config = nullptr,
+                                 std::size_t num_local_replicas = 0) {
+        tutti_strategy *s = nullptr;
+        detail::check(tutti_strategy_create_multi_worker(
+            tf_config, static_cast<tutti_communication>(c), num_local_replicas, &s));
+        return strategy(s);
     }
     /// Replicas in sync across the job (TensorFlow's num_replicas_in_sync).
     std::size_t num_replicas_in_sync() const {
@@ -1064,6 +1082,7 @@ public:
     scope_guard scope() const { return scope_guard(h_.get()); }
 
 private:
+    explicit strategy(tutti_strategy *s) : h_(s) {}
     std::unique_ptr<tutti_strategy, detail::strategy_deleter> h_;
 };
 

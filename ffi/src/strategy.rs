@@ -319,6 +319,82 @@ fn cross_ops(v: tutti_cross_device_ops) -> Result<Option<CrossDeviceOps>, Failur
     }))
 }
 
+/// The collectives a multi-worker strategy runs across workers (TensorFlow's
+/// `CommunicationImplementation`).
+#[repr(u32)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum TuttiCommunication {
+    /// tutti chooses (shared memory on one host, TCP across hosts).
+    TUTTI_COMMUNICATION_AUTO = 0,
+    /// The ring over TCP.
+    TUTTI_COMMUNICATION_RING = 1,
+    /// NCCL where every local device is a GPU and NCCL loads; elsewhere the ring, said once at
+    /// warn level with the reason.
+    TUTTI_COMMUNICATION_NCCL = 2,
+}
+
+/// A `tutti_communication` as it crosses the C boundary: one of the `TUTTI_COMMUNICATION_*`
+/// values.
+pub type tutti_communication = u32;
+
+/// Create a MultiWorkerMirroredStrategy and write it to `*strategy`: `num_local_replicas`
+/// replicas on this host (logical CPU devices; 0: every GPU, else the CPU) on every worker of
+/// the cluster `tf_config` describes (a TF_CONFIG text; NULL: this process's environment, as
+/// `tutti_strategy_create` reads it; no cluster at all runs one worker), its collectives across
+/// workers as `communication` says. Every worker calls it (it joins the job).
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `tf_config` is NULL or a NUL-terminated string; `strategy` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_strategy_create_multi_worker(
+    tf_config: *const c_char,
+    communication: tutti_communication,
+    num_local_replicas: usize,
+    strategy: *mut *mut tutti_strategy,
+) -> tutti_result {
+    boundary("tutti_strategy_create_multi_worker", || {
+        use TuttiCommunication as C;
+        if strategy.is_null() {
+            return Err(Failure::invalid("strategy is NULL"));
+        }
+        let implementation = match communication {
+            c if c == C::TUTTI_COMMUNICATION_AUTO as u32 => CommunicationImplementation::Auto,
+            c if c == C::TUTTI_COMMUNICATION_RING as u32 => CommunicationImplementation::Ring,
+            c if c == C::TUTTI_COMMUNICATION_NCCL as u32 => CommunicationImplementation::Nccl,
+            other => {
+                return Err(Failure::invalid(format!(
+                    "communication {other} is not a tutti_communication (valid: 0..=2)"
+                )))
+            }
+        };
+        let spec = if tf_config.is_null() {
+            None
+        } else {
+            // SAFETY: non-NULL; the caller promises a NUL-terminated string.
+            let text = unsafe { std::ffi::CStr::from_ptr(tf_config) }
+                .to_str()
+                .map_err(|_| Failure::invalid("tf_config is not UTF-8"))?;
+            Some(tutti::from_tf_config(text)?)
+        };
+        let devices = if num_local_replicas == 0 {
+            Vec::new()
+        } else {
+            logical_cpus(num_local_replicas)?
+        };
+        let inner = Strategy::multi_worker_mirrored(implementation, spec, &devices)?;
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe {
+            strategy.write(Box::into_raw(Box::new(tutti_strategy {
+                inner: std::sync::Arc::new(inner),
+            })))
+        };
+        Ok(())
+    })
+}
+
 /// Create a strategy of `kind` with `num_local_replicas` replicas on this host (logical CPU
 /// devices; 0 means the default devices: every GPU, else the CPU) and write it to `*strategy`.
 /// `cross_device_ops` applies to MIRRORED; `TUTTI_CROSS_DEVICE_OPS_DEFAULT` chooses as

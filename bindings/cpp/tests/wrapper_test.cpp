@@ -489,6 +489,10 @@ static void strategies_and_checkpoints() {
         tutti::error e0 = expect_throw([&] { plain.assign(s, {{1}, {2}, {3}}); });
         EXPECT(std::string(e0.what()).find("3 updates for 1 replicas") != std::string::npos);
     }
+    {
+        auto mw = tutti::strategy::multi_worker(tutti::communication::ring, nullptr, 2);
+        EXPECT(mw.num_local_replicas() == 2 && mw.num_replicas_in_sync() == 2);
+    }
     // Gather: uneven rows, in replica order.
     std::vector<double> all = s.gather(std::vector<std::vector<double>>{{1, 2}, {}, {3, 4, 5, 6}}, 2, 10);
     EXPECT(all == (std::vector<double>{1, 2, 3, 4, 5, 6}));

@@ -15,9 +15,9 @@ The names and habits of TensorFlow's distributed-training guides, on numpy array
 
 * Strategies: ``MirroredStrategy(devices=None, cross_device_ops=None)``,
   ``OneDeviceStrategy(device)``, ``CentralStorageStrategy(compute_devices=None)``,
-  ``MultiWorkerMirroredStrategy(communication_options=None)`` (the job of ``tutti launch``,
-  torchrun or ``TF_CONFIG``; one worker on the local devices where the environment describes no
-  job), and ``get_strategy()`` (the default strategy outside any scope: one replica, the
+  ``MultiWorkerMirroredStrategy(cluster_resolver=None, communication_options=None)`` (the job
+  of ``tutti launch``, torchrun or ``TF_CONFIG``, or of a resolver's cluster; one worker on the
+  local devices where none is described), and ``get_strategy()`` (the default strategy outside any scope: one replica, the
   caller). Devices are the host's logical CPUs (``"cpu:N"``, ``"/cpu:N"``,
   ``"/job:localhost/replica:0/task:0/device:CPU:N"``); ``devices=None`` is every GPU, else the
   CPU, as in TensorFlow.
@@ -266,18 +266,21 @@ class CommunicationImplementation:
 
 
 class CommunicationOptions:
-    """Options of the collectives across workers (``implementation``: ``AUTO``; tutti chooses by
-    the devices, as TensorFlow's AUTO does)."""
+    """Options of the collectives across workers. ``implementation``: ``AUTO`` (tutti chooses by
+    the devices, as TensorFlow's AUTO does), ``RING`` (the ring over TCP) or ``NCCL`` (NCCL where
+    every local device is a GPU and NCCL loads; elsewhere the ring, said once in tutti's log at
+    warn level with the reason). TensorFlow's enum values and their names are taken too."""
+
+    _CODES = {"AUTO": 0, "RING": 1, "NCCL": 2}
 
     def __init__(self, bytes_per_pack=0, timeout_seconds=None, implementation=CommunicationImplementation.AUTO):
-        if str(getattr(implementation, "value", implementation)).upper().rpartition(".")[2] != "AUTO":
-            raise ValueError(
-                f"implementation={implementation!r}: from Python tutti's multi-worker strategy chooses "
-                "its collectives itself (AUTO)"
-            )
+        name = str(getattr(implementation, "name", None) or getattr(implementation, "value", implementation))
+        name = name.upper().rpartition(".")[2]
+        if name not in self._CODES:
+            raise ValueError(f"implementation={implementation!r}: one of AUTO, RING, NCCL")
         self.bytes_per_pack = bytes_per_pack
         self.timeout_seconds = timeout_seconds
-        self.implementation = CommunicationImplementation.AUTO
+        self.implementation = getattr(CommunicationImplementation, name)
 
 
 class PerReplica:
@@ -735,13 +738,15 @@ class DistributedDataset:
 class Strategy:
     """A strategy: replicas and how their values combine. Made by its subclasses."""
 
-    def __init__(self, kind, num_local_replicas=0, cross_device_ops=None, devices=None):
+    def __init__(self, kind, num_local_replicas=0, cross_device_ops=None, devices=None, _create=None):
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(f"cross_device_ops must be a tutti.distribute.CrossDeviceOps, not {type(cross_device_ops).__name__}")
         self._ops = cross_device_ops
         self._op_error = None
         h = ctypes.c_void_p()
-        if kind == _MIRRORED and cross_device_ops is not None:
+        if _create is not None:
+            _create(h)
+        elif kind == _MIRRORED and cross_device_ops is not None:
             config, self._op_callback = self._ops_config(cross_device_ops, devices)
             _check(_lib().tutti_strategy_create_mirrored(num_local_replicas, ctypes.byref(config), ctypes.byref(h)))
         else:
@@ -1124,18 +1129,30 @@ class CentralStorageStrategy(Strategy):
 
 class MultiWorkerMirroredStrategy(Strategy):
     """Replicas on the local devices of every worker of the job in the environment (``tutti
-    launch``, torchrun, mpirun, srun, ``TF_CONFIG``); one worker where it describes none."""
+    launch``, torchrun, mpirun, srun, ``TF_CONFIG``), or of the cluster ``cluster_resolver``
+    gives (any resolver naming this task: ``SimpleClusterResolver``, ``TFConfigClusterResolver``
+    with ``task_type`` and ``task_id``); one worker where none is described. Its collectives
+    across workers are as ``communication_options`` says (``CommunicationOptions``)."""
 
     def __init__(self, cluster_resolver=None, communication_options=None):
-        if cluster_resolver is not None and (
-            not isinstance(cluster_resolver, TFConfigClusterResolver) or cluster_resolver._overridden
-        ):
-            raise ValueError("MultiWorkerMirroredStrategy: tutti reads the cluster from the environment "
-                             "(TF_CONFIG, tutti launch, torchrun); cluster_resolver must be None or a "
-                             "TFConfigClusterResolver() of that TF_CONFIG")
         if communication_options is not None and not isinstance(communication_options, CommunicationOptions):
             raise TypeError("communication_options must be a tutti.distribute.CommunicationOptions")
-        super().__init__(_MULTI_WORKER, 0)
+        options = communication_options or CommunicationOptions()
+        tf_config = None  # the environment's cluster
+        if cluster_resolver is not None and not (
+            type(cluster_resolver) is TFConfigClusterResolver and not cluster_resolver._overridden
+        ):
+            spec = cluster_resolver.cluster_spec()
+            if cluster_resolver.task_type is None or cluster_resolver.task_id is None:
+                raise ValueError("MultiWorkerMirroredStrategy: the cluster_resolver names no task of this "
+                                 "process (task_type and task_id)")
+            tf_config = _tf_config(spec, cluster_resolver.task_type, cluster_resolver.task_id).encode()
+        code = CommunicationOptions._CODES[options.implementation]
+
+        def create(h):
+            _check(_lib().tutti_strategy_create_multi_worker(tf_config, code, 0, ctypes.byref(h)))
+
+        super().__init__(_MULTI_WORKER, 0, _create=create)
         self._worker()  # every worker makes the strategy: learn this one's index now, together
 
 
@@ -1879,6 +1896,8 @@ _PROTOTYPES.update({
                                                              ctypes.c_void_p, ctypes.c_size_t]),
     "tutti_ps_coordinator_assign_variable": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
                                                                ctypes.c_void_p, ctypes.c_size_t]),
+    "tutti_strategy_create_multi_worker": (ctypes.c_uint32, [ctypes.c_char_p, ctypes.c_uint32, ctypes.c_size_t,
+                                                             ctypes.POINTER(ctypes.c_void_p)]),
     "tutti_ps_coordinator_push": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
                                                     ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]),
     "tutti_ps_coordinator_schedule": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,

@@ -297,6 +297,20 @@ int main(void) {
     tutti_strategy_destroy(NULL);
 
     s = NULL;
+    /* MultiWorkerMirroredStrategy with communication options: no cluster here, so one worker;
+     * NCCL on CPUs runs the ring (and says so in the log). */
+    {
+        size_t total = 0, local = 0;
+        CHECK(tutti_strategy_create_multi_worker(NULL, TUTTI_COMMUNICATION_NCCL, 2, &s));
+        CHECK(tutti_strategy_num_replicas(s, &total, &local));
+        EXPECT(total == 2 && local == 2);
+        tutti_strategy_destroy(s);
+        s = NULL;
+        EXPECT_ERROR(tutti_strategy_create_multi_worker(NULL, 9, 2, &s),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "communication 9");
+        EXPECT_ERROR(tutti_strategy_create_multi_worker("{not json", TUTTI_COMMUNICATION_RING, 2, &s),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "TF_CONFIG");
+    }
     /* The library prints nothing on its own: its records reach the caller's callback, at the
      * level asked for. MirroredStrategy on CPUs says at info level why it does not use NCCL. */
     CHECK(tutti_set_log_callback(on_log, &log_records));
