@@ -2634,7 +2634,8 @@ tutti_result tutti_strategy_create(tutti_strategy_kind kind,
 tutti_result tutti_tpu_initialize(size_t *num_cores, size_t *num_tasks, size_t *num_cores_per_task);
 
 /**
- * Release a strategy and stop its replicas. NULL is accepted and ignored.
+ * Release a strategy and stop its replicas (once no scope on another thread holds it). Its
+ * scopes on the calling thread end. NULL is accepted and ignored.
  *
  * Thread-safety: no other call may be using `strategy`, on any thread, nor use it afterwards.
  *
@@ -2825,13 +2826,14 @@ tutti_result tutti_strategy_scope_begin(const struct tutti_strategy *strategy);
 
 /**
  * Leave `strategy`'s innermost scope on this thread; `TUTTI_ERROR_INVALID_ARGUMENT` where this
- * thread is not in its scope.
+ * thread is not in its scope. The handle is compared, not read: after
+ * `tutti_strategy_destroy` (which ends its scopes on the calling thread) this is an error.
  *
  * Thread-safety: on the thread that began the scope.
  *
  * # Safety
  *
- * `strategy` is NULL or a live handle.
+ * None beyond the call's: `strategy` is only compared with the handles scopes began on.
  */
 tutti_result tutti_strategy_scope_end(const struct tutti_strategy *strategy);
 

@@ -1885,7 +1885,22 @@ fn a_scope_makes_its_strategys_variables() {
             .unwrap();
         assert_eq!(w.value(), [2.0, 2.0]);
     }
+    // A variable of one copy updated through three replicas: an error, not a panic.
+    let e = plain
+        .assign_add(&mirrored, &PerReplica(vec![vec![1.0; 2]]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("1 copies, updated through a strategy of 3"),
+        "{e}"
+    );
     let _scope = mirrored.scope().unwrap();
+    // Variables are made outside run.
+    let e = mirrored
+        .run(|_| Variable::new(&[0.0f32]).map(|_| ()))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("outside run"), "{e}");
     std::thread::spawn(|| assert!(current_strategy().is_none()))
         .join()
         .unwrap();

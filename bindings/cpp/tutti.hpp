@@ -1078,8 +1078,10 @@ public:
         }
         tutti_strategy *s_;
     };
-    /// Enter the scope (an error inside another strategy's scope).
-    scope_guard scope() const { return scope_guard(h_.get()); }
+    /// Enter the scope (an error inside another strategy's scope). Not on a temporary: the
+    /// strategy must outlive its scope.
+    scope_guard scope() const & { return scope_guard(h_.get()); }
+    scope_guard scope() const && = delete;
 
 private:
     explicit strategy(tutti_strategy *s) : h_(s) {}

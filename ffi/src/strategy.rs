@@ -530,7 +530,8 @@ pub unsafe extern "C" fn tutti_tpu_initialize(
     })
 }
 
-/// Release a strategy and stop its replicas. NULL is accepted and ignored.
+/// Release a strategy and stop its replicas (once no scope on another thread holds it). Its
+/// scopes on the calling thread end. NULL is accepted and ignored.
 ///
 /// Thread-safety: no other call may be using `strategy`, on any thread, nor use it afterwards.
 ///
@@ -541,6 +542,9 @@ pub unsafe extern "C" fn tutti_tpu_initialize(
 pub unsafe extern "C" fn tutti_strategy_destroy(strategy: *mut tutti_strategy) {
     boundary_void("tutti_strategy_destroy", || {
         if !strategy.is_null() {
+            // Its scopes on this thread end with it (a scope on another thread keeps the
+            // strategy until that scope ends).
+            crate::variables::end_scopes_of(strategy as usize);
             // SAFETY: a live handle from Box::into_raw, released once.
             drop(unsafe { Box::from_raw(strategy) });
         }

@@ -5,7 +5,9 @@
 //! strategy's plain variable of one copy.
 
 use std::any::Any;
+use std::cell::RefCell;
 use std::ffi::c_void;
+use std::sync::Arc;
 
 use tutti::strategy::{Aggregation, PerReplica, Variable};
 use tutti::{DType, Element};
@@ -70,6 +72,30 @@ unsafe fn strategy_arc<'a>(
         .ok_or_else(|| Failure::invalid("strategy is NULL"))
 }
 
+thread_local! {
+    /// The scopes this thread entered through the C ABI, innermost last: each handle's address
+    /// and its strategy, so that a scope is ended, and a destroyed strategy's scopes dropped,
+    /// without reading a handle that may be gone.
+    static SCOPES: RefCell<Vec<(usize, Arc<tutti::strategy::Strategy>)>> =
+        const { RefCell::new(Vec::new()) };
+}
+
+/// End every scope this thread entered on the strategy at `addr` (its handle is being
+/// destroyed): the strategy is released with its handle, not kept alive by a scope.
+pub(crate) fn end_scopes_of(addr: usize) {
+    let ended: Vec<Arc<tutti::strategy::Strategy>> = SCOPES.with(|s| {
+        let mut s = s.borrow_mut();
+        let mut ended = Vec::new();
+        while s.last().is_some_and(|(a, _)| *a == addr) {
+            ended.extend(s.pop().map(|(_, st)| st));
+        }
+        ended
+    });
+    for st in &ended {
+        let _ = tutti::strategy::exit_scope(st);
+    }
+}
+
 /// Enter `strategy`'s scope on this thread (TensorFlow's `with strategy.scope():`): until
 /// `tutti_strategy_scope_end`, `tutti_variable_create` on this thread makes this strategy's
 /// kind of variable. Scopes of one strategy nest; another strategy's scope inside it is
@@ -88,24 +114,40 @@ pub unsafe extern "C" fn tutti_strategy_scope_begin(
         // SAFETY: as the caller promises.
         let s = unsafe { strategy_arc(strategy) }?;
         tutti::strategy::enter_scope(s)?;
+        SCOPES.with(|scopes| scopes.borrow_mut().push((strategy as usize, s.clone())));
         Ok(())
     })
 }
 
 /// Leave `strategy`'s innermost scope on this thread; `TUTTI_ERROR_INVALID_ARGUMENT` where this
-/// thread is not in its scope.
+/// thread is not in its scope. The handle is compared, not read: after
+/// `tutti_strategy_destroy` (which ends its scopes on the calling thread) this is an error.
 ///
 /// Thread-safety: on the thread that began the scope.
 ///
 /// # Safety
 ///
-/// `strategy` is NULL or a live handle.
+/// None beyond the call's: `strategy` is only compared with the handles scopes began on.
 #[no_mangle]
 pub unsafe extern "C" fn tutti_strategy_scope_end(strategy: *const tutti_strategy) -> tutti_result {
     boundary("tutti_strategy_scope_end", || {
-        // SAFETY: as the caller promises.
-        let s = unsafe { strategy_arc(strategy) }?;
-        tutti::strategy::exit_scope(s)?;
+        if strategy.is_null() {
+            return Err(Failure::invalid("strategy is NULL"));
+        }
+        let top = SCOPES.with(|s| {
+            let mut s = s.borrow_mut();
+            match s.last() {
+                Some((a, _)) if *a == strategy as usize => s.pop().map(|(_, st)| st),
+                _ => None,
+            }
+        });
+        let Some(st) = top else {
+            return Err(Failure::invalid(
+                "scope: this strategy's scope is not the one this thread is in (each scope is \
+                 left on the thread that entered it, before its strategy is destroyed)",
+            ));
+        };
+        tutti::strategy::exit_scope(&st)?;
         Ok(())
     })
 }

@@ -2277,7 +2277,7 @@ mod tests {
                     momentum: m,
                     nesterov: n
                 }),
-                (1e-3f32..1.0, 0f32..1.0, 0f32..1.0, 0f32..1.0).prop_map(|(l, a, b, e)| {
+                (1e-3f32..1.0, 0f32..1.0, 0f32..1.0, 1e-9f32..1.0).prop_map(|(l, a, b, e)| {
                     Rule::Adam {
                         learning_rate: l,
                         beta_1: a,

@@ -110,6 +110,14 @@ impl Strategy {
         initial: &[T],
         aggregation: Aggregation,
     ) -> Result<Variable<T>> {
+        // In the scope, outside `run`: the replicas' threads are not in the caller's scope, and
+        // a worker's chief-value broadcast must not fall among a step's collectives.
+        drop(self.outside_run().map_err(|_| {
+            Error::config(
+                "variables are made in the strategy's scope outside run (as TensorFlow's first \
+                 step makes them), not inside a replica function",
+            )
+        })?);
         let kind = match self.kind() {
             StrategyKind::CentralStorage => Kind::Central(self.central_variable(initial)?),
             _ => Kind::Mirrored(self.mirrored_variable(initial)?),

@@ -252,7 +252,8 @@ impl Rule {
     }
 
     /// Why the rule cannot step a variable, if it cannot: a learning rate that is not positive
-    /// and finite, a momentum outside [0, 1], a beta outside [0, 1), a negative epsilon.
+    /// and finite, a momentum outside [0, 1], a beta outside [0, 1), an epsilon that is not
+    /// positive (0 makes 0/0 of a gradient that stays 0).
     pub fn check(&self) -> std::result::Result<(), String> {
         let lr = self.learning_rate();
         if lr.is_nan() || lr <= 0.0 || lr.is_infinite() {
@@ -268,8 +269,8 @@ impl Rule {
             Rule::Adam { beta_2, .. } if !(0.0..1.0).contains(&beta_2) => {
                 Err(format!("beta_2 {beta_2} must be in [0, 1)"))
             }
-            Rule::Adam { epsilon, .. } if !(epsilon >= 0.0 && epsilon.is_finite()) => {
-                Err(format!("epsilon {epsilon} must be finite and not negative"))
+            Rule::Adam { epsilon, .. } if !(epsilon > 0.0 && epsilon.is_finite()) => {
+                Err(format!("epsilon {epsilon} must be positive and finite"))
             }
             _ => Ok(()),
         }

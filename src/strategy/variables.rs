@@ -189,6 +189,14 @@ impl<T: Element> MirroredVariable<T> {
                 self.values.len()
             )));
         }
+        if strategy.num_local_replicas() != self.values.len() {
+            return Err(Error::config(format!(
+                "mirrored variable: {} copies, updated through a strategy of {} local replicas \
+                 (made under another strategy's scope, or outside any?)",
+                self.values.len(),
+                strategy.num_local_replicas()
+            )));
+        }
         strategy
             .run(|ctx| self.update_in_replica(ctx, &updates.0[ctx.local_replica_id()], agg, how))?;
         Ok(())

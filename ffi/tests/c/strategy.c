@@ -259,7 +259,14 @@ int main(void) {
         tutti_variable_destroy(v);
         tutti_variable_destroy(plain);
         tutti_variable_destroy(NULL);
+        /* Destroying a strategy ends its scopes on this thread: ending one after is an error,
+         * not a read of the freed handle, and another strategy's scope may begin. */
+        CHECK(tutti_strategy_scope_begin(other));
         tutti_strategy_destroy(other);
+        EXPECT_ERROR(tutti_strategy_scope_end(other), TUTTI_ERROR_INVALID_ARGUMENT,
+                     "not the one this thread is in");
+        CHECK(tutti_strategy_scope_begin(s));
+        CHECK(tutti_strategy_scope_end(s));
     }
 
     /* A failing replica: run fails with its code and says which replica and why. */
