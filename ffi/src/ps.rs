@@ -710,6 +710,17 @@ unsafe fn coord<'a>(c: *const tutti_ps_coordinator) -> Result<&'a Coordinator, F
         .ok_or_else(|| Failure::invalid("coordinator is NULL"))
 }
 
+/// Variable `index` of the coordinator's, or an error saying how many it created.
+fn known_variable(c: &Coordinator, index: usize) -> Result<VariableId, Failure> {
+    let known = c.shards().len();
+    if index >= known {
+        return Err(Failure::invalid(format!(
+            "variable {index}: the coordinator created {known}"
+        )));
+    }
+    Ok(VariableId::from_index(index))
+}
+
 /// Write the workers still in the job to `*num_workers`.
 ///
 /// Thread-safety: callable from any thread.
@@ -806,16 +817,11 @@ pub unsafe extern "C" fn tutti_ps_coordinator_read_variable(
     boundary("tutti_ps_coordinator_read_variable", || {
         // SAFETY: as the caller promises.
         let c = unsafe { coord(coordinator) }?;
-        let known = c.shards().len();
-        if index >= known {
-            return Err(Failure::invalid(format!(
-                "variable {index}: the coordinator created {known}"
-            )));
-        }
+        let id = known_variable(c, index)?;
         let d = crate::types::dtype(dtype).map_err(Failure::invalid)?;
         let len = crate::buffers::byte_len(count, 1, d).map_err(Failure::invalid)?;
         crate::buffers::check(out, len, d, "out").map_err(Failure::invalid)?;
-        let v = c.read_values(VariableId::from_index(index))?;
+        let v = c.read_values(id)?;
         if v.len() != count || v.dtype() != d {
             return Err(Failure::invalid(format!(
                 "{count} {d} elements, but variable {index} has {} {}",
@@ -849,15 +855,10 @@ pub unsafe extern "C" fn tutti_ps_coordinator_assign_variable(
     boundary("tutti_ps_coordinator_assign_variable", || {
         // SAFETY: as the caller promises.
         let c = unsafe { coord(coordinator) }?;
-        let known = c.shards().len();
-        if index >= known {
-            return Err(Failure::invalid(format!(
-                "variable {index}: the coordinator created {known}"
-            )));
-        }
+        let id = known_variable(c, index)?;
         // SAFETY: the caller promises `count` readable elements.
         let v = unsafe { values_at(dtype, values, count, "values") }?;
-        c.assign_values(VariableId::from_index(index), v)?;
+        c.assign_values(id, v)?;
         Ok(())
     })
 }
@@ -885,17 +886,12 @@ pub unsafe extern "C" fn tutti_ps_coordinator_push(
     boundary("tutti_ps_coordinator_push", || {
         // SAFETY: as the caller promises.
         let c = unsafe { coord(coordinator) }?;
-        let known = c.shards().len();
-        if index >= known {
-            return Err(Failure::invalid(format!(
-                "variable {index}: the coordinator created {known}"
-            )));
-        }
+        let id = known_variable(c, index)?;
         // SAFETY: as the caller promises.
         let rule = unsafe { read_update(update, "update") }?;
         // SAFETY: the caller promises `count` readable elements.
         let g = unsafe { values_at(dtype, gradient, count, "gradient") }?;
-        c.push_values(VariableId::from_index(index), g, Some(rule))?;
+        c.push_values(id, g, Some(rule))?;
         Ok(())
     })
 }

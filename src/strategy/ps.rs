@@ -1343,6 +1343,30 @@ impl WorkerState {
     }
 }
 
+/// The shards of variable `id`, for `values` of its dtype and length (an error naming `what`
+/// and both otherwise).
+fn shards_of<'a>(
+    layout: &'a [Vec<Shard>],
+    id: VariableId,
+    values: &Values,
+    what: &str,
+) -> Result<&'a [Shard]> {
+    let shards = layout
+        .get(id.0)
+        .ok_or_else(|| Error::config(format!("no variable {}", id.0)))?;
+    let total: usize = shards.iter().map(|s| s.len).sum();
+    let dtype = shards.first().map_or(DType::F32, |s| s.dtype);
+    if values.len() != total || values.dtype() != dtype {
+        return Err(Error::config(format!(
+            "{what}: {} {} values for variable {} of {total} {dtype} elements",
+            values.len(),
+            values.dtype(),
+            id.0
+        )));
+    }
+    Ok(shards)
+}
+
 /// A PUSH of `grad` (the shard's part, bytes of its dtype) to shard `s` with `rule`.
 fn push_request(s: &Shard, rule: KeyedRule, grad: &[u8]) -> Vec<u8> {
     let mut req = Vec::with_capacity(PUSH_FIXED + grad.len());
@@ -1612,19 +1636,7 @@ impl Coordinator {
     /// may push onto the old or the new value.
     pub fn assign_values(&self, id: VariableId, values: Values) -> Result<()> {
         let layout = self.layout.lock();
-        let shards = layout
-            .get(id.0)
-            .ok_or_else(|| Error::config(format!("no variable {}", id.0)))?;
-        let total: usize = shards.iter().map(|s| s.len).sum();
-        let dtype = shards.first().map_or(DType::F32, |s| s.dtype);
-        if values.len() != total || values.dtype() != dtype {
-            return Err(Error::config(format!(
-                "assign_variable: {} {} values for variable {} of {total} {dtype} elements",
-                values.len(),
-                values.dtype(),
-                id.0
-            )));
-        }
+        let shards = shards_of(&layout, id, &values, "assign_variable")?;
         let rule = self.rules.lock()[id.0];
         self.set_shards(shards, &rule, &values, "")
     }
@@ -1644,20 +1656,8 @@ impl Coordinator {
                 .map_err(|why| Error::config(format!("push to variable {}: {why}", id.0)))?;
         }
         let layout = self.layout.lock();
-        let shards = layout
-            .get(id.0)
-            .ok_or_else(|| Error::config(format!("no variable {}", id.0)))?;
-        let total: usize = shards.iter().map(|s| s.len).sum();
-        let dtype = shards.first().map_or(DType::F32, |s| s.dtype);
-        if grad.len() != total || grad.dtype() != dtype {
-            return Err(Error::config(format!(
-                "push: {} {} values for variable {} of {total} {dtype} elements",
-                grad.len(),
-                grad.dtype(),
-                id.0
-            )));
-        }
-        let size = dtype.size();
+        let shards = shards_of(&layout, id, &grad, "push")?;
+        let size = grad.dtype().size();
         let mut at = 0;
         for s in shards {
             let req = push_request(s, rule, &grad.as_bytes()[at * size..(at + s.len) * size]);
