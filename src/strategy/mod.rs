@@ -39,7 +39,7 @@ pub use scope::{current_strategy, enter_scope, exit_scope, Scope, Variable};
 pub use tensor::Tensor;
 pub use training::{compute_average_loss, Compute, Mean, Optimizer, Param, Rule};
 #[doc(hidden)]
-pub use training::{AnySlots, Slots};
+pub use training::{AnySlots, Slots, Stretch};
 pub use variables::{Aggregation, CentralVariable, MirroredVariable};
 
 use std::sync::Arc;

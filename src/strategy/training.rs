@@ -107,6 +107,36 @@ pub trait Param: crate::dtype::Element {
     /// The slots of this arithmetic among a copy's.
     #[doc(hidden)]
     fn slots(s: &mut AnySlots) -> &mut Slots<Self::C>;
+    /// Run `f` over `w` and `g` in the rule's arithmetic, a stretch at a time (`f(at, w, g)`:
+    /// elements from `at`), and keep what it leaves in `w`: in place where the element is the
+    /// arithmetic's own type, through converted stretches where it is not.
+    #[doc(hidden)]
+    fn in_compute(w: &mut [Self], g: &[Self], f: &mut Stretch<'_, Self::C>);
+}
+
+/// What [`Param::in_compute`] runs over each stretch: `f(at, w, g)`, elements from `at`.
+#[doc(hidden)]
+pub type Stretch<'a, C> = dyn FnMut(usize, &mut [C], &[C]) + 'a;
+
+/// Elements a half-precision stretch is converted in (two f32 buffers of it on the stack).
+const STRETCH: usize = 2048;
+
+/// [`Param::in_compute`] for f16 and bf16: stretches converted to f32 and back with the
+/// `half` crate's slice conversions (vectorised where the CPU allows).
+fn half_in_compute<H>(w: &mut [H], g: &[H], f: &mut Stretch<'_, f32>)
+where
+    [H]: half::slice::HalfFloatSliceExt,
+{
+    use half::slice::HalfFloatSliceExt;
+    let (mut wb, mut gb) = ([0f32; STRETCH], [0f32; STRETCH]);
+    for (k, (w, g)) in w.chunks_mut(STRETCH).zip(g.chunks(STRETCH)).enumerate() {
+        let n = w.len().min(g.len());
+        let (wb, gb) = (&mut wb[..n], &mut gb[..n]);
+        w[..n].convert_to_f32_slice(wb);
+        g[..n].convert_to_f32_slice(gb);
+        f(k * STRETCH, wb, gb);
+        w[..n].convert_from_f32_slice(wb);
+    }
 }
 
 impl Param for f32 {
@@ -119,6 +149,9 @@ impl Param for f32 {
     }
     fn slots(s: &mut AnySlots) -> &mut Slots<f32> {
         &mut s.f32
+    }
+    fn in_compute(w: &mut [f32], g: &[f32], f: &mut Stretch<'_, f32>) {
+        f(0, w, g)
     }
 }
 
@@ -133,6 +166,9 @@ impl Param for f64 {
     fn slots(s: &mut AnySlots) -> &mut Slots<f64> {
         &mut s.f64
     }
+    fn in_compute(w: &mut [f64], g: &[f64], f: &mut Stretch<'_, f64>) {
+        f(0, w, g)
+    }
 }
 
 impl Param for half::f16 {
@@ -146,6 +182,9 @@ impl Param for half::f16 {
     fn slots(s: &mut AnySlots) -> &mut Slots<f32> {
         &mut s.f32
     }
+    fn in_compute(w: &mut [Self], g: &[Self], f: &mut Stretch<'_, f32>) {
+        half_in_compute(w, g, f)
+    }
 }
 
 impl Param for half::bf16 {
@@ -158,6 +197,9 @@ impl Param for half::bf16 {
     }
     fn slots(s: &mut AnySlots) -> &mut Slots<f32> {
         &mut s.f32
+    }
+    fn in_compute(w: &mut [Self], g: &[Self], f: &mut Stretch<'_, f32>) {
+        half_in_compute(w, g, f)
     }
 }
 
@@ -211,8 +253,12 @@ impl Rule {
         if b && s.b.len() != w.len() {
             s.b = vec![S::C::default(); w.len()];
         }
+        if let Rule::Adam { .. } = self {
+            s.steps = s.steps.saturating_add(1);
+        }
         let of = S::C::of;
-        match *self {
+        // The rule's arithmetic over `w` and `g` in its type, a stretch at a time from `at`.
+        let mut kernel = |at: usize, w: &mut [S::C], g: &[S::C]| match *self {
             Rule::Sgd {
                 learning_rate,
                 momentum,
@@ -221,14 +267,13 @@ impl Rule {
                 let (lr, mu) = (of(learning_rate), of(momentum));
                 if momentum == 0.0 {
                     for (w, &g) in w.iter_mut().zip(g) {
-                        *w = S::store(w.load() - lr * g.load());
+                        *w = *w - lr * g;
                     }
                     return;
                 }
-                for ((w, &g), v) in w.iter_mut().zip(g).zip(&mut s.a) {
-                    let g = g.load();
+                for ((w, &g), v) in w.iter_mut().zip(g).zip(&mut s.a[at..]) {
                     *v = mu * *v - lr * g;
-                    *w = S::store(w.load() + if nesterov { mu * *v - lr * g } else { *v });
+                    *w = *w + if nesterov { mu * *v - lr * g } else { *v };
                 }
             }
             Rule::Adam {
@@ -237,18 +282,18 @@ impl Rule {
                 beta_2,
                 epsilon,
             } => {
-                s.steps = s.steps.saturating_add(1);
                 let t = s.steps;
                 let (b1, b2, eps, one) = (of(beta_1), of(beta_2), of(epsilon), of(1.0));
                 let lr_t = of(learning_rate) * (one - b2.powi(t)).sqrt() / (one - b1.powi(t));
-                for (((w, &g), m), v) in w.iter_mut().zip(g).zip(&mut s.a).zip(&mut s.b) {
-                    let g = g.load();
+                let (ms, vs) = (&mut s.a[at..], &mut s.b[at..]);
+                for (((w, &g), m), v) in w.iter_mut().zip(g).zip(ms).zip(vs) {
                     *m = b1 * *m + (one - b1) * g;
                     *v = b2 * *v + (one - b2) * g * g;
-                    *w = S::store(w.load() - lr_t * *m / (v.sqrt() + eps));
+                    *w = *w - lr_t * *m / (v.sqrt() + eps);
                 }
             }
-        }
+        };
+        S::in_compute(w, g, &mut kernel);
     }
 
     /// Why the rule cannot step a variable, if it cannot: a learning rate that is not positive
@@ -408,5 +453,48 @@ impl Mean {
         for s in &self.states {
             *s.lock() = [0.0; 2];
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// f16 and bf16 shards are stepped a stretch at a time: across stretch boundaries, every
+    /// element as the rule stepped one at a time in f32 and rounded back would have it.
+    #[test]
+    fn half_precision_steps_match_the_element_wise_rule_across_stretches() {
+        fn check<H: Param<C = f32>>() {
+            let n = 2 * STRETCH + 77;
+            let w0: Vec<H> = (0..n).map(|i| H::store((i as f32 * 0.37).sin())).collect();
+            let g: Vec<H> = (0..n).map(|i| H::store((i as f32 * 0.11).cos())).collect();
+            for rule in [
+                Rule::Sgd {
+                    learning_rate: 0.1,
+                    momentum: 0.9,
+                    nesterov: true,
+                },
+                Rule::Adam {
+                    learning_rate: 0.01,
+                    beta_1: 0.9,
+                    beta_2: 0.999,
+                    epsilon: 1e-7,
+                },
+            ] {
+                let (mut w, mut slots) = (w0.clone(), AnySlots::default());
+                // The reference: each element on its own in f32, rounded back every step.
+                let (mut r, mut r_slots) = (w0.clone(), AnySlots::default());
+                for _ in 0..3 {
+                    rule.step(&mut slots, &mut w, &g);
+                    let mut wf: Vec<f32> = r.iter().map(|x| x.load()).collect();
+                    let gf: Vec<f32> = g.iter().map(|x| x.load()).collect();
+                    rule.step(&mut r_slots, &mut wf, &gf);
+                    r = wf.into_iter().map(H::store).collect();
+                }
+                assert!(w == r, "{rule:?} on {}", H::DTYPE);
+            }
+        }
+        check::<half::f16>();
+        check::<half::bf16>();
     }
 }
