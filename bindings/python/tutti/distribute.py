@@ -17,8 +17,8 @@ The names and habits of TensorFlow's distributed-training guides, on numpy array
   ``OneDeviceStrategy(device)``, ``CentralStorageStrategy(compute_devices=None)``,
   ``MultiWorkerMirroredStrategy(cluster_resolver=None, communication_options=None)`` (the job
   of ``tutti launch``, torchrun or ``TF_CONFIG``, or of a resolver's cluster; one worker on the
-  local devices where none is described), and ``get_strategy()`` (the default strategy outside any scope: one replica, the
-  caller). Devices are the host's logical CPUs (``"cpu:N"``, ``"/cpu:N"``,
+  local devices where none is described), and ``get_strategy()`` (the default strategy outside
+  any scope: one replica, the caller). Devices are the host's logical CPUs (``"cpu:N"``, ``"/cpu:N"``,
   ``"/job:localhost/replica:0/task:0/device:CPU:N"``); ``devices=None`` is every GPU, else the
   CPU, as in TensorFlow.
 * Cross-device ops: ``NcclAllReduce()``, ``HierarchicalCopyAllReduce(num_packs=1)``,
@@ -2011,7 +2011,7 @@ class _PsStep:
                                          ctypes.byref(nvars)))
         self.step, self.worker, self.num_workers = number.value, worker.value, workers.value
         self._nvars = nvars.value
-        self.updates = {}  # index -> (dtype, what assign* took from it)
+        self.updates = {}  # index -> what this step's assign* took from it (the variable's dtype)
         self.pushes = []  # (index, gradient, _PsUpdate) of apply_gradients
 
     def value(self, index, shape, dtype):
@@ -2022,7 +2022,11 @@ class _PsStep:
                                              ctypes.byref(n)))
         if code.value != _PS_DTYPES[np.dtype(dtype)]:
             raise TypeError(f"variable {index}: the ps tasks hold dtype code {code.value}, not {dtype}")
-        return np.frombuffer(ctypes.string_at(ptr, n.value * np.dtype(dtype).itemsize), dtype).reshape(shape).copy()
+        nbytes = n.value * np.dtype(dtype).itemsize
+        if nbytes == 0:
+            return np.zeros(shape, dtype)
+        held = (ctypes.c_char * nbytes).from_address(ptr.value)  # valid while the step runs
+        return np.frombuffer(held, dtype).reshape(shape).copy()
 
     def subtract(self, index, delta):
         """What this step takes from variable ``index``, summed over its updates."""
