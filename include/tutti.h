@@ -2264,6 +2264,54 @@ tutti_result tutti_ps_coordinator_push(const struct tutti_ps_coordinator *coordi
                                        const struct tutti_ps_update *update);
 
 /**
+ * Read the state of an update rule for variable `index` (its shards' joined): the variable's
+ * own rule's (`update` NULL), or that of the pushes naming `update` and its `slots` key. The
+ * first slot (SGD's momentum, Adam's `m`) goes to `first`, the second (Adam's `v`) to
+ * `second`, each `count` elements of `dtype` (the variable's length; `TUTTI_FLOAT32`, or
+ * `TUTTI_FLOAT64` for a float64 variable), the steps taken (Adam's `t`) to `*steps`. Pass NULL
+ * for what you do not want; a buffer for a slot the rule does not keep is an error. Zeros where
+ * the rule has not stepped the variable yet. A checkpoint keeps them beside the variable.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `coordinator` is NULL or a live handle; `update` NULL or `update->struct_size` readable
+ * bytes; `first` and `second` NULL or `count` writable elements of `dtype`; `steps` NULL or
+ * writable.
+ */
+tutti_result tutti_ps_coordinator_read_slots(const struct tutti_ps_coordinator *coordinator,
+                                             size_t index,
+                                             const struct tutti_ps_update *update,
+                                             tutti_dtype dtype,
+                                             void *first,
+                                             void *second,
+                                             size_t count,
+                                             uint32_t *steps);
+
+/**
+ * Set the state of an update rule for variable `index` (as `tutti_ps_coordinator_read_slots`
+ * names and lays it out: NULL for a slot the rule does not keep): a restored checkpoint's,
+ * onto however many ps tasks hold the variable now. A slot missing, or given where the rule
+ * keeps none, is an error before any shard is set.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `coordinator` is NULL or a live handle; `update` NULL or `update->struct_size` readable
+ * bytes; `first` and `second` NULL or `count` readable elements of `dtype`.
+ */
+tutti_result tutti_ps_coordinator_assign_slots(const struct tutti_ps_coordinator *coordinator,
+                                               size_t index,
+                                               const struct tutti_ps_update *update,
+                                               tutti_dtype dtype,
+                                               const void *first,
+                                               const void *second,
+                                               size_t count,
+                                               uint32_t steps);
+
+/**
  * Run steps `0..n` on the workers (each step on whichever worker is free) and write their
  * losses to `losses` (`n` floats; NULL to drop them). A failing step function returns
  * `TUTTI_ERROR_STEP_FAILED` (the workers stay); a lost ps task `TUTTI_ERROR_TASK_LOST`.

@@ -896,6 +896,153 @@ pub unsafe extern "C" fn tutti_ps_coordinator_push(
     })
 }
 
+/// Which rule's slots a slots call names: the variable's own (`update` NULL), or a pushed
+/// rule's with its key.
+///
+/// # Safety
+///
+/// `update` is NULL or points to `update->struct_size` readable bytes.
+unsafe fn slots_rule(update: *const tutti_ps_update) -> Result<Option<(Rule, u64)>, Failure> {
+    if update.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: as the caller promises.
+    unsafe { read_update(update, "update") }.map(Some)
+}
+
+/// The elements of each slot of a variable of `count` elements, and their dtype: checked
+/// against what the caller says its buffers hold.
+fn slot_dtype(dtype: tutti_dtype, count: usize) -> Result<(tutti::DType, usize), Failure> {
+    let d = crate::types::dtype(dtype).map_err(Failure::invalid)?;
+    if !matches!(d, tutti::DType::F32 | tutti::DType::F64) {
+        return Err(Failure::invalid(format!(
+            "slots are float32 (float64 for a float64 variable), not {d}"
+        )));
+    }
+    let len = crate::buffers::byte_len(count, 1, d).map_err(Failure::invalid)?;
+    Ok((d, len))
+}
+
+/// Read the state of an update rule for variable `index` (its shards' joined): the variable's
+/// own rule's (`update` NULL), or that of the pushes naming `update` and its `slots` key. The
+/// first slot (SGD's momentum, Adam's `m`) goes to `first`, the second (Adam's `v`) to
+/// `second`, each `count` elements of `dtype` (the variable's length; `TUTTI_FLOAT32`, or
+/// `TUTTI_FLOAT64` for a float64 variable), the steps taken (Adam's `t`) to `*steps`. Pass NULL
+/// for what you do not want; a buffer for a slot the rule does not keep is an error. Zeros where
+/// the rule has not stepped the variable yet. A checkpoint keeps them beside the variable.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `coordinator` is NULL or a live handle; `update` NULL or `update->struct_size` readable
+/// bytes; `first` and `second` NULL or `count` writable elements of `dtype`; `steps` NULL or
+/// writable.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn tutti_ps_coordinator_read_slots(
+    coordinator: *const tutti_ps_coordinator,
+    index: usize,
+    update: *const tutti_ps_update,
+    dtype: tutti_dtype,
+    first: *mut c_void,
+    second: *mut c_void,
+    count: usize,
+    steps: *mut u32,
+) -> tutti_result {
+    boundary("tutti_ps_coordinator_read_slots", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { coord(coordinator) }?;
+        let id = known_variable(c, index)?;
+        // SAFETY: as the caller promises.
+        let rule = unsafe { slots_rule(update) }?;
+        let (d, len) = slot_dtype(dtype, count)?;
+        for (p, name) in [(first, "first"), (second, "second")] {
+            if !p.is_null() {
+                crate::buffers::check(p, len, d, name).map_err(Failure::invalid)?;
+            }
+        }
+        let state = c.read_slots(id, rule)?;
+        let outs = [
+            (first, &state.first, "first"),
+            (second, &state.second, "second"),
+        ];
+        // Every buffer is checked before any is written.
+        for (_, v, name) in outs.iter().filter(|(p, ..)| !p.is_null()) {
+            let Some(v) = v else {
+                return Err(Failure::invalid(format!(
+                    "{name}: the rule keeps no {name} slot for variable {index}; pass NULL"
+                )));
+            };
+            if v.len() != count || v.dtype() != d {
+                return Err(Failure::invalid(format!(
+                    "{name}: {count} {d} elements, but the slot of variable {index} has {} {}",
+                    v.len(),
+                    v.dtype()
+                )));
+            }
+        }
+        for (p, v, _) in outs {
+            if let (false, Some(v)) = (p.is_null(), v) {
+                // SAFETY: checked above; the caller promises `count` writable elements.
+                unsafe { crate::buffers::slice_mut(p, len) }.copy_from_slice(v.as_bytes());
+            }
+        }
+        if !steps.is_null() {
+            // SAFETY: NULL-checked; the caller promises it is writable.
+            unsafe { steps.write(state.steps) };
+        }
+        Ok(())
+    })
+}
+
+/// Set the state of an update rule for variable `index` (as `tutti_ps_coordinator_read_slots`
+/// names and lays it out: NULL for a slot the rule does not keep): a restored checkpoint's,
+/// onto however many ps tasks hold the variable now. A slot missing, or given where the rule
+/// keeps none, is an error before any shard is set.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `coordinator` is NULL or a live handle; `update` NULL or `update->struct_size` readable
+/// bytes; `first` and `second` NULL or `count` readable elements of `dtype`.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn tutti_ps_coordinator_assign_slots(
+    coordinator: *const tutti_ps_coordinator,
+    index: usize,
+    update: *const tutti_ps_update,
+    dtype: tutti_dtype,
+    first: *const c_void,
+    second: *const c_void,
+    count: usize,
+    steps: u32,
+) -> tutti_result {
+    boundary("tutti_ps_coordinator_assign_slots", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { coord(coordinator) }?;
+        let id = known_variable(c, index)?;
+        // SAFETY: as the caller promises.
+        let rule = unsafe { slots_rule(update) }?;
+        slot_dtype(dtype, count)?;
+        let slot = |p: *const c_void, name: &str| -> Result<Option<Values>, Failure> {
+            if p.is_null() {
+                return Ok(None);
+            }
+            // SAFETY: the caller promises `count` readable elements.
+            unsafe { values_at(dtype, p, count, name) }.map(Some)
+        };
+        let state = tutti::strategy::SlotState {
+            first: slot(first, "first")?,
+            second: slot(second, "second")?,
+            steps,
+        };
+        c.assign_slots(id, rule, &state)?;
+        Ok(())
+    })
+}
+
 /// Run steps `0..n` on the workers (each step on whichever worker is free) and write their
 /// losses to `losses` (`n` floats; NULL to drop them). A failing step function returns
 /// `TUTTI_ERROR_STEP_FAILED` (the workers stay); a lost ps task `TUTTI_ERROR_TASK_LOST`.

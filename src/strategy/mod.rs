@@ -37,7 +37,7 @@ pub use input::{
 };
 pub use scope::{current_strategy, enter_scope, exit_scope, Scope, Variable};
 pub use tensor::Tensor;
-pub use training::{compute_average_loss, Compute, Mean, Optimizer, Param, Rule};
+pub use training::{compute_average_loss, Compute, Mean, Optimizer, Param, Rule, SlotState};
 #[doc(hidden)]
 pub use training::{AnySlots, Slots, Stretch};
 pub use variables::{Aggregation, CentralVariable, MirroredVariable};

@@ -33,7 +33,7 @@ use crate::cluster::auth::{handshake_client, Acceptor, Purpose, HANDSHAKE_LIMIT}
 use crate::cluster::{split_addr, ClusterSpec};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::strategy::training::{AnySlots, Param};
+use crate::strategy::training::{steps_wide, AnySlots, Param, SlotState};
 use crate::strategy::Rule;
 
 /// How a variable is cut into shards across the ps tasks. Shards go to the ps tasks in turn,
@@ -151,6 +151,21 @@ impl Values {
     /// Whether it has no element.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Elements `at..at + n`.
+    fn slice(&self, at: usize, n: usize) -> Values {
+        with_values!(self, x => x[at..at + n].to_vec().into())
+    }
+
+    /// Append `other`'s elements (of the same type; another is left out).
+    fn extend(&mut self, other: &Values) {
+        fn go<T: PsElement>(x: &mut Vec<T>, other: &Values) {
+            if let Some(o) = other.get::<T>() {
+                x.extend_from_slice(o);
+            }
+        }
+        with_values!(self, x => go(x, other))
     }
 
     /// Its elements, if they are `T`s.
@@ -327,6 +342,11 @@ const OP_SHUTDOWN: u32 = 6;
 const OP_ABORT: u32 = 7;
 const OP_OK: u32 = 100;
 const OP_ERR: u32 = 101;
+/// Read a shard's slots of a rule (payload: variable, shard, whether the rule is a pushed one,
+/// the rule; answer: [`encode_slots`]).
+const OP_READ_SLOTS: u32 = 8;
+/// Set a shard's slots of a rule (payload: as [`OP_READ_SLOTS`]'s, then [`encode_slots`]).
+const OP_SET_SLOTS: u32 = 9;
 /// A worker's answer to a step whose step function failed (payload: its message). The worker
 /// stays in the job.
 const OP_STEP_FAILED: u32 = 102;
@@ -531,6 +551,87 @@ enum Request {
     Shutdown,
     /// The job ends because this task was lost.
     Abort(Error),
+    /// A shard's slots of a rule (`None`: the shard's own rule's).
+    ReadSlots {
+        var: u32,
+        shard: u32,
+        rule: KeyedRule,
+    },
+    /// Set a shard's slots of a rule to `state` ([`encode_slots`]'s bytes, checked against the
+    /// shard when it is set).
+    SetSlots {
+        var: u32,
+        shard: u32,
+        rule: KeyedRule,
+        state: Vec<u8>,
+    },
+}
+
+/// Bytes before a SET_SLOTS's state: variable, shard, whether a rule follows, rule.
+const SLOTS_FIXED: usize = 12 + RULE_BYTES;
+
+/// A READ_SLOTS or SET_SLOTS request for shard `s` and `rule` (`None`: its own), with `state`
+/// ([`encode_slots`]) for a SET_SLOTS.
+fn slots_request(s: &Shard, rule: KeyedRule, state: &[u8]) -> Vec<u8> {
+    let mut req = Vec::with_capacity(SLOTS_FIXED + state.len());
+    for w in [s.var, s.index, rule.is_some() as u32] {
+        req.extend_from_slice(&w.to_le_bytes());
+    }
+    let (r, key) = rule.unwrap_or((PLAIN, 0));
+    encode_rule(&r, key, &mut req);
+    req.extend_from_slice(state);
+    req
+}
+
+/// A rule's state as it travels: the steps taken (u32), then the first slot's bytes and the
+/// second's, those the rule keeps (each as long as the shard, in the rule's arithmetic).
+fn encode_slots(state: &SlotState) -> Vec<u8> {
+    let mut b = state.steps.to_le_bytes().to_vec();
+    for v in [&state.first, &state.second].into_iter().flatten() {
+        b.extend_from_slice(v.as_bytes());
+    }
+    b
+}
+
+/// The bytes [`encode_slots`] gives for `rule`'s state of a shard of `len` elements of
+/// `dtype`.
+fn slots_bytes(rule: &Rule, len: usize, dtype: DType) -> usize {
+    let (a, b) = rule.slots_used();
+    let arith = if steps_wide(dtype) { 8 } else { 4 };
+    4 + (a as usize + b as usize) * len * arith
+}
+
+/// `rule`'s state of a shard of `len` elements of `dtype` from [`encode_slots`]'s bytes; bytes
+/// of another length are an error.
+fn decode_slots(
+    rule: &Rule,
+    len: usize,
+    dtype: DType,
+    b: &[u8],
+) -> std::result::Result<SlotState, String> {
+    let due = slots_bytes(rule, len, dtype);
+    if b.len() != due {
+        return Err(format!(
+            "slots of {} bytes for a shard whose rule keeps {due}",
+            b.len()
+        ));
+    }
+    let arith = if steps_wide(dtype) {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let (a, second) = rule.slots_used();
+    let each = len * arith.size();
+    let part = |used: bool, at: usize| -> std::result::Result<Option<Values>, String> {
+        used.then(|| Values::from_bytes(arith, &b[at..at + each]))
+            .transpose()
+    };
+    Ok(SlotState {
+        steps: u32_at(b, 0),
+        first: part(a, 4)?,
+        second: part(second, 4 + if a { each } else { 0 })?,
+    })
 }
 
 /// Bytes before a CREATE's values: variable, shard, dtype, rule.
@@ -549,6 +650,9 @@ fn request_bound(op: u32, largest: usize) -> std::result::Result<u64, String> {
         OP_PUSH => (PUSH_FIXED + largest) as u64,
         OP_CREATE => CREATE_FIXED as u64 + 8 * MAX_SHARD,
         OP_SETUP => MAX_LAYOUT,
+        OP_READ_SLOTS => SLOTS_FIXED as u64,
+        // Two f32 slots for each element of an f16 or bf16 shard at most: four times its bytes.
+        OP_SET_SLOTS => (SLOTS_FIXED + 4 + 4 * largest) as u64,
         other => return Err(format!("unknown request {other}")),
     })
 }
@@ -616,6 +720,31 @@ impl Request {
                 Request::Shutdown
             }
             OP_ABORT => Request::Abort(decode_lost(p)),
+            OP_READ_SLOTS | OP_SET_SLOTS => {
+                let what = if op == OP_READ_SLOTS {
+                    "READ_SLOTS"
+                } else {
+                    "SET_SLOTS"
+                };
+                fixed(what, SLOTS_FIXED)?;
+                if op == OP_READ_SLOTS {
+                    exact(what, SLOTS_FIXED)?;
+                }
+                let rule = match u32_at(p, 2) {
+                    0 => None,
+                    _ => Some(decode_rule(&p[12..SLOTS_FIXED])?),
+                };
+                let (var, shard) = (u32_at(p, 0), u32_at(p, 1));
+                match op {
+                    OP_READ_SLOTS => Request::ReadSlots { var, shard, rule },
+                    _ => Request::SetSlots {
+                        var,
+                        shard,
+                        rule,
+                        state: p[SLOTS_FIXED..].to_vec(),
+                    },
+                }
+            }
             other => return Err(format!("unknown request {other}")),
         })
     }
@@ -845,6 +974,59 @@ impl HeldShard {
         };
         apply(&rule, slots, &mut self.values, &g)
     }
+
+    /// The rule and slots a READ_SLOTS or SET_SLOTS names: the shard's own (`None`), or a
+    /// pushed rule's (made where `make`, within [`MAX_SLOT_KEYS`]; else `None` where none is
+    /// kept yet).
+    fn slots_of(
+        &mut self,
+        rule: KeyedRule,
+        make: bool,
+    ) -> std::result::Result<(Rule, Option<&mut AnySlots>), String> {
+        match rule {
+            None => Ok((self.rule, Some(&mut self.own))),
+            Some((rule, key)) => {
+                let k = (rule_kind(&rule), key);
+                if make && !self.slots.contains_key(&k) && self.slots.len() >= MAX_SLOT_KEYS {
+                    return Err(format!(
+                        "more than {MAX_SLOT_KEYS} optimizers' slots on one shard"
+                    ));
+                }
+                Ok(match make {
+                    true => (rule, Some(self.slots.entry(k).or_default())),
+                    false => (rule, self.slots.get_mut(&k)),
+                })
+            }
+        }
+    }
+
+    /// The slots of `rule` ([`encode_slots`]; zeros where it has not stepped this shard).
+    fn read_slots(&mut self, rule: KeyedRule) -> std::result::Result<Vec<u8>, String> {
+        let (len, wide) = (self.values.len(), steps_wide(self.values.dtype()));
+        let (rule, slots) = self.slots_of(rule, false)?;
+        let state = match slots {
+            Some(s) => s.export(&rule, len, wide),
+            None => AnySlots::default().export(&rule, len, wide),
+        };
+        Ok(encode_slots(&state))
+    }
+
+    /// Set the slots of `rule` from [`encode_slots`]'s bytes (checked against this shard).
+    fn set_slots(&mut self, rule: KeyedRule, b: &[u8]) -> std::result::Result<(), String> {
+        let (len, dtype) = (self.values.len(), self.values.dtype());
+        let (r, _) = self.slots_of(rule, false)?;
+        let state = decode_slots(&r, len, dtype, b)?;
+        if r.slots_used() == (false, false) {
+            // Plain SGD keeps nothing: no entry is made for it.
+            return Ok(());
+        }
+        let (r, slots) = self.slots_of(rule, true)?;
+        let slots = slots.expect("made");
+        let mut set = slots.clone();
+        set.import(&r, len, steps_wide(dtype), &state)?;
+        *slots = set;
+        Ok(())
+    }
 }
 
 /// A ps task's shards by (variable, shard), and why the task's job ended early, if it did.
@@ -1071,6 +1253,21 @@ fn handle(
                 grad,
             } => match ps.shards.lock().get_mut(&(var, shard)) {
                 Some(h) => h.step(dtype, &grad, rule).map(|_| Vec::new()),
+                None => Err(no_shard(var, shard)),
+            },
+            Request::ReadSlots { var, shard, rule } => {
+                match ps.shards.lock().get_mut(&(var, shard)) {
+                    Some(h) => h.read_slots(rule),
+                    None => Err(no_shard(var, shard)),
+                }
+            }
+            Request::SetSlots {
+                var,
+                shard,
+                rule,
+                state,
+            } => match ps.shards.lock().get_mut(&(var, shard)) {
+                Some(h) => h.set_slots(rule, &state).map(|_| Vec::new()),
                 None => Err(no_shard(var, shard)),
             },
             Request::Setup(layout) => match worker {
@@ -1672,6 +1869,103 @@ impl Coordinator {
         Ok(())
     }
 
+    /// The state of an update rule for variable `id`, its shards' joined (so that it sets
+    /// again onto any number of ps tasks): the variable's own rule's (`rule` `None`), or that
+    /// of the pushes naming `rule` and its key. Zeros where the rule has not stepped it yet.
+    /// A checkpoint keeps it with [`SlotState::save`].
+    pub fn read_slots(&self, id: VariableId, rule: Option<(Rule, u64)>) -> Result<SlotState> {
+        let layout = self.layout.lock();
+        let shards = layout
+            .get(id.0)
+            .ok_or_else(|| Error::config(format!("no variable {}", id.0)))?;
+        let r = match rule {
+            Some((r, _)) => {
+                r.check().map_err(|why| {
+                    Error::config(format!("read_slots of variable {}: {why}", id.0))
+                })?;
+                r
+            }
+            None => self.rules.lock()[id.0],
+        };
+        let mut joined: Option<SlotState> = None;
+        for s in shards {
+            let due = slots_bytes(&r, s.len, s.dtype);
+            let b = call_sized(
+                &mut self.ps[s.ps].lock(),
+                OP_READ_SLOTS,
+                &slots_request(s, rule, &[]),
+                &format!("ps task {}", s.ps),
+                due,
+            )?;
+            let part = decode_slots(&r, s.len, s.dtype, &b).map_err(|why| Error::System {
+                what: format!("ps task {}", s.ps),
+                message: why,
+            })?;
+            joined = Some(match joined {
+                None => part,
+                // Every push steps every shard: shard 0's step count stands for all.
+                Some(mut j) => {
+                    for (a, b) in [(&mut j.first, part.first), (&mut j.second, part.second)] {
+                        if let (Some(a), Some(b)) = (a, b) {
+                            a.extend(&b);
+                        }
+                    }
+                    j
+                }
+            });
+        }
+        let dtype = shards.first().map_or(DType::F32, |s| s.dtype);
+        Ok(joined.unwrap_or_else(|| AnySlots::default().export(&r, 0, steps_wide(dtype))))
+    }
+
+    /// Set the state of an update rule for variable `id` (as [`Coordinator::read_slots`]
+    /// names it): a restored checkpoint's, onto however many ps tasks hold the variable now.
+    /// A state the rule could not have kept for the variable (a slot missing, or of another
+    /// length or type) is an error before any shard is set; a ps task that fails part-way
+    /// (lost, or keeping too many optimizers' slots) leaves the shards before it set.
+    pub fn assign_slots(
+        &self,
+        id: VariableId,
+        rule: Option<(Rule, u64)>,
+        state: &SlotState,
+    ) -> Result<()> {
+        let layout = self.layout.lock();
+        let shards = layout
+            .get(id.0)
+            .ok_or_else(|| Error::config(format!("no variable {}", id.0)))?;
+        let r = match rule {
+            Some((r, _)) => {
+                r.check().map_err(|why| {
+                    Error::config(format!("assign_slots to variable {}: {why}", id.0))
+                })?;
+                r
+            }
+            None => self.rules.lock()[id.0],
+        };
+        let total: usize = shards.iter().map(|s| s.len).sum();
+        let dtype = shards.first().map_or(DType::F32, |s| s.dtype);
+        AnySlots::default()
+            .import(&r, total, steps_wide(dtype), state)
+            .map_err(|why| Error::config(format!("assign_slots to variable {}: {why}", id.0)))?;
+        let mut at = 0;
+        for s in shards {
+            let cut = |v: &Option<Values>| v.as_ref().map(|v| v.slice(at, s.len));
+            let part = SlotState {
+                first: cut(&state.first),
+                second: cut(&state.second),
+                steps: state.steps,
+            };
+            at += s.len;
+            call(
+                &mut self.ps[s.ps].lock(),
+                OP_SET_SLOTS,
+                &slots_request(s, rule, &encode_slots(&part)),
+                &format!("ps task {}", s.ps),
+            )?;
+        }
+        Ok(())
+    }
+
     /// The shard count of each variable.
     pub fn shards(&self) -> Vec<usize> {
         self.layout.lock().iter().map(|s| s.len()).collect()
@@ -2254,6 +2548,26 @@ mod tests {
                 }
                 Request::Shutdown => (OP_SHUTDOWN, Vec::new()),
                 Request::Abort(e) => (OP_ABORT, encode_lost(e)),
+                Request::ReadSlots { var, shard, rule } => {
+                    (OP_READ_SLOTS, slots_request(&at(*var, *shard), *rule, &[]))
+                }
+                Request::SetSlots {
+                    var,
+                    shard,
+                    rule,
+                    state,
+                } => (OP_SET_SLOTS, slots_request(&at(*var, *shard), *rule, state)),
+            }
+        }
+
+        /// Shard `index` of variable `var` (what a request names of it).
+        fn at(var: u32, index: u32) -> Shard {
+            Shard {
+                ps: 0,
+                var,
+                index,
+                len: 0,
+                dtype: DType::F32,
             }
         }
 
@@ -2305,7 +2619,7 @@ mod tests {
                 (
                     any::<u32>(),
                     any::<u32>(),
-                    proptest::option::of((rule, any::<u64>())),
+                    proptest::option::of((rule.clone(), any::<u64>())),
                     proptest::collection::vec(any::<u8>(), 0..16)
                 )
                     .prop_map(|(var, shard, rule, grad)| Request::Push {
@@ -2320,16 +2634,51 @@ mod tests {
                 (any::<u64>(), proptest::collection::vec(any::<u8>(), 0..16))
                     .prop_map(|(step, payload)| Request::Step { step, payload }),
                 Just(Request::Shutdown),
+                (
+                    any::<u32>(),
+                    any::<u32>(),
+                    proptest::option::of((rule.clone(), any::<u64>())),
+                )
+                    .prop_map(|(var, shard, rule)| Request::ReadSlots {
+                        var,
+                        shard,
+                        rule
+                    }),
+                (
+                    any::<u32>(),
+                    any::<u32>(),
+                    proptest::option::of((rule.clone(), any::<u64>())),
+                    proptest::collection::vec(any::<u8>(), 0..16)
+                )
+                    .prop_map(|(var, shard, rule, state)| Request::SetSlots {
+                        var,
+                        shard,
+                        rule,
+                        state
+                    }),
             ]
         }
 
         proptest! {
             #[test]
             fn any_request_bytes_decode_or_are_refused(
-                op in 0u32..8,
+                op in 0u32..10,
                 b in proptest::collection::vec(any::<u8>(), 0..96),
+                len in 0usize..8,
             ) {
                 let _ = Request::decode(op, &b);
+                for d in [DType::F32, DType::F64, DType::F16] {
+                    let adam = Rule::Adam {
+                        learning_rate: 0.1,
+                        beta_1: 0.9,
+                        beta_2: 0.99,
+                        epsilon: 1e-7,
+                    };
+                    if let Ok(state) = decode_slots(&adam, len, d, &b) {
+                        // What decodes re-encodes to the same bytes.
+                        prop_assert_eq!(&encode_slots(&state), &b);
+                    }
+                }
                 let _ = request_bound(op, 16);
                 if let Ok(l) = decode_layout(&b) {
                     // What decodes re-encodes to the same bytes.

@@ -8,8 +8,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
-use super::{MirroredVariable, PerReplica, ReplicaContext, Strategy, Tensor};
-use crate::dtype::ReduceOp;
+use super::ps::Values;
+use super::{Checkpoint, MirroredVariable, PerReplica, ReplicaContext, Strategy, Tensor};
+use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 
 /// TensorFlow's `tf.nn.compute_average_loss`: the sum of this replica's per-example losses over
@@ -205,6 +206,7 @@ impl Param for half::bf16 {
 
 /// One copy's slots (momentum, or Adam's moments and step count), in the rule's arithmetic.
 #[doc(hidden)]
+#[derive(Clone)]
 pub struct Slots<C> {
     a: Vec<C>,
     b: Vec<C>,
@@ -223,13 +225,196 @@ impl<C> Default for Slots<C> {
 
 /// A copy's slots, whichever arithmetic its variable's dtype uses.
 #[doc(hidden)]
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct AnySlots {
     f32: Slots<f32>,
     f64: Slots<f64>,
 }
 
 type SharedSlots = std::sync::Arc<Mutex<AnySlots>>;
+
+/// An update rule's state for one variable (or one shard of it), as checkpoints keep it beside
+/// the variable: each slot the rule uses, as long as the variable, in the rule's arithmetic
+/// (f32 for f32, f16 and bf16 variables; f64 for f64 ones), and Adam's step count. A rule
+/// that has not stepped the variable yet has zeros, as it starts from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SlotState {
+    /// SGD's momentum, or Adam's first moment (`m`); `None` for plain SGD.
+    pub first: Option<Values>,
+    /// Adam's second moment (`v`); `None` for SGD.
+    pub second: Option<Values>,
+    /// Adam's steps taken (`t`); 0 for SGD.
+    pub steps: u32,
+}
+
+/// Whether a variable of `dtype` steps in f64 (else in f32).
+pub(crate) fn steps_wide(dtype: DType) -> bool {
+    dtype == DType::F64
+}
+
+impl AnySlots {
+    /// The state `rule` keeps here for a variable of `len` elements (`wide`: f64 arithmetic).
+    pub(crate) fn export(&self, rule: &Rule, len: usize, wide: bool) -> SlotState {
+        fn part<C: Copy + Default>(v: &[C], used: bool, len: usize) -> Option<Vec<C>> {
+            used.then(|| match v.len() == len {
+                true => v.to_vec(),
+                false => vec![C::default(); len],
+            })
+        }
+        let (a, b) = rule.slots_used();
+        let (first, second, steps) = if wide {
+            let s = &self.f64;
+            let f = |v, u| part(v, u, len).map(Values::F64);
+            (f(&s.a, a), f(&s.b, b), s.steps)
+        } else {
+            let s = &self.f32;
+            let f = |v, u| part(v, u, len).map(Values::F32);
+            (f(&s.a, a), f(&s.b, b), s.steps)
+        };
+        SlotState {
+            first,
+            second,
+            steps: steps.max(0) as u32,
+        }
+    }
+
+    /// Take `state` as what `rule` keeps here for a variable of `len` elements (`wide`: f64
+    /// arithmetic); a state that `rule` could not have kept for it is an error saying why, and
+    /// leaves these slots as they were.
+    pub(crate) fn import(
+        &mut self,
+        rule: &Rule,
+        len: usize,
+        wide: bool,
+        state: &SlotState,
+    ) -> std::result::Result<(), String> {
+        let (a, b) = rule.slots_used();
+        let arith = if wide { DType::F64 } else { DType::F32 };
+        for (used, got, which) in [(a, &state.first, "first"), (b, &state.second, "second")] {
+            match got {
+                None if used => return Err(format!("the rule keeps a {which} slot; none given")),
+                Some(_) if !used => {
+                    return Err(format!("the rule keeps no {which} slot; one given"))
+                }
+                Some(v) if v.dtype() != arith || v.len() != len => {
+                    return Err(format!(
+                        "the {which} slot is {} {}, not {len} {arith} (the variable's)",
+                        v.len(),
+                        v.dtype()
+                    ))
+                }
+                _ => {}
+            }
+        }
+        let steps = i32::try_from(state.steps)
+            .map_err(|_| format!("{} steps taken: more than a rule counts", state.steps))?;
+        // Only Adam counts its steps.
+        let steps = if b { steps } else { 0 };
+        fn take<C: Clone>(v: &Option<Values>, get: fn(&Values) -> Option<&[C]>) -> Vec<C> {
+            v.as_ref()
+                .and_then(get)
+                .map_or_else(Vec::new, <[C]>::to_vec)
+        }
+        if wide {
+            self.f64 = Slots {
+                a: take(&state.first, Values::get::<f64>),
+                b: take(&state.second, Values::get::<f64>),
+                steps,
+            };
+        } else {
+            self.f32 = Slots {
+                a: take(&state.first, Values::get::<f32>),
+                b: take(&state.second, Values::get::<f32>),
+                steps,
+            };
+        }
+        Ok(())
+    }
+}
+
+impl SlotState {
+    /// Add this state, as `rule` keeps it, to `ckpt` under `prefix`: `{prefix}/momentum`, or
+    /// Adam's `{prefix}/m`, `{prefix}/v` and `{prefix}/t` (plain SGD adds nothing).
+    pub fn save(&self, rule: &Rule, ckpt: &mut Checkpoint, prefix: &str) -> Result<()> {
+        let [a, b, t] = rule.slot_names();
+        for (name, v) in [(a, &self.first), (b, &self.second)] {
+            let (Some(name), Some(v)) = (name, v) else {
+                continue;
+            };
+            let name = format!("{prefix}/{name}");
+            match v {
+                Values::F64(x) => ckpt.insert(&name, &Tensor::vector(x.clone()))?,
+                Values::F32(x) => ckpt.insert(&name, &Tensor::vector(x.clone()))?,
+                other => {
+                    return Err(Error::config(format!(
+                        "{name}: slots are f32 or f64, not {}",
+                        other.dtype()
+                    )))
+                }
+            }
+        }
+        if let Some(t) = t {
+            let steps = Tensor::new(vec![i64::from(self.steps)], Vec::new())?;
+            ckpt.insert(&format!("{prefix}/{t}"), &steps)?;
+        }
+        Ok(())
+    }
+
+    /// The state `rule` keeps for a variable of `len` elements of `dtype`, from `ckpt` under
+    /// `prefix` (as [`SlotState::save`] wrote it); a slot that is missing, or of another
+    /// length or type, is an error naming it.
+    pub fn load(
+        rule: &Rule,
+        ckpt: &Checkpoint,
+        prefix: &str,
+        len: usize,
+        dtype: DType,
+    ) -> Result<SlotState> {
+        let [a, b, t] = rule.slot_names();
+        let wide = steps_wide(dtype);
+        let slot = |name: Option<&str>| -> Result<Option<Values>> {
+            let Some(name) = name else {
+                return Ok(None);
+            };
+            let name = format!("{prefix}/{name}");
+            let v: Values = if wide {
+                ckpt.get::<f64>(&name)?.data.into()
+            } else {
+                ckpt.get::<f32>(&name)?.data.into()
+            };
+            if v.len() != len {
+                return Err(Error::config(format!(
+                    "checkpoint {name}: {} elements, for a variable of {len}",
+                    v.len()
+                )));
+            }
+            Ok(Some(v))
+        };
+        let steps = match t {
+            None => 0,
+            Some(t) => {
+                let name = format!("{prefix}/{t}");
+                let v = ckpt.get::<i64>(&name)?.data;
+                match v[..] {
+                    [s] => u32::try_from(s).map_err(|_| {
+                        Error::config(format!("checkpoint {name}: {s} is not a step count"))
+                    })?,
+                    _ => {
+                        return Err(Error::config(format!(
+                            "checkpoint {name}: {} values, not one step count",
+                            v.len()
+                        )))
+                    }
+                }
+            }
+        };
+        Ok(SlotState {
+            first: slot(a)?,
+            second: slot(b)?,
+            steps,
+        })
+    }
+}
 
 impl Rule {
     /// Its learning rate.
@@ -239,14 +424,29 @@ impl Rule {
         }
     }
 
+    /// The slots the rule keeps, and no more: none for plain SGD, one for momentum, two for
+    /// Adam.
+    pub(crate) fn slots_used(&self) -> (bool, bool) {
+        match *self {
+            Rule::Sgd { momentum, .. } => (momentum != 0.0, false),
+            Rule::Adam { .. } => (true, true),
+        }
+    }
+
+    /// The names its state takes in a checkpoint: the first slot's, the second's, the step
+    /// count's (Keras's names: `momentum`; Adam's `m`, `v` and `t`).
+    fn slot_names(&self) -> [Option<&'static str>; 3] {
+        match *self {
+            Rule::Sgd { momentum, .. } if momentum != 0.0 => [Some("momentum"), None, None],
+            Rule::Sgd { .. } => [None; 3],
+            Rule::Adam { .. } => [Some("m"), Some("v"), Some("t")],
+        }
+    }
+
     /// Step `w` by the gradient `g` (as long as `w`), keeping the rule's state in `slots`.
     pub(crate) fn step<S: Param>(&self, slots: &mut AnySlots, w: &mut [S], g: &[S]) {
         let s = S::slots(slots);
-        // The slots the rule uses, and no more: none for plain SGD, one for momentum.
-        let (a, b) = match *self {
-            Rule::Sgd { momentum, .. } => (momentum != 0.0, false),
-            Rule::Adam { .. } => (true, true),
-        };
+        let (a, b) = self.slots_used();
         if a && s.a.len() != w.len() {
             s.a = vec![S::C::default(); w.len()];
         }
@@ -403,6 +603,76 @@ impl Optimizer {
             // Once per step on every worker (its first local replica).
             self.iterations.fetch_add(1, Ordering::Relaxed);
         }
+        Ok(())
+    }
+
+    /// Add this optimizer's state to `ckpt` under `name`, as TensorFlow's checkpoints keep an
+    /// optimizer beside the model: `{name}/iterations`, and each variable's slots under
+    /// `{name}/{variable}/` ([`SlotState::save`]), the variables named as the caller names them
+    /// in the checkpoint. Call it outside [`Strategy::run`]; for variables of several dtypes,
+    /// once per dtype. [`Optimizer::restore`] takes it back.
+    pub fn save<T: Param>(
+        &self,
+        ckpt: &mut Checkpoint,
+        name: &str,
+        variables: &[(&str, &MirroredVariable<T>)],
+    ) -> Result<()> {
+        let iterations = format!("{name}/iterations");
+        if !ckpt.names().any(|n| n == iterations) {
+            let it = i64::try_from(self.iterations()).unwrap_or(i64::MAX);
+            ckpt.insert(&iterations, &Tensor::new(vec![it], Vec::new())?)?;
+        }
+        let wide = steps_wide(T::DTYPE);
+        for (vname, var) in variables {
+            // The copies' slots are identical: the first copy's stand for all.
+            let kept = self.slots.lock().get(&(var.id(), 0)).cloned();
+            let state = match kept {
+                Some(s) => s.lock().export(&self.rule, var.len(), wide),
+                None => AnySlots::default().export(&self.rule, var.len(), wide),
+            };
+            state.save(&self.rule, ckpt, &format!("{name}/{vname}"))?;
+        }
+        Ok(())
+    }
+
+    /// Take back the state [`Optimizer::save`] added to `ckpt` under `name`: the iteration
+    /// count and, for every copy of each variable, its slots. Everything is checked before
+    /// anything is set: a slot missing, or of another length or type (an optimizer of another
+    /// rule saved it, say), is an error naming it. Call it outside [`Strategy::run`], on every
+    /// worker.
+    pub fn restore<T: Param>(
+        &self,
+        ckpt: &Checkpoint,
+        name: &str,
+        variables: &[(&str, &MirroredVariable<T>)],
+    ) -> Result<()> {
+        let iterations = format!("{name}/iterations");
+        let it = match ckpt.get::<i64>(&iterations)?.data[..] {
+            [it] if it >= 0 => it as u64,
+            _ => {
+                return Err(Error::config(format!(
+                    "checkpoint {iterations}: not one count of steps"
+                )))
+            }
+        };
+        let wide = steps_wide(T::DTYPE);
+        let mut taken = Vec::with_capacity(variables.len());
+        for (vname, var) in variables {
+            let prefix = format!("{name}/{vname}");
+            let state = SlotState::load(&self.rule, ckpt, &prefix, var.len(), T::DTYPE)?;
+            let mut slots = AnySlots::default();
+            slots
+                .import(&self.rule, var.len(), wide, &state)
+                .map_err(|why| Error::config(format!("checkpoint {prefix}: {why}")))?;
+            taken.push((var.id(), var.copies(), slots));
+        }
+        let mut kept = self.slots.lock();
+        for (id, copies, slots) in taken {
+            for copy in 0..copies {
+                kept.insert((id, copy), std::sync::Arc::new(Mutex::new(slots.clone())));
+            }
+        }
+        self.iterations.store(it, Ordering::Relaxed);
         Ok(())
     }
 }

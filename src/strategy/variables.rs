@@ -77,6 +77,11 @@ impl<T: Element> MirroredVariable<T> {
         self.id
     }
 
+    /// Its copies (one per local replica).
+    pub(crate) fn copies(&self) -> usize {
+        self.values.len()
+    }
+
     /// Change local replica `replica`'s copy in place.
     pub(crate) fn update_copy<R>(&self, replica: usize, f: impl FnOnce(&mut [T]) -> R) -> R {
         f(&mut self.values[replica].write())

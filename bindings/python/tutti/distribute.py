@@ -1327,15 +1327,20 @@ class Variable:
 
 class Checkpoint:
     """TensorFlow's ``tf.train.Checkpoint``: the named objects to save and restore together,
-    each a ``Variable`` or a numpy array (restored in place), in tutti's versioned checkpoint
-    format (the README's "Checkpoints"). Save and restore through a ``CheckpointManager``.
-    ``step`` is the step of the checkpoint last saved or restored (0 before)."""
+    each a ``Variable``, a numpy array (restored in place) or an ``Optimizer``, in tutti's
+    versioned checkpoint format (the README's "Checkpoints"). An optimizer is saved as its
+    ``iterations`` and its state for each float ``Variable`` of the checkpoint (its slots, on
+    the ps tasks under a ``ParameterServerStrategy``), named ``<optimizer>/<variable>/<slot>``
+    (``momentum``; Adam's ``m``, ``v`` and ``t``), so that training resumes as if it had never
+    stopped. Save and restore through a ``CheckpointManager``. ``step`` is the step of the
+    checkpoint last saved or restored (0 before)."""
 
     def __init__(self, **objects):
         for name, obj in objects.items():
-            if not isinstance(obj, (Variable, np.ndarray)):
+            if not isinstance(obj, (Variable, np.ndarray, Optimizer)):
                 raise TypeError(
-                    f"Checkpoint: {name} is a {type(obj).__name__}; checkpoint Variables and numpy arrays"
+                    f"Checkpoint: {name} is a {type(obj).__name__}; checkpoint Variables, numpy arrays "
+                    "and Optimizers"
                 )
         self._objects = objects
         self.step = 0
@@ -1351,9 +1356,9 @@ class Checkpoint:
         h = ctypes.c_void_p()
         _check(_lib().tutti_checkpoint_create(step, ctypes.byref(h)))
         try:
-            for name, obj in self._objects.items():
+            for name, value in self._entries():
                 # np.require keeps a 0-d value 0-d (np.ascontiguousarray makes it 1-d).
-                value = np.require(obj.numpy() if isinstance(obj, Variable) else obj, requirements="C")
+                value = np.require(value, requirements="C")
                 _check_dtype(value.dtype, f"Checkpoint: {name}")
                 shape = (ctypes.c_size_t * max(value.ndim, 1))(*value.shape)
                 _check(_lib().tutti_checkpoint_insert(h, name.encode(), tutti.DTYPES[value.dtype.name],
@@ -1363,12 +1368,41 @@ class Checkpoint:
             raise
         return h
 
+    def _optimized(self):
+        """(optimizer name, optimizer, [(variable name, variable)]): each optimizer of the
+        checkpoint with the float variables whose state it keeps."""
+        variables = [(n, v) for n, v in self._objects.items() if isinstance(v, Variable) and v.dtype.kind == "f"]
+        return [(n, o, variables) for n, o in self._objects.items() if isinstance(o, Optimizer)]
+
+    def _entries(self):
+        """(name, value) of everything saved: the variables and arrays, then each optimizer's
+        iterations and state."""
+        for name, obj in self._objects.items():
+            if not isinstance(obj, Optimizer):
+                yield name, obj.numpy() if isinstance(obj, Variable) else obj
+        for oname, opt, variables in self._optimized():
+            yield f"{oname}/iterations", np.array(opt.iterations, np.int64)
+            for vname, var in variables:
+                slots, steps = opt._state(var)
+                for slot, x in zip(opt._slot_names, slots):
+                    yield f"{oname}/{vname}/{slot}", x
+                if opt._counts_steps:
+                    yield f"{oname}/{vname}/t", np.array(steps, np.int64)
+
     def _load(self, h):
         """Every object's value from the checkpoint at ``h``, checked, then assigned: an object
         the checkpoint lacks or holds at another shape or dtype is an error and nothing is
         assigned."""
         values = {}
-        for name, obj in self._objects.items():
+        wanted = [(n, o.shape, o.dtype) for n, o in self._objects.items() if not isinstance(o, Optimizer)]
+        for oname, opt, variables in self._optimized():
+            wanted.append((f"{oname}/iterations", (), np.int64))
+            for vname, var in variables:
+                wanted += [(f"{oname}/{vname}/{slot}", var.shape, opt._slot_dtype(var)) for slot in opt._slot_names]
+                if opt._counts_steps:
+                    wanted.append((f"{oname}/{vname}/t", (), np.int64))
+        for name, want_shape, want_dtype in wanted:
+            obj = self._objects.get(name)
             if isinstance(obj, np.ndarray) and not obj.flags.writeable:
                 raise ValueError(f"Checkpoint: {name} is a read-only array; restore needs to write into it")
             code, ndim = ctypes.c_uint32(), ctypes.c_size_t()
@@ -1377,19 +1411,33 @@ class Checkpoint:
             _check(_lib().tutti_checkpoint_variable(h, name.encode(), None, None, dims, ndim.value))
             shape = tuple(dims[i] for i in range(ndim.value))
             saved = _dtype_name(code.value)
-            if shape != tuple(obj.shape) or saved != np.dtype(obj.dtype).name:
+            if shape != tuple(want_shape) or saved != np.dtype(want_dtype).name:
                 raise ValueError(
                     f"Checkpoint: {name} was saved as {saved} of shape {shape}; here it is "
-                    f"{np.dtype(obj.dtype).name} of shape {tuple(obj.shape)}"
+                    f"{np.dtype(want_dtype).name} of shape {tuple(want_shape)}"
                 )
-            out = np.empty(shape, np.dtype(obj.dtype).newbyteorder("="))  # the file's order
+            out = np.empty(shape, np.dtype(want_dtype).newbyteorder("="))  # the file's order
             _check(_lib().tutti_checkpoint_read(h, name.encode(), code.value, out.size,
                                                 out.ctypes.data_as(ctypes.c_void_p)))
             values[name] = out
+        for oname, opt, variables in self._optimized():
+            counts = [(f"{oname}/iterations", 2**63)] + [(f"{oname}/{v}/t", 2**31) for v, _ in variables]
+            for name, most in counts[:len(counts) if opt._counts_steps else 1]:
+                if not 0 <= int(values[name]) < most:
+                    raise ValueError(f"Checkpoint: {name} is {int(values[name])}, not a count of steps")
+        # The optimizers first: under a ParameterServerStrategy the ps tasks check their state
+        # again, and a refusal there then leaves the variables as they were. (A ps task lost
+        # part-way leaves what it had set.)
+        for oname, opt, variables in self._optimized():
+            for vname, var in variables:
+                slots = [values[f"{oname}/{vname}/{slot}"] for slot in opt._slot_names]
+                steps = int(values[f"{oname}/{vname}/t"]) if opt._counts_steps else 0
+                opt._set_state(var, slots, steps)
+            opt.iterations = int(values[f"{oname}/iterations"])
         for name, obj in self._objects.items():
             if isinstance(obj, Variable):
                 obj.assign(values[name])
-            else:
+            elif isinstance(obj, np.ndarray):
                 obj[...] = values[name]
         step = ctypes.c_uint64()
         _check(_lib().tutti_checkpoint_step(h, ctypes.byref(step)))
@@ -1567,8 +1615,8 @@ class Optimizer:
     copy keeps its own slots (momentum, moments), updated alike, so the copies stay identical."""
 
     def __init__(self, learning_rate):
-        if not learning_rate > 0:
-            raise ValueError(f"{type(self).__name__}: learning_rate {learning_rate} must be positive")
+        if not 0 < learning_rate < float("inf"):
+            raise ValueError(f"{type(self).__name__}: learning_rate {learning_rate} must be positive and finite")
         self.learning_rate = float(learning_rate)
         self.iterations = 0
         self._slots = {}
@@ -1624,6 +1672,46 @@ class Optimizer:
         """What copy ``i`` of ``var`` loses this step, from the combined gradient ``g``."""
         raise NotImplementedError
 
+    # The names of the slots it keeps per variable, as a checkpoint names them, and whether it
+    # counts each variable's steps (Adam's ``t``).
+    _slot_names = ()
+    _counts_steps = False
+
+    def _state(self, var):
+        """Its state for ``var`` as a checkpoint keeps it: each slot (zeros before the first
+        step) and the steps taken. A mirrored variable's copies are alike: the first stands for
+        all."""
+        names = self._slot_names
+        if not names and not self._counts_steps:
+            return [], 0
+        if isinstance(var, _PsVariable):
+            return var._strategy._read_slots(var._ps_index, self._ps_update(), len(names), var.shape,
+                                             var.dtype == np.float64)
+        with self._lock:
+            slots = [self._slots.get((var, 0, n)) for n in names]
+            steps = getattr(self, "_steps", {}).get((var, 0), 0)
+        return [np.zeros(var.shape, var.dtype) if x is None else x.copy() for x in slots], steps
+
+    def _slot_dtype(self, var):
+        """The dtype of its slots for ``var``: the ps tasks' arithmetic, else the variable's."""
+        if isinstance(var, _PsVariable):
+            return np.dtype(np.float64 if var.dtype == np.float64 else np.float32)
+        return np.dtype(var.dtype)
+
+    def _set_state(self, var, slots, steps):
+        """Take ``slots`` and ``steps`` (checked by the caller) as its state for ``var``."""
+        if not self._slot_names and not self._counts_steps:
+            return
+        if isinstance(var, _PsVariable):
+            var._strategy._assign_slots(var._ps_index, self._ps_update(), slots, steps, var.dtype == np.float64)
+            return
+        with self._lock:
+            for i in range(len(var._values)):
+                for n, x in zip(self._slot_names, slots):
+                    self._slots[(var, i, n)] = np.array(x, var.dtype)
+                if self._counts_steps:
+                    self._steps[(var, i)] = int(steps)
+
     def _ps_update(self):
         """The rule the ps tasks step a ``ParameterServerStrategy`` variable by, keyed by this
         optimizer (its copies on the workers share the key, and so the slots)."""
@@ -1638,6 +1726,9 @@ class SGD(Optimizer):
     def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False):
         super().__init__(learning_rate)
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
+        if not 0.0 <= self.momentum <= 1.0:
+            raise ValueError(f"SGD: momentum {momentum} must be in [0, 1]")
+        self._slot_names = ("momentum",) if self.momentum else ()
 
     def _ps_update(self):
         return _PsUpdate(rule=0, learning_rate=self.learning_rate, momentum=self.momentum,
@@ -1658,7 +1749,15 @@ class Adam(Optimizer):
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
         super().__init__(learning_rate)
         self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
+        for name, beta in (("beta_1", self.beta_1), ("beta_2", self.beta_2)):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"Adam: {name} {beta} must be in [0, 1)")
+        if not 0.0 < self.epsilon < float("inf"):
+            raise ValueError(f"Adam: epsilon {epsilon} must be positive and finite")
         self._steps = {}
+
+    _slot_names = ("m", "v")
+    _counts_steps = True
 
     def _ps_update(self):
         return _PsUpdate(rule=1, learning_rate=self.learning_rate, beta_1=self.beta_1, beta_2=self.beta_2,
@@ -1900,6 +1999,12 @@ _PROTOTYPES.update({
                                                              ctypes.POINTER(ctypes.c_void_p)]),
     "tutti_ps_coordinator_push": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
                                                     ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]),
+    "tutti_ps_coordinator_read_slots": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                                                          ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p,
+                                                          ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint32)]),
+    "tutti_ps_coordinator_assign_slots": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                                                            ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p,
+                                                            ctypes.c_size_t, ctypes.c_uint32]),
     "tutti_ps_coordinator_schedule": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                                         ctypes.POINTER(ctypes.c_void_p)]),
     "tutti_ps_coordinator_join": (ctypes.c_uint32, [ctypes.c_void_p]),
@@ -2230,6 +2335,27 @@ class ParameterServerStrategy(Strategy):
         with self._coordinator_handle() as h:
             _check(_lib().tutti_ps_coordinator_push(h, index, _PS_DTYPES[g.dtype], g.ctypes.data_as(ctypes.c_void_p),
                                                     g.size, None if update is None else ctypes.byref(update)))
+
+    def _read_slots(self, index, update, n, shape, wide):
+        """The state ``update`` keeps on the ps tasks for variable ``index`` (of ``shape``):
+        its ``n`` slots (float32; float64 for a float64 variable) and steps taken."""
+        slots = [np.empty(shape, np.float64 if wide else np.float32) for _ in range(n)]
+        ptrs = [s.ctypes.data_as(ctypes.c_void_p) for s in slots] + [None] * (2 - len(slots))
+        steps = ctypes.c_uint32()
+        with self._coordinator_handle() as h:
+            _check(_lib().tutti_ps_coordinator_read_slots(h, index, ctypes.byref(update),
+                                                          _PS_DTYPES[np.dtype(np.float64 if wide else np.float32)],
+                                                          ptrs[0], ptrs[1], int(np.prod(shape)), ctypes.byref(steps)))
+        return slots, steps.value
+
+    def _assign_slots(self, index, update, slots, steps, wide):
+        dtype = np.dtype(np.float64 if wide else np.float32)
+        slots = [np.ascontiguousarray(x, dtype) for x in slots]
+        ptrs = [x.ctypes.data_as(ctypes.c_void_p) for x in slots] + [None] * (2 - len(slots))
+        count = slots[0].size if slots else 0
+        with self._coordinator_handle() as h:
+            _check(_lib().tutti_ps_coordinator_assign_slots(h, index, ctypes.byref(update), _PS_DTYPES[dtype],
+                                                            ptrs[0], ptrs[1], count, steps))
 
     def _read_variable(self, index, shape, dtype):
         out = np.empty(shape, dtype)
