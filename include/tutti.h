@@ -2270,15 +2270,17 @@ tutti_result tutti_ps_coordinator_push(const struct tutti_ps_coordinator *coordi
  * `second`, each `count` elements of `dtype` (the variable's length; `TUTTI_FLOAT32`, or
  * `TUTTI_FLOAT64` for a float64 variable), the steps taken (Adam's `t`) to `*steps`. Pass NULL
  * for what you do not want; a buffer for a slot the rule does not keep is an error. Zeros where
- * the rule has not stepped the variable yet. A checkpoint keeps them beside the variable.
+ * the rule has not stepped the variable yet. `*kept` (NULL: not wanted) says which slots the
+ * rule keeps: 1 for the first, 2 for the second, both or neither (a call with both buffers
+ * NULL asks just that). A checkpoint keeps them beside the variable.
  *
  * Thread-safety: callable from any thread.
  *
  * # Safety
  *
  * `coordinator` is NULL or a live handle; `update` NULL or `update->struct_size` readable
- * bytes; `first` and `second` NULL or `count` writable elements of `dtype`; `steps` NULL or
- * writable.
+ * bytes; `first` and `second` NULL or `count` writable elements of `dtype`; `steps` and `kept`
+ * NULL or writable.
  */
 tutti_result tutti_ps_coordinator_read_slots(const struct tutti_ps_coordinator *coordinator,
                                              size_t index,
@@ -2287,7 +2289,8 @@ tutti_result tutti_ps_coordinator_read_slots(const struct tutti_ps_coordinator *
                                              void *first,
                                              void *second,
                                              size_t count,
-                                             uint32_t *steps);
+                                             uint32_t *steps,
+                                             uint32_t *kept);
 
 /**
  * Set the state of an update rule for variable `index` (as `tutti_ps_coordinator_read_slots`

@@ -1389,6 +1389,40 @@ public:
         detail::check(tutti_ps_coordinator_assign_variable(
             h_.get(), index, dtype_of<T>::value, values.data(), values.size()));
     }
+    /// An update rule's state for a variable: its slots (SGD's momentum or Adam's m, and Adam's
+    /// v; empty where the rule keeps none), of S (float; double for a double variable), and
+    /// the steps taken. What a checkpoint keeps of an optimizer beside the variable.
+    template <typename S = float> struct slots {
+        std::vector<S> first, second;
+        std::uint32_t steps = 0;
+    };
+    /// The state for variable `index` (of `len` elements) of `update` (nullptr: the variable's
+    /// own rule; else a pushed rule, by its slots key), its shards' joined.
+    template <typename S = float>
+    slots<S> read_slots(std::size_t index, std::size_t len,
+                        const ps_update *update = nullptr) const {
+        const tutti_ps_update *u = update ? &update->u : nullptr;
+        std::uint32_t kept = 0;
+        slots<S> out;
+        detail::check(tutti_ps_coordinator_read_slots(h_.get(), index, u, dtype_of<S>::value,
+                                                      nullptr, nullptr, len, nullptr, &kept));
+        if (kept & 1u) out.first.resize(len);
+        if (kept & 2u) out.second.resize(len);
+        detail::check(tutti_ps_coordinator_read_slots(
+            h_.get(), index, u, dtype_of<S>::value, (kept & 1u) ? out.first.data() : nullptr,
+            (kept & 2u) ? out.second.data() : nullptr, len, &out.steps, nullptr));
+        return out;
+    }
+    /// Set that state (a restored checkpoint's), onto however many ps tasks hold the variable.
+    template <typename S>
+    void assign_slots(std::size_t index, const slots<S> &state,
+                      const ps_update *update = nullptr) {
+        std::size_t len = state.first.empty() ? state.second.size() : state.first.size();
+        detail::check(tutti_ps_coordinator_assign_slots(
+            h_.get(), index, update ? &update->u : nullptr, dtype_of<S>::value,
+            state.first.empty() ? nullptr : state.first.data(),
+            state.second.empty() ? nullptr : state.second.data(), len, state.steps));
+    }
     /// Steps 0..n on the workers; their losses.
     std::vector<float> run_steps(std::size_t n) {
         std::vector<float> losses(n);

@@ -929,15 +929,17 @@ fn slot_dtype(dtype: tutti_dtype, count: usize) -> Result<(tutti::DType, usize),
 /// `second`, each `count` elements of `dtype` (the variable's length; `TUTTI_FLOAT32`, or
 /// `TUTTI_FLOAT64` for a float64 variable), the steps taken (Adam's `t`) to `*steps`. Pass NULL
 /// for what you do not want; a buffer for a slot the rule does not keep is an error. Zeros where
-/// the rule has not stepped the variable yet. A checkpoint keeps them beside the variable.
+/// the rule has not stepped the variable yet. `*kept` (NULL: not wanted) says which slots the
+/// rule keeps: 1 for the first, 2 for the second, both or neither (a call with both buffers
+/// NULL asks just that). A checkpoint keeps them beside the variable.
 ///
 /// Thread-safety: callable from any thread.
 ///
 /// # Safety
 ///
 /// `coordinator` is NULL or a live handle; `update` NULL or `update->struct_size` readable
-/// bytes; `first` and `second` NULL or `count` writable elements of `dtype`; `steps` NULL or
-/// writable.
+/// bytes; `first` and `second` NULL or `count` writable elements of `dtype`; `steps` and `kept`
+/// NULL or writable.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn tutti_ps_coordinator_read_slots(
@@ -949,6 +951,7 @@ pub unsafe extern "C" fn tutti_ps_coordinator_read_slots(
     second: *mut c_void,
     count: usize,
     steps: *mut u32,
+    kept: *mut u32,
 ) -> tutti_result {
     boundary("tutti_ps_coordinator_read_slots", || {
         // SAFETY: as the caller promises.
@@ -988,9 +991,13 @@ pub unsafe extern "C" fn tutti_ps_coordinator_read_slots(
                 unsafe { crate::buffers::slice_mut(p, len) }.copy_from_slice(v.as_bytes());
             }
         }
+        // SAFETY (both): NULL-checked; the caller promises they are writable.
         if !steps.is_null() {
-            // SAFETY: NULL-checked; the caller promises it is writable.
             unsafe { steps.write(state.steps) };
+        }
+        if !kept.is_null() {
+            let k = u32::from(state.first.is_some()) | u32::from(state.second.is_some()) << 1;
+            unsafe { kept.write(k) };
         }
         Ok(())
     })

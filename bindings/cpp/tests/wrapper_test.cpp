@@ -618,6 +618,15 @@ static void parameter_servers() {
     // v = -0.1, -0.19, -0.271, -0.3439: their sum.
     double m0 = coordinator->read_variable<double>(m, 2)[0];
     EXPECT(m0 + 0.9049 < 1e-5 && m0 + 0.9049 > -1e-5);
+    // The momentum the ps tasks keep under key 5 (double, as the variable): v after 4 steps.
+    auto sgd5 = tutti::ps_update::sgd(0.1f, 0.9f, false, 5);
+    auto v = coordinator->read_slots<double>(m, 2, &sgd5);
+    EXPECT(v.first.size() == 2 && v.second.empty() && v.steps == 0);
+    EXPECT(v.first[0] + 0.3439 < 1e-5 && v.first[0] + 0.3439 > -1e-5);
+    EXPECT(coordinator->read_slots(w, 4).first.empty()); // plain SGD keeps none
+    v.first = {0.0, 0.0};
+    coordinator->assign_slots(m, v, &sgd5);
+    EXPECT(coordinator->read_slots<double>(m, 2, &sgd5).first == (std::vector<double>(2, 0.0)));
     coordinator->push(m, std::vector<double>(2, 1.0), tutti::ps_update::sgd(1.0f));
     m0 = coordinator->read_variable<double>(m, 2)[0];
     EXPECT(m0 + 1.9049 < 1e-5 && m0 + 1.9049 > -1e-5);

@@ -2001,7 +2001,8 @@ _PROTOTYPES.update({
                                                     ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]),
     "tutti_ps_coordinator_read_slots": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
                                                           ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p,
-                                                          ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint32)]),
+                                                          ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint32),
+                                                          ctypes.POINTER(ctypes.c_uint32)]),
     "tutti_ps_coordinator_assign_slots": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
                                                             ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p,
                                                             ctypes.c_size_t, ctypes.c_uint32]),
@@ -2345,7 +2346,8 @@ class ParameterServerStrategy(Strategy):
         with self._coordinator_handle() as h:
             _check(_lib().tutti_ps_coordinator_read_slots(h, index, ctypes.byref(update),
                                                           _PS_DTYPES[np.dtype(np.float64 if wide else np.float32)],
-                                                          ptrs[0], ptrs[1], int(np.prod(shape)), ctypes.byref(steps)))
+                                                          ptrs[0], ptrs[1], int(np.prod(shape)), ctypes.byref(steps),
+                                                          None))
         return slots, steps.value
 
     def _assign_slots(self, index, update, slots, steps, wide):
