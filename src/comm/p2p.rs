@@ -90,8 +90,25 @@ pub struct RawPeerOp {
 struct PairCall {
     collective: Collective,
     rank: usize,
-    ops: Vec<RawPeerOp>,
+    ops: Ops,
     check: std::result::Result<(), String>,
+}
+
+/// A call's operations: one (a blocking `send` or `recv`, held without an allocation, as the
+/// latency of a small message is what such a call pays for) or several.
+enum Ops {
+    One(RawPeerOp),
+    Many(Vec<RawPeerOp>),
+}
+
+impl std::ops::Deref for Ops {
+    type Target = [RawPeerOp];
+    fn deref(&self) -> &[RawPeerOp] {
+        match self {
+            Ops::One(o) => std::slice::from_ref(o),
+            Ops::Many(v) => v,
+        }
+    }
 }
 
 // SAFETY: the addresses are the caller's buffers, valid and untouched by the caller until the
@@ -101,7 +118,7 @@ unsafe impl Sync for PairCall {}
 
 impl PairCall {
     /// Check `ops` on a communicator of `world` ranks where this is `rank`.
-    fn new(comm: &Communicator, ops: Vec<RawPeerOp>) -> PairCall {
+    fn new(comm: &Communicator, ops: Ops) -> PairCall {
         let (rank, world) = (comm.rank(), comm.world_size());
         let collective = match (ops.iter().all(|o| o.send), ops.iter().all(|o| !o.send)) {
             (true, false) if ops.len() == 1 => Collective::Send,
@@ -197,6 +214,16 @@ impl Runnable for PairCall {
         if let Err(m) = &self.check {
             return Err(Error::invalid(site, m.clone()));
         }
+        if let Ops::One(o) = &self.ops {
+            if o.peer != self.rank {
+                // SAFETY: see `PairCall`.
+                let mut op = unsafe { o.transport_op() };
+                let result = shared
+                    .transport
+                    .pair_exchange(site, std::slice::from_mut(&mut op));
+                return self.finish(shared, result);
+            }
+        }
         // SAFETY: see `PairCall`; a receive's buffer overlaps no other (checked).
         let mut others = unsafe { self.transport_ops() };
         if others.iter().any(|o| o.peer == self.rank) {
@@ -217,6 +244,14 @@ impl Runnable for PairCall {
         }
         let transport = &*shared.transport;
         let result = transport.pair_exchange(site, &mut others);
+        self.finish(shared, result)
+    }
+}
+
+impl PairCall {
+    /// After the transport's exchange: a failure ends the communicator.
+    fn finish(&self, shared: &Shared, result: Result<()>) -> Result<()> {
+        let transport = &*shared.transport;
         if let Err(e) = &result {
             // A peer may be mid-message: the communicator cannot go on. `end` tells the peers
             // (an abort from another thread while this call ran could not: it held the link).
@@ -236,27 +271,38 @@ impl PairCall {
     /// The addresses are valid for the call (see `PairCall`) and no receive overlaps another
     /// buffer.
     unsafe fn transport_ops(&self) -> Vec<PairOp<'_>> {
+        // SAFETY: as the caller promises.
         self.ops
             .iter()
-            .map(|o| {
-                let data = if o.len == 0 {
-                    if o.send {
-                        PairData::Send(&[])
-                    } else {
-                        PairData::Recv(&mut [])
-                    }
-                } else if o.send {
-                    PairData::Send(std::slice::from_raw_parts(o.ptr, o.len))
-                } else {
-                    PairData::Recv(std::slice::from_raw_parts_mut(o.ptr, o.len))
-                };
-                PairOp {
-                    peer: o.peer,
-                    dtype: o.dtype,
-                    data,
-                }
-            })
+            .map(|o| unsafe { o.transport_op() })
             .collect()
+    }
+}
+
+impl RawPeerOp {
+    /// The operation as the transport takes it.
+    ///
+    /// # Safety
+    /// As [`PairCall::transport_ops`]'s.
+    unsafe fn transport_op(&self) -> PairOp<'_> {
+        let data = if self.len == 0 {
+            if self.send {
+                PairData::Send(&[])
+            } else {
+                PairData::Recv(&mut [])
+            }
+        } else if self.send {
+            // SAFETY: as the caller promises.
+            PairData::Send(unsafe { std::slice::from_raw_parts(self.ptr, self.len) })
+        } else {
+            // SAFETY: as the caller promises.
+            PairData::Recv(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
+        };
+        PairOp {
+            peer: self.peer,
+            dtype: self.dtype,
+            data,
+        }
     }
 }
 
@@ -267,7 +313,7 @@ impl Communicator {
         Box::new(PairCall {
             collective,
             rank: self.rank(),
-            ops: Vec::new(),
+            ops: Ops::Many(Vec::new()),
             check: Err(format!(
                 "{collective} is point-to-point, not a collective: run it with \
                  Communicator::send, recv or send_recv"
@@ -304,7 +350,11 @@ impl Communicator {
     /// receives, or two ranks each sending to the other first, cannot deadlock. Each peer's
     /// operations in one direction keep their order.
     pub fn send_recv(&self, ops: &mut [PeerOp<'_>]) -> Result<()> {
-        let call = PairCall::new(self, ops.iter_mut().map(PeerOp::raw).collect());
+        let ops = match ops {
+            [one] => Ops::One(one.raw()),
+            many => Ops::Many(many.iter_mut().map(PeerOp::raw).collect()),
+        };
+        let call = PairCall::new(self, ops);
         self.progress.run_blocking(&call)
     }
 
@@ -324,7 +374,7 @@ impl Communicator {
             ptr: bytes.as_ptr() as *mut u8,
             len: bytes.len(),
         };
-        let call = PairCall::new(self, vec![op]);
+        let call = PairCall::new(self, Ops::One(op));
         self.progress.issue(Box::new(call), Box::new(buf))
     }
 
@@ -343,7 +393,7 @@ impl Communicator {
             ptr: bytes.as_mut_ptr(),
             len: bytes.len(),
         };
-        let call = PairCall::new(self, vec![op]);
+        let call = PairCall::new(self, Ops::One(op));
         self.progress.issue(Box::new(call), Box::new(buf))
     }
 
@@ -354,7 +404,7 @@ impl Communicator {
     /// Each operation's `len` bytes at `ptr` are valid (writable for a receive) and untouched by
     /// the caller until the handle completes.
     pub unsafe fn send_recv_raw_async(&self, ops: &[RawPeerOp]) -> Work {
-        let call = PairCall::new(self, ops.to_vec());
+        let call = PairCall::new(self, Ops::Many(ops.to_vec()));
         self.progress
             .issue(Box::new(call), Box::new(Owned::new(())))
     }

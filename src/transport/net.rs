@@ -1600,16 +1600,17 @@ impl NetTransport {
             let spin_until = *spin_until.get_or_insert(now + self.spin.max(YIELD_FOR));
             spinning = false;
             if now < spin_until {
-                if !self.spin.is_zero() {
-                    for _ in 0..4 {
-                        std::hint::spin_loop();
-                    }
-                }
                 if self.spin.is_zero()
                     || spin_until - now < self.spin.saturating_sub(Duration::from_micros(3))
                 {
+                    if !self.spin.is_zero() {
+                        for _ in 0..4 {
+                            std::hint::spin_loop();
+                        }
+                    }
                     std::thread::yield_now();
                 } else {
+                    // Looking again at once: a pause here would delay the reply's notice.
                     spinning = true;
                 }
                 continue;
