@@ -4,7 +4,13 @@
 //! to a shared-memory peer goes through its ring, header and payload alike: the sender copies the
 //! frame header and the first piece of the payload into a free slot and publishes it, then the
 //! rest piece by piece; the receiver checks the header, then copies or reduces straight out of
-//! each slot and frees it. No system call is on this path. A receiver that finds its ring empty
+//! each slot and frees it. No system call is on this path.
+//!
+//! A slot is published by its stamp (the piece's ring position and length, in one word on the
+//! slot's first cache line), then by the ring's head; the receiver looks at the stamp of the
+//! slot it waits for, and a frame's first piece of at most [`INLINE`] bytes lies on that line
+//! too, so a small message crosses between the cores in the lines the receiver reads anyway.
+//! The sender reads the receiver's tail only once its own view of it leaves no slot free. A receiver that finds its ring empty
 //! spins briefly when every rank has a core, then sleeps on a futex in the segment, which the
 //! sender wakes only when someone sleeps there. The link's TCP connection stays for what shared
 //! memory cannot say: a peer that died (its hang-up) and why a peer gave up (`ABORT` frames).
@@ -26,10 +32,10 @@
 //! up goes with the next sweep).
 //!
 //! Nothing a peer writes into the shared pages is trusted: each side keeps its own position in
-//! its ring in private memory, reads only the position the peer publishes, and checks it against
-//! its own (a receiver sees at most every slot filled, a sender sees the receiver free only slots
-//! that it filled, never go back); a piece's length is checked against the slot and the
-//! receive. A peer that breaks the protocol is an error naming it, not a panic or a stall.
+//! its ring in private memory, reads only the position the peer publishes (and a slot's stamp),
+//! and checks it against its own (a receiver takes only the stamp of the position it waits for,
+//! and sees at most every slot filled; a sender sees the receiver free only slots that it
+//! filled, never go back); a piece's length is checked against the slot and the receive. A peer that breaks the protocol is an error naming it, not a panic or a stall.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -46,11 +52,18 @@ use crate::transport::RecvMode;
 
 /// Slots per ring.
 const SLOTS: usize = 8;
+/// A receiver waiting for a piece checks the sender's head at every this many looks (see
+/// `ShmLink::front`).
+const LOOK_AT_HEAD: u32 = 64;
 /// Bytes before the first slot: the ring's counters, each side's on its own cache line.
 const HEAD: usize = 192;
-/// Bytes before a slot's payload: the piece's length, then (first piece of a frame) the frame
-/// header; payloads stay 64-byte aligned.
+/// Bytes before a slot's payload: its stamp (the piece's position in the ring and length), then
+/// (first piece of a frame) the frame header; payloads stay 64-byte aligned.
 const SLOT_HEAD: usize = 64 + HDR;
+/// The most payload bytes a frame's first piece carries on the stamp's cache line, right after
+/// the stamp, instead of past the header: a small message then crosses between the cores in two
+/// cache lines (stamp and payload, header), not three.
+const INLINE: usize = 56;
 
 /// Bytes of the shared-memory rings of one host, every ordered pair of its ranks together
 /// (each rank sends to every other through a ring of its own): past it, rings take smaller
@@ -359,24 +372,53 @@ struct Ring {
 }
 
 impl Ring {
-    /// Slot `i`: its piece length, its frame header and its payload.
-    fn slot_ptr(&self, i: u64) -> (*mut u64, *mut u8, *mut u8) {
+    /// Slot `i`: its stamp, its frame header and its payload (a frame's first piece of at most
+    /// [`INLINE`] bytes, `inline`: right after the stamp).
+    fn slot_ptr(&self, i: u64, inline: bool) -> (&AtomicU64, *mut u8, *mut u8) {
         let base = HEAD + (i as usize % SLOTS) * (SLOT_HEAD + self.slot);
-        // SAFETY: inside the mapping (its length is HEAD + SLOTS * (SLOT_HEAD + slot)).
+        // SAFETY: inside the mapping (its length is HEAD + SLOTS * (SLOT_HEAD + slot)); the
+        // stamp is 64-byte aligned (the mapping, HEAD and the slot stride are), and lives as
+        // long as the ring's segment.
         unsafe {
             (
-                self.seg.ptr.add(base).cast(),
+                &*self.seg.ptr.add(base).cast::<AtomicU64>(),
                 self.seg.ptr.add(base + 64),
-                self.seg.ptr.add(base + SLOT_HEAD),
+                self.seg
+                    .ptr
+                    .add(if inline { base + 8 } else { base + SLOT_HEAD }),
             )
         }
     }
 }
 
-/// The slots of a receiving ring that hold pieces: the sender's published `head` against this
-/// side's own `tail`. None where no sender keeping to the protocol could have published it
-/// (behind the tail, or more than the ring ahead of it).
+/// The bit of a stamp's length word that says the piece lies on the stamp's line
+/// ([`INLINE`]).
+const INLINED: u64 = 1 << 31;
+
+/// A slot's stamp once it holds the piece at ring position `i` (counting from 0) of `n` bytes
+/// (under 2^31), `inline` or not: the position's low 32 bits plus one (0 at the first lap,
+/// what a fresh slot holds, never matches) above the length and the inline bit.
+fn stamp(i: u64, n: usize, inline: bool) -> u64 {
+    (i.wrapping_add(1) & 0xffff_ffff) << 32 | n as u64 | if inline { INLINED } else { 0 }
+}
+
+/// The length of the piece a slot's stamp `word` says it holds at position `i`, and whether it
+/// lies on the stamp's line, if it says so.
+fn stamped(word: u64, i: u64) -> Option<(usize, bool)> {
+    (word >> 32 == i.wrapping_add(1) & 0xffff_ffff)
+        .then_some(((word & (INLINED - 1)) as usize, word & INLINED != 0))
+}
+
+/// The slots of a receiving ring that hold pieces, as far as the head says: the sender's
+/// published `head` against this side's own `tail`. None where no sender keeping to the
+/// protocol could have published it (more than one behind the tail, or more than the ring ahead
+/// of it).
 pub(super) fn filled_slots(head: u64, tail: u64) -> Option<u64> {
+    // A sender stamps a slot before it publishes the head past it, and a receiver may take the
+    // stamped piece meanwhile: the head then trails the tail by one.
+    if tail.checked_sub(1) == Some(head) {
+        return Some(0);
+    }
     head.checked_sub(tail).filter(|&n| n <= SLOTS as u64)
 }
 
@@ -398,6 +440,8 @@ pub(crate) struct ShmLink {
     tx_seen: AtomicU64,
     /// Slots freed in `rx`.
     rx_tail: AtomicU64,
+    /// Looks at the front of `rx` that found no piece (see [`ShmLink::front`]).
+    rx_misses: AtomicU32,
 }
 
 /// The PID namespace of this process (the inode of `/proc/self/ns/pid`), which every segment
@@ -954,6 +998,7 @@ impl ShmLink {
             tx_head: AtomicU64::new(0),
             tx_seen: AtomicU64::new(0),
             rx_tail: AtomicU64::new(0),
+            rx_misses: AtomicU32::new(0),
         }
     }
 
@@ -973,10 +1018,12 @@ impl ShmLink {
         } else {
             let head = self.rx.seg.counters().head.load(Ordering::Acquire);
             let tail = self.rx_tail.load(Ordering::Relaxed);
-            let what = if head < tail {
+            let what = if head.saturating_add(1) < tail {
                 "its sending position went back"
-            } else {
+            } else if head > tail.saturating_add(SLOTS as u64) {
                 "it filled more slots than the ring has"
+            } else {
+                "it published a slot it never stamped"
             };
             (head, tail, what)
         };
@@ -1002,17 +1049,40 @@ impl ShmLink {
     /// None where it broke the protocol).
     #[inline]
     fn free(&self, head: u64) -> Option<u64> {
+        // While the receiver's tail as last seen leaves a slot free, that slot is free: the
+        // tail only moves on. Not reading it leaves its cache line with the receiver.
+        let seen = self.tx_seen.load(Ordering::Relaxed);
+        if head.wrapping_sub(seen) < SLOTS as u64 {
+            return Some(SLOTS as u64 - (head - seen));
+        }
         let tail = self.tx.seg.counters().tail.load(Ordering::Acquire);
         let free = free_slots(head, self.tx_seen.load(Ordering::Relaxed), tail)?;
         self.tx_seen.store(tail, Ordering::Relaxed);
         Some(free)
     }
 
-    /// The filled slots of the receiving ring, from the head the sender published (checked:
-    /// None where it broke the protocol).
+    /// The piece at the front of the receiving ring (position `tail`): its length, from the
+    /// slot's stamp; `Some(None)` where none is there yet; None where the sender broke the
+    /// protocol. A receiver waits on the stamp, on the line the piece's first bytes share; it
+    /// checks the head the sender publishes only every [`LOOK_AT_HEAD`]th look that finds no
+    /// stamp: a receiver that read it at every look would pull its line from the sender at
+    /// every message, and the sender would wait for it back to publish the next.
     #[inline]
-    fn filled(&self, tail: u64) -> Option<u64> {
-        filled_slots(self.rx.seg.counters().head.load(Ordering::Acquire), tail)
+    fn front(&self, tail: u64) -> Option<Option<(usize, bool)>> {
+        let (word, ..) = self.rx.slot_ptr(tail, false);
+        if let Some(n) = stamped(word.load(Ordering::Acquire), tail) {
+            return Some(Some(n));
+        }
+        let misses = self.rx_misses.fetch_add(1, Ordering::Relaxed);
+        if misses % LOOK_AT_HEAD != 0 {
+            return Some(None);
+        }
+        // The sender stamps a slot before it publishes the head past it: a head past `tail`
+        // with no stamp there is a broken protocol.
+        match filled_slots(self.rx.seg.counters().head.load(Ordering::Acquire), tail)? {
+            0 => Some(None),
+            _ => stamped(word.load(Ordering::Acquire), tail).map(Some),
+        }
     }
 
     /// Put as much of a frame into free slots as there is room for: its header `hdr` with the
@@ -1036,16 +1106,20 @@ impl ShmLink {
                 Some(_) => {}
                 None => return Err(self.corrupt(site, peer, true)),
             }
-            let n = (data.len() - *off).min(self.tx.slot);
-            let (len, frame, payload) = self.tx.slot_ptr(head);
+            let n = (data.len() - *off)
+                .min(self.tx.slot)
+                .min(INLINED as usize - 1);
+            let first = *hoff < HDR;
+            let inline = first && n <= INLINE;
+            let (word, frame, payload) = self.tx.slot_ptr(head, inline);
             // SAFETY: the slot is free (the receiver has moved past it) and ours to fill.
             unsafe {
-                if *hoff < HDR {
+                if first {
                     std::ptr::copy_nonoverlapping(hdr.as_ptr(), frame, HDR);
                 }
                 std::ptr::copy_nonoverlapping(data[*off..].as_ptr(), payload, n);
-                len.write_volatile(n as u64);
             }
+            word.store(stamp(head, n, inline), Ordering::Release);
             head += 1;
             self.tx_head.store(head, Ordering::Relaxed);
             c.head.store(head, Ordering::SeqCst);
@@ -1073,20 +1147,18 @@ impl ShmLink {
     /// payload is taken off the ring with it. True when a frame was there.
     pub(crate) fn peek_header(&self, site: Site, peer: usize, hdr: &mut [u8; HDR]) -> Result<bool> {
         let tail = self.rx_tail.load(Ordering::Relaxed);
-        match self.filled(tail) {
-            Some(0) => return self.aborted_error(site, peer),
-            Some(_) => {}
+        let n = match self.front(tail) {
+            Some(None) => return self.aborted_error(site, peer),
+            Some(Some((n, _))) => n,
             None => return Err(self.corrupt(site, peer, false)),
-        }
-        let (len, frame, _) = self.rx.slot_ptr(tail);
+        };
+        let (_, frame, _) = self.rx.slot_ptr(tail, false);
         // SAFETY: the sender published this slot (Acquire above) and does not touch it until we
         // advance the tail.
-        unsafe {
-            std::ptr::copy_nonoverlapping(frame as *const u8, hdr.as_mut_ptr(), HDR);
-            if len.read_volatile() == 0 {
-                self.advance(tail);
-                self.ring_peer();
-            }
+        unsafe { std::ptr::copy_nonoverlapping(frame as *const u8, hdr.as_mut_ptr(), HDR) };
+        if n == 0 {
+            self.advance(tail);
+            self.ring_peer();
         }
         Ok(true)
     }
@@ -1103,19 +1175,17 @@ impl ShmLink {
         let mut tail = self.rx_tail.load(Ordering::Relaxed);
         let mut moved = false;
         while *off < dst.len() {
-            match self.filled(tail) {
-                Some(0) => break,
-                Some(_) => {}
+            let (n, inline) = match self.front(tail) {
+                Some(None) => break,
+                Some(Some(piece)) => piece,
                 None => return Err(self.corrupt(site, peer, false)),
-            }
-            let (len, _, payload) = self.rx.slot_ptr(tail);
-            // SAFETY: the sender published this slot (Acquire above) and does not touch it until
-            // we advance the tail.
-            let n = unsafe { len.read_volatile() };
+            };
+            // A frame's first piece of at most INLINE bytes lies on the stamp's line.
+            let (_, _, payload) = self.rx.slot_ptr(tail, inline);
             // A reducing receive combines whole elements: every piece holds some (slots are
             // multiples of 64 bytes, and a frame a whole number of elements).
-            let fits = n != 0 && n <= self.rx.slot as u64 && n <= (dst.len() - *off) as u64;
-            let n = n as usize;
+            let fits =
+                n != 0 && n <= if inline { INLINE } else { self.rx.slot } && n <= dst.len() - *off;
             if !fits || mode.combined().is_some_and(|d| n % d.size() != 0) {
                 return Err(Error::invalid(
                     site,
@@ -1156,12 +1226,15 @@ impl ShmLink {
     pub(crate) fn ready(&self, filled: bool, free: bool) -> bool {
         let rx = self.rx.seg.counters();
         let tx = self.tx.seg.counters();
+        let tail = self.rx_tail.load(Ordering::Relaxed);
         rx.aborted.load(Ordering::SeqCst) != 0
             || (filled
-                && filled_slots(
-                    rx.head.load(Ordering::SeqCst),
-                    self.rx_tail.load(Ordering::Relaxed),
-                ) != Some(0))
+                && (filled_slots(rx.head.load(Ordering::SeqCst), tail) != Some(0)
+                    || stamped(
+                        self.rx.slot_ptr(tail, false).0.load(Ordering::Acquire),
+                        tail,
+                    )
+                    .is_some()))
             || (free
                 && free_slots(
                     self.tx_head.load(Ordering::Relaxed),
@@ -1348,15 +1421,23 @@ mod tests {
     #[test]
     fn a_receiving_position_past_the_sending_one_is_an_error_naming_the_peer() {
         let (a, b) = ring_pair(4096);
-        // Rank 1 claims to have freed 5 slots of rank 0's sending ring that nothing filled.
-        b.rx.seg.counters().tail.store(5, Ordering::SeqCst);
+        // Rank 1 claims to have freed 20 slots of rank 0's sending ring that nothing filled.
+        b.rx.seg.counters().tail.store(20, Ordering::SeqCst);
         assert!(a.ready(false, true));
+        // The sender reads the tail once its own view of it leaves no slot free: after a
+        // ring's worth of frames.
+        for _ in 0..SLOTS {
+            let (mut hoff, mut off) = (0, 0);
+            assert!(a
+                .push(site(), 1, &[0; HDR], &mut hoff, &[1; 100], &mut off)
+                .unwrap());
+        }
         let (mut hoff, mut off) = (0, 0);
         let e = a
             .push(site(), 1, &[0; HDR], &mut hoff, &[1; 100], &mut off)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("rank 1") && e.contains("tail 5"), "{e}");
+        assert!(e.contains("rank 1") && e.contains("tail 20"), "{e}");
     }
 
     #[test]
@@ -1365,18 +1446,29 @@ mod tests {
             let (a, b) = ring_pair(4096);
             b.tx.seg.counters().head.store(head, Ordering::SeqCst);
             assert!(a.ready(true, false));
-            let e = a.peek_header(site(), 1, &mut [0; HDR]).unwrap_err();
+            // Seen within the looks between two at the head.
+            let e = (0..=LOOK_AT_HEAD)
+                .find_map(|_| a.peek_header(site(), 1, &mut [0; HDR]).err())
+                .unwrap();
             assert!(e.to_string().contains("rank 1"), "{e}");
-            let e = a
-                .pull(site(), 1, &mut [0; 64], RecvMode::Copy, &mut 0)
-                .unwrap_err();
+            let e = (0..=LOOK_AT_HEAD)
+                .find_map(|_| {
+                    a.pull(site(), 1, &mut [0; 64], RecvMode::Copy, &mut 0)
+                        .err()
+                })
+                .unwrap();
             assert!(e.to_string().contains("rank 1"), "{e}");
         }
-        // A head that goes back once slots were taken.
+        // A head that goes back once slots were taken (more than the one a stamped piece may
+        // be taken ahead of it).
         let (a, b) = ring_pair(4096);
-        assert_eq!(frame_through(&b, &a, &[3; 64]), [3; 64]);
+        for _ in 0..2 {
+            assert_eq!(frame_through(&b, &a, &[3; 64]), [3; 64]);
+        }
         b.tx.seg.counters().head.store(0, Ordering::SeqCst);
-        let e = a.peek_header(site(), 1, &mut [0; HDR]).unwrap_err();
+        let e = (0..=LOOK_AT_HEAD)
+            .find_map(|_| a.peek_header(site(), 1, &mut [0; HDR]).err())
+            .unwrap();
         assert!(e.to_string().contains("rank 1 broke"), "{e}");
     }
 
@@ -1659,7 +1751,9 @@ mod fuzz {
         #[test]
         fn ring_positions(head in any::<u64>(), seen in any::<u64>(), tail in any::<u64>()) {
             if let Some(n) = filled_slots(head, tail) {
-                prop_assert!(n <= SLOTS as u64 && head >= tail);
+                prop_assert!(
+                    n <= SLOTS as u64 && (head >= tail || (tail.checked_sub(1) == Some(head) && n == 0))
+                );
             }
             if let Some(n) = free_slots(head, seen, tail) {
                 prop_assert!(n <= SLOTS as u64 && seen <= tail && tail <= head);
@@ -1685,7 +1779,7 @@ mod fuzz {
         #[test]
         fn a_peer_writing_anything_into_the_rings(
             steps in proptest::collection::vec(
-                (0u8..6, any::<u64>(), 0usize..SLOTS, 1usize..9000), 1..24)
+                (0u8..7, any::<u64>(), 0usize..SLOTS, 1usize..9000), 1..24)
         ) {
             let (a, b) = ring_pair(4096);
             let data = vec![1u8; 9000];
@@ -1699,10 +1793,15 @@ mod fuzz {
                 match what {
                     0 => mine.head.store(v, Ordering::SeqCst),
                     1 => theirs.tail.store(v, Ordering::SeqCst),
-                    // SAFETY: a slot's length word, inside the mapping.
-                    2 => unsafe { b.tx.slot_ptr(slot as u64).0.write_volatile(v) },
+                    2 => b.tx.slot_ptr(slot as u64, false).0.store(v, Ordering::SeqCst),
                     3 => mine.bell.store(v as u32, Ordering::SeqCst),
                     4 => theirs.head.store(v, Ordering::SeqCst),
+                    // A stamp of the position the receiver waits for, of any length.
+                    5 => {
+                        let at = a.rx_tail.load(Ordering::Relaxed) + slot as u64;
+                        let forged = stamp(at, (v & 0x7fff_ffff) as usize, v & (1 << 40) != 0);
+                        b.tx.slot_ptr(at, false).0.store(forged, Ordering::SeqCst)
+                    }
                     _ => {
                         let (mut hoff, mut off) = (0, 0);
                         let _ = b.push(site(), 0, &[2; HDR], &mut hoff, &data[..n], &mut off);
