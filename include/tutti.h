@@ -2651,6 +2651,25 @@ tutti_result tutti_strategy_create_multi_worker(const char *tf_config,
                                                 struct tutti_strategy **strategy);
 
 /**
+ * `tutti_strategy_create_multi_worker` with the rest of TensorFlow's `CommunicationOptions`:
+ * `bytes_per_pack`, the bytes of each pack a batch reduce fuses its tensors into (0: tutti's
+ * default, 32 MiB), and `timeout_ms`, the timeout of every wait of the strategy's
+ * collectives (0: the configured one, `TUTTI_TIMEOUT`; tutti bounds every wait).
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `tf_config` is NULL or a NUL-terminated string; `strategy` is NULL or writable.
+ */
+tutti_result tutti_strategy_create_multi_worker_with_options(const char *tf_config,
+                                                             tutti_communication communication,
+                                                             size_t bytes_per_pack,
+                                                             uint64_t timeout_ms,
+                                                             size_t num_local_replicas,
+                                                             struct tutti_strategy **strategy);
+
+/**
  * Create a strategy of `kind` with `num_local_replicas` replicas on this host (logical CPU
  * devices; 0 means the default devices: every GPU, else the CPU) and write it to `*strategy`.
  * `cross_device_ops` applies to MIRRORED; `TUTTI_CROSS_DEVICE_OPS_DEFAULT` chooses as

@@ -663,6 +663,39 @@ fn multi_worker_without_a_cluster_runs_as_one_worker() {
         .unwrap();
     assert_eq!(out.local_results(), &[3.0, 3.0]);
     assert_eq!(v.value(), vec![4.0]);
+    // TensorFlow's CommunicationOptions: the replicas' waits take its timeout (a replica that
+    // stays away is given up on within it), and 0 is refused: tutti bounds every wait.
+    use tutti::strategy::CommunicationOptions;
+    let options = CommunicationOptions {
+        bytes_per_pack: 4096,
+        timeout: Some(Duration::from_millis(300)),
+        ..CommunicationOptions::default()
+    };
+    let s = Strategy::multi_worker_mirrored_with(&options, None, &cpus).unwrap();
+    let t = std::time::Instant::now();
+    let e = s
+        .run(|ctx| {
+            let mut g = [1.0f32];
+            if ctx.replica_id_in_sync_group() == 1 {
+                return Ok(());
+            }
+            ctx.all_reduce(ReduceOp::Sum, &mut g)
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        t.elapsed() < Duration::from_secs(10) && e.contains("timed out"),
+        "{e}"
+    );
+    let zero = CommunicationOptions {
+        timeout: Some(Duration::ZERO),
+        ..CommunicationOptions::default()
+    };
+    let e = Strategy::multi_worker_mirrored_with(&zero, None, &cpus)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("tutti bounds every wait"), "{e}");
 }
 
 /// Captures the library's log records (this test binary's only logger).

@@ -942,13 +942,18 @@ public:
     }
     /// A MultiWorkerMirroredStrategy: `num_local_replicas` logical CPU devices (0: every GPU,
     /// else the CPU) on every worker of the cluster `tf_config` describes (nullptr: the
-    /// environment's), its collectives across workers as `c` says.
+    /// environment's), its collectives across workers as `c` says, batch reduces fused in
+    /// packs of `bytes_per_pack` (0: tutti's default) and every wait bounded by `timeout`
+    /// (0: the configured one, TUTTI_TIMEOUT): TensorFlow's CommunicationOptions.
     static strategy multi_worker(communication c = communication::automatic,
                                  const char *tf_config = nullptr,
-                                 std::size_t num_local_replicas = 0) {
+                                 std::size_t num_local_replicas = 0,
+                                 std::size_t bytes_per_pack = 0,
+                                 std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) {
         tutti_strategy *s = nullptr;
-        detail::check(tutti_strategy_create_multi_worker(
-            tf_config, static_cast<tutti_communication>(c), num_local_replicas, &s));
+        detail::check(tutti_strategy_create_multi_worker_with_options(
+            tf_config, static_cast<tutti_communication>(c), bytes_per_pack,
+            static_cast<std::uint64_t>(timeout.count()), num_local_replicas, &s));
         return strategy(s);
     }
     /// Replicas in sync across the job (TensorFlow's num_replicas_in_sync).

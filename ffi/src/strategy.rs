@@ -356,6 +356,59 @@ pub unsafe extern "C" fn tutti_strategy_create_multi_worker(
     strategy: *mut *mut tutti_strategy,
 ) -> tutti_result {
     boundary("tutti_strategy_create_multi_worker", || {
+        // SAFETY: as the caller promises.
+        unsafe { multi_worker(tf_config, communication, 0, 0, num_local_replicas, strategy) }
+    })
+}
+
+/// `tutti_strategy_create_multi_worker` with the rest of TensorFlow's `CommunicationOptions`:
+/// `bytes_per_pack`, the bytes of each pack a batch reduce fuses its tensors into (0: tutti's
+/// default, 32 MiB), and `timeout_ms`, the timeout of every wait of the strategy's
+/// collectives (0: the configured one, `TUTTI_TIMEOUT`; tutti bounds every wait).
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `tf_config` is NULL or a NUL-terminated string; `strategy` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_strategy_create_multi_worker_with_options(
+    tf_config: *const c_char,
+    communication: tutti_communication,
+    bytes_per_pack: usize,
+    timeout_ms: u64,
+    num_local_replicas: usize,
+    strategy: *mut *mut tutti_strategy,
+) -> tutti_result {
+    boundary("tutti_strategy_create_multi_worker_with_options", || {
+        // SAFETY: as the caller promises.
+        unsafe {
+            multi_worker(
+                tf_config,
+                communication,
+                bytes_per_pack,
+                timeout_ms,
+                num_local_replicas,
+                strategy,
+            )
+        }
+    })
+}
+
+/// The two `tutti_strategy_create_multi_worker` calls.
+///
+/// # Safety
+///
+/// As theirs.
+unsafe fn multi_worker(
+    tf_config: *const c_char,
+    communication: tutti_communication,
+    bytes_per_pack: usize,
+    timeout_ms: u64,
+    num_local_replicas: usize,
+    strategy: *mut *mut tutti_strategy,
+) -> Result<(), Failure> {
+    {
         use TuttiCommunication as C;
         if strategy.is_null() {
             return Err(Failure::invalid("strategy is NULL"));
@@ -384,7 +437,12 @@ pub unsafe extern "C" fn tutti_strategy_create_multi_worker(
         } else {
             logical_cpus(num_local_replicas)?
         };
-        let inner = Strategy::multi_worker_mirrored(implementation, spec, &devices)?;
+        let options = tutti::strategy::CommunicationOptions {
+            implementation,
+            bytes_per_pack,
+            timeout: (timeout_ms > 0).then(|| std::time::Duration::from_millis(timeout_ms)),
+        };
+        let inner = Strategy::multi_worker_mirrored_with(&options, spec, &devices)?;
         // SAFETY: checked non-NULL; the caller promises it is writable.
         unsafe {
             strategy.write(Box::into_raw(Box::new(tutti_strategy {
@@ -392,7 +450,7 @@ pub unsafe extern "C" fn tutti_strategy_create_multi_worker(
             })))
         };
         Ok(())
-    })
+    }
 }
 
 /// Create a strategy of `kind` with `num_local_replicas` replicas on this host (logical CPU

@@ -140,6 +140,21 @@ pub enum CommunicationImplementation {
     Nccl,
 }
 
+/// TensorFlow's `CommunicationOptions`: how a multi-worker strategy's collectives across workers
+/// run.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+pub struct CommunicationOptions {
+    /// Which implementation.
+    pub implementation: CommunicationImplementation,
+    /// Bytes of each pack a batch reduce fuses its tensors into (TensorFlow's
+    /// `bytes_per_pack`); 0: tutti's default (32 MiB).
+    pub bytes_per_pack: usize,
+    /// The timeout of every wait of the strategy's collectives, across workers and among the
+    /// local replicas (TensorFlow's `timeout_seconds`); `None`: the configured one
+    /// (`TUTTI_TIMEOUT`, else tutti's default). tutti bounds every wait: no value disables it.
+    pub timeout: Option<std::time::Duration>,
+}
+
 impl std::str::FromStr for CommunicationImplementation {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -681,6 +696,43 @@ impl Strategy {
         resolver: Option<ClusterSpec>,
         local_devices: &[Device],
     ) -> Result<Strategy> {
+        let options = CommunicationOptions {
+            implementation: communication,
+            ..CommunicationOptions::default()
+        };
+        Strategy::multi_worker_mirrored_with(&options, resolver, local_devices)
+    }
+
+    /// [`Strategy::multi_worker_mirrored`] with TensorFlow's `CommunicationOptions`: the
+    /// implementation, the bytes per pack of batch reduces and the collectives' timeout. A zero
+    /// timeout is an error (tutti bounds every wait).
+    pub fn multi_worker_mirrored_with(
+        options: &CommunicationOptions,
+        resolver: Option<ClusterSpec>,
+        local_devices: &[Device],
+    ) -> Result<Strategy> {
+        let mut s = Strategy::multi_worker_mirrored_built(options, resolver, local_devices)?;
+        if options.bytes_per_pack > 0 {
+            s.set_bytes_per_pack(options.bytes_per_pack);
+        }
+        Ok(s)
+    }
+
+    fn multi_worker_mirrored_built(
+        options: &CommunicationOptions,
+        resolver: Option<ClusterSpec>,
+        local_devices: &[Device],
+    ) -> Result<Strategy> {
+        let communication = options.implementation;
+        let config =
+            match options.timeout {
+                Some(t) if t.is_zero() => return Err(Error::config(
+                    "CommunicationOptions: a timeout of 0; tutti bounds every wait (None takes \
+                     the configured one, TUTTI_TIMEOUT)",
+                )),
+                Some(t) => Config::default().with_timeout(t),
+                None => Config::default(),
+            };
         let devices = if local_devices.is_empty() {
             default_devices()
         } else {
@@ -717,7 +769,7 @@ impl Strategy {
                     .join(", ")
             ));
             let ops = CrossDeviceOps::Ring;
-            let local = Config::default().with_algorithm(algorithm_for(&ops, &devices)?);
+            let local = config.with_algorithm(algorithm_for(&ops, &devices)?);
             return Strategy::build(
                 StrategyKind::MultiWorkerMirrored,
                 devices,
@@ -733,7 +785,6 @@ impl Strategy {
                 TransportKind::Tcp
             }
         };
-        let config = Config::default();
         let workers = match nccl {
             Some(gpu) => {
                 Communicator::from_cluster_staged_on_gpu(&spec, TransportKind::Auto, gpu, &config)?
@@ -757,7 +808,7 @@ impl Strategy {
             num_workers: spec.world_size,
         };
         let ops = CrossDeviceOps::Ring;
-        let local = Config::default().with_algorithm(algorithm_for(&ops, &devices)?);
+        let local = config.with_algorithm(algorithm_for(&ops, &devices)?);
         Strategy::build(
             StrategyKind::MultiWorkerMirrored,
             devices,

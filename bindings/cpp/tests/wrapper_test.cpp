@@ -492,6 +492,10 @@ static void strategies_and_checkpoints() {
     {
         auto mw = tutti::strategy::multi_worker(tutti::communication::ring, nullptr, 2);
         EXPECT(mw.num_local_replicas() == 2 && mw.num_replicas_in_sync() == 2);
+        // With CommunicationOptions' pack size and timeout.
+        auto packed = tutti::strategy::multi_worker(tutti::communication::ring, nullptr, 2, 4096,
+                                                    std::chrono::milliseconds(5000));
+        EXPECT(packed.num_replicas_in_sync() == 2);
     }
     // Gather: uneven rows, in replica order.
     std::vector<double> all = s.gather(std::vector<std::vector<double>>{{1, 2}, {}, {3, 4, 5, 6}}, 2, 10);

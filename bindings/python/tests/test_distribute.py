@@ -216,11 +216,25 @@ RESOLVED_WORKER = textwrap.dedent(
     cluster = json.loads(os.environ["CLUSTER"])
     resolver = td.cluster_resolver.SimpleClusterResolver(
         td.ClusterSpec(cluster), task_type="worker", task_id=int(os.environ["INDEX"]))
-    options = td.CommunicationOptions(implementation=os.environ["IMPLEMENTATION"])
+    options = td.CommunicationOptions(implementation=os.environ["IMPLEMENTATION"], bytes_per_pack=1024,
+                                      timeout_seconds=6)
     s = td.MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options)
     total = s.reduce("SUM", s.run(lambda: np.full(2, s.cluster_resolver.task_id + 1.0, np.float32)), axis=None)
+    waited = None
+    if os.environ["IMPLEMENTATION"] == "RING":
+        # The options' timeout binds, not TUTTI_TIMEOUT's 60 s: worker 1 stays away from the next
+        # reduce, and worker 0's gives up within 6 s.
+        import time
+        if s.cluster_resolver.task_id == 1:
+            time.sleep(15)
+        else:
+            t = time.monotonic()
+            try:
+                s.reduce("SUM", s.run(lambda: np.ones(2, np.float32)), axis=None)
+            except Exception as e:
+                waited = [round(time.monotonic() - t, 1), type(e).__name__, "timed out" in str(e)]
     print("RESULT " + json.dumps({"id": s.cluster_resolver.task_id, "sync": s.num_replicas_in_sync,
-                                  "total": total.tolist()}), flush=True)
+                                  "total": total.tolist(), "waited": waited}), flush=True)
     """
 )
 
@@ -249,6 +263,13 @@ def test_multi_worker_mirrored_strategy_from_a_resolver_with_communication_optio
     assert [r["id"] for r in results] == [0, 1]
     for r in results:
         assert r["sync"] == 2 and r["total"] == [3.0, 3.0], r
+    if implementation == "RING":
+        seconds, kind, timed_out = results[0]["waited"]
+        assert 5 < seconds < 12 and timed_out, results[0]
+    # Options no strategy could run with are refused where they are made.
+    for bad, match in [(dict(timeout_seconds=0), "tutti bounds every wait"), (dict(bytes_per_pack=-1), "non-negative")]:
+        with pytest.raises(ValueError, match=match):
+            td.CommunicationOptions(**bad)
 
 
 def test_multi_worker_mirrored_strategy_across_processes():

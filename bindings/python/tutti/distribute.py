@@ -278,7 +278,12 @@ class CommunicationOptions:
         name = name.upper().rpartition(".")[2]
         if name not in self._CODES:
             raise ValueError(f"implementation={implementation!r}: one of AUTO, RING, NCCL")
-        self.bytes_per_pack = bytes_per_pack
+        if int(bytes_per_pack) != bytes_per_pack or bytes_per_pack < 0:
+            raise ValueError(f"bytes_per_pack={bytes_per_pack!r}: a non-negative integer (0: tutti's default)")
+        if timeout_seconds is not None and not 0 < float(timeout_seconds) < float("inf"):
+            raise ValueError(f"timeout_seconds={timeout_seconds!r}: positive, or None for the configured one "
+                             "(TUTTI_TIMEOUT); tutti bounds every wait, so 0 does not disable it")
+        self.bytes_per_pack = int(bytes_per_pack)
         self.timeout_seconds = timeout_seconds
         self.implementation = getattr(CommunicationImplementation, name)
 
@@ -1132,7 +1137,9 @@ class MultiWorkerMirroredStrategy(Strategy):
     launch``, torchrun, mpirun, srun, ``TF_CONFIG``), or of the cluster ``cluster_resolver``
     gives (any resolver naming this task: ``SimpleClusterResolver``, ``TFConfigClusterResolver``
     with ``task_type`` and ``task_id``); one worker where none is described. Its collectives
-    across workers are as ``communication_options`` says (``CommunicationOptions``)."""
+    across workers are as ``communication_options`` says (``CommunicationOptions``: the
+    implementation, ``bytes_per_pack`` of batch reduces, and ``timeout_seconds``, the timeout of
+    every wait of the strategy's collectives)."""
 
     def __init__(self, cluster_resolver=None, communication_options=None):
         if communication_options is not None and not isinstance(communication_options, CommunicationOptions):
@@ -1148,9 +1155,12 @@ class MultiWorkerMirroredStrategy(Strategy):
                                  "process (task_type and task_id)")
             tf_config = _tf_config(spec, cluster_resolver.task_type, cluster_resolver.task_id).encode()
         code = CommunicationOptions._CODES[options.implementation]
+        # Milliseconds, at least one: 0 would mean the configured timeout.
+        timeout_ms = 0 if options.timeout_seconds is None else max(1, round(float(options.timeout_seconds) * 1000))
 
         def create(h):
-            _check(_lib().tutti_strategy_create_multi_worker(tf_config, code, 0, ctypes.byref(h)))
+            _check(_lib().tutti_strategy_create_multi_worker_with_options(
+                tf_config, code, options.bytes_per_pack, timeout_ms, 0, ctypes.byref(h)))
 
         super().__init__(_MULTI_WORKER, 0, _create=create)
         self._worker()  # every worker makes the strategy: learn this one's index now, together
@@ -1995,6 +2005,10 @@ _PROTOTYPES.update({
                                                              ctypes.c_void_p, ctypes.c_size_t]),
     "tutti_ps_coordinator_assign_variable": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
                                                                ctypes.c_void_p, ctypes.c_size_t]),
+    "tutti_strategy_create_multi_worker_with_options": (ctypes.c_uint32, [ctypes.c_char_p, ctypes.c_uint32,
+                                                                          ctypes.c_size_t, ctypes.c_uint64,
+                                                                          ctypes.c_size_t,
+                                                                          ctypes.POINTER(ctypes.c_void_p)]),
     "tutti_strategy_create_multi_worker": (ctypes.c_uint32, [ctypes.c_char_p, ctypes.c_uint32, ctypes.c_size_t,
                                                              ctypes.POINTER(ctypes.c_void_p)]),
     "tutti_ps_coordinator_push": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
