@@ -943,13 +943,17 @@ public:
     /// A MultiWorkerMirroredStrategy: `num_local_replicas` logical CPU devices (0: every GPU,
     /// else the CPU) on every worker of the cluster `tf_config` describes (nullptr: the
     /// environment's), its collectives across workers as `c` says, batch reduces fused in
-    /// packs of `bytes_per_pack` (0: tutti's default) and every wait bounded by `timeout`
-    /// (0: the configured one, TUTTI_TIMEOUT): TensorFlow's CommunicationOptions.
+    /// packs of `bytes_per_pack` (0: tutti's default) and every wait (the workers' joining
+    /// too) bounded by `timeout` (0: the configured one, TUTTI_TIMEOUT): TensorFlow's
+    /// CommunicationOptions.
     static strategy multi_worker(communication c = communication::automatic,
                                  const char *tf_config = nullptr,
                                  std::size_t num_local_replicas = 0,
                                  std::size_t bytes_per_pack = 0,
                                  std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) {
+        if (timeout.count() < 0) {
+            throw std::invalid_argument("multi_worker: a negative timeout (0: the configured one)");
+        }
         tutti_strategy *s = nullptr;
         detail::check(tutti_strategy_create_multi_worker_with_options(
             tf_config, static_cast<tutti_communication>(c), bytes_per_pack,
@@ -1423,6 +1427,13 @@ public:
     void assign_slots(std::size_t index, const slots<S> &state,
                       const ps_update *update = nullptr) {
         std::size_t len = state.first.empty() ? state.second.size() : state.first.size();
+        if (!state.first.empty() && !state.second.empty() &&
+            state.first.size() != state.second.size()) {
+            throw std::invalid_argument("assign_slots: the first slot holds " +
+                                        std::to_string(state.first.size()) +
+                                        " elements and the second " +
+                                        std::to_string(state.second.size()));
+        }
         detail::check(tutti_ps_coordinator_assign_slots(
             h_.get(), index, update ? &update->u : nullptr, dtype_of<S>::value,
             state.first.empty() ? nullptr : state.first.data(),

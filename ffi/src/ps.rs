@@ -966,6 +966,14 @@ pub unsafe extern "C" fn tutti_ps_coordinator_read_slots(
             }
         }
         let state = c.read_slots(id, rule)?;
+        if let Some(v) = state.first.as_ref().or(state.second.as_ref()) {
+            if v.len() != count {
+                return Err(Failure::invalid(format!(
+                    "count is {count}, but the slots of variable {index} hold {}",
+                    v.len()
+                )));
+            }
+        }
         let outs = [
             (first, &state.first, "first"),
             (second, &state.second, "second"),

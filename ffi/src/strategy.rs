@@ -363,8 +363,10 @@ pub unsafe extern "C" fn tutti_strategy_create_multi_worker(
 
 /// `tutti_strategy_create_multi_worker` with the rest of TensorFlow's `CommunicationOptions`:
 /// `bytes_per_pack`, the bytes of each pack a batch reduce fuses its tensors into (0: tutti's
-/// default, 32 MiB), and `timeout_ms`, the timeout of every wait of the strategy's
-/// collectives (0: the configured one, `TUTTI_TIMEOUT`; tutti bounds every wait).
+/// default, 32 MiB; the strategy's batch reduces and optimizers in Rust and Python: the C calls
+/// reduce a tensor at a time), and `timeout_ms`, the timeout of every wait of the strategy's
+/// collectives and of the workers' joining (0: the configured one, `TUTTI_TIMEOUT`; tutti
+/// bounds every wait).
 ///
 /// Thread-safety: callable from any thread.
 ///

@@ -150,8 +150,9 @@ pub struct CommunicationOptions {
     /// `bytes_per_pack`); 0: tutti's default (32 MiB).
     pub bytes_per_pack: usize,
     /// The timeout of every wait of the strategy's collectives, across workers and among the
-    /// local replicas (TensorFlow's `timeout_seconds`); `None`: the configured one
-    /// (`TUTTI_TIMEOUT`, else tutti's default). tutti bounds every wait: no value disables it.
+    /// local replicas (TensorFlow's `timeout_seconds`), and of the workers' joining; `None`: the
+    /// configured one (`TUTTI_TIMEOUT`, else tutti's default). tutti bounds every wait: no value
+    /// disables it.
     pub timeout: Option<std::time::Duration>,
 }
 

@@ -267,7 +267,9 @@ def test_multi_worker_mirrored_strategy_from_a_resolver_with_communication_optio
         seconds, kind, timed_out = results[0]["waited"]
         assert 5 < seconds < 12 and timed_out, results[0]
     # Options no strategy could run with are refused where they are made.
-    for bad, match in [(dict(timeout_seconds=0), "tutti bounds every wait"), (dict(bytes_per_pack=-1), "non-negative")]:
+    for bad, match in [(dict(timeout_seconds=0), "tutti bounds every wait"), (dict(bytes_per_pack=-1), "non-negative"),
+                       (dict(timeout_seconds=1e20), "at most 30 days"), (dict(timeout_seconds="abc"), "timeout_seconds"),
+                       (dict(bytes_per_pack=None), "bytes_per_pack"), (dict(bytes_per_pack=2**64), "non-negative")]:
         with pytest.raises(ValueError, match=match):
             td.CommunicationOptions(**bad)
 
@@ -708,6 +710,29 @@ def test_optimizers_step_every_copy_with_the_global_batchs_gradient(opt_name, ma
     assert float(loss_metric.result()) > float(total_loss) > 0
     loss_metric.reset_state()
     assert float(loss_metric.result()) == 0.0
+
+
+@pytest.mark.parametrize("pack", [1, 16, 32 << 20])
+def test_gradients_are_summed_in_packs_of_bytes_per_pack(pack):
+    """apply_gradients sums neighbouring gradients of one dtype in one collective of at most
+    bytes_per_pack (one larger alone): any pack size gives every variable its own sum."""
+    s = td.MirroredStrategy(cpus(2))
+    s._bytes_per_pack = pack
+    shapes = [(3,), (), (2, 2), (5,), (1,)]
+    dtypes = [np.float32, np.float32, np.float64, np.float64, np.float32]
+    with s.scope():
+        vs = [td.Variable(np.zeros(sh, dt)) for sh, dt in zip(shapes, dtypes)]
+        opt = td.optimizers.SGD(1.0)
+
+    def step():
+        r = td.get_replica_context().replica_id_in_sync_group
+        opt.apply_gradients([(np.full(sh, (k + 1) * (r + 1), dt), v)
+                             for k, (sh, dt, v) in enumerate(zip(shapes, dtypes, vs))])
+
+    s.run(step)
+    for k, (v, dt) in enumerate(zip(vs, dtypes)):
+        assert v.numpy().dtype == dt
+        np.testing.assert_array_equal(v.numpy(), np.full(shapes[k], -3.0 * (k + 1), dt))
 
 
 @pytest.mark.parametrize("opt_name", ["momentum", "adam"])

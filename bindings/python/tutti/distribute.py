@@ -278,12 +278,23 @@ class CommunicationOptions:
         name = name.upper().rpartition(".")[2]
         if name not in self._CODES:
             raise ValueError(f"implementation={implementation!r}: one of AUTO, RING, NCCL")
-        if int(bytes_per_pack) != bytes_per_pack or bytes_per_pack < 0:
+        try:
+            packs = int(bytes_per_pack)
+            ok = packs == bytes_per_pack and 0 <= packs < 2**63
+        except (TypeError, ValueError, OverflowError):
+            ok = False
+        if not ok:
             raise ValueError(f"bytes_per_pack={bytes_per_pack!r}: a non-negative integer (0: tutti's default)")
-        if timeout_seconds is not None and not 0 < float(timeout_seconds) < float("inf"):
-            raise ValueError(f"timeout_seconds={timeout_seconds!r}: positive, or None for the configured one "
-                             "(TUTTI_TIMEOUT); tutti bounds every wait, so 0 does not disable it")
-        self.bytes_per_pack = int(bytes_per_pack)
+        if timeout_seconds is not None:
+            try:
+                ok = 0 < float(timeout_seconds) <= 30 * 86400
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ValueError(f"timeout_seconds={timeout_seconds!r}: seconds, positive and at most 30 days, or "
+                                 "None for the configured one (TUTTI_TIMEOUT); tutti bounds every wait, so 0 "
+                                 "does not disable it")
+        self.bytes_per_pack = packs
         self.timeout_seconds = timeout_seconds
         self.implementation = getattr(CommunicationImplementation, name)
 
@@ -743,6 +754,10 @@ class DistributedDataset:
 class Strategy:
     """A strategy: replicas and how their values combine. Made by its subclasses."""
 
+    # The most bytes of gradients an optimizer sums in one collective (CommunicationOptions'
+    # bytes_per_pack; tutti's default as its Rust strategies').
+    _bytes_per_pack = 32 << 20
+
     def __init__(self, kind, num_local_replicas=0, cross_device_ops=None, devices=None, _create=None):
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(f"cross_device_ops must be a tutti.distribute.CrossDeviceOps, not {type(cross_device_ops).__name__}")
@@ -1138,8 +1153,9 @@ class MultiWorkerMirroredStrategy(Strategy):
     gives (any resolver naming this task: ``SimpleClusterResolver``, ``TFConfigClusterResolver``
     with ``task_type`` and ``task_id``); one worker where none is described. Its collectives
     across workers are as ``communication_options`` says (``CommunicationOptions``: the
-    implementation, ``bytes_per_pack`` of batch reduces, and ``timeout_seconds``, the timeout of
-    every wait of the strategy's collectives)."""
+    implementation, ``bytes_per_pack``, the packs an optimizer's gradients are summed in, and
+    ``timeout_seconds``, the timeout of every wait of the strategy's collectives and of the
+    workers' joining)."""
 
     def __init__(self, cluster_resolver=None, communication_options=None):
         if communication_options is not None and not isinstance(communication_options, CommunicationOptions):
@@ -1163,6 +1179,8 @@ class MultiWorkerMirroredStrategy(Strategy):
                 tf_config, code, options.bytes_per_pack, timeout_ms, 0, ctypes.byref(h)))
 
         super().__init__(_MULTI_WORKER, 0, _create=create)
+        if options.bytes_per_pack:
+            self._bytes_per_pack = options.bytes_per_pack
         self._worker()  # every worker makes the strategy: learn this one's index now, together
 
 
@@ -1666,7 +1684,8 @@ class Optimizer:
             if np.shape(g) != v.shape:
                 raise ValueError(f"apply_gradients: a gradient of shape {np.shape(g)} for a variable of shape {v.shape}")
         if replica is not None:
-            pairs = [(replica.all_reduce("SUM", np.asarray(g, v.dtype)), v) for g, v in pairs]
+            sums = _summed_in_packs(replica, [np.asarray(g, v.dtype) for g, v in pairs])
+            pairs = [(g, v) for g, (_, v) in zip(sums, pairs)]
         for g, v in pairs:
             g = np.asarray(g, v.dtype)
             if isinstance(v, _PsVariable):
@@ -1727,6 +1746,32 @@ class Optimizer:
         optimizer (its copies on the workers share the key, and so the slots)."""
         raise TypeError(f"apply_gradients: {type(self).__name__} has no update rule the ps tasks run "
                         "(SGD, with or without momentum, and Adam have)")
+
+
+def _summed_in_packs(replica, arrays):
+    """``arrays`` each summed across the replicas in sync, those next to each other of one dtype
+    in one collective of at most the strategy's ``bytes_per_pack`` (an array larger than that
+    alone): fewer, larger collectives, as TensorFlow packs them. Every replica packs alike."""
+    most = max(1, replica._strategy._bytes_per_pack)
+    packs, out = [], [None] * len(arrays)
+    for i, a in enumerate(arrays):
+        last = packs[-1] if packs else None
+        if last and last[0] == a.dtype and last[1] + a.nbytes <= most:
+            last[2].append(i)
+            last[1] += a.nbytes
+        else:
+            packs.append([a.dtype, a.nbytes, [i]])
+    for dtype, _, members in packs:
+        if len(members) == 1:
+            out[members[0]] = replica.all_reduce("SUM", arrays[members[0]])
+            continue
+        flat = replica.all_reduce("SUM", np.concatenate([arrays[i].ravel() for i in members]))
+        at = 0
+        for i in members:
+            n = arrays[i].size
+            out[i] = flat[at : at + n].reshape(arrays[i].shape)
+            at += n
+    return out
 
 
 class SGD(Optimizer):
