@@ -1875,18 +1875,7 @@ impl Coordinator {
     /// A checkpoint keeps it with [`SlotState::save`].
     pub fn read_slots(&self, id: VariableId, rule: Option<(Rule, u64)>) -> Result<SlotState> {
         let layout = self.layout.lock();
-        let shards = layout
-            .get(id.0)
-            .ok_or_else(|| Error::config(format!("no variable {}", id.0)))?;
-        let r = match rule {
-            Some((r, _)) => {
-                r.check().map_err(|why| {
-                    Error::config(format!("read_slots of variable {}: {why}", id.0))
-                })?;
-                r
-            }
-            None => self.rules.lock()[id.0],
-        };
+        let (shards, r) = self.slots_of(&layout, id, rule, "read_slots of")?;
         let mut joined: Option<SlotState> = None;
         for s in shards {
             let due = slots_bytes(&r, s.len, s.dtype);
@@ -1918,6 +1907,29 @@ impl Coordinator {
         Ok(joined.unwrap_or_else(|| AnySlots::default().export(&r, 0, steps_wide(dtype))))
     }
 
+    /// Variable `id`'s shards in `layout`, and the rule whose slots a slots call names (`None`:
+    /// the variable's own; another is checked, `what` naming the call in its error).
+    fn slots_of<'a>(
+        &self,
+        layout: &'a [Vec<Shard>],
+        id: VariableId,
+        rule: Option<(Rule, u64)>,
+        what: &str,
+    ) -> Result<(&'a [Shard], Rule)> {
+        let shards = layout
+            .get(id.0)
+            .ok_or_else(|| Error::config(format!("no variable {}", id.0)))?;
+        let r = match rule {
+            Some((r, _)) => {
+                r.check()
+                    .map_err(|why| Error::config(format!("{what} variable {}: {why}", id.0)))?;
+                r
+            }
+            None => self.rules.lock()[id.0],
+        };
+        Ok((shards, r))
+    }
+
     /// Set the state of an update rule for variable `id` (as [`Coordinator::read_slots`]
     /// names it): a restored checkpoint's, onto however many ps tasks hold the variable now.
     /// A state the rule could not have kept for the variable (a slot missing, or of another
@@ -1930,18 +1942,7 @@ impl Coordinator {
         state: &SlotState,
     ) -> Result<()> {
         let layout = self.layout.lock();
-        let shards = layout
-            .get(id.0)
-            .ok_or_else(|| Error::config(format!("no variable {}", id.0)))?;
-        let r = match rule {
-            Some((r, _)) => {
-                r.check().map_err(|why| {
-                    Error::config(format!("assign_slots to variable {}: {why}", id.0))
-                })?;
-                r
-            }
-            None => self.rules.lock()[id.0],
-        };
+        let (shards, r) = self.slots_of(&layout, id, rule, "assign_slots to")?;
         let total: usize = shards.iter().map(|s| s.len).sum();
         let dtype = shards.first().map_or(DType::F32, |s| s.dtype);
         AnySlots::default()
