@@ -770,6 +770,14 @@ def test_an_optimizers_state_is_saved_and_restored_with_the_variables(opt_name, 
 
     np.testing.assert_array_equal(resume(True), reference)
     assert not np.array_equal(resume(False), reference)
+    # A checkpoint that holds none of the optimizer's state (saved without it): the variables are
+    # restored and the optimizer starts afresh, with a warning, as TensorFlow's does.
+    td.CheckpointManager(td.Checkpoint(w=w), tmp_path / "plain").save()
+    w2, opt2 = fresh()
+    with pytest.warns(UserWarning, match="no state of optimizer 'optimizer'"):
+        td.CheckpointManager(td.Checkpoint(w=w2, optimizer=opt2), tmp_path / "plain").restore_or_initialize()
+    np.testing.assert_array_equal(w2.numpy(), w.numpy())
+    assert opt2.iterations == 0
     # Another optimizer's state is not this one's: an error naming the slot, nothing restored.
     w, _ = fresh()
     other = td.optimizers.Adam(0.05) if opt_name == "momentum" else td.optimizers.SGD(0.05, momentum=0.9)

@@ -1360,8 +1360,9 @@ class Checkpoint:
     ``iterations`` and its state for each float ``Variable`` of the checkpoint (its slots, on
     the ps tasks under a ``ParameterServerStrategy``), named ``<optimizer>/<variable>/<slot>``
     (``momentum``; Adam's ``m``, ``v`` and ``t``), so that training resumes as if it had never
-    stopped. Save and restore through a ``CheckpointManager``. ``step`` is the step of the
-    checkpoint last saved or restored (0 before)."""
+    stopped; restored from a checkpoint that holds none of an optimizer's state, it starts
+    afresh, with a warning. Save and restore through a ``CheckpointManager``. ``step`` is the
+    step of the checkpoint last saved or restored (0 before)."""
 
     def __init__(self, **objects):
         for name, obj in objects.items():
@@ -1423,7 +1424,17 @@ class Checkpoint:
         assigned."""
         values = {}
         wanted = [(n, o.shape, o.dtype) for n, o in self._objects.items() if not isinstance(o, Optimizer)]
+        optimized = []
         for oname, opt, variables in self._optimized():
+            code, ndim = ctypes.c_uint32(), ctypes.c_size_t()
+            if _lib().tutti_checkpoint_variable(h, f"{oname}/iterations".encode(), ctypes.byref(code),
+                                                ctypes.byref(ndim), None, 0) != 0:
+                # Saved without this optimizer (before optimizers were saved, say): it starts
+                # afresh, as TensorFlow's does when a checkpoint lacks its slots.
+                warnings.warn(f"Checkpoint: no state of optimizer {oname!r} in the checkpoint; it starts afresh",
+                              stacklevel=3)
+                continue
+            optimized.append((oname, opt, variables))
             wanted.append((f"{oname}/iterations", (), np.int64))
             for vname, var in variables:
                 wanted += [(f"{oname}/{vname}/{slot}", var.shape, opt._slot_dtype(var)) for slot in opt._slot_names]
@@ -1448,7 +1459,7 @@ class Checkpoint:
             _check(_lib().tutti_checkpoint_read(h, name.encode(), code.value, out.size,
                                                 out.ctypes.data_as(ctypes.c_void_p)))
             values[name] = out
-        for oname, opt, variables in self._optimized():
+        for oname, opt, variables in optimized:
             counts = [(f"{oname}/iterations", 2**63)] + [(f"{oname}/{v}/t", 2**31) for v, _ in variables]
             for name, most in counts[:len(counts) if opt._counts_steps else 1]:
                 if not 0 <= int(values[name]) < most:
@@ -1456,7 +1467,7 @@ class Checkpoint:
         # The optimizers first: under a ParameterServerStrategy the ps tasks check their state
         # again, and a refusal there then leaves the variables as they were. (A ps task lost
         # part-way leaves what it had set.)
-        for oname, opt, variables in self._optimized():
+        for oname, opt, variables in optimized:
             for vname, var in variables:
                 slots = [values[f"{oname}/{vname}/{slot}"] for slot in opt._slot_names]
                 steps = int(values[f"{oname}/{vname}/t"]) if opt._counts_steps else 0
