@@ -355,10 +355,17 @@ pub unsafe extern "C" fn tutti_strategy_create_multi_worker(
     num_local_replicas: usize,
     strategy: *mut *mut tutti_strategy,
 ) -> tutti_result {
-    boundary("tutti_strategy_create_multi_worker", || {
-        // SAFETY: as the caller promises.
-        unsafe { multi_worker(tf_config, communication, 0, 0, num_local_replicas, strategy) }
-    })
+    // SAFETY: as the caller promises; no pack size or timeout of its own.
+    unsafe {
+        tutti_strategy_create_multi_worker_with_options(
+            tf_config,
+            communication,
+            0,
+            0,
+            num_local_replicas,
+            strategy,
+        )
+    }
 }
 
 /// `tutti_strategy_create_multi_worker` with the rest of TensorFlow's `CommunicationOptions`:
@@ -383,34 +390,6 @@ pub unsafe extern "C" fn tutti_strategy_create_multi_worker_with_options(
     strategy: *mut *mut tutti_strategy,
 ) -> tutti_result {
     boundary("tutti_strategy_create_multi_worker_with_options", || {
-        // SAFETY: as the caller promises.
-        unsafe {
-            multi_worker(
-                tf_config,
-                communication,
-                bytes_per_pack,
-                timeout_ms,
-                num_local_replicas,
-                strategy,
-            )
-        }
-    })
-}
-
-/// The two `tutti_strategy_create_multi_worker` calls.
-///
-/// # Safety
-///
-/// As theirs.
-unsafe fn multi_worker(
-    tf_config: *const c_char,
-    communication: tutti_communication,
-    bytes_per_pack: usize,
-    timeout_ms: u64,
-    num_local_replicas: usize,
-    strategy: *mut *mut tutti_strategy,
-) -> Result<(), Failure> {
-    {
         use TuttiCommunication as C;
         if strategy.is_null() {
             return Err(Failure::invalid("strategy is NULL"));
@@ -452,7 +431,7 @@ unsafe fn multi_worker(
             })))
         };
         Ok(())
-    }
+    })
 }
 
 /// Create a strategy of `kind` with `num_local_replicas` replicas on this host (logical CPU
