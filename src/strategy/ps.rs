@@ -1804,18 +1804,34 @@ impl Coordinator {
     /// held, keeping its slots.
     fn set_shards(&self, shards: &[Shard], rule: &Rule, values: &Values, what: &str) -> Result<()> {
         let size = values.dtype().size();
-        let mut at = 0;
-        for s in shards {
+        self.to_shards(shards, OP_CREATE, what, |s, part| {
             let mut req = Vec::with_capacity(CREATE_FIXED + s.len * size);
             for v in [s.var, s.index, values.dtype() as u32] {
                 req.extend_from_slice(&v.to_le_bytes());
             }
             encode_rule(rule, 0, &mut req);
-            req.extend_from_slice(&values.as_bytes()[at * size..(at + s.len) * size]);
+            req.extend_from_slice(&values.as_bytes()[part.start * size..part.end * size]);
+            req
+        })
+    }
+
+    /// Send each of a variable's `shards` one request of `op`, made by `request` from the shard
+    /// and the range of the variable's elements it holds (`what` follows the task's name in an
+    /// error).
+    fn to_shards(
+        &self,
+        shards: &[Shard],
+        op: u32,
+        what: &str,
+        mut request: impl FnMut(&Shard, std::ops::Range<usize>) -> Vec<u8>,
+    ) -> Result<()> {
+        let mut at = 0;
+        for s in shards {
+            let req = request(s, at..at + s.len);
             at += s.len;
             call(
                 &mut self.ps[s.ps].lock(),
-                OP_CREATE,
+                op,
                 &req,
                 &format!("ps task {}{what}", s.ps),
             )?;
@@ -1855,18 +1871,13 @@ impl Coordinator {
         let layout = self.layout.lock();
         let shards = shards_of(&layout, id, &grad, "push")?;
         let size = grad.dtype().size();
-        let mut at = 0;
-        for s in shards {
-            let req = push_request(s, rule, &grad.as_bytes()[at * size..(at + s.len) * size]);
-            at += s.len;
-            call(
-                &mut self.ps[s.ps].lock(),
-                OP_PUSH,
-                &req,
-                &format!("ps task {}", s.ps),
-            )?;
-        }
-        Ok(())
+        self.to_shards(shards, OP_PUSH, "", |s, part| {
+            push_request(
+                s,
+                rule,
+                &grad.as_bytes()[part.start * size..part.end * size],
+            )
+        })
     }
 
     /// The state of an update rule for variable `id`, its shards' joined (so that it sets
@@ -1948,23 +1959,15 @@ impl Coordinator {
         AnySlots::default()
             .import(&r, total, steps_wide(dtype), state)
             .map_err(|why| Error::config(format!("assign_slots to variable {}: {why}", id.0)))?;
-        let mut at = 0;
-        for s in shards {
-            let cut = |v: &Option<Values>| v.as_ref().map(|v| v.slice(at, s.len));
-            let part = SlotState {
+        self.to_shards(shards, OP_SET_SLOTS, "", |s, part| {
+            let cut = |v: &Option<Values>| v.as_ref().map(|v| v.slice(part.start, s.len));
+            let state = SlotState {
                 first: cut(&state.first),
                 second: cut(&state.second),
                 steps: state.steps,
             };
-            at += s.len;
-            call(
-                &mut self.ps[s.ps].lock(),
-                OP_SET_SLOTS,
-                &slots_request(s, rule, &encode_slots(&part)),
-                &format!("ps task {}", s.ps),
-            )?;
-        }
-        Ok(())
+            slots_request(s, rule, &encode_slots(&state))
+        })
     }
 
     /// The shard count of each variable.

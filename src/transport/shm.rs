@@ -1073,7 +1073,11 @@ impl ShmLink {
         if let Some(n) = stamped(word.load(Ordering::Acquire), tail) {
             return Some(Some(n));
         }
-        let misses = self.rx_misses.fetch_add(1, Ordering::Relaxed);
+        // Counted by this side's receiving thread (it holds the transport's engine): a plain
+        // load and store, no locked instruction on the waiting path.
+        let misses = self.rx_misses.load(Ordering::Relaxed);
+        self.rx_misses
+            .store(misses.wrapping_add(1), Ordering::Relaxed);
         if misses % LOOK_AT_HEAD != 0 {
             return Some(None);
         }
