@@ -792,6 +792,35 @@ def test_an_optimizers_state_is_saved_and_restored_with_the_variables(opt_name, 
             bad()
 
 
+def test_a_float16_variables_optimizer_steps_in_float32(tmp_path):
+    """As on the ps tasks and in Rust: a float16 variable's slots are float32, each step is taken
+    in float32 and the copy rounded to float16 once, and a checkpoint holds float32 slots."""
+    s = td.MirroredStrategy(cpus(2))
+    with s.scope():
+        h = td.Variable(np.array([1.0, -2.0, 0.5], np.float16), name="h")
+        opt = td.optimizers.Adam(0.01)
+    grads = [np.array([0.1, -0.3, 0.2], np.float16), np.array([0.05, 0.0, -0.7], np.float16)]
+
+    def step():
+        opt.apply_gradients([(grads[td.get_replica_context().replica_id_in_sync_group], h)])
+
+    w, m, v = h.numpy().copy(), np.zeros(3, np.float32), np.zeros(3, np.float32)
+    g = (grads[0] + grads[1]).astype(np.float32)
+    for t in range(1, 8):
+        s.run(step)
+        m = 0.9 * m + (1 - 0.9) * g
+        v = 0.999 * v + (1 - 0.999) * g * g
+        lr = 0.01 * np.sqrt(1 - 0.999**t) / (1 - 0.9**t)
+        w = (w.astype(np.float32) - (lr * m / (np.sqrt(v) + 1e-7)).astype(np.float32)).astype(np.float16)
+        np.testing.assert_array_equal(h.numpy(), w, err_msg=f"step {t}")
+    assert h.numpy().dtype == np.float16
+    td.CheckpointManager(td.Checkpoint(h=h, opt=opt), tmp_path).save()
+    slots = {"opt/h/m": np.zeros(3, np.float32), "opt/h/v": np.zeros(3, np.float32)}
+    td.CheckpointManager(td.Checkpoint(**slots), tmp_path).restore_or_initialize()
+    np.testing.assert_array_equal(slots["opt/h/m"], m)
+    np.testing.assert_array_equal(slots["opt/h/v"], v)
+
+
 def test_metrics_read_across_replicas():
     s = td.MirroredStrategy(cpus(2))
     with s.scope():

@@ -1676,7 +1676,7 @@ class Optimizer:
         key = (var, i, name)  # the variable itself: an id could be reused by a later one
         with self._lock:
             if key not in self._slots:
-                self._slots[key] = np.zeros(var.shape, var.dtype)
+                self._slots[key] = np.zeros(var.shape, self._slot_dtype(var))
             return self._slots[key]
 
     def apply_gradients(self, grads_and_vars):
@@ -1702,6 +1702,9 @@ class Optimizer:
             if isinstance(v, _PsVariable):
                 v._push(g, self._ps_update())  # stepped on the ps tasks, with the slots kept there
                 continue
+            # In the slots' arithmetic (float32 for a float16 variable, as on the ps tasks and
+            # in Rust), the copy rounded to its dtype once, after the step.
+            g = g.astype(self._slot_dtype(v), copy=False)
             v._apply_combined(replica, lambda i, g=g, v=v: self._step(v, i, g), "sub")
         with self._lock:
             if replica is None or replica._local == 0:
@@ -1730,13 +1733,13 @@ class Optimizer:
         with self._lock:
             slots = [self._slots.get((var, 0, n)) for n in names]
             steps = getattr(self, "_steps", {}).get((var, 0), 0)
-        return [np.zeros(var.shape, var.dtype) if x is None else x.copy() for x in slots], steps
+        return [np.zeros(var.shape, self._slot_dtype(var)) if x is None else x.copy() for x in slots], steps
 
     def _slot_dtype(self, var):
-        """The dtype of its slots for ``var``: the ps tasks' arithmetic, else the variable's."""
-        if isinstance(var, _PsVariable):
-            return np.dtype(np.float64 if var.dtype == np.float64 else np.float32)
-        return np.dtype(var.dtype)
+        """The dtype of its slots for ``var``, the arithmetic of its steps: float64 for a float64
+        variable, else float32 (a float16 variable's too, as on the ps tasks and in Rust, so
+        that a checkpoint's optimizer state reads alike everywhere)."""
+        return np.dtype(np.float64 if var.dtype == np.float64 else np.float32)
 
     def _set_state(self, var, slots, steps):
         """Take ``slots`` and ``steps`` (checked by the caller) as its state for ``var``."""
@@ -1748,7 +1751,7 @@ class Optimizer:
         with self._lock:
             for i in range(len(var._values)):
                 for n, x in zip(self._slot_names, slots):
-                    self._slots[(var, i, n)] = np.array(x, var.dtype)
+                    self._slots[(var, i, n)] = np.array(x, self._slot_dtype(var))
                 if self._counts_steps:
                     self._steps[(var, i)] = int(steps)
 
@@ -1836,7 +1839,7 @@ class Adam(Optimizer):
         m[...] = self.beta_1 * m + (1 - self.beta_1) * g
         v[...] = self.beta_2 * v + (1 - self.beta_2) * g * g
         lr = self.learning_rate * np.sqrt(1 - self.beta_2**step) / (1 - self.beta_1**step)
-        return (lr * m / (np.sqrt(v) + self.epsilon)).astype(var.dtype)
+        return (lr * m / (np.sqrt(v) + self.epsilon)).astype(m.dtype, copy=False)
 
 
 class Metric:
