@@ -33,14 +33,16 @@
 
 use std::ffi::c_void;
 use std::os::raw::c_int;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use mpi::ffi as m;
 use parking_lot::Mutex;
 
-use super::wire::{frame, frame_ident, parse_frame, Ident, FRAME_DATA, FRAME_HEADER, HDR, IDENT};
+use super::wire::{
+    frame, frame_ident, parse_frame, CurrentIdent, Ident, FRAME_DATA, FRAME_HEADER, HDR,
+};
 use super::{
     CallBuffers, CallHeader, NativeCall, PairData, PairOp, RecvMode, RecvOp, SendOp, Transport,
 };
@@ -527,7 +529,7 @@ pub(crate) struct MpiTransport {
     /// Serializes exchanges; holds what they reuse.
     engine: Mutex<Reuse>,
     /// The identity of the current call.
-    ident: [AtomicU64; IDENT / 8],
+    ident: CurrentIdent,
     /// The current call has moved data: a failure now leaves peers mid-step.
     data_started: AtomicBool,
     /// An in-place all-reduce's input, for MPI's own collective.
@@ -648,23 +650,6 @@ impl MpiTransport {
         }
     }
 
-    fn ident(&self) -> Ident {
-        let mut v = [0u8; IDENT];
-        for (c, w) in v.chunks_exact_mut(8).zip(&self.ident) {
-            c.copy_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
-        }
-        v
-    }
-
-    fn set_ident(&self, v: &Ident) {
-        for (c, w) in v.chunks_exact(8).zip(&self.ident) {
-            w.store(
-                u64::from_le_bytes(c.try_into().expect("8 bytes")),
-                Ordering::Relaxed,
-            );
-        }
-    }
-
     fn set_aborted(&self, reason: &str) {
         let mut r = self.reason.lock();
         if r.is_none() {
@@ -775,7 +760,7 @@ impl MpiTransport {
         }
         let text = reason.as_bytes();
         let text = &text[..text.len().min(MAX_MSG)];
-        let mut msg = frame(FRAME_ABORT, 0, text.len() as u64, &self.ident()).to_vec();
+        let mut msg = frame(FRAME_ABORT, 0, text.len() as u64, &self.ident.get()).to_vec();
         msg.extend_from_slice(text);
         let msg: &'static [u8] = Box::leak(msg.into_boxed_slice());
         for peer in (0..self.world).filter(|&p| p != self.rank) {
@@ -1621,7 +1606,7 @@ impl Transport for MpiTransport {
             return Ok(());
         }
         let ident = header.ident();
-        self.set_ident(&ident);
+        self.ident.set(&ident);
         // The calls the network transport rounds (see `NetTransport::begin`) have a check
         // round here too; the others carry their check with their data.
         use crate::error::Collective::{Barrier, Broadcast, Reduce};
@@ -1720,7 +1705,7 @@ impl Transport for MpiTransport {
             return Err(e);
         }
         self.data_started.store(true, Ordering::Release);
-        let ident = self.ident();
+        let ident = self.ident.get();
         let mut engine = self.engine.lock();
         let r = &mut *engine;
         let list = Self::lists(r);
@@ -1761,7 +1746,7 @@ impl Transport for MpiTransport {
         }
         static IDENT: OnceLock<Ident> = OnceLock::new();
         let ident = *IDENT.get_or_init(super::net::pair_ident);
-        self.set_ident(&ident);
+        self.ident.set(&ident);
         self.data_started.store(true, Ordering::Release);
         let mut engine = self.engine.lock();
         let r = &mut *engine;

@@ -29,7 +29,7 @@ use std::io::{ErrorKind, IoSlice, Read};
 use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -38,7 +38,8 @@ use parking_lot::Mutex;
 use super::shared::{self, Buffers};
 use super::shm::ShmLink;
 use super::wire::{
-    frame, frame_ident, parse_frame, Ident, FRAME_ABORT, FRAME_DATA, FRAME_HEADER, HDR, IDENT,
+    frame, frame_ident, parse_frame, CurrentIdent, Ident, FRAME_ABORT, FRAME_DATA, FRAME_HEADER,
+    HDR,
 };
 use super::{CallBuffers, CallHeader, PeerMemory, RecvMode, RecvOp, SendOp, Transport};
 use crate::cluster::auth::{self as wire, Purpose};
@@ -164,7 +165,7 @@ pub struct NetTransport {
     /// reuse.
     engine: Mutex<Reuse>,
     /// The identity of the current call, which its frames carry ([`CallHeader::ident`]).
-    ident: [AtomicU64; IDENT / 8],
+    ident: CurrentIdent,
     /// The current call has started moving data (an error now leaves peers mid-step).
     data_started: AtomicBool,
     /// How long a wait on shared-memory slots may spin before it sleeps.
@@ -599,24 +600,6 @@ impl NetTransport {
         }
     }
 
-    /// The identity of the current call.
-    fn ident(&self) -> Ident {
-        let mut v = [0u8; IDENT];
-        for (c, w) in v.chunks_exact_mut(8).zip(&self.ident) {
-            c.copy_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
-        }
-        v
-    }
-
-    fn set_ident(&self, v: &Ident) {
-        for (c, w) in v.chunks_exact(8).zip(&self.ident) {
-            w.store(
-                u64::from_le_bytes(c.try_into().expect("8 bytes")),
-                Ordering::Relaxed,
-            );
-        }
-    }
-
     /// Tell every peer why we stop, and which rank this rank was waiting for, then close our
     /// sending side (once; best effort, never blocks).
     fn notify_peers(&self, reason: &str) {
@@ -628,7 +611,12 @@ impl NetTransport {
             if !l.mid_frame.load(Ordering::Acquire) {
                 let msg = reason.as_bytes();
                 let msg = &msg[..msg.len().min(4000)];
-                let hdr = frame(FRAME_ABORT, waiting_for, msg.len() as u64, &self.ident());
+                let hdr = frame(
+                    FRAME_ABORT,
+                    waiting_for,
+                    msg.len() as u64,
+                    &self.ident.get(),
+                );
                 let _ = send_vectored(&l.sock, &[IoSlice::new(&hdr), IoSlice::new(msg)]);
             }
             let _ = l.sock.shutdown(Shutdown::Write);
@@ -1534,7 +1522,7 @@ impl NetTransport {
         recvs: &mut [RecvState<'_>],
         lists: &mut WaitLists,
     ) -> Result<()> {
-        let mine = self.ident();
+        let mine = self.ident.get();
         let mut held = sends.iter().any(|s| s.held) || recvs.iter().any(|r| r.held);
         // The deadline is the timeout from the last move, read from the clock once a wait
         // begins (`None`: moved since), not at every move.
@@ -1775,7 +1763,7 @@ impl Transport for NetTransport {
             return Ok(());
         }
         let ident = header.ident();
-        self.set_ident(&ident);
+        self.ident.set(&ident);
         // By default a call's check travels with its data. A call that moves none (a barrier,
         // no elements), one whose arguments this rank rejected, rooted calls, and every call under
         // `TUTTI_CHECK=full` have a check round first: every rank sends its identity (and any
@@ -1862,7 +1850,7 @@ impl Transport for NetTransport {
         super::check_peers(site, self.rank, self.world, sends, recvs)?;
         // From here a failure leaves peers mid-step: `end` must abort the communicator.
         self.data_started.store(true, Ordering::Release);
-        let ident = self.ident();
+        let ident = self.ident.get();
         let mut engine = self.engine.lock();
         let reuse = &mut *engine;
         let mut ss: Vec<SendState<'_>> = recycle(std::mem::take(&mut reuse.sends));
@@ -1913,7 +1901,7 @@ impl Transport for NetTransport {
         }
         static IDENT: std::sync::OnceLock<Ident> = std::sync::OnceLock::new();
         let ident = IDENT.get_or_init(pair_ident);
-        self.set_ident(ident);
+        self.ident.set(ident);
         self.data_started.store(true, Ordering::Release);
         let mut engine = self.engine.lock();
         let reuse = &mut *engine;
@@ -2138,7 +2126,7 @@ impl NetTransport {
 
     /// The call number of the current call (from its identity).
     fn ident_call(&self) -> u64 {
-        u64::from_le_bytes(self.ident()[..8].try_into().expect("8 bytes"))
+        u64::from_le_bytes(self.ident.get()[..8].try_into().expect("8 bytes"))
     }
 
     /// Mark the links whose peer hung up; return the first peer with bytes waiting (an ABORT

@@ -21,6 +21,32 @@ pub(crate) const IDENT: usize = 48;
 /// A call's identity as it travels in frame headers.
 pub(crate) type Ident = [u8; IDENT];
 
+/// The identity of a transport's current call, which its frames carry: set by the thread that
+/// runs the call, read by one that tells the peers why this rank gave up.
+#[derive(Default)]
+pub(crate) struct CurrentIdent([std::sync::atomic::AtomicU64; IDENT / 8]);
+
+impl CurrentIdent {
+    pub(crate) fn get(&self) -> Ident {
+        let mut v = [0u8; IDENT];
+        for (c, w) in v.chunks_exact_mut(8).zip(&self.0) {
+            c.copy_from_slice(&w.load(std::sync::atomic::Ordering::Relaxed).to_le_bytes());
+        }
+        v
+    }
+
+    pub(crate) fn set(&self, v: &Ident) {
+        for (c, w) in v.chunks_exact(8).zip(&self.0) {
+            let mut word = [0u8; 8];
+            word.copy_from_slice(c);
+            w.store(
+                u64::from_le_bytes(word),
+                std::sync::atomic::Ordering::Relaxed,
+            );
+        }
+    }
+}
+
 /// A frame header: kind, aux, payload length (little endian), then the call's identity.
 pub(crate) fn frame(kind: u32, aux: u32, len: u64, ident: &Ident) -> [u8; HDR] {
     let mut h = [0u8; HDR];
