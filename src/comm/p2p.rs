@@ -120,9 +120,9 @@ impl PairCall {
     /// Check `ops` on a communicator of `world` ranks where this is `rank`.
     fn new(comm: &Communicator, ops: Ops) -> PairCall {
         let (rank, world) = (comm.rank(), comm.world_size());
-        let collective = match (ops.iter().all(|o| o.send), ops.iter().all(|o| !o.send)) {
-            (true, false) if ops.len() == 1 => Collective::Send,
-            (false, true) if ops.len() == 1 => Collective::Recv,
+        let collective = match *ops {
+            [RawPeerOp { send: true, .. }] => Collective::Send,
+            [RawPeerOp { send: false, .. }] => Collective::Recv,
             _ => Collective::SendRecv,
         };
         let check = Self::check(comm, rank, world, &ops);
@@ -163,6 +163,13 @@ impl PairCall {
             }
             if o.len > 0 && o.ptr.is_null() {
                 return Err(format!("{what} {i}: the buffer is null"));
+            }
+        }
+        // One operation with another rank (a blocking send or recv) has nothing to overlap or
+        // pair with: the rest is for groups.
+        if let [one] = ops {
+            if one.peer != rank {
+                return Ok(());
             }
         }
         // A receive's buffer may overlap no other buffer of the group.
@@ -337,12 +344,18 @@ impl Communicator {
     /// });
     /// ```
     pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
-        self.send_recv(&mut [PeerOp::send(buf, peer)])
+        self.send_recv_one(PeerOp::send(buf, peer).raw())
     }
 
     /// Receive rank `peer`'s next send to this rank into `buf` (see [`Communicator::send`]).
     pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
-        self.send_recv(&mut [PeerOp::recv(buf, peer)])
+        self.send_recv_one(PeerOp::recv(buf, peer).raw())
+    }
+
+    /// One operation, run now: its buffer is borrowed by the caller for the whole call.
+    fn send_recv_one(&self, op: RawPeerOp) -> Result<()> {
+        let call = PairCall::new(self, Ops::One(op));
+        self.progress.run_blocking(&call)
     }
 
     /// Run a group of sends and receives together, as NCCL's grouped calls and torch's
@@ -350,11 +363,10 @@ impl Communicator {
     /// receives, or two ranks each sending to the other first, cannot deadlock. Each peer's
     /// operations in one direction keep their order.
     pub fn send_recv(&self, ops: &mut [PeerOp<'_>]) -> Result<()> {
-        let ops = match ops {
-            [one] => Ops::One(one.raw()),
-            many => Ops::Many(many.iter_mut().map(PeerOp::raw).collect()),
-        };
-        let call = PairCall::new(self, ops);
+        if let [one] = ops {
+            return self.send_recv_one(one.raw());
+        }
+        let call = PairCall::new(self, Ops::Many(ops.iter_mut().map(PeerOp::raw).collect()));
         self.progress.run_blocking(&call)
     }
 

@@ -102,8 +102,9 @@ struct Queue {
     closed: bool,
     /// The progress thread has been started.
     thread: bool,
-    /// What calls reuse from one to the next; the running call holds it.
-    plan: Plan,
+    /// What calls reuse from one to the next; the running call holds it (taken, not swapped
+    /// for an empty one: making and dropping one per call is a cost a small call notices).
+    plan: Option<Box<Plan>>,
     /// The place in issue order of the last call completed, plus one (calls complete in issue
     /// order).
     completed: u64,
@@ -209,19 +210,21 @@ impl Shared {
 
 /// Clears `running` when an inline call (at `.2` in issue order) ends, a panic included, hands
 /// the plan back and the queue on.
-struct Inline<'a>(&'a Shared, Plan, u64);
+struct Inline<'a>(&'a Shared, Option<Box<Plan>>, u64);
 
 impl Drop for Inline<'_> {
     fn drop(&mut self) {
         let mut q = self.0.queue.lock();
         q.running = false;
-        q.plan = std::mem::take(&mut self.1);
+        q.plan = self.1.take();
         let ready = q.completed(self.2);
         if !q.jobs.is_empty() {
             self.0.cv.notify_all();
         }
         drop(q);
-        release(ready);
+        if !ready.is_empty() {
+            release(ready);
+        }
     }
 }
 
@@ -254,9 +257,10 @@ impl Progress {
         if q.jobs.is_empty() && !q.running {
             let (number, seq) = q.take_numbers(call);
             q.running = true;
-            let inline = Inline(&self.shared, std::mem::take(&mut q.plan), seq);
+            let mut inline = Inline(&self.shared, q.plan.take(), seq);
             drop(q);
-            return (call.site(number), call.run(&self.shared, number, &inline.1));
+            let plan = inline.1.get_or_insert_with(Box::default);
+            return (call.site(number), call.run(&self.shared, number, plan));
         }
         drop(q);
         // SAFETY: the call's borrows outlive this function, and it waits until the call has
@@ -386,7 +390,7 @@ fn progress(shared: Arc<Shared>) {
         if !q.running {
             if let Some(job) = q.jobs.pop_front() {
                 q.running = true;
-                let plan = std::mem::take(&mut q.plan);
+                let plan = q.plan.take().unwrap_or_default();
                 drop(q);
                 let Job {
                     seq,
@@ -413,7 +417,7 @@ fn progress(shared: Arc<Shared>) {
                 let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(state)));
                 q = shared.queue.lock();
                 q.running = false;
-                q.plan = plan;
+                q.plan = Some(plan);
                 let ready = q.completed(seq);
                 shared.cv.notify_all();
                 if !ready.is_empty() {

@@ -1215,11 +1215,17 @@ impl ShmLink {
 
     /// Wake the peer if it sleeps on this link (its bell is in the segment it created: the one
     /// this side receives from).
+    ///
+    /// Every caller has just published a position with a SeqCst store (the head past a slot it
+    /// filled, the tail past one it freed), and a sleeper stores `sleeping` (SeqCst) before it
+    /// reads the positions (SeqCst, [`ShmLink::ready`]): either the sleeper sees the new
+    /// position, or this load sees it asleep and rings. A peer that does not sleep costs no
+    /// locked instruction here.
     #[inline]
     fn ring_peer(&self) {
         let c = self.rx.seg.counters();
-        c.bell.fetch_add(1, Ordering::SeqCst);
         if c.sleeping.load(Ordering::SeqCst) != 0 {
+            c.bell.fetch_add(1, Ordering::SeqCst);
             futex_wake(&c.bell);
         }
     }
