@@ -83,9 +83,10 @@ pub(crate) fn ring_chunk(chunk_bytes: usize, local: usize) -> usize {
 
 /// A ring's counters. The sender writes `head` (slots published), the receiver `tail` (slots
 /// freed). `bell` and `sleeping` belong to the process that created the segment: it sleeps on
-/// `bell` (a futex) when it waits for its peer, and the peer bumps `bell` after everything the
-/// creator may wait for (a slot filled in the creator's receiving ring, a slot freed in its
-/// sending ring), making the wake-up system call only when `sleeping` says someone sleeps.
+/// `bell` (a futex) when it waits for its peer, and the peer, after everything the creator may
+/// wait for (a slot filled in the creator's receiving ring, a slot freed in its sending ring),
+/// bumps `bell` and makes the wake-up system call when `sleeping` says the creator sleeps (see
+/// `ShmLink::ring_peer`).
 #[repr(C)]
 struct Counters {
     head: AtomicU64,
