@@ -1144,3 +1144,27 @@ def test_framework_glue_compiles_once_and_within_its_time(tmp_path, monkeypatch)
     lib = _ext.compile_library("test glue", src, "glue", "TUTTI_TEST_GLUE_CACHE", "test-glue", [])
     assert ctypes.CDLL(str(lib)).glue_answer() == 42
     assert _ext.compile_library("test glue", src, "glue", "TUTTI_TEST_GLUE_CACHE", "test-glue", []) == lib
+
+
+def test_the_glue_cache_keeps_the_secrets_directory_private(tmp_path, monkeypatch):
+    """Compiled into the default cache (~/.cache/tutti/...) before any job ran, the glue leaves
+    ~/.cache/tutti private: it also holds the per-user job secret, which tutti refuses to read
+    from a directory others may read, so a job that joins afterwards still starts."""
+    from tutti import _ext
+
+    src = tmp_path / "glue.cc"
+    src.write_text('extern "C" int glue_answer() { return 7; }\n')
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("TUTTI_TEST_GLUE_CACHE", raising=False)
+    lib = _ext.compile_library("test glue", src, "glue", "TUTTI_TEST_GLUE_CACHE", "test-glue", [])
+    assert lib.parent == home / ".cache" / "tutti" / "test-glue"
+    assert (home / ".cache" / "tutti").stat().st_mode & 0o077 == 0
+    # A job on the per-user secret (no TUTTI_JOB_TOKEN, no XDG_RUNTIME_DIR) joins afterwards.
+    env = {k: v for k, v in os.environ.items() if k not in ("TUTTI_JOB_TOKEN", "XDG_RUNTIME_DIR")}
+    env.update(HOME=str(home), TUTTI_RANK="0", TUTTI_WORLD_SIZE="1", TUTTI_MASTER_ADDR=f"127.0.0.1:{_free_port()}")
+    code = "import numpy as np, tutti; print(tutti.from_env(timeout=30).all_reduce(np.ones(2, np.float32)).tolist())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "[1.0, 1.0]" in out.stdout, out.stderr
+    assert (home / ".cache" / "tutti" / "secret").exists()

@@ -38,10 +38,16 @@ def compile_library(what, source, stem, cache_env, cache_name, flags, link_flags
     framework's version), cached in ``$cache_env`` or ``~/.cache/tutti/<cache_name>``."""
     text = source.read_bytes() + _GLUE_HEADER.read_bytes()
     key = hashlib.sha256(text + key_extra + "\0".join([*flags, *link_flags]).encode()).hexdigest()[:16]
-    cache = pathlib.Path(os.environ.get(cache_env) or pathlib.Path.home() / ".cache" / "tutti" / cache_name)
+    own = pathlib.Path.home() / ".cache" / "tutti"
+    cache = pathlib.Path(os.environ.get(cache_env) or own / cache_name)
     lib = cache / f"{stem}-{key}.so"
     if lib.exists():
         return lib
+    if not os.environ.get(cache_env):
+        # ~/.cache/tutti also holds the per-user job secret, which tutti refuses to read from a
+        # directory others may read: made here first, it is made private, as tutti makes it.
+        own.parent.mkdir(parents=True, exist_ok=True)
+        own.mkdir(mode=0o700, exist_ok=True)
     cache.mkdir(parents=True, exist_ok=True)
     cxx = os.environ.get("CXX", "c++")
     # Several ranks may compile at once: each into its own file, renamed into place.
