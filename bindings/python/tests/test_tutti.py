@@ -1163,7 +1163,8 @@ def test_the_glue_cache_keeps_the_secrets_directory_private(tmp_path, monkeypatc
     assert (home / ".cache" / "tutti").stat().st_mode & 0o077 == 0
     # A job on the per-user secret (no TUTTI_JOB_TOKEN, no XDG_RUNTIME_DIR) joins afterwards.
     env = {k: v for k, v in os.environ.items() if k not in ("TUTTI_JOB_TOKEN", "XDG_RUNTIME_DIR")}
-    env.update(HOME=str(home), TUTTI_RANK="0", TUTTI_WORLD_SIZE="1", TUTTI_MASTER_ADDR=f"127.0.0.1:{_free_port()}")
+    env.update(HOME=str(home), TUTTI_RANK="0", TUTTI_WORLD_SIZE="1", TUTTI_MASTER_ADDR=f"127.0.0.1:{_free_port()}",
+               PYTHONPATH=str(pathlib.Path(tutti.__file__).resolve().parents[1]))
     code = "import numpy as np, tutti; print(tutti.from_env(timeout=30).all_reduce(np.ones(2, np.float32)).tolist())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "[1.0, 1.0]" in out.stdout, out.stderr
