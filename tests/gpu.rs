@@ -1186,8 +1186,17 @@ fn perf_rows_are_correct_on_gpus() {
             Collective::AllGather,
             Collective::Reduce,
             Collective::ReduceScatter,
+            Collective::AllToAll,
+            Collective::AllToAllV,
+            Collective::Gather,
+            Collective::Scatter,
+            Collective::AllGatherV,
+            Collective::ReduceScatterV,
         ] {
             for in_place in [false, true] {
+                if in_place && !tutti::perf::has_in_place(c) {
+                    continue;
+                }
                 let opts = tutti::perf::Options {
                     collective: c,
                     ranks: n,
@@ -1829,6 +1838,214 @@ fn personalized_sweep(group: &GpuGroup, label: &str) {
     println!("{label}: all_to_all, gather and scatter correct");
 }
 
+/// The calls with a count per block on `group`: all_gather_v, reduce_scatter_v (every op, in
+/// `T`) and all_to_all_v over uneven counts, zeros among them, against the reference; a pair of
+/// all_to_all_v counts that disagree is an error naming both ranks, and the group goes on.
+fn varying_sweep<T: Element>(group: &GpuGroup, label: &str) {
+    let devs = group.devices().to_vec();
+    let p = devs.len();
+    let ptrs = |bufs: &[GpuBuffer<T>]| -> Vec<DevicePtr> {
+        bufs.iter()
+            .enumerate()
+            .map(|(device, b)| DevicePtr {
+                device,
+                ptr: b.device_ptr(),
+            })
+            .collect()
+    };
+    let up = |v: &[Vec<T>]| -> Vec<GpuBuffer<T>> {
+        v.iter()
+            .zip(&devs)
+            .map(|(x, d)| GpuBuffer::from_host(d, x).unwrap())
+            .collect()
+    };
+    let zeros = |lens: &[usize]| -> Vec<GpuBuffer<T>> {
+        devs.iter()
+            .zip(lens)
+            .map(|(d, &n)| GpuBuffer::zeros(d, n).unwrap())
+            .collect()
+    };
+    let offsets = |c: &[usize]| -> Vec<usize> {
+        std::iter::once(0)
+            .chain(c.iter().scan(0, |a, &n| {
+                *a += n;
+                Some(*a)
+            }))
+            .collect()
+    };
+    let distinct = |r: usize, i: usize| T::from_f64(((r * 37 + i) % 101) as f64);
+    for scale in [0usize, 1, 7, 20011] {
+        // Rank k's count: uneven, one rank's zero where there are several.
+        let counts: Vec<usize> = (0..p)
+            .map(|k| if p > 1 && k == 1 { 0 } else { (k + 1) * scale })
+            .collect();
+        let o = offsets(&counts);
+        let total = o[p];
+        // all_gather_v: block k of every output is rank k's input.
+        let inputs: Vec<Vec<T>> = (0..p)
+            .map(|r| (0..counts[r]).map(|i| distinct(r, i)).collect())
+            .collect();
+        let (send, recv) = (up(&inputs), zeros(&vec![total; p]));
+        group
+            .all_gather_v_raw(T::DTYPE, &counts, &ptrs(&send), &ptrs(&recv))
+            .unwrap();
+        let want: Vec<T> = inputs.concat();
+        for (k, got) in host(&recv).iter().enumerate() {
+            assert!(got == &want, "{label}: all_gather_v {counts:?}, rank {k}");
+        }
+        // reduce_scatter_v: rank k's output is block k of the reduction, for every op.
+        let nccl = group.algorithm() == GpuAlgorithm::Nccl;
+        for op in ReduceOp::ALL {
+            if op.check(T::DTYPE).is_err() || (op.is_bitwise() && nccl) {
+                continue;
+            }
+            let inputs: Vec<Vec<T>> = (0..p)
+                .map(|r| (0..total).map(|i| value::<T>(r, i, op)).collect())
+                .collect();
+            let refs: Vec<&[T]> = inputs.iter().map(|v| v.as_slice()).collect();
+            let full = reference::reduce(&refs, op);
+            let (send, recv) = (up(&inputs), zeros(&counts));
+            group
+                .reduce_scatter_v_raw(T::DTYPE, op, &counts, &ptrs(&send), &ptrs(&recv))
+                .unwrap();
+            for (k, got) in host(&recv).iter().enumerate() {
+                let what = format!("{label}: reduce_scatter_v {op} {counts:?}, rank {k}");
+                check(&what, got, &full[o[k]..o[k + 1]], op, p);
+            }
+        }
+        // all_to_all_v: rank i sends ((i + 2j) % 3) × scale elements to rank j.
+        let pair = |i: usize, j: usize| (i + 2 * j) % 3 * scale;
+        let send_counts: Vec<Vec<usize>> = (0..p)
+            .map(|i| (0..p).map(|j| pair(i, j)).collect())
+            .collect();
+        let recv_counts: Vec<Vec<usize>> = (0..p)
+            .map(|k| (0..p).map(|j| pair(j, k)).collect())
+            .collect();
+        let inputs: Vec<Vec<T>> = (0..p)
+            .map(|r| {
+                let n: usize = send_counts[r].iter().sum();
+                (0..n).map(|i| distinct(r, i)).collect()
+            })
+            .collect();
+        let recv_lens: Vec<usize> = recv_counts.iter().map(|c| c.iter().sum()).collect();
+        let (send, recv) = (up(&inputs), zeros(&recv_lens));
+        let sc: Vec<&[usize]> = send_counts.iter().map(|v| v.as_slice()).collect();
+        let rc: Vec<&[usize]> = recv_counts.iter().map(|v| v.as_slice()).collect();
+        group
+            .all_to_all_v_raw(T::DTYPE, &ptrs(&send), &sc, &ptrs(&recv), &rc)
+            .unwrap();
+        for (k, got) in host(&recv).iter().enumerate() {
+            let want: Vec<T> = (0..p)
+                .flat_map(|j| {
+                    let from = offsets(&send_counts[j]);
+                    inputs[j][from[k]..from[k + 1]].to_vec()
+                })
+                .collect();
+            assert!(
+                got == &want,
+                "{label}: all_to_all_v scale {scale}, rank {k}"
+            );
+        }
+        // A pair whose counts disagree: refused before anything moves, naming both ranks.
+        if p > 1 && scale > 0 {
+            let mut wrong = recv_counts.clone();
+            wrong[p - 1][0] += 1;
+            let lens: Vec<usize> = wrong.iter().map(|c| c.iter().sum()).collect();
+            let recv = zeros(&lens);
+            let rc: Vec<&[usize]> = wrong.iter().map(|v| v.as_slice()).collect();
+            let e = group
+                .all_to_all_v_raw(T::DTYPE, &ptrs(&send), &sc, &ptrs(&recv), &rc)
+                .unwrap_err()
+                .to_string();
+            let (a, b) = ("rank 0".to_string(), format!("rank {}", p - 1));
+            assert!(
+                e.contains(&a) && e.contains(&b) && e.contains("expects"),
+                "{label}: {e}"
+            );
+        }
+    }
+    println!(
+        "{label}: all_gather_v, reduce_scatter_v and all_to_all_v of {} correct",
+        T::DTYPE
+    );
+}
+
+#[test]
+fn calls_with_a_count_per_block_on_gpus() {
+    let Some((_gpu, gpus)) = gpus_or_skip("calls_with_a_count_per_block_on_gpus") else {
+        return;
+    };
+    if nvrtc_or_skip("calls_with_a_count_per_block_on_gpus (copies between logical GPUs)") {
+        for n in [1, 2, 3, 4] {
+            let devs = virtual_gpus(&gpus, n);
+            let algo = GpuAlgorithm::HierarchicalCopy { group_size: 2 };
+            let group = GpuGroup::new(&devs, algo, &config()).unwrap();
+            let label = format!("{n} virtual GPUs, copies");
+            varying_sweep::<f32>(&group, &label);
+            varying_sweep::<i32>(&group, &label);
+            varying_sweep::<tutti::bf16>(&group, &label);
+            varying_sweep::<u8>(&group, &label);
+        }
+    }
+    if nccl_or_skip("calls_with_a_count_per_block_on_gpus (NCCL)") {
+        let devs = whole_gpus(&gpus);
+        let group = GpuGroup::new(&devs, GpuAlgorithm::Nccl, &config()).unwrap();
+        let label = format!("{} whole GPU(s), NCCL", devs.len());
+        varying_sweep::<f32>(&group, &label);
+        varying_sweep::<i64>(&group, &label);
+        // Through a communicator of the device: the call is checked, its counts reach the
+        // engine with its buffers.
+        let comms = tutti::device_group(&["cuda:0"], &config()).unwrap();
+        let input = GpuBuffer::from_host(&devs[0], &[5i32, 6, 7]).unwrap();
+        let mut output = GpuBuffer::<i32>::zeros(&devs[0], 3).unwrap();
+        for c in [
+            Collective::AllToAllV,
+            Collective::AllGatherV,
+            Collective::ReduceScatterV,
+        ] {
+            assert!(comms[0].runs(c), "{c}");
+            // SAFETY: both addresses are live device memory of 3 i32 on the group's GPU,
+            // held until the call has returned.
+            unsafe {
+                comms[0].run_raw(&RawCall {
+                    collective: c,
+                    dtype: DType::I32,
+                    count: 3,
+                    op: ReduceOp::Sum,
+                    root: 0,
+                    input: input.device_ptr() as *const u8,
+                    output: output.device_ptr() as *mut u8,
+                    counts: &[3],
+                    recv_counts: &[3],
+                })
+            }
+            .unwrap();
+            assert_eq!(output.to_host().unwrap(), vec![5, 6, 7], "{c}");
+            output.copy_from_host(&[0, 0, 0]).unwrap();
+        }
+        // A count list that is not one count per rank is the communicator's argument error.
+        // SAFETY: as above; the call is refused before anything is read.
+        let e = unsafe {
+            comms[0].run_raw(&RawCall {
+                collective: Collective::AllGatherV,
+                dtype: DType::I32,
+                count: 3,
+                op: ReduceOp::Sum,
+                root: 0,
+                input: input.device_ptr() as *const u8,
+                output: output.device_ptr() as *mut u8,
+                counts: &[2, 1],
+                recv_counts: &[],
+            })
+        }
+        .unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("one per rank"),
+            "{e}"
+        );
+    }
+}
+
 #[test]
 fn personalized_calls_on_gpus() {
     let Some((_gpu, gpus)) = gpus_or_skip("personalized_calls_on_gpus") else {
@@ -1850,7 +2067,7 @@ fn personalized_calls_on_gpus() {
         let comms = tutti::device_group(&["cuda:0"], &config()).unwrap();
         let input = GpuBuffer::from_host(&devs[0], &[5i32, 6, 7]).unwrap();
         let output = GpuBuffer::<i32>::zeros(&devs[0], 3).unwrap();
-        assert!(comms[0].runs(Collective::AllToAll) && !comms[0].runs(Collective::AllToAllV));
+        assert!(comms[0].runs(Collective::AllToAll) && comms[0].runs(Collective::AllToAllV));
         // SAFETY: both addresses are live device memory of 3 i32 on the group's GPU, held
         // until the call has returned.
         unsafe {

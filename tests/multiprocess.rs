@@ -1354,8 +1354,8 @@ fn perf_checks_its_arguments_first() {
         (&["-r", "1"][..], "all-reduce has no root"),
         (&["--in-place", "--out-of-place"][..], "cannot be used with"),
         (
-            &["-c", "all-to-all-v", "--device", "gpu"][..],
-            "-c all-to-all-v --device gpu: not available on GPU ranks",
+            &["-c", "send-recv", "--device", "gpu"][..],
+            "-c send-recv --device gpu: not available on GPU ranks",
         ),
         (
             &["-c", "reduce-scatter-v", "--device", "xla"][..],

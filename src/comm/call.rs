@@ -336,7 +336,7 @@ impl Call {
         if engine.per_rank() {
             // Every rank runs its own part; the engine's own group meets the ranks.
             return engine
-                .run(ctx.site, &self.group_call(), &[self.buffers])
+                .run(ctx.site, &self.group_call(), &[self.published()])
                 .map_err(failed);
         }
         let pm = ctx.peer_memory("a device group")?;
@@ -347,7 +347,13 @@ impl Call {
             return pm.wait_progress(ctx.site, 0, done, "run the call on the group's devices");
         }
         let mut bufs = ctx.plan.list::<CallBuffers>();
-        bufs.extend((0..ctx.world()).map(|k| if k == 0 { self.buffers } else { pm.buffers(k) }));
+        bufs.extend((0..ctx.world()).map(|k| {
+            if k == 0 {
+                self.published()
+            } else {
+                pm.buffers(k)
+            }
+        }));
         engine
             .run(ctx.site, &self.group_call(), &bufs)
             .map_err(failed)?;
@@ -357,6 +363,16 @@ impl Call {
 }
 
 impl Call {
+    /// This rank's buffers as it publishes them for the call: with its block offsets, which a
+    /// group engine reads (rank 0 runs the call for every rank).
+    fn published(&self) -> CallBuffers {
+        CallBuffers {
+            offsets: self.offsets.as_ptr(),
+            offsets_len: self.offsets.len(),
+            ..self.buffers
+        }
+    }
+
     fn group_call(&self) -> GroupCall {
         GroupCall {
             collective: self.collective,
@@ -404,7 +420,7 @@ impl Runnable for Call {
             rejected: self.check.clone().err(),
         };
         let buffers = if self.check.is_ok() {
-            self.buffers
+            self.published()
         } else {
             CallBuffers::NONE
         };
@@ -646,6 +662,8 @@ impl Communicator {
             output_len: output.len(),
             after: 0,
             end: 0,
+            offsets: std::ptr::null(),
+            offsets_len: 0,
         };
         Call {
             collective: Collective::AllReduce,
@@ -679,6 +697,8 @@ impl Communicator {
             output_len: buf.len(),
             after: 0,
             end: 0,
+            offsets: std::ptr::null(),
+            offsets_len: 0,
         };
         Call {
             collective: Collective::Broadcast,
@@ -732,6 +752,8 @@ impl Communicator {
             output_len: output.len(),
             after: 0,
             end: 0,
+            offsets: std::ptr::null(),
+            offsets_len: 0,
         };
         Call {
             collective: Collective::AllGather,
@@ -781,6 +803,8 @@ impl Communicator {
             output_len: output.len(),
             after: 0,
             end: 0,
+            offsets: std::ptr::null(),
+            offsets_len: 0,
         };
         Call {
             collective: Collective::ReduceScatter,
@@ -855,6 +879,8 @@ impl Communicator {
             output_len: out_len,
             after: 0,
             end: 0,
+            offsets: std::ptr::null(),
+            offsets_len: 0,
         };
         Call {
             collective: Collective::Reduce,
@@ -1074,6 +1100,8 @@ impl Communicator {
                 output_len: output.len(),
                 after: 0,
                 end: 0,
+                offsets: std::ptr::null(),
+                offsets_len: 0,
             },
             rank: self.rank(),
             algorithm: self.algorithm,

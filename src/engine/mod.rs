@@ -25,8 +25,9 @@ use crate::error::{Collective, Result, Site};
 use crate::transport::CallBuffers;
 
 /// The collectives a CUDA group runs (feature `cuda`): every device library's, and the
-/// personalized ones of equal blocks (NCCL's grouped sends and receives; copies between logical
-/// GPUs). Here, not in `cuda`, so that a build without CUDA says the same (`tutti perf`).
+/// personalized ones and those with a count per block (NCCL's grouped sends and receives;
+/// copies between logical GPUs). Here, not in `cuda`, so that a build without CUDA says the
+/// same (`tutti perf`).
 pub(crate) fn cuda_runs(c: Collective) -> bool {
     matches!(
         c,
@@ -39,14 +40,24 @@ pub(crate) fn cuda_runs(c: Collective) -> bool {
             | Collective::AllToAll
             | Collective::Gather
             | Collective::Scatter
+            | Collective::AllToAllV
+            | Collective::AllGatherV
+            | Collective::ReduceScatterV
     )
 }
 
 /// What [`cuda_runs`] takes, as an error message lists it.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) const CUDA_RUNS: &str =
-    "all_reduce, broadcast, all_gather, reduce, reduce_scatter, all_to_all, gather, scatter \
-     and barrier";
+    "all_reduce, broadcast, all_gather, reduce, reduce_scatter, all_to_all, all_to_all_v, \
+     gather, scatter, all_gather_v, reduce_scatter_v and barrier";
+
+/// What a CUDA rank of a job of one rank per process runs: [`CUDA_RUNS`] but all_to_all_v.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) const CUDA_RUNS_PER_RANK: &str =
+    "all_reduce, broadcast, all_gather, reduce, reduce_scatter, all_to_all, gather, scatter, \
+     all_gather_v, reduce_scatter_v and barrier (all_to_all_v runs on a group of one \
+     process's GPUs, or on host buffers)";
 
 /// A checked call, as a group engine sees it. Counts as in [`crate::RawCall`].
 #[derive(Copy, Clone, Debug)]

@@ -12,10 +12,12 @@
 //! copy would.
 
 use super::{
-    device_measures, fresh, measure, sizes, wrong_elements, Bench, Options, Row, RowOf, Shape,
+    device_measures, fresh, measure, offsets, sizes, wrong_elements, Bench, Options, Row, RowOf,
+    Shape,
 };
 use crate::device::DeviceKind;
 use crate::dtype::Element;
+use crate::engine::cuda::Blocks;
 use crate::error::{Collective, Error, Result};
 use crate::gpu::{replica_devices, GpuAlgorithm, GpuBuffer, GpuGroup};
 
@@ -32,7 +34,7 @@ pub fn run(
             "perf measures data collectives; barrier moves no bytes",
         ));
     }
-    // Before any device is touched: the `-v` forms are not there on GPU ranks.
+    // Before any device is touched: what GPU ranks do not run.
     device_measures(DeviceKind::Gpu, opts.collective)?;
     if opts.ranks == 0 {
         return Err(Error::config("perf needs at least one GPU (-n)"));
@@ -72,6 +74,8 @@ struct GpuBench<'a, T: Element> {
     recv: Vec<u64>,
     /// Elements per rank, as `GpuGroup::execute` counts them.
     n: usize,
+    /// The blocks of the `-v` forms.
+    blocks: Option<Blocks>,
     /// The row's count (see [`wrong_elements`]).
     count: usize,
 }
@@ -120,6 +124,24 @@ impl<'a, T: Element> GpuBench<'a, T> {
             | Collective::Scatter => shape.count / p,
             _ => shape.count,
         };
+        // The `-v` forms' counts as the group takes them: all-to-all-v's rows are what each
+        // rank sends (device k receives column k).
+        let blocks = match c {
+            Collective::AllGatherV | Collective::ReduceScatterV => {
+                let o = offsets(&shape.counts[0]);
+                Some(Blocks {
+                    send: vec![o.clone(); p],
+                    recv: vec![o; p],
+                })
+            }
+            Collective::AllToAllV => Some(Blocks {
+                send: shape.counts.iter().map(|row| offsets(row)).collect(),
+                recv: (0..p)
+                    .map(|k| offsets(&shape.counts.iter().map(|row| row[k]).collect::<Vec<_>>()))
+                    .collect(),
+            }),
+            _ => None,
+        };
         GpuBench {
             group,
             opts,
@@ -128,6 +150,7 @@ impl<'a, T: Element> GpuBench<'a, T> {
             send,
             recv,
             n,
+            blocks,
             count: shape.count,
         }
     }
@@ -155,6 +178,7 @@ impl<T: Element> Bench for GpuBench<'_, T> {
             o.op,
             o.root,
             self.n,
+            self.blocks.as_ref(),
             send,
             recv,
             &[],

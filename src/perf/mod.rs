@@ -205,16 +205,16 @@ pub fn splits(c: Collective) -> bool {
     )
 }
 
-/// An error unless perf measures `c` on `device`: GPUs and XLA devices measure the collectives
-/// their harnesses call (all-reduce, broadcast, all-gather, reduce-scatter, and on GPUs
-/// reduce); all-to-all(-v), gather, scatter and the `-v` forms run on CPU ranks only.
+/// An error unless perf measures `c` on `device`: GPUs measure every collective their group
+/// runs; XLA devices all-reduce, broadcast, all-gather and reduce-scatter (the personalized
+/// calls and the `-v` forms run on CPU ranks there).
 pub fn device_measures(device: DeviceKind, c: Collective) -> Result<()> {
     let (ok, list, what) = match device {
         DeviceKind::Cpu => return Ok(()),
         DeviceKind::Gpu => (
             crate::engine::cuda_runs(c),
-            "all-reduce, broadcast, all-gather, reduce, reduce-scatter, all-to-all, gather and \
-             scatter",
+            "all-reduce, broadcast, all-gather, reduce, reduce-scatter, all-to-all, \
+             all-to-all-v, gather, scatter, all-gather-v and reduce-scatter-v",
             "GPU ranks",
         ),
         DeviceKind::Xla => (

@@ -65,6 +65,12 @@ pub struct CallBuffers {
     /// With `after`: the event the call's device work records once queued, which the
     /// caller's stream then waits for. 0: none.
     pub end: u64,
+    /// The call's block offsets (elements) where it has a count per block: P + 1 of them
+    /// (all_gather_v, reduce_scatter_v), or all_to_all_v's send list then receive list. Null
+    /// (and 0) for the other collectives. A group engine reads every rank's.
+    pub offsets: *const usize,
+    /// How many `offsets` there are.
+    pub offsets_len: usize,
 }
 
 // SAFETY: the pointers are only dereferenced by peers while the owning rank is inside the call
@@ -81,7 +87,24 @@ impl CallBuffers {
         output_len: 0,
         after: 0,
         end: 0,
+        offsets: std::ptr::null(),
+        offsets_len: 0,
     };
+
+    /// The call's block offsets (see [`CallBuffers::offsets`]).
+    ///
+    /// # Safety
+    ///
+    /// The rank that published them is still inside the call (its offsets live in it).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) unsafe fn offsets<'a>(&self) -> &'a [usize] {
+        if self.offsets.is_null() || self.offsets_len == 0 {
+            &[]
+        } else {
+            // SAFETY: as the caller promises.
+            unsafe { std::slice::from_raw_parts(self.offsets, self.offsets_len) }
+        }
+    }
 }
 
 /// A whole collective as a carrier's own implementation takes it ([`Transport::native`]):

@@ -417,6 +417,8 @@ impl Buffers {
                     output_len: r.output.1,
                     after: 0,
                     end: 0,
+                    offsets: std::ptr::null(),
+                    offsets_len: 0,
                 }
             };
         }

@@ -394,7 +394,21 @@ pub(crate) enum Call {
     Scatter {
         root: usize,
     },
+    /// Each rank's send buffer into its block of every rank's receive buffer (the blocks'
+    /// offsets: `enqueue`'s), as grouped sends and receives.
+    AllGatherV,
+    /// Block k of every rank's send buffer reduced into rank k's receive buffer: one reduce
+    /// per block, rooted at its rank.
+    ReduceScatterV {
+        op: ReduceOp,
+    },
+    /// Block j of each rank's send buffer to rank j, blocks of their own lengths.
+    AllToAllV,
 }
+
+/// The block offsets of a call with a count per block: each local device's into its send
+/// buffer, and into its receive buffer (see [`Comms::enqueue`]).
+pub(crate) type BlockLists<'a> = (&'a [Vec<usize>], &'a [Vec<usize>]);
 
 /// The NCCL communicators of this process's devices in one group.
 pub(crate) struct Comms {
@@ -541,13 +555,17 @@ impl Comms {
 
     /// Queue one collective over every local device, on each device's stream (see
     /// [`Comms::wait`]). `sends[i]`, `recvs[i]` are device `i`'s addresses; `count` is NCCL's
-    /// count (per rank for all-gather's input and reduce-scatter's output).
+    /// count (per rank for all-gather's input and reduce-scatter's output). The calls with a
+    /// count per block take `blocks`: device i's P + 1 offsets (elements) into its send buffer
+    /// and into its receive buffer, checked to agree between ranks; NCCL moves a block of
+    /// zero elements on neither side.
     #[allow(clippy::too_many_arguments)]
     pub fn enqueue(
         &self,
         call: &Call,
         dtype: DType,
         count: usize,
+        blocks: Option<BlockLists<'_>>,
         sends: &[u64],
         recvs: &[u64],
         devices: &[&DeviceInner],
@@ -566,12 +584,38 @@ impl Comms {
         // The op's code, before anything is queued: NCCL has no bitwise ops (the group refuses
         // them before a call reaches here; this keeps a stray one an error, never a bad code).
         let op = match *call {
-            Call::AllReduce { op } | Call::Reduce { op, .. } | Call::ReduceScatter { op } => op,
+            Call::AllReduce { op }
+            | Call::Reduce { op, .. }
+            | Call::ReduceScatter { op }
+            | Call::ReduceScatterV { op } => op,
             Call::Broadcast { .. }
             | Call::AllGather
             | Call::AllToAll
             | Call::Gather { .. }
-            | Call::Scatter { .. } => ReduceOp::Sum,
+            | Call::Scatter { .. }
+            | Call::AllGatherV
+            | Call::AllToAllV => ReduceOp::Sum,
+        };
+        let v = matches!(
+            call,
+            Call::AllGatherV | Call::ReduceScatterV { .. } | Call::AllToAllV
+        );
+        let (send_blocks, recv_blocks) = match blocks {
+            Some((s, r)) if s.len() == devices.len() && r.len() == devices.len() => (s, r),
+            _ if !v => (&[][..], &[][..]),
+            _ => {
+                return Err(Error::System {
+                    what: what.into(),
+                    message: "a call with a count per block came without a block list per \
+                              device"
+                        .into(),
+                })
+            }
+        };
+        let es = dtype.size();
+        // Block `k` of the offsets `o` over the buffer at `base`: its address and elements.
+        let block_of = |base: u64, o: &[usize], k: usize| {
+            ((base + (o[k] * es) as u64) as *mut c_void, o[k + 1] - o[k])
         };
         // A block of `count` elements, and the address of block `k` of a buffer.
         let block = count * dtype.size();
@@ -650,6 +694,64 @@ impl Comms {
                         }
                         if fine(r) {
                             r = (api.recv)(recv, count, dt, root as c_int, c, s);
+                        }
+                        r
+                    }
+                    // The blocks' lengths agree between ranks (checked), so a block of zero
+                    // elements is skipped on both sides.
+                    Call::AllGatherV => {
+                        let (so, ro) = (&send_blocks[i], &recv_blocks[i]);
+                        let mine = so[self.ranks[i] + 1] - so[self.ranks[i]];
+                        let mut r = NCCL_SUCCESS;
+                        for peer in 0..peers {
+                            if mine > 0 {
+                                r = (api.send)(send, mine, dt, peer, c, s);
+                            }
+                            let (at, n) = block_of(recvs[i], ro, peer as usize);
+                            if fine(r) && n > 0 {
+                                r = (api.recv)(at, n, dt, peer, c, s);
+                            }
+                            if !fine(r) {
+                                break;
+                            }
+                        }
+                        r
+                    }
+                    Call::ReduceScatterV { .. } => {
+                        let so = &send_blocks[i];
+                        let mut r = NCCL_SUCCESS;
+                        for root in 0..peers {
+                            let (from, n) = block_of(sends[i], so, root as usize);
+                            if n == 0 {
+                                continue;
+                            }
+                            let to = if self.ranks[i] == root as usize {
+                                recv
+                            } else {
+                                std::ptr::null_mut()
+                            };
+                            r = (api.reduce)(from, to, n, dt, red_op, root, c, s);
+                            if !fine(r) {
+                                break;
+                            }
+                        }
+                        r
+                    }
+                    Call::AllToAllV => {
+                        let (so, ro) = (&send_blocks[i], &recv_blocks[i]);
+                        let mut r = NCCL_SUCCESS;
+                        for peer in 0..peers {
+                            let (from, n) = block_of(sends[i], so, peer as usize);
+                            if n > 0 {
+                                r = (api.send)(from, n, dt, peer, c, s);
+                            }
+                            let (to, m) = block_of(recvs[i], ro, peer as usize);
+                            if fine(r) && m > 0 {
+                                r = (api.recv)(to, m, dt, peer, c, s);
+                            }
+                            if !fine(r) {
+                                break;
+                            }
                         }
                         r
                     }

@@ -182,6 +182,36 @@ impl fmt::Debug for GpuGroup {
     }
 }
 
+/// The blocks of a call with a count per block, for each of this process's devices: P + 1
+/// offsets (elements, P the world's ranks) into its input (`send`) and into its output
+/// (`recv`). all_gather_v and reduce_scatter_v give the call's one list in both (rank r's block
+/// is r of both); all_to_all_v each device's own (block j: what goes to, or comes from, rank j).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Blocks {
+    pub(crate) send: Vec<Vec<usize>>,
+    pub(crate) recv: Vec<Vec<usize>>,
+}
+
+impl Blocks {
+    /// The one list of offsets `o` of an all_gather_v or reduce_scatter_v on `n` devices.
+    fn shared(o: Vec<usize>, n: usize) -> Blocks {
+        Blocks {
+            send: vec![o.clone(); n],
+            recv: vec![o; n],
+        }
+    }
+
+    /// Elements of block `k` of the offsets `o`.
+    fn len(o: &[usize], k: usize) -> usize {
+        o[k + 1] - o[k]
+    }
+}
+
+/// The counts of a list of offsets.
+fn counts_of(o: &[usize]) -> Vec<usize> {
+    o.windows(2).map(|w| w[1] - w[0]).collect()
+}
+
 /// A scratch allocation on one device, grown on demand, for sources it cannot read directly.
 struct Scratch {
     ptr: u64,
@@ -640,6 +670,7 @@ impl GpuGroup {
             op,
             0,
             count,
+            None,
             &ptrs,
             &ptrs,
             &[],
@@ -660,7 +691,18 @@ impl GpuGroup {
         let count = self.same_len(c, &s, "send buffer")?;
         self.expect_len(c, &r, count, "receive buffer")?;
         self.no_partial_overlap(c, &s, &r, T::DTYPE.size())?;
-        self.execute(c, T::DTYPE, op, 0, count, &ptrs(&s), &ptrs(&r), &[], &[])
+        self.execute(
+            c,
+            T::DTYPE,
+            op,
+            0,
+            count,
+            None,
+            &ptrs(&s),
+            &ptrs(&r),
+            &[],
+            &[],
+        )
     }
 
     /// In place: every buffer becomes rank `root`'s.
@@ -673,7 +715,18 @@ impl GpuGroup {
         let regions = self.regions(c, bufs.iter().map(|b| b.region()))?;
         let count = self.same_len(c, &regions, "buffer")?;
         let p = ptrs(&regions);
-        self.execute(c, T::DTYPE, ReduceOp::Sum, root, count, &p, &p, &[], &[])
+        self.execute(
+            c,
+            T::DTYPE,
+            ReduceOp::Sum,
+            root,
+            count,
+            None,
+            &p,
+            &p,
+            &[],
+            &[],
+        )
     }
 
     /// `recv[i]` = every rank's `send`, in rank order (`recv` holds world × `send`).
@@ -702,6 +755,7 @@ impl GpuGroup {
             ReduceOp::Sum,
             0,
             count,
+            None,
             &ptrs(&s),
             &ptrs(&r),
             &[],
@@ -769,7 +823,7 @@ impl GpuGroup {
             }
             _ => {}
         }
-        self.execute(c, T::DTYPE, op, root, count, &ptrs(&s), &r, &[], &[])
+        self.execute(c, T::DTYPE, op, root, count, None, &ptrs(&s), &r, &[], &[])
     }
 
     /// `recv[i]` = slice `rank` of the element-wise `op` over every rank's `send` (`send`
@@ -793,7 +847,18 @@ impl GpuGroup {
                 ));
             }
         }
-        self.execute(c, T::DTYPE, op, 0, count, &ptrs(&s), &ptrs(&r), &[], &[])
+        self.execute(
+            c,
+            T::DTYPE,
+            op,
+            0,
+            count,
+            None,
+            &ptrs(&s),
+            &ptrs(&r),
+            &[],
+            &[],
+        )
     }
 
     /// Any collective over device addresses, for carriers such as the C ABI. `send[i]` and
@@ -859,88 +924,22 @@ impl GpuGroup {
             Collective::AllToAll => (whole, whole),
             _ => (count, count),
         };
-        let check = |what: &str,
-                     ptrs: &[DevicePtr],
-                     len: usize,
-                     optional: bool|
-         -> Result<Vec<u64>> {
-            if ptrs.len() != self.devices.len() {
-                return Err(self.invalid(
-                    c,
-                    format!(
-                        "{} {what} addresses for {} devices",
-                        ptrs.len(),
-                        self.devices.len()
-                    ),
-                ));
-            }
-            let mut out = Vec::with_capacity(ptrs.len());
-            for (i, p) in ptrs.iter().enumerate() {
-                if p.device != i {
-                    return Err(self.invalid(c, format!("{what} address {i} is tagged with device {} (addresses go in device order)", p.device)));
-                }
-                if p.ptr == 0 && (optional || len == 0) {
-                    out.push(0);
-                    continue;
-                }
-                if p.ptr % es as u64 != 0 {
-                    return Err(self.invalid(
-                        c,
-                        format!(
-                            "{what} address {:#x} on device {i} is not aligned to {es} bytes",
-                            p.ptr
-                        ),
-                    ));
-                }
-                let d = &self.devices[i];
-                let not_device = |e: Error| {
-                    self.invalid(
-                        c,
-                        format!(
-                            "{what} address {:#x} on device {i} is not device memory: {e}",
-                            p.ptr
-                        ),
-                    )
-                };
-                let ordinal = driver::pointer_ordinal(&d.inner.ctx, p.ptr).map_err(&not_device)?;
-                if ordinal != d.physical() {
-                    return Err(self.invalid(
-                        c,
-                        format!(
-                            "{what} address {:#x} is memory of GPU {ordinal}, but device {i} is {}",
-                            p.ptr,
-                            d.describe()
-                        ),
-                    ));
-                }
-                let (base, size) =
-                    driver::address_range(&d.inner.ctx, p.ptr).map_err(&not_device)?;
-                let end = p.ptr.checked_add((len * es) as u64);
-                if end.is_none_or(|end| end > base + size as u64) {
-                    return Err(self.invalid(c, format!(
-                        "{what} address {:#x} on device {i}: {} bytes do not fit in its allocation ({} bytes from {:#x})",
-                        p.ptr,
-                        len * es,
-                        size,
-                        base
-                    )));
-                }
-                out.push(p.ptr);
-            }
-            Ok(out)
-        };
         // Off the root a broadcast and a scatter send nothing, a reduce and a gather receive
         // nothing: those addresses may be null.
-        let s = check(
+        let s = self.addresses(
+            c,
+            es,
             "send",
             send,
-            send_len,
+            |_| send_len,
             matches!(c, Collective::Broadcast | Collective::Scatter),
         )?;
-        let r = check(
+        let r = self.addresses(
+            c,
+            es,
             "receive",
             recv,
-            recv_len,
+            |_| recv_len,
             matches!(c, Collective::Reduce | Collective::Gather),
         )?;
         if let Some(i) = root.checked_sub(self.first_rank) {
@@ -961,10 +960,301 @@ impl GpuGroup {
                 ));
             }
         }
-        self.execute(c, dtype, op, root, count, &s, &r, after, ends)
+        self.execute(c, dtype, op, root, count, None, &s, &r, after, ends)
+    }
+
+    /// all_gather_v over the group: device i's `send` holds `counts[r]` elements, r its rank;
+    /// every `recv` holds the sum of the counts, rank j's block at `counts[0] + … +
+    /// counts[j-1]`. Addresses as for [`GpuGroup::collective_raw`]; `send` and `recv` are
+    /// disjoint.
+    pub fn all_gather_v_raw(
+        &self,
+        dtype: DType,
+        counts: &[usize],
+        send: &[DevicePtr],
+        recv: &[DevicePtr],
+    ) -> Result<()> {
+        let c = Collective::AllGatherV;
+        let o = self.offsets_of(c, dtype, "counts", counts)?;
+        let blocks = Blocks::shared(o, self.devices.len());
+        self.collective_v_after(c, dtype, ReduceOp::Sum, &blocks, send, recv, &[], &[])
+    }
+
+    /// reduce_scatter_v over the group: every `send` holds the sum of the counts; device i's
+    /// `recv` (`counts[r]` elements, r its rank) ends with block r of their reduction by `op`.
+    pub fn reduce_scatter_v_raw(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        counts: &[usize],
+        send: &[DevicePtr],
+        recv: &[DevicePtr],
+    ) -> Result<()> {
+        let c = Collective::ReduceScatterV;
+        let o = self.offsets_of(c, dtype, "counts", counts)?;
+        let blocks = Blocks::shared(o, self.devices.len());
+        self.collective_v_after(c, dtype, op, &blocks, send, recv, &[], &[])
+    }
+
+    /// all_to_all_v over the group: device i (rank i) sends `send_counts[i][j]` elements of
+    /// its `send` (blocks in rank order) to rank j, which receives them as its
+    /// `recv_counts[j][i]`; each pair's counts must agree. A group whose ranks span
+    /// processes refuses it (the other processes' counts are not at hand to check).
+    pub fn all_to_all_v_raw(
+        &self,
+        dtype: DType,
+        send: &[DevicePtr],
+        send_counts: &[&[usize]],
+        recv: &[DevicePtr],
+        recv_counts: &[&[usize]],
+    ) -> Result<()> {
+        let c = Collective::AllToAllV;
+        let lists = |name: &str, v: &[&[usize]]| -> Result<Vec<Vec<usize>>> {
+            if v.len() != self.devices.len() {
+                return Err(self.invalid(
+                    c,
+                    format!(
+                        "{} lists of {name} for a group of {} devices in this process",
+                        v.len(),
+                        self.devices.len()
+                    ),
+                ));
+            }
+            v.iter()
+                .enumerate()
+                .map(|(i, l)| self.offsets_of(c, dtype, &format!("{name}[{i}]"), l))
+                .collect()
+        };
+        let blocks = Blocks {
+            send: lists("send_counts", send_counts)?,
+            recv: lists("recv_counts", recv_counts)?,
+        };
+        self.collective_v_after(c, dtype, ReduceOp::Sum, &blocks, send, recv, &[], &[])
+    }
+
+    /// P + 1 offsets (elements) from a count per rank of the group's world.
+    fn offsets_of(
+        &self,
+        c: Collective,
+        dtype: DType,
+        name: &str,
+        counts: &[usize],
+    ) -> Result<Vec<usize>> {
+        if counts.len() != self.world {
+            return Err(self.invalid(
+                c,
+                format!(
+                    "{name} has {} entries for a world of {} ranks; it needs one per rank",
+                    counts.len(),
+                    self.world
+                ),
+            ));
+        }
+        let mut o = Vec::with_capacity(counts.len() + 1);
+        o.push(0usize);
+        let mut at = 0usize;
+        for (k, &n) in counts.iter().enumerate() {
+            at = at
+                .checked_add(n)
+                .filter(|a| a.checked_mul(dtype.size()).is_some_and(|b| b <= isize::MAX as usize))
+                .ok_or_else(|| {
+                    self.invalid(
+                        c,
+                        format!("{name} up to rank {k} sum to more {dtype} elements than a buffer can hold"),
+                    )
+                })?;
+            o.push(at);
+        }
+        Ok(o)
+    }
+
+    /// A call with a count per block ([`Blocks`]: the communicator's offsets, or the raw
+    /// forms' counts), device i's work ordered as in [`GpuGroup::execute`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn collective_v_after(
+        &self,
+        c: Collective,
+        dtype: DType,
+        op: ReduceOp,
+        blocks: &Blocks,
+        send: &[DevicePtr],
+        recv: &[DevicePtr],
+        after: &[u64],
+        ends: &[u64],
+    ) -> Result<()> {
+        let (n, p) = (self.devices.len(), self.world);
+        if !matches!(
+            c,
+            Collective::AllGatherV | Collective::ReduceScatterV | Collective::AllToAllV
+        ) {
+            return Err(self.invalid(c, format!("{c} has no count per block")));
+        }
+        if blocks.send.len() != n || blocks.recv.len() != n {
+            return Err(self.invalid(
+                c,
+                format!(
+                    "{} send and {} receive block lists for a group of {n} devices",
+                    blocks.send.len(),
+                    blocks.recv.len()
+                ),
+            ));
+        }
+        let rank = |i: usize| self.first_rank + i;
+        for (i, o) in blocks.send.iter().chain(&blocks.recv).enumerate() {
+            if o.len() != p + 1 || o[0] != 0 || o.windows(2).any(|w| w[0] > w[1]) {
+                return Err(self.invalid(
+                    c,
+                    format!(
+                        "block list {i} is not {} increasing offsets from 0: {o:?}",
+                        p + 1
+                    ),
+                ));
+            }
+        }
+        let len = Blocks::len;
+        if c == Collective::AllToAllV {
+            if n != p {
+                return Err(Error::Unavailable {
+                    what: format!("{c} on a GPU group spanning processes"),
+                    why: "each pair's counts are checked before anything moves, and the other                           processes' counts are not at hand here; run all_to_all_v on host                           buffers, or on a group of this process's GPUs"
+                        .into(),
+                });
+            }
+            for (i, j) in (0..n).flat_map(|i| (0..n).map(move |j| (i, j))) {
+                let (sent, expected) = (len(&blocks.send[i], j), len(&blocks.recv[j], i));
+                if sent != expected {
+                    return Err(self.invalid(
+                        c,
+                        format!(
+                            "rank {} sends {sent} elements to rank {}, which expects {expected}                              from it (send_counts[{j}] of rank {} against recv_counts[{i}] of                              rank {})",
+                            rank(i),
+                            rank(j),
+                            rank(i),
+                            rank(j)
+                        ),
+                    ));
+                }
+            }
+        } else if let Some(i) = (1..n).find(|&i| blocks.send[i] != blocks.send[0]) {
+            return Err(self.invalid(
+                c,
+                format!(
+                    "rank {} has counts {:?} but rank {} has {:?}; every rank gives the same",
+                    rank(i),
+                    counts_of(&blocks.send[i]),
+                    rank(0),
+                    counts_of(&blocks.send[0])
+                ),
+            ));
+        }
+        let total = |o: &[usize]| o[p];
+        let (send_len, recv_len): (Vec<usize>, Vec<usize>) = (0..n)
+            .map(|i| match c {
+                Collective::AllGatherV => (len(&blocks.send[i], rank(i)), total(&blocks.recv[i])),
+                Collective::ReduceScatterV => {
+                    (total(&blocks.send[i]), len(&blocks.recv[i], rank(i)))
+                }
+                _ => (total(&blocks.send[i]), total(&blocks.recv[i])),
+            })
+            .unzip();
+        let es = dtype.size();
+        let s = self.addresses(c, es, "send", send, |i| send_len[i], false)?;
+        let r = self.addresses(c, es, "receive", recv, |i| recv_len[i], false)?;
+        for i in 0..n {
+            let (a0, a1) = (s[i], s[i] + (send_len[i] * es) as u64);
+            let (b0, b1) = (r[i], r[i] + (recv_len[i] * es) as u64);
+            if a0 < a1 && b0 < b1 && a0 < b1 && b0 < a1 {
+                return Err(self.invalid(
+                    c,
+                    format!(
+                        "device {i}: the send and receive buffers overlap; {c} has no in-place \
+                         form"
+                    ),
+                ));
+            }
+        }
+        self.execute(c, dtype, op, 0, 0, Some(blocks), &s, &r, after, ends)
     }
 
     // ----- argument checks -----
+
+    /// The addresses of `ptrs` (one per device, in device order, `len(i)` elements of `es`
+    /// bytes on device i), each checked to lie in its device's memory; 0 where the buffer is
+    /// empty or (`optional`) not given.
+    fn addresses(
+        &self,
+        c: Collective,
+        es: usize,
+        what: &str,
+        ptrs: &[DevicePtr],
+        len: impl Fn(usize) -> usize,
+        optional: bool,
+    ) -> Result<Vec<u64>> {
+        if ptrs.len() != self.devices.len() {
+            return Err(self.invalid(
+                c,
+                format!(
+                    "{} {what} addresses for {} devices",
+                    ptrs.len(),
+                    self.devices.len()
+                ),
+            ));
+        }
+        let mut out = Vec::with_capacity(ptrs.len());
+        for (i, p) in ptrs.iter().enumerate() {
+            let len = len(i);
+            if p.device != i {
+                return Err(self.invalid(c, format!("{what} address {i} is tagged with device {} (addresses go in device order)", p.device)));
+            }
+            if p.ptr == 0 && (optional || len == 0) {
+                out.push(0);
+                continue;
+            }
+            if p.ptr % es as u64 != 0 {
+                return Err(self.invalid(
+                    c,
+                    format!(
+                        "{what} address {:#x} on device {i} is not aligned to {es} bytes",
+                        p.ptr
+                    ),
+                ));
+            }
+            let d = &self.devices[i];
+            let not_device = |e: Error| {
+                self.invalid(
+                    c,
+                    format!(
+                        "{what} address {:#x} on device {i} is not device memory: {e}",
+                        p.ptr
+                    ),
+                )
+            };
+            let ordinal = driver::pointer_ordinal(&d.inner.ctx, p.ptr).map_err(&not_device)?;
+            if ordinal != d.physical() {
+                return Err(self.invalid(
+                    c,
+                    format!(
+                        "{what} address {:#x} is memory of GPU {ordinal}, but device {i} is {}",
+                        p.ptr,
+                        d.describe()
+                    ),
+                ));
+            }
+            let (base, size) = driver::address_range(&d.inner.ctx, p.ptr).map_err(&not_device)?;
+            let end = p.ptr.checked_add((len * es) as u64);
+            if end.is_none_or(|end| end > base + size as u64) {
+                return Err(self.invalid(c, format!(
+                    "{what} address {:#x} on device {i}: {} bytes do not fit in its allocation ({} bytes from {:#x})",
+                    p.ptr,
+                    len * es,
+                    size,
+                    base
+                )));
+            }
+            out.push(p.ptr);
+        }
+        Ok(out)
+    }
 
     /// Why this group cannot run the reduce op `op`, if it cannot: NCCL has no bitwise ops
     /// (`ncclRedOp_t` is sum, prod, min, max, avg), and a group on NCCL has no other path.
@@ -1074,6 +1364,7 @@ impl GpuGroup {
         op: ReduceOp,
         root: usize,
         count: usize,
+        blocks: Option<&Blocks>,
         send: &[u64],
         recv: &[u64],
         after: &[u64],
@@ -1106,7 +1397,10 @@ impl GpuGroup {
         }
         if matches!(
             c,
-            Collective::AllReduce | Collective::Reduce | Collective::ReduceScatter
+            Collective::AllReduce
+                | Collective::Reduce
+                | Collective::ReduceScatter
+                | Collective::ReduceScatterV
         ) {
             op.check(dtype).map_err(|m| self.invalid(c, m))?;
             if let Some(why) = self.op_unavailable(op) {
@@ -1131,8 +1425,11 @@ impl GpuGroup {
         }
         let deadline = Instant::now() + self.timeout;
         let queued = match &self.nccl {
-            Some(comms) => self.queue_nccl(comms, site, dtype, op, root, count, send, recv),
-            None => self.queue_copies(site, dtype, op, count, root, send, recv),
+            Some(comms) => self.queue_nccl(comms, site, dtype, op, root, count, blocks, send, recv),
+            None => match blocks {
+                Some(b) => self.queue_copies_v(site, dtype, op, b, send, recv),
+                None => self.queue_copies(site, dtype, op, count, root, send, recv),
+            },
         };
         let streamed = ends.len() == self.devices.len() && ends.iter().all(|&e| e != 0);
         let r = match (&self.nccl, queued) {
@@ -1207,6 +1504,7 @@ impl GpuGroup {
         op: ReduceOp,
         root: usize,
         count: usize,
+        blocks: Option<&Blocks>,
         send: &[u64],
         recv: &[u64],
     ) -> Result<()> {
@@ -1219,13 +1517,16 @@ impl GpuGroup {
             Collective::AllToAll => Call::AllToAll,
             Collective::Gather => Call::Gather { root },
             Collective::Scatter => Call::Scatter { root },
+            Collective::AllGatherV => Call::AllGatherV,
+            Collective::ReduceScatterV => Call::ReduceScatterV { op },
+            Collective::AllToAllV => Call::AllToAllV,
             Collective::Barrier => {
                 return Err(self.invalid(site.collective, "a GPU group has no barrier".into()))
             }
             // The communicator refuses these before the ranks meet (`GroupEngine::runs`).
             c => return Err(not_run(c)),
         };
-        if count == 0 {
+        if count == 0 && blocks.is_none() {
             return Ok(());
         }
         // NCCL's broadcast reads `send` on the root only; elsewhere pass the receive buffer.
@@ -1242,6 +1543,7 @@ impl GpuGroup {
             &call,
             dtype,
             count,
+            blocks.map(|b| (&b.send[..], &b.recv[..])),
             &send,
             recv,
             &inner,
@@ -1525,6 +1827,69 @@ impl GpuGroup {
                 Collective::Barrier => Ok(()),
                 c => Err(not_run(c)),
             }
+        }
+    }
+
+    /// The calls with a count per block ([`Blocks`]) as copies and reductions, each on its
+    /// destination's stream. A group of copies is one process's: local index is rank.
+    fn queue_copies_v(
+        &self,
+        site: Site,
+        dtype: DType,
+        op: ReduceOp,
+        b: &Blocks,
+        send: &[u64],
+        recv: &[u64],
+    ) -> Result<()> {
+        let p = self.devices.len();
+        let es = dtype.size();
+        let at = |base: u64, o: &[usize], k: usize| base + (o[k] * es) as u64;
+        let len = Blocks::len;
+        match site.collective {
+            // Rank j's input into block j of every output.
+            Collective::AllGatherV => {
+                for (k, &r) in recv.iter().enumerate() {
+                    for (j, &s) in send.iter().enumerate() {
+                        let n = len(&b.send[j], j);
+                        if n > 0 {
+                            self.copy(k, at(r, &b.recv[k], j), j, s, n * es, false)?;
+                        }
+                    }
+                }
+                Ok(())
+            }
+            // Block k of every input reduced into rank k's output.
+            Collective::ReduceScatterV => {
+                let mean = (op == ReduceOp::Mean && p > 1).then_some(p);
+                for (k, &r) in recv.iter().enumerate() {
+                    let n = len(&b.recv[k], k);
+                    if n == 0 {
+                        continue;
+                    }
+                    let kern = self.kernels(k)?;
+                    let srcs: Vec<(usize, u64)> = send
+                        .iter()
+                        .enumerate()
+                        .map(|(j, &s)| (j, at(s, &b.send[j], k)))
+                        .collect();
+                    self.reduce_at(&kern, k, dtype, op, r, &srcs, n, false, mean, false)?;
+                }
+                Ok(())
+            }
+            // Rank j's block k into rank k's block j.
+            Collective::AllToAllV => {
+                for (k, &r) in recv.iter().enumerate() {
+                    for (j, &s) in send.iter().enumerate() {
+                        let n = len(&b.send[j], k);
+                        if n > 0 {
+                            let (d, s) = (at(r, &b.recv[k], j), at(s, &b.send[j], k));
+                            self.copy(k, d, j, s, n * es, false)?;
+                        }
+                    }
+                }
+                Ok(())
+            }
+            c => Err(not_run(c)),
         }
     }
 

@@ -5,6 +5,7 @@ mod group;
 pub mod kernels;
 mod moves;
 
+pub(crate) use group::Blocks;
 pub use group::{GpuAlgorithm, GpuGroup};
 
 use std::time::Instant;
@@ -65,6 +66,18 @@ impl GroupEngine for Cuda {
             .collect();
         let after: Vec<u64> = bufs.iter().map(|b| b.after).collect();
         let ends: Vec<u64> = bufs.iter().map(|b| b.end).collect();
+        if let Some(blocks) = blocks_of(c.collective, bufs) {
+            return self.group.collective_v_after(
+                c.collective,
+                c.dtype,
+                c.op,
+                &blocks,
+                &send,
+                &recv,
+                &after,
+                &ends,
+            );
+        }
         self.group.collective_raw_after(
             c.collective,
             c.dtype,
@@ -79,11 +92,17 @@ impl GroupEngine for Cuda {
     }
 
     fn runs(&self, c: Collective) -> bool {
-        super::cuda_runs(c)
+        // Across processes each rank knows its own all_to_all_v counts only: nothing could
+        // check a pair's before NCCL moved them.
+        super::cuda_runs(c) && !(self.per_rank && c == Collective::AllToAllV)
     }
 
     fn runs_list(&self) -> &'static str {
-        super::CUDA_RUNS
+        if self.per_rank {
+            super::CUDA_RUNS_PER_RANK
+        } else {
+            super::CUDA_RUNS
+        }
     }
 
     fn op_unavailable(&self, op: crate::ReduceOp) -> Option<String> {
@@ -123,6 +142,35 @@ impl GroupEngine for Cuda {
         self.group
             .stream_done(site, self.index(rank), mark.end(), until, deadline)
     }
+}
+
+/// The blocks of a call with a count per block, from the offsets each rank published with its
+/// buffers (the communicator's, checked: P + 1 of them, all_to_all_v's send then receive
+/// lists); `None` for the other collectives.
+fn blocks_of(c: Collective, bufs: &[CallBuffers]) -> Option<Blocks> {
+    if !matches!(
+        c,
+        Collective::AllGatherV | Collective::ReduceScatterV | Collective::AllToAllV
+    ) {
+        return None;
+    }
+    let (mut send, mut recv) = (
+        Vec::with_capacity(bufs.len()),
+        Vec::with_capacity(bufs.len()),
+    );
+    for b in bufs {
+        // SAFETY: each rank's offsets live in its call, which it does not leave before rank 0
+        // (which runs the group's call) is done with them.
+        let o = unsafe { b.offsets() };
+        let (s, r) = if c == Collective::AllToAllV {
+            o.split_at(o.len() / 2)
+        } else {
+            (o, o)
+        };
+        send.push(s.to_vec());
+        recv.push(r.to_vec());
+    }
+    Some(Blocks { send, recv })
 }
 
 impl Cuda {
