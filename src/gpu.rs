@@ -28,7 +28,8 @@
 //!   or `auto` (NCCL when it can run, else reduce-to-one, as TensorFlow's MirroredStrategy);
 //!   [`GpuGroup::from_cluster`]: one rank per process over NCCL, the NCCL id exchanged through
 //!   tutti's rendezvous store; [`GpuGroup::collective_raw`]: device addresses tagged with their
-//!   device, for the C ABI.
+//!   device, for the C ABI; [`GpuGroup::into_communicators`]: a communicator per device (the
+//!   collectives and point-to-point, GPU to GPU).
 //!
 //! ```no_run
 //! use tutti::gpu::{plan_replicas, devices, GpuAlgorithm, GpuBuffer, GpuDevice, GpuGroup};

@@ -2046,6 +2046,169 @@ fn calls_with_a_count_per_block_on_gpus() {
     }
 }
 
+/// A point-to-point group of `ops` (send?, device address, elements of `T`, peer) on `comm`.
+fn pairs<T: Element>(
+    comm: &tutti::Communicator,
+    ops: &[(bool, u64, usize, usize)],
+) -> tutti::Result<()> {
+    let raw: Vec<tutti::RawPeerOp> = ops
+        .iter()
+        .map(|&(send, ptr, n, peer)| tutti::RawPeerOp {
+            send,
+            peer,
+            dtype: T::DTYPE,
+            ptr: ptr as *mut u8,
+            len: n * T::DTYPE.size(),
+        })
+        .collect();
+    // SAFETY: every address is live device memory of `n` elements, held by the caller until
+    // this returns (the handle is waited for here).
+    unsafe { comm.send_recv_raw_async(&raw) }.wait().map(drop)
+}
+
+/// Point-to-point between the ranks of an in-process group of logical GPUs (its
+/// communicators): a ring of grouped sends and receives, messages of one pair in issue order, a
+/// send to the rank itself, zero elements; a count mismatch fails both sides naming both ranks;
+/// host memory is refused before anything moves; a receive with no send times out naming the
+/// peer.
+#[test]
+fn point_to_point_between_logical_gpus() {
+    let Some((_gpu, gpus)) = gpus_or_skip("point_to_point_between_logical_gpus") else {
+        return;
+    };
+    let p = 3;
+    let devs = virtual_gpus(&gpus, p);
+    let algo = GpuAlgorithm::ReductionToOneDevice { root: 0 };
+    let comms = GpuGroup::new(&devs, algo, &config())
+        .unwrap()
+        .into_communicators(&config())
+        .unwrap();
+    for c in [Collective::Send, Collective::Recv, Collective::SendRecv] {
+        assert!(comms[0].runs(c), "{c}");
+    }
+    for n in [0usize, 1, 7, 70001] {
+        let inputs: Vec<Vec<f32>> = (0..p)
+            .map(|r| (0..n).map(|i| (r * 100_003 + i) as f32).collect())
+            .collect();
+        let send: Vec<GpuBuffer<f32>> = inputs
+            .iter()
+            .zip(&devs)
+            .map(|(v, d)| GpuBuffer::from_host(d, v).unwrap())
+            .collect();
+        let zeros = || -> Vec<GpuBuffer<f32>> {
+            devs.iter()
+                .map(|d| GpuBuffer::zeros(d, n).unwrap())
+                .collect()
+        };
+        let (ring, twice, own) = (zeros(), zeros(), zeros());
+        std::thread::scope(|s| {
+            for (r, comm) in comms.iter().enumerate() {
+                let (send, ring, twice, own) = (&send, &ring, &twice, &own);
+                s.spawn(move || {
+                    let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
+                    // A ring: every rank sends right and receives from the left, grouped.
+                    pairs::<f32>(
+                        comm,
+                        &[
+                            (true, send[r].device_ptr(), n, next),
+                            (false, ring[r].device_ptr(), n, prev),
+                        ],
+                    )
+                    .unwrap();
+                    // Two messages of one pair, in two calls each side: they keep their order.
+                    if r == 0 {
+                        pairs::<f32>(comm, &[(true, send[0].device_ptr(), n, 2)]).unwrap();
+                        pairs::<f32>(comm, &[(true, send[1].device_ptr(), n, 2)]).unwrap();
+                    }
+                    if r == 2 {
+                        pairs::<f32>(comm, &[(false, twice[0].device_ptr(), n, 0)]).unwrap();
+                        pairs::<f32>(comm, &[(false, twice[1].device_ptr(), n, 0)]).unwrap();
+                    }
+                    // To itself, in one group.
+                    pairs::<f32>(
+                        comm,
+                        &[
+                            (true, send[r].device_ptr(), n, r),
+                            (false, own[r].device_ptr(), n, r),
+                        ],
+                    )
+                    .unwrap();
+                });
+            }
+        });
+        for r in 0..p {
+            let prev = (r + p - 1) % p;
+            assert_eq!(
+                ring[r].to_host().unwrap(),
+                inputs[prev],
+                "ring n={n}, rank {r}"
+            );
+            assert_eq!(
+                own[r].to_host().unwrap(),
+                inputs[r],
+                "to itself n={n}, rank {r}"
+            );
+        }
+        assert_eq!(
+            twice[0].to_host().unwrap(),
+            inputs[0],
+            "first of two, n={n}"
+        );
+        assert_eq!(
+            twice[1].to_host().unwrap(),
+            inputs[1],
+            "second of two, n={n}"
+        );
+    }
+    println!("{p} logical GPUs: ring, ordered pairs and sends to itself correct");
+
+    // Host memory on a device rank: the call's argument error, before anything moves.
+    let host = [1.0f32; 4];
+    let e = pairs::<f32>(&comms[0], &[(true, host.as_ptr() as u64, 4, 1)]).unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("not device memory"),
+        "{e}"
+    );
+
+    // A count mismatch: both sides fail, each naming both ranks.
+    let a = GpuBuffer::<f32>::zeros(&devs[0], 4).unwrap();
+    let b = GpuBuffer::<f32>::zeros(&devs[1], 5).unwrap();
+    let (e0, e1) = std::thread::scope(|s| {
+        let t = s.spawn(|| pairs::<f32>(&comms[0], &[(true, a.device_ptr(), 4, 1)]).unwrap_err());
+        let e1 = pairs::<f32>(&comms[1], &[(false, b.device_ptr(), 5, 0)]).unwrap_err();
+        (t.join().unwrap(), e1)
+    });
+    for e in [&e0, &e1] {
+        let m = e.to_string();
+        assert!(
+            m.contains("rank 0")
+                && m.contains("rank 1")
+                && m.contains("4 f32")
+                && m.contains("5 f32"),
+            "{m}"
+        );
+    }
+    drop(comms);
+
+    // A receive whose send never comes: a timeout naming the peer, within the timeout.
+    let short = config().with_timeout(Duration::from_secs(2));
+    let comms = GpuGroup::new(&devs, algo, &short)
+        .unwrap()
+        .into_communicators(&short)
+        .unwrap();
+    let started = std::time::Instant::now();
+    let e = pairs::<f32>(&comms[1], &[(false, b.device_ptr(), 5, 2)]).unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    match &e {
+        Error::Timeout { waiting_for, .. } => assert_eq!(waiting_for, &vec![2], "{e}"),
+        e => panic!("not a timeout: {e}"),
+    }
+}
+
 #[test]
 fn personalized_calls_on_gpus() {
     let Some((_gpu, gpus)) = gpus_or_skip("personalized_calls_on_gpus") else {

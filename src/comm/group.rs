@@ -154,10 +154,35 @@ fn cuda_engine(indices: &[usize], config: &Config) -> Result<Arc<dyn GroupEngine
         .collect::<Result<_>>()?;
     let algorithm = GpuAlgorithm::from_core(config.algorithm)?;
     let group = GpuGroup::new(&devices, algorithm, config)?;
-    Ok(Arc::new(crate::engine::cuda::Cuda {
-        group,
-        per_rank: false,
-    }))
+    Ok(Arc::new(crate::engine::cuda::Cuda::new(group, false)))
+}
+
+/// The communicators of an in-process group of this process's GPUs (whole or logical), rank r
+/// on `group`'s device r: see [`crate::gpu::GpuGroup::into_communicators`].
+#[cfg(feature = "cuda")]
+pub(crate) fn gpu_communicators(
+    group: crate::gpu::GpuGroup,
+    config: &Config,
+) -> Result<Vec<Communicator>> {
+    let n = group.devices().len();
+    if group.first_rank() != 0 || group.world_size() != n {
+        return Err(Error::config(format!(
+            "this GPU group holds ranks {}..{} of a job of {} (one NCCL rank per process): each \
+             process joins the job with Communicator::from_env (TUTTI_DEVICE=cuda) instead",
+            group.first_rank(),
+            group.first_rank() + n,
+            group.world_size()
+        )));
+    }
+    config.check(n)?;
+    check_local(n)?;
+    let specs: Vec<(DeviceKind, usize)> = group
+        .devices()
+        .iter()
+        .map(|d| (DeviceKind::Gpu, d.index()))
+        .collect();
+    let engine = crate::engine::cuda::Cuda::new(group, false);
+    Ok(engine_group(&specs, config, Some(Arc::new(engine))))
 }
 
 /// The engine of one process's rank on GPU `index` of a job: an NCCL rank of the job's group,
@@ -180,10 +205,7 @@ pub(super) fn cuda_rank_engine(
             per_rank: true,
         })
     } else {
-        Arc::new(crate::engine::cuda::Cuda {
-            group,
-            per_rank: true,
-        })
+        Arc::new(crate::engine::cuda::Cuda::new(group, true))
     })
 }
 

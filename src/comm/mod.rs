@@ -23,6 +23,8 @@ mod tune;
 mod work;
 
 pub(crate) use group::engine_group;
+#[cfg(feature = "cuda")]
+pub(crate) use group::gpu_communicators;
 pub use group::{device_group, local_group, run_local, MAX_LOCAL_RANKS};
 pub use p2p::{PeerOp, RawPeerOp};
 pub use replicas::Replicas;

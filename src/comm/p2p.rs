@@ -6,12 +6,14 @@
 //! naming both ranks and the communicator is aborted (the sender's next call says so). The calls
 //! join the communicator's queue like the collectives (so they keep their order with them) but
 //! take no call number: the other ranks never see them. A send to this rank itself needs its
-//! receive in the same group. Device ranks refuse them.
+//! receive in the same group. On the ranks of an in-process CUDA group the engine moves the bytes
+//! GPU to GPU (see `engine::cuda`); other device ranks refuse them.
 
 use super::work::{Owned, Runnable, Shared};
 use super::{Communicator, Work};
 use crate::algorithm::Plan;
 use crate::dtype::{DType, Element};
+use crate::engine::StreamMark;
 use crate::error::{Collective, Error, Result, Site};
 use crate::transport::{PairData, PairOp};
 
@@ -92,6 +94,9 @@ struct PairCall {
     rank: usize,
     ops: Ops,
     check: std::result::Result<(), String>,
+    /// On a `cuda:N` rank with a CUDA stream set: the stream's work before the call, which its
+    /// data waits for.
+    mark: Option<Box<dyn StreamMark>>,
 }
 
 /// A call's operations: one (a blocking `send` or `recv`, held without an allocation, as the
@@ -125,12 +130,23 @@ impl PairCall {
             [RawPeerOp { send: false, .. }] => Collective::Recv,
             _ => Collective::SendRecv,
         };
-        let check = Self::check(comm, rank, world, &ops);
+        let mut check = Self::check(comm, rank, world, &ops);
+        let mut mark = None;
+        if let (Ok(()), Some(stream), Some(engine)) =
+            (&check, comm.cuda_stream, &comm.progress.shared().engine)
+        {
+            // SAFETY: `set_cuda_stream`'s caller promised the stream lives while it is set.
+            match unsafe { engine.mark_stream(rank, stream) } {
+                Ok(m) => mark = Some(m),
+                Err(e) => check = Err(format!("the CUDA stream it was given: {e}")),
+            }
+        }
         PairCall {
             collective,
             rank,
             ops,
             check,
+            mark,
         }
     }
 
@@ -140,7 +156,8 @@ impl PairCall {
         world: usize,
         ops: &[RawPeerOp],
     ) -> std::result::Result<(), String> {
-        if comm.progress.shared().engine.is_some() {
+        let engine = comm.progress.shared().engine.clone();
+        if engine.as_ref().is_some_and(|e| !e.runs_pairs()) {
             return Err(format!(
                 "point-to-point calls are not available on {}: its device engine runs \
                  collectives only",
@@ -163,6 +180,10 @@ impl PairCall {
             }
             if o.len > 0 && o.ptr.is_null() {
                 return Err(format!("{what} {i}: the buffer is null"));
+            }
+            if let Some(e) = &engine {
+                e.check_pair(rank, o)
+                    .map_err(|m| format!("{what} {i}: {m}"))?;
             }
         }
         // One operation with another rank (a blocking send or recv) has nothing to overlap or
@@ -220,6 +241,11 @@ impl Runnable for PairCall {
         let site = self.site(number);
         if let Err(m) = &self.check {
             return Err(Error::invalid(site, m.clone()));
+        }
+        if let Some(engine) = &shared.engine {
+            // The device's engine moves the bytes (its sends to this rank itself too).
+            let result = engine.pair_exchange(site, self.rank, &self.ops, self.mark.as_deref());
+            return self.finish(shared, result);
         }
         if let Ops::One(o) = &self.ops {
             if o.peer != self.rank {
@@ -325,6 +351,7 @@ impl Communicator {
                 "{collective} is point-to-point, not a collective: run it with \
                  Communicator::send, recv or send_recv"
             )),
+            mark: None,
         })
     }
 
@@ -332,7 +359,8 @@ impl Communicator {
     /// [`Communicator::send_recv`] group). Matched with that rank's receives from this one in
     /// issue order; both state the same count and dtype. Returns once the bytes are handed over
     /// (between threads: copied; between processes: written to the connection, which may wait
-    /// for the receiver). Bounded by the timeout.
+    /// for the receiver; between GPUs of one process: copied GPU to GPU by the receiver, which
+    /// this waits for). Bounded by the timeout.
     ///
     /// ```
     /// let comms = tutti::local_group(2, &tutti::Config::default()).unwrap();

@@ -20,6 +20,7 @@ pub(crate) mod cuda;
 #[cfg(feature = "xla")]
 pub(crate) mod pjrt;
 
+use crate::comm::RawPeerOp;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Collective, Result, Site};
 use crate::transport::CallBuffers;
@@ -146,6 +147,37 @@ pub(crate) trait GroupEngine: Send + Sync {
     /// runs (another rank may still be running the call with it).
     fn retire(&self, mark: Box<dyn StreamMark>) {
         drop(mark)
+    }
+
+    /// Whether this engine runs point-to-point calls ([`GroupEngine::pair_exchange`]): an
+    /// in-process group of CUDA devices. The communicator refuses them on the others, naming
+    /// the device, before anything moves.
+    fn runs_pairs(&self) -> bool {
+        false
+    }
+
+    /// Why rank `rank` cannot use `op`'s buffer in a point-to-point call, if it cannot (not
+    /// memory of its device, too short, misaligned): the call's argument error.
+    fn check_pair(&self, rank: usize, op: &RawPeerOp) -> std::result::Result<(), String> {
+        let _ = (rank, op);
+        Ok(())
+    }
+
+    /// Run rank `rank`'s point-to-point operations `ops` (checked), each matched with its
+    /// peer's in issue order, as [`crate::Communicator::send_recv`] describes; `mark`: the
+    /// caller's stream's work before the call, which the data waits for.
+    fn pair_exchange(
+        &self,
+        site: Site,
+        rank: usize,
+        ops: &[RawPeerOp],
+        mark: Option<&dyn StreamMark>,
+    ) -> Result<()> {
+        let _ = (rank, ops, mark);
+        Err(crate::error::Error::invalid(
+            site,
+            "point-to-point calls are not available on this device engine",
+        ))
     }
 
     /// Abort the engine's own work (NCCL's communicators), with the communicator.

@@ -1200,60 +1200,111 @@ impl GpuGroup {
                 ),
             ));
         }
-        let mut out = Vec::with_capacity(ptrs.len());
-        for (i, p) in ptrs.iter().enumerate() {
-            let len = len(i);
-            if p.device != i {
-                return Err(self.invalid(c, format!("{what} address {i} is tagged with device {} (addresses go in device order)", p.device)));
-            }
-            if p.ptr == 0 && (optional || len == 0) {
-                out.push(0);
-                continue;
-            }
-            if p.ptr % es as u64 != 0 {
-                return Err(self.invalid(
-                    c,
-                    format!(
-                        "{what} address {:#x} on device {i} is not aligned to {es} bytes",
-                        p.ptr
-                    ),
-                ));
-            }
-            let d = &self.devices[i];
-            let not_device = |e: Error| {
-                self.invalid(
-                    c,
-                    format!(
-                        "{what} address {:#x} on device {i} is not device memory: {e}",
-                        p.ptr
-                    ),
-                )
-            };
-            let ordinal = driver::pointer_ordinal(&d.inner.ctx, p.ptr).map_err(&not_device)?;
-            if ordinal != d.physical() {
-                return Err(self.invalid(
-                    c,
-                    format!(
-                        "{what} address {:#x} is memory of GPU {ordinal}, but device {i} is {}",
-                        p.ptr,
-                        d.describe()
-                    ),
-                ));
-            }
-            let (base, size) = driver::address_range(&d.inner.ctx, p.ptr).map_err(&not_device)?;
-            let end = p.ptr.checked_add((len * es) as u64);
-            if end.is_none_or(|end| end > base + size as u64) {
-                return Err(self.invalid(c, format!(
-                    "{what} address {:#x} on device {i}: {} bytes do not fit in its allocation ({} bytes from {:#x})",
-                    p.ptr,
-                    len * es,
-                    size,
-                    base
-                )));
-            }
-            out.push(p.ptr);
+        ptrs.iter()
+            .enumerate()
+            .map(|(i, p)| {
+                if p.device != i {
+                    return Err(self.invalid(
+                        c,
+                        format!(
+                            "{what} address {i} is tagged with device {} (addresses go in device \
+                             order)",
+                            p.device
+                        ),
+                    ));
+                }
+                let len = len(i);
+                if p.ptr == 0 && (optional || len == 0) {
+                    return Ok(0);
+                }
+                self.address(i, what, p.ptr, len * es, es)
+                    .map_err(|m| self.invalid(c, m))
+            })
+            .collect()
+    }
+
+    /// `ptr` checked to hold `bytes` bytes of device `i`'s memory, aligned to `align`.
+    pub(crate) fn address(
+        &self,
+        i: usize,
+        what: &str,
+        ptr: u64,
+        bytes: usize,
+        align: usize,
+    ) -> std::result::Result<u64, String> {
+        if ptr % align as u64 != 0 {
+            return Err(format!(
+                "{what} address {ptr:#x} on device {i} is not aligned to {align} bytes"
+            ));
         }
-        Ok(out)
+        let d = self
+            .devices
+            .get(i)
+            .ok_or_else(|| format!("device {i} is not in this GPU group"))?;
+        let not_device =
+            |e: Error| format!("{what} address {ptr:#x} on device {i} is not device memory: {e}");
+        let ordinal = driver::pointer_ordinal(&d.inner.ctx, ptr).map_err(not_device)?;
+        if ordinal != d.physical() {
+            return Err(format!(
+                "{what} address {ptr:#x} is memory of GPU {ordinal}, but device {i} is {}",
+                d.describe()
+            ));
+        }
+        let (base, size) = driver::address_range(&d.inner.ctx, ptr).map_err(not_device)?;
+        let end = ptr.checked_add(bytes as u64);
+        if end.is_none_or(|end| end > base + size as u64) {
+            return Err(format!(
+                "{what} address {ptr:#x} on device {i}: {bytes} bytes do not fit in its \
+                 allocation ({size} bytes from {base:#x})"
+            ));
+        }
+        Ok(ptr)
+    }
+
+    /// Point-to-point in an in-process group: copy `bytes` from device `from`'s `src` into
+    /// device `to`'s `dst` on `to`'s stream, once the events `after` (0: none) have fired, and
+    /// wait for the copy until `deadline`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn pair_copy(
+        &self,
+        site: Site,
+        to: usize,
+        dst: u64,
+        from: usize,
+        src: u64,
+        bytes: usize,
+        after: &[u64],
+        deadline: Instant,
+    ) -> Result<()> {
+        if let Some(reason) = self.aborted() {
+            return Err(Error::Aborted {
+                rank: self.first_rank + to,
+                reason,
+            });
+        }
+        let d = &self.device_at(to)?.inner;
+        self.device_at(from)?;
+        for &event in after.iter().filter(|&&e| e != 0) {
+            d.stream.wait_event(event)?;
+        }
+        if bytes > 0 {
+            self.copy(to, dst, from, src, bytes, false)?;
+        }
+        match driver::wait_all(&[&d.stream], deadline)? {
+            Ok(()) => Ok(()),
+            Err(_) => {
+                d.mark_failed();
+                let e = Error::Timeout {
+                    site,
+                    waiting_for: vec![self.first_rank + to],
+                    phase: "finish copying a received message on the GPU",
+                    timeout: self.timeout,
+                    stalled_on: Vec::new(),
+                };
+                self.abort(&format!("an earlier call failed: {e}"));
+                Err(e)
+            }
+        }
     }
 
     /// Why this group cannot run the reduce op `op`, if it cannot: NCCL has no bitwise ops

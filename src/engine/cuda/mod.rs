@@ -4,12 +4,14 @@
 mod group;
 pub mod kernels;
 mod moves;
+mod pairs;
 
 pub(crate) use group::Blocks;
 pub use group::{GpuAlgorithm, GpuGroup};
 
 use std::time::Instant;
 
+use crate::comm::RawPeerOp;
 use crate::device::cuda::{DevicePtr, GpuBuffer};
 use crate::error::{Collective, Result, Site};
 use crate::transport::CallBuffers;
@@ -31,8 +33,20 @@ impl StreamMark for group::StreamMark {
 /// The CUDA engine of a group whose rank r is the group's device r, or (`per_rank`) of one
 /// process's GPU in a job of one NCCL rank per process.
 pub(crate) struct Cuda {
-    pub(crate) group: GpuGroup,
-    pub(crate) per_rank: bool,
+    group: GpuGroup,
+    per_rank: bool,
+    /// Where an in-process group's point-to-point calls meet.
+    post: pairs::Post,
+}
+
+impl Cuda {
+    pub(crate) fn new(group: GpuGroup, per_rank: bool) -> Cuda {
+        Cuda {
+            group,
+            per_rank,
+            post: pairs::Post::default(),
+        }
+    }
 }
 
 impl GroupEngine for Cuda {
@@ -94,7 +108,10 @@ impl GroupEngine for Cuda {
     fn runs(&self, c: Collective) -> bool {
         // Across processes each rank knows its own all_to_all_v counts only: nothing could
         // check a pair's before NCCL moved them.
-        super::cuda_runs(c) && !(self.per_rank && c == Collective::AllToAllV)
+        match c {
+            Collective::Send | Collective::Recv | Collective::SendRecv => self.runs_pairs(),
+            _ => super::cuda_runs(c) && !(self.per_rank && c == Collective::AllToAllV),
+        }
     }
 
     fn runs_list(&self) -> &'static str {
@@ -127,8 +144,98 @@ impl GroupEngine for Cuda {
         self.group.retire(mark)
     }
 
+    fn runs_pairs(&self) -> bool {
+        // Across processes the pairs would meet in NCCL (ncclSend/ncclRecv), which is not
+        // wired here.
+        !self.per_rank
+    }
+
+    fn check_pair(&self, rank: usize, op: &RawPeerOp) -> std::result::Result<(), String> {
+        if op.len == 0 {
+            return Ok(());
+        }
+        let what = if op.send { "send" } else { "receive" };
+        self.group
+            .address(rank, what, op.ptr as u64, op.len, op.dtype.size())
+            .map(drop)
+    }
+
+    fn pair_exchange(
+        &self,
+        site: Site,
+        rank: usize,
+        ops: &[RawPeerOp],
+        mark: Option<&dyn StreamMark>,
+    ) -> Result<()> {
+        let deadline = Instant::now() + self.group.timeout();
+        let timeout = self.group.timeout();
+        let aborted = || self.group.aborted();
+        let after = mark.map_or(0, |m| m.raw());
+        // Every send first, so that grouped sends and receives in a ring cannot wait on
+        // each other.
+        let sent: Vec<(u64, usize)> = ops
+            .iter()
+            .filter(|o| o.send)
+            .map(|o| {
+                let id = self
+                    .post
+                    .put(o.peer, rank, o.dtype, o.ptr as u64, o.len, after);
+                (id, o.peer)
+            })
+            .collect();
+        let mut received = Ok(());
+        for o in ops.iter().filter(|o| !o.send) {
+            let (letter, taken) = match self
+                .post
+                .take(site, rank, o.peer, deadline, timeout, &aborted)
+            {
+                Ok(t) => t,
+                Err(e) => {
+                    received = Err(e);
+                    break;
+                }
+            };
+            let r = if (letter.dtype, letter.bytes) != (o.dtype, o.len) {
+                Err(crate::transport::pair_mismatch(
+                    site,
+                    o.peer,
+                    (letter.dtype, letter.bytes),
+                    (o.dtype, o.len),
+                ))
+            } else {
+                self.group.pair_copy(
+                    site,
+                    rank,
+                    o.ptr as u64,
+                    letter.from,
+                    letter.ptr,
+                    o.len,
+                    &[letter.after, after],
+                    deadline,
+                )
+            };
+            self.post
+                .settle(taken, r.as_ref().map(drop).map_err(|e| e.to_string()));
+            if let Err(e) = r {
+                received = Err(e);
+                break;
+            }
+        }
+        let sent = self.post.wait_sent(
+            site,
+            rank,
+            &sent,
+            received.is_err(),
+            deadline,
+            timeout,
+            &aborted,
+        );
+        received.and(sent)
+    }
+
     fn abort(&self, reason: &str) {
-        self.group.abort(reason)
+        self.group.abort(reason);
+        self.post.ring();
     }
 
     fn stream_done(
@@ -141,6 +248,19 @@ impl GroupEngine for Cuda {
     ) -> Result<bool> {
         self.group
             .stream_done(site, self.index(rank), mark.end(), until, deadline)
+    }
+}
+
+impl GpuGroup {
+    /// One communicator per device of this group, rank r on device r, whose calls this group
+    /// runs (with its algorithm; `config` gives the communicators' timeout and checks): the
+    /// collectives of `tutti::gpu`'s table and point-to-point, over device memory passed by
+    /// address ([`crate::Communicator::run_raw`], [`crate::Communicator::send_recv_raw_async`]).
+    /// How one process runs several ranks on logical GPUs of one GPU, as TensorFlow's logical
+    /// devices do. A group of one rank per process refuses: each process joins its job with
+    /// [`crate::Communicator::from_env`].
+    pub fn into_communicators(self, config: &crate::Config) -> Result<Vec<crate::Communicator>> {
+        crate::comm::gpu_communicators(self, config)
     }
 }
 
