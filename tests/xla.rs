@@ -289,6 +289,79 @@ fn all_gather_and_reduce_scatter() {
     });
 }
 
+/// All-to-all of every dtype on a compiled `stablehlo.all_to_all` (host-staged where the plugin
+/// refuses the type), forced host-staged, and of device buffers: block j of replica i's input
+/// is block i of replica j's output.
+#[test]
+fn all_to_all_programs_and_staged() {
+    let Some(client) = new_client("all_to_all") else {
+        return;
+    };
+    let p = n();
+    for route in [xla::Route::Auto, xla::Route::HostStaged] {
+        client.set_route(route);
+        every_dtype(&mut |d| {
+            tutti::for_each_dtype!(d, T => {
+                for block in [1, 5, 256] {
+                    let inputs: Vec<Vec<T>> =
+                        (0..p).map(|r| (0..block * p).map(|i| T::from_f64(((r * 31 + i) % 97) as f64)).collect()).collect();
+                    let ins: Vec<&[T]> = inputs.iter().map(|v| v.as_slice()).collect();
+                    let mut outs: Vec<Vec<T>> = vec![vec![T::from_f64(0.0); block * p]; p];
+                    let mut views: Vec<&mut [T]> =
+                        outs.iter_mut().map(|b| b.as_mut_slice()).collect();
+                    client
+                        .all_to_all(&ins, &mut views)
+                        .unwrap_or_else(|e| panic!("all_to_all {d} x{block} ({route:?}): {e}"));
+                    for (j, o) in outs.iter().enumerate() {
+                        let want: Vec<T> = (0..p)
+                            .flat_map(|i| inputs[i][j * block..(j + 1) * block].to_vec())
+                            .collect();
+                        assert!(*o == want, "all_to_all {d} x{block} ({route:?}): replica {j}");
+                    }
+                }
+            })
+        });
+    }
+    let s = client.cache_stats();
+    // Every dtype × 3 sizes compiled, or refused where the plugin lacks the type (then staged).
+    let calls = DType::ALL.len() as u64 * 3;
+    assert_eq!(s.compiled + s.refused, calls, "{s:?}");
+    assert!(s.compiled >= 3 * 3, "{s:?}");
+    assert_eq!(s.staged_calls, s.refused + calls, "{s:?}");
+    // Device buffers, on the program.
+    client.set_route(xla::Route::Program);
+    let bufs: Vec<xla::XlaBuffer> = (0..p)
+        .map(|r| {
+            let v: Vec<f32> = (0..2 * p).map(|i| (r * 100 + i) as f32).collect();
+            client.buffer_from_host(&v, r).unwrap()
+        })
+        .collect();
+    let refs: Vec<&xla::XlaBuffer> = bufs.iter().collect();
+    let outs = client.all_to_all_buffers(&refs).unwrap();
+    for (j, o) in outs.iter().enumerate() {
+        let want: Vec<f32> = (0..p)
+            .flat_map(|i| [(i * 100 + 2 * j) as f32, (i * 100 + 2 * j + 1) as f32])
+            .collect();
+        assert_eq!(
+            o.to_vec::<f32>().unwrap(),
+            want,
+            "device all_to_all, replica {j}"
+        );
+    }
+    // A count that does not split into one block per replica names the collective.
+    if p > 1 {
+        let odd = vec![0f32; p + 1];
+        let ins: Vec<&[f32]> = (0..p).map(|_| odd.as_slice()).collect();
+        let mut outs = vec![vec![0f32; p + 1]; p];
+        let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|b| b.as_mut_slice()).collect();
+        let e = client.all_to_all(&ins, &mut views).unwrap_err().to_string();
+        assert!(
+            e.contains("all_to_all") && e.contains("equal slices"),
+            "{e}"
+        );
+    }
+}
+
 #[test]
 fn host_device_round_trip_every_dtype() {
     let Some(client) = shared() else { return };
@@ -553,7 +626,13 @@ fn perf_device_xla_rows_are_correct() {
         eprintln!("perf_device_xla: skipped: no PJRT plugin found");
         return;
     };
-    for c in ["all-reduce", "broadcast", "all-gather", "reduce-scatter"] {
+    for c in [
+        "all-reduce",
+        "broadcast",
+        "all-gather",
+        "reduce-scatter",
+        "all-to-all",
+    ] {
         let out = tutti()
             .env("TUTTI_PJRT_PLUGIN", &path)
             .args(["perf", "--device", "xla", "-n", &n().to_string(), "-c", c])

@@ -28,10 +28,9 @@ pub fn check(comm: &mut Communicator, counts: &[usize]) -> Result<usize> {
             for dtype in [DType::F32, DType::BF16, DType::I32, DType::U8, DType::F64] {
                 calls += crate::for_each_dtype!(dtype, T => { check_one::<T>(comm, algo, count)? });
                 calls += crate::for_each_dtype!(dtype, T => { check_in_flight::<T>(comm, algo, count)? });
-                // Device groups (CUDA, XLA) run the collectives every device library has.
-                if comm.runs(crate::error::Collective::AllToAll) {
-                    calls += crate::for_each_dtype!(dtype, T => { check_personal::<T>(comm, algo, count)? });
-                }
+                // Device groups (CUDA, XLA) run those of them their engine has.
+                calls +=
+                    crate::for_each_dtype!(dtype, T => { check_personal::<T>(comm, algo, count)? });
             }
         }
     }
@@ -88,7 +87,6 @@ fn check_shared<T: Element>(comm: &mut Communicator, count: usize) -> Result<usi
             message: format!("an all_reduce in flight across the allocation: wrong on rank {r}"),
         });
     }
-    let data = |k: usize, n: usize| -> Vec<T> { (0..n).map(|i| pattern(k, i)).collect() };
     let inputs: Vec<Vec<T>> = (0..p).map(|k| data(k, count)).collect();
     let refs: Vec<&[T]> = inputs.iter().map(|v| v.as_slice()).collect();
     let big: Vec<Vec<T>> = (0..p).map(|k| data(k + 1, count * p)).collect();
@@ -188,7 +186,6 @@ fn check_one<T: Element>(comm: &Communicator, algo: Algorithm, count: usize) -> 
         what: format!("check {algo} {} n={count}", T::DTYPE),
         message: what,
     };
-    let data = |k: usize, n: usize| -> Vec<T> { (0..n).map(|i| pattern(k, i)).collect() };
     let inputs: Vec<Vec<T>> = (0..p).map(|k| data(k, count)).collect();
     let refs: Vec<&[T]> = inputs.iter().map(|v| v.as_slice()).collect();
     let mut calls = 0;
@@ -264,7 +261,6 @@ fn check_in_flight<T: Element>(
         what: format!("check in flight {algo} {} n={count}", T::DTYPE),
         message: what,
     };
-    let data = |k: usize, n: usize| -> Vec<T> { (0..n).map(|i| pattern(k, i)).collect() };
     let inputs: Vec<Vec<T>> = (0..p).map(|k| data(k, count)).collect();
     let refs: Vec<&[T]> = inputs.iter().map(|v| v.as_slice()).collect();
     let big: Vec<Vec<T>> = (0..p).map(|k| data(k + 1, count * p)).collect();
@@ -346,19 +342,50 @@ fn uneven(count: usize, k: usize) -> usize {
     count / 2 + (k * 7919 + count) % (count + 2)
 }
 
+/// Rank `k`'s pattern: `n` elements.
+fn data<T: Element>(k: usize, n: usize) -> Vec<T> {
+    (0..n).map(|i| pattern(k, i)).collect()
+}
+
+fn zeros<T: Element>(n: usize) -> Vec<T> {
+    vec![T::from_f64(0.0); n]
+}
+
 /// All-to-all, gather and scatter from every root, and the collectives with a count per rank,
-/// blocking and non-blocking, against the reference.
+/// blocking and non-blocking, against the reference: those `comm` runs
+/// ([`Communicator::runs`]).
 fn check_personal<T: Element>(comm: &Communicator, algo: Algorithm, count: usize) -> Result<usize> {
-    let (p, r) = (comm.world_size(), comm.rank());
+    use crate::error::Collective;
     let fail = |what: String| Error::System {
         what: format!("check {algo} {} n={count}", T::DTYPE),
         message: what,
     };
-    let data = |k: usize, n: usize| -> Vec<T> { (0..n).map(|i| pattern(k, i)).collect() };
-    let zeros = |n: usize| vec![T::from_f64(0.0); n];
     let mut calls = 0;
+    if comm.runs(Collective::AllToAll) {
+        calls += check_all_to_all::<T>(comm, count, &fail)?;
+    }
+    if comm.runs(Collective::AllToAllV) {
+        calls += check_all_to_all_v::<T>(comm, count, &fail)?;
+    }
+    if comm.runs(Collective::Gather) || comm.runs(Collective::Scatter) {
+        calls += check_rooted::<T>(comm, count, &fail)?;
+    }
+    if comm.runs(Collective::AllGatherV) {
+        calls += check_all_gather_v::<T>(comm, count, &fail)?;
+    }
+    if comm.runs(Collective::ReduceScatterV) {
+        calls += check_reduce_scatter_v::<T>(comm, count, &fail)?;
+    }
+    Ok(calls)
+}
 
-    // all_to_all: block k of the output is block r of rank k's input.
+fn check_all_to_all<T: Element>(
+    comm: &Communicator,
+    count: usize,
+    fail: &dyn Fn(String) -> Error,
+) -> Result<usize> {
+    let (p, r) = (comm.world_size(), comm.rank());
+    // Block k of the output is block r of rank k's input.
     let inputs: Vec<Vec<T>> = (0..p).map(|k| data(k + 2, count * p)).collect();
     let want: Vec<T> = (0..p)
         .flat_map(|k| inputs[k][r * count..(r + 1) * count].to_vec())
@@ -376,17 +403,24 @@ fn check_personal<T: Element>(comm: &Communicator, algo: Algorithm, count: usize
             "all_to_all (non-blocking): wrong values on rank {r}"
         )));
     }
-    calls += 2;
+    Ok(2)
+}
 
-    // all_to_all_v: rank i sends c(i, j) elements to rank j.
+fn check_all_to_all_v<T: Element>(
+    comm: &Communicator,
+    count: usize,
+    fail: &dyn Fn(String) -> Error,
+) -> Result<usize> {
+    let (p, r) = (comm.world_size(), comm.rank());
+    // Rank i sends c(i, j) elements to rank j.
     let c = |i: usize, j: usize| uneven(count, i * p + j);
     let send_counts: Vec<usize> = (0..p).map(|j| c(r, j)).collect();
     let recv_counts: Vec<usize> = (0..p).map(|k| c(k, r)).collect();
-    let input = data(r + 3, send_counts.iter().sum());
+    let input = data::<T>(r + 3, send_counts.iter().sum());
     let mut want = Vec::new();
     for k in 0..p {
         let from: usize = (0..r).map(|j| c(k, j)).sum();
-        want.extend(data(k + 3, from + c(k, r)).split_off(from));
+        want.extend(data::<T>(k + 3, from + c(k, r)).split_off(from));
     }
     let mut out = zeros(want.len());
     comm.all_to_all_v(&input, &send_counts, &mut out, &recv_counts)?;
@@ -399,59 +433,93 @@ fn check_personal<T: Element>(comm: &Communicator, algo: Algorithm, count: usize
             "all_to_all_v (non-blocking): wrong values on rank {r}"
         )));
     }
-    calls += 2;
+    Ok(2)
+}
 
-    // gather and scatter from every root.
+/// Gather and scatter from every root (each where `comm` runs it).
+fn check_rooted<T: Element>(
+    comm: &Communicator,
+    count: usize,
+    fail: &dyn Fn(String) -> Error,
+) -> Result<usize> {
+    use crate::error::Collective;
+    let (p, r) = (comm.world_size(), comm.rank());
+    let mut calls = 0;
     for root in 0..p {
-        let mut out = zeros(count * p);
-        comm.gather(&data(r, count), (r == root).then_some(&mut out[..]), root)?;
-        let want: Vec<T> = (0..p).flat_map(|k| data(k, count)).collect();
-        if r == root && out != want {
-            return Err(fail(format!("gather onto root {root}: wrong values")));
+        if comm.runs(Collective::Gather) {
+            let mut out = zeros::<T>(count * p);
+            comm.gather(&data(r, count), (r == root).then_some(&mut out[..]), root)?;
+            let want: Vec<T> = (0..p).flat_map(|k| data(k, count)).collect();
+            if r == root && out != want {
+                return Err(fail(format!("gather onto root {root}: wrong values")));
+            }
+            let recv = (r == root).then(|| zeros::<T>(count * p));
+            let (_, got) = comm.gather_async(data(r, count), recv, root).wait()?;
+            if got.is_some_and(|g| g != want) {
+                return Err(fail(format!(
+                    "gather onto root {root} (non-blocking): wrong values"
+                )));
+            }
+            calls += 2;
         }
-        let whole = data(root + 5, count * p);
-        let mut mine = zeros(count);
-        comm.scatter((r == root).then_some(&whole[..]), &mut mine, root)?;
-        if mine[..] != whole[r * count..(r + 1) * count] {
-            return Err(fail(format!(
-                "scatter from root {root}: wrong values on rank {r}"
-            )));
+        if comm.runs(Collective::Scatter) {
+            let whole = data::<T>(root + 5, count * p);
+            let mut mine = zeros(count);
+            comm.scatter((r == root).then_some(&whole[..]), &mut mine, root)?;
+            if mine[..] != whole[r * count..(r + 1) * count] {
+                return Err(fail(format!(
+                    "scatter from root {root}: wrong values on rank {r}"
+                )));
+            }
+            let send = (r == root).then(|| whole.clone());
+            let (_, got) = comm.scatter_async(send, zeros(count), root).wait()?;
+            if got != mine {
+                return Err(fail(format!(
+                    "scatter from root {root} (non-blocking): wrong values on rank {r}"
+                )));
+            }
+            calls += 2;
         }
-        let send = (r == root).then(|| whole.clone());
-        let (_, got) = comm.scatter_async(send, zeros(count), root).wait()?;
-        if got != mine {
-            return Err(fail(format!(
-                "scatter from root {root} (non-blocking): wrong values on rank {r}"
-            )));
-        }
-        let recv = (r == root).then(|| zeros(count * p));
-        let (_, got) = comm.gather_async(data(r, count), recv, root).wait()?;
-        if got.is_some_and(|g| g != want) {
-            return Err(fail(format!(
-                "gather onto root {root} (non-blocking): wrong values"
-            )));
-        }
-        calls += 4;
     }
+    Ok(calls)
+}
 
-    // all_gather_v and reduce_scatter_v on uneven counts.
+fn check_all_gather_v<T: Element>(
+    comm: &Communicator,
+    count: usize,
+    fail: &dyn Fn(String) -> Error,
+) -> Result<usize> {
+    let (p, r) = (comm.world_size(), comm.rank());
+    // Uneven counts.
     let counts: Vec<usize> = (0..p).map(|k| uneven(count, k)).collect();
     let total: usize = counts.iter().sum();
-    let at: usize = counts[..r].iter().sum();
     let want: Vec<T> = (0..p).flat_map(|k| data(k, counts[k])).collect();
-    let mut out = zeros(total);
+    let mut out = zeros::<T>(total);
     comm.all_gather_v(&data(r, counts[r]), &mut out, &counts)?;
     if out != want {
         return Err(fail(format!("all_gather_v: wrong values on rank {r}")));
     }
     let (_, out) = comm
-        .all_gather_v_async(data(r, counts[r]), zeros(total), &counts)
+        .all_gather_v_async(data::<T>(r, counts[r]), zeros::<T>(total), &counts)
         .wait()?;
     if out != want {
         return Err(fail(format!(
             "all_gather_v (non-blocking): wrong values on rank {r}"
         )));
     }
+    Ok(2)
+}
+
+fn check_reduce_scatter_v<T: Element>(
+    comm: &Communicator,
+    count: usize,
+    fail: &dyn Fn(String) -> Error,
+) -> Result<usize> {
+    let (p, r) = (comm.world_size(), comm.rank());
+    // Uneven counts.
+    let counts: Vec<usize> = (0..p).map(|k| uneven(count, k)).collect();
+    let total: usize = counts.iter().sum();
+    let at: usize = counts[..r].iter().sum();
     let big: Vec<Vec<T>> = (0..p).map(|k| data(k + 1, total)).collect();
     let refs: Vec<&[T]> = big.iter().map(|v| v.as_slice()).collect();
     let want = reference::reduce(&refs, ReduceOp::Min)[at..at + counts[r]].to_vec();
@@ -469,7 +537,7 @@ fn check_personal<T: Element>(comm: &Communicator, algo: Algorithm, count: usize
             "reduce_scatter_v min (non-blocking): wrong slice on rank {r}"
         )));
     }
-    Ok(calls + 4)
+    Ok(2)
 }
 
 /// Element i of rank r's random input: magnitudes from 2^-10 to 2^10 and both signs, so that

@@ -206,8 +206,8 @@ pub fn splits(c: Collective) -> bool {
 }
 
 /// An error unless perf measures `c` on `device`: GPUs measure every collective their group
-/// runs; XLA devices all-reduce, broadcast, all-gather and reduce-scatter (the personalized
-/// calls and the `-v` forms run on CPU ranks there).
+/// runs; XLA devices all-reduce, broadcast, all-gather, reduce-scatter and all-to-all, the
+/// PJRT programs (the other calls run on CPU ranks there).
 pub fn device_measures(device: DeviceKind, c: Collective) -> Result<()> {
     let (ok, list, what) = match device {
         DeviceKind::Cpu => return Ok(()),
@@ -224,8 +224,9 @@ pub fn device_measures(device: DeviceKind, c: Collective) -> Result<()> {
                     | Collective::Broadcast
                     | Collective::AllGather
                     | Collective::ReduceScatter
+                    | Collective::AllToAll
             ),
-            "all-reduce, broadcast, all-gather and reduce-scatter",
+            "all-reduce, broadcast, all-gather, reduce-scatter and all-to-all",
             "XLA devices",
         ),
     };
@@ -1329,8 +1330,10 @@ mod tests {
     fn what_perf_cannot_measure_is_refused_before_it_runs() {
         for c in NEW {
             for device in [DeviceKind::Gpu, DeviceKind::Xla] {
-                if device == DeviceKind::Gpu && crate::engine::cuda_runs(c) {
-                    // Measured on GPU ranks (tests/gpu.rs runs them there).
+                if (device == DeviceKind::Gpu && crate::engine::cuda_runs(c))
+                    || (device == DeviceKind::Xla && c == Collective::AllToAll)
+                {
+                    // Measured there (tests/gpu.rs and tests/xla.rs run them).
                     assert!(device_measures(device, c).is_ok(), "{c}");
                     continue;
                 }

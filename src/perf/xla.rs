@@ -78,6 +78,7 @@ fn call(client: &Client, opts: &Options, inputs: &[&XlaBuffer]) -> Result<Vec<Xl
         Collective::AllReduce => client.all_reduce_buffers(inputs, opts.op),
         Collective::Broadcast => client.broadcast_buffers(inputs, opts.root),
         Collective::AllGather => client.all_gather_buffers(inputs),
+        Collective::AllToAll => client.all_to_all_buffers(inputs),
         _ => client.reduce_scatter_buffers(inputs, opts.op),
     }
 }

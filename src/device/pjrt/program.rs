@@ -10,6 +10,8 @@
 //! * reduce-scatter: `stablehlo.reduce_scatter` along dimension 0 (the argument holds N × the
 //!   result), the same combiners and the same `Mean`.
 //! * all-gather: `stablehlo.all_gather` along dimension 0.
+//! * all-to-all: `stablehlo.all_to_all` splitting and concatenating dimension 0 in N blocks
+//!   (block j of replica i's argument becomes block i of replica j's result).
 //! * broadcast: a binomial tree of `stablehlo.collective_permute`s. With `q = (replica - root)
 //!   mod N`, step k (k = 1, 2, 4, ...) sends from every `q < k` to `q + k`, and the replicas with
 //!   `k <= q < 2k` keep what they received (selected by `stablehlo.replica_id`). Every element
@@ -31,6 +33,8 @@ pub enum Kind {
     AllGather,
     /// Reduce-scatter with an op.
     ReduceScatter(ReduceOp),
+    /// All-to-all of equal blocks.
+    AllToAll,
 }
 
 impl Kind {
@@ -41,6 +45,7 @@ impl Kind {
             Kind::Broadcast(_) => "broadcast",
             Kind::AllGather => "all_gather",
             Kind::ReduceScatter(_) => "reduce_scatter",
+            Kind::AllToAll => "all_to_all",
         }
     }
 
@@ -52,6 +57,7 @@ impl Kind {
             Kind::Broadcast(_) => Collective::Broadcast,
             Kind::AllGather => Collective::AllGather,
             Kind::ReduceScatter(_) => Collective::ReduceScatter,
+            Kind::AllToAll => Collective::AllToAll,
         }
     }
 
@@ -71,6 +77,7 @@ impl std::fmt::Display for Kind {
             Kind::AllReduce(op) | Kind::ReduceScatter(op) => write!(f, "{} {op}", self.name()),
             Kind::Broadcast(root) => write!(f, "broadcast from {root}"),
             Kind::AllGather => f.write_str("all_gather"),
+            Kind::AllToAll => f.write_str("all_to_all"),
         }
     }
 }
@@ -167,6 +174,14 @@ pub fn mlir(kind: Kind, dtype: DType, count: usize, n: usize) -> String {
             let _ = writeln!(
                 body,
                 "    %0 = \"stablehlo.all_gather\"(%arg0) {{all_gather_dim = 0 : i64, replica_groups = {}}} : ({in_ty}) -> {out_ty}",
+                group(n)
+            );
+            "%0"
+        }
+        Kind::AllToAll => {
+            let _ = writeln!(
+                body,
+                "    %0 = \"stablehlo.all_to_all\"(%arg0) {{split_dimension = 0 : i64, concat_dimension = 0 : i64, split_count = {n} : i64, replica_groups = {}}} : ({in_ty}) -> {out_ty}",
                 group(n)
             );
             "%0"

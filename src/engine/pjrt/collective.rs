@@ -41,11 +41,12 @@ impl Aligned {
     }
 }
 
-/// The result of the host-staged path: what every replica gets, or the buffer whose slice r
-/// replica r gets.
+/// The result of the host-staged path: what every replica gets, the buffer whose slice r
+/// replica r gets, or each replica's own.
 enum Staged {
     Same(Aligned),
     Sliced(Aligned),
+    Each(Vec<Aligned>),
 }
 
 impl Staged {
@@ -56,6 +57,7 @@ impl Staged {
                 let each = v.len / n;
                 &v.bytes()[r * each..(r + 1) * each]
             }
+            Staged::Each(v) => v[r].bytes(),
         }
     }
 }
@@ -95,6 +97,22 @@ fn host_collective(kind: Kind, dtype: DType, inputs: &[&[u8]]) -> Staged {
                 out.bytes_mut()[r * each..(r + 1) * each].copy_from_slice(i);
             }
             Staged::Same(out)
+        }
+        // Block j of replica i's input into block i of replica j's output.
+        Kind::AllToAll => {
+            let block = inputs[0].len() / n.max(1);
+            Staged::Each(
+                (0..n)
+                    .map(|j| {
+                        let mut out = Aligned::zeroed(block * n);
+                        for (i, input) in inputs.iter().enumerate() {
+                            out.bytes_mut()[i * block..(i + 1) * block]
+                                .copy_from_slice(&input[j * block..(j + 1) * block]);
+                        }
+                        out
+                    })
+                    .collect(),
+            )
         }
     }
 }
@@ -151,7 +169,7 @@ impl Client {
                 ));
             }
         }
-        if matches!(kind, Kind::ReduceScatter(_)) && count % n != 0 {
+        if matches!(kind, Kind::ReduceScatter(_) | Kind::AllToAll) && count % n != 0 {
             return Err(Error::invalid(
                 self.site(kind, 0),
                 format!("the input count {count} does not split into {n} equal slices"),
@@ -469,6 +487,17 @@ impl Client {
         self.host_checked(Kind::ReduceScatter(op), T::DTYPE, &ins, &mut outs)
     }
 
+    /// All-to-all: block j of `inputs[i]` (N equal blocks) lands in block i of `outputs[j]`
+    /// (as long as the input).
+    pub fn all_to_all<T: Element>(&self, inputs: &[&[T]], outputs: &mut [&mut [T]]) -> Result<()> {
+        let ins: Vec<&[u8]> = inputs.iter().map(|b| bytemuck::cast_slice(b)).collect();
+        let mut outs: Vec<&mut [u8]> = outputs
+            .iter_mut()
+            .map(|b| bytemuck::cast_slice_mut(b))
+            .collect();
+        self.host_checked(Kind::AllToAll, T::DTYPE, &ins, &mut outs)
+    }
+
     /// [`Client::all_reduce`] over bytes holding `dtype` elements (for carriers such as the C
     /// ABI).
     pub fn all_reduce_raw(&self, dtype: DType, bufs: &mut [&mut [u8]], op: ReduceOp) -> Result<()> {
@@ -504,6 +533,16 @@ impl Client {
         self.host_checked(Kind::ReduceScatter(op), dtype, inputs, outputs)
     }
 
+    /// [`Client::all_to_all`] over bytes.
+    pub fn all_to_all_raw(
+        &self,
+        dtype: DType,
+        inputs: &[&[u8]],
+        outputs: &mut [&mut [u8]],
+    ) -> Result<()> {
+        self.host_checked(Kind::AllToAll, dtype, inputs, outputs)
+    }
+
     /// The host-staged path reduces in place with typed kernels, which need aligned elements.
     fn check_aligned(&self, dtype: DType, ptrs: impl Iterator<Item = *const u8>) -> Result<()> {
         for (r, p) in ptrs.enumerate() {
@@ -536,6 +575,11 @@ impl Client {
     /// All-gather of device buffers: every result holds the inputs in replica order.
     pub fn all_gather_buffers(&self, inputs: &[&XlaBuffer]) -> Result<Vec<XlaBuffer>> {
         self.device_call(Kind::AllGather, inputs)
+    }
+
+    /// All-to-all of device buffers: result j holds block j of every input, in replica order.
+    pub fn all_to_all_buffers(&self, inputs: &[&XlaBuffer]) -> Result<Vec<XlaBuffer>> {
+        self.device_call(Kind::AllToAll, inputs)
     }
 
     /// Reduce-scatter of device buffers: result r holds slice r of the reduction.

@@ -1,5 +1,7 @@
 //! PJRT programs on `xla:N` ranks: every rank's host buffer staged to its device, one program
-//! over the group's devices, the results staged back (the client's host-staged path).
+//! over the group's devices, the results staged back (the client's host-staged path). Reduce
+//! and gather, which PJRT lacks, are an all-reduce and an all-gather whose root keeps its
+//! result.
 
 mod collective;
 
@@ -18,6 +20,9 @@ pub(crate) struct Pjrt {
 struct Scratch(Vec<u128>, usize);
 
 impl Scratch {
+    fn zeroed(len: usize) -> Scratch {
+        Scratch(vec![0u128; len.div_ceil(16)], len)
+    }
     fn of(bytes: &[u8]) -> Scratch {
         let mut v = vec![0u128; bytes.len().div_ceil(16)];
         bytemuck::cast_slice_mut::<u128, u8>(&mut v)[..bytes.len()].copy_from_slice(bytes);
@@ -100,14 +105,44 @@ impl GroupEngine for Pjrt {
                 unsafe { output(root) }.copy_from_slice(tmp[c.root].bytes());
                 Ok(())
             }
+            Collective::AllToAll => {
+                let ins: Vec<&[u8]> = bufs.iter().map(|b| unsafe { input(b) }).collect();
+                let mut outs: Vec<&mut [u8]> = bufs.iter().map(|b| unsafe { output(b) }).collect();
+                self.client.all_to_all_raw(d, &ins, &mut outs)
+            }
+            Collective::Gather => {
+                // PJRT has no gather: all-gather into scratch outputs, keep the root's.
+                let ins: Vec<&[u8]> = bufs.iter().map(|b| unsafe { input(b) }).collect();
+                let len = ins.first().map_or(0, |i| i.len()) * bufs.len();
+                let mut tmp: Vec<Scratch> = bufs.iter().map(|_| Scratch::zeroed(len)).collect();
+                let mut views: Vec<&mut [u8]> = tmp.iter_mut().map(Scratch::bytes_mut).collect();
+                self.client.all_gather_raw(d, &ins, &mut views)?;
+                let root = &bufs[c.root];
+                if root.output.is_null() {
+                    return Err(Error::config("gather: the root published no output"));
+                }
+                unsafe { output(root) }.copy_from_slice(tmp[c.root].bytes());
+                Ok(())
+            }
             Collective::Barrier => Ok(()),
             // The communicator refuses these before the ranks meet (`GroupEngine::runs`).
             other => Err(crate::error::Error::Unavailable {
                 what: format!("{other} on XLA devices"),
-                why: "their engine runs all_reduce, broadcast, all_gather, reduce, \
-                      reduce_scatter and barrier"
-                    .into(),
+                why: format!("their engine runs {XLA_RUNS}"),
             }),
         }
     }
+
+    fn runs(&self, c: Collective) -> bool {
+        (c as usize) <= Collective::Barrier as usize
+            || matches!(c, Collective::AllToAll | Collective::Gather)
+    }
+
+    fn runs_list(&self) -> &'static str {
+        XLA_RUNS
+    }
 }
+
+/// What the PJRT engine runs, as an error message lists it.
+const XLA_RUNS: &str =
+    "all_reduce, broadcast, all_gather, reduce, reduce_scatter, all_to_all, gather and barrier";
