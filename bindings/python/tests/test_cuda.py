@@ -73,6 +73,31 @@ def test_calls_are_ordered_on_the_tensors_stream(cuda_rank):
     assert float(out.min()) == 40.0 and float(out.max()) == 40.0
 
 
+def test_point_to_point_and_counts_per_block_over_cuda_tensors(cuda_rank):
+    torch, c = cuda_rank
+    side = torch.cuda.Stream()
+    n = 1 << 22
+    with torch.cuda.stream(side):
+        t = torch.zeros(n, device="cuda")
+        # Work queued on the stream before the send: the bytes moved are its result.
+        for _ in range(10):
+            t.add_(1.0)
+        out = torch.empty_like(t)
+        got = c.send_recv([("send", t, 0), ("recv", out, 0)])
+    side.synchronize()
+    assert got[0] is out and float(out.min()) == 10.0 and float(out.max()) == 10.0
+    x = torch.arange(7, device="cuda", dtype=torch.int32)
+    y = c.all_to_all_v(x, [7], [7])
+    torch.cuda.synchronize()
+    assert y.is_cuda and torch.equal(y, x)
+    y = c.all_gather_v(x, [7])
+    torch.cuda.synchronize()
+    assert y.is_cuda and torch.equal(y, x)
+    y = c.reduce_scatter_v(x, [7], op="max")
+    torch.cuda.synchronize()
+    assert y.is_cuda and torch.equal(y, x)
+
+
 def test_host_memory_on_a_cuda_rank_is_refused_clearly(cuda_rank):
     torch, c = cuda_rank
     with pytest.raises((tutti.TuttiError, TypeError, ValueError)) as e:
