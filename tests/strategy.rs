@@ -1982,6 +1982,11 @@ fn optimizer_state_is_saved_and_restored_with_the_variables() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("saved as f64, read as f32"), "{e}");
+    // A checkpoint with no state of the optimizer at all: it starts afresh (a warning), as
+    // Python's Checkpoint and TensorFlow's restore do.
+    let bare = Checkpoint::new(ckpt.step());
+    sgd.restore(&bare, "optimizer", &[("w", &w)]).unwrap();
+    assert_eq!(sgd.iterations(), 0);
 }
 
 /// `--device gpu` trains on the GPUs where tutti sees them, and where it does not says so.

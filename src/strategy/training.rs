@@ -636,10 +636,12 @@ impl Optimizer {
     }
 
     /// Take back the state [`Optimizer::save`] added to `ckpt` under `name`: the iteration
-    /// count and, for every copy of each variable, its slots. Everything is checked before
-    /// anything is set: a slot missing, or of another length or type (an optimizer of another
-    /// rule saved it, say), is an error naming it. Call it outside [`Strategy::run`], on every
-    /// worker.
+    /// count and, for every copy of each variable, its slots. A checkpoint with no state of
+    /// this optimizer at all (saved without it) leaves the optimizer as it is, with a warning,
+    /// as TensorFlow's restore and tutti's Python `Checkpoint` do. Otherwise everything is
+    /// checked before anything is set: a slot missing, or of another length or type (an
+    /// optimizer of another rule saved it, say), is an error naming it. Call it outside
+    /// [`Strategy::run`], on every worker.
     pub fn restore<T: Param>(
         &self,
         ckpt: &Checkpoint,
@@ -647,6 +649,14 @@ impl Optimizer {
         variables: &[(&str, &MirroredVariable<T>)],
     ) -> Result<()> {
         let iterations = format!("{name}/iterations");
+        let mine = format!("{name}/");
+        if !ckpt.names().any(|n| n.starts_with(&mine)) {
+            log::warn!(
+                "checkpoint of step {}: no state of optimizer '{name}'; it starts afresh",
+                ckpt.step()
+            );
+            return Ok(());
+        }
         let it = match ckpt.get::<i64>(&iterations)?.data[..] {
             [it] if it >= 0 => it as u64,
             _ => {
