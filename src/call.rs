@@ -374,3 +374,19 @@ fn check_name(full: bool) -> &'static str {
         "fast"
     }
 }
+
+/// A point-to-point operation by address (for carriers such as the C ABI): see
+/// [`crate::Communicator::send_recv_raw_async`].
+#[derive(Copy, Clone, Debug)]
+pub struct RawPeerOp {
+    /// A send (else a receive).
+    pub send: bool,
+    /// The other rank.
+    pub peer: usize,
+    /// The element type.
+    pub dtype: DType,
+    /// The bytes: read by a send, written by a receive.
+    pub ptr: *mut u8,
+    /// Their length.
+    pub len: usize,
+}

@@ -2188,6 +2188,12 @@ fn point_to_point_between_logical_gpus() {
             "{m}"
         );
     }
+    // The failure aborted the communicators: a later call fails at once, saying so.
+    let c = GpuBuffer::<f32>::zeros(&devs[2], 4).unwrap();
+    let started = std::time::Instant::now();
+    let e = pairs::<f32>(&comms[2], &[(false, c.device_ptr(), 4, 0)]).unwrap_err();
+    assert!(matches!(e, Error::Aborted { .. }), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(5));
     drop(comms);
 
     // A receive whose send never comes: a timeout naming the peer, within the timeout.

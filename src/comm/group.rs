@@ -157,13 +157,26 @@ fn cuda_engine(indices: &[usize], config: &Config) -> Result<Arc<dyn GroupEngine
     Ok(Arc::new(crate::engine::cuda::Cuda::new(group, false)))
 }
 
+#[cfg(feature = "cuda")]
+impl crate::gpu::GpuGroup {
+    /// One communicator per device of this group, rank r on device r, whose calls this group
+    /// runs (with its algorithm; `config` gives the timeout of every wait and the checks): the
+    /// collectives of `tutti::gpu`'s table and point-to-point, over device memory passed by
+    /// address ([`Communicator::run_raw`], [`Communicator::send_recv_raw_async`]). How one
+    /// process runs several ranks on logical GPUs of one GPU, as TensorFlow's logical devices
+    /// do. A group of one rank per process refuses: each process joins its job with
+    /// [`Communicator::from_env`].
+    pub fn into_communicators(mut self, config: &Config) -> Result<Vec<Communicator>> {
+        // The communicators' timeout bounds the group's device waits too.
+        self.set_timeout(config.timeout);
+        gpu_communicators(self, config)
+    }
+}
+
 /// The communicators of an in-process group of this process's GPUs (whole or logical), rank r
 /// on `group`'s device r: see [`crate::gpu::GpuGroup::into_communicators`].
 #[cfg(feature = "cuda")]
-pub(crate) fn gpu_communicators(
-    group: crate::gpu::GpuGroup,
-    config: &Config,
-) -> Result<Vec<Communicator>> {
+fn gpu_communicators(group: crate::gpu::GpuGroup, config: &Config) -> Result<Vec<Communicator>> {
     let n = group.devices().len();
     if group.first_rank() != 0 || group.world_size() != n {
         return Err(Error::config(format!(

@@ -23,8 +23,6 @@ mod tune;
 mod work;
 
 pub(crate) use group::engine_group;
-#[cfg(feature = "cuda")]
-pub(crate) use group::gpu_communicators;
 pub use group::{device_group, local_group, run_local, MAX_LOCAL_RANKS};
 pub use p2p::{PeerOp, RawPeerOp};
 pub use replicas::Replicas;
@@ -565,8 +563,10 @@ impl Communicator {
     /// issued (each rank of an in-process group issues from its own thread) and returns once
     /// its GPU work is queued; its [`Work`] completes when that work is done (a blocking call
     /// returns then). The stream belongs to the GPU's primary context, as the CUDA runtime's
-    /// streams do (PyTorch's, CuPy's); `Some(0)` is the legacy default stream. Errors:
-    /// `InvalidArgument` on a rank whose device is not a CUDA GPU.
+    /// streams do (PyTorch's, CuPy's); `Some(0)` is the legacy default stream. Point-to-point
+    /// calls between GPUs of one process wait for the stream's earlier work too, but complete
+    /// on the host: wait for a non-blocking one's handle before queuing work that reads what
+    /// it received. Errors: `InvalidArgument` on a rank whose device is not a CUDA GPU.
     ///
     /// # Safety
     ///

@@ -72,21 +72,7 @@ impl<'a> PeerOp<'a> {
     }
 }
 
-/// A point-to-point operation by address (for carriers such as the C ABI): see
-/// [`Communicator::send_recv_raw_async`].
-#[derive(Copy, Clone, Debug)]
-pub struct RawPeerOp {
-    /// A send (else a receive).
-    pub send: bool,
-    /// The other rank.
-    pub peer: usize,
-    /// The element type.
-    pub dtype: DType,
-    /// The bytes: read by a send, written by a receive.
-    pub ptr: *mut u8,
-    /// Their length.
-    pub len: usize,
-}
+pub use crate::call::RawPeerOp;
 
 /// A point-to-point call ready to run: its operations by address, checked when it was made.
 struct PairCall {
@@ -243,8 +229,22 @@ impl Runnable for PairCall {
             return Err(Error::invalid(site, m.clone()));
         }
         if let Some(engine) = &shared.engine {
-            // The device's engine moves the bytes (its sends to this rank itself too).
-            let result = engine.pair_exchange(site, self.rank, &self.ops, self.mark.as_deref());
+            // The device's engine moves the bytes (its sends to this rank itself too). An
+            // aborted communicator runs no more of them; a failure aborts the engine too, so
+            // that its waiting ranks hear at once.
+            let transport = &*shared.transport;
+            if let Some(reason) = transport.aborted() {
+                return Err(Error::Aborted {
+                    rank: self.rank,
+                    reason,
+                });
+            }
+            let aborted = || transport.aborted();
+            let result =
+                engine.pair_exchange(site, self.rank, &self.ops, self.mark.as_deref(), &aborted);
+            if let Err(e) = &result {
+                engine.abort(&e.to_string());
+            }
             return self.finish(shared, result);
         }
         if let Ops::One(o) = &self.ops {

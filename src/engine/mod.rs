@@ -20,7 +20,7 @@ pub(crate) mod cuda;
 #[cfg(feature = "xla")]
 pub(crate) mod pjrt;
 
-use crate::comm::RawPeerOp;
+use crate::call::RawPeerOp;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Collective, Result, Site};
 use crate::transport::CallBuffers;
@@ -165,15 +165,17 @@ pub(crate) trait GroupEngine: Send + Sync {
 
     /// Run rank `rank`'s point-to-point operations `ops` (checked), each matched with its
     /// peer's in issue order, as [`crate::Communicator::send_recv`] describes; `mark`: the
-    /// caller's stream's work before the call, which the data waits for.
+    /// caller's stream's work before the call, which the data waits for; `aborted`: the
+    /// communicator's abort (its reason), which ends every wait.
     fn pair_exchange(
         &self,
         site: Site,
         rank: usize,
         ops: &[RawPeerOp],
         mark: Option<&dyn StreamMark>,
+        aborted: &dyn Fn() -> Option<String>,
     ) -> Result<()> {
-        let _ = (rank, ops, mark);
+        let _ = (rank, ops, mark, aborted);
         Err(crate::error::Error::invalid(
             site,
             "point-to-point calls are not available on this device engine",

@@ -612,6 +612,19 @@ impl Comms {
                 })
             }
         };
+        if send_blocks
+            .iter()
+            .chain(recv_blocks)
+            .any(|o| o.len() != self.world + 1)
+        {
+            return Err(Error::System {
+                what: what.into(),
+                message: format!(
+                    "a block list is not {} offsets (one count per rank)",
+                    self.world + 1
+                ),
+            });
+        }
         let es = dtype.size();
         // Block `k` of the offsets `o` over the buffer at `base`: its address and elements.
         let block_of = |base: u64, o: &[usize], k: usize| {

@@ -535,6 +535,10 @@ impl GpuGroup {
         self.timeout
     }
 
+    pub(crate) fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
     /// Mark the work queued so far on a caller's CUDA stream (a `CUstream` or `cudaStream_t` of
     /// device `index`'s GPU, in its primary context; 0: the legacy default stream), for a call
     /// to wait for ([`GpuGroup::execute`]).
@@ -1100,13 +1104,19 @@ impl GpuGroup {
             ));
         }
         let rank = |i: usize| self.first_rank + i;
-        for (i, o) in blocks.send.iter().chain(&blocks.recv).enumerate() {
+        let lists = (blocks.send.iter().map(|o| ("send", o)))
+            .enumerate()
+            .chain(blocks.recv.iter().map(|o| ("receive", o)).enumerate());
+        for (i, (what, o)) in lists {
             if o.len() != p + 1 || o[0] != 0 || o.windows(2).any(|w| w[0] > w[1]) {
                 return Err(self.invalid(
                     c,
                     format!(
-                        "block list {i} is not {} increasing offsets from 0: {o:?}",
-                        p + 1
+                        "rank {}'s {what} blocks are not {} increasing offsets from 0 (one \
+                         count per rank of {p}): {} offsets",
+                        rank(i),
+                        p + 1,
+                        o.len()
                     ),
                 ));
             }
@@ -1116,7 +1126,9 @@ impl GpuGroup {
             if n != p {
                 return Err(Error::Unavailable {
                     what: format!("{c} on a GPU group spanning processes"),
-                    why: "each pair's counts are checked before anything moves, and the other                           processes' counts are not at hand here; run all_to_all_v on host                           buffers, or on a group of this process's GPUs"
+                    why: "each pair's counts are checked before anything moves, and the other \
+                          processes' counts are not at hand here; run all_to_all_v on host \
+                          buffers, or on a group of this process's GPUs"
                         .into(),
                 });
             }
@@ -1126,7 +1138,9 @@ impl GpuGroup {
                     return Err(self.invalid(
                         c,
                         format!(
-                            "rank {} sends {sent} elements to rank {}, which expects {expected}                              from it (send_counts[{j}] of rank {} against recv_counts[{i}] of                              rank {})",
+                            "rank {} sends {sent} elements to rank {}, which expects {expected} \
+                             from it (send_counts[{j}] of rank {} against recv_counts[{i}] of \
+                             rank {})",
                             rank(i),
                             rank(j),
                             rank(i),
@@ -1893,6 +1907,10 @@ impl GpuGroup {
         recv: &[u64],
     ) -> Result<()> {
         let p = self.devices.len();
+        if self.first_rank != 0 || self.world != p {
+            // Copies run within one process, where device index is rank.
+            return Err(not_run(site.collective));
+        }
         let es = dtype.size();
         let at = |base: u64, o: &[usize], k: usize| base + (o[k] * es) as u64;
         let len = Blocks::len;

@@ -11,7 +11,7 @@ pub use group::{GpuAlgorithm, GpuGroup};
 
 use std::time::Instant;
 
-use crate::comm::RawPeerOp;
+use crate::call::RawPeerOp;
 use crate::device::cuda::{DevicePtr, GpuBuffer};
 use crate::error::{Collective, Result, Site};
 use crate::transport::CallBuffers;
@@ -166,10 +166,11 @@ impl GroupEngine for Cuda {
         rank: usize,
         ops: &[RawPeerOp],
         mark: Option<&dyn StreamMark>,
+        communicator_aborted: &dyn Fn() -> Option<String>,
     ) -> Result<()> {
         let deadline = Instant::now() + self.group.timeout();
         let timeout = self.group.timeout();
-        let aborted = || self.group.aborted();
+        let aborted = || self.group.aborted().or_else(communicator_aborted);
         let after = mark.map_or(0, |m| m.raw());
         // Every send first, so that grouped sends and receives in a ring cannot wait on
         // each other.
@@ -214,8 +215,7 @@ impl GroupEngine for Cuda {
                     deadline,
                 )
             };
-            self.post
-                .settle(taken, r.as_ref().map(drop).map_err(|e| e.to_string()));
+            taken.settle(r.as_ref().map(drop).map_err(|e| e.to_string()));
             if let Err(e) = r {
                 received = Err(e);
                 break;
@@ -251,19 +251,6 @@ impl GroupEngine for Cuda {
     }
 }
 
-impl GpuGroup {
-    /// One communicator per device of this group, rank r on device r, whose calls this group
-    /// runs (with its algorithm; `config` gives the communicators' timeout and checks): the
-    /// collectives of `tutti::gpu`'s table and point-to-point, over device memory passed by
-    /// address ([`crate::Communicator::run_raw`], [`crate::Communicator::send_recv_raw_async`]).
-    /// How one process runs several ranks on logical GPUs of one GPU, as TensorFlow's logical
-    /// devices do. A group of one rank per process refuses: each process joins its job with
-    /// [`crate::Communicator::from_env`].
-    pub fn into_communicators(self, config: &crate::Config) -> Result<Vec<crate::Communicator>> {
-        crate::comm::gpu_communicators(self, config)
-    }
-}
-
 /// The blocks of a call with a count per block, from the offsets each rank published with its
 /// buffers (the communicator's, checked: P + 1 of them, all_to_all_v's send then receive
 /// lists); `None` for the other collectives.
@@ -280,7 +267,9 @@ fn blocks_of(c: Collective, bufs: &[CallBuffers]) -> Option<Blocks> {
     );
     for b in bufs {
         // SAFETY: each rank's offsets live in its call, which it does not leave before rank 0
-        // (which runs the group's call) is done with them.
+        // (which runs the group's call) is done with them: a rank that stops waiting (a
+        // timeout, an abort) ends its call by waiting for every rank to leave it
+        // (`LocalTransport::end`), so its `Call` outlives rank 0's use.
         let o = unsafe { b.offsets() };
         let (s, r) = if c == Collective::AllToAllV {
             o.split_at(o.len() / 2)

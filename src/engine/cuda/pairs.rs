@@ -4,10 +4,18 @@
 //! stream it must wait for) in the receiver's box and returns to its group's receives; a
 //! receive takes the first letter from its peer (a pair's messages in issue order), checks it
 //! against itself, copies the bytes GPU to GPU on the receiver's stream, waits for the copy and
-//! settles the letter. A send's call ends once each of its letters is settled, so the sender's
-//! buffer is never read after its call returns. Every rank posts all its sends before it
-//! receives, so a ring of grouped sends and receives cannot wait on itself. Every wait sleeps,
-//! ends at the call's deadline and wakes on the group's abort.
+//! settles the letter. A send's call ends once each of its letters is settled (or withdrawn
+//! untaken), so no copy of the sender's buffer starts after its call returns; a copy that
+//! outlives its receiver's deadline fails the call and aborts the group, as a collective's
+//! does. Every rank posts all its sends before it receives, so a ring of grouped sends and
+//! receives cannot wait on itself. Every wait sleeps, ends at the call's deadline (a sender
+//! whose message is being copied waits for the copy, saying so) and wakes on an abort of the
+//! group or of the communicator.
+//!
+//! The calls complete on the host: with a CUDA stream set, the copy waits for the work queued
+//! on the sender's and the receiver's streams before the call, and the call (or its handle)
+//! completes once the bytes are in place; work queued on the stream after issuing a
+//! non-blocking call is not ordered after it, so wait for its handle first.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -47,8 +55,32 @@ pub(super) struct Post {
 /// How long a wait sleeps between looks at the group's abort flag (an abort also rings).
 const LOOK: Duration = Duration::from_millis(20);
 
-/// A taken letter's id: settle it with [`Post::settle`].
-pub(super) struct Taken(u64);
+/// A taken letter, to be settled with [`Taken::settle`]; dropped unsettled (a panic between
+/// taking and settling), it settles as failed, so that its sender never waits for it forever.
+pub(super) struct Taken<'a> {
+    post: &'a Post,
+    id: u64,
+    settled: bool,
+}
+
+impl Taken<'_> {
+    /// Tell the sender how its message ended.
+    pub fn settle(mut self, outcome: std::result::Result<(), String>) {
+        self.settled = true;
+        self.post.settle(self.id, outcome);
+    }
+}
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.post.settle(
+                self.id,
+                Err("the receiving rank failed before it had copied the message".into()),
+            );
+        }
+    }
+}
 
 impl Post {
     /// Leave a letter for rank `to`; its id, for [`Post::wait_sent`].
@@ -91,7 +123,7 @@ impl Post {
         deadline: Instant,
         timeout: Duration,
         aborted: &dyn Fn() -> Option<String>,
-    ) -> Result<(Letter, Taken)> {
+    ) -> Result<(Letter, Taken<'_>)> {
         let mut s = self.state.lock();
         loop {
             if let Some(reason) = aborted() {
@@ -102,9 +134,15 @@ impl Post {
                 .get(rank)
                 .and_then(|b| b.iter().position(|l| l.from == peer));
             if let Some(k) = found {
-                let letter = s.boxes[rank].remove(k).expect("the letter just found");
-                let id = letter.id;
-                return Ok((letter, Taken(id)));
+                let Some(letter) = s.boxes[rank].remove(k) else {
+                    continue;
+                };
+                let taken = Taken {
+                    post: self,
+                    id: letter.id,
+                    settled: false,
+                };
+                return Ok((letter, taken));
             }
             let now = Instant::now();
             if now >= deadline {
@@ -120,17 +158,17 @@ impl Post {
         }
     }
 
-    /// Tell the sender of a taken letter how its message ended.
-    pub fn settle(&self, taken: Taken, outcome: std::result::Result<(), String>) {
-        self.state.lock().settled.insert(taken.0, outcome);
+    fn settle(&self, id: u64, outcome: std::result::Result<(), String>) {
+        self.state.lock().settled.insert(id, outcome);
         self.bell.notify_all();
     }
 
     /// Wait until every letter of `sent` (id, receiver) is settled. When `failing` (this
-    /// rank's call has already failed), or past `deadline`, letters not yet taken are
-    /// withdrawn; a letter being copied is waited for (its receiver settles it by its own
-    /// deadline), so no receiver reads the buffer once this returns. The first receiver's
-    /// error, or a timeout naming the receivers that did not take theirs.
+    /// rank's call has already failed), or past `deadline`, or once aborted, letters not yet
+    /// taken are withdrawn; a letter being copied is waited for (its receiver settles it by its
+    /// own deadline, or as it fails), so no receiver starts reading the buffer after this
+    /// returns. The first receiver's error, or a timeout naming the receivers that did not take
+    /// theirs.
     #[allow(clippy::too_many_arguments)]
     pub fn wait_sent(
         &self,
@@ -146,6 +184,7 @@ impl Post {
         let mut withdrawn = Vec::new();
         let mut first_err: Option<Error> = None;
         let mut pending: Vec<(u64, usize)> = sent.to_vec();
+        let mut warned = deadline;
         loop {
             let stop = failing || Instant::now() >= deadline || aborted().is_some();
             pending.retain(|&(id, to)| {
@@ -173,8 +212,17 @@ impl Post {
             if pending.is_empty() {
                 break;
             }
-            // Taken and being copied: its receiver settles it by its own deadline.
+            // Taken and being copied: its receiver settles it by its own deadline. Past ours,
+            // say who is still copying, once per timeout, as a failing collective does.
             let now = Instant::now();
+            if stop && now >= warned + timeout {
+                warned = now;
+                log::warn!(
+                    "rank {rank} waits for ranks {:?} to finish copying its message before \
+                     returning its buffers",
+                    pending.iter().map(|p| p.1).collect::<Vec<_>>()
+                );
+            }
             let wait = if stop { LOOK } else { LOOK.min(deadline - now) };
             self.bell.wait_for(&mut s, wait);
         }
