@@ -533,6 +533,61 @@ impl Client {
         self.host_checked(Kind::ReduceScatter(op), dtype, inputs, outputs)
     }
 
+    /// Gather onto `root`: `output` (N × the input count) ends as the inputs in replica order.
+    /// PJRT has no gather: an all-gather whose root's result alone is read back.
+    pub(crate) fn gather_raw(
+        &self,
+        dtype: DType,
+        inputs: &[&[u8]],
+        root: usize,
+        output: &mut [u8],
+    ) -> Result<()> {
+        let kind = Kind::AllGather;
+        let esize = dtype.size();
+        let result = (|| {
+            let lens: Vec<usize> = inputs.iter().map(|b| b.len() / esize).collect();
+            let count = self.check_call(kind, &lens)?;
+            let n = inputs.len();
+            if root >= n || output.len() != count * n * esize {
+                return Err(Error::invalid(
+                    self.site(kind, root),
+                    format!(
+                        "gather: root {root} of {n} replicas with an output of {} bytes, for \
+                         {} bytes",
+                        output.len(),
+                        count * n * esize
+                    ),
+                ));
+            }
+            let key = ProgramKey {
+                kind,
+                dtype,
+                count,
+                replicas: n,
+            };
+            match self.plan(key)? {
+                Plan::Staged => {
+                    self.inner.count_staged();
+                    output.copy_from_slice(host_collective(kind, dtype, inputs).part(root, n));
+                    Ok(())
+                }
+                Plan::Program(exe) => {
+                    let bufs = inputs
+                        .iter()
+                        .enumerate()
+                        .map(|(r, b)| self.upload_bytes(b, dtype, r))
+                        .collect::<Result<Vec<_>>>()?;
+                    let refs: Vec<&XlaBuffer> = bufs.iter().collect();
+                    let outs = self.run_program(&exe, kind, dtype, count, &refs)?;
+                    drop(bufs);
+                    self.inner.download(&[&outs[root]], &mut [output])
+                }
+            }
+        })();
+        self.inner.calls.fetch_add(1, Ordering::Relaxed);
+        result
+    }
+
     /// [`Client::all_to_all`] over bytes.
     pub fn all_to_all_raw(
         &self,

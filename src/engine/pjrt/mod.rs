@@ -20,9 +20,6 @@ pub(crate) struct Pjrt {
 struct Scratch(Vec<u128>, usize);
 
 impl Scratch {
-    fn zeroed(len: usize) -> Scratch {
-        Scratch(vec![0u128; len.div_ceil(16)], len)
-    }
     fn of(bytes: &[u8]) -> Scratch {
         let mut v = vec![0u128; bytes.len().div_ceil(16)];
         bytemuck::cast_slice_mut::<u128, u8>(&mut v)[..bytes.len()].copy_from_slice(bytes);
@@ -111,18 +108,13 @@ impl GroupEngine for Pjrt {
                 self.client.all_to_all_raw(d, &ins, &mut outs)
             }
             Collective::Gather => {
-                // PJRT has no gather: all-gather into scratch outputs, keep the root's.
                 let ins: Vec<&[u8]> = bufs.iter().map(|b| unsafe { input(b) }).collect();
-                let len = ins.first().map_or(0, |i| i.len()) * bufs.len();
-                let mut tmp: Vec<Scratch> = bufs.iter().map(|_| Scratch::zeroed(len)).collect();
-                let mut views: Vec<&mut [u8]> = tmp.iter_mut().map(Scratch::bytes_mut).collect();
-                self.client.all_gather_raw(d, &ins, &mut views)?;
                 let root = &bufs[c.root];
                 if root.output.is_null() {
                     return Err(Error::config("gather: the root published no output"));
                 }
-                unsafe { output(root) }.copy_from_slice(tmp[c.root].bytes());
-                Ok(())
+                self.client
+                    .gather_raw(d, &ins, c.root, unsafe { output(root) })
             }
             Collective::Barrier => Ok(()),
             // The communicator refuses these before the ranks meet (`GroupEngine::runs`).
