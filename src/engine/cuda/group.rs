@@ -8,6 +8,11 @@
 //! | `reduce-to-one[:ROOT]` | TensorFlow's ReductionToOneDevice: ROOT (default 0) reduces every buffer in device order, then every device copies the result | broadcast: every device copies the root's buffer; reduce: the root reduces every input; all-gather: every device copies every input; reduce-scatter: device r reduces slice r of every input |
 //! | `auto` | `nccl` when NCCL is present and every device is a whole GPU of its own; otherwise `reduce-to-one`, as TensorFlow's MirroredStrategy falls back (the reason goes to stderr) | |
 //!
+//! All-to-all, gather, scatter and the calls with a count per block ([`Blocks`]) run as NCCL's
+//! grouped sends and receives (reduce-scatter-v: one `ncclReduce` per block), or between logical
+//! GPUs as one copy or reduction per block. Point-to-point between the GPUs of one process meets
+//! in the engine (`super::pairs`) and moves with [`GpuGroup::pair_copy`].
+//!
 //! The copy-based all-reduces are not written here: they are the host's schedules of moves
 //! (`algorithm::CopyAlgorithm`), which a [`GpuGroup`] queues move by move as copies and
 //! reductions over every device of the group. They read a peer GPU's memory directly where
