@@ -232,13 +232,15 @@ impl Client {
         }
     }
 
-    /// The host-buffer form of every collective: inputs in, results written to `outputs`.
+    /// The host-buffer form of every collective: inputs in, results written to `outputs` (one
+    /// per replica, or with `only`, the one replica's result alone).
     fn host_call(
         &self,
         kind: Kind,
         dtype: DType,
         inputs: &[&[u8]],
         outputs: &mut [&mut [u8]],
+        only: Option<usize>,
     ) -> Result<()> {
         self.inner.check_usable()?;
         let n = inputs.len();
@@ -253,8 +255,8 @@ impl Client {
             Plan::Staged => {
                 self.inner.count_staged();
                 let result = host_collective(kind, dtype, inputs);
-                for (r, out) in outputs.iter_mut().enumerate() {
-                    out.copy_from_slice(result.part(r, n));
+                for (i, out) in outputs.iter_mut().enumerate() {
+                    out.copy_from_slice(result.part(only.unwrap_or(i), n));
                 }
                 Ok(())
             }
@@ -267,7 +269,11 @@ impl Client {
                 let refs: Vec<&XlaBuffer> = bufs.iter().collect();
                 let outs = self.run_program(&exe, kind, dtype, count, &refs)?;
                 drop(bufs);
-                let out_refs: Vec<&XlaBuffer> = outs.iter().collect();
+                // The other replicas' results stay on their devices and are freed.
+                let out_refs: Vec<&XlaBuffer> = match only {
+                    Some(r) => vec![&outs[r]],
+                    None => outs.iter().collect(),
+                };
                 self.inner.download(&out_refs, outputs)
             }
         }
@@ -381,7 +387,7 @@ impl Client {
             let n = inputs.len();
             let out_lens: Vec<usize> = outputs.iter().map(|b| b.len() / esize).collect();
             self.check_outputs(kind, kind.out_count(count, n), &out_lens, n)?;
-            self.host_call(kind, dtype, inputs, outputs)
+            self.host_call(kind, dtype, inputs, outputs, None)
         })();
         self.inner.calls.fetch_add(1, Ordering::Relaxed);
         result
@@ -559,30 +565,7 @@ impl Client {
                     ),
                 ));
             }
-            let key = ProgramKey {
-                kind,
-                dtype,
-                count,
-                replicas: n,
-            };
-            match self.plan(key)? {
-                Plan::Staged => {
-                    self.inner.count_staged();
-                    output.copy_from_slice(host_collective(kind, dtype, inputs).part(root, n));
-                    Ok(())
-                }
-                Plan::Program(exe) => {
-                    let bufs = inputs
-                        .iter()
-                        .enumerate()
-                        .map(|(r, b)| self.upload_bytes(b, dtype, r))
-                        .collect::<Result<Vec<_>>>()?;
-                    let refs: Vec<&XlaBuffer> = bufs.iter().collect();
-                    let outs = self.run_program(&exe, kind, dtype, count, &refs)?;
-                    drop(bufs);
-                    self.inner.download(&[&outs[root]], &mut [output])
-                }
-            }
+            self.host_call(kind, dtype, inputs, &mut [output], Some(root))
         })();
         self.inner.calls.fetch_add(1, Ordering::Relaxed);
         result
