@@ -88,9 +88,9 @@ pub use comm::{
 };
 pub use device::{
     discover as discover_devices, host as host_info, logical_cpus, parse_spec as parse_device,
-    Device, DeviceKind, HostInfo,
+    Device, DeviceKind, DeviceTensor, HostInfo,
 };
-pub use dtype::{kernels, DType, Element, ReduceOp};
+pub use dtype::{kernels, Apply, DType, Element, ReduceOp};
 pub use error::{Collective, Error, Result, Site};
 pub use half::{bf16, f16};
 pub use trace::flush as flush_trace;

@@ -636,6 +636,60 @@ fn workers_start_from_the_chiefs_initial_value() {
     }
 }
 
+/// Tensors placed on CPU replicas (host memory) reduce, broadcast and gather across 2 workers
+/// x 2 replicas as the replica context's slices do.
+#[test]
+fn tensors_on_cpu_replicas_reduce_across_workers() {
+    let out = on_two_workers(2, |w, strategy| {
+        let got = strategy.run(|ctx| {
+            let id = ctx.replica_id_in_sync_group() as f64;
+            let v = [id, 1.0, -id * 0.5];
+            let mut t = ctx.place(&v)?;
+            assert_eq!(t.kind(), tutti::DeviceKind::Cpu);
+            ctx.all_reduce_tensor(ReduceOp::Mean, &mut t)?;
+            let mut b = ctx.place(&[id * 10.0])?;
+            ctx.broadcast_tensor(&mut b, 3)?;
+            let mut g = ctx.place(&[id as i32, w as i32])?;
+            ctx.all_gather_tensor(&mut g)?;
+            let mut s = v.to_vec();
+            ctx.all_reduce(ReduceOp::Mean, &mut s)?;
+            Ok((
+                t.to_vec::<f64>()?,
+                s,
+                b.to_vec::<f64>()?,
+                g.to_vec::<i32>()?,
+            ))
+        })?;
+        // A device variable starts from the chief's value; updates combine across workers.
+        let var = strategy.device_variable(&[100.0 * (w + 1) as f32, 1.0])?;
+        let start = var.value()?;
+        strategy.run(|ctx| {
+            let id = ctx.replica_id_in_sync_group() as f32;
+            let u = ctx.place(&[id, 1.0])?;
+            var.assign_add_in(ctx, &u, Aggregation::Mean)?;
+            var.assign_sub_in(ctx, &u, Aggregation::Sum)?;
+            var.assign_add_in(
+                ctx,
+                &ctx.place(&[id + 7.0, 0.0])?,
+                Aggregation::OnlyFirstReplica,
+            )
+        })?;
+        Ok((got.0, start, var.value()?, var.in_sync()?))
+    });
+    for (per_worker, start, end, in_sync) in out {
+        for (t, s, b, g) in per_worker {
+            assert_eq!(t, vec![1.5, 1.0, -0.75]);
+            assert_eq!(t, s);
+            assert_eq!(b, vec![30.0]);
+            assert_eq!(g, vec![0, 0, 1, 0, 2, 1, 3, 1]);
+        }
+        assert_eq!(start, vec![100.0, 1.0]);
+        // + mean (1.5, 1) - sum (6, 4) + replica 0's (7, 0).
+        assert_eq!(end, vec![100.0 + 1.5 - 6.0 + 7.0, 1.0 + 1.0 - 4.0]);
+        assert!(in_sync);
+    }
+}
+
 /// TensorFlow runs MultiWorkerMirroredStrategy without a cluster as one worker on the local
 /// devices: a script written for a cluster runs unchanged on a laptop.
 #[test]

@@ -148,3 +148,259 @@ fn tpu_setup_resolves_initializes_and_reports_the_topology() {
     let (_, again) = initialize_tpu_system_with(&resolver, &opts).unwrap();
     assert_eq!(again, topology);
 }
+
+/// Replica values placed on their XLA devices reduce there: the collectives on tensors copy
+/// nothing between host and devices (a collective on host values copies every replica's value
+/// both ways), and give what the host values give.
+#[test]
+fn tensors_on_xla_devices_reduce_without_a_host_round_trip() {
+    let Some(c) = client() else { return };
+    let n = c.devices().len();
+    let s = Strategy::tpu(c.clone()).unwrap();
+    let len = 1000;
+    let value = |id: usize, i: usize| (id * 7 + i % 13) as f32 * 0.25;
+
+    // Place every replica's value on its device (n uploads), then reduce and broadcast there.
+    let placed = s
+        .run(|ctx| {
+            let id = ctx.replica_id_in_sync_group();
+            let v: Vec<f32> = (0..len).map(|i| value(id, i)).collect();
+            ctx.place(&v)
+        })
+        .unwrap();
+    let mut placed = placed.0;
+    let before = c.cache_stats();
+    let slots: Vec<std::sync::Mutex<Option<tutti::DeviceTensor>>> = placed
+        .drain(..)
+        .map(|t| std::sync::Mutex::new(Some(t)))
+        .collect();
+    let gathered = s
+        .run(|ctx| {
+            let mut t = slots[ctx.local_replica_id()]
+                .lock()
+                .unwrap()
+                .take()
+                .unwrap();
+            assert_eq!(t.kind(), tutti::DeviceKind::Xla);
+            ctx.all_reduce_tensor(ReduceOp::Sum, &mut t)?;
+            ctx.all_reduce_tensor(ReduceOp::Mean, &mut t)?;
+            ctx.broadcast_tensor(&mut t, n - 1)?;
+            let mut g = ctx.place(&[ctx.replica_id_in_sync_group() as u8; 3])?;
+            ctx.all_gather_tensor(&mut g)?;
+            *slots[ctx.local_replica_id()].lock().unwrap() = Some(t);
+            Ok(g)
+        })
+        .unwrap();
+    let after = c.cache_stats();
+    // n uploads: the small tensors the all-gather starts from.
+    assert_eq!(
+        (after.uploads, after.downloads, after.staged_calls),
+        (
+            before.uploads + n as u64,
+            before.downloads,
+            before.staged_calls
+        ),
+        "the collectives on tensors copied through host memory: {before:?} -> {after:?}"
+    );
+    assert!(after.compiled + after.hits >= before.compiled + before.hits + 4);
+    let want: Vec<u8> = (0..n as u8).flat_map(|r| [r; 3]).collect();
+    for g in gathered.local_results() {
+        assert_eq!(g.len(), 3 * n);
+        assert_eq!(g.as_xla().map(|b| b.len()), Some(3 * n));
+    }
+    for g in gathered.0 {
+        let b = g.into_xla().unwrap();
+        assert_eq!(b.to_vec::<u8>().unwrap(), want);
+    }
+
+    // The same reductions on host values: the same numbers, with copies both ways.
+    let host = s
+        .run(|ctx| {
+            let id = ctx.replica_id_in_sync_group();
+            let mut v: Vec<f32> = (0..len).map(|i| value(id, i)).collect();
+            ctx.all_reduce(ReduceOp::Sum, &mut v)?;
+            ctx.all_reduce(ReduceOp::Mean, &mut v)?;
+            ctx.broadcast(&mut v, n - 1)?;
+            Ok(v)
+        })
+        .unwrap();
+    let staged = c.cache_stats();
+    assert!(
+        staged.uploads >= after.uploads + 3 * n as u64
+            && staged.downloads >= after.downloads + 3 * n as u64,
+        "host values are copied to the devices and back: {after:?} -> {staged:?}"
+    );
+    for (slot, h) in slots.iter().zip(host.local_results()) {
+        let t = slot.lock().unwrap().take().unwrap();
+        assert_eq!(&t.to_vec::<f32>().unwrap(), h);
+    }
+    let want: Vec<f32> = (0..len)
+        .map(|i| (0..n).map(|id| value(id, i)).sum::<f32>())
+        .collect();
+    assert_eq!(host.local_results()[0], want);
+
+    // A replica whose value is in host memory while the others' are on their devices is an
+    // error naming both kinds, on every replica, not a misread buffer.
+    let err = s
+        .run(|ctx| {
+            let id = ctx.replica_id_in_sync_group();
+            let mut t = if id == 1 {
+                tutti::DeviceTensor::from_host(&[1.0f32, 2.0])
+            } else {
+                ctx.place(&[1.0f32, 2.0])?
+            };
+            ctx.all_reduce_tensor(ReduceOp::Sum, &mut t)
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("host memory") && err.contains("on its device"),
+        "{err}"
+    );
+    // A tensor on another replica's device, or one a CPU strategy is given: errors that say so.
+    let err = s
+        .run(|ctx| {
+            let id = ctx.replica_id_in_sync_group();
+            let mut t = tutti::DeviceTensor::from(c.buffer_from_host(&[1.0f32], (id + 1) % n)?);
+            ctx.all_reduce_tensor(ReduceOp::Sum, &mut t)
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("replica r's buffer must be on device r"),
+        "{err}"
+    );
+    let cpus = Strategy::mirrored(&tutti::logical_cpus(2).unwrap(), None).unwrap();
+    let err = cpus
+        .run(|ctx| {
+            let mut t = tutti::DeviceTensor::from(c.buffer_from_host(&[1.0f32], 0)?);
+            ctx.all_reduce_tensor(ReduceOp::Sum, &mut t)
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("cpu:") && err.contains("Communicator::place"),
+        "{err}"
+    );
+    // The strategy goes on.
+    let ok = s
+        .run(|ctx| {
+            let mut t = ctx.place(&[2i32, 3])?;
+            ctx.all_reduce_tensor(ReduceOp::Max, &mut t)?;
+            t.to_vec::<i32>()
+        })
+        .unwrap();
+    assert!(ok.local_results().iter().all(|v| v == &[2, 3]));
+}
+
+/// A variable whose copies live on the XLA devices: each update in the replica context combines
+/// the replicas' update tensors and applies the result to every copy in one program, with no
+/// copy through host memory; the values are those of a host variable updated alike.
+#[test]
+fn device_variables_update_on_their_devices() {
+    use tutti::strategy::Aggregation;
+    let Some(c) = client() else { return };
+    let n = c.devices().len();
+    let s = Strategy::tpu(c.clone()).unwrap();
+    let len = 257;
+    let init: Vec<f32> = (0..len).map(|i| i as f32 * 0.5).collect();
+    let grad = |id: usize, i: usize| ((id + 1) * (i % 5 + 1)) as f32 * 0.125;
+    let v = s.device_variable(&init).unwrap();
+    let h = s.mirrored_variable(&init).unwrap();
+    assert_eq!(v.len(), len);
+    let steps = [
+        (Aggregation::Mean, 0),
+        (Aggregation::Sum, 1),
+        (Aggregation::OnlyFirstReplica, 0),
+        (Aggregation::Mean, 2),
+    ];
+    // Each replica's update placed on its device once.
+    let updates = s
+        .run(|ctx| {
+            let id = ctx.replica_id_in_sync_group();
+            ctx.place(&(0..len).map(|i| grad(id, i)).collect::<Vec<f32>>())
+        })
+        .unwrap();
+    let updates: Vec<tutti::DeviceTensor> = updates.0;
+    let before = c.cache_stats();
+    s.run(|ctx| {
+        let u = &updates[ctx.local_replica_id()];
+        for &(agg, how) in &steps {
+            match how {
+                0 => v.assign_add_in(ctx, u, agg)?,
+                1 => v.assign_sub_in(ctx, u, agg)?,
+                _ => v.assign_in(ctx, u, agg)?,
+            }
+        }
+        for &(agg, how) in &steps[..3] {
+            match how {
+                0 => v.assign_add_in(ctx, u, agg)?,
+                _ => v.assign_sub_in(ctx, u, agg)?,
+            }
+        }
+        Ok(())
+    })
+    .unwrap();
+    let after = c.cache_stats();
+    assert_eq!(
+        (after.uploads, after.downloads, after.staged_calls),
+        (before.uploads, before.downloads, before.staged_calls),
+        "the updates copied through host memory: {before:?} -> {after:?}"
+    );
+    // The same updates on a host variable.
+    s.run(|ctx| {
+        let id = ctx.replica_id_in_sync_group();
+        let u: Vec<f32> = (0..len).map(|i| grad(id, i)).collect();
+        for &(agg, how) in steps.iter().chain(&steps[..3]) {
+            match how {
+                0 => ctx.assign_add(&h, &u, agg)?,
+                1 => ctx.assign_sub(&h, &u, agg)?,
+                _ => ctx.assign(&h, &u, agg)?,
+            }
+        }
+        Ok(())
+    })
+    .unwrap();
+    assert!(v.in_sync().unwrap());
+    let got = v.value().unwrap();
+    let want = h.value();
+    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+            "element {i}: {a} vs {b}"
+        );
+    }
+    // By hand: after the assign (the mean of the updates), +mean -sum +first.
+    let mean = |i: usize| (0..n).map(|id| grad(id, i)).sum::<f32>() / n as f32;
+    let sum = |i: usize| (0..n).map(|id| grad(id, i)).sum::<f32>();
+    assert!((got[3] - (mean(3) + mean(3) - sum(3) + grad(0, 3))).abs() < 1e-5);
+
+    // From outside `run`: host updates placed once per replica.
+    let ups = tutti::strategy::PerReplica((0..n).map(|r| vec![r as f32; len]).collect());
+    v.assign(&s, &ups, Aggregation::Sum).unwrap();
+    let total = (0..n).sum::<usize>() as f32;
+    assert_eq!(v.read(n - 1).unwrap(), vec![total; len]);
+    // An update of another length is an error, and the variable is unchanged.
+    let err = s
+        .run(|ctx| {
+            let u = ctx.place(&[1.0f32; 3])?;
+            v.assign_add_in(ctx, &u, Aggregation::Sum)
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("the update is"), "{err}");
+    assert_eq!(v.value().unwrap(), vec![total; len]);
+
+    // Where a plugin refuses the program, the update runs host-staged, to the same values.
+    c.set_route(tutti::xla::Route::HostStaged);
+    let staged = c.cache_stats().staged_calls;
+    s.run(|ctx| {
+        let u = ctx.place(&vec![ctx.replica_id_in_sync_group() as f32; len])?;
+        v.assign_sub_in(ctx, &u, Aggregation::Sum)?;
+        v.assign_add_in(ctx, &u, Aggregation::OnlyFirstReplica)
+    })
+    .unwrap();
+    assert_eq!(c.cache_stats().staged_calls, staged + 2);
+    assert_eq!(v.value().unwrap(), vec![0.0; len]);
+    assert!(v.in_sync().unwrap());
+}

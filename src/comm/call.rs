@@ -5,10 +5,11 @@
 use super::work::{Runnable, Shared};
 use super::{Communicator, RawCall};
 use crate::algorithm::{self, Algorithm, Ctx, Plan};
-use crate::dtype::{DType, ReduceOp};
+use crate::device::DeviceTensor;
+use crate::dtype::{Apply, DType, ReduceOp};
 use crate::engine::{GroupCall, GroupEngine, StreamMark};
 use crate::error::{Collective, Error, Result, Site};
-use crate::transport::{CallBuffers, CallHeader, NativeCall, Transport};
+use crate::transport::{CallBuffers, CallHeader, Held, NativeCall, Transport};
 
 /// Leaves the call on every exit, a panic included, so that peers never read freed memory.
 struct CallGuard<'a> {
@@ -664,6 +665,7 @@ impl Communicator {
             end: 0,
             offsets: std::ptr::null(),
             offsets_len: 0,
+            held: Held::Bytes,
         };
         Call {
             collective: Collective::AllReduce,
@@ -699,6 +701,7 @@ impl Communicator {
             end: 0,
             offsets: std::ptr::null(),
             offsets_len: 0,
+            held: Held::Bytes,
         };
         Call {
             collective: Collective::Broadcast,
@@ -754,6 +757,7 @@ impl Communicator {
             end: 0,
             offsets: std::ptr::null(),
             offsets_len: 0,
+            held: Held::Bytes,
         };
         Call {
             collective: Collective::AllGather,
@@ -805,6 +809,7 @@ impl Communicator {
             end: 0,
             offsets: std::ptr::null(),
             offsets_len: 0,
+            held: Held::Bytes,
         };
         Call {
             collective: Collective::ReduceScatter,
@@ -881,6 +886,7 @@ impl Communicator {
             end: 0,
             offsets: std::ptr::null(),
             offsets_len: 0,
+            held: Held::Bytes,
         };
         Call {
             collective: Collective::Reduce,
@@ -1102,6 +1108,7 @@ impl Communicator {
                 end: 0,
                 offsets: std::ptr::null(),
                 offsets_len: 0,
+                held: Held::Bytes,
             },
             rank: self.rank(),
             algorithm: self.algorithm,
@@ -1191,6 +1198,61 @@ impl Communicator {
         let mut call =
             self.blocks_call(Collective::Scatter, dtype, input, output, check, Vec::new());
         call.root = Some(root);
+        call
+    }
+
+    /// `collective` (all-reduce with `op`, broadcast from `root`, or all-gather) over this
+    /// rank's tensor `t` on its device, where it lies: the rank publishes the tensor itself
+    /// ([`CallBuffers::held`]) for the group's engine, which replaces it with the result. With
+    /// `update` (the rank's update tensor, and how it applies), `t` is a variable's copy: the
+    /// collective combines the updates and the engine applies the result to each copy. A rank
+    /// whose engine does not run the collective on tensors refuses, before the ranks meet.
+    pub(super) fn tensor_call(
+        &self,
+        collective: Collective,
+        t: &mut DeviceTensor,
+        update: Option<(&DeviceTensor, Apply)>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Call {
+        let dtype = t.dtype();
+        let bytes = t.len().saturating_mul(dtype.size());
+        let what = format!("{t:?}");
+        // The lengths the ranks compare when they meet (an all-gather's output is the world's
+        // inputs); nothing reads them as bytes.
+        let ptr: *mut u8 = (t as *mut DeviceTensor).cast();
+        let at = |len: usize| BytesMut { ptr, len };
+        let mut call = match collective {
+            Collective::Broadcast => self.broadcast_call(dtype, at(bytes), root),
+            Collective::AllGather => {
+                self.all_gather_call(dtype, None, at(bytes.saturating_mul(self.world_size())))
+            }
+            _ => self.all_reduce_call(dtype, None, at(bytes), op),
+        };
+        call.buffers.held = Held::Tensor;
+        if let Some((u, apply)) = update {
+            call.buffers.input = (u as *const DeviceTensor).cast();
+            call.buffers.held = Held::Update(apply);
+            if call.check.is_ok() && (u.dtype(), u.len()) != (dtype, bytes / dtype.size()) {
+                call.check = Err(format!(
+                    "the update {u:?} does not match the variable's copy {what}; they must have \
+                     one dtype and length"
+                ));
+            }
+        }
+        let shared = self.progress.shared();
+        let runs = shared
+            .engine
+            .as_ref()
+            .is_some_and(|e| !e.per_rank() && e.runs_held(collective, call.buffers.held));
+        if call.check.is_ok() && !runs {
+            call.check = Err(format!(
+                "rank {} is on {}, which does not run {collective} on {what}; make tensors with \
+                 the rank's own communicator (Communicator::place)",
+                self.rank(),
+                self.device_spec()
+            ));
+        }
         call
     }
 

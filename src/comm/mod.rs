@@ -19,6 +19,7 @@ mod replicas;
 mod shared;
 mod shrink;
 mod split;
+mod tensor;
 mod tune;
 mod work;
 
@@ -27,6 +28,7 @@ pub use group::{device_group, local_group, run_local, MAX_LOCAL_RANKS};
 pub use p2p::{PeerOp, RawPeerOp};
 pub use replicas::Replicas;
 pub use shared::SharedBuffer;
+pub(crate) use tensor::Combined;
 pub use work::Work;
 
 pub use crate::config::{

@@ -9,6 +9,11 @@
 pub(crate) mod cuda;
 #[cfg(feature = "xla")]
 pub(crate) mod pjrt;
+mod tensor;
+
+pub use tensor::DeviceTensor;
+#[cfg(feature = "xla")]
+pub(crate) use tensor::Storage;
 
 use std::fmt;
 use std::str::FromStr;

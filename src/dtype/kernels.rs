@@ -20,7 +20,7 @@
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
-use super::{DType, Element, ReduceOp};
+use super::{Apply, DType, Element, ReduceOp};
 
 /// What the destination holds before a [`reduce`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -102,6 +102,21 @@ pub fn reduce(
 /// [`reduce`]). Integers truncate toward zero.
 pub fn divide(dtype: DType, buf: &mut [u8], n: usize) {
     reduce(dtype, ReduceOp::Sum, buf, &[], Init::Accumulate, Some(n));
+}
+
+/// A variable's update, element-wise: `var + update`, `var - update` or `update` as `apply`
+/// says; the sum as [`reduce`] adds, the difference in f64, rounded once to the element type.
+pub fn apply_update(dtype: DType, var: &mut [u8], update: &[u8], apply: Apply) {
+    match apply {
+        Apply::Assign => var.copy_from_slice(update),
+        Apply::Add => reduce(dtype, ReduceOp::Sum, var, &[update], Init::Accumulate, None),
+        Apply::Subtract => crate::for_each_dtype!(dtype, T => {
+            let u = bytemuck::cast_slice::<u8, T>(update);
+            for (x, y) in bytemuck::cast_slice_mut::<u8, T>(var).iter_mut().zip(u) {
+                *x = T::from_f64(x.to_f64() - y.to_f64());
+            }
+        }),
+    }
 }
 
 /// Whether `factor` can scale `dtype` elements ([`scale`]): any finite number for the float

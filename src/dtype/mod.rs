@@ -236,6 +236,17 @@ impl FromStr for ReduceOp {
     }
 }
 
+/// How a variable's combined update applies to its copy.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Apply {
+    /// `copy + update`.
+    Add,
+    /// `copy - update`.
+    Subtract,
+    /// `update`.
+    Assign,
+}
+
 /// Run a block with a type alias bound to the Rust type of a runtime [`DType`]:
 /// `for_each_dtype!(dtype, T => { size_of::<T>() })`.
 #[macro_export]

@@ -7,7 +7,7 @@
 //!   one group (as `ncclCommInitAll`); a call runs once for the whole group, on rank 0's thread,
 //!   over the buffers every rank published when it met the others:
 //!   - [`pjrt`]: PJRT programs on `xla:N` ranks (compiled once per call shape, cached), over
-//!     host memory staged to the devices;
+//!     host memory staged to the devices, or over the ranks' [`DeviceTensor`]s where they lie;
 //!   - [`cuda`] (feature `cuda`): NCCL or the CUDA copy algorithms on `cuda:N` ranks, over
 //!     device memory.
 //!
@@ -21,9 +21,10 @@ pub(crate) mod cuda;
 pub(crate) mod pjrt;
 
 use crate::call::RawPeerOp;
+use crate::device::DeviceTensor;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Collective, Result, Site};
-use crate::transport::CallBuffers;
+use crate::transport::{CallBuffers, Held};
 
 /// The collectives a CUDA group runs (feature `cuda`): every device library's, and the
 /// personalized ones and those with a count per block (NCCL's grouped sends and receives;
@@ -180,6 +181,22 @@ pub(crate) trait GroupEngine: Send + Sync {
             site,
             "point-to-point calls are not available on this device engine",
         ))
+    }
+
+    /// A tensor holding `bytes` (whole elements of `dtype`) in rank `rank`'s device memory,
+    /// where the engine's collectives on tensors ([`CallBuffers::held`]) take it: a PJRT
+    /// buffer on device `rank`. Engines that reduce host memory keep it there.
+    fn place(&self, rank: usize, dtype: DType, bytes: &[u8]) -> Result<DeviceTensor> {
+        let _ = rank;
+        Ok(DeviceTensor::from_bytes(dtype, bytes))
+    }
+
+    /// Whether this engine runs collective `c` on tensors it placed ([`GroupEngine::place`]),
+    /// where they lie, as `held` says (the tensor in place, or a variable's update). The
+    /// communicator refuses the others.
+    fn runs_held(&self, c: Collective, held: Held) -> bool {
+        let _ = (c, held);
+        false
     }
 
     /// Abort the engine's own work (NCCL's communicators), with the communicator.

@@ -16,6 +16,13 @@
 //! | [`Strategy::multi_worker_mirrored`] | local devices × workers | one per replica | local reduce, cross-worker all-reduce, local broadcast |
 //! | [`ParameterServerStrategy`](ps::ParameterServerStrategy) | workers run scheduled steps | sharded on `ps` tasks | pushed to the ps asynchronously |
 //!
+//! Values may live on the replicas' devices: [`ReplicaContext::place`] makes a
+//! [`DeviceTensor`] there, the `*_tensor` collectives of the replica
+//! context run on it where it lies, and a [`DeviceVariable`] keeps its copies there, each
+//! update combined and applied by the replicas' engine (one compiled program on XLA devices).
+//! The strategy layer only hands tensors to the communicators; which memory they are in is
+//! the device layer's business.
+//!
 //! (Why one long file: every strategy is the one `Strategy` type and its replica context;
 //! variables, fusion, tensors and parameter servers have files of their own.)
 
@@ -40,7 +47,7 @@ pub use tensor::Tensor;
 pub use training::{compute_average_loss, Compute, Mean, Optimizer, Param, Rule, SlotState};
 #[doc(hidden)]
 pub use training::{AnySlots, Slots, Stretch};
-pub use variables::{Aggregation, CentralVariable, MirroredVariable};
+pub use variables::{Aggregation, CentralVariable, DeviceVariable, MirroredVariable};
 
 use std::sync::Arc;
 
@@ -49,8 +56,8 @@ use parking_lot::Mutex;
 use crate::algorithm::Algorithm;
 use crate::cluster::ClusterSpec;
 use crate::comm::{Communicator, Config, Replicas};
-use crate::device::{self, Device, DeviceKind};
-use crate::dtype::{Element, ReduceOp};
+use crate::device::{self, Device, DeviceKind, DeviceTensor};
+use crate::dtype::{DType, Element, ReduceOp};
 use crate::engine::GroupEngine;
 use crate::error::{Error, Result};
 use crate::transport::TransportKind;
@@ -1281,6 +1288,15 @@ impl Strategy {
         Ok(MirroredVariable::new(&value, self.devices.len()))
     }
 
+    /// Create a mirrored variable whose copies live on the replicas' devices
+    /// ([`DeviceVariable`]), initialised to the chief's `initial` as
+    /// [`Strategy::mirrored_variable`] is: each copy placed on its replica's device once.
+    pub fn device_variable<T: Element>(&self, initial: &[T]) -> Result<DeviceVariable<T>> {
+        let value = self.chiefs_value(initial, "device_variable")?;
+        let copies = self.run(|ctx| ctx.place(&value))?;
+        Ok(DeviceVariable::new(copies.0))
+    }
+
     /// Create a variable stored once (CentralStorageStrategy's way), initialised to the chief's
     /// `initial` as [`Strategy::mirrored_variable`] is.
     pub fn central_variable<T: Element>(&self, initial: &[T]) -> Result<CentralVariable<T>> {
@@ -1486,49 +1502,127 @@ impl ReplicaContext<'_> {
     /// All-reduce across every replica in sync: local reduce, cross-worker all-reduce (from local
     /// replica 0), local broadcast. `Mean` divides by the number of replicas in sync.
     pub fn all_reduce<T: Element>(&self, op: ReduceOp, buf: &mut [T]) -> Result<()> {
-        let custom = self.strategy.custom_ops(op, T::DTYPE);
+        self.all_reduce_bytes(op, T::DTYPE, bytemuck::cast_slice_mut(buf))
+    }
+
+    fn all_reduce_bytes(&self, op: ReduceOp, dtype: DType, buf: &mut [u8]) -> Result<()> {
+        let custom = self.strategy.custom_ops(op, dtype);
         let Some(workers) = &self.strategy.workers else {
             return match custom {
-                Some(c) => self.custom_all_reduce(c, op, buf),
-                None => self.comm.all_reduce(buf, op),
+                Some(c) => self.custom_all_reduce(c, op, dtype, buf),
+                None => self.comm.all_reduce_raw(dtype, None, buf, op),
             };
         };
         let combine = op.combining();
         match custom {
-            Some(c) => self.custom_all_reduce(c, combine, buf)?,
-            None => self.comm.all_reduce(buf, combine)?,
+            Some(c) => self.custom_all_reduce(c, combine, dtype, buf)?,
+            None => self.comm.all_reduce_raw(dtype, None, buf, combine)?,
         }
         if self.local_id == 0 {
-            workers.all_reduce(buf, combine)?;
+            workers.all_reduce_raw(dtype, None, buf, combine)?;
         }
-        self.comm.broadcast(buf, 0)?;
+        self.comm.broadcast_raw(dtype, buf, 0)?;
         if op == ReduceOp::Mean {
-            crate::dtype::kernels::divide(
-                T::DTYPE,
-                bytemuck::cast_slice_mut(buf),
-                self.num_replicas_in_sync(),
-            );
+            crate::dtype::kernels::divide(dtype, buf, self.num_replicas_in_sync());
         }
         Ok(())
     }
 
     /// The local replicas' all-reduce through the caller's cross-device op.
-    fn custom_all_reduce<T: Element>(
+    fn custom_all_reduce(
         &self,
         c: &CustomOps,
         op: ReduceOp,
-        buf: &mut [T],
+        dtype: DType,
+        buf: &mut [u8],
     ) -> Result<()> {
         self.strategy.meet.all_reduce(
             self.local_id,
             self.strategy.devices.len(),
             &*c.0,
             op,
-            T::DTYPE,
-            bytemuck::cast_slice_mut(buf),
+            dtype,
+            buf,
             self.strategy.config.timeout,
             self.comm,
         )
+    }
+
+    /// A tensor holding `data` on this replica's device, as TensorFlow places a replica's
+    /// values: a PJRT buffer under `Strategy::tpu`, host memory for CPU replicas. The
+    /// replica context's collectives on tensors run on it where it lies.
+    pub fn place<T: Element>(&self, data: &[T]) -> Result<DeviceTensor> {
+        self.comm.place(data)
+    }
+
+    /// [`ReplicaContext::all_reduce`] of a tensor on this replica's device, in place, where it
+    /// lies: on XLA devices one compiled program over the replicas' device buffers, with no
+    /// copy through host memory. Across workers, local replica 0 alone takes the local result
+    /// to the host for the workers' all-reduce and back; a caller's own cross-device op
+    /// ([`CrossDeviceOps::Custom`]) reduces host memory, so each replica's value goes there
+    /// and back.
+    pub fn all_reduce_tensor(&self, op: ReduceOp, t: &mut DeviceTensor) -> Result<()> {
+        let dtype = t.dtype();
+        let custom = self.strategy.custom_ops(op, dtype);
+        let workers = self.strategy.workers.as_ref();
+        if custom.is_none() && workers.is_none() {
+            return self.comm.all_reduce_tensor(t, op);
+        }
+        if let Some(bytes) = t.host_bytes_mut() {
+            return self.all_reduce_bytes(op, dtype, bytes);
+        }
+        let combine = if workers.is_some() {
+            op.combining()
+        } else {
+            op
+        };
+        match custom {
+            Some(c) => {
+                let mut host = t.to_host()?;
+                let bytes = host.host_bytes_mut().expect("a tensor in host memory");
+                self.custom_all_reduce(c, combine, dtype, bytes)?;
+                *t = self.comm.place_bytes(dtype, bytes)?;
+            }
+            None => self.comm.all_reduce_tensor(t, combine)?,
+        }
+        let Some(workers) = workers else {
+            return Ok(());
+        };
+        if self.local_id == 0 {
+            let mut host = t.to_host()?;
+            let bytes = host.host_bytes_mut().expect("a tensor in host memory");
+            workers.all_reduce_raw(dtype, None, bytes, combine)?;
+            if op == ReduceOp::Mean {
+                crate::dtype::kernels::divide(dtype, bytes, self.num_replicas_in_sync());
+            }
+            *t = self.comm.place_bytes(dtype, bytes)?;
+        }
+        self.comm.broadcast_tensor(t, 0)
+    }
+
+    /// [`ReplicaContext::broadcast`] of a tensor on this replica's device, where it lies
+    /// (across workers, through local replica 0's host memory).
+    pub fn broadcast_tensor(&self, t: &mut DeviceTensor, root: usize) -> Result<()> {
+        let n = self.strategy.num_replicas_in_sync();
+        if root >= n {
+            return Err(Error::config(format!(
+                "broadcast: root replica {root} is out of range for {n} replicas"
+            )));
+        }
+        let local_n = self.strategy.devices.len();
+        let (root_worker, root_local) = (root / local_n, root % local_n);
+        self.comm.broadcast_tensor(t, root_local)?;
+        if let Some(w) = &self.strategy.workers {
+            if self.local_id == 0 {
+                let dtype = t.dtype();
+                let mut host = t.to_host()?;
+                let bytes = host.host_bytes_mut().expect("a tensor in host memory");
+                w.broadcast_raw(dtype, bytes, root_worker)?;
+                *t = self.comm.place_bytes(dtype, bytes)?;
+            }
+            self.comm.broadcast_tensor(t, 0)?;
+        }
+        Ok(())
     }
 
     /// All-reduce many tensors at once, packed into buffers of the strategy's `bytes_per_pack`.
@@ -1588,6 +1682,27 @@ impl ReplicaContext<'_> {
         }
         self.comm.broadcast(&mut all, 0)?;
         Ok(all)
+    }
+
+    /// [`ReplicaContext::all_gather`] of a tensor on this replica's device, where it lies: `t`
+    /// becomes every replica's, concatenated in replica order (across workers, through local
+    /// replica 0's host memory).
+    pub fn all_gather_tensor(&self, t: &mut DeviceTensor) -> Result<()> {
+        self.comm.all_gather_tensor(t)?;
+        let Some(w) = &self.strategy.workers else {
+            return Ok(());
+        };
+        let dtype = t.dtype();
+        let mut all = DeviceTensor::zeroed(dtype, t.len().saturating_mul(w.world_size()));
+        if self.local_id == 0 {
+            let mut host = t.to_host()?;
+            let local = host.host_bytes_mut().expect("a tensor in host memory");
+            let out = all.host_bytes_mut().expect("a tensor in host memory");
+            w.all_gather_raw(dtype, Some(local), out)?;
+        }
+        // The other replicas' tensors of the gathered length receive replica 0's.
+        *t = self.comm.place_bytes(dtype, all.host_bytes())?;
+        self.comm.broadcast_tensor(t, 0)
     }
 
     /// `var.assign_add(update)` after the updates of every replica were aggregated.

@@ -1,14 +1,17 @@
 //! Variables under a strategy.
 //!
 //! [`MirroredVariable`]: one copy per local replica, kept identical by applying the same
-//! aggregated update to every copy. [`CentralVariable`]: one copy (CentralStorageStrategy), to
+//! aggregated update to every copy; [`DeviceVariable`]: the same, with the copies in the
+//! replicas' device memory. [`CentralVariable`]: one copy (CentralStorageStrategy), to
 //! which the reduced update is applied once.
 
 use parking_lot::RwLock;
 
 use super::{PerReplica, ReplicaContext, Strategy};
+use crate::comm::Combined;
+use crate::device::DeviceTensor;
 use crate::dtype::kernels::{self, Init};
-use crate::dtype::{Element, ReduceOp};
+use crate::dtype::{Apply, Element, ReduceOp};
 use crate::error::{Error, Result};
 
 /// How the replicas' updates of a variable are combined (TensorFlow's `VariableAggregation`).
@@ -286,5 +289,219 @@ impl<T: Element> CentralVariable<T> {
         agg: Aggregation,
     ) -> Result<()> {
         self.update(strategy, values, agg, Update::Set)
+    }
+}
+
+/// A mirrored variable whose copies live in the replicas' device memory: PJRT buffers under
+/// `Strategy::tpu` (feature `xla`), host memory for CPU replicas. Made by [`Strategy::device_variable`].
+///
+/// An update in the replica context ([`DeviceVariable::assign_add_in`] and its kin) takes
+/// each replica's update as a tensor on its device ([`ReplicaContext::place`], or the caller's
+/// own program's output) and, on XLA devices, combines the updates across the replicas and
+/// applies the result to every copy in one compiled program, with no copy through host
+/// memory. Reading a copy ([`DeviceVariable::read`]) is the one copy to the host. Across
+/// workers, the updates are first combined as [`ReplicaContext::all_reduce_tensor`] does
+/// (through local replica 0's host memory).
+pub struct DeviceVariable<T> {
+    copies: Vec<parking_lot::Mutex<DeviceTensor>>,
+    len: usize,
+    _element: std::marker::PhantomData<T>,
+}
+
+impl<T: Element> DeviceVariable<T> {
+    pub(crate) fn new(copies: Vec<DeviceTensor>) -> DeviceVariable<T> {
+        DeviceVariable {
+            len: copies.first().map_or(0, DeviceTensor::len),
+            copies: copies.into_iter().map(parking_lot::Mutex::new).collect(),
+            _element: std::marker::PhantomData,
+        }
+    }
+
+    /// Elements in each copy.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a variable of no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The copy of local replica `replica`, copied to the host.
+    pub fn read(&self, replica: usize) -> Result<Vec<T>> {
+        let Some(copy) = self.copies.get(replica) else {
+            return Err(Error::config(format!(
+                "device variable: no replica {replica} (it has {} copies)",
+                self.copies.len()
+            )));
+        };
+        copy.lock().to_vec()
+    }
+
+    /// The variable's value (every copy holds it), copied to the host.
+    pub fn value(&self) -> Result<Vec<T>> {
+        self.read(0)
+    }
+
+    /// True when every copy holds the same elements (each copied to the host to compare).
+    pub fn in_sync(&self) -> Result<bool> {
+        let first = self.read(0)?;
+        for r in 1..self.copies.len() {
+            if self.read(r)? != first {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// `f` of the copy of the replica running `ctx`, where it lies (for the caller's own
+    /// programs: `DeviceTensor::as_xla` is its PJRT buffer).
+    pub fn with_copy<R>(
+        &self,
+        ctx: &ReplicaContext<'_>,
+        f: impl FnOnce(&DeviceTensor) -> R,
+    ) -> Result<R> {
+        let me = self.copy_in(ctx)?;
+        Ok(f(&self.copies[me].lock()))
+    }
+
+    fn copy_in(&self, ctx: &ReplicaContext<'_>) -> Result<usize> {
+        let (me, n) = (ctx.local_replica_id(), ctx.strategy().num_local_replicas());
+        if self.copies.len() != n {
+            return Err(Error::config(format!(
+                "a device variable of {} copies updated in a run of {n} local replicas (made \
+                 under another strategy)",
+                self.copies.len()
+            )));
+        }
+        Ok(me)
+    }
+
+    /// In the replica context: every replica's `update` (a tensor on its device) aggregated
+    /// as `agg` says, then added to every copy.
+    pub fn assign_add_in(
+        &self,
+        ctx: &ReplicaContext<'_>,
+        update: &DeviceTensor,
+        agg: Aggregation,
+    ) -> Result<()> {
+        self.update_in(ctx, update, agg, Update::Add)
+    }
+
+    /// As [`DeviceVariable::assign_add_in`], subtracting.
+    pub fn assign_sub_in(
+        &self,
+        ctx: &ReplicaContext<'_>,
+        update: &DeviceTensor,
+        agg: Aggregation,
+    ) -> Result<()> {
+        self.update_in(ctx, update, agg, Update::Sub)
+    }
+
+    /// In the replica context: every replica's `value` aggregated as `agg` says becomes every
+    /// copy.
+    pub fn assign_in(
+        &self,
+        ctx: &ReplicaContext<'_>,
+        value: &DeviceTensor,
+        agg: Aggregation,
+    ) -> Result<()> {
+        self.update_in(ctx, value, agg, Update::Set)
+    }
+
+    fn update_in(
+        &self,
+        ctx: &ReplicaContext<'_>,
+        update: &DeviceTensor,
+        agg: Aggregation,
+        how: Update,
+    ) -> Result<()> {
+        let me = self.copy_in(ctx)?;
+        if (update.dtype(), update.len()) != (T::DTYPE, self.len) {
+            return Err(Error::config(format!(
+                "device variable of {} x {}: the update is {update:?}",
+                T::DTYPE,
+                self.len
+            )));
+        }
+        let apply = match how {
+            Update::Add => Apply::Add,
+            Update::Sub => Apply::Subtract,
+            Update::Set => Apply::Assign,
+        };
+        let mut copy = self.copies[me].lock();
+        if ctx.strategy().workers.is_some() {
+            // The aggregate across workers first, in a tensor of its own; every local replica
+            // then holds it, and local replica 0's applies.
+            let mut u = ctx
+                .comm
+                .place_bytes(T::DTYPE, update.to_host()?.host_bytes())?;
+            match agg {
+                Aggregation::Sum => ctx.all_reduce_tensor(ReduceOp::Sum, &mut u)?,
+                Aggregation::Mean => ctx.all_reduce_tensor(ReduceOp::Mean, &mut u)?,
+                Aggregation::OnlyFirstReplica => ctx.broadcast_tensor(&mut u, 0)?,
+            }
+            return ctx
+                .comm
+                .update_tensor(&mut copy, &u, Combined::From(0), apply);
+        }
+        let combine = match agg {
+            Aggregation::Sum => Combined::Reduce(ReduceOp::Sum),
+            Aggregation::Mean => Combined::Reduce(ReduceOp::Mean),
+            Aggregation::OnlyFirstReplica => Combined::From(0),
+        };
+        ctx.comm.update_tensor(&mut copy, update, combine, apply)
+    }
+
+    /// From outside `run`: the replicas' `updates` (host values, each placed on its replica's
+    /// device) aggregated and added to every copy.
+    pub fn assign_add(
+        &self,
+        strategy: &Strategy,
+        updates: &PerReplica<Vec<T>>,
+        agg: Aggregation,
+    ) -> Result<()> {
+        self.cross_replica(strategy, updates, agg, Update::Add)
+    }
+
+    /// From outside `run`: aggregate and subtract.
+    pub fn assign_sub(
+        &self,
+        strategy: &Strategy,
+        updates: &PerReplica<Vec<T>>,
+        agg: Aggregation,
+    ) -> Result<()> {
+        self.cross_replica(strategy, updates, agg, Update::Sub)
+    }
+
+    /// From outside `run`: aggregate and assign.
+    pub fn assign(
+        &self,
+        strategy: &Strategy,
+        values: &PerReplica<Vec<T>>,
+        agg: Aggregation,
+    ) -> Result<()> {
+        self.cross_replica(strategy, values, agg, Update::Set)
+    }
+
+    fn cross_replica(
+        &self,
+        strategy: &Strategy,
+        updates: &PerReplica<Vec<T>>,
+        agg: Aggregation,
+        how: Update,
+    ) -> Result<()> {
+        if updates.0.len() != self.copies.len() {
+            return Err(Error::config(format!(
+                "device variable: {} updates for {} replicas",
+                updates.0.len(),
+                self.copies.len()
+            )));
+        }
+        strategy.run(|ctx| {
+            let u = ctx.place(&updates.0[ctx.local_replica_id()])?;
+            self.update_in(ctx, &u, agg, how)
+        })?;
+        Ok(())
     }
 }

@@ -43,7 +43,7 @@ pub use net::{NetTransport, TransportKind};
 use std::time::Duration;
 
 use crate::dtype::kernels::{self, Init};
-use crate::dtype::{DType, ReduceOp};
+use crate::dtype::{Apply, DType, ReduceOp};
 use crate::error::{Result, Site};
 
 /// The buffers of one rank for the current call, published to peers by transports that expose
@@ -71,6 +71,24 @@ pub struct CallBuffers {
     pub offsets: *const usize,
     /// How many `offsets` there are.
     pub offsets_len: usize,
+    /// What `input` and `output` are: bytes, or (on a rank of a group engine) the rank's
+    /// tensors on its device.
+    pub held: Held,
+}
+
+/// What a rank publishes for a call at [`CallBuffers::input`] and [`CallBuffers::output`].
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum Held {
+    /// Bytes.
+    #[default]
+    Bytes,
+    /// The rank's [`crate::DeviceTensor`] at `output` (`input` is the same), which the group's
+    /// engine runs the collective on where it lies and replaces with the result.
+    Tensor,
+    /// A variable's update: `input` is the rank's update tensor, `output` its copy of the
+    /// variable; the engine combines the updates (the call's all-reduce or broadcast),
+    /// applies the result to each copy as the [`Apply`] says and replaces the copies.
+    Update(Apply),
 }
 
 // SAFETY: the pointers are only dereferenced by peers while the owning rank is inside the call
@@ -89,6 +107,7 @@ impl CallBuffers {
         end: 0,
         offsets: std::ptr::null(),
         offsets_len: 0,
+        held: Held::Bytes,
     };
 
     /// The call's block offsets (see [`CallBuffers::offsets`]).

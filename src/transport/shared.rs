@@ -419,6 +419,7 @@ impl Buffers {
                     end: 0,
                     offsets: std::ptr::null(),
                     offsets_len: 0,
+                    held: crate::transport::Held::Bytes,
                 }
             };
         }

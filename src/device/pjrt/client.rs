@@ -167,7 +167,7 @@ pub enum Route {
     HostStaged,
 }
 
-/// Counters of the program cache.
+/// Counters of the program cache, and of the buffers copied between host and devices.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct CacheStats {
     /// Programs compiled (cache misses that compiled).
@@ -178,6 +178,12 @@ pub struct CacheStats {
     pub refused: u64,
     /// Calls that ran host-staged.
     pub staged_calls: u64,
+    /// Buffers copied from host memory to a device (by any call, or by
+    /// [`Client::buffer_from_host`]).
+    pub uploads: u64,
+    /// Buffers copied from a device to host memory (by any call, or by
+    /// [`XlaBuffer::to_vec`]).
+    pub downloads: u64,
 }
 
 pub(crate) struct Executable {
@@ -797,6 +803,7 @@ impl Inner {
         device: usize,
     ) -> Result<*mut ffi::Buffer> {
         self.check_usable()?;
+        self.stats.lock().unwrap_or_else(|e| e.into_inner()).uploads += 1;
         let p = self.plugin;
         let Some(&dev) = self.device_ptrs.get(device) else {
             return Err(Error::config(format!(
@@ -849,6 +856,10 @@ impl Inner {
     /// times out, that landing memory is left to the plugin (leaked) instead of the caller's.
     pub(crate) fn download(&self, srcs: &[&XlaBuffer], dsts: &mut [&mut [u8]]) -> Result<()> {
         self.check_usable()?;
+        self.stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .downloads += srcs.len() as u64;
         let p = self.plugin;
         let f = self
             .api()
@@ -1204,7 +1215,7 @@ impl Inner {
     pub(crate) fn execute(
         &self,
         exe: &Executable,
-        inputs: &[&XlaBuffer],
+        inputs: &[Vec<&XlaBuffer>],
         what: &str,
     ) -> Result<Vec<*mut ffi::Buffer>> {
         self.check_usable()?;
@@ -1213,7 +1224,17 @@ impl Inner {
             .loaded_executable_execute
             .ok_or_else(|| missing(self.plugin, "PJRT_LoadedExecutable_Execute"))?;
         let n = exe.order.len();
-        let args: Vec<[*mut ffi::Buffer; 1]> = exe.order.iter().map(|&r| [inputs[r].ptr]).collect();
+        let num_args = inputs.first().map_or(0, Vec::len);
+        if inputs.iter().any(|a| a.len() != num_args) {
+            return Err(Error::config(format!(
+                "XLA: running {what}: the replicas pass different numbers of arguments"
+            )));
+        }
+        let args: Vec<Vec<*mut ffi::Buffer>> = exe
+            .order
+            .iter()
+            .map(|&r| inputs[r].iter().map(|b| b.ptr).collect())
+            .collect();
         let arg_lists: Vec<*const *mut ffi::Buffer> = args.iter().map(|a| a.as_ptr()).collect();
         let mut outs: Vec<[*mut ffi::Buffer; 1]> = vec![[std::ptr::null_mut()]; n];
         let out_lists: Vec<*mut *mut ffi::Buffer> =
@@ -1229,13 +1250,13 @@ impl Inner {
             options: &mut options,
             argument_lists: arg_lists.as_ptr(),
             num_devices: n,
-            num_args: 1,
+            num_args,
             output_lists: out_lists.as_ptr(),
             device_complete_events: events.as_mut_ptr(),
             execute_device: std::ptr::null_mut(),
         };
-        // SAFETY: valid args: n argument lists of one live buffer each, n output lists of one
-        // slot each, n event slots; all outlive the call.
+        // SAFETY: valid args: n argument lists of num_args live buffers each, n output lists
+        // of one slot each, n event slots; all outlive the call.
         let err = unsafe { f(&mut a) };
         self.plugin.check(err, || {
             format!("XLA: running {what} (PJRT_LoadedExecutable_Execute)")
@@ -1326,6 +1347,11 @@ impl XlaBuffer {
         self.check_type::<T>(dst.len())?;
         self.inner
             .download(&[self], &mut [bytemuck::cast_slice_mut(dst)])
+    }
+
+    /// Copy the buffer's bytes into `dst`, which must be exactly as long.
+    pub(crate) fn copy_bytes_to_host(&self, dst: &mut [u8]) -> Result<()> {
+        self.inner.download(&[self], &mut [dst])
     }
 
     /// The buffer's elements, copied to the host.

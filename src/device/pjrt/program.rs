@@ -20,6 +20,7 @@
 
 use std::fmt::Write;
 
+pub use crate::dtype::Apply;
 use crate::dtype::{DType, ReduceOp};
 
 /// A collective as compiled: what, with which op or root.
@@ -35,6 +36,24 @@ pub enum Kind {
     ReduceScatter(ReduceOp),
     /// All-to-all of equal blocks.
     AllToAll,
+    /// A variable's update: two arguments per replica, the variable's copy and the replica's
+    /// update. The updates are combined across the replicas (an all-reduce with an op, or a
+    /// broadcast from a root), then applied to the copy.
+    Update {
+        /// How the replicas' updates combine.
+        combine: Combine,
+        /// How the combined update applies to the copy.
+        apply: Apply,
+    },
+}
+
+/// How a [`Kind::Update`] combines the replicas' updates.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Combine {
+    /// An all-reduce with this op.
+    Reduce(ReduceOp),
+    /// The update of this replica, broadcast.
+    From(usize),
 }
 
 impl Kind {
@@ -46,6 +65,15 @@ impl Kind {
             Kind::AllGather => "all_gather",
             Kind::ReduceScatter(_) => "reduce_scatter",
             Kind::AllToAll => "all_to_all",
+            Kind::Update { .. } => "update",
+        }
+    }
+
+    /// The arguments of each replica: the variable and its update for [`Kind::Update`], else one.
+    pub fn args(self) -> usize {
+        match self {
+            Kind::Update { .. } => 2,
+            _ => 1,
         }
     }
 
@@ -58,6 +86,29 @@ impl Kind {
             Kind::AllGather => Collective::AllGather,
             Kind::ReduceScatter(_) => Collective::ReduceScatter,
             Kind::AllToAll => Collective::AllToAll,
+            Kind::Update {
+                combine: Combine::Reduce(_),
+                ..
+            } => Collective::AllReduce,
+            Kind::Update {
+                combine: Combine::From(_),
+                ..
+            } => Collective::Broadcast,
+        }
+    }
+
+    /// The collective that combines the inputs: the kind itself, or an update's combine.
+    pub fn combining(self) -> Kind {
+        match self {
+            Kind::Update {
+                combine: Combine::Reduce(op),
+                ..
+            } => Kind::AllReduce(op),
+            Kind::Update {
+                combine: Combine::From(root),
+                ..
+            } => Kind::Broadcast(root),
+            k => k,
         }
     }
 
@@ -78,6 +129,7 @@ impl std::fmt::Display for Kind {
             Kind::Broadcast(root) => write!(f, "broadcast from {root}"),
             Kind::AllGather => f.write_str("all_gather"),
             Kind::AllToAll => f.write_str("all_to_all"),
+            Kind::Update { apply, .. } => write!(f, "{apply:?} of the {}", self.combining()),
         }
     }
 }
@@ -148,7 +200,56 @@ pub fn mlir(kind: Kind, dtype: DType, count: usize, n: usize) -> String {
     let out_count = kind.out_count(count, n);
     let out_ty = format!("tensor<{out_count}x{et}>");
     let mut body = String::new();
-    let result = match kind {
+    let (args, result) = match kind {
+        Kind::Update { apply, .. } => {
+            // %arg0 the variable's copy, %arg1 the update: the combined update goes onto it.
+            let combined = combine_body(&mut body, kind, dtype, n, "%arg1", (&in_ty, &out_ty));
+            let op = match apply {
+                Apply::Add => "add",
+                Apply::Subtract => "subtract",
+                Apply::Assign => "",
+            };
+            let result = if op.is_empty() {
+                combined
+            } else {
+                let _ = writeln!(
+                    body,
+                    "    %updated = \"stablehlo.{op}\"(%arg0, {combined}) : ({in_ty}, {in_ty}) -> {in_ty}"
+                );
+                "%updated".to_string()
+            };
+            (format!("%arg0: {in_ty}, %arg1: {in_ty}"), result)
+        }
+        _ => (
+            format!("%arg0: {in_ty}"),
+            combine_body(&mut body, kind, dtype, n, "%arg0", (&in_ty, &out_ty)),
+        ),
+    };
+    let mut m = String::new();
+    let _ = writeln!(
+        m,
+        "module @tutti_{} attributes {{mhlo.num_replicas = {n} : i32, mhlo.num_partitions = 1 : i32}} {{",
+        kind.name()
+    );
+    let _ = writeln!(m, "  func.func public @main({args}) -> {out_ty} {{");
+    m.push_str(&body);
+    let _ = writeln!(m, "    \"func.return\"({result}) : ({out_ty}) -> ()");
+    m.push_str("  }\n}\n");
+    m
+}
+
+/// The collective `kind` over `arg` (of type `in_ty`, giving `out_ty`); returns the name of
+/// its result.
+fn combine_body(
+    body: &mut String,
+    kind: Kind,
+    dtype: DType,
+    n: usize,
+    arg: &str,
+    (in_ty, out_ty): (&str, &str),
+) -> String {
+    let et = mlir_type(dtype);
+    match kind {
         Kind::AllReduce(op) | Kind::ReduceScatter(op) => {
             let (name, attrs) = match kind {
                 Kind::AllReduce(_) => ("stablehlo.all_reduce", String::new()),
@@ -159,51 +260,42 @@ pub fn mlir(kind: Kind, dtype: DType, count: usize, n: usize) -> String {
             };
             let _ = writeln!(
                 body,
-                "    %0 = \"{name}\"(%arg0) {} {{replica_groups = {}{attrs}}} : ({in_ty}) -> {out_ty}",
+                "    %0 = \"{name}\"({arg}) {} {{replica_groups = {}{attrs}}} : ({in_ty}) -> {out_ty}",
                 region(op, et),
                 group(n)
             );
             if op == ReduceOp::Mean {
-                divide(&mut body, "%0", "%1", n, dtype, &out_ty);
-                "%1"
+                divide(body, "%0", "%1", n, dtype, out_ty);
+                "%1".into()
             } else {
-                "%0"
+                "%0".into()
             }
         }
         Kind::AllGather => {
             let _ = writeln!(
                 body,
-                "    %0 = \"stablehlo.all_gather\"(%arg0) {{all_gather_dim = 0 : i64, replica_groups = {}}} : ({in_ty}) -> {out_ty}",
+                "    %0 = \"stablehlo.all_gather\"({arg}) {{all_gather_dim = 0 : i64, replica_groups = {}}} : ({in_ty}) -> {out_ty}",
                 group(n)
             );
-            "%0"
+            "%0".into()
         }
         Kind::AllToAll => {
             let _ = writeln!(
                 body,
-                "    %0 = \"stablehlo.all_to_all\"(%arg0) {{split_dimension = 0 : i64, concat_dimension = 0 : i64, split_count = {n} : i64, replica_groups = {}}} : ({in_ty}) -> {out_ty}",
+                "    %0 = \"stablehlo.all_to_all\"({arg}) {{split_dimension = 0 : i64, concat_dimension = 0 : i64, split_count = {n} : i64, replica_groups = {}}} : ({in_ty}) -> {out_ty}",
                 group(n)
             );
-            "%0"
+            "%0".into()
         }
-        Kind::Broadcast(root) => broadcast_body(&mut body, root, n, &in_ty),
-    };
-    let mut m = String::new();
-    let _ = writeln!(
-        m,
-        "module @tutti_{} attributes {{mhlo.num_replicas = {n} : i32, mhlo.num_partitions = 1 : i32}} {{",
-        kind.name()
-    );
-    let _ = writeln!(m, "  func.func public @main(%arg0: {in_ty}) -> {out_ty} {{");
-    m.push_str(&body);
-    let _ = writeln!(m, "    \"func.return\"({result}) : ({out_ty}) -> ()");
-    m.push_str("  }\n}\n");
-    m
+        Kind::Broadcast(root) => broadcast_body(body, root, n, in_ty, arg),
+        // `mlir` writes an update around its combine.
+        Kind::Update { .. } => combine_body(body, kind.combining(), dtype, n, arg, (in_ty, out_ty)),
+    }
 }
 
 /// The binomial-tree broadcast (see the module docs); returns the name of the result. SSA
 /// names are made unique per step by suffixes.
-fn broadcast_body(body: &mut String, root: usize, n: usize, ty: &str) -> &'static str {
+fn broadcast_body(body: &mut String, root: usize, n: usize, ty: &str, arg: &str) -> String {
     let u = "tensor<ui32>";
     let konst = |body: &mut String, name: &str, v: usize| {
         let _ = writeln!(
@@ -212,7 +304,7 @@ fn broadcast_body(body: &mut String, root: usize, n: usize, ty: &str) -> &'stati
         );
     };
     if n <= 1 {
-        return "%arg0";
+        return arg.to_string();
     }
     let _ = writeln!(body, "    %id = \"stablehlo.replica_id\"() : () -> {u}");
     konst(body, "%shift", n - root % n);
@@ -225,7 +317,7 @@ fn broadcast_body(body: &mut String, root: usize, n: usize, ty: &str) -> &'stati
         body,
         "    %q = \"stablehlo.remainder\"(%sum, %n) : ({u}, {u}) -> {u}"
     );
-    let mut cur = "%arg0".to_string();
+    let mut cur = arg.to_string();
     let mut k = 1;
     let mut step = 0;
     while k < n {
@@ -264,7 +356,7 @@ fn broadcast_body(body: &mut String, root: usize, n: usize, ty: &str) -> &'stati
         k *= 2;
         step += 1;
     }
-    "%cur"
+    "%cur".to_string()
 }
 
 // --------------------------- xla.CompileOptionsProto -------------------------
@@ -402,5 +494,37 @@ mod tests {
         );
         assert!(m.contains("dense<[[2, 1]]> : tensor<1x2xi64>"), "{m}");
         assert_eq!(m.matches("collective_permute").count(), 3);
+        // An update: the variable and the update per replica, the updates combined, applied.
+        let m = mlir(
+            Kind::Update {
+                combine: Combine::Reduce(ReduceOp::Mean),
+                apply: Apply::Subtract,
+            },
+            DType::F32,
+            6,
+            2,
+        );
+        assert!(
+            m.contains("@main(%arg0: tensor<6xf32>, %arg1: tensor<6xf32>)")
+                && m.contains("\"stablehlo.all_reduce\"(%arg1)")
+                && m.contains("stablehlo.divide")
+                && m.contains("\"stablehlo.subtract\"(%arg0, %1)"),
+            "{m}"
+        );
+        let m = mlir(
+            Kind::Update {
+                combine: Combine::From(1),
+                apply: Apply::Assign,
+            },
+            DType::I32,
+            4,
+            3,
+        );
+        assert!(
+            m.contains("collective_permute\"(%arg1)")
+                && !m.contains("stablehlo.add\"(%arg0")
+                && m.contains("\"func.return\"(%cur)"),
+            "{m}"
+        );
     }
 }

@@ -68,6 +68,8 @@ impl Staged {
 fn host_collective(kind: Kind, dtype: DType, inputs: &[&[u8]]) -> Staged {
     let n = inputs.len();
     match kind {
+        // The updates combined; the caller applies them.
+        Kind::Update { .. } => host_collective(kind.combining(), dtype, inputs),
         Kind::AllReduce(op) | Kind::ReduceScatter(op) => {
             let mut out = Aligned::zeroed(inputs[0].len());
             let divide = (op == ReduceOp::Mean).then_some(n);
@@ -161,7 +163,7 @@ impl Client {
                 ),
             ));
         }
-        if let Kind::Broadcast(root) = kind {
+        if let Kind::Broadcast(root) = kind.combining() {
             if root >= n {
                 return Err(Error::invalid(
                     self.site(kind, 0),
@@ -180,7 +182,7 @@ impl Client {
 
     /// A reduce op defined on `dtype` (the bitwise ones are on the integer types only).
     fn check_op(&self, kind: Kind, dtype: DType) -> Result<()> {
-        match kind {
+        match kind.combining() {
             Kind::AllReduce(op) | Kind::ReduceScatter(op) => op
                 .check(dtype)
                 .map_err(|m| Error::invalid(self.site(kind, 0), m)),
@@ -287,9 +289,22 @@ impl Client {
         count: usize,
         inputs: &[&XlaBuffer],
     ) -> Result<Vec<XlaBuffer>> {
-        let n = inputs.len();
+        let args: Vec<Vec<&XlaBuffer>> = inputs.iter().map(|&b| vec![b]).collect();
+        self.run_program_args(exe, kind, dtype, count, &args)
+    }
+
+    /// [`Client::run_program`] with `args[r]`, replica r's arguments.
+    fn run_program_args(
+        &self,
+        exe: &Executable,
+        kind: Kind,
+        dtype: DType,
+        count: usize,
+        args: &[Vec<&XlaBuffer>],
+    ) -> Result<Vec<XlaBuffer>> {
+        let n = args.len();
         let what = format!("the {kind} program ({dtype} x {count}) on {n} devices");
-        let ptrs = self.inner.execute(exe, inputs, &what)?;
+        let ptrs = self.inner.execute(exe, args, &what)?;
         let out_count = kind.out_count(count, n);
         Ok(ptrs
             .into_iter()
@@ -301,8 +316,103 @@ impl Client {
     /// The device-buffer form: checks, then the program or the host-staged path.
     fn device_call(&self, kind: Kind, inputs: &[&XlaBuffer]) -> Result<Vec<XlaBuffer>> {
         self.inner.check_usable()?;
+        let result = self.check_buffers(kind, inputs).and_then(|(count, dtype)| {
+            let n = inputs.len();
+            let key = ProgramKey {
+                kind,
+                dtype,
+                count,
+                replicas: n,
+            };
+            match self.plan(key)? {
+                Plan::Program(exe) => self.run_program(&exe, kind, dtype, count, inputs),
+                Plan::Staged => {
+                    self.inner.count_staged();
+                    let host = self.download_all(inputs, count * dtype.size())?;
+                    let srcs: Vec<&[u8]> = host.iter().map(|v| v.bytes()).collect();
+                    let result = host_collective(kind, dtype, &srcs);
+                    (0..n)
+                        .map(|r| self.upload_bytes(result.part(r, n), dtype, r))
+                        .collect()
+                }
+            }
+        });
+        self.inner.calls.fetch_add(1, Ordering::Relaxed);
+        result
+    }
+
+    /// Every replica's buffer, `bytes` long, copied to the host.
+    fn download_all(&self, bufs: &[&XlaBuffer], bytes: usize) -> Result<Vec<Aligned>> {
+        let mut host: Vec<Aligned> = (0..bufs.len()).map(|_| Aligned::zeroed(bytes)).collect();
+        let mut dsts: Vec<&mut [u8]> = host.iter_mut().map(|v| v.bytes_mut()).collect();
+        self.inner.download(bufs, &mut dsts)?;
+        Ok(host)
+    }
+
+    /// A variable's update on its copies (`vars[r]` on device r) by the replicas' `updates`:
+    /// combined as `kind` says ([`Kind::Update`]), then added or subtracted, in one program.
+    /// Returns the copies' new buffers; the old ones are left as they were.
+    pub(crate) fn update_buffers(
+        &self,
+        kind: Kind,
+        vars: &[&XlaBuffer],
+        updates: &[&XlaBuffer],
+    ) -> Result<Vec<XlaBuffer>> {
+        self.inner.check_usable()?;
+        let Kind::Update { apply, .. } = kind else {
+            return Err(Error::config(format!("XLA: {kind} is not an update")));
+        };
+        let result = (|| {
+            let (count, dtype) = self.check_buffers(kind, updates)?;
+            let (var_count, var_dtype) = self.check_buffers(kind, vars)?;
+            if (var_count, var_dtype) != (count, dtype) {
+                return Err(Error::invalid(
+                    self.site(kind, 0),
+                    format!(
+                        "the variable holds {var_count} {var_dtype} elements but its update \
+                         {count} {dtype}; they must match"
+                    ),
+                ));
+            }
+            let n = updates.len();
+            let key = ProgramKey {
+                kind,
+                dtype,
+                count,
+                replicas: n,
+            };
+            match self.plan(key)? {
+                Plan::Program(exe) => {
+                    let args: Vec<Vec<&XlaBuffer>> =
+                        (0..n).map(|r| vec![vars[r], updates[r]]).collect();
+                    self.run_program_args(&exe, kind, dtype, count, &args)
+                }
+                Plan::Staged => {
+                    self.inner.count_staged();
+                    let bytes = count * dtype.size();
+                    let ups = self.download_all(updates, bytes)?;
+                    let mut copies = self.download_all(vars, bytes)?;
+                    let srcs: Vec<&[u8]> = ups.iter().map(|v| v.bytes()).collect();
+                    let combined = host_collective(kind, dtype, &srcs);
+                    (0..n)
+                        .map(|r| {
+                            let copy = copies[r].bytes_mut();
+                            kernels::apply_update(dtype, copy, combined.part(r, n), apply);
+                            self.upload_bytes(copy, dtype, r)
+                        })
+                        .collect()
+                }
+            }
+        })();
+        self.inner.calls.fetch_add(1, Ordering::Relaxed);
+        result
+    }
+
+    /// The checks of a call on device buffers: its shape and op, and each buffer on its
+    /// replica's device of this client, of one dtype. Returns the count and dtype.
+    fn check_buffers(&self, kind: Kind, inputs: &[&XlaBuffer]) -> Result<(usize, DType)> {
         let lens: Vec<usize> = inputs.iter().map(|b| b.len()).collect();
-        let result = self.check_call(kind, &lens).and_then(|count| {
+        self.check_call(kind, &lens).and_then(|count| {
             let dtype = inputs[0].dtype();
             self.check_op(kind, dtype)?;
             for (r, b) in inputs.iter().enumerate() {
@@ -331,34 +441,8 @@ impl Client {
                     ));
                 }
             }
-            let n = inputs.len();
-            let key = ProgramKey {
-                kind,
-                dtype,
-                count,
-                replicas: n,
-            };
-            match self.plan(key)? {
-                Plan::Program(exe) => self.run_program(&exe, kind, dtype, count, inputs),
-                Plan::Staged => {
-                    self.inner.count_staged();
-                    let bytes = count * dtype.size();
-                    let mut host: Vec<Aligned> = (0..n).map(|_| Aligned::zeroed(bytes)).collect();
-                    {
-                        let mut dsts: Vec<&mut [u8]> =
-                            host.iter_mut().map(|v| v.bytes_mut()).collect();
-                        self.inner.download(inputs, &mut dsts)?;
-                    }
-                    let srcs: Vec<&[u8]> = host.iter().map(|v| v.bytes()).collect();
-                    let result = host_collective(kind, dtype, &srcs);
-                    (0..n)
-                        .map(|r| self.upload_bytes(result.part(r, n), dtype, r))
-                        .collect()
-                }
-            }
-        });
-        self.inner.calls.fetch_add(1, Ordering::Relaxed);
-        result
+            Ok((count, dtype))
+        })
     }
 
     fn host_checked(

@@ -1,13 +1,18 @@
 //! PJRT programs on `xla:N` ranks: every rank's host buffer staged to its device, one program
-//! over the group's devices, the results staged back (the client's host-staged path). Reduce
+//! over the group's devices, the results staged back (the client's host-staged path); or, for
+//! the ranks' [`DeviceTensor`]s (all-reduce, broadcast, all-gather), one program over their buffers
+//! where they lie, with no copy through host memory. Reduce
 //! and gather, which PJRT lacks, are an all-reduce and an all-gather whose root keeps its
 //! result.
 
 mod collective;
 
-use crate::device::pjrt::Client;
+use crate::device::pjrt::program::{Combine, Kind};
+use crate::device::pjrt::{Client, XlaBuffer};
+use crate::device::{DeviceTensor, Storage};
+use crate::dtype::DType;
 use crate::error::{Collective, Error, Result, Site};
-use crate::transport::CallBuffers;
+use crate::transport::{CallBuffers, Held};
 
 use super::{GroupCall, GroupEngine};
 
@@ -49,8 +54,92 @@ unsafe fn output<'a>(b: &CallBuffers) -> &'a mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(b.output, b.output_len) }
 }
 
+impl Pjrt {
+    /// `c` over the ranks' tensors ([`CallBuffers::held`]), where they lie: one program over
+    /// their PJRT buffers, whose results the tensors hold afterwards (for an update, the
+    /// variable's copies at `output`).
+    fn run_held(&self, site: Site, c: &GroupCall, bufs: &[CallBuffers]) -> Result<()> {
+        // SAFETY: each rank published its own tensors, which it holds (its output borrowed
+        // mutably) until every rank has left the call; rank 0 runs the call for all of them.
+        let mut outs: Vec<&mut DeviceTensor> = bufs
+            .iter()
+            .map(|b| unsafe { &mut *b.output.cast::<DeviceTensor>() })
+            .collect();
+        fn on_device<'a>(site: Site, ts: &[&'a DeviceTensor]) -> Result<Vec<&'a XlaBuffer>> {
+            ts.iter()
+                .enumerate()
+                .map(|(r, t)| match t.storage() {
+                    Storage::Xla(b) => Ok(b),
+                    Storage::Host(_) => Err(Error::invalid(
+                        site,
+                        format!("rank {r}'s tensor is in host memory, not on xla:{r}"),
+                    )),
+                })
+                .collect()
+        }
+        let results = {
+            let copies: Vec<&DeviceTensor> = outs.iter().map(|t| &**t).collect();
+            let copies = on_device(site, &copies)?;
+            let combine = match c.collective {
+                Collective::Broadcast => Combine::From(c.root),
+                _ => Combine::Reduce(c.op),
+            };
+            match (bufs[0].held, c.collective) {
+                (Held::Update(apply), _) => {
+                    // SAFETY: as above; an update's input is the rank's update tensor, which
+                    // it does not change during the call.
+                    let ins: Vec<&DeviceTensor> = bufs
+                        .iter()
+                        .map(|b| unsafe { &*b.input.cast::<DeviceTensor>() })
+                        .collect();
+                    self.client.update_buffers(
+                        Kind::Update { combine, apply },
+                        &copies,
+                        &on_device(site, &ins)?,
+                    )?
+                }
+                (_, Collective::AllReduce) => self.client.all_reduce_buffers(&copies, c.op)?,
+                (_, Collective::Broadcast) => self.client.broadcast_buffers(&copies, c.root)?,
+                (_, Collective::AllGather) => self.client.all_gather_buffers(&copies)?,
+                (_, other) => {
+                    return Err(Error::invalid(
+                        site,
+                        format!("{other} does not run on tensors on XLA devices"),
+                    ))
+                }
+            }
+        };
+        for (t, out) in outs.iter_mut().zip(results) {
+            t.replace(DeviceTensor::from(out));
+        }
+        Ok(())
+    }
+}
+
 impl GroupEngine for Pjrt {
-    fn run(&self, _site: Site, c: &GroupCall, bufs: &[CallBuffers]) -> Result<()> {
+    fn run(&self, site: Site, c: &GroupCall, bufs: &[CallBuffers]) -> Result<()> {
+        // Every rank passes a tensor, or every rank host memory: never a mix, which would read
+        // one as the other.
+        let held = bufs.first().map_or(Held::Bytes, |b| b.held);
+        if let Some(r) = bufs.iter().position(|b| b.held != held) {
+            let what = |h: Held| match h {
+                Held::Bytes => "host memory",
+                Held::Tensor => "a tensor on its device",
+                Held::Update(_) => "an update of a variable",
+            };
+            return Err(Error::invalid(
+                site,
+                format!(
+                    "rank 0 passes {} but rank {r} passes {}; every rank of an XLA group passes \
+                     the same kind",
+                    what(held),
+                    what(bufs[r].held)
+                ),
+            ));
+        }
+        if held != Held::Bytes {
+            return self.run_held(site, c, bufs);
+        }
         let d = c.dtype;
         // SAFETY (every input/output below): the ranks published these buffers for this call,
         // and wait until this rank has finished with them; each rank's are its own.
@@ -132,6 +221,23 @@ impl GroupEngine for Pjrt {
 
     fn runs_list(&self) -> &'static str {
         XLA_RUNS
+    }
+
+    fn place(&self, rank: usize, dtype: DType, bytes: &[u8]) -> Result<DeviceTensor> {
+        self.client
+            .upload_bytes(bytes, dtype, rank)
+            .map(DeviceTensor::from)
+    }
+
+    fn runs_held(&self, c: Collective, held: Held) -> bool {
+        match held {
+            Held::Bytes => false,
+            Held::Tensor => matches!(
+                c,
+                Collective::AllReduce | Collective::Broadcast | Collective::AllGather
+            ),
+            Held::Update(_) => matches!(c, Collective::AllReduce | Collective::Broadcast),
+        }
     }
 }
 
