@@ -1,6 +1,6 @@
 //! Collectives on tensors in the ranks' device memory ([`DeviceTensor`]).
 
-use super::Communicator;
+use super::{Bytes, BytesMut, Call, Communicator};
 use crate::device::DeviceTensor;
 use crate::dtype::{Apply, DType, Element, ReduceOp};
 use crate::error::{Collective, Result};
@@ -22,16 +22,38 @@ impl Communicator {
         }
     }
 
+    /// Why this rank cannot run a collective on `tensors` where they lie, if it cannot (a
+    /// tensor on another device or client, or in host memory on a rank whose tensors are on
+    /// its device): the call's argument error, which every rank sees before anything moves.
+    fn tensor_refused(&self, tensors: &[&DeviceTensor]) -> Option<String> {
+        let shared = self.progress.shared();
+        let engine = shared.engine.as_ref().filter(|e| !e.per_rank())?;
+        tensors
+            .iter()
+            .find_map(|t| engine.check_tensor(self.rank(), t).err())
+    }
+
+    /// `call`, made this rank's argument error where `refused` says why.
+    fn refused(mut call: Call, refused: Option<String>) -> Call {
+        if let (Ok(()), Some(why)) = (&call.check, refused) {
+            call.check = Err(why);
+        }
+        call
+    }
+
     /// All-reduce `t` in place, where it lies: on XLA devices one compiled program over every
     /// rank's device buffer, with no copy through host memory (every rank of the group passes
-    /// a tensor on its device); in host memory the communicator's own algorithms. The checks,
-    /// timeout and errors are those of [`Communicator::all_reduce`].
+    /// a tensor on its device, made by [`Communicator::place`]); in host memory the
+    /// communicator's own algorithms. The checks, timeout and errors are those of
+    /// [`Communicator::all_reduce`].
     pub fn all_reduce_tensor(&self, t: &mut DeviceTensor, op: ReduceOp) -> Result<()> {
         let dtype = t.dtype();
-        if let Some(bytes) = t.host_bytes_mut() {
-            return self.all_reduce_raw(dtype, None, bytes, op);
-        }
-        self.blocking(self.tensor_call(Collective::AllReduce, t, None, op, 0))
+        let refused = self.tensor_refused(&[t]);
+        let call = match t.host_bytes_mut() {
+            Some(bytes) => self.all_reduce_call(dtype, None, BytesMut::of(bytes), op),
+            None => self.tensor_call(Collective::AllReduce, t, None, op, 0),
+        };
+        self.blocking(Self::refused(call, refused))
     }
 
     /// All-gather where the tensors lie: every rank's `t` becomes every rank's tensor
@@ -39,34 +61,35 @@ impl Communicator {
     /// [`Communicator::all_reduce_tensor`] runs.
     pub fn all_gather_tensor(&self, t: &mut DeviceTensor) -> Result<()> {
         let dtype = t.dtype();
-        let gathered = t.len().saturating_mul(self.world_size());
-        if gathered
+        let refused = self.tensor_refused(&[t]);
+        let Some(bytes) = t.host_bytes_mut() else {
+            let call = self.tensor_call(Collective::AllGather, t, None, ReduceOp::Sum, 0);
+            return self.blocking(Self::refused(call, refused));
+        };
+        // A tensor in memory times the world: the output's length fits unless the world is
+        // absurd, which the call's own check then names.
+        let gathered = (bytes.len() / dtype.size()).saturating_mul(self.world_size());
+        let fits = gathered
             .checked_mul(dtype.size())
-            .is_none_or(|b| b > isize::MAX as usize)
-        {
-            return Err(crate::Error::config(format!(
-                "all_gather of {t:?} over {} ranks: more bytes than a buffer can hold",
-                self.world_size()
-            )));
-        }
-        if let Some(bytes) = t.host_bytes_mut() {
-            let mut out = DeviceTensor::zeroed(dtype, gathered);
-            let output = out.host_bytes_mut().unwrap_or_default();
-            self.all_gather_raw(dtype, Some(bytes), output)?;
-            *t = out;
-            return Ok(());
-        }
-        self.blocking(self.tensor_call(Collective::AllGather, t, None, ReduceOp::Sum, 0))
+            .is_some_and(|b| b <= isize::MAX as usize);
+        let mut out = DeviceTensor::zeroed(dtype, if fits { gathered } else { 0 });
+        let output = out.host_bytes_mut().unwrap_or_default();
+        let call = self.all_gather_call(dtype, Some(Bytes::of(bytes)), BytesMut::of(output));
+        self.blocking(Self::refused(call, refused))?;
+        *t = out;
+        Ok(())
     }
 
     /// Broadcast rank `root`'s `t` into every rank's, where they lie (as
     /// [`Communicator::all_reduce_tensor`]).
     pub fn broadcast_tensor(&self, t: &mut DeviceTensor, root: usize) -> Result<()> {
         let dtype = t.dtype();
-        if let Some(bytes) = t.host_bytes_mut() {
-            return self.broadcast_raw(dtype, bytes, root);
-        }
-        self.blocking(self.tensor_call(Collective::Broadcast, t, None, ReduceOp::Sum, root))
+        let refused = self.tensor_refused(&[t]);
+        let call = match t.host_bytes_mut() {
+            Some(bytes) => self.broadcast_call(dtype, BytesMut::of(bytes), root),
+            None => self.tensor_call(Collective::Broadcast, t, None, ReduceOp::Sum, root),
+        };
+        self.blocking(Self::refused(call, refused))
     }
 
     /// A variable's update on this rank's copy `copy`: every rank's `update` combined as
@@ -84,23 +107,28 @@ impl Communicator {
             Combined::Reduce(op) => (Collective::AllReduce, op, 0),
             Combined::From(root) => (Collective::Broadcast, ReduceOp::Sum, root),
         };
+        let refused = self.tensor_refused(&[copy, update]);
         if copy.host_bytes_mut().is_none() {
             let call = self.tensor_call(collective, copy, Some((update, apply)), op, root);
-            return self.blocking(call);
+            return self.blocking(Self::refused(call, refused));
         }
         let dtype = copy.dtype();
+        let mismatch = (update.dtype(), update.len()) != (dtype, copy.len());
+        let refused = refused.or_else(|| {
+            mismatch.then(|| {
+                format!(
+                    "the update {update:?} does not match the variable's copy {copy:?}; they \
+                     must have one dtype and length"
+                )
+            })
+        });
         let mut u = update.to_host()?;
         let bytes = u.host_bytes_mut().unwrap_or_default();
-        match combine {
-            Combined::Reduce(op) => self.all_reduce_raw(dtype, None, bytes, op)?,
-            Combined::From(root) => self.broadcast_raw(dtype, bytes, root)?,
-        }
-        if (u.dtype(), u.len()) != (dtype, copy.len()) {
-            return Err(crate::Error::config(format!(
-                "the update {u:?} does not match the variable's copy {copy:?}; they must have one \
-                 dtype and length"
-            )));
-        }
+        let call = match combine {
+            Combined::Reduce(op) => self.all_reduce_call(dtype, None, BytesMut::of(bytes), op),
+            Combined::From(root) => self.broadcast_call(dtype, BytesMut::of(bytes), root),
+        };
+        self.blocking(Self::refused(call, refused))?;
         let var = copy.host_bytes_mut().unwrap_or_default();
         crate::dtype::kernels::apply_update(dtype, var, u.host_bytes(), apply);
         Ok(())

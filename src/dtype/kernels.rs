@@ -105,17 +105,34 @@ pub fn divide(dtype: DType, buf: &mut [u8], n: usize) {
 }
 
 /// A variable's update, element-wise: `var + update`, `var - update` or `update` as `apply`
-/// says; the sum as [`reduce`] adds, the difference in f64, rounded once to the element type.
+/// says, as the element type adds and subtracts (the sum as [`reduce`] adds; a difference of
+/// f16 or bf16 in f32, rounded once; integers wrap), as XLA's `add` and `subtract` do.
 pub fn apply_update(dtype: DType, var: &mut [u8], update: &[u8], apply: Apply) {
-    match apply {
-        Apply::Assign => var.copy_from_slice(update),
-        Apply::Add => reduce(dtype, ReduceOp::Sum, var, &[update], Init::Accumulate, None),
-        Apply::Subtract => crate::for_each_dtype!(dtype, T => {
-            let u = bytemuck::cast_slice::<u8, T>(update);
-            for (x, y) in bytemuck::cast_slice_mut::<u8, T>(var).iter_mut().zip(u) {
-                *x = T::from_f64(x.to_f64() - y.to_f64());
+    macro_rules! sub {
+        ($t:ty, |$x:ident, $y:ident| $e:expr) => {{
+            let u = bytemuck::cast_slice::<u8, $t>(update);
+            for ($x, &$y) in bytemuck::cast_slice_mut::<u8, $t>(var).iter_mut().zip(u) {
+                *$x = $e;
             }
-        }),
+        }};
+    }
+    match (apply, dtype) {
+        (Apply::Assign, _) => var.copy_from_slice(update),
+        (Apply::Add, _) => reduce(dtype, ReduceOp::Sum, var, &[update], Init::Accumulate, None),
+        (Apply::Subtract, DType::F32) => sub!(f32, |x, y| *x - y),
+        (Apply::Subtract, DType::F64) => sub!(f64, |x, y| *x - y),
+        (Apply::Subtract, DType::F16) => {
+            sub!(f16, |x, y| f16::from_f32(x.to_f32() - y.to_f32()))
+        }
+        (Apply::Subtract, DType::BF16) => {
+            sub!(bf16, |x, y| bf16::from_f32(x.to_f32() - y.to_f32()))
+        }
+        (Apply::Subtract, DType::I8) => sub!(i8, |x, y| x.wrapping_sub(y)),
+        (Apply::Subtract, DType::U8) => sub!(u8, |x, y| x.wrapping_sub(y)),
+        (Apply::Subtract, DType::I32) => sub!(i32, |x, y| x.wrapping_sub(y)),
+        (Apply::Subtract, DType::U32) => sub!(u32, |x, y| x.wrapping_sub(y)),
+        (Apply::Subtract, DType::I64) => sub!(i64, |x, y| x.wrapping_sub(y)),
+        (Apply::Subtract, DType::U64) => sub!(u64, |x, y| x.wrapping_sub(y)),
     }
 }
 
@@ -704,6 +721,40 @@ mod tests {
             None,
         );
         assert_eq!(bytemuck::cast_slice::<u8, u16>(&d), &[0x0f00]);
+    }
+
+    #[test]
+    fn updates_add_subtract_and_assign_as_the_element_type() {
+        let mut v = [3u8, 200];
+        apply_update(DType::U8, &mut v, &[5, 100], Apply::Subtract);
+        assert_eq!(v, [254, 100], "integers wrap, as XLA's subtract");
+        apply_update(DType::U8, &mut v, &[2, 200], Apply::Add);
+        assert_eq!(v, [0, 44]);
+        let mut big = [i64::MAX - 1];
+        apply_update(
+            DType::I64,
+            bytemuck::cast_slice_mut(&mut big),
+            bytemuck::cast_slice(&[-3i64]),
+            Apply::Subtract,
+        );
+        assert_eq!(big, [i64::MIN + 1]);
+        let mut h = [f16::from_f32(1.0)];
+        let d = [f16::from_f32(0.000_1)];
+        apply_update(
+            DType::F16,
+            bytemuck::cast_slice_mut(&mut h),
+            bytemuck::cast_slice(&d),
+            Apply::Subtract,
+        );
+        assert_eq!(h[0], f16::from_f32(1.0 - f16::from_f32(0.000_1).to_f32()));
+        let mut f = [1.5f32, -2.0];
+        apply_update(
+            DType::F32,
+            bytemuck::cast_slice_mut(&mut f),
+            bytemuck::cast_slice(&[0.25f32, 1.0]),
+            Apply::Assign,
+        );
+        assert_eq!(f, [0.25, 1.0]);
     }
 
     #[test]

@@ -191,6 +191,14 @@ pub(crate) trait GroupEngine: Send + Sync {
         Ok(DeviceTensor::from_bytes(dtype, bytes))
     }
 
+    /// Why rank `rank` cannot pass `t` to a collective on tensors, if it cannot: a tensor on
+    /// another device or client, or in host memory where the engine's tensors are on the
+    /// devices. The communicator makes it the call's argument error before the ranks meet.
+    fn check_tensor(&self, rank: usize, t: &DeviceTensor) -> std::result::Result<(), String> {
+        let _ = (rank, t);
+        Ok(())
+    }
+
     /// Whether this engine runs collective `c` on tensors it placed ([`GroupEngine::place`]),
     /// where they lie, as `held` says (the tensor in place, or a variable's update). The
     /// communicator refuses the others.

@@ -1294,7 +1294,7 @@ impl Strategy {
     pub fn device_variable<T: Element>(&self, initial: &[T]) -> Result<DeviceVariable<T>> {
         let value = self.chiefs_value(initial, "device_variable")?;
         let copies = self.run(|ctx| ctx.place(&value))?;
-        Ok(DeviceVariable::new(copies.0))
+        Ok(DeviceVariable::new(copies.0, self.config.timeout))
     }
 
     /// Create a variable stored once (CentralStorageStrategy's way), initialised to the chief's
@@ -1693,14 +1693,28 @@ impl ReplicaContext<'_> {
             return Ok(());
         };
         let dtype = t.dtype();
-        let mut all = DeviceTensor::zeroed(dtype, t.len().saturating_mul(w.world_size()));
+        let len = t
+            .len()
+            .checked_mul(w.world_size())
+            .filter(|n| {
+                n.checked_mul(dtype.size())
+                    .is_some_and(|b| b <= isize::MAX as usize)
+            })
+            .ok_or_else(|| {
+                Error::config(format!(
+                    "all_gather of {t:?} over {} workers: more bytes than a buffer can hold",
+                    w.world_size()
+                ))
+            })?;
+        // The other local replicas upload a tensor of the gathered length, which receives
+        // replica 0's.
+        let mut all = DeviceTensor::zeroed(dtype, len);
         if self.local_id == 0 {
             let mut host = t.to_host()?;
             let local = host.host_bytes_mut().expect("a tensor in host memory");
             let out = all.host_bytes_mut().expect("a tensor in host memory");
             w.all_gather_raw(dtype, Some(local), out)?;
         }
-        // The other replicas' tensors of the gathered length receive replica 0's.
         *t = self.comm.place_bytes(dtype, all.host_bytes())?;
         self.comm.broadcast_tensor(t, 0)
     }

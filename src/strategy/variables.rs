@@ -10,7 +10,7 @@ use parking_lot::RwLock;
 use super::{PerReplica, ReplicaContext, Strategy};
 use crate::comm::Combined;
 use crate::device::DeviceTensor;
-use crate::dtype::kernels::{self, Init};
+use crate::dtype::kernels;
 use crate::dtype::{Apply, Element, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -32,6 +32,17 @@ pub(crate) enum Update {
     Set,
 }
 
+impl Update {
+    /// The update as the kernels and the engines apply it.
+    fn apply(self) -> Apply {
+        match self {
+            Update::Add => Apply::Add,
+            Update::Sub => Apply::Subtract,
+            Update::Set => Apply::Assign,
+        }
+    }
+}
+
 fn apply<T: Element>(v: &mut [T], u: &[T], how: Update) -> Result<()> {
     if v.len() != u.len() {
         return Err(Error::config(format!(
@@ -40,21 +51,12 @@ fn apply<T: Element>(v: &mut [T], u: &[T], how: Update) -> Result<()> {
             v.len()
         )));
     }
-    match how {
-        Update::Set => v.copy_from_slice(u),
-        Update::Add => kernels::reduce(
-            T::DTYPE,
-            ReduceOp::Sum,
-            bytemuck::cast_slice_mut(v),
-            &[bytemuck::cast_slice(u)],
-            Init::Accumulate,
-            None,
-        ),
-        Update::Sub => v
-            .iter_mut()
-            .zip(u)
-            .for_each(|(x, y)| *x = T::from_f64(x.to_f64() - y.to_f64())),
-    }
+    kernels::apply_update(
+        T::DTYPE,
+        bytemuck::cast_slice_mut(v),
+        bytemuck::cast_slice(u),
+        how.apply(),
+    );
     Ok(())
 }
 
@@ -305,16 +307,41 @@ impl<T: Element> CentralVariable<T> {
 pub struct DeviceVariable<T> {
     copies: Vec<parking_lot::Mutex<DeviceTensor>>,
     len: usize,
+    /// How long a copy in use elsewhere is waited for (the strategy's timeout).
+    timeout: std::time::Duration,
     _element: std::marker::PhantomData<T>,
 }
 
 impl<T: Element> DeviceVariable<T> {
-    pub(crate) fn new(copies: Vec<DeviceTensor>) -> DeviceVariable<T> {
+    pub(crate) fn new(
+        copies: Vec<DeviceTensor>,
+        timeout: std::time::Duration,
+    ) -> DeviceVariable<T> {
         DeviceVariable {
             len: copies.first().map_or(0, DeviceTensor::len),
             copies: copies.into_iter().map(parking_lot::Mutex::new).collect(),
+            timeout,
             _element: std::marker::PhantomData,
         }
+    }
+
+    /// Local replica `replica`'s copy, waited for at most the strategy's timeout (a
+    /// [`DeviceVariable::with_copy`] whose function reads or updates the variable would wait
+    /// for itself).
+    fn copy(&self, replica: usize) -> Result<parking_lot::MutexGuard<'_, DeviceTensor>> {
+        let Some(copy) = self.copies.get(replica) else {
+            return Err(Error::config(format!(
+                "device variable: no replica {replica} (it has {} copies)",
+                self.copies.len()
+            )));
+        };
+        copy.try_lock_for(self.timeout).ok_or_else(|| {
+            Error::config(format!(
+                "device variable: replica {replica}'s copy stayed in use for {:?} (read or \
+                 updated inside with_copy's function, which holds it?)",
+                self.timeout
+            ))
+        })
     }
 
     /// Elements in each copy.
@@ -329,13 +356,7 @@ impl<T: Element> DeviceVariable<T> {
 
     /// The copy of local replica `replica`, copied to the host.
     pub fn read(&self, replica: usize) -> Result<Vec<T>> {
-        let Some(copy) = self.copies.get(replica) else {
-            return Err(Error::config(format!(
-                "device variable: no replica {replica} (it has {} copies)",
-                self.copies.len()
-            )));
-        };
-        copy.lock().to_vec()
+        self.copy(replica)?.to_vec()
     }
 
     /// The variable's value (every copy holds it), copied to the host.
@@ -355,14 +376,15 @@ impl<T: Element> DeviceVariable<T> {
     }
 
     /// `f` of the copy of the replica running `ctx`, where it lies (for the caller's own
-    /// programs: `DeviceTensor::as_xla` is its PJRT buffer).
+    /// programs: `DeviceTensor::as_xla` is its PJRT buffer). The copy is held while `f` runs:
+    /// `f` must not read or update the variable (that is an error after the timeout).
     pub fn with_copy<R>(
         &self,
         ctx: &ReplicaContext<'_>,
         f: impl FnOnce(&DeviceTensor) -> R,
     ) -> Result<R> {
         let me = self.copy_in(ctx)?;
-        Ok(f(&self.copies[me].lock()))
+        Ok(f(&*self.copy(me)?))
     }
 
     fn copy_in(&self, ctx: &ReplicaContext<'_>) -> Result<usize> {
@@ -424,15 +446,16 @@ impl<T: Element> DeviceVariable<T> {
                 self.len
             )));
         }
-        let apply = match how {
-            Update::Add => Apply::Add,
-            Update::Sub => Apply::Subtract,
-            Update::Set => Apply::Assign,
+        let apply = how.apply();
+        let mut copy = self.copy(me)?;
+        let op = match agg {
+            Aggregation::Sum => ReduceOp::Sum,
+            _ => ReduceOp::Mean,
         };
-        let mut copy = self.copies[me].lock();
-        if ctx.strategy().workers.is_some() {
-            // The aggregate across workers first, in a tensor of its own; every local replica
-            // then holds it, and local replica 0's applies.
+        if ctx.strategy().workers.is_some() || ctx.strategy().custom_ops(op, T::DTYPE).is_some() {
+            // The aggregate across workers, or through the caller's cross-device op (host
+            // memory), first, in a tensor of its own: each replica's update goes to the host
+            // and back. Every local replica then holds the aggregate; local replica 0's applies.
             let mut u = ctx
                 .comm
                 .place_bytes(T::DTYPE, update.to_host()?.host_bytes())?;
@@ -491,11 +514,13 @@ impl<T: Element> DeviceVariable<T> {
         agg: Aggregation,
         how: Update,
     ) -> Result<()> {
-        if updates.0.len() != self.copies.len() {
+        let n = strategy.num_local_replicas();
+        if updates.0.len() != n || self.copies.len() != n {
             return Err(Error::config(format!(
-                "device variable: {} updates for {} replicas",
-                updates.0.len(),
-                self.copies.len()
+                "device variable of {} copies: {} updates through a strategy of {n} local \
+                 replicas; they must be equal",
+                self.copies.len(),
+                updates.0.len()
             )));
         }
         strategy.run(|ctx| {

@@ -803,7 +803,6 @@ impl Inner {
         device: usize,
     ) -> Result<*mut ffi::Buffer> {
         self.check_usable()?;
-        self.stats.lock().unwrap_or_else(|e| e.into_inner()).uploads += 1;
         let p = self.plugin;
         let Some(&dev) = self.device_ptrs.get(device) else {
             return Err(Error::config(format!(
@@ -846,6 +845,7 @@ impl Inner {
                 message: "the plugin returned no buffer".into(),
             });
         }
+        self.stats.lock().unwrap_or_else(|e| e.into_inner()).uploads += 1;
         Ok(a.buffer)
     }
 
@@ -856,10 +856,6 @@ impl Inner {
     /// times out, that landing memory is left to the plugin (leaked) instead of the caller's.
     pub(crate) fn download(&self, srcs: &[&XlaBuffer], dsts: &mut [&mut [u8]]) -> Result<()> {
         self.check_usable()?;
-        self.stats
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .downloads += srcs.len() as u64;
         let p = self.plugin;
         let f = self
             .api()
@@ -918,6 +914,10 @@ impl Inner {
             }
             dst.copy_from_slice(&bytemuck::cast_slice::<u64, u8>(land)[..bytes]);
         }
+        self.stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .downloads += srcs.len() as u64;
         Ok(())
     }
 

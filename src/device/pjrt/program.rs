@@ -69,14 +69,6 @@ impl Kind {
         }
     }
 
-    /// The arguments of each replica: the variable and its update for [`Kind::Update`], else one.
-    pub fn args(self) -> usize {
-        match self {
-            Kind::Update { .. } => 2,
-            _ => 1,
-        }
-    }
-
     /// The collective as tutti names it in errors.
     pub fn collective(self) -> crate::error::Collective {
         use crate::error::Collective;

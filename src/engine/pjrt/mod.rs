@@ -229,6 +229,23 @@ impl GroupEngine for Pjrt {
             .map(DeviceTensor::from)
     }
 
+    fn check_tensor(&self, rank: usize, t: &DeviceTensor) -> std::result::Result<(), String> {
+        match t.storage() {
+            Storage::Host(_) => Err(format!(
+                "rank {rank} is on xla:{rank}, whose tensors are on the device, but {t:?} is in \
+                 host memory; make tensors with the rank's communicator (Communicator::place, \
+                 ReplicaContext::place)"
+            )),
+            Storage::Xla(b) if !b.same_client(&self.client) => Err(format!(
+                "{t:?} belongs to another XLA client than rank {rank}'s group"
+            )),
+            Storage::Xla(b) if b.device() != rank => {
+                Err(format!("{t:?} is not on rank {rank}'s device xla:{rank}"))
+            }
+            Storage::Xla(_) => Ok(()),
+        }
+    }
+
     fn runs_held(&self, c: Collective, held: Held) -> bool {
         match held {
             Held::Bytes => false,
