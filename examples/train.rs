@@ -18,7 +18,9 @@
 //!
 //! `--device cpu|gpu|xla` puts the replicas on logical CPU devices (the default), on the GPUs
 //! (`--replicas` at most those present; a build with `--features cuda`), or on the PJRT
-//! plugin's devices (`--features xla`; mirrored only, as TPUStrategy).
+//! plugin's devices (`--features xla`; mirrored only, as TPUStrategy, with the weights in a
+//! `DeviceVariable` on the devices; `xla_host_calls` in the JSON line counts the collectives
+//! that went through host memory: none).
 //!
 //! `--checkpoint-dir DIR` saves the weights and the step there at the end (and every
 //! `--checkpoint-every` steps; the chief writes, the last 3 are kept); with `--resume` the run
@@ -169,6 +171,13 @@ impl Start {
     /// After `step` (counted from the start of training, across resumes): save where
     /// --checkpoint-dir is given, at the end of the run and at every multiple of
     /// --checkpoint-every.
+    /// Whether step `step` saves a checkpoint: the last, and every `--checkpoint-every`.
+    fn due(&self, args: &Args, step: usize) -> bool {
+        let last = step == self.step + args.steps;
+        let periodic = args.checkpoint_every > 0 && step % args.checkpoint_every == 0;
+        self.manager.is_some() && (last || periodic)
+    }
+
     fn save(
         &self,
         strategy: Option<&Strategy>,
@@ -179,9 +188,7 @@ impl Start {
         let Some(m) = &self.manager else {
             return Ok(());
         };
-        let last = step == self.step + args.steps;
-        let periodic = args.checkpoint_every > 0 && step % args.checkpoint_every == 0;
-        if !(last || periodic) {
+        if !self.due(args, step) {
             return Ok(());
         }
         let mut ckpt = Checkpoint::new(step as u64);
@@ -284,6 +291,34 @@ fn mirrored_step(
         Ok(l[0])
     })?;
     Ok(losses.0[0])
+}
+
+/// Mirrored weights on the replicas' devices (TPUStrategy): a `DeviceVariable`. Each replica
+/// reads its copy, places its update on its device, and the sum of the updates is subtracted
+/// from every copy in one program there; the loss is summed on the devices too, so no
+/// collective goes through host memory.
+fn train_on_devices(strategy: &Strategy, args: &Args) -> Result<((Vec<f32>, f32), Start)> {
+    let start = Start::new(Some(strategy), args)?;
+    let shards = strategy.distribute_batch(&data(), ROW)?;
+    let w = strategy.device_variable(&start.weights)?;
+    let mut loss = 0.0;
+    for step in start.step + 1..=start.step + args.steps {
+        std::thread::sleep(std::time::Duration::from_millis(args.step_delay_ms));
+        let losses = strategy.run(|ctx| {
+            let me = ctx.local_replica_id();
+            let (g, l) = grad_sum(&w.read(me)?, &shards.0[me]);
+            w.assign_sub_in(ctx, &ctx.place(&scaled(&g))?, Aggregation::Sum)?;
+            let mut l = ctx.place(&[l / SAMPLES as f32])?;
+            ctx.all_reduce_tensor(ReduceOp::Sum, &mut l)?;
+            Ok(l.to_vec::<f32>()?[0])
+        })?;
+        loss = losses.0[0];
+        if start.due(args, step) {
+            start.save(Some(strategy), args, step, &w.value()?)?;
+        }
+    }
+    assert!(w.in_sync()?, "the copies on the devices diverged");
+    Ok(((w.value()?, loss), start))
 }
 
 /// What a multi-worker run that lost a worker went on from: the step it repeated and the
@@ -412,15 +447,18 @@ fn train_ps(args: &Args) -> Result<Option<Trained>> {
 }
 
 /// TPUStrategy over the XLA devices of the PJRT plugin found (TUTTI_PJRT_PLUGIN,
-/// TUTTI_PJRT_OPTIONS; e.g. the CPU plugin with `cpu_device_count=4`).
+/// TUTTI_PJRT_OPTIONS; e.g. the CPU plugin with `cpu_device_count=4`), and how many collectives
+/// its client has run on host memory so far.
 #[cfg(feature = "xla")]
-fn tpu_strategy() -> Result<Strategy> {
-    Strategy::tpu(tutti::xla::Client::from_env()?)
+fn tpu_strategy() -> Result<(Strategy, impl Fn() -> u64)> {
+    let client = tutti::xla::Client::from_env()?;
+    let strategy = Strategy::tpu(client.clone())?;
+    Ok((strategy, move || client.cache_stats().host_calls))
 }
 
 #[cfg(not(feature = "xla"))]
-fn tpu_strategy() -> Result<Strategy> {
-    Err(tutti::Error::Unavailable {
+fn tpu_strategy() -> Result<(Strategy, impl Fn() -> u64)> {
+    Err::<(Strategy, fn() -> u64), _>(tutti::Error::Unavailable {
         what: "TPUStrategy".into(),
         why: "this example was built without the xla feature (cargo build --features xla --example train)".into(),
     })
@@ -551,6 +589,7 @@ fn run(args: &Args) -> Result<()> {
         ));
     }
     let mut resumed: Resumed = None;
+    let mut host_calls = None;
     let (result, replicas, start) = match args.strategy.as_str() {
         "default" => {
             let s = Strategy::default_strategy();
@@ -563,8 +602,10 @@ fn run(args: &Args) -> Result<()> {
             (r, s.num_replicas_in_sync(), start)
         }
         "mirrored" | "tpu" if xla => {
-            let s = tpu_strategy()?;
-            let (r, start) = train_mirrored(&s, args)?;
+            let (s, host) = tpu_strategy()?;
+            let before = host();
+            let (r, start) = train_on_devices(&s, args)?;
+            host_calls = Some(host() - before);
             (r, s.num_replicas_in_sync(), start)
         }
         "mirrored" => {
@@ -614,6 +655,7 @@ fn run(args: &Args) -> Result<()> {
             "restored_step": start.restored.then_some(start.step),
             "resumed_at": resumed.as_ref().map(|r| r.0),
             "resumed_weights": resumed.as_ref().map(|r| r.1.clone()),
+            "xla_host_calls": host_calls,
         });
         println!("{line}");
     } else {

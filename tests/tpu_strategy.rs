@@ -79,6 +79,8 @@ fn tpu_strategy_collectives_and_training() {
     let j = run(&["--strategy", "tpu", "--steps", "40"]);
     assert_eq!(j["replicas"], 4);
     assert_eq!(j["device"], "xla");
+    // The weights live on the devices and every collective runs there.
+    assert_eq!(j["xla_host_calls"], 0, "{j}");
     let w = j["weights"].as_array().unwrap();
     let r = j["reference_weights"].as_array().unwrap();
     for (a, b) in w.iter().zip(r) {
@@ -105,6 +107,7 @@ fn tpu_strategy_collectives_and_training() {
         (Some("xla"), Some(20))
     );
     assert_eq!(resumed["reference_weights"], j["reference_weights"]);
+    assert_eq!(resumed["xla_host_calls"], 0, "{resumed}");
     for (a, b) in resumed["weights"].as_array().unwrap().iter().zip(w) {
         assert!(
             (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-6,

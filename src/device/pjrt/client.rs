@@ -178,6 +178,11 @@ pub struct CacheStats {
     pub refused: u64,
     /// Calls that ran host-staged.
     pub staged_calls: u64,
+    /// Collectives on host memory (the `*_raw` forms and the typed host forms, which the
+    /// `xla:N` ranks of a communicator run): each copies its inputs to the devices and its
+    /// results back, or reduces on the host. The collectives on device buffers and on
+    /// [`crate::DeviceTensor`]s are not counted.
+    pub host_calls: u64,
     /// Buffers copied from host memory to a device (by any call, or by
     /// [`Client::buffer_from_host`]).
     pub uploads: u64,
@@ -1088,6 +1093,13 @@ impl Inner {
             Compiled::Refused(_) => s.refused += 1,
         }
         Ok(entry)
+    }
+
+    pub(crate) fn count_host_call(&self) {
+        self.stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .host_calls += 1;
     }
 
     pub(crate) fn count_staged(&self) {

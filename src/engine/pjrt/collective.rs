@@ -245,6 +245,7 @@ impl Client {
         only: Option<usize>,
     ) -> Result<()> {
         self.inner.check_usable()?;
+        self.inner.count_host_call();
         let n = inputs.len();
         let count = inputs[0].len() / dtype.size();
         let key = ProgramKey {
@@ -500,6 +501,7 @@ impl Client {
                 count,
                 replicas: n,
             };
+            self.inner.count_host_call();
             match self.plan(key)? {
                 Plan::Staged => {
                     self.inner.count_staged();
