@@ -735,6 +735,12 @@ typedef struct tutti_replicas tutti_replicas;
 typedef struct tutti_strategy tutti_strategy;
 
 /**
+ * A tensor in a replica's device memory (opaque). Created by `tutti_replica_place` or
+ * `tutti_tensor_from_host`, released by `tutti_tensor_destroy`.
+ */
+typedef struct tutti_tensor tutti_tensor;
+
+/**
  * A variable (opaque). Created by `tutti_variable_create`, released by
  * `tutti_variable_destroy`.
  */
@@ -2882,6 +2888,126 @@ tutti_result tutti_strategy_reduce(struct tutti_strategy *strategy,
                                    tutti_op op,
                                    const void *const *per_replica,
                                    void *output);
+
+/**
+ * Copy `count` elements of `dtype` from `data` to this replica's device and write the new
+ * tensor to `*out` (a PJRT buffer under TPUStrategy, host memory for CPU replicas). The
+ * `tutti_replica_*_tensor` collectives run on it where it lies; `tutti_tensor_read` copies it
+ * back.
+ *
+ * Thread-safety: only inside the replica function that was handed `ctx`.
+ *
+ * # Safety
+ *
+ * `ctx` is NULL or the running replica's context; `data` is NULL or holds `count` elements of
+ * `dtype`; `out` is NULL or writable.
+ */
+tutti_result tutti_replica_place(const struct tutti_replica_context *ctx,
+                                 size_t count,
+                                 tutti_dtype dtype,
+                                 const void *data,
+                                 struct tutti_tensor **out);
+
+/**
+ * A tensor in host memory holding `count` elements of `dtype` from `data`, written to `*out`
+ * (for the default strategy and CPU replicas, whose tensors are host memory).
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `data` is NULL or holds `count` elements of `dtype`; `out` is NULL or writable.
+ */
+tutti_result tutti_tensor_from_host(size_t count,
+                                    tutti_dtype dtype,
+                                    const void *data,
+                                    struct tutti_tensor **out);
+
+/**
+ * All-reduce `tensor` in place across every replica in sync, where it lies (on XLA devices
+ * one compiled program over the replicas' buffers, nothing copied through host memory).
+ * `op` as `tutti_replica_all_reduce`. A tensor in host memory, or on another replica's device,
+ * is an argument error on every replica.
+ *
+ * Thread-safety: only inside the replica function that was handed `ctx`.
+ *
+ * # Safety
+ *
+ * `ctx` is NULL or the running replica's context; `tensor` is NULL or a live handle that
+ * nothing else uses meanwhile.
+ */
+tutti_result tutti_replica_all_reduce_tensor(const struct tutti_replica_context *ctx,
+                                             tutti_op op,
+                                             struct tutti_tensor *tensor);
+
+/**
+ * Broadcast `tensor` from the replica `root` (an index in sync) to every replica's, where
+ * they lie.
+ *
+ * Thread-safety: only inside the replica function that was handed `ctx`.
+ *
+ * # Safety
+ *
+ * As `tutti_replica_all_reduce_tensor`.
+ */
+tutti_result tutti_replica_broadcast_tensor(const struct tutti_replica_context *ctx,
+                                            size_t root,
+                                            struct tutti_tensor *tensor);
+
+/**
+ * All-gather where the tensors lie: `tensor` becomes every replica's, concatenated in replica
+ * order (as many times longer as there are replicas in sync).
+ *
+ * Thread-safety: only inside the replica function that was handed `ctx`.
+ *
+ * # Safety
+ *
+ * As `tutti_replica_all_reduce_tensor`.
+ */
+tutti_result tutti_replica_all_gather_tensor(const struct tutti_replica_context *ctx,
+                                             struct tutti_tensor *tensor);
+
+/**
+ * Write the tensor's element type to `*dtype`, its number of elements to `*count` and the
+ * kind of memory it is in to `*kind` (`TUTTI_DEVICE_CPU` for host memory, `TUTTI_DEVICE_XLA`).
+ * Any output may be NULL.
+ *
+ * Thread-safety: not while a collective runs on `tensor`.
+ *
+ * # Safety
+ *
+ * `tensor` is NULL or a live handle; the outputs are NULL or writable.
+ */
+tutti_result tutti_tensor_info(const struct tutti_tensor *tensor,
+                               tutti_dtype *dtype,
+                               size_t *count,
+                               tutti_device_kind *kind);
+
+/**
+ * Copy the tensor to `out`: `count` elements of `dtype`, its dtype and length.
+ *
+ * Thread-safety: not while a collective runs on `tensor`.
+ *
+ * # Safety
+ *
+ * `tensor` is NULL or a live handle; `out` is NULL or holds `count` writable elements of
+ * `dtype`.
+ */
+tutti_result tutti_tensor_read(const struct tutti_tensor *tensor,
+                               size_t count,
+                               tutti_dtype dtype,
+                               void *out);
+
+/**
+ * Release a tensor (its device memory too). NULL is accepted and ignored.
+ *
+ * Thread-safety: no other call may be using `tensor`, nor use it afterwards.
+ *
+ * # Safety
+ *
+ * `tensor` is NULL or a live handle, not used again.
+ */
+void tutti_tensor_destroy(struct tutti_tensor *tensor);
 
 /**
  * Enter `strategy`'s scope on this thread (TensorFlow's `with strategy.scope():`): until

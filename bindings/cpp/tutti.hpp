@@ -843,6 +843,9 @@ struct checkpoint_deleter {
 struct variable_deleter {
     void operator()(tutti_variable *v) const noexcept { tutti_variable_destroy(v); }
 };
+struct tensor_deleter {
+    void operator()(tutti_tensor *t) const noexcept { tutti_tensor_destroy(t); }
+};
 struct ps_strategy_deleter {
     void operator()(tutti_ps_strategy *s) const noexcept { tutti_ps_strategy_destroy(s); }
 };
@@ -875,6 +878,36 @@ inline std::exception_ptr first_own(const std::vector<std::exception_ptr> &error
 }
 } // namespace detail
 
+/// A value in a replica's device memory (tutti_tensor; a PJRT buffer under TPUStrategy, host
+/// memory for CPU replicas), made by replica_context::place. Move-only.
+template <typename T> class tensor {
+public:
+    /// A tensor in host memory holding `data` (tutti_tensor_from_host).
+    static tensor from_host(const std::vector<T> &data) {
+        tutti_tensor *t = nullptr;
+        detail::check(tutti_tensor_from_host(data.size(), dtype_of<T>::value, data.data(), &t));
+        return tensor(t);
+    }
+    /// Its number of elements.
+    std::size_t size() const {
+        std::size_t n = 0;
+        detail::check(tutti_tensor_info(h_.get(), nullptr, &n, nullptr));
+        return n;
+    }
+    /// Its elements, copied to the host.
+    std::vector<T> read() const {
+        std::vector<T> out(size());
+        detail::check(tutti_tensor_read(h_.get(), out.size(), dtype_of<T>::value, out.data()));
+        return out;
+    }
+    tutti_tensor *get() const noexcept { return h_.get(); }
+
+private:
+    friend class replica_context;
+    explicit tensor(tutti_tensor *t) : h_(t) {}
+    std::unique_ptr<tutti_tensor, detail::tensor_deleter> h_;
+};
+
 /// What a replica function gets: its ids and the collectives across every replica in sync.
 /// Valid only during that call, on that thread.
 class replica_context {
@@ -900,6 +933,24 @@ public:
     template <typename T> void broadcast(std::vector<T> &buf, std::size_t root) const {
         detail::check(
             tutti_replica_broadcast(c_, buf.size(), dtype_of<T>::value, root, buf.data()));
+    }
+    /// `data` placed on this replica's device (tutti_replica_place).
+    template <typename T> tensor<T> place(const std::vector<T> &data) const {
+        tutti_tensor *t = nullptr;
+        detail::check(tutti_replica_place(c_, data.size(), dtype_of<T>::value, data.data(), &t));
+        return tensor<T>(t);
+    }
+    /// t becomes op over every replica's t, where they lie.
+    template <typename T> void all_reduce(tensor<T> &t, op o) const {
+        detail::check(tutti_replica_all_reduce_tensor(c_, static_cast<tutti_op>(o), t.get()));
+    }
+    /// t becomes replica root's t, where they lie.
+    template <typename T> void broadcast(tensor<T> &t, std::size_t root) const {
+        detail::check(tutti_replica_broadcast_tensor(c_, root, t.get()));
+    }
+    /// t becomes every replica's t in replica order, where they lie.
+    template <typename T> void all_gather(tensor<T> &t) const {
+        detail::check(tutti_replica_all_gather_tensor(c_, t.get()));
     }
     const tutti_replica_context *get() const noexcept { return c_; }
 

@@ -23,6 +23,7 @@ mod ps;
 mod replicas;
 mod store;
 mod strategy;
+mod tensor;
 mod types;
 mod variables;
 mod work;

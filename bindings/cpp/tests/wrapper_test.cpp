@@ -471,6 +471,17 @@ static void strategies_and_checkpoints() {
     for (const auto &g : grads) {
         EXPECT(g == std::vector<float>(4, 6.0f));
     }
+    // Tensors on the replicas' devices (host memory for CPU replicas), reduced where they lie.
+    s.run([&](const tutti::replica_context &ctx) {
+        auto t = ctx.place(std::vector<std::int32_t>{static_cast<std::int32_t>(ctx.replica_id()), 1});
+        ctx.all_reduce(t, tutti::op::sum);
+        EXPECT((t.read() == std::vector<std::int32_t>{3, 3}));
+        ctx.all_gather(t);
+        EXPECT(t.size() == 6);
+        auto h = tutti::tensor<std::int32_t>::from_host({7});
+        ctx.broadcast(h, 1);
+        EXPECT(h.read()[0] == 7);
+    });
     std::vector<float> mean = s.reduce(std::vector<std::vector<float>>{{1, 2}, {3, 4}, {5, 6}},
                                        tutti::op::mean);
     EXPECT(mean[0] == 3.0f && mean[1] == 4.0f);

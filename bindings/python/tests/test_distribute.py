@@ -43,6 +43,30 @@ def test_run_gives_each_replica_its_value_and_all_reduce_combines_them(n):
         np.testing.assert_allclose(mean, sum(mine) / n, rtol=1e-6)
 
 
+def test_values_placed_on_the_replicas_devices_reduce_where_they_lie():
+    s = td.MirroredStrategy(cpus(3))
+
+    def step():
+        ctx = td.get_replica_context()
+        i = ctx.replica_id_in_sync_group
+        t = ctx.place(np.arange(6, dtype=np.int32).reshape(2, 3) * (i + 1))
+        assert t.device_kind == "cpu" and t.shape == (2, 3) and t.dtype == np.int32
+        assert ctx.all_reduce("SUM", t) is t
+        m = ctx.all_reduce(td.ReduceOp.MEAN, ctx.place(np.full(2, float(i), np.float64)))
+        return t.numpy(), m.numpy()
+
+    for total, mean in s.experimental_local_results(s.run(step)):
+        np.testing.assert_array_equal(total, np.arange(6, dtype=np.int32).reshape(2, 3) * 6)
+        assert total.dtype == np.int32
+        np.testing.assert_array_equal(mean, [1.0, 1.0])
+    # The default strategy's one replica keeps its value.
+    one = td.get_strategy().run(lambda: td.get_replica_context().all_reduce(
+        "SUM", td.get_replica_context().place(np.array([1.5, 2.5], np.float32))).numpy())
+    np.testing.assert_array_equal(one, [1.5, 2.5])
+    assert "DeviceTensor(shape=(2,), dtype=float32, on cpu)" == repr(s.run(
+        lambda: td.get_replica_context().place(np.zeros(2, np.float32))).values[0])
+
+
 def test_reduce_with_and_without_an_axis():
     s = td.MirroredStrategy(cpus(3))
     values = [np.arange(6, dtype=np.float64).reshape(2, 3) * (i + 1) for i in range(3)]

@@ -78,6 +78,7 @@ __all__ = [
     "CommunicationOptions",
     "PerReplica",
     "ReplicaContext",
+    "DeviceTensor",
     "VariableAggregation",
     "Variable",
     "Checkpoint",
@@ -132,6 +133,15 @@ _PROTOTYPES = {
                                                    ctypes.c_uint32, ctypes.c_void_p]),
     "tutti_replica_broadcast": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
                                                   ctypes.c_size_t, ctypes.c_void_p]),
+    "tutti_replica_place": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p,
+                                              ctypes.POINTER(ctypes.c_void_p)]),
+    "tutti_tensor_from_host": (ctypes.c_uint32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p,
+                                                 ctypes.POINTER(ctypes.c_void_p)]),
+    "tutti_replica_all_reduce_tensor": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p]),
+    "tutti_tensor_info": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32),
+                                            ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_uint32)]),
+    "tutti_tensor_read": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p]),
+    "tutti_tensor_destroy": (None, [ctypes.c_void_p]),
     "tutti_checkpoint_create": (ctypes.c_uint32, [ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p)]),
     "tutti_checkpoint_destroy": (None, [ctypes.c_void_p]),
     "tutti_checkpoint_step": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]),
@@ -319,6 +329,41 @@ def _stack():
     return s
 
 
+_DEVICE_KINDS = {0: "cpu", 1: "gpu", 2: "xla"}
+
+
+class DeviceTensor:
+    """A value in a replica's device memory: a PJRT buffer under ``TPUStrategy``, host memory
+    for CPU replicas. ``ReplicaContext.place`` makes one; ``ReplicaContext.all_reduce`` reduces it
+    where it lies (on XLA devices one compiled program, nothing copied through host memory);
+    ``numpy()`` copies it to the host."""
+
+    def __init__(self, handle, shape, dtype):
+        self._h, self.shape, self.dtype = ctypes.c_void_p(handle), tuple(shape), np.dtype(dtype)
+
+    @property
+    def device_kind(self):
+        """``"xla"`` for a tensor on an XLA device, ``"cpu"`` for host memory."""
+        kind = ctypes.c_uint32()
+        _check(_lib().tutti_tensor_info(self._h, None, None, ctypes.byref(kind)))
+        return _DEVICE_KINDS.get(kind.value, f"kind {kind.value}")
+
+    def numpy(self):
+        """Its elements, copied to a new array of its shape and dtype."""
+        out = np.empty(self.shape, self.dtype)
+        _check(_lib().tutti_tensor_read(self._h, out.size, tutti.DTYPES[self.dtype.name],
+                                        out.ctypes.data_as(ctypes.c_void_p)))
+        return out
+
+    def __repr__(self):
+        return f"DeviceTensor(shape={self.shape}, dtype={self.dtype.name}, on {self.device_kind})"
+
+    def __del__(self):
+        h, self._h = getattr(self, "_h", None), None
+        if h is not None and h.value and _bound is not None:
+            _bound.tutti_tensor_destroy(h)
+
+
 class ReplicaContext:
     """What a replica's function sees inside ``run``."""
 
@@ -340,10 +385,27 @@ class ReplicaContext:
         """How many replicas run in sync across the job."""
         return self._strategy.num_replicas_in_sync
 
+    def place(self, value):
+        """``value`` (an array) in this replica's device memory, as a ``DeviceTensor``."""
+        a = np.ascontiguousarray(value)
+        _check_dtype(a.dtype, "place")
+        h = ctypes.c_void_p()
+        data, code = a.ctypes.data_as(ctypes.c_void_p), tutti.DTYPES[a.dtype.name]
+        if self._ctx is None:  # the default strategy's one replica: host memory
+            _check(_lib().tutti_tensor_from_host(a.size, code, data, ctypes.byref(h)))
+        else:
+            _check(_lib().tutti_replica_place(self._ctx, a.size, code, data, ctypes.byref(h)))
+        return DeviceTensor(h.value, a.shape, a.dtype)
+
     def all_reduce(self, reduce_op, value):
         """``value`` (an array, or a number) combined across every replica in sync; every
-        replica must call it, in the same order, with the same shape and dtype. A new array."""
+        replica must call it, in the same order, with the same shape and dtype. A new array; a
+        ``DeviceTensor`` is reduced in place, where it lies, and returned."""
         op = tutti.OPS["sum" if _reduce_op(reduce_op) == "SUM" else "mean"]
+        if isinstance(value, DeviceTensor):
+            if self._ctx is not None:
+                _check(_lib().tutti_replica_all_reduce_tensor(self._ctx, op, value._h))
+            return value
         scalar = np.isscalar(value)
         a = np.array(value, copy=True, order="C")
         _check_dtype(a.dtype, "all_reduce")

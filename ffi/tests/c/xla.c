@@ -4,6 +4,47 @@
  * program then says so, or fails when TUTTI_REQUIRE_XLA=1). */
 #include "check.h"
 
+/* Each replica of TPUStrategy places a value on its device, all-reduces and gathers it there,
+ * and reads it back; replica 1 then passes a host tensor, which every replica refuses. */
+static tutti_result tensor_step(const tutti_replica_context *ctx, void *user) {
+    float x[2], sum[2], all[8];
+    size_t id = 0, count = 0, k;
+    tutti_dtype dtype = 0;
+    tutti_device_kind kind = 0;
+    tutti_tensor *t = NULL, *g = NULL;
+    tutti_result r;
+    int *bad = user;
+    CHECK(tutti_replica_id(ctx, &id, NULL));
+    x[0] = (float)id;
+    x[1] = 1.0f;
+    if (*bad && id == 1) {
+        CHECK(tutti_tensor_from_host(2, TUTTI_DTYPE_F32, x, &t));
+    } else {
+        CHECK(tutti_replica_place(ctx, 2, TUTTI_DTYPE_F32, x, &t));
+        CHECK(tutti_tensor_info(t, &dtype, &count, &kind));
+        EXPECT(dtype == TUTTI_DTYPE_F32 && count == 2 && kind == TUTTI_DEVICE_XLA);
+    }
+    r = tutti_replica_all_reduce_tensor(ctx, TUTTI_OP_SUM, t);
+    if (r != TUTTI_SUCCESS) {
+        tutti_tensor_destroy(t);
+        return r;
+    }
+    CHECK(tutti_tensor_read(t, 2, TUTTI_DTYPE_F32, sum));
+    EXPECT(sum[0] == 6.0f && sum[1] == 4.0f);
+    EXPECT_ERROR(tutti_tensor_read(t, 3, TUTTI_DTYPE_F32, sum), TUTTI_ERROR_INVALID_ARGUMENT,
+                 "its dtype and length");
+    CHECK(tutti_replica_place(ctx, 2, TUTTI_DTYPE_F32, x, &g));
+    CHECK(tutti_replica_all_gather_tensor(ctx, g));
+    CHECK(tutti_tensor_read(g, 8, TUTTI_DTYPE_F32, all));
+    for (k = 0; k < 4; k++) {
+        EXPECT(all[2 * k] == (float)k && all[2 * k + 1] == 1.0f);
+    }
+    CHECK(tutti_replica_broadcast_tensor(ctx, 3, t));
+    tutti_tensor_destroy(g);
+    tutti_tensor_destroy(t);
+    return TUTTI_SUCCESS;
+}
+
 int main(void) {
     tutti_xla_client *c = NULL;
     size_t n = 0, i, j;
@@ -61,6 +102,24 @@ int main(void) {
                  TUTTI_ERROR_UNAVAILABLE, "/nonexistent/plugin.so");
     tutti_xla_client_destroy(c);
     tutti_xla_client_destroy(NULL);
+
+    /* TPUStrategy over the same plugin's 4 devices: tensors reduced where they lie. */
+    {
+        tutti_strategy *s = NULL;
+        int bad = 0;
+        setenv("TUTTI_PJRT_OPTIONS", "cpu_device_count=4", 1);
+        CHECK(tutti_strategy_create(TUTTI_STRATEGY_TPU, 0, TUTTI_CROSS_DEVICE_OPS_DEFAULT, &s));
+        CHECK(tutti_strategy_run(s, tensor_step, &bad));
+        bad = 1;
+        EXPECT_ERROR(tutti_strategy_run(s, tensor_step, &bad), TUTTI_ERROR_SYSTEM,
+                     "rank 1 is on xla:1", "in host memory");
+        bad = 0;
+        CHECK(tutti_strategy_run(s, tensor_step, &bad));
+        EXPECT_ERROR(tutti_tensor_info(NULL, NULL, NULL, NULL), TUTTI_ERROR_INVALID_ARGUMENT,
+                     "tensor is NULL");
+        tutti_tensor_destroy(NULL);
+        tutti_strategy_destroy(s);
+    }
     printf("xla: ok\n");
     return 0;
 }
