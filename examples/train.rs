@@ -168,9 +168,6 @@ impl Start {
         Ok(start)
     }
 
-    /// After `step` (counted from the start of training, across resumes): save where
-    /// --checkpoint-dir is given, at the end of the run and at every multiple of
-    /// --checkpoint-every.
     /// Whether step `step` saves a checkpoint: the last, and every `--checkpoint-every`.
     fn due(&self, args: &Args, step: usize) -> bool {
         let last = step == self.step + args.steps;
@@ -178,6 +175,9 @@ impl Start {
         self.manager.is_some() && (last || periodic)
     }
 
+    /// After `step` (counted from the start of training, across resumes): save where
+    /// --checkpoint-dir is given, at the end of the run and at every multiple of
+    /// --checkpoint-every.
     fn save(
         &self,
         strategy: Option<&Strategy>,

@@ -736,7 +736,9 @@ typedef struct tutti_strategy tutti_strategy;
 
 /**
  * A tensor in a replica's device memory (opaque). Created by `tutti_replica_place` or
- * `tutti_tensor_from_host`, released by `tutti_tensor_destroy`.
+ * `tutti_tensor_from_host`, released by `tutti_tensor_destroy`. A tensor belongs to one
+ * replica: a call that finds it in use by another (the same handle passed to several
+ * replicas' collectives) is an argument error, not a race.
  */
 typedef struct tutti_tensor tutti_tensor;
 
@@ -2933,8 +2935,7 @@ tutti_result tutti_tensor_from_host(size_t count,
  *
  * # Safety
  *
- * `ctx` is NULL or the running replica's context; `tensor` is NULL or a live handle that
- * nothing else uses meanwhile.
+ * `ctx` is NULL or the running replica's context; `tensor` is NULL or a live handle.
  */
 tutti_result tutti_replica_all_reduce_tensor(const struct tutti_replica_context *ctx,
                                              tutti_op op,
@@ -2972,7 +2973,7 @@ tutti_result tutti_replica_all_gather_tensor(const struct tutti_replica_context 
  * kind of memory it is in to `*kind` (`TUTTI_DEVICE_CPU` for host memory, `TUTTI_DEVICE_XLA`).
  * Any output may be NULL.
  *
- * Thread-safety: not while a collective runs on `tensor`.
+ * Thread-safety: callable from any thread; while a collective runs on `tensor`, an error.
  *
  * # Safety
  *
@@ -2986,7 +2987,7 @@ tutti_result tutti_tensor_info(const struct tutti_tensor *tensor,
 /**
  * Copy the tensor to `out`: `count` elements of `dtype`, its dtype and length.
  *
- * Thread-safety: not while a collective runs on `tensor`.
+ * Thread-safety: callable from any thread; while a collective runs on `tensor`, an error.
  *
  * # Safety
  *

@@ -13,29 +13,29 @@ use crate::strategy::{ctx_ref, tutti_replica_context, typed, typed_ref};
 use crate::types::{self, tutti_device_kind, tutti_dtype, tutti_op};
 
 /// A tensor in a replica's device memory (opaque). Created by `tutti_replica_place` or
-/// `tutti_tensor_from_host`, released by `tutti_tensor_destroy`.
+/// `tutti_tensor_from_host`, released by `tutti_tensor_destroy`. A tensor belongs to one
+/// replica: a call that finds it in use by another (the same handle passed to several
+/// replicas' collectives) is an argument error, not a race.
 pub struct tutti_tensor {
-    inner: DeviceTensor,
+    inner: parking_lot::Mutex<DeviceTensor>,
 }
 
-/// # Safety
+/// The tensor, held for this call.
 ///
-/// `t` is NULL or a live handle that nothing else uses meanwhile.
-unsafe fn tensor_mut<'a>(t: *mut tutti_tensor) -> Result<&'a mut DeviceTensor, Failure> {
-    // SAFETY: as the caller promises.
-    unsafe { t.as_mut() }
-        .map(|t| &mut t.inner)
-        .ok_or_else(|| Failure::invalid("tensor is NULL"))
-}
-
 /// # Safety
 ///
 /// `t` is NULL or a live handle.
-unsafe fn tensor_ref<'a>(t: *const tutti_tensor) -> Result<&'a DeviceTensor, Failure> {
+unsafe fn tensor_lock<'a>(
+    t: *const tutti_tensor,
+) -> Result<parking_lot::MutexGuard<'a, DeviceTensor>, Failure> {
     // SAFETY: as the caller promises.
-    unsafe { t.as_ref() }
-        .map(|t| &t.inner)
-        .ok_or_else(|| Failure::invalid("tensor is NULL"))
+    let t = unsafe { t.as_ref() }.ok_or_else(|| Failure::invalid("tensor is NULL"))?;
+    t.inner.try_lock().ok_or_else(|| {
+        Failure::invalid(
+            "the tensor is in use by another call (a tensor belongs to one replica: pass each \
+             replica its own)",
+        )
+    })
 }
 
 /// `count` elements of `dtype` at `data`, checked, as bytes.
@@ -56,7 +56,9 @@ unsafe fn input<'a>(
 }
 
 fn hand_out(out: *mut *mut tutti_tensor, t: DeviceTensor) {
-    let raw = Box::into_raw(Box::new(tutti_tensor { inner: t }));
+    let raw = Box::into_raw(Box::new(tutti_tensor {
+        inner: parking_lot::Mutex::new(t),
+    }));
     // SAFETY: `out` was checked non-NULL; the caller promises it is writable.
     unsafe { out.write(raw) };
 }
@@ -127,8 +129,7 @@ pub unsafe extern "C" fn tutti_tensor_from_host(
 ///
 /// # Safety
 ///
-/// `ctx` is NULL or the running replica's context; `tensor` is NULL or a live handle that
-/// nothing else uses meanwhile.
+/// `ctx` is NULL or the running replica's context; `tensor` is NULL or a live handle.
 #[no_mangle]
 pub unsafe extern "C" fn tutti_replica_all_reduce_tensor(
     ctx: *const tutti_replica_context,
@@ -137,9 +138,9 @@ pub unsafe extern "C" fn tutti_replica_all_reduce_tensor(
 ) -> tutti_result {
     boundary("tutti_replica_all_reduce_tensor", || {
         // SAFETY: as the caller promises.
-        let (c, t) = unsafe { (ctx_ref(ctx)?, tensor_mut(tensor)?) };
+        let (c, mut t) = unsafe { (ctx_ref(ctx)?, tensor_lock(tensor)?) };
         let op = types::op(op).map_err(Failure::invalid)?;
-        c.all_reduce_tensor(op, t)?;
+        c.all_reduce_tensor(op, &mut t)?;
         Ok(())
     })
 }
@@ -160,8 +161,8 @@ pub unsafe extern "C" fn tutti_replica_broadcast_tensor(
 ) -> tutti_result {
     boundary("tutti_replica_broadcast_tensor", || {
         // SAFETY: as the caller promises.
-        let (c, t) = unsafe { (ctx_ref(ctx)?, tensor_mut(tensor)?) };
-        c.broadcast_tensor(t, root)?;
+        let (c, mut t) = unsafe { (ctx_ref(ctx)?, tensor_lock(tensor)?) };
+        c.broadcast_tensor(&mut t, root)?;
         Ok(())
     })
 }
@@ -181,8 +182,8 @@ pub unsafe extern "C" fn tutti_replica_all_gather_tensor(
 ) -> tutti_result {
     boundary("tutti_replica_all_gather_tensor", || {
         // SAFETY: as the caller promises.
-        let (c, t) = unsafe { (ctx_ref(ctx)?, tensor_mut(tensor)?) };
-        c.all_gather_tensor(t)?;
+        let (c, mut t) = unsafe { (ctx_ref(ctx)?, tensor_lock(tensor)?) };
+        c.all_gather_tensor(&mut t)?;
         Ok(())
     })
 }
@@ -191,7 +192,7 @@ pub unsafe extern "C" fn tutti_replica_all_gather_tensor(
 /// kind of memory it is in to `*kind` (`TUTTI_DEVICE_CPU` for host memory, `TUTTI_DEVICE_XLA`).
 /// Any output may be NULL.
 ///
-/// Thread-safety: not while a collective runs on `tensor`.
+/// Thread-safety: callable from any thread; while a collective runs on `tensor`, an error.
 ///
 /// # Safety
 ///
@@ -205,7 +206,7 @@ pub unsafe extern "C" fn tutti_tensor_info(
 ) -> tutti_result {
     boundary("tutti_tensor_info", || {
         // SAFETY: as the caller promises.
-        let t = unsafe { tensor_ref(tensor) }?;
+        let t = unsafe { tensor_lock(tensor) }?;
         // SAFETY: each is NULL or writable, as the caller promises.
         unsafe {
             if !dtype.is_null() {
@@ -224,7 +225,7 @@ pub unsafe extern "C" fn tutti_tensor_info(
 
 /// Copy the tensor to `out`: `count` elements of `dtype`, its dtype and length.
 ///
-/// Thread-safety: not while a collective runs on `tensor`.
+/// Thread-safety: callable from any thread; while a collective runs on `tensor`, an error.
 ///
 /// # Safety
 ///
@@ -239,7 +240,7 @@ pub unsafe extern "C" fn tutti_tensor_read(
 ) -> tutti_result {
     boundary("tutti_tensor_read", || {
         // SAFETY: as the caller promises.
-        let t = unsafe { tensor_ref(tensor) }?;
+        let t = unsafe { tensor_lock(tensor) }?;
         let dtype = types::dtype(dtype).map_err(Failure::invalid)?;
         if (dtype, count) != (t.dtype(), t.len()) {
             return Err(Failure::invalid(format!(

@@ -106,8 +106,10 @@ pub fn divide(dtype: DType, buf: &mut [u8], n: usize) {
 
 /// A variable's update, element-wise: `var + update`, `var - update` or `update` as `apply`
 /// says, as the element type adds and subtracts (the sum as [`reduce`] adds; a difference of
-/// f16 or bf16 in f32, rounded once; integers wrap), as XLA's `add` and `subtract` do.
-pub fn apply_update(dtype: DType, var: &mut [u8], update: &[u8], apply: Apply) {
+/// f16 or bf16 in f32, rounded once; integers wrap), as XLA's `add` and `subtract` do. `var`
+/// and `update` have one length (the callers check it).
+pub(crate) fn apply_update(dtype: DType, var: &mut [u8], update: &[u8], apply: Apply) {
+    debug_assert_eq!(var.len(), update.len());
     macro_rules! sub {
         ($t:ty, |$x:ident, $y:ident| $e:expr) => {{
             let u = bytemuck::cast_slice::<u8, $t>(update);

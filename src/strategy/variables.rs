@@ -448,11 +448,12 @@ impl<T: Element> DeviceVariable<T> {
         }
         let apply = how.apply();
         let mut copy = self.copy(me)?;
-        let op = match agg {
-            Aggregation::Sum => ReduceOp::Sum,
-            _ => ReduceOp::Mean,
+        let custom = match agg {
+            Aggregation::Sum => ctx.strategy().custom_ops(ReduceOp::Sum, T::DTYPE),
+            Aggregation::Mean => ctx.strategy().custom_ops(ReduceOp::Mean, T::DTYPE),
+            Aggregation::OnlyFirstReplica => None,
         };
-        if ctx.strategy().workers.is_some() || ctx.strategy().custom_ops(op, T::DTYPE).is_some() {
+        if ctx.strategy().workers.is_some() || custom.is_some() {
             // The aggregate across workers, or through the caller's cross-device op (host
             // memory), first, in a tensor of its own: each replica's update goes to the host
             // and back. Every local replica then holds the aggregate; local replica 0's applies.

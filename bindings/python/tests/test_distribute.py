@@ -65,6 +65,13 @@ def test_values_placed_on_the_replicas_devices_reduce_where_they_lie():
     np.testing.assert_array_equal(one, [1.5, 2.5])
     assert "DeviceTensor(shape=(2,), dtype=float32, on cpu)" == repr(s.run(
         lambda: td.get_replica_context().place(np.zeros(2, np.float32))).values[0])
+    with pytest.raises(TypeError, match="ReplicaContext.place"):
+        td.DeviceTensor(1, (2,), np.float32)
+    # One tensor handed to every replica: an error that says so, not a race.
+    shared = td.get_replica_context().place(np.ones(1 << 16, np.float32))
+    with pytest.raises(Exception, match="in use by another call|belongs to one replica|aborted"):
+        for _ in range(20):
+            s.run(lambda: td.get_replica_context().all_reduce("SUM", shared))
 
 
 def test_reduce_with_and_without_an_axis():

@@ -336,10 +336,16 @@ class DeviceTensor:
     """A value in a replica's device memory: a PJRT buffer under ``TPUStrategy``, host memory
     for CPU replicas. ``ReplicaContext.place`` makes one; ``ReplicaContext.all_reduce`` reduces it
     where it lies (on XLA devices one compiled program, nothing copied through host memory);
-    ``numpy()`` copies it to the host."""
+    ``numpy()`` copies it to the host. A tensor belongs to the replica that placed it."""
 
-    def __init__(self, handle, shape, dtype):
-        self._h, self.shape, self.dtype = ctypes.c_void_p(handle), tuple(shape), np.dtype(dtype)
+    def __init__(self, *args, **kwargs):
+        raise TypeError("DeviceTensor: made by ReplicaContext.place, not directly")
+
+    @classmethod
+    def _wrap(cls, handle, shape, dtype):
+        t = object.__new__(cls)
+        t._h, t.shape, t.dtype = ctypes.c_void_p(handle), tuple(shape), np.dtype(dtype)
+        return t
 
     @property
     def device_kind(self):
@@ -395,7 +401,7 @@ class ReplicaContext:
             _check(_lib().tutti_tensor_from_host(a.size, code, data, ctypes.byref(h)))
         else:
             _check(_lib().tutti_replica_place(self._ctx, a.size, code, data, ctypes.byref(h)))
-        return DeviceTensor(h.value, a.shape, a.dtype)
+        return DeviceTensor._wrap(h.value, a.shape, a.dtype)
 
     def all_reduce(self, reduce_op, value):
         """``value`` (an array, or a number) combined across every replica in sync; every

@@ -178,10 +178,11 @@ pub struct CacheStats {
     pub refused: u64,
     /// Calls that ran host-staged.
     pub staged_calls: u64,
-    /// Collectives on host memory (the `*_raw` forms and the typed host forms, which the
-    /// `xla:N` ranks of a communicator run): each copies its inputs to the devices and its
-    /// results back, or reduces on the host. The collectives on device buffers and on
-    /// [`crate::DeviceTensor`]s are not counted.
+    /// Collectives whose data went through host memory: every call on host buffers (the
+    /// `*_raw` forms and the typed host forms, which the `xla:N` ranks of a communicator run;
+    /// each copies its inputs to the devices and its results back, or reduces on the host),
+    /// and the calls on device buffers (and on [`crate::DeviceTensor`]s) that ran host-staged.
+    /// A call is counted once its arguments passed their checks.
     pub host_calls: u64,
     /// Buffers copied from host memory to a device (by any call, or by
     /// [`Client::buffer_from_host`]).

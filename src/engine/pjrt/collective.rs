@@ -329,6 +329,7 @@ impl Client {
                 Plan::Program(exe) => self.run_program(&exe, kind, dtype, count, inputs),
                 Plan::Staged => {
                     self.inner.count_staged();
+                    self.inner.count_host_call();
                     let host = self.download_all(inputs, count * dtype.size())?;
                     let srcs: Vec<&[u8]> = host.iter().map(|v| v.bytes()).collect();
                     let result = host_collective(kind, dtype, &srcs);
@@ -390,6 +391,7 @@ impl Client {
                 }
                 Plan::Staged => {
                     self.inner.count_staged();
+                    self.inner.count_host_call();
                     let bytes = count * dtype.size();
                     let ups = self.download_all(updates, bytes)?;
                     let mut copies = self.download_all(vars, bytes)?;
