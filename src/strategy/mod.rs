@@ -1600,9 +1600,9 @@ impl ReplicaContext<'_> {
         self.comm.broadcast_tensor(t, 0)
     }
 
-    /// [`ReplicaContext::broadcast`] of a tensor on this replica's device, where it lies
-    /// (across workers, through local replica 0's host memory).
-    pub fn broadcast_tensor(&self, t: &mut DeviceTensor, root: usize) -> Result<()> {
+    /// The worker and local replica of the replica `root` (an index in sync), or an error
+    /// where there is none.
+    fn root_of(&self, root: usize) -> Result<(usize, usize)> {
         let n = self.strategy.num_replicas_in_sync();
         if root >= n {
             return Err(Error::config(format!(
@@ -1610,7 +1610,13 @@ impl ReplicaContext<'_> {
             )));
         }
         let local_n = self.strategy.devices.len();
-        let (root_worker, root_local) = (root / local_n, root % local_n);
+        Ok((root / local_n, root % local_n))
+    }
+
+    /// [`ReplicaContext::broadcast`] of a tensor on this replica's device, where it lies
+    /// (across workers, through local replica 0's host memory).
+    pub fn broadcast_tensor(&self, t: &mut DeviceTensor, root: usize) -> Result<()> {
+        let (root_worker, root_local) = self.root_of(root)?;
         self.comm.broadcast_tensor(t, root_local)?;
         if let Some(w) = &self.strategy.workers {
             if self.local_id == 0 {
@@ -1650,14 +1656,7 @@ impl ReplicaContext<'_> {
 
     /// Broadcast `buf` from the replica `root` (an index in sync) to every replica.
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        let n = self.strategy.num_replicas_in_sync();
-        if root >= n {
-            return Err(Error::config(format!(
-                "broadcast: root replica {root} is out of range for {n} replicas"
-            )));
-        }
-        let local_n = self.strategy.devices.len();
-        let (root_worker, root_local) = (root / local_n, root % local_n);
+        let (root_worker, root_local) = self.root_of(root)?;
         self.comm.broadcast(buf, root_local)?;
         if let Some(w) = &self.strategy.workers {
             if self.local_id == 0 {
