@@ -690,6 +690,12 @@ typedef struct tutti_checkpoint tutti_checkpoint;
 typedef struct tutti_comm tutti_comm;
 
 /**
+ * A variable whose copies live in the replicas' device memory (opaque). Created by
+ * `tutti_strategy_device_variable`, released by `tutti_device_variable_destroy`.
+ */
+typedef struct tutti_device_variable tutti_device_variable;
+
+/**
  * The chief's coordinator (opaque). Written by `tutti_ps_run_role` on the chief, released by
  * `tutti_ps_coordinator_shutdown` or `tutti_ps_coordinator_destroy`.
  */
@@ -1848,6 +1854,97 @@ tutti_result tutti_device_count(size_t *count);
  * `info` is NULL or points to `info->struct_size` writable bytes.
  */
 tutti_result tutti_device_get(size_t index, struct tutti_device_info *info);
+
+/**
+ * Create a variable of `count` elements of `dtype` from `initial` whose copies live on the
+ * strategy's replicas' devices (one PJRT buffer per replica under TPUStrategy, host memory for
+ * CPU replicas), and write it to `*out`. Under a multi-worker strategy every worker creates
+ * the same variables in the same order, and each starts from the chief's `initial` (a
+ * length or dtype that differs between workers is an error naming both).
+ *
+ * Thread-safety: not inside a replica function; one call at a time per strategy.
+ *
+ * # Safety
+ *
+ * `strategy` is NULL or a live handle; `initial` is NULL or holds `count` elements of `dtype`;
+ * `out` is NULL or writable.
+ */
+tutti_result tutti_strategy_device_variable(const struct tutti_strategy *strategy,
+                                            size_t count,
+                                            tutti_dtype dtype,
+                                            const void *initial,
+                                            struct tutti_device_variable **out);
+
+/**
+ * Release a device variable (its copies' device memory too). NULL is accepted and ignored.
+ *
+ * Thread-safety: no other call may be using `variable`, nor use it afterwards.
+ *
+ * # Safety
+ *
+ * `variable` is NULL or a live handle, not used again.
+ */
+void tutti_device_variable_destroy(struct tutti_device_variable *variable);
+
+/**
+ * Inside a replica function: every replica's `tensor` (its update, on its device: from
+ * `tutti_replica_place` or a program of the caller's) combined by `aggregation`, then
+ * `assign`ed, added or subtracted (`how`) to every copy. On XLA devices the replicas' updates
+ * are combined and applied in one compiled program, nothing copied through host memory.
+ * Collective: every replica calls it, with a tensor of the variable's dtype and length.
+ *
+ * Thread-safety: only inside the replica function that was handed `ctx`.
+ *
+ * # Safety
+ *
+ * `ctx` is NULL or the running replica's context; `variable` and `tensor` are NULL or live
+ * handles.
+ */
+tutti_result tutti_device_variable_update_in(const struct tutti_replica_context *ctx,
+                                             const struct tutti_device_variable *variable,
+                                             tutti_assign how,
+                                             tutti_aggregation aggregation,
+                                             const struct tutti_tensor *tensor);
+
+/**
+ * From outside `tutti_strategy_run`: each local replica's update (`per_replica[i]`: `count`
+ * elements of `dtype`, placed on local replica `i`'s device) combined across every replica in
+ * sync by `aggregation`, then `assign`ed, added or subtracted (`how`) to every copy. A
+ * collective: under a multi-worker strategy every worker calls it. `count` and `dtype` come in
+ * the order of the `tutti_tensor` calls (`tutti_variable_update` takes `dtype` first).
+ *
+ * Thread-safety: not inside a replica function; one call at a time per strategy.
+ *
+ * # Safety
+ *
+ * `strategy` and `variable` are NULL or live handles; `per_replica` is NULL or holds one
+ * pointer per local replica, each to `count` readable elements of `dtype`.
+ */
+tutti_result tutti_device_variable_update(const struct tutti_strategy *strategy,
+                                          const struct tutti_device_variable *variable,
+                                          tutti_assign how,
+                                          tutti_aggregation aggregation,
+                                          size_t count,
+                                          tutti_dtype dtype,
+                                          const void *const *per_replica);
+
+/**
+ * Copy local replica `replica`'s copy of the variable to `out`: `count` elements of `dtype`,
+ * the variable's dtype and length (in the order of `tutti_tensor_read`). Outside
+ * `tutti_strategy_run` every copy holds the value.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `variable` is NULL or a live handle; `out` is NULL or holds `count` writable elements of
+ * `dtype`.
+ */
+tutti_result tutti_device_variable_read(const struct tutti_device_variable *variable,
+                                        size_t replica,
+                                        size_t count,
+                                        tutti_dtype dtype,
+                                        void *out);
 
 /**
  * A static sentence for a result code: what it means and what to do next. Unknown codes get

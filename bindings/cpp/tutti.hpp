@@ -846,6 +846,11 @@ struct variable_deleter {
 struct tensor_deleter {
     void operator()(tutti_tensor *t) const noexcept { tutti_tensor_destroy(t); }
 };
+struct device_variable_deleter {
+    void operator()(tutti_device_variable *v) const noexcept {
+        tutti_device_variable_destroy(v);
+    }
+};
 struct ps_strategy_deleter {
     void operator()(tutti_ps_strategy *s) const noexcept { tutti_ps_strategy_destroy(s); }
 };
@@ -1213,6 +1218,58 @@ private:
     }
     std::size_t n_;
     std::unique_ptr<tutti_variable, detail::variable_deleter> h_;
+};
+
+/// A mirrored variable whose copies live in the replicas' device memory
+/// (tutti_device_variable; PJRT buffers under TPUStrategy, host memory for CPU replicas),
+/// starting from the chief's `initial`. Move-only.
+///
+///     tutti::device_variable<float> w(s, {0, 0});
+///     s.run([&](const tutti::replica_context &ctx) {
+///         auto g = ctx.place(grad[ctx.local_replica_id()]);
+///         w.assign_sub(ctx, g, tutti::aggregation::mean);
+///     });
+template <typename T> class device_variable {
+public:
+    device_variable(const strategy &s, const std::vector<T> &initial) : n_(initial.size()) {
+        tutti_device_variable *v = nullptr;
+        detail::check(tutti_strategy_device_variable(s.get(), initial.size(), dtype_of<T>::value,
+                                                     initial.data(), &v));
+        h_.reset(v);
+    }
+    /// Elements in each copy.
+    std::size_t size() const noexcept { return n_; }
+    /// Local replica `replica`'s copy, copied to the host.
+    std::vector<T> read(std::size_t replica) const {
+        std::vector<T> out(n_);
+        detail::check(
+            tutti_device_variable_read(h_.get(), replica, n_, dtype_of<T>::value, out.data()));
+        return out;
+    }
+    /// The value (every copy holds it outside strategy::run).
+    std::vector<T> value() const { return read(0); }
+    /// Inside run: every replica's `update` (on its device) combined by `agg` and added to
+    /// every copy, where they lie (assign_sub, assign alike).
+    void assign_add(const replica_context &ctx, const tensor<T> &update, aggregation agg) {
+        update_in(ctx, TUTTI_ASSIGN_ADD, update, agg);
+    }
+    void assign_sub(const replica_context &ctx, const tensor<T> &update, aggregation agg) {
+        update_in(ctx, TUTTI_ASSIGN_SUB, update, agg);
+    }
+    void assign(const replica_context &ctx, const tensor<T> &value, aggregation agg) {
+        update_in(ctx, TUTTI_ASSIGN, value, agg);
+    }
+    tutti_device_variable *get() const noexcept { return h_.get(); }
+
+private:
+    void update_in(const replica_context &ctx, tutti_assign how, const tensor<T> &t,
+                   aggregation agg) {
+        detail::check(tutti_device_variable_update_in(ctx.get(), h_.get(), how,
+                                                      static_cast<tutti_aggregation>(agg),
+                                                      t.get()));
+    }
+    std::size_t n_;
+    std::unique_ptr<tutti_device_variable, detail::device_variable_deleter> h_;
 };
 
 /// A step and named tensors, saved to and restored from a directory in tutti's checkpoint

@@ -15,6 +15,7 @@ mod collectives;
 mod comm;
 mod config;
 mod device;
+mod device_variables;
 mod error;
 mod handle;
 mod log;

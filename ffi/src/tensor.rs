@@ -25,7 +25,7 @@ pub struct tutti_tensor {
 /// # Safety
 ///
 /// `t` is NULL or a live handle.
-unsafe fn tensor_lock<'a>(
+pub(crate) unsafe fn tensor_lock<'a>(
     t: *const tutti_tensor,
 ) -> Result<parking_lot::MutexGuard<'a, DeviceTensor>, Failure> {
     // SAFETY: as the caller promises.
@@ -38,19 +38,20 @@ unsafe fn tensor_lock<'a>(
     })
 }
 
-/// `count` elements of `dtype` at `data`, checked, as bytes.
+/// `count` elements of `dtype` at `data` (the argument `name`), checked, as bytes.
 ///
 /// # Safety
 ///
 /// `data` is NULL or holds `count` elements of `dtype`.
-unsafe fn input<'a>(
+pub(crate) unsafe fn input<'a>(
     count: usize,
     dtype: tutti_dtype,
     data: *const c_void,
+    name: &str,
 ) -> Result<(tutti::DType, &'a [u8]), Failure> {
     let dtype = types::dtype(dtype).map_err(Failure::invalid)?;
     let len = byte_len(count, 1, dtype).map_err(Failure::invalid)?;
-    check(data, len, dtype, "data").map_err(Failure::invalid)?;
+    check(data, len, dtype, name).map_err(Failure::invalid)?;
     // SAFETY: checked; the caller promises `count` elements.
     Ok((dtype, unsafe { buffers::slice(data, len) }))
 }
@@ -87,7 +88,7 @@ pub unsafe extern "C" fn tutti_replica_place(
         let c = unsafe { ctx_ref(ctx) }?;
         let out = out_ptr(out, "out")?;
         // SAFETY: as the caller promises.
-        let (dtype, bytes) = unsafe { input(count, dtype, data) }?;
+        let (dtype, bytes) = unsafe { input(count, dtype, data, "data") }?;
         let t = tutti::for_each_dtype!(dtype, T => { c.place(typed_ref::<T>(bytes))? });
         hand_out(out, t);
         Ok(())
@@ -112,7 +113,7 @@ pub unsafe extern "C" fn tutti_tensor_from_host(
     boundary("tutti_tensor_from_host", || {
         let out = out_ptr(out, "out")?;
         // SAFETY: as the caller promises.
-        let (dtype, bytes) = unsafe { input(count, dtype, data) }?;
+        let (dtype, bytes) = unsafe { input(count, dtype, data, "data") }?;
         let t =
             tutti::for_each_dtype!(dtype, T => { DeviceTensor::from_host(typed_ref::<T>(bytes)) });
         hand_out(out, t);

@@ -152,7 +152,7 @@ pub unsafe extern "C" fn tutti_strategy_scope_end(strategy: *const tutti_strateg
     })
 }
 
-fn aggregation_of(a: tutti_aggregation) -> Result<Aggregation, Failure> {
+pub(crate) fn aggregation_of(a: tutti_aggregation) -> Result<Aggregation, Failure> {
     use TuttiAggregation as A;
     Ok(match a {
         x if x == A::TUTTI_AGGREGATION_ONLY_FIRST_REPLICA as u32 => Aggregation::OnlyFirstReplica,

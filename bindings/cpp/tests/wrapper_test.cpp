@@ -495,6 +495,19 @@ static void strategies_and_checkpoints() {
             EXPECT(v.read(ctx) == (std::vector<float>{2, 3}));
         });
     }
+    // A device variable: copies on the replicas' devices, each replica's update where it lies.
+    {
+        tutti::device_variable<float> w(s, {10, 10});
+        s.run([&](const tutti::replica_context &ctx) {
+            auto g = ctx.place(std::vector<float>{static_cast<float>(ctx.replica_id()), 3});
+            w.assign_sub(ctx, g, tutti::aggregation::mean);
+        });
+        for (std::size_t r = 0; r < 3; r++) {
+            EXPECT(w.read(r) == (std::vector<float>{9, 7}));
+        }
+        tutti::error e = expect_throw([&] { w.read(3); });
+        EXPECT(std::string(e.what()).find("no replica 3") != std::string::npos);
+    }
     {
         tutti::variable<double> plain(std::vector<double>{1});
         tutti::error e0 = expect_throw([&] { plain.assign(s, {{1}, {2}, {3}}); });

@@ -74,6 +74,59 @@ def test_values_placed_on_the_replicas_devices_reduce_where_they_lie():
             s.run(lambda: td.get_replica_context().all_reduce("SUM", shared))
 
 
+def test_device_variables_update_where_their_copies_lie(tmp_path):
+    s = td.MirroredStrategy(cpus(3))
+    with s.scope():
+        w = td.DeviceVariable(np.array([[10.0, 10.0], [0.0, 1.0]], np.float32), aggregation="MEAN", name="w")
+        n = td.DeviceVariable(np.zeros(2, np.int64), aggregation=td.VariableAggregation.SUM)
+        fixed = td.DeviceVariable([1.0, 2.0])
+    assert w.shape == (2, 2) and w.dtype == np.float32 and "DeviceVariable w" in repr(w)
+
+    def step():
+        ctx = td.get_replica_context()
+        i = ctx.replica_id_in_sync_group
+        w.assign_sub(ctx.place(np.full((2, 2), float(i), np.float32)))  # a tensor on the device
+        n.assign_add(np.array([i, 1]))  # an array, placed first
+        with pytest.raises(ValueError, match="has NONE"):
+            fixed.assign(np.zeros(2))
+        return w.numpy(), n.numpy()
+
+    for got_w, got_n in s.experimental_local_results(s.run(step)):
+        np.testing.assert_array_equal(got_w, [[9.0, 9.0], [-1.0, 0.0]])  # less the mean of 0, 1, 2
+        np.testing.assert_array_equal(got_n, [3, 3])
+    assert all((w.read(r) == w.numpy()).all() for r in range(3))
+    # Outside run, the value given goes to every copy.
+    w.assign([[1, 2], [3, 4]])
+    np.testing.assert_array_equal(np.asarray(w), [[1, 2], [3, 4]])
+    np.testing.assert_array_equal(w.read(2), [[1, 2], [3, 4]])
+    with pytest.raises(ValueError, match="shape"):
+        w.assign(np.zeros(3))
+    with pytest.raises(TypeError, match="does not fit"):
+        n.assign_add(np.ones(2, np.float32))
+    with pytest.raises(ValueError, match="truncate"):
+        with s.scope():
+            td.DeviceVariable(np.zeros(2, np.int32), aggregation="MEAN")
+    with pytest.raises(RuntimeError, match="cross-replica context"):
+        s.run(lambda: td.DeviceVariable([1.0]))
+    with pytest.raises(tutti.TuttiError, match="no replica 3"):
+        w.read(3)
+
+    def wrong(ctx_tensor_shape):
+        ctx = td.get_replica_context()
+        w.assign_add(ctx.place(np.zeros(ctx_tensor_shape, np.float32)))
+
+    with pytest.raises(ValueError, match="the variable has shape"):
+        s.run(wrong, args=((4,),))
+    # Saved and restored as a Variable is.
+    ckpt = td.Checkpoint(w=w, n=n)
+    td.CheckpointManager(ckpt, str(tmp_path)).save()
+    w.assign(np.zeros((2, 2)))
+    n.assign([7, 7])
+    assert td.CheckpointManager(td.Checkpoint(w=w, n=n), str(tmp_path)).restore_or_initialize() == 1
+    np.testing.assert_array_equal(w.numpy(), [[1, 2], [3, 4]])
+    np.testing.assert_array_equal(n.read(1), [3, 3])
+
+
 def test_reduce_with_and_without_an_axis():
     s = td.MirroredStrategy(cpus(3))
     values = [np.arange(6, dtype=np.float64).reshape(2, 3) * (i + 1) for i in range(3)]
@@ -426,8 +479,19 @@ VARIABLE_WORKER = textwrap.dedent(
             except ValueError as e:
                 errors.append(str(e))
         scalar = td.Variable(np.float64(rank + 5)).numpy().tolist()
-    print("RESULT " + json.dumps({"start": start, "after": after, "errors": errors, "scalar": scalar}),
-          flush=True)
+        # A device variable too: the chief's value and shape, updates combined across workers.
+        d = td.DeviceVariable(np.full((2, 2), 10.0 * (rank + 1), np.float32), aggregation="sum")
+        d_start = d.numpy().tolist()
+        s.run(lambda: d.assign_sub(td.get_replica_context().place(np.ones((2, 2), np.float32))))
+        d.assign_add(np.full((2, 2), 100.0 * (rank + 1), np.float32))  # every worker; the chief's value
+        d_after = d.numpy().tolist()
+        try:
+            td.DeviceVariable(np.zeros((2, 3) if rank == 0 else (3, 2), np.float32))
+            d_error = None
+        except ValueError as e:
+            d_error = str(e)
+    print("RESULT " + json.dumps({"start": start, "after": after, "errors": errors, "scalar": scalar,
+                                  "d_start": d_start, "d_after": d_after, "d_error": d_error}), flush=True)
     """
 )
 
@@ -437,6 +501,8 @@ def test_workers_start_every_variable_from_the_chiefs_value():
     for r in results:
         assert r["start"] == [10.0] * 3 and r["after"] == [10.5] * 3 and r["scalar"] == 5.0, r
         assert all(e and "differs between workers" in e for e in r["errors"]), r
+        assert r["d_start"] == [[10.0] * 2] * 2 and r["d_after"] == [[108.0] * 2] * 2, r
+        assert r["d_error"] and "shape (3, 2)" in results[1]["d_error"], r
     size, dtype, shape = results[1]["errors"]
     assert "this worker's has 1 dimensions, 3 elements of float32" in size, size
     assert "chief's has 1 dimensions, 2 elements of float32" in size, size
@@ -1293,6 +1359,19 @@ def test_tpu_setup_as_the_guides_write_it():
     assert s.num_replicas_in_sync == topology.num_cores
     out = s.run(lambda: td.get_replica_context().all_reduce("SUM", np.float32(1)))
     assert s.experimental_local_results(out) == (float(topology.num_cores),) * topology.num_cores
+    # A variable whose copies stay on the devices, updated there.
+    with s.scope():
+        w = td.DeviceVariable(np.ones(3, np.float32), aggregation="SUM")
+
+    def step():
+        ctx = td.get_replica_context()
+        t = ctx.place(np.full(3, 2.0, np.float32))
+        assert t.device_kind == "xla"
+        w.assign_add(t)
+        return w.numpy()
+
+    for got in s.experimental_local_results(s.run(step)):
+        np.testing.assert_array_equal(got, np.full(3, 1.0 + 2.0 * topology.num_cores, np.float32))
 
 
 def test_a_per_worker_iterator_is_read_by_one_step_at_a_time():

@@ -81,6 +81,7 @@ __all__ = [
     "DeviceTensor",
     "VariableAggregation",
     "Variable",
+    "DeviceVariable",
     "Checkpoint",
     "CheckpointManager",
     "SidecarEvaluator",
@@ -142,6 +143,16 @@ _PROTOTYPES = {
                                             ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_uint32)]),
     "tutti_tensor_read": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p]),
     "tutti_tensor_destroy": (None, [ctypes.c_void_p]),
+    "tutti_strategy_device_variable": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
+                                                         ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]),
+    "tutti_device_variable_update_in": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32,
+                                                          ctypes.c_uint32, ctypes.c_void_p]),
+    "tutti_device_variable_update": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32,
+                                                       ctypes.c_uint32, ctypes.c_size_t, ctypes.c_uint32,
+                                                       ctypes.POINTER(ctypes.c_void_p)]),
+    "tutti_device_variable_read": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                                                     ctypes.c_uint32, ctypes.c_void_p]),
+    "tutti_device_variable_destroy": (None, [ctypes.c_void_p]),
     "tutti_checkpoint_create": (ctypes.c_uint32, [ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p)]),
     "tutti_checkpoint_destroy": (None, [ctypes.c_void_p]),
     "tutti_checkpoint_step": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]),
@@ -1421,10 +1432,138 @@ class Variable:
         return f"<tutti.distribute.Variable {self.name or ''} shape={self.shape} dtype={self.dtype} value={self.numpy()!r}>"
 
 
+# tutti_assign and tutti_aggregation (include/tutti.h).
+_ASSIGN = {"set": 0, "add": 1, "sub": 2}
+_AGGREGATION = {"ONLY_FIRST_REPLICA": 0, "SUM": 1, "MEAN": 2}
+
+
+class DeviceVariable:
+    """A mirrored variable whose copies live in the replicas' device memory: a PJRT buffer per
+    replica under ``TPUStrategy``, host memory for CPU replicas. Made under the current strategy
+    (``get_strategy()``), from the chief's ``initial_value`` on every worker.
+
+    Inside ``run``, ``assign``, ``assign_add`` and ``assign_sub`` take each replica's update (a
+    ``DeviceTensor`` from ``ReplicaContext.place``, or an array, placed first), combine the
+    replicas' updates by ``aggregation`` (``SUM``, ``MEAN``, ``ONLY_FIRST_REPLICA``; ``NONE``
+    refuses updates there) and apply the result to every copy; on XLA devices that is one
+    compiled program over the replicas' buffers, nothing copied through host memory. Outside
+    ``run`` the value given is applied to every copy: across workers a collective that every
+    worker makes, the chief's value applied on all.
+    ``numpy()`` copies this replica's copy to the host inside ``run``, the value outside."""
+
+    def __init__(self, initial_value, aggregation=VariableAggregation.NONE, dtype=None, name=None):
+        self.name = name
+        self.aggregation = _aggregation(aggregation)
+        value = np.array(initial_value, dtype=dtype, copy=True, order="C")
+        _check_dtype(value.dtype, "DeviceVariable")
+        if getattr(_state, "replica", None) is not None:
+            raise RuntimeError("DeviceVariable: make variables in the cross-replica context (under scope(), not "
+                               "inside run)")
+        if self.aggregation == "MEAN" and value.dtype.kind != "f":
+            raise ValueError(f"DeviceVariable: MEAN aggregation of a {value.dtype} variable would truncate; use a "
+                             "float variable or SUM")
+        self._strategy = get_strategy()
+        if self._strategy._total > self._strategy._local:
+            # The chief's shape too (libtutti checks its length and dtype).
+            value = Variable._chiefs(self._strategy, value)
+        self.shape, self.dtype = value.shape, value.dtype
+        h = ctypes.c_void_p()
+        with self._strategy._cross_replica("DeviceVariable"):
+            _check(_lib().tutti_strategy_device_variable(self._strategy._handle(), value.size,
+                                                         tutti.DTYPES[value.dtype.name],
+                                                         value.ctypes.data_as(ctypes.c_void_p), ctypes.byref(h)))
+        self._h = h
+
+    def _replica(self):
+        """The running replica's context inside ``run`` of this variable's strategy; ``None``
+        outside; an error inside another strategy's run."""
+        replica = getattr(_state, "replica", None)
+        if replica is None or replica._ctx is None:
+            return None
+        if replica.strategy is not self._strategy:
+            raise ValueError("DeviceVariable: used inside the run of a strategy other than the one it was made under")
+        return replica
+
+    def read(self, replica=0):
+        """Local replica ``replica``'s copy, copied to a new array."""
+        out = np.empty(self.shape, self.dtype)
+        _check(_lib().tutti_device_variable_read(self._h, replica, out.size, tutti.DTYPES[self.dtype.name],
+                                                 out.ctypes.data_as(ctypes.c_void_p)))
+        return out
+
+    def numpy(self):
+        """This replica's copy inside ``run``, else the variable's value (a new array)."""
+        replica = self._replica()
+        return self.read(0 if replica is None else replica._local)
+
+    def read_value(self):
+        """As ``numpy()``."""
+        return self.numpy()
+
+    value = read_value
+
+    def __array__(self, dtype=None, copy=None):
+        return self.numpy() if dtype is None else self.numpy().astype(dtype)
+
+    def assign(self, value):
+        """Set the variable (see the class documentation); returns it."""
+        return self._update(value, "set")
+
+    def assign_add(self, delta):
+        """Add to the variable (see the class documentation); returns it."""
+        return self._update(delta, "add")
+
+    def assign_sub(self, delta):
+        """Subtract from the variable (see the class documentation); returns it."""
+        return self._update(delta, "sub")
+
+    def _host(self, value):
+        given = np.asarray(value)
+        if not np.can_cast(given.dtype, self.dtype, "same_kind"):
+            raise TypeError(f"DeviceVariable.assign: an update of {given.dtype} does not fit a variable of {self.dtype}")
+        u = np.ascontiguousarray(given.astype(self.dtype))
+        if u.shape != self.shape:
+            raise ValueError(f"DeviceVariable.assign: the update has shape {u.shape}, the variable {self.shape}")
+        return u
+
+    def _update(self, value, how):
+        replica = self._replica()
+        if replica is None:
+            u = self._host(value)
+            ptrs = (ctypes.c_void_p * self._strategy._local)(*[u.ctypes.data] * self._strategy._local)
+            with self._strategy._cross_replica("DeviceVariable.assign"):
+                _check(_lib().tutti_device_variable_update(self._strategy._handle(), self._h, _ASSIGN[how],
+                                                           _AGGREGATION["ONLY_FIRST_REPLICA"], u.size,
+                                                           tutti.DTYPES[self.dtype.name], ptrs))
+            return self
+        if self.aggregation == "NONE":
+            raise ValueError("DeviceVariable: an update inside run needs an aggregation (SUM, MEAN or "
+                             "ONLY_FIRST_REPLICA); this variable has NONE")
+        if isinstance(value, DeviceTensor):
+            if value.shape != self.shape or value.dtype != self.dtype:
+                raise ValueError(f"DeviceVariable.assign: the update is {value!r}; the variable has shape "
+                                 f"{self.shape} and dtype {self.dtype}")
+            t = value
+        else:
+            t = replica.place(self._host(value))
+        _check(_lib().tutti_device_variable_update_in(replica._ctx, self._h, _ASSIGN[how],
+                                                      _AGGREGATION[self.aggregation], t._h))
+        return self
+
+    def __repr__(self):
+        return f"<tutti.distribute.DeviceVariable {self.name or ''} shape={self.shape} dtype={self.dtype}>"
+
+    def __del__(self):
+        h, self._h = getattr(self, "_h", None), None
+        if h is not None and h.value and _bound is not None:
+            _bound.tutti_device_variable_destroy(h)
+
+
 class Checkpoint:
     """TensorFlow's ``tf.train.Checkpoint``: the named objects to save and restore together,
-    each a ``Variable``, a numpy array (restored in place) or an ``Optimizer``, in tutti's
-    versioned checkpoint format (the README's "Checkpoints"). An optimizer is saved as its
+    each a ``Variable``, a ``DeviceVariable``, a numpy array (restored in place) or an
+    ``Optimizer``, in tutti's versioned checkpoint format (the README's "Checkpoints"). An
+    optimizer is saved as its
     ``iterations`` and its state for each float ``Variable`` of the checkpoint (its slots, on
     the ps tasks under a ``ParameterServerStrategy``), named ``<optimizer>/<variable>/<slot>``
     (``momentum``; Adam's ``m``, ``v`` and ``t``), so that training resumes as if it had never
@@ -1434,10 +1573,10 @@ class Checkpoint:
 
     def __init__(self, **objects):
         for name, obj in objects.items():
-            if not isinstance(obj, (Variable, np.ndarray, Optimizer)):
+            if not isinstance(obj, (Variable, DeviceVariable, np.ndarray, Optimizer)):
                 raise TypeError(
-                    f"Checkpoint: {name} is a {type(obj).__name__}; checkpoint Variables, numpy arrays "
-                    "and Optimizers"
+                    f"Checkpoint: {name} is a {type(obj).__name__}; checkpoint Variables, DeviceVariables, "
+                    "numpy arrays and Optimizers"
                 )
         self._objects = objects
         self.step = 0
@@ -1445,7 +1584,7 @@ class Checkpoint:
     def _strategy(self):
         """The strategy the variables were made under (whose chief writes and reads)."""
         for obj in self._objects.values():
-            if isinstance(obj, Variable):
+            if isinstance(obj, (Variable, DeviceVariable)):
                 return obj._strategy
         return get_strategy()
 
@@ -1476,7 +1615,7 @@ class Checkpoint:
         iterations and state."""
         for name, obj in self._objects.items():
             if not isinstance(obj, Optimizer):
-                yield name, obj.numpy() if isinstance(obj, Variable) else obj
+                yield name, obj.numpy() if isinstance(obj, (Variable, DeviceVariable)) else obj
         for oname, opt, variables in self._optimized():
             yield f"{oname}/iterations", np.array(opt.iterations, np.int64)
             for vname, var in variables:
@@ -1542,7 +1681,7 @@ class Checkpoint:
                 opt._set_state(var, slots, steps)
             opt.iterations = int(values[f"{oname}/iterations"])
         for name, obj in self._objects.items():
-            if isinstance(obj, Variable):
+            if isinstance(obj, (Variable, DeviceVariable)):
                 obj.assign(values[name])
             elif isinstance(obj, np.ndarray):
                 obj[...] = values[name]

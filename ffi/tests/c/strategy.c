@@ -55,6 +55,26 @@ static tutti_result read_variable_step(const tutti_replica_context *ctx, void *u
     return got[0] == 2.5f && got[1] == 3.0f ? TUTTI_SUCCESS : TUTTI_ERROR_INTERNAL;
 }
 
+/* Each replica's update {id, 1} to the device variable `user` (host memory on CPU replicas),
+ * averaged across the replicas and assigned to every copy. */
+static tutti_result device_variable_step(const tutti_replica_context *ctx, void *user) {
+    size_t id = 0;
+    float x[2];
+    tutti_tensor *t = NULL;
+    tutti_result r = tutti_replica_id(ctx, &id, NULL);
+    if (r != TUTTI_SUCCESS) {
+        return r;
+    }
+    x[0] = (float)id;
+    x[1] = 1.0f;
+    r = tutti_replica_place(ctx, 2, TUTTI_DTYPE_F32, x, &t);
+    if (r == TUTTI_SUCCESS) {
+        r = tutti_device_variable_update_in(ctx, user, TUTTI_ASSIGN, TUTTI_AGGREGATION_MEAN, t);
+    }
+    tutti_tensor_destroy(t);
+    return r;
+}
+
 static int log_records;
 static char log_last[512];
 
@@ -267,6 +287,24 @@ int main(void) {
                      "not the one this thread is in");
         CHECK(tutti_strategy_scope_begin(s));
         CHECK(tutti_strategy_scope_end(s));
+    }
+
+    /* A device variable on CPU replicas: its copies in host memory, updated alike. */
+    {
+        tutti_device_variable *dv = NULL;
+        float init[2] = {5.0f, 5.0f}, got[2];
+        CHECK(tutti_strategy_device_variable(s, 2, TUTTI_DTYPE_F32, init, &dv));
+        CHECK(tutti_strategy_run(s, device_variable_step, dv));
+        for (i = 0; i < 4; i++) {
+            CHECK(tutti_device_variable_read(dv, i, 2, TUTTI_DTYPE_F32, got));
+            EXPECT(got[0] == 1.5f && got[1] == 1.0f);
+        }
+        EXPECT_ERROR(tutti_device_variable_update_in(NULL, dv, TUTTI_ASSIGN,
+                                                     TUTTI_AGGREGATION_SUM, NULL),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "NULL");
+        EXPECT_ERROR(tutti_strategy_device_variable(s, 2, TUTTI_DTYPE_F32, NULL, &dv),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "initial is NULL");
+        tutti_device_variable_destroy(dv);
     }
 
     /* A failing replica: run fails with its code and says which replica and why. */

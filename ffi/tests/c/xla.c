@@ -45,6 +45,28 @@ static tutti_result tensor_step(const tutti_replica_context *ctx, void *user) {
     return TUTTI_SUCCESS;
 }
 
+/* Each replica adds its update {id, 1} to a device variable, summed across the replicas, where
+ * the copies lie; then reads its own copy back. */
+static tutti_result variable_step(const tutti_replica_context *ctx, void *user) {
+    tutti_device_variable *v = user;
+    size_t id = 0, local = 0;
+    float x[2], got[2];
+    tutti_tensor *t = NULL;
+    tutti_result r;
+    CHECK(tutti_replica_id(ctx, &id, &local));
+    x[0] = (float)id;
+    x[1] = 1.0f;
+    CHECK(tutti_replica_place(ctx, 2, TUTTI_DTYPE_F32, x, &t));
+    r = tutti_device_variable_update_in(ctx, v, TUTTI_ASSIGN_ADD, TUTTI_AGGREGATION_SUM, t);
+    tutti_tensor_destroy(t);
+    if (r != TUTTI_SUCCESS) {
+        return r;
+    }
+    CHECK(tutti_device_variable_read(v, local, 2, TUTTI_DTYPE_F32, got));
+    EXPECT(got[0] == 16.0f && got[1] == 24.0f);
+    return TUTTI_SUCCESS;
+}
+
 int main(void) {
     tutti_xla_client *c = NULL;
     size_t n = 0, i, j;
@@ -118,6 +140,40 @@ int main(void) {
         EXPECT_ERROR(tutti_tensor_info(NULL, NULL, NULL, NULL), TUTTI_ERROR_INVALID_ARGUMENT,
                      "tensor is NULL");
         tutti_tensor_destroy(NULL);
+        {
+            /* A variable whose copies live on the 4 devices: updated there, read back. */
+            tutti_device_variable *v = NULL;
+            float init[2] = {10.0f, 20.0f}, got[2], upd[4][2];
+            const void *up[4];
+            double wide[2];
+            CHECK(tutti_strategy_device_variable(s, 2, TUTTI_DTYPE_F32, init, &v));
+            CHECK(tutti_strategy_run(s, variable_step, v));
+            for (i = 0; i < 4; i++) {
+                CHECK(tutti_device_variable_read(v, i, 2, TUTTI_DTYPE_F32, got));
+                EXPECT(got[0] == 16.0f && got[1] == 24.0f);
+                upd[i][0] = (float)i;
+                upd[i][1] = -1.0f;
+                up[i] = upd[i];
+            }
+            /* From outside run: replica 0's update, subtracted from every copy. */
+            CHECK(tutti_device_variable_update(s, v, TUTTI_ASSIGN_SUB,
+                                               TUTTI_AGGREGATION_ONLY_FIRST_REPLICA, 2,
+                                               TUTTI_DTYPE_F32, up));
+            CHECK(tutti_device_variable_read(v, 3, 2, TUTTI_DTYPE_F32, got));
+            EXPECT(got[0] == 16.0f && got[1] == 25.0f);
+            EXPECT_ERROR(tutti_device_variable_read(v, 4, 2, TUTTI_DTYPE_F32, got),
+                         TUTTI_ERROR_INVALID_ARGUMENT, "no replica 4");
+            EXPECT_ERROR(tutti_device_variable_read(v, 0, 2, TUTTI_DTYPE_F64, wide),
+                         TUTTI_ERROR_INVALID_ARGUMENT, "is f32, not f64");
+            EXPECT_ERROR(tutti_device_variable_update(s, v, 7, TUTTI_AGGREGATION_SUM, 2,
+                                                      TUTTI_DTYPE_F32, up),
+                         TUTTI_ERROR_INVALID_ARGUMENT, "how 7");
+            EXPECT_ERROR(tutti_device_variable_update(s, v, TUTTI_ASSIGN, TUTTI_AGGREGATION_SUM, 3,
+                                                      TUTTI_DTYPE_F32, up),
+                         TUTTI_ERROR_INVALID_ARGUMENT, "count 3", "holds 2 elements");
+            tutti_device_variable_destroy(v);
+            tutti_device_variable_destroy(NULL);
+        }
         tutti_strategy_destroy(s);
     }
     printf("xla: ok\n");
