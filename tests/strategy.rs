@@ -674,9 +674,41 @@ fn tensors_on_cpu_replicas_reduce_across_workers() {
                 Aggregation::OnlyFirstReplica,
             )
         })?;
-        Ok((got.0, start, var.value()?, var.in_sync()?))
+        // The optimizers step device variables' copies (host memory here) as they step
+        // mirrored variables', and save the same state.
+        use tutti::strategy::{Checkpoint, Optimizer};
+        let init = [1.0f32, -2.0, 0.5];
+        let (dv, mv) = (
+            strategy.device_variable(&init)?,
+            strategy.mirrored_variable(&init)?,
+        );
+        let (od, om) = (Optimizer::adam(0.1)?, Optimizer::adam(0.1)?);
+        for k in 0..3 {
+            strategy.run(|ctx| {
+                let id = ctx.replica_id_in_sync_group() as f32;
+                let g = [id - 1.5, k as f32, 0.25 * id];
+                od.apply_device_gradients(ctx, &mut [(ctx.place(&g)?, &dv)])?;
+                om.apply_gradients(ctx, &[(&g[..], &mv)])
+            })?;
+        }
+        let (mut saved, mut want) = (Checkpoint::new(3), Checkpoint::new(3));
+        od.save_device(&mut saved, "adam", &[("w", &dv)])?;
+        om.save(&mut want, "adam", &[("w", &mv)])?;
+        let stepped = dv.value()? == mv.value() && dv.value()? != init;
+        let same_state = saved.to_bytes()? == want.to_bytes()?;
+        Ok((
+            got.0,
+            start,
+            var.value()?,
+            var.in_sync()?,
+            stepped && same_state,
+        ))
     });
-    for (per_worker, start, end, in_sync) in out {
+    for (per_worker, start, end, in_sync, optimized) in out {
+        assert!(
+            optimized,
+            "the device variable stepped unlike the mirrored one"
+        );
         for (t, s, b, g) in per_worker {
             assert_eq!(t, vec![1.5, 1.0, -0.75]);
             assert_eq!(t, s);

@@ -404,3 +404,184 @@ fn device_variables_update_on_their_devices() {
     assert_eq!(v.value().unwrap(), vec![0.0; len]);
     assert!(v.in_sync().unwrap());
 }
+
+/// The optimizers step a device variable's copies on their devices, their slots beside them,
+/// to the values the host optimizer gives a mirrored variable; their state saves and restores
+/// in the host optimizer's names, and a host-staged client steps to the same values.
+#[test]
+fn optimizers_step_device_variables_on_their_devices() {
+    use tutti::strategy::{Checkpoint, Optimizer, Param, Rule};
+    let Some(c) = client() else { return };
+    let s = Strategy::tpu(c.clone()).unwrap();
+    let n = c.devices().len();
+    let rules = [
+        Rule::Sgd {
+            learning_rate: 0.1,
+            momentum: 0.0,
+            nesterov: false,
+        },
+        Rule::Sgd {
+            learning_rate: 0.05,
+            momentum: 0.9,
+            nesterov: false,
+        },
+        Rule::Sgd {
+            learning_rate: 0.05,
+            momentum: 0.8,
+            nesterov: true,
+        },
+        Rule::Adam {
+            learning_rate: 0.01,
+            beta_1: 0.9,
+            beta_2: 0.999,
+            epsilon: 1e-7,
+        },
+    ];
+    fn check<T: Param + Into<f64>>(s: &Strategy, c: &Client, rule: Rule, n: usize, tolerance: f64) {
+        let len = 131;
+        let init: Vec<T> = (0..len)
+            .map(|i| T::from_f64(i as f64 * 0.25 - 8.0))
+            .collect();
+        let grad = |step: usize, id: usize, i: usize| {
+            T::from_f64(((i * 7 + step * 3 + id) % 11) as f64 * 0.125 - 0.5)
+        };
+        let v = s.device_variable(&init).unwrap();
+        let h = s.mirrored_variable(&init).unwrap();
+        let (od, oh) = (Optimizer::new(rule).unwrap(), Optimizer::new(rule).unwrap());
+        let step = |k: usize, v: &tutti::strategy::DeviceVariable<T>, od: &Optimizer| {
+            s.run(|ctx| {
+                let id = ctx.replica_id_in_sync_group();
+                let g: Vec<T> = (0..len).map(|i| grad(k, id, i)).collect();
+                od.apply_device_gradients(ctx, &mut [(ctx.place(&g)?, v)])
+            })
+            .unwrap();
+        };
+        let host_step = |k: usize| {
+            s.run(|ctx| {
+                let id = ctx.replica_id_in_sync_group();
+                let g: Vec<T> = (0..len).map(|i| grad(k, id, i)).collect();
+                oh.apply_gradients(ctx, &[(&g, &h)])
+            })
+            .unwrap();
+        };
+        let close = |v: &tutti::strategy::DeviceVariable<T>, what: &str| {
+            assert!(v.in_sync().unwrap(), "{what}: the copies diverged");
+            for (i, (a, b)) in v.value().unwrap().iter().zip(h.value()).enumerate() {
+                let (a, b): (f64, f64) = ((*a).into(), b.into());
+                assert!(
+                    (a - b).abs() <= tolerance * b.abs().max(1.0),
+                    "{rule:?} {}: {what}: element {i}: {a} on the devices, {b} on the host",
+                    T::DTYPE
+                );
+            }
+        };
+        step(0, &v, &od);
+        host_step(0);
+        // After the first step (which made the slots there), nothing but the gradients goes
+        // between host and devices.
+        let before = c.cache_stats();
+        for k in 1..4 {
+            step(k, &v, &od);
+        }
+        let after = c.cache_stats();
+        for k in 1..4 {
+            host_step(k);
+        }
+        assert_eq!(
+            (
+                after.uploads - before.uploads,
+                after.downloads,
+                after.staged_calls
+            ),
+            (3 * n as u64, before.downloads, before.staged_calls),
+            "{rule:?}: the steps went through host memory: {before:?} -> {after:?}"
+        );
+        close(&v, "4 steps");
+        assert_eq!(od.iterations(), 4);
+        // Saved in the host optimizer's names: each restores the other's.
+        let (mut dev_ckpt, mut host_ckpt) = (Checkpoint::new(4), Checkpoint::new(4));
+        od.save_device(&mut dev_ckpt, "opt", &[("w", &v)]).unwrap();
+        oh.save(&mut host_ckpt, "opt", &[("w", &h)]).unwrap();
+        assert_eq!(
+            dev_ckpt.names().collect::<Vec<_>>(),
+            host_ckpt.names().collect::<Vec<_>>()
+        );
+        // The slots read back from the devices are the host optimizer's; the counts exact.
+        for name in dev_ckpt.names() {
+            if name.ends_with("/t") || name.ends_with("/iterations") {
+                assert_eq!(
+                    dev_ckpt.get::<i64>(name).unwrap().data,
+                    host_ckpt.get::<i64>(name).unwrap().data,
+                    "{name}"
+                );
+                continue;
+            }
+            let (a, b) = if T::DTYPE == tutti::DType::F64 {
+                (
+                    dev_ckpt.get::<f64>(name).unwrap().data,
+                    host_ckpt.get::<f64>(name).unwrap().data,
+                )
+            } else {
+                let f = |c: &Checkpoint| -> Vec<f64> {
+                    c.get::<f32>(name)
+                        .unwrap()
+                        .data
+                        .into_iter()
+                        .map(f64::from)
+                        .collect()
+                };
+                (f(&dev_ckpt), f(&host_ckpt))
+            };
+            assert!(a.iter().any(|x| *x != 0.0), "{rule:?}: {name} is all zeros");
+            for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                assert!(
+                    (x - y).abs() <= tolerance * y.abs().max(1e-3),
+                    "{rule:?} {}: {name}[{i}]: {x} from the devices, {y} on the host",
+                    T::DTYPE
+                );
+            }
+        }
+        let resumed = Optimizer::new(rule).unwrap();
+        let v2 = s.device_variable(&v.value().unwrap()).unwrap();
+        resumed
+            .restore_device(&host_ckpt, "opt", &[("w", &v2)])
+            .unwrap();
+        assert_eq!(resumed.iterations(), 4);
+        for k in 4..6 {
+            step(k, &v2, &resumed);
+            host_step(k);
+        }
+        close(&v2, "restored, 2 more steps");
+        // Host-staged: the same rule, through host memory.
+        c.set_route(tutti::xla::Route::HostStaged);
+        let staged = c.cache_stats().staged_calls;
+        step(6, &v2, &resumed);
+        // Each replica's step, and the gradients' all-reduce.
+        assert_eq!(c.cache_stats().staged_calls, staged + n as u64 + 1);
+        host_step(6);
+        c.set_route(tutti::xla::Route::Auto);
+        close(&v2, "a host-staged step");
+    }
+    for rule in rules {
+        check::<f32>(&s, &c, rule, n, 1e-5);
+    }
+    check::<f64>(&s, &c, rules[3], n, 1e-12);
+    check::<half::bf16>(&s, &c, rules[1], n, 1e-2);
+    // A gradient in host memory, or of another length, is an error naming it.
+    let v = s.device_variable(&[1.0f32; 4]).unwrap();
+    let opt = Optimizer::sgd(0.1).unwrap();
+    let err = s
+        .run(|ctx| opt.apply_device_gradients(ctx, &mut [(ctx.place(&[1.0f32; 3])?, &v)]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("gradient 0 is"), "{err}");
+    let err = s
+        .run(|ctx| {
+            let g = tutti::DeviceTensor::from_host(&[1.0f32; 4]);
+            opt.apply_device_gradients(ctx, &mut [(g, &v)])
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("in host memory"), "{err}");
+    assert_eq!(v.value().unwrap(), vec![1.0; 4]);
+}

@@ -1,7 +1,8 @@
 //! Strategy-aware training pieces, as Keras's are under tf.distribute: an [`Optimizer`] whose
 //! `apply_gradients` sums the replicas' gradients before it steps every copy of a
-//! [`MirroredVariable`] alike, [`compute_average_loss`], and metrics read across replicas
-//! ([`Mean`], sync on read).
+//! [`MirroredVariable`] alike (`apply_device_gradients`: a [`DeviceVariable`]'s copies, on
+//! their devices), [`compute_average_loss`], and metrics read across replicas ([`Mean`], sync
+//! on read).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,7 +10,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::Mutex;
 
 use super::ps::Values;
-use super::{Checkpoint, MirroredVariable, PerReplica, ReplicaContext, Strategy, Tensor};
+use super::{
+    Checkpoint, DeviceVariable, MirroredVariable, PerReplica, ReplicaContext, Strategy, Tensor,
+};
+use crate::device::DeviceTensor;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -233,6 +237,53 @@ pub struct AnySlots {
 
 type SharedSlots = std::sync::Arc<Mutex<AnySlots>>;
 
+/// One copy's slots when its variable is a [`DeviceVariable`].
+#[derive(Default)]
+struct DeviceSlots {
+    /// On an XLA device: the rule's slots there, then Adam's powers `[b1^t, b2^t]` (see
+    /// `pjrt::program::Step`); empty until the copy's first step.
+    state: Vec<DeviceTensor>,
+    /// Adam's steps taken by `state`.
+    steps: u32,
+    /// A copy in host memory steps these (as a [`MirroredVariable`]'s copy does); on a
+    /// device, what a restore gave, taken there at the first step.
+    host: AnySlots,
+}
+
+type SharedDeviceSlots = std::sync::Arc<Mutex<DeviceSlots>>;
+
+impl DeviceSlots {
+    /// The state `rule` keeps here for a variable of `len` elements (`wide`: f64 arithmetic),
+    /// copied from the device where it is there.
+    fn export(&self, rule: &Rule, len: usize, wide: bool) -> Result<SlotState> {
+        if self.state.is_empty() {
+            return Ok(self.host.export(rule, len, wide));
+        }
+        let (a, b) = rule.slots_used();
+        let read = |t: &DeviceTensor| -> Result<Values> {
+            Ok(if wide {
+                Values::F64(t.to_vec()?)
+            } else {
+                Values::F32(t.to_vec()?)
+            })
+        };
+        let mut slots = self.state.iter();
+        let first = match a {
+            true => slots.next().map(read).transpose()?,
+            false => None,
+        };
+        let second = match b {
+            true => slots.next().map(read).transpose()?,
+            false => None,
+        };
+        Ok(SlotState {
+            first,
+            second,
+            steps: self.steps,
+        })
+    }
+}
+
 /// An update rule's state for one variable (or one shard of it), as checkpoints keep it beside
 /// the variable: each slot the rule uses, as long as the variable, in the rule's arithmetic
 /// (f32 for f32, f16 and bf16 variables; f64 for f64 ones), and Adam's step count. A rule
@@ -433,6 +484,49 @@ impl Rule {
         }
     }
 
+    /// The rule as a program on an XLA device steps by.
+    #[cfg(feature = "xla")]
+    fn device_step(&self) -> crate::device::pjrt::program::Step {
+        use crate::device::pjrt::program::Step;
+        match *self {
+            Rule::Sgd {
+                learning_rate,
+                momentum,
+                nesterov,
+            } => Step::Sgd {
+                learning_rate: learning_rate.to_bits(),
+                momentum: momentum.to_bits(),
+                nesterov,
+            },
+            Rule::Adam {
+                learning_rate,
+                beta_1,
+                beta_2,
+                epsilon,
+            } => Step::Adam {
+                learning_rate: learning_rate.to_bits(),
+                beta_1: beta_1.to_bits(),
+                beta_2: beta_2.to_bits(),
+                epsilon: epsilon.to_bits(),
+            },
+        }
+    }
+
+    /// Adam's powers `[b1^t, b2^t]` after `steps` steps, in the rule's arithmetic (`wide`:
+    /// f64), as its step computes them; `None` for SGD.
+    #[cfg_attr(not(feature = "xla"), allow(dead_code))]
+    fn powers(&self, steps: u32, wide: bool) -> Option<Values> {
+        let Rule::Adam { beta_1, beta_2, .. } = *self else {
+            return None;
+        };
+        let t = i32::try_from(steps).unwrap_or(i32::MAX);
+        Some(if wide {
+            Values::F64(vec![f64::of(beta_1).powi(t), f64::of(beta_2).powi(t)])
+        } else {
+            Values::F32(vec![beta_1.powi(t), beta_2.powi(t)])
+        })
+    }
+
     /// The names its state takes in a checkpoint: the first slot's, the second's, the step
     /// count's (Keras's names: `momentum`; Adam's `m`, `v` and `t`).
     fn slot_names(&self) -> [Option<&'static str>; 3] {
@@ -532,6 +626,8 @@ pub struct Optimizer {
     rule: Rule,
     /// Per variable and copy; each its own lock, so the replicas step their copies at once.
     slots: Mutex<HashMap<(u64, usize), SharedSlots>>,
+    /// The same for [`DeviceVariable`]s, whose slots live beside their copies.
+    device_slots: Mutex<HashMap<(u64, usize), SharedDeviceSlots>>,
     iterations: AtomicU64,
 }
 
@@ -544,6 +640,7 @@ impl Optimizer {
         Ok(Optimizer {
             rule,
             slots: Mutex::new(HashMap::new()),
+            device_slots: Mutex::new(HashMap::new()),
             iterations: AtomicU64::new(0),
         })
     }
@@ -606,6 +703,50 @@ impl Optimizer {
         Ok(())
     }
 
+    /// [`Optimizer::apply_gradients`] for [`DeviceVariable`]s, on the replicas' devices: each
+    /// gradient (a tensor on the replica's device, of its variable's dtype and length) is summed
+    /// in place across every replica in sync, where it lies, then the replica's copy is stepped
+    /// there, its slots beside it: on an XLA device one compiled program per variable, nothing
+    /// copied through host memory (where the client's route is host-staged, or the plugin
+    /// refuses the program under the `Auto` route, the copy steps through host memory instead,
+    /// to the same rule). Copies in
+    /// host memory (CPU replicas) step as a [`MirroredVariable`]'s do. Collective: every replica
+    /// calls it with the same variables in the same order.
+    pub fn apply_device_gradients<T: Param>(
+        &self,
+        ctx: &ReplicaContext<'_>,
+        grads_and_vars: &mut [(DeviceTensor, &DeviceVariable<T>)],
+    ) -> Result<()> {
+        for (k, (g, v)) in grads_and_vars.iter().enumerate() {
+            v.copy_in(ctx)?;
+            if (g.dtype(), g.len()) != (T::DTYPE, v.len()) {
+                return Err(Error::config(format!(
+                    "apply_device_gradients: gradient {k} is {g:?}, its variable {} x {}",
+                    T::DTYPE,
+                    v.len()
+                )));
+            }
+        }
+        for (g, _) in grads_and_vars.iter_mut() {
+            ctx.all_reduce_tensor(ReduceOp::Sum, g)?;
+        }
+        let me = ctx.local_replica_id();
+        for (g, var) in grads_and_vars.iter() {
+            let slots = self
+                .device_slots
+                .lock()
+                .entry((var.id(), me))
+                .or_default()
+                .clone();
+            let mut copy = var.copy(me)?;
+            step_copy::<T>(&self.rule, &mut copy, g, &mut slots.lock())?;
+        }
+        if me == 0 {
+            self.iterations.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
     /// Add this optimizer's state to `ckpt` under `name`, as TensorFlow's checkpoints keep an
     /// optimizer beside the model: `{name}/iterations`, and each variable's slots under
     /// `{name}/{variable}/` ([`SlotState::save`]), the variables named as the caller names them
@@ -617,12 +758,8 @@ impl Optimizer {
         name: &str,
         variables: &[(&str, &MirroredVariable<T>)],
     ) -> Result<()> {
-        let iterations = format!("{name}/iterations");
-        if !ckpt.names().any(|n| n == iterations) {
-            let it = i64::try_from(self.iterations()).unwrap_or(i64::MAX);
-            ckpt.insert(&iterations, &Tensor::new(vec![it], Vec::new())?)?;
-        }
         let wide = steps_wide(T::DTYPE);
+        let mut states = Vec::with_capacity(variables.len());
         for (vname, var) in variables {
             // The copies' slots are identical: the first copy's stand for all.
             let kept = self.slots.lock().get(&(var.id(), 0)).cloned();
@@ -630,6 +767,46 @@ impl Optimizer {
                 Some(s) => s.lock().export(&self.rule, var.len(), wide),
                 None => AnySlots::default().export(&self.rule, var.len(), wide),
             };
+            states.push((*vname, state));
+        }
+        self.save_states(ckpt, name, &states)
+    }
+
+    /// [`Optimizer::save`] for [`DeviceVariable`]s: their slots, copied from the first copy's
+    /// device, in the same names and format (a checkpoint of either kind restores into the
+    /// other).
+    pub fn save_device<T: Param>(
+        &self,
+        ckpt: &mut Checkpoint,
+        name: &str,
+        variables: &[(&str, &DeviceVariable<T>)],
+    ) -> Result<()> {
+        let wide = steps_wide(T::DTYPE);
+        let mut states = Vec::with_capacity(variables.len());
+        for (vname, var) in variables {
+            let kept = self.device_slots.lock().get(&(var.id(), 0)).cloned();
+            let state = match kept {
+                Some(s) => s.lock().export(&self.rule, var.len(), wide)?,
+                None => AnySlots::default().export(&self.rule, var.len(), wide),
+            };
+            states.push((*vname, state));
+        }
+        self.save_states(ckpt, name, &states)
+    }
+
+    /// The iteration count and each variable's `states`, under `name`.
+    fn save_states(
+        &self,
+        ckpt: &mut Checkpoint,
+        name: &str,
+        states: &[(&str, SlotState)],
+    ) -> Result<()> {
+        let iterations = format!("{name}/iterations");
+        if !ckpt.names().any(|n| n == iterations) {
+            let it = i64::try_from(self.iterations()).unwrap_or(i64::MAX);
+            ckpt.insert(&iterations, &Tensor::new(vec![it], Vec::new())?)?;
+        }
+        for (vname, state) in states {
             state.save(&self.rule, ckpt, &format!("{name}/{vname}"))?;
         }
         Ok(())
@@ -648,6 +825,59 @@ impl Optimizer {
         name: &str,
         variables: &[(&str, &MirroredVariable<T>)],
     ) -> Result<()> {
+        let lens: Vec<(&str, usize)> = variables.iter().map(|(n, v)| (*n, v.len())).collect();
+        let Some((it, taken)) = self.load_states(ckpt, name, &lens, T::DTYPE)? else {
+            return Ok(());
+        };
+        let mut kept = self.slots.lock();
+        for ((_, var), slots) in variables.iter().zip(taken) {
+            for copy in 0..var.copies() {
+                kept.insert(
+                    (var.id(), copy),
+                    std::sync::Arc::new(Mutex::new(slots.clone())),
+                );
+            }
+        }
+        self.iterations.store(it, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// [`Optimizer::restore`] for [`DeviceVariable`]s: each copy's slots go to its device at
+    /// its next step.
+    pub fn restore_device<T: Param>(
+        &self,
+        ckpt: &Checkpoint,
+        name: &str,
+        variables: &[(&str, &DeviceVariable<T>)],
+    ) -> Result<()> {
+        let lens: Vec<(&str, usize)> = variables.iter().map(|(n, v)| (*n, v.len())).collect();
+        let Some((it, taken)) = self.load_states(ckpt, name, &lens, T::DTYPE)? else {
+            return Ok(());
+        };
+        let mut kept = self.device_slots.lock();
+        for ((_, var), slots) in variables.iter().zip(taken) {
+            for copy in 0..var.copies() {
+                let restored = DeviceSlots {
+                    host: slots.clone(),
+                    ..DeviceSlots::default()
+                };
+                kept.insert((var.id(), copy), std::sync::Arc::new(Mutex::new(restored)));
+            }
+        }
+        self.iterations.store(it, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The iteration count and the slots of each of `variables` (name, length) of `dtype`
+    /// under `name` in `ckpt`, all checked; `None` (with a warning) where it holds none of
+    /// this optimizer's state.
+    fn load_states(
+        &self,
+        ckpt: &Checkpoint,
+        name: &str,
+        variables: &[(&str, usize)],
+        dtype: DType,
+    ) -> Result<Option<(u64, Vec<AnySlots>)>> {
         let iterations = format!("{name}/iterations");
         let mine = format!("{name}/");
         if !ckpt.names().any(|n| n.starts_with(&mine)) {
@@ -655,7 +885,7 @@ impl Optimizer {
                 "checkpoint of step {}: no state of optimizer '{name}'; it starts afresh",
                 ckpt.step()
             );
-            return Ok(());
+            return Ok(None);
         }
         let it = match ckpt.get::<i64>(&iterations)?.data[..] {
             [it] if it >= 0 => it as u64,
@@ -665,26 +895,110 @@ impl Optimizer {
                 )))
             }
         };
-        let wide = steps_wide(T::DTYPE);
+        let wide = steps_wide(dtype);
         let mut taken = Vec::with_capacity(variables.len());
-        for (vname, var) in variables {
+        for &(vname, len) in variables {
             let prefix = format!("{name}/{vname}");
-            let state = SlotState::load(&self.rule, ckpt, &prefix, var.len(), T::DTYPE)?;
+            let state = SlotState::load(&self.rule, ckpt, &prefix, len, dtype)?;
             let mut slots = AnySlots::default();
             slots
-                .import(&self.rule, var.len(), wide, &state)
+                .import(&self.rule, len, wide, &state)
                 .map_err(|why| Error::config(format!("checkpoint {prefix}: {why}")))?;
-            taken.push((var.id(), var.copies(), slots));
+            taken.push(slots);
         }
-        let mut kept = self.slots.lock();
-        for (id, copies, slots) in taken {
-            for copy in 0..copies {
-                kept.insert((id, copy), std::sync::Arc::new(Mutex::new(slots.clone())));
-            }
-        }
-        self.iterations.store(it, Ordering::Relaxed);
-        Ok(())
+        Ok(Some((it, taken)))
     }
+}
+
+/// Step `copy` (a [`DeviceVariable`]'s copy) by the summed gradient `g` with `rule`, its
+/// slots in `slots`: on its XLA device, or in host memory.
+fn step_copy<T: Param>(
+    rule: &Rule,
+    copy: &mut DeviceTensor,
+    g: &DeviceTensor,
+    slots: &mut DeviceSlots,
+) -> Result<()> {
+    #[cfg(feature = "xla")]
+    if copy.as_xla().is_some() {
+        return xla_step::<T>(rule, copy, g, slots);
+    }
+    if g.kind() != copy.kind() {
+        return Err(Error::config(format!(
+            "apply_device_gradients: the gradient is {g:?}, the variable's copy {copy:?}"
+        )));
+    }
+    let g: Vec<T> = g.to_vec()?;
+    let Some(w) = copy.host_bytes_mut() else {
+        return Err(Error::config(
+            "apply_device_gradients: the variable's copy is not in host memory",
+        ));
+    };
+    rule.step(&mut slots.host, bytemuck::cast_slice_mut::<u8, T>(w), &g);
+    Ok(())
+}
+
+/// [`step_copy`] on an XLA device: one program there ([`crate::device::pjrt::Client`]'s
+/// `run_step`), the slots made there at the first step (zeros, or what a restore gave); where
+/// the step is to run on the host instead, the copy, gradient and slots go there and back.
+#[cfg(feature = "xla")]
+fn xla_step<T: Param>(
+    rule: &Rule,
+    copy: &mut DeviceTensor,
+    g: &DeviceTensor,
+    slots: &mut DeviceSlots,
+) -> Result<()> {
+    let (Some(w), Some(gb)) = (copy.as_xla(), g.as_xla()) else {
+        return Err(Error::config(format!(
+            "apply_device_gradients: the gradient is {g:?}, the variable's copy {copy:?}: \
+             place the gradient on the copy's device"
+        )));
+    };
+    let (client, device) = (w.client(), w.device());
+    let (len, wide) = (copy.len(), steps_wide(T::DTYPE));
+    let upload = |st: &SlotState| -> Result<Vec<DeviceTensor>> {
+        let mut state = Vec::new();
+        for v in [&st.first, &st.second].into_iter().flatten() {
+            state.push(client.upload_bytes(v.as_bytes(), v.dtype(), device)?.into());
+        }
+        if let Some(p) = rule.powers(st.steps, wide) {
+            state.push(client.upload_bytes(p.as_bytes(), p.dtype(), device)?.into());
+        }
+        Ok(state)
+    };
+    if slots.state.is_empty() {
+        let init = slots.host.export(rule, len, wide);
+        slots.state = upload(&init)?;
+        slots.steps = init.steps;
+        slots.host = AnySlots::default();
+    }
+    let step = rule.device_step();
+    let state: Vec<&crate::device::pjrt::XlaBuffer> = slots
+        .state
+        .iter()
+        .filter_map(DeviceTensor::as_xla)
+        .collect();
+    if let Some((new_w, new_state)) = client.run_step(step, w, gb, &state)? {
+        copy.replace(new_w.into());
+        slots.state = new_state.into_iter().map(DeviceTensor::from).collect();
+        if step.powers() {
+            slots.steps = slots.steps.saturating_add(1);
+        }
+        return Ok(());
+    }
+    // On the host, to the same rule.
+    let (mut wv, gv) = (copy.to_vec::<T>()?, g.to_vec::<T>()?);
+    let mut host = AnySlots::default();
+    host.import(rule, len, wide, &slots.export(rule, len, wide)?)
+        .map_err(Error::config)?;
+    rule.step(&mut host, &mut wv, &gv);
+    let after = host.export(rule, len, wide);
+    // Everything on the device before any of it is kept: a failed upload leaves the copy and
+    // its slots as they were.
+    let (new_w, new_state) = (client.buffer_from_host(&wv, device)?, upload(&after)?);
+    copy.replace(new_w.into());
+    slots.state = new_state;
+    slots.steps = after.steps;
+    Ok(())
 }
 
 /// The mean of values observed by every replica, read across replicas (TensorFlow's

@@ -60,6 +60,12 @@ fn apply<T: Element>(v: &mut [T], u: &[T], how: Update) -> Result<()> {
     Ok(())
 }
 
+/// A new variable's id, for state kept beside it (an optimizer's slots).
+fn next_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 /// A variable with one copy per local replica, kept identical.
 pub struct MirroredVariable<T> {
     values: Vec<RwLock<Vec<T>>>,
@@ -69,12 +75,11 @@ pub struct MirroredVariable<T> {
 
 impl<T: Element> MirroredVariable<T> {
     pub(crate) fn new(initial: &[T], replicas: usize) -> MirroredVariable<T> {
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         MirroredVariable {
             values: (0..replicas)
                 .map(|_| RwLock::new(initial.to_vec()))
                 .collect(),
-            id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            id: next_id(),
         }
     }
 
@@ -307,6 +312,8 @@ impl<T: Element> CentralVariable<T> {
 pub struct DeviceVariable<T> {
     copies: Vec<parking_lot::Mutex<DeviceTensor>>,
     len: usize,
+    /// Which variable this is, for state kept beside it (an optimizer's slots).
+    id: u64,
     /// How long a copy in use elsewhere is waited for (the strategy's timeout).
     timeout: std::time::Duration,
     _element: std::marker::PhantomData<T>,
@@ -320,15 +327,25 @@ impl<T: Element> DeviceVariable<T> {
         DeviceVariable {
             len: copies.first().map_or(0, DeviceTensor::len),
             copies: copies.into_iter().map(parking_lot::Mutex::new).collect(),
+            id: next_id(),
             timeout,
             _element: std::marker::PhantomData,
         }
     }
 
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Its copies (one per local replica).
+    pub(crate) fn copies(&self) -> usize {
+        self.copies.len()
+    }
+
     /// Local replica `replica`'s copy, waited for at most the strategy's timeout (a
     /// [`DeviceVariable::with_copy`] whose function reads or updates the variable would wait
     /// for itself).
-    fn copy(&self, replica: usize) -> Result<parking_lot::MutexGuard<'_, DeviceTensor>> {
+    pub(crate) fn copy(&self, replica: usize) -> Result<parking_lot::MutexGuard<'_, DeviceTensor>> {
         let Some(copy) = self.copies.get(replica) else {
             return Err(Error::config(format!(
                 "device variable: no replica {replica} (it has {} copies)",
@@ -387,7 +404,9 @@ impl<T: Element> DeviceVariable<T> {
         Ok(f(&*self.copy(me)?))
     }
 
-    fn copy_in(&self, ctx: &ReplicaContext<'_>) -> Result<usize> {
+    /// The local replica running `ctx`, whose copy it updates; an error for a run of another
+    /// strategy's replicas.
+    pub(crate) fn copy_in(&self, ctx: &ReplicaContext<'_>) -> Result<usize> {
         let (me, n) = (ctx.local_replica_id(), ctx.strategy().num_local_replicas());
         if self.copies.len() != n {
             return Err(Error::config(format!(

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use super::ffi;
 use super::plugin::{self, str_of, Candidate, Plugin, PluginKind, PLUGIN_ENV};
-use super::program::{self, Kind};
+use super::program::{self, Kind, Step};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 
@@ -227,6 +227,8 @@ pub(crate) struct Inner {
     process_index: i64,
     pub(crate) timeout: Duration,
     cache: Mutex<HashMap<ProgramKey, Compiled>>,
+    /// The optimizer steps' programs, each for one device: (step, dtype, count, device).
+    steps: Mutex<HashMap<(Step, DType, usize, usize), Compiled>>,
     stats: Mutex<CacheStats>,
     route: Mutex<Route>,
     pub(crate) calls: AtomicU64,
@@ -493,6 +495,7 @@ impl Client {
             process_index: 0,
             timeout: options.timeout,
             cache: Mutex::new(HashMap::new()),
+            steps: Mutex::new(HashMap::new()),
             stats: Mutex::new(CacheStats::default()),
             route: Mutex::new(Route::Auto),
             calls: AtomicU64::new(0),
@@ -606,6 +609,96 @@ impl Client {
         self.inner
             .upload(bytes, dtype, len, device)
             .map(|ptr| self.wrap(ptr, device, dtype, len))
+    }
+
+    /// One optimizer step of a variable's copy `w` by the gradient `g`, both on one device of
+    /// this client, with the rule's `state` there (its slots, then Adam's powers: see
+    /// [`Step`]), in one program on that device. Returns the new copy and state (the old
+    /// buffers are left as they were), or `None` where the step is to run on the host instead:
+    /// the route is host-staged, or the plugin refused the program under [`Route::Auto`].
+    pub(crate) fn run_step(
+        &self,
+        step: Step,
+        w: &XlaBuffer,
+        g: &XlaBuffer,
+        state: &[&XlaBuffer],
+    ) -> Result<Option<(XlaBuffer, Vec<XlaBuffer>)>> {
+        self.inner.check_usable()?;
+        let (dtype, count, device) = (w.dtype(), w.len(), w.device());
+        let arith = program::step_arith(dtype);
+        let wrong = |why: String| Err(Error::config(format!("XLA: an optimizer step: {why}")));
+        if !dtype.is_float() {
+            return wrong(format!(
+                "the variable is {dtype}; steps are for float variables"
+            ));
+        }
+        let mut want = vec![(arith, count); step.slots()];
+        if step.powers() {
+            want.push((arith, 2));
+        }
+        let given: Vec<(DType, usize)> = state.iter().map(|b| (b.dtype(), b.len())).collect();
+        if given != want {
+            return wrong(format!("the rule's state is {given:?}, not {want:?}"));
+        }
+        for (b, what) in std::iter::once((g, "the gradient"))
+            .chain(std::iter::once((w, "the variable")))
+            .chain(state.iter().map(|b| (*b, "a slot")))
+        {
+            if !b.same_client(self) || b.device() != device {
+                return wrong(format!(
+                    "{what} is on {}device {}, the variable's copy on device {device}",
+                    if b.same_client(self) {
+                        ""
+                    } else {
+                        "another client's "
+                    },
+                    b.device()
+                ));
+            }
+        }
+        if (g.dtype(), g.len()) != (dtype, count) {
+            return wrong(format!(
+                "the gradient holds {} {}, the variable {count} {dtype}",
+                g.len(),
+                g.dtype()
+            ));
+        }
+        let route = self.route();
+        if route == Route::HostStaged {
+            self.inner.count_staged();
+            return Ok(None);
+        }
+        let exe = match self.inner.step_program(step, dtype, count, device)? {
+            Compiled::Ready(exe) => exe,
+            Compiled::Refused(_) if route == Route::Auto => {
+                self.inner.count_staged();
+                return Ok(None);
+            }
+            Compiled::Refused(why) => {
+                return Err(Error::System {
+                    what: format!("XLA: compiling the {step:?} step for {dtype} x {count}"),
+                    message: why,
+                })
+            }
+        };
+        let mut args = vec![w, g];
+        args.extend_from_slice(state);
+        let outs =
+            self.inner
+                .execute_outputs(&exe, &[args], 1 + state.len(), "an optimizer step")?;
+        let mut bufs = outs.into_iter().flatten();
+        let new_w = bufs.next().map(|ptr| self.wrap(ptr, device, dtype, count));
+        let new_state: Vec<XlaBuffer> = bufs
+            .zip(&want)
+            .map(|(ptr, &(d, n))| self.wrap(ptr, device, d, n))
+            .collect();
+        match new_w {
+            Some(w) if new_state.len() == state.len() => Ok(Some((w, new_state))),
+            _ => Err(Error::System {
+                what: "XLA: an optimizer step".into(),
+                message: "the plugin returned fewer results than the program has".into(),
+            }),
+        }
     }
 }
 
@@ -1051,49 +1144,80 @@ impl Inner {
 
     /// The compiled program for `key` (compiling it on a miss), or why the plugin refused it.
     pub(crate) fn program(&self, key: ProgramKey) -> Result<Compiled> {
-        {
-            let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(c) = cache.get(&key) {
-                let c = c.clone();
-                drop(cache);
-                let mut s = self.stats.lock().unwrap_or_else(|e| e.into_inner());
-                if matches!(c, Compiled::Ready(_)) {
-                    s.hits += 1;
-                }
-                return Ok(c);
+        self.cached(&self.cache, key, || self.compile(key), |why| {
+            log::warn!(
+                "XLA: {} refused the {} program for {} x {} on {} devices; that call runs host-staged: {why}",
+                self.plugin.path().display(),
+                key.kind,
+                key.dtype,
+                key.count,
+                key.replicas
+            )
+        })
+    }
+
+    /// The compiled program of `step` for `count` elements of `dtype` on device `device`
+    /// (compiling it on a miss), or why the plugin refused it.
+    pub(crate) fn step_program(
+        &self,
+        step: Step,
+        dtype: DType,
+        count: usize,
+        device: usize,
+    ) -> Result<Compiled> {
+        let code = || self.compile_code(&program::step_mlir(step, dtype, count), &[device]);
+        self.cached(&self.steps, (step, dtype, count, device), code, |why| {
+            log::warn!(
+                "XLA: {} refused the {step:?} step's program for {dtype} x {count}; it steps on \
+                 the host: {why}",
+                self.plugin.path().display()
+            )
+        })
+    }
+
+    /// `key`'s entry in `cache`, compiled by `compile` on a miss (`refused` told why, under the
+    /// `Auto` route, where the plugin refuses it), the cache's counters kept.
+    fn cached<K: std::hash::Hash + Eq + Copy>(
+        &self,
+        cache: &Mutex<HashMap<K, Compiled>>,
+        key: K,
+        compile: impl FnOnce() -> Result<Compiled>,
+        refused: impl FnOnce(&str),
+    ) -> Result<Compiled> {
+        let hit = cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+            .cloned();
+        if let Some(c) = hit {
+            if matches!(c, Compiled::Ready(_)) {
+                self.stats.lock().unwrap_or_else(|e| e.into_inner()).hits += 1;
             }
+            return Ok(c);
         }
-        let compiled = self.compile(key)?;
+        let compiled = compile()?;
         if let Compiled::Refused(why) = &compiled {
             if *self.route.lock().unwrap_or_else(|e| e.into_inner()) == Route::Auto {
-                log::warn!(
-                    "XLA: {} refused the {} program for {} x {} on {} devices; that call runs host-staged: {why}",
-                    self.plugin.path().display(),
-                    key.kind,
-                    key.dtype,
-                    key.count,
-                    key.replicas
-                );
+                refused(why);
             }
         }
-        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(existing) = cache.get(&key).cloned() {
+        let mut entries = cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(existing) = entries.get(&key).cloned() {
             // Another thread compiled it meanwhile: keep theirs.
-            drop(cache);
+            drop(entries);
             if let Compiled::Ready(exe) = compiled {
                 self.destroy_executable(&exe);
             }
             return Ok(existing);
         }
-        cache.insert(key, compiled.clone());
-        drop(cache);
-        let entry = compiled;
+        entries.insert(key, compiled.clone());
+        drop(entries);
         let mut s = self.stats.lock().unwrap_or_else(|e| e.into_inner());
-        match &entry {
+        match &compiled {
             Compiled::Ready(_) => s.compiled += 1,
             Compiled::Refused(_) => s.refused += 1,
         }
-        Ok(entry)
+        Ok(compiled)
     }
 
     pub(crate) fn count_host_call(&self) {
@@ -1111,14 +1235,21 @@ impl Inner {
     }
 
     fn compile(&self, key: ProgramKey) -> Result<Compiled> {
+        let code = program::mlir(key.kind, key.dtype, key.count, key.replicas);
+        let devices: Vec<usize> = (0..key.replicas).collect();
+        self.compile_code(&code, &devices)
+    }
+
+    /// `code` compiled for one replica on each of `devices` (client device indices), replica
+    /// r on `devices[r]`; or why the plugin refused it.
+    fn compile_code(&self, code: &str, devices: &[usize]) -> Result<Compiled> {
         self.check_usable()?;
         let p = self.plugin;
         let api = self.api();
         let f = api
             .client_compile
             .ok_or_else(|| missing(p, "PJRT_Client_Compile"))?;
-        let code = program::mlir(key.kind, key.dtype, key.count, key.replicas);
-        let ids: Vec<i64> = self.devices[..key.replicas].iter().map(|d| d.id).collect();
+        let ids: Vec<i64> = devices.iter().map(|&d| self.devices[d].id).collect();
         let options = program::compile_options(&ids);
         let format = b"mlir";
         let prog = ffi::Program {
@@ -1156,7 +1287,7 @@ impl Inner {
             ptr: a.executable,
             order: Vec::new(),
         };
-        let order = self.replica_order(&exe, key.replicas);
+        let order = self.replica_order(&exe, devices);
         match order {
             Ok(order) => Ok(Compiled::Ready(Arc::new(Executable { order, ..exe }))),
             Err(e) => {
@@ -1167,8 +1298,9 @@ impl Inner {
     }
 
     /// Which replica each argument list of `exe` belongs to: the executable's addressable
-    /// devices, matched against the client's.
-    fn replica_order(&self, exe: &Executable, replicas: usize) -> Result<Vec<usize>> {
+    /// devices, matched against `devices` (replica r's is `devices[r]`).
+    fn replica_order(&self, exe: &Executable, devices: &[usize]) -> Result<Vec<usize>> {
+        let replicas = devices.len();
         let f = self
             .api()
             .loaded_executable_addressable_devices
@@ -1192,7 +1324,7 @@ impl Inner {
         };
         let order: Vec<usize> = devs
             .iter()
-            .filter_map(|d| self.device_ptrs[..replicas].iter().position(|x| x == d))
+            .filter_map(|d| devices.iter().position(|&r| self.device_ptrs[r] == *d))
             .collect();
         let mut sorted = order.clone();
         sorted.sort_unstable();
@@ -1231,6 +1363,20 @@ impl Inner {
         inputs: &[Vec<&XlaBuffer>],
         what: &str,
     ) -> Result<Vec<*mut ffi::Buffer>> {
+        let outs = self.execute_outputs(exe, inputs, 1, what)?;
+        Ok(outs.into_iter().flatten().collect())
+    }
+
+    /// Run `exe`, whose program has `num_outputs` results, with each replica's argument list;
+    /// returns each replica's results, in replica order, once every device has finished
+    /// (bounded by the timeout).
+    pub(crate) fn execute_outputs(
+        &self,
+        exe: &Executable,
+        inputs: &[Vec<&XlaBuffer>],
+        num_outputs: usize,
+        what: &str,
+    ) -> Result<Vec<Vec<*mut ffi::Buffer>>> {
         self.check_usable()?;
         let f = self
             .api()
@@ -1249,7 +1395,7 @@ impl Inner {
             .map(|&r| inputs[r].iter().map(|b| b.ptr).collect())
             .collect();
         let arg_lists: Vec<*const *mut ffi::Buffer> = args.iter().map(|a| a.as_ptr()).collect();
-        let mut outs: Vec<[*mut ffi::Buffer; 1]> = vec![[std::ptr::null_mut()]; n];
+        let mut outs: Vec<Vec<*mut ffi::Buffer>> = vec![vec![std::ptr::null_mut(); num_outputs]; n];
         let out_lists: Vec<*mut *mut ffi::Buffer> =
             outs.iter_mut().map(|o| o.as_mut_ptr()).collect();
         let mut events: Vec<*mut ffi::Event> = vec![std::ptr::null_mut(); n];
@@ -1269,7 +1415,7 @@ impl Inner {
             execute_device: std::ptr::null_mut(),
         };
         // SAFETY: valid args: n argument lists of num_args live buffers each, n output lists
-        // of one slot each, n event slots; all outlive the call.
+        // of num_outputs slots each, n event slots; all outlive the call.
         let err = unsafe { f(&mut a) };
         self.plugin.check(err, || {
             format!("XLA: running {what} (PJRT_LoadedExecutable_Execute)")
@@ -1280,23 +1426,24 @@ impl Inner {
             .zip(&events)
             .map(|(&r, &e)| (r, e))
             .collect();
-        let mut by_replica = vec![std::ptr::null_mut(); n];
+        let mut by_replica = vec![Vec::new(); n];
         for (k, &r) in exe.order.iter().enumerate() {
-            by_replica[r] = outs[k][0];
+            by_replica[r] = std::mem::take(&mut outs[k]);
         }
         if let Err(e) = self.wait(&tagged, &format!("finish {what}")) {
-            for b in by_replica {
+            for b in by_replica.into_iter().flatten() {
                 self.destroy_buffer(b);
             }
             return Err(e);
         }
-        if by_replica.iter().any(|b| b.is_null()) {
-            for b in by_replica {
+        if by_replica.iter().flatten().any(|b| b.is_null()) {
+            for b in by_replica.into_iter().flatten() {
                 self.destroy_buffer(b);
             }
             return Err(Error::System {
                 what: format!("XLA: running {what}"),
-                message: "the plugin returned no output buffer for a device".into(),
+                message: "the plugin returned fewer output buffers than the program has results"
+                    .into(),
             });
         }
         Ok(by_replica)
@@ -1313,7 +1460,8 @@ impl Drop for Inner {
             return;
         }
         let cache = std::mem::take(&mut *self.cache.lock().unwrap_or_else(|e| e.into_inner()));
-        for (_, c) in cache {
+        let steps = std::mem::take(&mut *self.steps.lock().unwrap_or_else(|e| e.into_inner()));
+        for c in cache.into_values().chain(steps.into_values()) {
             if let Compiled::Ready(exe) = c {
                 self.destroy_executable(&exe);
             }
@@ -1335,6 +1483,13 @@ impl Drop for Inner {
 }
 
 impl XlaBuffer {
+    /// The client whose device holds this buffer.
+    pub(crate) fn client(&self) -> Client {
+        Client {
+            inner: self.inner.clone(),
+        }
+    }
+
     /// The device (index into [`Client::devices`]) holding this buffer.
     pub fn device(&self) -> usize {
         self.device

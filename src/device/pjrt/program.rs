@@ -351,6 +351,249 @@ fn broadcast_body(body: &mut String, root: usize, n: usize, ty: &str, arg: &str)
     "%cur".to_string()
 }
 
+// ------------------------------- optimizer steps -------------------------------
+
+/// An optimizer's update rule, run elementwise on one device by [`step_mlir`]'s program: its
+/// hyper-parameters as the bits of their f32 values, so that programs are keyed by them.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Step {
+    /// `w -= lr * g`; with momentum `mu`, `v = mu * v - lr * g; w += v` (Nesterov:
+    /// `w += mu * v - lr * g`).
+    Sgd {
+        /// Learning rate.
+        learning_rate: u32,
+        /// Momentum (0: plain SGD, no slot).
+        momentum: u32,
+        /// Nesterov momentum.
+        nesterov: bool,
+    },
+    /// Adam: `m = b1 m + (1 - b1) g`, `v = b2 v + (1 - b2) g g`, `w -= lr sqrt(1 - b2^t) /
+    /// (1 - b1^t) m / (sqrt(v) + epsilon)`.
+    Adam {
+        /// Learning rate.
+        learning_rate: u32,
+        /// First moment's decay.
+        beta_1: u32,
+        /// Second moment's decay.
+        beta_2: u32,
+        /// Added to the root of the second moment.
+        epsilon: u32,
+    },
+}
+
+impl Step {
+    /// The slots it keeps beside the variable (momentum; Adam's `m` and `v`), each as long as
+    /// the variable, in the step's arithmetic ([`step_arith`]).
+    pub fn slots(self) -> usize {
+        match self {
+            Step::Sgd { momentum, .. } if f32::from_bits(momentum) == 0.0 => 0,
+            Step::Sgd { .. } => 1,
+            Step::Adam { .. } => 2,
+        }
+    }
+
+    /// Whether it keeps Adam's powers `[b1^t, b2^t]` (two elements in the step's arithmetic,
+    /// `[1, 1]` before the first step) after its slots.
+    pub fn powers(self) -> bool {
+        matches!(self, Step::Adam { .. })
+    }
+}
+
+/// The arithmetic a step on a variable of `dtype` runs in: f64 for f64, f32 otherwise (f16 and
+/// bf16 are widened, stepped, and rounded once).
+pub fn step_arith(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// The bits of `x` (an f32 hyper-parameter, or a value computed from them in the step's
+/// arithmetic) as an MLIR hexadecimal float literal of `arith`: exact, where a decimal literal
+/// might round.
+fn literal(x: f64, arith: DType) -> String {
+    if arith == DType::F64 {
+        format!("0x{:016X}", x.to_bits())
+    } else {
+        format!("0x{:08X}", (x as f32).to_bits())
+    }
+}
+
+/// The StableHLO module of `step` on one device for a variable of `count` elements of `dtype`
+/// (a float type). Its arguments: the variable's copy, the gradient (both `dtype`), then each
+/// slot and Adam's powers (the step's arithmetic); its results: the new copy, slots and powers.
+/// The operations are the host rule's, in its order, and a constant such as `1 - b1` is
+/// computed as the host computes it and given bit for bit; but Adam's `b^t` is a running
+/// product here (the host takes `powi`), and the compiler may fuse operations, so results agree
+/// with the host's to rounding, not bit for bit.
+pub fn step_mlir(step: Step, dtype: DType, count: usize) -> String {
+    let arith = step_arith(dtype);
+    let (et, ct) = (mlir_type(dtype), mlir_type(arith));
+    let (vt, wt) = (
+        format!("tensor<{count}x{ct}>"),
+        format!("tensor<{count}x{et}>"),
+    );
+    let wide = arith == DType::F64;
+    // A hyper-parameter as the host rule reads it: f32, widened for f64 arithmetic.
+    let hyper = |bits: u32| f64::from(f32::from_bits(bits));
+    // `1 - x` in the step's arithmetic.
+    let one_minus = |x: f64| {
+        if wide {
+            1.0 - x
+        } else {
+            f64::from(1.0f32 - x as f32)
+        }
+    };
+    let mut b = String::new();
+    let konst = |b: &mut String, name: &str, x: f64| {
+        let _ = writeln!(
+            b,
+            "    %{name} = \"stablehlo.constant\"() {{value = dense<{}> : {vt}}} : () -> {vt}",
+            literal(x, arith)
+        );
+    };
+    let bin = |b: &mut String, out: &str, op: &str, x: &str, y: &str, ty: &str| {
+        let _ = writeln!(
+            b,
+            "    %{out} = \"stablehlo.{op}\"(%{x}, %{y}) : ({ty}, {ty}) -> {ty}"
+        );
+    };
+    let (w, g) = if dtype == arith {
+        ("w", "g")
+    } else {
+        for x in ["w", "g"] {
+            let _ = writeln!(
+                b,
+                "    %{x}c = \"stablehlo.convert\"(%{x}) : ({wt}) -> {vt}"
+            );
+        }
+        ("wc", "gc")
+    };
+    let mut args = vec![format!("%w: {wt}"), format!("%g: {wt}")];
+    let mut results = vec![];
+    match step {
+        Step::Sgd {
+            learning_rate,
+            momentum,
+            nesterov,
+        } => {
+            konst(&mut b, "lr", hyper(learning_rate));
+            bin(&mut b, "lg", "multiply", "lr", g, &vt);
+            if step.slots() == 0 {
+                bin(&mut b, "w1", "subtract", w, "lg", &vt);
+            } else {
+                args.push(format!("%s0: {vt}"));
+                konst(&mut b, "mu", hyper(momentum));
+                bin(&mut b, "mv", "multiply", "mu", "s0", &vt);
+                bin(&mut b, "v1", "subtract", "mv", "lg", &vt);
+                if nesterov {
+                    bin(&mut b, "mv1", "multiply", "mu", "v1", &vt);
+                    bin(&mut b, "d", "subtract", "mv1", "lg", &vt);
+                    bin(&mut b, "w1", "add", w, "d", &vt);
+                } else {
+                    bin(&mut b, "w1", "add", w, "v1", &vt);
+                }
+                results.push(("v1", vt.clone()));
+            }
+        }
+        Step::Adam {
+            learning_rate,
+            beta_1,
+            beta_2,
+            epsilon,
+        } => {
+            args.extend([
+                format!("%s0: {vt}"),
+                format!("%s1: {vt}"),
+                format!("%p: tensor<2x{ct}>"),
+            ]);
+            let (b1, b2) = (hyper(beta_1), hyper(beta_2));
+            let (t2, t1) = (format!("tensor<2x{ct}>"), format!("tensor<1x{ct}>"));
+            // The powers after this step, and lr * sqrt(1 - b2^t) / (1 - b1^t) from them.
+            let _ = writeln!(
+                b,
+                "    %bb = \"stablehlo.constant\"() {{value = dense<[{}, {}]> : {t2}}} : () -> {t2}",
+                literal(b1, arith),
+                literal(b2, arith)
+            );
+            let _ = writeln!(
+                b,
+                "    %one2 = \"stablehlo.constant\"() {{value = dense<{}> : {t2}}} : () -> {t2}",
+                literal(1.0, arith)
+            );
+            bin(&mut b, "p1", "multiply", "p", "bb", &t2);
+            bin(&mut b, "q", "subtract", "one2", "p1", &t2);
+            for (k, name) in ["q0", "q1"].iter().enumerate() {
+                let _ = writeln!(
+                    b,
+                    "    %{name} = \"stablehlo.slice\"(%q) {{start_indices = array<i64: {k}>, limit_indices = array<i64: {}>, strides = array<i64: 1>}} : ({t2}) -> {t1}",
+                    k + 1
+                );
+            }
+            let _ = writeln!(
+                b,
+                "    %lr1 = \"stablehlo.constant\"() {{value = dense<{}> : {t1}}} : () -> {t1}",
+                literal(hyper(learning_rate), arith)
+            );
+            let _ = writeln!(b, "    %sq = \"stablehlo.sqrt\"(%q1) : ({t1}) -> {t1}");
+            bin(&mut b, "a", "multiply", "lr1", "sq", &t1);
+            bin(&mut b, "lrt1", "divide", "a", "q0", &t1);
+            let _ = writeln!(
+                b,
+                "    %lrt = \"stablehlo.broadcast_in_dim\"(%lrt1) {{broadcast_dimensions = array<i64: 0>}} : ({t1}) -> {vt}"
+            );
+            konst(&mut b, "b1", b1);
+            konst(&mut b, "c1", one_minus(b1));
+            konst(&mut b, "b2", b2);
+            konst(&mut b, "c2", one_minus(b2));
+            konst(&mut b, "eps", hyper(epsilon));
+            bin(&mut b, "ma", "multiply", "b1", "s0", &vt);
+            bin(&mut b, "mb", "multiply", "c1", g, &vt);
+            bin(&mut b, "m1", "add", "ma", "mb", &vt);
+            bin(&mut b, "va", "multiply", "b2", "s1", &vt);
+            bin(&mut b, "vb0", "multiply", "c2", g, &vt);
+            bin(&mut b, "vb", "multiply", "vb0", g, &vt);
+            bin(&mut b, "v1", "add", "va", "vb", &vt);
+            bin(&mut b, "num", "multiply", "lrt", "m1", &vt);
+            let _ = writeln!(b, "    %sv = \"stablehlo.sqrt\"(%v1) : ({vt}) -> {vt}");
+            bin(&mut b, "den", "add", "sv", "eps", &vt);
+            bin(&mut b, "u", "divide", "num", "den", &vt);
+            bin(&mut b, "w1", "subtract", w, "u", &vt);
+            results.extend([("m1", vt.clone()), ("v1", vt.clone()), ("p1", t2)]);
+        }
+    }
+    let w_out = if dtype == arith {
+        "w1"
+    } else {
+        let _ = writeln!(b, "    %wt = \"stablehlo.convert\"(%w1) : ({vt}) -> {wt}");
+        "wt"
+    };
+    results.insert(0, (w_out, wt.clone()));
+    let names: Vec<String> = results.iter().map(|(n, _)| format!("%{n}")).collect();
+    let types: Vec<&str> = results.iter().map(|(_, t)| t.as_str()).collect();
+    let mut m = String::new();
+    let _ = writeln!(
+        m,
+        "module @tutti_step attributes {{mhlo.num_replicas = 1 : i32, mhlo.num_partitions = 1 : i32}} {{"
+    );
+    let _ = writeln!(
+        m,
+        "  func.func public @main({}) -> ({}) {{",
+        args.join(", "),
+        types.join(", ")
+    );
+    m.push_str(&b);
+    let _ = writeln!(
+        m,
+        "    \"func.return\"({}) : ({}) -> ()",
+        names.join(", "),
+        types.join(", ")
+    );
+    m.push_str("  }\n}\n");
+    m
+}
+
 // --------------------------- xla.CompileOptionsProto -------------------------
 
 fn varint(out: &mut Vec<u8>, mut v: u64) {
@@ -449,6 +692,43 @@ mod tests {
         assert_eq!(
             &inner[15..],
             &[0x4a, 10, 0x08, 2, 0x10, 1, 0x1a, 4, 0x0a, 2, 0, 1]
+        );
+    }
+
+    #[test]
+    fn step_programs_carry_their_state_and_exact_constants() {
+        let adam = Step::Adam {
+            learning_rate: 0.01f32.to_bits(),
+            beta_1: 0.9f32.to_bits(),
+            beta_2: 0.999f32.to_bits(),
+            epsilon: 1e-7f32.to_bits(),
+        };
+        assert_eq!((adam.slots(), adam.powers()), (2, true));
+        let m = step_mlir(adam, DType::BF16, 5);
+        assert!(
+            m.contains("@main(%w: tensor<5xbf16>, %g: tensor<5xbf16>, %s0: tensor<5xf32>, %s1: tensor<5xf32>, %p: tensor<2xf32>)")
+                && m.contains("-> (tensor<5xbf16>, tensor<5xf32>, tensor<5xf32>, tensor<2xf32>)")
+                && m.contains("\"stablehlo.convert\"(%w1)")
+                && m.contains(&format!("dense<0x{:08X}>", (1.0f32 - 0.9).to_bits())),
+            "{m}"
+        );
+        // f64 arithmetic: the f32 hyper-parameter widened, exactly.
+        let m = step_mlir(adam, DType::F64, 3);
+        assert!(
+            m.contains(&format!("dense<0x{:016X}>", f64::from(0.01f32).to_bits()))
+                && !m.contains("convert"),
+            "{m}"
+        );
+        let sgd = Step::Sgd {
+            learning_rate: 0.1f32.to_bits(),
+            momentum: 0f32.to_bits(),
+            nesterov: false,
+        };
+        assert_eq!((sgd.slots(), sgd.powers()), (0, false));
+        let m = step_mlir(sgd, DType::F32, 4);
+        assert!(
+            m.contains("-> (tensor<4xf32>)") && m.contains("\"stablehlo.subtract\"(%w, %lg)"),
+            "{m}"
         );
     }
 
