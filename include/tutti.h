@@ -696,6 +696,12 @@ typedef struct tutti_comm tutti_comm;
 typedef struct tutti_device_variable tutti_device_variable;
 
 /**
+ * An optimizer (opaque): Keras's SGD, momentum, Nesterov or Adam, for device variables.
+ * Created by `tutti_optimizer_create`, released by `tutti_optimizer_destroy`.
+ */
+typedef struct tutti_optimizer tutti_optimizer;
+
+/**
  * The chief's coordinator (opaque). Written by `tutti_ps_run_role` on the chief, released by
  * `tutti_ps_coordinator_shutdown` or `tutti_ps_coordinator_destroy`.
  */
@@ -868,21 +874,6 @@ typedef struct tutti_device_info {
 } tutti_device_info;
 
 /**
- * A function that receives tutti's log records: the level, the message (NUL-terminated, valid
- * only during the call) and the `user` pointer given to `tutti_set_log_callback`. It may be
- * called from any thread, several at once.
- */
-typedef void (*tutti_log_fn)(tutti_log_level level, const char *message, void *user);
-
-/**
- * A worker's step. Return `TUTTI_SUCCESS`, or a failure code after
- * `tutti_ps_step_set_error` (the step then fails with that message, the worker stays in the
- * job, and the coordinator's `join` or `fetch` returns `TUTTI_ERROR_STEP_FAILED`). It runs on
- * a thread of tutti's, and may run on two threads at once after a worker rejoined.
- */
-typedef tutti_result (*tutti_ps_step_fn)(struct tutti_ps_step *step, void *user_data);
-
-/**
  * An update rule for parameter-server variables. Start from `TUTTI_PS_UPDATE_INIT` (plain SGD
  * at 0.01, Adam's hyper-parameters at Keras's defaults), then set `rule` and the fields it
  * uses. The rule's state (momentum, Adam's moments) lives beside each shard on its ps task,
@@ -932,6 +923,21 @@ typedef struct tutti_ps_update {
      */
     uint64_t slots;
 } tutti_ps_update;
+
+/**
+ * A function that receives tutti's log records: the level, the message (NUL-terminated, valid
+ * only during the call) and the `user` pointer given to `tutti_set_log_callback`. It may be
+ * called from any thread, several at once.
+ */
+typedef void (*tutti_log_fn)(tutti_log_level level, const char *message, void *user);
+
+/**
+ * A worker's step. Return `TUTTI_SUCCESS`, or a failure code after
+ * `tutti_ps_step_set_error` (the step then fails with that message, the worker stays in the
+ * job, and the coordinator's `join` or `fetch` returns `TUTTI_ERROR_STEP_FAILED`). It runs on
+ * a thread of tutti's, and may run on two threads at once after a worker rejoined.
+ */
+typedef tutti_result (*tutti_ps_step_fn)(struct tutti_ps_step *step, void *user_data);
 
 /**
  * A key-value store the caller provides, through which the ranks of
@@ -1945,6 +1951,108 @@ tutti_result tutti_device_variable_read(const struct tutti_device_variable *vari
                                         size_t count,
                                         tutti_dtype dtype,
                                         void *out);
+
+/**
+ * Create an optimizer stepping by `rule` (a `tutti_ps_update` from `TUTTI_PS_UPDATE_INIT`;
+ * its `slots` key is not used) and write it to `*out`. A learning rate that is not positive
+ * and finite, or a hyper-parameter out of range, is an argument error naming it.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `rule` is NULL or points to `rule->struct_size` readable bytes; `out` is NULL or writable.
+ */
+tutti_result tutti_optimizer_create(const struct tutti_ps_update *rule,
+                                    struct tutti_optimizer **out);
+
+/**
+ * Release an optimizer (its slots on the devices too). NULL is accepted and ignored.
+ *
+ * Thread-safety: no other call may be using `optimizer`, nor use it afterwards.
+ *
+ * # Safety
+ *
+ * `optimizer` is NULL or a live handle, not used again.
+ */
+void tutti_optimizer_destroy(struct tutti_optimizer *optimizer);
+
+/**
+ * Write the steps the optimizer has taken (one per `tutti_optimizer_apply_device_gradients`
+ * call of the replicas in sync) to `*iterations`.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `optimizer` is NULL or a live handle; `iterations` is NULL or writable.
+ */
+tutti_result tutti_optimizer_iterations(const struct tutti_optimizer *optimizer,
+                                        uint64_t *iterations);
+
+/**
+ * Inside a replica function: each of the `count` gradients (`gradients[i]`, a tensor on this
+ * replica's device of `variables[i]`'s dtype and length) summed in place across every replica
+ * in sync, where it lies, then this replica's copy of `variables[i]` stepped by the sum on
+ * its device, the rule's slots beside it (on an XLA device one compiled program per
+ * variable). Collective: every replica calls it with the same variables in the same order;
+ * the variables are of one float dtype (variables of several dtypes take a call each, and each
+ * call counts in `tutti_optimizer_iterations`).
+ *
+ * Thread-safety: only inside the replica function that was handed `ctx`.
+ *
+ * # Safety
+ *
+ * `ctx` is NULL or the running replica's context; `optimizer` is NULL or a live handle;
+ * `gradients` and `variables` are NULL or hold `count` pointers, each NULL or a live handle.
+ */
+tutti_result tutti_optimizer_apply_device_gradients(const struct tutti_replica_context *ctx,
+                                                    const struct tutti_optimizer *optimizer,
+                                                    size_t count,
+                                                    struct tutti_tensor *const *gradients,
+                                                    const struct tutti_device_variable *const *variables);
+
+/**
+ * Add the optimizer's state to `checkpoint` under `name`: `{name}/iterations` and each
+ * variable's slots under `{name}/{names[i]}/` (`momentum`; Adam's `m`, `v` and `t`), copied
+ * from the first copy's device; the names and format of tutti's optimizers everywhere (Rust's
+ * `Optimizer::save`, Python's `Checkpoint`). Outside `tutti_strategy_run`; the variables are
+ * of one float dtype.
+ *
+ * Thread-safety: not inside a replica function.
+ *
+ * # Safety
+ *
+ * `optimizer` and `checkpoint` are NULL or live handles; `name` is NULL or a NUL-terminated
+ * string; `names` and `variables` are NULL or hold `count` pointers (C strings, live handles).
+ */
+tutti_result tutti_optimizer_save(const struct tutti_optimizer *optimizer,
+                                  struct tutti_checkpoint *checkpoint,
+                                  const char *name,
+                                  size_t count,
+                                  const char *const *names,
+                                  const struct tutti_device_variable *const *variables);
+
+/**
+ * Take back the state `tutti_optimizer_save` (or any tutti optimizer) added to `checkpoint`
+ * under `name` for these variables: everything checked before anything is set (a slot
+ * missing, or of another length or type, is an error naming it); a checkpoint with none of
+ * this optimizer's state leaves it as it is, with a warning. Each copy's slots go to its
+ * device at its next step. A call takes all of its variables' state or none; variables of
+ * several dtypes take a call each. Outside `tutti_strategy_run`, on every worker.
+ *
+ * Thread-safety: not inside a replica function.
+ *
+ * # Safety
+ *
+ * As `tutti_optimizer_save`.
+ */
+tutti_result tutti_optimizer_restore(const struct tutti_optimizer *optimizer,
+                                     const struct tutti_checkpoint *checkpoint,
+                                     const char *name,
+                                     size_t count,
+                                     const char *const *names,
+                                     const struct tutti_device_variable *const *variables);
 
 /**
  * A static sentence for a result code: what it means and what to do next. Unknown codes get

@@ -687,7 +687,7 @@ fn tensors_on_cpu_replicas_reduce_across_workers() {
             strategy.run(|ctx| {
                 let id = ctx.replica_id_in_sync_group() as f32;
                 let g = [id - 1.5, k as f32, 0.25 * id];
-                od.apply_device_gradients(ctx, &mut [(ctx.place(&g)?, &dv)])?;
+                od.apply_device_gradients(ctx, &mut [(&mut ctx.place(&g)?, &dv)])?;
                 om.apply_gradients(ctx, &[(&g[..], &mv)])
             })?;
         }

@@ -452,7 +452,7 @@ fn optimizers_step_device_variables_on_their_devices() {
             s.run(|ctx| {
                 let id = ctx.replica_id_in_sync_group();
                 let g: Vec<T> = (0..len).map(|i| grad(k, id, i)).collect();
-                od.apply_device_gradients(ctx, &mut [(ctx.place(&g)?, v)])
+                od.apply_device_gradients(ctx, &mut [(&mut ctx.place(&g)?, v)])
             })
             .unwrap();
         };
@@ -571,14 +571,14 @@ fn optimizers_step_device_variables_on_their_devices() {
     let v = s.device_variable(&[1.0f32; 4]).unwrap();
     let opt = Optimizer::sgd(0.1).unwrap();
     let err = s
-        .run(|ctx| opt.apply_device_gradients(ctx, &mut [(ctx.place(&[1.0f32; 3])?, &v)]))
+        .run(|ctx| opt.apply_device_gradients(ctx, &mut [(&mut ctx.place(&[1.0f32; 3])?, &v)]))
         .unwrap_err()
         .to_string();
     assert!(err.contains("gradient 0 is"), "{err}");
     let err = s
         .run(|ctx| {
-            let g = tutti::DeviceTensor::from_host(&[1.0f32; 4]);
-            opt.apply_device_gradients(ctx, &mut [(g, &v)])
+            let mut g = tutti::DeviceTensor::from_host(&[1.0f32; 4]);
+            opt.apply_device_gradients(ctx, &mut [(&mut g, &v)])
         })
         .unwrap_err()
         .to_string();

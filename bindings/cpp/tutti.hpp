@@ -1379,6 +1379,89 @@ struct ps_update {
     }
 };
 
+namespace detail {
+struct optimizer_deleter {
+    void operator()(tutti_optimizer *o) const noexcept { tutti_optimizer_destroy(o); }
+};
+} // namespace detail
+
+/// An optimizer for device variables (tutti_optimizer): Keras's SGD, momentum, Nesterov or
+/// Adam, given as a ps_update (its slots key unused). Move-only.
+///
+///     tutti::optimizer opt(tutti::ps_update::adam(0.001f));
+///     s.run([&](const tutti::replica_context &ctx) {
+///         auto g = ctx.place(grad[ctx.local_replica_id()]);
+///         opt.apply_gradients(ctx, g, w);
+///     });
+class optimizer {
+public:
+    explicit optimizer(const ps_update &rule) {
+        tutti_optimizer *o = nullptr;
+        detail::check(tutti_optimizer_create(&rule.u, &o));
+        h_.reset(o);
+    }
+    /// Steps taken.
+    std::uint64_t iterations() const {
+        std::uint64_t n = 0;
+        detail::check(tutti_optimizer_iterations(h_.get(), &n));
+        return n;
+    }
+    /// Inside run: `grad` summed in place across every replica, then this replica's copy of
+    /// `var` stepped by it on its device.
+    template <typename T>
+    void apply_gradients(const replica_context &ctx, tensor<T> &grad,
+                         const device_variable<T> &var) {
+        apply_gradients<T>(ctx, {{&grad, &var}});
+    }
+    /// The same for several variables of one dtype: one step (one count in iterations()).
+    template <typename T>
+    void apply_gradients(
+        const replica_context &ctx,
+        const std::vector<std::pair<tensor<T> *, const device_variable<T> *>> &grads_and_vars) {
+        std::vector<tutti_tensor *> g;
+        std::vector<const tutti_device_variable *> v;
+        for (const auto &p : grads_and_vars) {
+            g.push_back(p.first->get());
+            v.push_back(p.second->get());
+        }
+        detail::check(tutti_optimizer_apply_device_gradients(ctx.get(), h_.get(), g.size(),
+                                                             g.data(), v.data()));
+    }
+    /// Its state of `vars` (named as in the checkpoint) added to `ckpt` under `name`.
+    template <typename T>
+    void save(checkpoint &ckpt, const std::string &name,
+              const std::vector<std::pair<std::string, const device_variable<T> *>> &vars) const {
+        named(vars, [&](const char *const *n, const tutti_device_variable *const *v) {
+            detail::check(tutti_optimizer_save(h_.get(), ckpt.get(), name.c_str(), vars.size(),
+                                               n, v));
+        });
+    }
+    /// Its state of `vars` taken back from `ckpt`.
+    template <typename T>
+    void restore(const checkpoint &ckpt, const std::string &name,
+                 const std::vector<std::pair<std::string, const device_variable<T> *>> &vars) {
+        named(vars, [&](const char *const *n, const tutti_device_variable *const *v) {
+            detail::check(tutti_optimizer_restore(h_.get(), ckpt.get(), name.c_str(), vars.size(),
+                                                  n, v));
+        });
+    }
+    tutti_optimizer *get() const noexcept { return h_.get(); }
+
+private:
+    template <typename T, typename F>
+    static void named(const std::vector<std::pair<std::string, const device_variable<T> *>> &vars,
+                      F f) {
+        std::vector<const char *> n;
+        std::vector<const tutti_device_variable *> v;
+        for (const auto &p : vars) {
+            n.push_back(p.first.c_str());
+            v.push_back(p.second->get());
+        }
+        f(n.data(), v.data());
+    }
+    std::unique_ptr<tutti_optimizer, detail::optimizer_deleter> h_;
+};
+
 /// What a parameter-server step function gets on a worker: valid only during that call.
 class ps_step {
 public:

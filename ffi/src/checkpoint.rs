@@ -15,13 +15,13 @@ use crate::types::{self, tutti_dtype};
 /// A checkpoint (opaque): a step and named tensors. Created by `tutti_checkpoint_create` or
 /// `tutti_checkpoint_restore`, released by `tutti_checkpoint_destroy`.
 pub struct tutti_checkpoint {
-    inner: Checkpoint,
+    pub(crate) inner: Checkpoint,
 }
 
 /// # Safety
 ///
 /// `s` is NULL or a NUL-terminated string.
-unsafe fn text<'a>(s: *const c_char, name: &str) -> Result<&'a str, Failure> {
+pub(crate) unsafe fn text<'a>(s: *const c_char, name: &str) -> Result<&'a str, Failure> {
     if s.is_null() {
         return Err(Failure::invalid(format!("{name} is NULL")));
     }

@@ -87,7 +87,10 @@ pub struct tutti_ps_update {
 /// # Safety
 ///
 /// `u` is NULL or points to at least `u->struct_size` readable bytes.
-unsafe fn read_update(u: *const tutti_ps_update, arg: &str) -> Result<(Rule, u64), Failure> {
+pub(crate) unsafe fn read_update(
+    u: *const tutti_ps_update,
+    arg: &str,
+) -> Result<(Rule, u64), Failure> {
     let Some(size) = (!u.is_null())
         // SAFETY: the first field is always there.
         .then(|| unsafe { std::ptr::addr_of!((*u).struct_size).read_unaligned() })

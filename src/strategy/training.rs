@@ -709,13 +709,13 @@ impl Optimizer {
     /// there, its slots beside it: on an XLA device one compiled program per variable, nothing
     /// copied through host memory (where the client's route is host-staged, or the plugin
     /// refuses the program under the `Auto` route, the copy steps through host memory instead,
-    /// to the same rule). Copies in
-    /// host memory (CPU replicas) step as a [`MirroredVariable`]'s do. Collective: every replica
-    /// calls it with the same variables in the same order.
+    /// to the same rule). Copies in host memory (CPU replicas) step as a [`MirroredVariable`]'s
+    /// do. Collective: every replica calls it with the same variables in the same order. Each
+    /// gradient holds the sum afterwards.
     pub fn apply_device_gradients<T: Param>(
         &self,
         ctx: &ReplicaContext<'_>,
-        grads_and_vars: &mut [(DeviceTensor, &DeviceVariable<T>)],
+        grads_and_vars: &mut [(&mut DeviceTensor, &DeviceVariable<T>)],
     ) -> Result<()> {
         for (k, (g, v)) in grads_and_vars.iter().enumerate() {
             v.copy_in(ctx)?;

@@ -507,6 +507,27 @@ static void strategies_and_checkpoints() {
         }
         tutti::error e = expect_throw([&] { w.read(3); });
         EXPECT(std::string(e.what()).find("no replica 3") != std::string::npos);
+        // An optimizer steps it there: momentum SGD by the sum {0 + 1 + 2, 3 + 3 + 3}
+        // (v = -0.5 * sum, then 0.5 v - 0.5 sum).
+        tutti::optimizer opt(tutti::ps_update::sgd(0.5f, 0.5f));
+        auto step = [&](tutti::optimizer &o) {
+            s.run([&](const tutti::replica_context &ctx) {
+                auto g = ctx.place(std::vector<float>{static_cast<float>(ctx.replica_id()), 3});
+                o.apply_gradients(ctx, g, w);
+                EXPECT((g.read() == std::vector<float>{3, 9}));
+            });
+        };
+        step(opt);
+        EXPECT(w.value() == (std::vector<float>{7.5f, 2.5f}) && opt.iterations() == 1);
+        tutti::checkpoint ck(1);
+        opt.save<float>(ck, "opt", {{"w", &w}});
+        EXPECT(ck.read<float>("opt/w/momentum") == (std::vector<float>{-1.5f, -4.5f}));
+        // Restored into another optimizer, the momentum carries on: v = {-2.25, -6.75}.
+        tutti::optimizer again(tutti::ps_update::sgd(0.5f, 0.5f));
+        again.restore<float>(ck, "opt", {{"w", &w}});
+        EXPECT(again.iterations() == 1);
+        step(again);
+        EXPECT(w.value() == (std::vector<float>{5.25f, -4.25f}) && again.iterations() == 2);
     }
     {
         tutti::variable<double> plain(std::vector<double>{1});

@@ -127,6 +127,54 @@ def test_device_variables_update_where_their_copies_lie(tmp_path):
     np.testing.assert_array_equal(n.read(1), [3, 3])
 
 
+@pytest.mark.parametrize("make", [lambda: td.optimizers.SGD(0.1, momentum=0.9), lambda: td.optimizers.Adam(0.05)])
+def test_optimizers_step_device_variables_as_they_step_variables(tmp_path, make):
+    s = td.MirroredStrategy(cpus(3))
+    init = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
+    with s.scope():
+        dv, hv = td.DeviceVariable(init), td.Variable(init)
+    dev_opt, host_opt = make(), make()
+
+    def grad(k):
+        i = td.get_replica_context().replica_id_in_sync_group
+        return np.full((2, 3), 0.1 * (i + 1), np.float32) + np.float32(k) * init
+
+    def step(k, opt, var, tensor):
+        g = grad(k)
+        opt.apply_gradients([(td.get_replica_context().place(g) if tensor else g, var)])
+
+    for k in range(3):
+        s.run(step, args=(k, dev_opt, dv, k % 2 == 0))  # a DeviceTensor, or an array placed
+        s.run(step, args=(k, host_opt, hv, False))
+    np.testing.assert_allclose(dv.numpy(), hv.numpy(), rtol=1e-5, atol=1e-6)
+    assert dev_opt.iterations == 3
+    # Saved with its optimizer; restored into new ones, it steps on as before.
+    manager = td.CheckpointManager(td.Checkpoint(w=dv, opt=dev_opt), str(tmp_path))
+    manager.save()
+    with s.scope():
+        dv2 = td.DeviceVariable(np.zeros_like(init))
+    opt2 = make()
+    assert td.CheckpointManager(td.Checkpoint(w=dv2, opt=opt2), str(tmp_path)).restore_or_initialize() == 1
+    assert opt2.iterations == 3
+    np.testing.assert_array_equal(dv2.numpy(), dv.numpy())
+    s.run(step, args=(3, opt2, dv2, True))
+    s.run(step, args=(3, host_opt, hv, False))
+    np.testing.assert_allclose(dv2.numpy(), hv.numpy(), rtol=1e-5, atol=1e-6)
+    # A learning rate changed after the first step would not reach the devices: an error.
+    opt2.learning_rate *= 2
+    with pytest.raises(ValueError, match="changed after it first stepped"):
+        s.run(step, args=(4, opt2, dv2, True))
+    # An optimizer that never stepped a DeviceVariable saves none of its state; restoring that
+    # starts the slots afresh, with a warning.
+    td.CheckpointManager(td.Checkpoint(w=dv2, opt=make()), str(tmp_path / "fresh")).save()
+    with pytest.warns(UserWarning, match="starts afresh"):
+        td.CheckpointManager(td.Checkpoint(w=dv2, opt=make()), str(tmp_path / "fresh")).restore_or_initialize()
+    with pytest.raises(ValueError, match="inside strategy.run"):
+        dev_opt.apply_gradients([(np.zeros((2, 3), np.float32), dv)])
+    with pytest.raises(ValueError, match="for a variable of shape"):
+        s.run(lambda: dev_opt.apply_gradients([(td.get_replica_context().place(np.zeros(6, np.float32)), dv)]))
+
+
 def test_reduce_with_and_without_an_axis():
     s = td.MirroredStrategy(cpus(3))
     values = [np.arange(6, dtype=np.float64).reshape(2, 3) * (i + 1) for i in range(3)]
@@ -1372,6 +1420,16 @@ def test_tpu_setup_as_the_guides_write_it():
 
     for got in s.experimental_local_results(s.run(step)):
         np.testing.assert_array_equal(got, np.full(3, 1.0 + 2.0 * topology.num_cores, np.float32))
+    # An optimizer steps it there, its slots beside the copies: Adam's first step moves each
+    # weight by the learning rate.
+    opt, before = td.optimizers.Adam(0.01), w.numpy()
+
+    def opt_step():
+        opt.apply_gradients([(td.get_replica_context().place(np.ones(3, np.float32)), w)])
+        return w.numpy()
+
+    for got in s.experimental_local_results(s.run(opt_step)):
+        np.testing.assert_allclose(got, before - 0.01, rtol=1e-5)
 
 
 def test_a_per_worker_iterator_is_read_by_one_step_at_a_time():

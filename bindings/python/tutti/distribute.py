@@ -153,6 +153,15 @@ _PROTOTYPES = {
     "tutti_device_variable_read": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
                                                      ctypes.c_uint32, ctypes.c_void_p]),
     "tutti_device_variable_destroy": (None, [ctypes.c_void_p]),
+    "tutti_optimizer_create": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]),
+    "tutti_optimizer_destroy": (None, [ctypes.c_void_p]),
+    "tutti_optimizer_apply_device_gradients": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                                                 ctypes.POINTER(ctypes.c_void_p),
+                                                                 ctypes.POINTER(ctypes.c_void_p)]),
+    "tutti_optimizer_save": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
+                                               ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_void_p)]),
+    "tutti_optimizer_restore": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
+                                                  ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_void_p)]),
     "tutti_checkpoint_create": (ctypes.c_uint32, [ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p)]),
     "tutti_checkpoint_destroy": (None, [ctypes.c_void_p]),
     "tutti_checkpoint_step": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]),
@@ -1599,6 +1608,7 @@ class Checkpoint:
                 shape = (ctypes.c_size_t * max(value.ndim, 1))(*value.shape)
                 _check(_lib().tutti_checkpoint_insert(h, name.encode(), tutti.DTYPES[value.dtype.name],
                                                       value.ndim, shape, value.ctypes.data_as(ctypes.c_void_p)))
+            self._save_device_state(h)
         except BaseException:
             _lib().tutti_checkpoint_destroy(h)
             raise
@@ -1609,6 +1619,72 @@ class Checkpoint:
         checkpoint with the float variables whose state it keeps."""
         variables = [(n, v) for n, v in self._objects.items() if isinstance(v, Variable) and v.dtype.kind == "f"]
         return [(n, o, variables) for n, o in self._objects.items() if isinstance(o, Optimizer)]
+
+    def _device_groups(self):
+        """The checkpoint's float ``DeviceVariable``s, (name, variable) in groups of one dtype."""
+        groups = {}
+        for n, v in self._objects.items():
+            if isinstance(v, DeviceVariable) and v.dtype.kind == "f":
+                groups.setdefault(v.dtype, []).append((n, v))
+        return list(groups.values())
+
+    @staticmethod
+    def _device_call(call, h, oname, opt, group):
+        """libtutti's optimizer of ``opt`` saving to (or restoring from) the checkpoint at ``h``
+        its state of the ``DeviceVariable``s of ``group``, under ``oname``."""
+        names = (ctypes.c_char_p * len(group))(*[n.encode() for n, _ in group])
+        handles = (ctypes.c_void_p * len(group))(*[v._h.value for _, v in group])
+        _check(call(opt._device_handle(), h, oname.encode(), len(group), names, handles))
+
+    def _save_device_state(self, h):
+        """Each optimizer's state of the checkpoint's ``DeviceVariable``s (one that stepped or
+        restored some: libtutti keeps it), in the names and format of the other variables'."""
+        for oname, opt in self._objects.items():
+            if isinstance(opt, Optimizer) and opt._device is not None:
+                for group in self._device_groups():
+                    self._device_call(_lib().tutti_optimizer_save, h, oname, opt, group)
+
+    def _device_restores(self, h, optimized):
+        """(optimizer name, optimizer, group) of each restore of ``DeviceVariable`` state the
+        checkpoint at ``h`` holds, every entry checked first (present for every variable of the
+        group, of the variable's size and the slots' dtype, a count of steps): a refusal leaves
+        everything as it was. A group of which the checkpoint holds no state (saved before the
+        variables were DeviceVariables, say) starts afresh, with a warning."""
+        plan = []
+        for oname, opt, _ in optimized:
+            if not opt._slot_names and not opt._counts_steps:
+                continue  # plain SGD keeps no state but the iterations, restored with the others
+            for group in self._device_groups():
+                def entry(name):
+                    code, ndim = ctypes.c_uint32(), ctypes.c_size_t()
+                    if _lib().tutti_checkpoint_variable(h, name.encode(), ctypes.byref(code), ctypes.byref(ndim),
+                                                        None, 0) != 0:
+                        return None
+                    dims = (ctypes.c_size_t * max(ndim.value, 1))()
+                    _check(_lib().tutti_checkpoint_variable(h, name.encode(), None, None, dims, ndim.value))
+                    return _dtype_name(code.value), int(np.prod([dims[i] for i in range(ndim.value)]))
+                held = [entry(f"{oname}/{n}/{opt._slot_names[0] if opt._slot_names else 't'}") for n, _ in group]
+                if all(e is None for e in held):
+                    warnings.warn(f"Checkpoint: no state of optimizer {oname!r} for DeviceVariables "
+                                  f"{', '.join(n for n, _ in group)}; it starts afresh", stacklevel=4)
+                    continue
+                for n, v in group:
+                    for slot in opt._slot_names:
+                        name, want = f"{oname}/{n}/{slot}", (opt._slot_dtype(v).name, int(np.prod(v.shape)))
+                        if entry(name) != want:
+                            raise ValueError(f"Checkpoint: {name} is {entry(name) or 'missing'}; here it is "
+                                             f"{want[0]} of {want[1]} elements")
+                    if opt._counts_steps:
+                        name = f"{oname}/{n}/t"
+                        if entry(name) != ("int64", 1):
+                            raise ValueError(f"Checkpoint: {name} is {entry(name) or 'missing'}, not a count of steps")
+                        t = np.zeros(1, np.int64)
+                        _check(_lib().tutti_checkpoint_read(h, name.encode(), tutti.DTYPES["int64"], 1,
+                                                            t.ctypes.data_as(ctypes.c_void_p)))
+                        if not 0 <= int(t[0]) < 2**31:
+                            raise ValueError(f"Checkpoint: {name} is {int(t[0])}, not a count of steps")
+                plan.append((oname, opt, group))
+        return plan
 
     def _entries(self):
         """(name, value) of everything saved: the variables and arrays, then each optimizer's
@@ -1671,9 +1747,12 @@ class Checkpoint:
             for name, most in counts[:len(counts) if opt._counts_steps else 1]:
                 if not 0 <= int(values[name]) < most:
                     raise ValueError(f"Checkpoint: {name} is {int(values[name])}, not a count of steps")
+        device_restores = self._device_restores(h, optimized)
         # The optimizers first: under a ParameterServerStrategy the ps tasks check their state
         # again, and a refusal there then leaves the variables as they were. (A ps task lost
         # part-way leaves what it had set.)
+        for oname, opt, group in device_restores:
+            self._device_call(_lib().tutti_optimizer_restore, h, oname, opt, group)
         for oname, opt, variables in optimized:
             for vname, var in variables:
                 slots = [values[f"{oname}/{vname}/{slot}"] for slot in opt._slot_names]
@@ -1870,14 +1949,42 @@ class Optimizer:
         import secrets
         # The key of its slots on the ps tasks: made here, so every copy sent to a worker has it.
         self._ps_slots = secrets.randbits(63)
+        self._device = None  # libtutti's optimizer, for DeviceVariables: made at first use
 
     def __getstate__(self):
-        # A copy sent to a worker with a scheduled function: everything but the lock.
-        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+        # A copy sent to a worker with a scheduled function: everything but the lock and the
+        # state of its DeviceVariables (this process's).
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_device", "_device_rule")}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._device = None
+
+    def _device_handle(self):
+        """libtutti's optimizer of the same rule, which steps DeviceVariables on their devices
+        and keeps their slots there."""
+        try:
+            rule = self._ps_update()
+        except TypeError:
+            raise TypeError(f"apply_gradients: {type(self).__name__} cannot step a DeviceVariable (SGD, with or "
+                            "without momentum, and Adam can)") from None
+        fields = tuple(getattr(rule, f) for f, _ in _PsUpdate._fields_ if f != "slots")
+        with self._lock:
+            if self._device is None:
+                h = ctypes.c_void_p()
+                _check(_lib().tutti_optimizer_create(ctypes.byref(rule), ctypes.byref(h)))
+                self._device, self._device_rule = h, fields
+            elif fields != self._device_rule:
+                raise ValueError(f"{type(self).__name__}: its learning rate or another hyper-parameter changed "
+                                 "after it first stepped a DeviceVariable, whose steps keep the rule they began "
+                                 "with; make a new optimizer (carry its state over with a Checkpoint)")
+            return self._device
+
+    def __del__(self):
+        h, self._device = getattr(self, "_device", None), None
+        if h is not None and h.value and _bound is not None:
+            _bound.tutti_optimizer_destroy(h)
 
     def _slot(self, var, i, name):
         key = (var, i, name)  # the variable itself: an id could be reused by a later one
@@ -1889,6 +1996,9 @@ class Optimizer:
     def apply_gradients(self, grads_and_vars):
         """Apply the gradients (see the class documentation); returns the iteration count."""
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]  # Keras skips a None gradient
+        # The DeviceVariables' checked first: a refusal leaves every variable as it was.
+        on_devices = self._device_groups([(g, v) for g, v in pairs if isinstance(v, DeviceVariable)])
+        pairs = [(g, v) for g, v in pairs if not isinstance(v, DeviceVariable)]
         for g, v in pairs:
             if not isinstance(v, Variable):
                 raise TypeError(f"apply_gradients: {type(v).__name__} is not a tutti.distribute.Variable")
@@ -1913,10 +2023,48 @@ class Optimizer:
             # in Rust), the copy rounded to its dtype once, after the step.
             g = g.astype(self._slot_dtype(v), copy=False)
             v._apply_combined(replica, lambda i, g=g, v=v: self._step(v, i, g), "sub")
+        if on_devices:
+            device_replica, groups = on_devices
+            h = self._device_handle()
+            for group in groups:  # one call per dtype, in the same order on every replica
+                n = len(group)
+                grads = (ctypes.c_void_p * n)(*[t._h.value for t, _ in group])
+                variables = (ctypes.c_void_p * n)(*[v._h.value for _, v in group])
+                _check(_lib().tutti_optimizer_apply_device_gradients(device_replica._ctx, h, n, grads, variables))
         with self._lock:
             if replica is None or replica._local == 0:
                 self.iterations += 1
             return self.iterations
+
+    def _device_groups(self, pairs):
+        """``DeviceVariable``s' gradients checked for a step inside ``run``: each a
+        ``DeviceTensor`` (summed in place) or an array (placed on the replica's device), grouped
+        by dtype for libtutti's optimizer, which sums each where it lies and steps each copy on its
+        device with its slots there (one compiled program on an XLA device). ``None`` for none;
+        else the replica and the groups."""
+        if not pairs:
+            return None
+        replica = None
+        for _, v in pairs:
+            replica = v._replica()  # an error inside another strategy's run
+        if replica is None:
+            raise ValueError("apply_gradients: DeviceVariables step inside strategy.run, where each replica has "
+                             "its gradient")
+        self._device_handle()  # an optimizer libtutti cannot run, or whose rule changed: an error now
+        groups = {}
+        for g, v in pairs:
+            if v.dtype.kind != "f":
+                raise TypeError(f"apply_gradients: variable {v.name or ''} is {v.dtype}; optimizers step float "
+                                "variables")
+            if isinstance(g, DeviceTensor):
+                if g.shape != v.shape or g.dtype != v.dtype:
+                    raise ValueError(f"apply_gradients: the gradient {g!r} for a variable of shape {v.shape} and "
+                                     f"dtype {v.dtype}")
+                t = g
+            else:
+                t = replica.place(v._host(g))
+            groups.setdefault(v.dtype, []).append((t, v))
+        return replica, list(groups.values())
 
     def _step(self, var, i, g):
         """What copy ``i`` of ``var`` loses this step, from the combined gradient ``g``."""

@@ -2,6 +2,8 @@
  * kind, and the error paths (NULL handles, bad enums, a failing replica, reuse after it). */
 #include "check.h"
 
+#include <math.h>
+
 typedef struct shared {
     size_t ids[8];
     float gathered[8];
@@ -70,6 +72,32 @@ static tutti_result device_variable_step(const tutti_replica_context *ctx, void 
     r = tutti_replica_place(ctx, 2, TUTTI_DTYPE_F32, x, &t);
     if (r == TUTTI_SUCCESS) {
         r = tutti_device_variable_update_in(ctx, user, TUTTI_ASSIGN, TUTTI_AGGREGATION_MEAN, t);
+    }
+    tutti_tensor_destroy(t);
+    return r;
+}
+
+/* Momentum SGD on the device variable: each replica's gradient {id, 1}, summed across them. */
+typedef struct stepped {
+    tutti_optimizer *opt;
+    tutti_device_variable *var;
+} stepped;
+
+static tutti_result optimizer_step(const tutti_replica_context *ctx, void *user) {
+    stepped *st = user;
+    size_t id = 0;
+    float x[2];
+    tutti_tensor *t = NULL;
+    tutti_result r = tutti_replica_id(ctx, &id, NULL);
+    if (r != TUTTI_SUCCESS) {
+        return r;
+    }
+    x[0] = (float)id;
+    x[1] = 1.0f;
+    r = tutti_replica_place(ctx, 2, TUTTI_DTYPE_F32, x, &t);
+    if (r == TUTTI_SUCCESS) {
+        const tutti_device_variable *vars[1] = {st->var};
+        r = tutti_optimizer_apply_device_gradients(ctx, st->opt, 1, &t, vars);
     }
     tutti_tensor_destroy(t);
     return r;
@@ -305,6 +333,64 @@ int main(void) {
         EXPECT_ERROR(tutti_strategy_device_variable(s, 2, TUTTI_DTYPE_F32, NULL, &dv),
                      TUTTI_ERROR_INVALID_ARGUMENT, "initial is NULL");
         tutti_device_variable_destroy(dv);
+    }
+
+    /* An optimizer stepping a device variable, its state saved and restored. */
+    {
+        tutti_ps_update rule = TUTTI_PS_UPDATE_INIT;
+        stepped st = {NULL, NULL};
+        tutti_optimizer *again = NULL;
+        tutti_checkpoint *ck = NULL;
+        const char *names[1] = {"w"};
+        const tutti_device_variable *vars[1];
+        float init[2] = {1.0f, 2.0f}, got[2], momentum[2];
+        uint64_t it = 0;
+        int32_t ints[2] = {0, 0};
+        tutti_device_variable *iv = NULL;
+        rule.learning_rate = 0.1f;
+        rule.momentum = 0.9f;
+        CHECK(tutti_optimizer_create(&rule, &st.opt));
+        CHECK(tutti_strategy_device_variable(s, 2, TUTTI_DTYPE_F32, init, &st.var));
+        vars[0] = st.var;
+        CHECK(tutti_strategy_run(s, optimizer_step, &st));
+        CHECK(tutti_strategy_run(s, optimizer_step, &st));
+        /* Sums {6, 4}: v = -0.6, then 0.9 v - 0.6 = -1.14 (and -0.4, -0.76). */
+        CHECK(tutti_device_variable_read(st.var, 3, 2, TUTTI_DTYPE_F32, got));
+        EXPECT(fabsf(got[0] - (1.0f - 1.74f)) < 1e-5f && fabsf(got[1] - (2.0f - 1.16f)) < 1e-5f);
+        CHECK(tutti_optimizer_iterations(st.opt, &it));
+        EXPECT(it == 2);
+        CHECK(tutti_checkpoint_create(2, &ck));
+        CHECK(tutti_optimizer_save(st.opt, ck, "opt", 1, names, vars));
+        CHECK(tutti_checkpoint_read(ck, "opt/w/momentum", TUTTI_DTYPE_F32, 2, momentum));
+        EXPECT(fabsf(momentum[0] + 1.14f) < 1e-5f && fabsf(momentum[1] + 0.76f) < 1e-5f);
+        /* Restored into another optimizer, it steps on as the first does. */
+        CHECK(tutti_optimizer_create(&rule, &again));
+        CHECK(tutti_optimizer_restore(again, ck, "opt", 1, names, vars));
+        CHECK(tutti_optimizer_iterations(again, &it));
+        EXPECT(it == 2);
+        tutti_optimizer_destroy(st.opt);
+        st.opt = again;
+        CHECK(tutti_strategy_run(s, optimizer_step, &st));
+        /* v = 0.9 * -1.14 - 0.6 = -1.626. */
+        CHECK(tutti_device_variable_read(st.var, 0, 2, TUTTI_DTYPE_F32, got));
+        EXPECT(fabsf(got[0] - (1.0f - 1.74f - 1.626f)) < 1e-5f);
+        /* The errors name what was wrong. */
+        EXPECT_ERROR(tutti_optimizer_restore(again, ck, "opt", 1, names, NULL),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "variables is NULL");
+        CHECK(tutti_strategy_device_variable(s, 2, TUTTI_DTYPE_I32, ints, &iv));
+        vars[0] = iv;
+        EXPECT_ERROR(tutti_optimizer_save(again, ck, "opt2", 1, names, vars),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "optimizers step float variables");
+        rule.learning_rate = -1.0f;
+        EXPECT_ERROR(tutti_optimizer_create(&rule, &again), TUTTI_ERROR_INVALID_ARGUMENT,
+                     "learning rate -1");
+        EXPECT_ERROR(tutti_optimizer_create(NULL, &again), TUTTI_ERROR_INVALID_ARGUMENT,
+                     "rule is NULL");
+        tutti_device_variable_destroy(iv);
+        tutti_checkpoint_destroy(ck);
+        tutti_optimizer_destroy(st.opt);
+        tutti_optimizer_destroy(NULL);
+        tutti_device_variable_destroy(st.var);
     }
 
     /* A failing replica: run fails with its code and says which replica and why. */
