@@ -22,12 +22,16 @@ use crate::strategy::{
 };
 use crate::tensor::{input, tensor_lock, tutti_tensor};
 use crate::types::{self, tutti_dtype};
-use crate::variables::{aggregation_of, tutti_aggregation, tutti_assign, TuttiAssign};
+use crate::variables::{
+    aggregation_of, per_replica_parts, tutti_aggregation, tutti_assign, TuttiAssign,
+};
 
 /// A variable whose copies live in the replicas' device memory (opaque). Created by
 /// `tutti_strategy_device_variable`, released by `tutti_device_variable_destroy`.
 pub struct tutti_device_variable {
     dtype: DType,
+    /// Elements in each copy.
+    len: usize,
     /// A `DeviceVariable<T>` of `dtype`'s `T`.
     inner: Box<dyn Any + Send + Sync>,
 }
@@ -132,7 +136,11 @@ pub unsafe extern "C" fn tutti_strategy_device_variable(
         let inner: Box<dyn Any + Send + Sync> = tutti::for_each_dtype!(d, T => {
             Box::new(s.device_variable(typed_ref::<T>(bytes))?)
         });
-        let raw = Box::into_raw(Box::new(tutti_device_variable { dtype: d, inner }));
+        let raw = Box::into_raw(Box::new(tutti_device_variable {
+            dtype: d,
+            len: count,
+            inner,
+        }));
         // SAFETY: checked non-NULL; the caller promises it is writable.
         unsafe { out.write(raw) };
         Ok(())
@@ -213,31 +221,19 @@ pub unsafe extern "C" fn tutti_device_variable_update(
         let (s, v) = unsafe { (strategy_ref(strategy)?, var_ref(variable)?) };
         let how = how_of(how)?;
         let agg = aggregation_of(aggregation)?;
-        let d = types::dtype(dtype).map_err(Failure::invalid)?;
-        let len = byte_len(count, 1, d).map_err(Failure::invalid)?;
-        if per_replica.is_null() {
-            return Err(Failure::invalid("per_replica is NULL"));
-        }
-        // SAFETY: the caller promises one pointer per local replica.
-        let ptrs = unsafe { std::slice::from_raw_parts(per_replica, s.num_local_replicas()) };
-        for (i, p) in ptrs.iter().enumerate() {
-            check(*p, len, d, &format!("per_replica[{i}]")).map_err(Failure::invalid)?;
-        }
-        tutti::for_each_dtype!(d, T => {
-            let var = v.get::<T>()?;
-            if count != var.len() {
+        if let Ok(d) = types::dtype(dtype) {
+            if count != v.len || d != v.dtype {
                 return Err(Failure::invalid(format!(
-                    "count {count}, but the device variable holds {} elements",
-                    var.len()
+                    "count {count} of {d}, but the device variable holds {} elements of {}",
+                    v.len, v.dtype
                 )));
             }
-            // SAFETY: checked above; the caller promises the lengths.
-            let updates = PerReplica(
-                ptrs.iter()
-                    .map(|p| typed_ref::<T>(unsafe { buffers::slice(*p, len) }).to_vec())
-                    .collect(),
-            );
-            update_cross(var, s, &updates, agg, how)?;
+        }
+        // SAFETY: as the caller promises.
+        let (d, parts) = unsafe { per_replica_parts(s, dtype, count, per_replica) }?;
+        tutti::for_each_dtype!(d, T => {
+            let updates = PerReplica(parts.iter().map(|b| typed_ref::<T>(b).to_vec()).collect());
+            update_cross(v.get::<T>()?, s, &updates, agg, how)?;
         });
         Ok(())
     })

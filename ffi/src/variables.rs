@@ -273,6 +273,38 @@ pub unsafe extern "C" fn tutti_variable_read(
     })
 }
 
+/// The dtype and the bytes of each local replica's `count` elements of `dtype` at
+/// `per_replica` (one pointer per local replica of `s`), each pointer checked.
+///
+/// # Safety
+///
+/// `per_replica` is NULL or holds one pointer per local replica, each to `count` readable
+/// elements of `dtype`.
+pub(crate) unsafe fn per_replica_parts<'a>(
+    s: &tutti::strategy::Strategy,
+    dtype: tutti_dtype,
+    count: usize,
+    per_replica: *const *const c_void,
+) -> Result<(DType, Vec<&'a [u8]>), Failure> {
+    let d = types::dtype(dtype).map_err(Failure::invalid)?;
+    let len = byte_len(count, 1, d).map_err(Failure::invalid)?;
+    if per_replica.is_null() {
+        return Err(Failure::invalid("per_replica is NULL"));
+    }
+    // SAFETY: the caller promises one pointer per local replica.
+    let ptrs = unsafe { std::slice::from_raw_parts(per_replica, s.num_local_replicas()) };
+    for (i, p) in ptrs.iter().enumerate() {
+        check(*p, len, d, &format!("per_replica[{i}]")).map_err(Failure::invalid)?;
+    }
+    // SAFETY: checked; the caller promises the lengths.
+    Ok((
+        d,
+        ptrs.iter()
+            .map(|p| unsafe { buffers::slice(*p, len) })
+            .collect(),
+    ))
+}
+
 /// How `tutti_variable_update` changes the variable.
 #[repr(u32)]
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -313,24 +345,11 @@ pub unsafe extern "C" fn tutti_variable_update(
         let s = unsafe { strategy_ref(strategy) }?;
         // SAFETY: as the caller promises.
         let v = unsafe { var_ref(variable) }?;
-        let d = types::dtype(dtype).map_err(Failure::invalid)?;
-        let len = byte_len(count, 1, d).map_err(Failure::invalid)?;
-        if per_replica.is_null() {
-            return Err(Failure::invalid("per_replica is NULL"));
-        }
-        // SAFETY: the caller promises one pointer per local replica.
-        let ptrs = unsafe { std::slice::from_raw_parts(per_replica, s.num_local_replicas()) };
-        for (i, p) in ptrs.iter().enumerate() {
-            check(*p, len, d, &format!("per_replica[{i}]")).map_err(Failure::invalid)?;
-        }
+        // SAFETY: as the caller promises.
+        let (d, parts) = unsafe { per_replica_parts(s, dtype, count, per_replica) }?;
         tutti::for_each_dtype!(d, T => {
             let var = v.get::<T>()?;
-            // SAFETY: checked above; the caller promises the lengths.
-            let updates = PerReplica(
-                ptrs.iter()
-                    .map(|p| typed_ref::<T>(unsafe { buffers::slice(*p, len) }).to_vec())
-                    .collect(),
-            );
+            let updates = PerReplica(parts.iter().map(|b| typed_ref::<T>(b).to_vec()).collect());
             match how {
                 h if h == TuttiAssign::TUTTI_ASSIGN as u32 => var.assign(s, &updates)?,
                 h if h == TuttiAssign::TUTTI_ASSIGN_ADD as u32 => var.assign_add(s, &updates)?,

@@ -1288,7 +1288,55 @@ def _aggregation(a):
     return key
 
 
-class Variable:
+class _Assignable:
+    """What ``Variable`` and ``DeviceVariable`` share: TensorFlow's ``assign*`` and reads over
+    their ``_update(value, how)`` and ``numpy()``, and the checks of an update."""
+
+    _kind = "Variable"  # as errors name it
+
+    def read_value(self):
+        """As ``numpy()``."""
+        return self.numpy()
+
+    value = read_value
+
+    def __array__(self, dtype=None, copy=None):
+        return self.numpy() if dtype is None else self.numpy().astype(dtype)
+
+    def assign(self, value):
+        """Set the variable (see the class documentation); returns it."""
+        return self._update(value, "set")
+
+    def assign_add(self, delta):
+        """Add to the variable (see the class documentation); returns it."""
+        return self._update(delta, "add")
+
+    def assign_sub(self, delta):
+        """Subtract from the variable (see the class documentation); returns it."""
+        return self._update(delta, "sub")
+
+    def _host(self, value):
+        """``value`` as an update of this variable: an array of its dtype and shape."""
+        given = np.asarray(value)
+        if not np.can_cast(given.dtype, self.dtype, "same_kind"):
+            raise TypeError(f"{self._kind}.assign: an update of {given.dtype} does not fit a variable of {self.dtype}")
+        u = np.require(given.astype(self.dtype), requirements="C")  # 0-d stays 0-d
+        if u.shape != self.shape:
+            raise ValueError(f"{self._kind}.assign: the update has shape {u.shape}, the variable {self.shape}")
+        return u
+
+    def _replica(self):
+        """The running replica's context, if this is a replica of this variable's strategy; an
+        error inside another strategy's run."""
+        replica = getattr(_state, "replica", None)
+        if replica is None or replica._ctx is None:
+            return None
+        if replica.strategy is not self._strategy:
+            raise ValueError(f"{self._kind}: used inside the run of a strategy other than the one it was made under")
+        return replica
+
+
+class Variable(_Assignable):
     """A variable of the current strategy (``get_strategy()`` when it is made): under a
     ``MirroredStrategy`` or ``MultiWorkerMirroredStrategy`` one copy per local replica, under
     ``CentralStorageStrategy`` one copy, elsewhere one plain copy. Every worker starts from the
@@ -1340,16 +1388,6 @@ class Variable:
 
         return strategy.experimental_local_results(strategy.run(step))[0]
 
-    def _replica(self):
-        """The running replica's context, if this is a replica of this variable's strategy; an
-        error inside another strategy's run."""
-        replica = getattr(_state, "replica", None)
-        if replica is None or replica._ctx is None:
-            return None
-        if replica.strategy is not self._strategy:
-            raise ValueError("Variable: used inside the run of a strategy other than the one it was made under")
-        return replica
-
     def _index(self):
         replica = self._replica()
         return 0 if replica is None or self._central else replica._local
@@ -1357,15 +1395,6 @@ class Variable:
     def numpy(self):
         """This replica's copy inside ``run``, else the variable's value (a new array)."""
         return self._values[self._index()].copy()
-
-    def read_value(self):
-        """As ``numpy()``."""
-        return self.numpy()
-
-    value = read_value
-
-    def __array__(self, dtype=None, copy=None):
-        return self.numpy() if dtype is None else self.numpy().astype(dtype)
 
     @property
     def shape(self):
@@ -1375,25 +1404,8 @@ class Variable:
     def dtype(self):
         return self._values[0].dtype
 
-    def assign(self, value):
-        """Set the variable (see the class documentation); returns it."""
-        return self._update(value, "set")
-
-    def assign_add(self, delta):
-        """Add to the variable (see the class documentation); returns it."""
-        return self._update(delta, "add")
-
-    def assign_sub(self, delta):
-        """Subtract from the variable (see the class documentation); returns it."""
-        return self._update(delta, "sub")
-
     def _update(self, value, how):
-        given = np.asarray(value)
-        if not np.can_cast(given.dtype, self.dtype, "same_kind"):
-            raise TypeError(f"Variable.assign: an update of {given.dtype} does not fit a variable of {self.dtype}")
-        u = given.astype(self.dtype)
-        if u.shape != self.shape:
-            raise ValueError(f"Variable.assign: the update has shape {u.shape}, the variable {self.shape}")
+        u = self._host(value)
         replica = self._replica()
         if replica is not None:
             if self.aggregation == "MEAN" and self.dtype.kind != "f":
@@ -1446,7 +1458,7 @@ _ASSIGN = {"set": 0, "add": 1, "sub": 2}
 _AGGREGATION = {"ONLY_FIRST_REPLICA": 0, "SUM": 1, "MEAN": 2}
 
 
-class DeviceVariable:
+class DeviceVariable(_Assignable):
     """A mirrored variable whose copies live in the replicas' device memory: a PJRT buffer per
     replica under ``TPUStrategy``, host memory for CPU replicas. Made under the current strategy
     (``get_strategy()``), from the chief's ``initial_value`` on every worker.
@@ -1459,6 +1471,8 @@ class DeviceVariable:
     ``run`` the value given is applied to every copy: across workers a collective that every
     worker makes, the chief's value applied on all.
     ``numpy()`` copies this replica's copy to the host inside ``run``, the value outside."""
+
+    _kind = "DeviceVariable"
 
     def __init__(self, initial_value, aggregation=VariableAggregation.NONE, dtype=None, name=None):
         self.name = name
@@ -1483,16 +1497,6 @@ class DeviceVariable:
                                                          value.ctypes.data_as(ctypes.c_void_p), ctypes.byref(h)))
         self._h = h
 
-    def _replica(self):
-        """The running replica's context inside ``run`` of this variable's strategy; ``None``
-        outside; an error inside another strategy's run."""
-        replica = getattr(_state, "replica", None)
-        if replica is None or replica._ctx is None:
-            return None
-        if replica.strategy is not self._strategy:
-            raise ValueError("DeviceVariable: used inside the run of a strategy other than the one it was made under")
-        return replica
-
     def read(self, replica=0):
         """Local replica ``replica``'s copy, copied to a new array."""
         out = np.empty(self.shape, self.dtype)
@@ -1504,36 +1508,6 @@ class DeviceVariable:
         """This replica's copy inside ``run``, else the variable's value (a new array)."""
         replica = self._replica()
         return self.read(0 if replica is None else replica._local)
-
-    def read_value(self):
-        """As ``numpy()``."""
-        return self.numpy()
-
-    value = read_value
-
-    def __array__(self, dtype=None, copy=None):
-        return self.numpy() if dtype is None else self.numpy().astype(dtype)
-
-    def assign(self, value):
-        """Set the variable (see the class documentation); returns it."""
-        return self._update(value, "set")
-
-    def assign_add(self, delta):
-        """Add to the variable (see the class documentation); returns it."""
-        return self._update(delta, "add")
-
-    def assign_sub(self, delta):
-        """Subtract from the variable (see the class documentation); returns it."""
-        return self._update(delta, "sub")
-
-    def _host(self, value):
-        given = np.asarray(value)
-        if not np.can_cast(given.dtype, self.dtype, "same_kind"):
-            raise TypeError(f"DeviceVariable.assign: an update of {given.dtype} does not fit a variable of {self.dtype}")
-        u = np.ascontiguousarray(given.astype(self.dtype))
-        if u.shape != self.shape:
-            raise ValueError(f"DeviceVariable.assign: the update has shape {u.shape}, the variable {self.shape}")
-        return u
 
     def _update(self, value, how):
         replica = self._replica()
