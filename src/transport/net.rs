@@ -1898,11 +1898,26 @@ impl Transport for NetTransport {
             off: 0,
             held: false,
         }));
-        // Reducing receives stage chunks in scratch buffers kept between exchanges: a buffer
-        // resized to the length it had is not allocated or zeroed again.
+        // Reducing receives over TCP stage chunks in scratch buffers kept between exchanges:
+        // each takes the smallest that holds its chunk (else the largest, grown once), so that
+        // a buffer resized to a length it had is not allocated or zeroed again, whichever
+        // receives of an exchange reduce.
         let pool = &mut reuse.scratch;
+        let chunk = self.chunk_bytes;
+        let mut take = |r: &RecvOp<'_>| {
+            if r.mode.combined().is_none() || self.link(r.peer).shm.is_some() {
+                return Vec::new();
+            }
+            let words = chunk.min(r.dst.len()).max(8).div_ceil(8);
+            let fit = (0..pool.len())
+                .filter(|&i| pool[i].capacity() >= words)
+                .min_by_key(|&i| pool[i].capacity())
+                .or_else(|| (0..pool.len()).max_by_key(|&i| pool[i].capacity()));
+            fit.map(|i| pool.swap_remove(i)).unwrap_or_default()
+        };
         let mut rs: Vec<RecvState<'_>> = recycle(std::mem::take(&mut reuse.recvs));
         rs.extend(recvs.iter_mut().map(|r| RecvState {
+            scratch: take(r),
             peer: r.peer,
             target: Target::Data {
                 dst: &mut *r.dst,
@@ -1912,7 +1927,6 @@ impl Transport for NetTransport {
             hoff: 0,
             len: 0,
             off: 0,
-            scratch: pool.pop().unwrap_or_default(),
             fill: 0,
             aux: 0,
             held: false,
