@@ -38,6 +38,12 @@ pub enum Algorithm {
     /// Rabenseifner's: a reduce-scatter by recursive halving, then an all-gather by recursive
     /// doubling; the ring's bytes in 2·log2 P steps. All-reduce only.
     Rabenseifner,
+    /// Across hosts: a reduce-scatter within each host, a ring among the hosts for each slice
+    /// (the i-th rank of every host leads slice i, so a host's ranks share its link), and an
+    /// all-gather within each host: 2(H-1)/H of the buffer crosses each host's link for H
+    /// hosts. What `auto` runs across hosts where it pays; on one host, the ring within it.
+    /// All-reduce only.
+    Hosts,
     /// MPI's own collective (`MPI_Iallreduce`, `MPI_Ibcast`, ...) on the MPI transport (feature
     /// `mpi`), for the collectives, element types and ops MPI has; the others run `auto`. Every
     /// call has a check round first (MPI's collective carries no tutti header).
@@ -67,6 +73,7 @@ impl Algorithm {
             Algorithm::RecursiveDoubling => (5, 0),
             Algorithm::Rabenseifner => (6, 0),
             Algorithm::Mpi => (7, 0),
+            Algorithm::Hosts => (8, 0),
         }
     }
 
@@ -82,6 +89,7 @@ impl Algorithm {
             5 => Algorithm::RecursiveDoubling,
             6 => Algorithm::Rabenseifner,
             7 => Algorithm::Mpi,
+            8 => Algorithm::Hosts,
             _ => return None,
         })
     }
@@ -102,6 +110,7 @@ impl fmt::Display for Algorithm {
             Algorithm::RecursiveDoubling => f.write_str("recursive-doubling"),
             Algorithm::Rabenseifner => f.write_str("rabenseifner"),
             Algorithm::Mpi => f.write_str("mpi"),
+            Algorithm::Hosts => f.write_str("hosts"),
         }
     }
 }
@@ -135,9 +144,10 @@ impl FromStr for Algorithm {
             "recursive-doubling" | "doubling" => Algorithm::RecursiveDoubling,
             "rabenseifner" => Algorithm::Rabenseifner,
             "mpi" => Algorithm::Mpi,
+            "hosts" => Algorithm::Hosts,
             _ => {
                 return Err(format!(
-                    "unknown algorithm '{s}' (expected auto, direct, ring, hierarchical-copy[:GROUP], reduce-to-one[:ROOT], recursive-doubling, rabenseifner or mpi)"
+                    "unknown algorithm '{s}' (expected auto, direct, ring, hierarchical-copy[:GROUP], reduce-to-one[:ROOT], recursive-doubling, rabenseifner, hosts or mpi)"
                 ))
             }
         };
@@ -149,6 +159,7 @@ impl FromStr for Algorithm {
                     | Algorithm::Ring
                     | Algorithm::RecursiveDoubling
                     | Algorithm::Rabenseifner
+                    | Algorithm::Hosts
                     | Algorithm::Mpi
             )
         {

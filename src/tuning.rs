@@ -15,7 +15,8 @@
 //! | recursive doubling | log2 P'·(a + S·(b+2g)), plus 2a + 2S·b + S·g for the fold (P' the largest power of two ≤ P; each step receives into scratch, then reduces) |
 //! | Rabenseifner | 2·log2 P'·a + 2(P'-1)/P'·S·b + (P'-1)/P'·S·g, plus the fold |
 //! | ring | 2(P-1)·a + 2(P-1)/P·S·b + (P-1)/P·S·g |
-//! | hosts (reduce within, ring among leaders, copy back) | 2·(a_s + (L-2)·o_s) + (L-1)·S·(2b_s + g) + the leaders' ring on the network's figures with H ranks |
+//! | hosts, rings (reduce-scatter within, a ring among hosts for each of M slices, all-gather within) | 2(L-1)·(a_s + S/M·b_s) + (L-1)·S/M·g + the slices' rings on the network's figures with H ranks and M on each link |
+//! | hosts, doubling (one step within each way, recursive doubling among hosts for each slice) | 2·(a_s + (L-2)·o_s) + 2(L-1)·S/M·b_s + (L-1)·S/M·g + the slices' doubling on the network's figures with H ranks and M on each link |
 //! | broadcast down a binomial tree | ceil(log2 P)·(a + S·b) |
 //! | broadcast around the ring in k chunks | (P-2+k)·(a + S/k·b) |
 //!
@@ -26,8 +27,8 @@
 //! share its one link: `Layout` counts them from the placement). With H hosts of L ranks
 //! numbered host by host (H and L powers of two), the log2 L steps of partners less than L
 //! apart stay within hosts (doubling's first, Rabenseifner's smallest halves) and the rest put
-//! L ranks on each link; the all-to-all puts L·(P-L) messages on it; the ring and the
-//! hierarchy's leaders one rank's. The fit of `tutti tune` uses the same pricing. Broadcasts
+//! L ranks on each link; the all-to-all puts L·(P-L) messages on it; the ring one rank's; the
+//! hierarchy's rings M ranks' (a leader of each slice), 2(H-1)/H·S in all. The fit of `tutti tune` uses the same pricing. Broadcasts
 //! are priced on one carrier.
 //!
 //! Ranks that outnumber their host's cores share them: figures measured with n ranks per host on
@@ -252,6 +253,8 @@ pub(crate) struct Layout {
     pub hosts: usize,
     /// The most ranks on one host.
     pub most: usize,
+    /// The fewest ranks on one host: the hierarchy's leaders a host, one for each slice.
+    pub fewest: usize,
     /// The links between ranks of one host are shared memory (else TCP, as every link is
     /// where the transport is `tcp`).
     pub shm_within: bool,
@@ -281,6 +284,7 @@ impl Layout {
                 return Layout {
                     hosts: 1,
                     most: world.max(1),
+                    fewest: world.max(1),
                     shm_within: true,
                     ..Layout::default()
                 }
@@ -327,6 +331,7 @@ impl Layout {
         Layout {
             hosts: n,
             most: per.iter().copied().max().unwrap_or(1).max(1) as usize,
+            fewest: per.iter().copied().filter(|&l| l > 0).min().unwrap_or(1) as usize,
             shm_within: true,
             doubling,
             fold,
@@ -430,8 +435,8 @@ impl Terms {
     }
 }
 
-/// What `algo` costs for `bytes` on `shape` (the hierarchy: None unless the ranks span several
-/// hosts with more than one rank on some).
+/// What `algo` costs for `bytes` on `shape` (the hierarchy: its rings, and None unless the
+/// ranks span several hosts with more than one rank on some).
 pub(crate) fn terms(algo: AllReduce, shape: &Shape, bytes: usize) -> Option<Terms> {
     let p = shape.world.max(1);
     let (pf, s) = (p as f64, bytes as f64);
@@ -489,19 +494,53 @@ pub(crate) fn terms(algo: AllReduce, shape: &Shape, bytes: usize) -> Option<Term
             if !(spans && lay.hosts < p) {
                 return None;
             }
-            // Reduce onto the host's first rank and copy back: L-1 messages at once each way.
-            let l = lay.most as f64;
-            if lay.most > 1 {
-                let c = if within { &mut x.shm } else { &mut x.net };
-                *c = [2.0, 2.0 * (l - 2.0).max(0.0), 2.0 * (l - 1.0) * s];
-            }
-            // The leaders' ring: one rank of each host on its link.
-            let h = lay.hosts as f64;
-            x.step(within, 1, 2.0 * (h - 1.0), s / h);
-            x.g = (l - 1.0) * s + (h - 1.0) / h * s;
+            return Some(hosts_terms(shape, bytes, true));
         }
     }
     Some(x)
+}
+
+/// What the hierarchy costs in each of its forms (see `algorithm::hosts`), with H hosts of at
+/// most L ranks and M slices (the fewest ranks on a host). `rings`: a ring reduce-scatter and
+/// all-gather within each host (L-1 steps each of the largest slice, S/M) and each slice's ring
+/// among the hosts (2(H-1) steps of S/(M·H), the M leaders of a host on its link at once); else
+/// one step within each host each way (L-1 messages of S/M at once) and recursive doubling
+/// among the hosts on each slice (log2 H steps of S/M, with a fold where H is no power of two).
+/// Where every host has as many ranks the rings run pipelined, the steps within hosts beside
+/// those among them; the model adds the two (an upper bound, close where either dominates).
+pub(crate) fn hosts_terms(shape: &Shape, bytes: usize, rings: bool) -> Terms {
+    let lay = &shape.layout;
+    let within = shape.within_shm();
+    let s = bytes as f64;
+    let (l, m, h) = (
+        lay.most.max(1) as f64,
+        lay.fewest.max(1) as f64,
+        lay.hosts.max(1),
+    );
+    let crossing = lay.fewest.max(1) as u64;
+    let mut x = Terms::default();
+    if rings {
+        x.step(within, 0, 2.0 * (l - 1.0), s / m);
+        let hf = h as f64;
+        x.step(within, crossing, 2.0 * (hf - 1.0), s / (m * hf));
+        x.g = (l - 1.0) * s / m + (hf - 1.0) / hf * s / m;
+        return x;
+    }
+    if lay.most > 1 {
+        let c = if within { &mut x.shm } else { &mut x.net };
+        *c = [2.0, 2.0 * (l - 2.0).max(0.0), 2.0 * (l - 1.0) * s / m];
+    }
+    let pof2 = 1usize << (usize::BITS - 1 - h.leading_zeros());
+    for _ in 0..pof2.trailing_zeros() {
+        x.step(within, crossing, 1.0, s / m);
+        x.g += 2.0 * s / m; // received into scratch, then reduced
+    }
+    if pof2 < h {
+        x.step(within, crossing, 2.0, s / m);
+        x.g += s / m;
+    }
+    x.g += (l - 1.0) * s / m;
+    x
 }
 
 impl Tuning {
@@ -523,8 +562,27 @@ impl Tuning {
         let (shm, net) = (self.costs(&self.shm, most), self.costs(&self.net, most));
         AllReduce::ALL.map(|a| {
             let t = terms(a, shape, bytes).map_or(f64::INFINITY, |x| x.time(&shm, &net));
+            // The hierarchy runs whichever of its forms is predicted faster.
+            let t = match a {
+                AllReduce::Hosts => t.min(hosts_terms(shape, bytes, false).time(&shm, &net)),
+                _ => t,
+            };
             (a, t)
         })
+    }
+
+    /// Whether the hierarchy runs its rings (for bandwidth) rather than one step within each
+    /// host and recursive doubling among the hosts (for latency): the form predicted faster,
+    /// and the rings wherever f32 is narrowed on the network (only they narrow it). Every rank
+    /// decides alike, from the same figures and world.
+    pub(crate) fn hosts_rings(&self, shape: &Shape, bytes: usize, compressed: bool) -> bool {
+        if compressed {
+            return true;
+        }
+        let most = shape.layout.most.max(1);
+        let (shm, net) = (self.costs(&self.shm, most), self.costs(&self.net, most));
+        let t = |rings| hosts_terms(shape, bytes, rings).time(&shm, &net);
+        t(true) <= t(false)
     }
 
     /// The all-reduce algorithm the model predicts fastest (ties to the earlier in
@@ -799,6 +857,21 @@ mod tests {
         t.net.gbytes_per_s = 0.125; // 1 Gbit/s
         assert_eq!(t.all_reduce(&shape, 64 << 20, false), AllReduce::Hosts);
         assert_eq!(t.all_reduce(&shape, 8, false), AllReduce::Doubling);
+        // The hierarchy's rings for bandwidth; for latency, one step within each host and
+        // doubling among the hosts, whose 4 KiB crosses each link as one buffer a step where
+        // the flat doubling puts the host's 4 ranks' buffers on it (as measured on 4 simulated
+        // hosts of 4 ranks behind 1 Gbit/s links: README, "A simulated cluster").
+        assert!(t.hosts_rings(&shape, 64 << 20, false));
+        assert!(!t.hosts_rings(&shape, 4096, false));
+        assert!(
+            t.hosts_rings(&shape, 4096, true),
+            "only the rings narrow f32"
+        );
+        assert_eq!(t.all_reduce(&shape, 4096, false), AllReduce::Hosts);
+        let times = t.all_reduce_times(&shape, 4096);
+        let doubling_form = hosts_terms(&shape, 4096, false);
+        let (shm, net) = (t.costs(&t.shm, 4), t.costs(&t.net, 4));
+        assert_eq!(times[4].1, doubling_form.time(&shm, &net));
         // Compressed: never Rabenseifner (which sends f32); the ring or the hierarchy for
         // large buffers.
         let one_per_host: Vec<usize> = (0..8).collect();

@@ -1,5 +1,6 @@
 //! The all-reduce algorithms whose steps grow like log2 P, forced by name
-//! (`recursive-doubling`, `rabenseifner`): world sizes 1 to 9 (powers of two and the folds
+//! (`recursive-doubling`, `rabenseifner`), and the hierarchy across hosts (`hosts`, here on one
+//! host; tests/multiprocess.rs places ranks on several): world sizes 1 to 9 (powers of two and the folds
 //! between), every op on f32, integers and 16-bit floats, counts 0, 1, 2, primes, in place and
 //! out of place, over threads, shared memory and TCP: the reference's values, the same bits on
 //! every rank; and the other collectives of a communicator set to one run as `auto` does.
@@ -96,7 +97,11 @@ fn check<T: Element>(comms: &[Communicator], what: &str) {
 
 #[test]
 fn forced_log_p_algorithms_give_the_reference_everywhere() {
-    for algo in [Algorithm::RecursiveDoubling, Algorithm::Rabenseifner] {
+    for algo in [
+        Algorithm::RecursiveDoubling,
+        Algorithm::Rabenseifner,
+        Algorithm::Hosts,
+    ] {
         assert_eq!(algo.to_string().parse::<Algorithm>().unwrap(), algo);
         for (kind, worlds) in [
             (None, 1..=9),

@@ -131,27 +131,45 @@ fn every_collective_and_algorithm_over_tcp_and_shm() {
 
 #[test]
 fn hierarchical_all_reduce_across_hosts() {
-    // Two "hosts" of two ranks each (TUTTI_HOST_ID): auto reduces within each host through
-    // shared memory, runs the ring between the hosts' leaders over TCP, and broadcasts back.
-    let master = format!("127.0.0.1:{}", free_port());
-    let children: Vec<Child> = (0..4)
-        .map(|r| {
-            let args = ["--counts", "1000,70001", "--timeout", "60"];
-            check_rank(&args, r, 4, &master, "hosts-test-job-token")
-                .env("TUTTI_HOST_ID", if r < 2 { "host-a" } else { "host-b" })
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for (r, mut c) in children.into_iter().enumerate() {
-        wait_bounded(&mut c, Duration::from_secs(120));
-        let o = c.wait_with_output().unwrap();
-        let (out, err) = text(&o);
-        assert!(o.status.success(), "rank {r}: {out}\n{err}");
-        assert!(
-            out.contains(&format!("rank {r} of 4, hosts 2:")) && out.contains("all correct"),
-            "{out}"
-        );
+    // Ranks on "hosts" (TUTTI_HOST_ID): `tutti check` runs every collective with `auto` (which
+    // runs the hierarchy where the model says it pays) and with `hosts` forced. Hosts of two
+    // ranks each (every host alike: the phases pipelined), of three and two (a host's third
+    // rank leads no slice), and of one, two and three (one slice: each host's first rank).
+    for (layout, token) in [
+        ("aabb", "hosts-test-job-token-even"),
+        ("aaabb", "hosts-test-job-token-uneven"),
+        ("abbccc", "hosts-test-job-token-one-two-three"),
+    ] {
+        let n = layout.len();
+        let hosts = layout
+            .as_bytes()
+            .iter()
+            .map(|&c| c as char)
+            .collect::<std::collections::BTreeSet<_>>()
+            .len();
+        let master = format!("127.0.0.1:{}", free_port());
+        let children: Vec<Child> = layout
+            .chars()
+            .enumerate()
+            .map(|(r, h)| {
+                let args = ["--counts", "0,1,7,1000,70001", "--timeout", "60"];
+                check_rank(&args, r, n, &master, token)
+                    .env("TUTTI_HOST_ID", format!("host-{h}"))
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for (r, mut c) in children.into_iter().enumerate() {
+            wait_bounded(&mut c, Duration::from_secs(180));
+            let o = c.wait_with_output().unwrap();
+            let (out, err) = text(&o);
+            assert!(o.status.success(), "{layout}, rank {r}: {out}\n{err}");
+            assert!(
+                out.contains(&format!("rank {r} of {n}, hosts {hosts}:"))
+                    && out.contains("all correct"),
+                "{layout}: {out}"
+            );
+        }
     }
 }
 

@@ -167,6 +167,7 @@ fn repeated_calls_allocate_nothing_in_process() {
         Algorithm::Direct,
         Algorithm::HierarchicalCopy { group_size: 2 },
         Algorithm::ReduceToOne { root: 1 },
+        Algorithm::Hosts,
     ] {
         check(None, algo, 2);
         check(None, algo, 4);
@@ -180,6 +181,7 @@ fn repeated_calls_allocate_nothing_over_tcp() {
         Algorithm::Ring,
         Algorithm::HierarchicalCopy { group_size: 2 },
         Algorithm::ReduceToOne { root: 1 },
+        Algorithm::Hosts,
     ] {
         check(Some(TransportKind::Tcp), algo, 2);
         check(Some(TransportKind::Tcp), algo, 3);
@@ -194,6 +196,7 @@ fn repeated_calls_allocate_nothing_over_shared_memory() {
         Algorithm::Ring,
         Algorithm::HierarchicalCopy { group_size: 2 },
         Algorithm::ReduceToOne { root: 1 },
+        Algorithm::Hosts,
     ] {
         check(Some(TransportKind::Shm), algo, 2);
         check(Some(TransportKind::Shm), algo, 3);
@@ -208,8 +211,9 @@ const CHILD: &str = "TUTTI_NOALLOC_CHILD";
 #[test]
 fn repeated_calls_allocate_nothing_across_hosts() {
     // Two "hosts" of two ranks each (TUTTI_HOST_ID is per process, so the ranks are processes):
-    // auto's large all-reduce reduces within each host, runs the ring among the hosts' leaders
-    // and copies back, and that path too reuses its plan.
+    // auto's large all-reduce runs the hierarchy (a reduce-scatter within each host, a ring
+    // among the hosts for each slice, an all-gather within each host, pipelined in the same
+    // exchanges), and that path too reuses its plan and the transport's scratch.
     const WORLD: usize = 4;
     if let Ok(child) = std::env::var(CHILD) {
         let mut parts = child.split(' ');

@@ -127,6 +127,7 @@ struct algorithm {
     }
     static algorithm recursive_doubling() { return {TUTTI_ALGORITHM_RECURSIVE_DOUBLING, 0}; }
     static algorithm rabenseifner() { return {TUTTI_ALGORITHM_RABENSEIFNER, 0}; }
+    static algorithm hosts() { return {TUTTI_ALGORITHM_HOSTS, 0}; }
     bool operator==(const algorithm &o) const { return kind == o.kind && arg == o.arg; }
     bool operator!=(const algorithm &o) const { return !(*this == o); }
 };

@@ -165,7 +165,7 @@ struct PerfArgs {
     #[arg(short = 'c', long, default_value = "all-reduce", value_parser = parse::<Collective>)]
     collective: Collective,
     /// Algorithm: auto, direct, ring, hierarchical-copy[:GROUP], reduce-to-one[:ROOT],
-    /// recursive-doubling, rabenseifner, mpi (MPI's own, with --transport mpi); with
+    /// recursive-doubling, rabenseifner, hosts, mpi (MPI's own, with --transport mpi); with
     /// --device gpu: auto, nccl, hierarchical-copy[:GROUP], reduce-to-one[:ROOT]. Several
     /// (comma-separated) are measured one after the other.
     #[arg(short = 'a', long, default_value = "auto")]

@@ -95,6 +95,10 @@ pub enum TuttiAlgorithm {
     /// MPI's own collective (`MPI_Iallreduce`, ...) on the MPI transport, where MPI has the
     /// collective, dtype and op; the others (and every call elsewhere) run `AUTO`.
     TUTTI_ALGORITHM_MPI = 7,
+    /// Across hosts: a reduce-scatter within each host, a ring among the hosts for each slice
+    /// (a host's ranks share its link), an all-gather within each host (all-reduce; the other
+    /// collectives run `auto`). On one host, the ring within it.
+    TUTTI_ALGORITHM_HOSTS = 8,
 }
 
 /// A `tutti_algorithm` as it crosses the C boundary: one of the `TUTTI_ALGORITHM_*` values.
@@ -207,8 +211,9 @@ pub(crate) fn algorithm(v: tutti_algorithm, arg: u32) -> Result<Algorithm, Failu
         5 => no_arg("recursive-doubling", Algorithm::RecursiveDoubling),
         6 => no_arg("rabenseifner", Algorithm::Rabenseifner),
         7 => no_arg("mpi", Algorithm::Mpi),
+        8 => no_arg("hosts", Algorithm::Hosts),
         _ => Err(Failure::invalid(format!(
-            "algorithm {v} is not a tutti_algorithm (valid: 0..=7, TUTTI_ALGORITHM_AUTO .. TUTTI_ALGORITHM_MPI)"
+            "algorithm {v} is not a tutti_algorithm (valid: 0..=8, TUTTI_ALGORITHM_AUTO .. TUTTI_ALGORITHM_HOSTS)"
         ))),
     }
 }
@@ -234,6 +239,7 @@ pub(crate) fn algorithm_to_c(a: Algorithm) -> Result<(tutti_algorithm, u32), Fai
         Algorithm::RecursiveDoubling => (TUTTI_ALGORITHM_RECURSIVE_DOUBLING as u32, 0),
         Algorithm::Rabenseifner => (TUTTI_ALGORITHM_RABENSEIFNER as u32, 0),
         Algorithm::Mpi => (TUTTI_ALGORITHM_MPI as u32, 0),
+        Algorithm::Hosts => (TUTTI_ALGORITHM_HOSTS as u32, 0),
     })
 }
 
@@ -283,7 +289,11 @@ mod tests {
             Algorithm::HierarchicalCopy { group_size: 2 }
         );
         assert!(algorithm(2, 1).unwrap_err().message.contains("ring"));
-        for a in [Algorithm::RecursiveDoubling, Algorithm::Rabenseifner] {
+        for a in [
+            Algorithm::RecursiveDoubling,
+            Algorithm::Rabenseifner,
+            Algorithm::Hosts,
+        ] {
             let (v, arg) = algorithm_to_c(a).unwrap();
             assert_eq!(algorithm(v, arg).unwrap(), a);
         }
@@ -292,7 +302,8 @@ mod tests {
             .message
             .contains("rabenseifner"));
         assert_eq!(algorithm(7, 0).unwrap(), Algorithm::Mpi);
-        assert!(algorithm(8, 0).unwrap_err().message.contains("algorithm 8"));
+        assert!(algorithm(8, 1).unwrap_err().message.contains("hosts"));
+        assert!(algorithm(9, 0).unwrap_err().message.contains("algorithm 9"));
         assert_eq!(transport(0), Ok(None));
         assert_eq!(transport(2), Ok(Some(tutti::TransportKind::Shm)));
         assert_eq!(transport(3), Ok(Some(tutti::TransportKind::Mpi)));

@@ -185,7 +185,8 @@ fn resolve_other(ctx: &Ctx<'_>, algo: Algorithm, collective: Collective) -> Algo
             Algorithm::HierarchicalCopy { .. }
             | Algorithm::ReduceToOne { .. }
             | Algorithm::RecursiveDoubling
-            | Algorithm::Rabenseifner,
+            | Algorithm::Rabenseifner
+            | Algorithm::Hosts,
             _,
         ) => resolve(ctx, Algorithm::Auto),
         _ => resolve(ctx, algo),
@@ -252,16 +253,14 @@ pub(crate) fn all_reduce(
             Algorithm::Ring => AllReduce::Ring,
             Algorithm::RecursiveDoubling => AllReduce::Doubling,
             Algorithm::Rabenseifner => AllReduce::Rabenseifner,
+            Algorithm::Hosts => AllReduce::Hosts,
             _ => AllReduce::Ring, // the copy schedules below
         }
     };
     match (algo, pick) {
-        (Algorithm::Ring, AllReduce::Hosts) => {
-            let hosts = ctx.t.hosts().ok_or_else(|| {
-                Error::invalid(ctx.site, "the cost model chose the hierarchy without hosts")
-            })?;
+        (Algorithm::Ring | Algorithm::Hosts, AllReduce::Hosts) => {
             ctx.ran("hosts");
-            return hosts::all_reduce(ctx, hosts, input, output);
+            return hosts::all_reduce(ctx, ctx.t.hosts(), input, output);
         }
         (Algorithm::Ring, AllReduce::Ring) => {
             ctx.ran("ring");
@@ -290,7 +289,9 @@ pub(crate) fn all_reduce(
             ctx.ran("reduce-to-one");
             copies::all_reduce(ctx, CopyAlgorithm::ReduceToOne { root }, output)
         }
-        Algorithm::Auto | Algorithm::Direct | Algorithm::Mpi => unreachable!("resolved above"),
+        Algorithm::Auto | Algorithm::Direct | Algorithm::Mpi | Algorithm::Hosts => {
+            unreachable!("resolved above")
+        }
     }
 }
 

@@ -17,9 +17,11 @@ use crate::reference;
 /// of calls checked, or an error naming the algorithm, collective, dtype and count that failed.
 pub fn check(comm: &mut Communicator, counts: &[usize]) -> Result<usize> {
     let mut calls = 0;
-    // MPI's own collectives too, where the carrier is MPI.
+    // MPI's own collectives too, where the carrier is MPI; the hierarchy across hosts, on CPU
+    // ranks (whatever the hosts: one, or several of equal or unequal sizes).
     let native = comm.has_native().then_some(Algorithm::Mpi);
-    for algo in Algorithm::ALL_REDUCE.into_iter().chain(native) {
+    let hosts = (comm.device_kind() == crate::DeviceKind::Cpu).then_some(Algorithm::Hosts);
+    for algo in Algorithm::ALL_REDUCE.into_iter().chain(native).chain(hosts) {
         if algo == Algorithm::Direct && !comm.has_peer_memory() {
             continue;
         }

@@ -907,9 +907,10 @@ def test_deterministic_groups_sum_in_rank_order():
 
 
 def test_log_p_algorithms_by_name():
-    """recursive-doubling and rabenseifner are all-reduce algorithms a group can be made with."""
+    """recursive-doubling, rabenseifner and hosts (on one host: the ring within it) are
+    all-reduce algorithms a group can be made with."""
     xs = [np.arange(1001, dtype=np.float32) * (r + 1) for r in range(5)]
-    for algorithm in ["recursive-doubling", "rabenseifner"]:
+    for algorithm in ["recursive-doubling", "rabenseifner", "hosts"]:
         got = {}
         with tutti.local_group(5, algorithm=algorithm) as comms:
             run_ranks(comms, lambda c: got.__setitem__(c.rank, c.all_reduce(xs[c.rank].copy())))

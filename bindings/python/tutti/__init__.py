@@ -127,6 +127,7 @@ ALGORITHMS = {
     "recursive-doubling": 5,
     "rabenseifner": 6,
     "mpi": 7,
+    "hosts": 8,
 }
 
 
@@ -475,7 +476,7 @@ def _algorithm(name):
     if base not in ALGORITHMS:
         raise ValueError(
             f"unknown algorithm {name!r} (expected auto, direct, ring, "
-            "hierarchical-copy[:GROUP], reduce-to-one[:ROOT], recursive-doubling, rabenseifner or mpi)"
+            "hierarchical-copy[:GROUP], reduce-to-one[:ROOT], recursive-doubling, rabenseifner, hosts or mpi)"
         )
     if not arg:
         return ALGORITHMS[base], 0
