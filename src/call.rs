@@ -11,7 +11,7 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::Collective;
 
 /// An algorithm, chosen by name (`auto`, `direct`, `ring`, `hierarchical-copy[:G]`,
-/// `reduce-to-one[:ROOT]`, `recursive-doubling`, `rabenseifner`).
+/// `reduce-to-one[:ROOT]`, `recursive-doubling`, `rabenseifner`, `hosts`, `mpi`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Algorithm {
     /// The fastest for the transport: `direct` with peer memory, `ring` otherwise.
@@ -41,8 +41,9 @@ pub enum Algorithm {
     /// Across hosts: a reduce-scatter within each host, a ring among the hosts for each slice
     /// (the i-th rank of every host leads slice i, so a host's ranks share its link), and an
     /// all-gather within each host: 2(H-1)/H of the buffer crosses each host's link for H
-    /// hosts. What `auto` runs across hosts where it pays; on one host, the ring within it.
-    /// All-reduce only.
+    /// hosts. For small buffers, where the cost model predicts it faster, one step within each
+    /// host each way and recursive doubling among the hosts on each slice. What `auto` runs
+    /// across hosts where it pays; on one host, the ring within it. All-reduce only.
     Hosts,
     /// MPI's own collective (`MPI_Iallreduce`, `MPI_Ibcast`, ...) on the MPI transport (feature
     /// `mpi`), for the collectives, element types and ops MPI has; the others run `auto`. Every

@@ -96,7 +96,8 @@ pub enum TuttiAlgorithm {
     /// collective, dtype and op; the others (and every call elsewhere) run `AUTO`.
     TUTTI_ALGORITHM_MPI = 7,
     /// Across hosts: a reduce-scatter within each host, a ring among the hosts for each slice
-    /// (a host's ranks share its link), an all-gather within each host (all-reduce; the other
+    /// (a host's ranks share its link), an all-gather within each host; for small buffers, one
+    /// step within each host and recursive doubling among the hosts (all-reduce; the other
     /// collectives run `auto`). On one host, the ring within it.
     TUTTI_ALGORITHM_HOSTS = 8,
 }
