@@ -561,14 +561,25 @@ impl Tuning {
         let most = shape.layout.most.max(1);
         let (shm, net) = (self.costs(&self.shm, most), self.costs(&self.net, most));
         AllReduce::ALL.map(|a| {
-            let t = terms(a, shape, bytes).map_or(f64::INFINITY, |x| x.time(&shm, &net));
-            // The hierarchy runs whichever of its forms is predicted faster.
-            let t = match a {
-                AllReduce::Hosts => t.min(hosts_terms(shape, bytes, false).time(&shm, &net)),
-                _ => t,
+            let t = match (a, terms(a, shape, bytes)) {
+                (_, None) => f64::INFINITY,
+                // The hierarchy runs whichever of its forms is predicted faster.
+                (AllReduce::Hosts, Some(_)) => {
+                    let [rings, one_step] = self.hosts_times(shape, bytes);
+                    rings.min(one_step)
+                }
+                (_, Some(x)) => x.time(&shm, &net),
             };
             (a, t)
         })
+    }
+
+    /// The predicted times of the hierarchy's two forms, rings and one step within each host
+    /// (see [`hosts_terms`]).
+    fn hosts_times(&self, shape: &Shape, bytes: usize) -> [f64; 2] {
+        let most = shape.layout.most.max(1);
+        let (shm, net) = (self.costs(&self.shm, most), self.costs(&self.net, most));
+        [true, false].map(|rings| hosts_terms(shape, bytes, rings).time(&shm, &net))
     }
 
     /// Whether the hierarchy runs its rings (for bandwidth) rather than one step within each
@@ -576,13 +587,8 @@ impl Tuning {
     /// and the rings wherever f32 is narrowed on the network (only they narrow it). Every rank
     /// decides alike, from the same figures and world.
     pub(crate) fn hosts_rings(&self, shape: &Shape, bytes: usize, compressed: bool) -> bool {
-        if compressed {
-            return true;
-        }
-        let most = shape.layout.most.max(1);
-        let (shm, net) = (self.costs(&self.shm, most), self.costs(&self.net, most));
-        let t = |rings| hosts_terms(shape, bytes, rings).time(&shm, &net);
-        t(true) <= t(false)
+        let [rings, one_step] = self.hosts_times(shape, bytes);
+        compressed || rings <= one_step
     }
 
     /// The all-reduce algorithm the model predicts fastest (ties to the earlier in
@@ -872,6 +878,20 @@ mod tests {
         let doubling_form = hosts_terms(&shape, 4096, false);
         let (shm, net) = (t.costs(&t.shm, 4), t.costs(&t.net, 4));
         assert_eq!(times[4].1, doubling_form.time(&shm, &net));
+        // On one host the hierarchy does not apply, in either form, whatever the figures (a
+        // shared-memory message that costs no more than the first, as `tutti tune` can fit,
+        // once made its one-step form the cheapest there).
+        let one_host = Shape {
+            world: 4,
+            layout: Layout::of(4, None),
+            all_shm: true,
+        };
+        let mut free = Tuning::BUILT_IN;
+        free.shm.per_message_us = 0.0;
+        for bytes in [8, 4096, 1 << 20] {
+            assert_eq!(free.all_reduce_times(&one_host, bytes)[4].1, f64::INFINITY);
+            assert_ne!(free.all_reduce(&one_host, bytes, false), AllReduce::Hosts);
+        }
         // Compressed: never Rabenseifner (which sends f32); the ring or the hierarchy for
         // large buffers.
         let one_per_host: Vec<usize> = (0..8).collect();
