@@ -194,14 +194,14 @@ fn pipelined(
     };
     let esize = ctx.dtype.size();
     let count = Blocks::Even(buf.len() / esize);
-    let piece = |k: usize, g: usize| -> Range<usize> {
-        let s = count.get(l, k);
-        let ce = ctx.chunk_elems();
-        let lo = s.start.saturating_add(g.saturating_mul(ce)).min(s.end);
-        let hi = lo.saturating_add(ce).min(s.end);
-        bytes(lo..hi, esize)
-    };
-    let rounds = count.largest(l).div_ceil(ctx.chunk_elems());
+    // The host's ranks cut the buffer as the ring among them would: L slices, pieces of the
+    // chunk size.
+    let host = SubTransport::new(ctx.t, members).ok_or_else(|| {
+        Error::invalid(ctx.site, format!("rank {r} is not among its host's ranks"))
+    })?;
+    let within = part_of(ctx, &host, l, 1, None);
+    let piece = |k: usize, g: usize| ring::piece(&within, count, k, g);
+    let rounds = ring::rounds(&within, count);
     let (right, left) = (members[(me + 1) % l], members[(me + l - 1) % l]);
     let (next, prev) = (ring_ranks[(at + 1) % h], ring_ranks[(at + h - 1) % h]);
     // Step `i` within the host in tick `t`: the reduce-scatter of round t, then the all-gather
