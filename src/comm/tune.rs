@@ -59,6 +59,11 @@ fn fit_carrier(comm: &Communicator, call_us: f64, g: f64, known: &Tuning) -> Res
                 {
                     continue; // P-1 copies of a large buffer per rank: time it smaller
                 }
+                if matches!(which, AllReduce::Ring | AllReduce::Rabenseifner) && bytes / 4 < p {
+                    // Fewer elements than ranks: most of their steps carry nothing and cost
+                    // nothing, where the model prices every step.
+                    continue;
+                }
                 let b = &mut buf[..bytes / 4];
                 comm.all_reduce_with(algo, b)?; // warm: scratch and slots
                 let mut times = Vec::with_capacity(reps);
