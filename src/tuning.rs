@@ -16,7 +16,7 @@
 //! | Rabenseifner | 2·log2 P'·a + 2(P'-1)/P'·S·b + (P'-1)/P'·S·g, plus the fold |
 //! | ring | 2(P-1)·a + 2(P-1)/P·S·b + (P-1)/P·S·g |
 //! | hosts, rings (reduce-scatter within, a ring among hosts for each of M slices, all-gather within) | 2(L-1)·(a_s + S/M·b_s) + (L-1)·S/M·g + the slices' rings on the network's figures with H ranks and M on each link |
-//! | hosts, doubling (one step within each way, recursive doubling among hosts for each slice) | 2·(a_s + (L-2)·o_s) + 2(L-1)·S/M·b_s + (L-1)·S/M·g + the slices' doubling on the network's figures with H ranks and M on each link |
+//! | hosts, one step (one step within each way, recursive doubling among hosts for each of m slices, m = 1, 2, 4, ... or M, the fastest) | 2·(a_s + (L-2)·o_s) + 2(L-1)·S/m·b_s + (L-1)·S/m·g + the slices' doubling on the network's figures with H ranks and m on each link |
 //! | broadcast down a binomial tree | ceil(log2 P)·(a + S·b) |
 //! | broadcast around the ring in k chunks | (P-2+k)·(a + S/k·b) |
 //!
@@ -24,12 +24,13 @@
 //! (`terms`): a step between ranks of one host on shared memory's figures (the network's where
 //! the transport is `tcp`: so too the hierarchy's steps within a host), a step between hosts on
 //! the network's, with its bytes multiplied by the ranks of one host that cross at once (they
-//! share its one link: `Layout` counts them from the placement). With H hosts of L ranks
+//! share its one link: `Layout` counts them from the placement) and each of their messages
+//! beyond the first costing o, as a further message of one rank does. With H hosts of L ranks
 //! numbered host by host (H and L powers of two), the log2 L steps of partners less than L
 //! apart stay within hosts (doubling's first, Rabenseifner's smallest halves) and the rest put
 //! L ranks on each link; the all-to-all puts L·(P-L) messages on it; the ring one rank's; the
-//! hierarchy's rings M ranks' (a leader of each slice), 2(H-1)/H·S in all. The fit of `tutti tune` uses the same pricing. Broadcasts
-//! are priced on one carrier.
+//! hierarchy's rings M ranks' (a leader of each slice), 2(H-1)/H·S in all. The fit of `tutti
+//! tune` uses the same pricing. Broadcasts are priced on one carrier.
 //!
 //! Ranks that outnumber their host's cores share them: figures measured with n ranks per host on
 //! c cores are scaled by max(1, L/c) / max(1, n/c) for a job with L (every term alike: the
@@ -418,7 +419,8 @@ pub(crate) struct Terms {
 impl Terms {
     /// A step of messages of `bytes` each: within hosts (`crossing` 0) on the carrier between
     /// a host's ranks, else over the network with `crossing` ranks of one host sharing its
-    /// link.
+    /// link: their bytes go through it one after the other, and each message beyond the first
+    /// costs a further message's `o`, as it would on one rank.
     fn step(&mut self, within_shm: bool, crossing: u64, messages: f64, bytes: f64) {
         let (c, share) = match crossing {
             0 if within_shm => (&mut self.shm, 1.0),
@@ -426,6 +428,7 @@ impl Terms {
             n => (&mut self.net, n as f64),
         };
         c[0] += messages;
+        c[1] += messages * (share - 1.0);
         c[2] += messages * share * bytes;
     }
 
@@ -454,15 +457,18 @@ pub(crate) fn terms(algo: AllReduce, shape: &Shape, bytes: usize) -> Option<Term
     };
     match algo {
         AllReduce::AllToAll => {
-            // P-1 messages at once: the first a latency, the others o each.
-            let (c, sent) = if spans {
-                (&mut x.net, lay.all_to_all as f64 * s)
+            // P-1 messages at once: the first a latency, the others o each (across hosts, the
+            // L·(P-L) messages on a host's link, where they are more).
+            let further = (pf - 2.0).max(0.0);
+            let (c, further, sent) = if spans {
+                let on_link = lay.all_to_all as f64;
+                (&mut x.net, further.max(on_link - 1.0), on_link * s)
             } else if within {
-                (&mut x.shm, (pf - 1.0) * s)
+                (&mut x.shm, further, (pf - 1.0) * s)
             } else {
-                (&mut x.net, (pf - 1.0) * s)
+                (&mut x.net, further, (pf - 1.0) * s)
             };
-            *c = [1.0, (pf - 2.0).max(0.0), sent];
+            *c = [1.0, further, sent];
             x.g = (pf - 1.0) * s;
         }
         AllReduce::Doubling => {
@@ -494,32 +500,46 @@ pub(crate) fn terms(algo: AllReduce, shape: &Shape, bytes: usize) -> Option<Term
             if !(spans && lay.hosts < p) {
                 return None;
             }
-            return Some(hosts_terms(shape, bytes, true));
+            return Some(hosts_terms(shape, bytes, HostsForm::Rings));
         }
     }
     Some(x)
 }
 
-/// What the hierarchy costs in each of its forms (see `algorithm::hosts`), with H hosts of at
-/// most L ranks and M slices (the fewest ranks on a host). `rings`: a ring reduce-scatter and
-/// all-gather within each host (L-1 steps each of the largest slice, S/M) and each slice's ring
-/// among the hosts (2(H-1) steps of S/(M·H), the M leaders of a host on its link at once); else
-/// one step within each host each way (L-1 messages of S/M at once) and recursive doubling
-/// among the hosts on each slice (log2 H steps of S/M, with a fold where H is no power of two).
-/// Where every host has as many ranks the rings run pipelined, the steps within hosts beside
-/// those among them; the model adds the two (an upper bound, close where either dominates).
-pub(crate) fn hosts_terms(shape: &Shape, bytes: usize, rings: bool) -> Terms {
+/// The hierarchy's two forms (see `algorithm::hosts`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum HostsForm {
+    /// Rings within each host and among the hosts, for bandwidth: a slice for each of the
+    /// fewest ranks on a host.
+    Rings,
+    /// One step within each host each way and recursive doubling among the hosts, for
+    /// latency, on this many slices (1 to the fewest ranks on a host): fewer leaders put fewer
+    /// messages on each host's link, more share the reductions and the bytes within a host.
+    OneStep(usize),
+}
+
+/// What the hierarchy costs in `form`, with H hosts of at most L ranks and M slices (the
+/// fewest ranks on a host for the rings, the form's count for one step). Rings: a ring
+/// reduce-scatter and all-gather within each host (L-1 steps each of the largest slice, S/M)
+/// and each slice's ring among the hosts (2(H-1) steps of S/(M·H), the M leaders of a host on
+/// its link at once); one step: one step within each host each way (L-1 messages of S/M at
+/// once) and recursive doubling among the hosts on each slice (log2 H steps of S/M, the M
+/// leaders of a host on its link at once, with a fold where H is no power of two). Where every
+/// host has as many ranks the rings run pipelined, the steps within hosts beside those among
+/// them; the model adds the two (an upper bound, close where either dominates).
+pub(crate) fn hosts_terms(shape: &Shape, bytes: usize, form: HostsForm) -> Terms {
     let lay = &shape.layout;
     let within = shape.within_shm();
     let s = bytes as f64;
-    let (l, m, h) = (
-        lay.most.max(1) as f64,
-        lay.fewest.max(1) as f64,
-        lay.hosts.max(1),
-    );
-    let crossing = lay.fewest.max(1) as u64;
+    let slices = match form {
+        HostsForm::Rings => lay.fewest,
+        HostsForm::OneStep(m) => m.clamp(1, lay.fewest.max(1)),
+    }
+    .max(1);
+    let (l, m, h) = (lay.most.max(1) as f64, slices as f64, lay.hosts.max(1));
+    let crossing = slices as u64;
     let mut x = Terms::default();
-    if rings {
+    if form == HostsForm::Rings {
         x.step(within, 0, 2.0 * (l - 1.0), s / m);
         let hf = h as f64;
         x.step(within, crossing, 2.0 * (hf - 1.0), s / (m * hf));
@@ -564,31 +584,43 @@ impl Tuning {
             let t = match (a, terms(a, shape, bytes)) {
                 (_, None) => f64::INFINITY,
                 // The hierarchy runs whichever of its forms is predicted faster.
-                (AllReduce::Hosts, Some(_)) => {
-                    let [rings, one_step] = self.hosts_times(shape, bytes);
-                    rings.min(one_step)
-                }
+                (AllReduce::Hosts, Some(_)) => self.hosts_form(shape, bytes, false).1,
                 (_, Some(x)) => x.time(&shm, &net),
             };
             (a, t)
         })
     }
 
-    /// The predicted times of the hierarchy's two forms, rings and one step within each host
-    /// (see [`hosts_terms`]).
-    fn hosts_times(&self, shape: &Shape, bytes: usize) -> [f64; 2] {
+    /// The hierarchy's form predicted fastest (see [`hosts_terms`]), and its time: the rings
+    /// (for bandwidth), or one step within each host and recursive doubling among the hosts
+    /// (for latency) on 1, 2, 4, ... or M slices (M the fewest ranks on a host); the rings
+    /// wherever f32 is narrowed on the network (only they narrow it). Every rank decides
+    /// alike, from the same figures and world.
+    pub(crate) fn hosts_form(
+        &self,
+        shape: &Shape,
+        bytes: usize,
+        compressed: bool,
+    ) -> (HostsForm, f64) {
         let most = shape.layout.most.max(1);
         let (shm, net) = (self.costs(&self.shm, most), self.costs(&self.net, most));
-        [true, false].map(|rings| hosts_terms(shape, bytes, rings).time(&shm, &net))
-    }
-
-    /// Whether the hierarchy runs its rings (for bandwidth) rather than one step within each
-    /// host and recursive doubling among the hosts (for latency): the form predicted faster,
-    /// and the rings wherever f32 is narrowed on the network (only they narrow it). Every rank
-    /// decides alike, from the same figures and world.
-    pub(crate) fn hosts_rings(&self, shape: &Shape, bytes: usize, compressed: bool) -> bool {
-        let [rings, one_step] = self.hosts_times(shape, bytes);
-        compressed || rings <= one_step
+        let time = |form| hosts_terms(shape, bytes, form).time(&shm, &net);
+        let mut best = (HostsForm::Rings, time(HostsForm::Rings));
+        if compressed {
+            return best;
+        }
+        let fewest = shape.layout.fewest.max(1);
+        let counts = (0..usize::BITS)
+            .map(|k| 1usize << k)
+            .take_while(|&m| m < fewest)
+            .chain([fewest]);
+        for m in counts {
+            let t = time(HostsForm::OneStep(m));
+            if t < best.1 {
+                best = (HostsForm::OneStep(m), t);
+            }
+        }
+        best
     }
 
     /// The all-reduce algorithm the model predicts fastest (ties to the earlier in
@@ -862,22 +894,35 @@ mod tests {
         t.cores = 16;
         t.net.gbytes_per_s = 0.125; // 1 Gbit/s
         assert_eq!(t.all_reduce(&shape, 64 << 20, false), AllReduce::Hosts);
-        assert_eq!(t.all_reduce(&shape, 8, false), AllReduce::Doubling);
+        // For 8 bytes, one leader a host: the flat doubling's steps between hosts put a
+        // host's 4 ranks' messages on its link at once, each beyond the first a further
+        // message's cost (on 4 simulated hosts of 4 ranks: 101-148 µs against doubling's
+        // 125-137 and 211-228 with a leader for each of 4 slices).
+        assert_eq!(t.all_reduce(&shape, 8, false), AllReduce::Hosts);
+        assert_eq!(t.hosts_form(&shape, 8, false).0, HostsForm::OneStep(1));
+        let x = terms(AllReduce::Doubling, &shape, 8).unwrap();
+        assert_eq!((x.net[0], x.net[1]), (2.0, 6.0));
+        let x = hosts_terms(&shape, 8, HostsForm::OneStep(4));
+        assert_eq!((x.net[0], x.net[1]), (2.0, 6.0));
+        let x = hosts_terms(&shape, 8, HostsForm::OneStep(1));
+        assert_eq!((x.net[0], x.net[1]), (2.0, 0.0));
         // The hierarchy's rings for bandwidth; for latency, one step within each host and
         // doubling among the hosts, whose 4 KiB crosses each link as one buffer a step where
         // the flat doubling puts the host's 4 ranks' buffers on it (as measured on 4 simulated
         // hosts of 4 ranks behind 1 Gbit/s links: README, "A simulated cluster").
-        assert!(t.hosts_rings(&shape, 64 << 20, false));
-        assert!(!t.hosts_rings(&shape, 4096, false));
-        assert!(
-            t.hosts_rings(&shape, 4096, true),
+        assert_eq!(t.hosts_form(&shape, 64 << 20, false).0, HostsForm::Rings);
+        let (form, time) = t.hosts_form(&shape, 4096, false);
+        assert!(matches!(form, HostsForm::OneStep(_)), "{form:?}");
+        assert_eq!(
+            t.hosts_form(&shape, 4096, true).0,
+            HostsForm::Rings,
             "only the rings narrow f32"
         );
         assert_eq!(t.all_reduce(&shape, 4096, false), AllReduce::Hosts);
         let times = t.all_reduce_times(&shape, 4096);
-        let doubling_form = hosts_terms(&shape, 4096, false);
         let (shm, net) = (t.costs(&t.shm, 4), t.costs(&t.net, 4));
-        assert_eq!(times[4].1, doubling_form.time(&shm, &net));
+        assert_eq!(times[4].1, hosts_terms(&shape, 4096, form).time(&shm, &net));
+        assert_eq!(times[4].1, time);
         // On one host the hierarchy does not apply, in either form, whatever the figures (a
         // shared-memory message that costs no more than the first, as `tutti tune` can fit,
         // once made its one-step form the cheapest there).
@@ -906,6 +951,27 @@ mod tests {
         );
         assert_eq!(t.all_reduce(&flat, 64 << 20, true), AllReduce::Ring);
         assert_eq!(t.all_reduce(&flat, 8, true), AllReduce::Doubling);
+    }
+
+    /// Figures `tutti tune` measured on 2 simulated hosts of 2 ranks behind 4 Gbit/s links
+    /// (`tests/multiprocess.rs` runs the hierarchy with them): the one-step form with one
+    /// leader a host for small buffers, with two for mid sizes (the bytes within a host and
+    /// the reductions shared), the rings for large ones.
+    #[test]
+    fn the_one_step_form_takes_as_many_leaders_as_pay() {
+        let t = Tuning::parse(include_str!("../tests/data/tuning-2hosts-4gbit.json")).unwrap();
+        let shape = Shape {
+            world: 4,
+            layout: Layout::of(4, Some(&[0, 0, 1, 1])),
+            all_shm: false,
+        };
+        let form = |bytes| t.hosts_form(&shape, bytes, false).0;
+        assert_eq!(form(4), HostsForm::OneStep(1));
+        assert_eq!(form(4000), HostsForm::OneStep(1));
+        assert_eq!(form(4 * 8191), HostsForm::OneStep(2));
+        assert_eq!(form(4 * 30011), HostsForm::OneStep(2));
+        assert_eq!(form(4 * 70001), HostsForm::Rings);
+        assert_eq!(t.all_reduce(&shape, 4000, false), AllReduce::Hosts);
     }
 
     /// Where the ranks of one host cross to other hosts at once, the layout counts them: a

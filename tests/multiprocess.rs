@@ -135,10 +135,37 @@ fn hierarchical_all_reduce_across_hosts() {
     // runs the hierarchy where the model says it pays) and with `hosts` forced. Hosts of two
     // ranks each (every host alike: the phases pipelined), of three and two (a host's third
     // rank leads no slice), and of one, two and three (one slice: each host's first rank).
-    for (layout, token) in [
-        ("aabb", "hosts-test-job-token-even"),
-        ("aaabb", "hosts-test-job-token-uneven"),
-        ("abbccc", "hosts-test-job-token-one-two-three"),
+    // With figures tuned on 2 hosts of 2 ranks, the one-step form with one leader a host
+    // (1000 elements), with two (8191, 30011), and the rings (70001): `tuning::tests`.
+    let tuned = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/tuning-2hosts-4gbit.json"
+    );
+    for (layout, token, tuning, counts) in [
+        (
+            "aabb",
+            "hosts-test-job-token-even",
+            None,
+            "0,1,7,1000,70001",
+        ),
+        (
+            "aaabb",
+            "hosts-test-job-token-uneven",
+            None,
+            "0,1,7,1000,70001",
+        ),
+        (
+            "abbccc",
+            "hosts-test-job-token-one-two-three",
+            None,
+            "0,1,7,1000,70001",
+        ),
+        (
+            "aabb",
+            "hosts-test-job-token-tuned",
+            Some(tuned),
+            "0,1,1000,8191,30011,70001",
+        ),
     ] {
         let n = layout.len();
         let hosts = layout
@@ -152,11 +179,13 @@ fn hierarchical_all_reduce_across_hosts() {
             .chars()
             .enumerate()
             .map(|(r, h)| {
-                let args = ["--counts", "0,1,7,1000,70001", "--timeout", "60"];
-                check_rank(&args, r, n, &master, token)
-                    .env("TUTTI_HOST_ID", format!("host-{h}"))
-                    .spawn()
-                    .unwrap()
+                let args = ["--counts", counts, "--timeout", "60"];
+                let mut c = check_rank(&args, r, n, &master, token);
+                c.env("TUTTI_HOST_ID", format!("host-{h}"));
+                if let Some(path) = tuning {
+                    c.env("TUTTI_TUNING", path);
+                }
+                c.spawn().unwrap()
             })
             .collect();
         for (r, mut c) in children.into_iter().enumerate() {

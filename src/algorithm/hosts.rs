@@ -8,7 +8,7 @@ use super::{bytes, partition, ring, Blocks, Ctx};
 use crate::error::{Error, Result};
 use crate::transport::sub::SubTransport;
 use crate::transport::{RecvMode, RecvOp, SendOp};
-use crate::tuning::Layout;
+use crate::tuning::{HostsForm, Layout};
 
 /// All-reduce across hosts with several leaders a host, one for each slice (as NCCL's and
 /// oneCCL's hierarchical paths share the network among a host's ranks). With M the fewest ranks
@@ -49,14 +49,22 @@ pub(crate) fn all_reduce(
         v[world + host_of(k)] += 1;
     }
     let (place, on_host) = v.split_at(world);
-    let slices = on_host
+    let fewest = on_host
         .iter()
         .copied()
         .filter(|&n| n > 0)
         .min()
         .unwrap_or(1);
-    // Every rank decides alike (from the same hosts) whether every host has as many ranks.
-    let even = on_host.iter().all(|&n| n == 0 || n == slices);
+    // Every rank decides alike (from the same hosts and figures) whether every host has as
+    // many ranks, the form, and how many slices.
+    let even = on_host.iter().all(|&n| n == 0 || n == fewest);
+    let (form, _) = ctx
+        .tuning
+        .hosts_form(&super::shape(ctx), buf.len(), ctx.wire.is_some());
+    let slices = match form {
+        HostsForm::Rings => fewest,
+        HostsForm::OneStep(m) => m.clamp(1, fewest),
+    };
     let me = place[r];
     let members_at = v.len();
     v.extend((0..world).filter(|&k| host_of(k) == host_of(r)));
@@ -75,10 +83,7 @@ pub(crate) fn all_reduce(
     let ring_ranks = &v[ring_at..offsets_at];
     let offsets = &v[offsets_at..];
     let blocks = Blocks::At(offsets);
-    let rings = ctx
-        .tuning
-        .hosts_rings(&super::shape(ctx), buf.len(), ctx.wire.is_some());
-    if !rings {
+    if form != HostsForm::Rings {
         return one_step_within(ctx, members, ring_ranks, blocks, input, buf);
     }
     if even && ctx.wire.is_none() {
@@ -369,10 +374,12 @@ fn run_steps(
 }
 
 /// The hierarchy for latency: one step within each host each way and recursive doubling among
-/// the hosts, where the rings' 2(L-1) + 2(H-1) steps cost more than their bytes save. Each rank
-/// sends slice i of its buffer to the host's i-th rank and the leaders reduce what arrives (in
-/// the host's rank order); the leaders of each slice run recursive doubling on it among the
-/// hosts (log2 H steps); each leader sends its slice to the host's ranks.
+/// the hosts, where the rings' 2(L-1) + 2(H-1) steps cost more than their bytes save. The
+/// buffer is cut into as many slices as the model chose (from 1 to the fewest ranks on a host:
+/// `blocks`), led by the first ranks of each host. Each rank sends slice i of its buffer to the
+/// host's i-th rank and the leaders reduce what arrives (in the host's rank order); the leaders
+/// of each slice run recursive doubling on it among the hosts (log2 H steps); each leader sends
+/// its slice to the host's ranks.
 fn one_step_within(
     ctx: &Ctx<'_>,
     members: &[usize],
