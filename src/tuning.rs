@@ -29,7 +29,8 @@
 //! numbered host by host (H and L powers of two), the log2 L steps of partners less than L
 //! apart stay within hosts (doubling's first, Rabenseifner's smallest halves) and the rest put
 //! L ranks on each link; the all-to-all puts L·(P-L) messages on it; the ring one rank's; the
-//! hierarchy's rings M ranks' (a leader of each slice), 2(H-1)/H·S in all. The fit of `tutti
+//! hierarchy's rings M ranks' (a leader of each slice), 2(H-1)/H·S in all, its one-step form m
+//! ranks'. The fit of `tutti
 //! tune` uses the same pricing. Broadcasts are priced on one carrier.
 //!
 //! Ranks that outnumber their host's cores share them: figures measured with n ranks per host on
@@ -254,7 +255,8 @@ pub(crate) struct Layout {
     pub hosts: usize,
     /// The most ranks on one host.
     pub most: usize,
-    /// The fewest ranks on one host: the hierarchy's leaders a host, one for each slice.
+    /// The fewest ranks on one host: the hierarchy's rings' leaders a host, one for each slice
+    /// (its one-step form's, at most).
     pub fewest: usize,
     /// The links between ranks of one host are shared memory (else TCP, as every link is
     /// where the transport is `tcp`).
@@ -518,24 +520,31 @@ pub(crate) enum HostsForm {
     OneStep(usize),
 }
 
-/// What the hierarchy costs in `form`, with H hosts of at most L ranks and M slices (the
-/// fewest ranks on a host for the rings, the form's count for one step). Rings: a ring
-/// reduce-scatter and all-gather within each host (L-1 steps each of the largest slice, S/M)
-/// and each slice's ring among the hosts (2(H-1) steps of S/(M·H), the M leaders of a host on
-/// its link at once); one step: one step within each host each way (L-1 messages of S/M at
-/// once) and recursive doubling among the hosts on each slice (log2 H steps of S/M, the M
-/// leaders of a host on its link at once, with a fold where H is no power of two). Where every
-/// host has as many ranks the rings run pipelined, the steps within hosts beside those among
-/// them; the model adds the two (an upper bound, close where either dominates).
+impl HostsForm {
+    /// The slices the form cuts the buffer into where the fewest ranks on a host are `fewest`.
+    pub(crate) fn slices(self, fewest: usize) -> usize {
+        let fewest = fewest.max(1);
+        match self {
+            HostsForm::Rings => fewest,
+            HostsForm::OneStep(m) => m.clamp(1, fewest),
+        }
+    }
+}
+
+/// What the hierarchy costs in `form`, with H hosts of at most L ranks. Rings, on M slices
+/// (the fewest ranks on a host): a ring reduce-scatter and all-gather within each host (L-1
+/// steps each of the largest slice, S/M) and each slice's ring among the hosts (2(H-1) steps
+/// of S/(M·H), the M leaders of a host on its link at once). One step, on m slices: one step
+/// within each host each way (L-1 messages of S/m at once) and recursive doubling among the
+/// hosts on each slice (log2 H steps of S/m, the m leaders of a host on its link at once, with
+/// a fold where H is no power of two). Where every host has as many ranks the rings run
+/// pipelined, the steps within hosts beside those among them; the model adds the two (an upper
+/// bound, close where either dominates).
 pub(crate) fn hosts_terms(shape: &Shape, bytes: usize, form: HostsForm) -> Terms {
     let lay = &shape.layout;
     let within = shape.within_shm();
     let s = bytes as f64;
-    let slices = match form {
-        HostsForm::Rings => lay.fewest,
-        HostsForm::OneStep(m) => m.clamp(1, lay.fewest.max(1)),
-    }
-    .max(1);
+    let slices = form.slices(lay.fewest);
     let (l, m, h) = (lay.most.max(1) as f64, slices as f64, lay.hosts.max(1));
     let crossing = slices as u64;
     let mut x = Terms::default();
@@ -629,7 +638,11 @@ impl Tuning {
     /// [`COMPRESSED_SMALL`], where its time is bytes, and never runs Rabenseifner.
     pub(crate) fn all_reduce(&self, shape: &Shape, bytes: usize, compressed: bool) -> AllReduce {
         let mut best = (AllReduce::Ring, f64::INFINITY);
-        for (a, t) in self.all_reduce_times(shape, bytes) {
+        for (a, mut t) in self.all_reduce_times(shape, bytes) {
+            if compressed && a == AllReduce::Hosts && t.is_finite() {
+                // A compressed call runs the hierarchy's rings, the form that narrows f32.
+                t = self.hosts_form(shape, bytes, true).1;
+            }
             let narrows = matches!(a, AllReduce::Ring | AllReduce::Hosts);
             let latency_bound =
                 matches!(a, AllReduce::AllToAll | AllReduce::Doubling) && bytes <= COMPRESSED_SMALL;
@@ -896,8 +909,9 @@ mod tests {
         assert_eq!(t.all_reduce(&shape, 64 << 20, false), AllReduce::Hosts);
         // For 8 bytes, one leader a host: the flat doubling's steps between hosts put a
         // host's 4 ranks' messages on its link at once, each beyond the first a further
-        // message's cost (on 4 simulated hosts of 4 ranks: 101-148 µs against doubling's
-        // 125-137 and 211-228 with a leader for each of 4 slices).
+        // message's cost (on 4 simulated hosts of 4 ranks: 68-111 µs against doubling's
+        // 122-145 and 211-228 with a leader for each of 4 slices; README, "A simulated
+        // cluster").
         assert_eq!(t.all_reduce(&shape, 8, false), AllReduce::Hosts);
         assert_eq!(t.hosts_form(&shape, 8, false).0, HostsForm::OneStep(1));
         let x = terms(AllReduce::Doubling, &shape, 8).unwrap();
@@ -972,6 +986,11 @@ mod tests {
         assert_eq!(form(4 * 30011), HostsForm::OneStep(2));
         assert_eq!(form(4 * 70001), HostsForm::Rings);
         assert_eq!(t.all_reduce(&shape, 4000, false), AllReduce::Hosts);
+        // A compressed call runs the rings (only they narrow f32), and is priced as them: for
+        // 8 bytes recursive doubling, not the rings' 2(L-1) + 2(H-1) steps.
+        let b = Tuning::BUILT_IN;
+        assert_eq!(b.all_reduce(&shape, 8, false), AllReduce::Hosts);
+        assert_eq!(b.all_reduce(&shape, 8, true), AllReduce::Doubling);
     }
 
     /// Where the ranks of one host cross to other hosts at once, the layout counts them: a

@@ -28,7 +28,9 @@ use crate::tuning::{HostsForm, Layout};
 ///
 /// Where every host has as many ranks (as the launchers place them) and f32 is not narrowed on
 /// the network, [`pipelined`] runs the three phases overlapped, piece by piece; else they run
-/// one after the other, as above.
+/// one after the other, as above. For small buffers, where the cost model predicts it faster,
+/// [`one_step_within`] runs instead, on as many slices as the model chose. On one host, the
+/// ring within it.
 pub(crate) fn all_reduce(
     ctx: &Ctx<'_>,
     hosts: Option<&[usize]>,
@@ -58,13 +60,14 @@ pub(crate) fn all_reduce(
     // Every rank decides alike (from the same hosts and figures) whether every host has as
     // many ranks, the form, and how many slices.
     let even = on_host.iter().all(|&n| n == 0 || n == fewest);
-    let (form, _) = ctx
-        .tuning
-        .hosts_form(&super::shape(ctx), buf.len(), ctx.wire.is_some());
-    let slices = match form {
-        HostsForm::Rings => fewest,
-        HostsForm::OneStep(m) => m.clamp(1, fewest),
+    let form = if host_count > 1 {
+        ctx.tuning
+            .hosts_form(&super::shape(ctx), buf.len(), ctx.wire.is_some())
+            .0
+    } else {
+        HostsForm::Rings // one host: its ring
     };
+    let slices = form.slices(fewest);
     let me = place[r];
     let members_at = v.len();
     v.extend((0..world).filter(|&k| host_of(k) == host_of(r)));
