@@ -132,11 +132,14 @@ fn every_collective_and_algorithm_over_tcp_and_shm() {
 #[test]
 fn hierarchical_all_reduce_across_hosts() {
     // Ranks on "hosts" (TUTTI_HOST_ID): `tutti check` runs every collective with `auto` (which
-    // runs the hierarchy where the model says it pays) and with `hosts` forced. Hosts of two
-    // ranks each (every host alike: the phases pipelined), of three and two (a host's third
-    // rank leads no slice), and of one, two and three (one slice: each host's first rank).
-    // With figures tuned on 2 hosts of 2 ranks, the one-step form with one leader a host
-    // (1000 elements), with two (8191, 30011), and the rings (70001): `tuning::tests`.
+    // runs the hierarchy where the model says it pays) and with `hosts` forced, whose form
+    // (rings, or one step on some slices) the model chooses by size. Hosts of two ranks each
+    // (every host alike: the rings pipelined), of three and two (a host's third rank leads no
+    // slice; the rings one phase after the other from about 300000 f32 with the built-in
+    // figures), and of one, two and three (one slice: each host's first rank). With figures
+    // tuned on 2 hosts of 2 ranks, f32 on 2+2 runs the one-step form with one leader a host
+    // (1000 elements), with two (8191, 30011), and the pipelined rings (70001):
+    // `tuning::tests`.
     let tuned = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/data/tuning-2hosts-4gbit.json"
@@ -152,7 +155,7 @@ fn hierarchical_all_reduce_across_hosts() {
             "aaabb",
             "hosts-test-job-token-uneven",
             None,
-            "0,1,7,1000,70001",
+            "0,1,7,1000,300007",
         ),
         (
             "abbccc",
