@@ -30,8 +30,7 @@
 //! apart stay within hosts (doubling's first, Rabenseifner's smallest halves) and the rest put
 //! L ranks on each link; the all-to-all puts L·(P-L) messages on it; the ring one rank's; the
 //! hierarchy's rings M ranks' (a leader of each slice), 2(H-1)/H·S in all, its one-step form m
-//! ranks'. The fit of `tutti
-//! tune` uses the same pricing. Broadcasts are priced on one carrier.
+//! ranks'. The fit of `tutti tune` uses the same pricing. Broadcasts are priced on one carrier.
 //!
 //! Ranks that outnumber their host's cores share them: figures measured with n ranks per host on
 //! c cores are scaled by max(1, L/c) / max(1, n/c) for a job with L (every term alike: the
@@ -585,15 +584,21 @@ impl Tuning {
     }
 
     /// The predicted time, in µs, of each all-reduce algorithm `auto` may run for `bytes` on
-    /// `shape` (infinite where [`terms`] has none).
-    pub(crate) fn all_reduce_times(&self, shape: &Shape, bytes: usize) -> [(AllReduce, f64); 5] {
+    /// `shape` (infinite where [`terms`] has none); the hierarchy's in the form it would run
+    /// (the rings where the call is `compressed`).
+    pub(crate) fn all_reduce_times(
+        &self,
+        shape: &Shape,
+        bytes: usize,
+        compressed: bool,
+    ) -> [(AllReduce, f64); 5] {
         let most = shape.layout.most.max(1);
         let (shm, net) = (self.costs(&self.shm, most), self.costs(&self.net, most));
         AllReduce::ALL.map(|a| {
             let t = match (a, terms(a, shape, bytes)) {
                 (_, None) => f64::INFINITY,
                 // The hierarchy runs whichever of its forms is predicted faster.
-                (AllReduce::Hosts, Some(_)) => self.hosts_form(shape, bytes, false).1,
+                (AllReduce::Hosts, Some(_)) => self.hosts_form(shape, bytes, compressed).1,
                 (_, Some(x)) => x.time(&shm, &net),
             };
             (a, t)
@@ -638,11 +643,7 @@ impl Tuning {
     /// [`COMPRESSED_SMALL`], where its time is bytes, and never runs Rabenseifner.
     pub(crate) fn all_reduce(&self, shape: &Shape, bytes: usize, compressed: bool) -> AllReduce {
         let mut best = (AllReduce::Ring, f64::INFINITY);
-        for (a, mut t) in self.all_reduce_times(shape, bytes) {
-            if compressed && a == AllReduce::Hosts && t.is_finite() {
-                // A compressed call runs the hierarchy's rings, the form that narrows f32.
-                t = self.hosts_form(shape, bytes, true).1;
-            }
+        for (a, t) in self.all_reduce_times(shape, bytes, compressed) {
             let narrows = matches!(a, AllReduce::Ring | AllReduce::Hosts);
             let latency_bound =
                 matches!(a, AllReduce::AllToAll | AllReduce::Doubling) && bytes <= COMPRESSED_SMALL;
@@ -878,7 +879,7 @@ mod tests {
         ];
         for (shm, p, bytes, want) in cases {
             let got = t.all_reduce(&shape(p, shm), bytes, false);
-            let times = t.all_reduce_times(&shape(p, shm), bytes);
+            let times = t.all_reduce_times(&shape(p, shm), bytes, false);
             assert!(
                 want.contains(&got),
                 "{} P={p} {bytes} B: chose {}, measured fastest {want:?} ({times:?})",
@@ -933,7 +934,7 @@ mod tests {
             "only the rings narrow f32"
         );
         assert_eq!(t.all_reduce(&shape, 4096, false), AllReduce::Hosts);
-        let times = t.all_reduce_times(&shape, 4096);
+        let times = t.all_reduce_times(&shape, 4096, false);
         let (shm, net) = (t.costs(&t.shm, 4), t.costs(&t.net, 4));
         assert_eq!(times[4].1, hosts_terms(&shape, 4096, form).time(&shm, &net));
         assert_eq!(times[4].1, time);
@@ -948,7 +949,10 @@ mod tests {
         let mut free = Tuning::BUILT_IN;
         free.shm.per_message_us = 0.0;
         for bytes in [8, 4096, 1 << 20] {
-            assert_eq!(free.all_reduce_times(&one_host, bytes)[4].1, f64::INFINITY);
+            assert_eq!(
+                free.all_reduce_times(&one_host, bytes, false)[4].1,
+                f64::INFINITY
+            );
             assert_ne!(free.all_reduce(&one_host, bytes, false), AllReduce::Hosts);
         }
         // Compressed: never Rabenseifner (which sends f32); the ring or the hierarchy for
@@ -1041,7 +1045,7 @@ mod tests {
                 AllReduce::Hosts,
                 "{bytes}"
             );
-            let times = t.all_reduce_times(&shape, bytes);
+            let times = t.all_reduce_times(&shape, bytes, false);
             let of = |a: AllReduce| times.iter().find(|(x, _)| *x == a).unwrap().1;
             assert!(
                 of(AllReduce::Rabenseifner) > of(AllReduce::Ring),

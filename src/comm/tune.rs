@@ -223,7 +223,7 @@ pub(crate) fn predict_all_reduce(
     let compressed = comm.compression() != crate::config::Compression::None;
     let pick = figures.all_reduce(&shape, bytes, compressed);
     let time = figures
-        .all_reduce_times(&shape, bytes)
+        .all_reduce_times(&shape, bytes, compressed)
         .into_iter()
         .find(|(a, _)| *a == pick)
         .map(|(_, t)| t);
