@@ -80,12 +80,15 @@ enum tutti_result
     TUTTI_ERROR_INVALID_ARGUMENT = 1,
     /**
      * The ranks called the same collective step with different arguments (collective, dtype,
-     * count, op, root or algorithm). Nothing was written; the communicator stays usable.
+     * count, op, root or algorithm). Nothing was written. The communicator stays usable where
+     * the calls were compared before data moved (threads of one process, calls with a check
+     * round, `TUTTI_CHECK=full`); between processes a difference found in a call's data aborts
+     * it (`tutti_comm_is_aborted`).
      */
     TUTTI_ERROR_MISMATCH = 2,
     /**
      * Another rank rejected its own arguments for this call, so the call failed on every rank.
-     * The communicator stays usable.
+     * Usable afterwards as after `TUTTI_ERROR_MISMATCH`.
      */
     TUTTI_ERROR_PEER_REJECTED = 3,
     /**

@@ -171,3 +171,74 @@ fn a_peer_that_leaves_mid_call_is_named() {
         );
     }
 }
+
+/// One rank of three rejects its own arguments (a bitwise op on floats; an all-gather output of
+/// the wrong length) while the others make a sound call: it gets its own `InvalidArgument`, and
+/// every other rank an error naming it and its reason (its rejection, or the abort it sent),
+/// at once, whatever its call's fields say.
+/// Under the default check the call's data carries the check, so the call aborts the
+/// communicator (as a mismatch found in the data does); under `TUTTI_CHECK=full` every rank
+/// meets first and the communicator goes on.
+#[test]
+fn a_rank_that_rejects_its_arguments_is_named_on_every_peer() {
+    for kind in [TransportKind::Tcp, TransportKind::Shm] {
+        for full in [false, true] {
+            let comms = group(3, kind, |_| Config::default().with_full_check(full));
+            for case in ["op", "length"] {
+                let t = std::time::Instant::now();
+                let errs = on_all(&comms, |c| {
+                    let odd = c.rank() == 1;
+                    match case {
+                        "op" => c.all_reduce(
+                            &mut [1.0f32; 4],
+                            if odd { ReduceOp::BAnd } else { ReduceOp::Sum },
+                        ),
+                        _ => c.all_gather(&[1.0f32; 4], &mut vec![0.0; if odd { 8 } else { 12 }]),
+                    }
+                    .unwrap_err()
+                });
+                let why = match case {
+                    "op" => "band is defined on integer types only, not f32",
+                    _ => "all_gather needs world size × input = 3 × 4 = 12",
+                };
+                for (r, e) in errs.iter().enumerate() {
+                    let text = e.to_string();
+                    if r == 1 {
+                        assert!(
+                            matches!(e, Error::InvalidArgument { .. }) && text.contains(why),
+                            "{kind} full={full} {case}, rank 1: {e}"
+                        );
+                    } else {
+                        assert!(
+                            (text.contains("rank 1 rejected its arguments")
+                                || text.contains("rank 1 gave up: "))
+                                && text.contains(why),
+                            "{kind} full={full} {case}, rank {r}: {e}"
+                        );
+                    }
+                }
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "{kind} full={full} {case}: a rejection must not wait for the timeout"
+                );
+                let after = on_all(&comms, |c| {
+                    let mut v = [1u32 << c.rank()];
+                    c.all_reduce(&mut v, ReduceOp::Sum).map(|()| v[0])
+                });
+                if full {
+                    for got in after {
+                        assert_eq!(got.unwrap(), 7, "{kind} {case}: usable after a rejection");
+                    }
+                    continue;
+                }
+                for (r, got) in after.iter().enumerate() {
+                    assert!(
+                        matches!(got, Err(Error::Aborted { .. })),
+                        "{kind} {case}, rank {r}: {got:?}"
+                    );
+                }
+                break;
+            }
+        }
+    }
+}

@@ -498,6 +498,27 @@ fn scenario() {
     let got = t.all_to_all(&out, &mut back);
     assert!(got.is_err(), "rank {r}: a mismatched all-to-all succeeded");
     comm.barrier().unwrap();
+    // A rank that rejects its own arguments (a bitwise op on floats) while the others make a
+    // sound call: every peer names it and its reason, at once.
+    let t = fresh().unwrap();
+    let asked = Instant::now();
+    let op = if r == 2 {
+        ReduceOp::BAnd
+    } else {
+        ReduceOp::Sum
+    };
+    let e = t
+        .all_reduce(&mut [1.0f32; 64], op)
+        .expect_err("rank 2 rejects");
+    let why = "band is defined on integer types only, not f32";
+    let text = e.to_string();
+    assert!(text.contains(why), "rank {r}: {e}");
+    assert!(
+        r == 2 || text.contains("rank 2 rejected its arguments") || text.contains("rank 2 gave up"),
+        "rank {r}: {e}"
+    );
+    assert!(asked.elapsed() < Duration::from_secs(3), "rank {r}: {e}");
+    comm.barrier().unwrap();
     // A small mismatch from one peer while a large message from another is under way.
     let t = fresh().unwrap();
     if r == 0 {

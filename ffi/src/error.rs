@@ -19,10 +19,13 @@ pub enum TuttiResult {
     /// wrong size, a root out of range, a bad config field.
     TUTTI_ERROR_INVALID_ARGUMENT = 1,
     /// The ranks called the same collective step with different arguments (collective, dtype,
-    /// count, op, root or algorithm). Nothing was written; the communicator stays usable.
+    /// count, op, root or algorithm). Nothing was written. The communicator stays usable where
+    /// the calls were compared before data moved (threads of one process, calls with a check
+    /// round, `TUTTI_CHECK=full`); between processes a difference found in a call's data aborts
+    /// it (`tutti_comm_is_aborted`).
     TUTTI_ERROR_MISMATCH = 2,
     /// Another rank rejected its own arguments for this call, so the call failed on every rank.
-    /// The communicator stays usable.
+    /// Usable afterwards as after `TUTTI_ERROR_MISMATCH`.
     TUTTI_ERROR_PEER_REJECTED = 3,
     /// A wait for a peer ran past the communicator's timeout. The group is aborted. Creating a
     /// communicator: a rank did not join, or the rendezvous was out of reach, within the
@@ -70,7 +73,7 @@ const RESULT_STRINGS: [(TuttiResult, &CStr); 13] = [
     ),
     (
         TUTTI_ERROR_PEER_REJECTED,
-        c"another rank rejected its arguments for this call: fix that rank's call (tutti_last_error names it); this communicator is still usable",
+        c"another rank rejected its arguments for this call: fix that rank's call (tutti_last_error names it); the communicator is still usable unless tutti_comm_is_aborted says otherwise",
     ),
     (
         TUTTI_ERROR_TIMEOUT,

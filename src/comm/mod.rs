@@ -6,7 +6,9 @@
 //! its arguments says so, and every peer fails the call at once), then the algorithm, then `end`.
 //! An error found in `begin` is seen by every rank alike and leaves the communicator usable; any
 //! later error (timeout, dead peer, abort) aborts it, and each later call fails at once with
-//! `Aborted`.
+//! `Aborted`. Between processes most calls carry their check with their data (see the network
+//! transport), so a difference or a peer's rejection found there is such a later error: it names
+//! the rank and the reason, and aborts.
 //!
 //! Every collective has a blocking form and a non-blocking one (`*_async`) that returns a
 //! [`Work`]; a blocking call is the non-blocking call followed by its wait.

@@ -974,16 +974,20 @@ impl MpiTransport {
                     }
                 }
             }
-            Want::Data { .. } if theirs != *mine => {
-                Err(super::wire::mismatch(site, peer, &theirs, mine))
-            }
-            Want::Data { .. } if kind == FRAME_HEADER => {
+            // A rank that rejected its arguments says so instead of sending data; its header
+            // states the call as it could, so only the call number must match.
+            Want::Data { .. }
+                if kind == FRAME_HEADER && len > 0 && super::wire::same_call(&theirs, mine) =>
+            {
                 let text = &rv.hdr[HDR..n.min(HDR + (len as usize).min(MAX_MSG))];
                 Err(Error::PeerRejected {
                     site,
                     peer,
                     message: String::from_utf8_lossy(text).into_owned(),
                 })
+            }
+            Want::Data { .. } if theirs != *mine => {
+                Err(super::wire::mismatch(site, peer, &theirs, mine))
             }
             Want::Data { dst, aux: want, .. } => {
                 if kind != FRAME_DATA {
@@ -1082,14 +1086,19 @@ impl MpiTransport {
         r: &mut Reuse,
         recvs: &mut [Recv<'_>],
         mine: &Ident,
+        rejected: Option<&str>,
     ) -> Result<()> {
         let result = self.progress(site, phase, r, recvs, mine);
         if let Err(e) = result {
             // Whatever failed here, the peers may be mid-step: the communicator ends, and they
             // hear why first, so that those still in this step fail at once and take what this
-            // rank sent them, which lets its sends complete.
+            // rank sent them, which lets its sends complete. A rank that rejected its own
+            // arguments gives that as its reason, not the data its peers sent meanwhile.
             self.data_started.store(true, Ordering::Release);
-            self.give_up(&e);
+            match rejected {
+                Some(m) => self.give_up(&Error::invalid(site, m)),
+                None => self.give_up(&e),
+            }
             self.clean_up(site, r, recvs);
             return Err(e);
         }
@@ -1376,7 +1385,7 @@ impl MpiTransport {
             self.clean_up(site, r, recvs);
             return Err(e);
         }
-        self.run(site, phase, r, recvs, mine)
+        self.run(site, phase, r, recvs, mine, None)
     }
 }
 
@@ -1656,7 +1665,14 @@ impl Transport for MpiTransport {
                     }
                 }
                 match p {
-                    Ok(()) => self.run(site, "arrive", r, &mut recvs, &ident),
+                    Ok(()) => self.run(
+                        site,
+                        "arrive",
+                        r,
+                        &mut recvs,
+                        &ident,
+                        header.rejected.as_deref(),
+                    ),
                     Err(e) => {
                         self.clean_up(site, r, &mut recvs);
                         Err(e)

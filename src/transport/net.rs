@@ -1167,9 +1167,11 @@ impl NetTransport {
                 r.len = len as usize;
                 Ok(())
             }
-            // A rank that rejected its arguments says so instead of sending data.
+            // A rank that rejected its arguments says so instead of sending data; its header
+            // states the call as it could (no elements, the op it refused), so only the call
+            // number must match.
             (Target::Data { .. }, FRAME_HEADER)
-                if len > 0 && len <= MAX_HEADER && theirs == mine =>
+                if len > 0 && len <= MAX_HEADER && super::wire::same_call(theirs, mine) =>
             {
                 self.data_started.store(true, Ordering::Release);
                 let message = self.read_payload(site, r.peer, len as usize);

@@ -131,6 +131,13 @@ impl CallHeader {
     }
 }
 
+/// Whether a frame belongs to this rank's call (the same call number), whatever else its
+/// identity says: a peer that rejected its own arguments states a call whose fields may differ
+/// from this rank's (no elements, the op it was refused), and its reason is the news.
+pub(crate) fn same_call(theirs: &Ident, mine: &Ident) -> bool {
+    theirs[..8] == mine[..8]
+}
+
 /// The error for a frame whose call identity differs from this rank's call: a `Mismatch` naming
 /// the first field that differs.
 pub(crate) fn mismatch(
