@@ -722,6 +722,88 @@ fn tensors_on_cpu_replicas_reduce_across_workers() {
     }
 }
 
+/// A worker whose own part of a call across workers fails (its replicas' values disagree, an
+/// update of the wrong length) still takes its place in the workers' collective, as a
+/// rejection: the other worker's call fails at once naming it and the reason, instead of
+/// waiting for it until the timeout.
+#[test]
+fn an_error_on_one_worker_before_a_collective_reaches_the_others_at_once() {
+    let cases = ["reduce", "gather", "replica all_reduce", "device variable"];
+    for case in cases {
+        let start = Instant::now();
+        let out = on_two_workers(2, |w, strategy| {
+            let odd = w == 1;
+            let got = match case {
+                "reduce" => {
+                    // Worker 1's second replica holds a value of another shape.
+                    let v = PerReplica(
+                        (0..2)
+                            .map(|r| {
+                                Tensor::vector(vec![1.0f32; if odd && r == 1 { 3 } else { 2 }])
+                            })
+                            .collect(),
+                    );
+                    strategy.reduce(ReduceOp::Sum, &v, None).map(drop)
+                }
+                "gather" => {
+                    let v = PerReplica(
+                        (0..2)
+                            .map(|r| {
+                                let cols = if odd && r == 1 { 3 } else { 2 };
+                                Tensor::new(vec![0.0f32; 2 * cols], vec![2, cols]).unwrap()
+                            })
+                            .collect(),
+                    );
+                    strategy.gather(&v, 0).map(drop)
+                }
+                "replica all_reduce" => strategy
+                    .run(|ctx| {
+                        let n = if odd && ctx.local_replica_id() == 1 {
+                            5
+                        } else {
+                            4
+                        };
+                        ctx.all_reduce(ReduceOp::Sum, &mut vec![1.0f32; n])
+                    })
+                    .map(drop),
+                _ => {
+                    let var = strategy.device_variable(&[1.0f32, 2.0])?;
+                    strategy
+                        .run(|ctx| {
+                            let u = ctx.place(&vec![1.0f32; if odd { 3 } else { 2 }])?;
+                            var.assign_add_in(ctx, &u, Aggregation::Sum)
+                        })
+                        .map(drop)
+                }
+            };
+            // Each worker keeps its strategy until both are done, as a worker that goes on
+            // after an error would: the peer must not learn of it from a closed connection.
+            Ok((got.map_err(|e| e.to_string()), strategy))
+        });
+        let out: Vec<_> = out.into_iter().map(|(got, _strategy)| got).collect();
+        let took = start.elapsed();
+        let why = match case {
+            "reduce" => "replica values have different shapes",
+            "gather" => "concat",
+            "replica all_reduce" => "count is",
+            _ => "the update is",
+        };
+        let own = out[1].as_ref().expect_err(case);
+        assert!(own.contains(why), "{case}, worker 1: {own}");
+        let peer = out[0]
+            .as_ref()
+            .expect_err("worker 0's call must fail with worker 1's");
+        assert!(
+            peer.contains("rank 1") && peer.contains(why),
+            "{case}, worker 0: {peer}"
+        );
+        assert!(
+            took < Duration::from_secs(30),
+            "{case}: took {took:?}, as if waiting for the timeout"
+        );
+    }
+}
+
 /// TensorFlow runs MultiWorkerMirroredStrategy without a cluster as one worker on the local
 /// devices: a script written for a cluster runs unchanged on a laptop.
 #[test]

@@ -1274,6 +1274,15 @@ impl Communicator {
         }
     }
 
+    /// This rank's place in a `collective` its peers make, as a rejection with `why` (see
+    /// [`Communicator::reject`]).
+    pub(super) fn rejected_call(&self, collective: Collective, why: &str) -> Call {
+        let mut call = self.barrier_call();
+        call.collective = collective;
+        call.check = Err(why.to_string());
+        call
+    }
+
     /// Build the call `c` describes; lengths that overflow are this rank's argument error.
     pub(super) fn raw_call(&self, c: &RawCall<'_>) -> Call {
         self.engine_runs(self.raw_call_of(c))

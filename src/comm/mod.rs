@@ -1156,6 +1156,15 @@ impl Communicator {
         self.blocking(self.barrier_call())
     }
 
+    /// Take this rank's place in the next call, a `collective` its peers make, as a rejection
+    /// with `why`: they fail it at once with [`Error::PeerRejected`] naming this rank and
+    /// `why`, rather than wait for this rank until the timeout. For a layer above that found
+    /// an error in its own part before the call (a strategy whose local replicas failed),
+    /// which returns that error to its caller; this rank's own error for the call is dropped.
+    pub(crate) fn reject(&self, collective: Collective, why: &str) {
+        let _ = self.blocking(self.rejected_call(collective, why));
+    }
+
     /// All-to-all: block j of `send` goes to rank j, and block k of `recv` comes from rank k
     /// (both cut into `world_size` equal blocks; `send` and `recv` equally long).
     ///

@@ -59,7 +59,7 @@ use crate::comm::{Communicator, Config, Replicas};
 use crate::device::{self, Device, DeviceKind, DeviceTensor};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::engine::GroupEngine;
-use crate::error::{Error, Result};
+use crate::error::{Collective, Error, Result};
 use crate::transport::TransportKind;
 
 /// A cross-device op of the caller's (TensorFlow's `CrossDeviceOps` subclasses): how a
@@ -1050,7 +1050,10 @@ impl Strategy {
 
     /// Call `f` once per local replica, in parallel, each with its [`ReplicaContext`]. A replica
     /// whose `f` fails makes `run` return that error (its siblings' collectives are woken, not
-    /// left waiting); the strategy stays usable.
+    /// left waiting); the strategy stays usable. Across workers, where local replica 0 fails
+    /// before a call across workers (its local step of a collective failed), the other workers'
+    /// call fails at once naming this worker (see `before_workers`); an `f` that fails with
+    /// no such call left is not announced.
     pub fn run<R: Send>(
         &self,
         f: impl Fn(&ReplicaContext<'_>) -> Result<R> + Sync,
@@ -1113,46 +1116,19 @@ impl Strategy {
         value: &PerReplica<Tensor<T>>,
         axis: Option<usize>,
     ) -> Result<Tensor<T>> {
-        check_sum_or_mean(op, "reduce")?;
-        let mut along = 1usize;
-        let parts: Vec<Tensor<T>> = match axis {
-            None => value.0.clone(),
-            Some(a) => {
-                let mut counts = Vec::new();
-                let v = value
-                    .0
-                    .iter()
-                    .map(|t| {
-                        counts.push(*t.shape.get(a).unwrap_or(&0));
-                        t.reduce_axis(a, ReduceOp::Sum)
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                let mut total = [counts.iter().sum::<usize>() as u64];
-                if let Some(w) = &self.workers {
-                    w.all_reduce(&mut total, ReduceOp::Sum)?;
-                }
-                along = total[0] as usize;
-                v
-            }
-        };
-        let shape = parts.first().map(|t| t.shape.clone()).unwrap_or_default();
-        if let Some(t) = parts.iter().find(|t| t.shape != shape) {
-            return Err(Error::config(format!(
-                "reduce: replica values have different shapes ({:?} and {:?})",
-                shape, t.shape
-            )));
-        }
-        let inputs: Vec<&[T]> = parts.iter().map(|t| t.data.as_slice()).collect();
-        let mut out = vec![T::from_f64(0.0); shape.iter().product()];
-        if let (Some(c), None, None) = (self.custom_ops(op, T::DTYPE), &self.workers, axis) {
-            // Not inside a run (where the op may be running), and one reduce at a time.
-            let _outside_run = self.outside_run()?;
-            // The caller's op takes the op itself (it divides a MEAN).
-            custom_reduce(c, op, &inputs, &mut out)?;
-            return Ok(Tensor { data: out, shape });
-        }
-        self.local_reduce(&inputs, &mut out)?;
+        // This worker's part first: where it fails, the other workers hear why in the
+        // all-reduce they make next.
+        let (mut out, shape, mut along) =
+            match self.before_workers(Collective::AllReduce, self.reduce_here(op, value, axis))? {
+                Reduced::Done(t) => return Ok(t),
+                Reduced::Local { sum, shape, along } => (sum, shape, along),
+            };
         if let Some(w) = &self.workers {
+            if axis.is_some() {
+                let mut total = [along as u64];
+                w.all_reduce(&mut total, ReduceOp::Sum)?;
+                along = total[0] as usize;
+            }
             w.all_reduce(&mut out, ReduceOp::Sum)?;
         }
         if op == ReduceOp::Mean {
@@ -1164,6 +1140,68 @@ impl Strategy {
             crate::dtype::kernels::divide(T::DTYPE, bytemuck::cast_slice_mut(&mut out), n.max(1));
         }
         Ok(Tensor { data: out, shape })
+    }
+
+    /// [`Strategy::reduce`]'s part on this worker's replicas, before any call across workers.
+    fn reduce_here<T: Element>(
+        &self,
+        op: ReduceOp,
+        value: &PerReplica<Tensor<T>>,
+        axis: Option<usize>,
+    ) -> Result<Reduced<T>> {
+        check_sum_or_mean(op, "reduce")?;
+        let mut along = 1usize;
+        let parts: Vec<Tensor<T>> = match axis {
+            None => value.0.clone(),
+            Some(a) => {
+                along = value.0.iter().map(|t| *t.shape.get(a).unwrap_or(&0)).sum();
+                value
+                    .0
+                    .iter()
+                    .map(|t| t.reduce_axis(a, ReduceOp::Sum))
+                    .collect::<Result<Vec<_>>>()?
+            }
+        };
+        let shape = parts.first().map(|t| t.shape.clone()).unwrap_or_default();
+        if let Some(t) = parts.iter().find(|t| t.shape != shape) {
+            return Err(Error::config(format!(
+                "reduce: replica values have different shapes ({:?} and {:?})",
+                shape, t.shape
+            )));
+        }
+        let inputs: Vec<&[T]> = parts.iter().map(|t| t.data.as_slice()).collect();
+        let mut sum = vec![T::from_f64(0.0); shape.iter().product()];
+        if let (Some(c), None, None) = (self.custom_ops(op, T::DTYPE), &self.workers, axis) {
+            // Not inside a run (where the op may be running), and one reduce at a time.
+            let _outside_run = self.outside_run()?;
+            // The caller's op takes the op itself (it divides a MEAN).
+            custom_reduce(c, op, &inputs, &mut sum)?;
+            return Ok(Reduced::Done(Tensor { data: sum, shape }));
+        }
+        self.local_reduce(&inputs, &mut sum)?;
+        Ok(Reduced::Local { sum, shape, along })
+    }
+
+    /// `local`, this worker's own part of a cross-replica call before a `collective` across
+    /// workers that every worker makes next: where it failed, this worker takes its place in
+    /// that collective as a rejection, so that the other workers fail it at once naming this
+    /// worker and why, rather than wait for this one until the timeout. Not while a run goes
+    /// on (a cross-replica call from inside a replica function, its own error): there the
+    /// workers' calls are local replica 0's ([`ReplicaContext::before_workers`]).
+    fn before_workers<R>(&self, collective: Collective, local: Result<R>) -> Result<R> {
+        if self.local.is_locked() {
+            return local;
+        }
+        self.in_place_of(collective, local)
+    }
+
+    /// `local`, or where it failed, this worker's place in the workers' next `collective` taken
+    /// as a rejection with its error.
+    fn in_place_of<R>(&self, collective: Collective, local: Result<R>) -> Result<R> {
+        if let (Err(e), Some(w)) = (&local, &self.workers) {
+            w.reject(collective, &e.to_string());
+        }
+        local
     }
 
     /// Sum the local replicas' values into `out`.
@@ -1197,7 +1235,7 @@ impl Strategy {
         value: &PerReplica<Tensor<T>>,
         axis: usize,
     ) -> Result<Tensor<T>> {
-        let local = Tensor::concat(&value.0, axis)?;
+        let local = self.before_workers(Collective::AllGather, Tensor::concat(&value.0, axis))?;
         let Some(w) = &self.workers else {
             return Ok(local);
         };
@@ -1345,13 +1383,21 @@ impl Strategy {
         op: ReduceOp,
         values: &[PerReplica<Vec<T>>],
     ) -> Result<Vec<Vec<T>>> {
-        check_sum_or_mean(op, "batch_reduce")?;
         let n = self.devices.len();
-        if let Some(v) = values.iter().find(|v| v.0.len() != n) {
-            return Err(Error::config(format!(
-                "batch_reduce: a value has {} replicas' parts, not {n}",
-                v.0.len()
-            )));
+        let checked = check_sum_or_mean(op, "batch_reduce").and_then(|()| {
+            match values.iter().find(|v| v.0.len() != n) {
+                Some(v) => Err(Error::config(format!(
+                    "batch_reduce: a value has {} replicas' parts, not {n}",
+                    v.0.len()
+                ))),
+                None => Ok(()),
+            }
+        });
+        if values.is_empty() {
+            // No call across workers follows.
+            checked?;
+        } else {
+            self.before_workers(Collective::AllReduce, checked)?;
         }
         let out = self.run(|ctx| {
             let mut mine: Vec<Vec<T>> = values.iter().map(|v| v.0[ctx.local_id].clone()).collect();
@@ -1389,6 +1435,17 @@ impl Strategy {
             _ => self.bytes_per_pack,
         }
     }
+}
+
+/// [`Strategy::reduce`] on this worker: the whole result (the caller's op, on one worker), or
+/// the local replicas' sum, its shape, and the length along the reduced axis, for the workers.
+enum Reduced<T> {
+    Done(Tensor<T>),
+    Local {
+        sum: Vec<T>,
+        shape: Vec<usize>,
+        along: usize,
+    },
 }
 
 /// `op` over `inputs` (one per local replica) into `out`, through the caller's cross-device op.
@@ -1499,6 +1556,18 @@ impl ReplicaContext<'_> {
         self.strategy
     }
 
+    /// `local`, this replica's part before a `collective` across workers (see
+    /// [`Strategy::before_workers`]): local replica 0 makes the workers' calls, so it alone
+    /// takes this worker's place there as a rejection where its part failed (a sibling's
+    /// failure reaches it through the local collective it then waits in).
+    pub(crate) fn before_workers<R>(&self, collective: Collective, local: Result<R>) -> Result<R> {
+        if self.local_id == 0 {
+            self.strategy.in_place_of(collective, local)
+        } else {
+            local
+        }
+    }
+
     /// All-reduce across every replica in sync: local reduce, cross-worker all-reduce (from local
     /// replica 0), local broadcast. `Mean` divides by the number of replicas in sync.
     pub fn all_reduce<T: Element>(&self, op: ReduceOp, buf: &mut [T]) -> Result<()> {
@@ -1514,12 +1583,15 @@ impl ReplicaContext<'_> {
             };
         };
         let combine = op.combining();
-        match custom {
-            Some(c) => self.custom_all_reduce(c, combine, dtype, buf)?,
-            None => self.comm.all_reduce_raw(dtype, None, buf, combine)?,
-        }
+        let local = match custom {
+            Some(c) => self.custom_all_reduce(c, combine, dtype, buf),
+            None => self.comm.all_reduce_raw(dtype, None, buf, combine),
+        };
         if self.local_id == 0 {
+            self.before_workers(Collective::AllReduce, local)?;
             workers.all_reduce_raw(dtype, None, buf, combine)?;
+        } else {
+            local?;
         }
         self.comm.broadcast_raw(dtype, buf, 0)?;
         if op == ReduceOp::Mean {
@@ -1576,26 +1648,29 @@ impl ReplicaContext<'_> {
         } else {
             op
         };
-        match custom {
-            Some(c) => {
-                let mut host = t.to_host()?;
+        let local = match custom {
+            Some(c) => t.to_host().and_then(|mut host| {
                 let bytes = host.host_bytes_mut().expect("a tensor in host memory");
                 self.custom_all_reduce(c, combine, dtype, bytes)?;
                 *t = self.comm.place_bytes(dtype, bytes)?;
-            }
-            None => self.comm.all_reduce_tensor(t, combine)?,
-        }
+                Ok(())
+            }),
+            None => self.comm.all_reduce_tensor(t, combine),
+        };
         let Some(workers) = workers else {
-            return Ok(());
+            return local;
         };
         if self.local_id == 0 {
-            let mut host = t.to_host()?;
+            let local = local.and_then(|()| t.to_host());
+            let mut host = self.before_workers(Collective::AllReduce, local)?;
             let bytes = host.host_bytes_mut().expect("a tensor in host memory");
             workers.all_reduce_raw(dtype, None, bytes, combine)?;
             if op == ReduceOp::Mean {
                 crate::dtype::kernels::divide(dtype, bytes, self.num_replicas_in_sync());
             }
             *t = self.comm.place_bytes(dtype, bytes)?;
+        } else {
+            local?;
         }
         self.comm.broadcast_tensor(t, 0)
     }
@@ -1616,19 +1691,24 @@ impl ReplicaContext<'_> {
     /// [`ReplicaContext::broadcast`] of a tensor on this replica's device, where it lies
     /// (across workers, through local replica 0's host memory).
     pub fn broadcast_tensor(&self, t: &mut DeviceTensor, root: usize) -> Result<()> {
-        let (root_worker, root_local) = self.root_of(root)?;
-        self.comm.broadcast_tensor(t, root_local)?;
-        if let Some(w) = &self.strategy.workers {
-            if self.local_id == 0 {
-                let dtype = t.dtype();
-                let mut host = t.to_host()?;
-                let bytes = host.host_bytes_mut().expect("a tensor in host memory");
-                w.broadcast_raw(dtype, bytes, root_worker)?;
-                *t = self.comm.place_bytes(dtype, bytes)?;
-            }
-            self.comm.broadcast_tensor(t, 0)?;
+        let local = self.root_of(root).and_then(|(root_worker, root_local)| {
+            self.comm.broadcast_tensor(t, root_local)?;
+            Ok(root_worker)
+        });
+        let Some(w) = &self.strategy.workers else {
+            return local.map(drop);
+        };
+        if self.local_id == 0 {
+            let dtype = t.dtype();
+            let local = local.and_then(|root| Ok((root, t.to_host()?)));
+            let (root_worker, mut host) = self.before_workers(Collective::Broadcast, local)?;
+            let bytes = host.host_bytes_mut().expect("a tensor in host memory");
+            w.broadcast_raw(dtype, bytes, root_worker)?;
+            *t = self.comm.place_bytes(dtype, bytes)?;
+        } else {
+            local?;
         }
-        Ok(())
+        self.comm.broadcast_tensor(t, 0)
     }
 
     /// All-reduce many tensors at once, packed into buffers of the strategy's `bytes_per_pack`.
@@ -1656,28 +1736,37 @@ impl ReplicaContext<'_> {
 
     /// Broadcast `buf` from the replica `root` (an index in sync) to every replica.
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        let (root_worker, root_local) = self.root_of(root)?;
-        self.comm.broadcast(buf, root_local)?;
-        if let Some(w) = &self.strategy.workers {
-            if self.local_id == 0 {
-                w.broadcast(buf, root_worker)?;
-            }
-            self.comm.broadcast(buf, 0)?;
+        let local = self.root_of(root).and_then(|(root_worker, root_local)| {
+            self.comm.broadcast(buf, root_local)?;
+            Ok(root_worker)
+        });
+        let Some(w) = &self.strategy.workers else {
+            return local.map(drop);
+        };
+        if self.local_id == 0 {
+            let root_worker = self.before_workers(Collective::Broadcast, local)?;
+            w.broadcast(buf, root_worker)?;
+        } else {
+            local?;
         }
-        Ok(())
+        self.comm.broadcast(buf, 0)
     }
 
     /// Every replica's `input` (all the same length), concatenated in replica order.
     pub fn all_gather<T: Element>(&self, input: &[T]) -> Result<Vec<T>> {
         let local_n = self.strategy.devices.len();
         let mut local = vec![T::from_f64(0.0); input.len() * local_n];
-        self.comm.all_gather(input, &mut local)?;
+        let gathered = self.comm.all_gather(input, &mut local);
         let Some(w) = &self.strategy.workers else {
-            return Ok(local);
+            return gathered.map(|()| local);
         };
         let mut all = vec![T::from_f64(0.0); local.len() * w.world_size()];
         if self.local_id == 0 {
+            self.strategy
+                .before_workers(Collective::AllGather, gathered)?;
             w.all_gather(&local, &mut all)?;
+        } else {
+            gathered?;
         }
         self.comm.broadcast(&mut all, 0)?;
         Ok(all)
@@ -1687,33 +1776,38 @@ impl ReplicaContext<'_> {
     /// becomes every replica's, concatenated in replica order (across workers, through local
     /// replica 0's host memory).
     pub fn all_gather_tensor(&self, t: &mut DeviceTensor) -> Result<()> {
-        self.comm.all_gather_tensor(t)?;
+        let gathered = self.comm.all_gather_tensor(t);
         let Some(w) = &self.strategy.workers else {
-            return Ok(());
+            return gathered;
         };
         let dtype = t.dtype();
-        let len = t
-            .len()
-            .checked_mul(w.world_size())
-            .filter(|n| {
-                n.checked_mul(dtype.size())
-                    .is_some_and(|b| b <= isize::MAX as usize)
-            })
-            .ok_or_else(|| {
-                Error::config(format!(
-                    "all_gather of {t:?} over {} workers: more bytes than a buffer can hold",
-                    w.world_size()
-                ))
-            })?;
-        // The other local replicas upload a tensor of the gathered length, which receives
-        // replica 0's.
-        let mut all = DeviceTensor::zeroed(dtype, len);
-        if self.local_id == 0 {
-            let mut host = t.to_host()?;
+        let local = gathered.and_then(|()| {
+            t.len()
+                .checked_mul(w.world_size())
+                .filter(|n| {
+                    n.checked_mul(dtype.size())
+                        .is_some_and(|b| b <= isize::MAX as usize)
+                })
+                .ok_or_else(|| {
+                    Error::config(format!(
+                        "all_gather of {t:?} over {} workers: more bytes than a buffer can hold",
+                        w.world_size()
+                    ))
+                })
+        });
+        let all = if self.local_id == 0 {
+            let local = local.and_then(|len| Ok((len, t.to_host()?)));
+            let (len, mut host) = self.before_workers(Collective::AllGather, local)?;
+            let mut all = DeviceTensor::zeroed(dtype, len);
             let local = host.host_bytes_mut().expect("a tensor in host memory");
             let out = all.host_bytes_mut().expect("a tensor in host memory");
             w.all_gather_raw(dtype, Some(local), out)?;
-        }
+            all
+        } else {
+            // The other local replicas upload a tensor of the gathered length, which receives
+            // replica 0's.
+            DeviceTensor::zeroed(dtype, local?)
+        };
         *t = self.comm.place_bytes(dtype, all.host_bytes())?;
         self.comm.broadcast_tensor(t, 0)
     }

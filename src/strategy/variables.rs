@@ -12,7 +12,7 @@ use crate::comm::Combined;
 use crate::device::DeviceTensor;
 use crate::dtype::kernels;
 use crate::dtype::{Apply, Element, ReduceOp};
-use crate::error::{Error, Result};
+use crate::error::{Collective, Error, Result};
 
 /// How the replicas' updates of a variable are combined (TensorFlow's `VariableAggregation`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -457,16 +457,17 @@ impl<T: Element> DeviceVariable<T> {
         agg: Aggregation,
         how: Update,
     ) -> Result<()> {
-        let me = self.copy_in(ctx)?;
-        if (update.dtype(), update.len()) != (T::DTYPE, self.len) {
-            return Err(Error::config(format!(
-                "device variable of {} x {}: the update is {update:?}",
-                T::DTYPE,
-                self.len
-            )));
-        }
+        let local = self.copy_in(ctx).and_then(|me| {
+            if (update.dtype(), update.len()) != (T::DTYPE, self.len) {
+                return Err(Error::config(format!(
+                    "device variable of {} x {}: the update is {update:?}",
+                    T::DTYPE,
+                    self.len
+                )));
+            }
+            self.copy(me)
+        });
         let apply = how.apply();
-        let mut copy = self.copy(me)?;
         let custom = match agg {
             Aggregation::Sum => ctx.strategy().custom_ops(ReduceOp::Sum, T::DTYPE),
             Aggregation::Mean => ctx.strategy().custom_ops(ReduceOp::Mean, T::DTYPE),
@@ -476,9 +477,17 @@ impl<T: Element> DeviceVariable<T> {
             // The aggregate across workers, or through the caller's cross-device op (host
             // memory), first, in a tensor of its own: each replica's update goes to the host
             // and back. Every local replica then holds the aggregate; local replica 0's applies.
-            let mut u = ctx
-                .comm
-                .place_bytes(T::DTYPE, update.to_host()?.host_bytes())?;
+            let local = local.and_then(|copy| {
+                let u = ctx
+                    .comm
+                    .place_bytes(T::DTYPE, update.to_host()?.host_bytes())?;
+                Ok((copy, u))
+            });
+            let collective = match agg {
+                Aggregation::OnlyFirstReplica => Collective::Broadcast,
+                _ => Collective::AllReduce,
+            };
+            let (mut copy, mut u) = ctx.before_workers(collective, local)?;
             match agg {
                 Aggregation::Sum => ctx.all_reduce_tensor(ReduceOp::Sum, &mut u)?,
                 Aggregation::Mean => ctx.all_reduce_tensor(ReduceOp::Mean, &mut u)?,
@@ -488,6 +497,7 @@ impl<T: Element> DeviceVariable<T> {
                 .comm
                 .update_tensor(&mut copy, &u, Combined::From(0), apply);
         }
+        let mut copy = local?;
         let combine = match agg {
             Aggregation::Sum => Combined::Reduce(ReduceOp::Sum),
             Aggregation::Mean => Combined::Reduce(ReduceOp::Mean),
