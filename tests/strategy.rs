@@ -728,7 +728,13 @@ fn tensors_on_cpu_replicas_reduce_across_workers() {
 /// waiting for it until the timeout.
 #[test]
 fn an_error_on_one_worker_before_a_collective_reaches_the_others_at_once() {
-    let cases = ["reduce", "gather", "replica all_reduce", "device variable"];
+    let cases = [
+        "reduce",
+        "gather",
+        "replica all_reduce",
+        "device variable",
+        "optimizer",
+    ];
     for case in cases {
         let start = Instant::now();
         let out = on_two_workers(2, |w, strategy| {
@@ -766,6 +772,16 @@ fn an_error_on_one_worker_before_a_collective_reaches_the_others_at_once() {
                         ctx.all_reduce(ReduceOp::Sum, &mut vec![1.0f32; n])
                     })
                     .map(drop),
+                "optimizer" => {
+                    let var = strategy.mirrored_variable(&[1.0f32, 2.0])?;
+                    let opt = tutti::strategy::Optimizer::sgd(0.1)?;
+                    strategy
+                        .run(|ctx| {
+                            let g = vec![1.0f32; if odd { 3 } else { 2 }];
+                            opt.apply_gradients(ctx, &[(&g[..], &var)])
+                        })
+                        .map(drop)
+                }
                 _ => {
                     let var = strategy.device_variable(&[1.0f32, 2.0])?;
                     strategy
@@ -786,6 +802,7 @@ fn an_error_on_one_worker_before_a_collective_reaches_the_others_at_once() {
             "reduce" => "replica values have different shapes",
             "gather" => "concat",
             "replica all_reduce" => "count is",
+            "optimizer" => "gradient 0 holds 3 elements, its variable 2",
             _ => "the update is",
         };
         let own = out[1].as_ref().expect_err(case);

@@ -15,7 +15,7 @@ use super::{
 };
 use crate::device::DeviceTensor;
 use crate::dtype::{DType, ReduceOp};
-use crate::error::{Error, Result};
+use crate::error::{Collective, Error, Result};
 
 /// TensorFlow's `tf.nn.compute_average_loss`: the sum of this replica's per-example losses over
 /// the global batch size, so that the gradients summed across replicas are those of the global
@@ -678,15 +678,25 @@ impl Optimizer {
         ctx: &ReplicaContext<'_>,
         grads_and_vars: &[(&[T], &MirroredVariable<T>)],
     ) -> Result<()> {
-        for (k, (g, v)) in grads_and_vars.iter().enumerate() {
-            v.copy_in(ctx)?;
-            if g.len() != v.len() {
-                return Err(Error::config(format!(
-                    "apply_gradients: gradient {k} holds {} elements, its variable {}",
-                    g.len(),
-                    v.len()
-                )));
-            }
+        let checked = grads_and_vars
+            .iter()
+            .enumerate()
+            .try_for_each(|(k, (g, v))| {
+                v.copy_in(ctx)?;
+                if g.len() != v.len() {
+                    return Err(Error::config(format!(
+                        "apply_gradients: gradient {k} holds {} elements, its variable {}",
+                        g.len(),
+                        v.len()
+                    )));
+                }
+                Ok(())
+            });
+        // The other workers' gradients are summed with this one's next.
+        if grads_and_vars.is_empty() {
+            checked?;
+        } else {
+            ctx.before_workers(Collective::AllReduce, checked)?;
         }
         let mut sums: Vec<Vec<T>> = grads_and_vars.iter().map(|(g, _)| g.to_vec()).collect();
         let mut bufs: Vec<&mut [T]> = sums.iter_mut().map(|g| g.as_mut_slice()).collect();
@@ -717,15 +727,24 @@ impl Optimizer {
         ctx: &ReplicaContext<'_>,
         grads_and_vars: &mut [(&mut DeviceTensor, &DeviceVariable<T>)],
     ) -> Result<()> {
-        for (k, (g, v)) in grads_and_vars.iter().enumerate() {
-            v.copy_in(ctx)?;
-            if (g.dtype(), g.len()) != (T::DTYPE, v.len()) {
-                return Err(Error::config(format!(
-                    "apply_device_gradients: gradient {k} is {g:?}, its variable {} x {}",
-                    T::DTYPE,
-                    v.len()
-                )));
-            }
+        let checked = grads_and_vars
+            .iter()
+            .enumerate()
+            .try_for_each(|(k, (g, v))| {
+                v.copy_in(ctx)?;
+                if (g.dtype(), g.len()) != (T::DTYPE, v.len()) {
+                    return Err(Error::config(format!(
+                        "apply_device_gradients: gradient {k} is {g:?}, its variable {} x {}",
+                        T::DTYPE,
+                        v.len()
+                    )));
+                }
+                Ok(())
+            });
+        if grads_and_vars.is_empty() {
+            checked?;
+        } else {
+            ctx.before_workers(Collective::AllReduce, checked)?;
         }
         for (g, _) in grads_and_vars.iter_mut() {
             ctx.all_reduce_tensor(ReduceOp::Sum, g)?;
