@@ -12,6 +12,45 @@ use std::time::{Duration, Instant};
 
 use tutti::{Communicator, Config, Error, PeerOp, ReduceOp};
 
+/// Counts the allocations of each thread, for the test that a repeated call over MPI allocates
+/// nothing (as `no_alloc.rs` counts them over the other carriers).
+struct Counting;
+
+thread_local! {
+    static ALLOCATIONS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+fn count() {
+    // `try_with`: the allocator also runs while a thread's locals are torn down.
+    let _ = ALLOCATIONS.try_with(|c| c.set(c.get() + 1));
+}
+
+// SAFETY: forwards every request to the system allocator unchanged.
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        count();
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        count();
+        unsafe { std::alloc::System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
+        count();
+        unsafe { std::alloc::System.realloc(ptr, layout, new_size) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+fn allocations() -> u64 {
+    ALLOCATIONS.with(std::cell::Cell::get)
+}
+
 /// `mpirun`, or `None` (after saying why) where this machine has none and none is required.
 fn mpirun() -> Option<&'static str> {
     let found = Command::new("mpirun")
@@ -267,6 +306,83 @@ fn the_tutti_launcher_refuses_the_mpi_transport() {
 
 /// Runs the scenario of [`an_mpi_job_splits_sends_and_fails_cleanly`] as each rank of the job
 /// (only under that test's `mpirun`).
+/// A repeated call over MPI allocates nothing on the calling thread: every collective at
+/// every count (rooted ones and count 0 with their check round), and a send and a receive, at
+/// 2 and 3 ranks, after a first round that builds the plans.
+#[test]
+fn a_repeated_call_over_mpi_allocates_nothing() {
+    if mpirun().is_none() {
+        return;
+    }
+    let me = std::env::current_exe().unwrap();
+    for np in [2, 3] {
+        let o = run_mpi(
+            np,
+            &me,
+            &[
+                "--exact",
+                "mpi_no_alloc_rank",
+                "--nocapture",
+                "--test-threads=1",
+            ],
+            &[("TUTTI_MPI_SCENARIO", "1")],
+        );
+        let out = text(&o);
+        assert!(o.status.success(), "np {np}:\n{out}");
+        assert_eq!(
+            out.matches("allocations 0").count(),
+            np,
+            "np {np}: every rank allocates nothing:\n{out}"
+        );
+    }
+}
+
+#[test]
+fn mpi_no_alloc_rank() {
+    if std::env::var("TUTTI_MPI_SCENARIO").is_err() {
+        return;
+    }
+    let config = Config::default().with_timeout(Duration::from_secs(20));
+    let c = Communicator::from_mpi(&config).expect("joining the MPI job");
+    let (r, p) = (c.rank(), c.world_size());
+    let counts = [0usize, 1, 7, 4099, 70_001];
+    let max = 70_001;
+    let (mut a, b, mut g) = (vec![1.0f32; max], vec![2.0f32; max], vec![0.0f32; max * p]);
+    let (mut ring_in, ring_out) = (vec![0i32; 64], vec![r as i32; 64]);
+    let round = |a: &mut [f32], g: &mut [f32], ring_in: &mut [i32]| {
+        for &n in &counts {
+            c.all_reduce(&mut a[..n], ReduceOp::Sum).unwrap();
+            c.all_reduce_into(&b[..n], &mut a[..n], ReduceOp::Max)
+                .unwrap();
+            c.broadcast(&mut a[..n], p - 1).unwrap();
+            c.all_gather(&b[..n], &mut g[..n * p]).unwrap();
+            c.reduce_scatter(&g[..n * p], &mut a[..n], ReduceOp::Sum)
+                .unwrap();
+            c.reduce(&b[..n], (r == 0).then_some(&mut a[..n]), ReduceOp::Sum, 0)
+                .unwrap();
+        }
+        c.barrier().unwrap();
+        // A send and a receive each (a group of several builds its list of operations).
+        match r {
+            0 => {
+                c.send(&ring_out, 1).unwrap();
+                c.recv(ring_in, 1).unwrap();
+            }
+            1 => {
+                c.recv(ring_in, 0).unwrap();
+                c.send(&ring_out, 0).unwrap();
+            }
+            _ => {}
+        }
+    };
+    round(&mut a, &mut g, &mut ring_in);
+    let before = allocations();
+    for _ in 0..3 {
+        round(&mut a, &mut g, &mut ring_in);
+    }
+    println!("rank {r}: allocations {}", allocations() - before);
+}
+
 #[test]
 fn mpi_rank() {
     if std::env::var("TUTTI_MPI_SCENARIO").is_err() {

@@ -448,6 +448,8 @@ struct Reuse {
     headers: Vec<[u8; HDR]>,
     pool: Vec<Vec<u8>>,
     recvs: Vec<Recv<'static>>,
+    /// An exchange's sends: peer, header index, bytes.
+    sends: Vec<(usize, usize, &'static [u8])>,
     done: Vec<c_int>,
     statuses: Vec<m::MPI_Status>,
 }
@@ -1332,14 +1334,24 @@ impl MpiTransport {
         r.slots.clear();
     }
 
+    /// A kept buffer for a header (the smallest), or a new one.
+    fn small(pool: &mut Vec<Vec<u8>>) -> Vec<u8> {
+        let i = (0..pool.len()).min_by_key(|&i| pool[i].capacity());
+        i.map(|i| pool.swap_remove(i)).unwrap_or_default()
+    }
+
+    /// A kept buffer for a piece in flight (the largest, so that one grown before is not
+    /// grown again), or a new one.
+    fn large(pool: &mut Vec<Vec<u8>>) -> Vec<u8> {
+        let i = (0..pool.len()).max_by_key(|&i| pool[i].capacity());
+        i.map(|i| pool.swap_remove(i)).unwrap_or_default()
+    }
+
     fn new_recv<'a>(r: &mut Reuse, peer: usize, want: Want<'a>, held: bool) -> Recv<'a> {
-        let hdr = r.pool.pop().unwrap_or_default();
+        let hdr = Self::small(&mut r.pool);
         let reduce = matches!(&want, Want::Data { mode, .. } if mode.combined().is_some());
         let scratch = if reduce {
-            [
-                r.pool.pop().unwrap_or_default(),
-                r.pool.pop().unwrap_or_default(),
-            ]
+            [Self::large(&mut r.pool), Self::large(&mut r.pool)]
         } else {
             [Vec::new(), Vec::new()]
         };
@@ -1637,10 +1649,13 @@ impl Transport for MpiTransport {
             .unwrap_or("")
             .as_bytes();
         let message = &message[..message.len().min(MAX_MSG)];
-        let mut hdr = frame(FRAME_HEADER, 0, message.len() as u64, &ident).to_vec();
-        hdr.extend_from_slice(message);
         let mut engine = self.engine.lock();
         let r = &mut *engine;
+        // The header and any rejection, in a buffer kept between calls.
+        let mut hdr = Self::small(&mut r.pool);
+        hdr.clear();
+        hdr.extend_from_slice(&frame(FRAME_HEADER, 0, message.len() as u64, &ident));
+        hdr.extend_from_slice(message);
         let mut recvs = Self::lists(r);
         let peers = (0..self.world).filter(|&p| p != self.rank);
         let mut posted = Ok(());
@@ -1706,7 +1721,7 @@ impl Transport for MpiTransport {
             Ok(())
         });
         Self::keep(r, recvs);
-        drop(hdr);
+        r.pool.push(hdr);
         checked
     }
 
@@ -1729,11 +1744,8 @@ impl Transport for MpiTransport {
             r.headers
                 .push(frame(FRAME_DATA, 0, s.data.len() as u64, &ident));
         }
-        let ss: Vec<(usize, usize, &[u8])> = sends
-            .iter()
-            .enumerate()
-            .map(|(k, s)| (s.peer, k, s.data))
-            .collect();
+        let mut ss: Vec<(usize, usize, &[u8])> = recycle(std::mem::take(&mut r.sends));
+        ss.extend(sends.iter().enumerate().map(|(k, s)| (s.peer, k, s.data)));
         let mut rs: Vec<Recv<'_>> = recycle(list);
         for op in recvs.iter_mut() {
             let rv = Self::new_recv(
@@ -1749,6 +1761,7 @@ impl Transport for MpiTransport {
             rs.push(rv);
         }
         let result = self.exchange_all(site, "exchange data", r, &ss, &mut rs, &ident);
+        r.sends = recycle(ss);
         Self::keep(r, rs);
         result
     }
@@ -1767,7 +1780,7 @@ impl Transport for MpiTransport {
         let mut engine = self.engine.lock();
         let r = &mut *engine;
         let list = Self::lists(r);
-        let mut ss: Vec<(usize, usize, &[u8])> = Vec::new();
+        let mut ss: Vec<(usize, usize, &[u8])> = recycle(std::mem::take(&mut r.sends));
         let mut rs: Vec<Recv<'_>> = recycle(list);
         for op in ops.iter_mut() {
             let aux = pair_aux(op.dtype);
@@ -1794,6 +1807,7 @@ impl Transport for MpiTransport {
             }
         }
         let result = self.exchange_all(site, "point-to-point", r, &ss, &mut rs, &ident);
+        r.sends = recycle(ss);
         Self::keep(r, rs);
         result
     }
