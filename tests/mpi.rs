@@ -304,8 +304,6 @@ fn the_tutti_launcher_refuses_the_mpi_transport() {
     assert!(text(&o).contains("MPI launcher"), "{}", text(&o));
 }
 
-/// Runs the scenario of [`an_mpi_job_splits_sends_and_fails_cleanly`] as each rank of the job
-/// (only under that test's `mpirun`).
 /// A repeated call over MPI allocates nothing on the calling thread: every collective at
 /// every count (rooted ones and count 0 with their check round), and a send and a receive, at
 /// 2 and 3 ranks, after a first round that builds the plans.
@@ -337,6 +335,8 @@ fn a_repeated_call_over_mpi_allocates_nothing() {
     }
 }
 
+/// Counts one rank's allocations for [`a_repeated_call_over_mpi_allocates_nothing`] (only
+/// under that test's `mpirun`).
 #[test]
 fn mpi_no_alloc_rank() {
     if std::env::var("TUTTI_MPI_SCENARIO").is_err() {
@@ -383,6 +383,8 @@ fn mpi_no_alloc_rank() {
     println!("rank {r}: allocations {}", allocations() - before);
 }
 
+/// Runs the scenario of [`an_mpi_job_splits_sends_and_fails_cleanly`] as each rank of the job
+/// (only under that test's `mpirun`).
 #[test]
 fn mpi_rank() {
     if std::env::var("TUTTI_MPI_SCENARIO").is_err() {

@@ -1095,11 +1095,14 @@ impl MpiTransport {
             // Whatever failed here, the peers may be mid-step: the communicator ends, and they
             // hear why first, so that those still in this step fail at once and take what this
             // rank sent them, which lets its sends complete. A rank that rejected its own
-            // arguments gives that as its reason, not the data its peers sent meanwhile.
+            // arguments gives that as its reason, not the data its peers sent meanwhile (a
+            // lost peer, a timeout or an abort stays the reason).
             self.data_started.store(true, Ordering::Release);
-            match rejected {
-                Some(m) => self.give_up(&Error::invalid(site, m)),
-                None => self.give_up(&e),
+            match (rejected, &e) {
+                (Some(m), Error::Mismatch { .. } | Error::InvalidArgument { .. }) => {
+                    self.give_up(&Error::invalid(site, m))
+                }
+                _ => self.give_up(&e),
             }
             self.clean_up(site, r, recvs);
             return Err(e);
