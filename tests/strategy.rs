@@ -734,13 +734,20 @@ fn an_error_on_one_worker_before_a_collective_reaches_the_others_at_once() {
         "replica all_reduce",
         "device variable",
         "optimizer",
+        "replica all_gather",
+        "reduce, peer late",
     ];
     for case in cases {
         let start = Instant::now();
         let out = on_two_workers(2, |w, strategy| {
             let odd = w == 1;
             let got = match case {
-                "reduce" => {
+                "reduce" | "reduce, peer late" => {
+                    if case == "reduce, peer late" && !odd {
+                        // Worker 1's error must not wait for this worker to come.
+                        std::thread::sleep(Duration::from_millis(1500));
+                    }
+                    let asked = Instant::now();
                     // Worker 1's second replica holds a value of another shape.
                     let v = PerReplica(
                         (0..2)
@@ -749,8 +756,23 @@ fn an_error_on_one_worker_before_a_collective_reaches_the_others_at_once() {
                             })
                             .collect(),
                     );
-                    strategy.reduce(ReduceOp::Sum, &v, None).map(drop)
+                    let got = strategy.reduce(ReduceOp::Sum, &v, None).map(drop);
+                    if odd {
+                        let took = asked.elapsed();
+                        assert!(took < Duration::from_secs(1), "worker 1 waited {took:?}");
+                    }
+                    got
                 }
+                "replica all_gather" => strategy
+                    .run(|ctx| {
+                        let n = if odd && ctx.local_replica_id() == 1 {
+                            3
+                        } else {
+                            2
+                        };
+                        ctx.all_gather(&vec![1.0f32; n]).map(drop)
+                    })
+                    .map(drop),
                 "gather" => {
                     let v = PerReplica(
                         (0..2)
@@ -799,7 +821,8 @@ fn an_error_on_one_worker_before_a_collective_reaches_the_others_at_once() {
         let out: Vec<_> = out.into_iter().map(|(got, _strategy)| got).collect();
         let took = start.elapsed();
         let why = match case {
-            "reduce" => "replica values have different shapes",
+            "reduce" | "reduce, peer late" => "replica values have different shapes",
+            "replica all_gather" => "count is",
             "gather" => "concat",
             "replica all_reduce" => "count is",
             "optimizer" => "gradient 0 holds 3 elements, its variable 2",

@@ -1158,11 +1158,13 @@ impl Communicator {
 
     /// Take this rank's place in the next call, a `collective` its peers make, as a rejection
     /// with `why`: they fail it at once with [`Error::PeerRejected`] naming this rank and
-    /// `why`, rather than wait for this rank until the timeout. For a layer above that found
-    /// an error in its own part before the call (a strategy whose local replicas failed),
-    /// which returns that error to its caller; this rank's own error for the call is dropped.
+    /// `why` (or, a peer that waits on another rank, with the abort that carries them),
+    /// rather than wait for this rank until the timeout. For a layer above that found an error
+    /// in its own part before the call (a strategy whose local replicas failed), which returns
+    /// that error to its caller at once: the call is issued, not waited for (its own error is
+    /// dropped), and this rank's later calls queue behind it as every call does.
     pub(crate) fn reject(&self, collective: Collective, why: &str) {
-        let _ = self.blocking(self.rejected_call(collective, why));
+        drop(self.issue(self.rejected_call(collective, why), Owned::new(())));
     }
 
     /// All-to-all: block j of `send` goes to rank j, and block k of `recv` comes from rank k

@@ -1050,10 +1050,11 @@ impl Strategy {
 
     /// Call `f` once per local replica, in parallel, each with its [`ReplicaContext`]. A replica
     /// whose `f` fails makes `run` return that error (its siblings' collectives are woken, not
-    /// left waiting); the strategy stays usable. Across workers, where local replica 0 fails
-    /// before a call across workers (its local step of a collective failed), the other workers'
-    /// call fails at once naming this worker (see `before_workers`); an `f` that fails with
-    /// no such call left is not announced.
+    /// left waiting); the strategy stays usable on one worker. Across workers, where local
+    /// replica 0 fails before a call across workers (its local step of a collective failed),
+    /// the other workers' call fails at once naming this worker (see `before_workers`); between
+    /// processes that aborts the workers' communicator under the default check, as a
+    /// rejection does there. An `f` that fails with no such call left is not announced.
     pub fn run<R: Send>(
         &self,
         f: impl Fn(&ReplicaContext<'_>) -> Result<R> + Sync,
@@ -1762,8 +1763,7 @@ impl ReplicaContext<'_> {
         };
         let mut all = vec![T::from_f64(0.0); local.len() * w.world_size()];
         if self.local_id == 0 {
-            self.strategy
-                .before_workers(Collective::AllGather, gathered)?;
+            self.before_workers(Collective::AllGather, gathered)?;
             w.all_gather(&local, &mut all)?;
         } else {
             gathered?;
