@@ -692,12 +692,9 @@ impl Optimizer {
                 }
                 Ok(())
             });
-        // The other workers' gradients are summed with this one's next.
-        if grads_and_vars.is_empty() {
-            checked?;
-        } else {
-            ctx.before_workers(Collective::AllReduce, checked)?;
-        }
+        // The other workers' gradients are summed with this one's next (with no gradients
+        // there is nothing to check, and no call follows).
+        ctx.before_workers(Collective::AllReduce, checked)?;
         let mut sums: Vec<Vec<T>> = grads_and_vars.iter().map(|(g, _)| g.to_vec()).collect();
         let mut bufs: Vec<&mut [T]> = sums.iter_mut().map(|g| g.as_mut_slice()).collect();
         ctx.all_reduce_batch(ReduceOp::Sum, &mut bufs)?;
@@ -741,11 +738,7 @@ impl Optimizer {
                 }
                 Ok(())
             });
-        if grads_and_vars.is_empty() {
-            checked?;
-        } else {
-            ctx.before_workers(Collective::AllReduce, checked)?;
-        }
+        ctx.before_workers(Collective::AllReduce, checked)?;
         for (g, _) in grads_and_vars.iter_mut() {
             ctx.all_reduce_tensor(ReduceOp::Sum, g)?;
         }
