@@ -2001,6 +2001,33 @@ tutti_result tutti_optimizer_iterations(const struct tutti_optimizer *optimizer,
                                         uint64_t *iterations);
 
 /**
+ * From the next step on, step at `learning_rate` (as setting Keras's `optimizer.learning_rate`
+ * does; a schedule is this call before each step with the schedule's rate). Not positive and
+ * finite: an argument error naming it, and the rate stays as it was. Set it alike on every
+ * worker, between steps.
+ *
+ * Thread-safety: callable from any thread, but not while a step of this optimizer runs.
+ *
+ * # Safety
+ *
+ * `optimizer` is NULL or a live handle.
+ */
+tutti_result tutti_optimizer_set_learning_rate(const struct tutti_optimizer *optimizer,
+                                               float learning_rate);
+
+/**
+ * Write the learning rate the optimizer's next step takes to `*learning_rate`.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `optimizer` is NULL or a live handle; `learning_rate` is NULL or writable.
+ */
+tutti_result tutti_optimizer_learning_rate(const struct tutti_optimizer *optimizer,
+                                           float *learning_rate);
+
+/**
  * Inside a replica function: each of the `count` gradients (`gradients[i]`, a tensor on this
  * replica's device of `variables[i]`'s dtype and length) summed in place across every replica
  * in sync, where it lies, then this replica's copy of `variables[i]` stepped by the sum on

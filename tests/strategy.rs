@@ -2068,6 +2068,67 @@ fn optimizers_train_every_copy_to_the_one_replica_weights() {
     assert!(tutti::strategy::compute_average_loss(&[1.0], 0).is_err());
 }
 
+/// A learning rate set between steps, or a schedule of the step count, steps every kind of
+/// variable at the step's rate, every copy alike; a rate that is not positive is an error of
+/// its step that leaves the variables as they were.
+#[test]
+fn a_learning_rate_set_between_steps_or_scheduled_steps_every_kind_of_variable() {
+    use tutti::strategy::Optimizer;
+    let s = Strategy::mirrored(&logical_cpus(3).unwrap(), None).unwrap();
+    let h = s.mirrored_variable(&[1.0f32; 2]).unwrap();
+    let d = s.device_variable(&[1.0f32; 2]).unwrap();
+    let opt = Optimizer::sgd(0.1).unwrap();
+    // Each replica's gradient is 1: the sum, 3.
+    let step = || {
+        s.run(|ctx| {
+            opt.apply_gradients(ctx, &[(&[1.0f32; 2], &h)])?;
+            opt.apply_device_gradients(ctx, &mut [(&mut ctx.place(&[1.0f32; 2])?, &d)])
+        })
+    };
+    // Each run counts two steps: halve the rate every second step.
+    opt.set_schedule(|t| 0.1 * 0.5f32.powi((t / 2) as i32));
+    assert_eq!(opt.learning_rate(), 0.1);
+    for _ in 0..2 {
+        step().unwrap();
+    }
+    assert_eq!(opt.iterations(), 4);
+    assert_eq!(opt.learning_rate(), 0.025);
+    let want = 1.0 - 3.0 * (0.1 + 0.05);
+    for w in h.value().into_iter().chain(d.value().unwrap()) {
+        assert!(
+            (w - want).abs() < 1e-6,
+            "{w} after 2 scheduled steps, not {want}"
+        );
+    }
+    assert!(h.in_sync() && d.in_sync().unwrap());
+    opt.set_learning_rate(0.2).unwrap();
+    step().unwrap();
+    let want = want - 3.0 * 0.2;
+    for w in h.value().into_iter().chain(d.value().unwrap()) {
+        assert!(
+            (w - want).abs() < 1e-6,
+            "{w} after a step at 0.2, not {want}"
+        );
+    }
+    let e = opt.set_learning_rate(-1.0).unwrap_err().to_string();
+    assert!(e.contains("learning rate -1 must be positive"), "{e}");
+    assert_eq!(opt.learning_rate(), 0.2);
+    // A schedule's rate that is not positive fails its step, naming it, on every replica.
+    opt.set_schedule(|t| if t == 6 { f32::NAN } else { 0.1 });
+    let e = step().unwrap_err().to_string();
+    assert!(
+        e.contains("apply_gradients: step 6 of the optimizer: learning rate NaN must be positive"),
+        "{e}"
+    );
+    assert_eq!(opt.iterations(), 6);
+    for w in h.value().into_iter().chain(d.value().unwrap()) {
+        assert!(
+            (w - want).abs() < 1e-6,
+            "{w}: a failed step changed the variable"
+        );
+    }
+}
+
 /// The optimizer steps f64 and bf16 variables too (bf16 in f32 arithmetic), every copy alike.
 #[test]
 fn optimizers_step_f64_and_bf16_variables() {

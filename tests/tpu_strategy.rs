@@ -561,6 +561,31 @@ fn optimizers_step_device_variables_on_their_devices() {
         host_step(6);
         c.set_route(tutti::xla::Route::Auto);
         close(&v2, "a host-staged step");
+        // A learning rate that changes at every step (a schedule) runs the same program, the
+        // rate uploaded beside the gradient.
+        let lr0 = rule.learning_rate();
+        for o in [&resumed, &oh] {
+            o.set_schedule(move |t| lr0 / (1 + t) as f32);
+        }
+        let before = c.cache_stats();
+        for k in 7..9 {
+            step(k, &v2, &resumed);
+        }
+        let after = c.cache_stats();
+        for k in 7..9 {
+            host_step(k);
+        }
+        assert_eq!(
+            (
+                after.compiled - before.compiled,
+                after.uploads - before.uploads,
+                after.staged_calls
+            ),
+            (0, 2 * 2 * n as u64, before.staged_calls),
+            "{rule:?}: a schedule's steps: {before:?} -> {after:?}"
+        );
+        assert_eq!(resumed.learning_rate(), lr0 / 10.0);
+        close(&v2, "on a schedule");
     }
     for rule in rules {
         check::<f32>(&s, &c, rule, n, 1e-5);

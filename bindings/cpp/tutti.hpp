@@ -1407,6 +1407,17 @@ public:
         detail::check(tutti_optimizer_iterations(h_.get(), &n));
         return n;
     }
+    /// The learning rate the next step takes.
+    float learning_rate() const {
+        float lr = 0;
+        detail::check(tutti_optimizer_learning_rate(h_.get(), &lr));
+        return lr;
+    }
+    /// Step at `lr` from the next step on (a schedule: set it before each step), between
+    /// steps, alike on every worker.
+    void set_learning_rate(float lr) {
+        detail::check(tutti_optimizer_set_learning_rate(h_.get(), lr));
+    }
     /// Inside run: `grad` summed in place across every replica, then this replica's copy of
     /// `var` stepped by it on its device.
     template <typename T>

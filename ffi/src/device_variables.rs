@@ -425,6 +425,51 @@ pub unsafe extern "C" fn tutti_optimizer_iterations(
     })
 }
 
+/// From the next step on, step at `learning_rate` (as setting Keras's `optimizer.learning_rate`
+/// does; a schedule is this call before each step with the schedule's rate). Not positive and
+/// finite: an argument error naming it, and the rate stays as it was. Set it alike on every
+/// worker, between steps.
+///
+/// Thread-safety: callable from any thread, but not while a step of this optimizer runs.
+///
+/// # Safety
+///
+/// `optimizer` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_optimizer_set_learning_rate(
+    optimizer: *const tutti_optimizer,
+    learning_rate: f32,
+) -> tutti_result {
+    boundary("tutti_optimizer_set_learning_rate", || {
+        // SAFETY: as the caller promises.
+        let o = unsafe { optimizer_ref(optimizer) }?;
+        o.set_learning_rate(learning_rate)?;
+        Ok(())
+    })
+}
+
+/// Write the learning rate the optimizer's next step takes to `*learning_rate`.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `optimizer` is NULL or a live handle; `learning_rate` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_optimizer_learning_rate(
+    optimizer: *const tutti_optimizer,
+    learning_rate: *mut f32,
+) -> tutti_result {
+    boundary("tutti_optimizer_learning_rate", || {
+        // SAFETY: as the caller promises.
+        let o = unsafe { optimizer_ref(optimizer) }?;
+        let out = out_ptr(learning_rate, "learning_rate")?;
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { out.write(o.learning_rate()) };
+        Ok(())
+    })
+}
+
 /// Inside a replica function: each of the `count` gradients (`gradients[i]`, a tensor on this
 /// replica's device of `variables[i]`'s dtype and length) summed in place across every replica
 /// in sync, where it lies, then this replica's copy of `variables[i]` stepped by the sum on

@@ -245,6 +245,11 @@ struct DeviceSlots {
     state: Vec<DeviceTensor>,
     /// Adam's steps taken by `state`.
     steps: u32,
+    /// On an XLA device: the learning rate there (one element of the step's arithmetic), the
+    /// program's argument, and the bits of the f32 rate it holds; uploaded again when the rate
+    /// changes.
+    #[cfg(feature = "xla")]
+    rate: Option<(u32, crate::device::pjrt::XlaBuffer)>,
     /// A copy in host memory steps these (as a [`MirroredVariable`]'s copy does); on a
     /// device, what a restore gave, taken there at the first step.
     host: AnySlots,
@@ -475,6 +480,16 @@ impl Rule {
         }
     }
 
+    /// The same rule with learning rate `lr`.
+    pub fn with_learning_rate(mut self, lr: f32) -> Rule {
+        match &mut self {
+            Rule::Sgd { learning_rate, .. } | Rule::Adam { learning_rate, .. } => {
+                *learning_rate = lr
+            }
+        }
+        self
+    }
+
     /// The slots the rule keeps, and no more: none for plain SGD, one for momentum, two for
     /// Adam.
     pub(crate) fn slots_used(&self) -> (bool, bool) {
@@ -484,27 +499,24 @@ impl Rule {
         }
     }
 
-    /// The rule as a program on an XLA device steps by.
+    /// The rule as a program on an XLA device steps by (its learning rate is the program's
+    /// argument).
     #[cfg(feature = "xla")]
     fn device_step(&self) -> crate::device::pjrt::program::Step {
         use crate::device::pjrt::program::Step;
         match *self {
             Rule::Sgd {
-                learning_rate,
-                momentum,
-                nesterov,
+                momentum, nesterov, ..
             } => Step::Sgd {
-                learning_rate: learning_rate.to_bits(),
                 momentum: momentum.to_bits(),
                 nesterov,
             },
             Rule::Adam {
-                learning_rate,
                 beta_1,
                 beta_2,
                 epsilon,
+                ..
             } => Step::Adam {
-                learning_rate: learning_rate.to_bits(),
                 beta_1: beta_1.to_bits(),
                 beta_2: beta_2.to_bits(),
                 epsilon: epsilon.to_bits(),
@@ -594,10 +606,7 @@ impl Rule {
     /// and finite, a momentum outside [0, 1], a beta outside [0, 1), an epsilon that is not
     /// positive (0 makes 0/0 of a gradient that stays 0).
     pub fn check(&self) -> std::result::Result<(), String> {
-        let lr = self.learning_rate();
-        if lr.is_nan() || lr <= 0.0 || lr.is_infinite() {
-            return Err(format!("learning rate {lr} must be positive and finite"));
-        }
+        positive_rate(self.learning_rate())?;
         match *self {
             Rule::Sgd { momentum, .. } if !(0.0..=1.0).contains(&momentum) => {
                 Err(format!("momentum {momentum} must be in [0, 1]"))
@@ -616,14 +625,37 @@ impl Rule {
     }
 }
 
+/// Why `lr` cannot be a learning rate, if it cannot: not positive and finite.
+fn positive_rate(lr: f32) -> std::result::Result<(), String> {
+    if lr > 0.0 && lr.is_finite() {
+        Ok(())
+    } else {
+        Err(format!("learning rate {lr} must be positive and finite"))
+    }
+}
+
+/// Where an [`Optimizer`]'s learning rate comes from.
+enum Rate {
+    /// One rate for every step.
+    Fixed(f32),
+    /// A rate for each step, from the steps taken before it.
+    Schedule(std::sync::Arc<dyn Fn(u64) -> f32 + Send + Sync>),
+}
+
 /// A strategy-aware optimizer for float [`MirroredVariable`]s (f32, f64, f16, bf16: see
 /// [`Param`]). Inside [`Strategy::run`],
 /// [`Optimizer::apply_gradients`] sums each gradient across every replica in sync (one fused
 /// all-reduce: compute the loss with [`compute_average_loss`] so the sum is the global batch's
 /// gradient), then steps the replica's copy of each variable; every copy keeps its own slots,
-/// updated alike, so the copies stay identical.
+/// updated alike, so the copies stay identical. Its learning rate can change between steps
+/// ([`Optimizer::set_learning_rate`]) or follow a schedule of the step count
+/// ([`Optimizer::set_schedule`], as Keras's `LearningRateSchedule`), on the devices too.
 pub struct Optimizer {
+    /// The rule; its learning rate is the one it was made with ([`Optimizer::learning_rate`]
+    /// gives the one the next step takes).
     rule: Rule,
+    /// The learning rate of each step from now on.
+    rate: Mutex<Rate>,
     /// Per variable and copy; each its own lock, so the replicas step their copies at once.
     slots: Mutex<HashMap<(u64, usize), SharedSlots>>,
     /// The same for [`DeviceVariable`]s, whose slots live beside their copies.
@@ -639,6 +671,7 @@ impl Optimizer {
             .map_err(|why| Error::config(format!("optimizer: {why}")))?;
         Ok(Optimizer {
             rule,
+            rate: Mutex::new(Rate::Fixed(rule.learning_rate())),
             slots: Mutex::new(HashMap::new()),
             device_slots: Mutex::new(HashMap::new()),
             iterations: AtomicU64::new(0),
@@ -669,6 +702,49 @@ impl Optimizer {
         self.iterations.load(Ordering::Relaxed)
     }
 
+    /// The learning rate the next step takes: the one last set, or the schedule's at
+    /// [`Optimizer::iterations`].
+    pub fn learning_rate(&self) -> f32 {
+        // The schedule is called unlocked: it may read the optimizer.
+        let schedule = match &*self.rate.lock() {
+            Rate::Fixed(lr) => return *lr,
+            Rate::Schedule(f) => f.clone(),
+        };
+        schedule(self.iterations())
+    }
+
+    /// Take `learning_rate` at every step from the next on (in place of a schedule), as
+    /// setting Keras's `optimizer.learning_rate` does: on every kind of variable, a
+    /// [`DeviceVariable`]'s steps on its device too. Not positive and finite: an error, and the
+    /// rate stays as it was. Set it alike on every worker, between steps.
+    pub fn set_learning_rate(&self, learning_rate: f32) -> Result<()> {
+        positive_rate(learning_rate).map_err(|why| Error::config(format!("optimizer: {why}")))?;
+        *self.rate.lock() = Rate::Fixed(learning_rate);
+        Ok(())
+    }
+
+    /// Take the learning rate of each step from `schedule`, called with the steps taken before
+    /// it ([`Optimizer::iterations`], as Keras calls a `LearningRateSchedule`), on every
+    /// replica and worker alike: it must depend on nothing else. A step whose rate is not
+    /// positive and finite is an error of that step, before anything is summed, and leaves every
+    /// variable as it was.
+    pub fn set_schedule(&self, schedule: impl Fn(u64) -> f32 + Send + Sync + 'static) {
+        *self.rate.lock() = Rate::Schedule(std::sync::Arc::new(schedule));
+    }
+
+    /// The rule this step takes: the optimizer's with the step's learning rate. Read before the
+    /// gradients are summed, while no replica has counted the step.
+    fn rule_now(&self, what: &str) -> Result<Rule> {
+        let lr = self.learning_rate();
+        positive_rate(lr).map_err(|why| {
+            Error::config(format!(
+                "{what}: step {} of the optimizer: {why}",
+                self.iterations()
+            ))
+        })?;
+        Ok(self.rule.with_learning_rate(lr))
+    }
+
     /// Sum `grads_and_vars`' gradients across every replica in sync and step the replica's
     /// copy of each variable by them. Collective: every replica calls it with the same
     /// variables in the same order. A gradient whose length differs from its variable's is an
@@ -678,6 +754,7 @@ impl Optimizer {
         ctx: &ReplicaContext<'_>,
         grads_and_vars: &[(&[T], &MirroredVariable<T>)],
     ) -> Result<()> {
+        let rule = self.rule_now("apply_gradients");
         let checked = grads_and_vars
             .iter()
             .enumerate()
@@ -692,16 +769,15 @@ impl Optimizer {
                 }
                 Ok(())
             });
-        // The other workers' gradients are summed with this one's next (with no gradients
-        // there is nothing to check, and no call follows).
-        ctx.before_workers(Collective::AllReduce, checked)?;
+        // The other workers' gradients are summed with this one's next.
+        let rule = ctx.before_workers(Collective::AllReduce, checked.and(rule))?;
         let mut sums: Vec<Vec<T>> = grads_and_vars.iter().map(|(g, _)| g.to_vec()).collect();
         let mut bufs: Vec<&mut [T]> = sums.iter_mut().map(|g| g.as_mut_slice()).collect();
         ctx.all_reduce_batch(ReduceOp::Sum, &mut bufs)?;
         let me = ctx.local_replica_id();
         for (g, (_, var)) in sums.iter().zip(grads_and_vars) {
             let slots = self.slots.lock().entry((var.id(), me)).or_default().clone();
-            var.update_copy(me, |w| self.rule.step(&mut slots.lock(), w, g));
+            var.update_copy(me, |w| rule.step(&mut slots.lock(), w, g));
         }
         if me == 0 {
             // Once per step on every worker (its first local replica).
@@ -724,6 +800,7 @@ impl Optimizer {
         ctx: &ReplicaContext<'_>,
         grads_and_vars: &mut [(&mut DeviceTensor, &DeviceVariable<T>)],
     ) -> Result<()> {
+        let rule = self.rule_now("apply_device_gradients");
         let checked = grads_and_vars
             .iter()
             .enumerate()
@@ -738,7 +815,7 @@ impl Optimizer {
                 }
                 Ok(())
             });
-        ctx.before_workers(Collective::AllReduce, checked)?;
+        let rule = ctx.before_workers(Collective::AllReduce, checked.and(rule))?;
         for (g, _) in grads_and_vars.iter_mut() {
             ctx.all_reduce_tensor(ReduceOp::Sum, g)?;
         }
@@ -751,7 +828,7 @@ impl Optimizer {
                 .or_default()
                 .clone();
             let mut copy = var.copy(me)?;
-            step_copy::<T>(&self.rule, &mut copy, g, &mut slots.lock())?;
+            step_copy::<T>(&rule, &mut copy, g, &mut slots.lock())?;
         }
         if me == 0 {
             self.iterations.fetch_add(1, Ordering::Relaxed);
@@ -983,13 +1060,24 @@ fn xla_step<T: Param>(
         slots.steps = init.steps;
         slots.host = AnySlots::default();
     }
+    let lr = rule.learning_rate();
+    let lr = match &slots.rate {
+        Some((bits, t)) if *bits == lr.to_bits() => t,
+        _ => {
+            let t = match wide {
+                true => client.buffer_from_host(&[f64::from(lr)], device)?,
+                false => client.buffer_from_host(&[lr], device)?,
+            };
+            &slots.rate.insert((lr.to_bits(), t)).1
+        }
+    };
     let step = rule.device_step();
     let state: Vec<&crate::device::pjrt::XlaBuffer> = slots
         .state
         .iter()
         .filter_map(DeviceTensor::as_xla)
         .collect();
-    if let Some((new_w, new_state)) = client.run_step(step, w, gb, &state)? {
+    if let Some((new_w, new_state)) = client.run_step(step, w, gb, lr, &state)? {
         copy.replace(new_w.into());
         slots.state = new_state.into_iter().map(DeviceTensor::from).collect();
         if step.powers() {

@@ -528,6 +528,11 @@ static void strategies_and_checkpoints() {
         EXPECT(again.iterations() == 1);
         step(again);
         EXPECT(w.value() == (std::vector<float>{5.25f, -4.25f}) && again.iterations() == 2);
+        // At a learning rate set between steps: v = 0.5 v - 0.25 sum = {-1.875, -5.625}.
+        again.set_learning_rate(0.25f);
+        EXPECT(again.learning_rate() == 0.25f);
+        step(again);
+        EXPECT(w.value() == (std::vector<float>{3.375f, -9.875f}));
     }
     {
         tutti::variable<double> plain(std::vector<double>{1});

@@ -160,10 +160,26 @@ def test_optimizers_step_device_variables_as_they_step_variables(tmp_path, make)
     s.run(step, args=(3, opt2, dv2, True))
     s.run(step, args=(3, host_opt, hv, False))
     np.testing.assert_allclose(dv2.numpy(), hv.numpy(), rtol=1e-5, atol=1e-6)
-    # A learning rate changed after the first step would not reach the devices: an error.
-    opt2.learning_rate *= 2
-    with pytest.raises(ValueError, match="changed after it first stepped"):
-        s.run(step, args=(4, opt2, dv2, True))
+    # A learning rate changed between steps, or a schedule, reaches the devices.
+    for o in (opt2, host_opt):
+        o.learning_rate *= 2
+    s.run(step, args=(4, opt2, dv2, True))
+    s.run(step, args=(4, host_opt, hv, False))
+    np.testing.assert_allclose(dv2.numpy(), hv.numpy(), rtol=1e-5, atol=1e-6)
+    for o in (opt2, host_opt):
+        o.learning_rate = lambda step: 0.05 / (1 + step)
+    assert opt2.iterations == 5 and opt2.learning_rate == pytest.approx(0.05 / 6)
+    for k in (5, 6):
+        s.run(step, args=(k, opt2, dv2, k == 5))
+        s.run(step, args=(k, host_opt, hv, False))
+    np.testing.assert_allclose(dv2.numpy(), hv.numpy(), rtol=1e-5, atol=1e-6)
+    # Another hyper-parameter changed would not reach the devices: an error.
+    if isinstance(opt2, td.optimizers.SGD):
+        opt2.momentum = 0.5
+    else:
+        opt2.beta_1 = 0.5
+    with pytest.raises(ValueError, match="other than the learning rate changed"):
+        s.run(step, args=(7, opt2, dv2, True))
     # An optimizer that never stepped a DeviceVariable saves none of its state; restoring that
     # starts the slots afresh, with a warning.
     td.CheckpointManager(td.Checkpoint(w=dv2, opt=make()), str(tmp_path / "fresh")).save()
@@ -173,6 +189,42 @@ def test_optimizers_step_device_variables_as_they_step_variables(tmp_path, make)
         dev_opt.apply_gradients([(np.zeros((2, 3), np.float32), dv)])
     with pytest.raises(ValueError, match="for a variable of shape"):
         s.run(lambda: dev_opt.apply_gradients([(td.get_replica_context().place(np.zeros(6, np.float32)), dv)]))
+
+
+def test_a_learning_rate_schedule_steps_each_step_at_its_rate():
+    s = td.MirroredStrategy(cpus(2))
+    with s.scope():
+        w = td.Variable(np.ones(3, np.float32))
+
+    class Halving:  # as a Keras LearningRateSchedule: called with the steps taken
+        def __call__(self, step):
+            return np.float32(0.1 * 0.5**step)
+
+    opt = td.optimizers.SGD(Halving())
+    assert opt.learning_rate == pytest.approx(0.1)
+
+    def step():
+        opt.apply_gradients([(np.ones(3, np.float32), w)])  # summed over 2 replicas: 2
+
+    for _ in range(3):
+        s.run(step)
+    assert opt.iterations == 3 and opt.learning_rate == pytest.approx(0.0125)
+    np.testing.assert_allclose(w.numpy(), 1 - 2 * (0.1 + 0.05 + 0.025), rtol=1e-6)
+    copies = s.experimental_local_results(s.run(lambda: w.numpy()))
+    assert len(copies) == 2 and all((c == w.numpy()).all() for c in copies)
+    # A schedule's rate that is not positive fails its step, naming it, before anything moves.
+    opt.learning_rate = lambda step: 0.0 if step == 3 else 0.1
+    with pytest.raises(ValueError, match="SGD: step 3: the schedule's learning_rate 0.0 must be positive"):
+        s.run(step)
+    assert opt.iterations == 3
+    np.testing.assert_allclose(w.numpy(), 1 - 2 * 0.175, rtol=1e-6)
+    with pytest.raises(ValueError, match="SGD: learning_rate -1.0 must be positive"):
+        opt.learning_rate = -1
+    with pytest.raises(TypeError, match="is not a number"):
+        td.optimizers.Adam("fast")
+    opt.learning_rate = 0.2
+    s.run(step)
+    np.testing.assert_allclose(w.numpy(), 1 - 2 * 0.375, rtol=1e-6)
 
 
 def test_reduce_with_and_without_an_axis():

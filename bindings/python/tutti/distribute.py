@@ -38,6 +38,7 @@ The names and habits of TensorFlow's distributed-training guides, on numpy array
   ``strategy.cluster_resolver`` on a multi-worker strategy.
 * Training: ``compute_average_loss(per_example_loss, global_batch_size=None)``,
   ``optimizers.SGD(learning_rate, momentum=0, nesterov=False)`` and ``optimizers.Adam(...)``
+  (``learning_rate`` a number or a schedule of the step count, settable between steps)
   whose ``apply_gradients`` inside ``run`` sums the gradients across every replica, and
   ``metrics.Mean``, ``Sum`` and ``SparseCategoricalAccuracy`` read across replicas (sync on read).
 * Input: ``experimental_distribute_dataset(dataset, options=None)`` (global batches split
@@ -155,6 +156,7 @@ _PROTOTYPES = {
     "tutti_device_variable_destroy": (None, [ctypes.c_void_p]),
     "tutti_optimizer_create": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]),
     "tutti_optimizer_destroy": (None, [ctypes.c_void_p]),
+    "tutti_optimizer_set_learning_rate": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_float]),
     "tutti_optimizer_apply_device_gradients": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                                                  ctypes.POINTER(ctypes.c_void_p),
                                                                  ctypes.POINTER(ctypes.c_void_p)]),
@@ -1608,7 +1610,7 @@ class Checkpoint:
         its state of the ``DeviceVariable``s of ``group``, under ``oname``."""
         names = (ctypes.c_char_p * len(group))(*[n.encode() for n, _ in group])
         handles = (ctypes.c_void_p * len(group))(*[v._h.value for _, v in group])
-        _check(call(opt._device_handle(), h, oname.encode(), len(group), names, handles))
+        _check(call(opt._device_handle(opt.learning_rate), h, oname.encode(), len(group), names, handles))
 
     def _save_device_state(self, h):
         """Each optimizer's state of the checkpoint's ``DeviceVariable``s (one that stepped or
@@ -1911,13 +1913,17 @@ class Optimizer:
     inside ``run`` sums each gradient across every replica in sync (compute the loss with
     ``compute_average_loss`` so the sum is the global batch's gradient), then takes the same step
     on every copy of each ``Variable``; outside ``run`` it applies the gradients as given. Each
-    copy keeps its own slots (momentum, moments), updated alike, so the copies stay identical."""
+    copy keeps its own slots (momentum, moments), updated alike, so the copies stay identical.
+
+    ``learning_rate`` is a number or a schedule: a callable of the steps taken (``iterations``)
+    returning the step's rate, as Keras calls a ``LearningRateSchedule`` (Keras's own schedules
+    serve). Setting ``optimizer.learning_rate`` between steps takes effect at the next step, on
+    ``DeviceVariable``s' devices too; reading it gives the rate the next step takes. Under
+    ``ParameterServerStrategy`` each worker's copy of the optimizer counts its own steps."""
 
     def __init__(self, learning_rate):
-        if not 0 < learning_rate < float("inf"):
-            raise ValueError(f"{type(self).__name__}: learning_rate {learning_rate} must be positive and finite")
-        self.learning_rate = float(learning_rate)
         self.iterations = 0
+        self.learning_rate = learning_rate
         self._slots = {}
         self._lock = threading.Lock()
         import secrets
@@ -1935,24 +1941,45 @@ class Optimizer:
         self._lock = threading.Lock()
         self._device = None
 
-    def _device_handle(self):
+    @property
+    def learning_rate(self):
+        """The learning rate the next step takes: the number set, or the schedule's at
+        ``iterations``. Set a number or a schedule (see the class documentation)."""
+        return self._rate_at(self.iterations)
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        if not callable(value):
+            value = _positive_rate(value, f"{type(self).__name__}: learning_rate")
+        self._learning_rate = value
+
+    def _rate_at(self, step):
+        """The learning rate of step ``step``, checked positive and finite."""
+        rate = self._learning_rate
+        if not callable(rate):
+            return rate
+        return _positive_rate(rate(step), f"{type(self).__name__}: step {step}: the schedule's learning_rate")
+
+    def _device_handle(self, lr):
         """libtutti's optimizer of the same rule, which steps DeviceVariables on their devices
-        and keeps their slots there."""
+        and keeps their slots there, at learning rate ``lr`` from its next step."""
         try:
-            rule = self._ps_update()
+            rule = self._ps_update(lr)
         except TypeError:
             raise TypeError(f"apply_gradients: {type(self).__name__} cannot step a DeviceVariable (SGD, with or "
                             "without momentum, and Adam can)") from None
-        fields = tuple(getattr(rule, f) for f, _ in _PsUpdate._fields_ if f != "slots")
+        fields = tuple(getattr(rule, f) for f, _ in _PsUpdate._fields_ if f not in ("slots", "learning_rate"))
         with self._lock:
             if self._device is None:
                 h = ctypes.c_void_p()
                 _check(_lib().tutti_optimizer_create(ctypes.byref(rule), ctypes.byref(h)))
                 self._device, self._device_rule = h, fields
             elif fields != self._device_rule:
-                raise ValueError(f"{type(self).__name__}: its learning rate or another hyper-parameter changed "
+                raise ValueError(f"{type(self).__name__}: a hyper-parameter other than the learning rate changed "
                                  "after it first stepped a DeviceVariable, whose steps keep the rule they began "
                                  "with; make a new optimizer (carry its state over with a Checkpoint)")
+            # Every replica of the step sets the same rate, before any of them takes it.
+            _check(_lib().tutti_optimizer_set_learning_rate(self._device, ctypes.c_float(lr)))
             return self._device
 
     def __del__(self):
@@ -1970,8 +1997,10 @@ class Optimizer:
     def apply_gradients(self, grads_and_vars):
         """Apply the gradients (see the class documentation); returns the iteration count."""
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]  # Keras skips a None gradient
+        # This step's rate, read before any replica counts the step.
+        lr = self._rate_at(self.iterations)
         # The DeviceVariables' checked first: a refusal leaves every variable as it was.
-        on_devices = self._device_groups([(g, v) for g, v in pairs if isinstance(v, DeviceVariable)])
+        on_devices = self._device_groups([(g, v) for g, v in pairs if isinstance(v, DeviceVariable)], lr)
         pairs = [(g, v) for g, v in pairs if not isinstance(v, DeviceVariable)]
         for g, v in pairs:
             if not isinstance(v, Variable):
@@ -1991,15 +2020,15 @@ class Optimizer:
         for g, v in pairs:
             g = np.asarray(g, v.dtype)
             if isinstance(v, _PsVariable):
-                v._push(g, self._ps_update())  # stepped on the ps tasks, with the slots kept there
+                v._push(g, self._ps_update(lr))  # stepped on the ps tasks, with the slots kept there
                 continue
             # In the slots' arithmetic (float32 for a float16 variable, as on the ps tasks and
             # in Rust), the copy rounded to its dtype once, after the step.
             g = g.astype(self._slot_dtype(v), copy=False)
-            v._apply_combined(replica, lambda i, g=g, v=v: self._step(v, i, g), "sub")
+            v._apply_combined(replica, lambda i, g=g, v=v: self._step(v, i, g, lr), "sub")
         if on_devices:
             device_replica, groups = on_devices
-            h = self._device_handle()
+            h = self._device_handle(lr)
             for group in groups:  # one call per dtype, in the same order on every replica
                 n = len(group)
                 grads = (ctypes.c_void_p * n)(*[t._h.value for t, _ in group])
@@ -2010,7 +2039,7 @@ class Optimizer:
                 self.iterations += 1
             return self.iterations
 
-    def _device_groups(self, pairs):
+    def _device_groups(self, pairs, lr):
         """``DeviceVariable``s' gradients checked for a step inside ``run``: each a
         ``DeviceTensor`` (summed in place) or an array (placed on the replica's device), grouped
         by dtype for libtutti's optimizer, which sums each where it lies and steps each copy on its
@@ -2024,7 +2053,7 @@ class Optimizer:
         if replica is None:
             raise ValueError("apply_gradients: DeviceVariables step inside strategy.run, where each replica has "
                              "its gradient")
-        self._device_handle()  # an optimizer libtutti cannot run, or whose rule changed: an error now
+        self._device_handle(lr)  # an optimizer libtutti cannot run, or whose rule changed: an error now
         groups = {}
         for g, v in pairs:
             if v.dtype.kind != "f":
@@ -2040,8 +2069,9 @@ class Optimizer:
             groups.setdefault(v.dtype, []).append((t, v))
         return replica, list(groups.values())
 
-    def _step(self, var, i, g):
-        """What copy ``i`` of ``var`` loses this step, from the combined gradient ``g``."""
+    def _step(self, var, i, g, lr):
+        """What copy ``i`` of ``var`` loses this step, at learning rate ``lr``, from the combined
+        gradient ``g``."""
         raise NotImplementedError
 
     # The names of the slots it keeps per variable, as a checkpoint names them, and whether it
@@ -2057,7 +2087,7 @@ class Optimizer:
         if not names and not self._counts_steps:
             return [], 0
         if isinstance(var, _PsVariable):
-            return var._strategy._read_slots(var._ps_index, self._ps_update(), len(names), var.shape,
+            return var._strategy._read_slots(var._ps_index, self._ps_update(self.learning_rate), len(names), var.shape,
                                              var.dtype == np.float64)
         with self._lock:
             slots = [self._slots.get((var, 0, n)) for n in names]
@@ -2075,7 +2105,8 @@ class Optimizer:
         if not self._slot_names and not self._counts_steps:
             return
         if isinstance(var, _PsVariable):
-            var._strategy._assign_slots(var._ps_index, self._ps_update(), slots, steps, var.dtype == np.float64)
+            var._strategy._assign_slots(var._ps_index, self._ps_update(self.learning_rate), slots, steps,
+                                        var.dtype == np.float64)
             return
         with self._lock:
             for i in range(len(var._values)):
@@ -2084,11 +2115,23 @@ class Optimizer:
                 if self._counts_steps:
                     self._steps[(var, i)] = int(steps)
 
-    def _ps_update(self):
-        """The rule the ps tasks step a ``ParameterServerStrategy`` variable by, keyed by this
+    def _ps_update(self, lr):
+        """The rule at learning rate ``lr`` the ps tasks step a ``ParameterServerStrategy`` variable by, keyed by this
         optimizer (its copies on the workers share the key, and so the slots)."""
         raise TypeError(f"apply_gradients: {type(self).__name__} has no update rule the ps tasks run "
                         "(SGD, with or without momentum, and Adam have)")
+
+
+def _positive_rate(value, what):
+    """``value`` as a learning rate (a float); an error naming it as ``what`` where it is not a
+    number, or not positive and finite."""
+    try:
+        rate = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what} {value!r} is not a number") from None
+    if not 0 < rate < float("inf"):
+        raise ValueError(f"{what} {rate} must be positive and finite")
+    return rate
 
 
 def _summed_in_packs(replica, arrays):
@@ -2128,16 +2171,16 @@ class SGD(Optimizer):
             raise ValueError(f"SGD: momentum {momentum} must be in [0, 1]")
         self._slot_names = ("momentum",) if self.momentum else ()
 
-    def _ps_update(self):
-        return _PsUpdate(rule=0, learning_rate=self.learning_rate, momentum=self.momentum,
-                         nesterov=int(self.nesterov), slots=self._ps_slots)
+    def _ps_update(self, lr):
+        return _PsUpdate(rule=0, learning_rate=lr, momentum=self.momentum, nesterov=int(self.nesterov),
+                         slots=self._ps_slots)
 
-    def _step(self, var, i, g):
+    def _step(self, var, i, g, lr):
         if not self.momentum:
-            return self.learning_rate * g
+            return lr * g
         v = self._slot(var, i, "momentum")
-        v[...] = self.momentum * v - self.learning_rate * g
-        return -(self.momentum * v - self.learning_rate * g) if self.nesterov else -v
+        v[...] = self.momentum * v - lr * g
+        return -(self.momentum * v - lr * g) if self.nesterov else -v
 
 
 class Adam(Optimizer):
@@ -2157,17 +2200,17 @@ class Adam(Optimizer):
     _slot_names = ("m", "v")
     _counts_steps = True
 
-    def _ps_update(self):
-        return _PsUpdate(rule=1, learning_rate=self.learning_rate, beta_1=self.beta_1, beta_2=self.beta_2,
+    def _ps_update(self, lr):
+        return _PsUpdate(rule=1, learning_rate=lr, beta_1=self.beta_1, beta_2=self.beta_2,
                          epsilon=self.epsilon, slots=self._ps_slots)
 
-    def _step(self, var, i, g):
+    def _step(self, var, i, g, lr):
         m, v = self._slot(var, i, "m"), self._slot(var, i, "v")
         with self._lock:  # the copy's own step count
             step = self._steps[(var, i)] = self._steps.get((var, i), 0) + 1
         m[...] = self.beta_1 * m + (1 - self.beta_1) * g
         v[...] = self.beta_2 * v + (1 - self.beta_2) * g * g
-        lr = self.learning_rate * np.sqrt(1 - self.beta_2**step) / (1 - self.beta_1**step)
+        lr = lr * np.sqrt(1 - self.beta_2**step) / (1 - self.beta_1**step)
         return (lr * m / (np.sqrt(v) + self.epsilon)).astype(m.dtype, copy=False)
 
 

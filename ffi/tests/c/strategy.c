@@ -374,6 +374,20 @@ int main(void) {
         /* v = 0.9 * -1.14 - 0.6 = -1.626. */
         CHECK(tutti_device_variable_read(st.var, 0, 2, TUTTI_DTYPE_F32, got));
         EXPECT(fabsf(got[0] - (1.0f - 1.74f - 1.626f)) < 1e-5f);
+        /* A learning rate set between steps takes the next: v = 0.9 * -1.626 - 0.2 * 6. */
+        {
+            float lr = 0.0f;
+            CHECK(tutti_optimizer_set_learning_rate(again, 0.2f));
+            CHECK(tutti_optimizer_learning_rate(again, &lr));
+            EXPECT(lr == 0.2f);
+            CHECK(tutti_strategy_run(s, optimizer_step, &st));
+            CHECK(tutti_device_variable_read(st.var, 0, 2, TUTTI_DTYPE_F32, got));
+            EXPECT(fabsf(got[0] - (1.0f - 1.74f - 1.626f - 2.6634f)) < 1e-4f);
+            EXPECT_ERROR(tutti_optimizer_set_learning_rate(again, 0.0f),
+                         TUTTI_ERROR_INVALID_ARGUMENT, "learning rate 0 must be positive");
+            CHECK(tutti_optimizer_learning_rate(again, &lr));
+            EXPECT(lr == 0.2f);
+        }
         /* The errors name what was wrong. */
         EXPECT_ERROR(tutti_optimizer_restore(again, ck, "opt", 1, names, NULL),
                      TUTTI_ERROR_INVALID_ARGUMENT, "variables is NULL");

@@ -612,8 +612,9 @@ impl Client {
     }
 
     /// One optimizer step of a variable's copy `w` by the gradient `g`, both on one device of
-    /// this client, with the rule's `state` there (its slots, then Adam's powers: see
-    /// [`Step`]), in one program on that device. Returns the new copy and state (the old
+    /// this client, at learning rate `lr` (one element of the step's arithmetic there), with the
+    /// rule's `state` there (its slots, then Adam's powers: see [`Step`]), in one program on
+    /// that device. Returns the new copy and state (the old
     /// buffers are left as they were), or `None` where the step is to run on the host instead:
     /// the route is host-staged, or the plugin refused the program under [`Route::Auto`].
     pub(crate) fn run_step(
@@ -621,6 +622,7 @@ impl Client {
         step: Step,
         w: &XlaBuffer,
         g: &XlaBuffer,
+        lr: &XlaBuffer,
         state: &[&XlaBuffer],
     ) -> Result<Option<(XlaBuffer, Vec<XlaBuffer>)>> {
         self.inner.check_usable()?;
@@ -640,8 +642,16 @@ impl Client {
         if given != want {
             return wrong(format!("the rule's state is {given:?}, not {want:?}"));
         }
+        if (lr.dtype(), lr.len()) != (arith, 1) {
+            return wrong(format!(
+                "the learning rate is {} x {}, not one {arith}",
+                lr.dtype(),
+                lr.len()
+            ));
+        }
         for (b, what) in std::iter::once((g, "the gradient"))
             .chain(std::iter::once((w, "the variable")))
+            .chain(std::iter::once((lr, "the learning rate")))
             .chain(state.iter().map(|b| (*b, "a slot")))
         {
             if !b.same_client(self) || b.device() != device {
@@ -681,7 +691,7 @@ impl Client {
                 })
             }
         };
-        let mut args = vec![w, g];
+        let mut args = vec![w, g, lr];
         args.extend_from_slice(state);
         let outs =
             self.inner

@@ -354,14 +354,14 @@ fn broadcast_body(body: &mut String, root: usize, n: usize, ty: &str, arg: &str)
 // ------------------------------- optimizer steps -------------------------------
 
 /// An optimizer's update rule, run elementwise on one device by [`step_mlir`]'s program: its
-/// hyper-parameters as the bits of their f32 values, so that programs are keyed by them.
+/// hyper-parameters as the bits of their f32 values, so that programs are keyed by them. The
+/// learning rate is not among them: it is the program's argument, so that a rate that changes
+/// from step to step (a schedule) runs one program.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Step {
     /// `w -= lr * g`; with momentum `mu`, `v = mu * v - lr * g; w += v` (Nesterov:
     /// `w += mu * v - lr * g`).
     Sgd {
-        /// Learning rate.
-        learning_rate: u32,
         /// Momentum (0: plain SGD, no slot).
         momentum: u32,
         /// Nesterov momentum.
@@ -370,8 +370,6 @@ pub enum Step {
     /// Adam: `m = b1 m + (1 - b1) g`, `v = b2 v + (1 - b2) g g`, `w -= lr sqrt(1 - b2^t) /
     /// (1 - b1^t) m / (sqrt(v) + epsilon)`.
     Adam {
-        /// Learning rate.
-        learning_rate: u32,
         /// First moment's decay.
         beta_1: u32,
         /// Second moment's decay.
@@ -421,8 +419,9 @@ fn literal(x: f64, arith: DType) -> String {
 }
 
 /// The StableHLO module of `step` on one device for a variable of `count` elements of `dtype`
-/// (a float type). Its arguments: the variable's copy, the gradient (both `dtype`), then each
-/// slot and Adam's powers (the step's arithmetic); its results: the new copy, slots and powers.
+/// (a float type). Its arguments: the variable's copy, the gradient (both `dtype`), the learning
+/// rate (one element of the step's arithmetic), then each slot and Adam's powers (the step's
+/// arithmetic); its results: the new copy, slots and powers.
 /// The operations are the host rule's, in its order, and a constant such as `1 - b1` is
 /// computed as the host computes it and given bit for bit; but Adam's `b^t` is a running
 /// product here (the host takes `powi`), and the compiler may fuse operations, so results agree
@@ -470,15 +469,19 @@ pub fn step_mlir(step: Step, dtype: DType, count: usize) -> String {
         }
         ("wc", "gc")
     };
-    let mut args = vec![format!("%w: {wt}"), format!("%g: {wt}")];
+    let t1 = format!("tensor<1x{ct}>");
+    let mut args = vec![
+        format!("%w: {wt}"),
+        format!("%g: {wt}"),
+        format!("%lr1: {t1}"),
+    ];
     let mut results = vec![];
     match step {
-        Step::Sgd {
-            learning_rate,
-            momentum,
-            nesterov,
-        } => {
-            konst(&mut b, "lr", hyper(learning_rate));
+        Step::Sgd { momentum, nesterov } => {
+            let _ = writeln!(
+                b,
+                "    %lr = \"stablehlo.broadcast_in_dim\"(%lr1) {{broadcast_dimensions = array<i64: 0>}} : ({t1}) -> {vt}"
+            );
             bin(&mut b, "lg", "multiply", "lr", g, &vt);
             if step.slots() == 0 {
                 bin(&mut b, "w1", "subtract", w, "lg", &vt);
@@ -498,7 +501,6 @@ pub fn step_mlir(step: Step, dtype: DType, count: usize) -> String {
             }
         }
         Step::Adam {
-            learning_rate,
             beta_1,
             beta_2,
             epsilon,
@@ -509,7 +511,7 @@ pub fn step_mlir(step: Step, dtype: DType, count: usize) -> String {
                 format!("%p: tensor<2x{ct}>"),
             ]);
             let (b1, b2) = (hyper(beta_1), hyper(beta_2));
-            let (t2, t1) = (format!("tensor<2x{ct}>"), format!("tensor<1x{ct}>"));
+            let t2 = format!("tensor<2x{ct}>");
             // The powers after this step, and lr * sqrt(1 - b2^t) / (1 - b1^t) from them.
             let _ = writeln!(
                 b,
@@ -531,11 +533,6 @@ pub fn step_mlir(step: Step, dtype: DType, count: usize) -> String {
                     k + 1
                 );
             }
-            let _ = writeln!(
-                b,
-                "    %lr1 = \"stablehlo.constant\"() {{value = dense<{}> : {t1}}} : () -> {t1}",
-                literal(hyper(learning_rate), arith)
-            );
             let _ = writeln!(b, "    %sq = \"stablehlo.sqrt\"(%q1) : ({t1}) -> {t1}");
             bin(&mut b, "a", "multiply", "lr1", "sq", &t1);
             bin(&mut b, "lrt1", "divide", "a", "q0", &t1);
@@ -698,7 +695,6 @@ mod tests {
     #[test]
     fn step_programs_carry_their_state_and_exact_constants() {
         let adam = Step::Adam {
-            learning_rate: 0.01f32.to_bits(),
             beta_1: 0.9f32.to_bits(),
             beta_2: 0.999f32.to_bits(),
             epsilon: 1e-7f32.to_bits(),
@@ -706,28 +702,31 @@ mod tests {
         assert_eq!((adam.slots(), adam.powers()), (2, true));
         let m = step_mlir(adam, DType::BF16, 5);
         assert!(
-            m.contains("@main(%w: tensor<5xbf16>, %g: tensor<5xbf16>, %s0: tensor<5xf32>, %s1: tensor<5xf32>, %p: tensor<2xf32>)")
+            m.contains("@main(%w: tensor<5xbf16>, %g: tensor<5xbf16>, %lr1: tensor<1xf32>, %s0: tensor<5xf32>, %s1: tensor<5xf32>, %p: tensor<2xf32>)")
                 && m.contains("-> (tensor<5xbf16>, tensor<5xf32>, tensor<5xf32>, tensor<2xf32>)")
                 && m.contains("\"stablehlo.convert\"(%w1)")
                 && m.contains(&format!("dense<0x{:08X}>", (1.0f32 - 0.9).to_bits())),
             "{m}"
         );
-        // f64 arithmetic: the f32 hyper-parameter widened, exactly.
+        // f64 arithmetic: the f32 hyper-parameter widened, exactly; the learning rate in it.
         let m = step_mlir(adam, DType::F64, 3);
         assert!(
-            m.contains(&format!("dense<0x{:016X}>", f64::from(0.01f32).to_bits()))
+            m.contains(&format!("dense<0x{:016X}>", f64::from(0.9f32).to_bits()))
+                && m.contains("%lr1: tensor<1xf64>")
                 && !m.contains("convert"),
             "{m}"
         );
         let sgd = Step::Sgd {
-            learning_rate: 0.1f32.to_bits(),
             momentum: 0f32.to_bits(),
             nesterov: false,
         };
         assert_eq!((sgd.slots(), sgd.powers()), (0, false));
         let m = step_mlir(sgd, DType::F32, 4);
         assert!(
-            m.contains("-> (tensor<4xf32>)") && m.contains("\"stablehlo.subtract\"(%w, %lg)"),
+            m.contains("-> (tensor<4xf32>)")
+                && m.contains("\"stablehlo.subtract\"(%w, %lg)")
+                && m.contains("(%lr1) {broadcast_dimensions = array<i64: 0>} : (tensor<1xf32>) -> tensor<4xf32>")
+                && !m.contains("stablehlo.constant"),
             "{m}"
         );
     }
