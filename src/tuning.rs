@@ -520,6 +520,32 @@ pub(crate) enum HostsForm {
 }
 
 impl HostsForm {
+    /// The form as `tutti perf` and `tutti tune` name what ran or would run, where the fewest
+    /// ranks on a host are `fewest`: `hosts/rings`, or `hosts/one-step-N` with N leaders a
+    /// host (`hosts/one-step-all`: every rank of the fewest leads one).
+    pub(crate) fn name(self, fewest: usize) -> &'static str {
+        const LEADERS: [&str; 7] = [
+            "hosts/one-step-1",
+            "hosts/one-step-2",
+            "hosts/one-step-4",
+            "hosts/one-step-8",
+            "hosts/one-step-16",
+            "hosts/one-step-32",
+            "hosts/one-step-64",
+        ];
+        let m = self.slices(fewest);
+        match self {
+            HostsForm::Rings => "hosts/rings",
+            HostsForm::OneStep(_) if m > 1 && m == fewest => "hosts/one-step-all",
+            // The model tries powers of two below the fewest, and the fewest.
+            HostsForm::OneStep(_) => LEADERS
+                .get(m.trailing_zeros() as usize)
+                .filter(|_| m.is_power_of_two())
+                .copied()
+                .unwrap_or("hosts/one-step"),
+        }
+    }
+
     /// The slices the form cuts the buffer into where the fewest ranks on a host are `fewest`.
     pub(crate) fn slices(self, fewest: usize) -> usize {
         let fewest = fewest.max(1);
@@ -915,6 +941,14 @@ mod tests {
         // cluster").
         assert_eq!(t.all_reduce(&shape, 8, false), AllReduce::Hosts);
         assert_eq!(t.hosts_form(&shape, 8, false).0, HostsForm::OneStep(1));
+        // As `tutti perf` names what ran.
+        assert_eq!(HostsForm::OneStep(1).name(4), "hosts/one-step-1");
+        assert_eq!(HostsForm::OneStep(2).name(4), "hosts/one-step-2");
+        assert_eq!(HostsForm::OneStep(4).name(4), "hosts/one-step-all");
+        assert_eq!(HostsForm::OneStep(3).name(3), "hosts/one-step-all");
+        assert_eq!(HostsForm::OneStep(8).name(3), "hosts/one-step-all");
+        assert_eq!(HostsForm::OneStep(1).name(1), "hosts/one-step-1");
+        assert_eq!(HostsForm::Rings.name(4), "hosts/rings");
         let x = terms(AllReduce::Doubling, &shape, 8).unwrap();
         assert_eq!((x.net[0], x.net[1]), (2.0, 6.0));
         let x = hosts_terms(&shape, 8, HostsForm::OneStep(4));

@@ -68,6 +68,8 @@ pub(crate) fn all_reduce(
         HostsForm::Rings // one host: its ring
     };
     let slices = form.slices(fewest);
+    // Before any step runs through another algorithm (whose note would not stand).
+    ctx.ran(form.name(fewest));
     let me = place[r];
     let members_at = v.len();
     v.extend((0..world).filter(|&k| host_of(k) == host_of(r)));

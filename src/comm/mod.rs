@@ -535,7 +535,8 @@ impl Communicator {
     /// What the last call on this rank that ran an algorithm (a barrier runs none) ran as, and
     /// which collective it was, once it succeeded: the
     /// algorithm `auto` became (`direct`, `ring`, `all-to-all` (one step), `recursive-doubling`,
-    /// `binomial-tree`, `hosts` (within each host, then among them), ...) or the path a named
+    /// `binomial-tree`, `hosts/rings` or `hosts/one-step-N` (within each host, then among them:
+    /// the hierarchy's rings, or its one-step form with N leaders a host), ...) or the path a named
     /// algorithm took (`ordered` where reductions are deterministic). `tutti perf` prints it for
     /// each size. `None` before any call, and for the calls that device engines run.
     pub fn last_algorithm(&self) -> Option<(Collective, &'static str)> {

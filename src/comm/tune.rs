@@ -222,6 +222,10 @@ pub(crate) fn predict_all_reduce(
     let shape = shape(comm);
     let compressed = comm.compression() != crate::config::Compression::None;
     let pick = figures.all_reduce(&shape, bytes, compressed);
+    if pick == crate::tuning::AllReduce::Hosts {
+        let (form, time) = figures.hosts_form(&shape, bytes, compressed);
+        return (form.name(shape.layout.fewest), Some(time));
+    }
     let time = figures
         .all_reduce_times(&shape, bytes, compressed)
         .into_iter()
