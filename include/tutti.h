@@ -3153,6 +3153,26 @@ tutti_result tutti_replica_place(const struct tutti_replica_context *ctx,
                                  struct tutti_tensor **out);
 
 /**
+ * Copy `count` elements of `dtype` from `data` to local replica `local_replica`'s device and
+ * write the new tensor to `*out`, from outside `tutti_strategy_run` (as `tutti_replica_place`
+ * places inside it): a PJRT buffer under TPUStrategy, host memory for CPU replicas. For an
+ * input pipeline that places the next step's batches while a step runs.
+ *
+ * Thread-safety: callable from any thread, during a run too.
+ *
+ * # Safety
+ *
+ * `strategy` is NULL or a live handle; `data` is NULL or holds `count` elements of `dtype`;
+ * `out` is NULL or writable.
+ */
+tutti_result tutti_strategy_place(const struct tutti_strategy *strategy,
+                                  size_t local_replica,
+                                  size_t count,
+                                  tutti_dtype dtype,
+                                  const void *data,
+                                  struct tutti_tensor **out);
+
+/**
  * A tensor in host memory holding `count` elements of `dtype` from `data`, written to `*out`
  * (for the default strategy and CPU replicas, whose tensors are host memory).
  *

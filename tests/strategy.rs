@@ -1921,6 +1921,143 @@ fn datasets_split_across_the_replicas_by_every_policy() {
     assert_eq!(v.0, [(0, 2), (1, 2)]);
 }
 
+/// Prefetched, a dataset's steps are the same, made by a thread at most the buffer ahead; on
+/// the replicas' devices (host memory for CPU replicas) each batch keeps its shape; an error
+/// and a panic of the dataset reach the caller in their place.
+#[test]
+fn prefetched_datasets_run_their_buffer_ahead_and_place_on_the_replicas() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use tutti::strategy::{AutoShardPolicy as P, Dataset};
+    let s = Strategy::mirrored(&logical_cpus(2).unwrap(), None).unwrap();
+    let plain = ids_of(
+        s.experimental_distribute_dataset(global_batches(), P::Data)
+            .unwrap(),
+    );
+    let ahead = s
+        .experimental_distribute_dataset(global_batches(), P::Data)
+        .unwrap()
+        .prefetch(2)
+        .unwrap();
+    assert_eq!(ids_of(ahead), plain);
+    // At most the buffer ahead: 2 global batches read before any step is taken, then one
+    // more for each step taken.
+    let pulled = Arc::new(AtomicUsize::new(0));
+    let counted = {
+        let pulled = pulled.clone();
+        (0..25).step_by(8).map(move |i| {
+            pulled.fetch_add(1, Ordering::SeqCst);
+            examples(i..(i + 8).min(25))
+        })
+    };
+    let settle = |want: usize| {
+        let t = Instant::now();
+        while pulled.load(Ordering::SeqCst) < want && t.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(pulled.load(Ordering::SeqCst), want, "batches read ahead");
+    };
+    let mut ds = s
+        .experimental_distribute_dataset(Dataset::from_batches(counted), P::Data)
+        .unwrap()
+        .prefetch(2)
+        .unwrap();
+    settle(2);
+    ds.next().unwrap().unwrap();
+    settle(3);
+    assert_eq!(ds.count(), 3);
+    // On the devices: each replica's rows, as tensors of the same shapes.
+    let placed: Vec<_> = s
+        .experimental_distribute_dataset(global_batches(), P::Data)
+        .unwrap()
+        .to_devices(&s, 1)
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(placed.len(), plain.len());
+    for (step, ids) in placed.iter().zip(&plain) {
+        for ((x, y), ids) in step.0.iter().zip(ids) {
+            assert_eq!(
+                (x.shape.clone(), y.shape.clone()),
+                (vec![ids.len(), 2], vec![ids.len()])
+            );
+            assert_eq!(x.tensor.kind(), tutti::DeviceKind::Cpu);
+            let firsts: Vec<usize> = x
+                .tensor
+                .to_vec::<f32>()
+                .unwrap()
+                .chunks(2)
+                .map(|r| r[0] as usize)
+                .collect();
+            assert_eq!(&firsts, ids);
+        }
+    }
+    assert_eq!(
+        s.place_on_replica(1, &[1.5f32])
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap(),
+        [1.5]
+    );
+    let e = s.place_on_replica(2, &[1.5f32]).unwrap_err().to_string();
+    assert!(e.contains("no local replica 2: the strategy has 2"), "{e}");
+    let one = Strategy::default_strategy();
+    let e = s
+        .experimental_distribute_dataset(global_batches(), P::Data)
+        .unwrap()
+        .to_devices(&one, 1)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("cut for 2 local replicas, the strategy has 1"),
+        "{e}"
+    );
+    let e = s
+        .experimental_distribute_dataset(global_batches(), P::Data)
+        .unwrap()
+        .prefetch(0)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("at least 1"), "{e}");
+    // A file that fails to read: the batches before it, its error, then nothing.
+    let files = (0..5).map(|k| PathBuf::from(format!("part-{k}"))).collect();
+    let failing = tutti::strategy::FileDataset::new(files, 5, |p| {
+        let k: usize = p.to_str().unwrap()[5..].parse().unwrap();
+        if k == 2 {
+            return Err(Error::config("disk on fire"));
+        }
+        Ok(examples(5 * k..5 * k + 5))
+    })
+    .unwrap();
+    let got: Vec<_> = s
+        .experimental_distribute_dataset(Dataset::Files(failing), P::Data)
+        .unwrap()
+        .prefetch(3)
+        .unwrap()
+        .collect();
+    assert_eq!(got.len(), 3);
+    assert!(got[..2].iter().all(Result::is_ok));
+    let e = got[2].as_ref().unwrap_err().to_string();
+    assert!(e.contains("reading part-2: disk on fire"), "{e}");
+    // A panic of the dataset's iterator is the caller's, at its place.
+    let panicking = (0..3).map(|i| {
+        assert!(i < 1, "batch {i} cannot be made");
+        examples(0..4)
+    });
+    let mut ds = s
+        .experimental_distribute_dataset(Dataset::from_batches(panicking), P::Data)
+        .unwrap()
+        .prefetch(2)
+        .unwrap();
+    assert!(ds.next().unwrap().is_ok());
+    let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ds.next())).unwrap_err();
+    let text = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(text.contains("batch 1 cannot be made"), "{text}");
+}
+
 /// Two workers of two replicas each: under DATA, FILE, AUTO and from a function the job sees
 /// each example once per epoch; under OFF each worker sees every one.
 #[test]

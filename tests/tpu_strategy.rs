@@ -610,3 +610,60 @@ fn optimizers_step_device_variables_on_their_devices() {
     assert!(err.contains("in host memory"), "{err}");
     assert_eq!(v.value().unwrap(), vec![1.0; 4]);
 }
+
+/// A dataset's batches placed on the replicas' devices ahead of the steps: each replica's rows
+/// in a buffer on its own device, which the replica context's collectives take where it lies.
+#[test]
+fn datasets_prefetch_to_the_replicas_devices() {
+    use tutti::strategy::{AutoShardPolicy, Dataset, Tensor};
+    let Some(c) = client() else { return };
+    let n = c.devices().len();
+    let s = Strategy::tpu(c.clone()).unwrap();
+    // 3 global batches of 2 rows a replica, 3 columns: row k holds k, k, k.
+    let batches = (0..3).map(move |b| {
+        let rows = 2 * n;
+        let data = (0..rows * 3).map(|i| (b * rows + i / 3) as f32).collect();
+        Tensor::new(data, vec![rows, 3]).unwrap()
+    });
+    let ds = s
+        .experimental_distribute_dataset(Dataset::from_batches(batches), AutoShardPolicy::Data)
+        .unwrap()
+        .to_devices(&s, 2)
+        .unwrap();
+    let staged = c.cache_stats().staged_calls;
+    for (b, step) in ds.enumerate() {
+        let slots: Vec<std::sync::Mutex<Option<tutti::strategy::PlacedTensor>>> = step
+            .unwrap()
+            .0
+            .into_iter()
+            .map(|t| std::sync::Mutex::new(Some(t)))
+            .collect();
+        let sums = s
+            .run(|ctx| {
+                let me = ctx.local_replica_id();
+                let mut t = slots[me].lock().unwrap().take().unwrap();
+                assert_eq!(t.shape, [2, 3]);
+                let on = t.tensor.as_xla().map(|x| x.device());
+                assert_eq!(on, Some(me), "replica {me}'s batch is on {:?}", t.tensor);
+                ctx.all_reduce_tensor(ReduceOp::Sum, &mut t.tensor)?;
+                t.tensor.to_vec::<f32>()
+            })
+            .unwrap();
+        // Each column sums the rows of every replica: rows b*2n .. b*2n+2n, their pairs summed.
+        let rows: Vec<f32> = (0..2 * n).map(|k| (b * 2 * n + k) as f32).collect();
+        let want: Vec<f32> = (0..2)
+            .flat_map(|r| {
+                let s: f32 = (0..n).map(|i| rows[2 * i + r]).sum();
+                [s; 3]
+            })
+            .collect();
+        for got in sums.local_results() {
+            assert_eq!(got, &want, "step {b}");
+        }
+    }
+    assert_eq!(
+        c.cache_stats().staged_calls,
+        staged,
+        "the batches went through host memory"
+    );
+}

@@ -910,6 +910,7 @@ public:
 
 private:
     friend class replica_context;
+    friend class strategy;
     explicit tensor(tutti_tensor *t) : h_(t) {}
     std::unique_ptr<tutti_tensor, detail::tensor_deleter> h_;
 };
@@ -1028,6 +1029,15 @@ public:
         std::size_t n = 0;
         detail::check(tutti_strategy_num_replicas(h_.get(), nullptr, &n));
         return n;
+    }
+    /// `data` placed on local replica `local_replica`'s device from outside run, from any
+    /// thread (tutti_strategy_place): an input pipeline's next batch.
+    template <typename T>
+    tensor<T> place_on_replica(std::size_t local_replica, const std::vector<T> &data) const {
+        tutti_tensor *t = nullptr;
+        detail::check(tutti_strategy_place(h_.get(), local_replica, data.size(),
+                                           dtype_of<T>::value, data.data(), &t));
+        return tensor<T>(t);
     }
     /// fn(const replica_context &) once per local replica, in parallel. An exception fn throws
     /// is rethrown here (the replica's own, rather than a sibling's woken by it); the strategy

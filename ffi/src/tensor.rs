@@ -95,6 +95,40 @@ pub unsafe extern "C" fn tutti_replica_place(
     })
 }
 
+/// Copy `count` elements of `dtype` from `data` to local replica `local_replica`'s device and
+/// write the new tensor to `*out`, from outside `tutti_strategy_run` (as `tutti_replica_place`
+/// places inside it): a PJRT buffer under TPUStrategy, host memory for CPU replicas. For an
+/// input pipeline that places the next step's batches while a step runs.
+///
+/// Thread-safety: callable from any thread, during a run too.
+///
+/// # Safety
+///
+/// `strategy` is NULL or a live handle; `data` is NULL or holds `count` elements of `dtype`;
+/// `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_strategy_place(
+    strategy: *const crate::strategy::tutti_strategy,
+    local_replica: usize,
+    count: usize,
+    dtype: tutti_dtype,
+    data: *const c_void,
+    out: *mut *mut tutti_tensor,
+) -> tutti_result {
+    boundary("tutti_strategy_place", || {
+        // SAFETY: as the caller promises.
+        let s = unsafe { crate::strategy::strategy_ref(strategy) }?;
+        let out = out_ptr(out, "out")?;
+        // SAFETY: as the caller promises.
+        let (dtype, bytes) = unsafe { input(count, dtype, data, "data") }?;
+        let t = tutti::for_each_dtype!(dtype, T => {
+            s.place_on_replica(local_replica, typed_ref::<T>(bytes))?
+        });
+        hand_out(out, t);
+        Ok(())
+    })
+}
+
 /// A tensor in host memory holding `count` elements of `dtype` from `data`, written to `*out`
 /// (for the default strategy and CPU replicas, whose tensors are host memory).
 ///

@@ -1,15 +1,18 @@
 //! Input, as tf.distribute has it: a dataset of global batches split across every replica in
 //! sync and shared among the workers by an auto-shard policy
 //! ([`Strategy::experimental_distribute_dataset`]), a per-worker input function given an
-//! [`InputContext`] ([`Strategy::distribute_datasets_from_function`]), and per-replica values
-//! from a function ([`Strategy::experimental_distribute_values_from_function`]).
+//! [`InputContext`] ([`Strategy::distribute_datasets_from_function`]), per-replica values
+//! from a function ([`Strategy::experimental_distribute_values_from_function`]), and the steps'
+//! batches made ahead by a thread, on the replicas' devices where asked
+//! ([`DistributedDataset::prefetch`], [`DistributedDataset::to_devices`]).
 
 use std::ops::Range;
 use std::path::PathBuf;
 
 use super::{PerReplica, Strategy, Tensor};
 use crate::algorithm::partition;
-use crate::dtype::Element;
+use crate::device::DeviceTensor;
+use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 
 /// How [`Strategy::experimental_distribute_dataset`] shares a dataset among the workers
@@ -128,6 +131,42 @@ impl<A: Batch, B: Batch> Batch for (A, B) {
     fn concat(parts: &[Self]) -> Result<Self> {
         let (a, b): (Vec<A>, Vec<B>) = parts.iter().cloned().unzip();
         Ok((A::concat(&a)?, B::concat(&b)?))
+    }
+}
+
+/// A batch whose tensors can be placed on a replica's device
+/// ([`DistributedDataset::to_devices`]): each becomes a [`DeviceTensor`] there, its shape kept.
+pub trait DeviceBatch: Batch {
+    /// The batch on a device.
+    type Placed: Send + 'static;
+    /// Every tensor placed by `put` (its element type and bytes in, the tensor on the device
+    /// out), in the batch's structure.
+    fn place(&self, put: &dyn Fn(DType, &[u8]) -> Result<DeviceTensor>) -> Result<Self::Placed>;
+}
+
+/// A batch's tensor on a replica's device: the elements, row-major, and the shape.
+#[derive(Debug)]
+pub struct PlacedTensor {
+    /// The elements, on the device.
+    pub tensor: DeviceTensor,
+    /// The dimensions.
+    pub shape: Vec<usize>,
+}
+
+impl<T: Element> DeviceBatch for Tensor<T> {
+    type Placed = PlacedTensor;
+    fn place(&self, put: &dyn Fn(DType, &[u8]) -> Result<DeviceTensor>) -> Result<PlacedTensor> {
+        Ok(PlacedTensor {
+            tensor: put(T::DTYPE, bytemuck::cast_slice(&self.data))?,
+            shape: self.shape.clone(),
+        })
+    }
+}
+
+impl<A: DeviceBatch, B: DeviceBatch> DeviceBatch for (A, B) {
+    type Placed = (A::Placed, B::Placed);
+    fn place(&self, put: &dyn Fn(DType, &[u8]) -> Result<DeviceTensor>) -> Result<Self::Placed> {
+        Ok((self.0.place(put)?, self.1.place(put)?))
     }
 }
 
@@ -314,6 +353,105 @@ impl<B: Batch> Iterator for DistributedDataset<B> {
                 Some(Err(e))
             }
         }
+    }
+}
+
+impl<B: Batch> DistributedDataset<B> {
+    /// The same per-replica batches, made up to `buffer_size` steps ahead by a thread of their
+    /// own, as tf.data's `prefetch`: reading files and cutting batches overlap the steps. An
+    /// error reaches the caller in its place, after the batches before it.
+    pub fn prefetch(self, buffer_size: usize) -> Result<Prefetched<PerReplica<B>>> {
+        Prefetched::spawn(self, buffer_size)
+    }
+
+    /// The same per-replica batches, each replica's placed on that replica's device up to
+    /// `buffer_size` steps ahead, by a thread of their own (TensorFlow's
+    /// `experimental_fetch_to_device` and `experimental_per_replica_buffer_size`): PJRT buffers on
+    /// the replicas' XLA devices under [`Strategy::tpu`], where the replica context's
+    /// collectives on tensors take them; host memory for CPU replicas. `strategy` is the one
+    /// the dataset was made by. A batch's upload then overlaps the step before it.
+    pub fn to_devices(
+        self,
+        strategy: &Strategy,
+        buffer_size: usize,
+    ) -> Result<Prefetched<PerReplica<B::Placed>>>
+    where
+        B: DeviceBatch,
+    {
+        let placer = strategy.placer();
+        if self.local != placer.local() {
+            return Err(Error::config(format!(
+                "to_devices: the dataset is cut for {} local replicas, the strategy has {}: \
+                 pass the strategy that made it",
+                self.local,
+                placer.local()
+            )));
+        }
+        let placed = self.map(move |step| {
+            let step = step?;
+            let mut out = Vec::with_capacity(step.0.len());
+            for (i, batch) in step.0.iter().enumerate() {
+                out.push(batch.place(&|dtype, bytes| placer.place(i, dtype, bytes))?);
+            }
+            Ok(PerReplica(out))
+        });
+        Prefetched::spawn(placed, buffer_size)
+    }
+}
+
+/// Values made ahead by a thread of their own, at most `buffer_size` of them
+/// ([`DistributedDataset::prefetch`], [`DistributedDataset::to_devices`]). Each error reaches
+/// the caller in its place and ends the values; a panic of the dataset's own iterator is
+/// resumed in the caller's `next`. Dropped early, the thread stops once it has made the value
+/// in hand.
+pub struct Prefetched<T> {
+    rx: crossbeam_channel::Receiver<Result<T>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl<T: Send + 'static> Prefetched<T> {
+    fn spawn(
+        source: impl Iterator<Item = Result<T>> + Send + 'static,
+        buffer_size: usize,
+    ) -> Result<Prefetched<T>> {
+        if buffer_size == 0 {
+            return Err(Error::config(
+                "prefetching: the buffer size must be at least 1 (steps made ahead)",
+            ));
+        }
+        // The thread holds the value it made while it waits to hand it over: the channel
+        // holds the rest.
+        let (tx, rx) = crossbeam_channel::bounded(buffer_size - 1);
+        let thread = std::thread::Builder::new()
+            .name("tutti-input".into())
+            .spawn(move || {
+                for item in source {
+                    let failed = item.is_err();
+                    if tx.send(item).is_err() || failed {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| Error::io("starting the input thread", e))?;
+        Ok(Prefetched {
+            rx,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl<T> Iterator for Prefetched<T> {
+    type Item = Result<T>;
+
+    fn next(&mut self) -> Option<Result<T>> {
+        if let Ok(item) = self.rx.recv() {
+            return Some(item);
+        }
+        // The thread ended: the values are done, or the dataset's iterator panicked.
+        if let Some(Err(panic)) = self.thread.take().map(std::thread::JoinHandle::join) {
+            std::panic::resume_unwind(panic);
+        }
+        None
     }
 }
 

@@ -40,7 +40,8 @@ mod variables;
 pub use checkpoint::{Checkpoint, CheckpointManager, SidecarEvaluator};
 pub use fusion::pack_plan;
 pub use input::{
-    AutoShardPolicy, Batch, Dataset, DistributedDataset, FileDataset, InputContext, ValueContext,
+    AutoShardPolicy, Batch, Dataset, DeviceBatch, DistributedDataset, FileDataset, InputContext,
+    PlacedTensor, Prefetched, ValueContext,
 };
 pub use scope::{current_strategy, enter_scope, exit_scope, Scope, Variable};
 pub use tensor::Tensor;
@@ -264,6 +265,41 @@ pub struct Strategy {
     engine: Option<(DeviceKind, Arc<dyn GroupEngine>)>,
     /// Where the replicas meet for a custom cross-device op.
     meet: Meet,
+}
+
+/// Places values on a strategy's local replicas' devices, as their communicators do
+/// ([`Communicator::place`]), without the strategy: an input pipeline's thread holds one.
+pub(crate) struct Placer {
+    /// The replicas' group engine, where it keeps tensors on the devices.
+    engine: Option<Arc<dyn GroupEngine>>,
+    local: usize,
+}
+
+impl Placer {
+    /// Local replicas.
+    pub(crate) fn local(&self) -> usize {
+        self.local
+    }
+
+    /// `bytes` (whole elements of `dtype`) on local replica `replica`'s device.
+    pub(crate) fn place(&self, replica: usize, dtype: DType, bytes: &[u8]) -> Result<DeviceTensor> {
+        if replica >= self.local {
+            return Err(Error::config(format!(
+                "no local replica {replica}: the strategy has {}",
+                self.local
+            )));
+        }
+        if bytes.len() % dtype.size() != 0 {
+            return Err(Error::config(format!(
+                "{} bytes are not whole {dtype} elements",
+                bytes.len()
+            )));
+        }
+        match &self.engine {
+            Some(engine) => engine.place(replica, dtype, bytes),
+            None => Ok(DeviceTensor::from_bytes(dtype, bytes)),
+        }
+    }
 }
 
 /// Where a worker's replicas meet for a custom cross-device op: each leaves its buffer, the
@@ -879,6 +915,31 @@ impl Strategy {
     /// Replicas on this worker.
     pub fn num_local_replicas(&self) -> usize {
         self.devices.len()
+    }
+
+    /// A tensor holding `data` on local replica `local_replica`'s device, from outside
+    /// [`Strategy::run`] (as [`ReplicaContext::place`] places it inside): a PJRT buffer under
+    /// [`Strategy::tpu`], host memory for CPU replicas. Callable from any thread, during a
+    /// run too (an input pipeline placing the next step's batches).
+    pub fn place_on_replica<T: Element>(
+        &self,
+        local_replica: usize,
+        data: &[T],
+    ) -> Result<DeviceTensor> {
+        self.placer()
+            .place(local_replica, T::DTYPE, bytemuck::cast_slice(data))
+    }
+
+    /// What places values on the local replicas' devices, apart from the strategy.
+    pub(crate) fn placer(&self) -> Placer {
+        Placer {
+            engine: self
+                .engine
+                .as_ref()
+                .map(|(_, e)| e.clone())
+                .filter(|e| !e.per_rank()),
+            local: self.num_local_replicas(),
+        }
     }
 
     /// Replicas in sync across the whole job.

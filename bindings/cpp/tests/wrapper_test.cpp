@@ -482,6 +482,13 @@ static void strategies_and_checkpoints() {
         ctx.broadcast(h, 1);
         EXPECT(h.read()[0] == 7);
     });
+    // Placed on a replica's device from outside run (an input pipeline's batch).
+    EXPECT((s.place_on_replica(2, std::vector<std::int32_t>{5, 6}).read() ==
+            std::vector<std::int32_t>{5, 6}));
+    {
+        tutti::error e = expect_throw([&] { s.place_on_replica(3, std::vector<std::int32_t>{5}); });
+        EXPECT(std::string(e.what()).find("no local replica 3") != std::string::npos);
+    }
     std::vector<float> mean = s.reduce(std::vector<std::vector<float>>{{1, 2}, {3, 4}, {5, 6}},
                                        tutti::op::mean);
     EXPECT(mean[0] == 3.0f && mean[1] == 4.0f);

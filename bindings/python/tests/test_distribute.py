@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -758,6 +759,70 @@ def test_values_from_a_function_and_datasets_split_across_the_replicas():
         for batch in s.experimental_distribute_dataset(global_batches):
             total = s.reduce("SUM", s.run(lambda b: np.float32(len(b[0])), args=(batch,)))
         assert total == 1.0  # the last step's rows
+
+
+def test_datasets_fetch_to_the_replicas_devices_ahead_of_the_steps():
+    s = td.MirroredStrategy(cpus(2))
+    global_batches = [_stack(_examples(25)[i : i + 8]) for i in range(0, 25, 8)]
+    plain = list(s.experimental_distribute_dataset(global_batches))
+    options = td.InputOptions(experimental_fetch_to_device=True, experimental_per_replica_buffer_size=2)
+    placed = list(s.experimental_distribute_dataset(global_batches, options))
+    assert len(placed) == len(plain) == 4
+    for host, dev in zip(plain, placed):
+        for h, d in zip(host.values, dev.values):
+            assert isinstance(d, tuple) and all(isinstance(t, td.DeviceTensor) for t in d)
+            assert d[0].device_kind == "cpu" and d[0].shape == h[0].shape
+            np.testing.assert_array_equal(d[0].numpy(), h[0])
+            np.testing.assert_array_equal(d[1].numpy(), h[1])
+
+    # A replica function takes its batch where it lies.
+    def rows(batch):
+        x, _ = batch
+        return td.get_replica_context().all_reduce("SUM", x).numpy()
+
+    sums = s.experimental_local_results(s.run(rows, args=(placed[0],)))
+    np.testing.assert_array_equal(sums[0], plain[0].values[0][0] + plain[0].values[1][0])
+
+    # At most the buffer ahead: after one step is taken, that one and 2 more read.
+    pulled = []
+
+    def counted():
+        for b in global_batches:
+            pulled.append(1)
+            yield b
+
+    it = iter(s.experimental_distribute_dataset(counted(), options))
+    next(it)
+
+    def settle(want):
+        deadline = time.monotonic() + 20
+        while len(pulled) < want and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.05)
+        assert len(pulled) == want
+
+    settle(3)
+    assert len(list(it)) == 3
+    # An error reaches the caller in its place, after the steps before it.
+
+    def failing():
+        yield global_batches[0]
+        raise OSError("disk on fire")
+
+    it = iter(s.experimental_distribute_dataset(failing(), options))
+    next(it)
+    with pytest.raises(OSError, match="disk on fire"):
+        next(it)
+    with pytest.raises(ValueError, match="at least 1"):
+        td.InputOptions(experimental_per_replica_buffer_size=0)
+    # From a function too; and a closed strategy is an error, not a crash.
+    ds = s.distribute_datasets_from_function(lambda ctx: [global_batches[0][0][:4]] * 2, options)
+    (step,) = list(ds)
+    assert [t.shape for t in step.values] == [(4, 2), (4, 2)]
+    it = iter(s.experimental_distribute_dataset(global_batches, options))
+    s.close()
+    with pytest.raises(ValueError, match="closed"):
+        next(it)
 
 
 def _stack(examples):

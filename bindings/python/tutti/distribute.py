@@ -59,6 +59,7 @@ import contextlib
 import ctypes
 import json
 import os
+import queue
 import re
 import sys
 import threading
@@ -139,6 +140,8 @@ _PROTOTYPES = {
                                               ctypes.POINTER(ctypes.c_void_p)]),
     "tutti_tensor_from_host": (ctypes.c_uint32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p,
                                                  ctypes.POINTER(ctypes.c_void_p)]),
+    "tutti_strategy_place": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_uint32,
+                                               ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]),
     "tutti_replica_all_reduce_tensor": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p]),
     "tutti_tensor_info": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32),
                                             ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_uint32)]),
@@ -678,11 +681,22 @@ def _policy(p):
 
 
 class InputOptions:
-    """Options of ``experimental_distribute_dataset``: ``auto_shard_policy`` (TensorFlow sets it
-    on the dataset's options; here it is given with the call)."""
+    """Options of ``experimental_distribute_dataset`` and ``distribute_datasets_from_function``:
+    ``auto_shard_policy`` (TensorFlow sets it on the dataset's options; here it is given with
+    the call); ``experimental_fetch_to_device``: each replica's batch placed on its device as
+    ``DeviceTensor``s (PJRT buffers under ``TPUStrategy``, host memory for CPU replicas) by a
+    thread of its own, up to ``experimental_per_replica_buffer_size`` steps ahead, so that the
+    uploads overlap the steps. Unlike TensorFlow's, it is off unless asked for: a replica
+    function over numpy arrays reads host arrays, not device buffers."""
 
-    def __init__(self, auto_shard_policy=AutoShardPolicy.AUTO):
+    def __init__(self, auto_shard_policy=AutoShardPolicy.AUTO, experimental_fetch_to_device=None,
+                 experimental_per_replica_buffer_size=1):
         self.auto_shard_policy = _policy(auto_shard_policy)
+        self.experimental_fetch_to_device = bool(experimental_fetch_to_device)
+        n = int(experimental_per_replica_buffer_size)
+        if n < 1:
+            raise ValueError(f"InputOptions: experimental_per_replica_buffer_size {n} must be at least 1")
+        self.experimental_per_replica_buffer_size = n
 
 
 class InputContext:
@@ -743,6 +757,51 @@ def _take(batch, start, stop):
     return np.asarray(batch)[start:stop]
 
 
+def _map_leaves(batch, f):
+    """``f`` of every array of a batch, in its structure."""
+    if isinstance(batch, dict):
+        return {k: _map_leaves(v, f) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return _rebuild(batch, [_map_leaves(v, f) for v in batch])
+    return f(batch)
+
+
+def _ahead(items, depth):
+    """``items`` made by a thread of their own, at most ``depth`` of them ahead of the caller;
+    an exception reaches the caller in its place and ends them. Once the caller stops taking
+    (the generator closed), the thread stops after the item in hand."""
+    made, slots, stop = queue.Queue(), threading.Semaphore(depth), threading.Event()
+    end = object()
+
+    def produce():
+        try:
+            while True:
+                while not slots.acquire(timeout=0.05):
+                    if stop.is_set():
+                        return
+                if stop.is_set():
+                    return
+                item = next(items, end)
+                made.put((item, None))
+                if item is end:
+                    return
+        except BaseException as e:  # noqa: B036 - handed to the caller, in its place
+            made.put((end, e))
+
+    threading.Thread(target=produce, name="tutti-input", daemon=True).start()
+    try:
+        while True:
+            item, error = made.get()
+            slots.release()
+            if error is not None:
+                raise error
+            if item is end:
+                return
+            yield item
+    finally:
+        stop.set()
+
+
 def _rebuild(like, items):
     """A tuple, list or named tuple of ``like``'s kind holding ``items``."""
     return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
@@ -799,9 +858,10 @@ class DistributedDataset:
     local replica), to pass to ``strategy.run``. A replica may get no rows of an uneven last
     batch (an empty slice)."""
 
-    def __init__(self, strategy, dataset, policy, worker, workers):
+    def __init__(self, strategy, dataset, policy, worker, workers, options=None):
         self._strategy, self._dataset, self._policy = strategy, dataset, policy
         self._worker, self._workers = worker, workers
+        self._options = options or InputOptions()
 
     def _local(self, batch, n, first, total):
         """This worker's replicas' rows of a batch of ``n`` rows cut into ``total`` parts,
@@ -811,6 +871,19 @@ class DistributedDataset:
         return values[0] if local == 1 else PerReplica(values)
 
     def __iter__(self):
+        if not self._options.experimental_fetch_to_device:
+            return self._steps()
+        return _ahead(self._placed(self._steps()), self._options.experimental_per_replica_buffer_size)
+
+    def _placed(self, steps):
+        """Each step's per-replica batches, every array on its replica's device."""
+        strategy = self._strategy
+        for step in steps:
+            values = step.values if isinstance(step, PerReplica) else (step,)
+            placed = [_map_leaves(v, lambda a, i=i: strategy._place_on(i, a)) for i, v in enumerate(values)]
+            yield PerReplica(placed) if isinstance(step, PerReplica) else placed[0]
+
+    def _steps(self):
         local, total = self._strategy._local, self._strategy._total
         if self._policy is None:  # from a function: each replica takes the pipeline's next batch
             it = iter(self._dataset)
@@ -864,6 +937,7 @@ class Strategy:
         self._h = h
         self._kind = kind
         self._lock = threading.Lock()  # one run or reduce at a time
+        self._placing = threading.Lock()  # an input thread's placement, which close waits for
         total, local = ctypes.c_size_t(), ctypes.c_size_t()
         _check(_lib().tutti_strategy_num_replicas(h, ctypes.byref(total), ctypes.byref(local)))
         self._total, self._local = total.value, local.value
@@ -1114,7 +1188,8 @@ class Strategy:
         ``DistributedDataset`` whose elements are per-replica batches. How the workers share
         it follows ``options.auto_shard_policy`` (see ``AutoShardPolicy``)."""
         worker, workers = self._worker()
-        policy = _policy((options or InputOptions()).auto_shard_policy)
+        options = options or InputOptions()
+        policy = _policy(options.auto_shard_policy)
         if policy == AutoShardPolicy.AUTO:
             files = isinstance(dataset, FileDataset) and len(dataset.files) >= workers
             policy = AutoShardPolicy.FILE if files else AutoShardPolicy.DATA
@@ -1145,7 +1220,7 @@ class Strategy:
                     "and a step then waits for the others",
                     stacklevel=2,
                 )
-        return DistributedDataset(self, dataset, policy, worker, workers)
+        return DistributedDataset(self, dataset, policy, worker, workers, options)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """``dataset_fn(InputContext)`` once on this worker (its input pipeline), an iterable of
@@ -1154,7 +1229,7 @@ class Strategy:
         batches with ``get_per_replica_batch_size``."""
         worker, workers = self._worker()
         ctx = InputContext(workers, worker, self._total)
-        return DistributedDataset(self, dataset_fn(ctx), None, worker, workers)
+        return DistributedDataset(self, dataset_fn(ctx), None, worker, workers, options)
 
     def _reduce(self, op, parts):
         parts = [np.require(p, requirements="C") for p in parts]  # 0-d stays 0-d
@@ -1199,10 +1274,21 @@ class Strategy:
 
     def close(self):
         """Stop the replicas and release the strategy (also when it is garbage)."""
-        with self._cross_replica("close"):
+        with self._cross_replica("close"), self._placing:
             h, self._h = self._h, None
             if h:
                 _lib().tutti_strategy_destroy(h)
+
+    def _place_on(self, replica, value):
+        """``value`` (an array) on local replica ``replica``'s device, as a ``DeviceTensor``,
+        from any thread (an input pipeline's, while a step runs)."""
+        a = np.ascontiguousarray(value)
+        _check_dtype(a.dtype, "place")
+        h = ctypes.c_void_p()
+        with self._placing:
+            _check(_lib().tutti_strategy_place(self._handle(), replica, a.size, tutti.DTYPES[a.dtype.name],
+                                               a.ctypes.data_as(ctypes.c_void_p), ctypes.byref(h)))
+        return DeviceTensor._wrap(h.value, a.shape, a.dtype)
 
     def __del__(self):
         if sys.is_finalizing():

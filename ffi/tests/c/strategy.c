@@ -227,6 +227,17 @@ int main(void) {
     CHECK(tutti_strategy_create(TUTTI_STRATEGY_MIRRORED, 4, TUTTI_CROSS_DEVICE_OPS_RING, &s));
     CHECK(tutti_strategy_num_replicas(s, &n, &local));
     EXPECT(n == 4 && local == 4);
+    {
+        /* Placed on a replica's device from outside run: host memory on CPU replicas. */
+        tutti_tensor *t = NULL;
+        int32_t x[2] = {7, 9}, back[2] = {0, 0};
+        CHECK(tutti_strategy_place(s, 3, 2, TUTTI_DTYPE_I32, x, &t));
+        CHECK(tutti_tensor_read(t, 2, TUTTI_DTYPE_I32, back));
+        EXPECT(back[0] == 7 && back[1] == 9);
+        tutti_tensor_destroy(t);
+        EXPECT_ERROR(tutti_strategy_place(NULL, 0, 2, TUTTI_DTYPE_I32, x, &t),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "strategy is NULL");
+    }
     memset(&sh, 0, sizeof sh);
     CHECK(tutti_strategy_run(s, step, &sh));
     for (i = 0; i < 4; i++) {

@@ -174,6 +174,22 @@ int main(void) {
             tutti_device_variable_destroy(v);
             tutti_device_variable_destroy(NULL);
         }
+        {
+            /* Placed on replica 2's device from outside run (an input pipeline). */
+            tutti_tensor *t = NULL;
+            float x[3] = {1.0f, 2.0f, 3.0f}, back[3];
+            tutti_dtype dtype;
+            size_t count = 0;
+            tutti_device_kind kind;
+            CHECK(tutti_strategy_place(s, 2, 3, TUTTI_DTYPE_F32, x, &t));
+            CHECK(tutti_tensor_info(t, &dtype, &count, &kind));
+            EXPECT(dtype == TUTTI_DTYPE_F32 && count == 3 && kind == TUTTI_DEVICE_XLA);
+            CHECK(tutti_tensor_read(t, 3, TUTTI_DTYPE_F32, back));
+            EXPECT(back[0] == 1.0f && back[2] == 3.0f);
+            tutti_tensor_destroy(t);
+            EXPECT_ERROR(tutti_strategy_place(s, 4, 3, TUTTI_DTYPE_F32, x, &t),
+                         TUTTI_ERROR_INVALID_ARGUMENT, "no local replica 4");
+        }
         tutti_strategy_destroy(s);
     }
     printf("xla: ok\n");
