@@ -1144,10 +1144,13 @@ fn ps_variables_of_every_float_dtype_step_by_rules_the_ps_tasks_keep() {
             .to_string();
         assert!(e.contains("3 f32 values for variable 1 of 3 f16"), "{e}");
         let e = coord
-            .create_variable_with("e", vec![1.0f32].into(), sgd(0.0), None)
+            .create_variable_with("e", vec![1.0f32].into(), sgd(-1.0), None)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("learning rate 0 must be positive"), "{e}");
+        assert!(
+            e.contains("learning rate -1 must be finite and not negative"),
+            "{e}"
+        );
         assert!(Values::zeros(DType::I32, 3)
             .unwrap_err()
             .to_string()
@@ -2201,13 +2204,16 @@ fn optimizers_train_every_copy_to_the_one_replica_weights() {
         (w[0] - 0.5).abs() < 0.05 && (w[1] + 1.0).abs() < 0.05,
         "{w:?}"
     );
-    assert!(tutti::strategy::Optimizer::sgd(0.0).is_err());
+    assert!(tutti::strategy::Optimizer::sgd(-0.5).is_err());
+    assert!(tutti::strategy::Optimizer::sgd(f32::INFINITY).is_err());
     assert!(tutti::strategy::compute_average_loss(&[1.0], 0).is_err());
 }
 
 /// A learning rate set between steps, or a schedule of the step count, steps every kind of
-/// variable at the step's rate, every copy alike; a rate that is not positive is an error of
-/// its step that leaves the variables as they were.
+/// variable at the step's rate, every copy alike, however far apart the replicas run (a replica
+/// begins its next step before replica 0 has counted the last); a rate of 0 steps nothing; a
+/// rate that is negative or not finite is an error of its step that leaves the variables as
+/// they were.
 #[test]
 fn a_learning_rate_set_between_steps_or_scheduled_steps_every_kind_of_variable() {
     use tutti::strategy::Optimizer;
@@ -2215,55 +2221,62 @@ fn a_learning_rate_set_between_steps_or_scheduled_steps_every_kind_of_variable()
     let h = s.mirrored_variable(&[1.0f32; 2]).unwrap();
     let d = s.device_variable(&[1.0f32; 2]).unwrap();
     let opt = Optimizer::sgd(0.1).unwrap();
-    // Each replica's gradient is 1: the sum, 3.
+    // Each replica's gradient is 1: the sum, 3. Two steps a run, and replica 2 slower.
     let step = || {
         s.run(|ctx| {
+            if ctx.local_replica_id() == 2 {
+                std::thread::sleep(Duration::from_millis(2));
+            }
             opt.apply_gradients(ctx, &[(&[1.0f32; 2], &h)])?;
             opt.apply_device_gradients(ctx, &mut [(&mut ctx.place(&[1.0f32; 2])?, &d)])
         })
     };
-    // Each run counts two steps: halve the rate every second step.
-    opt.set_schedule(|t| 0.1 * 0.5f32.powi((t / 2) as i32));
+    // The rate halves at every step.
+    opt.set_schedule(|t| 0.1 * 0.5f32.powi(t as i32));
     assert_eq!(opt.learning_rate(), 0.1);
     for _ in 0..2 {
         step().unwrap();
     }
     assert_eq!(opt.iterations(), 4);
-    assert_eq!(opt.learning_rate(), 0.025);
-    let want = 1.0 - 3.0 * (0.1 + 0.05);
-    for w in h.value().into_iter().chain(d.value().unwrap()) {
+    assert_eq!(opt.learning_rate(), 0.1 * 0.5f32.powi(4));
+    // The mirrored variable took steps 0 and 2, the device variable 1 and 3.
+    let (want_h, want_d) = (1.0 - 3.0 * (0.1 + 0.025), 1.0 - 3.0 * (0.05 + 0.0125));
+    let close = |want_h: f32, want_d: f32, what: &str| {
         assert!(
-            (w - want).abs() < 1e-6,
-            "{w} after 2 scheduled steps, not {want}"
+            h.in_sync() && d.in_sync().unwrap(),
+            "{what}: the copies differ"
         );
-    }
-    assert!(h.in_sync() && d.in_sync().unwrap());
+        for (w, want) in h.value().into_iter().zip([want_h; 2]) {
+            assert!((w - want).abs() < 1e-6, "{what}: {w}, not {want}");
+        }
+        for (w, want) in d.value().unwrap().into_iter().zip([want_d; 2]) {
+            assert!((w - want).abs() < 1e-6, "{what}: {w}, not {want}");
+        }
+    };
+    close(want_h, want_d, "2 runs of a schedule");
     opt.set_learning_rate(0.2).unwrap();
     step().unwrap();
-    let want = want - 3.0 * 0.2;
-    for w in h.value().into_iter().chain(d.value().unwrap()) {
-        assert!(
-            (w - want).abs() < 1e-6,
-            "{w} after a step at 0.2, not {want}"
-        );
-    }
+    let (want_h, want_d) = (want_h - 0.6, want_d - 0.6);
+    close(want_h, want_d, "a step at 0.2");
+    // 0 (a warm-up's first rate) steps nothing.
+    opt.set_schedule(|t| if t == 6 { 0.0 } else { 0.1 });
+    step().unwrap();
+    close(want_h, want_d - 0.3, "steps at 0 and 0.1");
+    let want_d = want_d - 0.3;
     let e = opt.set_learning_rate(-1.0).unwrap_err().to_string();
-    assert!(e.contains("learning rate -1 must be positive"), "{e}");
-    assert_eq!(opt.learning_rate(), 0.2);
-    // A schedule's rate that is not positive fails its step, naming it, on every replica.
-    opt.set_schedule(|t| if t == 6 { f32::NAN } else { 0.1 });
-    let e = step().unwrap_err().to_string();
     assert!(
-        e.contains("apply_gradients: step 6 of the optimizer: learning rate NaN must be positive"),
+        e.contains("learning rate -1 must be finite and not negative"),
         "{e}"
     );
-    assert_eq!(opt.iterations(), 6);
-    for w in h.value().into_iter().chain(d.value().unwrap()) {
-        assert!(
-            (w - want).abs() < 1e-6,
-            "{w}: a failed step changed the variable"
-        );
-    }
+    // A schedule's rate that is not finite fails its step, naming it, on every replica.
+    opt.set_schedule(|t| if t == 8 { f32::NAN } else { 0.1 });
+    let e = step().unwrap_err().to_string();
+    assert!(
+        e.contains("apply_gradients: step 8 of the optimizer: learning rate NaN must be finite"),
+        "{e}"
+    );
+    assert_eq!(opt.iterations(), 8);
+    close(want_h, want_d, "a failed step");
 }
 
 /// The optimizer steps f64 and bf16 variables too (bf16 in f32 arithmetic), every copy alike.

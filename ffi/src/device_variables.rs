@@ -358,8 +358,8 @@ macro_rules! for_each_param {
 }
 
 /// Create an optimizer stepping by `rule` (a `tutti_ps_update` from `TUTTI_PS_UPDATE_INIT`;
-/// its `slots` key is not used) and write it to `*out`. A learning rate that is not positive
-/// and finite, or a hyper-parameter out of range, is an argument error naming it.
+/// its `slots` key is not used) and write it to `*out`. A learning rate that is negative
+/// or not finite, or a hyper-parameter out of range, is an argument error naming it.
 ///
 /// Thread-safety: callable from any thread.
 ///
@@ -426,11 +426,13 @@ pub unsafe extern "C" fn tutti_optimizer_iterations(
 }
 
 /// From the next step on, step at `learning_rate` (as setting Keras's `optimizer.learning_rate`
-/// does; a schedule is this call before each step with the schedule's rate). Not positive and
+/// does; a schedule is this call before each step with the schedule's rate). Negative or not
 /// finite: an argument error naming it, and the rate stays as it was. Set it alike on every
 /// worker, between steps.
 ///
-/// Thread-safety: callable from any thread, but not while a step of this optimizer runs.
+/// Thread-safety: callable from any thread. A step reads the rate as it begins on each replica:
+/// set it before any replica begins the step, or from every replica of the step with one value
+/// before it calls `tutti_optimizer_apply_device_gradients`.
 ///
 /// # Safety
 ///

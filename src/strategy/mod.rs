@@ -239,6 +239,11 @@ pub struct ReplicaContext<'a> {
     strategy: &'a Strategy,
     comm: &'a Communicator,
     local_id: usize,
+    /// Per optimizer (by its id): the steps it had taken when this run's replicas first stepped
+    /// with it, shared by the run's replicas.
+    run_steps: &'a Mutex<std::collections::HashMap<u64, u64>>,
+    /// Per optimizer: the steps this replica has taken with it in this run.
+    taken: Mutex<std::collections::HashMap<u64, u64>>,
 }
 
 /// The replicas of a strategy on this worker, rebuilt after a failed `run`.
@@ -1129,11 +1134,14 @@ impl Strategy {
                     "strategy.run (or batch_reduce, or a variable's cross-replica update) called while a run is going on: inside a replica function use the replica context",
                 )
             })?;
+            let run_steps = Mutex::new(std::collections::HashMap::new());
             let task = |local_id: usize, comm: &Communicator| -> Result<()> {
                 let ctx = ReplicaContext {
                     strategy: self,
                     comm,
                     local_id,
+                    run_steps: &run_steps,
+                    taken: Mutex::new(std::collections::HashMap::new()),
                 };
                 match f(&ctx) {
                     Ok(v) => {
@@ -1616,6 +1624,21 @@ impl ReplicaContext<'_> {
     /// The strategy.
     pub fn strategy(&self) -> &Strategy {
         self.strategy
+    }
+
+    /// The number of the step this replica takes next with the optimizer `optimizer` (its id),
+    /// which had taken `iterations` steps before this call: the steps it had taken when this
+    /// run's replicas first stepped with it, plus those this replica has taken with it since.
+    /// The same on every replica of a step however far apart they run (a replica may begin its
+    /// next step before replica 0 has counted the last), counted as taken.
+    pub(crate) fn step_number(&self, optimizer: u64, iterations: u64) -> u64 {
+        // Every replica calls this before the step's collective, so the first of them sees the
+        // count before any replica of the run has added to it.
+        let base = *self.run_steps.lock().entry(optimizer).or_insert(iterations);
+        let mut taken = self.taken.lock();
+        let k = taken.entry(optimizer).or_insert(0);
+        *k += 1;
+        base + *k - 1
     }
 
     /// `local`, this replica's part before a `collective` across workers (see

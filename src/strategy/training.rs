@@ -602,11 +602,12 @@ impl Rule {
         S::in_compute(w, g, &mut kernel);
     }
 
-    /// Why the rule cannot step a variable, if it cannot: a learning rate that is not positive
-    /// and finite, a momentum outside [0, 1], a beta outside [0, 1), an epsilon that is not
-    /// positive (0 makes 0/0 of a gradient that stays 0).
+    /// Why the rule cannot step a variable, if it cannot: a learning rate that is negative or not
+    /// finite (0 leaves the variable as it is, as a warm-up's first step may), a momentum
+    /// outside [0, 1], a beta outside [0, 1), an epsilon that is not positive (0 makes 0/0 of a
+    /// gradient that stays 0).
     pub fn check(&self) -> std::result::Result<(), String> {
-        positive_rate(self.learning_rate())?;
+        rate_ok(self.learning_rate())?;
         match *self {
             Rule::Sgd { momentum, .. } if !(0.0..=1.0).contains(&momentum) => {
                 Err(format!("momentum {momentum} must be in [0, 1]"))
@@ -625,12 +626,15 @@ impl Rule {
     }
 }
 
-/// Why `lr` cannot be a learning rate, if it cannot: not positive and finite.
-fn positive_rate(lr: f32) -> std::result::Result<(), String> {
-    if lr > 0.0 && lr.is_finite() {
+/// Why `lr` cannot be a learning rate, if it cannot: negative, or not finite (0 is one: a
+/// warm-up's first step takes it).
+fn rate_ok(lr: f32) -> std::result::Result<(), String> {
+    if lr >= 0.0 && lr.is_finite() {
         Ok(())
     } else {
-        Err(format!("learning rate {lr} must be positive and finite"))
+        Err(format!(
+            "learning rate {lr} must be finite and not negative"
+        ))
     }
 }
 
@@ -661,10 +665,12 @@ pub struct Optimizer {
     /// The same for [`DeviceVariable`]s, whose slots live beside their copies.
     device_slots: Mutex<HashMap<(u64, usize), SharedDeviceSlots>>,
     iterations: AtomicU64,
+    /// Tells the optimizers apart in a run's count of steps ([`ReplicaContext::step_number`]).
+    id: u64,
 }
 
 impl Optimizer {
-    /// An optimizer with `rule`; a learning rate that is not positive, or a hyper-parameter
+    /// An optimizer with `rule`; a learning rate that is negative or not finite, or a hyper-parameter
     /// that is not finite, is an error.
     pub fn new(rule: Rule) -> Result<Optimizer> {
         rule.check()
@@ -675,6 +681,10 @@ impl Optimizer {
             slots: Mutex::new(HashMap::new()),
             device_slots: Mutex::new(HashMap::new()),
             iterations: AtomicU64::new(0),
+            id: {
+                static NEXT: AtomicU64 = AtomicU64::new(0);
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            },
         })
     }
 
@@ -705,20 +715,25 @@ impl Optimizer {
     /// The learning rate the next step takes: the one last set, or the schedule's at
     /// [`Optimizer::iterations`].
     pub fn learning_rate(&self) -> f32 {
+        self.rate_at(self.iterations())
+    }
+
+    /// The learning rate of step `step` (counted from 0).
+    fn rate_at(&self, step: u64) -> f32 {
         // The schedule is called unlocked: it may read the optimizer.
         let schedule = match &*self.rate.lock() {
             Rate::Fixed(lr) => return *lr,
             Rate::Schedule(f) => f.clone(),
         };
-        schedule(self.iterations())
+        schedule(step)
     }
 
     /// Take `learning_rate` at every step from the next on (in place of a schedule), as
     /// setting Keras's `optimizer.learning_rate` does: on every kind of variable, a
-    /// [`DeviceVariable`]'s steps on its device too. Not positive and finite: an error, and the
+    /// [`DeviceVariable`]'s steps on its device too. Negative or not finite: an error, and the
     /// rate stays as it was. Set it alike on every worker, between steps.
     pub fn set_learning_rate(&self, learning_rate: f32) -> Result<()> {
-        positive_rate(learning_rate).map_err(|why| Error::config(format!("optimizer: {why}")))?;
+        rate_ok(learning_rate).map_err(|why| Error::config(format!("optimizer: {why}")))?;
         *self.rate.lock() = Rate::Fixed(learning_rate);
         Ok(())
     }
@@ -726,22 +741,19 @@ impl Optimizer {
     /// Take the learning rate of each step from `schedule`, called with the steps taken before
     /// it ([`Optimizer::iterations`], as Keras calls a `LearningRateSchedule`), on every
     /// replica and worker alike: it must depend on nothing else. A step whose rate is not
-    /// positive and finite is an error of that step, before anything is summed, and leaves every
+    /// finite and not negative is an error of that step, before anything is summed, and leaves every
     /// variable as it was.
     pub fn set_schedule(&self, schedule: impl Fn(u64) -> f32 + Send + Sync + 'static) {
         *self.rate.lock() = Rate::Schedule(std::sync::Arc::new(schedule));
     }
 
-    /// The rule this step takes: the optimizer's with the step's learning rate. Read before the
-    /// gradients are summed, while no replica has counted the step.
-    fn rule_now(&self, what: &str) -> Result<Rule> {
-        let lr = self.learning_rate();
-        positive_rate(lr).map_err(|why| {
-            Error::config(format!(
-                "{what}: step {} of the optimizer: {why}",
-                self.iterations()
-            ))
-        })?;
+    /// The rule of the step replica `ctx` takes: the optimizer's with the step's learning rate,
+    /// the same on every replica of the step (see [`ReplicaContext::step_number`]).
+    fn rule_now(&self, ctx: &ReplicaContext<'_>, what: &str) -> Result<Rule> {
+        let step = ctx.step_number(self.id, self.iterations());
+        let lr = self.rate_at(step);
+        rate_ok(lr)
+            .map_err(|why| Error::config(format!("{what}: step {step} of the optimizer: {why}")))?;
         Ok(self.rule.with_learning_rate(lr))
     }
 
@@ -754,7 +766,7 @@ impl Optimizer {
         ctx: &ReplicaContext<'_>,
         grads_and_vars: &[(&[T], &MirroredVariable<T>)],
     ) -> Result<()> {
-        let rule = self.rule_now("apply_gradients");
+        let rule = self.rule_now(ctx, "apply_gradients");
         let checked = grads_and_vars
             .iter()
             .enumerate()
@@ -800,7 +812,7 @@ impl Optimizer {
         ctx: &ReplicaContext<'_>,
         grads_and_vars: &mut [(&mut DeviceTensor, &DeviceVariable<T>)],
     ) -> Result<()> {
-        let rule = self.rule_now("apply_device_gradients");
+        let rule = self.rule_now(ctx, "apply_device_gradients");
         let checked = grads_and_vars
             .iter()
             .enumerate()

@@ -193,7 +193,7 @@ def test_optimizers_step_device_variables_as_they_step_variables(tmp_path, make)
 
 
 def test_a_learning_rate_schedule_steps_each_step_at_its_rate():
-    s = td.MirroredStrategy(cpus(2))
+    s = td.MirroredStrategy(cpus(3))
     with s.scope():
         w = td.Variable(np.ones(3, np.float32))
 
@@ -204,28 +204,34 @@ def test_a_learning_rate_schedule_steps_each_step_at_its_rate():
     opt = td.optimizers.SGD(Halving())
     assert opt.learning_rate == pytest.approx(0.1)
 
-    def step():
-        opt.apply_gradients([(np.ones(3, np.float32), w)])  # summed over 2 replicas: 2
+    def step(times=1):
+        for _ in range(times):
+            if td.get_replica_context().replica_id_in_sync_group == 2:
+                time.sleep(0.002)  # a replica behind the others
+            opt.apply_gradients([(np.ones(3, np.float32), w)])  # summed over 3 replicas: 3
 
-    for _ in range(3):
-        s.run(step)
+    s.run(step)
+    s.run(step, args=(2,))  # two steps in one run: every replica takes each at its rate
     assert opt.iterations == 3 and opt.learning_rate == pytest.approx(0.0125)
-    np.testing.assert_allclose(w.numpy(), 1 - 2 * (0.1 + 0.05 + 0.025), rtol=1e-6)
+    np.testing.assert_allclose(w.numpy(), 1 - 3 * (0.1 + 0.05 + 0.025), rtol=1e-6)
     copies = s.experimental_local_results(s.run(lambda: w.numpy()))
-    assert len(copies) == 2 and all((c == w.numpy()).all() for c in copies)
-    # A schedule's rate that is not positive fails its step, naming it, before anything moves.
-    opt.learning_rate = lambda step: 0.0 if step == 3 else 0.1
-    with pytest.raises(ValueError, match="SGD: step 3: the schedule's learning_rate 0.0 must be positive"):
+    assert len(copies) == 3 and all((c == w.numpy()).all() for c in copies)
+    # A rate of 0 (a warm-up's first) steps nothing; one that is not finite fails its step,
+    # naming it, before anything moves.
+    opt.learning_rate = lambda step: 0.0 if step == 3 else float("nan")
+    s.run(step)
+    np.testing.assert_allclose(w.numpy(), 1 - 3 * 0.175, rtol=1e-6)
+    with pytest.raises(ValueError, match="SGD: step 4: the schedule's learning_rate nan must be finite"):
         s.run(step)
-    assert opt.iterations == 3
-    np.testing.assert_allclose(w.numpy(), 1 - 2 * 0.175, rtol=1e-6)
-    with pytest.raises(ValueError, match="SGD: learning_rate -1.0 must be positive"):
+    assert opt.iterations == 4
+    np.testing.assert_allclose(w.numpy(), 1 - 3 * 0.175, rtol=1e-6)
+    with pytest.raises(ValueError, match="SGD: learning_rate -1.0 must be finite and not negative"):
         opt.learning_rate = -1
     with pytest.raises(TypeError, match="is not a number"):
         td.optimizers.Adam("fast")
     opt.learning_rate = 0.2
     s.run(step)
-    np.testing.assert_allclose(w.numpy(), 1 - 2 * 0.375, rtol=1e-6)
+    np.testing.assert_allclose(w.numpy(), 1 - 3 * 0.375, rtol=1e-6)
 
 
 def test_reduce_with_and_without_an_axis():

@@ -398,8 +398,11 @@ class DeviceTensor:
 class ReplicaContext:
     """What a replica's function sees inside ``run``."""
 
-    def __init__(self, strategy, ctx, replica_id, local=0):
+    def __init__(self, strategy, ctx, replica_id, local=0, run=None):
         self._strategy, self._ctx, self._id, self._local = strategy, ctx, replica_id, local
+        # The run's count of steps per optimizer, shared by its replicas (a dict and its lock),
+        # and this replica's steps per optimizer in the run (see Optimizer._step_number).
+        self._run, self._taken = run, {}
 
     @property
     def strategy(self):
@@ -1024,6 +1027,7 @@ class Strategy:
         kwargs = kwargs or {}
         n = self._local
         results, errors = [None] * n, [None] * n
+        run_steps = ({}, threading.Lock())
 
         def pick(v, i):
             if isinstance(v, PerReplica):
@@ -1038,7 +1042,7 @@ class Strategy:
                 _check(_lib().tutti_replica_id(ctx, ctypes.byref(replica), ctypes.byref(local)))
                 # One local replica runs on the caller's own thread: its state comes back after.
                 saved = getattr(_state, "replica", None), _stack()
-                _state.replica = ReplicaContext(self, ctx, replica.value, local.value)
+                _state.replica = ReplicaContext(self, ctx, replica.value, local.value, run_steps)
                 _state.stack = [self]
                 try:
                     a = [pick(v, local.value) for v in args]
@@ -1189,6 +1193,8 @@ class Strategy:
         it follows ``options.auto_shard_policy`` (see ``AutoShardPolicy``)."""
         worker, workers = self._worker()
         options = options or InputOptions()
+        if options.experimental_fetch_to_device:
+            self._handle()  # a strategy that places nothing says why, now
         policy = _policy(options.auto_shard_policy)
         if policy == AutoShardPolicy.AUTO:
             files = isinstance(dataset, FileDataset) and len(dataset.files) >= workers
@@ -1228,6 +1234,8 @@ class Strategy:
         ``DistributedDataset``. Shard inside ``dataset_fn`` by ``input_pipeline_id``; size the
         batches with ``get_per_replica_batch_size``."""
         worker, workers = self._worker()
+        if options is not None and options.experimental_fetch_to_device:
+            self._handle()  # a strategy that places nothing says why, now
         ctx = InputContext(workers, worker, self._total)
         return DistributedDataset(self, dataset_fn(ctx), None, worker, workers, options)
 
@@ -2036,15 +2044,30 @@ class Optimizer:
     @learning_rate.setter
     def learning_rate(self, value):
         if not callable(value):
-            value = _positive_rate(value, f"{type(self).__name__}: learning_rate")
+            value = _rate_checked(value, f"{type(self).__name__}: learning_rate")
         self._learning_rate = value
 
+    def _step_number(self, replica):
+        """The number of the step ``replica`` (the running replica's context, or None) takes now,
+        counted as taken: the optimizer's steps when the run's replicas first stepped with it,
+        plus those this replica has taken with it since. The same on every replica of a step
+        however far apart they run (one may begin its next step before replica 0 has counted
+        the last)."""
+        if replica is None or replica._run is None:
+            return self.iterations
+        steps, lock = replica._run
+        with lock:  # the first replica of the run sees the count before any has added to it
+            base = steps.setdefault(self, self.iterations)
+        k = replica._taken.get(self, 0)
+        replica._taken[self] = k + 1
+        return base + k
+
     def _rate_at(self, step):
-        """The learning rate of step ``step``, checked positive and finite."""
+        """The learning rate of step ``step``, checked finite and not negative."""
         rate = self._learning_rate
         if not callable(rate):
             return rate
-        return _positive_rate(rate(step), f"{type(self).__name__}: step {step}: the schedule's learning_rate")
+        return _rate_checked(rate(step), f"{type(self).__name__}: step {step}: the schedule's learning_rate")
 
     def _device_handle(self, lr):
         """libtutti's optimizer of the same rule, which steps DeviceVariables on their devices
@@ -2083,8 +2106,7 @@ class Optimizer:
     def apply_gradients(self, grads_and_vars):
         """Apply the gradients (see the class documentation); returns the iteration count."""
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]  # Keras skips a None gradient
-        # This step's rate, read before any replica counts the step.
-        lr = self._rate_at(self.iterations)
+        lr = self._rate_at(self._step_number(getattr(_state, "replica", None)))
         # The DeviceVariables' checked first: a refusal leaves every variable as it was.
         on_devices = self._device_groups([(g, v) for g, v in pairs if isinstance(v, DeviceVariable)], lr)
         pairs = [(g, v) for g, v in pairs if not isinstance(v, DeviceVariable)]
@@ -2208,15 +2230,15 @@ class Optimizer:
                         "(SGD, with or without momentum, and Adam have)")
 
 
-def _positive_rate(value, what):
+def _rate_checked(value, what):
     """``value`` as a learning rate (a float); an error naming it as ``what`` where it is not a
-    number, or not positive and finite."""
+    number, or negative or not finite (0 steps nothing, as a warm-up's first step may)."""
     try:
         rate = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{what} {value!r} is not a number") from None
-    if not 0 < rate < float("inf"):
-        raise ValueError(f"{what} {rate} must be positive and finite")
+    if not 0 <= rate < float("inf"):
+        raise ValueError(f"{what} {rate} must be finite and not negative")
     return rate
 
 

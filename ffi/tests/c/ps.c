@@ -217,7 +217,7 @@ int main(void) {
     sgd.learning_rate = -1.0f;
     EXPECT_ERROR(tutti_ps_coordinator_create_variable(c, "v", TUTTI_DTYPE_F32, init, 6, 0, &sgd,
                                                       NULL, NULL),
-                 TUTTI_ERROR_INVALID_ARGUMENT, "learning rate -1 must be positive");
+                 TUTTI_ERROR_INVALID_ARGUMENT, "learning rate -1 must be finite and not negative");
     EXPECT_ERROR(tutti_ps_coordinator_fetch(c, read, NULL, NULL, 8, NULL),
                  TUTTI_ERROR_INVALID_ARGUMENT, "output is NULL");
 
