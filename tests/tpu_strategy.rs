@@ -667,3 +667,99 @@ fn datasets_prefetch_to_the_replicas_devices() {
         "the batches went through host memory"
     );
 }
+
+/// On one worker's XLA devices an optimizer's step of each variable is one program with its
+/// gradients' sum (one launch, not a sum and a step per device), to the host optimizer's values;
+/// host-staged, the sum and the steps run apart, to the same values.
+#[test]
+fn optimizer_steps_fuse_with_the_gradients_sum() {
+    use tutti::strategy::{Optimizer, Rule};
+    let Some(c) = client() else { return };
+    let s = Strategy::tpu(c.clone()).unwrap();
+    let rule = Rule::Adam {
+        learning_rate: 0.01,
+        beta_1: 0.9,
+        beta_2: 0.999,
+        epsilon: 1e-7,
+    };
+    let (a0, b0) = (vec![0.5f32; 131], vec![-1.0f32; 7]);
+    let (da, db) = (
+        s.device_variable(&a0).unwrap(),
+        s.device_variable(&b0).unwrap(),
+    );
+    let (ha, hb) = (
+        s.mirrored_variable(&a0).unwrap(),
+        s.mirrored_variable(&b0).unwrap(),
+    );
+    let (od, oh) = (Optimizer::new(rule).unwrap(), Optimizer::new(rule).unwrap());
+    oh.set_schedule(|t| 0.01 / (1 + t) as f32);
+    od.set_schedule(|t| 0.01 / (1 + t) as f32);
+    let grad = |k: usize, id: usize, n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i + 3 * k + id) % 5) as f32 - 2.0)
+            .collect()
+    };
+    let step = |k: usize| {
+        s.run(|ctx| {
+            let id = ctx.replica_id_in_sync_group();
+            let (mut ga, mut gb) = (ctx.place(&grad(k, id, 131))?, ctx.place(&grad(k, id, 7))?);
+            od.apply_device_gradients(ctx, &mut [(&mut ga, &da), (&mut gb, &db)])?;
+            // Each gradient holds the sum afterwards.
+            ga.to_vec::<f32>()
+        })
+        .unwrap()
+    };
+    let host_step = |k: usize| {
+        s.run(|ctx| {
+            let id = ctx.replica_id_in_sync_group();
+            let (ga, gb) = (grad(k, id, 131), grad(k, id, 7));
+            oh.apply_gradients(ctx, &[(&ga[..], &ha), (&gb[..], &hb)])
+        })
+        .unwrap();
+    };
+    let n = c.devices().len();
+    let close = |what: &str| {
+        for (d, h) in [(&da, &ha), (&db, &hb)] {
+            assert!(d.in_sync().unwrap(), "{what}: the copies differ");
+            for (x, y) in d.value().unwrap().iter().zip(h.value()) {
+                assert!(
+                    (x - y).abs() <= 1e-5 * y.abs().max(1.0),
+                    "{what}: {x} against {y}"
+                );
+            }
+        }
+    };
+    step(0);
+    host_step(0);
+    for k in 1..4 {
+        let before = c.cache_stats();
+        let sums = step(k);
+        let after = c.cache_stats();
+        // 2 variables: a launch each, where the sum and the steps apart take 1 + n; the
+        // gradients and the learning rate (2 each a replica) uploaded, nothing else.
+        assert_eq!(
+            (
+                after.launches - before.launches,
+                after.uploads - before.uploads,
+                after.staged_calls - before.staged_calls
+            ),
+            (2, 4 * n as u64, 0),
+            "step {k}: {before:?} -> {after:?}"
+        );
+        let want: Vec<f32> = (0..131)
+            .map(|i| (0..n).map(|id| grad(k, id, 131)[i]).sum())
+            .collect();
+        for got in sums.local_results() {
+            assert_eq!(got, &want, "the gradient's sum");
+        }
+        host_step(k);
+    }
+    close("fused steps");
+    // Host-staged: the sum and the steps apart, through host memory, to the same values.
+    c.set_route(tutti::xla::Route::HostStaged);
+    step(4);
+    host_step(4);
+    c.set_route(tutti::xla::Route::Auto);
+    close("host-staged steps");
+    assert_eq!(od.iterations(), 5);
+}

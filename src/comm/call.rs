@@ -364,6 +364,17 @@ impl Call {
 }
 
 impl Call {
+    /// The call with `input` and `held` in place of its own (a call on tensors whose input is
+    /// something else the engine takes, as [`Held`] says).
+    #[cfg(feature = "xla")]
+    pub(super) fn holding(mut self, input: *const u8, held: Held) -> Call {
+        self.buffers.input = input;
+        self.buffers.held = held;
+        self
+    }
+}
+
+impl Call {
     /// This rank's buffers as it publishes them for the call: with its block offsets, which a
     /// group engine reads (rank 0 runs the call for every rank).
     fn published(&self) -> CallBuffers {

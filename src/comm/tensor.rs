@@ -4,6 +4,8 @@ use super::{Bytes, BytesMut, Call, Communicator};
 use crate::device::DeviceTensor;
 use crate::dtype::{Apply, DType, Element, ReduceOp};
 use crate::error::{Collective, Result};
+#[cfg(feature = "xla")]
+use crate::transport::Held;
 
 impl Communicator {
     /// A tensor holding `data` in this rank's device memory: a PJRT buffer on an `xla:N` rank
@@ -90,6 +92,42 @@ impl Communicator {
             None => self.tensor_call(Collective::Broadcast, t, None, ReduceOp::Sum, root),
         };
         self.blocking(Self::refused(call, refused))
+    }
+
+    /// An optimizer's step of this rank's copy (in `args`) fused with the gradients' sum, on
+    /// XLA devices: every rank's `grad` summed, in place, and each rank's copy and the rule's
+    /// state stepped by the sum, in one program over every rank's device (see
+    /// `engine::pjrt::StepArgs`). The checks, timeout and errors are those of
+    /// [`Communicator::all_reduce_tensor`].
+    #[cfg(feature = "xla")]
+    pub(crate) fn step_tensor(
+        &self,
+        grad: &mut DeviceTensor,
+        args: &mut crate::engine::pjrt::StepArgs<'_>,
+    ) -> Result<()> {
+        let refused = self.tensor_refused(&[grad, &*args.copy]);
+        let call = self.tensor_call(Collective::AllReduce, grad, None, ReduceOp::Sum, 0);
+        let runs = self
+            .progress
+            .shared()
+            .engine
+            .as_ref()
+            .is_some_and(|e| !e.per_rank() && e.runs_held(Collective::AllReduce, Held::Step));
+        let refused = refused.or_else(|| {
+            (!runs).then(|| {
+                format!(
+                    "rank {} is on {}, which does not fuse an optimizer's step with the \
+                     gradients' sum",
+                    self.rank(),
+                    self.device_spec()
+                )
+            })
+        });
+        let args = (args as *mut crate::engine::pjrt::StepArgs<'_>).cast::<u8>();
+        self.blocking(Self::refused(
+            call.holding(args.cast_const(), Held::Step),
+            refused,
+        ))
     }
 
     /// A variable's update on this rank's copy `copy`: every rank's `update` combined as

@@ -801,10 +801,13 @@ impl Optimizer {
     /// [`Optimizer::apply_gradients`] for [`DeviceVariable`]s, on the replicas' devices: each
     /// gradient (a tensor on the replica's device, of its variable's dtype and length) is summed
     /// in place across every replica in sync, where it lies, then the replica's copy is stepped
-    /// there, its slots beside it: on an XLA device one compiled program per variable, nothing
-    /// copied through host memory (where the client's route is host-staged, or the plugin
-    /// refuses the program under the `Auto` route, the copy steps through host memory instead,
-    /// to the same rule). Copies in host memory (CPU replicas) step as a [`MirroredVariable`]'s
+    /// there, its slots beside it: on XLA devices one compiled program per variable, nothing
+    /// copied through host memory. On one worker's XLA devices (no cross-device op of the
+    /// caller's) that one program is the sum and every replica's step together, one launch for
+    /// all the devices; across workers, the sum (through the workers' all-reduce) and then a
+    /// program per replica. Where the client's route is host-staged, or the plugin refuses the
+    /// programs under the `Auto` route, the sum and the steps run through host memory instead,
+    /// to the same rule. Copies in host memory (CPU replicas) step as a [`MirroredVariable`]'s
     /// do. Collective: every replica calls it with the same variables in the same order. Each
     /// gradient holds the sum afterwards.
     pub fn apply_device_gradients<T: Param>(
@@ -828,11 +831,18 @@ impl Optimizer {
                 Ok(())
             });
         let rule = ctx.before_workers(Collective::AllReduce, checked.and(rule))?;
-        for (g, _) in grads_and_vars.iter_mut() {
-            ctx.all_reduce_tensor(ReduceOp::Sum, g)?;
-        }
         let me = ctx.local_replica_id();
-        for (g, var) in grads_and_vars.iter() {
+        // On one worker's XLA devices each variable's sum and step are one program.
+        #[cfg(feature = "xla")]
+        let fused = fuses_steps::<T>(ctx, &rule, grads_and_vars)?;
+        #[cfg(not(feature = "xla"))]
+        let fused = false;
+        if !fused {
+            for (g, _) in grads_and_vars.iter_mut() {
+                ctx.all_reduce_tensor(ReduceOp::Sum, g)?;
+            }
+        }
+        for (g, var) in grads_and_vars.iter_mut() {
             let slots = self
                 .device_slots
                 .lock()
@@ -840,6 +850,11 @@ impl Optimizer {
                 .or_default()
                 .clone();
             let mut copy = var.copy(me)?;
+            #[cfg(feature = "xla")]
+            if fused {
+                xla_fused_step::<T>(ctx, &rule, &mut copy, g, &mut slots.lock())?;
+                continue;
+            }
             step_copy::<T>(&rule, &mut copy, g, &mut slots.lock())?;
         }
         if me == 0 {
@@ -1038,6 +1053,134 @@ fn step_copy<T: Param>(
     Ok(())
 }
 
+/// `state` (a rule's slots and step count) on `device` of `client`, as a step there takes it:
+/// each slot the rule keeps, then Adam's powers.
+#[cfg(feature = "xla")]
+fn upload_state(
+    rule: &Rule,
+    client: &crate::device::pjrt::Client,
+    device: usize,
+    wide: bool,
+    st: &SlotState,
+) -> Result<Vec<DeviceTensor>> {
+    let mut state = Vec::new();
+    for v in [&st.first, &st.second].into_iter().flatten() {
+        state.push(client.upload_bytes(v.as_bytes(), v.dtype(), device)?.into());
+    }
+    if let Some(p) = rule.powers(st.steps, wide) {
+        state.push(client.upload_bytes(p.as_bytes(), p.dtype(), device)?.into());
+    }
+    Ok(state)
+}
+
+/// Ready `slots` for a step of the copy `w` on its XLA device: the rule's state made there at
+/// the first step (zeros, or what a restore gave), and the learning rate there (uploaded where
+/// it changed: [`DeviceSlots::rate`]).
+#[cfg(feature = "xla")]
+fn on_device<T: Param>(
+    rule: &Rule,
+    w: &crate::device::pjrt::XlaBuffer,
+    slots: &mut DeviceSlots,
+) -> Result<()> {
+    let (client, device) = (w.client(), w.device());
+    let (len, wide) = (w.len(), steps_wide(T::DTYPE));
+    if slots.state.is_empty() {
+        let init = slots.host.export(rule, len, wide);
+        slots.state = upload_state(rule, &client, device, wide, &init)?;
+        slots.steps = init.steps;
+        slots.host = AnySlots::default();
+    }
+    let lr = rule.learning_rate();
+    if !matches!(&slots.rate, Some((bits, _)) if *bits == lr.to_bits()) {
+        let t = match wide {
+            true => client.buffer_from_host(&[f64::from(lr)], device)?,
+            false => client.buffer_from_host(&[lr], device)?,
+        };
+        slots.rate = Some((lr.to_bits(), t));
+    }
+    Ok(())
+}
+
+/// Whether replica `ctx` steps `grads_and_vars` each in one program with its gradients' sum
+/// ([`xla_fused_step`]): on XLA devices of one worker (several replicas, no cross-device op of
+/// the caller's), every gradient and copy there, and the client's route compiling programs
+/// that take the fused step. Every replica of the step decides alike (the client's programs
+/// are cached), so they make the same calls.
+#[cfg(feature = "xla")]
+fn fuses_steps<T: Param>(
+    ctx: &ReplicaContext<'_>,
+    rule: &Rule,
+    grads_and_vars: &[(&mut DeviceTensor, &DeviceVariable<T>)],
+) -> Result<bool> {
+    let s = ctx.strategy;
+    let n = s.num_local_replicas();
+    if n < 2
+        || s.workers.is_some()
+        || s.custom_ops(ReduceOp::Sum, T::DTYPE).is_some()
+        || !matches!(s.engine, Some((crate::device::DeviceKind::Xla, _)))
+    {
+        return Ok(false);
+    }
+    let step = rule.device_step();
+    for (g, var) in grads_and_vars {
+        let Some(b) = g.as_xla() else {
+            return Ok(false);
+        };
+        let client = b.client();
+        if client.route() == crate::xla::Route::HostStaged {
+            return Ok(false);
+        }
+        let compiled = client
+            .inner
+            .group_step_program(step, T::DTYPE, var.len(), n)?;
+        if !matches!(compiled, crate::device::pjrt::client::Compiled::Ready(_)) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Replica `ctx`'s `copy` stepped by its gradient `g` summed across the replicas, in one
+/// program over every replica's device ([`crate::device::pjrt::Client`]'s `run_group_step`):
+/// `g` holds the sum afterwards, the copy and its slots (beside it on its device) the step's.
+#[cfg(feature = "xla")]
+fn xla_fused_step<T: Param>(
+    ctx: &ReplicaContext<'_>,
+    rule: &Rule,
+    copy: &mut DeviceTensor,
+    g: &mut DeviceTensor,
+    slots: &mut DeviceSlots,
+) -> Result<()> {
+    match copy.as_xla() {
+        Some(w) => on_device::<T>(rule, w, slots)?,
+        None => {
+            return Err(Error::config(format!(
+                "apply_device_gradients: the variable's copy {copy:?} is not on an XLA device"
+            )))
+        }
+    }
+    let step = rule.device_step();
+    let DeviceSlots {
+        state, rate, steps, ..
+    } = slots;
+    let Some((_, lr)) = rate.as_ref() else {
+        return Err(Error::config(
+            "apply_device_gradients: the learning rate is not on the device",
+        ));
+    };
+    let mut args = crate::engine::pjrt::StepArgs {
+        step,
+        copy,
+        lr,
+        state,
+    };
+    ctx.comm.step_tensor(g, &mut args)?;
+    if step.powers() {
+        *steps = steps.saturating_add(1);
+    }
+    Ok(())
+}
+
 /// [`step_copy`] on an XLA device: one program there ([`crate::device::pjrt::Client`]'s
 /// `run_step`), the slots made there at the first step (zeros, or what a restore gave); where
 /// the step is to run on the host instead, the copy, gradient and slots go there and back.
@@ -1056,34 +1199,13 @@ fn xla_step<T: Param>(
     };
     let (client, device) = (w.client(), w.device());
     let (len, wide) = (copy.len(), steps_wide(T::DTYPE));
-    let upload = |st: &SlotState| -> Result<Vec<DeviceTensor>> {
-        let mut state = Vec::new();
-        for v in [&st.first, &st.second].into_iter().flatten() {
-            state.push(client.upload_bytes(v.as_bytes(), v.dtype(), device)?.into());
-        }
-        if let Some(p) = rule.powers(st.steps, wide) {
-            state.push(client.upload_bytes(p.as_bytes(), p.dtype(), device)?.into());
-        }
-        Ok(state)
-    };
-    if slots.state.is_empty() {
-        let init = slots.host.export(rule, len, wide);
-        slots.state = upload(&init)?;
-        slots.steps = init.steps;
-        slots.host = AnySlots::default();
-    }
-    let lr = rule.learning_rate();
-    let lr = match &slots.rate {
-        Some((bits, t)) if *bits == lr.to_bits() => t,
-        _ => {
-            let t = match wide {
-                true => client.buffer_from_host(&[f64::from(lr)], device)?,
-                false => client.buffer_from_host(&[lr], device)?,
-            };
-            &slots.rate.insert((lr.to_bits(), t)).1
-        }
-    };
+    on_device::<T>(rule, w, slots)?;
     let step = rule.device_step();
+    let Some((_, lr)) = slots.rate.as_ref() else {
+        return Err(Error::config(
+            "apply_device_gradients: the learning rate is not on the device",
+        ));
+    };
     let state: Vec<&crate::device::pjrt::XlaBuffer> = slots
         .state
         .iter()
@@ -1106,7 +1228,10 @@ fn xla_step<T: Param>(
     let after = host.export(rule, len, wide);
     // Everything on the device before any of it is kept: a failed upload leaves the copy and
     // its slots as they were.
-    let (new_w, new_state) = (client.buffer_from_host(&wv, device)?, upload(&after)?);
+    let (new_w, new_state) = (
+        client.buffer_from_host(&wv, device)?,
+        upload_state(rule, &client, device, wide, &after)?,
+    );
     copy.replace(new_w.into());
     slots.state = new_state;
     slots.steps = after.steps;

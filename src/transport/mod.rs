@@ -89,6 +89,12 @@ pub enum Held {
     /// variable; the engine combines the updates (the call's all-reduce or broadcast),
     /// applies the result to each copy as the [`Apply`] says and replaces the copies.
     Update(Apply),
+    /// An optimizer's step fused with the gradients' sum (XLA devices): `output` is the rank's
+    /// gradient, which the engine replaces with the sum, and `input` its
+    /// `engine::pjrt::StepArgs`: the variable's copy, the learning rate and the rule's state,
+    /// which the engine replaces with the stepped ones.
+    #[cfg(feature = "xla")]
+    Step,
 }
 
 // SAFETY: the pointers are only dereferenced by peers while the owning rank is inside the call

@@ -190,6 +190,9 @@ pub struct CacheStats {
     /// Buffers copied from a device to host memory (by any call, or by
     /// [`XlaBuffer::to_vec`]).
     pub downloads: u64,
+    /// Programs run (each collective, update or optimizer step: one launch for all the devices
+    /// it runs on), what a device pays its dispatch for.
+    pub launches: u64,
 }
 
 pub(crate) struct Executable {
@@ -229,6 +232,8 @@ pub(crate) struct Inner {
     cache: Mutex<HashMap<ProgramKey, Compiled>>,
     /// The optimizer steps' programs, each for one device: (step, dtype, count, device).
     steps: Mutex<HashMap<(Step, DType, usize, usize), Compiled>>,
+    /// The steps fused with the gradients' sum, by replicas.
+    group_steps: Mutex<HashMap<(Step, DType, usize, usize), Compiled>>,
     stats: Mutex<CacheStats>,
     route: Mutex<Route>,
     pub(crate) calls: AtomicU64,
@@ -496,6 +501,7 @@ impl Client {
             timeout: options.timeout,
             cache: Mutex::new(HashMap::new()),
             steps: Mutex::new(HashMap::new()),
+            group_steps: Mutex::new(HashMap::new()),
             stats: Mutex::new(CacheStats::default()),
             route: Mutex::new(Route::Auto),
             calls: AtomicU64::new(0),
@@ -626,6 +632,59 @@ impl Client {
         state: &[&XlaBuffer],
     ) -> Result<Option<(XlaBuffer, Vec<XlaBuffer>)>> {
         self.inner.check_usable()?;
+        let want = self.step_state(step, w, g, lr, state)?;
+        let (dtype, count, device) = (w.dtype(), w.len(), w.device());
+        let route = self.route();
+        if route == Route::HostStaged {
+            self.inner.count_staged();
+            return Ok(None);
+        }
+        let exe = match self.inner.step_program(step, dtype, count, device)? {
+            Compiled::Ready(exe) => exe,
+            Compiled::Refused(_) if route == Route::Auto => {
+                self.inner.count_staged();
+                return Ok(None);
+            }
+            Compiled::Refused(why) => {
+                return Err(Error::System {
+                    what: format!("XLA: compiling the {step:?} step for {dtype} x {count}"),
+                    message: why,
+                })
+            }
+        };
+        let mut args = vec![w, g, lr];
+        args.extend_from_slice(state);
+        let outs =
+            self.inner
+                .execute_outputs(&exe, &[args], 1 + state.len(), "an optimizer step")?;
+        let mut bufs = outs.into_iter().flatten();
+        let new_w = bufs.next().map(|ptr| self.wrap(ptr, device, dtype, count));
+        let new_state: Vec<XlaBuffer> = bufs
+            .zip(&want)
+            .map(|(ptr, &(d, n))| self.wrap(ptr, device, d, n))
+            .collect();
+        match new_w {
+            Some(w) if new_state.len() == state.len() => Ok(Some((w, new_state))),
+            _ => Err(Error::System {
+                what: "XLA: an optimizer step".into(),
+                message: "the plugin returned fewer results than the program has".into(),
+            }),
+        }
+    }
+}
+
+impl Client {
+    /// The state (dtype, length of each buffer) `step` keeps beside a copy like `w`, once the
+    /// step's buffers are checked: `w`, its gradient `g`, the learning rate `lr` and `state`
+    /// all on `w`'s device of this client, of the dtypes and lengths the step takes.
+    fn step_state(
+        &self,
+        step: Step,
+        w: &XlaBuffer,
+        g: &XlaBuffer,
+        lr: &XlaBuffer,
+        state: &[&XlaBuffer],
+    ) -> Result<Vec<(DType, usize)>> {
         let (dtype, count, device) = (w.dtype(), w.len(), w.device());
         let arith = program::step_arith(dtype);
         let wrong = |why: String| Err(Error::config(format!("XLA: an optimizer step: {why}")));
@@ -673,43 +732,120 @@ impl Client {
                 g.dtype()
             ));
         }
+        Ok(want)
+    }
+
+    /// One optimizer step of every replica's copy fused with the gradients' sum: replica r's
+    /// copy `steps[r].w` (on device r), gradient, learning rate and state as [`Client::run_step`]
+    /// takes them; the gradients summed across the replicas, then each copy stepped by the sum,
+    /// in one program on every device ([`program::step_group_mlir`]). Returns, per replica,
+    /// the new copy, state and summed gradient (the old buffers are left as they were), or
+    /// `None` where the route is host-staged or the plugin refused the program under
+    /// [`Route::Auto`]: then the sum and the steps are to run apart.
+    pub(crate) fn run_group_step(
+        &self,
+        step: Step,
+        steps: &[StepBuffers<'_>],
+    ) -> Result<Option<Vec<StepResult>>> {
+        self.inner.check_usable()?;
+        let n = steps.len();
+        let Some(first) = steps.first() else {
+            return Ok(Some(Vec::new()));
+        };
+        let (dtype, count) = (first.w.dtype(), first.w.len());
+        let mut want = Vec::new();
+        for (r, s) in steps.iter().enumerate() {
+            want = self.step_state(step, s.w, s.g, s.lr, &s.state)?;
+            if s.w.device() != r || (s.w.dtype(), s.w.len()) != (dtype, count) {
+                return Err(Error::config(format!(
+                    "XLA: an optimizer step: replica {r}'s copy is {} x {} on device {}; replica \
+                     0's is {dtype} x {count}, and replica r's must be on device r",
+                    s.w.dtype(),
+                    s.w.len(),
+                    s.w.device()
+                )));
+            }
+        }
         let route = self.route();
-        if route == Route::HostStaged {
-            self.inner.count_staged();
+        if route == Route::HostStaged || n < 2 {
             return Ok(None);
         }
-        let exe = match self.inner.step_program(step, dtype, count, device)? {
+        let exe = match self.inner.group_step_program(step, dtype, count, n)? {
             Compiled::Ready(exe) => exe,
-            Compiled::Refused(_) if route == Route::Auto => {
-                self.inner.count_staged();
-                return Ok(None);
-            }
+            Compiled::Refused(_) if route == Route::Auto => return Ok(None),
             Compiled::Refused(why) => {
                 return Err(Error::System {
-                    what: format!("XLA: compiling the {step:?} step for {dtype} x {count}"),
+                    what: format!(
+                        "XLA: compiling the {step:?} step for {dtype} x {count} on {n} devices"
+                    ),
                     message: why,
                 })
             }
         };
-        let mut args = vec![w, g, lr];
-        args.extend_from_slice(state);
-        let outs =
-            self.inner
-                .execute_outputs(&exe, &[args], 1 + state.len(), "an optimizer step")?;
-        let mut bufs = outs.into_iter().flatten();
-        let new_w = bufs.next().map(|ptr| self.wrap(ptr, device, dtype, count));
-        let new_state: Vec<XlaBuffer> = bufs
-            .zip(&want)
-            .map(|(ptr, &(d, n))| self.wrap(ptr, device, d, n))
+        let args: Vec<Vec<&XlaBuffer>> = steps
+            .iter()
+            .map(|s| {
+                let mut a = vec![s.w, s.g, s.lr];
+                a.extend_from_slice(&s.state);
+                a
+            })
             .collect();
-        match new_w {
-            Some(w) if new_state.len() == state.len() => Ok(Some((w, new_state))),
-            _ => Err(Error::System {
-                what: "XLA: an optimizer step".into(),
-                message: "the plugin returned fewer results than the program has".into(),
-            }),
+        let outs = self.inner.execute_outputs(
+            &exe,
+            &args,
+            2 + want.len(),
+            "an optimizer step with the gradients' sum",
+        )?;
+        let mut results = Vec::with_capacity(n);
+        for (r, ptrs) in outs.into_iter().enumerate() {
+            // Every buffer the plugin returned is owned (destroyed if dropped).
+            let mut bufs = ptrs.into_iter().enumerate().map(|(k, ptr)| {
+                let (d, len) = match k {
+                    0 => (dtype, count),
+                    k if k <= want.len() => want[k - 1],
+                    _ => (dtype, count),
+                };
+                self.wrap(ptr, r, d, len)
+            });
+            let w = bufs.next();
+            let state: Vec<XlaBuffer> = bufs.by_ref().take(want.len()).collect();
+            let g = bufs.next();
+            match (w, g) {
+                (Some(w), Some(g)) if state.len() == want.len() => {
+                    results.push(StepResult { w, state, g })
+                }
+                _ => {
+                    return Err(Error::System {
+                        what: "XLA: an optimizer step with the gradients' sum".into(),
+                        message: "the plugin returned fewer results than the program has".into(),
+                    })
+                }
+            }
         }
+        Ok(Some(results))
     }
+}
+
+/// One replica's buffers of [`Client::run_group_step`].
+pub(crate) struct StepBuffers<'a> {
+    /// The variable's copy.
+    pub w: &'a XlaBuffer,
+    /// The replica's gradient.
+    pub g: &'a XlaBuffer,
+    /// The learning rate (one element of the step's arithmetic).
+    pub lr: &'a XlaBuffer,
+    /// The rule's slots, then Adam's powers.
+    pub state: Vec<&'a XlaBuffer>,
+}
+
+/// One replica's results of [`Client::run_group_step`].
+pub(crate) struct StepResult {
+    /// The stepped copy.
+    pub w: XlaBuffer,
+    /// The rule's state after the step.
+    pub state: Vec<XlaBuffer>,
+    /// The gradients' sum.
+    pub g: XlaBuffer,
 }
 
 fn missing(plugin: &Plugin, name: &str) -> Error {
@@ -1185,6 +1321,36 @@ impl Inner {
         })
     }
 
+    /// The compiled program of `step` fused with the gradients' sum for `count` elements of
+    /// `dtype` on devices `0..replicas` (compiling it on a miss), or why the plugin refused it.
+    pub(crate) fn group_step_program(
+        &self,
+        step: Step,
+        dtype: DType,
+        count: usize,
+        replicas: usize,
+    ) -> Result<Compiled> {
+        let devices: Vec<usize> = (0..replicas).collect();
+        let code = || {
+            self.compile_code(
+                &program::step_group_mlir(step, dtype, count, replicas),
+                &devices,
+            )
+        };
+        self.cached(
+            &self.group_steps,
+            (step, dtype, count, replicas),
+            code,
+            |why| {
+                log::warn!(
+                    "XLA: {} refused the {step:?} step's program with the gradients' sum for \
+                 {dtype} x {count} on {replicas} devices; the sum and the steps run apart: {why}",
+                    self.plugin.path().display()
+                )
+            },
+        )
+    }
+
     /// `key`'s entry in `cache`, compiled by `compile` on a miss (`refused` told why, under the
     /// `Auto` route, where the plugin refuses it), the cache's counters kept.
     fn cached<K: std::hash::Hash + Eq + Copy>(
@@ -1430,6 +1596,10 @@ impl Inner {
         self.plugin.check(err, || {
             format!("XLA: running {what} (PJRT_LoadedExecutable_Execute)")
         })?;
+        self.stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .launches += 1;
         let tagged: Vec<(usize, *mut ffi::Event)> = exe
             .order
             .iter()

@@ -427,6 +427,19 @@ fn literal(x: f64, arith: DType) -> String {
 /// product here (the host takes `powi`), and the compiler may fuse operations, so results agree
 /// with the host's to rounding, not bit for bit.
 pub fn step_mlir(step: Step, dtype: DType, count: usize) -> String {
+    step_module(step, dtype, count, 1)
+}
+
+/// [`step_mlir`] fused with the gradient's all-reduce, on `replicas` replicas (one per
+/// device): each replica's arguments as [`step_mlir`]'s, its gradient summed across the
+/// replicas (in `dtype`, as the all-reduce of the gradient alone sums it) before the step; its
+/// results [`step_mlir`]'s, then the summed gradient.
+pub fn step_group_mlir(step: Step, dtype: DType, count: usize, replicas: usize) -> String {
+    step_module(step, dtype, count, replicas.max(1))
+}
+
+/// [`step_mlir`] (one replica) or [`step_group_mlir`] (several).
+fn step_module(step: Step, dtype: DType, count: usize, replicas: usize) -> String {
     let arith = step_arith(dtype);
     let (et, ct) = (mlir_type(dtype), mlir_type(arith));
     let (vt, wt) = (
@@ -445,6 +458,18 @@ pub fn step_mlir(step: Step, dtype: DType, count: usize) -> String {
         }
     };
     let mut b = String::new();
+    // Several replicas: the gradient argument is this replica's, `%g` the replicas' sum.
+    let grad_arg = if replicas > 1 {
+        let _ = writeln!(
+            b,
+            "    %g = \"stablehlo.all_reduce\"(%g0) {} {{replica_groups = {}}} : ({wt}) -> {wt}",
+            region(ReduceOp::Sum, mlir_type(dtype)),
+            group(replicas)
+        );
+        "g0"
+    } else {
+        "g"
+    };
     let konst = |b: &mut String, name: &str, x: f64| {
         let _ = writeln!(
             b,
@@ -472,7 +497,7 @@ pub fn step_mlir(step: Step, dtype: DType, count: usize) -> String {
     let t1 = format!("tensor<1x{ct}>");
     let mut args = vec![
         format!("%w: {wt}"),
-        format!("%g: {wt}"),
+        format!("%{grad_arg}: {wt}"),
         format!("%lr1: {t1}"),
     ];
     let mut results = vec![];
@@ -567,12 +592,15 @@ pub fn step_mlir(step: Step, dtype: DType, count: usize) -> String {
         "wt"
     };
     results.insert(0, (w_out, wt.clone()));
+    if replicas > 1 {
+        results.push(("g", wt.clone()));
+    }
     let names: Vec<String> = results.iter().map(|(n, _)| format!("%{n}")).collect();
     let types: Vec<&str> = results.iter().map(|(_, t)| t.as_str()).collect();
     let mut m = String::new();
     let _ = writeln!(
         m,
-        "module @tutti_step attributes {{mhlo.num_replicas = 1 : i32, mhlo.num_partitions = 1 : i32}} {{"
+        "module @tutti_step attributes {{mhlo.num_replicas = {replicas} : i32, mhlo.num_partitions = 1 : i32}} {{"
     );
     let _ = writeln!(
         m,
@@ -721,6 +749,18 @@ mod tests {
             nesterov: false,
         };
         assert_eq!((sgd.slots(), sgd.powers()), (0, false));
+        // Fused with the gradient's all-reduce on 4 replicas: the sum steps, and is returned.
+        let m = step_group_mlir(adam, DType::BF16, 5, 4);
+        assert!(
+            m.contains("mhlo.num_replicas = 4")
+                && m.contains("@main(%w: tensor<5xbf16>, %g0: tensor<5xbf16>, %lr1: tensor<1xf32>,")
+                && m.contains("%g = \"stablehlo.all_reduce\"(%g0)")
+                && m.contains("dense<[[0, 1, 2, 3]]>")
+                && m.contains("\"stablehlo.convert\"(%g)")
+                && m.contains("-> (tensor<5xbf16>, tensor<5xf32>, tensor<5xf32>, tensor<2xf32>, tensor<5xbf16>)")
+                && m.contains("\"func.return\"(%wt, %m1, %v1, %p1, %g)"),
+            "{m}"
+        );
         let m = step_mlir(sgd, DType::F32, 4);
         assert!(
             m.contains("-> (tensor<4xf32>)")

@@ -7,7 +7,8 @@
 
 mod collective;
 
-use crate::device::pjrt::program::{Combine, Kind};
+use crate::device::pjrt::client::StepBuffers;
+use crate::device::pjrt::program::{Combine, Kind, Step};
 use crate::device::pjrt::{Client, XlaBuffer};
 use crate::device::{DeviceTensor, Storage};
 use crate::dtype::DType;
@@ -65,6 +66,15 @@ impl Pjrt {
             .iter()
             .map(|b| unsafe { &mut *b.output.cast::<DeviceTensor>() })
             .collect();
+        if bufs[0].held == Held::Step {
+            // SAFETY: as above; a step's input is the rank's `StepArgs`, borrowed mutably by
+            // the rank for the call.
+            let args: Vec<&mut StepArgs<'_>> = bufs
+                .iter()
+                .map(|b| unsafe { &mut *b.input.cast_mut().cast::<StepArgs<'_>>() })
+                .collect();
+            return self.run_step(site, &mut outs, args);
+        }
         fn on_device<'a>(site: Site, ts: &[&'a DeviceTensor]) -> Result<Vec<&'a XlaBuffer>> {
             ts.iter()
                 .enumerate()
@@ -116,6 +126,79 @@ impl Pjrt {
     }
 }
 
+/// A rank's part of an optimizer step fused with its gradients' sum ([`Held::Step`]): its
+/// gradient is the call's tensor; these are the rest.
+pub(crate) struct StepArgs<'a> {
+    /// The rule, as the program steps by it (every rank's the same).
+    pub(crate) step: Step,
+    /// The rank's copy of the variable, replaced by the stepped one.
+    pub(crate) copy: &'a mut DeviceTensor,
+    /// The learning rate, on the rank's device.
+    pub(crate) lr: &'a XlaBuffer,
+    /// The rule's state on the rank's device (slots, then Adam's powers), replaced by the
+    /// state after the step.
+    pub(crate) state: &'a mut Vec<DeviceTensor>,
+}
+
+impl Pjrt {
+    /// Every rank's step fused with the gradients' sum, in one program over their buffers
+    /// ([`Client::run_group_step`]); each rank's gradient becomes the sum, its copy and state
+    /// the stepped ones.
+    fn run_step(
+        &self,
+        site: Site,
+        grads: &mut [&mut DeviceTensor],
+        mut args: Vec<&mut StepArgs<'_>>,
+    ) -> Result<()> {
+        let step = args[0].step;
+        if let Some(r) = args.iter().position(|a| a.step != step) {
+            return Err(Error::invalid(
+                site,
+                format!(
+                    "rank 0 steps by {step:?} but rank {r} by {:?}; every rank of an XLA group \
+                     steps by one rule",
+                    args[r].step
+                ),
+            ));
+        }
+        fn on<'t>(site: Site, r: usize, t: &'t DeviceTensor, what: &str) -> Result<&'t XlaBuffer> {
+            match t.storage() {
+                Storage::Xla(b) => Ok(b),
+                Storage::Host(_) => Err(Error::invalid(
+                    site,
+                    format!("rank {r}'s {what} is in host memory, not on xla:{r}"),
+                )),
+            }
+        }
+        let mut steps = Vec::with_capacity(args.len());
+        for (r, (a, g)) in args.iter().zip(grads.iter()).enumerate() {
+            let mut state = Vec::with_capacity(a.state.len());
+            for t in a.state.iter() {
+                state.push(on(site, r, t, "optimizer state")?);
+            }
+            steps.push(StepBuffers {
+                w: on(site, r, a.copy, "copy of the variable")?,
+                g: on(site, r, g, "gradient")?,
+                lr: a.lr,
+                state,
+            });
+        }
+        let Some(results) = self.client.run_group_step(step, &steps)? else {
+            return Err(Error::invalid(
+                site,
+                "the XLA client's route changed to host-staged during the step; step again",
+            ));
+        };
+        drop(steps);
+        for ((g, a), res) in grads.iter_mut().zip(args.iter_mut()).zip(results) {
+            g.replace(DeviceTensor::from(res.g));
+            a.copy.replace(DeviceTensor::from(res.w));
+            *a.state = res.state.into_iter().map(DeviceTensor::from).collect();
+        }
+        Ok(())
+    }
+}
+
 impl GroupEngine for Pjrt {
     fn run(&self, site: Site, c: &GroupCall, bufs: &[CallBuffers]) -> Result<()> {
         // Every rank passes a tensor, or every rank host memory: never a mix, which would read
@@ -126,6 +209,7 @@ impl GroupEngine for Pjrt {
                 Held::Bytes => "host memory",
                 Held::Tensor => "a tensor on its device",
                 Held::Update(_) => "an update of a variable",
+                Held::Step => "an optimizer step",
             };
             return Err(Error::invalid(
                 site,
@@ -254,6 +338,7 @@ impl GroupEngine for Pjrt {
                 Collective::AllReduce | Collective::Broadcast | Collective::AllGather
             ),
             Held::Update(_) => matches!(c, Collective::AllReduce | Collective::Broadcast),
+            Held::Step => c == Collective::AllReduce,
         }
     }
 }
