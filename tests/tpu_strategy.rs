@@ -668,6 +668,37 @@ fn datasets_prefetch_to_the_replicas_devices() {
     );
 }
 
+/// Replicas that pass a tensor on one side and host memory on the other to the same
+/// collective: an error naming both, never one read as the other.
+#[test]
+fn a_tensor_against_host_memory_in_one_collective_is_an_error() {
+    let Some(c) = client() else { return };
+    let s = Strategy::tpu(c.clone()).unwrap();
+    let e = s
+        .run(|ctx| {
+            if ctx.local_replica_id() == 1 {
+                let mut v = vec![1.0f32; 8];
+                ctx.all_reduce(ReduceOp::Sum, &mut v)?;
+                return Ok(v);
+            }
+            let mut t = ctx.place(&[1.0f32; 8])?;
+            ctx.all_reduce_tensor(ReduceOp::Sum, &mut t)?;
+            t.to_vec::<f32>()
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rank 1") && e.contains("host memory"), "{e}");
+    // The strategy goes on.
+    let ok = s
+        .run(|ctx| {
+            let mut t = ctx.place(&[1.0f32; 8])?;
+            ctx.all_reduce_tensor(ReduceOp::Sum, &mut t)?;
+            t.to_vec::<f32>()
+        })
+        .unwrap();
+    assert_eq!(ok.local_results()[0], vec![c.devices().len() as f32; 8]);
+}
+
 /// On one worker's XLA devices an optimizer's step of each variable is one program with its
 /// gradients' sum (one launch, not a sum and a step per device), to the host optimizer's values;
 /// host-staged, the sum and the steps run apart, to the same values.
