@@ -901,7 +901,7 @@ typedef struct tutti_ps_update {
      */
     tutti_ps_rule rule;
     /**
-     * The learning rate (positive).
+     * The learning rate (finite, not negative).
      */
     float learning_rate;
     /**

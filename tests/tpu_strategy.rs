@@ -793,4 +793,25 @@ fn optimizer_steps_fuse_with_the_gradients_sum() {
     c.set_route(tutti::xla::Route::Auto);
     close("host-staged steps");
     assert_eq!(od.iterations(), 5);
+    // One replica's gradient in host memory: its argument error, heard by every replica before
+    // anything moved; the variables as they were, and the strategy goes on.
+    let kept = (da.value().unwrap(), db.value().unwrap());
+    let e = s
+        .run(|ctx| {
+            let id = ctx.replica_id_in_sync_group();
+            let mut ga = match id {
+                1 => tutti::DeviceTensor::from_host(&grad(5, id, 131)),
+                _ => ctx.place(&grad(5, id, 131))?,
+            };
+            let mut gb = ctx.place(&grad(5, id, 7))?;
+            od.apply_device_gradients(ctx, &mut [(&mut ga, &da), (&mut gb, &db)])
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("in host memory"), "{e}");
+    assert_eq!((da.value().unwrap(), db.value().unwrap()), kept);
+    assert_eq!(od.iterations(), 5);
+    step(5);
+    host_step(5);
+    close("a step after a refused one");
 }

@@ -64,7 +64,7 @@ pub struct tutti_ps_update {
     pub struct_size: usize,
     /// A `TUTTI_PS_RULE_*` value.
     pub rule: tutti_ps_rule,
-    /// The learning rate (positive).
+    /// The learning rate (finite, not negative).
     pub learning_rate: f32,
     /// SGD: momentum (0: none).
     pub momentum: f32,

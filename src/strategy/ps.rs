@@ -811,7 +811,7 @@ impl StepContext {
     /// function has returned: the ps tasks step each shard by it with the slots `slots` keys
     /// (one key per optimizer: two optimizers stepping one variable keep apart). What the
     /// step function returns is pushed too. A gradient of another dtype or length than its
-    /// variable's, or a rule that cannot step (a learning rate that is not positive), fails
+    /// variable's, or a rule that cannot step (a learning rate that is negative), fails
     /// the step before anything is pushed.
     pub fn push(&self, variable: usize, grad: Values, rule: Rule, slots: u64) {
         self.pushes.lock().push(Push {

@@ -603,7 +603,7 @@ impl Rule {
     }
 
     /// Why the rule cannot step a variable, if it cannot: a learning rate that is negative or not
-    /// finite (0 leaves the variable as it is, as a warm-up's first step may), a momentum
+    /// finite (0 is one, as a warm-up's first step may take it), a momentum
     /// outside [0, 1], a beta outside [0, 1), an epsilon that is not positive (0 makes 0/0 of a
     /// gradient that stays 0).
     pub fn check(&self) -> std::result::Result<(), String> {
@@ -805,9 +805,9 @@ impl Optimizer {
     /// copied through host memory. On one worker's XLA devices (no cross-device op of the
     /// caller's) that one program is the sum and every replica's step together, one launch for
     /// all the devices; across workers, the sum (through the workers' all-reduce) and then a
-    /// program per replica. Where the client's route is host-staged, or the plugin refuses the
-    /// programs under the `Auto` route, the sum and the steps run through host memory instead,
-    /// to the same rule. Copies in host memory (CPU replicas) step as a [`MirroredVariable`]'s
+    /// program per replica. Where the plugin refuses the fused program under the `Auto` route,
+    /// the sum and the steps run apart on the devices; where it refuses those too, or the
+    /// client's route is host-staged, through host memory, to the same rule. Copies in host memory (CPU replicas) step as a [`MirroredVariable`]'s
     /// do. Collective: every replica calls it with the same variables in the same order. Each
     /// gradient holds the sum afterwards.
     pub fn apply_device_gradients<T: Param>(
@@ -842,19 +842,29 @@ impl Optimizer {
                 ctx.all_reduce_tensor(ReduceOp::Sum, g)?;
             }
         }
-        for (g, var) in grads_and_vars.iter_mut() {
-            let slots = self
-                .device_slots
+        let slots_of = |var: &DeviceVariable<T>| {
+            self.device_slots
                 .lock()
                 .entry((var.id(), me))
                 .or_default()
-                .clone();
-            let mut copy = var.copy(me)?;
-            #[cfg(feature = "xla")]
-            if fused {
-                xla_fused_step::<T>(ctx, &rule, &mut copy, g, &mut slots.lock())?;
-                continue;
+                .clone()
+        };
+        #[cfg(feature = "xla")]
+        if fused {
+            let kept: Vec<SharedDeviceSlots> =
+                grads_and_vars.iter().map(|(_, v)| slots_of(v)).collect();
+            let mut slots: Vec<_> = kept.iter().map(|s| s.lock()).collect();
+            let mut copies = Vec::with_capacity(grads_and_vars.len());
+            for (_, var) in grads_and_vars.iter() {
+                copies.push(var.copy(me)?);
             }
+            let mut grads: Vec<&mut DeviceTensor> =
+                grads_and_vars.iter_mut().map(|(g, _)| &mut **g).collect();
+            xla_fused_steps::<T>(ctx, &rule, &mut grads, &mut copies, &mut slots)?;
+        }
+        for (g, var) in grads_and_vars.iter().filter(|_| !fused) {
+            let slots = slots_of(var);
+            let mut copy = var.copy(me)?;
             step_copy::<T>(&rule, &mut copy, g, &mut slots.lock())?;
         }
         if me == 0 {
@@ -1102,10 +1112,12 @@ fn on_device<T: Param>(
 }
 
 /// Whether replica `ctx` steps `grads_and_vars` each in one program with its gradients' sum
-/// ([`xla_fused_step`]): on XLA devices of one worker (several replicas, no cross-device op of
-/// the caller's), every gradient and copy there, and the client's route compiling programs
-/// that take the fused step. Every replica of the step decides alike (the client's programs
-/// are cached), so they make the same calls.
+/// ([`xla_fused_steps`]): on XLA devices of one worker (several replicas, no cross-device op
+/// of the caller's), with the client's route compiling programs and the plugin taking the
+/// fused step's. Decided from what every replica of the step shares (the strategy, the
+/// variables, the client's cached programs), never from one replica's own arguments, so that
+/// every replica makes the same calls (a replica's gradient in host memory is then its
+/// argument error, which the others hear as such).
 #[cfg(feature = "xla")]
 fn fuses_steps<T: Param>(
     ctx: &ReplicaContext<'_>,
@@ -1122,11 +1134,16 @@ fn fuses_steps<T: Param>(
         return Ok(false);
     }
     let step = rule.device_step();
-    for (g, var) in grads_and_vars {
-        let Some(b) = g.as_xla() else {
+    for (_, var) in grads_and_vars {
+        // The replica's own copy (another's may be held by its step): every copy of the
+        // variable is on one client.
+        let Some(client) = var
+            .copy(ctx.local_replica_id())?
+            .as_xla()
+            .map(|b| b.client())
+        else {
             return Ok(false);
         };
-        let client = b.client();
         if client.route() == crate::xla::Route::HostStaged {
             return Ok(false);
         }
@@ -1140,43 +1157,53 @@ fn fuses_steps<T: Param>(
     Ok(true)
 }
 
-/// Replica `ctx`'s `copy` stepped by its gradient `g` summed across the replicas, in one
-/// program over every replica's device ([`crate::device::pjrt::Client`]'s `run_group_step`):
-/// `g` holds the sum afterwards, the copy and its slots (beside it on its device) the step's.
+/// Replica `ctx`'s `copies` stepped by their gradients `grads` summed across the replicas,
+/// each variable in one program over every replica's device
+/// ([`crate::device::pjrt::Client`]'s `run_group_step`): each gradient holds the sum
+/// afterwards, each copy and its slots (beside it on its device) the step's. Everything the
+/// steps need is made on the devices first (the slots at the first step, the learning rate),
+/// so that a failure there leaves every variable as it was.
 #[cfg(feature = "xla")]
-fn xla_fused_step<T: Param>(
+fn xla_fused_steps<T: Param>(
     ctx: &ReplicaContext<'_>,
     rule: &Rule,
-    copy: &mut DeviceTensor,
-    g: &mut DeviceTensor,
-    slots: &mut DeviceSlots,
+    grads: &mut [&mut DeviceTensor],
+    copies: &mut [parking_lot::MutexGuard<'_, DeviceTensor>],
+    slots: &mut [parking_lot::MutexGuard<'_, DeviceSlots>],
 ) -> Result<()> {
-    match copy.as_xla() {
-        Some(w) => on_device::<T>(rule, w, slots)?,
-        None => {
-            return Err(Error::config(format!(
-                "apply_device_gradients: the variable's copy {copy:?} is not on an XLA device"
-            )))
+    for (copy, slots) in copies.iter().zip(slots.iter_mut()) {
+        match copy.as_xla() {
+            Some(w) => on_device::<T>(rule, w, slots)?,
+            None => {
+                return Err(Error::config(format!(
+                    "apply_device_gradients: the variable's copy {:?} is not on an XLA device",
+                    **copy
+                )))
+            }
         }
     }
     let step = rule.device_step();
-    let DeviceSlots {
-        state, rate, steps, ..
-    } = slots;
-    let Some((_, lr)) = rate.as_ref() else {
-        return Err(Error::config(
-            "apply_device_gradients: the learning rate is not on the device",
-        ));
-    };
-    let mut args = crate::engine::pjrt::StepArgs {
-        step,
-        copy,
-        lr,
-        state,
-    };
-    ctx.comm.step_tensor(g, &mut args)?;
-    if step.powers() {
-        *steps = steps.saturating_add(1);
+    for ((g, copy), slots) in grads
+        .iter_mut()
+        .zip(copies.iter_mut())
+        .zip(slots.iter_mut())
+    {
+        let DeviceSlots {
+            state, rate, steps, ..
+        } = &mut **slots;
+        let Some((_, lr)) = rate.as_ref() else {
+            return Err(Error::config(
+                "apply_device_gradients: the learning rate is not on the device",
+            ));
+        };
+        let mut args = crate::engine::pjrt::StepArgs {
+            step,
+            copy,
+            lr,
+            state,
+            steps,
+        };
+        ctx.comm.step_tensor(g, &mut args)?;
     }
     Ok(())
 }

@@ -2232,7 +2232,7 @@ class Optimizer:
 
 def _rate_checked(value, what):
     """``value`` as a learning rate (a float); an error naming it as ``what`` where it is not a
-    number, or negative or not finite (0 steps nothing, as a warm-up's first step may)."""
+    number, or negative or not finite (0 is one: a warm-up's first step may take it)."""
     try:
         rate = float(value)
     except (TypeError, ValueError):

@@ -138,6 +138,9 @@ pub(crate) struct StepArgs<'a> {
     /// The rule's state on the rank's device (slots, then Adam's powers), replaced by the
     /// state after the step.
     pub(crate) state: &'a mut Vec<DeviceTensor>,
+    /// Adam's steps taken by `state`, counted with it (by rank 0, which runs the step for
+    /// every rank, even one that stopped waiting for it).
+    pub(crate) steps: &'a mut u32,
 }
 
 impl Pjrt {
@@ -184,9 +187,11 @@ impl Pjrt {
             });
         }
         let Some(results) = self.client.run_group_step(step, &steps)? else {
+            // The replicas chose this form from the route as it was: set it between steps.
             return Err(Error::invalid(
                 site,
-                "the XLA client's route changed to host-staged during the step; step again",
+                "the XLA client's route was set to host-staged while the replicas stepped \
+                 (set it between steps)",
             ));
         };
         drop(steps);
@@ -194,6 +199,9 @@ impl Pjrt {
             g.replace(DeviceTensor::from(res.g));
             a.copy.replace(DeviceTensor::from(res.w));
             *a.state = res.state.into_iter().map(DeviceTensor::from).collect();
+            if step.powers() {
+                *a.steps = a.steps.saturating_add(1);
+            }
         }
         Ok(())
     }
