@@ -814,4 +814,18 @@ fn optimizer_steps_fuse_with_the_gradients_sum() {
     step(5);
     host_step(5);
     close("a step after a refused one");
+    // A variable given twice steps twice (the sum and the steps apart), as on the host.
+    s.run(|ctx| {
+        let id = ctx.replica_id_in_sync_group();
+        let (mut g1, mut g2) = (ctx.place(&grad(6, id, 7))?, ctx.place(&grad(7, id, 7))?);
+        od.apply_device_gradients(ctx, &mut [(&mut g1, &db), (&mut g2, &db)])
+    })
+    .unwrap();
+    s.run(|ctx| {
+        let id = ctx.replica_id_in_sync_group();
+        let (g1, g2) = (grad(6, id, 7), grad(7, id, 7));
+        oh.apply_gradients(ctx, &[(&g1[..], &hb), (&g2[..], &hb)])
+    })
+    .unwrap();
+    close("a variable given twice");
 }

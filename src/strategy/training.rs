@@ -807,8 +807,8 @@ impl Optimizer {
     /// all the devices; across workers, the sum (through the workers' all-reduce) and then a
     /// program per replica. Where the plugin refuses the fused program under the `Auto` route,
     /// the sum and the steps run apart on the devices; where it refuses those too, or the
-    /// client's route is host-staged, through host memory, to the same rule. Copies in host memory (CPU replicas) step as a [`MirroredVariable`]'s
-    /// do. Collective: every replica calls it with the same variables in the same order. Each
+    /// client's route is host-staged, through host memory, to the same rule. Copies in host
+    /// memory (CPU replicas) step as a [`MirroredVariable`]'s do. Collective: every replica calls it with the same variables in the same order. Each
     /// gradient holds the sum afterwards.
     pub fn apply_device_gradients<T: Param>(
         &self,
@@ -1131,6 +1131,12 @@ fn fuses_steps<T: Param>(
         || s.custom_ops(ReduceOp::Sum, T::DTYPE).is_some()
         || !matches!(s.engine, Some((crate::device::DeviceKind::Xla, _)))
     {
+        return Ok(false);
+    }
+    // A variable given twice steps twice, one after the other: apart.
+    let mut ids: Vec<u64> = grads_and_vars.iter().map(|(_, v)| v.id()).collect();
+    ids.sort_unstable();
+    if ids.windows(2).any(|w| w[0] == w[1]) {
         return Ok(false);
     }
     let step = rule.device_step();
