@@ -78,13 +78,7 @@ impl Pjrt {
         fn on_device<'a>(site: Site, ts: &[&'a DeviceTensor]) -> Result<Vec<&'a XlaBuffer>> {
             ts.iter()
                 .enumerate()
-                .map(|(r, t)| match t.storage() {
-                    Storage::Xla(b) => Ok(b),
-                    Storage::Host(_) => Err(Error::invalid(
-                        site,
-                        format!("rank {r}'s tensor is in host memory, not on xla:{r}"),
-                    )),
-                })
+                .map(|(r, t)| buffer_of(site, r, t, "tensor"))
                 .collect()
         }
         let results = {
@@ -126,6 +120,18 @@ impl Pjrt {
     }
 }
 
+/// Rank `r`'s tensor `t` (its `what`) as the PJRT buffer it is on `xla:r`; in host memory, the
+/// call's error saying so.
+fn buffer_of<'t>(site: Site, r: usize, t: &'t DeviceTensor, what: &str) -> Result<&'t XlaBuffer> {
+    match t.storage() {
+        Storage::Xla(b) => Ok(b),
+        Storage::Host(_) => Err(Error::invalid(
+            site,
+            format!("rank {r}'s {what} is in host memory, not on xla:{r}"),
+        )),
+    }
+}
+
 /// A rank's part of an optimizer step fused with its gradients' sum ([`Held::Step`]): its
 /// gradient is the call's tensor; these are the rest.
 pub(crate) struct StepArgs<'a> {
@@ -164,24 +170,15 @@ impl Pjrt {
                 ),
             ));
         }
-        fn on<'t>(site: Site, r: usize, t: &'t DeviceTensor, what: &str) -> Result<&'t XlaBuffer> {
-            match t.storage() {
-                Storage::Xla(b) => Ok(b),
-                Storage::Host(_) => Err(Error::invalid(
-                    site,
-                    format!("rank {r}'s {what} is in host memory, not on xla:{r}"),
-                )),
-            }
-        }
         let mut steps = Vec::with_capacity(args.len());
         for (r, (a, g)) in args.iter().zip(grads.iter()).enumerate() {
             let mut state = Vec::with_capacity(a.state.len());
             for t in a.state.iter() {
-                state.push(on(site, r, t, "optimizer state")?);
+                state.push(buffer_of(site, r, t, "optimizer state")?);
             }
             steps.push(StepBuffers {
-                w: on(site, r, a.copy, "copy of the variable")?,
-                g: on(site, r, g, "gradient")?,
+                w: buffer_of(site, r, a.copy, "copy of the variable")?,
+                g: buffer_of(site, r, g, "gradient")?,
                 lr: a.lr,
                 state,
             });
