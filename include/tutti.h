@@ -1693,6 +1693,10 @@ tutti_result tutti_comm_split(struct tutti_comm *comm,
  * The state of the training is the survivors' to restore: broadcast it (weights, optimizer
  * state, step) from the new rank 0 and repeat the step that failed.
  *
+ * With no rank lost it re-forms the group: after a rank's rejection of its own arguments or a
+ * mismatch aborted `comm` (between processes under the default check), every rank calls it
+ * and gets a communicator of all of them, in the same rank order.
+ *
  * Errors (`*newcomm` is then NULL): `TUTTI_ERROR_INVALID_ARGUMENT` (NULL `newcomm`; survivors
  * that found different sets of live ranks, each named; a rank too late for the others, or too
  * few answering to outnumber the silent ones), `TUTTI_ERROR_UNAVAILABLE` for groups of threads,

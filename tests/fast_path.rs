@@ -177,8 +177,9 @@ fn a_peer_that_leaves_mid_call_is_named() {
 /// every other rank an error naming it and its reason (its rejection, or the abort it sent),
 /// at once, whatever its call's fields say.
 /// Under the default check the call's data carries the check, so the call aborts the
-/// communicator (as a mismatch found in the data does); under `TUTTI_CHECK=full` every rank
-/// meets first and the communicator goes on.
+/// communicator (as a mismatch found in the data does), and a shrink on every rank gives the
+/// same ranks a new one; under `TUTTI_CHECK=full` every rank meets first and the communicator
+/// goes on.
 #[test]
 fn a_rank_that_rejects_its_arguments_is_named_on_every_peer() {
     for kind in [TransportKind::Tcp, TransportKind::Shm] {
@@ -236,6 +237,17 @@ fn a_rank_that_rejects_its_arguments_is_named_on_every_peer() {
                         matches!(got, Err(Error::Aborted { .. })),
                         "{kind} {case}, rank {r}: {got:?}"
                     );
+                }
+                // Nobody was lost: a shrink on every rank gives the same ranks a communicator
+                // that works, without restarting.
+                let again = on_all(&comms, |c| {
+                    let c = c.shrink()?;
+                    let mut v = [1u32 << c.rank()];
+                    c.all_reduce(&mut v, ReduceOp::Sum)
+                        .map(|()| (c.rank(), c.world_size(), v[0]))
+                });
+                for (r, got) in again.into_iter().enumerate() {
+                    assert_eq!(got.unwrap(), (r, 3, 7), "{kind} {case}: shrunk, rank {r}");
                 }
                 break;
             }

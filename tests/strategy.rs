@@ -797,12 +797,24 @@ fn an_error_on_one_worker_before_a_collective_reaches_the_others_at_once() {
                 "optimizer" => {
                     let var = strategy.mirrored_variable(&[1.0f32, 2.0])?;
                     let opt = tutti::strategy::Optimizer::sgd(0.1)?;
-                    strategy
-                        .run(|ctx| {
-                            let g = vec![1.0f32; if odd { 3 } else { 2 }];
+                    let step = |s: &Strategy, n: usize| {
+                        s.run(|ctx| {
+                            let g = vec![1.0f32; n];
                             opt.apply_gradients(ctx, &[(&g[..], &var)])
                         })
-                        .map(drop)
+                    };
+                    let got = step(&strategy, if odd { 3 } else { 2 }).map(drop);
+                    // No worker was lost: a shrink on both gives them a new communicator of
+                    // both, and the strategy goes on from the variable as it was.
+                    let mut strategy = strategy;
+                    strategy.shrink()?;
+                    assert_eq!(strategy.num_replicas_in_sync(), 4, "worker {w}");
+                    assert_eq!(strategy.cluster_resolver().task_id, w);
+                    assert_eq!(var.value(), vec![1.0, 2.0], "worker {w}, failed step");
+                    step(&strategy, 2)?;
+                    // The 4 replicas' gradients of 1, summed: 0.1 × 4 off each element.
+                    assert_eq!(var.value(), vec![0.6, 1.6], "worker {w}, after the shrink");
+                    return Ok((got.map_err(|e| e.to_string()), strategy));
                 }
                 _ => {
                     let var = strategy.device_variable(&[1.0f32, 2.0])?;

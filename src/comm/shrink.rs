@@ -24,6 +24,11 @@ impl Communicator {
     /// same set of ranks, else each fails with an error naming two views; calling `shrink`
     /// again then retries.
     ///
+    /// With no rank lost it re-forms the group: after a rank's rejection of its own arguments or
+    /// a mismatch found in the data aborted this communicator (between processes under the
+    /// default check), every rank calls it and gets a communicator of all of them, in the same
+    /// rank order.
+    ///
     /// What the lost rank held is gone: the survivors restore the state of the training from
     /// one of them (broadcast the weights, the optimizer's state and the step from the new
     /// rank 0) and repeat the step that failed, since it may have completed on some survivors

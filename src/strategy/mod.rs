@@ -964,7 +964,9 @@ impl Strategy {
 
     /// Multi-worker: go on with the workers still alive after one was lost (a `run`, `reduce`
     /// or variable update failed with [`Error::PeerLost`], or with [`Error::Aborted`] or
-    /// [`Error::Timeout`] because of it), without restarting. Every surviving worker calls it:
+    /// [`Error::Timeout`] because of it), without restarting; with none lost, go on after a
+    /// worker's rejection aborted the workers' communicator (see [`Strategy::run`]), with the
+    /// same workers and the variables as they were. Every surviving worker calls it:
     /// the communicator across workers shrinks to the survivors ([`Communicator::shrink`]),
     /// they are renumbered in their old order (the lowest is the chief), and
     /// [`Strategy::num_replicas_in_sync`] and [`Strategy::cluster_resolver`] follow (its
@@ -1120,7 +1122,9 @@ impl Strategy {
     /// replica 0 fails before a call across workers (its local step of a collective failed),
     /// the other workers' call fails at once naming this worker (see `before_workers`); between
     /// processes that aborts the workers' communicator under the default check, as a
-    /// rejection does there. An `f` that fails with no such call left is not announced.
+    /// rejection does there: [`Strategy::shrink`] on every worker then gives the same workers
+    /// a new one, and the strategy goes on. An `f` that fails with no such call left is not
+    /// announced.
     pub fn run<R: Send>(
         &self,
         f: impl Fn(&ReplicaContext<'_>) -> Result<R> + Sync,

@@ -940,7 +940,10 @@ class Communicator:
         surviving rank calls it; this one is aborted first, and the survivors agree on who they
         are within the timeout (a rank too late for the others gets an error). Restore the
         training's state from the new rank 0 (broadcast the weights, the optimizer's state and
-        the step) and repeat the step that failed. Processes over tcp and shm only."""
+        the step) and repeat the step that failed. With no rank lost, it re-forms the group
+        after a rank's rejection of its own arguments or a mismatch aborted this one: every
+        rank calls it and gets a communicator of all of them. Processes over tcp and shm
+        only."""
         out = ctypes.c_void_p()
         with self._h.use() as h:
             _check(_library().tutti_comm_shrink(h, ctypes.byref(out)))
