@@ -53,7 +53,10 @@ case "$profile" in
 esac
 
 if [ "$build" = 1 ]; then
-    (cd "$repo" && cargo build --profile "$profile" -p tutti-ffi)
+    # The workspace's libraries, not `-p tutti-ffi` alone: cargo then resolves the
+    # dependencies' features as `cargo build` and `cargo run` of the workspace do (the tutti
+    # command's clap turns on more of them), so the tutti library built for one serves both.
+    (cd "$repo" && cargo build --profile "$profile" --workspace --lib)
 fi
 
 case "$(uname -s)" in

@@ -24,11 +24,8 @@ pub fn data<T: Element>(r: usize, count: usize) -> Vec<T> {
 /// and return its path (`cargo test --test X` alone builds no examples, and a stale one would
 /// test old code).
 pub fn example(name: &str, features: &[&str]) -> std::path::PathBuf {
-    build(
-        &["-p", "tutti", "--example", name],
-        features,
-        &format!("examples/{name}"),
-    )
+    let features: Vec<String> = features.iter().map(|f| format!("tutti/{f}")).collect();
+    build(&["--example", name], &features, &format!("examples/{name}"))
 }
 
 /// The `tutti` command (the `tutti-cli` package), built once per test process with this
@@ -49,22 +46,26 @@ pub fn tutti_bin() -> std::path::PathBuf {
         }
         let mut features = Vec::new();
         if cfg!(feature = "xla") {
-            features.push("xla");
+            features.push("tutti-cli/xla".to_string());
         }
         if cfg!(feature = "cuda") {
-            features.push("cuda");
+            features.push("tutti-cli/cuda".to_string());
         }
         if cfg!(feature = "mpi") {
-            features.push("mpi");
+            features.push("tutti-cli/mpi".to_string());
         }
-        build(&["-p", "tutti-cli", "--bin", "tutti"], &features, "tutti")
+        build(&["--bin", "tutti", "--test", "layers"], &features, "tutti")
     })
     .clone()
 }
 
 /// `cargo build` of `what` into this test's target directory and profile; the path of
-/// `target/<profile>/<output>`.
-fn build(what: &[&str], features: &[&str], output: &str) -> std::path::PathBuf {
+/// `target/<profile>/<output>`. `what` selects targets of the whole workspace, with at least
+/// one that has the dev-dependencies (an example or a test): cargo then resolves the
+/// dependencies' features as `cargo test` of the workspace does, and reuses the library it
+/// built for the tests, where `-p tutti-cli` alone would build tutti and its derives again
+/// with other features. `features` are `package/feature`.
+fn build(what: &[&str], features: &[String], output: &str) -> std::path::PathBuf {
     use std::path::Path;
     let exe = std::env::current_exe().expect("the test's own path");
     let profile_dir = exe
@@ -81,6 +82,7 @@ fn build(what: &[&str], features: &[&str], output: &str) -> std::path::PathBuf {
     let mut cmd = std::process::Command::new(&cargo);
     cmd.arg("build")
         .arg("--quiet")
+        .arg("--workspace")
         .args(what)
         .arg("--target-dir")
         .arg(target_dir)

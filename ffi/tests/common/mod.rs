@@ -28,6 +28,12 @@ pub fn profile_dir() -> PathBuf {
 /// Build `libtutti.a` and `libtutti.so` with the profile and target directory of this test,
 /// once per test binary: cargo builds a package's library before its integration tests only
 /// when the tests can link it, which a cdylib and staticlib-only crate's tests cannot.
+///
+/// The build takes the whole workspace's libraries and one small test (`layers`, which has the
+/// dev-dependencies), so that cargo resolves the dependencies' features as `cargo test` of the
+/// workspace does: `tutti` and its dependencies built for the tests are reused, where
+/// `-p tutti-ffi --lib` alone would build them again with other features (clap's derive turns
+/// on `syn`'s `full`, which rebuilds every derive and the crates that use them).
 fn ensure_built() {
     static BUILT: OnceLock<Result<(), String>> = OnceLock::new();
     let result = BUILT.get_or_init(|| {
@@ -36,10 +42,17 @@ fn ensure_built() {
         let target_dir = dir.parent().expect("target/<profile> has a parent");
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut cmd = Command::new(&cargo);
-        cmd.args(["build", "--quiet", "-p", "tutti-ffi", "--lib"]);
+        cmd.args([
+            "build",
+            "--quiet",
+            "--workspace",
+            "--lib",
+            "--test",
+            "layers",
+        ]);
         // The library gets the features these tests were built with.
         if cfg!(feature = "xla") {
-            cmd.args(["--features", "xla"]);
+            cmd.args(["--features", "tutti-ffi/xla"]);
         }
         cmd.arg("--target-dir").arg(target_dir).current_dir(repo());
         match profile {
