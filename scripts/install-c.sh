@@ -10,7 +10,7 @@
 #   scripts/install-c.sh --prefix DIR [--profile release] [--no-build]
 #
 # --profile is the cargo profile (default release; dev reads target/debug); --no-build installs
-# what the last `cargo build -p tutti-ffi` of that profile left (CARGO_TARGET_DIR is honoured).
+# what the last build of tutti-ffi in that profile left (CARGO_TARGET_DIR is honoured).
 # The installed files name no absolute path: the CMake package and tutti.pc find the prefix from
 # their own location, so the prefix may be moved or packaged after installing. libtutti.so has
 # no SONAME: programs record it as libtutti.so and find it at run time through their rpath or
