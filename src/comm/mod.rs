@@ -1163,9 +1163,9 @@ impl Communicator {
     /// rather than wait for this rank until the timeout. For a layer above that found an error
     /// in its own part before the call (a strategy whose local replicas failed), which returns
     /// that error to its caller at once: the call is issued, not waited for (its own error is
-    /// dropped), and this rank's later calls queue behind it as every call does.
-    pub(crate) fn reject(&self, collective: Collective, why: &str) {
-        drop(self.issue(self.rejected_call(collective, why), Owned::new(())));
+    /// the handle's), and this rank's later calls queue behind it as every call does.
+    pub(crate) fn reject(&self, collective: Collective, why: &str) -> Work<()> {
+        self.issue(self.rejected_call(collective, why), Owned::new(()))
     }
 
     /// All-to-all: block j of `send` goes to rank j, and block k of `recv` comes from rank k

@@ -270,6 +270,9 @@ pub struct Strategy {
     engine: Option<(DeviceKind, Arc<dyn GroupEngine>)>,
     /// Where the replicas meet for a custom cross-device op.
     meet: Meet,
+    /// This worker's last rejection (see [`Strategy::in_place_of`]), which a shrink lets reach
+    /// the other workers before it aborts their communicator.
+    rejection: Mutex<Option<crate::comm::Work<()>>>,
 }
 
 /// Places values on a strategy's local replicas' devices, as their communicators do
@@ -590,6 +593,7 @@ impl Strategy {
             bytes_per_pack,
             engine,
             meet: Meet::default(),
+            rejection: Mutex::new(None),
         };
         s.rebuild()?;
         Ok(s)
@@ -990,6 +994,12 @@ impl Strategy {
                 why: "only MultiWorkerMirroredStrategy across processes has workers to lose".into(),
             });
         };
+        // A rejection still on this worker's queue goes out first: the shrink's abort would
+        // otherwise take its place, and the other workers would not learn why the call failed.
+        // It is bounded by the timeout, as every call is; its own error is the rejection's.
+        if let Some(sent) = self.rejection.get_mut().take() {
+            let _ = sent.wait_timeout(workers.timeout());
+        }
         let survivors = workers.shrink()?;
         self.resolver.task_id = survivors.rank();
         self.resolver.is_chief = survivors.rank() == 0;
@@ -1273,7 +1283,7 @@ impl Strategy {
     /// as a rejection with its error.
     fn in_place_of<R>(&self, collective: Collective, local: Result<R>) -> Result<R> {
         if let (Err(e), Some(w)) = (&local, &self.workers) {
-            w.reject(collective, &e.to_string());
+            *self.rejection.lock() = Some(w.reject(collective, &e.to_string()));
         }
         local
     }
