@@ -64,7 +64,7 @@ case "$(uname -s)" in
     *) shared=libtutti.so ;;
 esac
 for f in "$out/$shared" "$out/libtutti.a"; do
-    [ -f "$f" ] || { echo "install-c.sh: $f is missing: build with cargo build --profile $profile -p tutti-ffi" >&2; exit 1; }
+    [ -f "$f" ] || { echo "install-c.sh: $f is missing: build with cargo build --profile $profile --workspace --lib" >&2; exit 1; }
 done
 
 # The version: the workspace's (Cargo.toml, [workspace.package]); the header must agree.
