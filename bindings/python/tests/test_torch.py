@@ -314,15 +314,21 @@ def test_cpu_tutti_cuda_nccl():
     assert "tutti" in r[0]["backend"]
 
 
-def test_untested_torch_is_refused_saying_so():
+@pytest.mark.parametrize("version,taken", [("1.0.0", False), ("2.8.0", False), ("2.12.0+cpu", True),
+                                           ("2.15.0", True), ("2.16.0", False)])
+def test_untested_torch_is_refused_saying_so(version, taken):
+    """Releases from the first tested to the last are taken; others are refused, naming them."""
     code = (
-        "import torch; torch.__version__ = '1.0.0'\n"
-        "try:\n    import tutti.torch\nexcept ImportError as e:\n    print(e)\n"
+        f"import torch; torch.__version__ = '{version}'\n"
+        "try:\n    import tutti.torch\n    print('taken')\nexcept ImportError as e:\n    print(e)\n"
     )
     env = dict(os.environ, PYTHONPATH=PACKAGE)
     env.pop("TUTTI_TORCH_UNTESTED", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert "tested with torch" in out.stdout and "1.0.0" in out.stdout, out
+    if taken:
+        assert out.stdout.strip() == "taken", out
+    else:
+        assert "tested with torch" in out.stdout and version in out.stdout, out
 
 
 def test_the_backends_public_names_have_docstrings():

@@ -50,8 +50,8 @@ try:
     import torch
 except ImportError as e:
     raise ImportError(
-        "tutti.torch is the torch.distributed backend and needs PyTorch 2.15: "
-        "pip install 'torch==2.15.*' (or pip install './bindings/python[torch]' from tutti's checkout)"
+        "tutti.torch is the torch.distributed backend and needs PyTorch 2.9 to 2.15: "
+        "pip install torch (or pip install './bindings/python[torch]' from tutti's checkout)"
     ) from e
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _CBackend
@@ -63,9 +63,10 @@ __all__ = ["TESTED_TORCH", "TuttiBackend", "BACKEND_NAME"]
 #: The name the backend is registered under.
 BACKEND_NAME = "tutti"
 
-#: The torch releases (major, minor) this backend is tested with. Others are refused, saying
-#: so, unless ``TUTTI_TORCH_UNTESTED=1``.
-TESTED_TORCH = ((2, 15),)
+#: The torch releases (major, minor) this backend is tested with: the releases from the first to
+#: the last of them are taken (those between run the same code as their neighbours), others are
+#: refused, saying so, unless ``TUTTI_TORCH_UNTESTED=1``.
+TESTED_TORCH = ((2, 9), (2, 11), (2, 14), (2, 15))
 
 
 def _check_torch_version() -> None:
@@ -74,11 +75,14 @@ def _check_torch_version() -> None:
         have = (int(parts[0]), int(parts[1]))
     except (IndexError, ValueError):
         have = None
-    if have in TESTED_TORCH or os.environ.get("TUTTI_TORCH_UNTESTED") == "1":
+    if have is not None and TESTED_TORCH[0] <= have <= TESTED_TORCH[-1]:
+        return
+    if os.environ.get("TUTTI_TORCH_UNTESTED") == "1":
         return
     tested = ", ".join(f"{a}.{b}" for a, b in TESTED_TORCH)
     raise ImportError(
-        f"tutti.torch is tested with torch {tested}; this is torch {torch.__version__}. "
+        f"tutti.torch is tested with torch {tested} and takes the releases between them; "
+        f"this is torch {torch.__version__}. "
         "Install a tested torch, or set TUTTI_TORCH_UNTESTED=1 to try this one anyway."
     )
 
@@ -322,7 +326,7 @@ class _PeerWork(dist.Work):
         return True
 
     def is_completed(self) -> bool:
-        # Seen when this object is used from Python; torch 2.15's wrapper around a Python
+        # Seen when this object is used from Python; torch's wrapper around a Python
         # backend's Work forwards only wait() and get_future() to it.
         self._run()
         return True
@@ -352,9 +356,9 @@ def _rejecting(method: Callable[..., _Work]) -> Callable[..., _Work]:
     other ranks fail at once naming this one instead of waiting out the timeout."""
 
     @functools.wraps(method)
-    def checked(self: "TuttiBackend", *args: Any) -> _Work:
+    def checked(self: "TuttiBackend", *args: Any, **kwargs: Any) -> _Work:
         try:
-            return method(self, *args)
+            return method(self, *args, **kwargs)
         except (tutti.TuttiError, NotImplementedError):
             raise
         except (TypeError, ValueError, IndexError, RuntimeError) as e:
@@ -393,7 +397,24 @@ def _flat_view(tensors: Sequence[torch.Tensor], uneven: bool = False) -> Optiona
     return flat
 
 
-class TuttiBackend(_CBackend):
+def _base_class() -> type:
+    """What the backend derives from: torch's ``Backend`` where it takes a subclass written in
+    Python (torch 2.14 on), else ``ProcessGroup``, which torch then uses as the whole process
+    group, as it does the Python process groups of its own tests."""
+    class _Probe(_CBackend):
+        pass
+
+    try:
+        _Probe(0, 1)
+    except TypeError:  # "No constructor defined": torch before 2.14
+        return dist.ProcessGroup
+    return _CBackend
+
+
+_Base = _base_class()
+
+
+class TuttiBackend(_Base):  # type: ignore[misc, valid-type]
     """One rank of a torch process group, over a tutti communicator. Made by torch through
     ``init_process_group("tutti")`` and ``new_group(...)``; not constructed directly."""
 
@@ -483,6 +504,12 @@ class TuttiBackend(_CBackend):
         if getattr(getattr(op, "op", op), "name", None) != "PREMUL_SUM":
             return op, tensor
         factor = getattr(op, "factor", None)
+        if factor is None and not hasattr(op, "factor"):
+            # Not this rank's argument error: every rank's torch keeps the factor alike.
+            raise NotImplementedError(
+                f"{what}: ReduceOp.PREMUL_SUM needs torch 2.13 or later, whose ReduceOp gives a "
+                f"backend written in Python its factor; this is torch {torch.__version__}"
+            )
         if factor is None:
             raise ValueError(f"{what}: ReduceOp.PREMUL_SUM without a factor")
         return "sum", tensor.mul_(factor) if in_place else tensor * factor
@@ -786,6 +813,38 @@ class TuttiBackend(_CBackend):
             "rank's sends to another match that rank's receives from it in order), so it has no "
             "receive from any source; pass src="
         )
+
+    # -- the names torch calls where the backend is the whole process group (before 2.14) --
+
+    if _Base is dist.ProcessGroup:
+        _allgather_base = all_gather_single
+        _reduce_scatter_base = reduce_scatter_single
+        alltoall_base = all_to_all_single
+
+        def allgather_into_tensor_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                            opts: Any = None) -> _Work:
+            """``dist.all_gather_into_tensor`` in a coalescing block (torch passes no options)."""
+            return self.all_gather_single_coalesced(outputs, inputs, opts)
+
+        reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+        # A process group keeps its name and description in its backends, which this one has
+        # none of: it keeps them itself.
+        def setGroupName(self, name: str) -> None:  # noqa: N802 - torch's name
+            """Set by torch when it makes the group."""
+            self._group_name = name
+
+        def getGroupName(self) -> str:  # noqa: N802 - torch's name
+            """The name torch gave the group (FSDP and functional collectives read it)."""
+            return getattr(self, "_group_name", "")
+
+        def setGroupDesc(self, desc: str) -> None:  # noqa: N802 - torch's name
+            """Set by torch when it makes the group."""
+            self._group_desc = desc
+
+        def getGroupDesc(self) -> str:  # noqa: N802 - torch's name
+            """The description torch gave the group."""
+            return getattr(self, "_group_desc", "")
 
 
 def _one_list(lists: Sequence[List[torch.Tensor]], what: str, side: str) -> List[torch.Tensor]:
