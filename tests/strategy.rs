@@ -936,10 +936,11 @@ impl log::Log for Captured {
     fn flush(&self) {}
 }
 
-/// NCCL asked for across workers whose devices are not all GPUs: the ring runs, and the user is
-/// told why at `warn`, once (not at `info`, where nobody looks).
+/// NCCL asked for where it cannot run (across workers whose devices are not all GPUs, or
+/// NcclAllReduce for a MirroredStrategy on CPUs): the fallback runs, and the user is told why
+/// at `warn`, once (not at `info`, where nobody looks).
 #[test]
-fn nccl_across_workers_that_cannot_have_it_is_a_warning_once() {
+fn nccl_asked_for_where_it_cannot_run_is_a_warning_once() {
     use tutti::strategy::CommunicationImplementation;
     static LOGGER: Captured = Captured;
     let _ = log::set_logger(&LOGGER);
@@ -984,6 +985,36 @@ fn nccl_across_workers_that_cannot_have_it_is_a_warning_once() {
         "{}",
         warned[0].1
     );
+    // MirroredStrategy told NcclAllReduce by name, on CPUs: ReductionToOneDevice runs, at any
+    // number of devices, and the user is warned once per strategy; left to choose, it falls
+    // back quietly (at info), as TensorFlow does.
+    let fallbacks = |level: log::Level| {
+        RECORDS
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(l, m)| *l == level && m.contains("NcclAllReduce is not usable"))
+            .count()
+    };
+    for n in [1, 2] {
+        let before = fallbacks(log::Level::Warn);
+        let s = Strategy::mirrored(
+            &logical_cpus(n).unwrap(),
+            Some(CrossDeviceOps::NcclAllReduce),
+        )
+        .unwrap();
+        let out = s.run(|ctx| {
+            let mut x = [1.0f32];
+            ctx.all_reduce(ReduceOp::Sum, &mut x)?;
+            Ok(x[0])
+        });
+        assert_eq!(out.unwrap().local_results(), &vec![n as f32; n][..]);
+        let warned = fallbacks(log::Level::Warn) - before;
+        assert_eq!(warned, usize::from(n > 1), "{n} devices");
+    }
+    let before = fallbacks(log::Level::Info);
+    Strategy::mirrored(&logical_cpus(2).unwrap(), None).unwrap();
+    assert_eq!(fallbacks(log::Level::Info) - before, 1);
 }
 
 /// Parameter-server variables of every float dtype, stepped on the ps tasks by their own rule

@@ -1591,25 +1591,32 @@ fn choose_cross_device_ops(devices: &[Device], asked: Option<CrossDeviceOps>) ->
         reduce_to_device: None,
     };
     match asked {
-        Some(CrossDeviceOps::NcclAllReduce) | None if devices.len() > 1 => {
+        // One replica: nothing crosses devices, whatever carries it.
+        Some(CrossDeviceOps::NcclAllReduce) | None if devices.len() <= 1 => fallback,
+        Some(CrossDeviceOps::NcclAllReduce) | None => {
             #[cfg(feature = "cuda")]
             if all_gpu && !virtual_gpus && crate::gpu::nccl_library().is_ok() {
                 return CrossDeviceOps::NcclAllReduce;
             }
             let why = if !all_gpu {
-                Some("not every device is a GPU".to_string())
+                "not every device is a GPU".to_string()
             } else if virtual_gpus {
-                Some("NCCL refuses virtual GPUs".to_string())
+                "NCCL refuses virtual GPUs".to_string()
             } else {
-                Some(no_nccl())
+                no_nccl()
             };
-            if let Some(why) = why {
-                log(&format!("MirroredStrategy: NcclAllReduce is not usable ({why}); using ReductionToOneDevice"));
+            let msg = format!(
+                "MirroredStrategy: NcclAllReduce is not usable ({why}); using ReductionToOneDevice"
+            );
+            // TensorFlow's own choice falls back quietly; one the user named is a warning.
+            if asked.is_some() {
+                log::warn!("{msg}");
+            } else {
+                log(&msg);
             }
             fallback
         }
         Some(ops) => ops,
-        None => fallback,
     }
 }
 
