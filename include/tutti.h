@@ -35,6 +35,9 @@
 #define TUTTI_DEVICE_INFO_INIT \
     { sizeof(tutti_device_info), 0, 0, 0, TUTTI_DEVICE_CPU, { 0 }, { 0 } }
 
+/** `TUTTI_OP_MEAN` by the name torch and NCCL give it (`ReduceOp.AVG`, `ncclAvg`). */
+#define TUTTI_OP_AVG TUTTI_OP_MEAN
+
 /**
  * Room for a device's name in `tutti_device_info`, the NUL included.
  */

@@ -154,6 +154,13 @@ pub enum ReduceOp {
 }
 
 impl ReduceOp {
+    /// [`ReduceOp::Mean`] by the name torch and NCCL give it (`ReduceOp.AVG`, `ncclAvg`).
+    ///
+    /// ```
+    /// assert_eq!(tutti::ReduceOp::AVG, tutti::ReduceOp::Mean);
+    /// ```
+    pub const AVG: ReduceOp = ReduceOp::Mean;
+
     /// Every op, in tag order.
     pub const ALL: [ReduceOp; 8] = [
         ReduceOp::Sum,

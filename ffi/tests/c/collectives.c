@@ -30,6 +30,8 @@ static const tutti_dtype DTYPES[] = {
 
 static const tutti_op OPS[] = {TUTTI_OP_SUM, TUTTI_OP_PROD, TUTTI_OP_MIN, TUTTI_OP_MAX,
                                TUTTI_OP_MEAN};
+/* torch's and NCCL's name for the mean. */
+_Static_assert(TUTTI_OP_AVG == TUTTI_OP_MEAN, "TUTTI_OP_AVG is TUTTI_OP_MEAN");
 #define NUM_OPS (sizeof OPS / sizeof OPS[0])
 
 /* Rank r's element i: small integers, exact in every dtype. */
