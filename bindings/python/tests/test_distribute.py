@@ -329,6 +329,22 @@ def test_scopes_and_the_default_strategy():
     assert td.get_strategy() is default
 
 
+def test_the_guides_experimental_names_are_there():
+    """TensorFlow's guides write tf.distribute.experimental.MultiWorkerMirroredStrategy,
+    CentralStorageStrategy, TPUStrategy and CommunicationOptions: the same classes here."""
+    x = td.experimental
+    assert x.MultiWorkerMirroredStrategy is td.MultiWorkerMirroredStrategy
+    assert x.CentralStorageStrategy is td.CentralStorageStrategy
+    assert x.TPUStrategy is td.TPUStrategy
+    assert x.ParameterServerStrategy is td.ParameterServerStrategy
+    assert x.coordinator.ClusterCoordinator is td.ClusterCoordinator
+    options = x.CommunicationOptions(implementation=x.CommunicationImplementation.NCCL)
+    assert options.implementation == td.CommunicationImplementation.NCCL
+    s = x.CentralStorageStrategy(cpus(2))
+    assert s.num_replicas_in_sync == 2
+    s.close()
+
+
 def test_wrong_arguments_name_what_is_wrong():
     with pytest.raises(ValueError, match="'gpu:0'"):
         td.MirroredStrategy(["gpu:0"])

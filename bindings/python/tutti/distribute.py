@@ -3170,3 +3170,11 @@ class ClusterCoordinator:
 experimental.ParameterServerStrategy = ParameterServerStrategy
 experimental.coordinator = _Namespace(ClusterCoordinator=ClusterCoordinator, RemoteValue=RemoteValue)
 coordinator = experimental.coordinator
+# Where TensorFlow's guides (and code written against older TensorFlow) still find them:
+# tf.distribute.experimental.MultiWorkerMirroredStrategy, CentralStorageStrategy, TPUStrategy,
+# CommunicationOptions and CommunicationImplementation.
+experimental.MultiWorkerMirroredStrategy = MultiWorkerMirroredStrategy
+experimental.CentralStorageStrategy = CentralStorageStrategy
+experimental.TPUStrategy = TPUStrategy
+experimental.CommunicationOptions = CommunicationOptions
+experimental.CommunicationImplementation = CommunicationImplementation
