@@ -1054,7 +1054,8 @@ typedef struct tutti_cross_device_ops_config {
  * A step run once per local replica by `tutti_strategy_run`, on the replica's own thread, at
  * the same time as the other replicas' calls: it must be safe to call concurrently. Return
  * `TUTTI_SUCCESS`, or a failure code (the code of a failed tutti call made inside is a good
- * choice): `tutti_strategy_run` then fails with the first failing replica's error.
+ * choice; `tutti_replica_set_error` says why): `tutti_strategy_run` then fails with the first
+ * failing replica's error.
  */
 typedef tutti_result (*tutti_replica_fn)(const struct tutti_replica_context *ctx, void *user_data);
 
@@ -3036,6 +3037,10 @@ tutti_result tutti_strategy_cluster(const struct tutti_strategy *strategy,
  * Call `step(ctx, user_data)` once per local replica, in parallel, and return when every call
  * has returned. A replica whose call fails makes this fail with its code and message (its
  * siblings' collectives are woken rather than left to time out); the strategy stays usable.
+ * Across workers, where a replica's own part of a collective failed before the call across
+ * workers, this worker takes its place there as a rejection: the other workers' call fails at
+ * once naming it, which ends the workers' communicator under the default check, and
+ * `tutti_strategy_shrink` on every worker then goes on.
  *
  * Thread-safety: one `tutti_strategy_run` at a time per strategy.
  *
@@ -3047,6 +3052,42 @@ tutti_result tutti_strategy_cluster(const struct tutti_strategy *strategy,
 tutti_result tutti_strategy_run(struct tutti_strategy *strategy,
                                 tutti_replica_fn step,
                                 void *user_data);
+
+/**
+ * MultiWorkerMirroredStrategy: go on with the workers still alive after one was lost (a run,
+ * reduce or variable update failed with `TUTTI_ERROR_PEER_LOST`, or aborted because of it),
+ * without restarting; with none lost, go on with the same workers after a worker's rejection
+ * or a mismatch aborted the workers' communicator (see `tutti_strategy_run`). Every surviving
+ * worker calls it. The workers are renumbered in their old order (the lowest is the chief),
+ * and `tutti_strategy_num_replicas` and `tutti_strategy_cluster` follow. Then take the
+ * variables, the optimizer's state and the step from the new chief before the next step (the
+ * failed step may have completed on some workers and not others), and split the data again
+ * for the new number of replicas.
+ *
+ * Other strategies, and workers that run NCCL: `TUTTI_ERROR_UNAVAILABLE`.
+ *
+ * Thread-safety: no other call on this strategy at the same time, and no scope open on it
+ * (`tutti_strategy_scope_begin`; an error otherwise).
+ *
+ * # Safety
+ *
+ * `strategy` is NULL or a live handle.
+ */
+tutti_result tutti_strategy_shrink(struct tutti_strategy *strategy);
+
+/**
+ * Set the message the replica function's failure carries when it returns a failure code: the
+ * error of `tutti_strategy_run` (and, across workers, what the other workers hear) then says
+ * this rather than the code alone.
+ *
+ * Thread-safety: only inside the replica function that was handed `ctx`.
+ *
+ * # Safety
+ *
+ * `ctx` is NULL or the context of the running replica function; `message` is NULL or a
+ * NUL-terminated string.
+ */
+tutti_result tutti_replica_set_error(const struct tutti_replica_context *ctx, const char *message);
 
 /**
  * Write this replica's index among every replica in sync to `*replica_id` (TensorFlow's

@@ -1059,6 +1059,11 @@ public:
                 try {
                     (*c->fn)(replica_context(ctx));
                     return TUTTI_SUCCESS;
+                } catch (const std::exception &e) {
+                    c->errors[local] = std::current_exception();
+                    // What the run's error says (and, across workers, what the others hear).
+                    tutti_replica_set_error(ctx, e.what());
+                    return TUTTI_ERROR_SYSTEM;
                 } catch (...) {
                     c->errors[local] = std::current_exception();
                     return TUTTI_ERROR_SYSTEM;
@@ -1070,6 +1075,10 @@ public:
         }
         detail::check(r);
     }
+    /// MultiWorkerMirroredStrategy: go on after a worker was lost, or after a rejection or a
+    /// mismatch ended the workers' communicator (tutti_strategy_shrink): every surviving worker
+    /// calls it, outside any scope of this strategy.
+    void shrink() { detail::check(tutti_strategy_shrink(h_.get())); }
     /// op (sum or mean) of one value per local replica, across every replica in sync
     /// (TensorFlow's strategy.reduce with no axis). The values must be equally long.
     template <typename T> std::vector<T> reduce(const std::vector<std::vector<T>> &per_replica, op o) {

@@ -71,12 +71,15 @@ pub struct tutti_strategy {
 /// What a replica function gets (opaque): valid only during that call, on that thread.
 pub struct tutti_replica_context {
     ctx: *const c_void,
+    /// The message `tutti_replica_set_error` left for the function's failure.
+    error: std::cell::RefCell<Option<String>>,
 }
 
 /// A step run once per local replica by `tutti_strategy_run`, on the replica's own thread, at
 /// the same time as the other replicas' calls: it must be safe to call concurrently. Return
 /// `TUTTI_SUCCESS`, or a failure code (the code of a failed tutti call made inside is a good
-/// choice): `tutti_strategy_run` then fails with the first failing replica's error.
+/// choice; `tutti_replica_set_error` says why): `tutti_strategy_run` then fails with the first
+/// failing replica's error.
 pub type tutti_replica_fn = Option<
     unsafe extern "C" fn(ctx: *const tutti_replica_context, user_data: *mut c_void) -> tutti_result,
 >;
@@ -748,6 +751,10 @@ unsafe impl Sync for Step {}
 /// Call `step(ctx, user_data)` once per local replica, in parallel, and return when every call
 /// has returned. A replica whose call fails makes this fail with its code and message (its
 /// siblings' collectives are woken rather than left to time out); the strategy stays usable.
+/// Across workers, where a replica's own part of a collective failed before the call across
+/// workers, this worker takes its place there as a rejection: the other workers' call fails at
+/// once naming it, which ends the workers' communicator under the default check, and
+/// `tutti_strategy_shrink` on every worker then goes on.
 ///
 /// Thread-safety: one `tutti_strategy_run` at a time per strategy.
 ///
@@ -770,17 +777,86 @@ pub unsafe extern "C" fn tutti_strategy_run(
         s.run(|ctx: &ReplicaContext<'_>| {
             let c = tutti_replica_context {
                 ctx: (ctx as *const ReplicaContext<'_>).cast(),
+                error: Default::default(),
             };
+            // A failure's message is the one this call left, not an earlier one's.
+            crate::error::clear_last_error();
             // SAFETY: the trainer's function, called as it promised it can be.
             let code = unsafe { (step.f)(&c, step.user) };
             if code == TuttiResult::TUTTI_SUCCESS as u32 {
                 return Ok(());
             }
+            let why = c
+                .error
+                .take()
+                .unwrap_or_else(|| crate::error::callback_failure(code));
             Err(tutti::Error::System {
                 what: format!("the step of replica {}", ctx.replica_id_in_sync_group()),
-                message: crate::error::callback_failure(code),
+                message: why,
             })
         })?;
+        Ok(())
+    })
+}
+
+/// MultiWorkerMirroredStrategy: go on with the workers still alive after one was lost (a run,
+/// reduce or variable update failed with `TUTTI_ERROR_PEER_LOST`, or aborted because of it),
+/// without restarting; with none lost, go on with the same workers after a worker's rejection
+/// or a mismatch aborted the workers' communicator (see `tutti_strategy_run`). Every surviving
+/// worker calls it. The workers are renumbered in their old order (the lowest is the chief),
+/// and `tutti_strategy_num_replicas` and `tutti_strategy_cluster` follow. Then take the
+/// variables, the optimizer's state and the step from the new chief before the next step (the
+/// failed step may have completed on some workers and not others), and split the data again
+/// for the new number of replicas.
+///
+/// Other strategies, and workers that run NCCL: `TUTTI_ERROR_UNAVAILABLE`.
+///
+/// Thread-safety: no other call on this strategy at the same time, and no scope open on it
+/// (`tutti_strategy_scope_begin`; an error otherwise).
+///
+/// # Safety
+///
+/// `strategy` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_strategy_shrink(strategy: *mut tutti_strategy) -> tutti_result {
+    boundary("tutti_strategy_shrink", || {
+        // SAFETY: as the caller promises.
+        let s = unsafe { strategy.as_mut() }.ok_or_else(|| Failure::invalid("strategy is NULL"))?;
+        let inner = std::sync::Arc::get_mut(&mut s.inner).ok_or_else(|| {
+            tutti::Error::config(
+                "tutti_strategy_shrink: a scope is open on this strategy \
+                 (tutti_strategy_scope_begin): end it first",
+            )
+        })?;
+        inner.shrink()?;
+        Ok(())
+    })
+}
+
+/// Set the message the replica function's failure carries when it returns a failure code: the
+/// error of `tutti_strategy_run` (and, across workers, what the other workers hear) then says
+/// this rather than the code alone.
+///
+/// Thread-safety: only inside the replica function that was handed `ctx`.
+///
+/// # Safety
+///
+/// `ctx` is NULL or the context of the running replica function; `message` is NULL or a
+/// NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_replica_set_error(
+    ctx: *const tutti_replica_context,
+    message: *const c_char,
+) -> tutti_result {
+    boundary("tutti_replica_set_error", || {
+        // SAFETY: as the caller promises.
+        let c = unsafe { ctx.as_ref() }.ok_or_else(|| Failure::invalid("ctx is NULL"))?;
+        if message.is_null() {
+            return Err(Failure::invalid("message is NULL"));
+        }
+        // SAFETY: non-NULL; the caller promises a NUL-terminated string.
+        let m = unsafe { std::ffi::CStr::from_ptr(message) }.to_string_lossy();
+        *c.error.borrow_mut() = Some(m.into_owned());
         Ok(())
     })
 }

@@ -553,6 +553,25 @@ static void strategies_and_checkpoints() {
         auto packed = tutti::strategy::multi_worker(tutti::communication::ring, nullptr, 2, 4096,
                                                     std::chrono::milliseconds(5000));
         EXPECT(packed.num_replicas_in_sync() == 2);
+        // One worker: none to shrink to (a clear error, not a crash).
+        tutti::error e = expect_throw([&] { mw.shrink(); });
+        EXPECT(std::string(e.what()).find("shrink") != std::string::npos);
+    }
+    {
+        // A replica's exception: rethrown here, and its message is the run's error too.
+        tutti::strategy two(tutti::strategy_kind::mirrored, 2, tutti::cross_device_ops::ring);
+        bool rethrown = false;
+        try {
+            two.run([&](const tutti::replica_context &ctx) {
+                if (ctx.local_replica_id() == 1) {
+                    throw std::runtime_error("the loss is NaN");
+                }
+            });
+        } catch (const std::runtime_error &e) {
+            rethrown = std::string(e.what()) == "the loss is NaN";
+        }
+        EXPECT(rethrown);
+        EXPECT(tutti::detail::last_error().find("the loss is NaN") != std::string::npos);
     }
     // Gather: uneven rows, in replica order.
     std::vector<double> all = s.gather(std::vector<std::vector<double>>{{1, 2}, {}, {3, 4, 5, 6}}, 2, 10);

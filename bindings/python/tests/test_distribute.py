@@ -619,6 +619,52 @@ VARIABLE_WORKER = textwrap.dedent(
 )
 
 
+SHRINKING_WORKER = textwrap.dedent(
+    """
+    import json, time, numpy as np, tutti.distribute as td
+    s = td.MultiWorkerMirroredStrategy()
+    me = s.cluster_resolver.task_id
+    with s.scope():
+        v = td.Variable(np.array([1.0, 2.0], np.float32), aggregation="SUM")
+
+    def step(n):
+        g = td.get_replica_context().all_reduce("SUM", np.ones(n, np.float32))
+        v.assign_sub(0.1 * g[:2])
+
+    errors = []
+    t = time.monotonic()
+    try:
+        s.run(step, args=(3 if me == 1 else 2,))  # worker 1's all-reduce is of another length
+    except Exception as e:
+        errors.append([type(e).__name__, str(e), round(time.monotonic() - t, 1)])
+    try:
+        s.run(step, args=(2,))  # the workers' communicator is gone
+    except Exception as e:
+        errors.append([type(e).__name__, str(e), 0])
+    s.shrink()
+    with s.scope():
+        v = td.Variable(v.numpy(), aggregation="SUM")
+    s.run(step, args=(2,))
+    print("RESULT " + json.dumps({"id": s.cluster_resolver.task_id, "sync": s.num_replicas_in_sync,
+                                  "errors": errors, "value": v.numpy().tolist()}), flush=True)
+    """
+)
+
+
+def test_workers_go_on_after_a_mismatch_through_shrink():
+    """A call across workers that differs between them ends the workers' communicator (under
+    the default check); ``shrink`` on both goes on with both, their variable alike."""
+    w0, w1 = run_workers(SHRINKING_WORKER, 2)
+    for w in (w0, w1):
+        (kind, first, took), (_, second, _) = w["errors"]
+        assert "count" in first and took < 30, w  # named at once, not at the 60 s timeout
+        assert "abort" in second.lower(), w
+        assert w["sync"] == 2 and w["value"] == w0["value"], (w0, w1)
+    # The one step after the shrink, from [1, 2]: each of the 2 replicas subtracts 0.1 x their
+    # all-reduced gradient (2), and the variable sums the replicas' updates (aggregation SUM).
+    assert w0["value"] == pytest.approx([0.6, 1.6]), w0
+
+
 def test_workers_start_every_variable_from_the_chiefs_value():
     results = run_workers(VARIABLE_WORKER, 2)
     for r in results:

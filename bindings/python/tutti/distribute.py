@@ -127,6 +127,8 @@ _PROTOTYPES = {
     "tutti_strategy_num_replicas": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
                                                       ctypes.POINTER(ctypes.c_size_t)]),
     "tutti_strategy_run": (ctypes.c_uint32, [ctypes.c_void_p, _REPLICA_FN, ctypes.c_void_p]),
+    "tutti_strategy_shrink": (ctypes.c_uint32, [ctypes.c_void_p]),
+    "tutti_replica_set_error": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_char_p]),
     "tutti_strategy_reduce": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
                                                 ctypes.c_uint32, ctypes.POINTER(ctypes.c_void_p),
                                                 ctypes.c_void_p]),
@@ -1053,6 +1055,8 @@ class Strategy:
                 return 0
             except BaseException as e:  # noqa: BLE001 - handed to the caller of run
                 errors[local.value if local.value < n else 0] = e
+                # What the run's error (and, across workers, the other workers) says.
+                _lib().tutti_replica_set_error(ctx, f"{type(e).__name__}: {e}".encode("utf-8", "replace"))
                 return _FAILED
 
         callback = _REPLICA_FN(step)
@@ -1106,11 +1110,13 @@ class Strategy:
         """The cluster this strategy's workers form, as TensorFlow's strategies report it: under
         ``TF_CONFIG`` a ``TFConfigClusterResolver``; under another launcher a
         ``SimpleClusterResolver`` of ``worker`` tasks (their addresses unknown here: "") with
-        this worker's ``task_id``; ``None`` for a strategy of one worker's replicas."""
+        this worker's ``task_id`` (so too after ``shrink``); ``None`` for a strategy of one
+        worker's replicas."""
         if self._kind != _MULTI_WORKER:
             return None
         tutti_job = "TUTTI_RANK" in os.environ or "TUTTI_WORLD_SIZE" in os.environ  # the runtime's order
-        if not tutti_job and os.environ.get("TF_CONFIG", "").strip():
+        # After a shrink TF_CONFIG no longer says who this worker is.
+        if not tutti_job and not getattr(self, "_shrunk", False) and os.environ.get("TF_CONFIG", "").strip():
             return TFConfigClusterResolver()
         worker, workers = self._worker()  # learnt when the strategy was made: no collective here
         return SimpleClusterResolver({"worker": [""] * workers}, task_type="worker", task_id=worker)
@@ -1366,6 +1372,26 @@ class MultiWorkerMirroredStrategy(Strategy):
         if options.bytes_per_pack:
             self._bytes_per_pack = options.bytes_per_pack
         self._worker()  # every worker makes the strategy: learn this one's index now, together
+
+    def shrink(self):
+        """Go on without restarting, after a ``run`` (or ``reduce``, or a variable's update)
+        failed across workers and ended the workers' communicator: with the workers still alive
+        after one was lost, or with the same workers after a mismatch or a worker's rejected
+        call. Every surviving worker calls it; they are renumbered in their old order (the
+        lowest is the chief), and ``num_replicas_in_sync`` and ``cluster_resolver`` follow.
+
+        Then take the variables from the chief (``Variable(v.numpy())`` under this strategy
+        makes one from the chief's value; or ``manager.restore_or_initialize()``), since the
+        failed step may have completed on some workers only, and distribute the dataset again
+        for the new number of replicas."""
+        with self._cross_replica("shrink"):
+            _check(_lib().tutti_strategy_shrink(self._handle()))
+            total, local = ctypes.c_size_t(), ctypes.c_size_t()
+            _check(_lib().tutti_strategy_num_replicas(self._h, ctypes.byref(total), ctypes.byref(local)))
+            self._total, self._local = total.value, local.value
+            self._worker_index = None
+            self._shrunk = True
+        self._worker()
 
 
 class VariableAggregation:

@@ -158,6 +158,18 @@ static tutti_result max_step(const tutti_replica_context *ctx, void *user) {
     return r;
 }
 
+/* A step that fails on replica 1 with a message of its own. */
+static tutti_result nan_step(const tutti_replica_context *ctx, void *user) {
+    size_t id = 0;
+    (void)user;
+    CHECK(tutti_replica_id(ctx, &id, NULL));
+    if (id != 1) {
+        return TUTTI_SUCCESS;
+    }
+    CHECK(tutti_replica_set_error(ctx, "the loss is NaN at step 7"));
+    return TUTTI_ERROR_SYSTEM;
+}
+
 /* tutti_strategy_create_mirrored: the trainer's op, hierarchical copy's settings,
  * reduce_to_device, and their errors. */
 static void cross_device_ops_settings(void) {
@@ -498,6 +510,18 @@ int main(void) {
         tutti_strategy_destroy(s);
     }
     cross_device_ops_settings();
+
+    /* A replica function's own message goes with its failure; a strategy of one worker's
+     * replicas has no workers to shrink. */
+    CHECK(tutti_strategy_create(TUTTI_STRATEGY_MIRRORED, 2, TUTTI_CROSS_DEVICE_OPS_DEFAULT, &s));
+    EXPECT_ERROR(tutti_strategy_run(s, nan_step, NULL), TUTTI_ERROR_SYSTEM, "the loss is NaN at step 7");
+    EXPECT_ERROR(tutti_strategy_shrink(s), TUTTI_ERROR_UNAVAILABLE, "only MultiWorkerMirroredStrategy");
+    EXPECT_ERROR(tutti_strategy_shrink(NULL), TUTTI_ERROR_INVALID_ARGUMENT, "strategy is NULL");
+    EXPECT_ERROR(tutti_replica_set_error(NULL, "x"), TUTTI_ERROR_INVALID_ARGUMENT, "ctx is NULL");
+    CHECK(tutti_strategy_scope_begin(s));
+    EXPECT_ERROR(tutti_strategy_shrink(s), TUTTI_ERROR_INVALID_ARGUMENT, "a scope is open");
+    CHECK(tutti_strategy_scope_end(s));
+    tutti_strategy_destroy(s);
     printf("strategy: ok\n");
     return 0;
 }
