@@ -115,6 +115,18 @@ def test_data_parallel_training_matches_the_full_batch():
     assert np.allclose(results[0], w, rtol=1e-4, atol=1e-5), (results[0], w)
 
 
+def test_a_hundred_jitted_steps_neither_hang_nor_leak():
+    """The four collectives in every one of 100 jitted steps: right at every step, and the
+    process's open handles the same after step 99 as after step 20, its memory within 8 MiB
+    (about 0.5 MiB is seen, the allocator's and JAX's own; one step's 256 KiB buffer kept per
+    step would be 20 MiB)."""
+    for r in run("loop", 2):
+        assert r["wrong"] == 0, r
+        assert r["last"] == 0.5 + 100, r
+        assert r["fd_growth"] <= 0, r
+        assert r["rss_growth"] < 8 << 20, r
+
+
 def test_a_mismatched_call_is_an_error_naming_both_ranks():
     results = run("mismatch", 2)
     for r, message in enumerate(results):
