@@ -1471,9 +1471,10 @@ tutti_result tutti_barrier(struct tutti_comm *comm);
  * type holds; otherwise every rank gets an error naming the factor), each element is
  * multiplied as the type multiplies (f16 and bf16 in float, rounded once; integers wrap), then
  * summed as `TUTTI_OP_SUM` sums. In place: pass the same pointer as `input` and `output`; the
- * scaled copy is made before the ranks meet, so a failed call leaves `input` as it was.
- * Host memory only (ranks on a GPU: `TUTTI_ERROR_INVALID_ARGUMENT`). Blocking; errors as
- * `tutti_all_reduce`'s.
+ * scaled copy is made when the call starts (after the calls issued before it, which may still
+ * write `input`) and before the ranks meet, so a failed call leaves `input` as it was.
+ * Host memory only (ranks on a GPU: `TUTTI_ERROR_INVALID_ARGUMENT`). Errors as
+ * `tutti_all_reduce`'s; `tutti_all_reduce_premul_sum_async` does not wait.
  *
  * # Safety
  *
@@ -3531,6 +3532,40 @@ tutti_result tutti_reduce_scatter_async(struct tutti_comm *comm,
                                         const void *input,
                                         void *output,
                                         struct tutti_work **work);
+
+/**
+ * Pre-multiplied sum without waiting; see `tutti_all_reduce_premul_sum` and
+ * `tutti_all_reduce_async`. The input is read (and scaled into a copy the call holds) when the
+ * call starts, after every call issued before it has completed.
+ *
+ * # Safety
+ *
+ * As `tutti_all_reduce_premul_sum`, for as long as the call runs; `work` is NULL or writable.
+ */
+tutti_result tutti_all_reduce_premul_sum_async(struct tutti_comm *comm,
+                                               size_t count,
+                                               tutti_dtype dtype,
+                                               double factor,
+                                               const void *input,
+                                               void *output,
+                                               struct tutti_work **work);
+
+/**
+ * Pre-multiplied reduce-scatter without waiting; see `tutti_reduce_scatter_premul_sum` and
+ * `tutti_all_reduce_premul_sum_async`.
+ *
+ * # Safety
+ *
+ * As `tutti_reduce_scatter_premul_sum`, for as long as the call runs; `work` is NULL or
+ * writable.
+ */
+tutti_result tutti_reduce_scatter_premul_sum_async(struct tutti_comm *comm,
+                                                   size_t recv_count,
+                                                   tutti_dtype dtype,
+                                                   double factor,
+                                                   const void *input,
+                                                   void *output,
+                                                   struct tutti_work **work);
 
 /**
  * Reduce without waiting; see `tutti_reduce` and `tutti_all_reduce_async`.

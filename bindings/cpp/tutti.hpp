@@ -433,6 +433,24 @@ public:
         detail::check(tutti_reduce_scatter(h_.get(), count, dtype_of<T>::value,
                                            static_cast<tutti_op>(o), input, output));
     }
+    /// output = sum over ranks of each rank's input scaled by its own `factor` (NCCL's
+    /// pre-multiplied sum; `input == output`: in place). Host memory.
+    template <typename T>
+    void all_reduce_premul_sum(const T *input, T *output, std::size_t count, double factor) {
+        detail::check(tutti_all_reduce_premul_sum(h_.get(), count, dtype_of<T>::value, factor,
+                                                  input, output));
+    }
+    /// In place over a vector.
+    template <typename T> void all_reduce_premul_sum(std::vector<T> &buf, double factor) {
+        all_reduce_premul_sum(buf.data(), buf.data(), buf.size(), factor);
+    }
+    /// output (count) = slice `rank` of the sum over ranks of each rank's input (world_size ×
+    /// count) scaled by its own `factor`.
+    template <typename T>
+    void reduce_scatter_premul_sum(const T *input, T *output, std::size_t count, double factor) {
+        detail::check(tutti_reduce_scatter_premul_sum(h_.get(), count, dtype_of<T>::value,
+                                                      factor, input, output));
+    }
     /// At the root, output = op over every rank's input; elsewhere output may be null.
     template <typename T>
     void reduce(const T *input, T *output, std::size_t count, op o, std::size_t root) {

@@ -353,6 +353,7 @@ pub(crate) unsafe fn reduce_scatter(
             Some(InPlace {
                 from: input,
                 copy: AlignedCopy::zeroed(total),
+                scale: None,
             })
         } else {
             None
@@ -1063,9 +1064,10 @@ pub(crate) unsafe fn barrier(f: &'static str, comm: *mut tutti_comm, mode: Mode)
 /// type holds; otherwise every rank gets an error naming the factor), each element is
 /// multiplied as the type multiplies (f16 and bf16 in float, rounded once; integers wrap), then
 /// summed as `TUTTI_OP_SUM` sums. In place: pass the same pointer as `input` and `output`; the
-/// scaled copy is made before the ranks meet, so a failed call leaves `input` as it was.
-/// Host memory only (ranks on a GPU: `TUTTI_ERROR_INVALID_ARGUMENT`). Blocking; errors as
-/// `tutti_all_reduce`'s.
+/// scaled copy is made when the call starts (after the calls issued before it, which may still
+/// write `input`) and before the ranks meet, so a failed call leaves `input` as it was.
+/// Host memory only (ranks on a GPU: `TUTTI_ERROR_INVALID_ARGUMENT`). Errors as
+/// `tutti_all_reduce`'s; `tutti_all_reduce_premul_sum_async` does not wait.
 ///
 /// # Safety
 ///
@@ -1079,37 +1081,10 @@ pub unsafe extern "C" fn tutti_all_reduce_premul_sum(
     input: *const c_void,
     output: *mut c_void,
 ) -> tutti_result {
-    const F: &str = "tutti_all_reduce_premul_sum";
-    boundary(F, || {
-        // SAFETY: as the caller promises.
-        let c = unsafe { comm_ref(comm) }?;
-        crate::p2p::refuse_in_group(c.rank, F)?;
-        let checked = (|| {
-            host_ranks_only(c.device)?;
-            let dtype = types::dtype(dtype)?;
-            let n = byte_len(count, 1, dtype)?;
-            check(input, n, dtype, "input")?;
-            check(output, n, dtype, "output")?;
-            let in_place = std::ptr::eq(input, output);
-            if !in_place && overlap(input, n, output, n) {
-                return Err(
-                    "input and output overlap without being the same buffer; pass the \
-                            same pointer as both for an in-place all-reduce"
-                        .to_string(),
-                );
-            }
-            Ok((dtype, n, in_place))
-        })();
-        let (dtype, n, in_place) = checked.map_err(|m| c.reject(F, m))?;
-        // SAFETY: checked above (`n` bytes each, aligned, non-NULL when n > 0); the caller
-        // keeps them untouched for the call.
-        let (input, output) = unsafe { host_slices(input, output, n) };
-        let input = if in_place { None } else { Some(input) };
-        let result = c
-            .read()
-            .all_reduce_premul_sum_raw(dtype, input, output, factor);
-        Ok(result?)
-    })
+    let f = "tutti_all_reduce_premul_sum";
+    let call = (Collective::AllReduce, count, dtype, factor, input, output);
+    // SAFETY: as the caller promises.
+    unsafe { premul_sum(f, comm, call, Mode::Blocking) }
 }
 
 /// Pre-multiplied reduce-scatter: `output` (`recv_count` elements) becomes this rank's block
@@ -1128,31 +1103,111 @@ pub unsafe extern "C" fn tutti_reduce_scatter_premul_sum(
     input: *const c_void,
     output: *mut c_void,
 ) -> tutti_result {
-    const F: &str = "tutti_reduce_scatter_premul_sum";
-    boundary(F, || {
+    let f = "tutti_reduce_scatter_premul_sum";
+    let call = (
+        Collective::ReduceScatter,
+        recv_count,
+        dtype,
+        factor,
+        input,
+        output,
+    );
+    // SAFETY: as the caller promises.
+    unsafe { premul_sum(f, comm, call, Mode::Blocking) }
+}
+
+/// A pre-multiplied sum's arguments: the collective (all-reduce or reduce-scatter), the count
+/// (the output's elements), the dtype, the factor, the input and the output.
+pub(crate) type PremulCall = (
+    Collective,
+    usize,
+    tutti_dtype,
+    f64,
+    *const c_void,
+    *mut c_void,
+);
+
+/// The body of the pre-multiplied sums, blocking and not. The call sums a copy of the input
+/// scaled by the factor, taken when the call starts (after every earlier call, which may still
+/// write the input, has completed) and held as long as the call runs.
+///
+/// # Safety
+///
+/// As `tutti_all_reduce_premul_sum`; with `Mode::Async`, the buffers stay valid until the work
+/// completes.
+pub(crate) unsafe fn premul_sum(
+    f: &'static str,
+    comm: *mut tutti_comm,
+    (collective, count, dtype, factor, input, output): PremulCall,
+    mode: Mode,
+) -> tutti_result {
+    boundary(f, || {
         // SAFETY: as the caller promises.
         let c = unsafe { comm_ref(comm) }?;
-        crate::p2p::refuse_in_group(c.rank, F)?;
         let world = c.read().world_size();
+        let scatter = collective == Collective::ReduceScatter;
         let checked = (|| {
+            mode.check()?;
             host_ranks_only(c.device)?;
             let dtype = types::dtype(dtype)?;
-            let n_in = byte_len(recv_count, world, dtype)?;
-            let n_out = byte_len(recv_count, 1, dtype)?;
+            let n_in = byte_len(count, if scatter { world } else { 1 }, dtype)?;
+            let n_out = byte_len(count, 1, dtype)?;
             check(input, n_in, dtype, "input")?;
             check(output, n_out, dtype, "output")?;
-            if overlap(input, n_in, output, n_out) {
+            if scatter && overlap(input, n_in, output, n_out) {
                 return Err("input and output overlap; reduce-scatter is not in place".to_string());
+            }
+            if !scatter && !std::ptr::eq(input, output) && overlap(input, n_in, output, n_out) {
+                return Err(
+                    "input and output overlap without being the same buffer; pass the same \
+                     pointer as both for an in-place all-reduce"
+                        .to_string(),
+                );
+            }
+            if let (Mode::Async(_), Err(e)) = (mode, tutti::kernels::check_scale(dtype, factor)) {
+                return Err(format!("premul_sum: {e}"));
             }
             Ok((dtype, n_in, n_out))
         })();
-        let (dtype, n_in, n_out) = checked.map_err(|m| c.reject(F, m))?;
-        // SAFETY: checked above; the caller keeps them untouched for the call.
-        let (input, output) = unsafe { (slice(input, n_in), slice_mut(output, n_out)) };
-        let result = c
-            .read()
-            .reduce_scatter_premul_sum_raw(dtype, input, output, factor);
-        Ok(result?)
+        let (dtype, n_in, n_out) = checked.map_err(|m| c.reject(f, m))?;
+        if tutti::kernels::check_scale(dtype, factor).is_err() {
+            // Blocking: the factor's error goes into the call, where the ranks meet, as the
+            // Rust call's does: this rank's call fails with it and the others' name this rank,
+            // and this rank alone does not abort the group.
+            crate::p2p::refuse_in_group(c.rank, f)?;
+            let comm = c.read();
+            let result = if scatter {
+                // SAFETY: checked above; the caller keeps them untouched for the call.
+                let (input, output) = unsafe { (slice(input, n_in), slice_mut(output, n_out)) };
+                comm.reduce_scatter_premul_sum_raw(dtype, input, output, factor)
+            } else {
+                let in_place = std::ptr::eq(input, output);
+                // SAFETY: checked above; the caller keeps them untouched for the call.
+                let (input, output) = unsafe { host_slices(input, output, n_in) };
+                let input = if in_place { None } else { Some(input) };
+                comm.all_reduce_premul_sum_raw(dtype, input, output, factor)
+            };
+            return Ok(result?);
+        }
+        let scaled = InPlace {
+            from: input,
+            copy: AlignedCopy::zeroed(n_in),
+            scale: Some((dtype, factor)),
+        };
+        let call = RawCall {
+            collective,
+            dtype,
+            count,
+            op: ReduceOp::Sum,
+            root: 0,
+            input: scaled.copy.bytes().as_ptr(),
+            output: output.cast(),
+            counts: &[],
+            recv_counts: &[],
+        };
+        // SAFETY: checked above; the caller promises the memory, for as long as the call runs;
+        // the call reads the copy, which it holds.
+        unsafe { mode.run(&c, call, Some(scaled)) }
     })
 }
 

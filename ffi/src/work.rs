@@ -46,11 +46,13 @@ impl tutti_work {
     }
 }
 
-/// The input of an in-place reduce-scatter: copied from `from` into `copy` when the call
-/// starts, not when it is issued, so that an earlier call still writing it is seen.
+/// The input of an in-place reduce-scatter, or of a pre-multiplied sum: copied from `from` into
+/// `copy` when the call starts, not when it is issued, so that an earlier call still writing it
+/// is seen; then scaled, where `scale` gives the dtype and the factor.
 pub(crate) struct InPlace {
     pub(crate) from: *const c_void,
     pub(crate) copy: AlignedCopy,
+    pub(crate) scale: Option<(tutti::DType, f64)>,
 }
 
 impl InPlace {
@@ -61,11 +63,19 @@ impl InPlace {
             self.copy.as_mut_ptr() as usize,
             self.copy.len(),
         );
+        let scale = self.scale;
         let before = Box::new(move || {
             if len > 0 {
                 // SAFETY: `from` holds `len` readable bytes until the call completes (the
-                // caller's promise), `to` is the copy's heap storage, which the call holds.
-                unsafe { std::ptr::copy_nonoverlapping(from as *const u8, to as *mut u8, len) }
+                // caller's promise), `to` is the copy's heap storage, which the call holds
+                // and nothing else touches until the call reads it, after this step.
+                let copy = unsafe {
+                    std::ptr::copy_nonoverlapping(from as *const u8, to as *mut u8, len);
+                    std::slice::from_raw_parts_mut(to as *mut u8, len)
+                };
+                if let Some((dtype, factor)) = scale {
+                    tutti::kernels::scale(dtype, copy, factor);
+                }
             }
         });
         (before, self.copy)
@@ -350,6 +360,66 @@ pub unsafe extern "C" fn tutti_reduce_scatter_async(
     let mode = Mode::Async(work);
     // SAFETY: as the caller promises.
     unsafe { comm::reduce_scatter(f, comm, count, dtype, op, input, output, mode) }
+}
+
+/// Pre-multiplied sum without waiting; see `tutti_all_reduce_premul_sum` and
+/// `tutti_all_reduce_async`. The input is read (and scaled into a copy the call holds) when the
+/// call starts, after every call issued before it has completed.
+///
+/// # Safety
+///
+/// As `tutti_all_reduce_premul_sum`, for as long as the call runs; `work` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_all_reduce_premul_sum_async(
+    comm: *mut tutti_comm,
+    count: usize,
+    dtype: tutti_dtype,
+    factor: f64,
+    input: *const c_void,
+    output: *mut c_void,
+    work: *mut *mut tutti_work,
+) -> tutti_result {
+    let f = "tutti_all_reduce_premul_sum_async";
+    let call = (
+        tutti::Collective::AllReduce,
+        count,
+        dtype,
+        factor,
+        input,
+        output,
+    );
+    // SAFETY: as the caller promises.
+    unsafe { comm::premul_sum(f, comm, call, Mode::Async(work)) }
+}
+
+/// Pre-multiplied reduce-scatter without waiting; see `tutti_reduce_scatter_premul_sum` and
+/// `tutti_all_reduce_premul_sum_async`.
+///
+/// # Safety
+///
+/// As `tutti_reduce_scatter_premul_sum`, for as long as the call runs; `work` is NULL or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_reduce_scatter_premul_sum_async(
+    comm: *mut tutti_comm,
+    recv_count: usize,
+    dtype: tutti_dtype,
+    factor: f64,
+    input: *const c_void,
+    output: *mut c_void,
+    work: *mut *mut tutti_work,
+) -> tutti_result {
+    let f = "tutti_reduce_scatter_premul_sum_async";
+    let call = (
+        tutti::Collective::ReduceScatter,
+        recv_count,
+        dtype,
+        factor,
+        input,
+        output,
+    );
+    // SAFETY: as the caller promises.
+    unsafe { comm::premul_sum(f, comm, call, Mode::Async(work)) }
 }
 
 /// Reduce without waiting; see `tutti_reduce` and `tutti_all_reduce_async`.

@@ -113,6 +113,12 @@ static void collectives() {
         std::vector<std::int32_t> in(8, 1), out(2);
         c.reduce_scatter(in.data(), out.data(), 2, tutti::op::sum);
         EXPECT(out[0] == 4 && out[1] == 4);
+        // Pre-multiplied: rank r scales by r + 1 (1 + 2 + 3 + 4 = 10).
+        c.reduce_scatter_premul_sum(in.data(), out.data(), 2, static_cast<double>(r + 1));
+        EXPECT(out[0] == 10 && out[1] == 10);
+        std::vector<double> scaled(3, 0.5);
+        c.all_reduce_premul_sum(scaled, static_cast<double>(r + 1));
+        EXPECT(scaled[0] == 5.0 && scaled[2] == 5.0);
         std::vector<std::int32_t> red(8);
         c.reduce(in.data(), r == 0 ? red.data() : nullptr, 8, tutti::op::sum, 0);
         EXPECT(r != 0 || red[7] == 4);

@@ -1100,15 +1100,25 @@ def test_premul_sum_scales_each_ranks_array_by_its_own_factor(dtype):
         into = np.zeros_like(a)
         c.all_reduce_premul_sum(a, f, out=into)
         part = c.reduce_scatter_premul_sum(a, f)
-        out[c.rank] = (in_place, into, part)
+        # Without waiting: the calls run in issue order, each reading its input when it starts.
+        chained = a.copy()
+        first = c.all_reduce(chained, async_op=True)
+        second = c.all_reduce_premul_sum(chained, f, async_op=True)
+        part_async = c.reduce_scatter_premul_sum(a, f, async_op=True)
+        first.wait()
+        second.wait()
+        out[c.rank] = (in_place, into, part, chained, part_async.wait())
 
     run_ranks(comms, rank)
     want = ((np.arange(6) % 4) * 6).astype(dtype)
     for r in range(3):
-        in_place, into, part = out[r]
+        in_place, into, part, chained, part_async = out[r]
         np.testing.assert_array_equal(in_place, want)
         np.testing.assert_array_equal(into, want)
         np.testing.assert_array_equal(part, want[2 * r : 2 * r + 2])
+        np.testing.assert_array_equal(part_async, part)
+        # The sum over ranks (3 copies) first, then each rank's copy scaled by r + 1 and summed.
+        np.testing.assert_array_equal(chained, ((np.arange(6) % 4) * 3 * 6).astype(dtype))
 
 
 def test_premul_sum_refuses_a_fraction_on_integers_on_every_rank():
@@ -1170,3 +1180,17 @@ def test_the_glue_cache_keeps_the_secrets_directory_private(tmp_path, monkeypatc
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "[1.0, 1.0]" in out.stdout, out.stderr
     assert (home / ".cache" / "tutti" / "secret").exists()
+
+
+def test_the_type_stubs_name_every_public_method():
+    """A type checker sees every public method of the classes the package exports."""
+    import ast
+    import pathlib
+
+    tree = ast.parse(pathlib.Path(tutti.__file__).with_suffix(".pyi").read_text())
+    for cls in ("Communicator", "Work"):
+        stub = {n.name for c in tree.body if isinstance(c, ast.ClassDef) and c.name == cls
+                for n in c.body if isinstance(n, ast.FunctionDef)}
+        public = {m for m in dir(getattr(tutti, cls)) if not m.startswith("_")
+                  and callable(getattr(getattr(tutti, cls), m))}
+        assert public <= stub, f"{cls}: {sorted(public - stub)} not in __init__.pyi"

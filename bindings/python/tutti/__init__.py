@@ -216,6 +216,8 @@ _PROTOTYPES = {
     "tutti_reduce_scatter": (_u32, [_ptr, _size, _u32, _u32, _ptr, _ptr]),
     "tutti_all_reduce_premul_sum": (_u32, [_ptr, _size, _u32, ctypes.c_double, _ptr, _ptr]),
     "tutti_reduce_scatter_premul_sum": (_u32, [_ptr, _size, _u32, ctypes.c_double, _ptr, _ptr]),
+    "tutti_all_reduce_premul_sum_async": (_u32, [_ptr, _size, _u32, ctypes.c_double, _ptr, _ptr, _pp]),
+    "tutti_reduce_scatter_premul_sum_async": (_u32, [_ptr, _size, _u32, ctypes.c_double, _ptr, _ptr, _pp]),
     "tutti_reduce": (_u32, [_ptr, _size, _u32, _u32, _size, _ptr, _ptr]),
     "tutti_barrier": (_u32, [_ptr]),
     "tutti_mem_alloc": (_u32, [_ptr, _size, _pp]),
@@ -1003,15 +1005,15 @@ class Communicator:
         return self._call("tutti_all_reduce", args, dst.given, (src, dst), async_op)
 
     @_collective
-    def all_reduce_premul_sum(self, array, factor, out=None):
+    def all_reduce_premul_sum(self, array, factor, out=None, async_op=False):
         """The sum over ranks of each rank's array scaled by its own ``factor`` (NCCL's
         pre-multiplied sum), in place or into ``out``; integer arrays take whole factors.
-        Blocking; host memory."""
+        Host memory; returns the result (a ``Work`` with ``async_op``)."""
         src = _view(array, "array", writable=out is None)
         dst = src if out is None else _view(out, "out", writable=True)
         _check_out(src, dst, "out", src.count)
         args = (src.count, src.dtype, float(factor), src.ptr, dst.ptr)
-        return self._call("tutti_all_reduce_premul_sum", args, dst.given, (src, dst), False)
+        return self._call("tutti_all_reduce_premul_sum", args, dst.given, (src, dst), async_op)
 
     @_collective
     def broadcast(self, array, root=0, async_op=False):
@@ -1047,9 +1049,9 @@ class Communicator:
         return self._call("tutti_reduce_scatter", args, dst.given, (src, dst), async_op)
 
     @_collective
-    def reduce_scatter_premul_sum(self, array, factor, out=None):
+    def reduce_scatter_premul_sum(self, array, factor, out=None, async_op=False):
         """This rank's slice of the sum over ranks of each rank's array scaled by its own
-        ``factor`` (see ``all_reduce_premul_sum``). Blocking; host memory."""
+        ``factor`` (see ``all_reduce_premul_sum``). Host memory; a ``Work`` with ``async_op``."""
         src = _view(array, "array")
         if src.count % self.world_size:
             raise ValueError(f"{src.count} elements do not split into {self.world_size} equal slices")
@@ -1057,7 +1059,7 @@ class Communicator:
         dst = _view(src.empty((count,)) if out is None else out, "out", writable=True)
         _check_out(src, dst, "out", count)
         args = (count, src.dtype, float(factor), src.ptr, dst.ptr)
-        return self._call("tutti_reduce_scatter_premul_sum", args, dst.given, (src, dst), False)
+        return self._call("tutti_reduce_scatter_premul_sum", args, dst.given, (src, dst), async_op)
 
     @_collective
     def reduce(self, array, op="sum", root=0, out=None, async_op=False):

@@ -306,6 +306,41 @@ static void premul_sums(rank_ctx *c) {
     for (i = 0; i < 2; i++) {
         EXPECT(part[i] == (float)((2 * r + i) % 3) * (float)(WORLD * (WORLD + 1) / 2));
     }
+    {
+        /* In issue order: the pre-multiplied sums read their input when they start, after a
+         * non-blocking all-reduce still writing it has completed; and they do not wait. */
+        enum { N = 1 << 16 };
+        static float big[WORLD][N], out[WORLD][N];
+        float *b = big[r], *o = out[r];
+        tutti_work *w[3] = {NULL, NULL, NULL};
+        const float sum = (float)(WORLD * (WORLD + 1) / 2);
+        for (i = 0; i < N; i++) {
+            b[i] = (float)(r + 1);
+        }
+        CHECK(tutti_all_reduce_async(c->comm, N, TUTTI_DTYPE_F32, TUTTI_OP_SUM, b, b, &w[0]));
+        CHECK(tutti_all_reduce_premul_sum_async(c->comm, N, TUTTI_DTYPE_F32, 2.0, b, b, &w[1]));
+        CHECK(tutti_reduce_scatter_premul_sum_async(c->comm, N / WORLD, TUTTI_DTYPE_F32, 0.5, b,
+                                                     o, &w[2]));
+        for (i = 0; i < 3; i++) {
+            CHECK(tutti_work_wait(w[i], 0));
+            tutti_work_destroy(w[i]);
+        }
+        for (i = 0; i < N; i++) {
+            EXPECT(b[i] == 2.0f * (float)WORLD * sum);
+        }
+        for (i = 0; i < N / WORLD; i++) {
+            EXPECT(o[i] == (float)WORLD * (float)WORLD * sum);
+        }
+        /* And the blocking form after a call in flight. */
+        for (i = 0; i < N; i++) {
+            b[i] = (float)(r + 1);
+        }
+        CHECK(tutti_all_reduce_async(c->comm, N, TUTTI_DTYPE_F32, TUTTI_OP_SUM, b, b, &w[0]));
+        CHECK(tutti_all_reduce_premul_sum(c->comm, N, TUTTI_DTYPE_F32, 3.0, b, b));
+        CHECK(tutti_work_wait(w[0], 0));
+        tutti_work_destroy(w[0]);
+        EXPECT(b[0] == 3.0f * (float)WORLD * sum && b[N - 1] == b[0]);
+    }
 }
 
 static void *rank_main(void *p) {
