@@ -1818,6 +1818,50 @@ fn parameter_servers_restore_onto_a_different_number_of_them() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// TensorFlow's checkpoint_interval across workers: every worker calls
+/// `save_checkpoint_if_due` every step; the chief writes every 3rd step, the last 2 kept, and
+/// every worker agrees which steps were saved (a disagreement would hang the workers' call).
+#[test]
+fn workers_save_a_checkpoint_once_every_interval() {
+    use tutti::strategy::{Checkpoint, CheckpointManager};
+    let dir = checkpoint_dir("interval");
+    let out = on_two_workers(1, |w, strategy| {
+        // Only the chief's directory is written; the worker's manager counts the chief's saves.
+        let m = CheckpointManager::new(
+            if w == 0 {
+                dir.clone()
+            } else {
+                dir.join("unused")
+            },
+            2,
+        )?
+        .with_checkpoint_interval(3)?;
+        assert_eq!(m.checkpoint_interval(), Some(3));
+        let mut saved = vec![];
+        for step in 1..=11u64 {
+            let mut c = Checkpoint::new(step);
+            c.insert("w", &Tensor::vector(vec![step as f32]))?;
+            let due = m.due(step);
+            let written = strategy.save_checkpoint_if_due(&m, &c)?;
+            assert_eq!(written.is_some(), due && w == 0, "worker {w}, step {step}");
+            if due {
+                saved.push(step);
+            }
+        }
+        Ok(saved)
+    });
+    assert_eq!(out[0], [1, 4, 7, 10]);
+    assert_eq!(out[1], out[0]);
+    let m = CheckpointManager::new(&dir, 2).unwrap();
+    let kept: Vec<u64> = m.checkpoints().unwrap().iter().map(|c| c.0).collect();
+    assert_eq!(kept, [7, 10]);
+    assert!(CheckpointManager::new(&dir, 2)
+        .unwrap()
+        .with_checkpoint_interval(0)
+        .is_err());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// The chief reads the checkpoint and every worker receives it: a worker whose directory is
 /// empty (no shared file system) restores the chief's. A chief that cannot write makes the
 /// save fail on every worker, naming the chief.

@@ -367,10 +367,16 @@ fn file_name(step: u64) -> String {
 }
 
 /// A directory of checkpoints, `ckpt-<step>.tutti`, of which the last `max_to_keep` (by step)
-/// are kept (TensorFlow's `tf.train.CheckpointManager`).
+/// are kept (TensorFlow's `tf.train.CheckpointManager`); with a checkpoint interval
+/// ([`CheckpointManager::with_checkpoint_interval`]), [`CheckpointManager::save_if_due`] saves
+/// at most once every that many steps.
 pub struct CheckpointManager {
     dir: PathBuf,
     max_to_keep: usize,
+    /// Steps between saves by `save_if_due` (TensorFlow's `checkpoint_interval`).
+    interval: Option<u64>,
+    /// The step this manager last saved (or was told a save of), for the interval.
+    last_saved: parking_lot::Mutex<Option<u64>>,
 }
 
 impl CheckpointManager {
@@ -386,7 +392,49 @@ impl CheckpointManager {
         Ok(CheckpointManager {
             dir: dir.into(),
             max_to_keep,
+            interval: None,
+            last_saved: parking_lot::Mutex::new(None),
         })
+    }
+
+    /// This manager with TensorFlow's `checkpoint_interval`: [`CheckpointManager::save_if_due`]
+    /// (and [`crate::strategy::Strategy::save_checkpoint_if_due`]) save a checkpoint only where
+    /// its step is at least `steps` past the last one saved. Call them every step.
+    pub fn with_checkpoint_interval(mut self, steps: u64) -> Result<CheckpointManager> {
+        if steps == 0 {
+            return Err(Error::config(
+                "CheckpointManager: a checkpoint interval of 0 steps; at least 1",
+            ));
+        }
+        self.interval = Some(steps);
+        Ok(self)
+    }
+
+    /// The checkpoint interval, if one was set.
+    pub fn checkpoint_interval(&self) -> Option<u64> {
+        self.interval
+    }
+
+    /// Whether a checkpoint of `step` is due: always without an interval; with one, where this
+    /// manager has saved none yet or `step` is at least the interval past the last it saved.
+    pub fn due(&self, step: u64) -> bool {
+        match (self.interval, *self.last_saved.lock()) {
+            (Some(every), Some(last)) => step >= last.saturating_add(every),
+            _ => true,
+        }
+    }
+
+    /// Count a save of `step` for the interval (a worker whose chief saved it).
+    pub(crate) fn saved(&self, step: u64) {
+        *self.last_saved.lock() = Some(step);
+    }
+
+    /// [`CheckpointManager::save`] where [`CheckpointManager::due`] says so; `None` otherwise.
+    pub fn save_if_due(&self, ckpt: &Checkpoint) -> Result<Option<PathBuf>> {
+        if !self.due(ckpt.step) {
+            return Ok(None);
+        }
+        self.save(ckpt).map(Some)
     }
 
     /// The directory.
@@ -454,6 +502,7 @@ impl CheckpointManager {
         })?;
         let path = self.dir.join(file_name(ckpt.step));
         ckpt.write(&path)?;
+        self.saved(ckpt.step);
         let all = self.checkpoints()?;
         for (_, old) in &all[..all.len().saturating_sub(self.max_to_keep)] {
             std::fs::remove_file(old)
@@ -486,6 +535,8 @@ impl SidecarEvaluator {
             manager: CheckpointManager {
                 dir: dir.into(),
                 max_to_keep: usize::MAX,
+                interval: None,
+                last_saved: parking_lot::Mutex::new(None),
             },
             max_evaluations: None,
             last_step: None,

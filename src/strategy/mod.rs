@@ -1033,6 +1033,23 @@ impl Strategy {
         Ok(path)
     }
 
+    /// [`Strategy::save_checkpoint`] where `manager`'s checkpoint interval says a checkpoint of
+    /// `ckpt.step` is due ([`CheckpointManager::due`]), on every worker alike (each worker's
+    /// manager counts the chief's saves); `None` where it is not due, and on the workers that
+    /// do not write. Call it every step, on every worker.
+    pub fn save_checkpoint_if_due(
+        &self,
+        manager: &CheckpointManager,
+        ckpt: &Checkpoint,
+    ) -> Result<Option<std::path::PathBuf>> {
+        if !manager.due(ckpt.step()) {
+            return Ok(None);
+        }
+        let path = self.save_checkpoint(manager, ckpt)?;
+        manager.saved(ckpt.step());
+        Ok(path)
+    }
+
     /// The latest checkpoint in the chief's `manager` directory, read by the chief (worker 0;
     /// this worker elsewhere) and received by every worker, so the workers need no shared file
     /// system; `None` where there is none. Collective across workers; an unreadable or damaged

@@ -679,6 +679,36 @@ def test_workers_start_every_variable_from_the_chiefs_value():
     assert "this worker's shape (1, 1, 1, 1, 1, 1, 1, 1, 3, 2)" in shape, shape
 
 
+def test_a_checkpoint_manager_saves_once_every_interval(tmp_path):
+    """TensorFlow's checkpoint_interval and step_counter: save is called every step and writes
+    every 3rd, numbered by the step counter, the last 2 kept; check_interval=False forces one."""
+    s = td.MirroredStrategy(cpus(2))
+    with s.scope():
+        w = td.Variable(np.zeros(2, np.float32), aggregation="SUM")
+    step = np.zeros((), np.int64)
+    manager = td.CheckpointManager(td.Checkpoint(w=w), tmp_path, max_to_keep=2, checkpoint_interval=3,
+                                   step_counter=lambda: step)
+    assert manager.checkpoint_interval == 3
+    written = []
+    for k in range(1, 12):
+        step[...] = k
+        w.assign(np.full(2, float(k), np.float32))
+        if manager.save() is not None:
+            written.append(k)
+    assert written == [1, 4, 7, 10]
+    assert [pathlib.Path(p).name for p in manager.checkpoints] == ["ckpt-7.tutti", "ckpt-10.tutti"]
+    assert manager.save(check_interval=False) == str(tmp_path / "ckpt-11.tutti")
+    assert manager.save() is None  # step 11 again: the interval counts from the forced save
+    restored = td.Variable(np.zeros(2, np.float32), aggregation="SUM")
+    assert td.CheckpointManager(td.Checkpoint(w=restored), tmp_path).restore_or_initialize() == 11
+    assert restored.numpy().tolist() == [11.0, 11.0]
+    with pytest.raises(ValueError, match="step_counter must be provided"):
+        td.CheckpointManager(td.Checkpoint(w=w), tmp_path, checkpoint_interval=2)
+    with pytest.raises(ValueError, match="at least 1 step"):
+        td.CheckpointManager(td.Checkpoint(w=w), tmp_path, checkpoint_interval=0, step_counter=lambda: 0)
+    s.close()
+
+
 def test_a_checkpoint_restores_variables_and_arrays_as_saved(tmp_path):
     s = td.MirroredStrategy(cpus(2))
     with s.scope():

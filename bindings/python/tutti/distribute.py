@@ -1952,19 +1952,39 @@ def _writer(strategy):
 
 class CheckpointManager:
     """TensorFlow's ``tf.train.CheckpointManager``: ``checkpoint`` saved in ``directory`` as
-    ``ckpt-<step>.tutti``, the last ``max_to_keep`` by step kept. Under a multi-worker strategy
+    ``ckpt-<step>.tutti``, the last ``max_to_keep`` by step kept; with ``checkpoint_interval``
+    (and a ``step_counter``), at most one save every that many steps. Under a multi-worker strategy
     every worker calls ``save`` and ``restore_or_initialize``: the chief writes (every worker
     raises its error if it could not) and the chief reads (every worker receives what it read,
     so the workers need no shared file system)."""
 
-    def __init__(self, checkpoint, directory, max_to_keep=5):
+    def __init__(self, checkpoint, directory, max_to_keep=5, checkpoint_interval=None, step_counter=None):
         if not isinstance(checkpoint, Checkpoint):
             raise TypeError("CheckpointManager: checkpoint must be a tutti.distribute.Checkpoint")
         if max_to_keep is None or int(max_to_keep) < 1:
             raise ValueError(f"CheckpointManager: max_to_keep {max_to_keep!r}: keep at least 1")
+        if checkpoint_interval is not None:
+            if int(checkpoint_interval) < 1:
+                raise ValueError(f"CheckpointManager: checkpoint_interval {checkpoint_interval!r}: at least 1 step")
+            if step_counter is None:
+                raise ValueError("CheckpointManager: step_counter must be provided if checkpoint_interval is")
         self._checkpoint = checkpoint
         self.directory = str(directory)
         self._max = int(max_to_keep)
+        self._interval = None if checkpoint_interval is None else int(checkpoint_interval)
+        self._step_counter = step_counter
+        self._last_saved = None  # the step this manager last saved at, for the interval
+
+    @property
+    def checkpoint_interval(self):
+        """Steps between saves (``save`` skips a save that comes sooner), or None."""
+        return self._interval
+
+    def _step_now(self):
+        """The step counter's value: a ``Variable``, an array, a number or a callable of one."""
+        c = self._step_counter
+        c = c() if callable(c) and not hasattr(c, "numpy") else c
+        return int(np.asarray(c.numpy() if hasattr(c, "numpy") else c).reshape(-1)[0])
 
     @property
     def checkpoints(self):
@@ -1977,9 +1997,19 @@ class CheckpointManager:
         c = self.checkpoints
         return c[-1] if c else None
 
-    def save(self, checkpoint_number=None):
-        """Save every object of the checkpoint at step ``checkpoint_number`` (default: one past
-        the checkpoint's ``step``); returns the path written (by the chief)."""
+    def save(self, checkpoint_number=None, check_interval=True):
+        """Save every object of the checkpoint at step ``checkpoint_number`` (default: the step
+        counter's value under a ``checkpoint_interval``, else one past the checkpoint's ``step``); returns
+        the path written (by the chief). With a ``checkpoint_interval``, a save fewer steps of
+        the step counter after the last one this manager saved is skipped (returns None) unless
+        ``check_interval`` is False: call it every step, on every worker."""
+        if self._interval is not None:
+            now = self._step_now()
+            if check_interval and self._last_saved is not None and now < self._last_saved + self._interval:
+                return None
+            if checkpoint_number is None:
+                checkpoint_number = now
+            self._last_saved = now
         step = self._checkpoint.step + 1 if checkpoint_number is None else int(checkpoint_number)
         if not 0 <= step < 2**64:
             raise ValueError(f"CheckpointManager.save: checkpoint_number {step} is not a step (0 to 2**64 - 1)")
