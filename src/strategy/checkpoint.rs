@@ -424,7 +424,7 @@ impl CheckpointManager {
         }
     }
 
-    /// Count a save of `step` for the interval (a worker whose chief saved it).
+    /// Count a save of `step` for the interval (on every worker, once the chief saved it).
     pub(crate) fn saved(&self, step: u64) {
         *self.last_saved.lock() = Some(step);
     }
@@ -502,12 +502,12 @@ impl CheckpointManager {
         })?;
         let path = self.dir.join(file_name(ckpt.step));
         ckpt.write(&path)?;
-        self.saved(ckpt.step);
         let all = self.checkpoints()?;
         for (_, old) in &all[..all.len().saturating_sub(self.max_to_keep)] {
             std::fs::remove_file(old)
                 .map_err(|e| Error::io(format!("removing old checkpoint {}", old.display()), e))?;
         }
+        self.saved(ckpt.step);
         Ok(path)
     }
 

@@ -1030,13 +1030,16 @@ impl Strategy {
             path = Some(manager.save(ckpt)?);
             Ok(Some(Vec::new()))
         })?;
+        // Every worker's manager counts the chief's save, so that their intervals agree.
+        manager.saved(ckpt.step());
         Ok(path)
     }
 
     /// [`Strategy::save_checkpoint`] where `manager`'s checkpoint interval says a checkpoint of
     /// `ckpt.step` is due ([`CheckpointManager::due`]), on every worker alike (each worker's
-    /// manager counts the chief's saves); `None` where it is not due, and on the workers that
-    /// do not write. Call it every step, on every worker.
+    /// manager counts the chief's successful saves, through this or `save_checkpoint`); `None`
+    /// where it is not due, and on the workers that do not write. Call it every step, on every
+    /// worker.
     pub fn save_checkpoint_if_due(
         &self,
         manager: &CheckpointManager,
@@ -1045,9 +1048,7 @@ impl Strategy {
         if !manager.due(ckpt.step()) {
             return Ok(None);
         }
-        let path = self.save_checkpoint(manager, ckpt)?;
-        manager.saved(ckpt.step());
-        Ok(path)
+        self.save_checkpoint(manager, ckpt)
     }
 
     /// The latest checkpoint in the chief's `manager` directory, read by the chief (worker 0;

@@ -2003,13 +2003,13 @@ class CheckpointManager:
         the path written (by the chief). With a ``checkpoint_interval``, a save fewer steps of
         the step counter after the last one this manager saved is skipped (returns None) unless
         ``check_interval`` is False: call it every step, on every worker."""
+        now = None
         if self._interval is not None:
             now = self._step_now()
             if check_interval and self._last_saved is not None and now < self._last_saved + self._interval:
                 return None
             if checkpoint_number is None:
                 checkpoint_number = now
-            self._last_saved = now
         step = self._checkpoint.step + 1 if checkpoint_number is None else int(checkpoint_number)
         if not 0 <= step < 2**64:
             raise ValueError(f"CheckpointManager.save: checkpoint_number {step} is not a step (0 to 2**64 - 1)")
@@ -2021,6 +2021,8 @@ class CheckpointManager:
         finally:
             _lib().tutti_checkpoint_destroy(h)
         self._checkpoint.step = step
+        if now is not None:
+            self._last_saved = now  # counted once saved: a failed save does not use the interval up
         return os.path.join(self.directory, f"ckpt-{step}.tutti")
 
     def restore_or_initialize(self):
