@@ -3067,8 +3067,9 @@ tutti_result tutti_strategy_run(struct tutti_strategy *strategy,
  *
  * Other strategies, and workers that run NCCL: `TUTTI_ERROR_UNAVAILABLE`.
  *
- * Thread-safety: no other call on this strategy at the same time, and no scope open on it
- * (`tutti_strategy_scope_begin`; an error otherwise).
+ * Thread-safety: no other call on this strategy at the same time (`tutti_strategy_place` from
+ * an input thread included), and no scope open on it (`tutti_strategy_scope_begin`; an error
+ * otherwise).
  *
  * # Safety
  *

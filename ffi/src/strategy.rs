@@ -72,7 +72,7 @@ pub struct tutti_strategy {
 pub struct tutti_replica_context {
     ctx: *const c_void,
     /// The message `tutti_replica_set_error` left for the function's failure.
-    error: std::cell::RefCell<Option<String>>,
+    error: parking_lot::Mutex<Option<String>>,
 }
 
 /// A step run once per local replica by `tutti_strategy_run`, on the replica's own thread, at
@@ -788,6 +788,7 @@ pub unsafe extern "C" fn tutti_strategy_run(
             }
             let why = c
                 .error
+                .lock()
                 .take()
                 .unwrap_or_else(|| crate::error::callback_failure(code));
             Err(tutti::Error::System {
@@ -811,8 +812,9 @@ pub unsafe extern "C" fn tutti_strategy_run(
 ///
 /// Other strategies, and workers that run NCCL: `TUTTI_ERROR_UNAVAILABLE`.
 ///
-/// Thread-safety: no other call on this strategy at the same time, and no scope open on it
-/// (`tutti_strategy_scope_begin`; an error otherwise).
+/// Thread-safety: no other call on this strategy at the same time (`tutti_strategy_place` from
+/// an input thread included), and no scope open on it (`tutti_strategy_scope_begin`; an error
+/// otherwise).
 ///
 /// # Safety
 ///
@@ -856,7 +858,7 @@ pub unsafe extern "C" fn tutti_replica_set_error(
         }
         // SAFETY: non-NULL; the caller promises a NUL-terminated string.
         let m = unsafe { std::ffi::CStr::from_ptr(message) }.to_string_lossy();
-        *c.error.borrow_mut() = Some(m.into_owned());
+        *c.error.lock() = Some(m.into_owned());
         Ok(())
     })
 }

@@ -1384,7 +1384,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         makes one from the chief's value; or ``manager.restore_or_initialize()``), since the
         failed step may have completed on some workers only, and distribute the dataset again
         for the new number of replicas."""
-        with self._cross_replica("shrink"):
+        with self._cross_replica("shrink"), self._placing:  # no input thread places meanwhile
             _check(_lib().tutti_strategy_shrink(self._handle()))
             total, local = ctypes.c_size_t(), ctypes.c_size_t()
             _check(_lib().tutti_strategy_num_replicas(self._h, ctypes.byref(total), ctypes.byref(local)))
