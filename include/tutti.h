@@ -1474,7 +1474,9 @@ tutti_result tutti_barrier(struct tutti_comm *comm);
  * scaled copy is made when the call starts (after the calls issued before it, which may still
  * write `input`) and before the ranks meet, so a failed call leaves `input` as it was.
  * Host memory only (ranks on a GPU: `TUTTI_ERROR_INVALID_ARGUMENT`). Errors as
- * `tutti_all_reduce`'s; `tutti_all_reduce_premul_sum_async` does not wait.
+ * `tutti_all_reduce`'s; `tutti_all_reduce_premul_sum_async` does not wait (a factor it
+ * refuses is this rank's argument error there, which aborts the group as every argument error
+ * of an `_async` call does).
  *
  * # Safety
  *

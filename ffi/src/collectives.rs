@@ -6,9 +6,7 @@ use std::ffi::c_void;
 
 use tutti::{Collective, DType, DeviceKind, RawCall, ReduceOp};
 
-use crate::buffers::{
-    byte_len, check, counts_len, overlap, read_counts, slice, slice_mut, AlignedCopy,
-};
+use crate::buffers::{byte_len, check, counts_len, overlap, read_counts, slice_mut, AlignedCopy};
 use crate::comm::{comm_ref, tutti_comm};
 use crate::error::{boundary, tutti_result};
 use crate::types::{self, tutti_dtype, tutti_op};
@@ -1067,7 +1065,9 @@ pub(crate) unsafe fn barrier(f: &'static str, comm: *mut tutti_comm, mode: Mode)
 /// scaled copy is made when the call starts (after the calls issued before it, which may still
 /// write `input`) and before the ranks meet, so a failed call leaves `input` as it was.
 /// Host memory only (ranks on a GPU: `TUTTI_ERROR_INVALID_ARGUMENT`). Errors as
-/// `tutti_all_reduce`'s; `tutti_all_reduce_premul_sum_async` does not wait.
+/// `tutti_all_reduce`'s; `tutti_all_reduce_premul_sum_async` does not wait (a factor it
+/// refuses is this rank's argument error there, which aborts the group as every argument error
+/// of an `_async` call does).
 ///
 /// # Safety
 ///
@@ -1173,19 +1173,17 @@ pub(crate) unsafe fn premul_sum(
         if tutti::kernels::check_scale(dtype, factor).is_err() {
             // Blocking: the factor's error goes into the call, where the ranks meet, as the
             // Rust call's does: this rank's call fails with it and the others' name this rank,
-            // and this rank alone does not abort the group.
+            // and this rank alone does not abort the group. The call moves nothing, so it runs
+            // over buffers of its own: the caller's may still be written by an earlier call.
             crate::p2p::refuse_in_group(c.rank, f)?;
             let comm = c.read();
+            let (input, mut output) = (AlignedCopy::zeroed(n_in), AlignedCopy::zeroed(n_out));
+            // SAFETY: the copy's own storage, `n_out` bytes.
+            let out = unsafe { slice_mut(output.as_mut_ptr().cast(), n_out) };
             let result = if scatter {
-                // SAFETY: checked above; the caller keeps them untouched for the call.
-                let (input, output) = unsafe { (slice(input, n_in), slice_mut(output, n_out)) };
-                comm.reduce_scatter_premul_sum_raw(dtype, input, output, factor)
+                comm.reduce_scatter_premul_sum_raw(dtype, input.bytes(), out, factor)
             } else {
-                let in_place = std::ptr::eq(input, output);
-                // SAFETY: checked above; the caller keeps them untouched for the call.
-                let (input, output) = unsafe { host_slices(input, output, n_in) };
-                let input = if in_place { None } else { Some(input) };
-                comm.all_reduce_premul_sum_raw(dtype, input, output, factor)
+                comm.all_reduce_premul_sum_raw(dtype, None, out, factor)
             };
             return Ok(result?);
         }
@@ -1220,28 +1218,5 @@ fn host_ranks_only(device: DeviceKind) -> Result<(), String> {
         Err(format!(
             "the pre-multiplied sums take host memory; this rank is on a {device} device"
         ))
-    }
-}
-
-/// The input and output of a call over `n` bytes each; the input slice is empty when the two
-/// are the same buffer (in place: only the output is formed).
-///
-/// # Safety
-///
-/// As [`slice`] and [`slice_mut`]; `input` and `output` are the same pointer or do not
-/// overlap.
-unsafe fn host_slices<'a>(
-    input: *const c_void,
-    output: *mut c_void,
-    n: usize,
-) -> (&'a [u8], &'a mut [u8]) {
-    // SAFETY: as the caller promises.
-    unsafe {
-        let i = if std::ptr::eq(input, output) {
-            &[][..]
-        } else {
-            slice(input, n)
-        };
-        (i, slice_mut(output, n))
     }
 }
