@@ -922,16 +922,20 @@ fn multi_worker_without_a_cluster_runs_as_one_worker() {
 
 /// Captures the library's log records (this test binary's only logger).
 struct Captured;
-static RECORDS: std::sync::Mutex<Vec<(log::Level, String)>> = std::sync::Mutex::new(Vec::new());
+/// Each record's level, message and the thread that logged it (tests run side by side).
+#[allow(clippy::type_complexity)]
+static RECORDS: std::sync::Mutex<Vec<(log::Level, String, std::thread::ThreadId)>> =
+    std::sync::Mutex::new(Vec::new());
 impl log::Log for Captured {
     fn enabled(&self, _: &log::Metadata<'_>) -> bool {
         true
     }
     fn log(&self, r: &log::Record<'_>) {
-        RECORDS
-            .lock()
-            .unwrap()
-            .push((r.level(), r.args().to_string()));
+        RECORDS.lock().unwrap().push((
+            r.level(),
+            r.args().to_string(),
+            std::thread::current().id(),
+        ));
     }
     fn flush(&self) {}
 }
@@ -975,8 +979,8 @@ fn nccl_asked_for_where_it_cannot_run_is_a_warning_once() {
         .lock()
         .unwrap()
         .iter()
-        .filter(|(_, m)| m.contains("NCCL cannot run here"))
-        .cloned()
+        .filter(|(_, m, _)| m.contains("NCCL cannot run here"))
+        .map(|(l, m, _)| (*l, m.clone()))
         .collect();
     assert_eq!(warned.len(), 1, "{warned:?}");
     assert_eq!(warned[0].0, log::Level::Warn);
@@ -988,12 +992,16 @@ fn nccl_asked_for_where_it_cannot_run_is_a_warning_once() {
     // MirroredStrategy told NcclAllReduce by name, on CPUs: ReductionToOneDevice runs, at any
     // number of devices, and the user is warned once per strategy; left to choose, it falls
     // back quietly (at info), as TensorFlow does.
+    // This thread's records only: other tests make mirrored strategies meanwhile.
+    let me = std::thread::current().id();
     let fallbacks = |level: log::Level| {
         RECORDS
             .lock()
             .unwrap()
             .iter()
-            .filter(|(l, m)| *l == level && m.contains("NcclAllReduce is not usable"))
+            .filter(|(l, m, t)| {
+                *l == level && *t == me && m.contains("NcclAllReduce is not usable")
+            })
             .count()
     };
     for n in [1, 2] {
