@@ -66,7 +66,7 @@ BACKEND_NAME = "tutti"
 #: The torch releases (major, minor) this backend is tested with: the releases from the first to
 #: the last of them are taken (those between run the same code as their neighbours), others are
 #: refused, saying so, unless ``TUTTI_TORCH_UNTESTED=1``.
-TESTED_TORCH = ((2, 9), (2, 11), (2, 14), (2, 15))
+TESTED_TORCH = ((2, 9), (2, 11), (2, 13), (2, 14), (2, 15))
 
 
 def _check_torch_version() -> None:
