@@ -1707,8 +1707,9 @@ tutti_result tutti_comm_split(struct tutti_comm *comm,
  * Errors (`*newcomm` is then NULL): `TUTTI_ERROR_INVALID_ARGUMENT` (NULL `newcomm`; survivors
  * that found different sets of live ranks, each named; a rank too late for the others, or too
  * few answering to outnumber the silent ones), `TUTTI_ERROR_UNAVAILABLE` for groups of threads,
- * device groups, GPU ranks and the MPI transport, `TUTTI_ERROR_SYSTEM` when a connection fails
- * during the shrink.
+ * device groups, GPU ranks and the MPI transport, `TUTTI_ERROR_TIMEOUT` when a survivor stops
+ * answering during the agreement, `TUTTI_ERROR_SYSTEM` when a connection fails during the
+ * shrink.
  *
  * Thread-safety: callable from any thread; the calls still running on `comm` fail.
  *

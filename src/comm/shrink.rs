@@ -37,7 +37,8 @@ impl Communicator {
     /// A rank not known to be gone (its port did not refuse) that does not answer within the
     /// timeout is silent (stuck, or out of reach); the survivors must outnumber the silent
     /// ranks, else the shrink fails: two halves cut apart never both go on. With silent ranks
-    /// a shrink takes the timeout, then at most as long again to agree and connect.
+    /// a shrink takes the timeout, then at most as long again to agree and connect; a survivor
+    /// that stops answering during the agreement is given up after two timeouts.
     ///
     /// Processes over tcp and shared memory (host buffers). A group of threads, a device group
     /// or GPU ranks, and the MPI transport (which would need ULFM) give

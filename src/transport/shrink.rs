@@ -15,7 +15,9 @@
 //!    made only when every rank of the set sent the same set: a rank that saw another set (a
 //!    rank lost during the shrink, or one too late for the others' deadline) fails with an
 //!    error naming both views, and closes its connections, so the others fail too rather than
-//!    wait.
+//!    wait. A rank waits for its peers' sets up to two timeouts after its own probing: a peer
+//!    may still be probing, until its own deadline, a rank that it finds silent and this rank
+//!    found gone at once.
 //! 3. The set's ranks, in parent-rank order, are the new ranks; the connections of step 2 are
 //!    the new communicator's (shared memory is set up over them as when joining).
 //!
@@ -26,7 +28,8 @@
 //! shrink fails, so that a rank that came too late, or two halves cut apart, never go on beside
 //! each other. Losing a whole host is therefore survived only when the other hosts hold more
 //! ranks than it did. A shrink with silent ranks takes the probing's timeout, then at most as
-//! long again to agree and set up the new links.
+//! long again to agree and set up the new links; a survivor that stops answering during the
+//! agreement is given up after two timeouts.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -61,8 +64,8 @@ pub(crate) struct Probe<'a> {
     pub generation: u32,
     /// The end of the probing: a peer silent until then is left out.
     pub deadline: Instant,
-    /// What the agreement and the new links' setup may take after the probing (each peer in
-    /// the set answered within its own timeout, so it is there by then).
+    /// The bound of the new links' setup after the probing, and half that of the wait for a
+    /// peer's set (a peer may still be probing for up to one of them, see the module docs).
     pub timeout: Duration,
 }
 
@@ -151,33 +154,63 @@ pub(crate) fn survivors(probe: &Probe<'_>, listener: TcpListener) -> Result<Surv
             _ => incoming[r].take(),
         })
         .collect();
-    drop((outgoing, incoming));
     let mine = bitmap(&alive);
-    let gone: Vec<usize> = (0..world).filter(|&r| !alive[r]).collect();
-    log::info!(
-        "shrink: rank {rank} finds {} alive and {} gone; agreeing with them",
-        list(&members),
-        if gone.is_empty() {
+    let gone: Vec<usize> = (0..world)
+        .filter(|&r| !alive[r] && !silent.contains(&r))
+        .collect();
+    let none_or = |v: &[usize]| {
+        if v.is_empty() {
             "no rank".into()
         } else {
-            list(&gone)
-        }
-    );
-    let io = |r: usize, what: &'static str| {
-        move |e: std::io::Error| {
-            Error::io(
-                format!("shrink: rank {rank} {what} rank {r} the set of live ranks"),
-                e,
-            )
+            list(v)
         }
     };
-    let agree_by = Instant::now() + probe.timeout;
+    log::info!(
+        "shrink: rank {rank} finds {} alive, {} gone and {} silent; agreeing with them",
+        list(&members),
+        none_or(&gone),
+        none_or(&silent)
+    );
+    for &r in &silent {
+        let why = match &outgoing[r] {
+            Some(Err((_, why))) => why.as_str(),
+            _ => "it did not connect to this rank",
+        };
+        log::warn!("shrink: rank {rank} leaves out rank {r}, silent within the timeout: {why}");
+    }
+    drop((outgoing, incoming));
+    // A peer found alive here connected before this rank's probing ended, so its own probing
+    // ends at most a timeout later (it may be waiting for a rank it finds silent that this
+    // rank found gone); then it has a timeout of its own to send its set.
+    let wait = probe.timeout * 2;
+    let io = |r: usize, reading: bool| {
+        move |e: std::io::Error| match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut if reading => {
+                Error::JoinTimeout {
+                    message: format!(
+                        "shrink: rank {r} did not send rank {rank} its set of live ranks \
+                         within {wait:?} (it is stuck, or its process was stopped)"
+                    ),
+                    timeout: wait,
+                }
+            }
+            std::io::ErrorKind::UnexpectedEof => Error::config(format!(
+                "shrink: rank {r} closed its connection to rank {rank} before agreeing (its \
+                 own error says why)"
+            )),
+            _ => Error::io(
+                format!("shrink: rank {rank} exchanging the set of live ranks with rank {r}"),
+                e,
+            ),
+        }
+    };
+    let agree_by = Instant::now() + wait;
     let agreed = (|| -> Result<()> {
         for (r, l) in links.iter_mut().enumerate() {
             if let Some(s) = l {
                 s.set_write_timeout(Some(left_of(agree_by)))
                     .and_then(|_| s.write_all(&mine))
-                    .map_err(io(r, "sending to"))?;
+                    .map_err(io(r, false))?;
             }
         }
         for (r, l) in links.iter_mut().enumerate() {
@@ -185,7 +218,7 @@ pub(crate) fn survivors(probe: &Probe<'_>, listener: TcpListener) -> Result<Surv
                 let mut theirs = vec![0u8; mine.len()];
                 s.set_read_timeout(Some(left_of(agree_by)))
                     .and_then(|_| s.read_exact(&mut theirs))
-                    .map_err(io(r, "reading from"))?;
+                    .map_err(io(r, true))?;
                 if theirs != mine {
                     let seen: Vec<usize> = (0..world)
                         .filter(|&k| theirs[k / 8] & (1 << (k % 8)) != 0)
@@ -300,5 +333,48 @@ mod tests {
         let mut v = vec![false; 10];
         v[9] = true;
         assert_eq!(bitmap(&v), [0, 0b10]);
+    }
+
+    #[test]
+    fn a_rank_that_found_a_peer_gone_waits_for_one_still_probing_it() {
+        // Rank 2's port refuses rank 0 (gone) but takes rank 1's connection and never answers
+        // (silent): rank 0's probing ends as soon as rank 1 comes, rank 1's at its deadline.
+        let timeout = Duration::from_millis(800);
+        let bind = || TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = |l: &TcpListener| l.local_addr().unwrap().to_string();
+        let (l0, l1, mute) = (bind(), bind(), bind());
+        let closed = at(&bind());
+        let addrs0 = [at(&l0), at(&l1), closed];
+        let addrs1 = [at(&l0), at(&l1), at(&mute)];
+        let token = "a job's token";
+        let probe = |rank, addrs, deadline| Probe {
+            rank,
+            addrs,
+            token,
+            generation: 0,
+            deadline,
+            timeout,
+        };
+        let (r0, r1) = std::thread::scope(|s| {
+            let h0 = s.spawn(|| survivors(&probe(0, &addrs0, Instant::now() + timeout), l0));
+            std::thread::sleep(timeout / 4);
+            // Rank 1 sends its set a little after its deadline, as a loaded host's may: with
+            // one timeout for the agreement rank 0 had given up on it by then.
+            let deadline = Instant::now() + timeout + timeout / 4;
+            let addrs1 = &addrs1;
+            let h1 = s.spawn(move || {
+                let r = survivors(&probe(1, addrs1, deadline), l1);
+                (r, Instant::now() >= deadline)
+            });
+            (h0.join().unwrap(), h1.join().unwrap())
+        });
+        let (r1, probed_to_deadline) = r1;
+        // Rank 1 waited for rank 2 to the end of its probing.
+        assert!(probed_to_deadline);
+        for r in [r0, r1] {
+            let found = r.unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(found.members, [0, 1]);
+        }
+        drop(mute);
     }
 }
