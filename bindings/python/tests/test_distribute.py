@@ -310,6 +310,27 @@ def test_a_raising_replica_raises_from_run_and_the_strategy_goes_on():
     assert s.experimental_local_results(out) == (3.0, 3.0, 3.0)
 
 
+# Nothing escapes the replica's callback into ctypes (which would print it and go on).
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_a_replica_raising_an_exception_that_cannot_be_printed_still_fails_the_run():
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no message")
+
+    s = td.MirroredStrategy(cpus(2))
+
+    def step():
+        if td.get_replica_context().replica_id_in_sync_group == 0:
+            raise Unprintable()
+        # Waits for replica 0, which must be known to have failed.
+        return td.get_replica_context().all_reduce("SUM", 1.0)
+
+    with pytest.raises(Unprintable):
+        s.run(step)
+    out = s.run(lambda: td.get_replica_context().all_reduce("SUM", 1.0))
+    assert s.experimental_local_results(out) == (2.0, 2.0)
+
+
 def test_scopes_and_the_default_strategy():
     default = td.get_strategy()
     assert default is td.get_strategy() and not td.has_strategy()

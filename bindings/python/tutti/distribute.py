@@ -943,6 +943,7 @@ class Strategy:
         self._kind = kind
         self._lock = threading.Lock()  # one run or reduce at a time
         self._placing = threading.Lock()  # an input thread's placement, which close waits for
+        self._shrunk = False  # TF_CONFIG no longer says who this worker is
         total, local = ctypes.c_size_t(), ctypes.c_size_t()
         _check(_lib().tutti_strategy_num_replicas(h, ctypes.byref(total), ctypes.byref(local)))
         self._total, self._local = total.value, local.value
@@ -1055,8 +1056,16 @@ class Strategy:
                 return 0
             except BaseException as e:  # noqa: BLE001 - handed to the caller of run
                 errors[local.value if local.value < n else 0] = e
-                # What the run's error (and, across workers, the other workers) says.
-                _lib().tutti_replica_set_error(ctx, f"{type(e).__name__}: {e}".encode("utf-8", "replace"))
+                # What the run's error (and, across workers, the other workers) says. Nothing may
+                # escape the callback: ctypes would print it and count the step as done.
+                try:
+                    message = f"{type(e).__name__}: {e}"
+                except BaseException:  # noqa: BLE001 - an exception whose str() fails
+                    message = type(e).__name__
+                try:
+                    _lib().tutti_replica_set_error(ctx, message.encode("utf-8", "replace"))
+                except BaseException:  # noqa: BLE001 - the step still fails, unexplained
+                    pass
                 return _FAILED
 
         callback = _REPLICA_FN(step)
@@ -1116,7 +1125,7 @@ class Strategy:
             return None
         tutti_job = "TUTTI_RANK" in os.environ or "TUTTI_WORLD_SIZE" in os.environ  # the runtime's order
         # After a shrink TF_CONFIG no longer says who this worker is.
-        if not tutti_job and not getattr(self, "_shrunk", False) and os.environ.get("TF_CONFIG", "").strip():
+        if not tutti_job and not self._shrunk and os.environ.get("TF_CONFIG", "").strip():
             return TFConfigClusterResolver()
         worker, workers = self._worker()  # learnt when the strategy was made: no collective here
         return SimpleClusterResolver({"worker": [""] * workers}, task_type="worker", task_id=worker)
