@@ -829,3 +829,99 @@ fn optimizer_steps_fuse_with_the_gradients_sum() {
     .unwrap();
     close("a variable given twice");
 }
+
+/// MirroredStrategy, CentralStorageStrategy, OneDeviceStrategy and a single worker's
+/// MultiWorkerMirroredStrategy on XLA devices reduce there, as TPUStrategy does: a tensor's
+/// collectives compile programs over the device buffers and none is copied through host
+/// memory; a host value's collectives are right too. XLA devices beside others are refused.
+#[test]
+fn every_strategy_on_xla_devices_reduces_on_them() {
+    use tutti::strategy::CommunicationImplementation;
+    use tutti::{Device, DeviceKind};
+    let Some(c) = client() else { return };
+    let xla: Vec<Device> = (0..c.devices().len())
+        .map(|i| tutti::device_from_spec(&format!("xla:{i}")).unwrap())
+        .collect();
+    drop(c);
+    let n = xla.len();
+    let strategies = [
+        Strategy::mirrored(&xla, None).unwrap(),
+        Strategy::central_storage(&xla).unwrap(),
+        Strategy::multi_worker_mirrored(CommunicationImplementation::Auto, None, &xla).unwrap(),
+        Strategy::one_device(xla[0].clone()).unwrap(),
+    ];
+    for s in &strategies {
+        let replicas = s.num_replicas_in_sync();
+        assert_eq!(
+            replicas,
+            if s.kind() == StrategyKind::OneDevice {
+                1
+            } else {
+                n
+            }
+        );
+        let kind = s.kind();
+        let placed = s
+            .run(|ctx| {
+                let id = ctx.replica_id_in_sync_group() as f32;
+                ctx.place(&[id, 1.0, 2.0 * id])
+            })
+            .unwrap_or_else(|e| panic!("{kind:?}: {e}"));
+        let slots: Vec<std::sync::Mutex<Option<tutti::DeviceTensor>>> = placed
+            .0
+            .into_iter()
+            .map(|t| std::sync::Mutex::new(Some(t)))
+            .collect();
+        let client = {
+            let t = slots[0].lock().unwrap();
+            let t = t.as_ref().unwrap();
+            assert_eq!(t.kind(), DeviceKind::Xla, "{kind:?}");
+            t.as_xla().unwrap().client()
+        };
+        let before = client.cache_stats();
+        let reduced = s
+            .run(|ctx| {
+                let mut t = slots[ctx.local_replica_id()]
+                    .lock()
+                    .unwrap()
+                    .take()
+                    .unwrap();
+                ctx.all_reduce_tensor(ReduceOp::Sum, &mut t)?;
+                Ok(t)
+            })
+            .unwrap_or_else(|e| panic!("{kind:?}: {e}"));
+        let after = client.cache_stats();
+        assert_eq!(
+            (after.staged_calls, after.uploads, after.downloads),
+            (before.staged_calls, before.uploads, before.downloads),
+            "{kind:?}: the tensors' all-reduce went through host memory"
+        );
+        assert!(
+            after.compiled + after.hits > before.compiled + before.hits,
+            "{kind:?}"
+        );
+        let ids: f32 = (0..replicas).map(|i| i as f32).sum();
+        for t in reduced.local_results() {
+            assert_eq!(
+                t.to_vec::<f32>().unwrap(),
+                [ids, replicas as f32, 2.0 * ids],
+                "{kind:?}"
+            );
+        }
+        let host = s
+            .run(|ctx| {
+                let mut v = [ctx.replica_id_in_sync_group() as f32 + 1.0];
+                ctx.all_reduce(ReduceOp::Sum, &mut v)?;
+                Ok(v[0])
+            })
+            .unwrap_or_else(|e| panic!("{kind:?}: {e}"));
+        for v in host.local_results() {
+            assert_eq!(*v, ids + replicas as f32, "{kind:?}");
+        }
+    }
+    let cpu = tutti::logical_cpus(1).unwrap().remove(0);
+    let Err(e) = Strategy::mirrored(&[cpu, xla[0].clone()], None) else {
+        panic!("a strategy over a CPU and an XLA device")
+    };
+    assert!(e.to_string().contains("mix XLA devices with others"), "{e}");
+}

@@ -104,8 +104,10 @@ pub(crate) fn engine_group(
         .collect()
 }
 
+/// The engine of an in-process group on the XLA devices `xla:{indices}` (the first devices of
+/// the plugin's client, in order).
 #[cfg(feature = "xla")]
-fn xla_engine(indices: &[usize], config: &Config) -> Result<Arc<dyn GroupEngine>> {
+pub(crate) fn xla_engine(indices: &[usize], config: &Config) -> Result<Arc<dyn GroupEngine>> {
     use crate::xla::{Client, ClientOptions, OptionValue, PluginKind};
     if let Some(r) = (0..indices.len()).find(|&r| indices[r] != r) {
         return Err(Error::config(format!(
@@ -136,7 +138,7 @@ fn xla_engine(indices: &[usize], config: &Config) -> Result<Arc<dyn GroupEngine>
 }
 
 #[cfg(not(feature = "xla"))]
-fn xla_engine(_: &[usize], _: &Config) -> Result<Arc<dyn GroupEngine>> {
+pub(crate) fn xla_engine(_: &[usize], _: &Config) -> Result<Arc<dyn GroupEngine>> {
     Err(Error::Unavailable {
         what: "XLA".into(),
         why: "this build of tutti has no PJRT support (build with --features xla)".into(),

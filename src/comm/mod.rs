@@ -25,8 +25,8 @@ mod tensor;
 mod tune;
 mod work;
 
-pub(crate) use group::engine_group;
 pub use group::{device_group, local_group, run_local, MAX_LOCAL_RANKS};
+pub(crate) use group::{engine_group, xla_engine};
 pub use p2p::{PeerOp, RawPeerOp};
 pub use replicas::Replicas;
 pub use shared::SharedBuffer;

@@ -119,6 +119,12 @@ pub(crate) trait GroupEngine: Send + Sync {
         None
     }
 
+    /// The PJRT client whose devices this engine's ranks are on, for an XLA group.
+    #[cfg(feature = "xla")]
+    fn xla_client(&self) -> Option<crate::device::pjrt::Client> {
+        None
+    }
+
     /// Mark the work queued so far on `stream`, a stream of rank `rank`'s device, for a call
     /// being issued to wait for. Engines whose devices have no streams refuse.
     ///

@@ -513,6 +513,52 @@ fn algorithm_for(ops: &CrossDeviceOps, devices: &[Device]) -> Result<Algorithm> 
     })
 }
 
+/// The engine that reduces the local replicas on `devices` in their own memory, where host
+/// groups would not: XLA devices' (the plugin's client, its first devices in order). CPU and
+/// GPU replicas keep their values in host memory, reduced by the host algorithms (NCCL's path
+/// is chosen by the caller). XLA devices beside others are an error: no one group holds both.
+fn device_engine(
+    kind: StrategyKind,
+    devices: &[Device],
+    config: &Config,
+) -> Result<Option<(DeviceKind, Arc<dyn GroupEngine>)>> {
+    let xla = devices.iter().filter(|d| d.kind == DeviceKind::Xla).count();
+    if xla == 0 {
+        return Ok(None);
+    }
+    if xla < devices.len() {
+        return Err(Error::config(format!(
+            "{}: devices {} mix XLA devices with others; a worker's replicas are all on XLA \
+             devices or none are",
+            kind.name(),
+            devices
+                .iter()
+                .map(|d| d.spec())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
+    let indices: Vec<usize> = devices.iter().map(|d| d.index).collect();
+    let specs = || {
+        devices
+            .iter()
+            .map(|d| d.spec())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let engine = crate::comm::xla_engine(&indices, config).map_err(|e| match e {
+        Error::InvalidArgument { message, .. } => {
+            Error::config(format!("{}: {message}", kind.name()))
+        }
+        Error::Unavailable { what, why } => Error::Unavailable {
+            what: format!("{what} for {}'s devices {}", kind.name(), specs()),
+            why,
+        },
+        e => e,
+    })?;
+    Ok(Some((DeviceKind::Xla, engine)))
+}
+
 /// The GPU (its index among the visible GPUs) through which NCCL can carry the cross-worker
 /// collectives of replicas on `devices`, or why it cannot.
 fn nccl_across_workers(devices: &[Device]) -> std::result::Result<usize, String> {
@@ -546,6 +592,8 @@ fn no_nccl() -> String {
 }
 
 impl Strategy {
+    /// A strategy whose local replicas reduce where their devices are: on XLA devices through
+    /// the plugin's compiled collectives (as [`Strategy::tpu`]), elsewhere in host memory.
     fn build(
         kind: StrategyKind,
         devices: Vec<Device>,
@@ -554,6 +602,7 @@ impl Strategy {
         workers: Option<Arc<Communicator>>,
         resolver: ClusterResolver,
     ) -> Result<Strategy> {
+        let engine = device_engine(kind, &devices, &config)?;
         Strategy::build_on(
             kind,
             devices,
@@ -561,7 +610,7 @@ impl Strategy {
             config,
             workers,
             resolver,
-            None,
+            engine,
         )
     }
 
@@ -652,7 +701,9 @@ impl Strategy {
 
     /// A replica per device of this process. `devices` empty means every GPU, else the CPU.
     /// `cross_device_ops` `None` chooses as TensorFlow does: NcclAllReduce when every device is
-    /// a GPU and NCCL is present, else ReductionToOneDevice (logged).
+    /// a GPU and NCCL is present, else ReductionToOneDevice (logged). On XLA devices the
+    /// replicas reduce there, with XLA's own collectives, as under TPUStrategy (so too
+    /// the other strategies of local devices).
     pub fn mirrored(
         devices: &[Device],
         cross_device_ops: Option<CrossDeviceOps>,
@@ -791,6 +842,9 @@ impl Strategy {
         } else {
             local_devices.to_vec()
         };
+        // Before joining: a worker whose devices cannot be opened must not leave the others
+        // waiting for it in their first collective.
+        let engine = device_engine(StrategyKind::MultiWorkerMirrored, &devices, &config)?;
         let spec = match resolver {
             Some(s) => Some(s),
             None => ClusterSpec::from_env()?,
@@ -823,13 +877,14 @@ impl Strategy {
             ));
             let ops = CrossDeviceOps::Ring;
             let local = config.with_algorithm(algorithm_for(&ops, &devices)?);
-            return Strategy::build(
+            return Strategy::build_on(
                 StrategyKind::MultiWorkerMirrored,
                 devices,
                 Some(ops),
                 local,
                 None,
                 local_resolver(),
+                engine,
             );
         };
         let kind = match communication {
@@ -862,13 +917,14 @@ impl Strategy {
         };
         let ops = CrossDeviceOps::Ring;
         let local = config.with_algorithm(algorithm_for(&ops, &devices)?);
-        Strategy::build(
+        Strategy::build_on(
             StrategyKind::MultiWorkerMirrored,
             devices,
             Some(ops),
             local,
             Some(Arc::new(workers)),
             resolver,
+            engine,
         )
     }
 
@@ -904,6 +960,14 @@ impl Strategy {
             local_resolver(),
             Some((DeviceKind::Xla, engine)),
         )
+    }
+
+    /// The PJRT client whose devices the local replicas are on (TPUStrategy's, or the one a
+    /// strategy of XLA devices opened): to run one's own XLA programs on the replicas' buffers,
+    /// or read its `cache_stats`. `None` off XLA devices.
+    #[cfg(feature = "xla")]
+    pub fn xla_client(&self) -> Option<crate::xla::Client> {
+        self.engine.as_ref().and_then(|(_, e)| e.xla_client())
     }
 
     /// Which strategy this is.
@@ -1611,6 +1675,8 @@ fn choose_cross_device_ops(devices: &[Device], asked: Option<CrossDeviceOps>) ->
     match asked {
         // One replica: nothing crosses devices, whatever carries it.
         Some(CrossDeviceOps::NcclAllReduce) | None if devices.len() <= 1 => fallback,
+        // XLA devices reduce with XLA's own collectives, whatever the op.
+        None if devices.iter().all(|d| d.kind == DeviceKind::Xla) => fallback,
         Some(CrossDeviceOps::NcclAllReduce) | None => {
             #[cfg(feature = "cuda")]
             if all_gpu && !virtual_gpus && crate::gpu::nccl_library().is_ok() {

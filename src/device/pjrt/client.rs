@@ -1664,7 +1664,7 @@ impl Drop for Inner {
 
 impl XlaBuffer {
     /// The client whose device holds this buffer.
-    pub(crate) fn client(&self) -> Client {
+    pub fn client(&self) -> Client {
         Client {
             inner: self.inner.clone(),
         }

@@ -205,6 +205,10 @@ impl Pjrt {
 }
 
 impl GroupEngine for Pjrt {
+    fn xla_client(&self) -> Option<Client> {
+        Some(self.client.clone())
+    }
+
     fn run(&self, site: Site, c: &GroupCall, bufs: &[CallBuffers]) -> Result<()> {
         // Every rank passes a tensor, or every rank host memory: never a mix, which would read
         // one as the other.
