@@ -18,9 +18,11 @@
 //!
 //! `--device cpu|gpu|xla` puts the replicas on logical CPU devices (the default), on the GPUs
 //! (`--replicas` at most those present; a build with `--features cuda`), or on the PJRT
-//! plugin's devices (`--features xla`; mirrored only, as TPUStrategy, with the weights in a
-//! `DeviceVariable` on the devices; `xla_host_calls` in the JSON line counts the collectives
-//! that went through host memory: none).
+//! plugin's first `--replicas` devices (`--features xla`; `--strategy tpu` takes every device).
+//! On XLA devices mirrored, one-device, multi-worker and tpu keep the weights in a
+//! `DeviceVariable` on the devices, and central-storage in host memory; `xla_host_calls` in the
+//! JSON line counts the collectives that went through host memory (none for the first four on
+//! one worker).
 //!
 //! `--checkpoint-dir DIR` saves the weights and the step there at the end (and every
 //! `--checkpoint-every` steps; the chief writes, the last 3 are kept); with `--resume` the run
@@ -56,17 +58,17 @@ use tutti::strategy::{
 };
 use tutti::{ReduceOp, Result};
 
-#[derive(Parser)]
+#[derive(Parser, Clone)]
 struct Args {
     /// default, one-device, mirrored, central-storage, multi-worker, parameter-server, tpu.
     #[arg(long, default_value = "mirrored")]
     strategy: String,
-    /// Local replicas: logical CPU devices, or GPUs (at most those present).
+    /// Local replicas: logical CPU devices, GPUs or XLA devices (at most those present).
     #[arg(long, default_value_t = 2)]
     replicas: usize,
     /// Where the replicas run: cpu (logical CPU devices), gpu (the GPUs tutti sees; a build
-    /// with the cuda feature), xla (the PJRT plugin's devices, as TPUStrategy: mirrored or tpu
-    /// only, every device of the plugin).
+    /// with the cuda feature), xla (the PJRT plugin's devices, TUTTI_PJRT_PLUGIN and
+    /// TUTTI_PJRT_OPTIONS; a build with the xla feature).
     #[arg(long, default_value = "cpu")]
     device: String,
     /// Training steps.
@@ -293,7 +295,7 @@ fn mirrored_step(
     Ok(losses.0[0])
 }
 
-/// Mirrored weights on the replicas' devices (TPUStrategy): a `DeviceVariable`. Each replica
+/// Mirrored weights on the replicas' XLA devices: a `DeviceVariable`. Each replica
 /// reads its copy, places its update on its device, and the sum of the updates is subtracted
 /// from every copy in one program there; the loss is summed on the devices too, so no
 /// collective goes through host memory.
@@ -324,6 +326,19 @@ fn train_on_devices(strategy: &Strategy, args: &Args) -> Result<((Vec<f32>, f32)
 /// What a multi-worker run that lost a worker went on from: the step it repeated and the
 /// weights the new chief broadcast.
 type Resumed = Option<(usize, Vec<f32>)>;
+
+/// [`train_on_devices`], counting in `host_calls` the collectives of the strategy's XLA client
+/// that went through host memory meanwhile.
+fn on_devices(
+    strategy: &Strategy,
+    args: &Args,
+    host_calls: &mut Option<u64>,
+) -> Result<((Vec<f32>, f32), Start)> {
+    let before = xla_host_calls(strategy);
+    let r = train_on_devices(strategy, args)?;
+    *host_calls = xla_host_calls(strategy).zip(before).map(|(a, b)| a - b);
+    Ok(r)
+}
 
 /// Multi-worker training that can lose a worker (`--elastic`): a step that fails shrinks the
 /// strategy to the survivors, which take the new chief's weights and step and go on.
@@ -447,21 +462,35 @@ fn train_ps(args: &Args) -> Result<Option<Trained>> {
 }
 
 /// TPUStrategy over the XLA devices of the PJRT plugin found (TUTTI_PJRT_PLUGIN,
-/// TUTTI_PJRT_OPTIONS; e.g. the CPU plugin with `cpu_device_count=4`), and how many collectives
-/// its client has run on host memory so far.
+/// TUTTI_PJRT_OPTIONS; e.g. the CPU plugin with `cpu_device_count=4`).
 #[cfg(feature = "xla")]
-fn tpu_strategy() -> Result<(Strategy, impl Fn() -> u64)> {
-    let client = tutti::xla::Client::from_env()?;
-    let strategy = Strategy::tpu(client.clone())?;
-    Ok((strategy, move || client.cache_stats().host_calls))
+fn tpu_strategy() -> Result<Strategy> {
+    Strategy::tpu(tutti::xla::Client::from_env()?)
 }
 
 #[cfg(not(feature = "xla"))]
-fn tpu_strategy() -> Result<(Strategy, impl Fn() -> u64)> {
-    Err::<(Strategy, fn() -> u64), _>(tutti::Error::Unavailable {
-        what: "TPUStrategy".into(),
+fn tpu_strategy() -> Result<Strategy> {
+    Err(no_xla("TPUStrategy"))
+}
+
+#[cfg(not(feature = "xla"))]
+fn no_xla(what: &str) -> tutti::Error {
+    tutti::Error::Unavailable {
+        what: what.into(),
         why: "this example was built without the xla feature (cargo build --features xla --example train)".into(),
-    })
+    }
+}
+
+/// How many collectives the client of `strategy`'s XLA devices has run on host memory so far
+/// (`None` off XLA devices).
+#[cfg(feature = "xla")]
+fn xla_host_calls(strategy: &Strategy) -> Option<u64> {
+    strategy.xla_client().map(|c| c.cache_stats().host_calls)
+}
+
+#[cfg(not(feature = "xla"))]
+fn xla_host_calls(_: &Strategy) -> Option<u64> {
+    None
 }
 
 /// tutti reports through the `log` facade; this program shows its warnings on stderr.
@@ -493,11 +522,29 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-/// The devices `--device` and `--replicas` ask for (XLA's are the plugin's, found by
-/// [`tpu_strategy`]).
+/// The devices `--device` and `--replicas` ask for.
 fn local_devices(args: &Args) -> Result<Vec<tutti::Device>> {
     match args.device.as_str() {
-        "cpu" | "xla" => logical_cpus(args.replicas.max(1)),
+        "cpu" => logical_cpus(args.replicas.max(1)),
+        #[cfg(not(feature = "xla"))]
+        "xla" => Err(no_xla("--device xla")),
+        #[cfg(feature = "xla")]
+        "xla" => {
+            let devices: Vec<tutti::Device> = tutti::discover_devices()
+                .into_iter()
+                .filter(|d| d.kind == tutti::DeviceKind::Xla)
+                .collect();
+            if devices.len() < args.replicas.max(1) {
+                return Err(tutti::Error::config(format!(
+                    "--device xla --replicas {}: the PJRT plugin has {} device(s) here \
+                     (TUTTI_PJRT_PLUGIN names the plugin; the CPU plugin takes \
+                     TUTTI_PJRT_OPTIONS=cpu_device_count=N)",
+                    args.replicas,
+                    devices.len()
+                )));
+            }
+            Ok(devices.into_iter().take(args.replicas.max(1)).collect())
+        }
         "gpu" => {
             let gpus: Vec<tutti::Device> = tutti::discover_devices()
                 .into_iter()
@@ -574,15 +621,35 @@ fn run(args: &Args) -> Result<()> {
     if tutti::ClusterSpec::from_env()?.is_some_and(|s| s.task_type == "evaluator") {
         return evaluate(args);
     }
-    let devices = local_devices(args)?;
     let xla = args.device == "xla" || args.strategy == "tpu";
-    if xla && !matches!(args.strategy.as_str(), "mirrored" | "tpu") {
+    if xla && matches!(args.strategy.as_str(), "default" | "parameter-server") {
         return Err(tutti::Error::config(format!(
-            "--device xla runs MirroredStrategy over the plugin's devices (TPUStrategy); \
-             --strategy {} has no XLA form here",
+            "--device xla: --strategy {} keeps its variables in host memory; on XLA devices \
+             run mirrored, one-device, central-storage, multi-worker or tpu",
             args.strategy
         )));
     }
+    if xla && (args.elastic || args.kill_worker.is_some()) {
+        return Err(tutti::Error::config(
+            "--device xla: --elastic and --kill-worker run on CPU devices (the XLA training \
+             here does not shrink)",
+        ));
+    }
+    if xla && args.cross_device_ops.is_some() {
+        return Err(tutti::Error::config(
+            "--device xla: the replicas reduce with XLA's own collectives; --cross-device-ops \
+             is for CPU and GPU devices",
+        ));
+    }
+    // TPUStrategy takes every device of the plugin; OneDeviceStrategy the first.
+    let devices = match args.strategy.as_str() {
+        "tpu" => Vec::new(),
+        "one-device" => local_devices(&Args {
+            replicas: 1,
+            ..args.clone()
+        })?,
+        _ => local_devices(args)?,
+    };
     if args.device == "gpu" && args.strategy == "parameter-server" {
         return Err(tutti::Error::config(
             "--device gpu: the parameter servers here keep their variables in host memory",
@@ -596,16 +663,23 @@ fn run(args: &Args) -> Result<()> {
             let (r, start) = train_mirrored(&s, args)?;
             (r, s.num_replicas_in_sync(), start)
         }
-        "one-device" => {
-            let s = Strategy::one_device(devices[0].clone())?;
-            let (r, start) = train_mirrored(&s, args)?;
+        "tpu" => {
+            let s = tpu_strategy()?;
+            let (r, start) = on_devices(&s, args, &mut host_calls)?;
             (r, s.num_replicas_in_sync(), start)
         }
-        "mirrored" | "tpu" if xla => {
-            let (s, host) = tpu_strategy()?;
-            let before = host();
-            let (r, start) = train_on_devices(&s, args)?;
-            host_calls = Some(host() - before);
+        "one-device" => {
+            let s = Strategy::one_device(devices[0].clone())?;
+            let (r, start) = if xla {
+                on_devices(&s, args, &mut host_calls)?
+            } else {
+                train_mirrored(&s, args)?
+            };
+            (r, s.num_replicas_in_sync(), start)
+        }
+        "mirrored" if xla => {
+            let s = Strategy::mirrored(&devices, None)?;
+            let (r, start) = on_devices(&s, args, &mut host_calls)?;
             (r, s.num_replicas_in_sync(), start)
         }
         "mirrored" => {
@@ -622,7 +696,14 @@ fn run(args: &Args) -> Result<()> {
         }
         "central-storage" => {
             let s = Strategy::central_storage(&devices)?;
+            let before = xla_host_calls(&s);
             let (r, start) = train_central(&s, args)?;
+            host_calls = xla_host_calls(&s).zip(before).map(|(a, b)| a - b);
+            (r, s.num_replicas_in_sync(), start)
+        }
+        "multi-worker" if xla => {
+            let s = Strategy::multi_worker_mirrored(CommunicationImplementation::Auto, None, &devices)?;
+            let (r, start) = on_devices(&s, args, &mut host_calls)?;
             (r, s.num_replicas_in_sync(), start)
         }
         "multi-worker" => {
@@ -637,7 +718,7 @@ fn run(args: &Args) -> Result<()> {
         },
         other => {
             return Err(tutti::Error::config(format!(
-                "--strategy {other}: expected default, one-device, mirrored, central-storage, multi-worker or parameter-server"
+                "--strategy {other}: expected default, one-device, mirrored, central-storage, multi-worker, parameter-server or tpu"
             )))
         }
     };

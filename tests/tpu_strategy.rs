@@ -90,12 +90,45 @@ fn tpu_strategy_collectives_and_training() {
         );
     }
 
+    // Every other strategy of local devices on the 4 XLA devices lands there too; all but
+    // CentralStorageStrategy (its variable in host memory) keep every collective on them.
+    for strategy in ["mirrored", "one-device", "central-storage", "multi-worker"] {
+        let k = run(&[
+            "--strategy",
+            strategy,
+            "--device",
+            "xla",
+            "--replicas",
+            "4",
+            "--steps",
+            "40",
+        ]);
+        assert_eq!(k["replicas"], if strategy == "one-device" { 1 } else { 4 });
+        let host_calls = k["xla_host_calls"].as_u64().unwrap();
+        assert_eq!(host_calls == 0, strategy != "central-storage", "{k}");
+        for (a, b) in k["weights"].as_array().unwrap().iter().zip(r) {
+            assert!(
+                (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-4,
+                "{k}"
+            );
+        }
+    }
+
     // MirroredStrategy on the XLA devices, 20 steps, a checkpoint, 20 more: the 40 steps'
     // weights.
     let dir = std::env::temp_dir().join(format!("tutti-xla-ckpt-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let dir_s = dir.to_str().unwrap();
-    let twenty = ["--strategy", "mirrored", "--device", "xla", "--steps", "20"];
+    let twenty = [
+        "--strategy",
+        "mirrored",
+        "--device",
+        "xla",
+        "--replicas",
+        "4",
+        "--steps",
+        "20",
+    ];
     run(&[&twenty[..], &["--checkpoint-dir", dir_s]].concat());
     let resumed = run(&[&twenty[..], &["--checkpoint-dir", dir_s, "--resume"]].concat());
     std::fs::remove_dir_all(&dir).unwrap();
