@@ -2898,6 +2898,30 @@ tutti_result tutti_strategy_create_mirrored(size_t num_local_replicas,
                                             struct tutti_strategy **strategy);
 
 /**
+ * Create a strategy of `kind` whose local replicas are on `devices` (`num_devices` device
+ * names: `"cpu:0"`, `"gpu:1"`, `"xla:0"`, or TensorFlow's `"/device:GPU:0"`,
+ * `"/job:localhost/replica:0/task:0/device:CPU:0"`) and write it to `*strategy`: ONE_DEVICE
+ * (one device), MIRRORED (combining as `ops` says; NULL: as TensorFlow chooses),
+ * CENTRAL_STORAGE, and MULTI_WORKER_MIRRORED (the local devices of each worker of the job its
+ * environment describes). On XLA devices (`xla:0` … `xla:N-1`, of the plugin
+ * `TUTTI_PJRT_PLUGIN` names) the replicas reduce there; a GPU that is not there, or XLA in a
+ * library built without it, is `TUTTI_ERROR_UNAVAILABLE` naming it. DEFAULT and TPU take no
+ * devices (`tutti_strategy_create`); `ops` is for MIRRORED only.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `devices` points to `num_devices` NUL-terminated strings; `ops` as
+ * `tutti_strategy_create_mirrored`'s; `strategy` is NULL or writable.
+ */
+tutti_result tutti_strategy_create_on_devices(tutti_strategy_kind kind,
+                                              const char *const *devices,
+                                              size_t num_devices,
+                                              const struct tutti_cross_device_ops_config *ops,
+                                              struct tutti_strategy **strategy);
+
+/**
  * Create a MultiWorkerMirroredStrategy and write it to `*strategy`: `num_local_replicas`
  * replicas on this host (logical CPU devices; 0: every GPU, else the CPU) on every worker of
  * the cluster `tf_config` describes (a TF_CONFIG text; NULL: this process's environment, as

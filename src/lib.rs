@@ -87,8 +87,8 @@ pub use comm::{
     RawPeerOp, Replicas, SharedBuffer, Work, MAX_LOCAL_RANKS, MAX_TIMEOUT,
 };
 pub use device::{
-    discover as discover_devices, host as host_info, logical_cpus, parse_spec as parse_device,
-    Device, DeviceKind, DeviceTensor, HostInfo,
+    device_from_spec, discover as discover_devices, host as host_info, logical_cpus,
+    parse_spec as parse_device, Device, DeviceKind, DeviceTensor, HostInfo,
 };
 pub use dtype::{kernels, Apply, DType, Element, ReduceOp};
 pub use error::{Collective, Error, Result, Site};

@@ -1016,6 +1016,22 @@ public:
         detail::check(tutti_strategy_create_mirrored(num_local_replicas, &ops, &s));
         h_.reset(s);
     }
+    /// Replicas on the devices named (`"cpu:0"`, `"gpu:1"`, `"xla:0"`, TensorFlow's
+    /// `"/device:GPU:0"`): one_device (one device), mirrored (combining as `ops` says; nullptr:
+    /// as TensorFlow chooses), central_storage, multi_worker_mirrored (each worker's local
+    /// devices). On XLA devices the replicas reduce there.
+    strategy(strategy_kind kind, const std::vector<std::string> &devices,
+             const tutti_cross_device_ops_config *ops = nullptr) {
+        std::vector<const char *> names;
+        names.reserve(devices.size());
+        for (const auto &d : devices) {
+            names.push_back(d.c_str());
+        }
+        tutti_strategy *s = nullptr;
+        detail::check(tutti_strategy_create_on_devices(static_cast<tutti_strategy_kind>(kind),
+                                                       names.data(), names.size(), ops, &s));
+        h_.reset(s);
+    }
     /// A MultiWorkerMirroredStrategy: `num_local_replicas` logical CPU devices (0: every GPU,
     /// else the CPU) on every worker of the cluster `tf_config` describes (nullptr: the
     /// environment's), its collectives across workers as `c` says, batch reduces fused in

@@ -258,30 +258,164 @@ pub unsafe extern "C" fn tutti_strategy_create_mirrored(
         } else {
             logical_cpus(num_local_replicas)?
         };
-        // SAFETY: NULL or readable, as the caller promises.
-        let chosen = match unsafe { ops.as_ref() } {
-            None => None,
-            Some(c) => {
-                if c.struct_size < std::mem::size_of::<tutti_cross_device_ops_config>() {
-                    return Err(Failure::invalid(format!(
-                        "ops->struct_size is {}, not sizeof(tutti_cross_device_ops_config) ({}); \
-                         start from TUTTI_CROSS_DEVICE_OPS_CONFIG_INIT",
-                        c.struct_size,
-                        std::mem::size_of::<tutti_cross_device_ops_config>()
-                    )));
+        // SAFETY: NULL or a config as the caller promises.
+        let chosen = unsafe { checked_ops(ops, &devices) }?;
+        let inner = Strategy::mirrored(&devices, chosen)?;
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe {
+            strategy.write(Box::into_raw(Box::new(tutti_strategy {
+                inner: std::sync::Arc::new(inner),
+            })))
+        };
+        Ok(())
+    })
+}
+
+/// The cross-device ops `ops` describes (NULL: as TensorFlow chooses) on the local replicas
+/// `devices` (empty: the default devices), its size checked.
+///
+/// # Safety
+///
+/// As [`tutti_strategy_create_mirrored`]'s `ops`.
+unsafe fn checked_ops(
+    ops: *const tutti_cross_device_ops_config,
+    devices: &[tutti::Device],
+) -> Result<Option<CrossDeviceOps>, Failure> {
+    // SAFETY: NULL or readable, as the caller promises.
+    let Some(c) = (unsafe { ops.as_ref() }) else {
+        return Ok(None);
+    };
+    if c.struct_size < std::mem::size_of::<tutti_cross_device_ops_config>() {
+        return Err(Failure::invalid(format!(
+            "ops->struct_size is {}, not sizeof(tutti_cross_device_ops_config) ({}); start from \
+             TUTTI_CROSS_DEVICE_OPS_CONFIG_INIT",
+            c.struct_size,
+            std::mem::size_of::<tutti_cross_device_ops_config>()
+        )));
+    }
+    let default_devices;
+    let on = if devices.is_empty() {
+        default_devices = tutti::strategy::default_devices();
+        &default_devices
+    } else {
+        devices
+    };
+    // SAFETY: as the caller promises of `name`.
+    unsafe { ops_of(c, on) }
+}
+
+/// Create a strategy of `kind` whose local replicas are on `devices` (`num_devices` device
+/// names: `"cpu:0"`, `"gpu:1"`, `"xla:0"`, or TensorFlow's `"/device:GPU:0"`,
+/// `"/job:localhost/replica:0/task:0/device:CPU:0"`) and write it to `*strategy`: ONE_DEVICE
+/// (one device), MIRRORED (combining as `ops` says; NULL: as TensorFlow chooses),
+/// CENTRAL_STORAGE, and MULTI_WORKER_MIRRORED (the local devices of each worker of the job its
+/// environment describes). On XLA devices (`xla:0` … `xla:N-1`, of the plugin
+/// `TUTTI_PJRT_PLUGIN` names) the replicas reduce there; a GPU that is not there, or XLA in a
+/// library built without it, is `TUTTI_ERROR_UNAVAILABLE` naming it. DEFAULT and TPU take no
+/// devices (`tutti_strategy_create`); `ops` is for MIRRORED only.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `devices` points to `num_devices` NUL-terminated strings; `ops` as
+/// `tutti_strategy_create_mirrored`'s; `strategy` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_strategy_create_on_devices(
+    kind: tutti_strategy_kind,
+    devices: *const *const c_char,
+    num_devices: usize,
+    ops: *const tutti_cross_device_ops_config,
+    strategy: *mut *mut tutti_strategy,
+) -> tutti_result {
+    boundary("tutti_strategy_create_on_devices", || {
+        use TuttiStrategyKind as K;
+        if strategy.is_null() {
+            return Err(Failure::invalid("strategy is NULL"));
+        }
+        if devices.is_null() || num_devices == 0 {
+            return Err(Failure::invalid(
+                "devices is NULL or num_devices is 0; tutti_strategy_create takes the default \
+                 devices",
+            ));
+        }
+        if num_devices > tutti::MAX_LOCAL_RANKS {
+            return Err(Failure::invalid(format!(
+                "num_devices is {num_devices}; a process holds at most {} local replicas",
+                tutti::MAX_LOCAL_RANKS
+            )));
+        }
+        // The kind and ops before the devices: a device not there is no excuse for them.
+        match kind {
+            k if k == K::TUTTI_STRATEGY_DEFAULT as u32 || k == K::TUTTI_STRATEGY_TPU as u32 => {
+                return Err(Failure::invalid(
+                    "DEFAULT and TPU strategies take no device list (TPU: every device of the \
+                     plugin); create them with tutti_strategy_create",
+                ))
+            }
+            k if k > K::TUTTI_STRATEGY_TPU as u32 => {
+                return Err(Failure::invalid(format!(
+                    "kind {k} is not a tutti_strategy_kind (valid: 0..=5)"
+                )))
+            }
+            _ => {}
+        }
+        if !ops.is_null() && kind != K::TUTTI_STRATEGY_MIRRORED as u32 {
+            return Err(Failure::invalid(
+                "ops is for a MIRRORED strategy; pass NULL for this kind",
+            ));
+        }
+        // SAFETY: `num_devices` pointers, as the caller promises.
+        let names = unsafe { std::slice::from_raw_parts(devices, num_devices) };
+        let devices = names
+            .iter()
+            .enumerate()
+            .map(|(i, &name)| {
+                if name.is_null() {
+                    return Err(Failure::invalid(format!("devices[{i}] is NULL")));
                 }
-                let default_devices;
-                let on = if devices.is_empty() {
-                    default_devices = tutti::strategy::default_devices();
-                    &default_devices
-                } else {
-                    &devices
-                };
-                // SAFETY: as the caller promises of `name`.
-                unsafe { ops_of(c, on) }?
+                // SAFETY: a NUL-terminated string, as the caller promises.
+                let name = unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy();
+                Ok(tutti::device_from_spec(&name)?)
+            })
+            .collect::<Result<Vec<_>, Failure>>()?;
+        if let Some((a, b)) = (0..devices.len())
+            .flat_map(|b| (0..b).map(move |a| (a, b)))
+            .find(|&(a, b)| devices[a] == devices[b])
+        {
+            return Err(Failure::invalid(format!(
+                "devices[{a}] and devices[{b}] both name {}: a replica per device",
+                devices[a].spec()
+            )));
+        }
+        let inner = match kind {
+            k if k == K::TUTTI_STRATEGY_ONE_DEVICE as u32 => match &devices[..] {
+                [d] => Strategy::one_device(d.clone())?,
+                _ => {
+                    return Err(Failure::invalid(format!(
+                        "ONE_DEVICE takes one device, not {}",
+                        devices.len()
+                    )))
+                }
+            },
+            k if k == K::TUTTI_STRATEGY_MIRRORED as u32 => {
+                // SAFETY: NULL or a config as the caller promises.
+                let chosen = unsafe { checked_ops(ops, &devices) }?;
+                Strategy::mirrored(&devices, chosen)?
+            }
+            k if k == K::TUTTI_STRATEGY_CENTRAL_STORAGE as u32 => {
+                Strategy::central_storage(&devices)?
+            }
+            k if k == K::TUTTI_STRATEGY_MULTI_WORKER_MIRRORED as u32 => {
+                Strategy::multi_worker_mirrored(CommunicationImplementation::Auto, None, &devices)?
+            }
+            // Refused above.
+            other => {
+                return Err(Failure::invalid(format!(
+                    "kind {other} takes no device list"
+                )))
             }
         };
-        let inner = Strategy::mirrored(&devices, chosen)?;
         // SAFETY: checked non-NULL; the caller promises it is writable.
         unsafe {
             strategy.write(Box::into_raw(Box::new(tutti_strategy {

@@ -199,6 +199,45 @@ pub fn logical_cpus(n: usize) -> Result<Vec<Device>> {
         .collect())
 }
 
+/// The device `spec` names ([`parse_spec`]'s forms, TensorFlow's among them), for a strategy's
+/// replicas: `cpu:N` a logical CPU device of the host; `gpu:N` the N-th GPU tutti sees (an
+/// error saying why where it sees none); `xla:N` (or `tpu:N`) the N-th device of the PJRT
+/// plugin a strategy opens for its XLA devices, checked when it does.
+pub fn device_from_spec(spec: &str) -> Result<Device> {
+    let (kind, index) = parse_spec(spec)?;
+    match kind {
+        DeviceKind::Cpu => Ok(Device {
+            index,
+            ..host_cpu()
+        }),
+        DeviceKind::Gpu => {
+            #[cfg(feature = "cuda")]
+            let gpus = cuda::discover_devices();
+            #[cfg(not(feature = "cuda"))]
+            let gpus: Vec<Device> = Vec::new();
+            let seen = gpus.len();
+            gpus.into_iter()
+                .find(|d| d.index == index)
+                .ok_or_else(|| Error::Unavailable {
+                    what: format!("device '{spec}'"),
+                    why: if cfg!(feature = "cuda") {
+                        format!("tutti sees {seen} GPU(s) here (no CUDA driver, or fewer GPUs)")
+                    } else {
+                        "this build of tutti has no CUDA support (build with --features cuda)"
+                            .into()
+                    },
+                })
+        }
+        DeviceKind::Xla => Ok(Device {
+            kind,
+            index,
+            name: "xla".into(),
+            memory_bytes: None,
+            physical_index: index,
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -213,6 +252,14 @@ mod tests {
         );
         assert_eq!(parse_spec("tpu").unwrap(), (DeviceKind::Xla, 0));
         assert!(parse_spec("npu:0").unwrap_err().to_string().contains("npu"));
+        let cpu = device_from_spec("/job:localhost/replica:0/task:0/device:CPU:2").unwrap();
+        assert_eq!((cpu.kind, cpu.index), (DeviceKind::Cpu, 2));
+        assert_eq!(device_from_spec("TPU:1").unwrap().spec(), "xla:1");
+        #[cfg(not(feature = "cuda"))]
+        assert!(matches!(
+            device_from_spec("/gpu:0"),
+            Err(Error::Unavailable { what, why }) if what.contains("/gpu:0") && why.contains("cuda")
+        ));
         assert!(parse_spec("cpu:x").unwrap_err().to_string().contains("'x'"));
     }
 

@@ -477,6 +477,18 @@ static void strategies_and_checkpoints() {
     for (const auto &g : grads) {
         EXPECT(g == std::vector<float>(4, 6.0f));
     }
+    // Replicas on devices named as TensorFlow names them; a device that is not one, an error.
+    {
+        tutti::strategy named(tutti::strategy_kind::mirrored,
+                              std::vector<std::string>{"/device:CPU:0", "cpu:1"});
+        EXPECT(named.num_local_replicas() == 2);
+        tutti::error e = expect_throw([] {
+            tutti::strategy bad(tutti::strategy_kind::central_storage,
+                                std::vector<std::string>{"npu:0"});
+        });
+        EXPECT(e.code() == TUTTI_ERROR_INVALID_ARGUMENT);
+        EXPECT(std::string(e.what()).find("npu:0") != std::string::npos);
+    }
     // Tensors on the replicas' devices (host memory for CPU replicas), reduced where they lie.
     s.run([&](const tutti::replica_context &ctx) {
         auto t = ctx.place(std::vector<std::int32_t>{static_cast<std::int32_t>(ctx.replica_id()), 1});

@@ -18,9 +18,12 @@ The names and habits of TensorFlow's distributed-training guides, on numpy array
   ``MultiWorkerMirroredStrategy(cluster_resolver=None, communication_options=None)`` (the job
   of ``tutti launch``, torchrun or ``TF_CONFIG``, or of a resolver's cluster; one worker on the
   local devices where none is described), and ``get_strategy()`` (the default strategy outside
-  any scope: one replica, the caller). Devices are the host's logical CPUs (``"cpu:N"``, ``"/cpu:N"``,
-  ``"/job:localhost/replica:0/task:0/device:CPU:N"``); ``devices=None`` is every GPU, else the
-  CPU, as in TensorFlow.
+  any scope: one replica, the caller). Devices are named as in TensorFlow: the host's logical
+  CPUs (``"cpu:N"``, ``"/cpu:N"``, ``"/job:localhost/replica:0/task:0/device:CPU:N"``), GPUs
+  (``"/gpu:N"``, ``"GPU:N"``; an ``UNAVAILABLE`` error naming one that is not there) and XLA
+  devices (``"xla:N"``, ``"TPU:N"``: the PJRT plugin's, the replicas reducing there with a
+  libtutti built with ``--features xla``); ``devices=None`` is every GPU, else the CPU, as in
+  TensorFlow.
 * Cross-device ops: ``NcclAllReduce()``, ``HierarchicalCopyAllReduce(num_packs=1)``,
   ``ReductionToOneDevice()`` (onto the first device).
 * On a strategy: ``scope()``, ``run(fn, args=(), kwargs=None)`` (``fn`` once per local replica,
@@ -198,6 +201,10 @@ class _CrossDeviceOpsConfig(ctypes.Structure):
 
 _PROTOTYPES["tutti_strategy_create_mirrored"] = (ctypes.c_uint32, [ctypes.c_size_t, ctypes.POINTER(_CrossDeviceOpsConfig),
                                                                    ctypes.POINTER(ctypes.c_void_p)])
+_PROTOTYPES["tutti_strategy_create_on_devices"] = (
+    ctypes.c_uint32,
+    [ctypes.c_uint32, ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t, ctypes.POINTER(_CrossDeviceOpsConfig),
+     ctypes.POINTER(ctypes.c_void_p)])
 _bound = None
 _bind_lock = threading.Lock()
 
@@ -503,27 +510,40 @@ def _lock_wait():
     return tutti._default_timeout() or 300.0
 
 
+_KINDS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "xla": "xla", "tpu": "xla"}
+
+
+def _device_spec(device):
+    """``(kind, N)`` of a device name (``"cpu:0"``, ``"GPU:1"``, ``"xla:0"``, TensorFlow's
+    ``"/gpu:0"`` and ``"/job:localhost/replica:0/task:0/device:CPU:0"``), else an error naming it."""
+    m = re.fullmatch(r"(?:.*/)?(?:device:)?([a-z]+)(?::(\d+))?", str(device).strip().lower())
+    if not m or m.group(1) not in _KINDS:
+        raise ValueError(
+            f"device {device!r}: expected a CPU, GPU or XLA device ('cpu:N', 'gpu:N', 'xla:N', or "
+            "TensorFlow's '/device:GPU:N'); devices=None uses every GPU (else the CPU)"
+        )
+    return _KINDS[m.group(1)], int(m.group(2) or 0)
+
+
 def _device_index(device):
     """The N of a CPU device name, else an error naming it."""
-    m = re.fullmatch(r"(?:.*/)?(?:device:)?cpu:(\d+)", str(device).strip().lower())
-    if not m:
-        raise ValueError(
-            f"device {device!r}: tutti.distribute places replicas on the host's logical CPUs "
-            "('cpu:N'); devices=None uses every GPU (else the CPU)"
-        )
-    return int(m.group(1))
+    kind, index = _device_spec(device)
+    if kind != "cpu":
+        raise ValueError(f"device {device!r}: expected a CPU device ('cpu:N')")
+    return index
 
 
 def _replicas(devices, what):
+    """The device names of ``devices`` (``None``: the default devices), checked."""
     if devices is None:
-        return 0
-    devices = list(devices)
+        return None
+    devices = [devices] if isinstance(devices, str) else list(devices)
     if not devices:
         raise ValueError(f"{what}: devices is empty")
-    idx = [_device_index(d) for d in devices]
-    if len(set(idx)) != len(idx):
+    specs = [_device_spec(d) for d in devices]
+    if len(set(specs)) != len(specs):
         raise ValueError(f"{what}: devices {devices} name a device twice")
-    return len(idx)
+    return [str(d).strip() for d in devices]  # as the caller spelt them, for the errors
 
 
 class ClusterSpec:
@@ -934,6 +954,13 @@ class Strategy:
         h = ctypes.c_void_p()
         if _create is not None:
             _create(h)
+        elif devices is not None:
+            config = None
+            if cross_device_ops is not None:
+                config, self._op_callback = self._ops_config(cross_device_ops, devices)
+            names = (ctypes.c_char_p * len(devices))(*[d.encode() for d in devices])
+            _check(_lib().tutti_strategy_create_on_devices(
+                kind, names, len(devices), ctypes.byref(config) if config is not None else None, ctypes.byref(h)))
         elif kind == _MIRRORED and cross_device_ops is not None:
             config, self._op_callback = self._ops_config(cross_device_ops, devices)
             _check(_lib().tutti_strategy_create_mirrored(num_local_replicas, ctypes.byref(config), ctypes.byref(h)))
@@ -965,8 +992,12 @@ class Strategy:
 
             kind, callback = 5, _CROSS_DEVICE_OP_FN(call)
         if isinstance(ops, ReductionToOneDevice) and ops.reduce_to_device is not None:
-            want = _device_index(ops.reduce_to_device)
-            listed = [_device_index(d) for d in devices] if devices else list(range(want + 1))
+            want = _device_spec(ops.reduce_to_device)
+            if devices:
+                listed = [_device_spec(d) for d in devices]
+            else:  # the default devices: every GPU, else the CPU
+                listed = [("gpu", d.index) for d in tutti.devices() if d.kind == "gpu"] or [
+                    ("cpu", i) for i in range(want[1] + 1)]
             if want not in listed:
                 raise ValueError(f"ReductionToOneDevice: {ops.reduce_to_device!r} is not one of the strategy's "
                                  f"devices {devices}")
@@ -1326,15 +1357,14 @@ class MirroredStrategy(Strategy):
     """A replica per device of this process, values combined by ``cross_device_ops``."""
 
     def __init__(self, devices=None, cross_device_ops=None):
-        super().__init__(_MIRRORED, _replicas(devices, "MirroredStrategy"), cross_device_ops, devices)
+        super().__init__(_MIRRORED, 0, cross_device_ops, _replicas(devices, "MirroredStrategy"))
 
 
 class OneDeviceStrategy(Strategy):
     """One replica, on ``device``."""
 
     def __init__(self, device="cpu:0"):
-        _device_index(device)
-        super().__init__(_ONE_DEVICE, 1)
+        super().__init__(_ONE_DEVICE, 1, devices=_replicas([device], "OneDeviceStrategy"))
 
 
 class CentralStorageStrategy(Strategy):
@@ -1343,7 +1373,7 @@ class CentralStorageStrategy(Strategy):
     def __init__(self, compute_devices=None, parameter_device=None):
         if parameter_device is not None:
             _device_index(parameter_device)
-        super().__init__(_CENTRAL_STORAGE, _replicas(compute_devices, "CentralStorageStrategy"))
+        super().__init__(_CENTRAL_STORAGE, 0, devices=_replicas(compute_devices, "CentralStorageStrategy"))
 
 
 class MultiWorkerMirroredStrategy(Strategy):

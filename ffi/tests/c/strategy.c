@@ -229,6 +229,64 @@ static void cross_device_ops_settings(void) {
     tutti_strategy_destroy(s);
 }
 
+/* tutti_strategy_create_on_devices: replicas on the devices named (TensorFlow's names too),
+ * and errors that name what was wrong. */
+static void strategies_on_named_devices(void) {
+    const char *three[] = {"/job:localhost/replica:0/task:0/device:CPU:0", "cpu:1", "CPU:2"};
+    const char *twice[] = {"cpu:0", "/device:CPU:0"};
+    const char *gpu[] = {"/gpu:0"};
+    const char *bogus[] = {"npu:0"};
+    tutti_cross_device_ops_config c = TUTTI_CROSS_DEVICE_OPS_CONFIG_INIT;
+    tutti_strategy *s = NULL;
+    shared sh;
+    size_t total = 0, local = 0;
+    tutti_result r;
+    char m[2048];
+
+    c.kind = TUTTI_CROSS_DEVICE_OPS_REDUCTION_TO_ONE_DEVICE;
+    c.reduce_to_device = 2;
+    CHECK(tutti_strategy_create_on_devices(TUTTI_STRATEGY_MIRRORED, three, 3, &c, &s));
+    memset(&sh, 0, sizeof sh);
+    CHECK(tutti_strategy_run(s, step, &sh));
+    EXPECT(sh.gathered[2] == 3.0f + 30.0f + 500.0f);
+    tutti_strategy_destroy(s);
+    CHECK(tutti_strategy_create_on_devices(TUTTI_STRATEGY_CENTRAL_STORAGE, three, 2, NULL, &s));
+    CHECK(tutti_strategy_num_replicas(s, &total, &local));
+    EXPECT(total == 2 && local == 2);
+    tutti_strategy_destroy(s);
+    CHECK(tutti_strategy_create_on_devices(TUTTI_STRATEGY_ONE_DEVICE, three + 1, 1, NULL, &s));
+    CHECK(tutti_strategy_num_replicas(s, &total, &local));
+    EXPECT(total == 1 && local == 1);
+    tutti_strategy_destroy(s);
+
+    EXPECT_ERROR(tutti_strategy_create_on_devices(TUTTI_STRATEGY_ONE_DEVICE, three, 2, NULL, &s),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "ONE_DEVICE takes one device, not 2");
+    EXPECT_ERROR(tutti_strategy_create_on_devices(TUTTI_STRATEGY_MIRRORED, twice, 2, NULL, &s),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "devices[0] and devices[1] both name cpu:0");
+    EXPECT_ERROR(tutti_strategy_create_on_devices(TUTTI_STRATEGY_MIRRORED, bogus, 1, NULL, &s),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "npu:0");
+    EXPECT_ERROR(tutti_strategy_create_on_devices(TUTTI_STRATEGY_CENTRAL_STORAGE, three, 3, &c, &s),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "ops is for a MIRRORED strategy");
+    EXPECT_ERROR(tutti_strategy_create_on_devices(TUTTI_STRATEGY_TPU, three, 3, NULL, &s),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "tutti_strategy_create");
+    EXPECT_ERROR(tutti_strategy_create_on_devices(TUTTI_STRATEGY_MIRRORED, NULL, 0, NULL, &s),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "devices is NULL");
+    EXPECT_ERROR(tutti_strategy_create_on_devices(TUTTI_STRATEGY_MIRRORED, three, (size_t)1 << 40,
+                                                  NULL, &s),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "at most 1024 local replicas");
+    c.reduce_to_device = 3;
+    EXPECT_ERROR(tutti_strategy_create_on_devices(TUTTI_STRATEGY_MIRRORED, three, 3, &c, &s),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "reduce_to_device 3");
+    /* A GPU that is not there (or a library without CUDA): UNAVAILABLE, naming it. */
+    r = tutti_strategy_create_on_devices(TUTTI_STRATEGY_MIRRORED, gpu, 1, NULL, &s);
+    if (r == TUTTI_SUCCESS) {
+        tutti_strategy_destroy(s);
+    } else {
+        last_error(m, sizeof m);
+        EXPECT(r == TUTTI_ERROR_UNAVAILABLE && strstr(m, "/gpu:0") != NULL);
+    }
+}
+
 int main(void) {
     tutti_strategy *s = NULL;
     shared sh;
@@ -510,6 +568,7 @@ int main(void) {
         tutti_strategy_destroy(s);
     }
     cross_device_ops_settings();
+    strategies_on_named_devices();
 
     /* A replica function's own message goes with its failure; a strategy of one worker's
      * replicas has no workers to shrink. */
