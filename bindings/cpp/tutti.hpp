@@ -841,7 +841,28 @@ enum class strategy_kind : std::uint32_t {
     mirrored = TUTTI_STRATEGY_MIRRORED,
     central_storage = TUTTI_STRATEGY_CENTRAL_STORAGE,
     multi_worker_mirrored = TUTTI_STRATEGY_MULTI_WORKER_MIRRORED,
+    /// TPUStrategy: a replica per device of this host's TPU, or of the PJRT plugin
+    /// TUTTI_PJRT_PLUGIN names (see initialize_tpu_system).
+    tpu = TUTTI_STRATEGY_TPU,
 };
+
+/// The topology initialize_tpu_system reports.
+struct tpu_topology {
+    std::size_t num_cores = 0;
+    std::size_t num_tasks = 0;
+    std::size_t num_cores_per_task = 0;
+};
+
+/// TensorFlow's initialize_tpu_system: open this host's TPU through its PJRT plugin (else the
+/// plugin TUTTI_PJRT_PLUGIN names, with TUTTI_PJRT_OPTIONS) and report its topology; then
+/// `tutti::strategy(tutti::strategy_kind::tpu)` puts a replica on each core. Initializing
+/// again warns that it loses what the devices hold. Throws tutti::error
+/// (TUTTI_ERROR_UNAVAILABLE) without a plugin, or with a libtutti built without XLA.
+inline tpu_topology initialize_tpu_system() {
+    tpu_topology t;
+    detail::check(tutti_tpu_initialize(&t.num_cores, &t.num_tasks, &t.num_cores_per_task));
+    return t;
+}
 
 /// How a mirrored strategy combines its replicas' values (TensorFlow's cross-device ops).
 enum class cross_device_ops : std::uint32_t {

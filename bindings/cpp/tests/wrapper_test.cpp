@@ -477,6 +477,17 @@ static void strategies_and_checkpoints() {
     for (const auto &g : grads) {
         EXPECT(g == std::vector<float>(4, 6.0f));
     }
+    // TPU setup: the topology and a replica per core, or UNAVAILABLE saying why (no plugin, or a
+    // library without XLA).
+    try {
+        tutti::tpu_topology t = tutti::initialize_tpu_system();
+        EXPECT(t.num_cores == t.num_tasks * t.num_cores_per_task && t.num_cores > 0);
+        tutti::strategy tpu(tutti::strategy_kind::tpu);
+        EXPECT(tpu.num_local_replicas() == t.num_cores);
+    } catch (const tutti::error &e) {
+        EXPECT(e.code() == TUTTI_ERROR_UNAVAILABLE);
+        EXPECT(std::string(e.what()).find("not available") != std::string::npos);
+    }
     // Replicas on devices named as TensorFlow names them; a device that is not one, an error.
     {
         tutti::strategy named(tutti::strategy_kind::mirrored,
