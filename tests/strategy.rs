@@ -2620,3 +2620,81 @@ fn a_scope_makes_its_strategys_variables() {
         .join()
         .unwrap();
 }
+
+/// Keras's optimizers step CentralStorageStrategy's one copy: the replicas' gradients summed
+/// onto it and one step taken, as a mirrored variable's copies step; the slots save and
+/// restore in the same names, and a run from the restored state goes on identically.
+#[test]
+fn optimizers_step_central_variables_as_mirrored_ones() {
+    use tutti::strategy::{Checkpoint, Optimizer};
+    let devices = logical_cpus(3).unwrap();
+    let central = Strategy::central_storage(&devices).unwrap();
+    let mirrored = Strategy::mirrored(&devices, None).unwrap();
+    let init = [1.0f32, -2.0, 0.5];
+    let (cv, mv) = (
+        central.central_variable(&init).unwrap(),
+        mirrored.mirrored_variable(&init).unwrap(),
+    );
+    let grad = |id: usize, k: usize| [id as f32 - 1.5, k as f32, 0.25 * id as f32];
+    let (oc, om) = (Optimizer::adam(0.1).unwrap(), Optimizer::adam(0.1).unwrap());
+    let step_central = |o: &Optimizer, k: usize| {
+        let g = PerReplica((0..3).map(|id| grad(id, k).to_vec()).collect());
+        o.apply_central_gradients(&central, &[(&g, &cv)])
+    };
+    for k in 0..3 {
+        step_central(&oc, k).unwrap();
+        mirrored
+            .run(|ctx| {
+                om.apply_gradients(ctx, &[(&grad(ctx.replica_id_in_sync_group(), k)[..], &mv)])
+            })
+            .unwrap();
+    }
+    assert_eq!(cv.value(), mv.value());
+    assert_ne!(cv.value(), init);
+    assert_eq!(oc.iterations(), 3);
+    let (mut saved, mut want) = (Checkpoint::new(3), Checkpoint::new(3));
+    oc.save_central(&mut saved, "adam", &[("w", &cv)]).unwrap();
+    om.save(&mut want, "adam", &[("w", &mv)]).unwrap();
+    assert_eq!(saved.to_bytes().unwrap(), want.to_bytes().unwrap());
+
+    // A fresh optimizer restored from the checkpoint takes the next step as the first would.
+    let restored = Optimizer::adam(0.1).unwrap();
+    restored
+        .restore_central(&saved, "adam", &[("w", &cv)])
+        .unwrap();
+    assert_eq!(restored.iterations(), 3);
+    let before = cv.value();
+    step_central(&restored, 3).unwrap();
+    let after_restored = cv.value();
+    cv_set(&central, &cv, &before);
+    step_central(&oc, 3).unwrap();
+    assert_eq!(cv.value(), after_restored);
+
+    // Wrong shapes: errors naming them, the variable untouched.
+    let before = cv.value();
+    let two = PerReplica(vec![vec![1.0f32; 3]; 2]);
+    let e = oc
+        .apply_central_gradients(&central, &[(&two, &cv)])
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("2 per-replica values, the strategy 3"),
+        "{e}"
+    );
+    let short = PerReplica(vec![vec![1.0f32; 3], vec![1.0; 2], vec![1.0; 3]]);
+    let e = oc
+        .apply_central_gradients(&central, &[(&short, &cv)])
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("gradient 0 of replica 1 holds 2 elements"),
+        "{e}"
+    );
+    assert_eq!(cv.value(), before);
+}
+
+/// Set a central variable to `value` (through its public updates).
+fn cv_set(s: &Strategy, v: &tutti::strategy::CentralVariable<f32>, value: &[f32]) {
+    let per = PerReplica(vec![value.to_vec(); s.num_local_replicas()]);
+    v.assign(s, &per, Aggregation::OnlyFirstReplica).unwrap();
+}

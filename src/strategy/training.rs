@@ -11,7 +11,8 @@ use parking_lot::Mutex;
 
 use super::ps::Values;
 use super::{
-    Checkpoint, DeviceVariable, MirroredVariable, PerReplica, ReplicaContext, Strategy, Tensor,
+    CentralVariable, Checkpoint, DeviceVariable, MirroredVariable, PerReplica, ReplicaContext,
+    Strategy, Tensor,
 };
 use crate::device::DeviceTensor;
 use crate::dtype::{DType, ReduceOp};
@@ -798,6 +799,60 @@ impl Optimizer {
         Ok(())
     }
 
+    /// [`Optimizer::apply_gradients`] for [`CentralVariable`]s (CentralStorageStrategy), in
+    /// the cross-replica context: each variable's gradients, one per local replica, are summed
+    /// across every replica in sync, and the one copy is stepped once by the rule, its slots
+    /// kept beside it. A gradient count other than the local replicas', or a gradient whose
+    /// length differs from its variable's, is an error before anything is summed, and leaves
+    /// every variable as it was.
+    pub fn apply_central_gradients<T: Param>(
+        &self,
+        strategy: &Strategy,
+        grads_and_vars: &[(&PerReplica<Vec<T>>, &CentralVariable<T>)],
+    ) -> Result<()> {
+        let step = self.iterations();
+        let lr = self.rate_at(step);
+        rate_ok(lr).map_err(|why| {
+            Error::config(format!(
+                "apply_central_gradients: step {step} of the optimizer: {why}"
+            ))
+        })?;
+        let rule = self.rule.with_learning_rate(lr);
+        let n = strategy.num_local_replicas();
+        for (k, (g, v)) in grads_and_vars.iter().enumerate() {
+            if g.0.len() != n {
+                return Err(Error::config(format!(
+                    "apply_central_gradients: gradient {k} has {} per-replica values, the \
+                     strategy {n} local replicas",
+                    g.0.len()
+                )));
+            }
+            if let Some((r, x)) = g.0.iter().enumerate().find(|(_, x)| x.len() != v.len()) {
+                return Err(Error::config(format!(
+                    "apply_central_gradients: gradient {k} of replica {r} holds {} elements, \
+                     its variable {}",
+                    x.len(),
+                    v.len()
+                )));
+            }
+        }
+        let mut sums = Vec::with_capacity(grads_and_vars.len());
+        for (g, v) in grads_and_vars {
+            let per = PerReplica(
+                g.0.iter()
+                    .map(|x| Tensor::new(x.clone(), vec![v.len()]))
+                    .collect::<Result<Vec<_>>>()?,
+            );
+            sums.push(strategy.reduce(ReduceOp::Sum, &per, None)?.data);
+        }
+        for (sum, (_, var)) in sums.iter().zip(grads_and_vars) {
+            let slots = self.slots.lock().entry((var.id(), 0)).or_default().clone();
+            var.update_with(|w| rule.step(&mut slots.lock(), w, sum));
+        }
+        self.iterations.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// [`Optimizer::apply_gradients`] for [`DeviceVariable`]s, on the replicas' devices: each
     /// gradient (a tensor on the replica's device, of its variable's dtype and length) is summed
     /// in place across every replica in sync, where it lies, then the replica's copy is stepped
@@ -884,17 +939,48 @@ impl Optimizer {
         name: &str,
         variables: &[(&str, &MirroredVariable<T>)],
     ) -> Result<()> {
-        let wide = steps_wide(T::DTYPE);
-        let mut states = Vec::with_capacity(variables.len());
-        for (vname, var) in variables {
-            // The copies' slots are identical: the first copy's stand for all.
-            let kept = self.slots.lock().get(&(var.id(), 0)).cloned();
-            let state = match kept {
-                Some(s) => s.lock().export(&self.rule, var.len(), wide),
-                None => AnySlots::default().export(&self.rule, var.len(), wide),
-            };
-            states.push((*vname, state));
-        }
+        let held: Vec<_> = variables
+            .iter()
+            .map(|(n, v)| (*n, v.id(), v.len()))
+            .collect();
+        self.save_host(ckpt, name, T::DTYPE, &held)
+    }
+
+    /// [`Optimizer::save`] for [`CentralVariable`]s, in the same names and format.
+    pub fn save_central<T: Param>(
+        &self,
+        ckpt: &mut Checkpoint,
+        name: &str,
+        variables: &[(&str, &CentralVariable<T>)],
+    ) -> Result<()> {
+        let held: Vec<_> = variables
+            .iter()
+            .map(|(n, v)| (*n, v.id(), v.len()))
+            .collect();
+        self.save_host(ckpt, name, T::DTYPE, &held)
+    }
+
+    /// The slots of variables in host memory, each `(name, id, length)`, under `name`: a
+    /// variable's copies have identical slots, so its first copy's stand for all.
+    fn save_host(
+        &self,
+        ckpt: &mut Checkpoint,
+        name: &str,
+        dtype: DType,
+        variables: &[(&str, u64, usize)],
+    ) -> Result<()> {
+        let wide = steps_wide(dtype);
+        let states: Vec<(&str, SlotState)> = variables
+            .iter()
+            .map(|&(vname, id, len)| {
+                let kept = self.slots.lock().get(&(id, 0)).cloned();
+                let state = match kept {
+                    Some(s) => s.lock().export(&self.rule, len, wide),
+                    None => AnySlots::default().export(&self.rule, len, wide),
+                };
+                (vname, state)
+            })
+            .collect();
         self.save_states(ckpt, name, &states)
     }
 
@@ -951,17 +1037,43 @@ impl Optimizer {
         name: &str,
         variables: &[(&str, &MirroredVariable<T>)],
     ) -> Result<()> {
-        let lens: Vec<(&str, usize)> = variables.iter().map(|(n, v)| (*n, v.len())).collect();
-        let Some((it, taken)) = self.load_states(ckpt, name, &lens, T::DTYPE)? else {
+        let held: Vec<_> = variables
+            .iter()
+            .map(|(n, v)| (*n, v.id(), v.len(), v.copies()))
+            .collect();
+        self.restore_host(ckpt, name, T::DTYPE, &held)
+    }
+
+    /// [`Optimizer::restore`] for [`CentralVariable`]s.
+    pub fn restore_central<T: Param>(
+        &self,
+        ckpt: &Checkpoint,
+        name: &str,
+        variables: &[(&str, &CentralVariable<T>)],
+    ) -> Result<()> {
+        let held: Vec<_> = variables
+            .iter()
+            .map(|(n, v)| (*n, v.id(), v.len(), 1))
+            .collect();
+        self.restore_host(ckpt, name, T::DTYPE, &held)
+    }
+
+    /// Restore the slots of variables in host memory, each `(name, id, length, copies)`.
+    fn restore_host(
+        &self,
+        ckpt: &Checkpoint,
+        name: &str,
+        dtype: DType,
+        variables: &[(&str, u64, usize, usize)],
+    ) -> Result<()> {
+        let lens: Vec<(&str, usize)> = variables.iter().map(|&(n, _, len, _)| (n, len)).collect();
+        let Some((it, taken)) = self.load_states(ckpt, name, &lens, dtype)? else {
             return Ok(());
         };
         let mut kept = self.slots.lock();
-        for ((_, var), slots) in variables.iter().zip(taken) {
-            for copy in 0..var.copies() {
-                kept.insert(
-                    (var.id(), copy),
-                    std::sync::Arc::new(Mutex::new(slots.clone())),
-                );
+        for (&(_, id, _, copies), slots) in variables.iter().zip(taken) {
+            for copy in 0..copies {
+                kept.insert((id, copy), std::sync::Arc::new(Mutex::new(slots.clone())));
             }
         }
         self.iterations.store(it, Ordering::Relaxed);

@@ -222,18 +222,40 @@ impl<T: Element> MirroredVariable<T> {
 /// updates are reduced onto it and applied once.
 pub struct CentralVariable<T> {
     value: RwLock<Vec<T>>,
+    /// Which variable this is, for state kept beside it (an optimizer's slots).
+    id: u64,
 }
 
 impl<T: Element> CentralVariable<T> {
     pub(crate) fn new(initial: &[T]) -> CentralVariable<T> {
         CentralVariable {
             value: RwLock::new(initial.to_vec()),
+            id: next_id(),
         }
     }
 
     /// The value.
     pub fn value(&self) -> Vec<T> {
         self.value.read().clone()
+    }
+
+    /// Elements in the variable.
+    pub fn len(&self) -> usize {
+        self.value.read().len()
+    }
+
+    /// True for a variable of no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Change the one copy with `f`.
+    pub(crate) fn update_with<R>(&self, f: impl FnOnce(&mut [T]) -> R) -> R {
+        f(&mut self.value.write())
     }
 
     fn update(
