@@ -290,6 +290,25 @@ fn write_by(s: &mut TcpStream, buf: &[u8], deadline: Instant) -> std::io::Result
 /// Connecting side: answer the challenge as `rank` and check the server's proof, all within
 /// `timeout`. A wrong token or an endpoint that is not a tutti one is an `InvalidArgument`
 /// error (no retry mends it); a connection that closes or stalls is a `System` one.
+/// A TCP connection to `sa` within `timeout`. One that reached itself is refused, as the port
+/// is: TCP's simultaneous open connects a socket to a port nothing listens on when the socket
+/// took that very port as its own, and it would then wait for its own peer's hello.
+pub(crate) fn connect(sa: &SocketAddr, timeout: Duration) -> std::io::Result<TcpStream> {
+    let s = TcpStream::connect_timeout(sa, timeout)?;
+    if reached_itself(&s) {
+        return Err(std::io::Error::new(
+            ErrorKind::ConnectionRefused,
+            format!("nothing listens on {sa} (the connection reached itself)"),
+        ));
+    }
+    Ok(s)
+}
+
+/// Whether `s` is connected to itself (its own address is its peer's).
+fn reached_itself(s: &TcpStream) -> bool {
+    matches!((s.local_addr(), s.peer_addr()), (Ok(a), Ok(b)) if a == b)
+}
+
 pub(crate) fn handshake_client(
     s: &mut TcpStream,
     token: &str,
@@ -870,6 +889,25 @@ pub(crate) mod testing {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connection_to_itself_is_told_apart() {
+        // Bound to a free port, then connected to that same port: TCP's simultaneous open.
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let sock =
+            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        sock.set_reuse_address(true).unwrap();
+        sock.bind(&port.into()).unwrap();
+        sock.connect(&port.into()).unwrap();
+        let s: TcpStream = sock.into();
+        assert!(reached_itself(&s));
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let other = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        assert!(!reached_itself(&other));
+    }
 
     fn acceptor(token: &str, limit: Duration) -> (Acceptor, SocketAddr) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();

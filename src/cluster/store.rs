@@ -479,7 +479,7 @@ impl TcpStore {
                         Error::config(format!("rendezvous store: {addr} resolves to nothing"))
                     })?;
                 let left = deadline.saturating_duration_since(Instant::now());
-                let mut s = TcpStream::connect_timeout(
+                let mut s = super::auth::connect(
                     &sa,
                     left.clamp(Duration::from_millis(1), Duration::from_secs(2)),
                 )

@@ -1076,7 +1076,7 @@ fn connect_once(addr: &str, token: &str, wait: Duration, timeout: Duration) -> R
         .map_err(|e| Error::io(format!("resolving {addr}"), e))?
         .next()
         .ok_or_else(|| Error::config(format!("{addr} resolves to nothing")))?;
-    let mut s = TcpStream::connect_timeout(&sa, wait)
+    let mut s = crate::cluster::auth::connect(&sa, wait)
         .map_err(|e| Error::io(format!("connecting to {addr}"), e))?;
     handshake_client(
         &mut s,

@@ -709,7 +709,7 @@ fn connect_peer(
                 .map_err(|e| Error::io(format!("resolving rank {peer}'s address {addr}"), e))?;
             // Both bounded by the deadline of the whole setup too.
             let left = deadline.saturating_duration_since(Instant::now());
-            let mut s = TcpStream::connect_timeout(
+            let mut s = wire::connect(
                 &sa,
                 left.clamp(Duration::from_millis(1), Duration::from_secs(5)),
             )

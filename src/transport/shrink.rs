@@ -292,28 +292,22 @@ fn probe_peer(
         .map_err(|e| (Fate::Silent, format!("resolving {addr}: {e}")))?;
     let mut pause = Duration::from_millis(5);
     loop {
-        let attempt =
-            match TcpStream::connect_timeout(&sa, left_of(deadline).min(Duration::from_secs(5))) {
-                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
-                    return Err((Fate::Gone, format!("{addr} refused the connection")))
-                }
-                Err(e) => Err((Fate::Silent, format!("connecting to {addr}: {e}"))),
-                Ok(mut s) => {
-                    match wire::handshake_client(
-                        &mut s,
-                        token,
-                        Purpose::Shrink,
-                        id,
-                        left_of(deadline),
-                    ) {
-                        Ok(()) => return Ok(s),
-                        Err(e @ Error::InvalidArgument { .. }) => {
-                            return Err((Fate::Gone, e.to_string()))
-                        }
-                        Err(e) => Err((Fate::Silent, e.to_string())),
+        let attempt = match wire::connect(&sa, left_of(deadline).min(Duration::from_secs(5))) {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                return Err((Fate::Gone, format!("{addr} refused the connection")))
+            }
+            Err(e) => Err((Fate::Silent, format!("connecting to {addr}: {e}"))),
+            Ok(mut s) => {
+                match wire::handshake_client(&mut s, token, Purpose::Shrink, id, left_of(deadline))
+                {
+                    Ok(()) => return Ok(s),
+                    Err(e @ Error::InvalidArgument { .. }) => {
+                        return Err((Fate::Gone, e.to_string()))
                     }
+                    Err(e) => Err((Fate::Silent, e.to_string())),
                 }
-            };
+            }
+        };
         if Instant::now() >= deadline {
             return attempt;
         }
