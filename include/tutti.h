@@ -2659,7 +2659,8 @@ void tutti_ps_remote_value_destroy(struct tutti_ps_remote_value *value);
 
 /**
  * Tell every task the job is over (their `tutti_ps_run_role` returns) and release the
- * coordinator, whatever the outcome.
+ * coordinator, whatever the outcome. Its scopes on the calling thread end; variables made in
+ * its scopes stay valid handles, but reading or updating them fails from then on.
  *
  * Thread-safety: no other call may be using `coordinator`, nor use it afterwards.
  *
@@ -3379,6 +3380,38 @@ tutti_result tutti_strategy_scope_begin(const struct tutti_strategy *strategy);
 tutti_result tutti_strategy_scope_end(const struct tutti_strategy *strategy);
 
 /**
+ * Enter the scope of the ParameterServerStrategy whose chief holds `coordinator`, on this
+ * thread (TensorFlow's `with strategy.scope():` on the chief): until
+ * `tutti_ps_coordinator_scope_end`, `tutti_variable_create` on this thread makes a variable
+ * on the parameter servers (f32, f64, f16 or bf16), sharded by the strategy's partitioner and
+ * stepped by `w -= gradient` (a step's gradient, `tutti_ps_step_push` with its own rule, or
+ * `tutti_variable_update`). Its index among the job's variables, which a step reads with
+ * `tutti_ps_step_variable`, is `tutti_variable_ps_index`'s. Inside another strategy's scope
+ * it is `TUTTI_ERROR_INVALID_ARGUMENT`; scopes of one coordinator nest. The scope keeps the
+ * coordinator's state alive until it ends.
+ *
+ * Thread-safety: callable from any thread; the scope is that thread's.
+ *
+ * # Safety
+ *
+ * `coordinator` is NULL or a live handle.
+ */
+tutti_result tutti_ps_coordinator_scope_begin(const struct tutti_ps_coordinator *coordinator);
+
+/**
+ * Leave `coordinator`'s innermost scope on this thread; `TUTTI_ERROR_INVALID_ARGUMENT` where
+ * this thread is not in its scope (after `tutti_ps_coordinator_shutdown` or `_destroy`, which
+ * end its scopes on the calling thread, too).
+ *
+ * Thread-safety: on the thread that began the scope.
+ *
+ * # Safety
+ *
+ * None beyond the call's: `coordinator` is only compared with the handles scopes began on.
+ */
+tutti_result tutti_ps_coordinator_scope_end(const struct tutti_ps_coordinator *coordinator);
+
+/**
  * Create a variable of `count` elements of `dtype` from `initial`, in the scope this thread
  * is in (see `tutti_strategy_scope_begin`; outside any, one plain copy), its cross-replica
  * updates combined by `aggregation`, and write it to `*variable`. Under a multi-worker strategy
@@ -3411,7 +3444,8 @@ void tutti_variable_destroy(struct tutti_variable *variable);
 /**
  * Read the variable's value into `out`: `count` elements of `dtype`, its dtype and length.
  * Inside a replica function, pass its `ctx` to read that replica's copy; NULL reads the
- * value outside `tutti_strategy_run` (every copy holds it).
+ * value outside `tutti_strategy_run` (every copy holds it), or, for a variable made in a
+ * parameter-server coordinator's scope, its value on the ps tasks now.
  *
  * Thread-safety: callable from any thread; with `ctx`, only inside the replica function that
  * was handed it.
@@ -3433,12 +3467,19 @@ tutti_result tutti_variable_read(const struct tutti_variable *variable,
  * variable's aggregation, and `assign`, `assign_add` or `assign_sub` the result (TensorFlow's
  * cross-replica `variable.assign*`). Every copy changes alike.
  *
- * Thread-safety: not inside a replica function; one call at a time per strategy.
+ * A variable made in a parameter-server coordinator's scope is updated on the chief with
+ * `strategy` NULL and one value, `per_replica[0]`: `TUTTI_ASSIGN` sets it on the ps tasks
+ * (steps running meanwhile may push onto the old value or the new), `TUTTI_ASSIGN_ADD` and
+ * `TUTTI_ASSIGN_SUB` step it there as the workers' steps do, losing none of theirs.
+ *
+ * Thread-safety: not inside a replica function; one call at a time per strategy (a
+ * parameter-server variable: from any thread).
  *
  * # Safety
  *
  * `strategy` and `variable` are NULL or live handles; `per_replica` is NULL or holds one
- * pointer per local replica, each to `count` readable elements of `dtype`.
+ * pointer per local replica (one for a parameter-server variable), each to `count` readable
+ * elements of `dtype`.
  */
 tutti_result tutti_variable_update(const struct tutti_strategy *strategy,
                                    const struct tutti_variable *variable,
@@ -3446,6 +3487,20 @@ tutti_result tutti_variable_update(const struct tutti_strategy *strategy,
                                    tutti_dtype dtype,
                                    size_t count,
                                    const void *const *per_replica);
+
+/**
+ * Write the index among the parameter-server job's variables of `variable`, made in a
+ * coordinator's scope (`tutti_ps_coordinator_scope_begin`), to `*index`: what a step reads it
+ * by (`tutti_ps_step_variable`) and the coordinator's calls take. Another kind of variable is
+ * `TUTTI_ERROR_INVALID_ARGUMENT`.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `variable` is NULL or a live handle; `index` NULL or writable.
+ */
+tutti_result tutti_variable_ps_index(const struct tutti_variable *variable, size_t *index);
 
 /**
  * Wait for the call of `work` and return its result: `TUTTI_OK`, or the call's error

@@ -2578,7 +2578,7 @@ fn a_scope_makes_its_strategys_variables() {
         // The mean of the replicas' updates, on every copy.
         let updates = PerReplica(vec![vec![1.0; 2], vec![2.0; 2], vec![3.0; 2]]);
         w.assign_add(&mirrored, &updates).unwrap();
-        assert_eq!(w.value(), [2.0, 2.0]);
+        assert_eq!(w.value().unwrap(), [2.0, 2.0]);
         assert!(w.as_mirrored().unwrap().in_sync());
         {
             let _again = mirrored.scope().unwrap();
@@ -2598,7 +2598,7 @@ fn a_scope_makes_its_strategys_variables() {
         assert!(w.as_central().is_some() && w.as_mirrored().is_none());
         w.assign_add(&central, &PerReplica(vec![vec![1.0; 2], vec![3.0; 2]]))
             .unwrap();
-        assert_eq!(w.value(), [2.0, 2.0]);
+        assert_eq!(w.value().unwrap(), [2.0, 2.0]);
     }
     // A variable of one copy updated through three replicas: an error, not a panic.
     let e = plain
@@ -2619,6 +2619,109 @@ fn a_scope_makes_its_strategys_variables() {
     std::thread::spawn(|| assert!(current_strategy().is_none()))
         .join()
         .unwrap();
+}
+
+/// A ParameterServerStrategy's scope on the chief: a model's variables, made by code that does
+/// not know the strategy, live on the ps tasks, sharded by the partitioner; a scheduled step
+/// reads them by their index and its gradient steps them; the chief reads, sets and steps them
+/// through the variable; a second strategy's scope cannot be entered inside it.
+#[test]
+fn a_coordinators_scope_makes_variables_on_the_parameter_servers() {
+    use std::sync::Arc;
+    use tutti::strategy::ps::{ParameterServerStrategy, Partitioner, Role, StepContext, Values};
+    use tutti::strategy::{current_coordinator, current_strategy, Aggregation, Variable};
+    fn model() -> tutti::Result<(Variable<f32>, Variable<f64>)> {
+        Ok((
+            Variable::with_aggregation(&[1.0, 2.0, 3.0, 4.0], Aggregation::Sum)?,
+            Variable::new(&[0.5])?,
+        ))
+    }
+    let addrs = free_addrs(4);
+    let cluster = serde_json::json!({
+        "chief": [addrs[0]], "worker": [addrs[1]], "ps": [addrs[2], addrs[3]]
+    });
+    let task = |ty: &str, i: usize| {
+        ParameterServerStrategy::new(spec_of(&cluster, ty, i), Partitioner::FixedShards(2))
+            .unwrap()
+            .with_timeout(Duration::from_secs(20))
+    };
+    // Each step: w's gradient is 1 everywhere, b's is half of b; the loss is w[3] as pulled.
+    let step_fn = |ctx: &StepContext| {
+        let v = ctx.variables();
+        let w = v[0].get::<f32>().unwrap();
+        let b = v[1].get::<f64>().unwrap();
+        let half: Vec<f64> = b.iter().map(|x| x / 2.0).collect();
+        Ok((vec![vec![1.0f32; w.len()].into(), half.into()], w[3]))
+    };
+    std::thread::scope(|s| {
+        let servers: Vec<_> = [("ps", 0), ("ps", 1), ("worker", 0)]
+            .into_iter()
+            .map(|(ty, i)| {
+                let t = task(ty, i);
+                s.spawn(move || t.run_role(step_fn).map(|r| matches!(r, Role::Done)))
+            })
+            .collect();
+        let Role::Chief(coord) = task("chief", 0).run_role(step_fn).unwrap() else {
+            panic!("the chief got no coordinator")
+        };
+        let coord = Arc::new(coord);
+        let (w, b) = {
+            let scope = coord.scope().unwrap();
+            assert!(Arc::ptr_eq(scope.coordinator().unwrap(), &coord));
+            assert!(scope.strategy().is_none() && current_strategy().is_none());
+            assert!(Arc::ptr_eq(&current_coordinator().unwrap(), &coord));
+            {
+                let _again = coord.scope().unwrap();
+            }
+            let mirrored = Arc::new(Strategy::mirrored(&logical_cpus(2).unwrap(), None).unwrap());
+            let e = mirrored.scope().err().unwrap().to_string();
+            assert!(
+                e.contains("inside a ParameterServerStrategy's scope")
+                    && e.contains("a MirroredStrategy's cannot"),
+                "{e}"
+            );
+            let e = Variable::new(&[1i32]).err().unwrap().to_string();
+            assert!(e.contains("floats (f32, f64, f16, bf16), not i32"), "{e}");
+            model().unwrap()
+        };
+        assert!(current_coordinator().is_none());
+        let (ws, bs) = (w.as_sharded().unwrap(), b.as_sharded().unwrap());
+        assert!(w.as_mirrored().is_none() && w.as_central().is_none());
+        assert_eq!(w.aggregation(), Aggregation::Sum);
+        // The i32 variable was refused before it was made: w and b are the job's first two.
+        assert_eq!((ws.id().index(), bs.id().index()), (0, 1));
+        assert_eq!(coord.shards(), [2, 1]);
+        assert_eq!((ws.shards(), w.len()), (2, 4));
+        assert_eq!(w.value().unwrap(), [1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(coord.read_values(bs.id()).unwrap(), Values::F64(vec![0.5]));
+        // Three steps: w -= 1 each, b halves each.
+        assert_eq!(coord.run_steps(3).unwrap(), [4.0, 3.0, 2.0]);
+        assert_eq!(w.value().unwrap(), [-2.0, -1.0, 0.0, 1.0]);
+        assert_eq!(b.value().unwrap(), [0.0625]);
+        // From the chief: set, then step it as the workers' steps do.
+        ws.assign(&[10.0, 20.0, 30.0, 40.0]).unwrap();
+        ws.assign_add(&[1.0, -1.0, 0.5, 0.0]).unwrap();
+        ws.assign_sub(&[1.0, 1.0, 1.0, 1.0]).unwrap();
+        assert_eq!(w.value().unwrap(), [10.0, 18.0, 29.5, 39.0]);
+        let e = ws.assign(&[1.0]).unwrap_err().to_string();
+        assert!(e.contains("1 elements for variable 0 of 4"), "{e}");
+        let mirrored = Strategy::mirrored(&logical_cpus(2).unwrap(), None).unwrap();
+        let e = w
+            .assign_add(
+                &mirrored,
+                &tutti::strategy::PerReplica(vec![vec![0.0; 4]; 2]),
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("lives on the parameter servers"), "{e}");
+        coord.shutdown().unwrap();
+        for h in servers {
+            assert!(h.join().unwrap().unwrap());
+        }
+        // The job is over: reading fails, naming the ps task, and does not hang.
+        let e = w.value().unwrap_err().to_string();
+        assert!(e.contains("ps task"), "{e}");
+    });
 }
 
 /// Keras's optimizers step CentralStorageStrategy's one copy: the replicas' gradients summed

@@ -1236,8 +1236,9 @@ enum class aggregation : std::uint32_t {
 };
 
 /// A variable (tutti_variable; TensorFlow's tf.Variable): made inside a strategy's scope, that
-/// strategy's kind (a copy per replica, or one under CentralStorageStrategy) with the chief's
-/// initial value; outside any scope, one plain copy. Move-only.
+/// strategy's kind (a copy per replica, one under CentralStorageStrategy, shards on the ps
+/// tasks in a ps_coordinator's scope) with the chief's initial value; outside any scope, one
+/// plain copy. Move-only.
 template <typename T> class variable {
 public:
     explicit variable(const std::vector<T> &initial,
@@ -1272,9 +1273,26 @@ public:
     void assign(strategy &s, const std::vector<std::vector<T>> &per_replica) {
         update(s, TUTTI_ASSIGN, per_replica);
     }
+    /// A variable made in a ps_coordinator's scope, on the chief: set it on the ps tasks, or
+    /// step it there by `delta` as the workers' steps do (assign_add, assign_sub).
+    void assign(const std::vector<T> &value) { update_ps(TUTTI_ASSIGN, value); }
+    void assign_add(const std::vector<T> &delta) { update_ps(TUTTI_ASSIGN_ADD, delta); }
+    void assign_sub(const std::vector<T> &delta) { update_ps(TUTTI_ASSIGN_SUB, delta); }
+    /// Its index among the parameter-server job's variables (what a step reads it by), where
+    /// it was made in a ps_coordinator's scope.
+    std::size_t ps_index() const {
+        std::size_t i = 0;
+        detail::check(tutti_variable_ps_index(h_.get(), &i));
+        return i;
+    }
     tutti_variable *get() const noexcept { return h_.get(); }
 
 private:
+    void update_ps(tutti_assign how, const std::vector<T> &value) {
+        const void *in = value.data();
+        detail::check(
+            tutti_variable_update(nullptr, h_.get(), how, dtype_of<T>::value, value.size(), &in));
+    }
     void update(strategy &s, tutti_assign how, const std::vector<std::vector<T>> &per_replica) {
         std::vector<const void *> in;
         for (const auto &v : per_replica) {
@@ -1748,6 +1766,27 @@ public:
     /// Tell every task the job is over; the coordinator is released.
     void shutdown() { detail::check(tutti_ps_coordinator_shutdown(h_.release())); }
     tutti_ps_coordinator *get() const noexcept { return h_.get(); }
+
+    /// The strategy's scope on this thread (TensorFlow's `with strategy.scope():` on the
+    /// chief), until the guard is destroyed: tutti::variable made meanwhile lives on the ps
+    /// tasks, sharded by the strategy's partitioner.
+    class scope_guard {
+    public:
+        scope_guard(const scope_guard &) = delete;
+        scope_guard &operator=(const scope_guard &) = delete;
+        ~scope_guard() { tutti_ps_coordinator_scope_end(c_); }
+
+    private:
+        friend class ps_coordinator;
+        explicit scope_guard(tutti_ps_coordinator *c) : c_(c) {
+            detail::check(tutti_ps_coordinator_scope_begin(c_));
+        }
+        tutti_ps_coordinator *c_;
+    };
+    /// Enter the scope (an error inside another strategy's scope). Not on a temporary: the
+    /// coordinator must outlive its scope.
+    scope_guard scope() const & { return scope_guard(h_.get()); }
+    scope_guard scope() const && = delete;
 
 private:
     friend class ps_strategy;

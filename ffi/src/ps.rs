@@ -176,7 +176,8 @@ pub struct tutti_ps_strategy {
 /// The chief's coordinator (opaque). Written by `tutti_ps_run_role` on the chief, released by
 /// `tutti_ps_coordinator_shutdown` or `tutti_ps_coordinator_destroy`.
 pub struct tutti_ps_coordinator {
-    inner: Coordinator,
+    /// Shared with the scopes begun on it and the variables made in them.
+    pub(crate) inner: std::sync::Arc<Coordinator>,
 }
 
 /// A scheduled step's result (opaque; TensorFlow's `RemoteValue`). Written by
@@ -388,7 +389,9 @@ pub unsafe extern "C" fn tutti_ps_run_role(
             })
         })?;
         let out = match role {
-            Role::Chief(inner) => Box::into_raw(Box::new(tutti_ps_coordinator { inner })),
+            Role::Chief(inner) => Box::into_raw(Box::new(tutti_ps_coordinator {
+                inner: std::sync::Arc::new(inner),
+            })),
             Role::Done => std::ptr::null_mut(),
         };
         // SAFETY: checked non-NULL; the caller promises it is writable.
@@ -709,7 +712,7 @@ pub unsafe extern "C" fn tutti_ps_step_set_error(
 unsafe fn coord<'a>(c: *const tutti_ps_coordinator) -> Result<&'a Coordinator, Failure> {
     // SAFETY: as the caller promises.
     unsafe { c.as_ref() }
-        .map(|c| &c.inner)
+        .map(|c| &*c.inner)
         .ok_or_else(|| Failure::invalid("coordinator is NULL"))
 }
 
@@ -1211,7 +1214,8 @@ pub unsafe extern "C" fn tutti_ps_remote_value_destroy(value: *mut tutti_ps_remo
 }
 
 /// Tell every task the job is over (their `tutti_ps_run_role` returns) and release the
-/// coordinator, whatever the outcome.
+/// coordinator, whatever the outcome. Its scopes on the calling thread end; variables made in
+/// its scopes stay valid handles, but reading or updating them fails from then on.
 ///
 /// Thread-safety: no other call may be using `coordinator`, nor use it afterwards.
 ///
@@ -1226,6 +1230,7 @@ pub unsafe extern "C" fn tutti_ps_coordinator_shutdown(
         if coordinator.is_null() {
             return Err(Failure::invalid("coordinator is NULL"));
         }
+        crate::variables::end_scopes_of(coordinator as usize);
         // SAFETY: a live handle from Box::into_raw, released once.
         let c = unsafe { Box::from_raw(coordinator) };
         c.inner.shutdown()?;
@@ -1245,6 +1250,7 @@ pub unsafe extern "C" fn tutti_ps_coordinator_shutdown(
 pub unsafe extern "C" fn tutti_ps_coordinator_destroy(coordinator: *mut tutti_ps_coordinator) {
     boundary_void("tutti_ps_coordinator_destroy", || {
         if !coordinator.is_null() {
+            crate::variables::end_scopes_of(coordinator as usize);
             // SAFETY: a live handle from Box::into_raw, released once.
             let c = unsafe { Box::from_raw(coordinator) };
             if let Err(e) = c.inner.shutdown() {

@@ -9,11 +9,13 @@ use std::cell::RefCell;
 use std::ffi::c_void;
 use std::sync::Arc;
 
+use tutti::strategy::ps::Coordinator;
 use tutti::strategy::{Aggregation, PerReplica, Variable};
 use tutti::{DType, Element};
 
 use crate::buffers::{self, byte_len, check};
 use crate::error::{boundary, boundary_void, tutti_result, Failure};
+use crate::ps::tutti_ps_coordinator;
 use crate::strategy::{
     ctx_ref, strategy_ref, tutti_replica_context, tutti_strategy, typed, typed_ref,
 };
@@ -48,6 +50,17 @@ impl tutti_variable {
             Failure::invalid(format!("the variable is {}, not {}", self.dtype, T::DTYPE))
         })
     }
+
+    /// Its index among a parameter-server job's variables, where it lives on the ps tasks.
+    fn ps_index(&self) -> Option<usize> {
+        fn of<T: Element>(v: &tutti_variable) -> Option<usize> {
+            let var = v.inner.downcast_ref::<Variable<T>>()?;
+            var.as_sharded().map(|s| s.id().index())
+        }
+        let i;
+        tutti::for_each_dtype!(self.dtype, T => { i = of::<T>(self) });
+        i
+    }
 }
 
 /// # Safety
@@ -72,28 +85,82 @@ unsafe fn strategy_arc<'a>(
         .ok_or_else(|| Failure::invalid("strategy is NULL"))
 }
 
-thread_local! {
-    /// The scopes this thread entered through the C ABI, innermost last: each handle's address
-    /// and its strategy, so that a scope is ended, and a destroyed strategy's scopes dropped,
-    /// without reading a handle that may be gone.
-    static SCOPES: RefCell<Vec<(usize, Arc<tutti::strategy::Strategy>)>> =
-        const { RefCell::new(Vec::new()) };
+/// Whose scope a C caller began: a strategy's or a parameter-server coordinator's.
+#[derive(Clone)]
+enum Owner {
+    Strategy(Arc<tutti::strategy::Strategy>),
+    Coordinator(Arc<Coordinator>),
 }
 
-/// End every scope this thread entered on the strategy at `addr` (its handle is being
-/// destroyed): the strategy is released with its handle, not kept alive by a scope.
-pub(crate) fn end_scopes_of(addr: usize) {
-    let ended: Vec<Arc<tutti::strategy::Strategy>> = SCOPES.with(|s| {
-        let mut s = s.borrow_mut();
-        let mut ended = Vec::new();
-        while s.last().is_some_and(|(a, _)| *a == addr) {
-            ended.extend(s.pop().map(|(_, st)| st));
+impl Owner {
+    fn exit(&self) -> tutti::Result<()> {
+        match self {
+            Owner::Strategy(s) => tutti::strategy::exit_scope(s),
+            Owner::Coordinator(c) => tutti::strategy::exit_coordinator_scope(c),
         }
-        ended
-    });
-    for st in &ended {
-        let _ = tutti::strategy::exit_scope(st);
     }
+}
+
+thread_local! {
+    /// The scopes this thread entered through the C ABI, innermost last: each handle's address
+    /// and its owner, so that a scope is ended, and a destroyed handle's scopes dropped,
+    /// without reading a handle that may be gone.
+    static SCOPES: RefCell<Vec<(usize, Owner)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// End every scope this thread entered on the strategy or coordinator at `addr` (its handle is
+/// being destroyed): it is released with its handle, not kept alive by a scope.
+pub(crate) fn end_scopes_of(addr: usize) {
+    // `try_with`: at exit a thread's storage may be gone before a handle is destroyed (a C++
+    // static, an atexit handler), its scopes with it.
+    let ended: Vec<Owner> = SCOPES
+        .try_with(|s| {
+            let mut s = s.borrow_mut();
+            let mut ended = Vec::new();
+            while s.last().is_some_and(|(a, _)| *a == addr) {
+                ended.extend(s.pop().map(|(_, o)| o));
+            }
+            ended
+        })
+        .unwrap_or_default();
+    for o in &ended {
+        let _ = o.exit();
+    }
+}
+
+/// Record the scope just entered on the handle at `addr` (left again where this thread's
+/// storage is gone, at its exit).
+fn begun(addr: usize, owner: Owner) -> Result<(), Failure> {
+    let recorded = SCOPES.try_with(|scopes| scopes.borrow_mut().push((addr, owner.clone())));
+    if recorded.is_err() {
+        let _ = owner.exit();
+        return Err(Failure::invalid(
+            "scope: this thread is exiting (its scopes are gone); begin a scope before",
+        ));
+    }
+    Ok(())
+}
+
+/// Leave the innermost scope on this thread, where it was begun on the handle at `addr`.
+fn end_scope(addr: usize, what: &str) -> Result<(), Failure> {
+    let top = SCOPES
+        .try_with(|s| {
+            let mut s = s.borrow_mut();
+            match s.last() {
+                Some((a, _)) if *a == addr => s.pop().map(|(_, o)| o),
+                _ => None,
+            }
+        })
+        .ok()
+        .flatten();
+    let Some(owner) = top else {
+        return Err(Failure::invalid(format!(
+            "scope: this {what}'s scope is not the one this thread is in (each scope is left \
+             on the thread that entered it, before its {what} is destroyed)"
+        )));
+    };
+    owner.exit()?;
+    Ok(())
 }
 
 /// Enter `strategy`'s scope on this thread (TensorFlow's `with strategy.scope():`): until
@@ -114,8 +181,7 @@ pub unsafe extern "C" fn tutti_strategy_scope_begin(
         // SAFETY: as the caller promises.
         let s = unsafe { strategy_arc(strategy) }?;
         tutti::strategy::enter_scope(s)?;
-        SCOPES.with(|scopes| scopes.borrow_mut().push((strategy as usize, s.clone())));
-        Ok(())
+        begun(strategy as usize, Owner::Strategy(s.clone()))
     })
 }
 
@@ -134,21 +200,57 @@ pub unsafe extern "C" fn tutti_strategy_scope_end(strategy: *const tutti_strateg
         if strategy.is_null() {
             return Err(Failure::invalid("strategy is NULL"));
         }
-        let top = SCOPES.with(|s| {
-            let mut s = s.borrow_mut();
-            match s.last() {
-                Some((a, _)) if *a == strategy as usize => s.pop().map(|(_, st)| st),
-                _ => None,
-            }
-        });
-        let Some(st) = top else {
-            return Err(Failure::invalid(
-                "scope: this strategy's scope is not the one this thread is in (each scope is \
-                 left on the thread that entered it, before its strategy is destroyed)",
-            ));
-        };
-        tutti::strategy::exit_scope(&st)?;
-        Ok(())
+        end_scope(strategy as usize, "strategy")
+    })
+}
+
+/// Enter the scope of the ParameterServerStrategy whose chief holds `coordinator`, on this
+/// thread (TensorFlow's `with strategy.scope():` on the chief): until
+/// `tutti_ps_coordinator_scope_end`, `tutti_variable_create` on this thread makes a variable
+/// on the parameter servers (f32, f64, f16 or bf16), sharded by the strategy's partitioner and
+/// stepped by `w -= gradient` (a step's gradient, `tutti_ps_step_push` with its own rule, or
+/// `tutti_variable_update`). Its index among the job's variables, which a step reads with
+/// `tutti_ps_step_variable`, is `tutti_variable_ps_index`'s. Inside another strategy's scope
+/// it is `TUTTI_ERROR_INVALID_ARGUMENT`; scopes of one coordinator nest. The scope keeps the
+/// coordinator's state alive until it ends.
+///
+/// Thread-safety: callable from any thread; the scope is that thread's.
+///
+/// # Safety
+///
+/// `coordinator` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_coordinator_scope_begin(
+    coordinator: *const tutti_ps_coordinator,
+) -> tutti_result {
+    boundary("tutti_ps_coordinator_scope_begin", || {
+        // SAFETY: as the caller promises.
+        let c = &unsafe { coordinator.as_ref() }
+            .ok_or_else(|| Failure::invalid("coordinator is NULL"))?
+            .inner;
+        tutti::strategy::enter_coordinator_scope(c)?;
+        begun(coordinator as usize, Owner::Coordinator(c.clone()))
+    })
+}
+
+/// Leave `coordinator`'s innermost scope on this thread; `TUTTI_ERROR_INVALID_ARGUMENT` where
+/// this thread is not in its scope (after `tutti_ps_coordinator_shutdown` or `_destroy`, which
+/// end its scopes on the calling thread, too).
+///
+/// Thread-safety: on the thread that began the scope.
+///
+/// # Safety
+///
+/// None beyond the call's: `coordinator` is only compared with the handles scopes began on.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_ps_coordinator_scope_end(
+    coordinator: *const tutti_ps_coordinator,
+) -> tutti_result {
+    boundary("tutti_ps_coordinator_scope_end", || {
+        if coordinator.is_null() {
+            return Err(Failure::invalid("coordinator is NULL"));
+        }
+        end_scope(coordinator as usize, "coordinator")
     })
 }
 
@@ -225,7 +327,8 @@ pub unsafe extern "C" fn tutti_variable_destroy(variable: *mut tutti_variable) {
 
 /// Read the variable's value into `out`: `count` elements of `dtype`, its dtype and length.
 /// Inside a replica function, pass its `ctx` to read that replica's copy; NULL reads the
-/// value outside `tutti_strategy_run` (every copy holds it).
+/// value outside `tutti_strategy_run` (every copy holds it), or, for a variable made in a
+/// parameter-server coordinator's scope, its value on the ps tasks now.
 ///
 /// Thread-safety: callable from any thread; with `ctx`, only inside the replica function that
 /// was handed it.
@@ -256,16 +359,16 @@ pub unsafe extern "C" fn tutti_variable_read(
         };
         tutti::for_each_dtype!(d, T => {
             let var = v.get::<T>()?;
-            let value = match ctx {
-                Some(c) => var.read_in(c),
-                None => var.value(),
-            };
-            if value.len() != count {
+            if var.len() != count {
                 return Err(Failure::invalid(format!(
                     "count {count}, but the variable holds {} elements",
-                    value.len()
+                    var.len()
                 )));
             }
+            let value = match ctx {
+                Some(c) => var.read_in(c)?,
+                None => var.value()?,
+            };
             // SAFETY: checked above; the caller promises `count` writable elements.
             typed::<T>(unsafe { buffers::slice_mut(out, len) }).copy_from_slice(&value);
         });
@@ -325,12 +428,19 @@ pub type tutti_assign = u32;
 /// variable's aggregation, and `assign`, `assign_add` or `assign_sub` the result (TensorFlow's
 /// cross-replica `variable.assign*`). Every copy changes alike.
 ///
-/// Thread-safety: not inside a replica function; one call at a time per strategy.
+/// A variable made in a parameter-server coordinator's scope is updated on the chief with
+/// `strategy` NULL and one value, `per_replica[0]`: `TUTTI_ASSIGN` sets it on the ps tasks
+/// (steps running meanwhile may push onto the old value or the new), `TUTTI_ASSIGN_ADD` and
+/// `TUTTI_ASSIGN_SUB` step it there as the workers' steps do, losing none of theirs.
+///
+/// Thread-safety: not inside a replica function; one call at a time per strategy (a
+/// parameter-server variable: from any thread).
 ///
 /// # Safety
 ///
 /// `strategy` and `variable` are NULL or live handles; `per_replica` is NULL or holds one
-/// pointer per local replica, each to `count` readable elements of `dtype`.
+/// pointer per local replica (one for a parameter-server variable), each to `count` readable
+/// elements of `dtype`.
 #[no_mangle]
 pub unsafe extern "C" fn tutti_variable_update(
     strategy: *const tutti_strategy,
@@ -342,9 +452,34 @@ pub unsafe extern "C" fn tutti_variable_update(
 ) -> tutti_result {
     boundary("tutti_variable_update", || {
         // SAFETY: as the caller promises.
-        let s = unsafe { strategy_ref(strategy) }?;
-        // SAFETY: as the caller promises.
         let v = unsafe { var_ref(variable) }?;
+        if how > TuttiAssign::TUTTI_ASSIGN_SUB as u32 {
+            return Err(Failure::invalid(format!(
+                "how {how} is not a tutti_assign (valid: 0..=2)"
+            )));
+        }
+        if v.ps_index().is_some() {
+            if !strategy.is_null() {
+                return Err(Failure::invalid(
+                    "the variable lives on the parameter servers: update it with strategy NULL \
+                     and one value",
+                ));
+            }
+            // SAFETY: the caller promises one pointer to `count` readable elements.
+            let (d, value) = unsafe { one_value(dtype, count, per_replica) }?;
+            tutti::for_each_dtype!(d, T => {
+                let var = v.get::<T>()?.as_sharded().ok_or_else(|| Failure::invalid("not sharded"))?;
+                let x = typed_ref::<T>(value);
+                match how {
+                    h if h == TuttiAssign::TUTTI_ASSIGN as u32 => var.assign(x)?,
+                    h if h == TuttiAssign::TUTTI_ASSIGN_ADD as u32 => var.assign_add(x)?,
+                    _ => var.assign_sub(x)?,
+                }
+            });
+            return Ok(());
+        }
+        // SAFETY: as the caller promises.
+        let s = unsafe { strategy_ref(strategy) }?;
         // SAFETY: as the caller promises.
         let (d, parts) = unsafe { per_replica_parts(s, dtype, count, per_replica) }?;
         tutti::for_each_dtype!(d, T => {
@@ -353,14 +488,64 @@ pub unsafe extern "C" fn tutti_variable_update(
             match how {
                 h if h == TuttiAssign::TUTTI_ASSIGN as u32 => var.assign(s, &updates)?,
                 h if h == TuttiAssign::TUTTI_ASSIGN_ADD as u32 => var.assign_add(s, &updates)?,
-                h if h == TuttiAssign::TUTTI_ASSIGN_SUB as u32 => var.assign_sub(s, &updates)?,
-                other => {
-                    return Err(Failure::invalid(format!(
-                        "how {other} is not a tutti_assign (valid: 0..=2)"
-                    )))
-                }
+                _ => var.assign_sub(s, &updates)?,
             }
         });
+        Ok(())
+    })
+}
+
+/// The dtype and the bytes of the one value at `per_replica[0]`: `count` elements of `dtype`.
+///
+/// # Safety
+///
+/// `per_replica` is NULL or holds one pointer to `count` readable elements of `dtype`.
+unsafe fn one_value<'a>(
+    dtype: tutti_dtype,
+    count: usize,
+    per_replica: *const *const c_void,
+) -> Result<(DType, &'a [u8]), Failure> {
+    let d = types::dtype(dtype).map_err(Failure::invalid)?;
+    let len = byte_len(count, 1, d).map_err(Failure::invalid)?;
+    if per_replica.is_null() {
+        return Err(Failure::invalid("per_replica is NULL"));
+    }
+    // SAFETY: non-NULL; the caller promises one pointer.
+    let p = unsafe { *per_replica };
+    check(p, len, d, "per_replica[0]").map_err(Failure::invalid)?;
+    // SAFETY: checked; the caller promises the length.
+    Ok((d, unsafe { buffers::slice(p, len) }))
+}
+
+/// Write the index among the parameter-server job's variables of `variable`, made in a
+/// coordinator's scope (`tutti_ps_coordinator_scope_begin`), to `*index`: what a step reads it
+/// by (`tutti_ps_step_variable`) and the coordinator's calls take. Another kind of variable is
+/// `TUTTI_ERROR_INVALID_ARGUMENT`.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `variable` is NULL or a live handle; `index` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_variable_ps_index(
+    variable: *const tutti_variable,
+    index: *mut usize,
+) -> tutti_result {
+    boundary("tutti_variable_ps_index", || {
+        // SAFETY: as the caller promises.
+        let v = unsafe { var_ref(variable) }?;
+        if index.is_null() {
+            return Err(Failure::invalid("index is NULL"));
+        }
+        let i = v.ps_index().ok_or_else(|| {
+            Failure::invalid(
+                "the variable was not made in a parameter-server coordinator's scope \
+                 (tutti_ps_coordinator_scope_begin)",
+            )
+        })?;
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { index.write(i) };
         Ok(())
     })
 }

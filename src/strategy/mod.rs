@@ -43,7 +43,8 @@ pub use input::{
     AutoShardPolicy, Batch, Dataset, DeviceBatch, DistributedDataset, FileDataset, InputContext,
     PlacedTensor, Prefetched, ValueContext,
 };
-pub use scope::{current_strategy, enter_scope, exit_scope, Scope, Variable};
+pub use scope::{current_coordinator, current_strategy, enter_scope, exit_scope, Scope, Variable};
+pub use scope::{enter_coordinator_scope, exit_coordinator_scope, ShardedVariable};
 pub use tensor::Tensor;
 pub use training::{compute_average_loss, Compute, Mean, Optimizer, Param, Rule, SlotState};
 #[doc(hidden)]

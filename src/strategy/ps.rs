@@ -264,7 +264,7 @@ fn rule_kind(rule: &Rule) -> u32 {
 }
 
 /// Plain SGD at rate `lr`.
-fn sgd(lr: f32) -> Rule {
+pub(crate) fn sgd(lr: f32) -> Rule {
     Rule::Sgd {
         learning_rate: lr,
         momentum: 0.0,
@@ -2295,8 +2295,10 @@ impl Coordinator {
     /// Tell every task the job is over.
     /// Workers lost earlier are told too where they answer (one attempt each, all at once).
     /// The first ps task that could not be told is the error, once every task was tried.
-    pub fn shutdown(self) -> Result<()> {
-        let this = &self;
+    /// Through a shared coordinator (a scope's, a variable's), call it once: afterwards every
+    /// call that reaches a task fails, its connection closed.
+    pub fn shutdown(&self) -> Result<()> {
+        let this = self;
         std::thread::scope(|sc| {
             for (i, w) in this.workers.iter().enumerate() {
                 sc.spawn(move || {

@@ -664,7 +664,8 @@ static void strategies_and_checkpoints() {
 }
 
 // Parameter servers: a ps task and two workers on threads, the chief's coordinator scheduling
-// steps with payloads; a step whose function throws fails join with its what().
+// steps with payloads; a step whose function throws fails join with its what(); the
+// strategy's scope, whose variables live on the ps task.
 static void parameter_servers() {
     int ports[4];
     for (int &p : ports) {
@@ -750,6 +751,20 @@ static void parameter_servers() {
     e = expect_throw([&] { coordinator->fetch(thrown); });
     EXPECT(e.code() == TUTTI_ERROR_STEP_FAILED);
     EXPECT(coordinator->run_steps(2) == (std::vector<float>{0.0f, 1.0f}));
+    // The strategy's scope on the chief: a tutti::variable made in it lives on the ps task.
+    {
+        auto scope = coordinator->scope();
+        tutti::variable<float> b(std::vector<float>{1, 2}, tutti::aggregation::sum);
+        EXPECT(b.ps_index() == 2);
+        b.assign_add(std::vector<float>{1, 1});
+        EXPECT(b.value() == (std::vector<float>{2, 3}));
+        b.assign(std::vector<float>{5, 6});
+        b.assign_sub(std::vector<float>{1, 1});
+        EXPECT(coordinator->read_variable(b.ps_index(), 2) == (std::vector<float>{4, 5}));
+    }
+    tutti::variable<float> plain(std::vector<float>{1});
+    tutti::error e1 = expect_throw([&] { plain.ps_index(); });
+    EXPECT(std::string(e1.what()).find("coordinator's scope") != std::string::npos);
     coordinator->shutdown();
     for (auto &t : tasks) {
         t.join();

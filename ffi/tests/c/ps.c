@@ -2,7 +2,8 @@
  * The chief creates a sharded variable, schedules steps carrying payloads and fetches what they
  * sent back, runs steps, reads the variable; a step function that fails is the step's error
  * (TUTTI_ERROR_STEP_FAILED, the workers stay); a float64 variable the steps push to with momentum,
- * which the ps task applies; and the argument errors. */
+ * which the ps task applies; the strategy's scope, whose variables live on the ps task; and the
+ * argument errors. */
 #include "check.h"
 
 static char cluster[512];
@@ -35,13 +36,22 @@ static tutti_result step_fn(tutti_ps_step *step, void *user_data) {
     momentum.slots = 3;
     bad.struct_size = 8;
     CHECK(tutti_ps_step_info(step, &number, &worker, &workers, &vars));
-    EXPECT(workers == 2 && vars == 2);
+    EXPECT(workers == 2 && (vars == 2 || vars == 3));
     CHECK(tutti_ps_step_payload(step, &payload, &len));
     CHECK(tutti_ps_step_variable(step, 0, &dtype, &data, &n));
     EXPECT(n == 6 && dtype == TUTTI_DTYPE_F32);
     w = data;
     CHECK(tutti_ps_step_variable(step, 1, &dtype, &data, &n));
     EXPECT(n == 2 && dtype == TUTTI_DTYPE_F64);
+    if (len == 6 && memcmp(payload, "scoped", 6) == 0) {
+        /* The variable made in the chief's scope, by its index. */
+        CHECK(tutti_ps_step_variable(step, 2, &dtype, &data, &n));
+        EXPECT(vars == 3 && n == 3 && dtype == TUTTI_DTYPE_F32);
+        out[0] = (float)worker;
+        out[1] = ((const float *)data)[2];
+        CHECK(tutti_ps_step_set_output(step, out, sizeof out));
+        return TUTTI_SUCCESS;
+    }
     if (len == 5 && memcmp(payload, "raise", 5) == 0) {
         CHECK(tutti_ps_step_set_error(step, "raised by the C step"));
         return TUTTI_ERROR_INVALID_ARGUMENT;
@@ -221,12 +231,73 @@ int main(void) {
     EXPECT_ERROR(tutti_ps_coordinator_fetch(c, read, NULL, NULL, 8, NULL),
                  TUTTI_ERROR_INVALID_ARGUMENT, "output is NULL");
 
-    for (i = 0; i < 4; i++) {
-        tutti_ps_remote_value_destroy(values[i]);
+    /* The strategy's scope on the chief: tutti_variable_create makes a variable on the ps
+     * task, which a step reads by its index and the chief reads and steps through it. */
+    {
+        tutti_variable *v = NULL, *plain = NULL;
+        float scoped[3] = {1, 2, 3}, got[3], delta[3] = {1, 1, 1};
+        const void *one = delta;
+        int32_t i32[1] = {1};
+        size_t at = 0;
+        tutti_ps_remote_value *peek = NULL;
+        char why[512];
+        tutti_strategy *mirrored = NULL;
+        CHECK(tutti_strategy_create(TUTTI_STRATEGY_MIRRORED, 2, TUTTI_CROSS_DEVICE_OPS_RING,
+                                    &mirrored));
+        CHECK(tutti_ps_coordinator_scope_begin(c));
+        CHECK(tutti_ps_coordinator_scope_begin(c)); /* scopes nest */
+        CHECK(tutti_ps_coordinator_scope_end(c));
+        /* Another strategy's scope inside it: refused, naming both. */
+        EXPECT_ERROR(tutti_strategy_scope_begin(mirrored), TUTTI_ERROR_INVALID_ARGUMENT,
+                     "inside a ParameterServerStrategy's scope", "MirroredStrategy's cannot");
+        tutti_strategy_destroy(mirrored);
+        EXPECT_ERROR(tutti_variable_create(TUTTI_DTYPE_I32, 1, i32, TUTTI_AGGREGATION_SUM,
+                                           &plain),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "floats (f32, f64, f16, bf16), not i32");
+        CHECK(tutti_variable_create(TUTTI_DTYPE_F32, 3, scoped, TUTTI_AGGREGATION_SUM, &v));
+        CHECK(tutti_ps_coordinator_scope_end(c));
+        EXPECT_ERROR(tutti_ps_coordinator_scope_end(c), TUTTI_ERROR_INVALID_ARGUMENT,
+                     "is not the one this thread is in");
+        CHECK(tutti_variable_ps_index(v, &at));
+        EXPECT(at == 2);
+        CHECK(tutti_variable_read(v, NULL, TUTTI_DTYPE_F32, 3, got));
+        EXPECT(got[0] == 1.0f && got[1] == 2.0f && got[2] == 3.0f);
+        CHECK(tutti_variable_update(NULL, v, TUTTI_ASSIGN_ADD, TUTTI_DTYPE_F32, 3, &one));
+        CHECK(tutti_variable_read(v, NULL, TUTTI_DTYPE_F32, 3, got));
+        EXPECT(got[0] == 2.0f && got[2] == 4.0f);
+        EXPECT_ERROR(tutti_variable_update(NULL, v, TUTTI_ASSIGN, TUTTI_DTYPE_F32, 2, &one),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "2 elements for variable 2 of 3");
+        EXPECT_ERROR(tutti_variable_read(v, NULL, TUTTI_DTYPE_F32, 2, got),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "count 2, but the variable holds 3");
+        CHECK(tutti_ps_coordinator_schedule(c, "scoped", 6, &peek));
+        CHECK(tutti_ps_coordinator_fetch(c, peek, NULL, out, sizeof out, NULL));
+        EXPECT(out[1] == 4.0f);
+        tutti_ps_remote_value_destroy(peek);
+        /* Outside the scope: a plain variable, with no index there. */
+        CHECK(tutti_variable_create(TUTTI_DTYPE_F32, 3, scoped, TUTTI_AGGREGATION_SUM, &plain));
+        EXPECT_ERROR(tutti_variable_ps_index(plain, &at), TUTTI_ERROR_INVALID_ARGUMENT,
+                     "not made in a parameter-server coordinator's scope");
+        EXPECT_ERROR(tutti_variable_update(NULL, plain, TUTTI_ASSIGN, TUTTI_DTYPE_F32, 3, &one),
+                     TUTTI_ERROR_INVALID_ARGUMENT, "strategy is NULL");
+        tutti_variable_destroy(plain);
+        /* A scope left open ends with the coordinator; the variable outlives it, and reading
+         * it once the job is over is an error, not a hang. */
+        CHECK(tutti_ps_coordinator_scope_begin(c));
+        for (i = 0; i < 4; i++) {
+            tutti_ps_remote_value_destroy(values[i]);
+        }
+        tutti_ps_remote_value_destroy(raised);
+        tutti_ps_remote_value_destroy(read);
+        CHECK(tutti_ps_coordinator_shutdown(c));
+        EXPECT(tutti_variable_read(v, NULL, TUTTI_DTYPE_F32, 3, got) != TUTTI_SUCCESS);
+        last_error(why, sizeof why);
+        EXPECT(strstr(why, "ps task 0") != NULL);
+        tutti_variable_destroy(v);
+        CHECK(tutti_variable_create(TUTTI_DTYPE_F32, 3, scoped, TUTTI_AGGREGATION_SUM, &plain));
+        EXPECT_ERROR(tutti_variable_ps_index(plain, &at), TUTTI_ERROR_INVALID_ARGUMENT,
+                     "not made in a parameter-server coordinator's scope");
+        tutti_variable_destroy(plain);
     }
-    tutti_ps_remote_value_destroy(raised);
-    tutti_ps_remote_value_destroy(read);
-    CHECK(tutti_ps_coordinator_shutdown(c));
     tutti_ps_strategy_destroy(s);
     for (i = 0; i < 3; i++) {
         EXPECT(pthread_join(threads[i], NULL) == 0);
