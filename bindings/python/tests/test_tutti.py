@@ -1160,6 +1160,37 @@ def test_framework_glue_compiles_once_and_within_its_time(tmp_path, monkeypatch)
     assert _ext.compile_library("test glue", src, "glue", "TUTTI_TEST_GLUE_CACHE", "test-glue", []) == lib
 
 
+def test_glue_the_install_built_is_used_where_its_key_matches(tmp_path, monkeypatch):
+    """The package's install compiles the glue into the package (``into``, as setup.py does:
+    from the cache where it holds the same build); a job then loads that library without a
+    compiler, and compiles its own where the key differs (another framework version)."""
+    from tutti import _ext
+
+    src = tmp_path / "glue.cc"
+    src.write_text('#include "_glue.h"\nextern "C" int glue_answer() { return 5; }\n')
+    monkeypatch.setenv("TUTTI_TEST_GLUE_CACHE", str(tmp_path / "cache"))
+    prebuilt = tmp_path / "prebuilt"
+    built = _ext.compile_library("test glue", src, "glue", "TUTTI_TEST_GLUE_CACHE", "test-glue", [], into=prebuilt)
+    assert built.parent == prebuilt and ctypes.CDLL(str(built)).glue_answer() == 5
+    assert not (tmp_path / "cache").exists(), "the install's build went into the cache"
+    monkeypatch.setattr(_ext, "PREBUILT", prebuilt)
+    monkeypatch.setenv("CXX", "false")
+    assert _ext.compile_library("test glue", src, "glue", "TUTTI_TEST_GLUE_CACHE", "test-glue", []) == built
+    # Another framework version: a key the install did not build, compiled (and failing here,
+    # where the compiler is `false`) instead of loading a library built for another ABI.
+    with pytest.raises(RuntimeError, match="compiling its C\\+\\+ glue failed"):
+        _ext.compile_library("test glue", src, "glue", "TUTTI_TEST_GLUE_CACHE", "test-glue", [], key_extra=b"2.99")
+    monkeypatch.delenv("CXX")
+    cached = _ext.compile_library("test glue", src, "glue", "TUTTI_TEST_GLUE_CACHE", "test-glue", [],
+                                  key_extra=b"2.99")
+    assert cached.parent == tmp_path / "cache"
+    # An install that finds the cache holding its build copies it, compiling nothing.
+    monkeypatch.setenv("CXX", "false")
+    again = _ext.compile_library("test glue", src, "glue", "TUTTI_TEST_GLUE_CACHE", "test-glue", [],
+                                 key_extra=b"2.99", into=tmp_path / "second")
+    assert again.parent == tmp_path / "second" and again.read_bytes() == cached.read_bytes()
+
+
 def test_the_glue_cache_keeps_the_secrets_directory_private(tmp_path, monkeypatch):
     """Compiled into the default cache (~/.cache/tutti/...) before any job ran, the glue leaves
     ~/.cache/tutti private: it also holds the per-user job secret, which tutti refuses to read

@@ -14,6 +14,7 @@ import hashlib
 import itertools
 import os
 import pathlib
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -33,17 +34,34 @@ _glues = []  # each loaded glue library's (set_comm, close_comm)
 _kept = {}  # other handles a graph names (TuttiAllReduce's replica groups), kept for good
 
 
-def compile_library(what, source, stem, cache_env, cache_name, flags, link_flags=(), key_extra=b""):
+# Where the package's install put the glue it compiled against the frameworks installed then
+# (``pip install --no-build-isolation``; see setup.py): used where its key still matches.
+PREBUILT = pathlib.Path(__file__).with_name("_prebuilt")
+
+
+def compile_library(what, source, stem, cache_env, cache_name, flags, link_flags=(), key_extra=b"", into=None):
     """``source`` compiled into a shared library, once per source, flags and ``key_extra`` (the
-    framework's version), cached in ``$cache_env`` or ``~/.cache/tutti/<cache_name>``."""
+    framework's version): the one the package's install built (``PREBUILT``) where its key
+    matches, else cached in ``$cache_env`` or ``~/.cache/tutti/<cache_name>``; ``into`` (a
+    directory) compiles it there instead, as the install does."""
     text = source.read_bytes() + _GLUE_HEADER.read_bytes()
     key = hashlib.sha256(text + key_extra + "\0".join([*flags, *link_flags]).encode()).hexdigest()[:16]
+    name = f"{stem}-{key}.so"
+    if into is None and (PREBUILT / name).is_file():
+        return PREBUILT / name
     own = pathlib.Path.home() / ".cache" / "tutti"
-    cache = pathlib.Path(os.environ.get(cache_env) or own / cache_name)
-    lib = cache / f"{stem}-{key}.so"
+    cached = pathlib.Path(os.environ.get(cache_env) or own / cache_name) / name
+    cache = pathlib.Path(into) if into else cached.parent
+    lib = cache / name
     if lib.exists():
         return lib
-    if not os.environ.get(cache_env):
+    if into is not None and cached.is_file():
+        # Built for this very key already: the same bytes, without compiling again.
+        cache.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(cached, lib)
+        os.chmod(lib, 0o755)
+        return lib
+    if into is None and not os.environ.get(cache_env):
         # ~/.cache/tutti also holds the per-user job secret, which tutti refuses to read from a
         # directory others may read: made here first, it is made private, as tutti makes it.
         own.parent.mkdir(parents=True, exist_ok=True)

@@ -24,9 +24,12 @@ XLA can give it up: an intermediate, or an argument donated with ``donate_argnum
 ordered effect threads a token through every tutti call of a program, so XLA neither drops,
 merges nor reorders them: every rank runs its collectives in program order, as tutti's
 checked calls require (a rank whose program differs gets tutti's mismatch error naming both
-ranks, raised by JAX). The handlers are compiled on first use against the installed jaxlib's
-FFI headers (``jax.ffi.include_dir()``) with the system C++ compiler (``CXX``, else ``c++``),
-into ``~/.cache/tutti/jax-ffi`` (``TUTTI_JAX_CACHE``), keyed by the source and jaxlib's version.
+ranks, raised by JAX). The handlers are compiled against the installed jaxlib's FFI headers
+(``jax.ffi.include_dir()``) with the system C++ compiler (``CXX``, else ``c++``), keyed by the
+source and jaxlib's version: by the package's install where jax is importable there (``pip
+install --no-build-isolation``; ``TUTTI_WITH_JAX=1`` makes a failure fail the install, ``=0``
+skips it), else on first use into ``~/.cache/tutti/jax-ffi`` (``TUTTI_JAX_CACHE``);
+``tutti.jax.build()`` compiles them ahead of time.
 
 On JAX's ``cpu`` platform with a CPU communicator, and on its ``cuda`` platform with a
 communicator of GPU ranks (one GPU per process, e.g. ``CUDA_VISIBLE_DEVICES=<local rank>`` and
@@ -68,7 +71,7 @@ from jax._src import core as _core
 from jax._src import dispatch as _dispatch
 from jax._src import effects as _effects
 
-__all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "default_comm"]
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "default_comm", "build"]
 
 _SOURCE = pathlib.Path(__file__).with_name("_jax_ffi.cc")
 _TARGETS = {
@@ -97,14 +100,17 @@ _lock = threading.Lock()
 _handlers = None  # the compiled library, once registered
 
 
-def _compile():
-    """The handlers' shared library: compiled once per source and jaxlib, then cached."""
+def build(into=None):
+    """The handlers' shared library: compiled once per source and jaxlib (the package's install
+    compiles it where jax is importable there), then cached; its path. ``into`` (a directory):
+    compile it there, as the install does."""
     import jaxlib
 
     include = jax.ffi.include_dir()
     return _ext.compile_library(
         "tutti.jax", _SOURCE, "tutti_jax_ffi", "TUTTI_JAX_CACHE", "jax-ffi",
         ["-isystem", include], link_flags=["-ldl", "-pthread"], key_extra=jaxlib.__version__.encode(),
+        into=into,
     )
 
 
@@ -114,7 +120,7 @@ def _register():
     with _lock:
         if _handlers is not None:
             return
-        lib = ctypes.CDLL(str(_compile()))
+        lib = ctypes.CDLL(str(build()))
         tutti_lib = tutti._library()
         addr = _ext.function_address
         lib.tutti_jax_bind.argtypes = [ctypes.c_void_p] * 5

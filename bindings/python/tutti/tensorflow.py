@@ -34,12 +34,15 @@ server, and a lost worker stops every worker with no hint of which. These ops ne
 process is an ordinary single-device TensorFlow program, the gradients are averaged by one tutti
 call per step, and a lost peer is an error naming its rank within the communicator's timeout.
 
-The op library is compiled on first use against the installed TensorFlow (``tf.sysconfig``'s
-compile and link flags) with the system C++ compiler (``CXX``, else ``c++``), into
-``~/.cache/tutti/tf-ops`` (``TUTTI_TF_CACHE``), keyed by its source and TensorFlow's version and
-flags: TensorFlow's C++ ABI changes between versions, so a library built against one TensorFlow
-does not load in another. ``python -m tutti.tensorflow build`` compiles it ahead of time (for an
-image or a machine whose jobs should not compile).
+The op library is compiled against the installed TensorFlow (``tf.sysconfig``'s compile and
+link flags) with the system C++ compiler (``CXX``, else ``c++``), keyed by its source and
+TensorFlow's version and flags: TensorFlow's C++ ABI changes between versions, so a library built
+against one TensorFlow does not load in another. The package's install compiles it where
+TensorFlow is importable there (``pip install --no-build-isolation``, as Horovod's ops are built;
+``TUTTI_WITH_TENSORFLOW=1`` makes a failure fail the install, ``=0`` skips it); where that
+library's key no longer matches (TensorFlow changed since) or there is none, it is compiled on
+first use into ``~/.cache/tutti/tf-ops`` (``TUTTI_TF_CACHE``). ``python -m tutti.tensorflow
+build`` compiles it ahead of time (for an image or a machine whose jobs should not compile).
 
 On CPU: the ops have CPU kernels, and the replicas of ``TuttiAllReduce`` live in host memory
 (TensorFlow's CPU devices, including the logical devices that
@@ -89,12 +92,13 @@ def _flags():
     return ["-Wno-deprecated-declarations", *compile_flags], link_flags
 
 
-def build():
-    """Compile the op library for the installed TensorFlow (if not cached); its path."""
+def build(into=None):
+    """Compile the op library for the installed TensorFlow (if not built yet); its path. ``into``
+    (a directory): compile it there, as the package's install does."""
     flags, link_flags = _flags()
     return _ext.compile_library(
         "tutti.tensorflow", _SOURCE, "tutti_tf_ops", "TUTTI_TF_CACHE", "tf-ops",
-        flags, link_flags, key_extra=tf.__version__.encode(),
+        flags, link_flags, key_extra=tf.__version__.encode(), into=into,
     )
 
 
