@@ -6,12 +6,24 @@ replicas, a metric read across them, and checkpoints.
 
     python bindings/python/examples/train.py --strategy mirrored --replicas 4 --steps 100 --json
     tutti launch -n 2 -- python bindings/python/examples/train.py --strategy multi-worker --json
+    tutti launch --workers 2 --ps 1 -- python bindings/python/examples/train.py --strategy parameter-server --json
+    TUTTI_PJRT_PLUGIN=.../xla_cpu_pjrt.so TUTTI_PJRT_OPTIONS=cpu_device_count=4 \
+        python bindings/python/examples/train.py --strategy tpu --json
     python bindings/python/examples/train.py --steps 50 --checkpoint-dir /tmp/ck
     python bindings/python/examples/train.py --steps 50 --checkpoint-dir /tmp/ck --resume
 
 With ``--json`` the last line is the Rust example's: ``{"strategy", "replicas", "steps",
 "loss", "weights", "reference_weights", "device", "restored_step"}``; the weights are those
-of ``cargo run --example train`` with the same flags, to float rounding.
+of ``cargo run --example train`` with the same flags, to float rounding (under
+``parameter-server``, whose workers step the variables asynchronously, near the full batch's, as
+the Rust example's are).
+
+``tpu`` is TPUStrategy over every device of the PJRT plugin found (a TPU host's, or the CPU
+plugin's), set up as the guides do (a ``TPUClusterResolver``, ``initialize_tpu_system``);
+``--replicas`` does not apply. ``parameter-server`` runs as every task of a TF_CONFIG job: the
+workers and ps tasks serve, and the chief's ``ClusterCoordinator`` schedules, for each step, one
+function per worker on its share of the batch (the Rust example's shares, in turn), whose
+optimizer steps the variables on the ps tasks.
 """
 
 import argparse
@@ -60,6 +72,13 @@ def reference(steps, rows):
     return w
 
 
+def tpu_strategy():
+    """TPUStrategy as the guides set it up, over the PJRT plugin's devices."""
+    resolver = td.cluster_resolver.TPUClusterResolver(tpu="")
+    td.tpu.experimental.initialize_tpu_system(resolver)
+    return td.TPUStrategy(resolver)
+
+
 def make_strategy(name, replicas):
     devices = [f"cpu:{i}" for i in range(replicas)]
     return {
@@ -68,13 +87,23 @@ def make_strategy(name, replicas):
         "mirrored": lambda: td.MirroredStrategy(devices),
         "central-storage": lambda: td.CentralStorageStrategy(devices),
         "multi-worker": lambda: td.MultiWorkerMirroredStrategy(),
+        "tpu": tpu_strategy,
+        "parameter-server": lambda: td.ParameterServerStrategy(td.cluster_resolver.TFConfigClusterResolver()),
     }[name]()
+
+
+def share(n, parts, i):
+    """Rows of the i-th of ``parts`` shares of ``n`` (the Rust example's ``tutti::partition``)."""
+    base, extra = divmod(n, parts)
+    start = i * base + min(i, extra)
+    return slice(start, start + base + (1 if i < extra else 0))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--strategy", default="mirrored",
-                   choices=["default", "one-device", "mirrored", "central-storage", "multi-worker"])
+                   choices=["default", "one-device", "mirrored", "central-storage", "multi-worker", "tpu",
+                            "parameter-server"])
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--checkpoint-dir")
@@ -84,6 +113,13 @@ def main():
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
 
+    if args.strategy == "parameter-server":
+        resolver = td.cluster_resolver.TFConfigClusterResolver()
+        if resolver.task_type in ("worker", "ps"):
+            # Workers run the functions the chief schedules; ps tasks hold the variables.
+            td.Server(resolver.cluster_spec(), job_name=resolver.task_type, task_index=resolver.task_id,
+                      start=True).join()
+            return
     strategy = make_strategy(args.strategy, args.replicas)
     rows = data()
     with strategy.scope():
@@ -97,8 +133,10 @@ def main():
         restored = manager.restore_or_initialize() if (manager and args.resume) else None
         if args.resume and restored is None:
             raise SystemExit(f"train.py: --resume: no checkpoint in {args.checkpoint_dir}")
-        # The whole data set is the global batch, split across every replica in sync.
-        dataset = strategy.experimental_distribute_dataset([(rows[:, :FEATURES], rows[:, FEATURES])])
+        # The whole data set is the global batch, split across every replica in sync (under
+        # parameter-server, across the workers' scheduled functions below).
+        ps = args.strategy == "parameter-server"
+        dataset = [] if ps else strategy.experimental_distribute_dataset([(rows[:, :FEATURES], rows[:, FEATURES])])
 
         def train_step(batch):
             x, y = batch
@@ -112,7 +150,28 @@ def main():
             return loss
 
         loss = 0.0
-        for _ in range(args.steps):
+        if ps:
+            coordinator = td.coordinator.ClusterCoordinator(strategy)
+            workers = strategy.num_workers
+
+            def shard_step(k):
+                # The step's share k of the batch; the learning rate applies per share, as the
+                # Rust example's workers step.
+                part = rows[share(SAMPLES, workers, k)]
+                x, y, n = part[:, :FEATURES], part[:, FEATURES], np.float32(max(len(part), 1))
+                err = x @ weights.numpy() + bias.numpy() - y
+                optimizer.apply_gradients([(2 * x.T @ err / n, weights), (np.float32(2 * err.sum() / n), bias)])
+                return np.float32((err * err).sum() / n)
+
+            values = []
+            for _ in range(args.steps):
+                values += [coordinator.schedule(shard_step, args=(k,)) for k in range(workers)]
+                step_count += 1
+            coordinator.join()
+            for v in values:
+                mse.update_state(v.fetch())
+            loss = float(values[-1].fetch()) if values else 0.0
+        for _ in range(0 if ps else args.steps):
             for batch in dataset:
                 per_replica = strategy.run(train_step, args=(batch,))
                 loss = float(strategy.reduce("SUM", per_replica, axis=None))
@@ -124,12 +183,15 @@ def main():
     ref = reference(int(step_count), rows)
     if args.json:
         print(json.dumps({
-            "strategy": args.strategy, "replicas": strategy.num_replicas_in_sync, "steps": args.steps,
-            "loss": loss, "weights": w.tolist(), "reference_weights": ref.tolist(), "device": "cpu",
-            "restored_step": restored, "mse": float(mse.result()),
+            "strategy": args.strategy, "replicas": strategy.num_workers if ps else strategy.num_replicas_in_sync,
+            "steps": args.steps,
+            "loss": loss, "weights": w.tolist(), "reference_weights": ref.tolist(),
+            "device": "xla" if args.strategy == "tpu" else "cpu", "restored_step": restored,
+            "mse": float(mse.result()),
         }))
     else:
-        print(f"{args.strategy} with {strategy.num_replicas_in_sync} replicas, {args.steps} steps: loss {loss:.6f}")
+        replicas = strategy.num_workers if ps else strategy.num_replicas_in_sync
+        print(f"{args.strategy} with {replicas} replicas, {args.steps} steps: loss {loss:.6f}")
         print("weights  ", w.tolist())
         print("reference", ref.tolist())
 

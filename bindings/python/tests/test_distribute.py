@@ -1369,6 +1369,83 @@ def test_the_guides_custom_loop_across_workers():
     np.testing.assert_allclose(results[0]["weights"], results[0]["reference_weights"], atol=1e-5)
 
 
+def test_the_guides_custom_loop_under_tpu_strategy(tmp_path, monkeypatch):
+    """The example's loop under TPUStrategy, set up as the guides do, over the PJRT plugin's
+    devices (TUTTI_PJRT_PLUGIN; the CPU plugin's four here): the full batch's weights, and a
+    checkpoint that resumes. Where the library has no XLA or no plugin is found, the example
+    fails saying UNAVAILABLE, and the test is skipped (TUTTI_REQUIRE_XLA=1: it fails)."""
+    monkeypatch.setenv("TUTTI_PJRT_OPTIONS", os.environ.get("TUTTI_PJRT_OPTIONS", "cpu_device_count=4"))
+    env = dict(os.environ, PYTHONPATH=PACKAGE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("TF_CONFIG", "TUTTI_RANK", "TUTTI_WORLD_SIZE"):
+        env.pop(k, None)
+    probe = subprocess.run([sys.executable, EXAMPLE, "--json", "--strategy", "tpu", "--steps", "40"], env=env,
+                           capture_output=True, text=True, timeout=300)
+    required = os.environ.get("TUTTI_REQUIRE_XLA") == "1"
+    if probe.returncode != 0 and "TUTTI_ERROR_UNAVAILABLE" in probe.stderr and not required:
+        pytest.skip("no XLA here: " + probe.stderr.strip().splitlines()[-1])
+    assert probe.returncode == 0, probe.stderr
+    whole = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert whole["device"] == "xla" and whole["replicas"] == 4, whole
+    np.testing.assert_allclose(whole["weights"], whole["reference_weights"], atol=1e-5)
+    ck = str(tmp_path)
+    _example("--strategy", "tpu", "--steps", "20", "--checkpoint-dir", ck)
+    resumed = _example("--strategy", "tpu", "--steps", "20", "--checkpoint-dir", ck, "--resume")
+    assert resumed["restored_step"] == 20
+    np.testing.assert_allclose(resumed["weights"], whole["weights"], atol=1e-6)
+
+
+def _ps_example(*args, timeout=180):
+    """The example under parameter servers: a ps task, two workers and the chief, each a process
+    of the example with its TF_CONFIG; the chief's JSON line (the others print nothing)."""
+    pytest.importorskip("cloudpickle")
+    socks = [socket.socket() for _ in range(4)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    addr = [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
+    for s in socks:
+        s.close()
+    cluster = {"chief": [addr[0]], "worker": addr[1:3], "ps": [addr[3]]}
+    procs = []
+    for ty, i in [("chief", 0), ("worker", 0), ("worker", 1), ("ps", 0)]:
+        env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": ty, "index": i}}),
+                   TUTTI_TIMEOUT="60", TUTTI_JOB_TOKEN="ps-example-test-token")
+        env["PYTHONPATH"] = PACKAGE + os.pathsep + env.get("PYTHONPATH", "")
+        for k in ("TUTTI_RANK", "TUTTI_WORLD_SIZE"):
+            env.pop(k, None)
+        procs.append(subprocess.Popen([sys.executable, EXAMPLE, "--strategy", "parameter-server", "--json", *args],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:  # the chief first: it ends the job
+            out, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, err
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert all(not o.strip() for o in outs[1:]), outs
+    return json.loads(outs[0].strip().splitlines()[-1])
+
+
+def test_the_guides_custom_loop_under_parameter_servers(tmp_path):
+    """The example's loop under ParameterServerStrategy, as the Rust example trains it: each step
+    one scheduled function per worker on its share of the batch, stepping the variables on the ps
+    task asynchronously, so the weights come near the full batch's, not to its bits; a checkpoint
+    the chief wrote resumes in a new job."""
+    whole = _ps_example("--steps", "100")
+    assert whole["replicas"] == 2 and whole["device"] == "cpu" and whole["restored_step"] is None, whole
+    assert whole["loss"] < 1e-3 and 0 < whole["mse"], whole
+    np.testing.assert_allclose(whole["weights"], whole["reference_weights"], atol=0.05)
+    ck = str(tmp_path)
+    first = _ps_example("--steps", "50", "--checkpoint-dir", ck)
+    resumed = _ps_example("--steps", "50", "--checkpoint-dir", ck, "--resume")
+    assert resumed["restored_step"] == 50 and first["restored_step"] is None, resumed
+    assert resumed["reference_weights"] == whole["reference_weights"]
+    np.testing.assert_allclose(resumed["weights"], whole["reference_weights"], atol=0.05)
+
+
 PS_JOB = textwrap.dedent(
     """
     import json, os, numpy as np, tutti, tutti.distribute as td
