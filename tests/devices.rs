@@ -9,7 +9,11 @@ use std::time::Duration;
 use tutti::{device_group, Collective, Config, DeviceKind, Error, RawCall, ReduceOp};
 
 fn check_group(specs: &[&str], counts: &[usize]) -> usize {
-    let config = Config::default().with_timeout(Duration::from_secs(120));
+    check_group_with(specs, counts, Config::default())
+}
+
+fn check_group_with(specs: &[&str], counts: &[usize], config: Config) -> usize {
+    let config = config.with_timeout(Duration::from_secs(120));
     let comms = device_group(specs, &config).unwrap_or_else(|e| panic!("{specs:?}: {e}"));
     std::thread::scope(|s| {
         let hs: Vec<_> = comms
@@ -134,6 +138,52 @@ fn xla_devices_every_collective() {
         .unwrap()
         .to_string();
     assert!(m.contains("xla:0 … xla:1"), "{m}");
+}
+
+/// The bitwise-deterministic mode on XLA devices: every reducing collective (all-reduce,
+/// reduce, reduce-scatter; f32, bf16, f64; sum and mean) gives the bits of tutti's kernels'
+/// reduction in rank order (`perf::check` compares them), in host memory and on tensors on the
+/// devices.
+#[cfg(feature = "xla")]
+#[test]
+fn xla_devices_reduce_in_rank_order_in_deterministic_mode() {
+    if std::env::var_os("TUTTI_PJRT_PLUGIN").is_none() {
+        assert!(
+            std::env::var("TUTTI_REQUIRE_XLA").as_deref() != Ok("1"),
+            "TUTTI_REQUIRE_XLA=1 but TUTTI_PJRT_PLUGIN is not set"
+        );
+        eprintln!("skipped: set TUTTI_PJRT_PLUGIN");
+        return;
+    }
+    let specs = ["xla:0", "xla:1", "xla:2", "xla:3"];
+    let config = Config::default().with_deterministic(true);
+    let calls = check_group_with(&specs, &[1, 7, 1000], config.clone());
+    assert!(calls > 100, "{calls}");
+    // Sums whose bits depend on the order: ((1e8 + 1) - 1e8) + 0.5 is 0.5 in f32, where
+    // (1e8 - 1e8) + (1 + 0.5) would be 1.5; in host memory and on the devices.
+    let comms = device_group(&specs, &config.with_timeout(Duration::from_secs(60))).unwrap();
+    let inputs: Vec<Vec<f32>> = vec![vec![1e8; 5], vec![1.0; 5], vec![-1e8; 5], vec![0.5; 5]];
+    let want = vec![0.5f32; 5];
+    let got: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .zip(&inputs)
+            .map(|(c, x)| {
+                s.spawn(move || {
+                    let mut host = x.clone();
+                    c.all_reduce(&mut host, ReduceOp::Sum).unwrap();
+                    let mut t = c.place(x).unwrap();
+                    c.all_reduce_tensor(&mut t, ReduceOp::Sum).unwrap();
+                    (host, t.to_vec().unwrap())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (host, dev) in &got {
+        assert_eq!(host, &want);
+        assert_eq!(dev, &want);
+    }
 }
 
 /// One rank per process on a device (`TUTTI_DEVICE`): what cannot be is said before any

@@ -337,7 +337,7 @@ impl Call {
         if engine.per_rank() {
             // Every rank runs its own part; the engine's own group meets the ranks.
             return engine
-                .run(ctx.site, &self.group_call(), &[self.published()])
+                .run(ctx.site, &self.group_call(ctx), &[self.published()])
                 .map_err(failed);
         }
         let pm = ctx.peer_memory("a device group")?;
@@ -356,7 +356,7 @@ impl Call {
             }
         }));
         engine
-            .run(ctx.site, &self.group_call(), &bufs)
+            .run(ctx.site, &self.group_call(ctx), &bufs)
             .map_err(failed)?;
         pm.set_progress(done);
         Ok(())
@@ -385,13 +385,14 @@ impl Call {
         }
     }
 
-    fn group_call(&self) -> GroupCall {
+    fn group_call(&self, ctx: &Ctx<'_>) -> GroupCall {
         GroupCall {
             collective: self.collective,
             dtype: self.dtype,
             count: self.count,
             op: self.op.unwrap_or(ReduceOp::Sum),
             root: self.root.unwrap_or(0),
+            deterministic: ctx.deterministic,
         }
     }
 }
@@ -627,11 +628,16 @@ impl Communicator {
                     engine.runs_list()
                 ));
             }
-            if call.check.is_ok() && shared.deterministic && call.op.is_some() {
+            if call.check.is_ok()
+                && shared.deterministic
+                && call.op.is_some()
+                && !engine.orders(call.collective)
+            {
                 call.check = Err(format!(
-                    "deterministic mode (TUTTI_DETERMINISTIC) is not available on {}: its \
-                     device engine does not reduce in rank order; turn the mode off for \
+                    "deterministic mode (TUTTI_DETERMINISTIC) is not available for {} on {}: \
+                     its device engine does not reduce in rank order; turn the mode off for \
                      device ranks",
+                    call.collective,
                     self.device_spec()
                 ));
             }

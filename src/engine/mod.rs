@@ -70,6 +70,11 @@ pub(crate) struct GroupCall {
     pub count: usize,
     pub op: ReduceOp,
     pub root: usize,
+    /// The communicator's bitwise-deterministic mode: reduce in rank order
+    /// ([`GroupEngine::orders`] says for which collectives the engine can; only XLA's reads
+    /// it, the others refuse the mode before the call reaches them).
+    #[cfg_attr(not(feature = "xla"), allow(dead_code))]
+    pub deterministic: bool,
 }
 
 /// A call issued on a caller's device stream: the work queued there before the call (an event
@@ -104,6 +109,14 @@ pub(crate) trait GroupEngine: Send + Sync {
     /// meet, naming the device.
     fn runs(&self, c: Collective) -> bool {
         (c as usize) <= Collective::Barrier as usize
+    }
+
+    /// Whether this engine reduces `c` in rank order, with the bits of tutti's kernels, when a
+    /// call is [`GroupCall::deterministic`]. The communicator refuses a reducing call of the
+    /// deterministic mode on an engine that cannot, naming the device.
+    fn orders(&self, c: Collective) -> bool {
+        let _ = c;
+        false
     }
 
     /// The collectives [`GroupEngine::runs`] takes, as an error message lists them.

@@ -12,6 +12,12 @@
 //! * all-gather: `stablehlo.all_gather` along dimension 0.
 //! * all-to-all: `stablehlo.all_to_all` splitting and concatenating dimension 0 in N blocks
 //!   (block j of replica i's argument becomes block i of replica j's result).
+//! * in rank order (the bitwise-deterministic mode, `Config::deterministic`): all-reduce as
+//!   `stablehlo.all_gather` of every replica's input, then one chain of the op over the N
+//!   slices, `((x0 ⊕ x1) ⊕ x2) ...`; reduce-scatter as `stablehlo.all_to_all` (replica r gets
+//!   block r of every input, in replica order), then the same chain. f16 and bf16 are widened to
+//!   f32 first and rounded once at the end, `Mean` divided in f32: the bits of tutti's kernels'
+//!   reduction of the inputs in rank order, whatever the plugin's own collectives would give.
 //! * broadcast: a binomial tree of `stablehlo.collective_permute`s. With `q = (replica - root)
 //!   mod N`, step k (k = 1, 2, 4, ...) sends from every `q < k` to `q + k`, and the replicas with
 //!   `k <= q < 2k` keep what they received (selected by `stablehlo.replica_id`). Every element
@@ -36,6 +42,10 @@ pub enum Kind {
     ReduceScatter(ReduceOp),
     /// All-to-all of equal blocks.
     AllToAll,
+    /// All-reduce with an op, reduced in rank order (see the module docs).
+    OrderedAllReduce(ReduceOp),
+    /// Reduce-scatter with an op, reduced in rank order.
+    OrderedReduceScatter(ReduceOp),
     /// A variable's update: two arguments per replica, the variable's copy and the replica's
     /// update. The updates are combined across the replicas (an all-reduce with an op, or a
     /// broadcast from a root), then applied to the copy.
@@ -60,10 +70,10 @@ impl Kind {
     /// The collective's API name.
     pub fn name(self) -> &'static str {
         match self {
-            Kind::AllReduce(_) => "all_reduce",
+            Kind::AllReduce(_) | Kind::OrderedAllReduce(_) => "all_reduce",
             Kind::Broadcast(_) => "broadcast",
             Kind::AllGather => "all_gather",
-            Kind::ReduceScatter(_) => "reduce_scatter",
+            Kind::ReduceScatter(_) | Kind::OrderedReduceScatter(_) => "reduce_scatter",
             Kind::AllToAll => "all_to_all",
             Kind::Update { .. } => "update",
         }
@@ -73,10 +83,10 @@ impl Kind {
     pub fn collective(self) -> crate::error::Collective {
         use crate::error::Collective;
         match self {
-            Kind::AllReduce(_) => Collective::AllReduce,
+            Kind::AllReduce(_) | Kind::OrderedAllReduce(_) => Collective::AllReduce,
             Kind::Broadcast(_) => Collective::Broadcast,
             Kind::AllGather => Collective::AllGather,
-            Kind::ReduceScatter(_) => Collective::ReduceScatter,
+            Kind::ReduceScatter(_) | Kind::OrderedReduceScatter(_) => Collective::ReduceScatter,
             Kind::AllToAll => Collective::AllToAll,
             Kind::Update {
                 combine: Combine::Reduce(_),
@@ -86,6 +96,21 @@ impl Kind {
                 combine: Combine::From(_),
                 ..
             } => Collective::Broadcast,
+        }
+    }
+
+    /// The op of a reducing kind.
+    pub fn op(self) -> Option<ReduceOp> {
+        match self {
+            Kind::AllReduce(op)
+            | Kind::ReduceScatter(op)
+            | Kind::OrderedAllReduce(op)
+            | Kind::OrderedReduceScatter(op)
+            | Kind::Update {
+                combine: Combine::Reduce(op),
+                ..
+            } => Some(op),
+            _ => None,
         }
     }
 
@@ -108,7 +133,7 @@ impl Kind {
     pub fn out_count(self, count: usize, n: usize) -> usize {
         match self {
             Kind::AllGather => count * n,
-            Kind::ReduceScatter(_) => count / n.max(1),
+            Kind::ReduceScatter(_) | Kind::OrderedReduceScatter(_) => count / n.max(1),
             _ => count,
         }
     }
@@ -118,6 +143,9 @@ impl std::fmt::Display for Kind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Kind::AllReduce(op) | Kind::ReduceScatter(op) => write!(f, "{} {op}", self.name()),
+            Kind::OrderedAllReduce(op) | Kind::OrderedReduceScatter(op) => {
+                write!(f, "{} {op} in rank order", self.name())
+            }
             Kind::Broadcast(root) => write!(f, "broadcast from {root}"),
             Kind::AllGather => f.write_str("all_gather"),
             Kind::AllToAll => f.write_str("all_to_all"),
@@ -279,10 +307,106 @@ fn combine_body(
             );
             "%0".into()
         }
+        Kind::OrderedAllReduce(op) | Kind::OrderedReduceScatter(op) => {
+            let scatter = matches!(kind, Kind::OrderedReduceScatter(_));
+            // Every replica's slice, in replica order: n × the result.
+            let all_ty = format!("tensor<{}x{et}>", count_of(out_ty) * n);
+            let _ = if scatter {
+                // Replica r gets block r of every replica's input, in replica order.
+                writeln!(
+                    body,
+                    "    %all = \"stablehlo.all_to_all\"({arg}) {{split_dimension = 0 : i64, concat_dimension = 0 : i64, split_count = {n} : i64, replica_groups = {}}} : ({in_ty}) -> {all_ty}",
+                    group(n)
+                )
+            } else {
+                writeln!(
+                    body,
+                    "    %all = \"stablehlo.all_gather\"({arg}) {{all_gather_dim = 0 : i64, replica_groups = {}}} : ({in_ty}) -> {all_ty}",
+                    group(n)
+                )
+            };
+            ordered_chain(body, op, dtype, n, count_of(out_ty), &all_ty)
+        }
         Kind::Broadcast(root) => broadcast_body(body, root, n, in_ty, arg),
         // `mlir` writes an update around its combine.
         Kind::Update { .. } => combine_body(body, kind.combining(), dtype, n, arg, (in_ty, out_ty)),
     }
+}
+
+/// The elements of a 1-D tensor type `tensor<NxT>`.
+fn count_of(ty: &str) -> usize {
+    ty.trim_start_matches("tensor<")
+        .split('x')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// `op` over the `n` consecutive slices of `m` elements of `%all` (of type `all_ty`), one at a
+/// time in slice order (f16 and bf16 in f32, rounded once; `Mean` divided by `n` at the end);
+/// returns the name of the result, `m` elements of `dtype`.
+fn ordered_chain(
+    body: &mut String,
+    op: ReduceOp,
+    dtype: DType,
+    n: usize,
+    m: usize,
+    all_ty: &str,
+) -> String {
+    let et = mlir_type(dtype);
+    let half = matches!(dtype, DType::F16 | DType::BF16);
+    let ty = format!("tensor<{m}x{et}>");
+    let wide = if half {
+        format!("tensor<{m}xf32>")
+    } else {
+        ty.clone()
+    };
+    let mut acc = String::new();
+    for r in 0..n {
+        let _ = writeln!(
+            body,
+            "    %s{r} = \"stablehlo.slice\"(%all) {{start_indices = array<i64: {}>, limit_indices = array<i64: {}>, strides = array<i64: 1>}} : ({all_ty}) -> {ty}",
+            r * m,
+            (r + 1) * m
+        );
+        let mut x = format!("%s{r}");
+        if half {
+            let _ = writeln!(
+                body,
+                "    %w{r} = \"stablehlo.convert\"({x}) : ({ty}) -> {wide}"
+            );
+            x = format!("%w{r}");
+        }
+        if r == 0 {
+            acc = x;
+        } else {
+            let _ = writeln!(
+                body,
+                "    %acc{r} = \"{}\"({acc}, {x}) : ({wide}, {wide}) -> {wide}",
+                combiner(op)
+            );
+            acc = format!("%acc{r}");
+        }
+    }
+    if op == ReduceOp::Mean {
+        divide(
+            body,
+            &acc,
+            "%mean",
+            n,
+            if half { DType::F32 } else { dtype },
+            &wide,
+        );
+        acc = "%mean".into();
+    }
+    if half {
+        let _ = writeln!(
+            body,
+            "    %ordered = \"stablehlo.convert\"({acc}) : ({wide}) -> {ty}"
+        );
+        acc = "%ordered".into();
+    }
+    acc
 }
 
 /// The binomial-tree broadcast (see the module docs); returns the name of the result. SSA
@@ -796,6 +920,25 @@ mod tests {
         }
         let m = mlir(Kind::AllGather, DType::I8, 3, 4);
         assert!(m.contains("(tensor<3xi8>) -> tensor<12xi8>"), "{m}");
+        // In rank order: the inputs gathered (or their blocks exchanged), then one chain of
+        // the op over the slices, in f32 for bf16, rounded once.
+        let m = mlir(Kind::OrderedAllReduce(ReduceOp::Mean), DType::BF16, 8, 3);
+        assert!(m.contains("(tensor<8xbf16>) -> tensor<24xbf16>"), "{m}");
+        assert!(m.contains("start_indices = array<i64: 16>"), "{m}");
+        assert!(
+            m.contains("%acc2 = \"stablehlo.add\"(%acc1, %w2) : (tensor<8xf32>"),
+            "{m}"
+        );
+        assert_eq!(m.matches("stablehlo.convert").count(), 4, "{m}");
+        let m = mlir(Kind::OrderedReduceScatter(ReduceOp::Prod), DType::F32, 8, 4);
+        assert!(
+            m.contains("stablehlo.all_to_all") && m.contains("-> tensor<8xf32>"),
+            "{m}"
+        );
+        assert!(
+            m.contains("%acc3 = \"stablehlo.multiply\"(%acc2, %s3) : (tensor<2xf32>"),
+            "{m}"
+        );
         // Broadcast from 2 on 5 replicas: steps 1, 2, 4 relative to the root.
         let m = mlir(Kind::Broadcast(2), DType::F32, 4, 5);
         assert!(m.contains("dense<[[2, 3]]> : tensor<1x2xi64>"), "{m}");

@@ -70,7 +70,11 @@ fn host_collective(kind: Kind, dtype: DType, inputs: &[&[u8]]) -> Staged {
     match kind {
         // The updates combined; the caller applies them.
         Kind::Update { .. } => host_collective(kind.combining(), dtype, inputs),
-        Kind::AllReduce(op) | Kind::ReduceScatter(op) => {
+        // tutti's kernels reduce the inputs in rank order: the ordered kinds' bits already.
+        Kind::AllReduce(op)
+        | Kind::ReduceScatter(op)
+        | Kind::OrderedAllReduce(op)
+        | Kind::OrderedReduceScatter(op) => {
             let mut out = Aligned::zeroed(inputs[0].len());
             let divide = (op == ReduceOp::Mean).then_some(n);
             kernels::reduce(
@@ -81,7 +85,7 @@ fn host_collective(kind: Kind, dtype: DType, inputs: &[&[u8]]) -> Staged {
                 Init::Overwrite,
                 divide,
             );
-            if matches!(kind, Kind::AllReduce(_)) {
+            if matches!(kind, Kind::AllReduce(_) | Kind::OrderedAllReduce(_)) {
                 Staged::Same(out)
             } else {
                 Staged::Sliced(out)
@@ -171,7 +175,11 @@ impl Client {
                 ));
             }
         }
-        if matches!(kind, Kind::ReduceScatter(_) | Kind::AllToAll) && count % n != 0 {
+        if matches!(
+            kind,
+            Kind::ReduceScatter(_) | Kind::OrderedReduceScatter(_) | Kind::AllToAll
+        ) && count % n != 0
+        {
             return Err(Error::invalid(
                 self.site(kind, 0),
                 format!("the input count {count} does not split into {n} equal slices"),
@@ -182,11 +190,11 @@ impl Client {
 
     /// A reduce op defined on `dtype` (the bitwise ones are on the integer types only).
     fn check_op(&self, kind: Kind, dtype: DType) -> Result<()> {
-        match kind.combining() {
-            Kind::AllReduce(op) | Kind::ReduceScatter(op) => op
+        match kind.op() {
+            Some(op) => op
                 .check(dtype)
                 .map_err(|m| Error::invalid(self.site(kind, 0), m)),
-            _ => Ok(()),
+            None => Ok(()),
         }
     }
 
@@ -595,8 +603,27 @@ impl Client {
     /// [`Client::all_reduce`] over bytes holding `dtype` elements (for carriers such as the C
     /// ABI).
     pub fn all_reduce_raw(&self, dtype: DType, bufs: &mut [&mut [u8]], op: ReduceOp) -> Result<()> {
+        self.all_reduce_in(dtype, bufs, op, false)
+    }
+
+    /// [`Client::all_reduce_raw`], reduced in rank order where `ordered`: the bits of tutti's
+    /// kernels' one pass over the replicas' buffers in replica order (`((x0 + x1) + x2) ...`;
+    /// f16 and bf16 in f32, rounded once), whatever the plugin's own all-reduce would give,
+    /// by a program that all-gathers the inputs and reduces them in that order on every device.
+    pub fn all_reduce_in(
+        &self,
+        dtype: DType,
+        bufs: &mut [&mut [u8]],
+        op: ReduceOp,
+        ordered: bool,
+    ) -> Result<()> {
         self.check_aligned(dtype, bufs.iter().map(|b| b.as_ptr()))?;
-        self.host_in_place(Kind::AllReduce(op), dtype, bufs)
+        let kind = if ordered {
+            Kind::OrderedAllReduce(op)
+        } else {
+            Kind::AllReduce(op)
+        };
+        self.host_in_place(kind, dtype, bufs)
     }
 
     /// [`Client::broadcast`] over bytes.
@@ -623,8 +650,26 @@ impl Client {
         outputs: &mut [&mut [u8]],
         op: ReduceOp,
     ) -> Result<()> {
+        self.reduce_scatter_in(dtype, inputs, outputs, op, false)
+    }
+
+    /// [`Client::reduce_scatter_raw`], reduced in rank order where `ordered` (an all-to-all
+    /// of the blocks, then each device's block reduced in replica order).
+    pub fn reduce_scatter_in(
+        &self,
+        dtype: DType,
+        inputs: &[&[u8]],
+        outputs: &mut [&mut [u8]],
+        op: ReduceOp,
+        ordered: bool,
+    ) -> Result<()> {
         self.check_aligned(dtype, inputs.iter().map(|b| b.as_ptr()))?;
-        self.host_checked(Kind::ReduceScatter(op), dtype, inputs, outputs)
+        let kind = if ordered {
+            Kind::OrderedReduceScatter(op)
+        } else {
+            Kind::ReduceScatter(op)
+        };
+        self.host_checked(kind, dtype, inputs, outputs)
     }
 
     /// Gather onto `root`: `output` (N × the input count) ends as the inputs in replica order.
@@ -691,6 +736,15 @@ impl Client {
         op: ReduceOp,
     ) -> Result<Vec<XlaBuffer>> {
         self.device_call(Kind::AllReduce(op), inputs)
+    }
+
+    /// [`Client::all_reduce_buffers`] reduced in rank order (see the program module).
+    pub fn all_reduce_buffers_ordered(
+        &self,
+        inputs: &[&XlaBuffer],
+        op: ReduceOp,
+    ) -> Result<Vec<XlaBuffer>> {
+        self.device_call(Kind::OrderedAllReduce(op), inputs)
     }
 
     /// Broadcast of device buffers: every result holds `inputs[root]`.

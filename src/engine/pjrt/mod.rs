@@ -60,6 +60,15 @@ impl Pjrt {
     /// their PJRT buffers, whose results the tensors hold afterwards (for an update, the
     /// variable's copies at `output`).
     fn run_held(&self, site: Site, c: &GroupCall, bufs: &[CallBuffers]) -> Result<()> {
+        if c.deterministic && matches!(bufs[0].held, Held::Step | Held::Update(_)) {
+            // Their programs fuse the sum with the step or update: not in rank order.
+            return Err(Error::invalid(
+                site,
+                "deterministic mode (TUTTI_DETERMINISTIC): an update or optimizer step fused \
+                 with its sum does not reduce in rank order on XLA devices; turn the mode off, \
+                 or all-reduce the gradients first",
+            ));
+        }
         // SAFETY: each rank published its own tensors, which it holds (its output borrowed
         // mutably) until every rank has left the call; rank 0 runs the call for all of them.
         let mut outs: Vec<&mut DeviceTensor> = bufs
@@ -101,6 +110,9 @@ impl Pjrt {
                         &copies,
                         &on_device(site, &ins)?,
                     )?
+                }
+                (_, Collective::AllReduce) if c.deterministic => {
+                    self.client.all_reduce_buffers_ordered(&copies, c.op)?
                 }
                 (_, Collective::AllReduce) => self.client.all_reduce_buffers(&copies, c.op)?,
                 (_, Collective::Broadcast) => self.client.broadcast_buffers(&copies, c.root)?,
@@ -248,7 +260,8 @@ impl GroupEngine for Pjrt {
                         o
                     })
                     .collect();
-                self.client.all_reduce_raw(d, &mut outs, c.op)
+                self.client
+                    .all_reduce_in(d, &mut outs, c.op, c.deterministic)
             }
             Collective::Broadcast => {
                 let mut outs: Vec<&mut [u8]> = bufs.iter().map(|b| unsafe { output(b) }).collect();
@@ -267,7 +280,8 @@ impl GroupEngine for Pjrt {
             Collective::ReduceScatter => {
                 let ins: Vec<&[u8]> = bufs.iter().map(|b| unsafe { input(b) }).collect();
                 let mut outs: Vec<&mut [u8]> = bufs.iter().map(|b| unsafe { output(b) }).collect();
-                self.client.reduce_scatter_raw(d, &ins, &mut outs, c.op)
+                self.client
+                    .reduce_scatter_in(d, &ins, &mut outs, c.op, c.deterministic)
             }
             Collective::Reduce => {
                 // PJRT has no reduce: all-reduce copies of the inputs, keep the root's.
@@ -276,7 +290,8 @@ impl GroupEngine for Pjrt {
                     .map(|b| Scratch::of(unsafe { input(b) }))
                     .collect();
                 let mut views: Vec<&mut [u8]> = tmp.iter_mut().map(Scratch::bytes_mut).collect();
-                self.client.all_reduce_raw(d, &mut views, c.op)?;
+                self.client
+                    .all_reduce_in(d, &mut views, c.op, c.deterministic)?;
                 let root = &bufs[c.root];
                 if root.output.is_null() {
                     return Err(Error::config("reduce: the root published no output"));
@@ -314,6 +329,15 @@ impl GroupEngine for Pjrt {
 
     fn runs_list(&self) -> &'static str {
         XLA_RUNS
+    }
+
+    fn orders(&self, c: Collective) -> bool {
+        // All-reduce gathers and reduce-scatter exchanges every input, then one chain of the
+        // op runs over them in rank order (see the program module); reduce is an all-reduce.
+        matches!(
+            c,
+            Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce
+        )
     }
 
     fn place(&self, rank: usize, dtype: DType, bytes: &[u8]) -> Result<DeviceTensor> {
