@@ -114,6 +114,58 @@ fn tpu_strategy_collectives_and_training() {
         }
     }
 
+    // MultiWorkerMirroredStrategy across two processes, each on two of its own XLA devices
+    // (`tutti launch`): 4 replicas in sync, both workers at the reference weights, alike.
+    let mut job = Command::new(common::tutti_bin())
+        .args(["launch", "-n", "2", "--"])
+        .arg(&train)
+        .args(["--strategy", "multi-worker", "--device", "xla"])
+        .args(["--replicas", "2", "--steps", "40", "--json"])
+        .env("TUTTI_PJRT_OPTIONS", "cpu_device_count=4")
+        .env("TUTTI_TIMEOUT", "60")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+    while job.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = job.kill();
+            panic!("two multi-worker processes on XLA devices did not end within 300 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let out = job.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let workers: Vec<serde_json::Value> = stdout
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(workers.len(), 2, "{stdout}");
+    for k in &workers {
+        assert_eq!(
+            (k["replicas"].as_u64(), k["device"].as_str()),
+            (Some(4), Some("xla")),
+            "{k}"
+        );
+        assert_eq!(
+            k["weights"], workers[0]["weights"],
+            "the workers differ: {stdout}"
+        );
+        for (a, b) in k["weights"].as_array().unwrap().iter().zip(r) {
+            assert!(
+                (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-4,
+                "{k}"
+            );
+        }
+    }
+
     // MirroredStrategy on the XLA devices, 20 steps, a checkpoint, 20 more: the 40 steps'
     // weights.
     let dir = std::env::temp_dir().join(format!("tutti-xla-ckpt-{}", std::process::id()));
