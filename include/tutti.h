@@ -2962,6 +2962,31 @@ tutti_result tutti_strategy_create_multi_worker_with_options(const char *tf_conf
                                                              struct tutti_strategy **strategy);
 
 /**
+ * `tutti_strategy_create_multi_worker_with_options` with its local replicas on `devices`
+ * (`num_devices` names, as `tutti_strategy_create_on_devices` takes them: `"cpu:0"`,
+ * `"gpu:1"`, `"xla:0"`, TensorFlow's `"/device:GPU:0"`): every worker of the cluster
+ * `tf_config` describes (NULL: the environment's; none: this process alone, as TensorFlow
+ * runs it) on its own devices, combined across workers as `communication` says, with
+ * TensorFlow's `bytes_per_pack` and `timeout_ms` (0: the defaults). On XLA devices each
+ * worker's replicas reduce there first. A device that is not there is
+ * `TUTTI_ERROR_UNAVAILABLE` naming it.
+ *
+ * Thread-safety: callable from any thread.
+ *
+ * # Safety
+ *
+ * `tf_config` is NULL or a NUL-terminated string; `devices` points to `num_devices`
+ * NUL-terminated strings; `strategy` is NULL or writable.
+ */
+tutti_result tutti_strategy_create_multi_worker_on_devices(const char *tf_config,
+                                                           tutti_communication communication,
+                                                           size_t bytes_per_pack,
+                                                           uint64_t timeout_ms,
+                                                           const char *const *devices,
+                                                           size_t num_devices,
+                                                           struct tutti_strategy **strategy);
+
+/**
  * Create a strategy of `kind` with `num_local_replicas` replicas on this host (logical CPU
  * devices; 0 means the default devices: every GPU, else the CPU) and write it to `*strategy`.
  * `cross_device_ops` applies to MIRRORED; `TUTTI_CROSS_DEVICE_OPS_DEFAULT` chooses as

@@ -1073,6 +1073,28 @@ public:
             static_cast<std::uint64_t>(timeout.count()), num_local_replicas, &s));
         return strategy(s);
     }
+    /// multi_worker with every worker's local replicas on the devices named (`"cpu:0"`,
+    /// `"gpu:1"`, `"xla:0"`, TensorFlow's `"/device:GPU:0"`); on XLA devices each worker's
+    /// replicas reduce there first.
+    static strategy multi_worker(const std::vector<std::string> &devices,
+                                 communication c = communication::automatic,
+                                 const char *tf_config = nullptr,
+                                 std::size_t bytes_per_pack = 0,
+                                 std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) {
+        if (timeout.count() < 0) {
+            throw std::invalid_argument("multi_worker: a negative timeout (0: the configured one)");
+        }
+        std::vector<const char *> names;
+        names.reserve(devices.size());
+        for (const auto &d : devices) {
+            names.push_back(d.c_str());
+        }
+        tutti_strategy *s = nullptr;
+        detail::check(tutti_strategy_create_multi_worker_on_devices(
+            tf_config, static_cast<tutti_communication>(c), bytes_per_pack,
+            static_cast<std::uint64_t>(timeout.count()), names.data(), names.size(), &s));
+        return strategy(s);
+    }
     /// Replicas in sync across the job (TensorFlow's num_replicas_in_sync).
     std::size_t num_replicas_in_sync() const {
         std::size_t n = 0;

@@ -304,6 +304,85 @@ unsafe fn checked_ops(
     unsafe { ops_of(c, on) }
 }
 
+/// The devices `num_devices` names at `devices` name, one replica each: the names checked
+/// (not NULL, known, none twice), at least one and at most a process's local replicas.
+///
+/// # Safety
+///
+/// `devices` is NULL or points to `num_devices` pointers, each NULL or a NUL-terminated string.
+unsafe fn device_list(
+    devices: *const *const c_char,
+    num_devices: usize,
+) -> Result<Vec<tutti::Device>, Failure> {
+    if devices.is_null() || num_devices == 0 {
+        return Err(Failure::invalid(
+            "devices is NULL or num_devices is 0; tutti_strategy_create takes the default \
+             devices",
+        ));
+    }
+    if num_devices > tutti::MAX_LOCAL_RANKS {
+        return Err(Failure::invalid(format!(
+            "num_devices is {num_devices}; a process holds at most {} local replicas",
+            tutti::MAX_LOCAL_RANKS
+        )));
+    }
+    // SAFETY: `num_devices` pointers, as the caller promises.
+    let names = unsafe { std::slice::from_raw_parts(devices, num_devices) };
+    let devices = names
+        .iter()
+        .enumerate()
+        .map(|(i, &name)| {
+            if name.is_null() {
+                return Err(Failure::invalid(format!("devices[{i}] is NULL")));
+            }
+            // SAFETY: a NUL-terminated string, as the caller promises.
+            let name = unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy();
+            Ok(tutti::device_from_spec(&name)?)
+        })
+        .collect::<Result<Vec<_>, Failure>>()?;
+    if let Some((a, b)) = (0..devices.len())
+        .flat_map(|b| (0..b).map(move |a| (a, b)))
+        .find(|&(a, b)| devices[a] == devices[b])
+    {
+        return Err(Failure::invalid(format!(
+            "devices[{a}] and devices[{b}] both name {}: a replica per device",
+            devices[a].spec()
+        )));
+    }
+    Ok(devices)
+}
+
+/// The implementation a `tutti_communication` names.
+fn communication_of(c: tutti_communication) -> Result<CommunicationImplementation, Failure> {
+    use TuttiCommunication as C;
+    Ok(match c {
+        c if c == C::TUTTI_COMMUNICATION_AUTO as u32 => CommunicationImplementation::Auto,
+        c if c == C::TUTTI_COMMUNICATION_RING as u32 => CommunicationImplementation::Ring,
+        c if c == C::TUTTI_COMMUNICATION_NCCL as u32 => CommunicationImplementation::Nccl,
+        other => {
+            return Err(Failure::invalid(format!(
+                "communication {other} is not a tutti_communication (valid: 0..=2)"
+            )))
+        }
+    })
+}
+
+/// The cluster `tf_config` (TF_CONFIG's JSON) describes; NULL: none (the environment's).
+///
+/// # Safety
+///
+/// `tf_config` is NULL or a NUL-terminated string.
+unsafe fn tf_config_of(tf_config: *const c_char) -> Result<Option<tutti::ClusterSpec>, Failure> {
+    if tf_config.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: non-NULL; the caller promises a NUL-terminated string.
+    let text = unsafe { std::ffi::CStr::from_ptr(tf_config) }
+        .to_str()
+        .map_err(|_| Failure::invalid("tf_config is not UTF-8"))?;
+    Ok(Some(tutti::from_tf_config(text)?))
+}
+
 /// Create a strategy of `kind` whose local replicas are on `devices` (`num_devices` device
 /// names: `"cpu:0"`, `"gpu:1"`, `"xla:0"`, or TensorFlow's `"/device:GPU:0"`,
 /// `"/job:localhost/replica:0/task:0/device:CPU:0"`) and write it to `*strategy`: ONE_DEVICE
@@ -333,18 +412,6 @@ pub unsafe extern "C" fn tutti_strategy_create_on_devices(
         if strategy.is_null() {
             return Err(Failure::invalid("strategy is NULL"));
         }
-        if devices.is_null() || num_devices == 0 {
-            return Err(Failure::invalid(
-                "devices is NULL or num_devices is 0; tutti_strategy_create takes the default \
-                 devices",
-            ));
-        }
-        if num_devices > tutti::MAX_LOCAL_RANKS {
-            return Err(Failure::invalid(format!(
-                "num_devices is {num_devices}; a process holds at most {} local replicas",
-                tutti::MAX_LOCAL_RANKS
-            )));
-        }
         // The kind and ops before the devices: a device not there is no excuse for them.
         match kind {
             k if k == K::TUTTI_STRATEGY_DEFAULT as u32 || k == K::TUTTI_STRATEGY_TPU as u32 => {
@@ -365,29 +432,8 @@ pub unsafe extern "C" fn tutti_strategy_create_on_devices(
                 "ops is for a MIRRORED strategy; pass NULL for this kind",
             ));
         }
-        // SAFETY: `num_devices` pointers, as the caller promises.
-        let names = unsafe { std::slice::from_raw_parts(devices, num_devices) };
-        let devices = names
-            .iter()
-            .enumerate()
-            .map(|(i, &name)| {
-                if name.is_null() {
-                    return Err(Failure::invalid(format!("devices[{i}] is NULL")));
-                }
-                // SAFETY: a NUL-terminated string, as the caller promises.
-                let name = unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy();
-                Ok(tutti::device_from_spec(&name)?)
-            })
-            .collect::<Result<Vec<_>, Failure>>()?;
-        if let Some((a, b)) = (0..devices.len())
-            .flat_map(|b| (0..b).map(move |a| (a, b)))
-            .find(|&(a, b)| devices[a] == devices[b])
-        {
-            return Err(Failure::invalid(format!(
-                "devices[{a}] and devices[{b}] both name {}: a replica per device",
-                devices[a].spec()
-            )));
-        }
+        // SAFETY: as the caller promises.
+        let devices = unsafe { device_list(devices, num_devices) }?;
         let inner = match kind {
             k if k == K::TUTTI_STRATEGY_ONE_DEVICE as u32 => match &devices[..] {
                 [d] => Strategy::one_device(d.clone())?,
@@ -527,48 +573,99 @@ pub unsafe extern "C" fn tutti_strategy_create_multi_worker_with_options(
     strategy: *mut *mut tutti_strategy,
 ) -> tutti_result {
     boundary("tutti_strategy_create_multi_worker_with_options", || {
-        use TuttiCommunication as C;
-        if strategy.is_null() {
-            return Err(Failure::invalid("strategy is NULL"));
-        }
-        let implementation = match communication {
-            c if c == C::TUTTI_COMMUNICATION_AUTO as u32 => CommunicationImplementation::Auto,
-            c if c == C::TUTTI_COMMUNICATION_RING as u32 => CommunicationImplementation::Ring,
-            c if c == C::TUTTI_COMMUNICATION_NCCL as u32 => CommunicationImplementation::Nccl,
-            other => {
-                return Err(Failure::invalid(format!(
-                    "communication {other} is not a tutti_communication (valid: 0..=2)"
-                )))
-            }
-        };
-        let spec = if tf_config.is_null() {
-            None
-        } else {
-            // SAFETY: non-NULL; the caller promises a NUL-terminated string.
-            let text = unsafe { std::ffi::CStr::from_ptr(tf_config) }
-                .to_str()
-                .map_err(|_| Failure::invalid("tf_config is not UTF-8"))?;
-            Some(tutti::from_tf_config(text)?)
-        };
-        let devices = if num_local_replicas == 0 {
-            Vec::new()
-        } else {
-            logical_cpus(num_local_replicas)?
-        };
-        let options = tutti::strategy::CommunicationOptions {
-            implementation,
-            bytes_per_pack,
-            timeout: (timeout_ms > 0).then(|| std::time::Duration::from_millis(timeout_ms)),
-        };
-        let inner = Strategy::multi_worker_mirrored_with(&options, spec, &devices)?;
-        // SAFETY: checked non-NULL; the caller promises it is writable.
+        // SAFETY: as the caller promises.
         unsafe {
-            strategy.write(Box::into_raw(Box::new(tutti_strategy {
-                inner: std::sync::Arc::new(inner),
-            })))
-        };
-        Ok(())
+            multi_worker_into(
+                tf_config,
+                communication,
+                bytes_per_pack,
+                timeout_ms,
+                strategy,
+                || {
+                    Ok(if num_local_replicas == 0 {
+                        Vec::new()
+                    } else {
+                        logical_cpus(num_local_replicas)?
+                    })
+                },
+            )
+        }
     })
+}
+
+/// `tutti_strategy_create_multi_worker_with_options` with its local replicas on `devices`
+/// (`num_devices` names, as `tutti_strategy_create_on_devices` takes them: `"cpu:0"`,
+/// `"gpu:1"`, `"xla:0"`, TensorFlow's `"/device:GPU:0"`): every worker of the cluster
+/// `tf_config` describes (NULL: the environment's; none: this process alone, as TensorFlow
+/// runs it) on its own devices, combined across workers as `communication` says, with
+/// TensorFlow's `bytes_per_pack` and `timeout_ms` (0: the defaults). On XLA devices each
+/// worker's replicas reduce there first. A device that is not there is
+/// `TUTTI_ERROR_UNAVAILABLE` naming it.
+///
+/// Thread-safety: callable from any thread.
+///
+/// # Safety
+///
+/// `tf_config` is NULL or a NUL-terminated string; `devices` points to `num_devices`
+/// NUL-terminated strings; `strategy` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_strategy_create_multi_worker_on_devices(
+    tf_config: *const c_char,
+    communication: tutti_communication,
+    bytes_per_pack: usize,
+    timeout_ms: u64,
+    devices: *const *const c_char,
+    num_devices: usize,
+    strategy: *mut *mut tutti_strategy,
+) -> tutti_result {
+    boundary("tutti_strategy_create_multi_worker_on_devices", || {
+        // SAFETY: as the caller promises.
+        unsafe {
+            multi_worker_into(
+                tf_config,
+                communication,
+                bytes_per_pack,
+                timeout_ms,
+                strategy,
+                || device_list(devices, num_devices),
+            )
+        }
+    })
+}
+
+/// A MultiWorkerMirroredStrategy with these options on the local devices `devices` gives
+/// (none: the default ones), written to `*strategy`; the arguments checked in order (the
+/// options before the devices: a device not there is no excuse for them).
+///
+/// # Safety
+///
+/// `tf_config` is NULL or a NUL-terminated string; `strategy` is NULL or writable.
+unsafe fn multi_worker_into(
+    tf_config: *const c_char,
+    communication: tutti_communication,
+    bytes_per_pack: usize,
+    timeout_ms: u64,
+    strategy: *mut *mut tutti_strategy,
+    devices: impl FnOnce() -> Result<Vec<tutti::Device>, Failure>,
+) -> Result<(), Failure> {
+    if strategy.is_null() {
+        return Err(Failure::invalid("strategy is NULL"));
+    }
+    let options = tutti::strategy::CommunicationOptions {
+        implementation: communication_of(communication)?,
+        bytes_per_pack,
+        timeout: (timeout_ms > 0).then(|| std::time::Duration::from_millis(timeout_ms)),
+    };
+    // SAFETY: NULL or a NUL-terminated string, as the caller promises.
+    let spec = unsafe { tf_config_of(tf_config) }?;
+    let inner = Strategy::multi_worker_mirrored_with(&options, spec, &devices()?)?;
+    // SAFETY: checked non-NULL; the caller promises it is writable.
+    unsafe {
+        strategy.write(Box::into_raw(Box::new(tutti_strategy {
+            inner: std::sync::Arc::new(inner),
+        })))
+    };
+    Ok(())
 }
 
 /// Create a strategy of `kind` with `num_local_replicas` replicas on this host (logical CPU

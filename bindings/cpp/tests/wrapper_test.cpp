@@ -582,6 +582,13 @@ static void strategies_and_checkpoints() {
         auto packed = tutti::strategy::multi_worker(tutti::communication::ring, nullptr, 2, 4096,
                                                     std::chrono::milliseconds(5000));
         EXPECT(packed.num_replicas_in_sync() == 2);
+        // On named devices.
+        auto named = tutti::strategy::multi_worker({"cpu:0", "/device:CPU:1", "CPU:2"},
+                                                   tutti::communication::ring);
+        EXPECT(named.num_local_replicas() == 3 && named.num_replicas_in_sync() == 3);
+        tutti::error twice =
+            expect_throw([] { tutti::strategy::multi_worker({"cpu:0", "/cpu:0"}); });
+        EXPECT(std::string(twice.what()).find("both name cpu:0") != std::string::npos);
         // One worker: none to shrink to (a clear error, not a crash).
         tutti::error e = expect_throw([&] { mw.shrink(); });
         EXPECT(std::string(e.what()).find("shrink") != std::string::npos);

@@ -277,6 +277,24 @@ static void strategies_on_named_devices(void) {
     c.reduce_to_device = 3;
     EXPECT_ERROR(tutti_strategy_create_on_devices(TUTTI_STRATEGY_MIRRORED, three, 3, &c, &s),
                  TUTTI_ERROR_INVALID_ARGUMENT, "reduce_to_device 3");
+    /* MultiWorkerMirroredStrategy on named devices with TensorFlow's CommunicationOptions:
+     * no cluster here, so one worker of two replicas, as TensorFlow runs it. */
+    CHECK(tutti_strategy_create_multi_worker_on_devices(NULL, TUTTI_COMMUNICATION_RING, 1 << 20,
+                                                        20000, three, 2, &s));
+    CHECK(tutti_strategy_num_replicas(s, &total, &local));
+    EXPECT(total == 2 && local == 2);
+    memset(&sh, 0, sizeof sh);
+    CHECK(tutti_strategy_run(s, step, &sh));
+    tutti_strategy_destroy(s);
+    EXPECT_ERROR(tutti_strategy_create_multi_worker_on_devices(NULL, 7, 0, 0, three, 2, &s),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "communication 7 is not a tutti_communication");
+    EXPECT_ERROR(tutti_strategy_create_multi_worker_on_devices(NULL, TUTTI_COMMUNICATION_AUTO, 0,
+                                                               0, twice, 2, &s),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "devices[0] and devices[1] both name cpu:0");
+    EXPECT_ERROR(tutti_strategy_create_multi_worker_on_devices("{not json", 0, 0, 0, three, 2, &s),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "TF_CONFIG");
+    EXPECT_ERROR(tutti_strategy_create_multi_worker_on_devices(NULL, 0, 0, 0, NULL, 0, &s),
+                 TUTTI_ERROR_INVALID_ARGUMENT, "devices is NULL");
     /* A GPU that is not there (or a library without CUDA): UNAVAILABLE, naming it. */
     r = tutti_strategy_create_on_devices(TUTTI_STRATEGY_MIRRORED, gpu, 1, NULL, &s);
     if (r == TUTTI_SUCCESS) {
