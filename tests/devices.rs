@@ -140,6 +140,51 @@ fn xla_devices_every_collective() {
     assert!(m.contains("xla:0 … xla:1"), "{m}");
 }
 
+/// all_to_all_v on XLA devices whose ranks disagree on a pair's count: every rank's call fails
+/// before anything moves, naming both ranks and both counts; the group is aborted.
+#[cfg(feature = "xla")]
+#[test]
+fn xla_all_to_all_v_counts_that_disagree_name_both_ranks() {
+    if std::env::var_os("TUTTI_PJRT_PLUGIN").is_none() {
+        assert!(
+            std::env::var("TUTTI_REQUIRE_XLA").as_deref() != Ok("1"),
+            "TUTTI_REQUIRE_XLA=1 but TUTTI_PJRT_PLUGIN is not set"
+        );
+        eprintln!("skipped: set TUTTI_PJRT_PLUGIN");
+        return;
+    }
+    let config = Config::default().with_timeout(Duration::from_secs(60));
+    let comms = device_group(&["xla:0", "xla:1"], &config).unwrap();
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .enumerate()
+            .map(|(r, c)| {
+                s.spawn(move || {
+                    // Rank 0 sends 2 elements to rank 1, which expects 3 from it.
+                    let (send, recv) = if r == 0 {
+                        ([1, 2], [1, 1])
+                    } else {
+                        ([1, 1], [3, 1])
+                    };
+                    let input = vec![1.0f32; send.iter().sum()];
+                    let mut output = vec![0.0f32; recv.iter().sum()];
+                    c.all_to_all_v(&input, &send, &mut output, &recv)
+                        .unwrap_err()
+                        .to_string()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in &errors {
+        assert!(
+            e.contains("rank 0 sends 2 elements to rank 1, which expects 3"),
+            "{e}"
+        );
+    }
+}
+
 /// The bitwise-deterministic mode on XLA devices: every reducing collective (all-reduce,
 /// reduce, reduce-scatter; f32, bf16, f64; sum and mean) gives the bits of tutti's kernels'
 /// reduction in rank order (`perf::check` compares them), in host memory and on tensors on the

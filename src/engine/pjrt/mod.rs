@@ -1,9 +1,10 @@
 //! PJRT programs on `xla:N` ranks: every rank's host buffer staged to its device, one program
 //! over the group's devices, the results staged back (the client's host-staged path); or, for
 //! the ranks' [`DeviceTensor`]s (all-reduce, broadcast, all-gather), one program over their buffers
-//! where they lie, with no copy through host memory. Reduce
-//! and gather, which PJRT lacks, are an all-reduce and an all-gather whose root keeps its
-//! result.
+//! where they lie, with no copy through host memory. Reduce and gather, which PJRT lacks, are
+//! an all-reduce and an all-gather whose root keeps its result; scatter an all-to-all in which
+//! the root's blocks alone are read back; the calls with a count per block their equal-block
+//! programs over blocks padded to the longest.
 
 mod collective;
 
@@ -56,6 +57,122 @@ unsafe fn output<'a>(b: &CallBuffers) -> &'a mut [u8] {
 }
 
 impl Pjrt {
+    /// The calls with a count per block (all_gather_v, reduce_scatter_v, all_to_all_v) as
+    /// their equal-block programs: every block padded with zeros to the longest, the program
+    /// run, each rank's blocks cut back to their counts. The padding is never read back (a
+    /// reduction's padded lanes are dropped).
+    fn run_padded(&self, site: Site, c: &GroupCall, bufs: &[CallBuffers]) -> Result<()> {
+        let (n, esize, d) = (bufs.len(), c.dtype.size(), c.dtype);
+        // SAFETY: every rank is inside the call until rank 0 has run it.
+        let offsets: Vec<&[usize]> = bufs.iter().map(|b| unsafe { b.offsets() }).collect();
+        let want = if c.collective == Collective::AllToAllV {
+            2 * (n + 1)
+        } else {
+            n + 1
+        };
+        if let Some(r) = offsets.iter().position(|o| o.len() != want) {
+            return Err(Error::invalid(
+                site,
+                format!(
+                    "{}: rank {r} published {} block offsets for {n} ranks",
+                    c.collective,
+                    offsets[r].len()
+                ),
+            ));
+        }
+        let len = |o: &[usize], k: usize| o[k + 1] - o[k];
+        // (send offsets, receive offsets) of each rank, in elements.
+        let lists: Vec<(&[usize], &[usize])> = offsets
+            .iter()
+            .map(|o| match c.collective {
+                Collective::AllToAllV => (&o[..n + 1], &o[n + 1..]),
+                _ => (&o[..], &o[..]),
+            })
+            .collect();
+        if c.collective == Collective::AllToAllV {
+            for (i, j) in (0..n).flat_map(|i| (0..n).map(move |j| (i, j))) {
+                let (sent, expected) = (len(lists[i].0, j), len(lists[j].1, i));
+                if sent != expected {
+                    return Err(Error::invalid(
+                        site,
+                        format!(
+                            "rank {i} sends {sent} elements to rank {j}, which expects \
+                             {expected} from it (send_counts[{j}] of rank {i} against \
+                             recv_counts[{i}] of rank {j})"
+                        ),
+                    ));
+                }
+            }
+        }
+        let m = (0..n)
+            .flat_map(|r| (0..n).map(move |k| (r, k)))
+            .map(|(r, k)| len(lists[r].0, k))
+            .max()
+            .unwrap_or(0);
+        let (block, all) = (m * esize, m * esize * n);
+        // Each rank's input blocks, padded: block k of rank r's padded input.
+        let padded = |from: &[u8], o: &[usize]| {
+            let mut p = Scratch::of(&vec![0u8; all]);
+            for k in 0..n {
+                let at = o[k] * esize..o[k + 1] * esize;
+                p.bytes_mut()[k * block..k * block + at.len()].copy_from_slice(&from[at]);
+            }
+            p
+        };
+        // SAFETY (inputs and outputs below): the ranks published these buffers for this call.
+        let ins: Vec<Scratch> = match c.collective {
+            // Rank r's input is its block r alone.
+            Collective::AllGatherV => (0..n)
+                .map(|r| {
+                    let mut p = Scratch::of(&vec![0u8; block]);
+                    let x = unsafe { input(&bufs[r]) };
+                    p.bytes_mut()[..x.len()].copy_from_slice(x);
+                    p
+                })
+                .collect(),
+            _ => (0..n)
+                .map(|r| padded(unsafe { input(&bufs[r]) }, lists[r].0))
+                .collect(),
+        };
+        let out_len = if c.collective == Collective::ReduceScatterV {
+            block
+        } else {
+            all
+        };
+        let mut outs: Vec<Scratch> = (0..n).map(|_| Scratch::of(&vec![0u8; out_len])).collect();
+        if m > 0 {
+            let ins: Vec<&[u8]> = ins.iter().map(Scratch::bytes).collect();
+            let mut views: Vec<&mut [u8]> = outs.iter_mut().map(Scratch::bytes_mut).collect();
+            match c.collective {
+                Collective::AllGatherV => self.client.all_gather_raw(d, &ins, &mut views)?,
+                Collective::ReduceScatterV => {
+                    self.client
+                        .reduce_scatter_in(d, &ins, &mut views, c.op, c.deterministic)?
+                }
+                _ => self.client.all_to_all_raw(d, &ins, &mut views)?,
+            }
+        }
+        for (r, (b, got)) in bufs.iter().zip(&outs).enumerate() {
+            let out = unsafe { output(b) };
+            let recv = lists[r].1;
+            match c.collective {
+                // Rank r's own block of the reduction, cut to its count.
+                Collective::ReduceScatterV => {
+                    out.copy_from_slice(&got.bytes()[..len(recv, r) * esize]);
+                }
+                // Block k of the result: rank k's (what rank k sent to this rank).
+                _ => {
+                    for k in 0..n {
+                        let at = recv[k] * esize..recv[k + 1] * esize;
+                        let l = at.len();
+                        out[at].copy_from_slice(&got.bytes()[k * block..k * block + l]);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// `c` over the ranks' tensors ([`CallBuffers::held`]), where they lie: one program over
     /// their PJRT buffers, whose results the tensors hold afterwards (for an update, the
     /// variable's copies at `output`).
@@ -313,6 +430,47 @@ impl GroupEngine for Pjrt {
                 self.client
                     .gather_raw(d, &ins, c.root, unsafe { output(root) })
             }
+            Collective::Scatter => {
+                // An all-to-all in which only the root's blocks are real: rank r's block from
+                // the root is block r of the root's input.
+                let n = bufs.len();
+                let root = &bufs[c.root];
+                let block = bufs.iter().map(|b| b.output_len).max().unwrap_or(0);
+                if root.input_len != block * n || bufs.iter().any(|b| b.output_len != block) {
+                    return Err(Error::invalid(
+                        site,
+                        format!(
+                            "scatter: the root's {} bytes are not {n} blocks of every rank's \
+                             output ({block} bytes)",
+                            root.input_len
+                        ),
+                    ));
+                }
+                let zeros = Scratch::of(&vec![0u8; block * n]);
+                let ins: Vec<&[u8]> = (0..n)
+                    .map(|r| {
+                        if r == c.root {
+                            unsafe { input(&bufs[r]) }
+                        } else {
+                            zeros.bytes()
+                        }
+                    })
+                    .collect();
+                let mut tmp: Vec<Scratch> =
+                    (0..n).map(|_| Scratch::of(&vec![0u8; block * n])).collect();
+                let mut views: Vec<&mut [u8]> = tmp.iter_mut().map(Scratch::bytes_mut).collect();
+                if block > 0 {
+                    self.client.all_to_all_raw(d, &ins, &mut views)?;
+                }
+                for (b, t) in bufs.iter().zip(&tmp) {
+                    unsafe { output(b) }
+                        .copy_from_slice(&t.bytes()[c.root * block..(c.root + 1) * block]);
+                }
+                Ok(())
+            }
+            Collective::AllGatherV | Collective::ReduceScatterV | Collective::AllToAllV => {
+                self.run_padded(site, c, bufs)
+            }
             Collective::Barrier => Ok(()),
             // The communicator refuses these before the ranks meet (`GroupEngine::runs`).
             other => Err(crate::error::Error::Unavailable {
@@ -324,7 +482,15 @@ impl GroupEngine for Pjrt {
 
     fn runs(&self, c: Collective) -> bool {
         (c as usize) <= Collective::Barrier as usize
-            || matches!(c, Collective::AllToAll | Collective::Gather)
+            || matches!(
+                c,
+                Collective::AllToAll
+                    | Collective::Gather
+                    | Collective::Scatter
+                    | Collective::AllGatherV
+                    | Collective::ReduceScatterV
+                    | Collective::AllToAllV
+            )
     }
 
     fn runs_list(&self) -> &'static str {
@@ -336,7 +502,10 @@ impl GroupEngine for Pjrt {
         // op runs over them in rank order (see the program module); reduce is an all-reduce.
         matches!(
             c,
-            Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce
+            Collective::AllReduce
+                | Collective::ReduceScatter
+                | Collective::ReduceScatterV
+                | Collective::Reduce
         )
     }
 
@@ -377,5 +546,5 @@ impl GroupEngine for Pjrt {
 }
 
 /// What the PJRT engine runs, as an error message lists it.
-const XLA_RUNS: &str =
-    "all_reduce, broadcast, all_gather, reduce, reduce_scatter, all_to_all, gather and barrier";
+const XLA_RUNS: &str = "all_reduce, broadcast, all_gather, reduce, reduce_scatter, all_to_all, \
+                        gather, scatter, all_gather_v, reduce_scatter_v, all_to_all_v and barrier";
