@@ -74,7 +74,13 @@ pub(super) fn run(
 }
 
 fn call(client: &Client, opts: &Options, inputs: &[&XlaBuffer]) -> Result<Vec<XlaBuffer>> {
+    // The deterministic mode's programs: the inputs gathered, reduced in rank order.
+    let ordered = opts.config.deterministic;
     match opts.collective {
+        Collective::AllReduce if ordered => client.all_reduce_buffers_ordered(inputs, opts.op),
+        Collective::ReduceScatter if ordered => {
+            client.reduce_scatter_buffers_ordered(inputs, opts.op)
+        }
         Collective::AllReduce => client.all_reduce_buffers(inputs, opts.op),
         Collective::Broadcast => client.broadcast_buffers(inputs, opts.root),
         Collective::AllGather => client.all_gather_buffers(inputs),
@@ -135,7 +141,11 @@ fn one_size<T: Element>(
     };
     let row = RowOf {
         opts,
-        algo: "xla".into(),
+        algo: if opts.config.deterministic && super::reduces(opts.collective) {
+            "xla-ordered".into()
+        } else {
+            "xla".into()
+        },
         ranks: p,
         dtype: T::DTYPE,
         count: shape.count,

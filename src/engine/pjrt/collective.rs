@@ -770,4 +770,13 @@ impl Client {
     ) -> Result<Vec<XlaBuffer>> {
         self.device_call(Kind::ReduceScatter(op), inputs)
     }
+
+    /// [`Client::reduce_scatter_buffers`] reduced in rank order (see the program module).
+    pub fn reduce_scatter_buffers_ordered(
+        &self,
+        inputs: &[&XlaBuffer],
+        op: ReduceOp,
+    ) -> Result<Vec<XlaBuffer>> {
+        self.device_call(Kind::OrderedReduceScatter(op), inputs)
+    }
 }
