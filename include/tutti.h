@@ -1669,11 +1669,12 @@ void tutti_comm_destroy(struct tutti_comm *comm);
  * is set to NULL). Collective: every rank of `comm` calls it, in the same order as its
  * collectives, and it is checked and bounded by the timeout as they are. The new communicator
  * has `comm`'s settings and connections of its own: its calls never disturb another group's
- * or `comm`'s. Destroy it with `tutti_comm_destroy`, before or after `comm`.
+ * or `comm`'s. Destroy it with `tutti_comm_destroy`, before or after `comm`. A group of one
+ * process's XLA devices splits into groups over their members' devices.
  *
  * Errors: `TUTTI_ERROR_INVALID_ARGUMENT` (NULL `newcomm`, a color past 2^32 - 1),
- * `TUTTI_ERROR_MISMATCH` when the ranks' calls differ, `TUTTI_ERROR_UNAVAILABLE` for device
- * groups, and the errors of a collective or of joining (a timeout naming the rank).
+ * `TUTTI_ERROR_MISMATCH` when the ranks' calls differ, `TUTTI_ERROR_UNAVAILABLE` for GPU
+ * ranks, and the errors of a collective or of joining (a timeout naming the rank).
  *
  * Thread-safety: as a collective.
  *

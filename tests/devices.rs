@@ -50,6 +50,10 @@ fn device_specs_that_are_wrong_say_which() {
     if !cfg!(feature = "xla") {
         let m = msg(device_group(&["xla:0"], &c));
         assert!(m.starts_with("XLA not available"), "{m}");
+    } else {
+        // Refused before any client starts (the CPU plugin would make that many devices).
+        let m = msg(device_group(&["xla:0", "xla:5000"], &c));
+        assert!(m.contains("rank 1 is on xla:5000"), "{m}");
     }
     if !cfg!(feature = "cuda") {
         let m = msg(device_group(&["cuda:0", "cuda:1"], &c));
@@ -120,24 +124,32 @@ fn calls_by_address_on_a_device_group() {
     });
 }
 
+/// Whether a PJRT plugin is set for the XLA tests (`TUTTI_PJRT_PLUGIN`); without one, `test`
+/// is skipped (printed), unless `TUTTI_REQUIRE_XLA=1`.
+#[cfg(feature = "xla")]
+fn xla_plugin(test: &str) -> bool {
+    if std::env::var_os("TUTTI_PJRT_PLUGIN").is_some() {
+        return true;
+    }
+    assert!(
+        std::env::var("TUTTI_REQUIRE_XLA").as_deref() != Ok("1"),
+        "TUTTI_REQUIRE_XLA=1 but TUTTI_PJRT_PLUGIN is not set"
+    );
+    eprintln!("{test}: skipped: set TUTTI_PJRT_PLUGIN");
+    false
+}
+
 #[cfg(feature = "xla")]
 #[test]
 fn xla_devices_every_collective() {
-    if std::env::var_os("TUTTI_PJRT_PLUGIN").is_none() {
-        assert!(
-            std::env::var("TUTTI_REQUIRE_XLA").as_deref() != Ok("1"),
-            "TUTTI_REQUIRE_XLA=1 but TUTTI_PJRT_PLUGIN is not set"
-        );
-        eprintln!("xla_devices_every_collective: skipped: set TUTTI_PJRT_PLUGIN");
+    if !xla_plugin("xla_devices_every_collective") {
         return;
     }
     let calls = check_group(&["xla:0", "xla:1", "xla:2", "xla:3"], &[0, 1, 7, 1000]);
     assert!(calls > 1000, "{calls}");
-    let m = device_group(&["xla:1", "xla:0"], &Config::default())
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(m.contains("xla:0 … xla:1"), "{m}");
+    // Any of the client's devices, in any order: rank r runs on the device it names.
+    let calls = check_group(&["xla:3", "xla:1"], &[0, 1, 7]);
+    assert!(calls > 10, "{calls}");
 }
 
 /// all_to_all_v on XLA devices whose ranks disagree on a pair's count: every rank's call fails
@@ -145,12 +157,7 @@ fn xla_devices_every_collective() {
 #[cfg(feature = "xla")]
 #[test]
 fn xla_all_to_all_v_counts_that_disagree_name_both_ranks() {
-    if std::env::var_os("TUTTI_PJRT_PLUGIN").is_none() {
-        assert!(
-            std::env::var("TUTTI_REQUIRE_XLA").as_deref() != Ok("1"),
-            "TUTTI_REQUIRE_XLA=1 but TUTTI_PJRT_PLUGIN is not set"
-        );
-        eprintln!("skipped: set TUTTI_PJRT_PLUGIN");
+    if !xla_plugin("xla_all_to_all_v_counts_that_disagree_name_both_ranks") {
         return;
     }
     let config = Config::default().with_timeout(Duration::from_secs(60));
@@ -192,12 +199,7 @@ fn xla_all_to_all_v_counts_that_disagree_name_both_ranks() {
 #[cfg(feature = "xla")]
 #[test]
 fn xla_devices_reduce_in_rank_order_in_deterministic_mode() {
-    if std::env::var_os("TUTTI_PJRT_PLUGIN").is_none() {
-        assert!(
-            std::env::var("TUTTI_REQUIRE_XLA").as_deref() != Ok("1"),
-            "TUTTI_REQUIRE_XLA=1 but TUTTI_PJRT_PLUGIN is not set"
-        );
-        eprintln!("skipped: set TUTTI_PJRT_PLUGIN");
+    if !xla_plugin("xla_devices_reduce_in_rank_order_in_deterministic_mode") {
         return;
     }
     let specs = ["xla:0", "xla:1", "xla:2", "xla:3"];
@@ -229,6 +231,72 @@ fn xla_devices_reduce_in_rank_order_in_deterministic_mode() {
         assert_eq!(host, &want);
         assert_eq!(dev, &want);
     }
+}
+
+/// A group of XLA devices splits as threads do (by color, then key; a split of a split; a rank
+/// of no color), each group running its calls on its members' devices while the other group
+/// and the parent run theirs; a group's mistake fails that group alone; tensors placed by a
+/// group's communicator are reduced where they lie, and the parent's tensors are refused there.
+#[cfg(feature = "xla")]
+#[test]
+fn xla_device_groups_split_and_split_again() {
+    if !xla_plugin("xla_device_groups_split_and_split_again") {
+        return;
+    }
+    let config = Config::default().with_timeout(Duration::from_secs(60));
+    let specs = ["xla:0", "xla:1", "xla:2", "xla:3", "xla:4"];
+    let comms = device_group(&specs, &config).unwrap();
+    let got: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let r = comm.rank();
+                    // Evens {0, 2, 4} ranked 4, 2, 0; odds {1, 3} ranked 3, 1.
+                    let half = comm
+                        .split(Some((r % 2) as u32), -(r as i64))
+                        .unwrap()
+                        .unwrap();
+                    assert_eq!(half.device_spec(), comm.device_spec());
+                    let mut order = vec![0i64; half.world_size()];
+                    half.all_gather(&[r as i64], &mut order).unwrap();
+                    // The odds disagree about a count; the evens run calls meanwhile.
+                    let mut ok = true;
+                    if r % 2 == 1 {
+                        let n = if r == 1 { 3 } else { 4 };
+                        let e = half.all_reduce(&mut vec![1.0f32; n], ReduceOp::Sum);
+                        ok &= matches!(e, Err(Error::Mismatch { .. }));
+                    } else {
+                        for i in 0..20 {
+                            let mut v = [i as f32 + r as f32; 9];
+                            half.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                            ok &= v == [3.0 * i as f32 + 6.0; 9];
+                        }
+                        // A split of a split, and a rank of no color: {4, 2} and nothing for 0.
+                        let quarter = half.split((half.rank() < 2).then_some(1), 0).unwrap();
+                        if let Some(q) = &quarter {
+                            let mut t = q.place(&[r as f64, 1.0]).unwrap();
+                            q.all_reduce_tensor(&mut t, ReduceOp::Sum).unwrap();
+                            ok &= t.to_vec::<f64>().unwrap() == [6.0, 2.0];
+                            let mut theirs = half.place(&[1.0f64]).unwrap();
+                            let e = q.all_reduce_tensor(&mut theirs, ReduceOp::Sum).unwrap_err();
+                            ok &= e.to_string().contains("another XLA client");
+                        }
+                        ok &= quarter.is_some() == (r != 0);
+                    }
+                    let mut v = [r as i32];
+                    comm.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                    ok &= v == [10];
+                    (order, ok)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let orders: Vec<&Vec<i64>> = got.iter().map(|g| &g.0).collect();
+    let (evens, odds) = (vec![4, 2, 0], vec![3, 1]);
+    assert_eq!(orders, [&evens, &odds, &evens, &odds, &evens]);
+    assert!(got.iter().all(|g| g.1), "{got:?}");
 }
 
 /// One rank per process on a device (`TUTTI_DEVICE`): what cannot be is said before any

@@ -326,6 +326,48 @@ fn second_call_hits_the_program_cache() {
     assert_eq!(client.cache_stats().compiled, 4);
 }
 
+/// A view of some of a client's devices (`Client::subset`): its devices are those asked for,
+/// in that order, named as the client names them; its programs are compiled for them alone
+/// and run beside the client's; buffers placed through it are on its devices; devices listed
+/// twice or missing are refused, naming them.
+#[test]
+fn a_subset_of_the_devices_runs_programs_of_its_own() {
+    let Some(client) = new_client("subset") else {
+        return;
+    };
+    client.set_route(xla::Route::Program);
+    let view = client.subset(&[3, 1]).unwrap();
+    let ids: Vec<i64> = view.devices().iter().map(|d| d.id).collect();
+    let want_ids = [client.devices()[3].id, client.devices()[1].id];
+    assert_eq!(ids, want_ids);
+    assert_eq!(view.devices()[0].index, 3);
+    std::thread::scope(|s| {
+        s.spawn(|| check_all_reduce::<f32>(&client, 33, ReduceOp::Sum));
+        let mut a = vec![1.0f32, 2.0];
+        let mut b = vec![10.0f32, 20.0];
+        view.all_reduce(&mut [&mut a[..], &mut b[..]], ReduceOp::Sum)
+            .unwrap();
+        assert_eq!((a, b), (vec![11.0, 22.0], vec![11.0, 22.0]));
+    });
+    assert_eq!(view.cache_stats().compiled, 1);
+    let buf = view.buffer_from_host(&[5i32, 6], 0).unwrap();
+    assert_eq!(format!("{buf:?}"), "XlaBuffer(i32 x 2 on xla:3)");
+    assert_eq!(buf.to_vec::<i32>().unwrap(), [5, 6]);
+    // A view of a view, outliving both.
+    let inner = view.subset(&[1]).unwrap();
+    drop((client, view));
+    assert_eq!(inner.devices()[0].index, 1);
+    let mut one = vec![7u8];
+    inner
+        .all_reduce(&mut [&mut one[..]], ReduceOp::Max)
+        .unwrap();
+    assert_eq!(one, [7]);
+    let m = inner.subset(&[0, 0]).unwrap_err().to_string();
+    assert!(m.contains("device 0 is listed twice"), "{m}");
+    let m = inner.subset(&[1]).unwrap_err().to_string();
+    assert!(m.contains("device 1") && m.contains("has 1 device"), "{m}");
+}
+
 #[test]
 fn broadcast_from_every_root_is_bit_exact() {
     let Some(client) = shared() else { return };

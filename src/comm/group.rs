@@ -43,8 +43,8 @@ pub fn local_group(world: usize, config: &Config) -> Result<Vec<Communicator>> {
 /// - `cpu:N`: the host algorithms, as [`local_group`];
 /// - `xla:N` (feature `xla`): one PJRT program over the devices of the client that
 ///   `TUTTI_PJRT_PLUGIN` / `TUTTI_PJRT_OPTIONS` give (the CPU plugin gets as many devices as
-///   asked for); buffers are host memory, staged to the devices. The ranks must be `xla:0` …
-///   `xla:N-1` in order;
+///   the highest index needs); buffers are host memory, staged to the devices, or the ranks'
+///   tensors on them. Any of the client's devices, in any order;
 /// - `cuda:N` (feature `cuda`): NCCL or the CUDA copy algorithms (`Config::algorithm`: `auto`,
 ///   `hierarchical-copy[:G]`, `reduce-to-one[:ROOT]`) over device memory, passed by address
 ///   ([`Communicator::run_raw`]).
@@ -104,36 +104,45 @@ pub(crate) fn engine_group(
         .collect()
 }
 
-/// The engine of an in-process group on the XLA devices `xla:{indices}` (the first devices of
-/// the plugin's client, in order).
+/// The engine of an in-process group on the XLA devices `xla:{indices}` of the plugin's
+/// client (rank r on `indices[r]`; the CPU plugin gets as many devices as the highest index
+/// needs, unless `TUTTI_PJRT_OPTIONS` says).
 #[cfg(feature = "xla")]
 pub(crate) fn xla_engine(indices: &[usize], config: &Config) -> Result<Arc<dyn GroupEngine>> {
     use crate::xla::{Client, ClientOptions, OptionValue, PluginKind};
-    if let Some(r) = (0..indices.len()).find(|&r| indices[r] != r) {
+    // Before any client starts: the CPU plugin would make as many devices as asked for.
+    if let Some(r) = indices.iter().position(|&i| i >= MAX_LOCAL_RANKS) {
         return Err(Error::config(format!(
-            "rank {r} is on xla:{}; the ranks of an XLA group are the client's first devices in \
-             order: xla:0 … xla:{}",
+            "rank {r} is on xla:{}, past the devices one process's group may use (xla:0 … \
+             xla:{})",
             indices[r],
-            indices.len() - 1
+            MAX_LOCAL_RANKS - 1
         )));
     }
-    let n = indices.len();
+    let need = indices.iter().max().map_or(0, |&m| m + 1);
     let base = ClientOptions::from_env()?.with_timeout(config.timeout);
     let client = Client::discover_with(&|plugin| {
         if plugin.kind() == PluginKind::Cpu && base.get("cpu_device_count").is_none() {
             base.clone()
-                .with("cpu_device_count", OptionValue::Int(n as i64))
+                .with("cpu_device_count", OptionValue::Int(need as i64))
         } else {
             base.clone()
         }
     })?;
     let have = client.devices().len();
-    if have < n {
+    if let Some(r) = indices.iter().position(|&i| i >= have) {
         return Err(Error::config(format!(
-            "{n} XLA ranks asked for, but the {} client has {have} device(s)",
-            client.platform_name()
+            "rank {r} is on xla:{}, but the {} client has {have} device(s) (xla:0 … xla:{})",
+            indices[r],
+            client.platform_name(),
+            have.saturating_sub(1)
         )));
     }
+    let client = if indices.iter().copied().eq(0..indices.len()) {
+        client
+    } else {
+        client.subset(indices)?
+    };
     Ok(Arc::new(crate::engine::pjrt::Pjrt { client }))
 }
 

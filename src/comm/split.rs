@@ -3,8 +3,8 @@
 //! parent rank. It is collective over the parent (its checks and timeout): the colors and keys
 //! travel in one all-gather, and between processes each group's listening addresses in a
 //! second; each group then meets over transports of its own (new connections proving the
-//! job's token, or a new group of threads), so that its calls never disturb another group's
-//! or the parent's.
+//! job's token, or a new group of threads; for a group of one process's devices, an engine over
+//! its members' devices too), so that its calls never disturb another group's or the parent's.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -15,6 +15,7 @@ use parking_lot::Mutex;
 use super::Communicator;
 use crate::cluster::store::Store;
 use crate::config::Config;
+use crate::engine::GroupEngine;
 use crate::error::{Error, Result};
 use crate::transport::local::LocalTransport;
 use crate::transport::net::{Meeting, NetTransport};
@@ -24,10 +25,26 @@ use crate::transport::{Regroup, Transport};
 /// host identity; a host name is at most 255 bytes).
 const RECORD: usize = 512;
 
+/// One group of a split of threads: its parent group, the split's number, its color.
+#[derive(Copy, Clone, PartialEq, Eq, Hash)]
+struct Pending {
+    group: usize,
+    number: u64,
+    color: u32,
+}
+
+/// A group's engine (a split of a group of devices), or why it could not be made.
+type SubEngine = Result<Arc<dyn GroupEngine>>;
+
+/// What the members of a group of threads take, until each has taken its part.
+struct Taken {
+    slots: Vec<Option<LocalTransport>>,
+    engine: Option<SubEngine>,
+}
+
 /// The groups of threads being split in this process, until each member has taken its
-/// transport: (parent group, split number, color) → the members' transports.
-type Pending = HashMap<(usize, u64, u32), Vec<Option<LocalTransport>>>;
-static PENDING: Mutex<Option<Pending>> = Mutex::new(None);
+/// transport.
+static PENDING: Mutex<Option<HashMap<Pending, Taken>>> = Mutex::new(None);
 
 impl Communicator {
     /// Split this communicator: the ranks that pass the same `color` form a new communicator,
@@ -36,6 +53,10 @@ impl Communicator {
     /// in the same order as its other calls; it is checked and bounded by the timeout like
     /// them. The new communicator has this one's settings (timeout, algorithm, chunk size,
     /// modes) and a transport of its own. Splits of splits are splits like any other.
+    ///
+    /// A group of one process's XLA devices splits into groups over their members' devices
+    /// (each rank keeps its device; each group's programs span its devices only). A job of one
+    /// GPU per process, and in-process GPU groups, cannot be split yet: the error says so.
     ///
     /// ```
     /// use tutti::{run_local, Config, ReduceOp};
@@ -50,13 +71,27 @@ impl Communicator {
     /// ```
     pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
         let shared = self.progress.shared();
-        let regroup = match (&shared.engine, shared.transport.regroup()) {
-            (None, Some(r)) => r,
+        let engine = shared.engine.clone();
+        let regroup = match shared.transport.regroup() {
+            // A group of devices splits as its threads do, each group with an engine of its
+            // own over its members' devices.
+            Some(r @ Regroup::Threads(_)) => {
+                // Refused before the ranks meet where the engine cannot, as every rank of the
+                // group refuses it.
+                if let Some(Err(why)) = engine.as_ref().map(|e| e.splits()) {
+                    return Err(Error::Unavailable {
+                        what: format!("split of {} ranks", self.device_spec()),
+                        why,
+                    });
+                }
+                r
+            }
+            Some(r) if engine.is_none() => r,
             _ => {
                 return Err(Error::Unavailable {
                     what: format!("split of {} ranks", self.device_spec()),
-                    why: "device groups and their engines cannot be split yet; split a host \
-                          communicator"
+                    why: "a job of one GPU per process cannot be split yet; split a \
+                          communicator of host ranks, or an in-process group of devices"
                         .into(),
                 })
             }
@@ -96,14 +131,33 @@ impl Communicator {
                 let (Some(c), Some(at)) = (color, new_rank) else {
                     return Ok(None);
                 };
-                Arc::new(take_local(
-                    group,
-                    number,
-                    c,
-                    members.len(),
+                let (t, engine) = take_local(
+                    Pending {
+                        group,
+                        number,
+                        color: c,
+                    },
+                    &members,
                     at,
                     config.timeout,
-                ))
+                    engine.as_deref(),
+                );
+                let Some(engine) = engine else {
+                    return Ok(Some(Communicator::new(Arc::new(t), &config)));
+                };
+                let engine = engine.map_err(|e| match e {
+                    Error::Unavailable { why, .. } => Error::Unavailable {
+                        what: format!("split of {} ranks", self.device_spec()),
+                        why,
+                    },
+                    e => e,
+                })?;
+                return Ok(Some(Communicator::with_engine(
+                    Arc::new(t),
+                    &config,
+                    Some(engine),
+                    self.device,
+                )));
             }
             Regroup::Network {
                 token,
@@ -173,32 +227,33 @@ impl Communicator {
     }
 }
 
-/// Rank `at`'s transport of the `n` threads of color `color` split from `group` (split
-/// `number`): the first member to come makes the group's, each takes its own.
+/// Rank `at`'s transport of the threads `members` (ranks of the parent group) of one color, and
+/// (when the parent has `engine`) their engine or why it could not be made: the first member
+/// to come makes the group's, each takes its own.
 fn take_local(
-    group: usize,
-    number: u64,
-    color: u32,
-    n: usize,
+    id: Pending,
+    members: &[usize],
     at: usize,
     timeout: std::time::Duration,
-) -> LocalTransport {
+    engine: Option<&dyn GroupEngine>,
+) -> (LocalTransport, Option<SubEngine>) {
     let mut pending = PENDING.lock();
     let map = pending.get_or_insert_with(HashMap::new);
-    let id = (group, number, color);
-    let slots = map.entry(id).or_insert_with(|| {
-        LocalTransport::group(n, timeout)
+    let group = map.entry(id).or_insert_with(|| Taken {
+        slots: LocalTransport::group(members.len(), timeout)
             .into_iter()
             .map(Some)
-            .collect()
+            .collect(),
+        engine: engine.map(|e| e.subgroup(members)),
     });
-    let t = slots[at]
+    let t = group.slots[at]
         .take()
         .expect("each member takes its transport once");
-    if slots.iter().all(Option::is_none) {
+    let engine = group.engine.clone();
+    if group.slots.iter().all(Option::is_none) {
         map.remove(&id);
     }
-    t
+    (t, engine)
 }
 
 /// The rendezvous of a split between processes, as the store `NetTransport::meet` reads: this

@@ -37,10 +37,10 @@ impl std::fmt::Debug for DeviceTensor {
             #[cfg(feature = "xla")]
             Storage::Xla(b) => write!(
                 f,
-                "DeviceTensor({} x {} on xla:{})",
+                "DeviceTensor({} x {} on {})",
                 self.dtype,
                 self.len,
-                b.device()
+                b.device_name()
             ),
         }
     }

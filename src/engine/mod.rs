@@ -226,6 +226,24 @@ pub(crate) trait GroupEngine: Send + Sync {
         false
     }
 
+    /// Whether [`GroupEngine::subgroup`] makes groups (XLA's does; GPU groups cannot be split),
+    /// or why not: the communicator then refuses a split before the ranks meet.
+    fn splits(&self) -> std::result::Result<(), String> {
+        Err("this group's engine cannot run a group of some of its ranks".into())
+    }
+
+    /// The engine of a group of some of this one's ranks (a split of an in-process group): its
+    /// rank i is this engine's rank `ranks[i]`, on the same device, and its calls run apart
+    /// from this engine's and any other group's. Engines that cannot make one say why
+    /// (`Unavailable`).
+    fn subgroup(&self, ranks: &[usize]) -> Result<std::sync::Arc<dyn GroupEngine>> {
+        let _ = ranks;
+        Err(crate::error::Error::Unavailable {
+            what: "split".into(),
+            why: self.splits().err().unwrap_or_default(),
+        })
+    }
+
     /// Abort the engine's own work (NCCL's communicators), with the communicator.
     fn abort(&self, reason: &str) {
         let _ = reason;

@@ -515,7 +515,7 @@ fn algorithm_for(ops: &CrossDeviceOps, devices: &[Device]) -> Result<Algorithm> 
 }
 
 /// The engine that reduces the local replicas on `devices` in their own memory, where host
-/// groups would not: XLA devices' (the plugin's client, its first devices in order). CPU and
+/// groups would not: XLA devices' (those of the plugin's client the strategy names). CPU and
 /// GPU replicas keep their values in host memory, reduced by the host algorithms (NCCL's path
 /// is chosen by the caller). XLA devices beside others are an error: no one group holds both.
 fn device_engine(

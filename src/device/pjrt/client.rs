@@ -138,7 +138,9 @@ impl ClientOptions {
 /// One addressable device of a client.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct XlaDevice {
-    /// Position among the client's addressable devices: replica `i` of a collective runs on
+    /// Position among the plugin client's addressable devices (the device is `xla:{index}`):
+    /// replica `i` of a collective runs on device `i`. A view of some of the devices
+    /// ([`Client::subset`]) keeps each device's own index, while its replica `i` runs on its
     /// device `i`.
     pub index: usize,
     /// The PJRT device id (unique across the processes of a job).
@@ -238,8 +240,16 @@ pub(crate) struct Inner {
     route: Mutex<Route>,
     pub(crate) calls: AtomicU64,
     /// Set when a wait timed out: the plugin may still be working on memory tutti no longer
-    /// tracks, so the client refuses further work and is never destroyed.
-    poisoned: Mutex<Option<String>>,
+    /// tracks, so the client refuses further work and is never destroyed. Shared by a client
+    /// and its views ([`Client::subset`]): they are one PJRT client.
+    poisoned: Arc<Mutex<Option<String>>>,
+    /// Held while a program is launched, by a client and its views alike: programs with
+    /// collectives that share devices are queued on every device in one order, so that no
+    /// device waits in one program's collective for a peer busy in another's.
+    launch: Arc<parking_lot::Mutex<()>>,
+    /// The client this one is a view of ([`Client::subset`]), kept alive while the view is;
+    /// `None` for the client PJRT made, which alone destroys it.
+    parent: Option<Arc<Inner>>,
 }
 
 // SAFETY: PJRT clients, devices, buffers and executables may be used from any thread (the PJRT
@@ -282,8 +292,10 @@ impl std::fmt::Debug for XlaBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "XlaBuffer({} x {} on xla:{})",
-            self.dtype, self.len, self.device
+            "XlaBuffer({} x {} on {})",
+            self.dtype,
+            self.len,
+            self.device_name()
         )
     }
 }
@@ -505,7 +517,9 @@ impl Client {
             stats: Mutex::new(CacheStats::default()),
             route: Mutex::new(Route::Auto),
             calls: AtomicU64::new(0),
-            poisoned: Mutex::new(None),
+            poisoned: Arc::new(Mutex::new(None)),
+            launch: Arc::new(parking_lot::Mutex::new(())),
+            parent: None,
         };
         // From here on, dropping `inner` destroys the client.
         inner.platform_name =
@@ -554,6 +568,56 @@ impl Client {
     /// The addressable devices, in the order collectives place replicas on them.
     pub fn devices(&self) -> &[XlaDevice] {
         &self.inner.devices
+    }
+
+    /// A client over some of this one's devices: its device `i` is this one's `devices[i]`
+    /// (still named by its own `index`), its replica `i` of every collective runs there, and its
+    /// programs span those devices only. It is the same PJRT client (no new one starts): its
+    /// buffers are its own, its programs compiled and cached apart, and a failure that makes
+    /// one unusable makes both so. How a group of some of a client's devices (a split, or
+    /// ranks on `xla:2` and `xla:3`) runs its calls.
+    ///
+    /// Errors name a device listed twice or one this client lacks.
+    pub fn subset(&self, devices: &[usize]) -> Result<Client> {
+        self.inner.check_usable()?;
+        let have = self.inner.devices.len();
+        for (i, &d) in devices.iter().enumerate() {
+            if d >= have {
+                return Err(Error::config(format!(
+                    "XLA device {d} (entry {i} of the subset) does not exist: this {} client \
+                     has {have} device(s)",
+                    self.inner.platform_name
+                )));
+            }
+            if let Some(j) = devices[..i].iter().position(|&e| e == d) {
+                return Err(Error::config(format!(
+                    "XLA device {d} is listed twice in the subset (entries {j} and {i})"
+                )));
+            }
+        }
+        let p = &self.inner;
+        let inner = Inner {
+            plugin: p.plugin,
+            ptr: p.ptr,
+            devices: devices.iter().map(|&d| p.devices[d].clone()).collect(),
+            device_ptrs: devices.iter().map(|&d| p.device_ptrs[d]).collect(),
+            platform_name: p.platform_name.clone(),
+            platform_version: p.platform_version.clone(),
+            process_index: p.process_index,
+            timeout: p.timeout,
+            cache: Mutex::new(HashMap::new()),
+            steps: Mutex::new(HashMap::new()),
+            group_steps: Mutex::new(HashMap::new()),
+            stats: Mutex::new(CacheStats::default()),
+            route: Mutex::new(self.route()),
+            calls: AtomicU64::new(0),
+            poisoned: p.poisoned.clone(),
+            launch: p.launch.clone(),
+            parent: Some(p.clone()),
+        };
+        Ok(Client {
+            inner: Arc::new(inner),
+        })
     }
 
     /// The bound on every wait.
@@ -1590,9 +1654,22 @@ impl Inner {
             device_complete_events: events.as_mut_ptr(),
             execute_device: std::ptr::null_mut(),
         };
+        // Another group's launch holds it only while the plugin queues that program; bounded
+        // all the same, as every wait is.
+        let Some(launching) = self.launch.try_lock_for(self.timeout) else {
+            return Err(Error::System {
+                what: "XLA".into(),
+                message: format!(
+                    "running {what}: another group of this client's devices did not finish \
+                     launching its program within {:?} (raise the timeout with TUTTI_TIMEOUT)",
+                    self.timeout
+                ),
+            });
+        };
         // SAFETY: valid args: n argument lists of num_args live buffers each, n output lists
         // of num_outputs slots each, n event slots; all outlive the call.
         let err = unsafe { f(&mut a) };
+        drop(launching);
         self.plugin.check(err, || {
             format!("XLA: running {what} (PJRT_LoadedExecutable_Execute)")
         })?;
@@ -1641,10 +1718,20 @@ impl Drop for Inner {
         }
         let cache = std::mem::take(&mut *self.cache.lock().unwrap_or_else(|e| e.into_inner()));
         let steps = std::mem::take(&mut *self.steps.lock().unwrap_or_else(|e| e.into_inner()));
-        for c in cache.into_values().chain(steps.into_values()) {
+        let group_steps =
+            std::mem::take(&mut *self.group_steps.lock().unwrap_or_else(|e| e.into_inner()));
+        for c in cache
+            .into_values()
+            .chain(steps.into_values())
+            .chain(group_steps.into_values())
+        {
             if let Compiled::Ready(exe) = c {
                 self.destroy_executable(&exe);
             }
+        }
+        if self.parent.is_some() {
+            // A view: the client is its parent's to destroy.
+            return;
         }
         if let Some(f) = self.api().client_destroy {
             let mut a = ffi::Client_Destroy_Args {
@@ -1673,6 +1760,12 @@ impl XlaBuffer {
     /// The device (index into [`Client::devices`]) holding this buffer.
     pub fn device(&self) -> usize {
         self.device
+    }
+
+    /// The name of the device holding it: `xla:N`, N its index among the plugin client's
+    /// devices (in a view of some of them, not its place in the view).
+    pub fn device_name(&self) -> String {
+        format!("xla:{}", self.inner.devices[self.device].index)
     }
 
     /// Its element type.

@@ -54,6 +54,17 @@ impl GroupEngine for Cuda {
         self.per_rank
     }
 
+    fn splits(&self) -> std::result::Result<(), String> {
+        // Groups sharing a device would queue their NCCL kernels on its one stream in orders
+        // that may differ between devices, and wait on each other.
+        Err(
+            "a group of GPUs runs every call over one set of NCCL communicators and device \
+             streams, which cannot be split yet; split a communicator of host ranks, or make a \
+             group of the devices wanted"
+                .into(),
+        )
+    }
+
     fn run(&self, _site: Site, c: &GroupCall, bufs: &[CallBuffers]) -> Result<()> {
         if c.collective == Collective::Barrier {
             // The ranks met before the call; there is nothing to move.

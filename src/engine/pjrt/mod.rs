@@ -18,7 +18,8 @@ use crate::transport::{CallBuffers, Held};
 
 use super::{GroupCall, GroupEngine};
 
-/// The PJRT engine of a group whose rank r is the client's device r.
+/// The PJRT engine of a group whose rank r is the client's device r (the client a view of the
+/// plugin's, [`Client::subset`], where the ranks are some of its devices).
 pub(crate) struct Pjrt {
     pub(crate) client: Client,
 }
@@ -249,14 +250,14 @@ impl Pjrt {
     }
 }
 
-/// Rank `r`'s tensor `t` (its `what`) as the PJRT buffer it is on `xla:r`; in host memory, the
-/// call's error saying so.
+/// Rank `r`'s tensor `t` (its `what`) as the PJRT buffer it is on rank r's device; in host
+/// memory, the call's error saying so.
 fn buffer_of<'t>(site: Site, r: usize, t: &'t DeviceTensor, what: &str) -> Result<&'t XlaBuffer> {
     match t.storage() {
         Storage::Xla(b) => Ok(b),
         Storage::Host(_) => Err(Error::invalid(
             site,
-            format!("rank {r}'s {what} is in host memory, not on xla:{r}"),
+            format!("rank {r}'s {what} is in host memory, not on its XLA device"),
         )),
     }
 }
@@ -334,6 +335,16 @@ impl Pjrt {
 }
 
 impl GroupEngine for Pjrt {
+    fn splits(&self) -> std::result::Result<(), String> {
+        Ok(())
+    }
+
+    fn subgroup(&self, ranks: &[usize]) -> Result<std::sync::Arc<dyn GroupEngine>> {
+        Ok(std::sync::Arc::new(Pjrt {
+            client: self.client.subset(ranks)?,
+        }))
+    }
+
     fn xla_client(&self) -> Option<Client> {
         Some(self.client.clone())
     }
@@ -516,17 +527,23 @@ impl GroupEngine for Pjrt {
     }
 
     fn check_tensor(&self, rank: usize, t: &DeviceTensor) -> std::result::Result<(), String> {
+        let device = self
+            .client
+            .devices()
+            .get(rank)
+            .map_or(usize::MAX, |d| d.index);
         match t.storage() {
             Storage::Host(_) => Err(format!(
-                "rank {rank} is on xla:{rank}, whose tensors are on the device, but {t:?} is in \
-                 host memory; make tensors with the rank's communicator (Communicator::place, \
+                "rank {rank} is on xla:{device}, whose tensors are on the device, but {t:?} is \
+                 in host memory; make tensors with the rank's communicator (Communicator::place, \
                  ReplicaContext::place)"
             )),
             Storage::Xla(b) if !b.same_client(&self.client) => Err(format!(
-                "{t:?} belongs to another XLA client than rank {rank}'s group"
+                "{t:?} belongs to another XLA client than rank {rank}'s group (a tensor placed \
+                 by one group's communicator serves that group's calls only)"
             )),
             Storage::Xla(b) if b.device() != rank => {
-                Err(format!("{t:?} is not on rank {rank}'s device xla:{rank}"))
+                Err(format!("{t:?} is not on rank {rank}'s device xla:{device}"))
             }
             Storage::Xla(_) => Ok(()),
         }
