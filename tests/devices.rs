@@ -299,6 +299,57 @@ fn xla_device_groups_split_and_split_again() {
     assert!(got.iter().all(|g| g.1), "{got:?}");
 }
 
+/// Point-to-point on XLA ranks, whose buffers are host memory: a ring of grouped sends and
+/// receives, pairs between collectives keeping their order, and a count that differs between
+/// a send and its receive named on both ranks.
+#[cfg(feature = "xla")]
+#[test]
+fn xla_ranks_send_and_receive() {
+    if !xla_plugin("xla_ranks_send_and_receive") {
+        return;
+    }
+    let config = Config::default().with_timeout(Duration::from_secs(60));
+    let comms = device_group(&["xla:0", "xla:1", "xla:2"], &config).unwrap();
+    let got: Vec<(Vec<f32>, f32, String)> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let (r, p) = (c.rank(), c.world_size());
+                    let send = vec![r as f32 + 0.5; 7];
+                    let mut recv = vec![0.0f32; 7];
+                    c.send_recv(&mut [
+                        tutti::PeerOp::send(&send, (r + 1) % p),
+                        tutti::PeerOp::recv(&mut recv, (r + p - 1) % p),
+                    ])
+                    .unwrap();
+                    let mut sum = [1.0f32];
+                    c.all_reduce(&mut sum, ReduceOp::Sum).unwrap();
+                    let e = match r {
+                        // The send is delivered; the receive fails and aborts the group.
+                        0 => c
+                            .send(&[1u32; 4], 2)
+                            .map_or_else(|e| e.to_string(), |()| String::new()),
+                        2 => c.recv(&mut [0u32; 5], 0).unwrap_err().to_string(),
+                        _ => String::new(),
+                    };
+                    (recv, sum[0], e)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, (recv, sum, _)) in got.iter().enumerate() {
+        assert_eq!(recv, &vec![((r + 2) % 3) as f32 + 0.5; 7]);
+        assert_eq!(*sum, 3.0);
+    }
+    let e = &got[2].2;
+    assert!(
+        e.contains("rank 0 sent 4 u32 where rank 2 receives 5 u32"),
+        "{e}"
+    );
+}
+
 /// One rank per process on a device (`TUTTI_DEVICE`): what cannot be is said before any
 /// connection is made; `cpu` joins as before.
 #[test]

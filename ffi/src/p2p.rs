@@ -203,8 +203,9 @@ unsafe fn peer_call(
 /// Errors of this rank's arguments (NULL `buf` with `count` > 0, a misaligned `buf`, an unknown
 /// dtype, a byte size that overflows, `peer` out of range) are `TUTTI_ERROR_INVALID_ARGUMENT`
 /// and leave the communicator usable. On a communicator of an in-process group of GPUs `buf` is
-/// a `CUdeviceptr` of the rank's GPU, moved GPU to GPU; a GPU rank of a job of one GPU per
-/// process, and XLA devices, refuse point-to-point calls (`TUTTI_ERROR_INVALID_ARGUMENT`).
+/// a `CUdeviceptr` of the rank's GPU, moved GPU to GPU; on XLA devices it is host memory, as
+/// in their collectives; a GPU rank of a job of one GPU per process refuses point-to-point
+/// calls (`TUTTI_ERROR_INVALID_ARGUMENT`).
 ///
 /// Thread-safety: as `tutti_all_reduce`.
 ///

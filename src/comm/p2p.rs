@@ -7,7 +7,8 @@
 //! join the communicator's queue like the collectives (so they keep their order with them) but
 //! take no call number: the other ranks never see them. A send to this rank itself needs its
 //! receive in the same group. On the ranks of an in-process CUDA group the engine moves the bytes
-//! GPU to GPU (see `engine::cuda`); other device ranks refuse them.
+//! GPU to GPU (see `engine::cuda`); XLA ranks, whose buffers are host memory, move them over the
+//! group's transport as host ranks do; other device ranks refuse them.
 
 use super::work::{Owned, Runnable, Shared};
 use super::{Communicator, Work};
@@ -143,7 +144,10 @@ impl PairCall {
         ops: &[RawPeerOp],
     ) -> std::result::Result<(), String> {
         let engine = comm.progress.shared().engine.clone();
-        if engine.as_ref().is_some_and(|e| !e.runs_pairs()) {
+        if engine
+            .as_ref()
+            .is_some_and(|e| !e.runs_pairs() && !e.pairs_on_host())
+        {
             return Err(format!(
                 "point-to-point calls are not available on {}: its device engine runs \
                  collectives only",
@@ -167,7 +171,7 @@ impl PairCall {
             if o.len > 0 && o.ptr.is_null() {
                 return Err(format!("{what} {i}: the buffer is null"));
             }
-            if let Some(e) = &engine {
+            if let Some(e) = engine.as_ref().filter(|e| e.runs_pairs()) {
                 e.check_pair(rank, o)
                     .map_err(|m| format!("{what} {i}: {m}"))?;
             }
@@ -228,7 +232,7 @@ impl Runnable for PairCall {
         if let Err(m) = &self.check {
             return Err(Error::invalid(site, m.clone()));
         }
-        if let Some(engine) = &shared.engine {
+        if let Some(engine) = shared.engine.as_ref().filter(|e| e.runs_pairs()) {
             // The device's engine moves the bytes (its sends to this rank itself too). An
             // aborted communicator runs no more of them; a failure aborts the engine too, so
             // that its waiting ranks hear at once.

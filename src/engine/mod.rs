@@ -176,6 +176,13 @@ pub(crate) trait GroupEngine: Send + Sync {
         false
     }
 
+    /// Whether this engine's ranks make their point-to-point calls over the group's transport,
+    /// as host ranks do: their buffers are host memory (XLA's, staged to the devices by each
+    /// collective), so a pair's bytes move between host buffers and no device is involved.
+    fn pairs_on_host(&self) -> bool {
+        false
+    }
+
     /// Why rank `rank` cannot use `op`'s buffer in a point-to-point call, if it cannot (not
     /// memory of its device, too short, misaligned): the call's argument error.
     fn check_pair(&self, rank: usize, op: &RawPeerOp) -> std::result::Result<(), String> {

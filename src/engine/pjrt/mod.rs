@@ -491,11 +491,19 @@ impl GroupEngine for Pjrt {
         }
     }
 
+    fn pairs_on_host(&self) -> bool {
+        // The ranks' buffers are host memory: a pair's bytes need no program.
+        true
+    }
+
     fn runs(&self, c: Collective) -> bool {
         (c as usize) <= Collective::Barrier as usize
             || matches!(
                 c,
-                Collective::AllToAll
+                Collective::Send
+                    | Collective::Recv
+                    | Collective::SendRecv
+                    | Collective::AllToAll
                     | Collective::Gather
                     | Collective::Scatter
                     | Collective::AllGatherV
@@ -564,4 +572,5 @@ impl GroupEngine for Pjrt {
 
 /// What the PJRT engine runs, as an error message lists it.
 const XLA_RUNS: &str = "all_reduce, broadcast, all_gather, reduce, reduce_scatter, all_to_all, \
-                        gather, scatter, all_gather_v, reduce_scatter_v, all_to_all_v and barrier";
+                        gather, scatter, all_gather_v, reduce_scatter_v, all_to_all_v, barrier \
+                        and point-to-point (send, recv, send_recv)";
