@@ -224,6 +224,27 @@ fn spread<T: Element>(r: usize, i: usize) -> T {
     T::from_f64(x * 10f64.powi(((r + i) % 7) as i32 - 3))
 }
 
+/// The ordered all-reduce of `count` elements per replica against the rank-order reference,
+/// bit for bit.
+fn check_ordered_all_reduce<T: Element>(client: &Client, count: usize, op: ReduceOp) {
+    let inputs: Vec<Vec<T>> = (0..n())
+        .map(|r| (0..count).map(|i| spread(r, i)).collect())
+        .collect();
+    let want = in_rank_order(&inputs, op);
+    let mut bufs = inputs.clone();
+    let mut views: Vec<&mut [u8]> = bufs
+        .iter_mut()
+        .map(|b| bytemuck::cast_slice_mut(b))
+        .collect();
+    client
+        .all_reduce_in(T::DTYPE, &mut views, op, true)
+        .unwrap_or_else(|e| panic!("ordered all_reduce {} {op} x{count}: {e}", T::DTYPE));
+    for (r, b) in bufs.iter().enumerate() {
+        let same = bytemuck::cast_slice::<T, u8>(b) == bytemuck::cast_slice::<T, u8>(&want);
+        assert!(same, "all_reduce {} {op} x{count} on {r}", T::DTYPE);
+    }
+}
+
 fn check_ordered<T: Element>(client: &Client, count: usize, op: ReduceOp) {
     let n = n();
     let inputs: Vec<Vec<T>> = (0..n)
@@ -285,6 +306,21 @@ fn ordered_programs_give_the_bits_of_the_reduction_in_rank_order() {
             check_ordered::<bf16>(&client, count, op);
             check_ordered::<i32>(&client, count, op);
         }
+    }
+    // Inputs large enough that the all-reduce exchanges blocks first, then gathers them: the
+    // bytes the one gather would move beyond that pass, (n-1)(n-2)/n of the input, twice the
+    // 4 MiB where the program switches (padded to n equal blocks where the count does not
+    // split).
+    let p = n();
+    if p > 2 {
+        let over = |size: usize| {
+            let count = (8 << 20) * p / ((p - 1) * (p - 2)) / size;
+            count + usize::from(count % p == 0)
+        };
+        check_ordered::<f32>(&client, over(4) / p + 1, ReduceOp::Sum);
+        check_ordered_all_reduce::<f32>(&client, over(4), ReduceOp::Sum);
+        check_ordered_all_reduce::<f64>(&client, over(8), ReduceOp::Mean);
+        check_ordered_all_reduce::<bf16>(&client, over(2), ReduceOp::Sum);
     }
     let s = client.cache_stats();
     assert_eq!((s.staged_calls, s.refused), (0, 0), "{s:?}");
