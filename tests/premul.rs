@@ -33,6 +33,22 @@ fn check<T: Element>(p: usize) {
         let mut part = vec![T::from_f64(0.0); n / p];
         c.reduce_scatter_premul_sum(&input, &mut part, factor(r))
             .unwrap();
+        // Non-blocking, both in flight, waited in reverse order.
+        let sum = c.all_reduce_premul_sum_async(input.clone(), factor(r));
+        let slice = c.reduce_scatter_premul_sum_async(
+            input.clone(),
+            vec![T::from_f64(0.0); n / p],
+            factor(r),
+        );
+        let (_, part_async) = slice.wait().unwrap();
+        let sum = sum.wait().unwrap();
+        assert_eq!(
+            part_async,
+            part,
+            "{} rank {r}: async reduce_scatter",
+            T::DTYPE
+        );
+        assert_eq!(sum, in_place, "{} rank {r}: async all_reduce", T::DTYPE);
         (in_place, out, part)
     })
     .unwrap();
@@ -96,6 +112,11 @@ fn a_factor_an_integer_type_cannot_hold_is_refused_on_every_rank() {
         let e = c.all_reduce_premul_sum(&mut v, f).unwrap_err();
         let mut u = vec![1u8; 2];
         let e2 = c.all_reduce_premul_sum(&mut u, 300.0).unwrap_err();
+        let e3 = c.all_reduce_premul_sum_async(vec![1u8; 2], -1.0).wait();
+        assert!(
+            e3.as_ref().is_err_and(|e| e.to_string().contains("-1")),
+            "{e3:?}"
+        );
         // Still usable, and nothing was scaled.
         let mut w = vec![1i32];
         c.all_reduce_premul_sum(&mut w, 3.0).unwrap();

@@ -621,6 +621,21 @@ public:
         return work(w);
     }
     template <typename T>
+    work all_reduce_premul_sum_async(const T *input, T *output, std::size_t count, double factor) {
+        tutti_work *w = nullptr;
+        detail::check(tutti_all_reduce_premul_sum_async(h_.get(), count, dtype_of<T>::value,
+                                                        factor, input, output, &w));
+        return work(w);
+    }
+    template <typename T>
+    work reduce_scatter_premul_sum_async(const T *input, T *output, std::size_t count,
+                                         double factor) {
+        tutti_work *w = nullptr;
+        detail::check(tutti_reduce_scatter_premul_sum_async(h_.get(), count, dtype_of<T>::value,
+                                                            factor, input, output, &w));
+        return work(w);
+    }
+    template <typename T>
     work reduce_async(const T *input, T *output, std::size_t count, op o, std::size_t root) {
         tutti_work *w = nullptr;
         detail::check(tutti_reduce_async(h_.get(), count, dtype_of<T>::value,

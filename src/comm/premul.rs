@@ -2,7 +2,8 @@
 //! factor of its own, then summed, as a gradient pre-divided by its rank's share is.
 
 use super::call::{Bytes, BytesMut};
-use super::Communicator;
+use super::work::Owned;
+use super::{Communicator, Work};
 use crate::dtype::{kernels, DType, Element, ReduceOp};
 use crate::error::Result;
 
@@ -49,6 +50,40 @@ impl Communicator {
         self.blocking(call)
     }
 
+    /// [`Communicator::all_reduce_premul_sum`] without waiting; [`Work::wait`] hands `buf`
+    /// back holding the sum. The scaled copy is the call's until it completes.
+    ///
+    /// ```
+    /// let sums = tutti::run_local(2, &tutti::Config::default(), |comm| {
+    ///     let w = comm.all_reduce_premul_sum_async(vec![2.0f64; 3], comm.rank() as f64 + 1.0);
+    ///     w.wait().unwrap()
+    /// })
+    /// .unwrap();
+    /// assert_eq!(sums[0], [6.0, 6.0, 6.0]);
+    /// ```
+    pub fn all_reduce_premul_sum_async<T, B>(&self, buf: B, factor: f64) -> Work<B>
+    where
+        T: Element,
+        B: AsMut<[T]> + Send + 'static,
+    {
+        let mut buf = Owned::new(buf);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf.get().as_mut());
+        let (scaled, check) = scaled(T::DTYPE, bytes, factor);
+        let mut call = self.all_reduce_call(
+            T::DTYPE,
+            Some(Bytes::of(&scaled)),
+            BytesMut::of(bytes),
+            ReduceOp::Sum,
+        );
+        if let (Ok(()), Err(m)) = (&call.check, check) {
+            call.check = Err(m);
+        }
+        let work = self.issue(call, buf);
+        // The copy's heap memory stays where the call reads it until the call completes.
+        self.progress.drop_after_issued(Box::new(scaled));
+        work
+    }
+
     /// Reduce-scatter of each rank's `send` scaled by that rank's own `factor` (see
     /// [`Communicator::all_reduce_premul_sum`]): `recv` becomes slice `rank` of the sum.
     pub fn reduce_scatter_premul_sum<T: Element>(
@@ -63,6 +98,36 @@ impl Communicator {
             bytemuck::cast_slice_mut(recv),
             factor,
         )
+    }
+
+    /// [`Communicator::reduce_scatter_premul_sum`] without waiting; [`Work::wait`] hands back
+    /// `(send, recv)`, `recv` holding this rank's slice of the sum.
+    pub fn reduce_scatter_premul_sum_async<T, S, R>(
+        &self,
+        send: S,
+        recv: R,
+        factor: f64,
+    ) -> Work<(S, R)>
+    where
+        T: Element,
+        S: AsRef<[T]> + Send + 'static,
+        R: AsMut<[T]> + Send + 'static,
+    {
+        let mut bufs = Owned::new((send, recv));
+        let (send, recv) = bufs.get();
+        let (scaled, check) = scaled(T::DTYPE, bytemuck::cast_slice(send.as_ref()), factor);
+        let mut call = self.reduce_scatter_call(
+            T::DTYPE,
+            Bytes::of(&scaled),
+            BytesMut::of(bytemuck::cast_slice_mut(recv.as_mut())),
+            ReduceOp::Sum,
+        );
+        if let (Ok(()), Err(m)) = (&call.check, check) {
+            call.check = Err(m);
+        }
+        let work = self.issue(call, bufs);
+        self.progress.drop_after_issued(Box::new(scaled));
+        work
     }
 
     /// [`Communicator::reduce_scatter_premul_sum`] over raw bytes holding `dtype` elements.

@@ -119,6 +119,15 @@ static void collectives() {
         std::vector<double> scaled(3, 0.5);
         c.all_reduce_premul_sum(scaled, static_cast<double>(r + 1));
         EXPECT(scaled[0] == 5.0 && scaled[2] == 5.0);
+        std::vector<double> halves(3, 0.5), sums(3);
+        std::vector<std::int32_t> slice(2);
+        auto s1 = c.all_reduce_premul_sum_async(halves.data(), sums.data(), 3,
+                                                static_cast<double>(r + 1));
+        auto s2 = c.reduce_scatter_premul_sum_async(in.data(), slice.data(), 2,
+                                                    static_cast<double>(r + 1));
+        s2.wait();
+        s1.wait();
+        EXPECT(sums[1] == 5.0 && halves[1] == 0.5 && slice[0] == 10 && slice[1] == 10);
         std::vector<std::int32_t> red(8);
         c.reduce(in.data(), r == 0 ? red.data() : nullptr, 8, tutti::op::sum, 0);
         EXPECT(r != 0 || red[7] == 4);
