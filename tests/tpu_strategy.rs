@@ -1009,4 +1009,44 @@ fn every_strategy_on_xla_devices_reduces_on_them() {
         panic!("a strategy over a CPU and an XLA device")
     };
     assert!(e.to_string().contains("mix XLA devices with others"), "{e}");
+    // A cross-device op named for XLA devices cannot change their programs: the strategy
+    // reduces as before, and says at `warn` that the op is not used.
+    static LOGGER: Captured = Captured;
+    let _ = log::set_logger(&LOGGER);
+    log::set_max_level(log::LevelFilter::Warn);
+    let named = tutti::strategy::CrossDeviceOps::HierarchicalCopyAllReduce {
+        num_packs: 1,
+        group_size: 2,
+    };
+    let s = Strategy::mirrored(&xla, Some(named)).unwrap();
+    let sums = s
+        .run(|ctx| {
+            let mut v = [1.0f32];
+            ctx.all_reduce(ReduceOp::Sum, &mut v)?;
+            Ok(v[0])
+        })
+        .unwrap();
+    assert!(sums.local_results().iter().all(|&v| v == n as f32));
+    let warned = WARNINGS.lock().unwrap().clone();
+    assert!(
+        warned
+            .iter()
+            .any(|m| m.contains("HierarchicalCopyAllReduce does not apply on XLA")),
+        "{warned:?}"
+    );
+}
+
+/// Captures the library's warnings (this test binary's only logger).
+struct Captured;
+static WARNINGS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+impl log::Log for Captured {
+    fn enabled(&self, m: &log::Metadata<'_>) -> bool {
+        m.level() <= log::Level::Warn
+    }
+    fn log(&self, r: &log::Record<'_>) {
+        if r.level() <= log::Level::Warn {
+            WARNINGS.lock().unwrap().push(r.args().to_string());
+        }
+    }
+    fn flush(&self) {}
 }

@@ -1678,6 +1678,26 @@ fn choose_cross_device_ops(devices: &[Device], asked: Option<CrossDeviceOps>) ->
         Some(CrossDeviceOps::NcclAllReduce) | None if devices.len() <= 1 => fallback,
         // XLA devices reduce with XLA's own collectives, whatever the op.
         None if devices.iter().all(|d| d.kind == DeviceKind::Xla) => fallback,
+        // A named algorithm cannot change how XLA's programs reduce: said, not silently
+        // dropped (a caller's `Custom` op is not this arm's: it runs, on host memory).
+        Some(ops)
+            if devices.len() > 1
+                && devices.iter().all(|d| d.kind == DeviceKind::Xla)
+                && !matches!(ops, CrossDeviceOps::Custom(_)) =>
+        {
+            log::warn!(
+                "MirroredStrategy: {} does not apply on XLA devices, whose replicas reduce \
+                 with XLA's own collectives (compiled programs where the values lie); its \
+                 algorithm is not used (HierarchicalCopyAllReduce's num_packs still packs a \
+                 batch)",
+                ops.name()
+            );
+            if ops == CrossDeviceOps::NcclAllReduce {
+                fallback
+            } else {
+                ops
+            }
+        }
         Some(CrossDeviceOps::NcclAllReduce) | None => {
             #[cfg(feature = "cuda")]
             if all_gpu && !virtual_gpus && crate::gpu::nccl_library().is_ok() {
