@@ -343,3 +343,62 @@ def test_the_backends_public_names_have_docstrings():
             for m, f in vars(obj).items():
                 if not m.startswith("_") and callable(f):
                     assert f.__doc__, f"{name}.{m} has no docstring"
+
+
+def test_the_strategies_take_and_give_torch_tensors():
+    """tutti.distribute takes torch tensors wherever it takes arrays (through DLPack, detached
+    where they require grad) and gives torch tensors back for them, on their device: reduce,
+    gather, a replica's all_reduce, variables, distributed datasets, compute_average_loss (which
+    keeps the loss on its graph)."""
+    import tutti.distribute as td
+
+    s = td.MirroredStrategy(["cpu:0", "cpu:1"])
+    per = td.PerReplica([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])])
+    total = s.reduce("SUM", per, axis=None)
+    assert isinstance(total, torch.Tensor) and total.tolist() == [4.0, 6.0]
+    mean = s.reduce("MEAN", per, axis=0)
+    assert isinstance(mean, torch.Tensor) and mean.item() == 2.5
+    rows = s.gather(per, axis=0)
+    assert isinstance(rows, torch.Tensor) and rows.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+    def step(x):
+        ctx = td.get_replica_context()
+        return ctx.all_reduce("SUM", x * (ctx.replica_id_in_sync_group + 1))
+
+    out = s.run(step, args=(per,))
+    for t in s.experimental_local_results(out):
+        assert isinstance(t, torch.Tensor) and t.tolist() == [7.0, 10.0]
+
+    with s.scope():
+        v = td.Variable(torch.ones(2, requires_grad=True), aggregation="sum")
+    v.assign_add(torch.tensor([1.0, 2.0]))
+    assert v.numpy().tolist() == [2.0, 3.0]
+
+    batches = [(torch.arange(8.0).reshape(4, 2), torch.tensor([0, 1, 2, 3]))]
+    seen = []
+    for batch in s.experimental_distribute_dataset(batches):
+        for xr, yr in s.experimental_local_results(batch):
+            assert isinstance(xr, torch.Tensor) and xr.shape == (2, 2), xr
+            assert isinstance(yr, torch.Tensor)
+            seen.extend(yr.tolist())
+    assert sorted(seen) == [0, 1, 2, 3]
+
+    # bfloat16 (numpy has none), a transposed view, a 0-d tensor.
+    halves = td.PerReplica([torch.tensor([1.5, 2.0], dtype=torch.bfloat16),
+                            torch.tensor([0.5, 1.0], dtype=torch.bfloat16)])
+    total = s.reduce("SUM", halves, axis=None)
+    assert total.dtype == torch.bfloat16 and total.tolist() == [2.0, 3.0]
+    grid = torch.arange(6.0).reshape(2, 3)
+    out = s.run(lambda: td.get_replica_context().all_reduce("SUM", grid.t()))
+    for t in s.experimental_local_results(out):
+        assert t.shape == (3, 2) and t.tolist() == (2 * grid.t()).tolist()
+    out = s.run(lambda: td.get_replica_context().all_reduce("MEAN", torch.tensor(4.0)))
+    for t in s.experimental_local_results(out):
+        assert isinstance(t, torch.Tensor) and t.shape == () and t.item() == 4.0
+
+    losses = torch.tensor([1.0, 2.0], requires_grad=True)
+    loss = td.compute_average_loss(losses, global_batch_size=4)
+    assert isinstance(loss, torch.Tensor) and loss.item() == 0.75
+    loss.backward()
+    assert losses.grad.tolist() == [0.25, 0.25]
+    s.close()

@@ -429,8 +429,9 @@ class ReplicaContext:
         return self._strategy.num_replicas_in_sync
 
     def place(self, value):
-        """``value`` (an array) in this replica's device memory, as a ``DeviceTensor``."""
-        a = np.ascontiguousarray(value)
+        """``value`` (an array, or a tensor with ``__dlpack__``) in this replica's device memory,
+        as a ``DeviceTensor``."""
+        a = np.ascontiguousarray(_array(value))
         _check_dtype(a.dtype, "place")
         h = ctypes.c_void_p()
         data, code = a.ctypes.data_as(ctypes.c_void_p), tutti.DTYPES[a.dtype.name]
@@ -441,8 +442,9 @@ class ReplicaContext:
         return DeviceTensor._wrap(h.value, a.shape, a.dtype)
 
     def all_reduce(self, reduce_op, value):
-        """``value`` (an array, or a number) combined across every replica in sync; every
-        replica must call it, in the same order, with the same shape and dtype. A new array; a
+        """``value`` (an array, a number, or a tensor with ``__dlpack__``) combined across every
+        replica in sync; every replica must call it, in the same order, with the same shape and
+        dtype. A new array (a new torch tensor on ``value``'s device for a torch tensor); a
         ``DeviceTensor`` is reduced in place, where it lies, and returned."""
         op = tutti.OPS["sum" if _reduce_op(reduce_op) == "SUM" else "mean"]
         if isinstance(value, DeviceTensor):
@@ -450,7 +452,7 @@ class ReplicaContext:
                 _check(_lib().tutti_replica_all_reduce_tensor(self._ctx, op, value._h))
             return value
         scalar = np.isscalar(value)
-        a = np.array(value, copy=True, order="C")
+        a = np.array(_array(value), copy=True, order="C")
         _check_dtype(a.dtype, "all_reduce")
         if self._ctx is None:  # the default strategy's one replica
             out = a
@@ -458,7 +460,7 @@ class ReplicaContext:
             _check(_lib().tutti_replica_all_reduce(self._ctx, a.size, tutti.DTYPES[a.dtype.name], op,
                                                    a.ctypes.data_as(ctypes.c_void_p)))
             out = a
-        return out[()] if scalar else out
+        return out[()] if scalar else _like(out, value)
 
     def _gather_rows(self, part, lengths):
         """Every replica's ``part`` (rows along axis 0; replica r's has ``lengths[r]``),
@@ -496,6 +498,54 @@ def _agree(ctx, mine, what, describe):
 def _besides(a, axis):
     """``a``'s shape without ``axis``."""
     return a.shape[:axis] + a.shape[axis + 1 :]
+
+
+def _is_tensor(value):
+    """Whether ``value`` is another framework's tensor (a torch tensor, or anything else that
+    exports DLPack with a shape), kept as it is where a batch is sliced."""
+    return hasattr(value, "__dlpack__") and hasattr(value, "shape") and not isinstance(value, np.ndarray)
+
+
+def _array(value):
+    """``value`` as a numpy array: numpy's own as it is, a ``DeviceTensor``'s elements, another
+    framework's tensor through DLPack (a torch tensor on the CPU without a copy, one on a GPU
+    copied to the host, one that requires grad detached first), anything else as numpy takes
+    it."""
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, DeviceTensor):
+        return value.numpy()
+    if hasattr(value, "__dlpack__") and not np.isscalar(value):
+        t = value.detach() if callable(getattr(value, "detach", None)) else value
+        on = t.__dlpack_device__()[0] if hasattr(t, "__dlpack_device__") else 1
+        if on != 1 and callable(getattr(t, "cpu", None)):  # 1: DLPack's kDLCPU
+            t = t.cpu()
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16:
+            # numpy has no bfloat16: its bits, as ml_dtypes' (an error naming it without).
+            import ml_dtypes
+
+            return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        from_dlpack = getattr(np, "from_dlpack", None)  # numpy 1.23 and later
+        if from_dlpack is not None:
+            try:
+                return from_dlpack(t)
+            except (TypeError, BufferError, RuntimeError, ValueError):
+                pass  # a dtype DLPack cannot carry to numpy: numpy's own conversion says why
+        return np.asarray(t)
+    return np.asarray(value)
+
+
+def _like(result, given):
+    """``result`` (a new numpy array) in ``given``'s kind: a torch tensor on ``given``'s device
+    where ``given`` is one, else as it is."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(given, torch.Tensor) and isinstance(result, np.ndarray):
+        a = np.require(result, requirements="C")
+        if a.dtype.name == "bfloat16":
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(given.device)
+        return torch.from_numpy(a).to(given.device)
+    return result
 
 
 def _check_dtype(dtype, what):
@@ -767,7 +817,7 @@ def _leaves(batch):
         return [x for v in batch.values() for x in _leaves(v)]
     if isinstance(batch, (tuple, list)):
         return [x for v in batch for x in _leaves(v)]
-    a = np.asarray(batch)
+    a = batch if _is_tensor(batch) else np.asarray(batch)
     if a.ndim == 0:
         raise ValueError("a batch's arrays need a first dimension (rows)")
     return [a]
@@ -779,7 +829,8 @@ def _take(batch, start, stop):
         return {k: _take(v, start, stop) for k, v in batch.items()}
     if isinstance(batch, (tuple, list)):
         return _rebuild(batch, [_take(v, start, stop) for v in batch])
-    return np.asarray(batch)[start:stop]
+    # Another framework's tensor is sliced as it is (a view, on its device).
+    return (batch if _is_tensor(batch) else np.asarray(batch))[start:stop]
 
 
 def _map_leaves(batch, f):
@@ -1126,7 +1177,11 @@ class Strategy:
         op = _reduce_op(reduce_op)
         if getattr(_state, "replica", None) is not None:
             raise RuntimeError("strategy.reduce inside a replica function: use the replica context's all_reduce")
-        parts = [np.asarray(v) for v in self.experimental_local_results(value)]
+        given = self.experimental_local_results(value)
+        reduced = self._reduce_along(op, value, [_array(v) for v in given], axis)
+        return _like(reduced, given[0]) if given else reduced
+
+    def _reduce_along(self, op, value, parts, axis):
         if not isinstance(value, PerReplica):
             parts = parts * self._local
         if len(parts) != self._local:
@@ -1167,7 +1222,11 @@ class Strategy:
         replicas' values may differ in length along ``axis`` only (an uneven last batch)."""
         if getattr(_state, "replica", None) is not None:
             raise RuntimeError("strategy.gather inside a replica function: call it from the cross-replica context")
-        parts = [np.require(np.asarray(v), requirements="C") for v in self.experimental_local_results(value)]
+        given = self.experimental_local_results(value)
+        return _like(self._gather(value, [np.require(_array(v), requirements="C") for v in given], axis),
+                     given[0] if given else None)
+
+    def _gather(self, value, parts, axis):
         if not isinstance(value, PerReplica):
             parts = parts * self._local
         first = parts[0] if parts else np.zeros(0)
@@ -1336,7 +1395,7 @@ class Strategy:
     def _place_on(self, replica, value):
         """``value`` (an array) on local replica ``replica``'s device, as a ``DeviceTensor``,
         from any thread (an input pipeline's, while a step runs)."""
-        a = np.ascontiguousarray(value)
+        a = np.ascontiguousarray(_array(value))
         _check_dtype(a.dtype, "place")
         h = ctypes.c_void_p()
         with self._placing:
@@ -1478,7 +1537,7 @@ class _Assignable:
 
     def _host(self, value):
         """``value`` as an update of this variable: an array of its dtype and shape."""
-        given = np.asarray(value)
+        given = _array(value)
         if not np.can_cast(given.dtype, self.dtype, "same_kind"):
             raise TypeError(f"{self._kind}.assign: an update of {given.dtype} does not fit a variable of {self.dtype}")
         u = np.require(given.astype(self.dtype), requirements="C")  # 0-d stays 0-d
@@ -1520,7 +1579,7 @@ class Variable(_Assignable):
     def __init__(self, initial_value, aggregation=VariableAggregation.NONE, dtype=None, name=None):
         self.name = name
         self.aggregation = _aggregation(aggregation)
-        value = np.array(initial_value, dtype=dtype, copy=True, order="C")
+        value = np.array(_array(initial_value), dtype=dtype, copy=True, order="C")
         _check_dtype(value.dtype, "Variable")
         if getattr(_state, "replica", None) is not None:
             raise RuntimeError("Variable: make variables in the cross-replica context (under scope(), not inside run)")
@@ -1638,7 +1697,7 @@ class DeviceVariable(_Assignable):
     def __init__(self, initial_value, aggregation=VariableAggregation.NONE, dtype=None, name=None):
         self.name = name
         self.aggregation = _aggregation(aggregation)
-        value = np.array(initial_value, dtype=dtype, copy=True, order="C")
+        value = np.array(_array(initial_value), dtype=dtype, copy=True, order="C")
         _check_dtype(value.dtype, "DeviceVariable")
         if getattr(_state, "replica", None) is not None:
             raise RuntimeError("DeviceVariable: make variables in the cross-replica context (under scope(), not "
@@ -2086,8 +2145,11 @@ def compute_average_loss(per_example_loss, global_batch_size=None):
     global batch's mean loss. Without ``global_batch_size``, this replica's examples times the
     replicas in sync (right only where every replica has as many: pass it for an uneven last
     batch); a size of 0 gives 0. Inside a scope but outside ``run``, ``global_batch_size`` is
-    required, as in TensorFlow."""
-    losses = np.asarray(per_example_loss)
+    required, as in TensorFlow. A torch tensor's loss stays a torch tensor, on its graph (its
+    gradients flow back through it)."""
+    torch = sys.modules.get("torch")
+    native = torch is not None and isinstance(per_example_loss, torch.Tensor)
+    losses = per_example_loss if native else np.asarray(per_example_loss)
     if global_batch_size is None:
         replica = get_replica_context()
         if replica is None:
@@ -2095,7 +2157,10 @@ def compute_average_loss(per_example_loss, global_batch_size=None):
         global_batch_size = (losses.shape[0] if losses.ndim else 1) * replica.num_replicas_in_sync
     if global_batch_size < 0:
         raise ValueError(f"compute_average_loss: global_batch_size {global_batch_size} is negative")
-    total = losses.sum(dtype=losses.dtype if losses.dtype.kind == "f" else np.float64)
+    if native:
+        total = losses.sum(dtype=None if losses.is_floating_point() else torch.float64)
+    else:
+        total = losses.sum(dtype=losses.dtype if losses.dtype.kind == "f" else np.float64)
     return total / global_batch_size if global_batch_size else total * 0
 
 
@@ -2944,8 +3009,9 @@ class ParameterServerStrategy(Strategy):
         op = _reduce_op(reduce_op)
         if axis is None:
             return value
-        v = np.asarray(value)
-        return np.sum(v, axis=axis) if op == "SUM" else np.mean(v, axis=axis).astype(v.dtype)
+        v = _array(value)
+        out = np.sum(v, axis=axis) if op == "SUM" else np.mean(v, axis=axis).astype(v.dtype)
+        return _like(np.asarray(out), value)
 
     def experimental_local_results(self, value):
         return tuple(value.values) if isinstance(value, PerReplica) else (value,)
@@ -3061,7 +3127,7 @@ class _PsVariable(Variable):
     ``apply_gradients`` step it there as the workers' steps do, losing none of theirs."""
 
     def __init__(self, initial_value, aggregation=VariableAggregation.NONE, dtype=None, name=None):
-        value = np.array(initial_value, dtype=dtype, copy=True, order="C")
+        value = np.array(_array(initial_value), dtype=dtype, copy=True, order="C")
         if value.dtype not in _PS_DTYPES:
             raise TypeError(f"ParameterServerStrategy holds float32, float64 and float16 variables; this one is "
                             f"{value.dtype} (pass dtype=np.float32)")
