@@ -326,6 +326,39 @@ def test_device_groups():
         np.testing.assert_array_equal(out[1], [3.0] * 5)
 
 
+def test_xla_device_groups_split_and_send():
+    """On XLA devices (a libtutti built with xla, a PJRT plugin): a group splits into groups over
+    its members' devices, each running its calls there, and ranks send and receive."""
+    try:
+        comms = tutti.device_group(["xla:0", "xla:1", "xla:2", "xla:3"], timeout=60)
+    except tutti.TuttiError as e:
+        if os.environ.get("TUTTI_REQUIRE_XLA") == "1":
+            raise
+        assert e.code == "TUTTI_ERROR_UNAVAILABLE" and "XLA" in e.message
+        pytest.skip(f"no XLA devices: {e.message}")
+    out = {}
+
+    def rank(c):
+        half = c.split(c.rank % 2, key=-c.rank)
+        s = half.all_reduce(np.full(3, float(c.rank)))
+        got = np.zeros(2, np.int32)
+        other = 1 - half.rank
+        half.send_recv([("send", np.full(2, c.rank, np.int32), other), ("recv", got, other)])
+        none = c.split(None if c.rank == 0 else 5)
+        if none is not None:
+            none.close()
+        half.close()
+        out[c.rank] = (half.rank, s.tolist(), got.tolist(), none is None)
+
+    run_ranks(comms, rank)
+    assert out == {
+        0: (1, [2.0] * 3, [2, 2], True),
+        1: (1, [4.0] * 3, [3, 3], False),
+        2: (0, [2.0] * 3, [0, 0], False),
+        3: (0, [4.0] * 3, [1, 1], False),
+    }
+
+
 def test_abort_wakes_a_blocked_rank_and_timeouts_fire():
     a, b = tutti.local_group(2, timeout=120)
     caught = []
