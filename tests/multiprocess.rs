@@ -1408,10 +1408,6 @@ fn perf_checks_its_arguments_first() {
             "-c send-recv --device gpu: not available on GPU ranks",
         ),
         (
-            &["-c", "reduce-scatter-v", "--device", "xla"][..],
-            "-c reduce-scatter-v --device xla: not available on XLA devices",
-        ),
-        (
             &["-c", "scatter", "--in-place"][..],
             "--in-place: scatter has no in-place form",
         ),

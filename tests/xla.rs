@@ -840,6 +840,38 @@ fn perf_device_xla_rows_are_correct() {
             assert_eq!(r["collective"], c, "{r}");
         }
     }
+    // The collectives without a client-level program, as an XLA group's communicators run
+    // them on host buffers.
+    for c in [
+        "reduce",
+        "gather",
+        "scatter",
+        "all-gather-v",
+        "reduce-scatter-v",
+        "all-to-all-v",
+        "send-recv",
+    ] {
+        let out = tutti()
+            .env("TUTTI_PJRT_PLUGIN", &path)
+            .args(["perf", "--device", "xla", "-n", &n().to_string(), "-c", c])
+            .args(["-b", "1K", "-e", "64K", "-f", "8", "--iters", "2", "--json"])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "perf -c {c}: {stdout}\n{stderr}");
+        let rows: Vec<serde_json::Value> = stdout
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v.get("errors").is_some())
+            .collect();
+        assert_eq!(rows.len(), 3, "perf -c {c}: {stdout}");
+        for r in &rows {
+            assert_eq!(r["errors"], 0, "{r}");
+            assert_eq!(r["collective"], c, "{r}");
+            assert_eq!(r["algo"], "xla-staged", "{r}");
+        }
+    }
 }
 
 #[test]

@@ -266,7 +266,16 @@ where
     R: Send,
     F: Fn(&Communicator) -> R + Sync,
 {
-    let comms = local_group(world, config)?;
+    run_group(&local_group(world, config)?, f)
+}
+
+/// [`run_local`] over the communicators of an in-process group already made (a
+/// [`device_group`]'s): `f` on a thread per rank, the results in rank order.
+pub(crate) fn run_group<R, F>(comms: &[Communicator], f: F) -> Result<Vec<R>>
+where
+    R: Send,
+    F: Fn(&Communicator) -> R + Sync,
+{
     let results: Vec<std::thread::Result<R>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .iter()
@@ -293,7 +302,7 @@ where
             .map(|h| h.join().unwrap_or_else(Err))
             .collect()
     });
-    let mut out = Vec::with_capacity(world);
+    let mut out = Vec::with_capacity(comms.len());
     for (rank, r) in results.into_iter().enumerate() {
         match r {
             Ok(v) => out.push(v),

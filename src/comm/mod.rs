@@ -25,6 +25,8 @@ mod tensor;
 mod tune;
 mod work;
 
+#[cfg(feature = "xla")]
+pub(crate) use group::run_group;
 pub use group::{device_group, local_group, run_local, MAX_LOCAL_RANKS};
 pub(crate) use group::{engine_group, xla_engine};
 pub use p2p::{PeerOp, RawPeerOp};

@@ -1,11 +1,14 @@
 //! `tutti perf --device xla`: the collectives across XLA devices, measured and checked like the
 //! CPU rows.
 //!
-//! Each size uploads replica r's test pattern to device r once, runs the collective once and
-//! counts the elements of every device's result that differ from the reference, then times
-//! `iters` calls on the device-resident buffers (a call: run the cached program on every
-//! device, wait for all of them, release the results). Host copies are not in the timed loop,
-//! as in nccl-tests.
+//! All-reduce, broadcast, all-gather, reduce-scatter and all-to-all: each size uploads replica
+//! r's test pattern to device r once, runs the collective once and counts the elements of
+//! every device's result that differ from the reference, then times `iters` calls on the
+//! device-resident buffers (a call: run the cached program on every device, wait for all of
+//! them, release the results). Host copies are not in the timed loop, as in nccl-tests.
+//!
+//! The other collectives have no client-level program: they are timed as an XLA group's
+//! communicators run them ([`staged`]), host copies included.
 
 use std::marker::PhantomData;
 use std::time::Duration;
@@ -38,9 +41,9 @@ pub(super) fn run(
     machine: &Machine,
     emit: &(dyn Fn(&Row) + Sync),
 ) -> Result<Vec<Row>> {
-    // Before any plugin is loaded: all-to-all, gather, scatter, reduce and the `-v` forms are
-    // not there on XLA devices.
-    super::device_measures(crate::device::DeviceKind::Xla, opts.collective)?;
+    if !on_buffers(opts.collective) {
+        return staged(opts, emit);
+    }
     if opts.placement != Placement::OutOfPlace {
         return Err(Error::config(
             "--device xla: XLA collectives write new device buffers; drop --in-place",
@@ -69,6 +72,59 @@ pub(super) fn run(
             emit(&row);
             rows.push(row);
         }
+    }
+    Ok(rows)
+}
+
+/// Whether perf times `c` as the client's programs on device-resident buffers; the other
+/// collectives run through an XLA group's communicators ([`staged`]).
+fn on_buffers(c: Collective) -> bool {
+    matches!(
+        c,
+        Collective::AllReduce
+            | Collective::Broadcast
+            | Collective::AllGather
+            | Collective::ReduceScatter
+            | Collective::AllToAll
+    )
+}
+
+/// The collectives that have no client-level program (reduce, gather, scatter, the `-v` forms,
+/// send-recv) as an XLA group of `opts.ranks` devices runs them for its communicators: each
+/// call's host buffers staged to the devices and back (send-recv between host buffers), timed
+/// and checked as the CPU rows are. Rows say `xla-staged` (`xla-staged-ordered` for the
+/// deterministic mode's reductions).
+fn staged(opts: &Options, emit: &(dyn Fn(&Row) + Sync)) -> Result<Vec<Row>> {
+    if opts.ranks == 0 {
+        return Err(Error::config("perf needs at least one rank (-n)"));
+    }
+    let specs: Vec<String> = (0..opts.ranks).map(|r| format!("xla:{r}")).collect();
+    let config = opts.config.clone().with_algorithm(opts.algorithm);
+    let comms = crate::comm::device_group(&specs, &config)?;
+    let algo = if opts.config.deterministic && super::reduces(opts.collective) {
+        "xla-staged-ordered"
+    } else {
+        "xla-staged"
+    };
+    let named = |row: &Row| {
+        emit(&Row {
+            algo: algo.into(),
+            ..row.clone()
+        })
+    };
+    let mut rows = Vec::new();
+    // Rank 0's rows; the first rank's error, if any.
+    for (r, ranks) in crate::comm::run_group(&comms, |c| super::sweep(c, opts, &named))?
+        .into_iter()
+        .enumerate()
+    {
+        let ranks = ranks?;
+        if r == 0 {
+            rows = ranks;
+        }
+    }
+    for row in &mut rows {
+        row.algo = algo.into();
     }
     Ok(rows)
 }
