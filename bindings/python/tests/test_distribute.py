@@ -1353,6 +1353,25 @@ def test_the_guides_custom_loop_trains_to_the_reference_and_resumes(strategy, tm
     assert resumed["weights"] == whole["weights"] and resumed["reference_weights"] == whole["reference_weights"]
 
 
+@pytest.mark.parametrize("strategy", ["default", "mirrored", "central-storage"])
+def test_the_guides_custom_loop_matches_the_rust_examples_weights(strategy):
+    """The Python loop and the Rust example (``cargo run --example train``, built beside the
+    libtutti under test: ``cargo test`` builds it) train the same model to the same weights."""
+    lib = os.environ.get("TUTTI_LIBRARY")
+    exe = pathlib.Path(lib).parent / "examples" / "train" if lib else None
+    if exe is None or not exe.is_file():
+        assert os.environ.get("TUTTI_REQUIRE_PYTHON") != "1", f"the Rust example is not built at {exe}"
+        pytest.skip(f"the Rust example is not built beside the library ({exe})")
+    args = ["--strategy", strategy, "--replicas", "3", "--steps", "40"]
+    out = subprocess.run([str(exe), *args, "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rust = json.loads(out.stdout.strip().splitlines()[-1])
+    python = _example(*args)
+    assert rust["strategy"] == python["strategy"] and rust["replicas"] == python["replicas"]
+    np.testing.assert_allclose(python["weights"], rust["weights"], atol=1e-5)
+    np.testing.assert_allclose(python["reference_weights"], rust["reference_weights"], atol=1e-6)
+
+
 def test_the_guides_custom_loop_across_workers():
     code = textwrap.dedent(
         f"""
