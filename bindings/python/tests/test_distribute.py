@@ -724,6 +724,50 @@ def test_workers_start_every_variable_from_the_chiefs_value():
     assert "this worker's shape (1, 1, 1, 1, 1, 1, 1, 1, 3, 2)" in shape, shape
 
 
+SEEDED_WORKER = textwrap.dedent(
+    """
+    import json, os
+    import numpy as np
+    import tutti.distribute as td
+
+    rank = int(os.environ["TUTTI_RANK"])
+    own = np.random.default_rng(100 + rank).standard_normal(3).astype(np.float32)  # seeded apart
+    x = np.random.default_rng(7).standard_normal((16, 3)).astype(np.float32)
+    y = (x @ np.array([0.5, -1.0, 2.0], np.float32) + 0.25).astype(np.float32)
+    s = td.MultiWorkerMirroredStrategy()
+    with s.scope():
+        w = td.Variable(own, aggregation="SUM")
+        opt = td.optimizers.SGD(0.1)
+    start = w.numpy().tolist()
+    xs, ys = x[rank::2], y[rank::2]  # this worker's half of the batch
+
+    def step():
+        err = xs @ w.numpy() - ys
+        opt.apply_gradients([(2 * xs.T @ err / len(x), w)])
+
+    for _ in range(10):
+        s.run(step)
+    print("RESULT " + json.dumps({"own": own.tolist(), "start": start, "end": w.numpy().tolist()}), flush=True)
+    """
+)
+
+
+def test_workers_seeded_differently_train_identically():
+    """Two workers whose initial values differ (each seeded apart) start from the chief's and,
+    stepping on their halves of the batch, end with the same bits: the full batch's descent
+    from the chief's value."""
+    chief, other = run_workers(SEEDED_WORKER, 2)
+    assert chief["own"] != other["own"]
+    assert chief["start"] == other["start"] == chief["own"]
+    assert chief["end"] == other["end"]
+    x = np.random.default_rng(7).standard_normal((16, 3)).astype(np.float32)
+    y = (x @ np.array([0.5, -1.0, 2.0], np.float32) + 0.25).astype(np.float32)
+    w = np.array(chief["own"], np.float32)
+    for _ in range(10):
+        w -= np.float32(0.1) * (2 * x.T @ (x @ w - y) / len(x)).astype(np.float32)
+    np.testing.assert_allclose(chief["end"], w, rtol=1e-5, atol=1e-6)
+
+
 def test_a_checkpoint_manager_saves_once_every_interval(tmp_path):
     """TensorFlow's checkpoint_interval and step_counter: save is called every step and writes
     every 3rd, numbered by the step counter, the last 2 kept; check_interval=False forces one."""
