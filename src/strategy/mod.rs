@@ -763,8 +763,10 @@ impl Strategy {
         )
     }
 
-    /// Variables kept once, on the CPU (on the GPU when there is exactly one); computation
-    /// replicated on `devices`; updates aggregated onto the variable before they are applied.
+    /// Variables kept once, in host memory (TensorFlow puts them on the GPU when there is
+    /// exactly one; tutti's [`CentralVariable`] stays on the host whatever the devices);
+    /// computation replicated on `devices`; updates aggregated onto the variable before they
+    /// are applied.
     pub fn central_storage(devices: &[Device]) -> Result<Strategy> {
         let devices = if devices.is_empty() {
             default_devices()
