@@ -29,14 +29,32 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run(scenario, world, timeout=180, env=None):
-    """Every rank's RESULT of ``scenario`` on ``world`` processes."""
+# What describes a job to ``comm=None``'s communicator: none is inherited from the test's own.
+JOB_VARIABLES = ("TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TUTTI_RANK",
+                 "TUTTI_WORLD_SIZE", "TUTTI_MASTER_ADDR", "TUTTI_LOCAL_RANK")
+
+
+def launched(launcher, rank, world, port, workers):
+    """The variables a job of ``world`` ranks started by ``launcher`` gives rank ``rank``:
+    torchrun's, ``tutti launch``'s, or ``TF_CONFIG`` (``workers``: the tasks' addresses)."""
+    if launcher == "tf_config":
+        return {"TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}})}
+    if launcher == "tutti":
+        return {"TUTTI_RANK": str(rank), "TUTTI_WORLD_SIZE": str(world), "TUTTI_MASTER_ADDR": f"127.0.0.1:{port}"}
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port)}
+
+
+def run(scenario, world, timeout=180, env=None, launcher="torchrun"):
+    """Every rank's RESULT of ``scenario`` on ``world`` processes started by ``launcher`` (see
+    ``launched``)."""
     port = free_port()
+    workers = [f"127.0.0.1:{free_port()}" for _ in range(world)]
     procs = []
     for rank in range(world):
-        e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TUTTI_TIMEOUT="60",
-                 JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
+        e = {k: v for k, v in os.environ.items() if k not in JOB_VARIABLES}
+        e.update(launched(launcher, rank, world, port, workers), TUTTI_TIMEOUT="60", JAX_PLATFORMS="cpu",
+                 XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
         e["PYTHONPATH"] = PACKAGE + os.pathsep + e.get("PYTHONPATH", "")
         e.update(env or {})
         procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario], env=e,
@@ -78,6 +96,14 @@ def test_every_collective_runs_in_program_order_even_when_unused():
         assert s == [3.0] * 3
         assert g == [list(range(5)), list(range(1, 6))]
         assert m == list(range(5))
+
+
+@pytest.mark.parametrize("launcher", ["tf_config", "tutti"])
+def test_comm_none_joins_the_job_that_tf_config_or_tutti_launch_describe(launcher):
+    """``comm=None`` joins the job from TF_CONFIG or tutti launch's variables, as from
+    torchrun's."""
+    for s, g, m in run("ordered", 2, launcher=launcher):
+        assert s == [3.0] * 3 and g == [list(range(5)), list(range(1, 6))] and m == list(range(5))
 
 
 def test_gradient_of_a_sum_across_ranks():

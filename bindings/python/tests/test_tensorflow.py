@@ -30,14 +30,32 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run(scenario, world=1, timeout=300, env=None, check=True):
-    """Every process's RESULT of ``scenario`` (``world`` ranks of one job)."""
+# What describes a job to the ops' communicator: none is inherited from the test's own.
+JOB_VARIABLES = ("TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TUTTI_RANK",
+                 "TUTTI_WORLD_SIZE", "TUTTI_MASTER_ADDR", "TUTTI_LOCAL_RANK")
+
+
+def launched(launcher, rank, world, port, workers):
+    """The variables a job of ``world`` ranks started by ``launcher`` gives rank ``rank``:
+    torchrun's, ``tutti launch``'s, or TensorFlow's ``TF_CONFIG`` (``workers``: the tasks'
+    addresses)."""
+    if launcher == "tf_config":
+        return {"TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}})}
+    if launcher == "tutti":
+        return {"TUTTI_RANK": str(rank), "TUTTI_WORLD_SIZE": str(world), "TUTTI_MASTER_ADDR": f"127.0.0.1:{port}"}
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port)}
+
+
+def run(scenario, world=1, timeout=300, env=None, check=True, launcher="torchrun"):
+    """Every process's RESULT of ``scenario`` (``world`` ranks of one job started by
+    ``launcher``: see ``launched``)."""
     port = free_port()
+    workers = [f"127.0.0.1:{free_port()}" for _ in range(world)]
     procs = []
     for rank in range(world):
-        e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TUTTI_TIMEOUT="60",
-                 TF_CPP_MIN_LOG_LEVEL="2")
+        e = {k: v for k, v in os.environ.items() if k not in JOB_VARIABLES}
+        e.update(launched(launcher, rank, world, port, workers), TUTTI_TIMEOUT="60", TF_CPP_MIN_LOG_LEVEL="2")
         e["PYTHONPATH"] = PACKAGE + os.pathsep + e.get("PYTHONPATH", "")
         e.update(env or {})
         procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario], env=e,
@@ -110,6 +128,13 @@ def test_ops_across_processes_inside_tf_function(world):
 
 def test_collectives_of_nested_functions_run_in_program_order():
     assert run("ordered", 2) == [0, 0]
+
+
+@pytest.mark.parametrize("launcher", ["tf_config", "tutti"])
+def test_the_ops_join_the_job_that_tf_config_or_tutti_launch_describe(launcher):
+    """The ops' communicator joins the job from TF_CONFIG (as MultiWorkerMirroredStrategy's
+    workers are started) or from tutti launch's variables, as from torchrun's."""
+    assert run("ordered", 2, launcher=launcher) == [0, 0]
 
 
 def test_mixed_precision_ranks_skip_an_overflowing_step_alike():
