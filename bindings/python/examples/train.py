@@ -9,6 +9,8 @@ replicas, a metric read across them, and checkpoints.
     tutti launch --workers 2 --ps 1 -- python bindings/python/examples/train.py --strategy parameter-server --json
     TUTTI_PJRT_PLUGIN=.../xla_cpu_pjrt.so TUTTI_PJRT_OPTIONS=cpu_device_count=4 \
         python bindings/python/examples/train.py --strategy tpu --json
+    TUTTI_PJRT_PLUGIN=.../xla_cpu_pjrt.so \
+        python bindings/python/examples/train.py --strategy mirrored --device xla --replicas 4 --json
     python bindings/python/examples/train.py --steps 50 --checkpoint-dir /tmp/ck
     python bindings/python/examples/train.py --steps 50 --checkpoint-dir /tmp/ck --resume
 
@@ -79,14 +81,14 @@ def tpu_strategy():
     return td.TPUStrategy(resolver)
 
 
-def make_strategy(name, replicas):
-    devices = [f"cpu:{i}" for i in range(replicas)]
+def make_strategy(name, replicas, device="cpu"):
+    devices = [f"{device}:{i}" for i in range(replicas)]
     return {
         "default": lambda: td.get_strategy(),
-        "one-device": lambda: td.OneDeviceStrategy("cpu:0"),
+        "one-device": lambda: td.OneDeviceStrategy(devices[0]),
         "mirrored": lambda: td.MirroredStrategy(devices),
         "central-storage": lambda: td.CentralStorageStrategy(devices),
-        "multi-worker": lambda: td.MultiWorkerMirroredStrategy(),
+        "multi-worker": lambda: td.MultiWorkerMirroredStrategy(devices=None if device == "cpu" else devices),
         "tpu": tpu_strategy,
         "parameter-server": lambda: td.ParameterServerStrategy(td.cluster_resolver.TFConfigClusterResolver()),
     }[name]()
@@ -105,6 +107,8 @@ def main():
                    choices=["default", "one-device", "mirrored", "central-storage", "multi-worker", "tpu",
                             "parameter-server"])
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--device", default="cpu", choices=["cpu", "xla"],
+                   help="the replicas' devices (xla: a libtutti built with xla and a PJRT plugin)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--checkpoint-dir")
     p.add_argument("--resume", action="store_true")
@@ -120,7 +124,10 @@ def main():
             td.Server(resolver.cluster_spec(), job_name=resolver.task_type, task_index=resolver.task_id,
                       start=True).join()
             return
-    strategy = make_strategy(args.strategy, args.replicas)
+    if args.device == "xla" and args.strategy in ("default", "parameter-server"):
+        p.error(f"--device xla: --strategy {args.strategy} keeps its variables in host memory; on XLA devices "
+                "run mirrored, one-device, central-storage, multi-worker or tpu")
+    strategy = make_strategy(args.strategy, args.replicas, args.device)
     rows = data()
     with strategy.scope():
         weights = td.Variable(np.zeros(FEATURES, np.float32), name="weights")
@@ -186,7 +193,7 @@ def main():
             "strategy": args.strategy, "replicas": strategy.num_workers if ps else strategy.num_replicas_in_sync,
             "steps": args.steps,
             "loss": loss, "weights": w.tolist(), "reference_weights": ref.tolist(),
-            "device": "xla" if args.strategy == "tpu" else "cpu", "restored_step": restored,
+            "device": "xla" if args.strategy == "tpu" else args.device, "restored_step": restored,
             "mse": float(mse.result()),
         }))
     else:

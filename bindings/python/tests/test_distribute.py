@@ -1432,6 +1432,24 @@ def test_the_guides_custom_loop_across_workers():
     np.testing.assert_allclose(results[0]["weights"], results[0]["reference_weights"], atol=1e-5)
 
 
+@pytest.mark.parametrize("strategy", ["one-device", "mirrored", "central-storage", "multi-worker"])
+def test_the_guides_custom_loop_on_xla_devices(strategy):
+    """The example's loop with its replicas on XLA devices (``--device xla``, 4 of the PJRT
+    plugin's): the full batch's weights. Without XLA the example says UNAVAILABLE and the test is
+    skipped (TUTTI_REQUIRE_XLA=1: it fails)."""
+    env = dict(os.environ, PYTHONPATH=PACKAGE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("TF_CONFIG", "TUTTI_RANK", "TUTTI_WORLD_SIZE", "TUTTI_PJRT_OPTIONS"):
+        env.pop(k, None)
+    args = ["--strategy", strategy, "--device", "xla", "--replicas", "4", "--steps", "40", "--json"]
+    out = subprocess.run([sys.executable, EXAMPLE, *args], env=env, capture_output=True, text=True, timeout=300)
+    if out.returncode != 0 and "TUTTI_ERROR_UNAVAILABLE" in out.stderr and os.environ.get("TUTTI_REQUIRE_XLA") != "1":
+        pytest.skip("no XLA here: " + out.stderr.strip().splitlines()[-1])
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["device"] == "xla" and r["replicas"] == (1 if strategy == "one-device" else 4), r
+    np.testing.assert_allclose(r["weights"], r["reference_weights"], atol=1e-5)
+
+
 def test_the_guides_custom_loop_under_tpu_strategy(tmp_path, monkeypatch):
     """The example's loop under TPUStrategy, set up as the guides do, over the PJRT plugin's
     devices (TUTTI_PJRT_PLUGIN; the CPU plugin's four here): the full batch's weights, and a

@@ -1443,9 +1443,11 @@ class MultiWorkerMirroredStrategy(Strategy):
     across workers are as ``communication_options`` says (``CommunicationOptions``: the
     implementation, ``bytes_per_pack``, the packs an optimizer's gradients are summed in, and
     ``timeout_seconds``, the timeout of every wait of the strategy's collectives and of the
-    workers' joining)."""
+    workers' joining). ``devices`` (tutti's addition, as ``MirroredStrategy`` takes them) names
+    each worker's local devices (``"xla:0"``, ``"gpu:1"``, ...); ``None``: every GPU, else the
+    CPU, as TensorFlow's."""
 
-    def __init__(self, cluster_resolver=None, communication_options=None):
+    def __init__(self, cluster_resolver=None, communication_options=None, devices=None):
         if communication_options is not None and not isinstance(communication_options, CommunicationOptions):
             raise TypeError("communication_options must be a tutti.distribute.CommunicationOptions")
         options = communication_options or CommunicationOptions()
@@ -1462,9 +1464,16 @@ class MultiWorkerMirroredStrategy(Strategy):
         # Milliseconds, at least one: 0 would mean the configured timeout.
         timeout_ms = 0 if options.timeout_seconds is None else max(1, round(float(options.timeout_seconds) * 1000))
 
+        devices = _replicas(devices, "MultiWorkerMirroredStrategy")
+
         def create(h):
-            _check(_lib().tutti_strategy_create_multi_worker_with_options(
-                tf_config, code, options.bytes_per_pack, timeout_ms, 0, ctypes.byref(h)))
+            if devices is None:
+                _check(_lib().tutti_strategy_create_multi_worker_with_options(
+                    tf_config, code, options.bytes_per_pack, timeout_ms, 0, ctypes.byref(h)))
+            else:
+                names = (ctypes.c_char_p * len(devices))(*[d.encode() for d in devices])
+                _check(_lib().tutti_strategy_create_multi_worker_on_devices(
+                    tf_config, code, options.bytes_per_pack, timeout_ms, names, len(devices), ctypes.byref(h)))
 
         super().__init__(_MULTI_WORKER, 0, _create=create)
         if options.bytes_per_pack:
@@ -2710,6 +2719,11 @@ _PROTOTYPES.update({
                                                                           ctypes.c_size_t, ctypes.c_uint64,
                                                                           ctypes.c_size_t,
                                                                           ctypes.POINTER(ctypes.c_void_p)]),
+    "tutti_strategy_create_multi_worker_on_devices": (ctypes.c_uint32, [ctypes.c_char_p, ctypes.c_uint32,
+                                                                        ctypes.c_size_t, ctypes.c_uint64,
+                                                                        ctypes.POINTER(ctypes.c_char_p),
+                                                                        ctypes.c_size_t,
+                                                                        ctypes.POINTER(ctypes.c_void_p)]),
     "tutti_strategy_create_multi_worker": (ctypes.c_uint32, [ctypes.c_char_p, ctypes.c_uint32, ctypes.c_size_t,
                                                              ctypes.POINTER(ctypes.c_void_p)]),
     "tutti_ps_coordinator_push": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32,
