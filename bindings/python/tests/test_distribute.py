@@ -710,6 +710,42 @@ def test_workers_go_on_after_a_mismatch_through_shrink():
     assert w0["value"] == pytest.approx([0.6, 1.6]), w0
 
 
+def test_a_replica_gathers_every_replicas_value():
+    """TensorFlow's ``ReplicaContext.all_gather``: every replica's value along the axis, in
+    replica order, of lengths that may differ there; a value that cannot be gathered raises on
+    every replica; the default strategy's one replica gets its own."""
+    s = td.MirroredStrategy(cpus(3))
+
+    def rows():
+        ctx = td.get_replica_context()
+        r = ctx.replica_id_in_sync_group
+        return ctx.all_gather(np.full((r + 1, 2), r, np.int32), axis=0), ctx.all_gather(np.full((2, r + 1), r), -1)
+
+    out = s.run(rows)
+    want_rows = np.concatenate([np.full((r + 1, 2), r, np.int32) for r in range(3)])
+    want_cols = np.concatenate([np.full((2, r + 1), r) for r in range(3)], axis=1)
+    for got_rows, got_cols in s.experimental_local_results(out):
+        np.testing.assert_array_equal(got_rows, want_rows)
+        np.testing.assert_array_equal(got_cols, want_cols)
+
+    def differs():
+        ctx = td.get_replica_context()
+        return ctx.all_gather(np.zeros((2, 3 if ctx.replica_id_in_sync_group == 1 else 2)), axis=0)
+
+    with pytest.raises(ValueError, match="differ between replicas"):
+        s.run(differs)
+
+    def bad_axis():
+        ctx = td.get_replica_context()
+        return ctx.all_gather(np.zeros(2), axis=3 if ctx.replica_id_in_sync_group == 2 else 0)
+
+    with pytest.raises(ValueError, match="axis 3 is out of range|another replica's values were refused"):
+        s.run(bad_axis)
+    one = td.get_strategy().run(lambda: td.get_replica_context().all_gather(np.arange(3), 0))
+    assert one.tolist() == [0, 1, 2]
+    s.close()
+
+
 def test_workers_start_every_variable_from_the_chiefs_value():
     results = run_workers(VARIABLE_WORKER, 2)
     for r in results:

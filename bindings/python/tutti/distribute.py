@@ -462,6 +462,41 @@ class ReplicaContext:
             out = a
         return out[()] if scalar else _like(out, value)
 
+    def all_gather(self, value, axis):
+        """TensorFlow's ``ReplicaContext.all_gather``: every replica's ``value`` (an array, or a
+        tensor with ``__dlpack__``) concatenated along ``axis`` in replica order, every worker's,
+        on every replica; the values may differ in length along ``axis`` only (an uneven last
+        batch). Every replica calls it, in the same order. A value that cannot be gathered
+        (``axis`` out of range, a dtype tutti does not move, a shape or dtype that differs from
+        replica 0's) raises ``ValueError`` on every replica."""
+        a = np.require(_array(value), requirements="C")
+        problem = None
+        if a.ndim == 0 or not -a.ndim <= axis < a.ndim:
+            problem = f"all_gather: axis {axis} is out of range for a value of shape {a.shape}"
+        elif a.dtype.name not in tutti.DTYPES or not a.dtype.isnative:
+            problem = f"all_gather: dtype {a.dtype} is not one tutti moves (expected one of {', '.join(tutti.DTYPES)})"
+        if problem:
+            a, axis = np.zeros(1, np.uint8), 0  # only to take part: every replica raises
+        return _like(self._gather_along(a, axis % a.ndim, problem, "all_gather", "replica"), value)
+
+    def _gather_along(self, part, axis, problem, name, who):
+        """Every replica's ``part`` concatenated along ``axis`` in replica order. ``problem``:
+        why this replica's value was refused; then every replica raises (never a collective the
+        others do not make). ``name`` and ``who`` (``worker``, ``replica``): for the errors."""
+        if self.all_reduce("SUM", np.int32(problem is not None)):
+            raise ValueError(problem or f"{name}: another {who}'s values were refused (its error says why)")
+        what = f"{name}: the values differ between {who}s"
+        code = tutti.DTYPES[part.dtype.name]
+        _agree(self, np.array([part.ndim, code], np.int64), what,
+               lambda h: f"have {h[0]} dimensions of {_dtype_name(h[1])}")
+        _agree(self, np.array(_besides(part, axis), np.int64), what,
+               lambda d: f"are {tuple(int(x) for x in d)} besides axis {axis}")
+        lengths = np.zeros(self.num_replicas_in_sync, np.int64)
+        lengths[self.replica_id_in_sync_group] = part.shape[axis]
+        lengths = self.all_reduce("SUM", lengths)
+        rows = self._gather_rows(np.ascontiguousarray(np.moveaxis(part, axis, 0)), lengths)
+        return np.moveaxis(rows, 0, axis)
+
     def _gather_rows(self, part, lengths):
         """Every replica's ``part`` (rows along axis 0; replica r's has ``lengths[r]``),
         concatenated in replica order: the bits exactly, by a bitwise OR over zeros."""
@@ -1252,24 +1287,9 @@ class Strategy:
         if problem:
             # Only to tell every worker, below: this worker's values are not gathered.
             parts, axis = [np.zeros(1, np.uint8)] * self._local, 0
-        code = tutti.DTYPES[parts[0].dtype.name]
 
         def step(part):
-            ctx = get_replica_context()
-            # Whether any worker refused its values: then every worker raises (never a
-            # collective the others do not make).
-            if ctx.all_reduce("SUM", np.int32(problem is not None)):
-                raise ValueError(problem or "gather: another worker's values were refused (its error says why)")
-            what = "gather: the values differ between workers"
-            _agree(ctx, np.array([part.ndim, code], np.int64), what,
-                   lambda h: f"have {h[0]} dimensions of {_dtype_name(h[1])}")
-            _agree(ctx, np.array(_besides(part, axis), np.int64), what,
-                   lambda d: f"are {tuple(int(x) for x in d)} besides axis {axis}")
-            lengths = np.zeros(ctx.num_replicas_in_sync, np.int64)
-            lengths[ctx.replica_id_in_sync_group] = part.shape[axis]
-            lengths = ctx.all_reduce("SUM", lengths)
-            rows = ctx._gather_rows(np.ascontiguousarray(np.moveaxis(part, axis, 0)), lengths)
-            return np.moveaxis(rows, 0, axis)
+            return get_replica_context()._gather_along(part, axis, problem, "gather", "worker")
 
         out = self.run(step, args=(PerReplica(parts),))
         return np.ascontiguousarray(self.experimental_local_results(out)[0])
