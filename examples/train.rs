@@ -493,12 +493,14 @@ fn xla_host_calls(_: &Strategy) -> Option<u64> {
     None
 }
 
-/// tutti reports through the `log` facade; this program shows its warnings on stderr.
+/// tutti reports through the `log` facade; this program shows its records on stderr up to the
+/// level `TUTTI_LOG` names (`error`, `warn`, `info`, `debug`, `trace`, `off`; default `warn`),
+/// as the `tutti` command does.
 struct StderrLog;
 
 impl log::Log for StderrLog {
     fn enabled(&self, meta: &log::Metadata<'_>) -> bool {
-        meta.level() <= log::Level::Warn
+        meta.level() <= log::max_level()
     }
     fn log(&self, record: &log::Record<'_>) {
         if self.enabled(record.metadata()) {
@@ -510,8 +512,20 @@ impl log::Log for StderrLog {
 
 fn main() -> std::process::ExitCode {
     static LOG: StderrLog = StderrLog;
+    let level = match std::env::var("TUTTI_LOG") {
+        Err(_) => log::LevelFilter::Warn,
+        Ok(v) => match v.trim().parse::<log::LevelFilter>() {
+            Ok(l) => l,
+            Err(_) => {
+                eprintln!(
+                    "train: TUTTI_LOG='{v}': expected error, warn, info, debug, trace or off"
+                );
+                return std::process::ExitCode::FAILURE;
+            }
+        },
+    };
     let _ = log::set_logger(&LOG);
-    log::set_max_level(log::LevelFilter::Warn);
+    log::set_max_level(level);
     let args = Args::parse();
     match run(&args) {
         Ok(()) => std::process::ExitCode::SUCCESS,
