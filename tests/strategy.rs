@@ -1826,6 +1826,237 @@ fn parameter_servers_restore_onto_a_different_number_of_them() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Start `cmd`, a `tutti launch` job saving checkpoints into `dir`, and kill the launcher
+/// outright (SIGKILL; every task dies with it) once a checkpoint of step `at_least` or later is
+/// there: the last step saved, which must be short of the job's end.
+fn kill_once_saved(cmd: &mut Command, dir: &std::path::Path, at_least: u64, end: u64) -> u64 {
+    let mut job = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    let saved = || {
+        if dir.exists() {
+            saved_steps(dir)
+        } else {
+            vec![]
+        }
+    };
+    while saved().last().is_none_or(|&s| s < at_least) {
+        if let Some(status) = job.try_wait().unwrap() {
+            panic!("the job ended ({status}) before step {at_least} was saved");
+        }
+        if t.elapsed() > Duration::from_secs(90) {
+            let _ = job.kill();
+            panic!("no checkpoint of step {at_least} within 90 s");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    job.kill().unwrap();
+    job.wait().unwrap();
+    // The tasks die with the launcher (their parent-death signal), a moment after it: a
+    // checkpoint being renamed into place then lands before the last one is read.
+    std::thread::sleep(Duration::from_millis(500));
+    let last = *saved().last().unwrap();
+    assert!(
+        last < end,
+        "the job saved its last step ({last}) before it was killed"
+    );
+    last
+}
+
+/// Every task killed outright mid-training, after a checkpoint: restarted with `--resume`,
+/// the job ends where an uninterrupted one does. Workers: the same bits; parameter servers
+/// (asynchronous steps), restored onto a different number of them: the reference weights.
+#[test]
+fn a_job_killed_outright_resumes_from_its_last_checkpoint() {
+    let t = train();
+    let dir = checkpoint_dir("killed");
+    let workers = |steps: u64, extra: &[&str]| {
+        let mut c = Command::new(common::tutti_bin());
+        c.args(["launch", "--tag-output", "-n", "2", "--"])
+            .arg(&t)
+            .args(["--strategy", "multi-worker", "--replicas", "2", "--json"])
+            .args(["--steps", &steps.to_string(), "--checkpoint-every", "10"])
+            .arg("--checkpoint-dir")
+            .arg(&dir)
+            .args(extra);
+        c
+    };
+    let whole = worker_json(&run_ok(&mut workers(200, &[])), 0);
+    std::fs::remove_dir_all(&dir).unwrap();
+    let last = kill_once_saved(&mut workers(200, &["--step-delay-ms", "30"]), &dir, 50, 200);
+    let out = run_ok(&mut workers(200 - last, &["--resume"]));
+    for w in 0..2 {
+        let j = worker_json(&out, w);
+        assert_eq!(j["restored_step"], last, "{j}");
+        assert_eq!(
+            j["weights"], whole["weights"],
+            "worker {w} (killed after step {last})"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let ps = |ps: &str, steps: u64, extra: &[&str]| {
+        let mut c = Command::new(common::tutti_bin());
+        c.args(["launch", "--tag-output", "--workers", "2", "--ps", ps, "--"])
+            .arg(&t)
+            .args(["--strategy", "parameter-server", "--json"])
+            .args(["--steps", &steps.to_string(), "--checkpoint-every", "10"])
+            .arg("--checkpoint-dir")
+            .arg(&dir)
+            .args(extra);
+        c
+    };
+    let last = kill_once_saved(&mut ps("2", 300, &["--step-delay-ms", "20"]), &dir, 50, 300);
+    let out = run_ok(&mut ps("1", 300 - last, &["--resume"]));
+    let j = last_json(
+        out.lines()
+            .find(|l| l.starts_with("[chief:0] {"))
+            .unwrap_or_else(|| panic!("{out}")),
+    );
+    assert_eq!(j["restored_step"], last, "{j}");
+    assert!(j["loss"].as_f64().unwrap() < 1e-3, "{j}");
+    assert!(max_diff(&j) < 0.05, "{j}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A parameter-server worker killed outright and started again on its address rejoins the
+/// job: the chief's next run of steps takes it back, and it ends with the job.
+#[test]
+fn a_killed_worker_started_again_rejoins_the_parameter_server_job() {
+    use std::io::BufRead;
+    let t = train();
+    let dir = checkpoint_dir("rejoin");
+    let addrs = free_addrs(4);
+    let cluster =
+        serde_json::json!({"chief": [addrs[0]], "worker": [addrs[1], addrs[2]], "ps": [addrs[3]]});
+    let spawn = |ty: &str, i: usize| {
+        let tf = serde_json::json!({"cluster": cluster, "task": {"type": ty, "index": i}});
+        Command::new(&t)
+            .args(["--strategy", "parameter-server", "--json"])
+            .args(["--steps", "1200", "--step-delay-ms", "10"])
+            // The chief runs the steps up to each checkpoint in one call: a lost worker
+            // rejoins at the next.
+            .args(["--checkpoint-every", "20"])
+            .arg("--checkpoint-dir")
+            .arg(&dir)
+            .env("TF_CONFIG", tf.to_string())
+            .env("TUTTI_JOB_TOKEN", "ps-rejoin-test-token")
+            .env("TUTTI_TIMEOUT", "20")
+            // The chief's rejoin is logged at info (the others' stderr is read at their end).
+            .env("TUTTI_LOG", if ty == "chief" { "info" } else { "warn" })
+            .env_remove("TUTTI_RANK")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    // Killed when the test ends, should it fail first.
+    let mut job = Reaped(vec![
+        spawn("ps", 0),
+        spawn("worker", 0),
+        spawn("worker", 1),
+        spawn("chief", 0),
+    ]);
+    const CHIEF: usize = 3;
+    // The chief's log, line by line, as it comes.
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let log = std::io::BufReader::new(job.0[CHIEF].stderr.take().unwrap());
+    let reader = std::thread::spawn(move || {
+        for line in log.lines().map_while(std::result::Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut err = String::new();
+    let wait_for = |what: &str, err: &mut String| {
+        let t = Instant::now();
+        while !err.contains(what) {
+            match rx.recv_timeout(Duration::from_secs(60).saturating_sub(t.elapsed())) {
+                Ok(line) => {
+                    err.push_str(&line);
+                    err.push('\n');
+                }
+                Err(e) => panic!("the chief did not log '{what}' ({e}): {err}"),
+            }
+        }
+    };
+    // Into training (a first checkpoint saved), then worker 1 is killed; once the chief has
+    // dropped it, it starts again.
+    let t0 = Instant::now();
+    while !dir.exists() || saved_steps(&dir).is_empty() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no checkpoint within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    job.0[2].kill().unwrap();
+    job.0[2].wait().unwrap();
+    wait_for("worker 1 lost", &mut err);
+    job.0[2] = spawn("worker", 1);
+    wait_for("worker 1 is back and rejoins", &mut err);
+    let t0 = Instant::now();
+    let done = loop {
+        if let Some(s) = job.0[CHIEF].try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the chief did not finish"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    reader.join().unwrap();
+    err.extend(rx.try_iter().map(|l| l + "\n"));
+    assert!(done.success(), "{err}");
+    let mut out = String::new();
+    job.0[CHIEF]
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    let j = last_json(&out);
+    assert!(j["loss"].as_f64().unwrap() < 1e-3, "{j}");
+    assert!(max_diff(&j) < 0.05, "{j}");
+    // Every task, the one started again too, ends with the job.
+    for (name, c) in ["ps 0", "worker 0", "worker 1 (started again)"]
+        .iter()
+        .zip(&mut job.0[..CHIEF])
+    {
+        let t = Instant::now();
+        let status = loop {
+            if let Some(s) = c.try_wait().unwrap() {
+                break s;
+            }
+            if t.elapsed() > Duration::from_secs(20) {
+                let _ = c.kill();
+                panic!("{name} did not stop after the job ended");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut e = String::new();
+        c.stderr.take().unwrap().read_to_string(&mut e).unwrap();
+        assert!(status.success(), "{name}: {e}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Child processes killed (and reaped) when this goes: a test that fails midway leaves none
+/// running.
+struct Reaped(Vec<std::process::Child>);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 /// TensorFlow's checkpoint_interval across workers: every worker calls
 /// `save_checkpoint_if_due` every step; the chief writes every 3rd step, the last 2 kept, and
 /// every worker agrees which steps were saved (a disagreement would hang the workers' call).
