@@ -9,9 +9,11 @@ use crate::error::{Error, Result};
 use crate::reference;
 
 /// Check every collective with every algorithm on this communicator against the reference:
-/// all-reduce (every op, in place and out of place, f32 bf16 i32 u8 f64), broadcast and reduce
-/// from every root, all-gather, reduce-scatter, barrier, all-to-all, gather and scatter from
-/// every root, and the collectives with a count per rank on uneven counts. On a deterministic
+/// all-reduce (every op, in place and out of place), broadcast and reduce from every root,
+/// all-gather, reduce-scatter, barrier, all-to-all, gather and scatter from every root, and the
+/// collectives with a count per rank on uneven counts; every dtype with `auto`, and with each
+/// forced algorithm u8, bf16, i32, f32 and f64 (an algorithm tells dtypes apart only by their
+/// element size and kernels, and those cover every size and kind). On a deterministic
 /// communicator, also that every reduction of random floats has the bits of the reduction in
 /// rank order, on every rank. Every rank calls it; returns the number
 /// of calls checked, or an error naming the algorithm, collective, dtype and count that failed.
@@ -27,7 +29,11 @@ pub fn check(comm: &mut Communicator, counts: &[usize]) -> Result<usize> {
         }
         comm.set_algorithm(algo)?;
         for &count in counts {
-            for dtype in [DType::F32, DType::BF16, DType::I32, DType::U8, DType::F64] {
+            let dtypes: &[DType] = match algo {
+                Algorithm::Auto => &DType::ALL,
+                _ => &[DType::F32, DType::BF16, DType::I32, DType::U8, DType::F64],
+            };
+            for &dtype in dtypes {
                 calls += crate::for_each_dtype!(dtype, T => { check_one::<T>(comm, algo, count)? });
                 calls += crate::for_each_dtype!(dtype, T => { check_in_flight::<T>(comm, algo, count)? });
                 // Device groups (CUDA, XLA) run those of them their engine has.
