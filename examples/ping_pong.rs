@@ -20,7 +20,17 @@ fn arg(i: usize, default: usize) -> tutti::Result<usize> {
     }
 }
 
-fn main() -> tutti::Result<()> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ping_pong: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> tutti::Result<()> {
     let (bytes, iters) = (arg(1, 8)?, arg(2, 10_000)?.max(1));
     let comm = Communicator::from_env(&Config::default())?;
     if comm.world_size() != 2 {
@@ -40,7 +50,9 @@ fn main() -> tutti::Result<()> {
     for _ in 0..1000 {
         round()?;
     }
-    let mut times = Vec::with_capacity(iters);
+    // On stderr, apart from the result: the timed rounds begin (fault drills wait for it).
+    eprintln!("ping_pong: rank {r} warmed up; timing {iters} rounds");
+    let mut times = Vec::with_capacity(iters.min(1 << 20));
     for _ in 0..iters {
         let t = Instant::now();
         round()?;

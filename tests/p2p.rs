@@ -432,3 +432,64 @@ fn a_raw_call_naming_point_to_point_is_refused_on_its_rank_alone() {
     assert!(e.to_string().contains("point-to-point"), "{e}");
     assert_eq!((got[0].1, got[1].1), (2, 2));
 }
+
+/// A process killed outright while its partner sends to it and waits for its answer: the
+/// survivor's call fails with `PeerLost` naming the killed rank, within the timeout, over TCP
+/// and over shared memory.
+#[test]
+fn a_killed_peer_process_is_named_by_the_rank_waiting_on_it() {
+    use std::io::Read;
+    use std::process::{Command, Stdio};
+    use std::time::Instant;
+    let ping_pong = common::example("ping_pong", &[]);
+    for transport in ["tcp", "shm"] {
+        let master = format!("127.0.0.1:{}", common::free_port());
+        let mut ranks: Vec<_> = (0..2)
+            .map(|r| {
+                Command::new(&ping_pong)
+                    // 8 bytes, rounds enough to outlast the test.
+                    .args(["8", "1000000000"])
+                    .env_remove("TF_CONFIG")
+                    .env("TUTTI_RANK", r.to_string())
+                    .env("TUTTI_WORLD_SIZE", "2")
+                    .env("TUTTI_MASTER_ADDR", &master)
+                    .env("TUTTI_JOB_TOKEN", "p2p-kill-test-job-token")
+                    .env("TUTTI_TRANSPORT", transport)
+                    .env("TUTTI_TIMEOUT", "20")
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        // Into the timed rounds: rank 0 says so on stderr (read on; the rest is its error).
+        let mut err0 = std::io::BufReader::new(ranks[0].stderr.take().unwrap());
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut err0, &mut line).unwrap();
+        assert!(line.contains("warmed up"), "{transport}: rank 0: {line}");
+        std::thread::sleep(Duration::from_millis(100));
+        ranks[1].kill().unwrap();
+        ranks[1].wait().unwrap();
+        let t = Instant::now();
+        let status = loop {
+            if let Some(s) = ranks[0].try_wait().unwrap() {
+                break s;
+            }
+            if t.elapsed() > Duration::from_secs(25) {
+                let _ = ranks[0].kill();
+                panic!("{transport}: rank 0 still waits after its peer was killed");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        err0.read_to_string(&mut err).unwrap();
+        assert!(!status.success(), "{transport}: rank 0 succeeded");
+        assert!(err.contains("lost rank 1"), "{transport}: {err}");
+        // A broken connection is seen at once, not at the timeout.
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{transport}: {:?}",
+            t.elapsed()
+        );
+    }
+}
