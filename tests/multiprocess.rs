@@ -212,6 +212,40 @@ fn hierarchical_all_reduce_across_hosts() {
     }
 }
 
+/// Groups split from a job on two simulated hosts (3 ranks on one, 2 on the other), each group
+/// spanning both: `tutti check --split 2` checks every collective and algorithm (the hierarchy
+/// across hosts among them) on each group, whose ranks are ordered by descending parent rank.
+#[test]
+fn groups_split_across_hosts_run_every_collective() {
+    let layout = "aaabb";
+    let n = layout.len();
+    let master = format!("127.0.0.1:{}", free_port());
+    let children: Vec<Child> = layout
+        .chars()
+        .enumerate()
+        .map(|(r, h)| {
+            let args = ["--counts", "0,1,7,1000", "--split", "2", "--timeout", "60"];
+            let mut c = check_rank(&args, r, n, &master, "split-hosts-test-job-token");
+            c.env("TUTTI_HOST_ID", format!("host-{h}"));
+            c.spawn().unwrap()
+        })
+        .collect();
+    // Group 0: ranks 4, 2, 0 (hosts b, a, a); group 1: ranks 3, 1 (b, a).
+    let expect = [(0, 2, 3), (1, 1, 2), (0, 1, 3), (1, 0, 2), (0, 0, 3)];
+    for (r, mut c) in children.into_iter().enumerate() {
+        wait_bounded(&mut c, Duration::from_secs(180));
+        let o = c.wait_with_output().unwrap();
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "rank {r}: {out}\n{err}");
+        let (color, rank, size) = expect[r];
+        let line = format!("rank {r}: group {color}: rank {rank} of {size}, hosts 2:");
+        assert!(
+            out.contains(&line) && out.matches("all correct").count() == 2,
+            "rank {r}, expected '{line}': {out}"
+        );
+    }
+}
+
 #[test]
 fn deterministic_mode_gives_the_bits_in_rank_order_over_processes_and_hosts() {
     // `tutti check` in the mode compares every reduction of random floats with the reduction

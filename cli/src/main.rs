@@ -157,6 +157,10 @@ struct CheckArgs {
     inject: Option<String>,
     #[arg(long, hide = true, default_value_t = 1)]
     inject_rank: usize,
+    /// After checking, split the ranks into K groups (color rank % K, in descending rank order)
+    /// and check every collective on each group.
+    #[arg(long, hide = true, value_name = "K")]
+    split: Option<usize>,
 }
 
 #[derive(clap::Args)]
@@ -414,7 +418,25 @@ fn check_one_rank(comm: &mut Communicator, a: &CheckArgs) -> Result<usize, tutti
     if let Some(kind) = &a.inject {
         inject(comm, kind, a.inject_rank)?;
     }
-    let calls = perf::check(comm, &a.counts)?;
+    let mut calls = perf::check(comm, &a.counts)?;
+    if let Some(k) = a.split {
+        if k == 0 {
+            return Err(tutti::Error::config("--split: 0 groups"));
+        }
+        let color = comm.rank() % k;
+        let mut group = comm
+            .split(Some(color as u32), -(comm.rank() as i64))?
+            .ok_or_else(|| tutti::Error::config("--split: this rank was given no group"))?;
+        let in_group = perf::check(&mut group, &a.counts)?;
+        say!(
+            "rank {}: group {color}: rank {} of {}, hosts {}: {in_group} calls checked, all correct",
+            comm.rank(),
+            group.rank(),
+            group.world_size(),
+            group.num_hosts()
+        );
+        calls += in_group;
+    }
     if let Some(secs) = a.busy_secs {
         comm.set_algorithm(Algorithm::Auto)?;
         // Fault drills wait for this line before they stop or kill a rank.
