@@ -40,6 +40,9 @@ type SubEngine = Result<Arc<dyn GroupEngine>>;
 struct Taken {
     slots: Vec<Option<LocalTransport>>,
     engine: Option<SubEngine>,
+    /// Past this, no member is still coming (see `take_local`); `None`: a timeout too long to
+    /// count.
+    until: Option<std::time::Instant>,
 }
 
 /// The groups of threads being split in this process, until each member has taken its
@@ -239,12 +242,19 @@ fn take_local(
 ) -> (LocalTransport, Option<SubEngine>) {
     let mut pending = PENDING.lock();
     let map = pending.get_or_insert_with(HashMap::new);
+    // A member whose thread failed the split's all-gather (aborted, timed out) never comes for
+    // its part: a group not taken whole within twice the timeout is dropped. The members that
+    // took theirs time out on their first call, waiting for the missing one; one that comes
+    // later still makes a group of its own, whose first call times out the same way.
+    let now = std::time::Instant::now();
+    prune(map, now);
     let group = map.entry(id).or_insert_with(|| Taken {
         slots: LocalTransport::group(members.len(), timeout)
             .into_iter()
             .map(Some)
             .collect(),
         engine: engine.map(|e| e.subgroup(members)),
+        until: now.checked_add(timeout.saturating_mul(2)),
     });
     let t = group.slots[at]
         .take()
@@ -254,6 +264,11 @@ fn take_local(
         map.remove(&id);
     }
     (t, engine)
+}
+
+/// Drop the groups of `map` no member is still coming for at `now`.
+fn prune(map: &mut HashMap<Pending, Taken>, now: std::time::Instant) {
+    map.retain(|_, g| g.until.is_none_or(|u| u > now));
 }
 
 /// The rendezvous of a split between processes, as the store `NetTransport::meet` reads: this
@@ -321,5 +336,48 @@ impl Store for SplitStore<'_> {
     fn add(&self, _key: &str, _delta: i64) -> Result<i64> {
         // The split's connections are its own: one generation.
         Ok(1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A group whose member never came for its part is held for twice the timeout, then
+    /// dropped by the next split of threads.
+    #[test]
+    fn a_group_a_member_never_takes_is_dropped_after_twice_the_timeout() {
+        let timeout = std::time::Duration::from_secs(10);
+        let id = Pending {
+            group: usize::MAX,
+            number: 0,
+            color: 3,
+        };
+        let before = std::time::Instant::now();
+        // Member 0 of 2 takes its part; member 1 never comes.
+        let (_t, engine) = take_local(id, &[0, 1], 0, timeout, None);
+        assert!(engine.is_none());
+        let mut map = HashMap::new();
+        {
+            let mut pending = PENDING.lock();
+            let held = pending
+                .as_mut()
+                .unwrap()
+                .remove(&id)
+                .expect("the group is held");
+            let until = held.until.expect("a deadline");
+            assert!(
+                until >= before + 2 * timeout && until <= std::time::Instant::now() + 2 * timeout
+            );
+            map.insert(id, held);
+        }
+        prune(&mut map, before + timeout);
+        assert!(map.contains_key(&id), "dropped within the timeout");
+        prune(&mut map, before + 3 * timeout);
+        assert!(map.is_empty(), "the group's parts are still held");
+        // A timeout too long to count is never dropped.
+        let (_t, _) = take_local(id, &[0, 1], 0, std::time::Duration::MAX, None);
+        let held = PENDING.lock().as_mut().unwrap().remove(&id).unwrap();
+        assert!(held.until.is_none());
     }
 }
