@@ -2166,7 +2166,7 @@ tutti_result tutti_set_log_level(tutti_log_level level);
  *
  * Between `tutti_group_start` and `tutti_group_end` the send is recorded, not run: this
  * returns `TUTTI_SUCCESS` at once and `buf` must stay valid and unchanged until
- * `tutti_group_end` returns.
+ * `tutti_group_end` returns (after `tutti_group_end_async`, until its handle completes).
  *
  * Errors of this rank's arguments (NULL `buf` with `count` > 0, a misaligned `buf`, an unknown
  * dtype, a byte size that overflows, `peer` out of range) are `TUTTI_ERROR_INVALID_ARGUMENT`
@@ -2191,7 +2191,8 @@ tutti_result tutti_send(struct tutti_comm *comm,
 /**
  * Receive rank `peer`'s next send to this rank (`count` elements of `dtype`) into `buf`; see
  * `tutti_send` for the matching, the errors and the groups (inside one, `buf` must stay valid
- * and untouched until `tutti_group_end` returns, which is when it holds the data).
+ * and untouched until `tutti_group_end` returns, or the handle of `tutti_group_end_async`
+ * completes, which is when it holds the data).
  *
  * Thread-safety: as `tutti_all_reduce`.
  *
@@ -2242,7 +2243,8 @@ tutti_result tutti_recv_async(struct tutti_comm *comm,
 /**
  * Open a group on the calling thread, as NCCL's `ncclGroupStart`: until the matching
  * `tutti_group_end`, `tutti_send` and `tutti_recv` on any communicator are recorded, not run
- * (they return at once; their buffers must stay valid until `tutti_group_end` returns).
+ * (they return at once; their buffers must stay valid until `tutti_group_end` returns, or
+ * until the handle of `tutti_group_end_async` completes).
  * Groups nest: only the outermost `tutti_group_end` runs what was recorded. Inside a group,
  * collectives, `tutti_barrier` and the `_async` point-to-point calls are refused with
  * `TUTTI_ERROR_INVALID_ARGUMENT`.
@@ -2266,6 +2268,30 @@ tutti_result tutti_group_start(void);
  * Thread-safety: closes the calling thread's group only.
  */
 tutti_result tutti_group_end(void);
+
+/**
+ * Close the calling thread's innermost group without waiting, and write a handle to `*work`
+ * that completes when every recorded operation has (`tutti_work_wait`, `tutti_work_test`,
+ * `tutti_work_destroy`, as for the `_async` calls): the outermost end issues the recorded
+ * sends and receives as one group, as `tutti_group_end` does, and returns at once. Their
+ * buffers must stay valid and untouched until the handle completes. `*work` is NULL when
+ * nothing was issued: an inner group (the outermost end runs what it recorded), or a group
+ * that recorded nothing.
+ *
+ * An asynchronous end issues one communicator's operations. A group that recorded operations
+ * on several, or on a communicator destroyed since, is refused (`TUTTI_ERROR_INVALID_ARGUMENT`
+ * naming them, `*work` NULL) and stays open, its operations recorded: `tutti_group_end` then
+ * runs them (or names the destroyed communicator). Without an open group, or with `work`
+ * NULL: `TUTTI_ERROR_INVALID_ARGUMENT`.
+ *
+ * Thread-safety: closes the calling thread's group only; the handle may be waited for from
+ * any thread.
+ *
+ * # Safety
+ *
+ * `work` is NULL or writable.
+ */
+tutti_result tutti_group_end_async(struct tutti_work **work);
 
 /**
  * Create this task's parameter-server strategy and write it to `*strategy`. `tf_config` is a

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -209,6 +210,9 @@ private:
 ///         g.end(); // throws the first error
 ///     }
 ///
+/// or, to overlap the exchange with other work, `std::optional<tutti::work> w = g.end_async();`
+/// and `w->wait()` before the buffers are touched.
+///
 /// The recorded buffers must outlive the guard: declare them before it. The destructor of a
 /// group not ended yet (an exception left the scope) ends it, running the recorded calls, and
 /// drops any error (call `end()` to see it). Not movable: the group belongs to its thread.
@@ -225,6 +229,25 @@ public:
         }
         open_ = false;
         detail::check(tutti_group_end());
+    }
+    /// Close the group without waiting (tutti_group_end_async): the handle of the recorded
+    /// calls, which completes when they all have (their buffers must outlive it), or none when
+    /// nothing was issued (an inner group: the outermost end runs its calls; or nothing was
+    /// recorded). The calls must be on one communicator. On an error (calls on several
+    /// communicators, one destroyed) the group and the guard stay open: `end()` or the
+    /// destructor runs what is recorded. Once only.
+    std::optional<work> end_async() {
+        if (!open_) {
+            throw error(TUTTI_ERROR_INVALID_ARGUMENT,
+                        "tutti::group::end_async: the group has ended");
+        }
+        tutti_work *h = nullptr;
+        detail::check(tutti_group_end_async(&h));
+        open_ = false;
+        if (h == nullptr) {
+            return std::nullopt;
+        }
+        return work(h);
     }
     ~group() {
         if (open_) {

@@ -5,9 +5,10 @@
 //! `tutti_send` and `tutti_recv` of the thread, on any communicator, is recorded (checked, not
 //! run); the outermost end then issues each communicator's recorded operations as one
 //! `send_recv` group (every communicator first, so that one thread may drive several ranks),
-//! and waits for them all. Communicators are recorded by address and serial number and looked
-//! up among the live handles again at the end, so that one destroyed in between is an error
-//! naming it, never a use after free.
+//! and waits for them all, or (`tutti_group_end_async`, one communicator's) returns a handle.
+//! Communicators are recorded by address and serial number and looked up among the live handles
+//! again at the end, so that one destroyed in between is an error naming it, never a use after
+//! free.
 
 use std::cell::RefCell;
 use std::ffi::c_void;
@@ -198,7 +199,7 @@ unsafe fn peer_call(
 ///
 /// Between `tutti_group_start` and `tutti_group_end` the send is recorded, not run: this
 /// returns `TUTTI_SUCCESS` at once and `buf` must stay valid and unchanged until
-/// `tutti_group_end` returns.
+/// `tutti_group_end` returns (after `tutti_group_end_async`, until its handle completes).
 ///
 /// Errors of this rank's arguments (NULL `buf` with `count` > 0, a misaligned `buf`, an unknown
 /// dtype, a byte size that overflows, `peer` out of range) are `TUTTI_ERROR_INVALID_ARGUMENT`
@@ -228,7 +229,8 @@ pub unsafe extern "C" fn tutti_send(
 
 /// Receive rank `peer`'s next send to this rank (`count` elements of `dtype`) into `buf`; see
 /// `tutti_send` for the matching, the errors and the groups (inside one, `buf` must stay valid
-/// and untouched until `tutti_group_end` returns, which is when it holds the data).
+/// and untouched until `tutti_group_end` returns, or the handle of `tutti_group_end_async`
+/// completes, which is when it holds the data).
 ///
 /// Thread-safety: as `tutti_all_reduce`.
 ///
@@ -294,7 +296,8 @@ pub unsafe extern "C" fn tutti_recv_async(
 
 /// Open a group on the calling thread, as NCCL's `ncclGroupStart`: until the matching
 /// `tutti_group_end`, `tutti_send` and `tutti_recv` on any communicator are recorded, not run
-/// (they return at once; their buffers must stay valid until `tutti_group_end` returns).
+/// (they return at once; their buffers must stay valid until `tutti_group_end` returns, or
+/// until the handle of `tutti_group_end_async` completes).
 /// Groups nest: only the outermost `tutti_group_end` runs what was recorded. Inside a group,
 /// collectives, `tutti_barrier` and the `_async` point-to-point calls are refused with
 /// `TUTTI_ERROR_INVALID_ARGUMENT`.
@@ -350,34 +353,10 @@ fn run_group(recorded: &[Recorded]) -> Result<(), Failure> {
     let mut note = |f: Failure| {
         first.get_or_insert(f);
     };
-    let name = |r: &Recorded| {
-        format!(
-            "communicator {:#x} (rank {} of {}), recorded {}",
-            r.comm,
-            r.rank,
-            r.world,
-            describe(&r.ops)
-        )
-    };
     let mut issued = Vec::with_capacity(recorded.len());
     for r in recorded {
-        // SAFETY: an address that is not a live handle is refused without being read.
-        let entered = unsafe { comm_ref(r.comm as *const tutti_comm) }.and_then(|c| {
-            if c.serial == r.serial {
-                Ok(c)
-            } else {
-                Err(Failure::invalid(format!(
-                    "{:#x} is not a live tutti_comm handle (destroyed already?)",
-                    r.comm
-                )))
-            }
-        });
-        match entered {
-            Err(e) => note(Failure::invalid(format!(
-                "{}: destroyed before tutti_group_end, nothing of it ran: {}",
-                name(r),
-                e.message
-            ))),
+        match live(r, "tutti_group_end") {
+            Err(e) => note(e),
             Ok(c) => {
                 // SAFETY: checked when recorded; the caller keeps the buffers valid until
                 // tutti_group_end returns, and this waits for the call before returning.
@@ -397,4 +376,113 @@ fn run_group(recorded: &[Recorded]) -> Result<(), Failure> {
         drop(c);
     }
     first.map_or(Ok(()), Err)
+}
+
+/// A recorded communicator in words, with its operations.
+fn name(r: &Recorded) -> String {
+    format!(
+        "communicator {:#x} (rank {} of {}), recorded {}",
+        r.comm,
+        r.rank,
+        r.world,
+        describe(&r.ops)
+    )
+}
+
+/// The live handle `r` was recorded on, or an error naming it (destroyed before `end`, the
+/// function ending the group, so that nothing of it ran).
+fn live<'a>(r: &Recorded, end: &str) -> Result<crate::handle::Entered<'a, tutti_comm>, Failure> {
+    // SAFETY: an address that is not a live handle is refused without being read.
+    let entered = unsafe { comm_ref(r.comm as *const tutti_comm) }.and_then(|c| {
+        if c.serial == r.serial {
+            Ok(c)
+        } else {
+            Err(Failure::invalid(format!(
+                "{:#x} is not a live tutti_comm handle (destroyed already?)",
+                r.comm
+            )))
+        }
+    });
+    entered.map_err(|e| {
+        Failure::invalid(format!(
+            "{}: destroyed before {end}, nothing of it ran: {}",
+            name(r),
+            e.message
+        ))
+    })
+}
+
+/// Close the calling thread's innermost group without waiting, and write a handle to `*work`
+/// that completes when every recorded operation has (`tutti_work_wait`, `tutti_work_test`,
+/// `tutti_work_destroy`, as for the `_async` calls): the outermost end issues the recorded
+/// sends and receives as one group, as `tutti_group_end` does, and returns at once. Their
+/// buffers must stay valid and untouched until the handle completes. `*work` is NULL when
+/// nothing was issued: an inner group (the outermost end runs what it recorded), or a group
+/// that recorded nothing.
+///
+/// An asynchronous end issues one communicator's operations. A group that recorded operations
+/// on several, or on a communicator destroyed since, is refused (`TUTTI_ERROR_INVALID_ARGUMENT`
+/// naming them, `*work` NULL) and stays open, its operations recorded: `tutti_group_end` then
+/// runs them (or names the destroyed communicator). Without an open group, or with `work`
+/// NULL: `TUTTI_ERROR_INVALID_ARGUMENT`.
+///
+/// Thread-safety: closes the calling thread's group only; the handle may be waited for from
+/// any thread.
+///
+/// # Safety
+///
+/// `work` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tutti_group_end_async(work: *mut *mut tutti_work) -> tutti_result {
+    boundary("tutti_group_end_async", || {
+        if work.is_null() {
+            return Err(Failure::invalid(
+                "work is NULL; pass where to write the group's handle",
+            ));
+        }
+        // SAFETY: checked non-NULL; the caller promises it is writable.
+        unsafe { work.write(std::ptr::null_mut()) };
+        // Every error leaves the group open: its operations stay recorded, and
+        // tutti_group_end runs them (or names what stops them).
+        let issuing = GROUP
+            .try_with(|g| {
+                let mut g = g.borrow_mut();
+                if g.depth == 0 {
+                    return Err(Failure::invalid(
+                        "no group is open on this thread: call tutti_group_start first",
+                    ));
+                }
+                if g.depth == 1 && g.comms.len() > 1 {
+                    let names: Vec<String> = g.comms.iter().map(name).collect();
+                    return Err(Failure::invalid(format!(
+                        "the group recorded operations on {} communicators ({}); an \
+                         asynchronous end issues one communicator's: call tutti_group_end, \
+                         which runs them all (the group is still open)",
+                        g.comms.len(),
+                        names.join("; ")
+                    )));
+                }
+                let c = match g.comms.first() {
+                    Some(r) if g.depth == 1 => {
+                        Some(live(r, "tutti_group_end_async").map_err(|e| {
+                            Failure::invalid(format!("{} (the group is still open)", e.message))
+                        })?)
+                    }
+                    _ => None,
+                };
+                g.depth -= 1;
+                Ok(c.zip(if g.depth == 0 { g.comms.pop() } else { None }))
+            })
+            .map_err(|_| Failure::invalid("the calling thread is exiting"))??;
+        let Some((c, r)) = issuing else {
+            return Ok(());
+        };
+        let comm = c.read();
+        // SAFETY: checked when recorded; the caller keeps the buffers valid and untouched
+        // until the handle completes.
+        let issued = unsafe { comm.send_recv_raw_async(&r.ops) };
+        // SAFETY: as above.
+        unsafe { work.write(tutti_work::into_raw(&comm, issued)) };
+        Ok(())
+    })
 }

@@ -58,7 +58,8 @@ fn c_block_collectives() {
 }
 
 /// tutti_send, tutti_recv, their `_async` forms and groups (tutti_group_start/end) on 1 to 4
-/// ranks on threads and 3 processes: a 1 MiB ring in a group, one thread driving every rank,
+/// ranks on threads and 3 processes: a 1 MiB ring in a group (ended waiting, and with
+/// tutti_group_end_async), one thread driving every rank,
 /// blocking pairs, a count mismatch naming both ranks, argument errors and group misuse.
 #[test]
 fn c_point_to_point() {

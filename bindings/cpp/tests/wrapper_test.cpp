@@ -426,6 +426,26 @@ static void point_to_point() {
             g.end();
         }
         EXPECT(in.front() == static_cast<float>(prev) + 0.5f && in.back() == in.front());
+        // The same ring ended without waiting; a collective after it comes after it.
+        std::fill(in.begin(), in.end(), 0.0f);
+        {
+            tutti::group g;
+            c.send(out, next);
+            c.recv(in, prev);
+            std::optional<tutti::work> w = g.end_async();
+            EXPECT(w.has_value());
+            std::vector<int> one{1};
+            c.all_reduce(one, tutti::op::sum);
+            EXPECT(one[0] == static_cast<int>(p));
+            w->wait();
+            tutti::error e = expect_throw([&] { g.end(); });
+            EXPECT(e.code() == TUTTI_ERROR_INVALID_ARGUMENT);
+        }
+        EXPECT(in.front() == static_cast<float>(prev) + 0.5f && in.back() == in.front());
+        {
+            tutti::group empty;
+            EXPECT(!empty.end_async().has_value());
+        }
         // Blocking pairs, by pointer: rank 0 to rank 1 and back.
         std::int64_t v[3] = {static_cast<std::int64_t>(r), 7, 8};
         if (r == 0) {

@@ -1010,6 +1010,36 @@ def test_send_recv_ring_in_one_group(n, recv_first):
     comms.close()
 
 
+def test_send_recv_async_returns_a_work_and_keeps_order_with_collectives():
+    # The ring's group is issued and returns at once; an all-reduce issued after it completes
+    # after it; wait() returns the received arrays.
+    n, size = 3, 256 * 1024
+    comms = tutti.local_group(n, timeout=60)
+
+    def rank(c):
+        nxt, prev = (c.rank + 1) % n, (c.rank - 1) % n
+        got = np.zeros(size, dtype=np.float32)
+        w = c.send_recv([("send", np.full(size, c.rank, np.float32), nxt), ("recv", got, prev)],
+                        async_op=True)
+        s = c.all_reduce(np.ones(1), async_op=True)
+        assert s.wait()[0] == n
+        assert w.is_completed()
+        received = w.wait()
+        assert len(received) == 1 and received[0] is got
+        assert (got == prev).all()
+        # Nothing to send or receive: complete at once.
+        empty = c.send_recv([], async_op=True)
+        assert empty.is_completed() and empty.wait() == []
+
+    run_ranks(comms, rank)
+    # A group's own error reaches its Work; the communicator stays usable.
+    w = comms[0].send_recv([("send", np.arange(3.0), 0)], async_op=True)
+    with pytest.raises(tutti.TuttiError, match="sends to itself"):
+        w.wait()
+    run_ranks(comms, lambda c: c.barrier())
+    comms.close()
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.int8, np.uint64, np.float16])
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
 def test_send_and_recv_blocking_pairs(dtype, kind):

@@ -246,6 +246,7 @@ _PROTOTYPES = {
     "tutti_recv_async": (_u32, [_ptr, _size, _u32, _ptr, _size, _pp]),
     "tutti_group_start": (_u32, []),
     "tutti_group_end": (_u32, []),
+    "tutti_group_end_async": (_u32, [_pp]),
     "tutti_work_wait": (_u32, [_ptr, ctypes.c_uint64]),
     "tutti_work_test": (_u32, [_ptr, ctypes.POINTER(ctypes.c_bool)]),
     "tutti_work_destroy": (None, [_ptr]),
@@ -825,6 +826,22 @@ class Work:
         self._keep = None
 
 
+class _Done:
+    """The ``Work`` of an asynchronous call that had nothing to do (an empty ``send_recv``):
+    complete from the start."""
+
+    def __init__(self, result):
+        self._result = result
+
+    def wait(self, timeout=None):
+        """The result, at once."""
+        return self._result
+
+    def is_completed(self):
+        """True."""
+        return True
+
+
 def _collective(method):
     """A collective whose arguments this rank rejects before calling the library (a wrong
     array, dtype, size or root) aborts the group, as the C API does, so that the other ranks'
@@ -1249,14 +1266,16 @@ class Communicator:
         args = (v.count, v.dtype, v.ptr, self._peer(peer))
         return self._call("tutti_recv", args, v.given, (v,), async_op)
 
-    def send_recv(self, ops):
+    def send_recv(self, ops, async_op=False):
         """Run sends and receives as one group (``tutti_group_start`` / ``tutti_group_end`` on
         the calling thread, as torch's ``batch_isend_irecv`` and NCCL's grouped calls): every
         operation is under way at once, so a ring (each rank sends to the next and receives from
         the previous) or two ranks that both send first cannot deadlock; each peer's operations
         in one direction keep their order. ``ops`` is a list of ``("send", array, peer)`` and
         ``("recv", array, peer)``; receives fill their arrays in place. Returns the received
-        arrays, in the order of the ``"recv"`` operations."""
+        arrays, in the order of the ``"recv"`` operations; with ``async_op``, at once, a
+        ``Work`` whose ``wait()`` returns them (``tutti_group_end_async``: the group is issued,
+        the arrays stay referenced until it completes)."""
         if isinstance(ops, (str, bytes)) or not hasattr(ops, "__iter__"):
             raise TypeError(f"ops must be a list of (kind, array, peer), not {type(ops).__name__}")
         calls, keep, received = [], [], []
@@ -1274,6 +1293,7 @@ class Communicator:
         if any(v.device == "cuda" for v in keep):
             self._on_tensor_stream(keep)
         lib = _library()
+        work = ctypes.c_void_p()
         with self._h.use() as h:
             _check(lib.tutti_group_start())
             recorded = False
@@ -1288,9 +1308,16 @@ class Communicator:
                     lib.tutti_comm_abort(
                         h, f"rank {self.rank}: send_recv could not record its operations".encode()
                     )
-                ended = lib.tutti_group_end()
+                if recorded and async_op:
+                    ended = lib.tutti_group_end_async(ctypes.byref(work))
+                else:
+                    ended = lib.tutti_group_end()
             _check(ended)
-        return received
+        if not async_op:
+            return received
+        if not work.value:  # nothing was recorded: nothing to wait for
+            return _Done(received)
+        return Work(work, received, tuple(x for v in keep for x in (v.obj, v.given)))
 
 
 class _SharedMemory:

@@ -2,11 +2,12 @@
  * (tutti_group_start / tutti_group_end), on groups of 1 to 4 ranks on threads and 3 ranks in
  * separate processes (TCP): a ring exchange of 1 MiB per rank in a group (each rank sends to the
  * next and receives from the previous: more than a socket buffer, so run one by one it would
- * deadlock between processes), one thread driving every rank of a group, blocking pairs, the
- * async forms, a count mismatch naming both ranks (the communicator is aborted), this rank's
- * argument errors (the communicator stays usable), and the misuses of a group: an end without a
- * start, collectives and _async calls inside one, nesting, and a communicator destroyed between
- * a recorded call and the end. */
+ * deadlock between processes), the same group ended without waiting (tutti_group_end_async),
+ * one thread driving every rank of a group, blocking pairs, the async forms, a count mismatch
+ * naming both ranks (the communicator is aborted), this rank's argument errors (the
+ * communicator stays usable), and the misuses of a group: an end without a start, collectives
+ * and _async calls inside one, nesting, a communicator destroyed between a recorded call and
+ * the end, and those of tutti_group_end_async. */
 #include "check.h"
 
 #include <arpa/inet.h>
@@ -60,6 +61,28 @@ static void ring(tutti_comm *comm, size_t rank, size_t world, int recv_first) {
     CHECK(tutti_group_end());
     expect_from("ring", rank, in, RING_N, prev);
     expect_from("ring's send buffer", rank, out, RING_N, rank);
+    free(out);
+    free(in);
+}
+
+/* The ring in a group ended without waiting (tutti_group_end_async): the handle completes
+ * once both buffers are done with; a collective issued after it comes after it. */
+static void ring_async(tutti_comm *comm, size_t rank, size_t world) {
+    float *out = ring_buffer(rank), *in = calloc(RING_N, sizeof(float));
+    size_t next = (rank + 1) % world, prev = (rank + world - 1) % world;
+    tutti_work *w = NULL;
+    float x = 1.0f;
+    EXPECT(in != NULL);
+    CHECK(tutti_group_start());
+    CHECK(tutti_send(comm, RING_N, TUTTI_DTYPE_F32, out, next));
+    CHECK(tutti_recv(comm, RING_N, TUTTI_DTYPE_F32, in, prev));
+    CHECK(tutti_group_end_async(&w));
+    EXPECT(w != NULL);
+    CHECK(tutti_all_reduce(comm, 1, TUTTI_DTYPE_F32, TUTTI_OP_SUM, &x, &x));
+    EXPECT(x == (float)world);
+    CHECK(tutti_work_wait(w, 0));
+    tutti_work_destroy(w);
+    expect_from("async group's ring", rank, in, RING_N, prev);
     free(out);
     free(in);
 }
@@ -146,6 +169,7 @@ static void *rank_main(void *arg) {
     rank_ctx *c = arg;
     ring(c->comm, c->rank, c->world, 0);
     ring(c->comm, c->rank, c->world, 1);
+    ring_async(c->comm, c->rank, c->world);
     pairs(c->comm, c->rank, c->world);
     async_ring(c->comm, c->rank, c->world);
     argument_errors(c->comm, c->rank, c->world);
@@ -271,6 +295,53 @@ static void group_misuse(void) {
     CHECK(tutti_comm_create_group(1, NULL, &solo));
     EXPECT_ERROR(tutti_group_end(), TUTTI_ERROR_INVALID_ARGUMENT, "destroyed before");
     tutti_comm_destroy(solo);
+    /* tutti_group_end_async: without a group, with work NULL; an inner or empty group issues
+       nothing (NULL); operations on two communicators are refused and the group stays open,
+       for tutti_group_end to run them */
+    w = (tutti_work *)&w;
+    EXPECT_ERROR(tutti_group_end_async(&w), TUTTI_ERROR_INVALID_ARGUMENT,
+                 "tutti_group_end_async", "no group is open");
+    CHECK(tutti_group_start());
+    EXPECT_ERROR(tutti_group_end_async(NULL), TUTTI_ERROR_INVALID_ARGUMENT, "work is NULL");
+    CHECK(tutti_group_end_async(&w));
+    EXPECT(w == NULL);
+    CHECK(tutti_comm_create_group(2, NULL, comms));
+    memset(y, 0, sizeof y);
+    CHECK(tutti_group_start());
+    CHECK(tutti_send(comms[0], 4, TUTTI_DTYPE_F32, x, 1));
+    CHECK(tutti_group_start());
+    CHECK(tutti_recv(comms[1], 4, TUTTI_DTYPE_F32, y, 0));
+    w = (tutti_work *)&w;
+    CHECK(tutti_group_end_async(&w));
+    EXPECT(w == NULL && y[0] == 0.0f);
+    EXPECT_ERROR(tutti_group_end_async(&w), TUTTI_ERROR_INVALID_ARGUMENT,
+                 "tutti_group_end_async", "on 2 communicators", "send 4 f32 to rank 1",
+                 "recv 4 f32 from rank 0", "the group is still open");
+    CHECK(tutti_group_end());
+    EXPECT(y[0] == 1.0f && y[3] == 4.0f);
+    tutti_comm_destroy(comms[0]);
+    tutti_comm_destroy(comms[1]);
+    /* a send to itself without its receive: the handle's error names it, usable after */
+    CHECK(tutti_comm_create_group(1, NULL, &solo));
+    CHECK(tutti_group_start());
+    CHECK(tutti_send(solo, 4, TUTTI_DTYPE_F32, x, 0));
+    CHECK(tutti_group_end_async(&w));
+    EXPECT(w != NULL);
+    EXPECT_ERROR(tutti_work_wait(w, 0), TUTTI_ERROR_INVALID_ARGUMENT, "sends to itself");
+    tutti_work_destroy(w);
+    CHECK(tutti_barrier(solo));
+    /* a communicator destroyed before the async end: an error naming it, no handle, and the
+       group still open, for tutti_group_end to name it too */
+    CHECK(tutti_group_start());
+    CHECK(tutti_recv(solo, 4, TUTTI_DTYPE_F32, y, 0));
+    tutti_comm_destroy(solo);
+    w = (tutti_work *)&w;
+    EXPECT_ERROR(tutti_group_end_async(&w), TUTTI_ERROR_INVALID_ARGUMENT,
+                 "destroyed before tutti_group_end_async", "recv 4 f32 from rank 0",
+                 "the group is still open");
+    EXPECT(w == NULL);
+    EXPECT_ERROR(tutti_group_end(), TUTTI_ERROR_INVALID_ARGUMENT, "destroyed before tutti_group_end");
+    EXPECT_ERROR(tutti_group_end(), TUTTI_ERROR_INVALID_ARGUMENT, "no group is open");
     printf("group misuse: ok\n");
 }
 
@@ -285,6 +356,7 @@ static int child(size_t rank, size_t world, int port) {
     config.transport = TUTTI_TRANSPORT_TCP;
     CHECK(tutti_comm_create_rank(rank, world, addr, &config, &comm));
     ring(comm, rank, world, 0);
+    ring_async(comm, rank, world);
     pairs(comm, rank, world);
     async_ring(comm, rank, world);
     argument_errors(comm, rank, world);
