@@ -28,9 +28,10 @@ source is refused).
 Point-to-point calls are held back and run together, as one tutti group: torch's
 ``batch_isend_irecv`` posts its operations one by one on this backend, and user code often posts
 ``isend`` before ``irecv`` on every rank, which run one at a time could deadlock. The held
-operations run (the calling thread waits for them) when one of their ``Work`` objects is waited
-on or asked for its future, when a collective or barrier is issued on the backend (so
-they keep their order with the collectives), or when the backend shuts down.
+operations are issued, as one group that runs in the background, when one of their ``Work``
+objects is waited on or asked for its future (the calling thread then waits for them), when a
+collective or barrier is issued on the backend (which comes after them, without waiting for
+them), or when the backend shuts down.
 """
 
 from __future__ import annotations
@@ -295,13 +296,23 @@ class _Work(dist.Work):
 
 class _PeerBatch:
     """Point-to-point operations held back to run as one group (see the module's docstring):
-    ``("send" | "recv", tensor, peer)`` in the order torch posted them, and, once run, the
-    group's error (None if it succeeded)."""
+    ``("send" | "recv", tensor, peer)`` in the order torch posted them; once issued, the
+    group's ``tutti.Work``, or the error that kept it from being issued."""
 
     def __init__(self) -> None:
         self.ops: List[Tuple[str, torch.Tensor, int]] = []
         self.ran = False
+        self.work: Any = None
         self.error: Optional[BaseException] = None
+
+    def outcome(self) -> Optional[BaseException]:
+        """Wait for the issued group: its error, or None."""
+        if self.error is None and self.work is not None:
+            try:
+                self.work.wait()  # waiting again after completion gives the same result
+            except Exception as e:  # noqa: BLE001 - handed to the batch's Work objects
+                return e
+        return self.error
 
 
 class _PeerWork(dist.Work):
@@ -321,22 +332,24 @@ class _PeerWork(dist.Work):
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         # Bounded by the communicator's timeout (torch's, given when the group was made).
         self._run()
-        if self._batch.error is not None:
-            raise self._batch.error
+        error = self._batch.outcome()
+        if error is not None:
+            raise error
         return True
 
     def is_completed(self) -> bool:
         # Seen when this object is used from Python; torch's wrapper around a Python
         # backend's Work forwards only wait() and get_future() to it.
         self._run()
-        return True
+        work = self._batch.work
+        return work is None or work.is_completed()
 
     def get_future(self) -> torch.futures.Future:
         """A completed future of the received tensors (or the group's error, raised by its
         ``wait``), once the held operations have run."""
         self._run()
         inner: torch.futures.Future = torch.futures.Future()
-        inner.set_result((self._batch.error, self._result))
+        inner.set_result((self._batch.outcome(), self._result))
         return inner.then(_unwrap)
 
 
@@ -765,16 +778,16 @@ class TuttiBackend(_Base):  # type: ignore[misc, valid-type]
     # -- point-to-point --
 
     def _run_held(self) -> None:
-        """Run the held point-to-point operations as one group, on this thread; their error
-        goes to their ``Work`` objects. Under a lock held while they run, so that a collective
-        issued on another thread meanwhile comes after them."""
+        """Issue the held point-to-point operations as one group, without waiting for it;
+        its outcome goes to their ``Work`` objects. Under a lock held while it is issued, so
+        that a collective issued on another thread meanwhile comes after it."""
         with self._held_lock:
             batch = self._held
             if not batch.ops:
                 return
             self._held = _PeerBatch()
             try:
-                self._comm.send_recv(batch.ops)
+                batch.work = self._comm.send_recv(batch.ops, async_op=True)
             except Exception as e:  # noqa: BLE001 - handed to the batch's Work objects
                 batch.error = e
             batch.ran = True
