@@ -155,17 +155,30 @@ pub struct Site {
     pub collective: Collective,
     /// The rank that reports the error.
     pub rank: usize,
-    /// The communicator's call number (0 for the first collective).
+    /// The communicator's call number (0 for the first collective). A point-to-point call runs
+    /// under the number of the collective that comes after it, which it does not use up: its
+    /// `call` is how many collectives came before it.
     pub call: u64,
 }
 
 impl fmt::Display for Site {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} (call #{}) on rank {}",
-            self.collective, self.call, self.rank
-        )
+        match self.collective {
+            // Only two ranks take part in each: they are not numbered among the collectives.
+            c if c.is_point_to_point() => write!(
+                f,
+                "{} (point-to-point, after {} collective call{}) on rank {}",
+                self.collective,
+                self.call,
+                if self.call == 1 { "" } else { "s" },
+                self.rank
+            ),
+            _ => write!(
+                f,
+                "{} (call #{}) on rank {}",
+                self.collective, self.call, self.rank
+            ),
+        }
     }
 }
 
@@ -380,6 +393,31 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_point_to_point_site_counts_the_collectives_before_it() {
+        let at = |collective, call| {
+            Site {
+                collective,
+                rank: 2,
+                call,
+            }
+            .to_string()
+        };
+        assert_eq!(
+            at(Collective::AllReduce, 3),
+            "all_reduce (call #3) on rank 2"
+        );
+        assert_eq!(
+            at(Collective::Recv, 0),
+            "recv (point-to-point, after 0 collective calls) on rank 2"
+        );
+        assert_eq!(
+            at(Collective::Send, 1),
+            "send (point-to-point, after 1 collective call) on rank 2"
+        );
+        assert!(at(Collective::SendRecv, 5).starts_with("send_recv (point-to-point, after 5 "));
+    }
 
     #[test]
     fn messages_name_rank_collective_and_field() {
