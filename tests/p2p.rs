@@ -88,6 +88,54 @@ fn a_ring_of_sends_and_receives_in_a_group() {
     }
 }
 
+/// The group without waiting: a ring of two messages each way per rank, an all-reduce issued
+/// behind it, and the buffers handed back filled; a group with nothing in it completes.
+#[test]
+fn a_group_issued_without_waiting_hands_its_buffers_back() {
+    for kind in KINDS {
+        for p in [1, 2, 3] {
+            let n = 3 << 16;
+            let got = world(kind, p, quick(), move |c| {
+                let (r, p) = (c.rank(), c.world_size());
+                let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
+                let mine = |k: usize| (0..n).map(|i| (r * n + i + k) as f64).collect::<Vec<_>>();
+                let work = c.send_recv_async(
+                    vec![(mine(0), next), (mine(1), next)],
+                    vec![(vec![0.0f64; n], prev), (vec![0.0f64; n], prev)],
+                );
+                let mut one = [1u32];
+                c.all_reduce(&mut one, ReduceOp::Sum).unwrap();
+                assert_eq!(one[0] as usize, p);
+                let (sent, received) = work.wait().unwrap();
+                assert_eq!(sent[1], (mine(1), next), "the sends come back unchanged");
+                let empty = c.send_recv_async::<f64, Vec<f64>, Vec<f64>>(vec![], vec![]);
+                assert!(empty.wait().unwrap().0.is_empty());
+                // This rank's own mistakes fail the Work, and the communicator goes on.
+                let out = c.send_recv_async::<f64, _, Vec<f64>>(vec![(vec![1.0], p)], vec![]);
+                let e = out.wait().unwrap_err().to_string();
+                assert!(e.contains(&format!("peer {p}")), "{e}");
+                let alone = c.send_recv_async::<f64, _, Vec<f64>>(vec![(vec![1.0], r)], vec![]);
+                let e = alone.wait().unwrap_err().to_string();
+                assert!(e.contains("to itself"), "{e}");
+                c.barrier().unwrap();
+                received
+            });
+            for (r, received) in got.iter().enumerate() {
+                let from = (r + p - 1) % p;
+                for (k, (buf, peer)) in received.iter().enumerate() {
+                    assert_eq!(*peer, from);
+                    assert!(
+                        buf.iter()
+                            .enumerate()
+                            .all(|(i, &x)| x == (from * n + i + k) as f64),
+                        "{kind:?} p={p}: rank {r}'s receive {k} is not rank {from}'s send {k}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn sends_match_receives_in_order_and_other_ranks_are_left_alone() {
     for kind in KINDS {

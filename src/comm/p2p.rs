@@ -441,8 +441,73 @@ impl Communicator {
         self.progress.issue(Box::new(call), Box::new(buf))
     }
 
+    /// [`Communicator::send_recv`] without waiting: every buffer of `sends` goes to its peer
+    /// and every buffer of `recvs` is filled from its peer, all under way at once (each peer's
+    /// sends, and its receives, in list order). [`Work::wait`] hands both lists back once every
+    /// operation has completed. One dtype for the group; mixed dtypes take
+    /// [`Communicator::send_recv`]. A group of sends only, or receives only, names the other
+    /// list's type: `c.send_recv_async::<f32, Vec<f32>, _>(vec![], recvs)`. This rank's own
+    /// mistakes (a peer out of range, a send to itself without its receive) fail the `Work`,
+    /// leaving the communicator usable.
+    ///
+    /// ```
+    /// let comms = tutti::local_group(2, &tutti::Config::default()).unwrap();
+    /// std::thread::scope(|s| {
+    ///     for c in &comms {
+    ///         s.spawn(move || {
+    ///             let other = 1 - c.rank();
+    ///             let work = c.send_recv_async(
+    ///                 vec![(vec![c.rank() as f32; 3], other)],
+    ///                 vec![(vec![0.0f32; 3], other)],
+    ///             );
+    ///             // ... compute meanwhile ...
+    ///             let (_sent, received) = work.wait().unwrap();
+    ///             assert_eq!(received[0].0, vec![other as f32; 3]);
+    ///         });
+    ///     }
+    /// });
+    /// ```
+    #[allow(clippy::type_complexity)]
+    pub fn send_recv_async<T, S, R>(
+        &self,
+        sends: Vec<(S, usize)>,
+        recvs: Vec<(R, usize)>,
+    ) -> Work<(Vec<(S, usize)>, Vec<(R, usize)>)>
+    where
+        T: Element,
+        S: AsRef<[T]> + Send + 'static,
+        R: AsMut<[T]> + Send + 'static,
+    {
+        let mut bufs = Owned::new((sends, recvs));
+        let (sends, recvs) = bufs.get();
+        let mut ops = Vec::with_capacity(sends.len() + recvs.len());
+        for (buf, peer) in sends.iter() {
+            let bytes: &[u8] = bytemuck::cast_slice(buf.as_ref());
+            ops.push(RawPeerOp {
+                send: true,
+                peer: *peer,
+                dtype: T::DTYPE,
+                ptr: bytes.as_ptr() as *mut u8,
+                len: bytes.len(),
+            });
+        }
+        for (buf, peer) in recvs.iter_mut() {
+            let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf.as_mut());
+            ops.push(RawPeerOp {
+                send: false,
+                peer: *peer,
+                dtype: T::DTYPE,
+                ptr: bytes.as_mut_ptr(),
+                len: bytes.len(),
+            });
+        }
+        let call = PairCall::new(self, Ops::Many(ops));
+        self.progress.issue(Box::new(call), Box::new(bufs))
+    }
+
     /// A group of sends and receives by address, without waiting (the C ABI's
-    /// `tutti_group_end`); the handle completes when every operation has.
+    /// `tutti_group_end` and `tutti_group_end_async`); the handle completes when every
+    /// operation has.
     ///
     /// # Safety
     /// Each operation's `len` bytes at `ptr` are valid (writable for a receive) and untouched by
