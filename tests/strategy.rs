@@ -56,20 +56,38 @@ fn bounded(cmd: &mut Command, limit: Duration) -> (bool, String, String) {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let t = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if t.elapsed() > limit {
-            let _ = child.kill();
-            panic!("ran past {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    exit_within(
+        &mut child,
+        Instant::now(),
+        limit,
+        &format!("ran past {limit:?}"),
+    );
     let o = child.wait_with_output().unwrap();
     (
         o.status.success(),
         String::from_utf8_lossy(&o.stdout).into_owned(),
         String::from_utf8_lossy(&o.stderr).into_owned(),
     )
+}
+
+/// How `child` exited, waiting at most `limit` (counted from `since`): past it the child is
+/// killed and the test fails saying `what`.
+fn exit_within(
+    child: &mut std::process::Child,
+    since: Instant,
+    limit: Duration,
+    what: &str,
+) -> std::process::ExitStatus {
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if since.elapsed() > limit {
+            let _ = child.kill();
+            panic!("{what}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]
@@ -300,14 +318,13 @@ fn parameter_servers_converge_and_survive_a_lost_worker() {
         "training ended before the worker could be lost"
     );
     w1.kill().unwrap();
-    let start = Instant::now();
-    while chief.try_wait().unwrap().is_none() {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the chief did not finish"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let limit = Duration::from_secs(60);
+    exit_within(
+        &mut chief,
+        Instant::now(),
+        limit,
+        "the chief did not finish",
+    );
     let (mut out, mut err) = (String::new(), String::new());
     chief
         .stdout
@@ -330,14 +347,13 @@ fn parameter_servers_converge_and_survive_a_lost_worker() {
     assert_eq!(j["replicas"], 2);
     assert!(j["loss"].as_f64().unwrap() < 1e-3, "{j}");
     for c in [&mut ps, &mut w0, &mut w1] {
-        let t = Instant::now();
-        while c.try_wait().unwrap().is_none() {
-            if t.elapsed() > Duration::from_secs(20) {
-                let _ = c.kill();
-                panic!("a task did not stop after shutdown");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let limit = Duration::from_secs(20);
+        exit_within(
+            c,
+            Instant::now(),
+            limit,
+            "a task did not stop after shutdown",
+        );
     }
 }
 
@@ -1583,13 +1599,8 @@ fn a_lost_parameter_server_is_named_by_every_task() {
     let _ = ps.wait();
     let start = Instant::now();
     for (name, mut c) in tasks {
-        while c.try_wait().unwrap().is_none() {
-            if start.elapsed() > Duration::from_secs(60) {
-                let _ = c.kill();
-                panic!("{name} did not end after the ps task was lost");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let why = format!("{name} did not end after the ps task was lost");
+        exit_within(&mut c, start, Duration::from_secs(60), &why);
         let mut err = String::new();
         c.stderr.take().unwrap().read_to_string(&mut err).unwrap();
         assert!(!c.wait().unwrap().success(), "{name} succeeded: {err}");
@@ -1997,17 +2008,13 @@ fn a_killed_worker_started_again_rejoins_the_parameter_server_job() {
     wait_for("worker 1 lost", &mut err);
     job.0[2] = spawn("worker", 1);
     wait_for("worker 1 is back and rejoins", &mut err);
-    let t0 = Instant::now();
-    let done = loop {
-        if let Some(s) = job.0[CHIEF].try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "the chief did not finish"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let limit = Duration::from_secs(60);
+    let done = exit_within(
+        &mut job.0[CHIEF],
+        Instant::now(),
+        limit,
+        "the chief did not finish",
+    );
     reader.join().unwrap();
     err.extend(rx.try_iter().map(|l| l + "\n"));
     assert!(done.success(), "{err}");
@@ -2026,17 +2033,8 @@ fn a_killed_worker_started_again_rejoins_the_parameter_server_job() {
         .iter()
         .zip(&mut job.0[..CHIEF])
     {
-        let t = Instant::now();
-        let status = loop {
-            if let Some(s) = c.try_wait().unwrap() {
-                break s;
-            }
-            if t.elapsed() > Duration::from_secs(20) {
-                let _ = c.kill();
-                panic!("{name} did not stop after the job ended");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
+        let why = format!("{name} did not stop after the job ended");
+        let status = exit_within(c, Instant::now(), Duration::from_secs(20), &why);
         let mut e = String::new();
         c.stderr.take().unwrap().read_to_string(&mut e).unwrap();
         assert!(status.success(), "{name}: {e}");
