@@ -327,24 +327,32 @@ pub extern "C" fn tutti_group_start() -> tutti_result {
 #[no_mangle]
 pub extern "C" fn tutti_group_end() -> tutti_result {
     boundary("tutti_group_end", || {
-        let recorded = GROUP
-            .try_with(|g| {
-                let mut g = g.borrow_mut();
-                if g.depth == 0 {
-                    return Err(Failure::invalid(
-                        "no group is open on this thread: call tutti_group_start first",
-                    ));
-                }
-                g.depth -= 1;
-                Ok(if g.depth == 0 {
-                    std::mem::take(&mut g.comms)
-                } else {
-                    Vec::new()
-                })
+        let recorded = with_open_group(|g| {
+            g.depth -= 1;
+            Ok(if g.depth == 0 {
+                std::mem::take(&mut g.comms)
+            } else {
+                Vec::new()
             })
-            .map_err(|_| Failure::invalid("the calling thread is exiting"))??;
+        })?;
         run_group(&recorded)
     })
+}
+
+/// `f` over this thread's open group; without one (or on a thread that is exiting), an error
+/// saying so, and `f` is not called.
+fn with_open_group<T>(f: impl FnOnce(&mut Group) -> Result<T, Failure>) -> Result<T, Failure> {
+    GROUP
+        .try_with(|g| {
+            let mut g = g.borrow_mut();
+            if g.depth == 0 {
+                return Err(Failure::invalid(
+                    "no group is open on this thread: call tutti_group_start first",
+                ));
+            }
+            f(&mut g)
+        })
+        .map_err(|_| Failure::invalid("the calling thread is exiting"))?
 }
 
 /// Issue every communicator's recorded operations, then wait for them all; the first error.
@@ -444,36 +452,26 @@ pub unsafe extern "C" fn tutti_group_end_async(work: *mut *mut tutti_work) -> tu
         unsafe { work.write(std::ptr::null_mut()) };
         // Every error leaves the group open: its operations stay recorded, and
         // tutti_group_end runs them (or names what stops them).
-        let issuing = GROUP
-            .try_with(|g| {
-                let mut g = g.borrow_mut();
-                if g.depth == 0 {
-                    return Err(Failure::invalid(
-                        "no group is open on this thread: call tutti_group_start first",
-                    ));
-                }
-                if g.depth == 1 && g.comms.len() > 1 {
-                    let names: Vec<String> = g.comms.iter().map(name).collect();
-                    return Err(Failure::invalid(format!(
-                        "the group recorded operations on {} communicators ({}); an \
+        let issuing = with_open_group(|g| {
+            if g.depth == 1 && g.comms.len() > 1 {
+                let names: Vec<String> = g.comms.iter().map(name).collect();
+                return Err(Failure::invalid(format!(
+                    "the group recorded operations on {} communicators ({}); an \
                          asynchronous end issues one communicator's: call tutti_group_end, \
                          which runs them all (the group is still open)",
-                        g.comms.len(),
-                        names.join("; ")
-                    )));
-                }
-                let c = match g.comms.first() {
-                    Some(r) if g.depth == 1 => {
-                        Some(live(r, "tutti_group_end_async").map_err(|e| {
-                            Failure::invalid(format!("{} (the group is still open)", e.message))
-                        })?)
-                    }
-                    _ => None,
-                };
-                g.depth -= 1;
-                Ok(c.zip(if g.depth == 0 { g.comms.pop() } else { None }))
-            })
-            .map_err(|_| Failure::invalid("the calling thread is exiting"))??;
+                    g.comms.len(),
+                    names.join("; ")
+                )));
+            }
+            let c = match g.comms.first() {
+                Some(r) if g.depth == 1 => Some(live(r, "tutti_group_end_async").map_err(|e| {
+                    Failure::invalid(format!("{} (the group is still open)", e.message))
+                })?),
+                _ => None,
+            };
+            g.depth -= 1;
+            Ok(c.zip(if g.depth == 0 { g.comms.pop() } else { None }))
+        })?;
         let Some((c, r)) = issuing else {
             return Ok(());
         };
